@@ -1,0 +1,177 @@
+"""``ContentAddressedProgramCache``: the ``cuda.core`` ``ProgramCacheResource`` adapter.
+
+This is the only module that imports ``cuda.core``; everything it does beyond
+turning values into bytes is :class:`cas.CacheStore`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+from cuda.core import ObjectCode
+from cuda.core.utils import ProgramCacheResource
+
+from ._config import ENV_MAX_SIZE, ENV_SHARED, default_cache_dir, parse_size
+from ._stats import CacheStats
+from ._store import CacheStore
+
+__all__ = ["ContentAddressedProgramCache"]
+
+_FROM_ENV: Any = type("_FromEnv", (), {"__repr__": lambda self: "<from environment>"})()
+
+
+def as_bytes(value: object) -> bytes:
+    """The bytes to store for a cache value.
+
+    ``bytes`` as is; ``bytearray`` and ``memoryview`` copied (so a caller that
+    mutates its buffer later cannot make the stored bytes differ from their
+    digest); an ``ObjectCode``'s code, a path-backed one read from its file now.
+    """
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, ObjectCode):
+        code = value.code
+        if isinstance(code, str):
+            try:
+                with open(code, "rb") as fh:
+                    return fh.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"cannot cache path-backed ObjectCode: {code} does not exist") from None
+        return bytes(code)
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    raise TypeError(
+        f"cache values must be bytes, bytearray, memoryview or ObjectCode, got {type(value).__name__}: {text}"
+    )
+
+
+class ContentAddressedProgramCache(ProgramCacheResource):
+    """A persistent, deduplicating program cache for ``Program.compile(cache=...)``.
+
+    Each distinct binary is stored once under its blake3 digest; each key has a
+    small manifest naming it. Reads verify the bytes against the digest.
+
+    Parameters
+    ----------
+    path:
+        The cache directory, created if missing. Default: ``$CUDA_PROGRAM_CAS_DIR``
+        if set, else ``<user cache dir>/cuda-python/program-cas``.
+    max_size_bytes:
+        A cap on stored bytes (unique blobs plus manifests), enforced by
+        reference-aware LRU eviction down to 80 % of it. ``None``: no cap. When
+        not given, ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G`` style) if set.
+    shared:
+        Paths of read-only shared stores, looked up in order after this cache.
+        When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
+    read_only:
+        Never write, create, touch or lock anything under ``path``. Writes are
+        dropped (and counted), ``del`` and ``clear()`` raise ``ReadOnlyCacheError``.
+    copy_shared_hits:
+        Copy a verified hit from a shared store into this cache (default True).
+
+    ``key in cache`` raises ``TypeError``: a check followed by a read races with
+    other processes; ``cache.get(key)`` answers both at once.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        max_size_bytes: int | None = _FROM_ENV,
+        shared: Iterable[str | os.PathLike[str]] | None = _FROM_ENV,
+        read_only: bool = False,
+        copy_shared_hits: bool = True,
+    ) -> None:
+        if max_size_bytes is _FROM_ENV:
+            env = os.environ.get(ENV_MAX_SIZE)
+            try:
+                max_size_bytes = parse_size(env) if env else None
+            except ValueError as exc:
+                raise ValueError(f"{ENV_MAX_SIZE}: {exc}") from None
+        if shared is _FROM_ENV:
+            env = os.environ.get(ENV_SHARED, "")
+            shared = [p for p in env.split(os.pathsep) if p]
+        elif shared is None:
+            shared = ()
+        elif isinstance(shared, (str, bytes, os.PathLike)):
+            raise TypeError(f"shared must be a sequence of paths, not a single path: {shared!r}")
+        self._store = CacheStore(
+            default_cache_dir() if path is None else path,
+            max_size_bytes=max_size_bytes,
+            read_only=read_only,
+            shared=list(shared),
+            copy_shared_hits=copy_shared_hits,
+        )
+
+    @property
+    def path(self) -> str:
+        """The absolute path of the local cache directory."""
+        return self._store.root
+
+    @property
+    def store(self) -> CacheStore:
+        """The underlying bytes-only :class:`cas.CacheStore`."""
+        return self._store
+
+    def __getitem__(self, key: bytes | str) -> bytes:
+        data = self._store.get(key)
+        if data is None:
+            raise KeyError(key)
+        return data
+
+    def get(self, key: bytes | str, default: bytes | None = None) -> bytes | None:
+        data = self._store.get(key)
+        return default if data is None else data
+
+    def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
+        from index import key_bytes
+
+        key_bytes(key)  # a bad key is reported before a path-backed value is read
+        self._store.put(key, as_bytes(value))
+
+    def __delitem__(self, key: bytes | str) -> None:
+        self._store.delete(key)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __contains__(self, key: object) -> bool:
+        raise TypeError(
+            "`key in cache` is not supported: another process can remove the entry between the check and "
+            "the read; use `data = cache.get(key)` and test `data is None`"
+        )
+
+    def __iter__(self) -> Iterator[bytes]:
+        raise TypeError("a ContentAddressedProgramCache cannot list its keys: they are stored hashed")
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def stats(self) -> CacheStats:
+        """Entries, blobs, logical and stored bytes, and this instance's counters."""
+        return self._store.stats()
+
+    def close(self) -> None:
+        """Nothing is held open between calls; kept for the ``ProgramCacheResource`` contract."""
+
+    def __enter__(self) -> ContentAddressedProgramCache:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        extra = f", max_size_bytes={self._store.max_size_bytes}" if self._store.max_size_bytes else ""
+        if self._store.read_only:
+            extra += ", read_only=True"
+        if self._store.shared:
+            extra += f", shared={list(self._store.shared_paths())!r}"
+        return f"ContentAddressedProgramCache({self.path!r}{extra})"

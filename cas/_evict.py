@@ -1,0 +1,119 @@
+"""Reference-aware LRU eviction: plan from a snapshot, then execute.
+
+Least recently used manifests go first (recency is the manifest's mtime, which a
+hit refreshes). A blob goes only when the last manifest naming it is gone, and
+only if nobody wrote or freshened it since the scan began. Orphan blobs (named by
+no manifest at scan time) wait out a grace period: a writer stores its blob
+before its manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from index import Index
+
+from ._blobs import BlobStore
+from ._scan import ManifestInfo, Snapshot
+
+__all__ = ["EvictionPlan", "EvictionResult", "execute_plan", "plan_lru"]
+
+#: Filesystems stamp mtimes from a coarse clock (a scheduler tick or more), so a
+#: blob freshened just after the scan began can carry a time slightly before it.
+CLOCK_SLACK_NS = 50_000_000
+
+
+@dataclass(slots=True)
+class EvictionPlan:
+    """What to remove, in order, and what that is expected to free."""
+
+    snapshot: Snapshot
+    #: Manifests to remove (invalid and dangling first, then least recently used).
+    manifests: list[ManifestInfo] = field(default_factory=list)
+    #: Orphan blobs past their grace period.
+    orphans: list[str] = field(default_factory=list)
+    #: Expected bytes freed, blobs whose last reference goes included.
+    expected_freed: int = 0
+    #: Blobs expected to go because their last manifest goes.
+    expected_blobs: int = 0
+
+
+@dataclass(slots=True)
+class EvictionResult:
+    manifests_removed: int = 0
+    blobs_removed: int = 0
+    bytes_freed: int = 0
+    stored_bytes_after: int = 0
+
+
+def plan_lru(snap: Snapshot, target_bytes: int, *, orphan_grace_ns: int, now_ns: int | None = None) -> EvictionPlan:
+    """Plan removals until the stored bytes would be at most ``target_bytes``."""
+    now = snap.started_ns if now_ns is None else now_ns
+    plan = EvictionPlan(snap)
+    total = snap.stored_bytes
+    refs = snap.refs.copy()
+    for digest in snap.orphans():
+        st = snap.blobs[digest]
+        if st.st_mtime_ns < now - orphan_grace_ns:
+            plan.orphans.append(digest)
+            plan.expected_freed += st.st_size
+            total -= st.st_size
+    # Garbage manifests cost bytes and serve nothing: they go first, whatever the target.
+    broken = [m for m in snap.manifests if m.manifest is None or snap.is_dangling(m)]
+    for info in broken:
+        plan.manifests.append(info)
+        plan.expected_freed += info.stat.st_size
+        total -= info.stat.st_size
+    if total <= target_bytes:
+        return plan
+    live = sorted(
+        (m for m in snap.manifests if m.manifest is not None and not snap.is_dangling(m)),
+        key=lambda m: m.stat.st_mtime_ns,
+    )
+    for info in live:
+        if total <= target_bytes:
+            break
+        assert info.manifest is not None
+        plan.manifests.append(info)
+        plan.expected_freed += info.stat.st_size
+        total -= info.stat.st_size
+        digest = info.manifest.digest
+        refs[digest] -= 1
+        if refs[digest] == 0:
+            size = snap.blobs[digest].st_size
+            plan.expected_freed += size
+            plan.expected_blobs += 1
+            total -= size
+    return plan
+
+
+def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> EvictionResult:
+    """Carry a plan out: manifests before blobs, tolerating files that changed or vanished."""
+    snap = plan.snapshot
+    result = EvictionResult()
+    refs = snap.refs.copy()
+    cutoff = snap.started_ns - CLOCK_SLACK_NS
+    for info in plan.manifests:
+        if not index.remove_if_unchanged(info.key_id, info.stat):
+            continue  # used, rewritten or removed since the scan: keep whatever is there now
+        result.manifests_removed += 1
+        result.bytes_freed += info.stat.st_size
+        if info.manifest is None:
+            continue
+        digest = info.manifest.digest
+        refs[digest] -= 1
+        if refs[digest] == 0 and digest in snap.blobs:
+            freed = blobs.remove_if_older(digest, cutoff)
+            if freed:
+                result.blobs_removed += 1
+                result.bytes_freed += freed
+    for digest in plan.orphans:
+        # Re-checked against the same grace cutoff the plan used: a writer may have
+        # freshened it since.
+        grace_cutoff = snap.blobs[digest].st_mtime_ns + 1
+        freed = blobs.remove_if_older(digest, grace_cutoff)
+        if freed:
+            result.blobs_removed += 1
+            result.bytes_freed += freed
+    result.stored_bytes_after = max(0, snap.stored_bytes - result.bytes_freed)
+    return result

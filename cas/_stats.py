@@ -1,0 +1,71 @@
+"""What ``cache.stats()`` returns."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+__all__ = ["CacheStats", "Counters"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a cache: what is on disk, and what this instance did.
+
+    ``entries``, ``blobs``, ``logical_bytes`` and ``stored_bytes`` describe the local
+    cache directory now (a scan). The counters count this instance's operations
+    since it was opened.
+    """
+
+    #: Keys (manifests) in the local cache.
+    entries: int
+    #: Distinct blobs in the local cache.
+    blobs: int
+    #: Sum of the sizes of all entries, as if each key had its own copy.
+    logical_bytes: int
+    #: What the size cap counts: unique blob bytes plus manifest bytes.
+    stored_bytes: int
+    #: The cap, or None.
+    max_size_bytes: int | None
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    #: Writes whose content was already stored (the blob was freshened, not rewritten).
+    dedup_writes: int = 0
+    #: Manifests removed by size-cap eviction.
+    evictions: int = 0
+    #: Bad blobs or manifests met (moved aside or removed; never returned).
+    corrupt: int = 0
+    #: Hits served by a shared store.
+    shared_hits: int = 0
+    #: Writes not stored: the cache is read-only, the disk full, or a file was locked.
+    dropped_writes: int = 0
+    #: I/O errors met on lookups (a shared store gone, EIO, ESTALE, permission): each a miss.
+    errors: int = 0
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / stored_bytes`` (1.0 for an empty cache)."""
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+_COUNTER_NAMES = tuple(f.name for f in fields(CacheStats))[5:]
+
+
+class Counters:
+    """This instance's operation counts (thread-safe increments)."""
+
+    __slots__ = ("_lock", *_COUNTER_NAMES)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        for name in _COUNTER_NAMES:
+            setattr(self, name, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {name: getattr(self, name) for name in _COUNTER_NAMES}

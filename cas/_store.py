@@ -1,0 +1,405 @@
+"""The cache itself, bytes in and bytes out, with no CUDA dependency.
+
+:class:`CacheStore` composes the blob store and the index under one root, keeps
+the size cap, and looks up shared stores (read-only) after the local one.
+``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from blake3 import blake3
+
+from index import Index, Manifest, key_id, parse_manifest
+from index._files import NotRegularFile, SizeMismatch, read_regular
+from index._index import MAX_MANIFEST_BYTES
+
+from ._blobs import BlobStore
+from ._config import validate_max_size
+from ._errors import LayoutError, ReadOnlyCacheError
+from ._evict import CLOCK_SLACK_NS, EvictionResult, execute_plan, plan_lru
+from ._layout import Layout, check_layout, create_layout
+from ._scan import Snapshot, take_snapshot
+from ._stats import CacheStats, Counters
+
+__all__ = ["CacheStore"]
+
+_log = logging.getLogger("cas")
+
+#: A hit touches its manifest only when the mtime is at least this old.
+TOUCH_INTERVAL_NS = 1_000_000_000
+#: Eviction brings the stored bytes down to this fraction of the cap, so one
+#: scan pays for many writes.
+LOW_WATERMARK = 0.8
+#: Blobs no manifest names are kept this long: a writer stores the blob first.
+ORPHAN_GRACE_S = 600.0
+#: Temp files older than this belong to a crashed writer.
+STALE_TMP_S = 3600.0
+#: Verified blob identities remembered per store (each a few dozen bytes).
+_VERIFIED_MAX = 8192
+#: A shared store that could not be opened is tried again after this long.
+_SHARED_RETRY_S = 5.0
+#: Write failures that drop the write instead of failing the caller.
+_DROP_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG) if e is not None)
+
+
+class CacheStore:
+    """A content-addressed cache directory, optionally layered over shared stores.
+
+    Parameters are those of :class:`cas.ContentAddressedProgramCache` except the
+    value types: this class stores ``bytes`` only.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_size_bytes: int | None = None,
+        read_only: bool = False,
+        shared: Iterable[str | os.PathLike[str]] = (),
+        copy_shared_hits: bool = True,
+        _is_shared: bool = False,
+    ) -> None:
+        self._max = validate_max_size(max_size_bytes)
+        root = os.fspath(path)
+        if not isinstance(root, str) or root == "":
+            raise ValueError(f"cache path must be a non-empty path, got {path!r}")
+        self.root = os.path.abspath(root)
+        self.read_only = bool(read_only or _is_shared)
+        self._is_shared = _is_shared
+        self._copy_shared = bool(copy_shared_hits)
+        self._lay = Layout(self.root)
+        self._counters = Counters()
+        self._verified: dict[str, tuple[int, int, int, int, int]] = {}
+        self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
+        self._evict_mutex = threading.Lock()
+        self._warned: set[tuple[str, int]] = set()
+        self._usable_at = 0.0  # shared stores: when to try opening again; 0 = usable
+        if _is_shared:
+            self._open_shared()
+        elif self.read_only:
+            state = check_layout(self.root)
+            if state == "missing":
+                raise LayoutError(f"read-only cache {self.root!r} does not exist (a read-only cache is never created)")
+            if state == "damaged":
+                raise LayoutError(
+                    f"read-only cache {self.root!r} has a damaged layout.json; repair it with "
+                    "`cuda-program-cas verify --repair` from an account that can write there"
+                )
+        else:
+            create_layout(self.root)
+            if not os.access(self.root, os.W_OK):
+                raise ReadOnlyCacheError(
+                    f"cache directory {self.root!r} is not writable; open it with read_only=True to use it as is"
+                )
+            self._sweep_stale_tmp()
+        tmp = None if self.read_only else self._lay.tmp
+        self.index = Index(self._lay.index, tmp)
+        self.blobs = BlobStore(self._lay.blobs, tmp, self._lay.quarantine)
+        self.shared: tuple[CacheStore, ...] = tuple(CacheStore(p, _is_shared=True) for p in shared)
+
+    # -- shared stores -----------------------------------------------------------
+
+    def _open_shared(self) -> bool:
+        """Check a shared store's layout (reading only); False while it is unusable."""
+        try:
+            state = check_layout(self.root)
+        except (OSError, LayoutError) as exc:
+            self._unusable(f"{exc}")
+            return False
+        if state != "ok":
+            self._unusable(f"shared store {self.root!r} is {state}")
+            return False
+        self._usable_at = 0.0
+        return True
+
+    def _unusable(self, why: str) -> None:
+        self._usable_at = time.monotonic() + _SHARED_RETRY_S
+        self._counters.add("errors")
+        self._note("unusable", 0, why)
+
+    def _note(self, what: str, code: int, message: str) -> None:
+        """Log an I/O problem once per kind: debug for shared stores, warning for the local cache."""
+        if (what, code) in self._warned:
+            return
+        self._warned.add((what, code))
+        level = logging.DEBUG if self._is_shared else logging.WARNING
+        _log.log(level, "cuda-program-cas: %s (%s): %s", self.root, what, message)
+
+    # -- lookups -----------------------------------------------------------------
+
+    def get(self, key: object) -> bytes | None:
+        """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
+        kid = key_id(key)
+        found = self._lookup(kid)
+        if found is not None:
+            self._counters.add("hits")
+            return found[0]
+        for store in self.shared:
+            found = store._lookup(kid)
+            if found is not None:
+                data, digest = found
+                self._counters.add("hits")
+                self._counters.add("shared_hits")
+                if self._copy_shared and not self.read_only:
+                    self._copy_in(kid, data, digest)
+                return data
+        self._counters.add("misses")
+        return None
+
+    def _lookup(self, kid: str) -> tuple[bytes, str] | None:
+        """Read and verify one key here. Never raises for what is on disk: a problem is a miss."""
+        if self._usable_at and (time.monotonic() < self._usable_at or not self._open_shared()):
+            return None
+        ipath = self.index.path_for(kid)
+        try:
+            mdata, mst = read_regular(ipath)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return self._read_failed(exc, ipath)
+        manifest = parse_manifest(mdata) if mst.st_size <= MAX_MANIFEST_BYTES else None
+        if manifest is None:
+            self._counters.add("corrupt")
+            if not self.read_only:
+                self.index.remove_if_unchanged(kid, mst)
+            return None
+        digest = manifest.digest
+        bpath = self.blobs.path_for(digest)
+        try:
+            data, bst = read_regular(bpath, manifest.size)
+        except FileNotFoundError:
+            # Dangling: the blob was collected. Remove the manifest only if it is
+            # still the one we read; a writer may have just re-pointed it.
+            if not self.read_only:
+                self.index.remove_if_unchanged(kid, mst)
+            return None
+        except SizeMismatch:
+            return self._corrupt_blob(kid, mst, digest, None)
+        except OSError as exc:
+            return self._read_failed(exc, bpath)
+        identity = (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns)
+        # A blob already verified and provably unchanged (ctime cannot be set back
+        # without root) need not be hashed again.
+        if self._verified.get(digest) != identity:
+            if blake3(data).hexdigest() != digest:
+                return self._corrupt_blob(kid, mst, digest, bst)
+            if len(self._verified) >= _VERIFIED_MAX:
+                self._verified.clear()
+            self._verified[digest] = identity
+        if not self.read_only and time.time_ns() - mst.st_mtime_ns >= TOUCH_INTERVAL_NS:
+            self.index.touch(kid)
+        return data, digest
+
+    def _read_failed(self, exc: OSError, path: str) -> None:
+        if isinstance(exc, NotRegularFile):
+            self._counters.add("corrupt")
+            self._note("not a regular file", 0, path)
+            return
+        self._counters.add("errors")
+        self._note("read error", exc.errno or 0, f"{path}: {exc}")
+        return
+
+    def _corrupt_blob(self, kid: str, mst: os.stat_result, digest: str, bst: os.stat_result | None) -> None:
+        self._counters.add("corrupt")
+        self._verified.pop(digest, None)
+        if self.read_only:
+            self._note("corrupt blob", 0, self.blobs.path_for(digest))
+            return
+        where = self.blobs.quarantine(digest, bst)
+        _log.warning("cuda-program-cas: blob %s failed verification; moved to %s", digest, where)
+        self.index.remove_if_unchanged(kid, mst)
+        return
+
+    def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
+        """Keep a verified shared hit locally, so later reads stay local. Best effort."""
+        try:
+            self._commit(kid, data, digest)
+        except OSError as exc:
+            self._counters.add("dropped_writes")
+            self._note("copy from shared store failed", exc.errno or 0, str(exc))
+
+    # -- writes ------------------------------------------------------------------
+
+    def put(self, key: object, data: bytes) -> bool:
+        """Store ``data`` under ``key``. False when the write was dropped (read-only, disk full)."""
+        kid = key_id(key)
+        if not isinstance(data, bytes):
+            raise TypeError(f"CacheStore stores bytes, got {type(data).__name__}")
+        if self.read_only:
+            self._counters.add("dropped_writes")
+            return False
+        digest = blake3(data).hexdigest()
+        try:
+            existed = self._commit(kid, data, digest)
+        except OSError as exc:
+            if exc.errno not in _DROP_ERRNOS:
+                raise
+            self._counters.add("dropped_writes")
+            self._note("write dropped", exc.errno or 0, str(exc))
+            return False
+        if existed is None:
+            self._counters.add("dropped_writes")
+            return False
+        self._counters.add("writes")
+        if existed:
+            self._counters.add("dedup_writes")
+        return True
+
+    def _commit(self, kid: str, data: bytes, digest: str) -> bool | None:
+        """Blob first, then manifest, then re-check the blob. True if the blob existed; None if dropped."""
+        existed = self.blobs.put(data, digest)
+        manifest = Manifest(digest, len(data))
+        try:
+            committed = self.index.write(kid, manifest)
+        except OSError:
+            if not existed:
+                self._discard_blob(digest)
+            raise
+        if not committed:
+            return None
+        # A collector may have removed the blob between our write (or freshen) and
+        # the manifest commit: store it again so the manifest never dangles.
+        if not self.blobs.exists(digest):
+            self.blobs.put(data, digest)
+        if self._max is not None:
+            self._account(len(manifest.encode()) + (0 if existed else len(data)))
+        return existed
+
+    def _discard_blob(self, digest: str) -> None:
+        try:
+            os.unlink(self.blobs.path_for(digest))
+        except OSError:
+            pass
+
+    # -- the size cap --------------------------------------------------------------
+
+    def _account(self, added: int) -> None:
+        assert self._max is not None
+        approx = self._approx
+        if approx is not None:
+            approx += added
+            self._approx = approx
+            if approx <= self._max:
+                return
+        self.enforce_cap()
+
+    def enforce_cap(self) -> EvictionResult | None:
+        """Bring the stored bytes under the cap (to the low watermark) if they are over it.
+
+        Only one evictor runs at a time (a non-blocking lock per process, a
+        ``filelock`` across processes); a writer that finds one running goes on.
+        """
+        if self._max is None or self.read_only:
+            return None
+        if not self._evict_mutex.acquire(blocking=False):
+            return None
+        try:
+            if self._approx is None:
+                self._approx = take_snapshot(self.index, self.blobs, read_manifests=False).stored_bytes
+                if self._approx <= self._max:
+                    return None
+            import filelock
+
+            lock = filelock.FileLock(self._lay.lock, timeout=0)
+            try:
+                lock.acquire(blocking=False)
+            except filelock.Timeout:
+                return None
+            try:
+                self._sweep_stale_tmp()
+                snap = take_snapshot(self.index, self.blobs)
+                result = self.evict_to(snap, int(self._max * LOW_WATERMARK))
+            finally:
+                lock.release()
+            self._approx = result.stored_bytes_after
+            return result
+        finally:
+            self._evict_mutex.release()
+
+    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> EvictionResult:
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
+        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9))
+        result = execute_plan(plan, self.index, self.blobs)
+        self._counters.add("evictions", result.manifests_removed)
+        return result
+
+    # -- deletion ----------------------------------------------------------------
+
+    def _refuse(self, what: str) -> ReadOnlyCacheError:
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} was opened read-only")
+
+    def delete(self, key: object) -> None:
+        """Remove ``key``; ``KeyError`` if absent. Its blob goes at the next collection if unshared."""
+        kid = key_id(key)
+        if self.read_only:
+            raise self._refuse("delete a key")
+        if not self.index.remove(kid):
+            raise KeyError(key)
+
+    def clear(self) -> None:
+        """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
+        if self.read_only:
+            raise self._refuse("clear")
+        snap = take_snapshot(self.index, self.blobs)
+        for info in snap.manifests:
+            self.index.remove_if_unchanged(info.key_id, info.stat)
+        cutoff = snap.started_ns - CLOCK_SLACK_NS
+        for digest in snap.blobs:
+            self.blobs.remove_if_older(digest, cutoff)
+        self._sweep_stale_tmp()
+        self._verified.clear()
+        self._approx = None
+
+    def _sweep_stale_tmp(self) -> int:
+        """Remove temp files left by crashed writers (older than an hour). Returns how many."""
+        cutoff = time.time() - STALE_TMP_S
+        removed = 0
+        try:
+            with os.scandir(self._lay.tmp) as it:
+                for entry in it:
+                    try:
+                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            removed += 1
+                    except OSError:
+                        continue
+        except OSError:
+            pass
+        return removed
+
+    # -- inspection ----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.index.count()
+
+    @property
+    def max_size_bytes(self) -> int | None:
+        return self._max
+
+    def snapshot(self) -> Snapshot:
+        return take_snapshot(self.index, self.blobs)
+
+    def stats(self) -> CacheStats:
+        snap = self.snapshot()
+        counts = self._counters.as_dict()
+        for store in self.shared:
+            counts["errors"] += store._counters.as_dict()["errors"]
+            counts["corrupt"] += store._counters.as_dict()["corrupt"]
+        return CacheStats(
+            entries=len(snap.manifests),
+            blobs=len(snap.blobs),
+            logical_bytes=snap.logical_bytes,
+            stored_bytes=snap.stored_bytes,
+            max_size_bytes=self._max,
+            **counts,
+        )
+
+    def shared_paths(self) -> Sequence[str]:
+        return tuple(s.root for s in self.shared)

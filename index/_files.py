@@ -1,0 +1,223 @@
+"""Portable file primitives shared by the index and the blob store.
+
+Every write goes to a unique temp file in the cache's own ``tmp/`` and is renamed
+into place with :func:`os.replace`, so a reader never sees a partial file.
+
+Windows: another process holding a file open without share-delete rights makes
+``os.replace``, ``open`` and ``unlink`` fail for a moment with winerror 5/32/33 (or
+a bare ``EACCES``). Those are retried within a bounded budget; every other
+``PermissionError`` is a real configuration problem and propagates.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = [
+    "IS_WINDOWS",
+    "StatKey",
+    "atomic_write",
+    "is_sharing_violation",
+    "read_regular",
+    "stat_key",
+    "unlink_if_unchanged",
+    "with_sharing_retry",
+]
+
+_T = TypeVar("_T")
+
+#: Module-level so tests can simulate Windows without touching ``os.name``.
+IS_WINDOWS = os.name == "nt"
+
+_SHARING_WINERRORS = frozenset((5, 32, 33))  # ACCESS_DENIED, SHARING_VIOLATION, LOCK_VIOLATION
+_RETRY_DELAYS = (0.0, 0.005, 0.010, 0.020, 0.050, 0.100)  # about 185 ms in all
+
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+#: Opening for read: never follow a final symlink, never block on a FIFO.
+READ_FLAGS = os.O_RDONLY | _O_BINARY | _O_NOFOLLOW | _O_NONBLOCK
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
+
+StatKey = tuple[int, int, int]
+
+
+def stat_key(st: os.stat_result) -> StatKey:
+    """What proves a file is still the one we looked at: inode, size and mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def is_sharing_violation(exc: BaseException) -> bool:
+    """True for a transient Windows sharing or lock violation, never off Windows.
+
+    A bare ``EACCES`` without ``winerror`` counts (that is how ``open`` reports a
+    pending delete); a ``winerror`` outside the sharing set does not.
+    """
+    if not IS_WINDOWS or not isinstance(exc, PermissionError):
+        return False
+    winerror = getattr(exc, "winerror", None)
+    if winerror in _SHARING_WINERRORS:
+        return True
+    return winerror is None and exc.errno == errno.EACCES
+
+
+def with_sharing_retry(op: Callable[[], _T]) -> _T:
+    """Run ``op``, retrying Windows sharing violations; re-raise the last after the budget."""
+    last: PermissionError | None = None
+    for delay in _RETRY_DELAYS:
+        if delay:
+            time.sleep(delay)
+        try:
+            return op()
+        except PermissionError as exc:
+            if not is_sharing_violation(exc):
+                raise
+            last = exc
+    assert last is not None
+    raise last
+
+
+def read_regular(path: str, expected_size: int | None = None) -> tuple[bytes, os.stat_result]:
+    """Read a whole regular file without following a final symlink.
+
+    Raises ``FileNotFoundError`` when it is absent (also after an exhausted Windows
+    sharing retry), ``IsADirectoryError``/``OSError`` for something that is not a
+    regular file, and :class:`SizeMismatch` when ``expected_size`` is given and the
+    file has another size (truncated or extended), without reading it.
+    """
+    try:
+        fd = with_sharing_retry(lambda: os.open(path, READ_FLAGS))
+    except PermissionError as exc:
+        if is_sharing_violation(exc):
+            raise FileNotFoundError(errno.ENOENT, "busy", path) from exc
+        raise
+    except OSError as exc:
+        # O_NOFOLLOW on a symlink gives ELOOP (EMLINK on some BSDs): not a cache file.
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise NotRegularFile(path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(path)
+        size = st.st_size
+        if expected_size is not None and size != expected_size:
+            raise SizeMismatch(path, expected_size, size)
+        data = os.read(fd, size + 1 if expected_size is None else size)
+        if len(data) < size:  # a short read: keep going (large files, odd filesystems)
+            chunks = [data]
+            got = len(data)
+            while True:
+                more = os.read(fd, max(size - got, 65536))
+                if not more:
+                    break
+                chunks.append(more)
+                got += len(more)
+            data = b"".join(chunks)
+        return data, st
+    finally:
+        os.close(fd)
+
+
+class NotRegularFile(OSError):
+    """The path names a symlink, directory, FIFO or device, not a cache file."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.EINVAL, "not a regular file", path)
+
+
+class SizeMismatch(OSError):
+    """The file does not have the size its manifest records."""
+
+    def __init__(self, path: str, expected: int, actual: int) -> None:
+        super().__init__(errno.EIO, f"expected {expected} bytes, found {actual}", path)
+        self.expected = expected
+        self.actual = actual
+
+
+def _tmp_name(tmp_dir: str) -> str:
+    return os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
+
+
+def atomic_write(
+    target: str,
+    data: bytes | memoryview,
+    tmp_dir: str,
+    *,
+    mode: int = 0o600,
+    fsync: bool = False,
+) -> bool:
+    """Write ``data`` to ``target`` through a unique temp file and ``os.replace``.
+
+    Creates ``tmp_dir`` and the target's parent directory when they are missing
+    (something may have removed them after the cache was opened). Returns False
+    only when a Windows sharing violation outlasted the retry budget: the write is
+    dropped and the caller treats it as not stored. The temp file never survives
+    an exception.
+    """
+    tmp = _tmp_name(tmp_dir)
+    try:
+        fd = os.open(tmp, _WRITE_FLAGS, mode)
+    except FileNotFoundError:
+        os.makedirs(tmp_dir, mode=0o700, exist_ok=True)
+        fd = os.open(tmp, _WRITE_FLAGS, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            with_sharing_retry(lambda: os.replace(tmp, target))
+        except FileNotFoundError:
+            # The shard directory is created on first use rather than stat-ed
+            # on every write; a missing tmp file here would raise again below.
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with_sharing_retry(lambda: os.replace(tmp, target))
+    except PermissionError as exc:
+        _discard(tmp)
+        if is_sharing_violation(exc):
+            return False
+        raise
+    except BaseException:
+        _discard(tmp)
+        raise
+    return True
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def unlink_if_unchanged(path: str, before: StatKey) -> bool:
+    """Unlink ``path`` only if it is still the file ``before`` describes.
+
+    A writer may have replaced it since it was looked at; its work is kept. The
+    window between the check and the unlink is microseconds; at worst a fresh
+    entry is lost and recompiled, never a wrong one returned. Returns True when
+    this call removed the file. An exhausted Windows sharing retry leaves it.
+    """
+    try:
+        if stat_key(os.lstat(path)) != before:
+            return False
+        with_sharing_retry(lambda: os.unlink(path))
+    except FileNotFoundError:
+        return False
+    except PermissionError as exc:
+        if is_sharing_violation(exc):
+            return False
+        raise
+    return True
