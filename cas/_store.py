@@ -13,11 +13,12 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from stat import S_ISREG
 
 from blake3 import blake3
 
 from index import Index, Manifest, key_id, parse_manifest
-from index._files import NotRegularFile, SizeMismatch, read_regular
+from index._files import READ_FLAGS, NotRegularFile, is_sharing_violation, with_sharing_retry
 from index._index import MAX_MANIFEST_BYTES
 
 from ._blobs import BlobStore
@@ -43,6 +44,12 @@ ORPHAN_GRACE_S = 600.0
 STALE_TMP_S = 3600.0
 #: Verified blob identities remembered per store (each a few dozen bytes).
 _VERIFIED_MAX = 8192
+#: Per-key touch times remembered (to skip an fstat on repeated hits).
+_TOUCHED_MAX = 65536
+#: From this size on, an fstat to prove a blob unchanged is cheaper than hashing it.
+_IDENTITY_MIN_BYTES = 16384
+_SEP = os.sep
+_UTIME_FD = os.utime in os.supports_fd
 #: A shared store that could not be opened is tried again after this long.
 _SHARED_RETRY_S = 5.0
 #: Write failures that drop the write instead of failing the caller.
@@ -77,6 +84,9 @@ class CacheStore:
         self._lay = Layout(self.root)
         self._counters = Counters()
         self._verified: dict[str, tuple[int, int, int, int, int]] = {}
+        self._touched: dict[str, int] = {}
+        self._index_dir = self._lay.index + _SEP
+        self._blob_dir = self._lay.blobs + _SEP
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
         self._evict_mutex = threading.Lock()
         self._warned: set[tuple[str, int]] = set()
@@ -154,48 +164,117 @@ class CacheStore:
         return None
 
     def _lookup(self, kid: str) -> tuple[bytes, str] | None:
-        """Read and verify one key here. Never raises for what is on disk: a problem is a miss."""
+        """Read and verify one key here. Never raises for what is on disk: a problem is a miss.
+
+        This is the hot path, written for few system calls: open, read and close
+        the manifest, then the blob; ``fstat`` only where it saves a hash (large
+        blobs met before) or decides a touch (first sight of a key).
+        """
         if self._usable_at and (time.monotonic() < self._usable_at or not self._open_shared()):
             return None
-        ipath = self.index.path_for(kid)
+        ipath = f"{self._index_dir}{kid[:2]}{_SEP}{kid[2:]}"
         try:
-            mdata, mst = read_regular(ipath)
+            mfd = os.open(ipath, READ_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            return self._read_failed(exc, ipath)
-        manifest = parse_manifest(mdata) if mst.st_size <= MAX_MANIFEST_BYTES else None
-        if manifest is None:
-            self._counters.add("corrupt")
-            if not self.read_only:
-                self.index.remove_if_unchanged(kid, mst)
-            return None
-        digest = manifest.digest
-        bpath = self.blobs.path_for(digest)
+            mfd = self._open_failed(exc, ipath)
+            if mfd is None:
+                return None
         try:
-            data, bst = read_regular(bpath, manifest.size)
+            try:
+                manifest = parse_manifest(os.read(mfd, MAX_MANIFEST_BYTES + 1))
+            except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
+                return self._read_failed(exc, ipath)
+            if manifest is None:
+                self._counters.add("corrupt")
+                self._remove_manifest(kid, mfd)
+                return None
+            found = self._read_blob(kid, mfd, manifest.digest, manifest.size)
+            if found is None or self.read_only:
+                return found
+            # Recency: touch the manifest, unless its mtime (or our own last touch)
+            # is under a second old, so a hot key costs no write per read.
+            now = time.time_ns()
+            seen = self._touched.get(kid)
+            if seen is None:
+                seen = os.fstat(mfd).st_mtime_ns
+            if now - seen >= TOUCH_INTERVAL_NS:
+                try:
+                    os.utime(mfd if _UTIME_FD else ipath)
+                except OSError:
+                    pass
+                seen = now
+            if len(self._touched) >= _TOUCHED_MAX:
+                self._touched.clear()
+            self._touched[kid] = seen
+            return found
+        finally:
+            os.close(mfd)
+
+    def _read_blob(self, kid: str, mfd: int, digest: str, size: int) -> tuple[bytes, str] | None:
+        bpath = f"{self._blob_dir}{digest[:2]}{_SEP}{digest[2:]}"
+        try:
+            bfd = os.open(bpath, READ_FLAGS)
         except FileNotFoundError:
             # Dangling: the blob was collected. Remove the manifest only if it is
             # still the one we read; a writer may have just re-pointed it.
-            if not self.read_only:
-                self.index.remove_if_unchanged(kid, mst)
+            self._remove_manifest(kid, mfd)
             return None
-        except SizeMismatch:
-            return self._corrupt_blob(kid, mst, digest, None)
         except OSError as exc:
-            return self._read_failed(exc, bpath)
-        identity = (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns)
-        # A blob already verified and provably unchanged (ctime cannot be set back
-        # without root) need not be hashed again.
-        if self._verified.get(digest) != identity:
-            if blake3(data).hexdigest() != digest:
-                return self._corrupt_blob(kid, mst, digest, bst)
-            if len(self._verified) >= _VERIFIED_MAX:
-                self._verified.clear()
-            self._verified[digest] = identity
-        if not self.read_only and time.time_ns() - mst.st_mtime_ns >= TOUCH_INTERVAL_NS:
-            self.index.touch(kid)
-        return data, digest
+            bfd = self._open_failed(exc, bpath)
+            if bfd is None:
+                return None
+        try:
+            identity = None
+            if size >= _IDENTITY_MIN_BYTES:
+                # Hashing costs more than an fstat here: remember what was verified.
+                st = os.fstat(bfd)
+                if st.st_size != size or not S_ISREG(st.st_mode):
+                    return self._corrupt_blob(kid, mfd, digest, bfd)
+                identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            try:
+                data = os.read(bfd, size + 1)
+                if len(data) < size:  # a short read: only at EOF on a regular file
+                    data = _read_rest(bfd, data, size + 1)
+            except OSError as exc:
+                return self._read_failed(exc, bpath)
+            if len(data) != size:  # truncated or grown: not the blob the manifest names
+                return self._corrupt_blob(kid, mfd, digest, bfd)
+            # A blob already verified and provably unchanged (ctime cannot be set
+            # back without root) need not be hashed again.
+            if identity is None or self._verified.get(digest) != identity:
+                if blake3(data).hexdigest() != digest:
+                    return self._corrupt_blob(kid, mfd, digest, bfd)
+                if identity is not None:
+                    if len(self._verified) >= _VERIFIED_MAX:
+                        self._verified.clear()
+                    self._verified[digest] = identity
+            return data, digest
+        finally:
+            os.close(bfd)
+
+    def _open_failed(self, exc: OSError, path: str) -> int | None:
+        """The slow path of an open: retry a Windows sharing violation, else report a miss."""
+        if is_sharing_violation(exc):
+            try:
+                return with_sharing_retry(lambda: os.open(path, READ_FLAGS))
+            except OSError as again:
+                exc = again
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            exc = NotRegularFile(path)  # O_NOFOLLOW met a symlink
+        self._read_failed(exc, path)
+        return None
+
+    def _remove_manifest(self, kid: str, mfd: int) -> None:
+        """Remove a bad or dangling manifest if it is still the file we read (``mfd``)."""
+        if self.read_only:
+            return
+        try:
+            st = os.fstat(mfd)
+        except OSError:
+            return
+        self.index.remove_if_unchanged(kid, st)
 
     def _read_failed(self, exc: OSError, path: str) -> None:
         if isinstance(exc, NotRegularFile):
@@ -206,16 +285,20 @@ class CacheStore:
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
         return
 
-    def _corrupt_blob(self, kid: str, mst: os.stat_result, digest: str, bst: os.stat_result | None) -> None:
+    def _corrupt_blob(self, kid: str, mfd: int, digest: str, bfd: int) -> None:
+        """A blob that is not what its name says: never returned; moved aside, its manifest removed."""
         self._counters.add("corrupt")
         self._verified.pop(digest, None)
         if self.read_only:
             self._note("corrupt blob", 0, self.blobs.path_for(digest))
             return
-        where = self.blobs.quarantine(digest, bst)
+        try:
+            bst: os.stat_result | None = os.fstat(bfd)
+        except OSError:
+            bst = None
+        where = self.blobs.quarantine(digest, bst) if bst is not None else None
         _log.warning("cuda-program-cas: blob %s failed verification; moved to %s", digest, where)
-        self.index.remove_if_unchanged(kid, mst)
-        return
+        self._remove_manifest(kid, mfd)
 
     def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
         """Keep a verified shared hit locally, so later reads stay local. Best effort."""
@@ -403,3 +486,16 @@ class CacheStore:
 
     def shared_paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.shared)
+
+
+def _read_rest(fd: int, head: bytes, limit: int) -> bytes:
+    """Keep reading after a short read, up to ``limit`` bytes or end of file."""
+    chunks = [head]
+    got = len(head)
+    while got < limit:
+        more = os.read(fd, limit - got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
