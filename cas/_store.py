@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from stat import S_ISREG
 
@@ -48,6 +49,9 @@ _VERIFIED_MAX = 8192
 _TOUCHED_MAX = 65536
 #: From this size on, an fstat to prove a blob unchanged is cheaper than hashing it.
 _IDENTITY_MIN_BYTES = 16384
+#: Verified bytes of repeatedly read blobs kept in memory per store, and the largest kept.
+_HOLD_MAX_BYTES = 32 << 20
+_HOLD_MAX_BLOB = 4 << 20
 _SEP = os.sep
 _UTIME_FD = os.utime in os.supports_fd
 #: A shared store that could not be opened is tried again after this long.
@@ -85,6 +89,11 @@ class CacheStore:
         self._counters = Counters()
         self._verified: dict[str, tuple[int, int, int, int, int]] = {}
         self._touched: dict[str, int] = {}
+        #: kid -> (identity of its manifest file, digest): lets a repeated hit stat instead of read.
+        self._known: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}
+        #: digest -> (identity of its blob file, verified bytes), least recently used first.
+        self._held: OrderedDict[str, tuple[tuple[int, int, int, int, int], bytes]] = OrderedDict()
+        self._held_bytes = 0
         self._index_dir = self._lay.index + _SEP
         self._blob_dir = self._lay.blobs + _SEP
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
@@ -173,6 +182,10 @@ class CacheStore:
         if self._usable_at and (time.monotonic() < self._usable_at or not self._open_shared()):
             return None
         ipath = f"{self._index_dir}{kid[:2]}{_SEP}{kid[2:]}"
+        if kid in self._known:
+            found = self._lookup_known(kid, ipath)
+            if found is not None:
+                return found
         try:
             mfd = os.open(ipath, READ_FLAGS)
         except FileNotFoundError:
@@ -190,29 +203,74 @@ class CacheStore:
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None
-            found = self._read_blob(kid, mfd, manifest.digest, manifest.size)
-            if found is None or self.read_only:
-                return found
-            # Recency: touch the manifest, unless its mtime (or our own last touch)
-            # is under a second old, so a hot key costs no write per read.
-            now = time.time_ns()
             seen = self._touched.get(kid)
-            if seen is None:
-                seen = os.fstat(mfd).st_mtime_ns
-            if now - seen >= TOUCH_INTERVAL_NS:
-                try:
-                    os.utime(mfd if _UTIME_FD else ipath)
-                except OSError:
-                    pass
-                seen = now
+            found = self._read_blob(kid, mfd, manifest.digest, manifest.size, seen is not None)
+            if found is None:
+                return None
+            mst = None
+            if self.read_only:
+                seen = 0
+                if kid in self._touched:
+                    mst = os.fstat(mfd)
+            else:
+                # Recency: touch the manifest, unless its mtime (or our own last
+                # touch) is under a second old, so a hot key costs no write per read.
+                if seen is None:
+                    mst = os.fstat(mfd)
+                    seen = mst.st_mtime_ns
+                if time.time_ns() - seen >= TOUCH_INTERVAL_NS:
+                    try:
+                        os.utime(mfd if _UTIME_FD else ipath)
+                    except OSError:
+                        pass
+                    seen = time.time_ns()
+                    mst = None  # the touch changed its identity; the next hit records it
+                elif mst is None:
+                    mst = os.fstat(mfd)
             if len(self._touched) >= _TOUCHED_MAX:
                 self._touched.clear()
+                self._known.clear()
             self._touched[kid] = seen
+            if mst is not None:
+                self._known[kid] = ((mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns), found[1])
             return found
         finally:
             os.close(mfd)
 
-    def _read_blob(self, kid: str, mfd: int, digest: str, size: int) -> tuple[bytes, str] | None:
+    def _lookup_known(self, kid: str, ipath: str) -> tuple[bytes, str] | None:
+        """A repeated hit: two stats prove the manifest and the blob unchanged since verified.
+
+        Returns None (the caller then reads everything) when either changed, or the
+        blob's bytes are not held in memory.
+        """
+        known = self._known[kid]
+        try:
+            mst = os.stat(ipath, follow_symlinks=False)
+        except OSError:
+            return None
+        if (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns) != known[0]:
+            return None
+        digest = known[1]
+        held = self._held.get(digest)
+        if held is None:
+            return None
+        try:
+            bst = os.stat(f"{self._blob_dir}{digest[:2]}{_SEP}{digest[2:]}", follow_symlinks=False)
+        except OSError:
+            return None
+        if (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns) != held[0]:
+            return None
+        self._held.move_to_end(digest)
+        if not self.read_only and time.time_ns() - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
+            return None  # due for a touch: the full path does it
+        return held[1], digest
+
+    def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
+        """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory.
+
+        A blob held in memory is returned by later hits once two stats prove the
+        manifest and the blob unchanged (see :meth:`_lookup_known`).
+        """
         bpath = f"{self._blob_dir}{digest[:2]}{_SEP}{digest[2:]}"
         try:
             bfd = os.open(bpath, READ_FLAGS)
@@ -227,7 +285,7 @@ class CacheStore:
                 return None
         try:
             identity = None
-            if size >= _IDENTITY_MIN_BYTES:
+            if repeat or size >= _IDENTITY_MIN_BYTES:
                 # Hashing costs more than an fstat here: remember what was verified.
                 st = os.fstat(bfd)
                 if st.st_size != size or not S_ISREG(st.st_mode):
@@ -250,9 +308,23 @@ class CacheStore:
                     if len(self._verified) >= _VERIFIED_MAX:
                         self._verified.clear()
                     self._verified[digest] = identity
+            if repeat and identity is not None and size <= _HOLD_MAX_BLOB:
+                self._hold(digest, identity, data)
             return data, digest
         finally:
             os.close(bfd)
+
+    def _hold(self, digest: str, identity: tuple[int, int, int, int, int], data: bytes) -> None:
+        """Keep a verified blob's bytes in memory (least recently used go past the budget)."""
+        held = self._held
+        old = held.pop(digest, None)
+        if old is not None:
+            self._held_bytes -= len(old[1])
+        held[digest] = (identity, data)
+        self._held_bytes += len(data)
+        while self._held_bytes > _HOLD_MAX_BYTES:
+            _, (_, dropped) = held.popitem(last=False)
+            self._held_bytes -= len(dropped)
 
     def _open_failed(self, exc: OSError, path: str) -> int | None:
         """The slow path of an open: retry a Windows sharing violation, else report a miss."""
@@ -437,8 +509,15 @@ class CacheStore:
         for digest in snap.blobs:
             self.blobs.remove_if_older(digest, cutoff)
         self._sweep_stale_tmp()
-        self._verified.clear()
+        self._forget()
         self._approx = None
+
+    def _forget(self) -> None:
+        """Drop what this instance remembers of files (after it removed many)."""
+        self._verified.clear()
+        self._known.clear()
+        self._held.clear()
+        self._held_bytes = 0
 
     def _sweep_stale_tmp(self) -> int:
         """Remove temp files left by crashed writers (older than an hour). Returns how many."""
