@@ -37,6 +37,9 @@ class Snapshot:
     blobs: dict[str, os.stat_result] = field(default_factory=dict)
     #: digest -> number of valid manifests naming it.
     refs: Counter[str] = field(default_factory=Counter)
+    #: Manifest files that exist but could not be read (EACCES, EIO): the blobs
+    #: they name are unknown, so no blob can be proven unreferenced.
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def manifest_bytes(self) -> int:
@@ -75,7 +78,10 @@ def take_snapshot(index: Index, blobs: BlobStore, *, read_manifests: bool = True
         if read_manifests and entry.stat.st_size <= MAX_MANIFEST_BYTES:
             try:
                 data, _ = read_regular(entry.path)
+            except FileNotFoundError:
+                continue
             except OSError:
+                snap.unreadable.append(entry.path)
                 continue
             manifest = parse_manifest(data)
             if manifest is not None:
