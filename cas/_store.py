@@ -361,6 +361,11 @@ class CacheStore:
         """A blob that is not what its name says: never returned; moved aside, its manifest removed."""
         self._counters.add("corrupt")
         self._verified.pop(digest, None)
+        if _hashes_to(bfd, digest):
+            # The blob is intact; only the manifest's size is wrong. Other keys may
+            # share this blob: drop the lying manifest, keep the blob.
+            self._remove_manifest(kid, mfd)
+            return
         if self.read_only:
             self._note("corrupt blob", 0, self.blobs.path_for(digest))
             return
@@ -565,6 +570,20 @@ class CacheStore:
 
     def shared_paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.shared)
+
+
+def _hashes_to(fd: int, digest: str) -> bool:
+    """True when the whole regular file open as ``fd`` has blake3 ``digest`` (a rare path)."""
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            return False
+        os.lseek(fd, 0, os.SEEK_SET)
+        hasher = blake3()
+        while chunk := os.read(fd, 1 << 20):
+            hasher.update(chunk)
+    except OSError:
+        return False
+    return hasher.hexdigest() == digest
 
 
 def _read_rest(fd: int, head: bytes, limit: int) -> bytes:
