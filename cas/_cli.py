@@ -3,27 +3,149 @@
 Each subcommand lives in its own module ``cas._cmd_<name>`` exposing
 ``register(subparsers) -> None``; ``register`` adds a parser whose default
 ``func`` takes the parsed arguments and returns the exit status.
-Exit status: 0 done, 1 problems found that were not fixed, 2 bad usage.
+
+Exit status: 0 done, 1 problems found that were not fixed (or the command could
+not do its work: permission denied, read-only cache, lock busy), 2 bad usage
+(bad options, a path that does not exist or is not a cache). Expected failures
+are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import TextIO
 
-from ._errors import CacheError
+from ._config import default_cache_dir, parse_duration, parse_size
+from ._errors import CacheError, LayoutError
 
 __all__ = ["main"]
 
+PROG = "cuda-program-cas"
 _COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish")
+
+
+# -- argument types -----------------------------------------------------------------
+
+
+def size_arg(text: str) -> int:
+    """``--max-size`` values: ``500M``, ``10G``, plain bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration_arg(text: str) -> float:
+    """``--grace``/``--max-age`` values: ``90s``, ``30m``, ``12h``, ``7d``, plain seconds."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_path_arg(parser: argparse.ArgumentParser, name: str = "path") -> None:
+    parser.add_argument(
+        name,
+        nargs="?",
+        default=None,
+        metavar="PATH",
+        help="cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)",
+    )
+
+
+def add_json_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def cache_path(value: str | None) -> str:
+    return os.path.abspath(value) if value else os.fspath(default_cache_dir())
+
+
+# -- output ---------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """``48.2 MiB``: binary units, as ``--max-size`` reads them."""
+    if n < 1024:
+        return f"{int(n):,} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 entry``, ``1,204 entries``."""
+    if n == 1:
+        return f"1 {word}"
+    return f"{n:,} {many or word + 's'}"
+
+
+def fmt_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            value = seconds / size
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+class Progress:
+    """``progress(phase, done, total)`` for the library calls: a status line on stderr.
+
+    Shown only when stderr is a terminal, never with ``--json``, and only once the
+    run has lasted a second (short runs stay quiet).
+    """
+
+    def __init__(self, enabled: bool, stream: TextIO | None = None, delay_s: float = 1.0) -> None:
+        self._stream = stream or sys.stderr
+        self._enabled = enabled
+        self._start = time.monotonic()
+        self._delay = delay_s
+        self._last = 0.0
+        self._shown = False
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace) -> Progress:
+        return cls(not getattr(args, "json", False) and sys.stderr.isatty())
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self._enabled:
+            return
+        now = time.monotonic()
+        if now - self._start < self._delay or (now - self._last < 0.2 and done != total):
+            return
+        self._last = now
+        text = f"{phase} {done:,}/{total:,}" if total else f"{phase}..."
+        self._stream.write(f"\r\x1b[K{PROG}: {text}")
+        self._stream.flush()
+        self._shown = True
+
+    def done(self) -> None:
+        if self._shown:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._shown = False
+
+
+# -- the script -----------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cuda-program-cas",
+        prog=PROG,
         description="Inspect and maintain a cuda-program-cas cache directory.",
+        epilog="Exit status: 0 done, 1 problems found that were not fixed, 2 bad usage.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
@@ -39,17 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or bad usage (2): argparse has printed why
+        return exc.code if isinstance(exc.code, int) else 2
+    progress = args.progress = Progress.for_args(args)
     try:
         return int(args.func(args))
-    except (CacheError, OSError) as exc:
-        # Expected failures (missing directory, not a cache, permission denied)
-        # are one line, never a traceback.
-        print(f"cuda-program-cas {args.command}: error: {exc}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except LayoutError as exc:
+        # A path that does not exist, is a file, or is not a cache: bad usage.
+        return _fail(args, exc, 2)
+    except (CacheError, OSError) as exc:
+        # Expected failures (permission denied, read-only, lock busy) are one line.
+        return _fail(args, exc, 1)
     except KeyboardInterrupt:
-        print(f"cuda-program-cas {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _fail(args, "interrupted", 130)
+    finally:
+        progress.done()
+
+
+def _fail(args: argparse.Namespace, exc: BaseException | str, status: int) -> int:
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    print(f"{PROG} {args.command}: error: {text}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""``cuda-program-cas gc`` (and ``python tools/gc.py``): collect garbage, evict by size or age."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._cli import add_json_arg, add_path_arg, cache_path, duration_arg, fmt_age, fmt_bytes, plural, print_json, size_arg
+from ._gc import CATEGORIES, GcReport, collect
+
+__all__ = ["register"]
+
+DESCRIPTION = """\
+Plan, then remove: stale temp files (older than 1h), invalid and dangling
+manifests, orphan blobs older than --grace, blobs whose last entry this run
+removes, and with --max-age/--max-size entries unused for too long or least
+recently used. --verify hashes every blob and moves bad ones to quarantine/.
+Safe while other processes use the cache; one collector at a time (the cache's
+evict.lock, shared with size-cap eviction: when it is busy, gc changes nothing
+and exits 1, unless --wait gives it time)."""
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "gc", help="remove garbage; evict by size or age", description=DESCRIPTION
+    )
+    add_path_arg(p)
+    p.add_argument(
+        "--grace", type=duration_arg, default=3600.0, metavar="AGE", help="keep orphan blobs younger than AGE (1h)"
+    )
+    p.add_argument("--max-size", type=size_arg, metavar="SIZE", help="evict LRU entries down to SIZE (500M, 10G)")
+    p.add_argument("--max-age", type=duration_arg, metavar="AGE", help="drop entries unused for longer than AGE (7d)")
+    p.add_argument("--verify", action="store_true", help="hash every blob; quarantine bad ones")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    p.add_argument(
+        "--wait", type=duration_arg, default=0.0, metavar="SECONDS", help="wait this long for a busy lock (0)"
+    )
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect(
+        cache_path(args.path),
+        grace_s=args.grace,
+        max_size=args.max_size,
+        max_age_s=args.max_age,
+        verify=args.verify,
+        dry_run=args.dry_run,
+        progress=args.progress,
+        wait_s=args.wait,
+    )
+    args.progress.done()
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        print_report(report, args)
+    return 1 if report.problem_count else 0
+
+
+def _labels(args: argparse.Namespace) -> dict[str, str]:
+    return {
+        "invalid_manifests": "invalid manifests (empty, truncated, garbled)",
+        "dangling_manifests": "dangling manifests (blob missing)",
+        "size_mismatch_manifests": "manifests whose size disagrees with their blob",
+        "corrupt_blob_manifests": "manifests of corrupt blobs",
+        "expired_entries": f"entries unused for over {fmt_age(args.max_age or 0)}",
+        "evicted_entries": f"least recently used entries (down to {fmt_bytes(args.max_size or 0)})",
+        "unreferenced_blobs": "blobs whose last entry goes",
+        "orphan_blobs": f"orphan blobs older than {fmt_age(args.grace)}",
+        "corrupt_blobs": "corrupt blobs (moved to quarantine/)",
+        "temp_files": "stale temp files (older than 1h)",
+    }
+
+
+def summary_line(report: GcReport) -> str:
+    parts = [plural(report.entries_removed, "entry", "entries"), plural(report.blobs_removed, "blob")]
+    if report.temp_files_removed:
+        parts.append(plural(report.temp_files_removed, "stale temp file"))
+    what = ", ".join(parts[:-1]) + " and " + parts[-1]
+    freed, total = fmt_bytes(report.bytes_freed), fmt_bytes(report.bytes_before)
+    if report.dry_run:
+        return f"would remove {what}, freeing {freed} of {total} (dry run: nothing changed)"
+    return f"removed {what}, freed {freed} of {total}"
+
+
+def print_report(report: GcReport, args: argparse.Namespace) -> None:
+    print(
+        f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry', 'entries')}, "
+        f"{plural(report.blobs_before, 'blob')}, {fmt_bytes(report.bytes_before)} stored"
+    )
+    labels = _labels(args)
+    for name in CATEGORIES:
+        item = report.plan[name]
+        if item["count"]:
+            print(f"  {labels[name]:<48} {item['count']:>9,} {fmt_bytes(item['bytes']):>11}")
+    if report.kept_changed:
+        print(f"  {'kept: changed or used since the scan':<48} {report.kept_changed:>9,}")
+    for text in report.problems:
+        print(f"problem: {text}")
+    if report.problem_count > len(report.problems):
+        print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+    print(summary_line(report))

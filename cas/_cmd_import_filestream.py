@@ -1,0 +1,48 @@
+"""``cuda-program-cas import-filestream SRC [DEST]``: import a FileStreamProgramCache, keys intact."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ._cli import add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from ._import_fs import import_filestream
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "import-filestream",
+        help="import a FileStreamProgramCache directory, keeping its keys",
+        description=(
+            "Import the entries of a cuda.core FileStreamProgramCache directory (SRC/entries/...) into the "
+            "cache at DEST (created if missing), keeping their keys: Program.compile(cache=...) then hits "
+            "for every kernel FileStream had cached. Idempotent and deduplicating; safe to interrupt and "
+            "run again. SRC is only read."
+        ),
+    )
+    p.add_argument("source", metavar="SRC", help="the FileStreamProgramCache directory")
+    add_path_arg(p, "dest")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = import_filestream(os.path.abspath(args.source), cache_path(args.dest), progress=args.progress)
+    args.progress.done()
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        for text in report.problems:
+            print(f"problem: {text}")
+        if report.problem_count > len(report.problems):
+            print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+        print(
+            f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
+            f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
+            f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
+            f"{report.kept_existing:,} kept as they were"
+        )
+    return 1 if report.problem_count else 0

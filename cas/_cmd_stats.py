@@ -1,0 +1,157 @@
+"""``cuda-program-cas stats``: what the cache holds, how well it deduplicates, how full it is.
+
+Reads only: works on a read-only cache or mount, takes no lock, touches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
+from ._config import ENV_MAX_SIZE, parse_size
+from ._scan import take_snapshot
+from ._verify import open_cache, stale_temp_files
+
+__all__ = ["gather", "register"]
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "stats",
+        help="entries, blobs, dedup ratio, use of the cap, files count",
+        description="Show what the cache holds. Reads only: works on a read-only cache.",
+    )
+    add_path_arg(p)
+    p.add_argument(
+        "--max-size", type=size_arg, metavar="SIZE", help=f"the cap to compare with (default: ${ENV_MAX_SIZE})"
+    )
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def _iso(ns: int | None) -> str | None:
+    if ns is None:
+        return None
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _walk(root: str) -> tuple[int, int, int]:
+    """Files, directories and bytes on disk (allocated blocks) under ``root``, itself included."""
+    files, dirs, disk = 0, 1, 0
+    stack = [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    disk += getattr(st, "st_blocks", 0) * 512 or st.st_size
+                    if stat.S_ISDIR(st.st_mode):
+                        dirs += 1
+                        stack.append(entry.path)
+                    else:
+                        files += 1
+        except OSError:
+            continue
+    return files, dirs, disk
+
+
+def gather(root: str, cap: int | None) -> dict[str, Any]:
+    """The statistics of the cache at ``root`` as one JSON-ready dict."""
+    lay, index, blobs = open_cache(root, write=False, allow_damaged=True)
+    snap = take_snapshot(index, blobs)
+    uses = [m.stat.st_mtime_ns for m in snap.manifests if m.manifest is not None]
+    orphans = snap.orphans()
+    files, dirs, disk = _walk(lay.root)
+    try:
+        quarantined = len(os.listdir(lay.quarantine))
+    except OSError:
+        quarantined = 0
+    stored = snap.stored_bytes
+    return {
+        "path": lay.root,
+        "entries": len(snap.manifests),
+        "blobs": len(snap.blobs),
+        "logical_bytes": snap.logical_bytes,
+        "stored_bytes": stored,
+        "dedup_ratio": round(snap.logical_bytes / stored, 3) if stored else 1.0,
+        "max_size_bytes": cap,
+        "cap_used_percent": round(100.0 * stored / cap, 1) if cap else None,
+        "oldest_use": _iso(min(uses)) if uses else None,
+        "newest_use": _iso(max(uses)) if uses else None,
+        "files": files,
+        "directories": dirs,
+        "inodes": files + dirs,
+        "disk_bytes": disk,
+        "orphan_blobs": len(orphans),
+        "orphan_bytes": sum(snap.blobs[d].st_size for d in orphans),
+        "invalid_manifests": sum(1 for m in snap.manifests if m.manifest is None) + len(snap.unreadable),
+        "dangling_manifests": sum(1 for m in snap.manifests if snap.is_dangling(m)),
+        "stale_temp_files": len(stale_temp_files(lay)),
+        "quarantined_files": quarantined,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    cap = args.max_size
+    if cap is None and os.environ.get(ENV_MAX_SIZE):
+        try:
+            cap = parse_size(os.environ[ENV_MAX_SIZE])
+        except ValueError as exc:
+            print(f"cuda-program-cas stats: error: {ENV_MAX_SIZE}: {exc}", file=sys.stderr)
+            return 2
+    info = gather(cache_path(args.path), cap)
+    if args.json:
+        print_json(info)
+        return 0
+    now = time.time()
+
+    def when(iso: str | None) -> str:
+        if iso is None:
+            return "-"
+        age = max(0.0, now - datetime.fromisoformat(iso).timestamp())
+        return f"{iso.replace('T', ' ').replace('+00:00', ' UTC')} ({fmt_age(age)} ago)"
+
+    if cap:
+        cap_text = f"{fmt_bytes(cap)}, {info['cap_used_percent']}% used"
+    else:
+        cap_text = f"none (give --max-size or set {ENV_MAX_SIZE})"
+    garbage = [
+        plural(info["orphan_blobs"], "orphan blob") + f" ({fmt_bytes(info['orphan_bytes'])})",
+        plural(info["invalid_manifests"], "invalid manifest"),
+        plural(info["dangling_manifests"], "dangling manifest"),
+        plural(info["stale_temp_files"], "stale temp file"),
+    ]
+    rows = [
+        ("cache", info["path"]),
+        ("entries", f"{info['entries']:,} ({fmt_bytes(info['logical_bytes'])} if each had its own copy)"),
+        ("blobs", f"{info['blobs']:,} ({fmt_bytes(info['stored_bytes'])} stored, manifests included)"),
+        ("dedup ratio", f"{info['dedup_ratio']:.2f}x"),
+        ("cap", cap_text),
+        ("oldest use", when(info["oldest_use"])),
+        ("newest use", when(info["newest_use"])),
+        (
+            "files",
+            f"{info['inodes']:,} inodes ({info['files']:,} files, {info['directories']:,} directories), "
+            f"{fmt_bytes(info['disk_bytes'])} on disk",
+        ),
+        ("garbage", ", ".join(garbage)),
+    ]
+    if info["quarantined_files"]:
+        rows.append(("quarantine", plural(info["quarantined_files"], "bad blob") + " kept for inspection"))
+    for label, value in rows:
+        print(f"{label:<12} {value}")
+    print(
+        f"{plural(info['entries'], 'entry', 'entries')} in {plural(info['blobs'], 'blob')}, "
+        f"{fmt_bytes(info['stored_bytes'])} stored, dedup {info['dedup_ratio']:.2f}x"
+        + (f", {info['cap_used_percent']}% of the cap" if cap else "")
+    )
+    return 0

@@ -1,0 +1,170 @@
+"""Import a ``FileStreamProgramCache`` directory, keeping its keys.
+
+FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``,
+named by sha256 of the key bytes: exactly how ``index/`` names manifests here, so
+an entry's file name *is* its key id, and ``Program.compile(cache=ours)`` hits
+for every kernel FileStream had cached without knowing the keys themselves.
+
+Each entry is committed like any write (blob first, then manifest, each
+atomically), so the import can be killed at any point and run again: entries
+already present with the same content are skipped, identical binaries are
+stored once. An entry this cache already holds with other content is kept as
+it is (this cache wins). The source is only read. Each imported manifest takes
+the entry's last use (FileStream records it in the atime) as its own, so LRU
+eviction and ``gc --max-age`` see the same history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from index import Manifest
+from index._files import read_regular
+
+from ._blobs import digest_of
+from ._config import default_cache_dir
+from ._errors import LayoutError
+from ._store import CacheStore
+from ._verify import ProgressFn
+
+__all__ = ["ImportReport", "import_filestream"]
+
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_REST_RE = re.compile(r"[0-9a-f]{62}")
+_MAX_LISTED = 100
+
+
+@dataclass(slots=True)
+class ImportReport:
+    source: str
+    dest: str
+    #: Entry files found under ``entries/``.
+    entries: int = 0
+    #: Entries committed by this run.
+    imported: int = 0
+    #: Entries already here with the same content (an earlier or concurrent import).
+    already_present: int = 0
+    #: Entries already here with other content: kept, not overwritten.
+    kept_existing: int = 0
+    #: Imported entries whose binary was already stored (under another key or digest).
+    deduplicated: int = 0
+    #: Bytes of the imported entries, as FileStream stored them.
+    bytes_imported: int = 0
+    #: New blob bytes this run stored.
+    blob_bytes_added: int = 0
+    elapsed_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+
+    def problem(self, text: str) -> None:
+        self.problem_count += 1
+        if len(self.problems) < _MAX_LISTED:
+            self.problems.append(text)
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["elapsed_s"] = round(self.elapsed_s, 3)
+        return out
+
+
+def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:
+    """``(key id, path)`` of every entry file; misnamed files are reported and skipped."""
+    found = []
+    with os.scandir(entries_dir) as top:
+        shards = sorted(e.name for e in top if e.is_dir(follow_symlinks=False) and _SHARD_RE.fullmatch(e.name))
+    for shard in shards:
+        try:
+            with os.scandir(os.path.join(entries_dir, shard)) as it:
+                for e in it:
+                    if _REST_RE.fullmatch(e.name) is None:
+                        report.problem(f"{e.path}: not a FileStream entry name; skipped")
+                        continue
+                    found.append((shard + e.name, e.path))
+        except OSError as exc:
+            report.problem(f"{os.path.join(entries_dir, shard)}: cannot list: {exc.strerror}")
+    found.sort()
+    return found
+
+
+def import_filestream(
+    source: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | None = None,
+    *,
+    progress: ProgressFn | None = None,
+) -> ImportReport:
+    """Import the FileStream cache at ``source`` into the cache at ``dest`` (created if missing).
+
+    ``dest`` defaults to :func:`cas.default_cache_dir`. Raises :class:`cas.LayoutError`
+    when ``source`` is not a FileStream cache or ``dest`` not a usable cache.
+    """
+    t0 = time.monotonic()
+    src = os.path.abspath(os.fspath(source))
+    entries_dir = os.path.join(src, "entries")
+    if not os.path.isdir(src):
+        raise LayoutError(f"no FileStreamProgramCache at {src!r}: no such directory")
+    if not os.path.isdir(entries_dir):
+        raise LayoutError(f"{src!r} is not a FileStreamProgramCache directory: it has no entries/")
+    target = os.path.abspath(os.fspath(default_cache_dir() if dest is None else dest))
+    if os.path.realpath(target) == os.path.realpath(src):
+        raise LayoutError(f"source and destination are the same directory: {src!r}")
+    store = CacheStore(target)
+    report = ImportReport(src, store.root)
+    todo = _entries(entries_dir, report)
+    report.entries = len(todo)
+    for n, (kid, path) in enumerate(todo):
+        if progress and n % 64 == 0:
+            progress("importing", n, len(todo))
+        _import_one(store, kid, path, report)
+    if progress:
+        progress("importing", len(todo), len(todo))
+    report.elapsed_s = time.monotonic() - t0
+    return report
+
+
+def _import_one(store: CacheStore, kid: str, path: str, report: ImportReport) -> None:
+    try:
+        data, src_st = read_regular(path)
+    except FileNotFoundError:
+        report.entries -= 1  # FileStream evicted it meanwhile
+        return
+    except OSError as exc:
+        report.problem(f"{path}: cannot be read: {exc.strerror or exc}")
+        return
+    digest = digest_of(data)
+    try:
+        current, _ = store.index.read(kid)
+    except FileNotFoundError:
+        current = None
+    except OSError:
+        current = None  # not a regular file: replaced below
+    if current is not None and store.blobs.exists(current.digest):
+        if current.digest == digest:
+            report.already_present += 1
+        else:
+            report.kept_existing += 1
+        return
+    # Blob first, then manifest, then re-check the blob (a collector may have
+    # removed it in between): a kill at any point leaves no manifest without blob.
+    existed = store.blobs.put(data, digest)
+    if not store.index.write(kid, Manifest(digest, len(data))):
+        report.problem(f"{path}: the manifest write was refused (file busy); run the import again")
+        return
+    if not store.blobs.exists(digest):
+        store.blobs.put(data, digest)
+    # FileStream keeps an entry's last use in its atime; carry it over as our
+    # recency (never into the future, never before the entry was written).
+    used = min(max(src_st.st_atime_ns, src_st.st_mtime_ns), time.time_ns())
+    try:
+        os.utime(store.index.path_for(kid), ns=(used, used))
+    except OSError:
+        pass
+    report.imported += 1
+    report.bytes_imported += len(data)
+    if existed:
+        report.deduplicated += 1
+    else:
+        report.blob_bytes_added += len(data)
