@@ -1,0 +1,360 @@
+"""Shared stores: read-only, layered after the local cache, never written, never an exception.
+
+A store populated by real NVRTC compiles is bind-mounted read-only (root only)
+and used as ``shared`` under a writable local cache, and opened directly with
+``read_only=True``; the same checks also run on a plain writable directory,
+where a stray write would succeed and so would be seen. A full listing of the
+store (inode, size, mode, mtime, ctime of every entry) must not change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import cuda.core._program as program_mod
+import pytest
+from conftest import SAXPY, compile_program, is_root
+
+from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of
+from cas._publish import publish
+from cas._store import _SHARED_RETRY_S
+from index import Manifest, key_id
+
+#: A second kernel, so the shared store holds more than one distinct binary.
+SCALE = r"""
+extern "C" __global__ void scale(float a, float *x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+"""
+
+Listing = dict[str, tuple[int, int, int, int, int]]
+
+
+def listing(root: Path) -> Listing:
+    """Every entry under ``root`` (the root included): inode, mode, size, mtime and ctime."""
+    out: Listing = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [".", *dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = (st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def age(root: Path, seconds: float = 3600) -> None:
+    """Set every file's mtime back, so that a reader that touched on a hit would show up."""
+    past = time.time() - seconds
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            os.utime(os.path.join(dirpath, name), (past, past))
+
+
+class Compiles:
+    """Counts real NVRTC compiles through cuda-core's compile seam (the compile still runs)."""
+
+    def __init__(self, original: Callable[..., object]) -> None:
+        self.original = original
+        self.count = 0
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.count += 1
+        return self.original(*args, **kwargs)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> Compiles:
+    calls = Compiles(program_mod._program_compile_uncached)
+    monkeypatch.setattr(program_mod, "_program_compile_uncached", calls)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """A store holding SAXPY and SCALE (cubin, sm_80), compiled once per test module."""
+    root = tmp_path_factory.mktemp("populated") / "store"
+    with ContentAddressedProgramCache(root) as cache:
+        codes = {
+            "saxpy": bytes(compile_program(SAXPY, cache=cache).code),
+            "scale": bytes(compile_program(SCALE, cache=cache).code),
+        }
+    return root, codes
+
+
+@pytest.fixture
+def mounts() -> Iterator[Callable[[Path, Path], Path]]:
+    """``bind_ro(src, dst)``: a read-only bind mount of ``src`` on ``dst``, unmounted at teardown."""
+    done: list[Path] = []
+
+    def bind_ro(src: Path, dst: Path) -> Path:
+        if not is_root():
+            pytest.skip("bind mounts need root")
+        dst.mkdir(parents=True, exist_ok=True)
+        for cmd in (["mount", "--bind", str(src), str(dst)], ["mount", "-o", "remount,bind,ro", str(dst)]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                if cmd[1] == "-o":
+                    done.append(dst)
+                pytest.skip(f"`{' '.join(cmd)}` failed here: {proc.stderr.strip()}")
+        done.append(dst)
+        return dst
+
+    try:
+        yield bind_ro
+    finally:
+        for dst in reversed(done):
+            umount(dst)
+
+
+def umount(dst: Path) -> None:
+    proc = subprocess.run(["umount", str(dst)], capture_output=True, check=False)
+    if proc.returncode != 0:
+        subprocess.run(["umount", "-l", str(dst)], capture_output=True, check=False)
+
+
+def shared_copy(populated: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str, mounts) -> Path:
+    """The populated store as a test sees it: a read-only bind mount, or a plain (writable) copy."""
+    src = tmp_path / "store"
+    shutil.copytree(populated[0], src)
+    age(src)
+    if how == "plain":
+        return src
+    mounted = mounts(src, tmp_path / "mnt")
+    with pytest.raises(OSError):  # the mount really is read-only: the test proves something
+        (mounted / "probe").write_bytes(b"x")
+    return mounted
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("how", ["ro-mount", "plain"])
+def test_shared_store_hits_misses_and_no_writes(
+    populated: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str, mounts, compiles: Compiles
+) -> None:
+    shared = shared_copy(populated, tmp_path, how, mounts)
+    before = listing(shared)
+    local = tmp_path / "local"
+    with ContentAddressedProgramCache(local, shared=[shared]) as cache:
+        # Program.compile end to end: served by the shared store, no NVRTC.
+        assert bytes(compile_program(SAXPY, cache=cache).code) == populated[1]["saxpy"]
+        assert compiles.count == 0
+        stats = cache.stats()
+        assert (stats.hits, stats.shared_hits, stats.misses) == (1, 1, 0)
+        assert stats.entries == 1  # the verified hit was copied into the local cache
+        # A miss compiles and stores locally.
+        sm90 = bytes(compile_program(SAXPY, cache=cache, arch="sm_90").code)
+        assert compiles.count == 1
+        assert cache.stats().writes == 1
+        cache["mapping-key"] = b"local bytes"
+        assert cache.get("mapping-key") == b"local bytes"
+        assert bytes(compile_program(SCALE, cache=cache).code) == populated[1]["scale"]
+        assert compiles.count == 1
+    # Both copied hits and the compiled miss now live in the local cache alone.
+    with ContentAddressedProgramCache(local, shared=[]) as alone:
+        assert bytes(compile_program(SAXPY, cache=alone).code) == populated[1]["saxpy"]
+        assert bytes(compile_program(SAXPY, cache=alone, arch="sm_90").code) == sm90
+        assert bytes(compile_program(SCALE, cache=alone).code) == populated[1]["scale"]
+        assert compiles.count == 1
+        assert alone.stats().entries == 4
+    # Repeated hits (the path that remembers identities and holds bytes), not copied in: still no writes.
+    with ContentAddressedProgramCache(tmp_path / "local2", shared=[shared], copy_shared_hits=False) as no_copy:
+        for _ in range(3):
+            assert bytes(compile_program(SAXPY, cache=no_copy).code) == populated[1]["saxpy"]
+            assert bytes(compile_program(SCALE, cache=no_copy).code) == populated[1]["scale"]
+        stats = no_copy.stats()
+        assert (stats.shared_hits, stats.entries, compiles.count) == (6, 0, 1)
+    assert listing(shared) == before
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("how", ["ro-mount", "plain"])
+def test_read_only_cache_drops_writes_and_refuses_deletes(
+    populated: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str, mounts, compiles: Compiles
+) -> None:
+    store = shared_copy(populated, tmp_path, how, mounts)
+    before = listing(store)
+    with ContentAddressedProgramCache(store, read_only=True) as cache:
+        for _ in range(2):  # the second round takes the repeated-hit path
+            assert bytes(compile_program(SAXPY, cache=cache).code) == populated[1]["saxpy"]
+            assert bytes(compile_program(SCALE, cache=cache).code) == populated[1]["scale"]
+        assert compiles.count == 0
+        # A miss: compiled, handed to the caller, the write dropped and counted.
+        code = compile_program(SAXPY, cache=cache, arch="sm_90")
+        assert compiles.count == 1 and len(bytes(code.code)) > 0
+        cache["k"] = b"v"
+        assert cache.get("k") is None
+        stats = cache.stats()
+        assert stats.dropped_writes == 2 and stats.writes == 0
+        assert (stats.hits, stats.entries) == (4, 2)
+        with pytest.raises(ReadOnlyCacheError, match="read-only"):
+            del cache["k"]
+        with pytest.raises(ReadOnlyCacheError, match="read-only"):
+            cache.clear()
+        assert isinstance(ReadOnlyCacheError("x"), PermissionError)
+        assert len(cache) == 2
+    assert listing(store) == before  # no tmp/, no lock file, no mtime moved
+
+
+def test_read_only_never_creates(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="never created"):
+        ContentAddressedProgramCache(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()
+
+
+def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
+    """A store with one good key and one hostile entry per trick; returns it, the good key and an outside file."""
+    root = tmp_path / "hostile"
+    store = CacheStore(root)
+    store.put("good", b"good bytes")
+    outside_dir = tmp_path / "outside"
+    outside_dir.mkdir()
+    secret = b"bytes that live outside the store"
+    outside = outside_dir / "secret"
+    outside.write_bytes(secret)
+    digest = digest_of(secret)
+
+    def manifest(key: str, body: bytes) -> Path:
+        path = Path(store.index.path_for(key_id(key)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+        return path
+
+    def blob_path(d: str) -> Path:
+        path = Path(store.blobs.path_for(d))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # A symlink to a file outside the store, under the right name for its bytes:
+    # following it would even give bytes that match their digest.
+    manifest("symlink-blob", Manifest(digest, len(secret)).encode())
+    blob_path(digest).symlink_to(outside)
+    # A manifest that is itself a symlink to an outside copy of a valid manifest.
+    (outside_dir / "manifest").write_bytes(Manifest(digest_of(b"good bytes"), 10).encode())
+    link = Path(store.index.path_for(key_id("symlink-manifest")))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside_dir / "manifest")
+    # Garbage under a valid name, same size as what the manifest says.
+    real = b"the real content"
+    garbage = b"X" * len(real)
+    manifest("garbage", Manifest(digest_of(real), len(real)).encode())
+    blob_path(digest_of(real)).write_bytes(garbage)
+    # Digests that are not hex, or that climb out of the store.
+    manifest("nonhex", b"cpcas1 " + b"z" * 64 + b" 10\n")
+    manifest("traversal", b"cpcas1 ../../../../../../etc/passwd 10\n")
+    manifest("traversal-64", b"cpcas1 " + (b"../" * 22)[:64] + b" 10\n")
+    # A blob that is a FIFO (a read would block), a manifest that is a directory,
+    # a size no file has, a manifest of megabytes.
+    fifo_bytes = b"fifo"
+    manifest("fifo", Manifest(digest_of(fifo_bytes), len(fifo_bytes)).encode())
+    os.mkfifo(blob_path(digest_of(fifo_bytes)))
+    Path(store.index.path_for(key_id("dir"))).mkdir(parents=True)
+    manifest("huge", Manifest(digest_of(b"good bytes"), 10**15).encode())
+    manifest("long", b"cpcas1 " + b"a" * (4 << 20))
+    return root, {"good": b"good bytes"}, outside
+
+
+HOSTILE_KEYS = ["symlink-blob", "symlink-manifest", "garbage", "nonhex", "traversal", "traversal-64", "fifo", "dir"]
+HOSTILE_KEYS += ["huge", "long"]
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_hostile_shared_store_never_yields_bad_or_outside_bytes(tmp_path: Path, copy: bool) -> None:
+    root, good, _outside = _hostile_store(tmp_path)
+    age(root)
+    before = listing(root)
+    cache = CacheStore(tmp_path / "local", shared=[root], copy_shared_hits=copy)
+    for _ in range(3):  # first sight, then the repeated-hit path
+        for key in HOSTILE_KEYS:
+            assert cache.get(key) is None, key
+        assert cache.get("good") == good["good"]
+    stats = cache.stats()
+    assert stats.misses == 3 * len(HOSTILE_KEYS)
+    assert stats.corrupt + stats.errors == 3 * len(HOSTILE_KEYS)  # every bad file met is counted
+    assert stats.entries == (1 if copy else 0)  # only the good entry was ever copied in
+    assert listing(root) == before
+    # The same store opened directly read-only behaves the same, and stays unchanged.
+    direct = CacheStore(root, read_only=True)
+    for key in HOSTILE_KEYS:
+        assert direct.get(key) is None, key
+    assert direct.get("good") == good["good"]
+    assert listing(root) == before
+
+
+def test_hostile_entries_through_program_cache(tmp_path: Path) -> None:
+    root, _good, _outside = _hostile_store(tmp_path)
+    with ContentAddressedProgramCache(tmp_path / "local", shared=[root]) as cache:
+        for key in HOSTILE_KEYS:
+            assert cache.get(key) is None
+            with pytest.raises(KeyError):
+                cache[key]
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "not-a-cache", "a-file", "newer-layout", "damaged-layout"])
+def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    if kind == "empty":
+        shared.mkdir()
+    elif kind == "not-a-cache":
+        shared.mkdir()
+        (shared / "notes.txt").write_text("hello")
+    elif kind == "a-file":
+        shared.write_text("not a directory")
+    elif kind in ("newer-layout", "damaged-layout"):
+        CacheStore(shared)
+        body = '{"layout": "cuda-program-cas", "version": 99}' if kind == "newer-layout" else "{garbage"
+        (shared / "layout.json").write_text(body)
+    node = tmp_path / "node"
+    CacheStore(node).put("k", b"published bytes")
+    caplog.set_level("DEBUG", logger="cas")
+    cache = CacheStore(tmp_path / "local", shared=[shared])
+    for _ in range(3):
+        assert cache.get("k") is None
+    cache.put("mine", b"local")
+    assert cache.get("mine") == b"local"
+    stats = cache.stats()
+    assert stats.misses == 3 and stats.errors >= 1
+    unusable = [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(unusable) == 1 and unusable[0].levelname == "DEBUG"
+    # The store appears (published by the operator); the open cache starts using it.
+    if kind in ("a-file", "not-a-cache", "newer-layout", "damaged-layout"):
+        if shared.is_dir():
+            shutil.rmtree(shared)
+        else:
+            shared.unlink()
+    elif kind == "empty":
+        shared.rmdir()
+    report = publish([node], shared)
+    assert report.published == 1
+    assert CacheStore(tmp_path / "fresh", shared=[shared]).get("k") == b"published bytes"
+    if kind != "missing":
+        return  # the wait below is the same for every kind; pay for it once
+    deadline = time.monotonic() + 3 * _SHARED_RETRY_S
+    while cache.get("k") is None:
+        assert time.monotonic() < deadline, "the shared store was not picked up after it appeared"
+        time.sleep(0.2)
+    assert cache.get("k") == b"published bytes"
+
+
+@pytest.mark.mount
+def test_shared_store_unmounted_and_remounted(tmp_path: Path, mounts) -> None:
+    src = tmp_path / "store"
+    values = {f"k{i}": os.urandom(100 + i) for i in range(20)}
+    writer = CacheStore(src)
+    for key, value in values.items():
+        writer.put(key, value)
+    mnt = mounts(src, tmp_path / "mnt")
+    cache = CacheStore(tmp_path / "local", shared=[mnt], copy_shared_hits=False)
+    for _ in range(2):
+        assert all(cache.get(k) == v for k, v in values.items())
+    umount(mnt)  # the mount point is now an empty directory
+    assert all(cache.get(k) is None for k in values)
+    mounts(src, mnt)
+    assert all(cache.get(k) == v for k, v in values.items())
+    stats = cache.stats()
+    assert (stats.shared_hits, stats.misses, stats.entries) == (3 * len(values), len(values), 0)
