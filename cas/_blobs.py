@@ -120,18 +120,27 @@ class BlobStore:
             return None
         return dest
 
-    def remove_if_older(self, digest: str, cutoff_ns: int) -> int:
+    def remove_if_older(self, digest: str, cutoff_ns: int, seen: os.stat_result | None = None) -> int:
         """Unlink a blob unless it was written or freshened at or after ``cutoff_ns``.
 
         Returns the bytes freed (0 when it was kept or already gone). The mtime is
         checked just before the unlink so a writer that deduplicated against this
         blob after the collector's scan began keeps it; that writer re-checks the
         blob after committing its manifest, which covers the remaining window.
+
+        ``seen`` is the blob's stat from the scan: a blob newer than the cutoff
+        still goes when it is provably untouched since then (a freshen changes its
+        mtime and ctime), or a blob written just before the scan would outlive its
+        last manifest as an orphan and hold the cache over its cap.
         """
         path = self.path_for(digest)
         try:
             st = os.lstat(path)
-            if st.st_mtime_ns >= cutoff_ns:
+            if st.st_mtime_ns >= cutoff_ns and (
+                seen is None
+                or (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                != (seen.st_ino, seen.st_size, seen.st_mtime_ns, seen.st_ctime_ns)
+            ):
                 return 0
             with_sharing_retry(lambda: os.unlink(path))
         except FileNotFoundError:

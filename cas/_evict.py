@@ -103,7 +103,7 @@ def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> Eviction
         digest = info.manifest.digest
         refs[digest] -= 1
         if refs[digest] == 0 and digest in snap.blobs:
-            freed = blobs.remove_if_older(digest, cutoff)
+            freed = blobs.remove_if_older(digest, cutoff, snap.blobs[digest])
             if freed:
                 result.blobs_removed += 1
                 result.bytes_freed += freed
