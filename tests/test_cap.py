@@ -1,0 +1,398 @@
+"""The size cap: reference-aware LRU eviction down to a low watermark.
+
+Recency is the manifest mtime; tests set it explicitly (``os.utime``) where an
+order is needed, instead of sleeping between writes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+
+import cas._store
+from cas import CacheStore, ContentAddressedProgramCache
+from index import key_id
+
+MANIFEST_BYTES = len(b"cpcas1 ") + 64 + 1 + 4 + 1  # a manifest of a 1000..9999-byte blob
+
+
+def value(i: int, size: int = 1000) -> bytes:
+    """Distinct, deterministic content per ``i``."""
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def mpath(root: Path, key: str) -> Path:
+    kid = key_id(key)
+    return root / "index" / kid[:2] / kid[2:]
+
+
+def bpath(root: Path, data: bytes) -> Path:
+    digest = blake3(data).hexdigest()
+    return root / "blobs" / digest[:2] / digest[2:]
+
+
+def age(path: Path, seconds_ago: float) -> None:
+    t = time.time_ns() - int(seconds_ago * 1e9)
+    os.utime(path, ns=(t, t))
+
+
+def on_disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for sub in ("index", "blobs") for p in (root / sub).rglob("*") if p.is_file())
+
+
+# -- the bound -------------------------------------------------------------------
+
+
+def test_stored_bytes_never_exceed_the_cap(cache_dir: Path) -> None:
+    cap = 20_000
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    for i in range(60):
+        cache[f"k{i}"] = value(i)
+        stats = cache.stats()
+        assert stats.stored_bytes <= cap, (i, stats)
+        assert stats.stored_bytes == on_disk_bytes(cache_dir)
+    assert cache.stats().evictions > 0
+    assert cache["k59"] == value(59)  # the newest entry is there
+
+
+def test_a_shared_blob_counts_once(cache_dir: Path) -> None:
+    data = value(1, 4000)
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=6000)
+    for i in range(20):
+        cache[f"k{i}"] = data
+    stats = cache.stats()
+    assert stats.logical_bytes == 20 * 4000  # far over the cap as if each key had a copy...
+    assert stats.stored_bytes == 4000 + 20 * MANIFEST_BYTES  # ...but the blob is stored once
+    assert stats.evictions == 0
+    assert stats.entries == 20
+
+
+def test_a_value_larger_than_the_cap_does_not_stay(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=5000)
+    cache["small"] = value(1)
+    cache["huge"] = value(2, 50_000)
+    assert cache.stats().stored_bytes <= 5000
+
+
+# -- LRU order -------------------------------------------------------------------
+
+
+def test_recently_read_keys_survive(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=12 * (1000 + MANIFEST_BYTES))
+    for i in range(10):
+        cache[f"k{i}"] = value(i)
+    for i in range(10):  # k0 oldest ... k9 newest
+        age(mpath(cache_dir, f"k{i}"), 100 - i)
+    reader = ContentAddressedProgramCache(cache_dir)
+    assert reader["k0"] == value(0)  # reading makes the two oldest the most recent
+    assert reader["k1"] == value(1)
+    for i in range(10, 14):  # over the cap: evict to 80 %
+        cache[f"k{i}"] = value(i)
+    alive = {i for i in range(14) if cache.get(f"k{i}") is not None}
+    assert {0, 1} <= alive
+    assert {10, 11, 12, 13} <= alive
+    assert 2 not in alive and 3 not in alive  # the least recently used went first
+    evicted = set(range(14)) - alive
+    assert evicted == set(range(2, 2 + len(evicted)))  # and strictly in LRU order
+    assert cache.stats().evictions == len(evicted)
+
+
+# -- reference awareness -----------------------------------------------------------
+
+
+def test_a_shared_blob_goes_only_with_its_last_key(cache_dir: Path) -> None:
+    store = CacheStore(cache_dir)
+    shared, own = value(1), value(2)
+    store.put("a", shared)
+    store.put("b", own)
+    store.put("c", shared)
+    age(mpath(cache_dir, "a"), 30)
+    age(mpath(cache_dir, "b"), 20)
+    age(mpath(cache_dir, "c"), 10)
+    for data in (shared, own):
+        age(bpath(cache_dir, data), 60)
+
+    # Remove one manifest's worth: "a" goes, but "c" still names the shared blob.
+    snap = store.snapshot()
+    result = store.evict_to(snap, snap.stored_bytes - 1)
+    assert result.manifests_removed == 1
+    assert result.blobs_removed == 0
+    assert bpath(cache_dir, shared).exists()
+    assert store.get("a") is None
+    assert store.get("c") == shared
+
+    age(mpath(cache_dir, "c"), 5)  # "b" is now the oldest, then "c"
+    snap = store.snapshot()
+    result = store.evict_to(snap, 0)
+    assert result.manifests_removed == 2
+    assert result.blobs_removed == 2  # each blob went with its last key
+    assert result.bytes_freed == snap.stored_bytes
+    assert not bpath(cache_dir, shared).exists()
+    assert not bpath(cache_dir, own).exists()
+
+
+@pytest.mark.parametrize("blob_age", [60.0, 0.0], ids=["old-blob", "young-blob"])
+def test_a_blob_freshened_after_the_scan_began_survives(cache_dir: Path, blob_age: float) -> None:
+    store = CacheStore(cache_dir)
+    data, other = value(1), value(2)
+    store.put("old", data)
+    store.put("gone", other)
+    for path in (mpath(cache_dir, "old"), mpath(cache_dir, "gone")):
+        age(path, 60)
+    if blob_age:
+        for path in (bpath(cache_dir, data), bpath(cache_dir, other)):
+            age(path, blob_age)
+    snap = store.snapshot()  # the evictor's scan: "old" is the only key naming `data`
+    time.sleep(0.06)  # past the evictor's allowance for coarse file-system clocks
+    CacheStore(cache_dir).put("new", data)  # a writer deduplicates against it: freshened
+    result = store.evict_to(snap, 0)
+    assert result.manifests_removed == 2
+    assert result.blobs_removed == 1  # `other`, not the freshened one
+    assert bpath(cache_dir, data).exists()
+    assert not bpath(cache_dir, other).exists()
+    assert store.get("new") == data
+    assert store.get("old") is None
+
+
+def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
+    store = CacheStore(cache_dir)
+    store.put("k", value(0))
+    young, old = value(1), value(2)
+    # A writer that died between its blob and its manifest leaves an orphan.
+    store.blobs.put(young, blake3(young).hexdigest())
+    store.blobs.put(old, blake3(old).hexdigest())
+    age(bpath(cache_dir, old), cas._store.ORPHAN_GRACE_S + 60)
+    age(bpath(cache_dir, young), cas._store.ORPHAN_GRACE_S - 60)
+
+    # Even a target of zero leaves a young orphan alone: its manifest may be on the way.
+    snap = store.snapshot()
+    result = store.evict_to(snap, 0)
+    assert bpath(cache_dir, young).exists()
+    assert not bpath(cache_dir, old).exists()
+    assert result.blobs_removed == 2  # the old orphan, and the blob of "k"
+
+    store.put("late", young)  # the writer's manifest arrives: the blob is there
+    assert store.get("late") == young
+
+
+def test_orphans_are_collected_under_the_cap_once_past_grace(cache_dir: Path) -> None:
+    cap = 10_000
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    store = cache.store
+    orphan = value(99, 3000)
+    store.blobs.put(orphan, blake3(orphan).hexdigest())
+    age(bpath(cache_dir, orphan), cas._store.ORPHAN_GRACE_S + 1)
+    for i in range(8):
+        cache[f"k{i}"] = value(i)
+    assert not bpath(cache_dir, orphan).exists()  # an old orphan goes before any live key
+    assert cache.stats().stored_bytes <= cap
+
+
+def test_garbage_manifests_go_before_live_keys(cache_dir: Path) -> None:
+    store = CacheStore(cache_dir)
+    store.put("live", value(1))
+    store.put("dangling", value(2))
+    store.put("garbled", value(3))
+    bpath(cache_dir, value(2)).unlink()
+    mpath(cache_dir, "garbled").write_bytes(b"not a manifest")
+    age(mpath(cache_dir, "live"), 1000)  # the oldest of all, yet it is kept
+    snap = store.snapshot()
+    result = store.evict_to(snap, snap.stored_bytes - 1)
+    assert result.manifests_removed == 2
+    assert store.get("live") == value(1)
+
+
+# -- amortised eviction ------------------------------------------------------------
+
+
+class ScanCounter:
+    """Counts full scans (instrumentation: the real scan runs)."""
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.quick = 0
+        self._real = cas._store.take_snapshot
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("read_manifests", True):
+            self.full += 1
+        else:
+            self.quick += 1
+        return self._real(*args, **kwargs)
+
+
+def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cap = 100 * (1000 + MANIFEST_BYTES)
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    for i in range(100):  # fill to just under the cap
+        cache[f"fill{i}"] = value(i)
+    scans = ScanCounter()
+    monkeypatch.setattr(cas._store, "take_snapshot", scans)
+    writes = 400
+    for i in range(writes):
+        cache[f"k{i}"] = value(1000 + i)
+    low = int(cap * cas._store.LOW_WATERMARK)
+    # Each eviction frees at least cap - low, so 400 writes at the cap need at
+    # most about writes * size / (cap - low) scans, not one per write.
+    bound = writes * (1000 + MANIFEST_BYTES) // (cap - low) + 2
+    assert 1 <= scans.full <= bound, (scans.full, bound)
+    assert scans.full < writes // 10
+    monkeypatch.undo()
+    stats = cache.stats()
+    assert stats.stored_bytes <= cap
+    assert stats.evictions >= writes - 100
+
+
+def test_one_eviction_lands_at_the_low_watermark(cache_dir: Path) -> None:
+    cap = 50 * (1000 + MANIFEST_BYTES)
+    store = CacheStore(cache_dir, max_size_bytes=cap)
+    i = 0
+    while store.stats().evictions == 0:
+        store.put(f"k{i}", value(i))
+        i += 1
+    low = int(cap * cas._store.LOW_WATERMARK)
+    after = store.stats().stored_bytes
+    assert after <= low
+    assert after > low - 2 * (1000 + MANIFEST_BYTES)  # not much further than needed
+
+
+# -- one evictor at a time ---------------------------------------------------------------
+
+_HOLD_LOCK = textwrap.dedent(
+    """
+    import sys, filelock
+    lock = filelock.FileLock(sys.argv[1], timeout=0)
+    lock.acquire(blocking=False)
+    print("held", flush=True)
+    sys.stdin.read()  # hold until the test closes our stdin
+    """
+)
+
+
+def test_a_writer_does_not_wait_for_a_running_evictor(cache_dir: Path) -> None:
+    cap = 10 * (1000 + MANIFEST_BYTES)
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(cache_dir / "evict.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+
+        def write_past_the_cap() -> None:
+            for i in range(30):
+                cache[f"k{i}"] = value(i)
+
+        writer = threading.Thread(target=write_past_the_cap, daemon=True)
+        writer.start()
+        writer.join(30)
+        assert not writer.is_alive(), "a writer waited for the eviction lock"
+        stats = cache.stats()
+        assert stats.evictions == 0  # another process is evicting: this one left it alone
+        assert stats.entries == 30
+        assert stats.stored_bytes > cap
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    cache["one more"] = value(100)  # the lock is free: the next write over the cap evicts
+    stats = cache.stats()
+    assert stats.evictions > 0
+    assert stats.stored_bytes <= cap
+
+
+def test_enforce_cap_returns_none_while_another_process_holds_the_lock(cache_dir: Path) -> None:
+    store = CacheStore(cache_dir, max_size_bytes=5000)
+    for i in range(3):
+        store.put(f"k{i}", value(i))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(cache_dir / "evict.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        for i in range(3, 10):
+            store.put(f"k{i}", value(i))
+        assert store.enforce_cap() is None
+        assert store.stats().stored_bytes > 5000
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    result = store.enforce_cap()
+    assert result is not None and result.manifests_removed > 0
+    assert store.stats().stored_bytes <= 5000
+
+
+# -- recency touches ---------------------------------------------------------------------
+
+
+def test_a_hit_touches_an_old_manifest(cache_dir: Path) -> None:
+    ContentAddressedProgramCache(cache_dir)["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 10)
+    before = time.time_ns()
+    assert ContentAddressedProgramCache(cache_dir)["k"] == b"v"
+    assert manifest.stat().st_mtime_ns >= before - 20_000_000  # coarse fs clock
+
+
+def test_a_hit_skips_the_touch_when_the_manifest_is_under_a_second_old(cache_dir: Path) -> None:
+    ContentAddressedProgramCache(cache_dir)["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 0.5)
+    stamped = manifest.stat().st_mtime_ns
+    reader = ContentAddressedProgramCache(cache_dir)
+    for _ in range(5):
+        assert reader["k"] == b"v"
+    assert manifest.stat().st_mtime_ns == stamped
+
+
+def test_recency_is_never_coarser_than_a_second(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir)
+    cache["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 2)
+    assert cache["k"] == b"v"
+    first = manifest.stat().st_mtime_ns
+    assert cache["k"] == b"v"  # within the second: no touch
+    assert manifest.stat().st_mtime_ns == first
+    time.sleep(1.05)
+    assert cache["k"] == b"v"  # a second later, the same instance touches again
+    assert manifest.stat().st_mtime_ns > first
+
+
+def test_a_read_only_hit_never_touches(cache_dir: Path) -> None:
+    ContentAddressedProgramCache(cache_dir)["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 100)
+    stamped = manifest.stat().st_mtime_ns
+    assert ContentAddressedProgramCache(cache_dir, read_only=True)["k"] == b"v"
+    assert manifest.stat().st_mtime_ns == stamped
+
+
+def test_the_touch_uses_mtime_not_atime(cache_dir: Path) -> None:
+    # Eviction must see a read even on a noatime mount: the manifest mtime moves.
+    ContentAddressedProgramCache(cache_dir)["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 100)
+    old = manifest.stat().st_mtime_ns
+    assert ContentAddressedProgramCache(cache_dir)["k"] == b"v"
+    assert manifest.stat().st_mtime_ns > old + 50 * 10**9
