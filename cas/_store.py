@@ -511,8 +511,10 @@ class CacheStore:
         for info in snap.manifests:
             self.index.remove_if_unchanged(info.key_id, info.stat)
         cutoff = snap.started_ns - CLOCK_SLACK_NS
-        for digest in snap.blobs:
-            self.blobs.remove_if_older(digest, cutoff)
+        for digest, st in snap.blobs.items():
+            # A blob named by a manifest removed above goes if untouched since the
+            # scan; an orphan may be a writer's, between its blob and its manifest.
+            self.blobs.remove_if_older(digest, cutoff, st if snap.refs[digest] else None)
         self._sweep_stale_tmp()
         self._forget()
         self._approx = None
