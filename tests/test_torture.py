@@ -91,11 +91,6 @@ def test_corruption(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not is_root(), reason="handing the cache to an unprivileged user needs root")
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: an unreadable index shard directory makes stats() and every capped put() raise "
-    "PermissionError (Index.scan lets os.scandir's error escape)",
-)
 def test_unreadable_files_as_unprivileged_user(tmp_path: Path) -> None:
     """chmod 000 on a blob, a manifest and two shard directories, used by uid 65534: misses, counted."""
     rep = torture.run_unreadable(str(tmp_path))

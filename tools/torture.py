@@ -724,7 +724,7 @@ store = CacheStore(root)
 keys = range(40)
 for i in keys:
     store.put(torture.key_name(i), torture.content(i))
-out = {"failures": [], "faults": 0, "operations": 0}
+out = {"failures": [], "faults": 0, "operations": 0, "put_denied": 0}
 def blob(i):
     return store.blobs.path_for(torture.blake3(torture.content(i)).hexdigest())
 def man(i):
@@ -762,6 +762,12 @@ for i in keys:
     for who in (fresh, capped):
         try:
             who.put(torture.key_name(i), torture.content(i))
+        except PermissionError:
+            # A shard directory we may not write: a configuration error, which
+            # propagates (as in FileStreamProgramCache); only there.
+            if os.path.dirname(blob(i)) not in locked and os.path.dirname(man(i)) not in locked:
+                out["failures"].append(f"unreadable: put({i}) raised PermissionError outside the locked shards")
+            out["put_denied"] += 1
         except Exception as exc:
             how = "with a cap " if who is capped else ""
             out["failures"].append(f"unreadable: put({i}) {how}raised {type(exc).__name__}: {exc}")
@@ -805,7 +811,10 @@ def run_unreadable(workdir: str) -> Report:
         rep.operations = out["operations"]
         for message in out["failures"]:
             rep.fail(message)
-        rep.notes.append(f"unreadable (as uid 65534): {out['faults']} faults, stats().errors={out['errors']}")
+        rep.notes.append(
+            f"unreadable (as uid 65534): {out['faults']} faults, stats().errors={out['errors']}, "
+            f"{out['put_denied']} puts into a locked shard raised PermissionError (by design)"
+        )
         return rep
     finally:
         for dirpath, dirnames, _ in os.walk(base):
@@ -1346,7 +1355,7 @@ def run(args: argparse.Namespace, workdir: str) -> list[Report]:
             rep = run_paths(workdir)
         else:
             rep = run_shared(
-                workdir, nodes=max(1, args.processes - 2), seconds=args.seconds, cap=args.cap, seed=args.seed
+                workdir, nodes=max(1, args.processes - 2), seconds=args.shared_seconds, cap=args.cap, seed=args.seed
             )
         if not rep.seconds:
             rep.seconds = round(time.monotonic() - t0, 1)
@@ -1383,6 +1392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {','.join(SCENARIOS)}")
     p.add_argument("--processes", "-p", type=int, default=4, help="mixed-load processes (default 4)")
     p.add_argument("--seconds", "-t", type=float, default=60.0, help="mixed-load duration (default 60)")
+    p.add_argument("--shared-seconds", type=float, default=30.0, help="shared-store duration (default 30)")
     p.add_argument("--kills", type=int, default=100, help="SIGKILLs in the crash scenario (default 100)")
     p.add_argument("--crash-processes", type=int, default=2, help="writers killed per crash round (default 2)")
     p.add_argument("--corrupt-rounds", type=int, default=5, help="rounds of fault injection (default 5)")
