@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
+from ._cli import add_json_arg, fmt_bytes, plural, print_json
 from ._publish import publish
 
 __all__ = ["register", "run"]
@@ -31,16 +30,21 @@ def register(subparsers: Any) -> None:
         help="make files group-readable and directories group-accessible and setgid (default: follow the umask)",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and verify everything, write nothing")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_json_arg(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = publish(args.sources, args.dest, group_shared=args.group_shared, dry_run=args.dry_run)
+    report = publish(
+        args.sources,
+        args.dest,
+        group_shared=args.group_shared,
+        dry_run=args.dry_run,
+        progress=getattr(args, "progress", None),
+    )
     if args.json:
-        print(json.dumps(report.to_dict(), sort_keys=True))
+        print_json(report.to_dict())
         return 1 if report.problems else 0
-    out = sys.stdout
     for label, items in (
         ("bad blob (skipped)", report.bad_blobs),
         ("missing blob (skipped)", report.missing_blobs),
@@ -48,34 +52,22 @@ def run(args: argparse.Namespace) -> int:
         ("error", report.errors),
     ):
         for item in items:
-            print(f"{label}: {item}", file=out)
+            print(f"{label}: {item}")
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (
-        f"{verb} {new:,} {_plural(new, 'entry', 'entries')} and {report.blobs_published:,} "
-        f"{_plural(report.blobs_published, 'blob', 'blobs')} ({_size(report.bytes_published)}) "
-        f"from {len(report.sources)} {_plural(len(report.sources), 'cache', 'caches')} into {report.dest}"
+        f"{verb} {plural(new, 'entry', 'entries')} and {plural(report.blobs_published, 'blob')} "
+        f"({fmt_bytes(report.bytes_published)}) from {plural(len(report.sources), 'cache')} into {report.dest}"
     )
     extras = []
     if report.created:
         extras.append("store " + ("would be created" if report.dry_run else "created"))
     extras.append(f"{report.unchanged:,} already there")
     if report.replaced:
-        extras.append(f"{report.replaced:,} broken {_plural(report.replaced, 'entry', 'entries')} replaced")
+        extras.append(f"{plural(report.replaced, 'broken entry', 'broken entries')} replaced")
     if report.conflicts:
-        extras.append(f"{report.conflicts:,} {_plural(report.conflicts, 'conflict', 'conflicts')} kept as published")
+        extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
     if report.problems:
-        extras.append(f"{report.problems:,} {_plural(report.problems, 'problem', 'problems')}")
-    print(f"{line}; {', '.join(extras)}", file=out)
+        extras.append(plural(report.problems, "problem"))
+    print(f"{line}; {', '.join(extras)}")
     return 1 if report.problems else 0
-
-
-def _plural(n: int, one: str, many: str) -> str:
-    return one if n == 1 else many
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
