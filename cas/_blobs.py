@@ -60,18 +60,20 @@ class BlobStore:
         """
         return read_regular(self.path_for(digest), size)
 
-    def put(self, data: bytes | memoryview, digest: str) -> bool:
+    def put(self, data: bytes | memoryview, digest: str) -> bool | None:
         """Store ``data`` (whose digest the caller computed); True if it was already stored.
 
         An existing blob of the right size is freshened (mtime set to now) rather
-        than rewritten; one of the wrong size is damaged and replaced.
+        than rewritten; one of the wrong size is damaged and replaced. None when
+        the write was dropped (a Windows sharing violation outlasted the retries).
         """
         if self._tmp is None:
             raise PermissionError(f"blob store at {self.directory} is read-only")
         path = self.path_for(digest)
         if self.freshen(path, len(data)):
             return True
-        atomic_write(path, data, self._tmp, mode=self._mode)
+        if not atomic_write(path, data, self._tmp, mode=self._mode):
+            return None
         return False
 
     def freshen(self, path: str, size: int) -> bool:

@@ -415,6 +415,8 @@ class CacheStore:
     def _commit(self, kid: str, data: bytes, digest: str) -> bool | None:
         """Blob first, then manifest, then re-check the blob. True if the blob existed; None if dropped."""
         existed = self.blobs.put(data, digest)
+        if existed is None:
+            return None  # the blob was not stored: a manifest must not name it
         manifest = Manifest(digest, len(data))
         try:
             committed = self.index.write(kid, manifest)
