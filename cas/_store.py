@@ -510,10 +510,14 @@ class CacheStore:
         if self.read_only:
             raise self._refuse("clear")
         snap = take_snapshot(self.index, self.blobs)
+        refs = snap.refs.copy()
         for info in snap.manifests:
-            self.index.remove_if_unchanged(info.key_id, info.stat)
+            if self.index.remove_if_unchanged(info.key_id, info.stat) and info.manifest is not None:
+                refs[info.manifest.digest] -= 1
         cutoff = snap.started_ns - CLOCK_SLACK_NS
         for digest, st in snap.blobs.items():
+            if refs[digest] > 0:
+                continue  # a manifest kept above (touched, rewritten or held open) still names it
             # A blob named by a manifest removed above goes if untouched since the
             # scan; an orphan may be a writer's, between its blob and its manifest.
             self.blobs.remove_if_older(digest, cutoff, st if snap.refs[digest] else None)
