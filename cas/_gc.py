@@ -15,10 +15,11 @@ What goes, in the order it is carried out:
 - with ``verify``, blobs that fail their hash, moved to ``quarantine/``.
 
 Manifests go before blobs; every removal re-checks that the file is still the
-one the scan saw, so entries written, replaced or used while the collector runs
-are kept. Manifests written after the scan began are never chosen. One collector
-at a time: the cache's ``evict.lock`` (shared with size-cap eviction) is taken
-without blocking; a busy lock raises :class:`CollectorBusyError`.
+one the scan saw (a blob: not written or freshened since the scan began), so
+entries written, replaced or used while the collector runs are kept. Manifests
+written after the scan began are never chosen. One collector at a time: the
+cache's ``evict.lock`` (shared with size-cap eviction) is taken without
+blocking; a busy lock raises :class:`CollectorBusyError`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from index import Index
 
 from ._blobs import BlobStore
 from ._errors import CacheError
-from ._evict import CLOCK_SLACK_NS, EvictionPlan, execute_plan, plan_lru
+from ._evict import CLOCK_SLACK_NS, plan_lru
 from ._layout import Layout
 from ._scan import ManifestInfo, Snapshot, take_snapshot
 from ._verify import ProgressFn, check_blob, open_cache, stale_temp_files
@@ -321,23 +322,43 @@ def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore) -> N
         report.temp_files_removed += 1
         report.temp_bytes_freed += st.st_size
 
-    # execute_plan removes manifests, then each blob whose last reference went
-    # (mtime-guarded against the scan start), then the orphans (mtime-guarded
-    # against their own stat). Corrupt blobs are kept out of it: they are
-    # quarantined below, not deleted.
-    removable = {d: st for d, st in snap.blobs.items() if d not in plan.corrupt} if plan.blobs_removable else {}
-    view = Snapshot(snap.started_ns, snap.manifests, removable, snap.refs)
-    manifests = plan.all_manifests()
+    # Manifests first, each only if still the file the scan saw (used, rewritten
+    # or removed since: kept). A blob goes when its last manifest went, only if
+    # not written or freshened since the scan began: a writer that deduplicated
+    # against it may have committed a manifest the scan did not see. The scan
+    # stats blobs after manifests, so a blob whose scan stat is already newer than
+    # the cutoff gets no exemption. Orphans go only if unchanged since the scan.
+    cutoff = snap.started_ns - CLOCK_SLACK_NS
+    refs = snap.refs.copy()
+    expected = 0
     try:
-        result = execute_plan(EvictionPlan(view, manifests, plan.orphans), index, blobs)
+        for info in plan.all_manifests():
+            if not index.remove_if_unchanged(info.key_id, info.stat):
+                report.kept_changed += 1
+                continue
+            report.entries_removed += 1
+            report.bytes_freed += info.stat.st_size
+            if info.manifest is None:
+                continue
+            digest = info.manifest.digest
+            refs[digest] -= 1
+            if refs[digest] or not plan.blobs_removable or digest not in snap.blobs or digest in plan.corrupt:
+                continue
+            expected += 1
+            freed = blobs.remove_if_older(digest, cutoff)
+            if freed:
+                report.blobs_removed += 1
+                report.bytes_freed += freed
+        for digest in plan.orphans:
+            expected += 1
+            freed = blobs.remove_if_older(digest, snap.blobs[digest].st_mtime_ns + 1)
+            if freed:
+                report.blobs_removed += 1
+                report.bytes_freed += freed
     except OSError as exc:
         report.problem(f"stopped removing files: {exc}")
         return
-    report.entries_removed = result.manifests_removed
-    report.blobs_removed = result.blobs_removed
-    report.bytes_freed = result.bytes_freed
-    expected_blobs = len(plan.unreferenced) + len(plan.orphans)
-    report.kept_changed = (len(manifests) - result.manifests_removed) + max(0, expected_blobs - result.blobs_removed)
+    report.kept_changed += expected - report.blobs_removed
 
     for digest, st in plan.corrupt.items():
         where = blobs.quarantine(digest, st)

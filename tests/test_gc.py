@@ -1,0 +1,431 @@
+"""The garbage collector (cas._gc.collect and tools/gc.py): what goes, what stays, under load."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_python
+
+from cas import CacheStore, digest_of
+from cas._gc import CollectorBusyError, collect
+from cas._verify import verify
+from index import Manifest, key_id
+
+DAY = 86400
+
+
+def content(tag: str) -> bytes:
+    """Deterministic bytes of 2-6 KB for a tag (so another process can recompute them)."""
+    seed = hashlib.sha256(tag.encode()).digest()
+    return (seed * 200)[: 2000 + seed[0] * 16]
+
+
+def age(path: str | Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def age_tree(root: str | Path, seconds: float) -> None:
+    for sub in ("index", "blobs"):
+        for dirpath, _dirs, files in os.walk(os.path.join(root, sub)):
+            for name in files:
+                age(os.path.join(dirpath, name), seconds)
+
+
+def listing(root: str | Path) -> dict[str, tuple[int, int, int, int, int]]:
+    """Every file and directory under root with what any change would alter."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+def orphan(store: CacheStore, data: bytes) -> str:
+    """A blob that no manifest names (a writer died between blob and manifest)."""
+    digest = digest_of(data)
+    store.blobs.put(data, digest)
+    return store.blobs.path_for(digest)
+
+
+def garbage_cache(root: Path) -> tuple[CacheStore, dict[str, str]]:
+    """A cache with live entries and one of each kind of garbage; returns the paths of the garbage."""
+    store = CacheStore(root)
+    for i in range(5):
+        store.put(f"live{i}", content(f"live{i}"))
+    paths = {}
+    paths["old_orphan"] = orphan(store, content("old orphan"))
+    age(paths["old_orphan"], 2 * 3600)
+    paths["young_orphan"] = orphan(store, content("young orphan"))
+    store.put("dangling", content("dangling"))
+    os.unlink(store.blobs.path_for(digest_of(content("dangling"))))
+    paths["dangling"] = store.index.path_for(key_id("dangling"))
+    paths["garbled"] = store.index.path_for(key_id("garbled"))
+    os.makedirs(os.path.dirname(paths["garbled"]), exist_ok=True)
+    Path(paths["garbled"]).write_bytes(b"cpcas1 not a digest\n")
+    # A manifest whose size disagrees with its (shared, good) blob.
+    store.index.write(key_id("mismatch"), Manifest(digest_of(content("live0")), 7))
+    paths["mismatch"] = store.index.path_for(key_id("mismatch"))
+    paths["old_tmp"] = os.path.join(root, "tmp", "123-dead.tmp")
+    Path(paths["old_tmp"]).write_bytes(b"x" * 100)
+    age(paths["old_tmp"], 2 * 3600)
+    paths["young_tmp"] = os.path.join(root, "tmp", "456-busy.tmp")
+    Path(paths["young_tmp"]).write_bytes(b"y" * 100)
+    return store, paths
+
+
+def test_collect_removes_each_kind_of_garbage_and_keeps_the_rest(tmp_path: Path) -> None:
+    store, paths = garbage_cache(tmp_path / "cas")
+    report = collect(store.root)
+    assert not report.problems and not report.dry_run
+    for gone in ("old_orphan", "dangling", "garbled", "mismatch", "old_tmp"):
+        assert not os.path.lexists(paths[gone]), gone
+    for kept in ("young_orphan", "young_tmp"):
+        assert os.path.exists(paths[kept]), kept
+    assert report.entries_before == 8 and report.entries_removed == 3 and report.entries_after == 5
+    assert report.blobs_removed == 1 and report.temp_files_removed == 1
+    plan = report.plan
+    assert plan["invalid_manifests"]["count"] == plan["dangling_manifests"]["count"] == 1
+    assert plan["size_mismatch_manifests"]["count"] == plan["orphan_blobs"]["count"] == 1
+    assert plan["unreferenced_blobs"]["count"] == 0  # live0's blob is still named by live0
+    assert report.bytes_freed == sum(v["bytes"] for k, v in plan.items() if k != "temp_files")
+    for i in range(5):
+        assert store.get(f"live{i}") == content(f"live{i}")
+    again = collect(store.root)
+    assert again.entries_removed == again.blobs_removed == again.temp_files_removed == 0
+
+
+def test_last_manifest_takes_its_blob_unless_the_blob_was_freshened(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cas")
+    store.put("a", content("X"))
+    store.put("b", content("X"))  # shares a's blob
+    store.put("c", content("Y"))
+    store.put("d", content("Z"))
+    store.put("e", content("fresh"))
+    age_tree(store.root, 2 * DAY)
+    for key in ("b", "e"):
+        age(store.index.path_for(key_id(key)), 60)  # used recently
+    z = digest_of(content("Z"))
+
+    def freshen_z_after_the_scan(phase: str, done: int, total: int) -> None:
+        if phase == "removing":  # the plan is made: a writer now deduplicates against Z
+            assert store.blobs.freshen(store.blobs.path_for(z), len(content("Z")))
+
+    report = collect(store.root, max_age_s=DAY, progress=freshen_z_after_the_scan)
+
+    assert report.plan["expired_entries"]["count"] == 3  # a, c, d
+    assert report.entries_removed == 3
+    assert store.get("b") == content("X")  # X stays: b still names it
+    assert not store.blobs.exists(digest_of(content("Y")))  # Y goes at once, no grace
+    assert store.blobs.exists(z)  # Z was freshened: kept
+    assert report.blobs_removed == 1 and report.kept_changed == 1
+    assert store.get("e") == content("fresh")
+
+
+def test_verify_moves_corrupt_blobs_to_quarantine_and_drops_their_manifests(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cas")
+    for key in ("a", "b"):
+        store.put(key, content("X"))
+    store.put("c", content("Y"))
+    bad = store.blobs.path_for(digest_of(content("X")))
+    data = bytearray(Path(bad).read_bytes())
+    data[100] ^= 0xFF  # same size, wrong bytes
+    Path(bad).write_bytes(bytes(data))
+
+    plain = collect(store.root)
+    assert plain.entries_removed == 0 and os.path.exists(bad)  # not detected without hashing
+
+    report = collect(store.root, verify=True)
+    assert report.plan["corrupt_blobs"]["count"] == 1
+    assert report.plan["corrupt_blob_manifests"]["count"] == 2
+    assert report.entries_removed == 2 and report.blobs_removed == 1
+    assert not os.path.exists(bad)
+    moved = os.listdir(tmp_path / "cas" / "quarantine")
+    assert len(moved) == 1 and moved[0].startswith(digest_of(content("X")))
+    assert store.get("a") is None and store.get("c") == content("Y")
+    assert verify(store.root).problems == []
+
+
+def test_max_size_evicts_least_recently_used_and_counts_shared_blobs_once(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cas")
+    for i in range(10):
+        store.put(f"k{i}", content(f"k{i}"))
+    store.put("twin", content("k9"))  # shares k9's blob
+    age_tree(store.root, DAY)
+    for i in range(10):  # k0 least recently used ... k9 most
+        age(store.index.path_for(key_id(f"k{i}")), 1000 - i * 10)
+    age(store.index.path_for(key_id("twin")), 5000)  # oldest, but its blob is shared with k9
+    before = store.snapshot().stored_bytes
+    sizes = {i: len(content(f"k{i}")) for i in range(10)}
+    target = before - sizes[0] - sizes[1] - 100
+
+    report = collect(store.root, max_size=target)
+
+    assert report.bytes_after <= target
+    assert store.snapshot().stored_bytes == report.bytes_after
+    gone = {k for k in ["twin", *(f"k{i}" for i in range(10))] if store.get(k) is None}
+    # twin goes first (frees only its manifest: k9 still names its blob), then k0 and k1.
+    assert gone == {"twin", "k0", "k1"}
+    assert store.get("k9") == content("k9")
+    assert report.plan["evicted_entries"]["count"] == 3 and report.blobs_removed == 2
+
+
+def test_max_size_never_evicts_entries_written_after_the_scan_began(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "cas")
+    for i in range(4):
+        store.put(f"k{i}", content(f"k{i}"))
+    age_tree(store.root, DAY)
+    future = time.time() + 30  # stands for "written while the collector runs"
+    os.utime(store.index.path_for(key_id("k3")), (future, future))
+    report = collect(store.root, max_size=0)
+    assert report.entries_removed == 3
+    assert store.get("k3") == content("k3")
+
+
+def test_dry_run_changes_nothing_and_predicts_the_real_run(tmp_path: Path) -> None:
+    store, paths = garbage_cache(tmp_path / "cas")
+    bad = store.blobs.path_for(digest_of(content("live4")))
+    Path(bad).write_bytes(b"\0" * len(content("live4")))
+    # Older than the clock slack, younger than the grace: the real run then sees what the plan saw.
+    age_tree(store.root, 600)
+    age(paths["old_orphan"], 2 * 3600)
+    age(store.index.path_for(key_id("live1")), 3 * DAY)
+    options = {"verify": True, "max_age_s": DAY, "max_size": 5000}
+    before = listing(store.root)
+
+    plan = collect(store.root, dry_run=True, **options)
+
+    assert listing(store.root) == before  # not a file added, removed, touched, nor the lock created
+    assert not os.path.exists(tmp_path / "cas" / "evict.lock")
+    assert plan.dry_run and plan.entries_removed > 0 and plan.blobs_removed > 0
+    real = collect(store.root, **options)
+    for name in ("entries_removed", "blobs_removed", "bytes_freed", "temp_files_removed", "plan"):
+        assert getattr(real, name) == getattr(plan, name), name
+
+
+_HOLD_LOCK = """
+import sys, filelock
+lock = filelock.FileLock(sys.argv[1]); lock.acquire()
+print("locked", flush=True); sys.stdin.read()
+"""
+
+
+def test_busy_lock_changes_nothing(tmp_path: Path) -> None:
+    store, paths = garbage_cache(tmp_path / "cas")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, os.path.join(store.root, "evict.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        before = listing(store.root)
+        with pytest.raises(CollectorBusyError, match="evict.lock"):
+            collect(store.root)
+        res = subprocess.run(
+            [sys.executable, str(REPO / "tools" / "gc.py"), store.root],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert res.returncode == 1 and res.stdout == ""
+        assert res.stderr.count("\n") == 1 and "busy" in res.stderr and "Traceback" not in res.stderr
+        assert listing(store.root) == before
+        t0 = time.monotonic()
+        with pytest.raises(CollectorBusyError):
+            collect(store.root, wait_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        holder.communicate("", timeout=30)
+    assert collect(store.root).entries_removed == 3  # free again
+
+
+_WORKER = r"""
+import hashlib, os, random, sys, time
+from cas import CacheStore
+
+role, root, wid, npre, ready, go, stop, out = sys.argv[1:]
+wid, npre = int(wid), int(npre)
+
+def content(tag):
+    seed = hashlib.sha256(tag.encode()).digest()
+    return (seed * 200)[: 2000 + seed[0] * 16]
+
+def source(w, n):
+    # Every other write stores bytes equal to a pre-existing blob that the collector is removing.
+    return f"pre{(n * 7 + w) % npre}" if n % 2 == 0 else f"w{w}-{n}"
+
+store = CacheStore(root)
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.001)
+if role == "writer":
+    lines, n = [], 0
+    while not os.path.exists(stop):
+        key = f"w{wid}-{n}"
+        t = time.time_ns()
+        if not store.put(key, content(source(wid, n))):
+            sys.exit(3)
+        lines.append(f"{key} {source(wid, n)} {t}\n")
+        n += 1
+    with open(out, "w") as fh:
+        fh.writelines(lines)
+    sys.exit(0)
+rng = random.Random(wid)
+while not os.path.exists(stop):
+    if rng.random() < 0.5:
+        j = rng.randrange(npre)
+        key, want = f"pre{j}", content(f"pre{j}")
+    else:
+        w, n = rng.randrange(2), rng.randrange(400)
+        key, want = f"w{w}-{n}", content(source(w, n))
+    got = store.get(key)
+    if got is not None and got != want:
+        sys.exit(4)
+sys.exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_collection_is_safe_while_other_processes_write_and_read(tmp_path: Path) -> None:
+    root = str(tmp_path / "cas")
+    npre = 600
+    store = CacheStore(root)
+    for j in range(npre):
+        store.put(f"pre{j}", content(f"pre{j}"))
+    age_tree(root, 2 * DAY)
+    go, stop = str(tmp_path / "go"), str(tmp_path / "stop")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = []
+    for role, wid in (("writer", 0), ("writer", 1), ("reader", 2)):
+        args = [role, root, str(wid), str(npre), str(tmp_path / f"ready{wid}"), go, stop, str(tmp_path / f"log{wid}")]
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *args], env=env))
+    try:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(tmp_path / f"ready{w}") for w in range(3)):
+            assert time.monotonic() < deadline, "workers did not start"
+            assert all(p.poll() is None for p in procs), "a worker died at start"
+            time.sleep(0.01)
+        Path(go).touch()
+        time.sleep(0.2)
+        # Every pre-existing entry has expired; new ones are written (half of them
+        # deduplicating against blobs this run is removing) while it runs.
+        report = collect(root, max_age_s=DAY, verify=True, max_size=100_000)
+        ended = time.time_ns()
+        time.sleep(0.1)
+    finally:
+        Path(stop).touch()
+        codes = [p.wait(timeout=60) for p in procs]
+    assert codes == [0, 0, 0], "a worker failed (3: write dropped, 4: wrong bytes read)"
+    # Readers keep some pre-existing entries in use; the rest expire.
+    assert report.plan["expired_entries"]["count"] > 0 and not report.problems
+    print(f"collection: {report.elapsed_s:.2f} s, {report.entries_removed} entries removed")
+
+    fresh = CacheStore(root)
+    during = after_start = 0
+    for wid in (0, 1):
+        for line in Path(tmp_path / f"log{wid}").read_text().splitlines():
+            key, src, t = line.split()
+            got = fresh.get(key)
+            if int(t) >= report.started_ns:
+                after_start += 1
+                during += int(t) <= ended
+                assert got == content(src), f"{key}, written during the collection, was lost"
+            else:
+                assert got in (None, content(src))
+    assert during > 0, "no write overlapped the collection: the test proved nothing"
+    print(f"{after_start} keys written after the collection began, {during} of them while it ran")
+    assert verify(root).problems == []
+
+
+_NO_CUDA = r"""
+import sys
+sys.modules["cuda.core"] = None  # `import cuda.core` now raises ImportError
+try:
+    import cuda.core
+except ImportError:
+    pass
+else:
+    sys.exit("cuda.core is still importable: the test would prove nothing")
+from cas._cli import main
+root = sys.argv[1]
+codes = [
+    main(["gc", root, "--verify", "--max-age", "1d", "--max-size", "1M", "--json"]),
+    main(["stats", root, "--json"]),
+    main(["verify", root, "--json"]),
+]
+assert sys.modules["cuda.core"] is None
+sys.exit(max(codes))
+"""
+
+
+def test_gc_runs_where_cuda_core_cannot_be_imported(tmp_path: Path) -> None:
+    store, paths = garbage_cache(tmp_path / "cas")
+    res = run_python(_NO_CUDA, store.root)
+    assert res.returncode == 0, res.stderr
+    assert not os.path.exists(paths["old_orphan"])
+
+    # The documented entry point, with a `cuda` package that shadows the real one.
+    shadow = tmp_path / "shadow" / "cuda"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no CUDA on this storage server')\n")
+    check = subprocess.run(
+        [sys.executable, "-c", "import cuda.core"],
+        env=dict(os.environ, PYTHONPATH=str(shadow.parent)),
+        capture_output=True,
+        check=False,
+    )
+    assert check.returncode != 0, "the shadow package does not hide cuda.core"
+    orphan_path = orphan(store, content("another orphan"))
+    age(orphan_path, 2 * 3600)
+    res2 = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gc.py"), store.root],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent), str(REPO)])),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res2.returncode == 0, res2.stderr
+    assert res2.stdout.splitlines()[-1].startswith("removed 0 entries and 1 blob, freed ")
+    assert not os.path.exists(orphan_path)
+
+
+def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
+    """A collector killed at any point leaves no manifest without its blob."""
+    root = str(tmp_path / "cas")
+    store = CacheStore(root)
+    n = 2500
+    for j in range(100):
+        store.put(f"k{j}", content(f"c{j}"))
+    for j in range(100, n):  # many keys, few blobs: what dedup gives (written as a deduplicating put would)
+        data = content(f"c{j % 100}")
+        store.index.write(key_id(f"k{j}"), Manifest(digest_of(data), len(data)))
+    age_tree(root, 2 * DAY)
+    code = "import sys; from cas._gc import collect; collect(sys.argv[1], max_age_s=86400, verify=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code, root], env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.monotonic() + 30
+        while store.index.count() > n - 100:
+            assert proc.poll() is None, "the collector finished before it could be interrupted"
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    left = store.index.count()
+    assert 0 < left < n
+    assert verify(root).problems == []  # no manifest without its blob, nothing half-done
+    for j in range(n):
+        assert store.get(f"k{j}") in (None, content(f"c{j % 100}"))
