@@ -56,6 +56,10 @@ _SEP = os.sep
 _UTIME_FD = os.utime in os.supports_fd
 #: A shared store that could not be opened is tried again after this long.
 _SHARED_RETRY_S = 5.0
+#: Read errors of a shared store that may mean the whole store is unreachable.
+_OUTAGE_ERRNOS = frozenset(
+    e for e in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, getattr(errno, "EHOSTDOWN", None)) if e is not None
+)
 #: Write failures that drop the write instead of failing the caller.
 _DROP_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG) if e is not None)
 
@@ -211,7 +215,10 @@ class CacheStore:
             if self.read_only:
                 seen = 0
                 if kid in self._touched:
-                    mst = os.fstat(mfd)
+                    try:
+                        mst = os.fstat(mfd)
+                    except OSError:  # ESTALE on a shared store: serve the hit, just don't remember it
+                        mst = None
             else:
                 # Recency: touch the manifest, unless its mtime (or our own last
                 # touch) is under a second old, so a hot key costs no write per read.
@@ -287,7 +294,11 @@ class CacheStore:
             identity = None
             if repeat or size >= _IDENTITY_MIN_BYTES:
                 # Hashing costs more than an fstat here: remember what was verified.
-                st = os.fstat(bfd)
+                try:
+                    st = os.fstat(bfd)
+                except OSError as exc:  # ESTALE from an NFS server: a miss, like a failed read
+                    self._read_failed(exc, bpath)
+                    return None
                 if st.st_size != size or not S_ISREG(st.st_mode):
                     return self._corrupt_blob(kid, mfd, digest, bfd)
                 identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -355,6 +366,11 @@ class CacheStore:
             return
         self._counters.add("errors")
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
+        if self._is_shared and exc.errno in _OUTAGE_ERRNOS:
+            # The server may be gone (a soft mount's EIO comes after its whole
+            # timeout): check the layout once; if that fails too, the store is
+            # skipped for _SHARED_RETRY_S instead of costing a timeout per lookup.
+            self._open_shared()
         return
 
     def _corrupt_blob(self, kid: str, mfd: int, digest: str, bfd: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,6 +106,7 @@ def mounts() -> Iterator[Callable[[Path, Path], Path]]:
         done.append(dst)
         return dst
 
+    bind_ro.done = done  # type: ignore[attr-defined]
     try:
         yield bind_ro
     finally:
@@ -358,3 +361,82 @@ def test_shared_store_unmounted_and_remounted(tmp_path: Path, mounts) -> None:
     assert all(cache.get(k) == v for k, v in values.items())
     stats = cache.stats()
     assert (stats.shared_hits, stats.misses, stats.entries) == (3 * len(values), len(values), 0)
+
+
+@pytest.mark.mount
+def test_eio_is_a_miss_and_an_unreachable_store_is_skipped(
+    tmp_path: Path, mounts, caplog: pytest.LogCaptureFixture
+) -> None:
+    # /proc/<pid>/mem is a regular file whose read at offset 0 fails with EIO: bind
+    # mounted over a manifest, it stands for a soft NFS mount whose server is gone.
+    src = tmp_path / "store"
+    writer = CacheStore(src)
+    for key in ("eio", "good", "other"):
+        writer.put(key, f"bytes of {key}".encode())
+    mem = Path(f"/proc/{os.getpid()}/mem")
+    caplog.set_level("DEBUG", logger="cas")
+    cache = CacheStore(tmp_path / "local", shared=[src], copy_shared_hits=False)
+    bind_file(mounts, mem, Path(writer.index.path_for(key_id("eio"))))
+    for _ in range(3):
+        assert cache.get("eio") is None
+    assert cache.stats().errors == 3
+    assert [r.levelname for r in caplog.records if "read error" in r.getMessage()] == ["DEBUG"]
+    # One file failing is not an outage: the store still serves the rest.
+    assert cache.get("good") == b"bytes of good"
+    # The layout unreadable too: the store is skipped (no lookups) until the retry interval.
+    bind_file(mounts, mem, src / "layout.json")
+    assert cache.get("eio") is None
+    assert cache.get("other") is None
+    assert cache.stats().shared_hits == 1
+    assert CacheStore(tmp_path / "l2", shared=[src]).get("other") is None  # a new cache: the same miss
+
+
+def bind_file(mounts, src: Path, dst: Path) -> None:
+    """A file bind mounted over a file (read-write: the read-only remount is not needed here)."""
+    if not is_root():
+        pytest.skip("bind mounts need root")
+    proc = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot bind mount {src} here: {proc.stderr.strip()}")
+    mounts.done.append(dst)
+
+
+@pytest.mark.mount
+def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
+    if not is_root() or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to read as another user")
+    base = Path(tempfile.mkdtemp(prefix="cas-perm-"))
+    try:
+        base.chmod(0o755)
+        closed, partly = base / "closed", base / "partly"
+        CacheStore(closed).put("k", b"closed bytes")
+        closed.chmod(0o700)
+        store = CacheStore(partly)
+        store.put("k", b"readable")
+        store.put("hidden", b"hidden bytes")
+        for dirpath, dirnames, filenames in os.walk(partly):
+            for name in dirnames:
+                os.chmod(os.path.join(dirpath, name), 0o755)
+            for name in filenames:
+                os.chmod(os.path.join(dirpath, name), 0o644)
+        os.chmod(store.index.path_for(key_id("hidden")), 0o600)
+        local = base / "local"
+        local.mkdir(mode=0o777)
+        local.chmod(0o777)
+        code = (
+            "import sys\nfrom cas import CacheStore\n"
+            f"c = CacheStore({str(local / 'cas')!r}, shared=[{str(closed)!r}, {str(partly)!r}])\n"
+            "assert c.get('hidden') is None\nassert c.get('k') == b'readable'\n"
+            "s = c.stats()\nassert s.errors >= 2 and s.shared_hits == 1, s\n"
+        )
+        proc = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
