@@ -1,0 +1,134 @@
+"""Property-based round trips: the cache behaves as a dict from key bytes to value bytes.
+
+Hypothesis drives random sequences of writes (in every value form), deletes and
+reads against a plain dict model, with ``str`` keys folded into their UTF-8
+bytes; after each sequence a fresh instance on the same directory must agree,
+and ``stats()`` must describe exactly what the model holds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from cuda.core import ObjectCode
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cas import CacheStore, ContentAddressedProgramCache
+from index import parse_manifest
+
+KEYS = st.one_of(st.text(max_size=12), st.binary(max_size=12))
+# Few distinct small values, so that deduplication happens often.
+VALUES = st.one_of(st.sampled_from([b"", b"a", b"same" * 50, bytes(range(256))]), st.binary(max_size=2048))
+FORMS = st.sampled_from(["bytes", "bytearray", "memoryview", "objectcode"])
+
+
+def as_key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else key
+
+
+def in_form(value: bytes, form: str) -> object:
+    if form == "bytearray":
+        return bytearray(value)
+    if form == "memoryview":
+        return memoryview(value)
+    if form == "objectcode":
+        return ObjectCode.from_cubin(value)
+    return value
+
+
+def other_form(key: str | bytes) -> str | bytes:
+    """The same key spelled the other way, where it has one."""
+    if isinstance(key, str):
+        return key.encode()
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return key
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), KEYS, VALUES, FORMS),
+        st.tuples(st.just("del"), KEYS),
+        st.tuples(st.just("get"), KEYS),
+    ),
+    max_size=25,
+)
+
+_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(OPS)
+def test_cache_matches_a_dict_model(ops: list[tuple]) -> None:
+    model: dict[bytes, bytes] = {}
+    written: set[bytes] = set()
+    with tempfile.TemporaryDirectory() as root:
+        cache = ContentAddressedProgramCache(root)
+        for op in ops:
+            key = op[1]
+            kb = as_key_bytes(key)
+            if op[0] == "set":
+                cache[key] = in_form(op[2], op[3])
+                model[kb] = op[2]
+                written.add(op[2])
+            elif op[0] == "del":
+                if kb in model:
+                    del cache[other_form(key)]
+                    del model[kb]
+                else:
+                    try:
+                        del cache[key]
+                    except KeyError:
+                        pass
+                    else:
+                        raise AssertionError(f"deleting absent key {key!r} did not raise KeyError")
+            else:
+                assert cache.get(key) == model.get(kb)
+                assert cache.get(other_form(key)) == model.get(kb)
+            assert len(cache) == len(model)
+
+        reopened = ContentAddressedProgramCache(root)
+        for kb, value in model.items():
+            got = reopened[kb]
+            assert type(got) is bytes
+            assert got == value
+        stats = reopened.stats()
+        assert stats.entries == len(model)
+        # Overwritten and deleted values keep their blob until a collection (not
+        # the cache's job on the write path): every distinct value written is one blob.
+        assert stats.blobs == len(written)
+        assert stats.logical_bytes == sum(len(v) for v in model.values())
+        assert stats.corrupt == 0
+        assert stats.stored_bytes >= sum(len(v) for v in written)
+
+
+@_SETTINGS
+@given(st.binary(max_size=70_000), KEYS)
+def test_store_round_trips_any_bytes(data: bytes, key: str | bytes) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        store = CacheStore(root)
+        assert store.put(key, data)
+        assert store.get(key) == data
+        assert store.get(other_form(key)) == data
+        assert CacheStore(root, read_only=True).get(key) == data
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=120))
+def test_manifest_parser_accepts_only_what_encode_writes(raw: bytes) -> None:
+    # Random bytes are almost never a manifest; whatever parses must re-encode exactly.
+    manifest = parse_manifest(raw)
+    if manifest is not None:
+        assert manifest.encode() == raw
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet="0123456789abcdef", min_size=64, max_size=64), st.integers(0, 10**15))
+def test_manifest_encode_parse_round_trip(digest: str, size: int) -> None:
+    from index import Manifest
+
+    manifest = Manifest(digest, size)
+    assert parse_manifest(manifest.encode()) == manifest
+    assert len(manifest.encode()) < 100
