@@ -32,6 +32,7 @@ import errno
 import os
 import secrets
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -131,6 +132,23 @@ class _Modes:
         return cls(file_mode, dir_mode, 0o700, False)
 
 
+def _sync_filesystem(path: str) -> None:
+    """``syncfs`` on the store's filesystem where Linux offers it, else a whole-system ``sync``."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if ctypes.CDLL(None, use_errno=True).syncfs(fd) == 0:
+                    return
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError):
+            pass
+    os.sync()
+
+
 def _current_umask() -> int:
     """The process umask, read without changing it where the system allows."""
     try:
@@ -198,7 +216,7 @@ class _Dest:
         the next run before a new manifest names it.
         """
         if self.fsync and not self.dry_run and _HAVE_SYNC:
-            os.sync()
+            _sync_filesystem(self.lay.root)
 
     def ensure_dir(self, path: str) -> None:
         if path in self._made:
@@ -215,14 +233,23 @@ class _Dest:
                 os.chmod(path, self.modes.dir)  # mkdir drops setgid; chmod sets it
         self._made.add(path)
 
+    def make_tmp(self) -> None:
+        """The store's ``tmp/``: owner-only, or the group's with ``group_shared`` (files in it stay private)."""
+        self.ensure_dir(self.lay.root)
+        try:
+            os.mkdir(self.lay.tmp, self.modes.tmp_dir)
+        except FileExistsError:
+            return
+        os.chmod(self.lay.tmp, self.modes.tmp_dir)
+
     def install(self, target: str, data: bytes) -> None:
         """Write ``target`` atomically: private temp file, final mode, ``os.replace``."""
         self.ensure_dir(os.path.dirname(target))
         tmp = os.path.join(self.lay.tmp, f"publish-{os.getpid()}-{secrets.token_hex(8)}.tmp")
         try:
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
-        except FileNotFoundError:
-            self.ensure_dir(self.lay.tmp)
+        except FileNotFoundError:  # tmp/ removed meanwhile (by hand, or a cleanup)
+            self.make_tmp()
             fd = os.open(tmp, _TMP_FLAGS, 0o600)
         try:
             try:
@@ -235,7 +262,12 @@ class _Dest:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except FileNotFoundError:  # the shard directory went (a collector pruning empty ones)
+                self._made.discard(os.path.dirname(target))
+                self.ensure_dir(os.path.dirname(target))
+                os.replace(tmp, target)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -304,12 +336,7 @@ def _lay_out(target: _Dest) -> None:
     lay = target.lay
     for path in (lay.root, lay.blobs, lay.index):
         target.ensure_dir(path)
-    try:
-        os.mkdir(lay.tmp, target.modes.tmp_dir)
-    except FileExistsError:
-        pass
-    else:
-        os.chmod(lay.tmp, target.modes.tmp_dir)
+    target.make_tmp()
     create_layout(lay.root)
     _fix_top_modes(target)
 

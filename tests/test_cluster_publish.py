@@ -429,3 +429,15 @@ def test_cli_exit_codes_json_and_summary(tmp_path: Path, capsys: pytest.CaptureF
     assert len(err) == 1 and "not a cuda-program-cas cache" in err[0]
     proc = run_python("from cas._cli import main; raise SystemExit(main(['publish', 'only-one-path']))")
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_tmp_and_shard_directories_removed_between_runs_are_recreated(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    publish([node_cache(tmp_path / "a", {"k": b"first"})], shared)
+    shutil.rmtree(shared / "tmp")
+    shutil.rmtree(shared / "blobs")
+    report = publish([node_cache(tmp_path / "b", {"j": b"second", "k": b"first"})], shared)
+    assert (report.published, report.blobs_published, report.unchanged) == (1, 2, 1)
+    assert stat.S_IMODE(os.lstat(shared / "tmp").st_mode) == 0o700
+    reader = CacheStore(tmp_path / "local", shared=[shared])
+    assert (reader.get("j"), reader.get("k")) == (b"second", b"first")
