@@ -420,7 +420,7 @@ def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
         while store.index.count() > n - 100:
             assert proc.poll() is None, "the collector finished before it could be interrupted"
             assert time.monotonic() < deadline
-            time.sleep(0.002)
+            time.sleep(0.01)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
