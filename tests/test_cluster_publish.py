@@ -175,7 +175,9 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         procs = [publish_cli(str(node_a), str(shared)), publish_cli(str(node_b), str(shared))]
         first = [finish(p) for p in procs]
         assert all(r["problems"] == 0 for r in first)
-        assert sum(r["published"] for r in first) + sum(r["conflicts"] for r in first) >= len(a) + len(b) - len(same)
+        # Every key of each source was accounted for exactly once by its publisher.
+        outcomes = ("published", "unchanged", "conflicts", "replaced")
+        assert sum(r[o] for r in first for o in outcomes) == len(a) + len(b)
 
         # A publish killed half way, then run again to completion.
         killed = publish_cli(str(node_c), str(shared))
@@ -298,22 +300,30 @@ def test_dry_run_writes_nothing_and_reports_what_publish_would_do(tmp_path: Path
 def test_bad_sources_are_skipped_and_reported(tmp_path: Path) -> None:
     node = tmp_path / "node"
     store = CacheStore(node)
-    for key in ("good", "garbage", "missing", "shared-blob"):
+    for key in ("good", "garbage", "missing", "shared-blob", "symlink"):
         store.put(key, f"content of {key}".encode())
+    # A blob that is a symlink to a file outside the cache, with the right bytes: not followed.
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"content of symlink")
+    link = Path(store.blobs.path_for(digest_of(b"content of symlink")))
+    link.unlink()
+    link.symlink_to(outside)
     Path(store.blobs.path_for(digest_of(b"content of garbage"))).write_bytes(b"X" * len(b"content of garbage"))
     os.unlink(store.blobs.path_for(digest_of(b"content of missing")))
     Path(store.index.path_for("ab" * 32)).parent.mkdir(exist_ok=True)
     Path(store.index.path_for("ab" * 32)).write_bytes(b"cpcas1 garbled\n")
     shared = tmp_path / "shared"
     report = publish([node, tmp_path / "absent", tmp_path], shared)
-    assert len(report.bad_blobs) == 1 and digest_of(b"content of garbage") in report.bad_blobs[0]
+    assert sorted(b.split(": ")[1] for b in report.bad_blobs) == sorted(
+        digest_of(f"content of {k}".encode()) for k in ("garbage", "symlink")
+    )
     assert len(report.missing_blobs) == 1 and digest_of(b"content of missing") in report.missing_blobs[0]
     assert len(report.invalid_manifests) == 1
     assert len(report.errors) == 2  # absent, and a directory that is not a cache
-    assert report.published == 2 and report.skipped == 2 and report.problems == 5
+    assert report.published == 2 and report.skipped == 3 and report.problems == 6
     reader = CacheStore(tmp_path / "local", shared=[shared])
     assert reader.get("good") == b"content of good"
-    assert reader.get("garbage") is None and reader.get("missing") is None
+    assert reader.get("garbage") is None and reader.get("missing") is None and reader.get("symlink") is None
     # Nothing of the bad entries reached the store; the source was not changed.
     assert len(CacheStore(shared, read_only=True)) == 2
     assert Path(store.blobs.path_for(digest_of(b"content of garbage"))).read_bytes().startswith(b"XXX")
