@@ -440,3 +440,21 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_shared_from_environment_and_explicit_argument_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    CacheStore(store).put("k", b"from the shared store")
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", str(tmp_path / "absent"), str(store), ""]))
+    from_env = ContentAddressedProgramCache(tmp_path / "a")
+    assert from_env.store.shared_paths() == (str(tmp_path / "absent"), str(store))
+    assert from_env.get("k") == b"from the shared store"
+    for explicit in ([], None):
+        cache = ContentAddressedProgramCache(tmp_path / "b", shared=explicit)
+        assert cache.store.shared_paths() == ()
+        assert cache.get("k") is None
+    other = tmp_path / "other"
+    CacheStore(other).put("k", b"from the other store")
+    assert ContentAddressedProgramCache(tmp_path / "c", shared=[other]).get("k") == b"from the other store"
+    with pytest.raises(TypeError, match="single path"):
+        ContentAddressedProgramCache(tmp_path / "d", shared=str(store))  # type: ignore[arg-type]
