@@ -33,6 +33,7 @@ expected = {k: {bytes.fromhex(v) for v in vs} for k, vs in json.load(open(expect
 cache = CacheStore(local, shared=[shared], copy_shared_hits=copy == "1")
 keys = sorted(expected)
 hits = rounds = 0
+seen = set()
 open(ready, "w").close()
 while not os.path.exists(stop):
     gone_now = os.path.exists(gone)
@@ -48,8 +49,9 @@ while not os.path.exists(stop):
             print("a hit after the store was collected:", key, flush=True)
             sys.exit(4)
         hits += 1
+        seen.add(key)
     rounds += 1
-print(json.dumps({"hits": hits, "rounds": rounds, "stats": str(cache.stats())}))
+print(json.dumps({"hits": hits, "keys": len(seen), "rounds": rounds, "stats": str(cache.stats())}))
 """
 
 
@@ -169,9 +171,14 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
             expected.setdefault(key, set()).add(value)
     node_a, node_b, node_c = (node_cache(tmp_path / n, v) for n, v in (("a", a), ("b", b), ("c", c)))
     shared = tmp_path / "shared"
+    # The store exists (one key) before the readers start, so they hammer it from the
+    # first publish on (a store that appears later is picked up within 5 s: test_cluster.py).
+    seed = {"seed": b"seed bytes"}
+    expected["seed"] = {seed["seed"]}
+    publish([node_cache(tmp_path / "seed", seed)], shared)
     readers = Readers(tmp_path, shared, expected, copies=[False, True])
     try:
-        # Two publishers at once, into a store that does not exist yet.
+        # Two publishers at once.
         procs = [publish_cli(str(node_a), str(shared)), publish_cli(str(node_b), str(shared))]
         first = [finish(p) for p in procs]
         assert all(r["problems"] == 0 for r in first)
@@ -217,7 +224,7 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         readers.kill()
         raise
     reports = readers.stop()
-    assert all(r["hits"] > 0 for r in reports)
+    assert all(r["keys"] > len(seed) for r in reports), reports  # they read what was being published
     # The store holds every key, each with bytes one of the nodes had.
     check = CacheStore(tmp_path / "check", shared=[shared], copy_shared_hits=False)
     for key, values in expected.items():
@@ -451,3 +458,15 @@ def test_tmp_and_shard_directories_removed_between_runs_are_recreated(tmp_path: 
     assert stat.S_IMODE(os.lstat(shared / "tmp").st_mode) == 0o700
     reader = CacheStore(tmp_path / "local", shared=[shared])
     assert (reader.get("j"), reader.get("k")) == (b"second", b"first")
+
+
+def test_two_publishers_create_one_store_at_once(tmp_path: Path) -> None:
+    a = node_cache(tmp_path / "a", {f"a{i}": os.urandom(200) for i in range(30)} | {"same": b"same bytes"})
+    b = node_cache(tmp_path / "b", {f"b{i}": os.urandom(200) for i in range(30)} | {"same": b"same bytes"})
+    shared = tmp_path / "new" / "shared"
+    reports = [finish(p) for p in [publish_cli(str(a), str(shared)), publish_cli(str(b), str(shared))]]
+    assert all(r["problems"] == 0 for r in reports)
+    assert sum(r["published"] + r["unchanged"] for r in reports) == 62
+    reader = CacheStore(tmp_path / "local", shared=[shared])
+    assert reader.get("same") == b"same bytes"
+    assert len(CacheStore(shared, read_only=True)) == 61
