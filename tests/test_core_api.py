@@ -337,3 +337,24 @@ def test_repr_names_the_path_and_cap(cache_dir: Path) -> None:
     text = repr(cache)
     assert str(cache_dir) in text
     assert "1048576" in text
+
+
+def test_repeated_hits_see_another_instances_overwrite_and_delete(cache_dir: Path) -> None:
+    # Repeated hits are served from verified bytes kept in memory once two stats
+    # prove the files unchanged; a change by another process must still be seen.
+    reader = ContentAddressedProgramCache(cache_dir)
+    writer = ContentAddressedProgramCache(cache_dir)
+    for size in (100, 100_000):
+        first, second = b"1" * size, b"2" * size
+        writer["k"] = first
+        for _ in range(4):
+            assert reader["k"] == first
+        writer["k"] = second
+        for _ in range(2):
+            assert reader["k"] == second
+        del writer["k"]
+        assert reader.get("k") is None
+        writer["k"] = first
+        assert reader["k"] == first
+        writer.clear()
+        assert reader.get("k") is None

@@ -83,6 +83,9 @@ def windows(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
     """Simulated Windows with fault injection in every module that touches cache files."""
     flaky = FlakyOS()
     monkeypatch.setattr(index._files, "IS_WINDOWS", True)
+    # As many attempts as the real budget, with shorter sleeps: exhausted budgets
+    # are met many times here (the real budget is checked on its own above).
+    monkeypatch.setattr(index._files, "_RETRY_DELAYS", tuple(d / 20 for d in index._files._RETRY_DELAYS))
     for module in (index._files, index._index, cas._blobs, cas._store):
         monkeypatch.setattr(module, "os", flaky)
     return flaky
