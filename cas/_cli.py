@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module ``cas._cmd_<name>`` exposing
 ``register(subparsers) -> None``; ``register`` adds a parser whose default
-``func`` takes the parsed arguments and returns the exit status.
+``func`` takes the parsed arguments and returns the exit status. ``main`` sets
+``args.progress`` (a :class:`Progress`, silent unless stderr is a terminal and
+``--json`` is off) for commands that report progress.
 
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage

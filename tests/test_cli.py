@@ -50,6 +50,12 @@ def small_cache(root: Path) -> CacheStore:
     store = CacheStore(root)
     for i in range(6):
         store.put(f"k{i}", bytes([i]) * 3000 if i < 4 else b"same" * 1000)
+    # Written ten minutes ago: the collector protects what was written just before its scan.
+    ten_minutes_ago = time.time() - 600
+    for sub in ("index", "blobs"):
+        for dirpath, _dirs, files in os.walk(os.path.join(root, sub)):
+            for name in files:
+                os.utime(os.path.join(dirpath, name), (ten_minutes_ago, ten_minutes_ago))
     old = time.time() - 7200
     orphan = os.urandom(500)
     store.blobs.put(orphan, digest_of(orphan))
