@@ -30,6 +30,25 @@ import json, os, random, sys
 from cas import CacheStore
 shared, local, expected_path, stop, gone, ready, copy = sys.argv[1:8]
 expected = {k: {bytes.fromhex(v) for v in vs} for k, vs in json.load(open(expected_path)).items()}
+if copy == "check":
+    # No collector runs: a manifest whose blob is absent means publish broke its order.
+    from index import Index, parse_manifest
+    open(ready, "w").close()
+    index, checked = Index(os.path.join(shared, "index"), None), 0
+    while not os.path.exists(stop):
+        for entry in index.scan():
+            try:
+                manifest = parse_manifest(open(entry.path, "rb").read())
+            except FileNotFoundError:
+                continue
+            if manifest is None:
+                sys.exit("a partial manifest: " + entry.path)
+            blob = os.path.join(shared, "blobs", manifest.digest[:2], manifest.digest[2:])
+            if not os.path.exists(blob):
+                sys.exit("a manifest before its blob: " + entry.path)
+            checked += 1
+    print(json.dumps({"checked": checked}))
+    sys.exit(0)
 cache = CacheStore(local, shared=[shared], copy_shared_hits=copy == "1")
 keys = sorted(expected)
 hits = rounds = 0
@@ -64,7 +83,7 @@ def env() -> dict[str, str]:
 class Readers:
     """Reader processes over ``shared``; ``stop()`` returns their reports and checks their exit status."""
 
-    def __init__(self, tmp: Path, shared: Path, expected: dict[str, set[bytes]], copies: list[bool]) -> None:
+    def __init__(self, tmp: Path, shared: Path, expected: dict[str, set[bytes]], copies: list[bool | str]) -> None:
         self.dir = tmp / "readers"
         self.dir.mkdir()
         (self.dir / "expected.json").write_text(json.dumps({k: [v.hex() for v in vs] for k, vs in expected.items()}))
@@ -73,7 +92,12 @@ class Readers:
         self.procs = []
         for n, copy in enumerate(copies):
             args = [str(shared), str(self.dir / f"local{n}"), str(self.dir / "expected.json")]
-            args += [str(self.stop_file), str(self.gone_file), str(self.dir / f"ready{n}"), "1" if copy else "0"]
+            args += [
+                str(self.stop_file),
+                str(self.gone_file),
+                str(self.dir / f"ready{n}"),
+                copy if isinstance(copy, str) else "1" if copy else "0",
+            ]
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", READER, *args],
@@ -176,7 +200,7 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
     seed = {"seed": b"seed bytes"}
     expected["seed"] = {seed["seed"]}
     publish([node_cache(tmp_path / "seed", seed)], shared)
-    readers = Readers(tmp_path, shared, expected, copies=[False, True])
+    readers = Readers(tmp_path, shared, expected, copies=[False, True, "check"])
     try:
         # Two publishers at once.
         procs = [publish_cli(str(node_a), str(shared)), publish_cli(str(node_b), str(shared))]
@@ -224,7 +248,8 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         readers.kill()
         raise
     reports = readers.stop()
-    assert all(r["keys"] > len(seed) for r in reports), reports  # they read what was being published
+    assert all(r["keys"] > len(seed) for r in reports[:2]), reports  # they read what was being published
+    assert reports[2]["checked"] > 0
     # The store holds every key, each with bytes one of the nodes had.
     check = CacheStore(tmp_path / "check", shared=[shared], copy_shared_hits=False)
     for key, values in expected.items():
