@@ -9,6 +9,7 @@ before its manifest.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from index import Index
@@ -38,23 +39,50 @@ class EvictionPlan:
     expected_blobs: int = 0
 
 
+#: What proves a blob untouched between two scans (a freshen changes mtime and ctime).
+Identity = tuple[int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass(slots=True)
 class EvictionResult:
     manifests_removed: int = 0
     blobs_removed: int = 0
     bytes_freed: int = 0
     stored_bytes_after: int = 0
+    #: Blobs whose last manifest went but which were too young to remove with it,
+    #: with their identity at the scan: see ``retired`` in :func:`plan_lru`.
+    retired: dict[str, Identity] = field(default_factory=dict)
 
 
-def plan_lru(snap: Snapshot, target_bytes: int, *, orphan_grace_ns: int, now_ns: int | None = None) -> EvictionPlan:
-    """Plan removals until the stored bytes would be at most ``target_bytes``."""
+def plan_lru(
+    snap: Snapshot,
+    target_bytes: int,
+    *,
+    orphan_grace_ns: int,
+    now_ns: int | None = None,
+    retired: dict[str, Identity] | None = None,
+) -> EvictionPlan:
+    """Plan removals until the stored bytes would be at most ``target_bytes``.
+
+    ``retired`` holds blobs an earlier pass of the same evictor left behind when it
+    removed their last manifest (too young to tell from a blob a writer had just
+    freshened). One that is still an orphan now, untouched since (same identity),
+    goes without waiting out the grace period: a writer deduplicating against it
+    would have freshened it, and a writer between its blob and its manifest would
+    have committed that manifest long before this second scan.
+    """
     now = snap.started_ns if now_ns is None else now_ns
     plan = EvictionPlan(snap)
     total = snap.stored_bytes
     refs = snap.refs.copy()
+    retired = retired or {}
     for digest in snap.orphans():
         st = snap.blobs[digest]
-        if st.st_mtime_ns < now - orphan_grace_ns:
+        if st.st_mtime_ns < now - orphan_grace_ns or retired.get(digest) == identity(st):
             plan.orphans.append(digest)
             plan.expected_freed += st.st_size
             total -= st.st_size
@@ -103,10 +131,15 @@ def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> Eviction
         digest = info.manifest.digest
         refs[digest] -= 1
         if refs[digest] == 0 and digest in snap.blobs:
-            freed = blobs.remove_if_older(digest, cutoff, snap.blobs[digest])
+            # Only the mtime decides: a blob freshened by a deduplicating writer is
+            # indistinguishable from one written just before the scan, so both stay
+            # (the latter retired, for the next pass to take if still untouched).
+            freed = blobs.remove_if_older(digest, cutoff)
             if freed:
                 result.blobs_removed += 1
                 result.bytes_freed += freed
+            else:
+                result.retired[digest] = identity(snap.blobs[digest])
     for digest in plan.orphans:
         # Re-checked against the same grace cutoff the plan used: a writer may have
         # freshened it since.

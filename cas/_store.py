@@ -25,7 +25,7 @@ from index._index import MAX_MANIFEST_BYTES
 from ._blobs import BlobStore
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
-from ._evict import CLOCK_SLACK_NS, EvictionResult, execute_plan, plan_lru
+from ._evict import CLOCK_SLACK_NS, EvictionResult, Identity, execute_plan, plan_lru
 from ._layout import Layout, check_layout, create_layout
 from ._scan import Snapshot, take_snapshot
 from ._stats import CacheStats, Counters
@@ -39,6 +39,8 @@ TOUCH_INTERVAL_NS = 1_000_000_000
 #: Eviction brings the stored bytes down to this fraction of the cap, so one
 #: scan pays for many writes.
 LOW_WATERMARK = 0.8
+#: A capped writer lists the cache again after writing this fraction of the cap.
+_REMEASURE_FRACTION = 8
 #: Blobs no manifest names are kept this long: a writer stores the blob first.
 ORPHAN_GRACE_S = 600.0
 #: Temp files older than this belong to a crashed writer.
@@ -53,6 +55,8 @@ _IDENTITY_MIN_BYTES = 16384
 _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
 _SEP = os.sep
+#: The largest manifest a write adds (tag, digest, a size of up to 16 digits, spaces).
+_MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1).encode())
 _UTIME_FD = os.utime in os.supports_fd
 #: A shared store that could not be opened is tried again after this long.
 _SHARED_RETRY_S = 5.0
@@ -100,7 +104,9 @@ class CacheStore:
         self._held_bytes = 0
         self._index_dir = self._lay.index + _SEP
         self._blob_dir = self._lay.blobs + _SEP
+        self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
+        self._since_measure = 0  # bytes this instance wrote since it last listed the cache
         self._evict_mutex = threading.Lock()
         self._warned: set[tuple[str, int]] = set()
         self._usable_at = 0.0  # shared stores: when to try opening again; 0 = usable
@@ -411,6 +417,11 @@ class CacheStore:
         if self.read_only:
             self._counters.add("dropped_writes")
             return False
+        if self._max is not None and len(data) + _MANIFEST_MAX_BYTES > self._max:
+            # It could never fit: storing it would only evict everything else, then itself.
+            self._counters.add("dropped_writes")
+            self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
+            return False
         digest = blake3(data).hexdigest()
         try:
             existed = self._commit(kid, data, digest)
@@ -459,12 +470,19 @@ class CacheStore:
     # -- the size cap --------------------------------------------------------------
 
     def _account(self, added: int) -> None:
+        """Count a write against the cap; evict when over it.
+
+        Other processes write too, and this instance does not see their writes: it
+        lists the cache again (stats, no reads) after every eighth of the cap it
+        writes itself, so N writers overshoot by at most about N/8 of the cap.
+        """
         assert self._max is not None
+        self._since_measure += added
         approx = self._approx
         if approx is not None:
             approx += added
             self._approx = approx
-            if approx <= self._max:
+            if approx <= self._max and self._since_measure <= self._max // _REMEASURE_FRACTION:
                 return
         self.enforce_cap()
 
@@ -479,8 +497,9 @@ class CacheStore:
         if not self._evict_mutex.acquire(blocking=False):
             return None
         try:
-            if self._approx is None:
+            if self._approx is None or self._approx <= self._max:
                 self._approx = take_snapshot(self.index, self.blobs, read_manifests=False).stored_bytes
+                self._since_measure = 0
                 if self._approx <= self._max:
                     return None
             import filelock
@@ -493,19 +512,24 @@ class CacheStore:
             try:
                 self._sweep_stale_tmp()
                 snap = take_snapshot(self.index, self.blobs)
-                result = self.evict_to(snap, int(self._max * LOW_WATERMARK))
+                if snap.stored_bytes <= self._max:  # another process evicted meanwhile
+                    result = EvictionResult(stored_bytes_after=snap.stored_bytes)
+                else:
+                    result = self.evict_to(snap, int(self._max * LOW_WATERMARK))
             finally:
                 lock.release()
             self._approx = result.stored_bytes_after
+            self._since_measure = 0
             return result
         finally:
             self._evict_mutex.release()
 
     def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> EvictionResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
-        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9))
+        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
         result = execute_plan(plan, self.index, self.blobs)
         self._counters.add("evictions", result.manifests_removed)
+        self._retired = result.retired
         return result
 
     # -- deletion ----------------------------------------------------------------
@@ -525,17 +549,22 @@ class CacheStore:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
         if self.read_only:
             raise self._refuse("clear")
+        # The blobs are listed before the manifests: a writer that freshens a blob
+        # after this listing changes its identity, so it is kept below, and one that
+        # freshened it before has almost surely committed its manifest by the time
+        # the manifest scan reaches it (its re-check covers the rest).
+        seen = {entry.digest: entry.stat for entry in self.blobs.scan()}
         snap = take_snapshot(self.index, self.blobs)
         refs = snap.refs.copy()
         for info in snap.manifests:
             if self.index.remove_if_unchanged(info.key_id, info.stat) and info.manifest is not None:
                 refs[info.manifest.digest] -= 1
         cutoff = snap.started_ns - CLOCK_SLACK_NS
-        for digest, st in snap.blobs.items():
-            if refs[digest] > 0:
+        for digest, st in seen.items():
+            if refs[digest] > 0 or digest not in snap.blobs:
                 continue  # a manifest kept above (touched, rewritten or held open) still names it
-            # A blob named by a manifest removed above goes if untouched since the
-            # scan; an orphan may be a writer's, between its blob and its manifest.
+            # A blob named by a manifest removed above goes if untouched since it was
+            # listed; an orphan may be a writer's, between its blob and its manifest.
             self.blobs.remove_if_older(digest, cutoff, st if snap.refs[digest] else None)
         self._sweep_stale_tmp()
         self._forget()

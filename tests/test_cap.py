@@ -349,6 +349,8 @@ def test_enforce_cap_returns_none_while_another_process_holds_the_lock(cache_dir
         holder.stdin.close()
         holder.wait(timeout=30)
         holder.stdout.close()
+    for blob in (cache_dir / "blobs").glob("*/*"):
+        age(blob, 60)  # written a minute ago: old enough to go with their last key
     result = store.enforce_cap()
     assert result is not None and result.manifests_removed > 0
     assert store.stats().stored_bytes <= 5000
