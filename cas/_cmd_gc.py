@@ -35,6 +35,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--wait", type=duration_arg, default=0.0, metavar="SECONDS", help="wait this long for a busy lock (0)"
     )
+    p.add_argument(
+        "--shared",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="collect as a shared store (default: if publish marked it so): grace >= 1h, blobs of removed "
+        "entries wait a grace period",
+    )
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         progress=args.progress,
         wait_s=args.wait,
+        shared=args.shared,
     )
     args.progress.done()
     if args.json:
@@ -94,6 +102,9 @@ def print_report(report: GcReport, args: argparse.Namespace) -> None:
         item = report.plan[name]
         if item["count"]:
             print(f"  {labels[name]:<48} {item['count']:>9,} {fmt_bytes(item['bytes']):>11}")
+    if report.blobs_deferred:
+        label = "shared store: blobs of removed entries, kept"
+        print(f"  {label:<48} {report.blobs_deferred:>9,}  (collected after --grace)")
     if report.kept_changed:
         print(f"  {'kept: changed or used since the scan':<48} {report.kept_changed:>9,}")
     for text in report.problems:

@@ -35,11 +35,18 @@ from index import Index
 from ._blobs import BlobStore
 from ._errors import CacheError
 from ._evict import CLOCK_SLACK_NS, plan_lru
-from ._layout import Layout
+from ._layout import Layout, is_shared_store
 from ._scan import ManifestInfo, Snapshot, take_snapshot
 from ._verify import ProgressFn, check_blob, open_cache, stale_temp_files
 
-__all__ = ["CollectorBusyError", "GcReport", "collect"]
+__all__ = ["SHARED_MIN_GRACE_S", "CollectorBusyError", "GcReport", "collect"]
+
+#: The shortest grace period a shared store is collected with. Nodes never touch a
+#: shared store, so its mtimes only say when something was published or freshened;
+#: a publish keeps its blobs as orphans until its manifests land, and an NFS client
+#: may serve a removed manifest from its attribute cache for ``actimeo`` seconds
+#: (60 s by default) and then open the blob it names. An hour covers both widely.
+SHARED_MIN_GRACE_S = 3600.0
 
 #: Categories of the plan, in the order they are reported.
 CATEGORIES = (
@@ -73,6 +80,8 @@ class GcReport:
 
     root: str
     dry_run: bool
+    #: Collected as a shared store (see :func:`collect`).
+    shared: bool = False
     started_ns: int = 0
     elapsed_s: float = 0.0
     entries_before: int = 0
@@ -85,6 +94,8 @@ class GcReport:
     temp_bytes_freed: int = 0
     #: Chosen by the plan but kept because it changed (used, rewritten, freshened) meanwhile.
     kept_changed: int = 0
+    #: Shared stores: blobs whose last entry went, kept (freshened) to wait out the grace period.
+    blobs_deferred: int = 0
     #: category -> {"count", "bytes"} as planned (see ``CATEGORIES``).
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Problems found that this run did not fix (each one line).
@@ -144,8 +155,16 @@ def collect(
     dry_run: bool = False,
     progress: ProgressFn | None = None,
     wait_s: float = 0.0,
+    shared: bool | None = None,
 ) -> GcReport:
     """Collect garbage in the cache at ``root`` and report what went.
+
+    ``shared``: collect it as a shared store that nodes read over NFS (default:
+    when its ``layout.json`` says so, as ``publish`` marks it). Then the grace
+    period must be at least :data:`SHARED_MIN_GRACE_S`, and a blob whose last
+    manifest this run removes is not removed with it but freshened, so it waits
+    out a whole grace period as an orphan: a node that read the manifest just
+    before it went still finds the blob.
 
     ``wait_s``: how long to wait for the lock when another collector or evictor
     holds it (0: not at all; :class:`CollectorBusyError` is raised).
@@ -158,8 +177,15 @@ def collect(
         raise ValueError(f"max_size must be a non-negative int or None, got {max_size!r}")
     t0 = time.monotonic()
     lay, index, blobs = open_cache(root, write=not dry_run, purpose="collect garbage")
-    report = GcReport(lay.root, dry_run)
-    opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress)
+    if shared is None:
+        shared = is_shared_store(lay.root)
+    if shared and grace_s < SHARED_MIN_GRACE_S:
+        raise ValueError(
+            f"{lay.root!r} is a shared store: its grace period must be at least {SHARED_MIN_GRACE_S:.0f} s "
+            f"(nodes may be reading what goes), got {grace_s:g} s"
+        )
+    report = GcReport(lay.root, dry_run, shared=shared)
+    opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress, shared)
     if dry_run:
         # Nothing is written, not even the lock file.
         _run(report, lay, index, blobs, opts)
@@ -191,6 +217,7 @@ class _Options:
     verify: bool
     dry_run: bool
     progress: ProgressFn | None
+    shared: bool = False
 
 
 def _run(report: GcReport, lay: Layout, index: Index, blobs: BlobStore, opts: _Options) -> None:
@@ -206,14 +233,18 @@ def _run(report: GcReport, lay: Layout, index: Index, blobs: BlobStore, opts: _O
     _fill_plan_summary(plan, report)
     if opts.dry_run:
         report.entries_removed = sum(len(v) for v in plan.manifests.values())
-        report.blobs_removed = len(plan.unreferenced) + len(plan.orphans) + len(plan.corrupt)
-        report.bytes_freed = sum(v["bytes"] for k, v in report.plan.items() if k != "temp_files")
+        deferred = plan.unreferenced if opts.shared else []
+        report.blobs_deferred = len(deferred)
+        report.blobs_removed = len(plan.unreferenced) - len(deferred) + len(plan.orphans) + len(plan.corrupt)
+        report.bytes_freed = sum(v["bytes"] for k, v in report.plan.items() if k != "temp_files") - sum(
+            plan.snapshot.blobs[d].st_size for d in deferred
+        )
         report.temp_files_removed = len(plan.temp_files)
         report.temp_bytes_freed = report.plan["temp_files"]["bytes"]
         return
     if progress:
         progress("removing", 0, 0)
-    _execute(plan, report, index, blobs)
+    _execute(plan, report, index, blobs, shared=opts.shared)
 
 
 def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, opts: _Options) -> _Plan:
@@ -307,7 +338,7 @@ def _fill_plan_summary(plan: _Plan, report: GcReport) -> None:
     report.plan["temp_files"] = {"count": len(plan.temp_files), "bytes": sum(s.st_size for _, s in plan.temp_files)}
 
 
-def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore) -> None:
+def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore, *, shared: bool = False) -> None:
     snap = plan.snapshot
     for path, st in plan.temp_files:
         try:
@@ -343,6 +374,12 @@ def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore) -> N
             digest = info.manifest.digest
             refs[digest] -= 1
             if refs[digest] or not plan.blobs_removable or digest not in snap.blobs or digest in plan.corrupt:
+                continue
+            if shared:
+                # A node may have read this manifest a moment ago and be about to
+                # read the blob: restart its grace period instead.
+                if blobs.freshen(blobs.path_for(digest), snap.blobs[digest].st_size):
+                    report.blobs_deferred += 1
                 continue
             expected += 1
             freed = blobs.remove_if_older(digest, cutoff)

@@ -17,7 +17,7 @@ from index._files import atomic_write
 
 from ._errors import LayoutError
 
-__all__ = ["LAYOUT_VERSION", "Layout", "check_layout", "create_layout"]
+__all__ = ["LAYOUT_VERSION", "Layout", "check_layout", "create_layout", "is_shared_store", "mark_shared_store"]
 
 _log = logging.getLogger("cas")
 
@@ -110,6 +110,30 @@ def check_layout(root: str) -> str:
             f"{', ...' if len(foreign) > 5 else ''}{hint}"
         )
     return "damaged" if present else "missing"
+
+
+def is_shared_store(root: str) -> bool:
+    """True when ``layout.json`` marks ``root`` as a shared store (``publish`` does)."""
+    try:
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+    except OSError:
+        return False
+    return data is not None and data.get("shared") is True
+
+
+def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
+    """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful.
+
+    Rewrites the file atomically, keeping what else it says; a no-op when marked.
+    """
+    path = os.path.join(root, LAYOUT_FILE)
+    data = _read_layout(path)
+    if data is None:
+        raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
+    if data.get("shared") is True:
+        return
+    data["shared"] = True
+    atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), tmp_dir, mode=mode)
 
 
 def create_layout(root: str) -> None:

@@ -44,16 +44,11 @@ from index._files import NotRegularFile, SizeMismatch, read_regular
 from index._index import MAX_MANIFEST_BYTES, Index
 
 from ._errors import LayoutError
-from ._layout import Layout, check_layout, create_layout
+from ._gc import SHARED_MIN_GRACE_S
+from ._layout import Layout, check_layout, create_layout, mark_shared_store
 
 __all__ = ["SHARED_MIN_GRACE_S", "PublishReport", "publish"]
 
-#: The shortest grace period a collector may use on a shared store. Nodes never
-#: touch a shared store, so mtimes there only say when something was published;
-#: an NFS client may keep serving a removed manifest from its attribute cache for
-#: ``actimeo`` seconds (60 s by default) and then open the blob it names. An hour
-#: covers any sane ``actimeo`` with a wide margin.
-SHARED_MIN_GRACE_S = 3600.0
 #: Temp files this old in the store's ``tmp/`` belong to an interrupted publish.
 STALE_TMP_S = 3600.0
 
@@ -308,6 +303,8 @@ def publish(
         if not dry_run:
             _lay_out(target)
     elif not dry_run:
+        target.make_tmp()
+        mark_shared_store(root, target.lay.tmp, mode=modes.file)
         if group_shared:
             _fix_top_modes(target)
         _sweep_stale_tmp(target.lay.tmp)
@@ -338,6 +335,7 @@ def _lay_out(target: _Dest) -> None:
         target.ensure_dir(path)
     target.make_tmp()
     create_layout(lay.root)
+    mark_shared_store(lay.root, lay.tmp, mode=target.modes.file)
     _fix_top_modes(target)
 
 

@@ -24,7 +24,8 @@ SUMMARY = re.compile(
     r"freed [\d,.]+ (B|KiB|MiB|GiB) of [\d,.]+ (B|KiB|MiB|GiB)$"
 )
 GC_KEYS = {
-    "root", "dry_run", "started_ns", "elapsed_s", "entries_before", "blobs_before", "bytes_before",
+    "root", "dry_run", "shared", "blobs_deferred", "started_ns", "elapsed_s", "entries_before", "blobs_before",
+    "bytes_before",
     "entries_removed", "blobs_removed", "bytes_freed", "temp_files_removed", "temp_bytes_freed",
     "kept_changed", "plan", "problems", "problem_count", "entries_after", "blobs_after", "bytes_after",
 }  # fmt: skip

@@ -269,8 +269,14 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
         if collect_first:
             from cas._gc import collect
 
-            report = collect(shared, grace_s=0, max_size=0)
-            assert report.entries_removed == len(values)
+            with pytest.raises(ValueError, match="shared store"):
+                collect(shared, grace_s=0, max_size=0)  # publish marked it: a short grace is refused
+            report = collect(shared, max_size=0)
+            assert report.shared and report.entries_removed == len(values)
+            # A node may have read a manifest just before it went: every blob stays
+            # (freshened), to be collected as an orphan a grace period later.
+            assert report.blobs_removed == 0 and report.blobs_deferred == len(set(values.values()))
+            assert len(list((shared / "blobs").glob("*/*"))) == len(set(values.values()))
             readers.gone()  # from now on, every lookup must miss
             time.sleep(0.3)
         shutil.rmtree(shared)

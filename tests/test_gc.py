@@ -429,3 +429,39 @@ def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
     assert verify(root).problems == []  # no manifest without its blob, nothing half-done
     for j in range(n):
         assert store.get(f"k{j}") in (None, content(f"c{j % 100}"))
+
+
+def test_a_shared_store_keeps_the_blobs_of_removed_entries_for_a_grace_period(tmp_path: Path) -> None:
+    from cas._gc import SHARED_MIN_GRACE_S, collect
+    from cas._layout import is_shared_store
+    from cas._publish import publish
+
+    def age_all(seconds: float) -> list[Path]:
+        files = [*(shared / "blobs").glob("*/*"), *(shared / "index").glob("*/*")]
+        for f in files:
+            os.utime(f, (time.time() - seconds,) * 2)
+        return [f for f in files if f.parent.parent.name == "blobs"]
+
+    node = CacheStore(tmp_path / "node")
+    for i in range(5):
+        node.put(f"k{i}", os.urandom(300 + i))
+    shared = tmp_path / "shared"
+    publish([node.root], shared)
+    assert is_shared_store(str(shared))
+    with pytest.raises(ValueError, match="at least"):
+        collect(shared, grace_s=SHARED_MIN_GRACE_S - 1)
+
+    age_all(600)  # published ten minutes ago
+    report = collect(shared, max_size=0)
+    assert report.entries_removed == 5 and report.blobs_removed == 0 and report.blobs_deferred == 5
+    blobs = sorted((shared / "blobs").glob("*/*"))
+    assert len(blobs) == 5 and all(time.time() - b.stat().st_mtime < 60 for b in blobs)  # freshened
+    assert collect(shared).blobs_removed == 0  # orphans now, but young ones
+
+    age_all(SHARED_MIN_GRACE_S + 60)
+    assert collect(shared).blobs_removed == 5  # a grace period later they go
+
+    # An operator can still collect it as a private cache, explicitly.
+    publish([node.root], shared)
+    age_all(600)
+    assert collect(shared, grace_s=0, max_size=0, shared=False).blobs_removed == 5
