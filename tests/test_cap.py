@@ -6,12 +6,14 @@ order is needed, instead of sleeping between writes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -291,18 +293,25 @@ _HOLD_LOCK = textwrap.dedent(
 )
 
 
+@contextlib.contextmanager
+def lock_held_elsewhere(lock_path: Path) -> Iterator[None]:
+    """Another process holds the cache's eviction lock for the duration of the block."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(lock_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            yield
+        finally:
+            holder.stdin.close()  # the holder exits, releasing the lock
+            holder.wait(timeout=30)
+
+
 def test_a_writer_does_not_wait_for_a_running_evictor(cache_dir: Path) -> None:
     cap = 10 * (1000 + MANIFEST_BYTES)
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_LOCK, str(cache_dir / "evict.lock")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(cache_dir / "evict.lock"):
 
         def write_past_the_cap() -> None:
             for i in range(30):
@@ -316,11 +325,6 @@ def test_a_writer_does_not_wait_for_a_running_evictor(cache_dir: Path) -> None:
         assert stats.evictions == 0  # another process is evicting: this one left it alone
         assert stats.entries == 30
         assert stats.stored_bytes > cap
-    finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        holder.wait(timeout=30)
-        holder.stdout.close()
     cache["one more"] = value(100)  # the lock is free: the next write over the cap evicts
     stats = cache.stats()
     assert stats.evictions > 0
@@ -331,24 +335,11 @@ def test_enforce_cap_returns_none_while_another_process_holds_the_lock(cache_dir
     store = CacheStore(cache_dir, max_size_bytes=5000)
     for i in range(3):
         store.put(f"k{i}", value(i))
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_LOCK, str(cache_dir / "evict.lock")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(cache_dir / "evict.lock"):
         for i in range(3, 10):
             store.put(f"k{i}", value(i))
         assert store.enforce_cap() is None
         assert store.stats().stored_bytes > 5000
-    finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        holder.wait(timeout=30)
-        holder.stdout.close()
     for blob in (cache_dir / "blobs").glob("*/*"):
         age(blob, 60)  # written a minute ago: old enough to go with their last key
     result = store.enforce_cap()
