@@ -1,0 +1,664 @@
+#!/usr/bin/env python3
+"""The shared-store scenarios, run over one writable and several read-only mounts of one store.
+
+    scenarios.py --publisher /mnt/publisher --node /mnt/node1 --node /mnt/node2 \\
+        --local /tmp/nodes --json result.json [--quick]
+
+``tools/nfs_harness.py`` runs this inside its VM over real NFS mounts of one
+export (``nosharecache``: one client cache per mount, like separate nodes); it
+also runs on plain directories (every path the same directory), which checks the
+logic but not NFS. The store is ``<publisher>/store``; nodes read it as
+``<node>/store``, each node in its own process. Scenarios:
+
+- publish: nodes read every key in a loop while the publisher publishes batches;
+- collect: nodes read while the collector removes half the store, then all of it,
+  and the publisher publishes it again (new files at the same paths);
+- compile: the publisher compiles real kernels with NVRTC and publishes them; each
+  node's ``Program.compile`` must hit the shared store without compiling;
+- visibility: entries published on the writable mount are visible on the others
+  at once (close-to-open), and how long a node that had missed a key keeps
+  missing it (negative lookup caching).
+
+A read must return the right bytes or miss: a wrong byte, an exception, or a
+worker that fails fails the run (exit status 1). Figures go to ``--json`` and,
+formatted by :func:`format_summary`, to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+Result = dict[str, Any]
+
+KERNELS = {
+    "saxpy": r"""
+extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+""",
+    "scale": r"""
+extern "C" __global__ void scale(float a, float *x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+""",
+}
+#: (kernel, target, arch) compiled by the publisher and looked up by every node.
+COMPILES = [("saxpy", "cubin", "sm_80"), ("scale", "cubin", "sm_80"), ("saxpy", "ltoir", "sm_90")]
+
+
+# -- the data: every process derives the expected bytes of a key itself -------------------
+
+
+def key_of(gen: str, i: int) -> str:
+    return f"nfs-harness/{gen}/{i}"
+
+
+def value_of(gen: str, i: int) -> bytes:
+    """Deterministic content; every fourth key shares its predecessor's bytes (a shared blob)."""
+    content = i - 1 if i % 4 == 3 else i
+    rng = random.Random(f"{gen}:{content}")
+    return rng.randbytes(256 + rng.randrange(24 * 1024))
+
+
+def make_source(path: str, gen: str, indices: range | list[int]) -> int:
+    """A local cache holding the given entries (what a node would have compiled). Returns bytes."""
+    from cas import CacheStore
+
+    store = CacheStore(path)
+    total = 0
+    for i in indices:
+        data = value_of(gen, i)
+        store.put(key_of(gen, i), data)
+        total += len(data)
+    return total
+
+
+# -- node workers: separate processes, one per mount ----------------------------------------
+
+
+def _node_store(cfg: Result) -> Any:
+    from cas import CacheStore
+
+    local = cfg["local"]
+    shutil.rmtree(local, ignore_errors=True)
+    return CacheStore(local, shared=[cfg["store"]], copy_shared_hits=False)
+
+
+def _check(store: Any, gen: str, i: int, out: Result) -> bool | None:
+    """Look one key up: True hit (right bytes), False miss, None wrong bytes or an exception."""
+    try:
+        data = store.get(key_of(gen, i))
+    except Exception:
+        out["exceptions"].append(traceback.format_exc(limit=4))
+        return None
+    if data is None:
+        return False
+    if data != value_of(gen, i):
+        out["wrong"].append(
+            f"{key_of(gen, i)}: {len(data)} bytes, first difference at {_first_diff(data, value_of(gen, i))}"
+        )
+        return None
+    return True
+
+
+def _first_diff(a: bytes, b: bytes) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def worker_sweep(cfg: Result) -> Result:
+    """Read keys ``0..n`` of ``gen`` over and over until the stop file appears, then report."""
+    store = _node_store(cfg)
+    gen, n = cfg["gen"], cfg["n"]
+    out: Result = {"reads": 0, "hits": 0, "misses": 0, "wrong": [], "exceptions": [], "sweeps": 0}
+    first_seen: dict[int, float] = {}
+    lost: set[int] = set()
+    seen_now: set[int] = set()
+    deadline = time.monotonic() + cfg["max_s"]
+    with open(cfg["ready"], "w"):
+        pass
+    stopped_at = None
+    while True:
+        seen_now = set()
+        for i in range(n):
+            ok = _check(store, gen, i, out)
+            out["reads"] += 1
+            if ok:
+                out["hits"] += 1
+                seen_now.add(i)
+                first_seen.setdefault(i, time.monotonic())
+            elif ok is False:
+                out["misses"] += 1
+                if i in first_seen:
+                    lost.add(i)
+        out["sweeps"] += 1
+        now = time.monotonic()
+        if stopped_at is not None:
+            # After the stop, sweep until every key is visible (a node that missed a key may keep
+            # a negative lookup cached for a while) or the settle time runs out.
+            out.setdefault("visible_after_stop", len(seen_now))
+            if len(seen_now) == n or now - stopped_at > cfg["settle_s"]:
+                if len(seen_now) == n:
+                    out["all_visible_after_stop_s"] = round(now - stopped_at, 2)
+                break
+            time.sleep(0.2)
+        elif now > deadline:
+            break
+        elif os.path.exists(cfg["stop"]):
+            stopped_at = now
+        else:
+            time.sleep(cfg["pause_s"])  # leave the publisher some CPU: nodes are processes of one VM
+    stats = store.stats()
+    out.update(
+        first_seen={str(k): v for k, v in first_seen.items()},
+        lost_after_seen=len(lost),
+        visible_at_end=len(seen_now),
+        store_errors=stats.errors,
+        store_corrupt=stats.corrupt,
+    )
+    return out
+
+
+def worker_serve(cfg: Result) -> Result:
+    """Answer ``get GEN I`` lines on stdin with ``hit``/``miss``/``bad`` (one process per node)."""
+    store = _node_store(cfg)
+    out: Result = {"wrong": [], "exceptions": []}
+    for line in sys.stdin:
+        _cmd, gen, i = line.split()
+        ok = _check(store, gen, int(i), out)
+        print("hit" if ok else "miss" if ok is False else "bad", flush=True)
+    return out
+
+
+def worker_compile(cfg: Result) -> Result:
+    """Compile every kernel through a cache layered over the shared store; count real NVRTC runs."""
+    import cuda.core._program as program_mod
+    from cuda.core import Program, ProgramOptions
+
+    from cas import ContentAddressedProgramCache
+
+    real = program_mod._program_compile_uncached
+    calls = {"n": 0}
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    program_mod._program_compile_uncached = counted
+    shutil.rmtree(cfg["local"], ignore_errors=True)
+    out: Result = {"digests": [], "times_ms": [], "second_times_ms": []}
+    from cas import digest_of
+
+    with ContentAddressedProgramCache(cfg["local"], shared=[cfg["store"]]) as cache:
+        for rounds in ("times_ms", "second_times_ms"):
+            for name, target, arch in COMPILES:
+                t0 = time.perf_counter()
+                obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
+                out[rounds].append(round((time.perf_counter() - t0) * 1e3, 1))
+                if rounds == "times_ms":
+                    out["digests"].append(digest_of(bytes(obj.code)))
+        stats = cache.stats()
+    out.update(nvrtc_compiles=calls["n"], hits=stats.hits, shared_hits=stats.shared_hits, misses=stats.misses)
+    return out
+
+
+def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: Any) -> Any:
+    name, target, arch = kernel
+    opts: Result = {"arch": arch}
+    if target == "ltoir":
+        opts.update(relocatable_device_code=True, link_time_optimization=True)
+    return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
+
+
+WORKERS: dict[str, Callable[[Result], Result]] = {
+    "sweep": worker_sweep,
+    "serve": worker_serve,
+    "compile": worker_compile,
+}
+
+
+def worker_main(role: str, cfg_json: str) -> int:
+    cfg = json.loads(cfg_json)
+    try:
+        out = WORKERS[role](cfg)
+    except Exception:
+        out = {"wrong": [], "exceptions": [traceback.format_exc()]}
+    out["role"] = role
+    line = "RESULT " + json.dumps(out)
+    if role == "serve":
+        print(line, flush=True)
+    else:
+        sys.stdout.write(line + "\n")
+    return 1 if out.get("exceptions") or out.get("wrong") else 0
+
+
+def spawn(role: str, cfg: Result, stdin: int | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", role, json.dumps(cfg)],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def collect_worker(proc: subprocess.Popen[str], timeout: float, failures: list[str], who: str) -> Result:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        failures.append(f"{who}: did not finish within {timeout:.0f} s")
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        failures.append(f"{who}: exited {proc.returncode} without a result: {stderr.strip()[-1500:]}")
+        return {}
+    out: Result = json.loads(lines[-1][len("RESULT ") :])
+    for text in out.get("wrong", [])[:5]:
+        failures.append(f"{who}: WRONG BYTES {text}")
+    for text in out.get("exceptions", [])[:3]:
+        failures.append(f"{who}: exception: {text.strip()}")
+    if proc.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
+        failures.append(f"{who}: exit status {proc.returncode}: {stderr.strip()[-800:]}")
+    return out
+
+
+# -- the scenarios (run by the publisher process) ---------------------------------------------
+
+
+class Env:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.publisher = os.path.join(args.publisher, "store")
+        self.nodes = [os.path.join(n, "store") for n in args.node]
+        self.mounts = list(args.node)
+        self.local = args.local
+        self.quick = args.quick
+        self.n = args.keys or (48 if args.quick else 400)
+        self.batches = 4 if self.n < 200 else 8
+        self.neg_wait_s = 5.0 if args.quick else 75.0
+        os.makedirs(self.local, exist_ok=True)
+
+    def tmp(self, *parts: str) -> str:
+        path = os.path.join(self.local, *parts)
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    def node_cfg(self, k: int, **extra: Any) -> Result:
+        return {"store": self.nodes[k], "local": os.path.join(self.local, f"node{k}-cache"), **extra}
+
+    def who(self, k: int) -> str:
+        return f"node{k + 1} ({self.mounts[k]})"
+
+    def start_sweepers(self, gen: str, tag: str, max_s: float) -> tuple[list[subprocess.Popen[str]], str]:
+        stop = self.tmp(f"{tag}.stop")
+        procs = []
+        ready = []
+        for k in range(len(self.nodes)):
+            r = self.tmp(f"{tag}.ready{k}")
+            ready.append(r)
+            cfg = self.node_cfg(
+                k, gen=gen, n=self.n, stop=stop, ready=r, max_s=max_s, settle_s=self.neg_wait_s, pause_s=0.05
+            )
+            procs.append(spawn("sweep", cfg))
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(r) for r in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return procs, stop
+
+
+def scenario_publish(env: Env) -> Result:
+    """Nodes read every key in a loop (missing at first) while the publisher publishes batches."""
+    from cas._publish import publish
+
+    failures: list[str] = []
+    gen = "publish"
+    per = env.n // env.batches
+    sources = []
+    for b in range(env.batches):
+        src = env.tmp("publish-src", f"batch{b}")
+        make_source(src, gen, range(b * per, env.n if b == env.batches - 1 else (b + 1) * per))
+        sources.append(src)
+    seed = env.tmp("publish-src", "seed")
+    make_source(seed, "seed", [0])
+    publish([seed], env.publisher)  # the store exists before nodes start, as on a cluster
+    procs, stop = env.start_sweepers(gen, "publish", max_s=600)
+    time.sleep(1.0)  # every node misses every key at least once first (negative lookups cached)
+    published_at: list[float] = []
+    t0 = time.monotonic()
+    published = 0
+    for src in sources:
+        report = publish([src], env.publisher)
+        published_at.append(time.monotonic())
+        published += report.published
+        if report.problems:
+            failures.append(f"publish reported problems: {report.to_dict()}")
+        time.sleep(0.3)
+    publish_s = time.monotonic() - t0
+    if published != env.n:
+        failures.append(f"published {published} keys, expected {env.n}")
+    with open(stop, "w"):
+        pass
+    figures: Result = {"keys": env.n, "batches": env.batches, "publish_s": round(publish_s, 2)}
+    nodes = []
+    for k, proc in enumerate(procs):
+        out = collect_worker(proc, 600, failures, env.who(k))
+        if not out:
+            continue
+        lags = []
+        for key, seen in out["first_seen"].items():
+            b = min(int(key) // per, env.batches - 1)
+            lags.append(max(0.0, seen - published_at[b]))
+        if out["visible_at_end"] != env.n:
+            failures.append(
+                f"{env.who(k)}: {env.n - out['visible_at_end']} published keys still missing after "
+                f"{env.neg_wait_s:.0f} s"
+            )
+        if out["lost_after_seen"]:
+            failures.append(f"{env.who(k)}: {out['lost_after_seen']} keys missed after they had been read")
+        nodes.append({
+            "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
+            "sweeps": out["sweeps"], "store_errors": out["store_errors"],
+            "visible_right_after": out.get("visible_after_stop"),
+            "all_visible_after_s": out.get("all_visible_after_stop_s"),
+            "max_lag_s": round(max(lags), 2) if lags else None,
+            "lag_over_1s": sum(lag > 1 for lag in lags),
+        })  # fmt: skip
+    figures["nodes"] = nodes
+    return {"failures": failures, "figures": figures}
+
+
+def scenario_collect(env: Env) -> Result:
+    """Nodes read while the collector empties the store in two steps and the publisher refills it."""
+    from cas._gc import collect
+    from cas._publish import publish
+
+    failures: list[str] = []
+    gen = "publish"  # the entries published by the previous scenario (published again if missing)
+    src = env.tmp("collect-src")
+    make_source(src, gen, range(env.n))
+    publish([src], env.publisher)
+    held = hold_open_blobs(env, 4)
+    procs, stop = env.start_sweepers(gen, "collect", max_s=600)
+    time.sleep(1.0)
+    steps = []
+    from cas import CacheStore
+
+    for label, fraction in (("half", 2), ("all", 0)):
+        size = CacheStore(env.publisher).snapshot().stored_bytes // fraction if fraction else 0
+        t0 = time.monotonic()
+        report = collect(env.publisher, grace_s=0, max_size=size)
+        steps.append({
+            "step": f"collect {label}", "s": round(time.monotonic() - t0, 2),
+            "entries_removed": report.entries_removed, "blobs_removed": report.blobs_removed,
+            "kept_changed": report.kept_changed, "problems": report.problem_count,
+        })  # fmt: skip
+        if report.problem_count:
+            failures.append(f"collect {label}: problems {report.problems[:5]}")
+        time.sleep(1.0)
+    stale = read_held(held)
+    t0 = time.monotonic()
+    report = publish([src], env.publisher)
+    steps.append({"step": "publish again", "s": round(time.monotonic() - t0, 2), "published": report.published})
+    time.sleep(1.0)
+    with open(stop, "w"):
+        pass
+    nodes = []
+    for k, proc in enumerate(procs):
+        out = collect_worker(proc, 600, failures, env.who(k))
+        if out and out["visible_at_end"] != env.n:
+            failures.append(
+                f"{env.who(k)}: {env.n - out['visible_at_end']} republished keys still missing after "
+                f"{env.neg_wait_s:.0f} s"
+            )
+        if out:
+            nodes.append({
+                "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
+                "store_errors": out["store_errors"], "visible_right_after": out.get("visible_after_stop"),
+                "all_visible_after_s": out.get("all_visible_after_stop_s"),
+            })  # fmt: skip
+    return {"failures": failures, "figures": {"keys": env.n, "steps": steps, "held_open_reads": stale, "nodes": nodes}}
+
+
+def hold_open_blobs(env: Env, per_node: int) -> list[tuple[str, int, str]]:
+    """Open a few blobs on every node mount (as a reader between open and read would)."""
+    blob_root = os.path.join(env.publisher, "blobs")
+    names = []
+    for shard in sorted(os.listdir(blob_root))[:per_node]:
+        files = os.listdir(os.path.join(blob_root, shard))
+        if files:
+            names.append(os.path.join("blobs", shard, files[0]))
+    held = []
+    for k, node in enumerate(env.nodes):
+        for name in names:
+            held.append((env.who(k), os.open(os.path.join(node, name), os.O_RDONLY), name))
+    return held
+
+
+def read_held(held: list[tuple[str, int, str]]) -> Result:
+    """Read each held descriptor after its file was collected: what the NFS client answers."""
+    outcomes: dict[str, dict[str, int]] = {}
+    for who, fd, _name in held:
+        try:
+            os.fstat(fd)
+            os.read(fd, 1 << 20)
+            what = "read ok"
+        except OSError as exc:
+            what = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        finally:
+            os.close(fd)
+        node = outcomes.setdefault(who, {})
+        node[what] = node.get(what, 0) + 1
+    return outcomes
+
+
+def scenario_compile(env: Env) -> Result:
+    """The publisher compiles with NVRTC and publishes; each node's Program.compile must hit."""
+    from cuda.core import Program, ProgramOptions
+
+    from cas import ContentAddressedProgramCache, digest_of
+    from cas._publish import publish
+
+    failures: list[str] = []
+    src = env.tmp("compile-src")
+    times, digests = [], []
+    with ContentAddressedProgramCache(src) as cache:
+        for name, target, arch in COMPILES:
+            t0 = time.perf_counter()
+            obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
+            times.append(round((time.perf_counter() - t0) * 1e3, 1))
+            digests.append(digest_of(bytes(obj.code)))
+    report = publish([src], env.publisher)
+    procs = [spawn("compile", env.node_cfg(k)) for k in range(len(env.nodes))]
+    nodes = []
+    for k, proc in enumerate(procs):
+        out = collect_worker(proc, 900, failures, env.who(k))
+        if not out:
+            continue
+        if out["digests"] != digests:
+            failures.append(f"{env.who(k)}: WRONG BYTES: compiled objects differ from the publisher's")
+        if out["nvrtc_compiles"] or out["misses"] or out["shared_hits"] != len(COMPILES):
+            failures.append(
+                f"{env.who(k)}: expected {len(COMPILES)} shared hits and no compile, got "
+                f"{out['shared_hits']} shared hits, {out['misses']} misses, {out['nvrtc_compiles']} NVRTC compiles"
+            )
+        nodes.append({
+            "node": env.who(k), "hit_ms": out["times_ms"], "local_hit_ms": out["second_times_ms"],
+            "shared_hits": out["shared_hits"], "nvrtc_compiles": out["nvrtc_compiles"],
+        })  # fmt: skip
+    figures = {"kernels": [f"{n} {t} {a}" for n, t, a in COMPILES], "publisher_compile_ms": times,
+               "published": report.published, "nodes": nodes}  # fmt: skip
+    return {"failures": failures, "figures": figures}
+
+
+def scenario_visibility(env: Env) -> Result:
+    """Close-to-open: a key published on the writable mount is at once visible on the others,
+    unless that node missed it before (a cached negative lookup): then measure how long it lags."""
+    from cas._publish import publish
+
+    failures: list[str] = []
+    servers = [spawn("serve", env.node_cfg(k), stdin=subprocess.PIPE) for k in range(len(env.nodes))]
+
+    def ask(k: int, gen: str, i: int) -> str:
+        proc = servers[k]
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"get {gen} {i}\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline().strip()
+        if answer not in ("hit", "miss"):
+            failures.append(f"{env.who(k)}: {gen}/{i}: {answer or 'worker died'}")
+        return answer
+
+    m = 8 if env.quick else 20
+    fresh_missing = [0] * len(servers)
+    for i in range(m):
+        src = env.tmp("vis-src", f"fresh{i}")
+        make_source(src, "fresh", [i])
+        publish([src], env.publisher)
+        for k in range(len(servers)):
+            if ask(k, "fresh", i) != "hit":
+                fresh_missing[k] += 1
+    for k, count in enumerate(fresh_missing):
+        if count:
+            failures.append(f"{env.who(k)}: {count} of {m} entries not visible right after publishing (close-to-open)")
+    # Negative lookups first: each node misses the keys, then they are published.
+    for i in range(m):
+        for k in range(len(servers)):
+            ask(k, "missed", i)
+    src = env.tmp("vis-src", "missed")
+    make_source(src, "missed", range(m))
+    publish([src], env.publisher)
+    t_pub = time.monotonic()
+    pending = {(k, i) for k in range(len(servers)) for i in range(m)}
+    seen_after: dict[tuple[int, int], float] = {}
+    immediate = [0] * len(servers)
+    first = True
+    while pending and time.monotonic() - t_pub < env.neg_wait_s:
+        for k, i in sorted(pending):
+            if ask(k, "missed", i) == "hit":
+                seen_after[(k, i)] = time.monotonic() - t_pub
+                immediate[k] += first
+        pending -= set(seen_after)
+        first = False
+        if pending:
+            time.sleep(0.5)
+    nodes = []
+    for k in range(len(servers)):
+        lags = [v for (kk, _i), v in seen_after.items() if kk == k]
+        nodes.append({
+            "node": env.who(k), "fresh_visible_at_once": m - fresh_missing[k],
+            "missed_then_published_visible_at_once": immediate[k],
+            "missed_then_published_max_lag_s": round(max(lags), 1) if lags else None,
+            "still_missing_after_wait": sum(1 for kk, _i in pending if kk == k),
+        })  # fmt: skip
+    for k, proc in enumerate(servers):
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it
+        collect_worker(proc, 60, failures, env.who(k))
+    return {"failures": failures, "figures": {"entries": m, "wait_limit_s": env.neg_wait_s, "nodes": nodes}}
+
+
+SCENARIOS: dict[str, Callable[[Env], Result]] = {
+    "publish while nodes read": scenario_publish,
+    "collect while nodes read": scenario_collect,
+    "Program.compile on nodes hits the shared store": scenario_compile,
+    "close-to-open visibility": scenario_visibility,
+}
+
+
+def mount_options(paths: list[str]) -> dict[str, str]:
+    found = {}
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if parts[1] in paths:
+                    found[parts[1]] = f"{parts[2]} {parts[3]}"
+    except OSError:
+        pass
+    return {p: found.get(p, "(not a mount point)") for p in paths}
+
+
+def run_all(args: argparse.Namespace) -> Result:
+    env = Env(args)
+    result: Result = {
+        "kernel": os.uname().release,
+        "mounts": mount_options([args.publisher, *args.node]),
+        "quick": args.quick,
+        "scenarios": [],
+    }
+    t_all = time.monotonic()
+    for name, fn in SCENARIOS.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        print(f"nfsh: scenario: {name} ...", flush=True)
+        t0 = time.monotonic()
+        try:
+            out = fn(env)
+        except Exception:
+            out = {"failures": [f"unexpected exception in the scenario: {traceback.format_exc()}"], "figures": {}}
+        out.update(name=name, ok=not out["failures"], seconds=round(time.monotonic() - t0, 1))
+        print(f"nfsh: scenario: {name}: {'ok' if out['ok'] else 'FAILED'} in {out['seconds']} s", flush=True)
+        result["scenarios"].append(out)
+    result["seconds"] = round(time.monotonic() - t_all, 1)
+    result["ok"] = all(s["ok"] for s in result["scenarios"]) and bool(result["scenarios"])
+    return result
+
+
+def format_summary(result: Result) -> str:
+    lines = [f"NFS scenarios on Linux {result['kernel']} ({result['seconds']} s)"]
+    for path, opts in result["mounts"].items():
+        lines.append(f"  mount {path}: {opts}")
+    for sc in result["scenarios"]:
+        lines.append(f"{'ok    ' if sc['ok'] else 'FAILED'} {sc['name']} ({sc['seconds']} s)")
+        for key, value in sc["figures"].items():
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                for item in value:
+                    lines.append("         " + ", ".join(f"{k}={v}" for k, v in item.items()))
+            else:
+                lines.append(f"         {key}: {value}")
+        for failure in sc["failures"]:
+            lines.append(f"  !! {failure}")
+    lines.append(f"{'PASSED' if result['ok'] else 'FAILED'}: {sum(s['ok'] for s in result['scenarios'])} of "
+                 f"{len(result['scenarios'])} scenarios passed")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1], argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--publisher", required=True, help="the writable mount (the store is <mount>/store)")
+    parser.add_argument("--node", action="append", required=True, help="a read-only mount, one per node")
+    parser.add_argument("--local", required=True, help="a local directory for the nodes' own caches")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="fewer keys, shorter waits")
+    parser.add_argument("--keys", type=int, help="keys per scenario (default 400, 48 with --quick)")
+    parser.add_argument("--only", action="append", help="run only scenarios whose name contains this")
+    args = parser.parse_args(argv)
+    shutil.rmtree(os.path.join(args.publisher, "store"), ignore_errors=True)
+    result = run_all(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(format_summary(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
