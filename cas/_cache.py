@@ -51,7 +51,7 @@ def as_bytes(value: object) -> bytes:
     )
 
 
-class ContentAddressedProgramCache(ProgramCacheResource):
+class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
     """A persistent, deduplicating program cache for ``Program.compile(cache=...)``.
 
     Each distinct binary is stored once under its blake3 digest; each key has a
