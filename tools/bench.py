@@ -473,6 +473,7 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
     manifest = _manifest_overhead(base, size)
     for n in cfg.cap_sizes:
         per_write: dict[str, float] = {}
+        amortized: dict[str, float] = {}
         for kind in interleaved(n):
             path = os.path.join(base, f"{kind}-{n}")
             cap = n * (size + manifest) if kind == "ours" else n * size
@@ -496,6 +497,11 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
             if evicted <= 0:
                 raise RuntimeError(f"{kind} did not evict at {n} entries (cap {cap} bytes): {entries} entries")
             per_write[kind] = sum(times) / len(times) / 1e6
+            # Steady state: one eviction pass makes room for every entry it evicted, so spread the pass
+            # (the time above the median in writes that took over 5x the median) over those entries.
+            med = median(times)
+            pass_ns = sum(t - med for t in times if t > 5 * med)
+            amortized[kind] = (med + pass_ns / evicted) / 1e6
             res.details[f"{kind}_{n}"] = {
                 "cap_bytes": cap,
                 "fill_s": fill_s,
@@ -503,6 +509,7 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
                 "mean_ms": per_write[kind],
                 "median_ms": median([t / 1e6 for t in times]),
                 "max_ms": max(times) / 1e6,
+                "amortized_ms": amortized[kind],
                 "entries_after": entries,
                 "evicted": evicted,
             }
@@ -519,10 +526,22 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
                 target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
             )
         )
+        res.add(
+            Row(
+                f"write at cap, {n:,} entries, amortized",
+                "ms",
+                amortized["ours"],
+                amortized["filestream"],
+                target_op="<=",
+                target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
+            )
+        )
         res.notes.append(
             f"{n:,} entries of {fmt_size(size)}: ours timed {d_ours['writes_timed']} writes (evicted "
             f"{d_ours['evicted']:,}, max {d_ours['max_ms']:.1f} ms), FileStream {d_fs['writes_timed']} writes (evicted "
-            f"{d_fs['evicted']:,}, max {d_fs['max_ms']:.1f} ms); mean includes every eviction scan"
+            f"{d_fs['evicted']:,}, max {d_fs['max_ms']:.1f} ms); mean: all timed writes, eviction scans included; "
+            "amortized: median write + (time above the median of writes over 5x it) / entries evicted, the steady "
+            "state where each eviction pass pays for the room it made"
         )
     if any(cfg.fs_cap_writes.get(n, cfg.cap_writes) < cfg.cap_writes for n in cfg.cap_sizes):
         res.notes.append(
@@ -620,13 +639,15 @@ def w_footprint(cfg: Config, base: str) -> Result:
                 cache[key] = code
     usage = {k: disk_usage(paths[k]) for k in KINDS}
     fs_entries = os.path.join(paths["filestream"], "entries")
-    fs_digests = set()
+    fs_sizes: dict[bytes, int] = {}
     fs_count = 0
     for dirpath, _dirs, files in os.walk(fs_entries):
         for f in files:
             with open(os.path.join(dirpath, f), "rb") as fh:
-                fs_digests.add(hashlib.sha256(fh.read()).digest())
+                data = fh.read()
+            fs_sizes[hashlib.sha256(data).digest()] = len(data)
             fs_count += 1
+    fs_digests = set(fs_sizes)
     st = caches["ours"].stats()
     snap = caches["ours"].store.snapshot()
     manifest_bytes = snap.manifest_bytes
@@ -670,12 +691,14 @@ def w_footprint(cfg: Config, base: str) -> Result:
         "usage": usage,
         "ours_manifest_bytes": manifest_bytes,
         "ours_blob_bytes": snap.blob_bytes,
+        "filestream_distinct_content_bytes": sum(fs_sizes.values()),
+        "apparent_target_bytes": bound,
     }
     same = ", ".join(f"{k} {v}/{len(names)}" for k, v in per_variant_same.items() if k != "base")
     res.notes.append(
         f"{compiles} real NVRTC compiles ({len(names)} kernels x {len(_VARIANTS)} variants); variants with the same "
-        f"cubin as base: {same}; ours' apparent bytes include layout.json and CACHEDIR.TAG, manifests total "
-        f"{manifest_bytes:,} bytes"
+        f"cubin as base: {same}; ours' apparent bytes = blobs {snap.blob_bytes:,} + manifests {manifest_bytes:,} + "
+        f"layout.json, CACHEDIR.TAG; FileStream's distinct binaries total {sum(fs_sizes.values()):,} bytes"
     )
     return res
 
