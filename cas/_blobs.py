@@ -172,5 +172,5 @@ class BlobStore:
                             continue
                         if stat.S_ISREG(st.st_mode):
                             yield BlobEntry(shard + entry.name, entry.path, st)
-            except (FileNotFoundError, NotADirectoryError):
+            except OSError:  # gone, not a directory, or unreadable (EACCES, EIO): nothing listed there
                 continue

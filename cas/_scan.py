@@ -73,7 +73,7 @@ def take_snapshot(index: Index, blobs: BlobStore, *, read_manifests: bool = True
     referenced or young, never as an old orphan.
     """
     snap = Snapshot(started_ns=time.time_ns())
-    for entry in index.scan():
+    for entry in index.scan(snap.unreadable):
         manifest = None
         if read_manifests and entry.stat.st_size <= MAX_MANIFEST_BYTES:
             try:

@@ -110,8 +110,12 @@ class Index:
         """Unlink the manifest only if it is still the file ``st`` describes."""
         return unlink_if_unchanged(self.path_for(kid), stat_key(st))
 
-    def scan(self) -> Iterator[IndexEntry]:
-        """Every manifest file, with its stat; names that don't fit are skipped."""
+    def scan(self, unreadable: list[str] | None = None) -> Iterator[IndexEntry]:
+        """Every manifest file, with its stat; names that don't fit are skipped.
+
+        A shard directory that cannot be listed (EACCES, EIO) is skipped and, when
+        ``unreadable`` is given, appended to it: its manifests are unknown, not absent.
+        """
         for shard in _subdirs(self.directory):
             try:
                 with os.scandir(os.path.join(self.directory, shard)) as it:
@@ -127,6 +131,10 @@ class Index:
                         yield IndexEntry(shard + entry.name, entry.path, st)
             except (FileNotFoundError, NotADirectoryError):
                 continue
+            except OSError:
+                if unreadable is not None:
+                    unreadable.append(os.path.join(self.directory, shard))
+                continue
 
     def count(self) -> int:
         """Number of manifest files (no stat per file)."""
@@ -135,7 +143,7 @@ class Index:
             try:
                 with os.scandir(os.path.join(self.directory, shard)) as it:
                     total += sum(1 for e in it if _REST_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False))
-            except (FileNotFoundError, NotADirectoryError):
+            except OSError:  # gone, not a directory, or unreadable: nothing countable there
                 continue
         return total
 
