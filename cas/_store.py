@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from stat import S_ISREG
+from stat import S_ISDIR, S_ISREG
 
 from blake3 import blake3
 
@@ -104,6 +104,8 @@ class CacheStore:
         self._held_bytes = 0
         self._index_dir = self._lay.index + _SEP
         self._blob_dir = self._lay.blobs + _SEP
+        #: Shard directories this instance found to be real directories (see _strange_shard).
+        self._real_shards: set[str] = set()
         self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
         self._since_measure = 0  # bytes this instance wrote since it last listed the cache
@@ -196,6 +198,8 @@ class CacheStore:
             found = self._lookup_known(kid, ipath)
             if found is not None:
                 return found
+        if self._strange_shard(self._index_dir, kid):
+            return None
         try:
             mfd = os.open(ipath, READ_FLAGS)
         except FileNotFoundError:
@@ -278,12 +282,37 @@ class CacheStore:
             return None  # due for a touch: the full path does it
         return held[1], digest
 
+    def _strange_shard(self, directory: str, name: str) -> bool:
+        """True when the shard directory of ``name`` is a symlink or not a directory.
+
+        Such a shard would lead reads and writes outside the cache root: its keys
+        are misses and writes to it are dropped. Checked once per shard and
+        instance (a missing shard is fine: a write creates it).
+        """
+        shard = directory + name[:2]
+        if shard in self._real_shards:
+            return False
+        try:
+            st = os.lstat(shard)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        if not S_ISDIR(st.st_mode):
+            self._counters.add("corrupt")
+            self._note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+            return True
+        self._real_shards.add(shard)
+        return False
+
     def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
         """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory.
 
         A blob held in memory is returned by later hits once two stats prove the
         manifest and the blob unchanged (see :meth:`_lookup_known`).
         """
+        if self._strange_shard(self._blob_dir, digest):
+            return None
         bpath = f"{self._blob_dir}{digest[:2]}{_SEP}{digest[2:]}"
         try:
             bfd = os.open(bpath, READ_FLAGS)
@@ -441,6 +470,8 @@ class CacheStore:
 
     def _commit(self, kid: str, data: bytes, digest: str) -> bool | None:
         """Blob first, then manifest, then re-check the blob. True if the blob existed; None if dropped."""
+        if self._strange_shard(self._blob_dir, digest) or self._strange_shard(self._index_dir, kid):
+            return None
         existed = self.blobs.put(data, digest)
         if existed is None:
             return None  # the blob was not stored: a manifest must not name it
@@ -542,7 +573,7 @@ class CacheStore:
         kid = key_id(key)
         if self.read_only:
             raise self._refuse("delete a key")
-        if not self.index.remove(kid):
+        if self._strange_shard(self._index_dir, kid) or not self.index.remove(kid):
             raise KeyError(key)
 
     def clear(self) -> None:
