@@ -64,8 +64,24 @@ _SHARED_RETRY_S = 5.0
 _OUTAGE_ERRNOS = frozenset(
     e for e in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, getattr(errno, "EHOSTDOWN", None)) if e is not None
 )
-#: Write failures that drop the write instead of failing the caller.
-_DROP_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG) if e is not None)
+#: Write failures that drop the write instead of failing the caller: the disk is
+#: full, or something that is not ours is in the way of a file (a directory where
+#: a blob or manifest belongs). Permission and read-only errors are configuration
+#: problems and propagate, as they do from FileStreamProgramCache.
+_DROP_ERRNOS = frozenset(
+    e
+    for e in (
+        errno.ENOSPC,
+        getattr(errno, "EDQUOT", None),
+        errno.EFBIG,
+        errno.EISDIR,
+        errno.ENOTDIR,
+        errno.ELOOP,
+        errno.ENOTEMPTY,
+        errno.EEXIST,
+    )
+    if e is not None
+)
 
 
 class CacheStore:

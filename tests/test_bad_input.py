@@ -294,3 +294,30 @@ def test_missing_read_only_cache_is_not_created(tmp_path: Path) -> None:
 def test_shared_must_be_a_sequence_of_paths(cache_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="single path"):
         ContentAddressedProgramCache(cache_dir, shared=str(tmp_path))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["blob", "manifest"])
+def test_a_directory_in_the_way_drops_the_write_and_the_compile_still_returns(cache_dir: Path, where: str) -> None:
+    from conftest import compile_program
+
+    from cas import ContentAddressedProgramCache, digest_of
+    from index import key_id
+
+    reference = bytes(compile_program().code)
+    cache = ContentAddressedProgramCache(cache_dir)
+    store: CacheStore = cache.store
+    from conftest import SAXPY
+    from cuda.core import ProgramOptions
+    from cuda.core.utils import make_program_cache_key
+
+    key = make_program_cache_key(code=SAXPY, code_type="c++", options=ProgramOptions(arch="sm_80"), target_type="cubin")
+    blocker = store.blobs.path_for(digest_of(reference)) if where == "blob" else store.index.path_for(key_id(key))
+    os.makedirs(blocker)
+    obj = compile_program(cache=cache)  # a miss whose store fails: the compile result still comes back
+    assert bytes(obj.code) == reference
+    st = cache.stats()
+    assert st.dropped_writes == 1 and st.writes == 0
+    assert os.listdir(cache_dir / "tmp") == []
+    assert sorted(p.name for p in (cache_dir / "blobs").glob("*/*")) == (
+        [os.path.basename(blocker)] if where == "blob" else []
+    )
