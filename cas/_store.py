@@ -221,14 +221,16 @@ class CacheStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            mfd = self._open_failed(exc, ipath)
-            if mfd is None:
+            fd = self._open_failed(exc, ipath)
+            if fd is None:
                 return None
+            mfd = fd
         try:
             try:
                 manifest = parse_manifest(os.read(mfd, MAX_MANIFEST_BYTES + 1))
             except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
-                return self._read_failed(exc, ipath)
+                self._read_failed(exc, ipath)
+                return None
             if manifest is None:
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
@@ -338,9 +340,10 @@ class CacheStore:
             self._remove_manifest(kid, mfd)
             return None
         except OSError as exc:
-            bfd = self._open_failed(exc, bpath)
-            if bfd is None:
+            fd = self._open_failed(exc, bpath)
+            if fd is None:
                 return None
+            bfd = fd
         try:
             identity = None
             if repeat or size >= _IDENTITY_MIN_BYTES:
@@ -351,21 +354,25 @@ class CacheStore:
                     self._read_failed(exc, bpath)
                     return None
                 if st.st_size != size or not S_ISREG(st.st_mode):
-                    return self._corrupt_blob(kid, mfd, digest, bfd)
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
                 identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             try:
                 data = os.read(bfd, size + 1)
                 if len(data) < size:  # a short read: only at EOF on a regular file
                     data = _read_rest(bfd, data, size + 1)
             except OSError as exc:
-                return self._read_failed(exc, bpath)
+                self._read_failed(exc, bpath)
+                return None
             if len(data) != size:  # truncated or grown: not the blob the manifest names
-                return self._corrupt_blob(kid, mfd, digest, bfd)
+                self._corrupt_blob(kid, mfd, digest, bfd)
+                return None
             # A blob already verified and provably unchanged (ctime cannot be set
             # back without root) need not be hashed again.
             if identity is None or self._verified.get(digest) != identity:
                 if blake3(data).hexdigest() != digest:
-                    return self._corrupt_blob(kid, mfd, digest, bfd)
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
                 if identity is not None:
                     if len(self._verified) >= _VERIFIED_MAX:
                         self._verified.clear()
