@@ -397,10 +397,13 @@ def scenario_collect(env: Env) -> Result:
     steps = []
     from cas import CacheStore
 
-    for label, fraction in (("half", 2), ("all", 0)):
+    # First as a shared store is collected (manifests go; their blobs stay for the grace period),
+    # then everything at once with no grace, blobs under the readers' feet: stale handles.
+    steps_plan = (("half, as a shared store", 2, True, 3600.0), ("all, no grace, blobs too", 0, False, 0.0))
+    for label, fraction, shared, grace in steps_plan:
         size = CacheStore(env.publisher).snapshot().stored_bytes // fraction if fraction else 0
         t0 = time.monotonic()
-        report = collect(env.publisher, grace_s=0, max_size=size)
+        report = collect(env.publisher, grace_s=grace, max_size=size, shared=shared)
         steps.append({
             "step": f"collect {label}", "s": round(time.monotonic() - t0, 2),
             "entries_removed": report.entries_removed, "blobs_removed": report.blobs_removed,
