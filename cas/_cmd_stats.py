@@ -15,8 +15,9 @@ from typing import Any
 
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
 from ._config import ENV_MAX_SIZE, parse_size
+from ._layout import stale_temp_files
 from ._scan import take_snapshot
-from ._verify import open_cache, stale_temp_files
+from ._verify import open_cache
 
 __all__ = ["gather", "register"]
 
@@ -95,7 +96,7 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "orphan_bytes": sum(snap.blobs[d].st_size for d in orphans),
         "invalid_manifests": sum(1 for m in snap.manifests if m.manifest is None) + len(snap.unreadable),
         "dangling_manifests": sum(1 for m in snap.manifests if snap.is_dangling(m)),
-        "stale_temp_files": len(stale_temp_files(lay)),
+        "stale_temp_files": len(stale_temp_files(lay.tmp)),
         "quarantined_files": quarantined,
     }
 

@@ -12,12 +12,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+import time
 
 from index._files import atomic_write
 
 from ._errors import LayoutError
 
-__all__ = ["LAYOUT_VERSION", "Layout", "check_layout", "create_layout", "is_shared_store", "mark_shared_store"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "STALE_TMP_S",
+    "Layout",
+    "check_layout",
+    "create_layout",
+    "is_shared_store",
+    "mark_shared_store",
+    "stale_temp_files",
+    "sweep_stale_temp_files",
+]
 
 _log = logging.getLogger("cas")
 
@@ -29,6 +41,9 @@ INDEX = "index"
 TMP = "tmp"
 QUARANTINE = "quarantine"
 LOCK_FILE = "evict.lock"
+#: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
+#: publish): no write takes anywhere near that long.
+STALE_TMP_S = 3600.0
 _OWN_NAMES = frozenset({LAYOUT_FILE, "CACHEDIR.TAG", BLOBS, INDEX, TMP, QUARANTINE, LOCK_FILE, "gc.lock"})
 
 _LAYOUT = {"layout": LAYOUT_NAME, "version": LAYOUT_VERSION, "blob_hash": "blake3", "key_hash": "sha256"}
@@ -153,3 +168,36 @@ def create_layout(root: str) -> None:
         atomic_write(tag, _CACHEDIR_TAG, lay.tmp, mode=0o644)
     body = (json.dumps(_LAYOUT, indent=2, sort_keys=True) + "\n").encode()
     atomic_write(os.path.join(root, LAYOUT_FILE), body, lay.tmp, mode=0o644)
+
+
+def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
+    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
+    cutoff = (time.time() if now is None else now) - STALE_TMP_S
+    found = []
+    try:
+        with os.scandir(tmp_dir) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
+                    found.append((entry.path, st))
+    except OSError:
+        pass
+    return found
+
+
+def sweep_stale_temp_files(tmp_dir: str) -> int:
+    """Remove the stale temp files of ``tmp_dir``, best effort; returns how many went.
+
+    Young ones are left alone: they may be another process's write in flight.
+    """
+    removed = 0
+    for path, _st in stale_temp_files(tmp_dir):
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed += 1
+    return removed

@@ -33,7 +33,6 @@ import os
 import secrets
 import stat
 import sys
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -45,12 +44,9 @@ from index._index import MAX_MANIFEST_BYTES, Index
 
 from ._errors import LayoutError
 from ._gc import SHARED_MIN_GRACE_S
-from ._layout import Layout, check_layout, create_layout, mark_shared_store
+from ._layout import Layout, check_layout, create_layout, mark_shared_store, sweep_stale_temp_files
 
 __all__ = ["SHARED_MIN_GRACE_S", "PublishReport", "publish"]
-
-#: Temp files this old in the store's ``tmp/`` belong to an interrupted publish.
-STALE_TMP_S = 3600.0
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -307,7 +303,7 @@ def publish(
         mark_shared_store(root, target.lay.tmp, mode=modes.file)
         if group_shared:
             _fix_top_modes(target)
-        _sweep_stale_tmp(target.lay.tmp)
+        sweep_stale_temp_files(target.lay.tmp)
     for n, src in enumerate(srcs):
         if progress:
             progress(f"publishing {src}", n, len(srcs))
@@ -352,20 +348,6 @@ def _fix_top_modes(target: _Dest) -> None:
                 os.chmod(path, stat.S_IMODE(st.st_mode) | mode)
         except OSError:
             continue
-
-
-def _sweep_stale_tmp(tmp_dir: str) -> None:
-    cutoff = time.time() - STALE_TMP_S
-    try:
-        with os.scandir(tmp_dir) as it:
-            for entry in it:
-                try:
-                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                        os.unlink(entry.path)
-                except OSError:
-                    continue
-    except OSError:
-        pass
 
 
 def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,16 +23,15 @@ from index._files import read_regular
 
 from ._blobs import BlobStore, digest_of
 from ._errors import CacheError, LayoutError, ReadOnlyCacheError
-from ._layout import Layout, check_layout, create_layout
+from ._layout import Layout, check_layout, create_layout, stale_temp_files
 from ._scan import Snapshot, take_snapshot
 
-__all__ = ["Problem", "VerifyReport", "check_blob", "open_cache", "stale_temp_files", "verify"]
+__all__ = ["Problem", "VerifyReport", "check_blob", "open_cache", "verify"]
 
 #: ``progress(phase, done, total)``: called now and then during long runs.
 ProgressFn = Callable[[str, int, int], None]
 
 #: Temp files older than this belong to a crashed writer.
-STALE_TMP_S = 3600.0
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _REST_RE = re.compile(r"[0-9a-f]{62}")
 
@@ -90,24 +88,6 @@ def check_blob(blobs: BlobStore, digest: str) -> tuple[str, os.stat_result | Non
     if actual != digest:
         return "bad", st, f"hashes to {actual}"
     return "ok", st, ""
-
-
-def stale_temp_files(lay: Layout, now: float | None = None) -> list[tuple[str, os.stat_result]]:
-    """Files in ``tmp/`` older than an hour (left by crashed writers)."""
-    cutoff = (time.time() if now is None else now) - STALE_TMP_S
-    found = []
-    try:
-        with os.scandir(lay.tmp) as it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
-                    found.append((entry.path, st))
-    except OSError:
-        pass
-    return found
 
 
 def strays(directory: str) -> list[str]:
@@ -228,7 +208,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
             if where:
                 problem.detail += f"; moved to {where}"
         report.problems.append(problem)
-    for path, _st in stale_temp_files(lay):
+    for path, _st in stale_temp_files(lay.tmp):
         problem = Problem("stale_temp_file", path, "left by a crashed writer")
         if repair:
             try:
