@@ -9,7 +9,6 @@ collector sees it as young.
 from __future__ import annotations
 
 import os
-import re
 import stat
 import time
 from collections.abc import Iterator
@@ -17,12 +16,9 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-from index._files import atomic_write, is_sharing_violation, read_regular, with_sharing_retry
+from index._files import atomic_write, is_sharing_violation, read_regular, scan_sharded, with_sharing_retry
 
 __all__ = ["BlobEntry", "BlobStore", "digest_of"]
-
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_REST_RE = re.compile(r"[0-9a-f]{62}")
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> str:
@@ -155,22 +151,5 @@ class BlobStore:
 
     def scan(self) -> Iterator[BlobEntry]:
         """Every blob file with its stat; names that are not digests are skipped."""
-        try:
-            with os.scandir(self.directory) as top:
-                shards = sorted(e.name for e in top if _SHARD_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        for shard in shards:
-            try:
-                with os.scandir(os.path.join(self.directory, shard)) as it:
-                    for entry in it:
-                        if _REST_RE.fullmatch(entry.name) is None:
-                            continue
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        if stat.S_ISREG(st.st_mode):
-                            yield BlobEntry(shard + entry.name, entry.path, st)
-            except OSError:  # gone, not a directory, or unreadable (EACCES, EIO): nothing listed there
-                continue
+        for digest, path, st in scan_sharded(self.directory):
+            yield BlobEntry(digest, path, st)

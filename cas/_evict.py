@@ -19,10 +19,6 @@ from ._scan import ManifestInfo, Snapshot
 
 __all__ = ["EvictionPlan", "EvictionResult", "execute_plan", "plan_lru"]
 
-#: Filesystems stamp mtimes from a coarse clock (a scheduler tick or more), so a
-#: blob freshened just after the scan began can carry a time slightly before it.
-CLOCK_SLACK_NS = 50_000_000
-
 
 @dataclass(slots=True)
 class EvictionPlan:
@@ -120,7 +116,7 @@ def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> Eviction
     snap = plan.snapshot
     result = EvictionResult()
     refs = snap.refs.copy()
-    cutoff = snap.started_ns - CLOCK_SLACK_NS
+    cutoff = snap.cutoff_ns
     for info in plan.manifests:
         if not index.remove_if_unchanged(info.key_id, info.stat):
             continue  # used, rewritten or removed since the scan: keep whatever is there now

@@ -34,10 +34,10 @@ from index import Index
 
 from ._blobs import BlobStore
 from ._errors import CacheError
-from ._evict import CLOCK_SLACK_NS, plan_lru
-from ._layout import Layout, is_shared_store
+from ._evict import plan_lru
+from ._layout import Layout, is_shared_store, stale_temp_files
 from ._scan import ManifestInfo, Snapshot, take_snapshot
-from ._verify import ProgressFn, check_blob, open_cache, stale_temp_files
+from ._verify import ProgressFn, check_blob, open_cache
 
 __all__ = ["SHARED_MIN_GRACE_S", "CollectorBusyError", "GcReport", "collect"]
 
@@ -224,7 +224,7 @@ def _run(report: GcReport, lay: Layout, index: Index, blobs: BlobStore, opts: _O
     progress = opts.progress
     if progress:
         progress("scanning", 0, 0)
-    snap = take_snapshot(index, blobs)
+    snap = take_snapshot(index, blobs, clock_dir=None if opts.dry_run else lay.tmp)
     report.started_ns = snap.started_ns
     report.entries_before = len(snap.manifests)
     report.blobs_before = len(snap.blobs)
@@ -250,7 +250,7 @@ def _run(report: GcReport, lay: Layout, index: Index, blobs: BlobStore, opts: _O
 def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, opts: _Options) -> _Plan:
     grace_s, max_size, max_age_s, progress = opts.grace_s, opts.max_size, opts.max_age_s, opts.progress
     plan = _Plan(snap)
-    plan.temp_files = stale_temp_files(lay)
+    plan.temp_files = stale_temp_files(lay.tmp)
     for path in snap.unreadable:
         report.problem(f"manifest {path} cannot be read; its blob is unknown, so no blob was removed")
     if snap.unreadable:
@@ -304,10 +304,10 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
                 kept_blobs[digest] = st  # a young orphan: a writer may be about to commit its manifest
     if max_size is not None:
         # Entries written after the scan began belong to this run's writers: never chosen.
-        protect_from = snap.started_ns - CLOCK_SLACK_NS
+        protect_from = snap.cutoff_ns
         candidates = [m for m in live if m.stat.st_mtime_ns < protect_from]
         protected = sum(m.stat.st_size for m in live if m.stat.st_mtime_ns >= protect_from)
-        rest = Snapshot(snap.started_ns, candidates, kept_blobs, refs)
+        rest = Snapshot(snap.started_ns, candidates, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
         grace_ns = int(grace_s * 1e9) if plan.blobs_removable else 1 << 62
         lru = plan_lru(rest, max(0, max_size - protected), orphan_grace_ns=grace_ns)
         groups["evicted_entries"] = [m for m in lru.manifests if m.manifest is not None]
@@ -359,7 +359,7 @@ def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore, *, s
     # against it may have committed a manifest the scan did not see. The scan
     # stats blobs after manifests, so a blob whose scan stat is already newer than
     # the cutoff gets no exemption. Orphans go only if unchanged since the scan.
-    cutoff = snap.started_ns - CLOCK_SLACK_NS
+    cutoff = snap.cutoff_ns
     refs = snap.refs.copy()
     expected = 0
     try:

@@ -11,12 +11,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from index import Index, Manifest, parse_manifest
-from index._files import read_regular
+from index._files import fs_now, read_regular
 from index._index import MAX_MANIFEST_BYTES
 
 from ._blobs import BlobStore
 
-__all__ = ["ManifestInfo", "Snapshot", "take_snapshot"]
+__all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
+
+#: How far file times may lag the process clock (a coarse kernel clock stamps them),
+#: used only where the file system's own clock could not be read.
+CLOCK_SLACK_NS = 50_000_000
 
 
 @dataclass(slots=True)
@@ -40,6 +44,14 @@ class Snapshot:
     #: Manifest files that exist but could not be read (EACCES, EIO): the blobs
     #: they name are unknown, so no blob can be proven unreferenced.
     unreadable: list[str] = field(default_factory=list)
+    #: The file system's clock when the scan began: a file whose mtime is below it
+    #: was last written or touched before the scan. Without a clock reading (a
+    #: read-only cache), the process clock less :data:`CLOCK_SLACK_NS`.
+    cutoff_ns: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.cutoff_ns:
+            self.cutoff_ns = self.started_ns - CLOCK_SLACK_NS
 
     @property
     def manifest_bytes(self) -> int:
@@ -66,13 +78,19 @@ class Snapshot:
         return [d for d in self.blobs if self.refs[d] == 0]
 
 
-def take_snapshot(index: Index, blobs: BlobStore, *, read_manifests: bool = True) -> Snapshot:
+def take_snapshot(
+    index: Index, blobs: BlobStore, *, read_manifests: bool = True, clock_dir: str | None = None
+) -> Snapshot:
     """Scan the index, then the blobs.
 
     Manifests first: a blob written after its manifest was scanned is then seen as
-    referenced or young, never as an old orphan.
+    referenced or young, never as an old orphan. ``clock_dir`` (the cache's
+    ``tmp/``, when it may be written) gives the file system's clock at the start,
+    as :attr:`Snapshot.cutoff_ns`.
     """
-    snap = Snapshot(started_ns=time.time_ns())
+    started = time.time_ns()
+    fs_started = fs_now(clock_dir) if clock_dir is not None else None
+    snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
     for entry in index.scan(snap.unreadable):
         manifest = None
         if read_manifests and entry.stat.st_size <= MAX_MANIFEST_BYTES:

@@ -25,8 +25,8 @@ from index._index import MAX_MANIFEST_BYTES
 from ._blobs import BlobStore
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
-from ._evict import CLOCK_SLACK_NS, EvictionResult, Identity, execute_plan, plan_lru
-from ._layout import Layout, check_layout, create_layout
+from ._evict import EvictionResult, Identity, execute_plan, plan_lru
+from ._layout import Layout, check_layout, create_layout, sweep_stale_temp_files
 from ._scan import Snapshot, take_snapshot
 from ._stats import CacheStats, Counters
 
@@ -43,8 +43,6 @@ LOW_WATERMARK = 0.8
 _REMEASURE_FRACTION = 8
 #: Blobs no manifest names are kept this long: a writer stores the blob first.
 ORPHAN_GRACE_S = 600.0
-#: Temp files older than this belong to a crashed writer.
-STALE_TMP_S = 3600.0
 #: Verified blob identities remembered per store (each a few dozen bytes).
 _VERIFIED_MAX = 8192
 #: Per-key touch times remembered (to skip an fstat on repeated hits).
@@ -145,7 +143,7 @@ class CacheStore:
                 raise ReadOnlyCacheError(
                     f"cache directory {self.root!r} is not writable; open it with read_only=True to use it as is"
                 )
-            self._sweep_stale_tmp()
+            sweep_stale_temp_files(self._lay.tmp)
         tmp = None if self.read_only else self._lay.tmp
         self.index = Index(self._lay.index, tmp)
         self.blobs = BlobStore(self._lay.blobs, tmp, self._lay.quarantine)
@@ -564,8 +562,8 @@ class CacheStore:
             except filelock.Timeout:
                 return None
             try:
-                self._sweep_stale_tmp()
-                snap = take_snapshot(self.index, self.blobs)
+                sweep_stale_temp_files(self._lay.tmp)
+                snap = take_snapshot(self.index, self.blobs, clock_dir=self._lay.tmp)
                 if snap.stored_bytes <= self._max:  # another process evicted meanwhile
                     result = EvictionResult(stored_bytes_after=snap.stored_bytes)
                 else:
@@ -608,19 +606,22 @@ class CacheStore:
         # freshened it before has almost surely committed its manifest by the time
         # the manifest scan reaches it (its re-check covers the rest).
         seen = {entry.digest: entry.stat for entry in self.blobs.scan()}
-        snap = take_snapshot(self.index, self.blobs)
+        snap = take_snapshot(self.index, self.blobs, clock_dir=self._lay.tmp)
         refs = snap.refs.copy()
         for info in snap.manifests:
             if self.index.remove_if_unchanged(info.key_id, info.stat) and info.manifest is not None:
                 refs[info.manifest.digest] -= 1
-        cutoff = snap.started_ns - CLOCK_SLACK_NS
+        orphan_cutoff = snap.started_ns - int(ORPHAN_GRACE_S * 1e9)
         for digest, st in seen.items():
             if refs[digest] > 0 or digest not in snap.blobs:
                 continue  # a manifest kept above (touched, rewritten or held open) still names it
-            # A blob named by a manifest removed above goes if untouched since it was
-            # listed; an orphan may be a writer's, between its blob and its manifest.
-            self.blobs.remove_if_older(digest, cutoff, st if snap.refs[digest] else None)
-        self._sweep_stale_tmp()
+            if snap.refs[digest]:
+                # Named by a manifest removed above: goes if untouched since it was listed.
+                self.blobs.remove_if_older(digest, snap.cutoff_ns, st)
+            else:
+                # An orphan may be a writer's, between its blob and its manifest.
+                self.blobs.remove_if_older(digest, orphan_cutoff)
+        sweep_stale_temp_files(self._lay.tmp)
         self._forget()
         self._approx = None
 
@@ -630,23 +631,6 @@ class CacheStore:
         self._known.clear()
         self._held.clear()
         self._held_bytes = 0
-
-    def _sweep_stale_tmp(self) -> int:
-        """Remove temp files left by crashed writers (older than an hour). Returns how many."""
-        cutoff = time.time() - STALE_TMP_S
-        removed = 0
-        try:
-            with os.scandir(self._lay.tmp) as it:
-                for entry in it:
-                    try:
-                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                            os.unlink(entry.path)
-                            removed += 1
-                    except OSError:
-                        continue
-        except OSError:
-            pass
-        return removed
 
     # -- inspection ----------------------------------------------------------------
 
@@ -658,7 +642,7 @@ class CacheStore:
         return self._max
 
     def snapshot(self) -> Snapshot:
-        return take_snapshot(self.index, self.blobs)
+        return take_snapshot(self.index, self.blobs, clock_dir=None if self.read_only else self._lay.tmp)
 
     def stats(self) -> CacheStats:
         snap = self.snapshot()

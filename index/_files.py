@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 __all__ = [
     "IS_WINDOWS",
     "StatKey",
     "atomic_write",
+    "fs_now",
     "is_sharing_violation",
     "read_regular",
+    "scan_sharded",
     "stat_key",
     "unlink_if_unchanged",
     "with_sharing_retry",
@@ -221,3 +224,55 @@ def unlink_if_unchanged(path: str, before: StatKey) -> bool:
             return False
         raise
     return True
+
+
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_REST_RE = re.compile(r"[0-9a-f]{62}")
+
+
+def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
+    """``(name, path, stat)`` of every regular file ``<directory>/<2 hex>/<62 hex>``.
+
+    ``name`` is the 64 hex characters of shard and file name. Anything else (other
+    names, symlinks, a shard that is not a real directory) is skipped. A shard that
+    cannot be listed (EACCES, EIO) is skipped too and, when ``unreadable`` is given,
+    appended to it: what it holds is unknown, not absent.
+    """
+    try:
+        with os.scandir(directory) as top:
+            shards = sorted(e.name for e in top if _SHARD_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return
+    for shard in shards:
+        shard_path = os.path.join(directory, shard)
+        try:
+            with os.scandir(shard_path) as it:
+                for entry in it:
+                    if _REST_RE.fullmatch(entry.name) is None:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        yield shard + entry.name, entry.path, st
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            if unreadable is not None:
+                unreadable.append(shard_path)
+
+
+def fs_now(directory: str) -> int | None:
+    """The file system's own clock now, in ns: touch ``directory`` and read its mtime back.
+
+    File times come from the kernel's coarse clock (or an NFS server's clock), which
+    can lag ``time.time_ns()`` by a tick or more. Anything written or touched after
+    this call carries an mtime at least this value; compare file times against it,
+    not against the process clock. None when the directory cannot be touched.
+    """
+    try:
+        os.utime(directory)
+        return os.stat(directory).st_mtime_ns
+    except OSError:
+        return None

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-import stat as _stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ._files import atomic_write, read_regular, stat_key, unlink_if_unchanged, with_sharing_retry
+from ._files import atomic_write, read_regular, scan_sharded, stat_key, unlink_if_unchanged, with_sharing_retry
 from ._manifest import Manifest, parse_manifest
 
 __all__ = ["Index", "IndexEntry", "key_bytes", "key_id"]
 
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_REST_RE = re.compile(r"[0-9a-f]{62}")
 #: Larger than any valid manifest; a bigger file is garbage, not worth reading whole.
 MAX_MANIFEST_BYTES = 256
 
@@ -111,53 +107,10 @@ class Index:
         return unlink_if_unchanged(self.path_for(kid), stat_key(st))
 
     def scan(self, unreadable: list[str] | None = None) -> Iterator[IndexEntry]:
-        """Every manifest file, with its stat; names that don't fit are skipped.
-
-        A shard directory that cannot be listed (EACCES, EIO) is skipped and, when
-        ``unreadable`` is given, appended to it: its manifests are unknown, not absent.
-        """
-        for shard in _subdirs(self.directory):
-            try:
-                with os.scandir(os.path.join(self.directory, shard)) as it:
-                    for entry in it:
-                        if _REST_RE.fullmatch(entry.name) is None:
-                            continue
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        if not _is_regular(st):
-                            continue
-                        yield IndexEntry(shard + entry.name, entry.path, st)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError:
-                if unreadable is not None:
-                    unreadable.append(os.path.join(self.directory, shard))
-                continue
+        """Every manifest file, with its stat (see :func:`index._files.scan_sharded`)."""
+        for kid, path, st in scan_sharded(self.directory, unreadable):
+            yield IndexEntry(kid, path, st)
 
     def count(self) -> int:
-        """Number of manifest files (no stat per file)."""
-        total = 0
-        for shard in _subdirs(self.directory):
-            try:
-                with os.scandir(os.path.join(self.directory, shard)) as it:
-                    total += sum(1 for e in it if _REST_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False))
-            except OSError:  # gone, not a directory, or unreadable: nothing countable there
-                continue
-        return total
-
-
-def _is_regular(st: os.stat_result) -> bool:
-    return _stat.S_ISREG(st.st_mode)
-
-
-def _subdirs(directory: str) -> list[str]:
-    """The two-hex shard directories under ``directory`` (real directories only)."""
-    try:
-        with os.scandir(directory) as it:
-            return sorted(
-                e.name for e in it if _SHARD_RE.fullmatch(e.name) is not None and e.is_dir(follow_symlinks=False)
-            )
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        """Number of manifest files."""
+        return sum(1 for _ in scan_sharded(self.directory))
