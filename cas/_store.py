@@ -18,9 +18,10 @@ from stat import S_ISDIR, S_ISREG
 
 from blake3 import blake3
 
-from index import Index, Manifest, key_id, parse_manifest
+from index import Index, Manifest, key_id
 from index._files import READ_FLAGS, NotRegularFile, is_sharing_violation, with_sharing_retry
 from index._index import MAX_MANIFEST_BYTES
+from index._manifest import parse_fields
 
 from ._blobs import BlobStore
 from ._config import validate_max_size
@@ -120,6 +121,7 @@ class CacheStore:
         self._blob_dir = self._lay.blobs + _SEP
         #: Shard directories this instance found to be real directories (see _strange_shard).
         self._real_shards: set[str] = set()
+        self._listed_dirs: set[str] = set()
         self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
         self._since_measure = 0  # bytes this instance wrote since it last listed the cache
@@ -212,7 +214,7 @@ class CacheStore:
             found = self._lookup_known(kid, ipath)
             if found is not None:
                 return found
-        if self._strange_shard(self._index_dir, kid):
+        if self._index_dir + kid[:2] not in self._real_shards and self._strange_shard(self._index_dir, kid):
             return None
         try:
             mfd = os.open(ipath, READ_FLAGS)
@@ -225,41 +227,43 @@ class CacheStore:
             mfd = fd
         try:
             try:
-                manifest = parse_manifest(os.read(mfd, MAX_MANIFEST_BYTES + 1))
+                fields = parse_fields(os.read(mfd, MAX_MANIFEST_BYTES + 1))
             except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
                 self._read_failed(exc, ipath)
                 return None
-            if manifest is None:
+            if fields is None:
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None
             seen = self._touched.get(kid)
-            found = self._read_blob(kid, mfd, manifest.digest, manifest.size, seen is not None)
+            found = self._read_blob(kid, mfd, fields[0], fields[1], seen is not None)
             if found is None:
                 return None
             mst = None
-            if self.read_only:
-                seen = 0
-                if kid in self._touched:
-                    try:
+            try:
+                if self.read_only:
+                    seen = 0
+                    if kid in self._touched:
                         mst = os.fstat(mfd)
-                    except OSError:  # ESTALE on a shared store: serve the hit, just don't remember it
-                        mst = None
-            else:
-                # Recency: touch the manifest, unless its mtime (or our own last
-                # touch) is under a second old, so a hot key costs no write per read.
-                if seen is None:
-                    mst = os.fstat(mfd)
-                    seen = mst.st_mtime_ns
-                if time.time_ns() - seen >= TOUCH_INTERVAL_NS:
-                    try:
-                        os.utime(mfd if _UTIME_FD else ipath)
-                    except OSError:
-                        pass
-                    seen = time.time_ns()
-                    mst = None  # the touch changed its identity; the next hit records it
-                elif mst is None:
-                    mst = os.fstat(mfd)
+                else:
+                    # Recency: touch the manifest, unless its mtime (or our own last
+                    # touch) is under a second old, so a hot key costs no write per read.
+                    if seen is None:
+                        mst = os.fstat(mfd)
+                        seen = mst.st_mtime_ns
+                    now = time.time_ns()
+                    if now - seen >= TOUCH_INTERVAL_NS:
+                        try:
+                            os.utime(mfd if _UTIME_FD else ipath)
+                        except OSError:
+                            pass
+                        seen = now
+                        mst = None  # the touch changed its identity; the next hit records it
+                    elif mst is None:
+                        mst = os.fstat(mfd)
+            except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
+                mst = None
+                seen = seen or 0
             if len(self._touched) >= _TOUCHED_MAX:
                 self._touched.clear()
                 self._known.clear()
@@ -303,11 +307,24 @@ class CacheStore:
 
         Such a shard would lead reads and writes outside the cache root: its keys
         are misses and writes to it are dropped. Checked once per shard and
-        instance (a missing shard is fine: a write creates it).
+        instance (a missing shard is fine: a write creates it). The first check in a
+        directory lists it once, which vouches for every shard there without a
+        system call per shard.
         """
         shard = directory + name[:2]
         if shard in self._real_shards:
             return False
+        if directory not in self._listed_dirs:
+            self._listed_dirs.add(directory)
+            try:
+                with os.scandir(directory) as it:
+                    self._real_shards.update(
+                        directory + e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)
+                    )
+            except OSError:
+                pass
+            if shard in self._real_shards:
+                return False
         try:
             st = os.lstat(shard)
         except FileNotFoundError:
@@ -327,7 +344,7 @@ class CacheStore:
         A blob held in memory is returned by later hits once two stats prove the
         manifest and the blob unchanged (see :meth:`_lookup_known`).
         """
-        if self._strange_shard(self._blob_dir, digest):
+        if self._blob_dir + digest[:2] not in self._real_shards and self._strange_shard(self._blob_dir, digest):
             return None
         bpath = f"{self._blob_dir}{digest[:2]}{_SEP}{digest[2:]}"
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["MANIFEST_TAG", "Manifest", "is_digest", "parse_manifest"]
+__all__ = ["MANIFEST_TAG", "Manifest", "is_digest", "parse_fields", "parse_manifest"]
 
 MANIFEST_TAG = b"cpcas1"
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
@@ -41,13 +41,21 @@ class Manifest:
         return b"%s %s %d\n" % (MANIFEST_TAG, self.digest.encode("ascii"), self.size)
 
 
-def parse_manifest(data: bytes) -> Manifest | None:
-    """Decode a manifest, or return None when ``data`` is not exactly one."""
+def parse_fields(data: bytes) -> tuple[str, int] | None:
+    """``(digest, size)`` of a manifest, or None when ``data`` is not exactly one (the hot path)."""
     m = _LINE_RE.fullmatch(data)
     if m is None:
         return None
+    return m.group(1).decode("ascii"), int(m.group(2))
+
+
+def parse_manifest(data: bytes) -> Manifest | None:
+    """Decode a manifest, or return None when ``data`` is not exactly one."""
+    fields = parse_fields(data)
+    if fields is None:
+        return None
     # Skip __post_init__: the regular expression already proved both fields.
     manifest = object.__new__(Manifest)
-    object.__setattr__(manifest, "digest", m.group(1).decode("ascii"))
-    object.__setattr__(manifest, "size", int(m.group(2)))
+    object.__setattr__(manifest, "digest", fields[0])
+    object.__setattr__(manifest, "size", fields[1])
     return manifest
