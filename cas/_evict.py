@@ -10,6 +10,7 @@ before its manifest.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 from index import Index
@@ -33,6 +34,15 @@ class EvictionPlan:
     expected_freed: int = 0
     #: Blobs expected to go because their last manifest goes.
     expected_blobs: int = 0
+    #: Progress, for a plan carried out in steps (see :func:`execute_plan`).
+    done_orphans: int = 0
+    done_manifests: int = 0
+    refs_left: Counter[str] | None = None
+    freed_so_far: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.done_orphans >= len(self.orphans) and self.done_manifests >= len(self.manifests)
 
 
 #: What proves a blob untouched between two scans (a freshen changes mtime and ctime).
@@ -111,13 +121,36 @@ def plan_lru(
     return plan
 
 
-def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> EvictionResult:
-    """Carry a plan out: manifests before blobs, tolerating files that changed or vanished."""
+def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore, *, budget: int | None = None) -> EvictionResult:
+    """Carry a plan out (or its next ``budget`` steps), tolerating files that changed or vanished.
+
+    A step is one orphan blob, or one manifest with its blob when it was the last
+    to name it. Orphans go first (they hold space and serve nobody), then
+    manifests, each before its blob. A plan carried out in steps remembers where
+    it is; every removal re-checks the file, so a step taken later still keeps
+    whatever was used, rewritten or freshened since the scan.
+    """
     snap = plan.snapshot
     result = EvictionResult()
-    refs = snap.refs.copy()
+    if plan.refs_left is None:
+        plan.refs_left = snap.refs.copy()
+    refs = plan.refs_left
     cutoff = snap.cutoff_ns
-    for info in plan.manifests:
+    steps = 0
+    while plan.done_orphans < len(plan.orphans) and (budget is None or steps < budget):
+        digest = plan.orphans[plan.done_orphans]
+        plan.done_orphans += 1
+        steps += 1
+        # Only if untouched since the scan (the plan judged it by that mtime): a
+        # writer may have freshened it since.
+        freed = blobs.remove_if_older(digest, snap.blobs[digest].st_mtime_ns + 1)
+        if freed:
+            result.blobs_removed += 1
+            result.bytes_freed += freed
+    while plan.done_manifests < len(plan.manifests) and (budget is None or steps < budget):
+        info = plan.manifests[plan.done_manifests]
+        plan.done_manifests += 1
+        steps += 1
         if not index.remove_if_unchanged(info.key_id, info.stat):
             continue  # used, rewritten or removed since the scan: keep whatever is there now
         result.manifests_removed += 1
@@ -136,13 +169,6 @@ def execute_plan(plan: EvictionPlan, index: Index, blobs: BlobStore) -> Eviction
                 result.bytes_freed += freed
             else:
                 result.retired[digest] = identity(snap.blobs[digest])
-    for digest in plan.orphans:
-        # Re-checked against the same grace cutoff the plan used: a writer may have
-        # freshened it since.
-        grace_cutoff = snap.blobs[digest].st_mtime_ns + 1
-        freed = blobs.remove_if_older(digest, grace_cutoff)
-        if freed:
-            result.blobs_removed += 1
-            result.bytes_freed += freed
-    result.stored_bytes_after = max(0, snap.stored_bytes - result.bytes_freed)
+    plan.freed_so_far += result.bytes_freed
+    result.stored_bytes_after = max(0, snap.stored_bytes - plan.freed_so_far)
     return result

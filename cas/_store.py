@@ -26,7 +26,7 @@ from index._manifest import parse_fields
 from ._blobs import BlobStore
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
-from ._evict import EvictionResult, Identity, execute_plan, plan_lru
+from ._evict import EvictionPlan, EvictionResult, Identity, execute_plan, plan_lru
 from ._layout import Layout, check_layout, create_layout, sweep_stale_temp_files
 from ._scan import Snapshot, take_snapshot
 from ._stats import CacheStats, Counters
@@ -40,6 +40,8 @@ TOUCH_INTERVAL_NS = 1_000_000_000
 #: Eviction brings the stored bytes down to this fraction of the cap, so one
 #: scan pays for many writes.
 LOW_WATERMARK = 0.8
+#: Removals each write over the cap carries out of an eviction plan under way.
+_EVICT_STEP = 64
 #: A capped writer lists the cache again after writing this fraction of the cap.
 _REMEASURE_FRACTION = 8
 #: Blobs no manifest names are kept this long: a writer stores the blob first.
@@ -124,6 +126,7 @@ class CacheStore:
         self._listed_dirs: set[str] = set()
         self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
         self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
+        self._plan: EvictionPlan | None = None  # an eviction under way, carried out a step per write
         self._since_measure = 0  # bytes this instance wrote since it last listed the cache
         self._evict_mutex = threading.Lock()
         self._warned: set[tuple[str, int]] = set()
@@ -544,6 +547,7 @@ class CacheStore:
         Other processes write too, and this instance does not see their writes: it
         lists the cache again (stats, no reads) after every eighth of the cap it
         writes itself, so N writers overshoot by at most about N/8 of the cap.
+        While an eviction plan is under way, every write carries out a step of it.
         """
         assert self._max is not None
         self._since_measure += added
@@ -551,22 +555,26 @@ class CacheStore:
         if approx is not None:
             approx += added
             self._approx = approx
-            if approx <= self._max and self._since_measure <= self._max // _REMEASURE_FRACTION:
+            if self._plan is None and approx <= self._max and self._since_measure <= self._max // _REMEASURE_FRACTION:
                 return
         self.enforce_cap()
 
-    def enforce_cap(self) -> EvictionResult | None:
+    def enforce_cap(self, *, budget: int | None = _EVICT_STEP) -> EvictionResult | None:
         """Bring the stored bytes under the cap (to the low watermark) if they are over it.
 
-        Only one evictor runs at a time (a non-blocking lock per process, a
-        ``filelock`` across processes); a writer that finds one running goes on.
+        One scan plans the eviction down to the low watermark; the plan is then
+        carried out ``budget`` removals at a time, one portion per call (each write
+        over the cap makes one), so no single write pays for removing a fifth of a
+        large cache (``budget=None``: all at once). Only one evictor runs at a time
+        (a non-blocking lock per process, a ``filelock`` across processes); a
+        writer that finds one running goes on.
         """
         if self._max is None or self.read_only:
             return None
         if not self._evict_mutex.acquire(blocking=False):
             return None
         try:
-            if self._approx is None or self._approx <= self._max:
+            if self._plan is None and (self._approx is None or self._approx <= self._max):
                 self._approx = take_snapshot(self.index, self.blobs, read_manifests=False).stored_bytes
                 self._since_measure = 0
                 if self._approx <= self._max:
@@ -579,12 +587,21 @@ class CacheStore:
             except filelock.Timeout:
                 return None
             try:
-                sweep_stale_temp_files(self._lay.tmp)
-                snap = take_snapshot(self.index, self.blobs, clock_dir=self._lay.tmp)
-                if snap.stored_bytes <= self._max:  # another process evicted meanwhile
-                    result = EvictionResult(stored_bytes_after=snap.stored_bytes)
-                else:
-                    result = self.evict_to(snap, int(self._max * LOW_WATERMARK))
+                if self._plan is None:
+                    sweep_stale_temp_files(self._lay.tmp)
+                    snap = take_snapshot(self.index, self.blobs, clock_dir=self._lay.tmp)
+                    if snap.stored_bytes <= self._max:  # another process evicted meanwhile
+                        self._approx = snap.stored_bytes
+                        self._since_measure = 0
+                        return EvictionResult(stored_bytes_after=snap.stored_bytes)
+                    self._plan = plan_lru(
+                        snap,
+                        int(self._max * LOW_WATERMARK),
+                        orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
+                        retired=self._retired,
+                    )
+                    self._retired = {}
+                result = self._carry_out(self._plan, budget)
             finally:
                 lock.release()
             self._approx = result.stored_bytes_after
@@ -593,9 +610,18 @@ class CacheStore:
         finally:
             self._evict_mutex.release()
 
+    def _carry_out(self, plan: EvictionPlan, budget: int | None) -> EvictionResult:
+        result = execute_plan(plan, self.index, self.blobs, budget=budget)
+        self._counters.add("evictions", result.manifests_removed)
+        self._retired.update(result.retired)
+        if plan.finished:
+            self._plan = None
+        return result
+
     def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> EvictionResult:
-        """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
         plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
+        self._retired = {}
         result = execute_plan(plan, self.index, self.blobs)
         self._counters.add("evictions", result.manifests_removed)
         self._retired = result.retired
@@ -640,6 +666,7 @@ class CacheStore:
                 self.blobs.remove_if_older(digest, orphan_cutoff)
         sweep_stale_temp_files(self._lay.tmp)
         self._forget()
+        self._plan = None
         self._approx = None
 
     def _forget(self) -> None:
@@ -662,7 +689,7 @@ class CacheStore:
         return take_snapshot(self.index, self.blobs, clock_dir=None if self.read_only else self._lay.tmp)
 
     def stats(self) -> CacheStats:
-        snap = self.snapshot()
+        snap = take_snapshot(self.index, self.blobs)
         counts = self._counters.as_dict()
         for store in self.shared:
             counts["errors"] += store._counters.as_dict()["errors"]

@@ -405,3 +405,50 @@ def test_the_touch_uses_mtime_not_atime(cache_dir: Path) -> None:
     old = manifest.stat().st_mtime_ns
     assert ContentAddressedProgramCache(cache_dir)["k"] == b"v"
     assert manifest.stat().st_mtime_ns > old + 50 * 10**9
+
+
+def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No single write pays for removing a fifth of a large cache: one scan plans the
+    # eviction, then each write over the cap removes at most _EVICT_STEP entries.
+    step = cas._store._EVICT_STEP
+    n = 6 * step
+    cap = n * (100 + MANIFEST_BYTES)
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    for i in range(n):
+        cache[f"k{i}"] = value(i, 100)
+    for f in [*(cache_dir / "index").glob("*/*"), *(cache_dir / "blobs").glob("*/*")]:
+        age(f, 60)  # written a minute ago, oldest key first
+    for i in range(n):
+        age(mpath(cache_dir, f"k{i}"), 60 - i / n)
+    scans = ScanCounter()
+    monkeypatch.setattr(cas._store, "take_snapshot", scans)
+
+    removed = []
+    for i in range(12):
+        before = len(cache)
+        cache[f"new{i}"] = value(10_000 + i, 100)
+        removed.append(before + 1 - len(cache))
+    assert max(removed) <= step  # never more than a step per write
+    assert scans.full == 1  # one scan planned all of it
+    assert sum(removed) >= n - int(n * cas._store.LOW_WATERMARK)  # down to the low watermark
+    assert cache.stats().stored_bytes <= cap
+    alive = [i for i in range(n) if cache.get(f"k{i}") is not None]
+    assert alive == list(range(n - len(alive), n))  # the least recently used went, in order
+    assert all(cache.get(f"new{i}") == value(10_000 + i, 100) for i in range(12))
+
+
+def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> None:
+    store = CacheStore(cache_dir, max_size_bytes=10**9)
+    for i in range(10):
+        store.put(f"k{i}", value(i))
+        age(mpath(cache_dir, f"k{i}"), 60 - i)
+    snap = store.snapshot()
+    plan = cas._store.plan_lru(snap, 0, orphan_grace_ns=10**12)
+    assert store.get("k0") == value(0)  # read after the scan: its manifest is touched
+    cas._store.execute_plan(plan, store.index, store.blobs, budget=3)
+    assert store.get("k0") == value(0)  # planned first, kept: it was used since
+    assert not mpath(cache_dir, "k1").exists() and not mpath(cache_dir, "k2").exists()
+    assert mpath(cache_dir, "k3").exists()  # beyond this step's budget
+    cas._store.execute_plan(plan, store.index, store.blobs)
+    assert plan.finished
+    assert [i for i in range(10) if mpath(cache_dir, f"k{i}").exists()] == [0]
