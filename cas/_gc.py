@@ -24,7 +24,6 @@ blocking; a busy lock raises :class:`CollectorBusyError`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from ._blobs import BlobStore
 from ._errors import CacheError
 from ._evict import plan_lru
 from ._layout import Layout, is_shared_store, stale_temp_files
+from ._report import ProblemLog
 from ._scan import ManifestInfo, Snapshot, take_snapshot
 from ._verify import ProgressFn, check_blob, open_cache
 
@@ -61,8 +61,6 @@ CATEGORIES = (
     "corrupt_blobs",
     "temp_files",
 )
-#: At most this many problems are listed one by one (all are counted).
-_MAX_LISTED = 100
 
 
 class CollectorBusyError(CacheError):
@@ -70,7 +68,7 @@ class CollectorBusyError(CacheError):
 
 
 @dataclass(slots=True)
-class GcReport:
+class GcReport(ProblemLog):
     """What a collection found and did (``dry_run``: what it would do).
 
     ``*_before`` describe the cache as the scan saw it; ``*_after`` subtract what
@@ -114,14 +112,8 @@ class GcReport:
     def bytes_after(self) -> int:
         return max(0, self.bytes_before - self.bytes_freed)
 
-    def problem(self, text: str) -> None:
-        self.problem_count += 1
-        if len(self.problems) < _MAX_LISTED:
-            self.problems.append(text)
-
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["elapsed_s"] = round(self.elapsed_s, 3)
+        out = ProblemLog.as_dict(self)
         out["entries_after"] = self.entries_after
         out["blobs_after"] = self.blobs_after
         out["bytes_after"] = self.bytes_after

@@ -16,7 +16,6 @@ eviction and ``gc --max-age`` see the same history.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import time
@@ -28,6 +27,7 @@ from index._files import read_regular
 from ._blobs import digest_of
 from ._config import default_cache_dir
 from ._errors import LayoutError
+from ._report import ProblemLog
 from ._store import CacheStore
 from ._verify import ProgressFn
 
@@ -35,11 +35,10 @@ __all__ = ["ImportReport", "import_filestream"]
 
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _REST_RE = re.compile(r"[0-9a-f]{62}")
-_MAX_LISTED = 100
 
 
 @dataclass(slots=True)
-class ImportReport:
+class ImportReport(ProblemLog):
     source: str
     dest: str
     #: Entry files found under ``entries/``.
@@ -59,16 +58,6 @@ class ImportReport:
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
-
-    def problem(self, text: str) -> None:
-        self.problem_count += 1
-        if len(self.problems) < _MAX_LISTED:
-            self.problems.append(text)
-
-    def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["elapsed_s"] = round(self.elapsed_s, 3)
-        return out
 
 
 def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:
