@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -24,9 +23,10 @@ from index._index import MAX_MANIFEST_BYTES
 from index._manifest import parse_fields
 
 from ._blobs import BlobStore
+from ._cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
-from ._evict import EvictionPlan, EvictionResult, Identity, execute_plan, plan_lru
+from ._evict import EvictionResult
 from ._layout import Layout, check_layout, create_layout, sweep_stale_temp_files
 from ._scan import Snapshot, take_snapshot
 from ._stats import CacheStats, Counters
@@ -37,15 +37,6 @@ _log = logging.getLogger("cas")
 
 #: A hit touches its manifest only when the mtime is at least this old.
 TOUCH_INTERVAL_NS = 1_000_000_000
-#: Eviction brings the stored bytes down to this fraction of the cap, so one
-#: scan pays for many writes.
-LOW_WATERMARK = 0.8
-#: Removals each write over the cap carries out of an eviction plan under way.
-_EVICT_STEP = 64
-#: A capped writer lists the cache again after writing this fraction of the cap.
-_REMEASURE_FRACTION = 8
-#: Blobs no manifest names are kept this long: a writer stores the blob first.
-ORPHAN_GRACE_S = 600.0
 #: Verified blob identities remembered per store (each a few dozen bytes).
 _VERIFIED_MAX = 8192
 #: Per-key touch times remembered (to skip an fstat on repeated hits).
@@ -124,11 +115,6 @@ class CacheStore:
         #: Shard directories this instance found to be real directories (see _strange_shard).
         self._real_shards: set[str] = set()
         self._listed_dirs: set[str] = set()
-        self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
-        self._approx: int | None = None  # stored bytes as this instance believes them (capped only)
-        self._plan: EvictionPlan | None = None  # an eviction under way, carried out a step per write
-        self._since_measure = 0  # bytes this instance wrote since it last listed the cache
-        self._evict_mutex = threading.Lock()
         self._warned: set[tuple[str, int]] = set()
         self._usable_at = 0.0  # shared stores: when to try opening again; 0 = usable
         if _is_shared:
@@ -152,6 +138,8 @@ class CacheStore:
         tmp = None if self.read_only else self._lay.tmp
         self.index = Index(self._lay.index, tmp)
         self.blobs = BlobStore(self._lay.blobs, tmp, self._lay.quarantine)
+        # Uncapped stores keep one too, for explicit evictions (evict_to) and their retired blobs.
+        self._cap = None if self.read_only else SizeCap(self._max, self._lay, self.index, self.blobs, self._counters)
         self.shared: tuple[CacheStore, ...] = tuple(CacheStore(p, _is_shared=True) for p in shared)
 
     # -- shared stores -----------------------------------------------------------
@@ -529,8 +517,8 @@ class CacheStore:
         # the manifest commit: store it again so the manifest never dangles.
         if not self.blobs.exists(digest):
             self.blobs.put(data, digest)
-        if self._max is not None:
-            self._account(len(manifest.encode()) + (0 if existed else len(data)))
+        if self._max is not None and self._cap is not None:
+            self._cap.account(len(manifest.encode()) + (0 if existed else len(data)))
         return existed
 
     def _discard_blob(self, digest: str) -> None:
@@ -541,91 +529,17 @@ class CacheStore:
 
     # -- the size cap --------------------------------------------------------------
 
-    def _account(self, added: int) -> None:
-        """Count a write against the cap; evict when over it.
-
-        Other processes write too, and this instance does not see their writes: it
-        lists the cache again (stats, no reads) after every eighth of the cap it
-        writes itself, so N writers overshoot by at most about N/8 of the cap.
-        While an eviction plan is under way, every write carries out a step of it.
-        """
-        assert self._max is not None
-        self._since_measure += added
-        approx = self._approx
-        if approx is not None:
-            approx += added
-            self._approx = approx
-            if self._plan is None and approx <= self._max and self._since_measure <= self._max // _REMEASURE_FRACTION:
-                return
-        self.enforce_cap()
-
-    def enforce_cap(self, *, budget: int | None = _EVICT_STEP) -> EvictionResult | None:
-        """Bring the stored bytes under the cap (to the low watermark) if they are over it.
-
-        One scan plans the eviction down to the low watermark; the plan is then
-        carried out ``budget`` removals at a time, one portion per call (each write
-        over the cap makes one), so no single write pays for removing a fifth of a
-        large cache (``budget=None``: all at once). Only one evictor runs at a time
-        (a non-blocking lock per process, a ``filelock`` across processes); a
-        writer that finds one running goes on.
-        """
-        if self._max is None or self.read_only:
+    def enforce_cap(self, *, budget: int | None = EVICT_STEP) -> EvictionResult | None:
+        """Bring the stored bytes under the cap if over it (see :meth:`cas._cap.SizeCap.enforce`)."""
+        if self._cap is None or self._max is None:
             return None
-        if not self._evict_mutex.acquire(blocking=False):
-            return None
-        try:
-            if self._plan is None and (self._approx is None or self._approx <= self._max):
-                self._approx = take_snapshot(self.index, self.blobs, read_manifests=False).stored_bytes
-                self._since_measure = 0
-                if self._approx <= self._max:
-                    return None
-            import filelock
-
-            lock = filelock.FileLock(self._lay.lock, timeout=0)
-            try:
-                lock.acquire(blocking=False)
-            except filelock.Timeout:
-                return None
-            try:
-                if self._plan is None:
-                    sweep_stale_temp_files(self._lay.tmp)
-                    snap = take_snapshot(self.index, self.blobs, clock_dir=self._lay.tmp)
-                    if snap.stored_bytes <= self._max:  # another process evicted meanwhile
-                        self._approx = snap.stored_bytes
-                        self._since_measure = 0
-                        return EvictionResult(stored_bytes_after=snap.stored_bytes)
-                    self._plan = plan_lru(
-                        snap,
-                        int(self._max * LOW_WATERMARK),
-                        orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
-                        retired=self._retired,
-                    )
-                    self._retired = {}
-                result = self._carry_out(self._plan, budget)
-            finally:
-                lock.release()
-            self._approx = result.stored_bytes_after
-            self._since_measure = 0
-            return result
-        finally:
-            self._evict_mutex.release()
-
-    def _carry_out(self, plan: EvictionPlan, budget: int | None) -> EvictionResult:
-        result = execute_plan(plan, self.index, self.blobs, budget=budget)
-        self._counters.add("evictions", result.manifests_removed)
-        self._retired.update(result.retired)
-        if plan.finished:
-            self._plan = None
-        return result
+        return self._cap.enforce(budget=budget)
 
     def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> EvictionResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
-        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
-        self._retired = {}
-        result = execute_plan(plan, self.index, self.blobs)
-        self._counters.add("evictions", result.manifests_removed)
-        self._retired = result.retired
-        return result
+        if self._cap is None:
+            raise self._refuse("evict")
+        return self._cap.evict_to(snap, target_bytes, orphan_grace_s=orphan_grace_s)
 
     # -- deletion ----------------------------------------------------------------
 
@@ -666,8 +580,8 @@ class CacheStore:
                 self.blobs.remove_if_older(digest, orphan_cutoff)
         sweep_stale_temp_files(self._lay.tmp)
         self._forget()
-        self._plan = None
-        self._approx = None
+        if self._cap is not None:
+            self._cap.reset()
 
     def _forget(self) -> None:
         """Drop what this instance remembers of files (after it removed many)."""

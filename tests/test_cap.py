@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
+import cas._cap
+import cas._evict
 import cas._store
 from cas import CacheStore, ContentAddressedProgramCache, digest_of
 from index import key_id
@@ -187,8 +189,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
     # A writer that died between its blob and its manifest leaves an orphan.
     store.blobs.put(young, blake3(young).hexdigest())
     store.blobs.put(old, blake3(old).hexdigest())
-    age(bpath(cache_dir, old), cas._store.ORPHAN_GRACE_S + 60)
-    age(bpath(cache_dir, young), cas._store.ORPHAN_GRACE_S - 60)
+    age(bpath(cache_dir, old), cas._cap.ORPHAN_GRACE_S + 60)
+    age(bpath(cache_dir, young), cas._cap.ORPHAN_GRACE_S - 60)
 
     # Even a target of zero leaves a young orphan alone: its manifest may be on the way.
     snap = store.snapshot()
@@ -207,7 +209,7 @@ def test_orphans_are_collected_under_the_cap_once_past_grace(cache_dir: Path) ->
     store = cache.store
     orphan = value(99, 3000)
     store.blobs.put(orphan, blake3(orphan).hexdigest())
-    age(bpath(cache_dir, orphan), cas._store.ORPHAN_GRACE_S + 1)
+    age(bpath(cache_dir, orphan), cas._cap.ORPHAN_GRACE_S + 1)
     for i in range(8):
         cache[f"k{i}"] = value(i)
     assert not bpath(cache_dir, orphan).exists()  # an old orphan goes before any live key
@@ -237,7 +239,7 @@ class ScanCounter:
     def __init__(self) -> None:
         self.full = 0
         self.quick = 0
-        self._real = cas._store.take_snapshot
+        self._real = cas._cap.take_snapshot
 
     def __call__(self, *args, **kwargs):
         if kwargs.get("read_manifests", True):
@@ -255,11 +257,11 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
     for i in range(100):  # fill to just under the cap
         cache[f"fill{i}"] = value(i)
     scans = ScanCounter()
-    monkeypatch.setattr(cas._store, "take_snapshot", scans)
+    monkeypatch.setattr(cas._cap, "take_snapshot", scans)
     writes = 400
     for i in range(writes):
         cache[f"k{i}"] = value(1000 + i)
-    low = int(cap * cas._store.LOW_WATERMARK)
+    low = int(cap * cas._cap.LOW_WATERMARK)
     # Each eviction frees at least cap - low, so 400 writes at the cap need at
     # most about writes * size / (cap - low) scans, not one per write.
     bound = writes * (1000 + MANIFEST_BYTES) // (cap - low) + 2
@@ -278,7 +280,7 @@ def test_one_eviction_lands_at_the_low_watermark(cache_dir: Path) -> None:
     while store.stats().evictions == 0:
         store.put(f"k{i}", value(i))
         i += 1
-    low = int(cap * cas._store.LOW_WATERMARK)
+    low = int(cap * cas._cap.LOW_WATERMARK)
     after = store.stats().stored_bytes
     assert after <= low
     assert after > low - 2 * (1000 + MANIFEST_BYTES)  # not much further than needed
@@ -410,7 +412,7 @@ def test_the_touch_uses_mtime_not_atime(cache_dir: Path) -> None:
 def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No single write pays for removing a fifth of a large cache: one scan plans the
     # eviction, then each write over the cap removes at most _EVICT_STEP entries.
-    step = cas._store._EVICT_STEP
+    step = cas._cap.EVICT_STEP
     n = 6 * step
     cap = n * (100 + MANIFEST_BYTES)
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
@@ -421,7 +423,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
     for i in range(n):
         age(mpath(cache_dir, f"k{i}"), 60 - i / n)
     scans = ScanCounter()
-    monkeypatch.setattr(cas._store, "take_snapshot", scans)
+    monkeypatch.setattr(cas._cap, "take_snapshot", scans)
 
     removed = []
     for i in range(12):
@@ -430,7 +432,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
         removed.append(before + 1 - len(cache))
     assert max(removed) <= step  # never more than a step per write
     assert scans.full == 1  # one scan planned all of it
-    assert sum(removed) >= n - int(n * cas._store.LOW_WATERMARK)  # down to the low watermark
+    assert sum(removed) >= n - int(n * cas._cap.LOW_WATERMARK)  # down to the low watermark
     assert cache.stats().stored_bytes <= cap
     alive = [i for i in range(n) if cache.get(f"k{i}") is not None]
     assert alive == list(range(n - len(alive), n))  # the least recently used went, in order
@@ -443,12 +445,12 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
         store.put(f"k{i}", value(i))
         age(mpath(cache_dir, f"k{i}"), 60 - i)
     snap = store.snapshot()
-    plan = cas._store.plan_lru(snap, 0, orphan_grace_ns=10**12)
+    plan = cas._evict.plan_lru(snap, 0, orphan_grace_ns=10**12)
     assert store.get("k0") == value(0)  # read after the scan: its manifest is touched
-    cas._store.execute_plan(plan, store.index, store.blobs, budget=3)
+    cas._evict.execute_plan(plan, store.index, store.blobs, budget=3)
     assert store.get("k0") == value(0)  # planned first, kept: it was used since
     assert not mpath(cache_dir, "k1").exists() and not mpath(cache_dir, "k2").exists()
     assert mpath(cache_dir, "k3").exists()  # beyond this step's budget
-    cas._store.execute_plan(plan, store.index, store.blobs)
+    cas._evict.execute_plan(plan, store.index, store.blobs)
     assert plan.finished
     assert [i for i in range(10) if mpath(cache_dir, f"k{i}").exists()] == [0]
