@@ -908,32 +908,29 @@ def _full_disk(root: str, rep: Report, rng: random.Random, compile_program: Call
     # Fill with big entries, then smaller ones, until even a manifest does not fit.
     order = list(range(N_SEEDS))
     rng.shuffle(order)
-    for i in order:
+
+    def put(i: int, what: str) -> bool | None:
+        """One write on the full disk: True stored, False dropped, None raised (recorded)."""
+        nonlocal dropped
         rep.operations += 1
         try:
             ok = store.put(key_name(i), content(i))
         except Exception as exc:
-            unexpected(rep, f"put {key_name(i)} on a full disk", exc)
-            continue
+            unexpected(rep, f"{what} {key_name(i)} on a full disk", exc)
+            return None
         if ok:
             stored.add(i)
             rep.writes += 1
         else:
             dropped += 1
-        rep.faults += 0 if ok else 1
+        return ok
+
+    for i in order:
+        if put(i, "put") is False:
+            rep.faults += 1
     # Keys 250+ share blobs with 0+: only a manifest to write.
     for i in range(N_SEEDS, N_KEYS):
-        rep.operations += 1
-        try:
-            ok = store.put(key_name(i), content(i))
-        except Exception as exc:
-            unexpected(rep, f"dedup put {key_name(i)} on a full disk", exc)
-            continue
-        if ok:
-            stored.add(i)
-            rep.writes += 1
-        else:
-            dropped += 1
+        put(i, "dedup put")
     st = store.stats()
     rep.dropped_writes = dropped
     rep.notes.append(f"full disk: {len(stored)} stored, {dropped} dropped, stats().dropped_writes={st.dropped_writes}")
