@@ -88,8 +88,12 @@ def take_snapshot(
     ``tmp/``, when it may be written) gives the file system's clock at the start,
     as :attr:`Snapshot.cutoff_ns`.
     """
-    started = time.time_ns()
+    # The file system's clock first: anything that starts after ``started`` (a
+    # writer's temp file, a freshen) then carries an mtime of at least the cutoff.
+    # Read the other way round, a manifest whose temp file was written between the
+    # two readings, and renamed in place after, would look older than the scan.
     fs_started = fs_now(clock_dir) if clock_dir is not None else None
+    started = time.time_ns()
     snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
     for entry in index.scan(snap.unreadable):
         manifest = None
