@@ -20,7 +20,7 @@ from pathlib import Path
 
 import cuda.core._program as program_mod
 import pytest
-from conftest import SAXPY, compile_program, is_root
+from conftest import REPO, SAXPY, compile_program, is_root
 
 from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of
 from cas._publish import publish
@@ -405,6 +405,15 @@ def bind_file(mounts, src: Path, dst: Path) -> None:
 def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
     if not is_root() or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to read as another user")
+    probe = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", "import cas"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"this interpreter cannot run as user 65534 here: {probe.stderr.strip()[:200]}")
     base = Path(tempfile.mkdtemp(prefix="cas-perm-"))
     try:
         base.chmod(0o755)
@@ -434,7 +443,7 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=60,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+            env={**os.environ, "PYTHONPATH": str(REPO)},
             check=False,
         )
         assert proc.returncode == 0, proc.stderr
