@@ -56,6 +56,7 @@ class Counters:
     """This instance's operation counts (thread-safe increments)."""
 
     __slots__ = ("_lock", *_COUNTER_NAMES)
+    hits: int
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -65,6 +66,11 @@ class Counters:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
+
+    def hit(self) -> None:
+        """``add("hits")``, spelled out for the hot path."""
+        with self._lock:
+            self.hits += 1
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:

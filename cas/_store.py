@@ -8,6 +8,7 @@ the size cap, and looks up shared stores (read-only) after the local one.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ _IDENTITY_MIN_BYTES = 16384
 _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
 _SEP = os.sep
+_sha256 = hashlib.sha256
 #: The largest manifest a write adds (tag, digest, a size of up to 16 digits, spaces).
 _MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1).encode())
 _UTIME_FD = os.utime in os.supports_fd
@@ -174,10 +176,11 @@ class CacheStore:
 
     def get(self, key: object) -> bytes | None:
         """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
-        kid = key_id(key)
+        # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
+        kid = _sha256(key, usedforsecurity=False).hexdigest() if type(key) is bytes else key_id(key)
         found = self._lookup(kid)
         if found is not None:
-            self._counters.add("hits")
+            self._counters.hit()
             return found[0]
         for store in self.shared:
             found = store._lookup(kid)
