@@ -467,6 +467,27 @@ def _spawn(config: dict[str, Any], **kwargs: Any) -> subprocess.Popen[bytes]:
     )
 
 
+def _worker_report(rep: Report, proc: subprocess.Popen[bytes], out: str, timeout: float) -> dict[str, Any] | None:
+    """Wait for a worker and read the report it wrote; a hang, a missing report or a
+    non-zero exit is a failure of the run."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rep.fail(f"worker {proc.pid} hung past {timeout:.0f} s")
+        return None
+    try:
+        with open(out) as fh:
+            part: dict[str, Any] = json.load(fh)
+    except FileNotFoundError:
+        rep.fail(f"worker {proc.pid} exited {rc} without a report")
+        return None
+    if rc != 0 and rep.ok:
+        rep.fail(f"worker {proc.pid} exited {rc}")
+    return part
+
+
 def _merge(rep: Report, part: dict[str, Any]) -> None:
     for name in (
         "operations",
@@ -499,21 +520,9 @@ def run_mixed(
         config = {"mode": "mixed", "root": root, "cap": cap, "seconds": seconds, "seed": seed * 1000 + p, "out": out}
         procs.append((_spawn(config), out))
     for proc, out in procs:
-        try:
-            rc = proc.wait(timeout=seconds + 120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rep.fail(f"worker {proc.pid} hung past {seconds + 120:.0f} s")
-            continue
-        try:
-            with open(out) as fh:
-                _merge(rep, json.load(fh))
-        except FileNotFoundError:
-            rep.fail(f"worker {proc.pid} exited {rc} without a report")
-            continue
-        if rc != 0 and rep.ok:
-            rep.fail(f"worker {proc.pid} exited {rc}")
+        part = _worker_report(rep, proc, out, seconds + 120)
+        if part is not None:
+            _merge(rep, part)
     counts = inspect_cache(root, expected_digests())
     rep.notes.append(f"final check: {counts}")
     if counts["dangling"]:
@@ -1326,21 +1335,10 @@ def run_shared(workdir: str, *, nodes: int = 2, seconds: float = 10.0, cap: int 
         config["out"] = os.path.join(workdir, f"shared-{n}.json")
         procs.append((_spawn(config), config["out"]))
     for proc, out in procs:
-        try:
-            rc = proc.wait(timeout=seconds + 120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rep.fail(f"worker {proc.pid} hung")
-            continue
-        try:
-            with open(out) as fh:
-                part = json.load(fh)
-        except FileNotFoundError:
-            rep.fail(f"worker {proc.pid} exited {rc} without a report")
-            continue
-        _merge(rep, part)
-        rep.notes.extend(part["notes"])
+        part = _worker_report(rep, proc, out, seconds + 120)
+        if part is not None:
+            _merge(rep, part)
+            rep.notes.extend(part["notes"])
     expected = expected_digests()
     for root in (shared, *locals_):
         verify_and_repair(root, expected, rep, f"shared end {os.path.basename(root)}")
