@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-from index._files import atomic_write, is_sharing_violation, read_regular, scan_sharded, with_sharing_retry
+from index._files import (
+    SizeMismatch,
+    atomic_write,
+    is_sharing_violation,
+    read_regular,
+    scan_sharded,
+    with_sharing_retry,
+)
+
+from ._errors import CorruptBlobError
 
 __all__ = ["BlobEntry", "BlobStore", "digest_of"]
 
@@ -48,13 +57,24 @@ class BlobStore:
         """The path of a blob; ``digest`` must already be validated (see :func:`index.is_digest`)."""
         return f"{self.directory}{os.sep}{digest[:2]}{os.sep}{digest[2:]}"
 
-    def read(self, digest: str, size: int) -> tuple[bytes, os.stat_result]:
-        """The bytes of a blob of known size, unverified, and the stat of its file.
+    def read(self, digest: str, size: int | None = None) -> tuple[bytes, os.stat_result]:
+        """The verified bytes of a blob, and the stat of its file.
 
-        Raises ``FileNotFoundError`` when absent, ``index._files.SizeMismatch`` when
-        its size is not ``size``, ``OSError`` for what is not a regular file.
+        Raises ``FileNotFoundError`` when absent, :class:`cas.CorruptBlobError` when
+        it does not hash to ``digest`` or (``size`` given) has another size, and
+        ``OSError`` (``index._files.NotRegularFile`` among them) for what cannot be read
+        or is not a regular file. The cache's own hit path does the same with fewer
+        system calls (``CacheStore._read_blob``).
         """
-        return read_regular(self.path_for(digest), size)
+        path = self.path_for(digest)
+        try:
+            data, st = read_regular(path, size)
+        except SizeMismatch as exc:
+            raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}") from None
+        actual = digest_of(data)
+        if actual != digest:
+            raise CorruptBlobError(path, digest, actual, st)
+        return data, st
 
     def put(self, data: bytes | memoryview, digest: str) -> bool | None:
         """Store ``data`` (whose digest the caller computed); True if it was already stored.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 __all__ = ["CacheError", "CorruptBlobError", "LayoutError", "ReadOnlyCacheError"]
 
 
@@ -18,10 +20,15 @@ class ReadOnlyCacheError(CacheError, PermissionError):
 
 
 class CorruptBlobError(CacheError):
-    """A blob's bytes do not hash to the digest that names it."""
+    """A blob's bytes do not hash to the digest that names it (or it has the wrong size).
 
-    def __init__(self, path: str, expected: str, actual: str) -> None:
+    ``actual`` is the digest the bytes hash to, or a note of the size found when the
+    file was not read; ``stat`` is the file's, for moving it aside only if unchanged.
+    """
+
+    def __init__(self, path: str, expected: str, actual: str, stat: os.stat_result | None = None) -> None:
         super().__init__(f"blob {path} is corrupt: expected blake3 {expected}, got {actual}")
         self.path = path
         self.expected = expected
         self.actual = actual
+        self.stat = stat

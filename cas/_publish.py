@@ -39,10 +39,11 @@ from dataclasses import asdict, dataclass, field
 from blake3 import blake3
 
 from index import Manifest, parse_manifest
-from index._files import NotRegularFile, SizeMismatch, read_regular
+from index._files import NotRegularFile, read_regular
 from index._index import MAX_MANIFEST_BYTES, Index
 
-from ._errors import LayoutError
+from ._blobs import BlobStore
+from ._errors import CorruptBlobError, LayoutError
 from ._gc import SHARED_MIN_GRACE_S
 from ._layout import Layout, check_layout, create_layout, mark_shared_store, sweep_stale_temp_files
 
@@ -449,9 +450,10 @@ def _read_source_blob(
     report: PublishReport,
 ) -> bytes | None:
     """The verified bytes of a source blob, or None (reported) when it is missing or bad."""
-    path = os.path.join(lay.blobs, digest[:2], digest[2:])
+    source = BlobStore(lay.blobs, None, lay.quarantine)
+    path = source.path_for(digest)
     try:
-        data, _ = read_regular(path, size)
+        data, _st = source.read(digest, size)
     except FileNotFoundError:
         # Evicted by its node after we read the manifest? Then the manifest went too.
         still = sum(1 for it in items if _unchanged(it[2], it[3]))
@@ -460,14 +462,12 @@ def _read_source_blob(
         if still or not items:
             report.missing_blobs.append(f"{src}: {digest}")
         return None
-    except (SizeMismatch, NotRegularFile):
+    except (CorruptBlobError, NotRegularFile):
         report.bad_blobs.append(f"{src}: {digest}")
     except OSError as exc:
         report.errors.append(f"{path}: {exc.strerror or exc}")
     else:
-        if blake3(data).hexdigest() == digest:
-            return data
-        report.bad_blobs.append(f"{src}: {digest}")
+        return data
     report.skipped += len(items)
     return None
 

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from index import Index
-from index._files import read_regular
 
-from ._blobs import BlobStore, digest_of
-from ._errors import CacheError, LayoutError, ReadOnlyCacheError
+from ._blobs import BlobStore
+from ._errors import CacheError, CorruptBlobError, LayoutError, ReadOnlyCacheError
 from ._layout import Layout, check_layout, create_layout, stale_temp_files
 from ._scan import Snapshot, take_snapshot
 
@@ -79,14 +78,13 @@ def check_writable(lay: Layout, purpose: str) -> None:
 def check_blob(blobs: BlobStore, digest: str) -> tuple[str, os.stat_result | None, str]:
     """Read and hash one blob: ``("ok" | "bad" | "missing" | "error", stat, detail)``."""
     try:
-        data, st = read_regular(blobs.path_for(digest))
+        _, st = blobs.read(digest)
     except FileNotFoundError:
         return "missing", None, ""
+    except CorruptBlobError as exc:
+        return "bad", exc.stat, f"hashes to {exc.actual}"
     except OSError as exc:
         return "error", None, f"{exc.strerror or exc}"
-    actual = digest_of(data)
-    if actual != digest:
-        return "bad", st, f"hashes to {actual}"
     return "ok", st, ""
 
 

@@ -377,3 +377,23 @@ def test_store_level_reads_never_raise_for_disk_problems(cache_dir: Path) -> Non
     rewrite_in_place(blob_path(cache_dir), DATA[:10])
     assert store.get("k") is None
     assert store.stats().corrupt == 2
+
+
+def test_blob_store_read_verifies_and_names_the_corruption(cache_dir: Path) -> None:
+    from cas import BlobStore, CacheStore, CorruptBlobError, digest_of
+
+    store = CacheStore(cache_dir)
+    data = b"good bytes" * 100
+    digest = digest_of(data)
+    store.put("k", data)
+    blobs: BlobStore = store.blobs
+    assert blobs.read(digest, len(data))[0] == data
+    path = Path(blobs.path_for(digest))
+    path.write_bytes(b"evil bytes" * 100)  # same size, other bytes
+    with pytest.raises(CorruptBlobError) as err:
+        blobs.read(digest, len(data))
+    assert err.value.expected == digest and err.value.actual == digest_of(b"evil bytes" * 100)
+    assert err.value.stat is not None and err.value.stat.st_ino == path.stat().st_ino
+    path.write_bytes(b"short")
+    with pytest.raises(CorruptBlobError, match="5 bytes instead of 1000"):
+        blobs.read(digest, len(data))
