@@ -81,18 +81,6 @@ class Index:
             raise PermissionError(f"index at {self.directory} is read-only")
         return atomic_write(self.path_for(kid), manifest.encode(), self._tmp, mode=self._mode)
 
-    def touch(self, kid: str) -> None:
-        """Mark ``kid`` as used now (mtime); best effort.
-
-        Only ever moves the time forward, so touching a manifest that a writer
-        replaced meanwhile is harmless, and an evictor that looked at the old one
-        sees its stat changed and keeps it.
-        """
-        try:
-            os.utime(self.path_for(kid))
-        except OSError:
-            pass
-
     def remove(self, kid: str) -> bool:
         """Unlink the manifest of ``kid``; False when there was none."""
         path = self.path_for(kid)
