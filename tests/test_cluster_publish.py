@@ -188,7 +188,8 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
     for i in range(8):  # the same key, different bytes on the two nodes
         a[f"conflict{i}"] = blob(i)
         b[f"conflict{i}"] = blob(i)
-    c = {f"c{i}": rng.randbytes(256 * 1024 + i) for i in range(24)}
+    # Large enough that the publish below is still writing blobs when the test kills it.
+    c = {f"c{i}": rng.randbytes(2 * 1024 * 1024 + i) for i in range(24)}
     expected: dict[str, set[bytes]] = {}
     for values in (a, b, c):
         for key, value in values.items():
