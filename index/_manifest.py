@@ -1,10 +1,15 @@
 """The manifest: what one key maps to, as one short line of text.
 
-    cpcas1 <digest: 64 lowercase hex> <size: decimal bytes>\n
+    cpcas2 <key id: 64 hex> <digest: 64 hex> <size: decimal bytes>\n
 
-About 80 bytes. The leading tag carries the format version, so a manifest written
-by a future format is rejected (a miss) rather than misread. Anything that is not
-exactly this line (empty, truncated, garbled, padded) is rejected.
+About 140 bytes. The manifest names its own key, so a manifest copied or renamed
+onto another key's path is recognised as misplaced (a miss) instead of serving
+another key's bytes. The leading tag carries the format version: a manifest of a
+future format is rejected rather than misread. Anything that is not exactly this
+line (empty, truncated, garbled, padded) is rejected.
+
+Layout version 1 wrote ``cpcas1 <digest> <size>\n`` (no key id). Those are still
+read, and are rewritten in the current format when their cache is upgraded.
 """
 
 from __future__ import annotations
@@ -12,11 +17,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["MANIFEST_TAG", "Manifest", "is_digest", "parse_fields", "parse_manifest"]
+from ._keys import is_key_id
 
-MANIFEST_TAG = b"cpcas1"
+__all__ = ["MANIFEST_TAG", "MAX_MANIFEST_BYTES", "Manifest", "is_digest", "parse_fields", "parse_manifest"]
+
+MANIFEST_TAG = b"cpcas2"
+#: Larger than any valid manifest; a bigger file is garbage, not worth reading whole.
+MAX_MANIFEST_BYTES = 256
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_LINE_RE = re.compile(rb"cpcas1 ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n")
+_LINE_RE = re.compile(
+    rb"cpcas2 ([0-9a-f]{64}) ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"
+    rb"|cpcas1 ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"  # layout 1: no key id
+)
 
 
 def is_digest(value: object) -> bool:
@@ -26,36 +38,52 @@ def is_digest(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """A key's target: the blob's digest and its size in bytes."""
+    """A key's target: the blob's digest and its size in bytes, and the id of the key.
+
+    ``key_id`` is None only for a manifest read from a layout-1 cache.
+    """
 
     digest: str
     size: int
+    key_id: str | None = None
 
     def __post_init__(self) -> None:
         if not is_digest(self.digest):
             raise ValueError(f"manifest digest must be 64 lowercase hex characters, got {self.digest!r}")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
             raise ValueError(f"manifest size must be a non-negative int, got {self.size!r}")
+        if self.key_id is not None and not is_key_id(self.key_id):
+            raise ValueError(f"manifest key id must be 64 lowercase hex characters, got {self.key_id!r}")
 
     def encode(self) -> bytes:
-        return b"%s %s %d\n" % (MANIFEST_TAG, self.digest.encode("ascii"), self.size)
+        if self.key_id is None:
+            raise ValueError("a manifest is written with the id of its key")
+        return b"%s %s %s %d\n" % (MANIFEST_TAG, self.key_id.encode("ascii"), self.digest.encode("ascii"), self.size)
 
 
-def parse_fields(data: bytes) -> tuple[str, int] | None:
-    """``(digest, size)`` of a manifest, or None when ``data`` is not exactly one (the hot path)."""
+def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
+    """``(key id or None, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path)."""
     m = _LINE_RE.fullmatch(data)
     if m is None:
         return None
-    return m.group(1).decode("ascii"), int(m.group(2))
+    if m.group(1) is not None:
+        return m.group(1).decode("ascii"), m.group(2).decode("ascii"), int(m.group(3))
+    return None, m.group(4).decode("ascii"), int(m.group(5))
 
 
-def parse_manifest(data: bytes) -> Manifest | None:
-    """Decode a manifest, or return None when ``data`` is not exactly one."""
+def parse_manifest(data: bytes, key_id: str | None = None) -> Manifest | None:
+    """Decode a manifest, or None when ``data`` is not exactly one.
+
+    With ``key_id``, a manifest that names another key is rejected too (it was
+    copied or renamed onto this key's path). A layout-1 manifest names no key and
+    is accepted as is.
+    """
     fields = parse_fields(data)
-    if fields is None:
+    if fields is None or (key_id is not None and fields[0] is not None and fields[0] != key_id):
         return None
-    # Skip __post_init__: the regular expression already proved both fields.
+    # Skip __post_init__: the regular expression already proved every field.
     manifest = object.__new__(Manifest)
-    object.__setattr__(manifest, "digest", fields[0])
-    object.__setattr__(manifest, "size", fields[1])
+    object.__setattr__(manifest, "digest", fields[1])
+    object.__setattr__(manifest, "size", fields[2])
+    object.__setattr__(manifest, "key_id", fields[0])
     return manifest

@@ -1,0 +1,42 @@
+"""Cache keys: their bytes, and the id that names their manifest.
+
+``str`` and ``bytes`` keys are the same key (``"k"`` is ``b"k"``), as in
+``cuda.core``. A key's id is the lowercase hex sha256 of its bytes, exactly as
+``FileStreamProgramCache`` names its entry files, so a FileStream directory can
+be imported with its keys intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = ["is_key_id", "key_bytes", "key_id"]
+
+_ID_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def key_bytes(key: object) -> bytes:
+    """The bytes of a cache key: ``str`` is UTF-8 encoded, so ``"k"`` is ``b"k"``."""
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, bytearray):
+        return bytes(key)
+    raise TypeError(f"cache keys must be str or bytes, got {type(key).__name__}: {_short_repr(key)}")
+
+
+def key_id(key: object) -> str:
+    """The id of a key: lowercase hex sha256 of its bytes (as FileStream names entries)."""
+    return hashlib.sha256(key_bytes(key), usedforsecurity=False).hexdigest()
+
+
+def is_key_id(value: object) -> bool:
+    """True for a key id: exactly 64 lowercase hex characters."""
+    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
