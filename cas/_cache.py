@@ -47,7 +47,8 @@ def as_bytes(value: object) -> bytes:
     if len(text) > 60:
         text = text[:57] + "..."
     raise TypeError(
-        f"cache values must be bytes, bytearray, memoryview or ObjectCode, got {type(value).__name__}: {text}"
+        "cache values must be bytes-like or ObjectCode (bytes, bytearray, memoryview or ObjectCode), "
+        f"got {type(value).__name__}: {text}"
     )
 
 
@@ -70,8 +71,8 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         Paths of read-only shared stores, looked up in order after this cache.
         When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
     read_only:
-        Never write, create, touch or lock anything under ``path``. Writes are
-        dropped (and counted), ``del`` and ``clear()`` raise ``ReadOnlyCacheError``.
+        Never write, create, touch or lock anything under ``path``. Every write
+        (``cache[key] = value``, ``del``, ``clear()``) raises ``ReadOnlyCacheError``.
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 
@@ -99,13 +100,11 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             shared = [p for p in env.split(os.pathsep) if p]
         elif shared is None:
             shared = ()
-        elif isinstance(shared, (str, bytes, os.PathLike)):
-            raise TypeError(f"shared must be a sequence of paths, not a single path: {shared!r}")
         self._store = CacheStore(
             default_cache_dir() if path is None else path,
             max_size_bytes=max_size_bytes,
             read_only=read_only,
-            shared=list(shared),
+            shared=shared,
             copy_shared_hits=copy_shared_hits,
         )
 
@@ -130,7 +129,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return default if data is None else data
 
     def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
-        from index import key_bytes
+        from cuda_program_cas_index import key_bytes
 
         key_bytes(key)  # a bad key is reported before a path-backed value is read
         self._store.put(key, as_bytes(value))

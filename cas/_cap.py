@@ -1,87 +1,111 @@
-"""The size cap of one cache instance: count writes, plan evictions, carry them out in steps.
+"""The size cap of one cache instance: count writes, plan evictions, carry them out.
 
-The cap counts stored bytes (unique blobs plus manifests). An instance counts
-its own writes between listings of the cache; when its count goes over the cap,
-one scan plans a reference-aware LRU eviction down to the low watermark, and
-each later write carries out a step of that plan (see :mod:`cas._evict`).
+The cap counts stored bytes (unique blobs plus manifests). An instance counts its
+own writes between listings of the cache; when its count goes over the cap, one
+scan plans a reference-aware LRU eviction (:mod:`cas._evict`) and the
+:class:`cas._remove.Remover` carries it out:
+
+- at once, as far as it takes to bring the cache under the cap: at rest, one
+  writer's cache is never over its cap;
+- then, with many entries, on down to the low watermark, :data:`EVICT_STEP`
+  removals per later write, so that one scan pays for many writes and no single
+  write pays for removing a fifth of a large cache. With few entries (under
+  :data:`MIN_ENTRIES_FOR_WATERMARK`) only what the write needs goes, in read order.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 
-from index import Index
-
-from ._blobs import BlobStore
-from ._evict import EvictionPlan, EvictionResult, Identity, execute_plan, plan_lru
-from ._layout import Layout, sweep_stale_temp_files
+from ._evict import plan_lru
+from ._files import FileId
+from ._layout import Layout
+from ._remove import RemovalPlan, RemovalResult, Remover
 from ._scan import Snapshot, take_snapshot
 from ._stats import Counters
 
-__all__ = ["LOW_WATERMARK", "ORPHAN_GRACE_S", "SizeCap"]
+__all__ = ["EVICT_STEP", "LOW_WATERMARK", "MIN_ENTRIES_FOR_WATERMARK", "ORPHAN_GRACE_S", "SizeCap"]
 
 #: Eviction brings the stored bytes down to this fraction of the cap, so one
 #: scan pays for many writes.
 LOW_WATERMARK = 0.8
+#: Below this many live entries a scan is cheap: evict only down to the cap.
+MIN_ENTRIES_FOR_WATERMARK = 64
 #: Blobs no manifest names are kept this long: a writer stores the blob first.
 ORPHAN_GRACE_S = 600.0
-#: Removals each write over the cap carries out of an eviction plan under way.
+#: Removals each write carries out of an eviction under way, once under the cap.
 EVICT_STEP = 64
 #: A capped writer lists the cache again after writing this fraction of the cap.
 REMEASURE_FRACTION = 8
 
 
 class SizeCap:
-    """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked)."""
+    """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked).
 
-    def __init__(self, max_bytes: int | None, lay: Layout, index: Index, blobs: BlobStore, counters: Counters) -> None:
+    ``recency()`` returns key id -> this process's last read (ns) of keys read
+    more recently than their manifest's mtime says.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None,
+        lay: Layout,
+        remover: Remover,
+        counters: Counters,
+        recency: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
         self._lay = lay
-        self._index = index
-        self._blobs = blobs
+        self._remover = remover
         self._counters = counters
+        self._recency = recency
         self._approx: int | None = None  # stored bytes as this instance believes them
         self._since_measure = 0  # bytes this instance wrote since it last listed the cache
-        self._plan: EvictionPlan | None = None  # an eviction under way, carried out a step per write
-        self._retired: dict[str, Identity] = {}  # see cas._evict.plan_lru
-        self._mutex = threading.Lock()
+        self._plan: RemovalPlan | None = None  # an eviction under way, carried out a step per write
+        self._retired: dict[str, FileId] = {}  # see cas._remove.removable_orphans
+        self._mutex = threading.Lock()  # one evictor per instance
+        self._count_lock = threading.Lock()
 
-    def account(self, added: int) -> None:
-        """Count a write of ``added`` stored bytes; evict when over the cap.
+    def account(self, added: int, *, written: str | None = None) -> None:
+        """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
 
         Other processes write too, and this instance does not see their writes: it
         lists the cache again (stats, no reads) after every eighth of the cap it
-        writes itself, so N writers overshoot by at most about N/8 of the cap.
-        While an eviction plan is under way, every write carries out a step of it.
+        writes itself, so each other writer adds at most about an eighth of the cap
+        to what this one believes. While an eviction is under way, every write
+        carries out a step of it.
         """
         max_bytes = self.max_bytes
         if max_bytes is None:
             return
-        self._since_measure += added
-        approx = self._approx
-        if approx is not None:
-            approx += added
-            self._approx = approx
-            if self._plan is None and approx <= max_bytes and self._since_measure <= max_bytes // REMEASURE_FRACTION:
-                return
-        self.enforce()
+        with self._count_lock:
+            self._since_measure += added
+            approx = self._approx
+            if approx is not None:
+                approx += added
+                self._approx = approx
+                if (
+                    self._plan is None
+                    and approx <= max_bytes
+                    and self._since_measure <= max_bytes // REMEASURE_FRACTION
+                ):
+                    return
+        self.enforce(protect=written)
 
-    def enforce(self, *, budget: int | None = EVICT_STEP) -> EvictionResult | None:
-        """Bring the stored bytes under the cap (to the low watermark) if they are over it.
+    def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if they are over it, then a step toward the low watermark.
 
-        One scan plans the eviction down to the low watermark; the plan is then
-        carried out ``budget`` removals at a time, one portion per call (each write
-        over the cap makes one), so no single write pays for removing a fifth of a
-        large cache (``budget=None``: all at once). Only one evictor runs at a time
-        (a non-blocking lock per process, a ``filelock`` across processes); a
-        writer that finds one running goes on.
+        ``budget=None``: all the way to the low watermark at once. Only one evictor
+        runs at a time (a non-blocking lock per instance, a ``filelock`` across
+        processes); a writer that finds one running goes on.
         """
         max_bytes = self.max_bytes
         if max_bytes is None or not self._mutex.acquire(blocking=False):
             return None
         try:
             if self._plan is None and (self._approx is None or self._approx <= max_bytes):
-                stored = take_snapshot(self._index, self._blobs, read_manifests=False).stored_bytes
+                stored = take_snapshot(self._lay.index, self._lay.blobs, read_manifests=False).stored_bytes
                 self._measure(stored)
                 if stored <= max_bytes:
                     return None
@@ -93,20 +117,16 @@ class SizeCap:
             except filelock.Timeout:
                 return None
             try:
+                must_free = 0
                 if self._plan is None:
-                    sweep_stale_temp_files(self._lay.tmp)
-                    snap = take_snapshot(self._index, self._blobs, clock_dir=self._lay.tmp)
+                    self._remover.sweep_temp()
+                    snap = take_snapshot(self._lay.index, self._lay.blobs, clock_dir=self._lay.tmp)
                     if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile
                         self._measure(snap.stored_bytes)
-                        return EvictionResult(stored_bytes_after=snap.stored_bytes)
-                    self._plan = plan_lru(
-                        snap,
-                        int(max_bytes * LOW_WATERMARK),
-                        orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
-                        retired=self._retired,
-                    )
-                    self._retired = {}
-                result = self._carry_out(self._plan, budget)
+                        return RemovalResult(stored_bytes_after=snap.stored_bytes)
+                    self._plan = self._plan_for(snap, max_bytes, protect)
+                    must_free = snap.stored_bytes - max_bytes
+                result = self._carry_out(self._plan, budget, must_free)
             finally:
                 lock.release()
             self._measure(result.stored_bytes_after)
@@ -114,24 +134,45 @@ class SizeCap:
         finally:
             self._mutex.release()
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> EvictionResult:
+    def _plan_for(self, snap: Snapshot, max_bytes: int, protect: str | None) -> RemovalPlan:
+        live = sum(1 for m in snap.manifests if m.manifest is not None)
+        target = int(max_bytes * LOW_WATERMARK) if live >= MIN_ENTRIES_FOR_WATERMARK else max_bytes
+        plan = plan_lru(
+            snap,
+            target,
+            orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
+            retired=self._retired,
+            protect=(protect,) if protect else (),
+            recency=self._recency() if self._recency is not None else None,
+        )
+        self._retired = {}
+        return plan
+
+    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
         plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
         self._retired = {}
-        return self._carry_out(plan, None)
+        return self._carry_out(plan, None, 0)
 
     def reset(self) -> None:
         """Forget counts and plans (after the cache was cleared)."""
-        self._plan = None
-        self._approx = None
-        self._since_measure = 0
+        with self._mutex, self._count_lock:
+            self._plan = None
+            self._approx = None
+            self._since_measure = 0
 
     def _measure(self, stored_bytes: int) -> None:
-        self._approx = stored_bytes
-        self._since_measure = 0
+        with self._count_lock:
+            self._approx = stored_bytes
+            self._since_measure = 0
 
-    def _carry_out(self, plan: EvictionPlan, budget: int | None) -> EvictionResult:
-        result = execute_plan(plan, self._index, self._blobs, budget=budget)
+    def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> RemovalResult:
+        result = RemovalResult()
+        if must_free > 0:
+            # At once, as far as it takes to be under the cap.
+            result.add(self._remover.execute(plan, until_freed=must_free))
+        if budget is None or budget > result.steps:
+            result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
         self._counters.add("evictions", result.manifests_removed)
         self._retired.update(result.retired)
         if plan is self._plan and plan.finished:

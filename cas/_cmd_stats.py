@@ -13,11 +13,12 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from ._classify import Condition, classify
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
 from ._config import ENV_MAX_SIZE, parse_size
 from ._layout import stale_temp_files
+from ._maint import open_cache
 from ._scan import take_snapshot
-from ._verify import open_cache
 
 __all__ = ["gather", "register"]
 
@@ -67,8 +68,9 @@ def _walk(root: str) -> tuple[int, int, int]:
 
 def gather(root: str, cap: int | None) -> dict[str, Any]:
     """The statistics of the cache at ``root`` as one JSON-ready dict."""
-    lay, index, blobs = open_cache(root, write=False, allow_damaged=True)
-    snap = take_snapshot(index, blobs)
+    lay = open_cache(root, write=False, allow_damaged=True).lay
+    snap = take_snapshot(lay.index, lay.blobs)
+    conditions = [classify(m, snap) for m in snap.manifests]
     uses = [m.stat.st_mtime_ns for m in snap.manifests if m.manifest is not None]
     orphans = snap.orphans()
     files, dirs, disk = _walk(lay.root)
@@ -83,7 +85,9 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "blobs": len(snap.blobs),
         "logical_bytes": snap.logical_bytes,
         "stored_bytes": stored,
-        "dedup_ratio": round(snap.logical_bytes / stored, 3) if stored else 1.0,
+        "blob_bytes": snap.blob_bytes,
+        "manifest_bytes": snap.manifest_bytes,
+        "dedup_ratio": round(snap.logical_bytes / snap.blob_bytes, 3) if snap.blob_bytes else 1.0,
         "max_size_bytes": cap,
         "cap_used_percent": round(100.0 * stored / cap, 1) if cap else None,
         "oldest_use": _iso(min(uses)) if uses else None,
@@ -94,8 +98,10 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "disk_bytes": disk,
         "orphan_blobs": len(orphans),
         "orphan_bytes": sum(snap.blobs[d].st_size for d in orphans),
-        "invalid_manifests": sum(1 for m in snap.manifests if m.manifest is None) + len(snap.unreadable),
-        "dangling_manifests": sum(1 for m in snap.manifests if snap.is_dangling(m)),
+        "invalid_manifests": sum(c in (Condition.INVALID, Condition.MISPLACED) for c in conditions),
+        "unreadable_manifests": len(snap.unreadable),
+        "dangling_manifests": sum(c is Condition.DANGLING for c in conditions),
+        "size_mismatch_manifests": sum(c is Condition.SIZE_MISMATCH for c in conditions),
         "stale_temp_files": len(stale_temp_files(lay.tmp)),
         "quarantined_files": quarantined,
     }

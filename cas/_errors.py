@@ -1,10 +1,14 @@
-"""The exceptions of cuda-program-cas, all under :class:`CacheError`."""
+"""The exceptions of cuda-program-cas, all under :class:`CacheError`.
+
+Every one pickles (a worker process can send it back to its parent): each keeps
+the arguments it was made with in ``args``.
+"""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["CacheError", "CorruptBlobError", "LayoutError", "ReadOnlyCacheError"]
+__all__ = ["CacheError", "CollectorBusyError", "CorruptBlobError", "LayoutError", "ReadOnlyCacheError"]
 
 
 class CacheError(Exception):
@@ -12,11 +16,15 @@ class CacheError(Exception):
 
 
 class LayoutError(CacheError, ValueError):
-    """The directory is not a cache this version can use: a file, a foreign or newer layout."""
+    """The directory is not a cache this version can use: a file, a foreign, damaged or newer layout."""
 
 
 class ReadOnlyCacheError(CacheError, PermissionError):
-    """A mutation was asked of a cache opened read-only (or a shared store)."""
+    """A write was asked of a cache opened read-only, a shared store, or a directory that cannot be written."""
+
+
+class CollectorBusyError(CacheError):
+    """Another collector or a size-cap eviction holds the cache's lock; nothing was changed."""
 
 
 class CorruptBlobError(CacheError):
@@ -27,8 +35,11 @@ class CorruptBlobError(CacheError):
     """
 
     def __init__(self, path: str, expected: str, actual: str, stat: os.stat_result | None = None) -> None:
-        super().__init__(f"blob {path} is corrupt: expected blake3 {expected}, got {actual}")
+        super().__init__(path, expected, actual, stat)
         self.path = path
         self.expected = expected
         self.actual = actual
         self.stat = stat
+
+    def __str__(self) -> str:
+        return f"blob {self.path} is corrupt: expected blake3 {self.expected}, got {self.actual}"

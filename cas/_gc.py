@@ -19,7 +19,9 @@ one the scan saw (a blob: not written or freshened since the scan began), so
 entries written, replaced or used while the collector runs are kept. Manifests
 written after the scan began are never chosen. One collector at a time: the
 cache's ``evict.lock`` (shared with size-cap eviction) is taken without
-blocking; a busy lock raises :class:`CollectorBusyError`.
+blocking; a busy lock raises :class:`CollectorBusyError`. Removal is
+:class:`cas._remove.Remover`'s, under the same rules as eviction and ``clear``;
+each manifest is judged by :func:`cas._classify.classify`.
 """
 
 from __future__ import annotations
@@ -29,28 +31,22 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from index import Index
-
-from ._blobs import BlobStore
-from ._errors import CacheError
+from ._blobs import BlobState, BlobStore
+from ._classify import Condition, classify
+from ._errors import CollectorBusyError
 from ._evict import plan_lru
 from ._layout import Layout, is_shared_store, stale_temp_files
+from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, open_cache
+from ._remove import RemovalPlan, Remover, removable_orphans
 from ._report import ProblemLog
 from ._scan import ManifestInfo, Snapshot, take_snapshot
-from ._verify import ProgressFn, check_blob, open_cache
 
-__all__ = ["SHARED_MIN_GRACE_S", "CollectorBusyError", "GcReport", "collect"]
-
-#: The shortest grace period a shared store is collected with. Nodes never touch a
-#: shared store, so its mtimes only say when something was published or freshened;
-#: a publish keeps its blobs as orphans until its manifests land, and an NFS client
-#: may serve a removed manifest from its attribute cache for ``actimeo`` seconds
-#: (60 s by default) and then open the blob it names. An hour covers both widely.
-SHARED_MIN_GRACE_S = 3600.0
+__all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect"]
 
 #: Categories of the plan, in the order they are reported.
 CATEGORIES = (
     "invalid_manifests",
+    "misplaced_manifests",
     "dangling_manifests",
     "size_mismatch_manifests",
     "corrupt_blob_manifests",
@@ -61,10 +57,13 @@ CATEGORIES = (
     "corrupt_blobs",
     "temp_files",
 )
-
-
-class CollectorBusyError(CacheError):
-    """Another collector or a size-cap eviction holds the cache's lock."""
+_CATEGORY_OF = {
+    Condition.INVALID: "invalid_manifests",
+    Condition.MISPLACED: "misplaced_manifests",
+    Condition.DANGLING: "dangling_manifests",
+    Condition.SIZE_MISMATCH: "size_mismatch_manifests",
+    Condition.CORRUPT_BLOB: "corrupt_blob_manifests",
+}
 
 
 @dataclass(slots=True)
@@ -122,19 +121,13 @@ class GcReport(ProblemLog):
 
 @dataclass(slots=True)
 class _Plan:
-    snapshot: Snapshot
-    manifests: dict[str, list[ManifestInfo]] = field(default_factory=dict)
-    orphans: list[str] = field(default_factory=list)
+    removal: RemovalPlan
+    categories: dict[str, list[ManifestInfo]] = field(default_factory=dict)
     #: digest -> stat of blobs that failed their hash.
     corrupt: dict[str, os.stat_result] = field(default_factory=dict)
     temp_files: list[tuple[str, os.stat_result]] = field(default_factory=list)
-    #: Blobs expected to go with their last manifest.
+    #: Blobs expected to go (or, on a shared store, wait) with their last manifest.
     unreferenced: list[str] = field(default_factory=list)
-    #: False when some manifest could not be read: no blob is provably unreferenced.
-    blobs_removable: bool = True
-
-    def all_manifests(self) -> list[ManifestInfo]:
-        return [m for name in CATEGORIES if name in self.manifests for m in self.manifests[name]]
 
 
 def collect(
@@ -168,19 +161,20 @@ def collect(
     if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0):
         raise ValueError(f"max_size must be a non-negative int or None, got {max_size!r}")
     t0 = time.monotonic()
-    lay, index, blobs = open_cache(root, write=not dry_run, purpose="collect garbage")
+    cache = open_cache(root, write=not dry_run, purpose="collect garbage")
+    lay = cache.lay
     if shared is None:
         shared = is_shared_store(lay.root)
     if shared and grace_s < SHARED_MIN_GRACE_S:
         raise ValueError(
-            f"{lay.root!r} is a shared store: its grace period must be at least {SHARED_MIN_GRACE_S:.0f} s "
-            f"(nodes may be reading what goes), got {grace_s:g} s"
+            f"{lay.root!r} is collected as a shared store: its grace period must be at least "
+            f"{SHARED_MIN_GRACE_S:.0f} s (nodes may be reading what goes), got {grace_s:g} s"
         )
     report = GcReport(lay.root, dry_run, shared=shared)
     opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress, shared)
     if dry_run:
         # Nothing is written, not even the lock file.
-        _run(report, lay, index, blobs, opts)
+        _run(report, cache, opts)
         report.elapsed_s = time.monotonic() - t0
         return report
     import filelock
@@ -194,7 +188,7 @@ def collect(
             + ("" if wait_s else " (wait for it with --wait SECONDS)")
         ) from None
     try:
-        _run(report, lay, index, blobs, opts)
+        _run(report, cache, opts)
     finally:
         lock.release()
     report.elapsed_s = time.monotonic() - t0
@@ -212,68 +206,66 @@ class _Options:
     shared: bool = False
 
 
-def _run(report: GcReport, lay: Layout, index: Index, blobs: BlobStore, opts: _Options) -> None:
+def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
     progress = opts.progress
     if progress:
         progress("scanning", 0, 0)
-    snap = take_snapshot(index, blobs, clock_dir=None if opts.dry_run else lay.tmp)
+    lay = cache.lay
+    snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if opts.dry_run else lay.tmp)
     report.started_ns = snap.started_ns
     report.entries_before = len(snap.manifests)
     report.blobs_before = len(snap.blobs)
     report.bytes_before = snap.stored_bytes
-    plan = _make_plan(snap, report, lay, blobs, opts)
+    plan = _make_plan(snap, report, lay, cache.blobs, opts)
     _fill_plan_summary(plan, report)
     if opts.dry_run:
-        report.entries_removed = sum(len(v) for v in plan.manifests.values())
-        deferred = plan.unreferenced if opts.shared else []
-        report.blobs_deferred = len(deferred)
-        report.blobs_removed = len(plan.unreferenced) - len(deferred) + len(plan.orphans) + len(plan.corrupt)
-        report.bytes_freed = sum(v["bytes"] for k, v in report.plan.items() if k != "temp_files") - sum(
-            plan.snapshot.blobs[d].st_size for d in deferred
-        )
+        removal = plan.removal
+        freed, _ = removal.expected()
+        report.entries_removed = len(removal.manifests)
+        report.blobs_deferred = len(plan.unreferenced) if opts.shared else 0
+        report.blobs_removed = len(plan.unreferenced) - report.blobs_deferred + len(removal.orphans) + len(plan.corrupt)
+        report.bytes_freed = freed + sum(st.st_size for st in plan.corrupt.values())
         report.temp_files_removed = len(plan.temp_files)
         report.temp_bytes_freed = report.plan["temp_files"]["bytes"]
         return
     if progress:
         progress("removing", 0, 0)
-    _execute(plan, report, index, blobs, shared=opts.shared)
+    assert cache.remover is not None
+    _execute(plan, report, cache.remover, cache.blobs)
 
 
 def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, opts: _Options) -> _Plan:
     grace_s, max_size, max_age_s, progress = opts.grace_s, opts.max_size, opts.max_age_s, opts.progress
-    plan = _Plan(snap)
+    removal = RemovalPlan(snap, shared=opts.shared)
+    plan = _Plan(removal)
     plan.temp_files = stale_temp_files(lay.tmp)
     for path in snap.unreadable:
         report.problem(f"manifest {path} cannot be read; its blob is unknown, so no blob was removed")
     if snap.unreadable:
-        plan.blobs_removable = False
+        removal.blobs_removable = False
     if opts.verify:
         total = len(snap.blobs)
         for n, digest in enumerate(sorted(snap.blobs)):
             if progress and n % 64 == 0:
                 progress("verifying blobs", n, total)
-            state, st, detail = check_blob(blobs, digest)
-            if state == "bad":
-                assert st is not None
-                plan.corrupt[digest] = st
-            elif state == "error":
-                report.problem(f"blob {blobs.path_for(digest)} cannot be read: {detail}")
+            check = blobs.check(digest)
+            if check.state is BlobState.CORRUPT:
+                assert check.stat is not None
+                plan.corrupt[digest] = check.stat
+            elif check.state is BlobState.UNREADABLE:
+                report.problem(f"blob {blobs.path_for(digest)} cannot be read: {check.detail}")
         if progress:
             progress("verifying blobs", total, total)
+    removal.keep_blobs = frozenset(plan.corrupt)
 
-    groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:6]}
+    groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:7]}
     live: list[ManifestInfo] = []
+    expire_before = None if max_age_s is None else snap.started_ns - int(max_age_s * 1e9)
     for info in snap.manifests:
-        m = info.manifest
-        if m is None:
-            groups["invalid_manifests"].append(info)
-        elif m.digest not in snap.blobs:
-            groups["dangling_manifests"].append(info)
-        elif snap.blobs[m.digest].st_size != m.size:
-            groups["size_mismatch_manifests"].append(info)
-        elif m.digest in plan.corrupt:
-            groups["corrupt_blob_manifests"].append(info)
-        elif max_age_s is not None and info.stat.st_mtime_ns < snap.started_ns - int(max_age_s * 1e9):
+        condition = classify(info, snap, plan.corrupt)
+        if condition.bad:
+            groups[_CATEGORY_OF[condition]].append(info)
+        elif expire_before is not None and info.stat.st_mtime_ns < expire_before:
             groups["expired_entries"].append(info)
         else:
             live.append(info)
@@ -282,122 +274,70 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
     for info in live:
         assert info.manifest is not None
         refs[info.manifest.digest] += 1
-    orphan_cutoff = snap.started_ns - int(grace_s * 1e9)
-    kept_blobs: dict[str, os.stat_result] = {}
-    for digest, st in snap.blobs.items():
-        if digest in plan.corrupt:
-            continue
-        if refs[digest] > 0:
-            kept_blobs[digest] = st
-        elif snap.refs[digest] == 0:
-            if st.st_mtime_ns < orphan_cutoff and plan.blobs_removable:
-                plan.orphans.append(digest)
-            else:
-                kept_blobs[digest] = st  # a young orphan: a writer may be about to commit its manifest
+    kept_blobs = {d: st for d, st in snap.blobs.items() if d not in plan.corrupt}
+    if removal.blobs_removable:
+        removal.orphans = [d for d in removable_orphans(snap, int(grace_s * 1e9)) if d not in plan.corrupt]
+        for digest in removal.orphans:
+            kept_blobs.pop(digest)
     if max_size is not None:
         # Entries written after the scan began belong to this run's writers: never chosen.
         protect_from = snap.cutoff_ns
         candidates = [m for m in live if m.stat.st_mtime_ns < protect_from]
         protected = sum(m.stat.st_size for m in live if m.stat.st_mtime_ns >= protect_from)
+        for digest in [d for d in kept_blobs if refs[d] == 0 and snap.refs[d]]:
+            kept_blobs.pop(digest)  # named only by manifests that go anyway
         rest = Snapshot(snap.started_ns, candidates, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
-        grace_ns = int(grace_s * 1e9) if plan.blobs_removable else 1 << 62
+        grace_ns = int(grace_s * 1e9) if removal.blobs_removable else 1 << 62
         lru = plan_lru(rest, max(0, max_size - protected), orphan_grace_ns=grace_ns)
         groups["evicted_entries"] = [m for m in lru.manifests if m.manifest is not None]
 
-    plan.manifests = {k: v for k, v in groups.items() if v}
-    remaining = snap.refs.copy()
-    for info in plan.all_manifests():
-        if info.manifest is None:
-            continue
-        digest = info.manifest.digest
-        remaining[digest] -= 1
-        if remaining[digest] == 0 and digest in snap.blobs and digest not in plan.corrupt and plan.blobs_removable:
-            plan.unreferenced.append(digest)
+    plan.categories = {k: v for k, v in groups.items() if v}
+    removal.manifests = [m for name in CATEGORIES if name in plan.categories for m in plan.categories[name]]
+    _, plan.unreferenced = removal.expected()
     return plan
 
 
 def _fill_plan_summary(plan: _Plan, report: GcReport) -> None:
-    blobs = plan.snapshot.blobs
+    blobs = plan.removal.snapshot.blobs
     for name in CATEGORIES:
-        if name in plan.manifests:
-            items = plan.manifests[name]
-            report.plan[name] = {"count": len(items), "bytes": sum(m.stat.st_size for m in items)}
-        else:
-            report.plan[name] = {"count": 0, "bytes": 0}
-    for name, digests in (("unreferenced_blobs", plan.unreferenced), ("orphan_blobs", plan.orphans)):
+        items = plan.categories.get(name, [])
+        report.plan[name] = {"count": len(items), "bytes": sum(m.stat.st_size for m in items)}
+    for name, digests in (("unreferenced_blobs", plan.unreferenced), ("orphan_blobs", plan.removal.orphans)):
         report.plan[name] = {"count": len(digests), "bytes": sum(blobs[d].st_size for d in digests)}
     report.plan["corrupt_blobs"] = {"count": len(plan.corrupt), "bytes": sum(s.st_size for s in plan.corrupt.values())}
     report.plan["temp_files"] = {"count": len(plan.temp_files), "bytes": sum(s.st_size for _, s in plan.temp_files)}
 
 
-def _execute(plan: _Plan, report: GcReport, index: Index, blobs: BlobStore, *, shared: bool = False) -> None:
-    snap = plan.snapshot
+def _execute(plan: _Plan, report: GcReport, remover: Remover, blobs: BlobStore) -> None:
     for path, st in plan.temp_files:
         try:
-            if os.lstat(path).st_mtime_ns != st.st_mtime_ns:
+            if not remover.temp_file(path, st):
                 continue
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
         except OSError as exc:
             report.problem(f"temp file {path} cannot be removed: {exc.strerror}")
             continue
         report.temp_files_removed += 1
         report.temp_bytes_freed += st.st_size
-
-    # Manifests first, each only if still the file the scan saw (used, rewritten
-    # or removed since: kept). A blob goes when its last manifest went, only if
-    # not written or freshened since the scan began: a writer that deduplicated
-    # against it may have committed a manifest the scan did not see. The scan
-    # stats blobs after manifests, so a blob whose scan stat is already newer than
-    # the cutoff gets no exemption. Orphans go only if unchanged since the scan.
-    cutoff = snap.cutoff_ns
-    refs = snap.refs.copy()
-    expected = 0
     try:
-        for info in plan.all_manifests():
-            if not index.remove_if_unchanged(info.key_id, info.stat):
-                report.kept_changed += 1
-                continue
-            report.entries_removed += 1
-            report.bytes_freed += info.stat.st_size
-            if info.manifest is None:
-                continue
-            digest = info.manifest.digest
-            refs[digest] -= 1
-            if refs[digest] or not plan.blobs_removable or digest not in snap.blobs or digest in plan.corrupt:
-                continue
-            if shared:
-                # A node may have read this manifest a moment ago and be about to
-                # read the blob: restart its grace period instead.
-                if blobs.freshen(blobs.path_for(digest), snap.blobs[digest].st_size):
-                    report.blobs_deferred += 1
-                continue
-            expected += 1
-            freed = blobs.remove_if_older(digest, cutoff)
-            if freed:
-                report.blobs_removed += 1
-                report.bytes_freed += freed
-        for digest in plan.orphans:
-            expected += 1
-            freed = blobs.remove_if_older(digest, snap.blobs[digest].st_mtime_ns + 1)
-            if freed:
-                report.blobs_removed += 1
-                report.bytes_freed += freed
+        result = remover.execute(plan.removal)
     except OSError as exc:
         report.problem(f"stopped removing files: {exc}")
         return
-    report.kept_changed += expected - report.blobs_removed
+    report.entries_removed += result.manifests_removed
+    report.blobs_removed += result.blobs_removed
+    report.bytes_freed += result.bytes_freed
+    report.blobs_deferred += result.blobs_deferred
+    report.kept_changed += result.kept_changed + len(result.retired)
 
     for digest, st in plan.corrupt.items():
-        where = blobs.quarantine(digest, st)
+        where = remover.quarantine(digest, st)
         if where is None:
             # Changed since it was hashed (a writer stored good bytes) or gone: check again.
-            state, st2, _ = check_blob(blobs, digest)
-            if state == "bad" and st2 is not None:
-                where = blobs.quarantine(digest, st2)
-            elif state in ("ok", "missing"):
-                report.kept_changed += state == "ok"
+            check = blobs.check(digest)
+            if check.state is BlobState.CORRUPT and check.stat is not None:
+                where = remover.quarantine(digest, check.stat)
+            elif check.state in (BlobState.OK, BlobState.MISSING):
+                report.kept_changed += check.state is BlobState.OK
                 continue
         if where is None:
             report.problem(f"corrupt blob {blobs.path_for(digest)} could not be moved to quarantine")

@@ -5,8 +5,9 @@ named by sha256 of the key bytes: exactly how ``index/`` names manifests here, s
 an entry's file name *is* its key id, and ``Program.compile(cache=ours)`` hits
 for every kernel FileStream had cached without knowing the keys themselves.
 
-Each entry is committed like any write (blob first, then manifest, each
-atomically), so the import can be killed at any point and run again: entries
+Each entry is committed by the one write protocol, as ``put`` commits it (blob
+first, then manifest, each atomically, shards vetted), so the import can be
+killed at any point and run again: entries
 already present with the same content are skipped, identical binaries are
 stored once. An entry this cache already holds with other content is kept as
 it is (this cache wins). The source is only read. Each imported manifest takes
@@ -21,15 +22,17 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from index import Manifest
-from index._files import read_regular
+from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_manifest
 
-from ._blobs import digest_of
+from ._blobs import BlobStore, digest_of
 from ._config import default_cache_dir
 from ._errors import LayoutError
+from ._files import ShardGuard, read_regular
+from ._layout import Layout, create_layout
+from ._maint import ProgressFn, check_writable
 from ._report import ProblemLog
-from ._store import CacheStore
-from ._verify import ProgressFn
+from ._upgrade import upgrade_if_needed
+from ._writer import DROP_ERRNOS, Writer, WriteResult
 
 __all__ = ["ImportReport", "import_filestream"]
 
@@ -55,6 +58,8 @@ class ImportReport(ProblemLog):
     bytes_imported: int = 0
     #: New blob bytes this run stored.
     blob_bytes_added: int = 0
+    #: Entries not stored: a shard is a symlink or not a directory, the disk is full, a file was locked.
+    dropped: int = 0
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
@@ -100,21 +105,37 @@ def import_filestream(
     target = os.path.abspath(os.fspath(default_cache_dir() if dest is None else dest))
     if os.path.realpath(target) == os.path.realpath(src):
         raise LayoutError(f"source and destination are the same directory: {src!r}")
-    store = CacheStore(target)
-    report = ImportReport(src, store.root)
+    create_layout(target)
+    lay = Layout(target)
+    check_writable(lay, "import")
+    writer = Writer(lay, guard=ShardGuard())
+    upgrade_if_needed(lay, writer)
+    report = ImportReport(src, lay.root)
     todo = _entries(entries_dir, report)
     report.entries = len(todo)
     for n, (kid, path) in enumerate(todo):
         if progress and n % 64 == 0:
             progress("importing", n, len(todo))
-        _import_one(store, kid, path, report)
+        _import_one(lay, writer, kid, path, report)
     if progress:
         progress("importing", len(todo), len(todo))
     report.elapsed_s = time.monotonic() - t0
     return report
 
 
-def _import_one(store: CacheStore, kid: str, path: str, report: ImportReport) -> None:
+def _current(lay: Layout, kid: str) -> str | None:
+    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there."""
+    try:
+        data, _ = read_regular(lay.manifest_path(kid))
+    except OSError:
+        return None  # absent, or not a regular file: replaced below
+    manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+    if manifest is None or not BlobStore(lay.blobs).exists(manifest.digest):
+        return None
+    return manifest.digest
+
+
+def _import_one(lay: Layout, writer: Writer, kid: str, path: str, report: ImportReport) -> None:
     try:
         data, src_st = read_regular(path)
     except FileNotFoundError:
@@ -124,36 +145,31 @@ def _import_one(store: CacheStore, kid: str, path: str, report: ImportReport) ->
         report.problem(f"{path}: cannot be read: {exc.strerror or exc}")
         return
     digest = digest_of(data)
-    try:
-        current, _ = store.index.read(kid)
-    except FileNotFoundError:
-        current = None
-    except OSError:
-        current = None  # not a regular file: replaced below
-    if current is not None and store.blobs.exists(current.digest):
-        if current.digest == digest:
+    current = _current(lay, kid)
+    if current is not None:
+        if current == digest:
             report.already_present += 1
         else:
             report.kept_existing += 1
         return
-    # Blob first, then manifest, then re-check the blob (a collector may have
-    # removed it in between): a kill at any point leaves no manifest without blob.
-    existed = store.blobs.put(data, digest)
-    if not store.index.write(kid, Manifest(digest, len(data))):
-        report.problem(f"{path}: the manifest write was refused (file busy); run the import again")
-        return
-    if not store.blobs.exists(digest):
-        store.blobs.put(data, digest)
     # FileStream keeps an entry's last use in its atime; carry it over as our
     # recency (never into the future, never before the entry was written).
     used = min(max(src_st.st_atime_ns, src_st.st_mtime_ns), time.time_ns())
     try:
-        os.utime(store.index.path_for(kid), ns=(used, used))
-    except OSError:
-        pass
+        result = writer.commit(kid, data, digest, used_ns=used)
+    except OSError as exc:
+        if exc.errno not in DROP_ERRNOS:
+            raise
+        result = WriteResult.DROPPED
+    if not result:
+        report.dropped += 1
+        report.problem(
+            f"{path}: not stored (a shard of the cache is not a directory, the disk is full or a file is locked)"
+        )
+        return
     report.imported += 1
     report.bytes_imported += len(data)
-    if existed:
+    if result is WriteResult.DEDUPLICATED:
         report.deduplicated += 1
     else:
         report.blob_bytes_added += len(data)

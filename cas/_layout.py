@@ -1,40 +1,45 @@
-"""The cache root: ``layout.json``, ``CACHEDIR.TAG`` and the top-level directories.
+"""The cache root: ``layout.json``, ``CACHEDIR.TAG``, the top-level directories and their paths.
 
 Opening a directory that is empty (or absent) lays it out. A directory holding
 anything but our own names is refused, never adopted. A layout version newer than
-this code is refused. A damaged ``layout.json`` in a directory that holds only our
-own names is rewritten: every manifest carries its own format tag and every blob
-its digest, so nothing is read on a guess.
+this code is refused. A damaged ``layout.json`` in a directory that holds only
+our own names is rewritten by a writable open (and ``verify --repair``); a
+read-only open and the maintenance verbs refuse it: nothing is read on a guess.
+
+Versions: 1 wrote manifests without their key id; 2 (this one) writes manifests
+that name their key. Version-1 caches are read as they are; opening one for
+writing upgrades it in place (see :mod:`cas._upgrade`).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
 import stat
 import time
 
-from index._files import atomic_write
-
 from ._errors import LayoutError
+from ._files import shard_path
+from ._writer import atomic_write
 
 __all__ = [
     "LAYOUT_VERSION",
     "STALE_TMP_S",
     "Layout",
+    "LayoutState",
     "check_layout",
     "create_layout",
     "is_shared_store",
+    "layout_version",
     "mark_shared_store",
     "stale_temp_files",
-    "sweep_stale_temp_files",
+    "write_layout",
 ]
 
-_log = logging.getLogger("cas")
-
 LAYOUT_NAME = "cuda-program-cas"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 LAYOUT_FILE = "layout.json"
 BLOBS = "blobs"
 INDEX = "index"
@@ -44,14 +49,22 @@ LOCK_FILE = "evict.lock"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
+_log = logging.getLogger("cas")
 _OWN_NAMES = frozenset({LAYOUT_FILE, "CACHEDIR.TAG", BLOBS, INDEX, TMP, QUARANTINE, LOCK_FILE, "gc.lock"})
 
-_LAYOUT = {"layout": LAYOUT_NAME, "version": LAYOUT_VERSION, "blob_hash": "blake3", "key_hash": "sha256"}
 _CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
     b"# This file is a cache directory tag created by cuda-program-cas.\n"
     b"# For information about cache directory tags, see https://bford.info/cachedir/\n"
 )
+
+
+class LayoutState(enum.Enum):
+    """What :func:`check_layout` found at a cache root."""
+
+    OK = "ok"
+    MISSING = "missing"
+    DAMAGED = "damaged"
 
 
 class Layout:
@@ -66,6 +79,14 @@ class Layout:
         self.tmp = os.path.join(root, TMP)
         self.quarantine = os.path.join(root, QUARANTINE)
         self.lock = os.path.join(root, LOCK_FILE)
+
+    def blob_path(self, digest: str) -> str:
+        """Where the blob ``digest`` (validated) lives."""
+        return shard_path(self.blobs, digest)
+
+    def manifest_path(self, kid: str) -> str:
+        """Where the manifest of key id ``kid`` (validated) lives."""
+        return shard_path(self.index, kid)
 
 
 def _read_layout(path: str) -> dict[str, object] | None:
@@ -84,15 +105,31 @@ def _read_layout(path: str) -> dict[str, object] | None:
     return data
 
 
-def check_layout(root: str) -> str:
-    """Validate an existing cache root without writing: ``"ok"``, ``"missing"`` or ``"damaged"``.
+def layout_version(root: str) -> int | None:
+    """The version ``layout.json`` records, or None when it is missing or damaged."""
+    try:
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+    except OSError:
+        return None
+    if data is None:
+        return None
+    version = data["version"]
+    assert isinstance(version, int)
+    return version
 
-    Raises :class:`LayoutError` for a file, a foreign directory or a newer layout.
+
+def check_layout(root: str) -> LayoutState:
+    """Validate an existing cache root without writing.
+
+    Raises :class:`LayoutError` for a file, a dangling symlink, a foreign directory
+    or a newer layout.
     """
     if not os.path.isdir(root):
+        if os.path.islink(root) and not os.path.exists(root):
+            raise LayoutError(f"cache path {root!r} is a symlink to {os.readlink(root)!r}, which does not exist")
         if os.path.lexists(root):
             raise LayoutError(f"cache path {root!r} exists and is not a directory")
-        return "missing"
+        return LayoutState.MISSING
     layout_path = os.path.join(root, LAYOUT_FILE)
     try:
         data = _read_layout(layout_path)
@@ -113,7 +150,7 @@ def check_layout(root: str) -> str:
             raise LayoutError(
                 f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
             )
-        return "ok"
+        return LayoutState.OK
     with os.scandir(root) as it:
         foreign = sorted(e.name for e in it if e.name not in _OWN_NAMES)
     if foreign:
@@ -124,7 +161,15 @@ def check_layout(root: str) -> str:
             f"directory {root!r} is not a cuda-program-cas cache: it holds {', '.join(map(repr, foreign[:5]))}"
             f"{', ...' if len(foreign) > 5 else ''}{hint}"
         )
-    return "damaged" if present else "missing"
+    return LayoutState.DAMAGED if present else LayoutState.MISSING
+
+
+def damaged_layout_error(root: str) -> LayoutError:
+    """The one message for a cache whose ``layout.json`` is damaged."""
+    return LayoutError(
+        f"cache at {root!r} has a damaged layout.json; repair it with `cuda-program-cas verify --repair` "
+        "from an account that can write there"
+    )
 
 
 def is_shared_store(root: str) -> bool:
@@ -136,27 +181,48 @@ def is_shared_store(root: str) -> bool:
     return data is not None and data.get("shared") is True
 
 
-def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
-    """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful.
+def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: object) -> None:
+    """Rewrite ``layout.json`` atomically with ``changes``, keeping what else it says.
 
-    Rewrites the file atomically, keeping what else it says; a no-op when marked.
+    A missing or damaged file is written afresh. A no-op when nothing changes.
     """
     path = os.path.join(root, LAYOUT_FILE)
-    data = _read_layout(path)
-    if data is None:
-        raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
-    if data.get("shared") is True:
+    try:
+        data = _read_layout(path)
+    except FileNotFoundError:
+        data = None
+    base: dict[str, object] = {
+        "layout": LAYOUT_NAME,
+        "version": LAYOUT_VERSION,
+        "blob_hash": "blake3",
+        "key_hash": "sha256",
+    }
+    current = dict(data) if data is not None else None
+    new = dict(current if current is not None else base)
+    new.update(changes)
+    if new == current:
         return
-    data["shared"] = True
-    atomic_write(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode(), tmp_dir, mode=mode)
+    atomic_write(path, (json.dumps(new, indent=2, sort_keys=True) + "\n").encode(), tmp_dir, mode=mode)
+
+
+def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
+    """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful."""
+    if layout_version(root) is None:
+        raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
+    write_layout(root, tmp_dir, mode=mode, shared=True)
 
 
 def create_layout(root: str) -> None:
-    """Lay out (or repair) ``root``; ``layout.json`` is written last, atomically."""
+    """Lay out ``root`` if it holds no cache yet; ``layout.json`` is written last, atomically.
+
+    A damaged ``layout.json`` in a directory that holds only our own names is
+    rewritten (with a warning): every manifest carries its own format tag and key
+    id, every blob its digest, so nothing is trusted on the layout's word.
+    """
     state = check_layout(root)
-    if state == "ok":
+    if state is LayoutState.OK:
         return
-    if state == "damaged":
+    if state is LayoutState.DAMAGED:
         _log.warning("cuda-program-cas: rewriting damaged %s in %s", LAYOUT_FILE, root)
     lay = Layout(root)
     os.makedirs(root, exist_ok=True)
@@ -166,8 +232,7 @@ def create_layout(root: str) -> None:
     tag = os.path.join(root, "CACHEDIR.TAG")
     if not os.path.exists(tag):
         atomic_write(tag, _CACHEDIR_TAG, lay.tmp, mode=0o644)
-    body = (json.dumps(_LAYOUT, indent=2, sort_keys=True) + "\n").encode()
-    atomic_write(os.path.join(root, LAYOUT_FILE), body, lay.tmp, mode=0o644)
+    write_layout(root, lay.tmp, version=LAYOUT_VERSION)
 
 
 def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
@@ -186,18 +251,3 @@ def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, 
     except OSError:
         pass
     return found
-
-
-def sweep_stale_temp_files(tmp_dir: str) -> int:
-    """Remove the stale temp files of ``tmp_dir``, best effort; returns how many went.
-
-    Young ones are left alone: they may be another process's write in flight.
-    """
-    removed = 0
-    for path, _st in stale_temp_files(tmp_dir):
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed += 1
-    return removed

@@ -7,8 +7,9 @@ meanwhile never sees a partial file or a manifest whose blob is not there yet:
 - per source, first every blob the new manifests need, read from the source,
   verified against its digest (a bad one is skipped and reported, and so is
   every manifest naming it), then the manifests;
-- every file goes to a private temp file in the store's own ``tmp/``, gets its
-  final mode, and is renamed into place with :func:`os.replace`;
+- every file is written by the one write protocol (:class:`cas._writer.Writer`,
+  with the store's modes): a private temp file in the store's own ``tmp/``, its
+  final mode, then :func:`os.replace`;
 - a blob already in the store that a new manifest will name is verified and
   freshened (its mtime set to now, so a concurrent collector sees it young); after
   each manifest commit the blob is checked again and restored if a collector took
@@ -30,29 +31,20 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from blake3 import blake3
-
-from index import Manifest, parse_manifest
-from index._files import NotRegularFile, read_regular
-from index._index import MAX_MANIFEST_BYTES, Index
+from cuda_program_cas_index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 from ._blobs import BlobStore
 from ._errors import CorruptBlobError, LayoutError
-from ._gc import SHARED_MIN_GRACE_S
-from ._layout import Layout, check_layout, create_layout, mark_shared_store, sweep_stale_temp_files
+from ._files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
+from ._layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
+from ._remove import Remover
+from ._writer import BlobWrite, Writer
 
-__all__ = ["SHARED_MIN_GRACE_S", "PublishReport", "publish"]
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_BINARY = getattr(os, "O_BINARY", 0)
-_HAVE_SYNC = hasattr(os, "sync")
-_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_BINARY
+__all__ = ["PublishReport", "publish"]
 
 
 @dataclass
@@ -124,23 +116,6 @@ class _Modes:
         return cls(file_mode, dir_mode, 0o700, False)
 
 
-def _sync_filesystem(path: str) -> None:
-    """``syncfs`` on the store's filesystem where Linux offers it, else a whole-system ``sync``."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if ctypes.CDLL(None, use_errno=True).syncfs(fd) == 0:
-                    return
-            finally:
-                os.close(fd)
-        except (OSError, AttributeError):
-            pass
-    os.sync()
-
-
 def _current_umask() -> int:
     """The process umask, read without changing it where the system allows."""
     try:
@@ -156,116 +131,63 @@ def _current_umask() -> int:
 
 
 class _Dest:
-    """The store being published into: its paths, modes and what this run verified."""
+    """The store being published into: its layout, its writer (with the run's modes), and what it holds."""
 
     def __init__(self, root: str, modes: _Modes, *, dry_run: bool, fsync: bool) -> None:
         self.lay = Layout(root)
-        self.index = Index(self.lay.index, None)
         self.modes = modes
         self.dry_run = dry_run
         self.fsync = fsync
-        #: digest -> True when the store holds a verified copy (or will, in a dry run).
+        self.writer = Writer(
+            self.lay,
+            file_mode=modes.file,
+            exact_mode=True,
+            dir_mode=modes.dir,
+            setgid=modes.group_shared,
+            verify_existing=True,
+        )
+        #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
         self.good: dict[str, bool] = {}
-        self._made: set[str] = set()
-
-    def blob_path(self, digest: str) -> str:
-        return os.path.join(self.lay.blobs, digest[:2], digest[2:])
 
     def blob_ok(self, digest: str, size: int) -> bool:
         """Whether the store holds this blob with the right bytes (hashed once per run)."""
         known = self.good.get(digest)
-        if known is not None:
-            return known
-        try:
-            data, _ = read_regular(self.blob_path(digest), size)
-        except OSError:
-            return False  # absent, wrong size, not a file: not good (yet)
-        ok = blake3(data).hexdigest() == digest
-        self.good[digest] = ok
-        return ok
+        if known is None:
+            try:
+                BlobStore(self.lay.blobs).read(digest, size)
+                known = True
+            except (OSError, CorruptBlobError):
+                known = False  # absent, wrong size or bytes, not a file: not good (yet)
+            self.good[digest] = known
+        return known
 
     def blob_present(self, digest: str, size: int) -> bool:
         """A cheap check (no read): a regular file of the right size."""
         try:
-            st = os.lstat(self.blob_path(digest))
+            st = os.lstat(self.lay.blob_path(digest))
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == size
 
-    def freshen(self, digest: str) -> None:
-        # A collector keeps what was written or freshened after its scan began.
-        try:
-            os.utime(self.blob_path(digest))
-        except OSError:
-            pass  # another publisher's file; the re-check after the manifest covers it
-
     def sync(self) -> None:
-        """Make what was written so far durable: one ``sync()`` per phase, not an fsync per file.
+        """Make what was written so far durable: one ``syncfs`` per phase, not an fsync per file.
 
         Manifests are renamed into place only after the blobs they name were
         synced, so a crash of the publishing host never leaves a manifest whose
         blob is empty or absent; a blob left damaged is re-hashed and replaced by
         the next run before a new manifest names it.
         """
-        if self.fsync and not self.dry_run and _HAVE_SYNC:
-            _sync_filesystem(self.lay.root)
-
-    def ensure_dir(self, path: str) -> None:
-        if path in self._made:
-            return
-        parent = os.path.dirname(path)
-        if parent != path and not os.path.isdir(parent):
-            self.ensure_dir(parent)
-        try:
-            os.mkdir(path, self.modes.dir)
-        except FileExistsError:
-            pass
-        else:
-            if self.modes.group_shared:
-                os.chmod(path, self.modes.dir)  # mkdir drops setgid; chmod sets it
-        self._made.add(path)
+        if self.fsync and not self.dry_run:
+            self.writer.sync()
 
     def make_tmp(self) -> None:
         """The store's ``tmp/``: owner-only, or the group's with ``group_shared`` (files in it stay private)."""
-        self.ensure_dir(self.lay.root)
+        self.writer.make_dir(self.lay.root)
         try:
             os.mkdir(self.lay.tmp, self.modes.tmp_dir)
         except FileExistsError:
             return
         os.chmod(self.lay.tmp, self.modes.tmp_dir)
-
-    def install(self, target: str, data: bytes) -> None:
-        """Write ``target`` atomically: private temp file, final mode, ``os.replace``."""
-        self.ensure_dir(os.path.dirname(target))
-        tmp = os.path.join(self.lay.tmp, f"publish-{os.getpid()}-{secrets.token_hex(8)}.tmp")
-        try:
-            fd = os.open(tmp, _TMP_FLAGS, 0o600)
-        except FileNotFoundError:  # tmp/ removed meanwhile (by hand, or a cleanup)
-            self.make_tmp()
-            fd = os.open(tmp, _TMP_FLAGS, 0o600)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if hasattr(os, "fchmod"):
-                    os.fchmod(fd, self.modes.file)
-                if self.fsync and not _HAVE_SYNC:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(tmp, target)
-            except FileNotFoundError:  # the shard directory went (a collector pruning empty ones)
-                self._made.discard(os.path.dirname(target))
-                self.ensure_dir(os.path.dirname(target))
-                os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
 
 
 def publish(
@@ -295,7 +217,7 @@ def publish(
     modes = _Modes.for_process(group_shared)
     state = check_layout(root)  # LayoutError for a file, a foreign or a newer layout
     target = _Dest(root, modes, dry_run=dry_run, fsync=fsync)
-    if state != "ok":
+    if state is not LayoutState.OK:
         report.created = True
         if not dry_run:
             _lay_out(target)
@@ -304,7 +226,7 @@ def publish(
         mark_shared_store(root, target.lay.tmp, mode=modes.file)
         if group_shared:
             _fix_top_modes(target)
-        sweep_stale_temp_files(target.lay.tmp)
+        Remover(target.lay).sweep_temp()
     for n, src in enumerate(srcs):
         if progress:
             progress(f"publishing {src}", n, len(srcs))
@@ -316,8 +238,8 @@ def publish(
         except (LayoutError, OSError) as exc:
             report.errors.append(f"{src}: {exc}")
             continue
-        if src_state != "ok":
-            report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state})")
+        if src_state is not LayoutState.OK:
+            report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
             continue
         _publish_one(src, target, report)
     if progress:
@@ -329,7 +251,7 @@ def _lay_out(target: _Dest) -> None:
     """Create the store with the run's modes; ``layout.json`` comes last, so nodes wait for it."""
     lay = target.lay
     for path in (lay.root, lay.blobs, lay.index):
-        target.ensure_dir(path)
+        target.writer.make_dir(path)
     target.make_tmp()
     create_layout(lay.root)
     mark_shared_store(lay.root, lay.tmp, mode=target.modes.file)
@@ -351,66 +273,78 @@ def _fix_top_modes(target: _Dest) -> None:
             continue
 
 
+@dataclass(slots=True)
+class _Item:
+    kid: str
+    manifest: Manifest
+    path: str
+    stat: os.stat_result
+    action: str
+
+
 def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
     lay = Layout(src)
     # 1. Plan: what each source manifest needs in the store.
-    todo: list[tuple[str, Manifest, str, os.stat_result, str]] = []  # kid, manifest, path, stat, action
-    for entry in Index(lay.index, None).scan():
+    todo: list[_Item] = []
+    for kid, path, _st in scan_sharded(lay.index):
         report.scanned += 1
         try:
-            data, mst = read_regular(entry.path)
+            data, mst = read_regular(path)
         except FileNotFoundError:
             report.vanished += 1
             continue
         except OSError as exc:
-            report.invalid_manifests.append(f"{entry.path}: {exc.strerror or exc}")
+            report.invalid_manifests.append(f"{path}: {exc.strerror or exc}")
             continue
-        manifest = parse_manifest(data) if len(data) <= MAX_MANIFEST_BYTES else None
+        manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
         if manifest is None:
-            report.invalid_manifests.append(entry.path)
+            report.invalid_manifests.append(path)
             continue
-        action = _action(target, entry.key_id, manifest)
+        manifest = Manifest(manifest.digest, manifest.size, kid)  # a layout-1 source names no key
+        action = _action(target, kid, manifest)
         if action == "same":
             report.unchanged += 1
         elif action == "conflict":
             report.conflicts += 1
         else:
-            todo.append((entry.key_id, manifest, entry.path, mst, action))
+            todo.append(_Item(kid, manifest, path, mst, action))
     # 2. Blobs: every blob the plan needs, verified, before any manifest naming it.
-    needed: dict[str, list[tuple[str, Manifest, str, os.stat_result, str]]] = {}
+    needed: dict[str, list[_Item]] = {}
     for item in todo:
-        needed.setdefault(item[1].digest, []).append(item)
+        needed.setdefault(item.manifest.digest, []).append(item)
     for digest, items in needed.items():
-        size = items[0][1].size
+        size = items[0].manifest.size
         if target.blob_ok(digest, size):
             if not target.dry_run:
-                target.freshen(digest)
+                target.writer.freshen(target.lay.blob_path(digest), size)
             continue
         blob = _read_source_blob(src, lay, digest=digest, size=size, items=items, report=report)
         if blob is None:
             continue
-        if not target.dry_run:
-            target.install(target.blob_path(digest), blob)
+        if not target.dry_run and target.writer.write_blob(digest, blob) is BlobWrite.DROPPED:
+            report.errors.append(f"{target.lay.blob_path(digest)}: the write was dropped")
+            continue
         target.good[digest] = True
         report.blobs_published += 1
         report.bytes_published += len(blob)
     if needed:
         target.sync()
     # 3. Manifests, each after its blob; then make sure the blob is still there.
-    for kid, manifest, _path, _mst, action in todo:
+    for item in todo:
+        manifest = item.manifest
         if not target.good.get(manifest.digest):
             continue
-        if action in ("new", "replace"):
+        if item.action in ("new", "replace"):
             if not target.dry_run:
-                target.install(target.index.path_for(kid), manifest.encode())
+                target.writer.write_manifest(manifest)
                 if not target.blob_present(manifest.digest, manifest.size):
                     # A collector removed it after the blob phase: store it again.
                     blob = _read_source_blob(
                         src, lay, digest=manifest.digest, size=manifest.size, items=[], report=report
                     )
                     if blob is not None:
-                        target.install(target.blob_path(manifest.digest), blob)
-            if action == "new":
+                        target.writer.recheck(manifest.digest, blob)
+            if item.action == "new":
                 report.published += 1
             else:
                 report.replaced += 1
@@ -423,7 +357,7 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
 def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
     """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``."""
     try:
-        data, _ = read_regular(target.index.path_for(kid))
+        data, _ = read_regular(target.lay.manifest_path(kid))
     except FileNotFoundError:
         return "new"
     except NotRegularFile:
@@ -432,8 +366,8 @@ def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
         if exc.errno == errno.ENOTDIR:
             return "new"  # the store does not exist yet (dry run) or a shard is not a directory
         raise
-    theirs = parse_manifest(data) if len(data) <= MAX_MANIFEST_BYTES else None
-    if theirs == manifest:
+    theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+    if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
         return "same" if target.blob_present(manifest.digest, manifest.size) else "restore"
     if theirs is not None and target.blob_ok(theirs.digest, theirs.size):
         return "conflict"
@@ -441,22 +375,16 @@ def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
 
 
 def _read_source_blob(
-    src: str,
-    lay: Layout,
-    *,
-    digest: str,
-    size: int,
-    items: list[tuple[str, Manifest, str, os.stat_result, str]],
-    report: PublishReport,
+    src: str, lay: Layout, *, digest: str, size: int, items: list[_Item], report: PublishReport
 ) -> bytes | None:
     """The verified bytes of a source blob, or None (reported) when it is missing or bad."""
-    source = BlobStore(lay.blobs, None, lay.quarantine)
+    source = BlobStore(lay.blobs)
     path = source.path_for(digest)
     try:
         data, _st = source.read(digest, size)
     except FileNotFoundError:
         # Evicted by its node after we read the manifest? Then the manifest went too.
-        still = sum(1 for it in items if _unchanged(it[2], it[3]))
+        still = sum(1 for it in items if same_file(it.path, file_id(it.stat)))
         report.vanished += len(items) - still
         report.skipped += still
         if still or not items:
@@ -470,11 +398,3 @@ def _read_source_blob(
         return data
     report.skipped += len(items)
     return None
-
-
-def _unchanged(path: str, st: os.stat_result) -> bool:
-    try:
-        now = os.lstat(path)
-    except OSError:
-        return False
-    return (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)

@@ -1,6 +1,7 @@
 """One pass over a cache directory: every manifest (parsed) and every blob, with stats.
 
-Eviction, ``stats()`` and the maintenance tools all start from a :class:`Snapshot`.
+Eviction, ``clear``, ``stats()`` and the maintenance verbs all start from a
+:class:`Snapshot`, and judge each manifest with :func:`cas._classify.classify`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from index import Index, Manifest, parse_manifest
-from index._files import fs_now, read_regular
-from index._index import MAX_MANIFEST_BYTES
+from cuda_program_cas_index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-from ._blobs import BlobStore
+from ._files import fs_now, read_regular, scan_sharded
 
 __all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
 
@@ -27,8 +26,10 @@ CLOCK_SLACK_NS = 50_000_000
 class ManifestInfo:
     key_id: str
     stat: os.stat_result
-    #: None when the file is not a valid manifest.
+    #: None when the file is not a valid manifest for its key.
     manifest: Manifest | None
+    #: A valid manifest of another key, copied or renamed onto this key's path.
+    misplaced: bool = False
 
 
 @dataclass(slots=True)
@@ -79,9 +80,9 @@ class Snapshot:
 
 
 def take_snapshot(
-    index: Index, blobs: BlobStore, *, read_manifests: bool = True, clock_dir: str | None = None
+    index_dir: str, blobs_dir: str, *, read_manifests: bool = True, clock_dir: str | None = None
 ) -> Snapshot:
-    """Scan the index, then the blobs.
+    """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``.
 
     Manifests first: a blob written after its manifest was scanned is then seen as
     referenced or young, never as an old orphan. ``clock_dir`` (the cache's
@@ -95,20 +96,23 @@ def take_snapshot(
     fs_started = fs_now(clock_dir) if clock_dir is not None else None
     started = time.time_ns()
     snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
-    for entry in index.scan(snap.unreadable):
+    for kid, path, st in scan_sharded(index_dir, snap.unreadable):
         manifest = None
-        if read_manifests and entry.stat.st_size <= MAX_MANIFEST_BYTES:
+        misplaced = False
+        if read_manifests and st.st_size <= MAX_MANIFEST_BYTES:
             try:
-                data, _ = read_regular(entry.path)
+                data, _ = read_regular(path)
             except FileNotFoundError:
                 continue
             except OSError:
-                snap.unreadable.append(entry.path)
+                snap.unreadable.append(path)
                 continue
-            manifest = parse_manifest(data)
+            manifest = parse_manifest(data, kid)
             if manifest is not None:
                 snap.refs[manifest.digest] += 1
-        snap.manifests.append(ManifestInfo(entry.key_id, entry.stat, manifest))
-    for blob in blobs.scan():
-        snap.blobs[blob.digest] = blob.stat
+            else:
+                misplaced = parse_manifest(data) is not None
+        snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced))
+    for digest, _path, st in scan_sharded(blobs_dir):
+        snap.blobs[digest] = st
     return snap

@@ -25,6 +25,8 @@ class CacheStats:
     logical_bytes: int
     #: What the size cap counts: unique blob bytes plus manifest bytes.
     stored_bytes: int
+    #: Unique blob bytes: each distinct binary once.
+    blob_bytes: int
     #: The cap, or None.
     max_size_bytes: int | None
     hits: int = 0
@@ -45,11 +47,16 @@ class CacheStats:
 
     @property
     def dedup_ratio(self) -> float:
-        """``logical_bytes / stored_bytes`` (1.0 for an empty cache)."""
-        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 1.0
+        """``logical_bytes / blob_bytes``: 1.0 when nothing is shared (or the cache is empty)."""
+        return self.logical_bytes / self.blob_bytes if self.blob_bytes else 1.0
+
+    @property
+    def manifest_bytes(self) -> int:
+        """What the manifests take: ``stored_bytes - blob_bytes``."""
+        return self.stored_bytes - self.blob_bytes
 
 
-_COUNTER_NAMES = tuple(f.name for f in fields(CacheStats))[5:]
+_COUNTER_NAMES = tuple(f.name for f in fields(CacheStats))[6:]
 
 
 class Counters:

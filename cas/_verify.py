@@ -7,7 +7,8 @@ read, and stray files where only cache files belong. Repair moves bad blobs to
 ``quarantine/``, removes bad manifests (only if still the file that was checked)
 and stale temp files, and rewrites a damaged ``layout.json``. Stray and
 unreadable files are reported, never touched. Without ``repair`` nothing is
-written: a read-only cache or mount can be verified.
+written: a read-only cache or mount can be verified. Manifests are judged by
+:func:`cas._classify.classify`, the same as ``gc`` and ``stats`` judge them.
 """
 
 from __future__ import annotations
@@ -15,77 +16,18 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from index import Index
-
-from ._blobs import BlobStore
-from ._errors import CacheError, CorruptBlobError, LayoutError, ReadOnlyCacheError
-from ._layout import Layout, check_layout, create_layout, stale_temp_files
+from ._blobs import BlobState, BlobStore
+from ._classify import classify, describe
+from ._layout import LayoutState, create_layout, stale_temp_files
+from ._maint import ProgressFn, open_cache
 from ._scan import Snapshot, take_snapshot
 
-__all__ = ["Problem", "VerifyReport", "check_blob", "open_cache", "verify"]
+__all__ = ["Problem", "VerifyReport", "verify"]
 
-#: ``progress(phase, done, total)``: called now and then during long runs.
-ProgressFn = Callable[[str, int, int], None]
-
-#: Temp files older than this belong to a crashed writer.
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _REST_RE = re.compile(r"[0-9a-f]{62}")
-
-
-def open_cache(
-    root: str | os.PathLike[str], *, write: bool, allow_damaged: bool = False, purpose: str = "maintain"
-) -> tuple[Layout, Index, BlobStore]:
-    """The layout, index and blob store of an existing cache, for maintenance.
-
-    Never creates anything. Raises :class:`LayoutError` for a path that is missing,
-    a file, foreign, newer or (unless ``allow_damaged``) has a damaged
-    ``layout.json``; :class:`ReadOnlyCacheError` when ``write`` is asked of a cache
-    that cannot be written (read-only mount, permissions).
-    """
-    path = os.path.abspath(os.fspath(root))
-    state = check_layout(path)
-    if state == "missing":
-        if not os.path.isdir(path):
-            raise LayoutError(f"no cache at {path!r}: no such directory")
-        raise LayoutError(f"no cache at {path!r}: the directory holds no layout.json")
-    if state == "damaged" and not allow_damaged:
-        raise CacheError(
-            f"cache at {path!r} has a damaged layout.json; repair it with `cuda-program-cas verify --repair`"
-        )
-    lay = Layout(path)
-    if write:
-        check_writable(lay, purpose)
-    tmp = lay.tmp if write else None
-    return lay, Index(lay.index, tmp), BlobStore(lay.blobs, tmp, lay.quarantine)
-
-
-def check_writable(lay: Layout, purpose: str) -> None:
-    """Raise :class:`ReadOnlyCacheError` when the cache's directories cannot be written."""
-    for directory in (lay.root, lay.index, lay.blobs):
-        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
-            why = "permission denied"
-            try:
-                if os.statvfs(directory).f_flag & os.ST_RDONLY:
-                    why = "read-only filesystem"
-            except (OSError, AttributeError):
-                pass
-            raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why}: {directory})")
-
-
-def check_blob(blobs: BlobStore, digest: str) -> tuple[str, os.stat_result | None, str]:
-    """Read and hash one blob: ``("ok" | "bad" | "missing" | "error", stat, detail)``."""
-    try:
-        _, st = blobs.read(digest)
-    except FileNotFoundError:
-        return "missing", None, ""
-    except CorruptBlobError as exc:
-        return "bad", exc.stat, f"hashes to {exc.actual}"
-    except OSError as exc:
-        return "error", None, f"{exc.strerror or exc}"
-    return "ok", st, ""
 
 
 def strays(directory: str) -> list[str]:
@@ -160,9 +102,10 @@ class VerifyReport:
 def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: ProgressFn | None = None) -> VerifyReport:
     """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file."""
     t0 = time.monotonic()
-    lay, index, blobs = open_cache(root, write=repair, allow_damaged=True, purpose="repair")
+    cache = open_cache(root, write=repair, allow_damaged=True, purpose="repair")
+    lay, blobs, remover = cache.lay, cache.blobs, cache.remover
     report = VerifyReport(lay.root, repair)
-    if check_layout(lay.root) == "damaged":
+    if cache.state is LayoutState.DAMAGED:
         problem = Problem("damaged_layout", os.path.join(lay.root, "layout.json"), "not a valid layout file")
         if repair:
             create_layout(lay.root)
@@ -170,7 +113,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
         report.problems.append(problem)
     if progress:
         progress("scanning", 0, 0)
-    snap = take_snapshot(index, blobs)
+    snap = take_snapshot(lay.index, lay.blobs)
     report.entries = len(snap.manifests)
     report.blobs = len(snap.blobs)
     for path in snap.unreadable:
@@ -181,39 +124,28 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
 
     bad_blobs = _check_blobs(snap, blobs, report, progress)
     for info in snap.manifests:
-        path = index.path_for(info.key_id)
-        m = info.manifest
-        if m is None:
-            problem = Problem("invalid_manifest", path, "empty, truncated or garbled")
-        elif m.digest in bad_blobs:
-            problem = Problem("manifest_of_corrupt_blob", path, f"names corrupt blob {m.digest}")
-        elif m.digest not in snap.blobs:
-            problem = Problem("dangling_manifest", path, f"blob {m.digest} is missing")
-        elif snap.blobs[m.digest].st_size != m.size:
-            problem = Problem(
-                "size_mismatch", path, f"says {m.size} bytes, blob {m.digest} has {snap.blobs[m.digest].st_size}"
-            )
-        else:
+        condition = classify(info, snap, bad_blobs)
+        if not condition.bad:
             continue
-        if repair:
-            problem.fixed = index.remove_if_unchanged(info.key_id, info.stat) or not os.path.lexists(path)
+        path = lay.manifest_path(info.key_id)
+        problem = Problem(condition.value, path, describe(condition, info, snap))
+        if remover is not None:
+            problem.fixed = remover.manifest(info.key_id, info.stat) or not os.path.lexists(path)
         report.problems.append(problem)
     for digest, (st, detail) in bad_blobs.items():
         problem = Problem("corrupt_blob", blobs.path_for(digest), detail)
-        if repair:
-            where = blobs.quarantine(digest, st)
+        if remover is not None:
+            where = remover.quarantine(digest, st)
             problem.fixed = where is not None or not os.path.lexists(blobs.path_for(digest))
             if where:
                 problem.detail += f"; moved to {where}"
         report.problems.append(problem)
-    for path, _st in stale_temp_files(lay.tmp):
+    for path, st in stale_temp_files(lay.tmp):
         problem = Problem("stale_temp_file", path, "left by a crashed writer")
-        if repair:
+        if remover is not None:
             try:
-                os.unlink(path)
-                problem.fixed = True
-            except FileNotFoundError:
-                problem.fixed = True
+                remover.temp_file(path, st)
+                problem.fixed = not os.path.lexists(path)
             except OSError as exc:
                 problem.detail += f"; cannot remove: {exc.strerror}"
         report.problems.append(problem)
@@ -231,17 +163,17 @@ def _check_blobs(
     for n, digest in enumerate(sorted(snap.blobs)):
         if progress and n % 64 == 0:
             progress("verifying blobs", n, total)
-        state, st, detail = check_blob(blobs, digest)
-        if state == "missing":
+        check = blobs.check(digest)
+        if check.state is BlobState.MISSING:
             continue
-        if state == "error":
-            report.problems.append(Problem("unreadable_blob", blobs.path_for(digest), detail))
+        if check.state is BlobState.UNREADABLE:
+            report.problems.append(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
             continue
-        assert st is not None
+        assert check.stat is not None
         report.blobs_checked += 1
-        report.bytes_checked += st.st_size
-        if state == "bad":
-            bad[digest] = (st, detail)
+        report.bytes_checked += check.stat.st_size
+        if check.state is BlobState.CORRUPT:
+            bad[digest] = (check.stat, check.detail)
     if progress:
         progress("verifying blobs", total, total)
     return bad

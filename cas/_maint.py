@@ -1,0 +1,75 @@
+"""What the maintenance verbs share: opening an existing cache for maintenance, progress reports.
+
+``collect``, ``verify``, ``publish``, ``import_filestream`` and ``stats`` each
+import this module, never each other.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._blobs import BlobStore
+from ._errors import LayoutError, ReadOnlyCacheError
+from ._layout import Layout, LayoutState, check_layout, damaged_layout_error
+from ._remove import Remover
+
+__all__ = ["SHARED_MIN_GRACE_S", "MaintainedCache", "ProgressFn", "check_writable", "open_cache"]
+
+#: ``progress(phase, done, total)``: called now and then during long runs.
+ProgressFn = Callable[[str, int, int], None]
+
+#: The shortest grace period a shared store is collected with. Nodes never touch a
+#: shared store, so its mtimes only say when something was published or freshened;
+#: a publish keeps its blobs as orphans until its manifests land, and an NFS client
+#: may serve a removed manifest from its attribute cache for ``actimeo`` seconds
+#: (60 s by default) and then open the blob it names. An hour covers both widely.
+SHARED_MIN_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MaintainedCache:
+    """An existing cache opened for maintenance: its layout, its blobs, and (when writable) its remover."""
+
+    lay: Layout
+    blobs: BlobStore
+    remover: Remover | None
+    state: LayoutState
+
+
+def open_cache(
+    root: str | os.PathLike[str], *, write: bool, allow_damaged: bool = False, purpose: str = "maintain"
+) -> MaintainedCache:
+    """Open an existing cache for maintenance; never creates anything.
+
+    Raises :class:`LayoutError` for a path that is missing, a file, foreign, newer
+    or (unless ``allow_damaged``) has a damaged ``layout.json``;
+    :class:`ReadOnlyCacheError` when ``write`` is asked of a cache that cannot be
+    written (read-only mount, permissions).
+    """
+    path = os.path.abspath(os.fspath(root))
+    state = check_layout(path)
+    if state is LayoutState.MISSING:
+        if not os.path.isdir(path):
+            raise LayoutError(f"no cache at {path!r}: no such directory")
+        raise LayoutError(f"no cache at {path!r}: the directory holds no layout.json")
+    if state is LayoutState.DAMAGED and not allow_damaged:
+        raise damaged_layout_error(path)
+    lay = Layout(path)
+    if write:
+        check_writable(lay, purpose)
+    return MaintainedCache(lay, BlobStore(lay.blobs), Remover(lay) if write else None, state)
+
+
+def check_writable(lay: Layout, purpose: str) -> None:
+    """Raise :class:`ReadOnlyCacheError` when the cache's directories cannot be written."""
+    for directory in (lay.root, lay.index, lay.blobs):
+        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
+            why = "permission denied"
+            try:
+                if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                    why = "read-only filesystem"
+            except (OSError, AttributeError):
+                pass
+            raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why}: {directory})")

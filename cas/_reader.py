@@ -1,0 +1,360 @@
+"""The read path: look a key up in one cache root and return verified bytes, or miss.
+
+This is the hot path, written for few system calls: open, read and close the
+manifest, then the blob; ``fstat`` only where it saves a hash (large blobs met
+before) or decides a touch (first sight of a key). Repeated hits of blobs that
+fit the memory budget are served from memory once two ``stat`` calls prove the
+manifest and the blob unchanged.
+
+Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
+unreadable file is a miss, counted. A writable cache removes what it proves bad
+(through :class:`cas._remove.Remover`); a read-only one or a shared store only
+reads. One :class:`Reader` is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from stat import S_ISREG
+
+from blake3 import blake3
+from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_fields
+
+from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_violation, with_sharing_retry
+from ._layout import Layout
+from ._remove import Remover
+from ._stats import Counters
+
+__all__ = ["TOUCH_INTERVAL_NS", "Reader"]
+
+_log = logging.getLogger("cas")
+
+#: A hit touches its manifest only when the mtime is at least this old.
+TOUCH_INTERVAL_NS = 1_000_000_000
+#: Verified blob identities remembered per reader (each a few dozen bytes).
+_VERIFIED_MAX = 8192
+#: Per-key touch and read times remembered (to skip an fstat on repeated hits).
+_TOUCHED_MAX = 65536
+#: From this size on, an fstat to prove a blob unchanged is cheaper than hashing it.
+_IDENTITY_MIN_BYTES = 16384
+#: Verified bytes of repeatedly read blobs kept in memory per reader, and the largest kept.
+_HOLD_MAX_BYTES = 32 << 20
+_HOLD_MAX_BLOB = 4 << 20
+_UTIME_FD = os.utime in os.supports_fd
+
+#: ``on_error(exc, path)``: a read failed with an I/O error (not a bad file).
+ErrorHook = Callable[[OSError, str], None]
+
+
+class Reader:
+    """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes)."""
+
+    def __init__(
+        self,
+        lay: Layout,
+        counters: Counters,
+        guard: ShardGuard,
+        remover: Remover | None,
+        *,
+        note: Callable[[str, int, str], None],
+        on_error: ErrorHook | None = None,
+    ) -> None:
+        self._lay = lay
+        self._counters = counters
+        self._guard = guard
+        self._remover = remover
+        self._read_only = remover is None
+        self._note = note
+        self._on_error = on_error
+        self._verified: dict[str, FileId] = {}
+        self._touched: dict[str, int] = {}
+        #: key id -> when this process last read it (writable caches: recency finer than a touch).
+        self.recent: dict[str, int] = {}
+        #: key id -> (identity of its manifest file, digest): lets a repeated hit stat instead of read.
+        self._known: dict[str, tuple[FileId, str]] = {}
+        #: digest -> (identity of its blob file, verified bytes), least recently used first.
+        self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
+
+    def forget(self) -> None:
+        """Drop what this reader remembers of files (after many were removed)."""
+        self._verified.clear()
+        self._known.clear()
+        with self._held_lock:
+            self._held.clear()
+            self._held_bytes = 0
+
+    def current_digest(self, kid: str) -> str | None:
+        """The digest the manifest of ``kid`` names now, unverified; None when there is none (or it is bad)."""
+        try:
+            fd = os.open(self._lay.manifest_path(kid), READ_FLAGS)
+        except OSError:
+            return None
+        try:
+            fields = parse_fields(os.read(fd, MAX_MANIFEST_BYTES + 1))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return None if fields is None else fields[1]
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None:
+        """The verified bytes of ``kid`` and their digest, or None on a miss."""
+        ipath = self._lay.manifest_path(kid)
+        if kid in self._known:
+            found = self._lookup_known(kid, ipath)
+            if found is not None:
+                return found
+        if not self._guard.ok(self._lay.index, kid):
+            return None
+        try:
+            mfd = os.open(ipath, READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            fd = self._open_failed(exc, ipath)
+            if fd is None:
+                return None
+            mfd = fd
+        try:
+            try:
+                fields = parse_fields(os.read(mfd, MAX_MANIFEST_BYTES + 1))
+            except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
+                self._read_failed(exc, ipath)
+                return None
+            if fields is None or (fields[0] is not None and fields[0] != kid):
+                # Garbled, or a manifest of another key copied or renamed here.
+                self._counters.add("corrupt")
+                self._remove_manifest(kid, mfd)
+                return None
+            seen = self._touched.get(kid)
+            found = self._read_blob(kid, mfd, fields[1], fields[2], seen is not None)
+            if found is None:
+                return None
+            mst = None
+            try:
+                if self._read_only:
+                    seen = 0
+                    if kid in self._touched:
+                        mst = os.fstat(mfd)
+                else:
+                    # Recency: touch the manifest, unless its mtime (or our own last
+                    # touch) is under a second old, so a hot key costs no write per read.
+                    if seen is None:
+                        mst = os.fstat(mfd)
+                        seen = mst.st_mtime_ns
+                    now = time.time_ns()
+                    self.recent[kid] = now
+                    if now - seen >= TOUCH_INTERVAL_NS:
+                        try:
+                            os.utime(mfd if _UTIME_FD else ipath)
+                        except OSError:
+                            pass
+                        seen = now
+                        mst = None  # the touch changed its identity; the next hit records it
+                    elif mst is None:
+                        mst = os.fstat(mfd)
+            except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
+                mst = None
+                seen = seen or 0
+            if len(self._touched) >= _TOUCHED_MAX:
+                self._touched.clear()
+                self._known.clear()
+                self.recent.clear()
+            self._touched[kid] = seen
+            if mst is not None:
+                self._known[kid] = ((mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns), found[1])
+            return found
+        finally:
+            os.close(mfd)
+
+    def _lookup_known(self, kid: str, ipath: str) -> tuple[bytes, str] | None:
+        """A repeated hit: two stats prove the manifest and the blob unchanged since verified.
+
+        Returns None (the caller then reads everything) when either changed, or the
+        blob's bytes are not held in memory.
+        """
+        known = self._known.get(kid)
+        if known is None:
+            return None
+        try:
+            mst = os.stat(ipath, follow_symlinks=False)
+        except OSError:
+            return None
+        if (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns) != known[0]:
+            return None
+        digest = known[1]
+        held = self._held.get(digest)
+        if held is None:
+            return None
+        try:
+            bst = os.stat(self._lay.blob_path(digest), follow_symlinks=False)
+        except OSError:
+            return None
+        if (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns) != held[0]:
+            return None
+        try:
+            self._held.move_to_end(digest)
+        except KeyError:
+            pass  # another thread dropped it from memory meanwhile; these bytes are still proven
+        if not self._read_only:
+            now = time.time_ns()
+            if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
+                return None  # due for a touch: the full path does it
+            self.recent[kid] = now
+        return held[1], digest
+
+    def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
+        """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory."""
+        if not self._guard.ok(self._lay.blobs, digest):
+            return None
+        bpath = self._lay.blob_path(digest)
+        try:
+            bfd = os.open(bpath, READ_FLAGS)
+        except FileNotFoundError:
+            # Dangling: the blob was collected. Remove the manifest only if it is
+            # still the one we read; a writer may have just re-pointed it.
+            self._remove_manifest(kid, mfd)
+            return None
+        except OSError as exc:
+            fd = self._open_failed(exc, bpath)
+            if fd is None:
+                return None
+            bfd = fd
+        try:
+            identity = None
+            if repeat or size >= _IDENTITY_MIN_BYTES:
+                # Hashing costs more than an fstat here: remember what was verified.
+                try:
+                    st = os.fstat(bfd)
+                except OSError as exc:  # ESTALE from an NFS server: a miss, like a failed read
+                    self._read_failed(exc, bpath)
+                    return None
+                if st.st_size != size or not S_ISREG(st.st_mode):
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
+                identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            try:
+                data = os.read(bfd, size + 1)
+                if len(data) < size:  # a short read: only at EOF on a regular file
+                    data = _read_rest(bfd, data, size + 1)
+            except OSError as exc:
+                self._read_failed(exc, bpath)
+                return None
+            if len(data) != size:  # truncated or grown: not the blob the manifest names
+                self._corrupt_blob(kid, mfd, digest, bfd)
+                return None
+            # A blob already verified and provably unchanged (ctime cannot be set
+            # back without root) need not be hashed again.
+            if identity is None or self._verified.get(digest) != identity:
+                if blake3(data).hexdigest() != digest:
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
+                if identity is not None:
+                    if len(self._verified) >= _VERIFIED_MAX:
+                        self._verified.clear()
+                    self._verified[digest] = identity
+            if repeat and identity is not None and size <= _HOLD_MAX_BLOB:
+                self._hold(digest, identity, data)
+            return data, digest
+        finally:
+            os.close(bfd)
+
+    def _hold(self, digest: str, identity: FileId, data: bytes) -> None:
+        """Keep a verified blob's bytes in memory (least recently used go past the budget)."""
+        with self._held_lock:
+            held = self._held
+            old = held.pop(digest, None)
+            if old is not None:
+                self._held_bytes -= len(old[1])
+            held[digest] = (identity, data)
+            self._held_bytes += len(data)
+            while self._held_bytes > _HOLD_MAX_BYTES and held:
+                _, (_, dropped) = held.popitem(last=False)
+                self._held_bytes -= len(dropped)
+
+    def _open_failed(self, exc: OSError, path: str) -> int | None:
+        """The slow path of an open: retry a Windows sharing violation, else report a miss."""
+        if is_sharing_violation(exc):
+            try:
+                return with_sharing_retry(lambda: os.open(path, READ_FLAGS))
+            except OSError as again:
+                exc = again
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            exc = NotRegularFile(path)  # O_NOFOLLOW met a symlink
+        self._read_failed(exc, path)
+        return None
+
+    def _remove_manifest(self, kid: str, mfd: int) -> None:
+        """Remove a bad or dangling manifest if it is still the file we read (``mfd``)."""
+        if self._remover is None:
+            return
+        try:
+            st = os.fstat(mfd)
+        except OSError:
+            return
+        self._remover.manifest(kid, st)
+
+    def _read_failed(self, exc: OSError, path: str) -> None:
+        if isinstance(exc, NotRegularFile):
+            self._counters.add("corrupt")
+            self._note("not a regular file", 0, path)
+            return
+        self._counters.add("errors")
+        self._note("read error", exc.errno or 0, f"{path}: {exc}")
+        if self._on_error is not None:
+            self._on_error(exc, path)
+
+    def _corrupt_blob(self, kid: str, mfd: int, digest: str, bfd: int) -> None:
+        """A blob that is not what its name says: never returned; moved aside, its manifest removed."""
+        self._counters.add("corrupt")
+        self._verified.pop(digest, None)
+        if _hashes_to(bfd, digest):
+            # The blob is intact; only the manifest's size is wrong. Other keys may
+            # share this blob: drop the lying manifest, keep the blob.
+            self._remove_manifest(kid, mfd)
+            return
+        if self._remover is None:
+            self._note("corrupt blob", 0, self._lay.blob_path(digest))
+            return
+        try:
+            bst: os.stat_result | None = os.fstat(bfd)
+        except OSError:
+            bst = None
+        where = self._remover.quarantine(digest, bst) if bst is not None else None
+        _log.warning("cuda-program-cas: blob %s failed verification; moved to %s", digest, where)
+        self._remove_manifest(kid, mfd)
+
+
+def _hashes_to(fd: int, digest: str) -> bool:
+    """True when the whole regular file open as ``fd`` has blake3 ``digest`` (a rare path)."""
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            return False
+        os.lseek(fd, 0, os.SEEK_SET)
+        hasher = blake3()
+        while chunk := os.read(fd, 1 << 20):
+            hasher.update(chunk)
+    except OSError:
+        return False
+    return hasher.hexdigest() == digest
+
+
+def _read_rest(fd: int, head: bytes, limit: int) -> bytes:
+    """Keep reading after a short read, up to ``limit`` bytes or end of file."""
+    chunks = [head]
+    got = len(head)
+    while got < limit:
+        more = os.read(fd, limit - got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
