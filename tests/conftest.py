@@ -63,3 +63,25 @@ def run_python(
 
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def write_orphan(root: os.PathLike[str] | str, data: bytes) -> str:
+    """Put a blob with no manifest into the cache at ``root``, as a writer that died between the two leaves it."""
+    from cas import digest_of
+
+    digest = digest_of(data)
+    path = Path(root) / "blobs" / digest[:2] / digest[2:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return digest
+
+
+def write_manifest(root: os.PathLike[str] | str, key: str | bytes, digest: str, size: int) -> Path:
+    """Write a manifest by hand (naming whatever blob the test wants), bypassing the write protocol."""
+    from cuda_program_cas_index import Manifest, key_id
+
+    kid = key_id(key)
+    path = Path(root) / "index" / kid[:2] / kid[2:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(Manifest(digest, size, kid).encode())
+    return path

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from cuda_program_cas_index import key_id
 
 import cas._cap
 import cas._evict
-import cas._store
+import cas._remove
 from cas import CacheStore, ContentAddressedProgramCache, digest_of
-from index import key_id
 
-MANIFEST_BYTES = len(b"cpcas1 ") + 64 + 1 + 4 + 1  # a manifest of a 1000..9999-byte blob
+MANIFEST_BYTES = len(b"cpcas2 ") + 64 + 1 + 64 + 1 + 4 + 1  # a manifest of a 1000..9999-byte blob
 
 
 def value(i: int, size: int = 1000) -> bytes:
@@ -46,6 +46,13 @@ def bpath(root: Path, data: bytes) -> Path:
 def age(path: Path, seconds_ago: float) -> None:
     t = time.time_ns() - int(seconds_ago * 1e9)
     os.utime(path, ns=(t, t))
+
+
+def write_orphan(root: Path, data: bytes) -> None:
+    """A blob with no manifest, as a writer that died between the two leaves it."""
+    path = bpath(root, data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
 
 
 def on_disk_bytes(root: Path) -> int:
@@ -69,7 +76,7 @@ def test_stored_bytes_never_exceed_the_cap(cache_dir: Path) -> None:
 
 def test_a_shared_blob_counts_once(cache_dir: Path) -> None:
     data = value(1, 4000)
-    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=6000)
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=8000)
     for i in range(20):
         cache[f"k{i}"] = data
     stats = cache.stats()
@@ -187,8 +194,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
     age(bpath(cache_dir, value(0)), 60)
     young, old = value(1), value(2)
     # A writer that died between its blob and its manifest leaves an orphan.
-    store.blobs.put(young, blake3(young).hexdigest())
-    store.blobs.put(old, blake3(old).hexdigest())
+    write_orphan(cache_dir, young)
+    write_orphan(cache_dir, old)
     age(bpath(cache_dir, old), cas._cap.ORPHAN_GRACE_S + 60)
     age(bpath(cache_dir, young), cas._cap.ORPHAN_GRACE_S - 60)
 
@@ -206,9 +213,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
 def test_orphans_are_collected_under_the_cap_once_past_grace(cache_dir: Path) -> None:
     cap = 10_000
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
-    store = cache.store
     orphan = value(99, 3000)
-    store.blobs.put(orphan, blake3(orphan).hexdigest())
+    write_orphan(cache_dir, orphan)
     age(bpath(cache_dir, orphan), cas._cap.ORPHAN_GRACE_S + 1)
     for i in range(8):
         cache[f"k{i}"] = value(i)
@@ -274,7 +280,7 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
 
 
 def test_one_eviction_lands_at_the_low_watermark(cache_dir: Path) -> None:
-    cap = 50 * (1000 + MANIFEST_BYTES)
+    cap = 2 * cas._cap.MIN_ENTRIES_FOR_WATERMARK * (1000 + MANIFEST_BYTES)
     store = CacheStore(cache_dir, max_size_bytes=cap)
     i = 0
     while store.stats().evictions == 0:
@@ -447,10 +453,11 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
     snap = store.snapshot()
     plan = cas._evict.plan_lru(snap, 0, orphan_grace_ns=10**12)
     assert store.get("k0") == value(0)  # read after the scan: its manifest is touched
-    cas._evict.execute_plan(plan, store.index, store.blobs, budget=3)
+    remover = cas._remove.Remover(store.layout)
+    remover.execute(plan, budget=3)
     assert store.get("k0") == value(0)  # planned first, kept: it was used since
     assert not mpath(cache_dir, "k1").exists() and not mpath(cache_dir, "k2").exists()
     assert mpath(cache_dir, "k3").exists()  # beyond this step's budget
-    cas._evict.execute_plan(plan, store.index, store.blobs)
+    remover.execute(plan)
     assert plan.finished
     assert [i for i in range(10) if mpath(cache_dir, f"k{i}").exists()] == [0]

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, is_root
+from conftest import REPO, is_root, write_orphan
+from cuda_program_cas_index import key_id
 
 from cas import CacheStore, digest_of
 from cas._cli import Progress, main
-from index import key_id
 
 SUMMARY = re.compile(
     r"^removed [\d,]+ entr(y|ies)(, [\d,]+ blobs?)? and [\d,]+ (blobs?|stale temp files?), "
@@ -33,7 +33,7 @@ STATS_KEYS = {
     "path", "entries", "blobs", "logical_bytes", "stored_bytes", "dedup_ratio", "max_size_bytes",
     "cap_used_percent", "oldest_use", "newest_use", "files", "directories", "inodes", "disk_bytes",
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
-    "quarantined_files",
+    "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
 }  # fmt: skip
 VERIFY_KEYS = {
     "root", "repair", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",
@@ -59,7 +59,7 @@ def small_cache(root: Path) -> CacheStore:
                 os.utime(os.path.join(dirpath, name), (ten_minutes_ago, ten_minutes_ago))
     old = time.time() - 7200
     orphan = os.urandom(500)
-    store.blobs.put(orphan, digest_of(orphan))
+    write_orphan(root, orphan)
     os.utime(store.blobs.path_for(digest_of(orphan)), (old, old))
     return store
 
@@ -97,7 +97,8 @@ def test_every_command_prints_one_json_object(
     assert code == 0 and set(stats) == STATS_KEYS
     assert (stats["entries"], stats["blobs"]) == (6, 5)
     assert stats["logical_bytes"] == 4 * 3000 + 2 * 4000 and stats["max_size_bytes"] == 1 << 20
-    assert stats["dedup_ratio"] == round(stats["logical_bytes"] / stats["stored_bytes"], 3)
+    assert stats["dedup_ratio"] == round(stats["logical_bytes"] / stats["blob_bytes"], 3)
+    assert stats["blob_bytes"] + stats["manifest_bytes"] == stats["stored_bytes"]
     assert stats["cap_used_percent"] == round(100 * stats["stored_bytes"] / (1 << 20), 1)
     assert stats["inodes"] == sum(len(d) + len(f) for _, d, f in os.walk(store.root)) + 1
     code, out, _ = cli(capsys, "stats", store.root, "--json", "--max-size", "2M")
@@ -112,7 +113,7 @@ def test_every_command_prints_one_json_object(
 def test_verify_reports_then_repairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = small_cache(tmp_path / "cas")
     bad = corrupt_one_blob(store)
-    dangling = store.index.path_for(key_id("k0"))
+    dangling = store.layout.manifest_path(key_id("k0"))
     os.unlink(store.blobs.path_for(digest_of(bytes([0]) * 3000)))
     stale = tmp_path / "cas" / "tmp" / "1-x.tmp"
     stale.write_bytes(b"partial")
@@ -140,7 +141,7 @@ def test_a_damaged_layout_is_reported_and_repaired(tmp_path: Path, capsys: pytes
     layout = tmp_path / "cas" / "layout.json"
     layout.write_text("{garbled")
     code, _, err = cli(capsys, "gc", store.root)
-    assert code == 1 and "damaged layout.json" in err and err.count("\n") == 1
+    assert code == 2 and "damaged layout.json" in err and err.count("\n") == 1
     code, out, _ = cli(capsys, "verify", store.root)
     assert code == 1 and out.startswith("damaged_layout: ")
     assert cli(capsys, "verify", store.root, "--repair")[0] == 0

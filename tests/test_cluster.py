@@ -21,11 +21,10 @@ from pathlib import Path
 import cuda.core._program as program_mod
 import pytest
 from conftest import REPO, SAXPY, compile_program, is_root
+from cuda_program_cas_index import Manifest, key_id
 
-from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of
-from cas._publish import publish
-from cas._store import _SHARED_RETRY_S
-from index import Manifest, key_id
+from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
+from cas._shared import RETRY_S as _SHARED_RETRY_S
 
 #: A second kernel, so the shared store holds more than one distinct binary.
 SCALE = r"""
@@ -175,7 +174,7 @@ def test_shared_store_hits_misses_and_no_writes(
 
 @pytest.mark.mount
 @pytest.mark.parametrize("how", ["ro-mount", "plain"])
-def test_read_only_cache_drops_writes_and_refuses_deletes(
+def test_read_only_cache_refuses_every_write(
     populated: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str, mounts, compiles: Compiles
 ) -> None:
     store = shared_copy(populated, tmp_path, how, mounts)
@@ -185,13 +184,16 @@ def test_read_only_cache_drops_writes_and_refuses_deletes(
             assert bytes(compile_program(SAXPY, cache=cache).code) == populated[1]["saxpy"]
             assert bytes(compile_program(SCALE, cache=cache).code) == populated[1]["scale"]
         assert compiles.count == 0
-        # A miss: compiled, handed to the caller, the write dropped and counted.
-        code = compile_program(SAXPY, cache=cache, arch="sm_90")
-        assert compiles.count == 1 and len(bytes(code.code)) > 0
-        cache["k"] = b"v"
+        # A miss: compiled, then storing it is refused (a read-only cache is for
+        # lookups; to compile through a read-only store, layer it with shared=).
+        with pytest.raises(ReadOnlyCacheError, match="read-only"):
+            compile_program(SAXPY, cache=cache, arch="sm_90")
+        assert compiles.count == 1
+        with pytest.raises(ReadOnlyCacheError, match="read-only"):
+            cache["k"] = b"v"
         assert cache.get("k") is None
         stats = cache.stats()
-        assert stats.dropped_writes == 2 and stats.writes == 0
+        assert stats.dropped_writes == 0 and stats.writes == 0
         assert (stats.hits, stats.entries) == (4, 2)
         with pytest.raises(ReadOnlyCacheError, match="read-only"):
             del cache["k"]
@@ -221,7 +223,7 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
     digest = digest_of(secret)
 
     def manifest(key: str, body: bytes) -> Path:
-        path = Path(store.index.path_for(key_id(key)))
+        path = Path(store.layout.manifest_path(key_id(key)))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(body)
         return path
@@ -233,17 +235,17 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
 
     # A symlink to a file outside the store, under the right name for its bytes:
     # following it would even give bytes that match their digest.
-    manifest("symlink-blob", Manifest(digest, len(secret)).encode())
+    manifest("symlink-blob", Manifest(digest, len(secret), key_id("symlink-blob")).encode())
     blob_path(digest).symlink_to(outside)
     # A manifest that is itself a symlink to an outside copy of a valid manifest.
-    (outside_dir / "manifest").write_bytes(Manifest(digest_of(b"good bytes"), 10).encode())
-    link = Path(store.index.path_for(key_id("symlink-manifest")))
+    (outside_dir / "manifest").write_bytes(Manifest(digest_of(b"good bytes"), 10, key_id("symlink-manifest")).encode())
+    link = Path(store.layout.manifest_path(key_id("symlink-manifest")))
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(outside_dir / "manifest")
     # Garbage under a valid name, same size as what the manifest says.
     real = b"the real content"
     garbage = b"X" * len(real)
-    manifest("garbage", Manifest(digest_of(real), len(real)).encode())
+    manifest("garbage", Manifest(digest_of(real), len(real), key_id("garbage")).encode())
     blob_path(digest_of(real)).write_bytes(garbage)
     # Digests that are not hex, or that climb out of the store.
     manifest("nonhex", b"cpcas1 " + b"z" * 64 + b" 10\n")
@@ -252,16 +254,18 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
     # A blob that is a FIFO (a read would block), a manifest that is a directory,
     # a size no file has, a manifest of megabytes.
     fifo_bytes = b"fifo"
-    manifest("fifo", Manifest(digest_of(fifo_bytes), len(fifo_bytes)).encode())
+    manifest("fifo", Manifest(digest_of(fifo_bytes), len(fifo_bytes), key_id("fifo")).encode())
     os.mkfifo(blob_path(digest_of(fifo_bytes)))
-    Path(store.index.path_for(key_id("dir"))).mkdir(parents=True)
-    manifest("huge", Manifest(digest_of(b"good bytes"), 10**15).encode())
+    Path(store.layout.manifest_path(key_id("dir"))).mkdir(parents=True)
+    manifest("huge", Manifest(digest_of(b"good bytes"), 10**15, key_id("huge")).encode())
     manifest("long", b"cpcas1 " + b"a" * (4 << 20))
+    # A valid manifest of another key, copied onto this key's path: it names "good".
+    manifest("swapped", Manifest(digest_of(b"good bytes"), 10, key_id("good")).encode())
     return root, {"good": b"good bytes"}, outside
 
 
 HOSTILE_KEYS = ["symlink-blob", "symlink-manifest", "garbage", "nonhex", "traversal", "traversal-64", "fifo", "dir"]
-HOSTILE_KEYS += ["huge", "long"]
+HOSTILE_KEYS += ["huge", "long", "swapped"]
 
 
 @pytest.mark.parametrize("copy", [True, False])
@@ -376,7 +380,7 @@ def test_eio_is_a_miss_and_an_unreachable_store_is_skipped(
     mem = Path(f"/proc/{os.getpid()}/mem")
     caplog.set_level("DEBUG", logger="cas")
     cache = CacheStore(tmp_path / "local", shared=[src], copy_shared_hits=False)
-    bind_file(mounts, mem, Path(writer.index.path_for(key_id("eio"))))
+    bind_file(mounts, mem, Path(writer.layout.manifest_path(key_id("eio"))))
     for _ in range(3):
         assert cache.get("eio") is None
     assert cache.stats().errors == 3
@@ -428,7 +432,7 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
                 os.chmod(os.path.join(dirpath, name), 0o755)
             for name in filenames:
                 os.chmod(os.path.join(dirpath, name), 0o644)
-        os.chmod(store.index.path_for(key_id("hidden")), 0o600)
+        os.chmod(store.layout.manifest_path(key_id("hidden")), 0o600)
         local = base / "local"
         local.mkdir(mode=0o777)
         local.chmod(0o777)

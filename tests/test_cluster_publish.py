@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_python
 
-from cas import CacheStore, digest_of
+from cas import CacheStore, digest_of, publish
 from cas._cli import main as cli_main
-from cas._publish import publish
 
 READER = r"""
 import json, os, random, sys
@@ -32,20 +31,21 @@ shared, local, expected_path, stop, gone, ready, copy = sys.argv[1:8]
 expected = {k: {bytes.fromhex(v) for v in vs} for k, vs in json.load(open(expected_path)).items()}
 if copy == "check":
     # No collector runs: a manifest whose blob is absent means publish broke its order.
-    from index import Index, parse_manifest
+    from cas._files import scan_sharded
+    from cuda_program_cas_index import parse_manifest
     open(ready, "w").close()
-    index, checked = Index(os.path.join(shared, "index"), None), 0
+    checked = 0
     while not os.path.exists(stop):
-        for entry in index.scan():
+        for kid, path, _st in scan_sharded(os.path.join(shared, "index")):
             try:
-                manifest = parse_manifest(open(entry.path, "rb").read())
+                manifest = parse_manifest(open(path, "rb").read(), kid)
             except FileNotFoundError:
                 continue
             if manifest is None:
-                sys.exit("a partial manifest: " + entry.path)
+                sys.exit("a partial manifest: " + path)
             blob = os.path.join(shared, "blobs", manifest.digest[:2], manifest.digest[2:])
             if not os.path.exists(blob):
-                sys.exit("a manifest before its blob: " + entry.path)
+                sys.exit("a manifest before its blob: " + path)
             checked += 1
     print(json.dumps({"checked": checked}))
     sys.exit(0)
@@ -268,7 +268,7 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
     try:
         time.sleep(0.3)
         if collect_first:
-            from cas._gc import collect
+            from cas import collect
 
             with pytest.raises(ValueError, match="shared store"):
                 collect(shared, grace_s=0, max_size=0)  # publish marked it: a short grace is refused
@@ -349,8 +349,8 @@ def test_bad_sources_are_skipped_and_reported(tmp_path: Path) -> None:
     link.symlink_to(outside)
     Path(store.blobs.path_for(digest_of(b"content of garbage"))).write_bytes(b"X" * len(b"content of garbage"))
     os.unlink(store.blobs.path_for(digest_of(b"content of missing")))
-    Path(store.index.path_for("ab" * 32)).parent.mkdir(exist_ok=True)
-    Path(store.index.path_for("ab" * 32)).write_bytes(b"cpcas1 garbled\n")
+    Path(store.layout.manifest_path("ab" * 32)).parent.mkdir(exist_ok=True)
+    Path(store.layout.manifest_path("ab" * 32)).write_bytes(b"cpcas1 garbled\n")
     shared = tmp_path / "shared"
     report = publish([node, tmp_path / "absent", tmp_path], shared)
     assert sorted(b.split(": ")[1] for b in report.bad_blobs) == sorted(
@@ -374,9 +374,9 @@ def test_conflicts_keep_what_was_published_and_broken_entries_are_replaced(tmp_p
     shared = tmp_path / "shared"
     publish([first], shared)
     store = CacheStore(shared, read_only=True)
-    from index import key_id
+    from cuda_program_cas_index import key_id
 
-    Path(store.index.path_for(key_id("broken"))).write_bytes(b"garbage")
+    Path(store.layout.manifest_path(key_id("broken"))).write_bytes(b"garbage")
     os.unlink(store.blobs.path_for(digest_of(b"d1")))
     report = publish([second], shared)
     assert (report.conflicts, report.replaced, report.published) == (1, 2, 0)
@@ -407,10 +407,10 @@ def test_resume_after_interruption_and_stale_temp_files(tmp_path: Path) -> None:
     publish([node], shared)
     # As if interrupted: some manifests not written yet, one blob not either, a stale temp file.
     store = CacheStore(shared, read_only=True)
-    from index import key_id
+    from cuda_program_cas_index import key_id
 
     for i in range(5):
-        os.unlink(store.index.path_for(key_id(f"k{i}")))
+        os.unlink(store.layout.manifest_path(key_id(f"k{i}")))
     os.unlink(store.blobs.path_for(digest_of(values["k7"])))
     stale = shared / "tmp" / "publish-1-deadbeef.tmp"
     stale.write_bytes(b"partial")

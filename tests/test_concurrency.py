@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from cuda_program_cas_index import parse_manifest
 
 from cas import CacheStore
-from index import parse_manifest
 
 HELPERS = textwrap.dedent(
     """

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import platformdirs
 import pytest
+from conftest import write_orphan
 from cuda.core import ObjectCode
 from cuda.core.utils import ProgramCacheResource
 
-from cas import CacheStats, ContentAddressedProgramCache, default_cache_dir, digest_of
+from cas import CacheStats, ContentAddressedProgramCache, default_cache_dir
 
 
 def test_is_a_program_cache_resource(cache_dir: Path) -> None:
@@ -178,7 +179,7 @@ def test_clear_keeps_a_young_orphan(cache_dir: Path) -> None:
     cache = ContentAddressedProgramCache(cache_dir)
     cache["k"] = b"named"
     orphan = b"in flight"
-    cache.store.blobs.put(orphan, digest_of(orphan))
+    write_orphan(cache_dir, orphan)
     cache.clear()
     stats = cache.stats()
     assert (stats.entries, stats.blobs, stats.stored_bytes) == (0, 1, len(orphan))
@@ -225,7 +226,7 @@ def test_stats_fields_and_counters(cache_dir: Path) -> None:
     assert isinstance(stats, CacheStats)
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.hits = 5  # type: ignore[misc]
-    assert stats == CacheStats(entries=0, blobs=0, logical_bytes=0, stored_bytes=0, max_size_bytes=None)
+    assert stats == CacheStats(entries=0, blobs=0, logical_bytes=0, stored_bytes=0, blob_bytes=0, max_size_bytes=None)
     assert stats.dedup_ratio == 1.0
 
     a, b = b"a" * 1000, b"b" * 500
@@ -245,7 +246,8 @@ def test_stats_fields_and_counters(cache_dir: Path) -> None:
     manifest_bytes = sum(p.stat().st_size for p in (cache_dir / "index").rglob("*") if p.is_file())
     assert manifest_bytes > 0
     assert stats.stored_bytes == 1500 + manifest_bytes
-    assert stats.dedup_ratio == pytest.approx(2500 / stats.stored_bytes)
+    assert stats.dedup_ratio == pytest.approx(2500 / 1500)
+    assert stats.manifest_bytes == manifest_bytes
     assert (stats.hits, stats.misses, stats.writes, stats.dedup_writes) == (2, 2, 3, 1)
     assert (stats.evictions, stats.corrupt, stats.dropped_writes, stats.errors) == (0, 0, 0, 0)
     assert stats.max_size_bytes is None

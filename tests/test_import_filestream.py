@@ -14,11 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SAXPY, compile_program
 
-from cas import CacheStore
+from cas import CacheStore, collect, import_filestream, verify
 from cas._cli import main
-from cas._gc import collect
-from cas._import_fs import import_filestream
-from cas._verify import verify
 
 SCALE = r"""
 extern "C" __global__ void scale(float *x, float a, int n) {

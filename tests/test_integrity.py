@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from cuda_program_cas_index import key_id
 
 from cas import CacheStore, ContentAddressedProgramCache
-from index import key_id
 
 DATA = bytes(range(256)) * 40  # 10 KB, like a small cubin
 
@@ -172,7 +172,7 @@ def _valid_line(cache_dir: Path) -> bytes:
         pytest.param(lambda line: line + b"x", id="trailing-junk"),
         pytest.param(lambda line: line + line, id="doubled"),
         pytest.param(lambda line: b" " + line, id="leading-space"),
-        pytest.param(lambda line: line.replace(b"cpcas1", b"cpcas2"), id="future-tag"),
+        pytest.param(lambda line: line.replace(b"cpcas2", b"cpcas3"), id="future-tag"),
         pytest.param(lambda line: line.upper(), id="uppercase"),
         pytest.param(lambda line: line.replace(b"\n", b"\r\n"), id="crlf"),
         pytest.param(lambda line: os.urandom(len(line)), id="random-bytes"),
@@ -290,38 +290,41 @@ def test_dangling_manifest_replaced_meanwhile_is_kept(cache_dir: Path) -> None:
     writer = ContentAddressedProgramCache(cache_dir)
     writer["k"] = DATA
     blob_path(cache_dir).unlink()
-    index = reader.store.index
-    real_remove = index.remove_if_unchanged
+    remover = reader.store._remover
+    real_remove = remover.manifest
     raced: list[bool] = []
 
-    def writer_gets_in_first(kid: str, st: os.stat_result) -> bool:
+    def writer_gets_in_first(kid: str, st: os.stat_result | None = None) -> bool:
         # Instrumentation of the window, not a replacement: the real removal runs.
         writer["k"] = b"new content"
         removed = real_remove(kid, st)
         raced.append(removed)
         return removed
 
-    index.remove_if_unchanged = writer_gets_in_first  # type: ignore[method-assign]
+    remover.manifest = writer_gets_in_first  # type: ignore[method-assign]
     assert reader.get("k") is None
     assert raced == [False]
-    del index.remove_if_unchanged
+    del remover.manifest
     assert manifest_path(cache_dir, "k").exists()
     assert reader["k"] == b"new content"
 
 
-def test_unlink_if_unchanged_refuses_a_replaced_file(tmp_path: Path) -> None:
-    from index._files import stat_key, unlink_if_unchanged
+def test_the_remover_refuses_a_replaced_manifest(cache_dir: Path) -> None:
+    from cas._layout import Layout
+    from cas._remove import Remover
 
-    target = tmp_path / "f"
-    target.write_bytes(b"one")
-    before = stat_key(target.stat())
-    (tmp_path / "g").write_bytes(b"two")
-    os.replace(tmp_path / "g", target)
-    assert not unlink_if_unchanged(str(target), before)
-    assert target.read_bytes() == b"two"
-    assert unlink_if_unchanged(str(target), stat_key(target.stat()))
+    cache = ContentAddressedProgramCache(cache_dir)
+    cache["k"] = b"one"
+    target = manifest_path(cache_dir, "k")
+    before = target.stat()
+    cache["k"] = b"two"  # a new file replaces it
+    remover = Remover(Layout(str(cache_dir)))
+    kid = key_id("k")
+    assert not remover.manifest(kid, before)
+    assert cache["k"] == b"two"
+    assert remover.manifest(kid, target.stat())
     assert not target.exists()
-    assert not unlink_if_unchanged(str(target), before)
+    assert not remover.manifest(kid, before)
 
 
 # -- symlinks are never followed -----------------------------------------------
@@ -337,7 +340,7 @@ def test_symlinked_manifest_is_not_followed(
     mpath.symlink_to(outside)
     assert cache.get("k") is None
     assert cache.stats().hits == 0
-    assert outside.read_bytes().startswith(b"cpcas1 ")
+    assert outside.read_bytes().startswith(b"cpcas2 ")
     assert blob_path(cache_dir).exists()
 
 

@@ -35,9 +35,8 @@ _CHILD = textwrap.dedent(
         sys.exit("precondition: cuda.core must not be importable in this child")
 
     import cas
-    import index
     from cas import BlobStore, CacheStore, digest_of, parse_size
-    from index import Manifest, key_id, parse_manifest
+    from cuda_program_cas_index import Manifest, key_id, parse_manifest
 
     # The store: write, dedup, read, delete, cap, clear.
     store = CacheStore(root, max_size_bytes=parse_size("20K"))
@@ -56,10 +55,11 @@ _CHILD = textwrap.dedent(
     assert len(store) == 0
 
     # The index and the blob store on their own.
-    m = Manifest(digest_of(b"abc"), 3)
+    m = Manifest(digest_of(b"abc"), 3, key_id("k"))
     assert parse_manifest(m.encode()) == m
     assert len(key_id("k")) == 64 and key_id("k") == key_id(b"k")
     assert isinstance(store.blobs, BlobStore)
+    assert "index" not in sys.modules  # the index is cuda_program_cas_index, never a bare "index"
 
     # Every maintenance module imports, and the console script runs.
     for info in pkgutil.iter_modules(cas.__path__):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import tempfile
 
 from cuda.core import ObjectCode
+from cuda_program_cas_index import parse_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cas import CacheStore, ContentAddressedProgramCache
-from index import parse_manifest
 
 KEYS = st.one_of(st.text(max_size=12), st.binary(max_size=12))
 # Few distinct small values, so that deduplication happens often.
@@ -125,10 +125,16 @@ def test_manifest_parser_accepts_only_what_encode_writes(raw: bytes) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(alphabet="0123456789abcdef", min_size=64, max_size=64), st.integers(0, 10**15))
-def test_manifest_encode_parse_round_trip(digest: str, size: int) -> None:
-    from index import Manifest
+@given(
+    st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+    st.integers(0, 10**15),
+    st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
+)
+def test_manifest_encode_parse_round_trip(digest: str, size: int, kid: str) -> None:
+    from cuda_program_cas_index import Manifest
 
-    manifest = Manifest(digest, size)
+    manifest = Manifest(digest, size, kid)
     assert parse_manifest(manifest.encode()) == manifest
-    assert len(manifest.encode()) < 100
+    assert parse_manifest(manifest.encode(), kid) == manifest
+    assert parse_manifest(manifest.encode(), "f" * 64 if kid != "f" * 64 else "0" * 64) is None  # another key's
+    assert len(manifest.encode()) < 160

@@ -33,19 +33,27 @@ def _assert_clean(rep) -> None:
 
 
 def test_harness_detects_wrong_bytes_and_wrong_mappings(tmp_path: Path) -> None:
-    """A manifest swapped for another key's (a valid blob, its real size) is served: the checks catch it.
+    """A manifest of key 1 naming key 2's blob (valid, its real size) is served: the checks catch it.
 
-    The cache cannot see this one (a manifest names a blob, not its key): it is
-    what the torture checks exist to catch if a writer ever did it.
+    The cache cannot see this one (the manifest names its own key, and a blob
+    that is really there): it is what the torture checks exist to catch if a
+    writer ever did it. A manifest merely copied from key 2 names key 2, and is a miss.
     """
+    from cuda_program_cas_index import Manifest
+
     root = str(tmp_path / "c")
     store = torture.CacheStore(root)
     for i in (1, 2):
         store.put(torture.key_name(i), torture.content(i))
-    with open(store.index.path_for(torture.key_id(torture.key_name(2))), "rb") as fh:
-        other = fh.read()
-    with open(store.index.path_for(torture.key_id(torture.key_name(1))), "wb") as fh:
-        fh.write(other)
+    kid1, kid2 = (torture.key_id(torture.key_name(i)) for i in (1, 2))
+    with open(store.layout.manifest_path(kid2), "rb") as fh:
+        copied = fh.read()
+    with open(store.layout.manifest_path(kid1), "wb") as fh:
+        fh.write(copied)
+    assert torture.CacheStore(root).get(torture.key_name(1)) is None  # misplaced: a miss
+    digest2 = torture.blake3(torture.content(2)).hexdigest()
+    with open(store.layout.manifest_path(kid1), "wb") as fh:
+        fh.write(Manifest(digest2, len(torture.content(2)), kid1).encode())
     rep = torture.Report("self-test")
     torture.check_hit(1, torture.CacheStore(root).get(torture.key_name(1)), rep, "self-test")
     assert rep.wrong_bytes == 1 and not rep.ok

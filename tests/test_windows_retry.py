@@ -1,6 +1,6 @@
 """Windows sharing violations, simulated: transient ones are retried, the rest propagate.
 
-Nothing runs on Windows here, so the test sets ``index._files.IS_WINDOWS`` and
+Nothing runs on Windows here, so the test sets ``cas._files.IS_WINDOWS`` and
 injects the fault where the OS would raise it: the ``os`` that the file-handling
 modules call is replaced by a proxy that makes ``replace``/``unlink``/``open``
 fail a given number of times with ``PermissionError(winerror=32)`` and otherwise
@@ -15,14 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cuda_program_cas_index import key_id
 
 import cas._blobs
+import cas._files
+import cas._reader
+import cas._remove
 import cas._store
-import index._files
-import index._index
-from cas import CacheStore
-from index import key_id
-from index._files import atomic_write, is_sharing_violation, read_regular, with_sharing_retry
+import cas._writer
+from cas import CacheStore, WriteResult
+from cas._files import is_sharing_violation, read_regular, with_sharing_retry
+from cas._writer import atomic_write
 
 ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION, ERROR_LOCK_VIOLATION = 5, 32, 33
 ALWAYS = 1 << 30
@@ -78,15 +81,19 @@ class FlakyOS:
         return getattr(os, name)
 
 
+#: Every module that touches cache files.
+_FILE_MODULES = (cas._files, cas._writer, cas._remove, cas._reader, cas._blobs, cas._store)
+
+
 @pytest.fixture
 def windows(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
     """Simulated Windows with fault injection in every module that touches cache files."""
     flaky = FlakyOS()
-    monkeypatch.setattr(index._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
     # As many attempts as the real budget, with shorter sleeps: exhausted budgets
     # are met many times here (the real budget is checked on its own above).
-    monkeypatch.setattr(index._files, "_RETRY_DELAYS", tuple(d / 20 for d in index._files._RETRY_DELAYS))
-    for module in (index._files, index._index, cas._blobs, cas._store):
+    monkeypatch.setattr(cas._files, "_RETRY_DELAYS", tuple(d / 20 for d in cas._files._RETRY_DELAYS))
+    for module in _FILE_MODULES:
         monkeypatch.setattr(module, "os", flaky)
     return flaky
 
@@ -94,8 +101,8 @@ def windows(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
 @pytest.fixture
 def posix(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
     flaky = FlakyOS()
-    monkeypatch.setattr(index._files, "IS_WINDOWS", False)
-    for module in (index._files, index._index, cas._blobs, cas._store):
+    monkeypatch.setattr(cas._files, "IS_WINDOWS", False)
+    for module in _FILE_MODULES:
         monkeypatch.setattr(module, "os", flaky)
     return flaky
 
@@ -130,18 +137,18 @@ def in_dir(directory: Path) -> Callable[[str], bool]:
 def test_sharing_violation_predicate_on_windows(
     monkeypatch: pytest.MonkeyPatch, exc: BaseException, expected: bool
 ) -> None:
-    monkeypatch.setattr(index._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
     assert is_sharing_violation(exc) is expected
 
 
 def test_nothing_is_a_sharing_violation_off_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index._files, "IS_WINDOWS", False)
+    monkeypatch.setattr(cas._files, "IS_WINDOWS", False)
     for winerror in (5, 32, 33, None):
         assert not is_sharing_violation(win_error(winerror))
 
 
 def test_with_sharing_retry_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
     calls = []
 
     def busy_then(n: int):
@@ -174,7 +181,7 @@ def test_with_sharing_retry_budget(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_write_succeeds_after_transient_replace_failures(cache_dir: Path, windows: FlakyOS, failures: int) -> None:
     store = CacheStore(cache_dir)
     windows.fail("replace", failures, when=in_dir(cache_dir / "index"))
-    assert store.put("k", b"value") is True
+    assert store.put("k", b"value") is WriteResult.STORED
     assert windows.plan["replace"][0] == 0  # every injected failure was met and retried
     assert windows.attempts["replace"] >= failures + 1
     assert store.get("k") == b"value"
@@ -185,7 +192,7 @@ def test_write_succeeds_after_transient_replace_failures(cache_dir: Path, window
 def test_exhausted_budget_drops_the_write_cleanly(cache_dir: Path, windows: FlakyOS) -> None:
     store = CacheStore(cache_dir)
     windows.fail("replace", ALWAYS)
-    assert store.put("k", b"value") is False
+    assert store.put("k", b"value") is WriteResult.DROPPED
     assert files_in(cache_dir / "tmp") == []  # no temp file left behind
     stats = store.stats()
     assert stats.dropped_writes == 1
@@ -193,7 +200,7 @@ def test_exhausted_budget_drops_the_write_cleanly(cache_dir: Path, windows: Flak
     assert stats.entries == 0
     assert store.get("k") is None
     windows.plan.clear()
-    assert store.put("k", b"value") is True  # the next attempt, once the file is free
+    assert store.put("k", b"value") is WriteResult.STORED  # the next attempt, once the file is free
     assert store.get("k") == b"value"
 
 
@@ -201,7 +208,7 @@ def test_exhausted_budget_on_the_manifest_alone(cache_dir: Path, windows: FlakyO
     store = CacheStore(cache_dir)
     store.put("k", b"old")
     windows.fail("replace", ALWAYS, when=in_dir(cache_dir / "index"))
-    assert store.put("k", b"new") is False
+    assert store.put("k", b"new") is WriteResult.DROPPED
     assert files_in(cache_dir / "tmp") == []
     assert store.get("k") == b"old"  # the previous entry is intact
     assert store.stats().dropped_writes == 1
@@ -213,7 +220,7 @@ def test_exhausted_budget_on_the_blob_is_not_reported_as_stored(cache_dir: Path,
     stored = store.put("k", b"value")
     assert files_in(cache_dir / "tmp") == []
     assert store.get("k") is None  # a miss, never an exception
-    assert stored is False
+    assert stored is WriteResult.DROPPED
     assert store.stats().dropped_writes == 1
     assert store.stats().entries == 0  # no manifest naming a blob that is not there
 
@@ -303,7 +310,7 @@ def test_eviction_does_not_crash_the_writer_on_a_held_file(cache_dir: Path, wind
     store = CacheStore(cache_dir, max_size_bytes=5000)
     windows.fail("unlink", ALWAYS, when=in_dir(cache_dir / "index"))
     for i in range(8):  # over the cap: eviction runs, every manifest unlink is refused
-        assert store.put(f"k{i}", bytes([i]) * 1000) is True
+        assert store.put(f"k{i}", bytes([i]) * 1000) is WriteResult.STORED
     assert store.get("k7") == bytes([7]) * 1000
     windows.plan.clear()
     store.put("k8", bytes([8]) * 1000)

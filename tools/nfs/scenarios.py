@@ -322,7 +322,7 @@ class Env:
 
 def scenario_publish(env: Env) -> Result:
     """Nodes read every key in a loop (missing at first) while the publisher publishes batches."""
-    from cas._publish import publish
+    from cas import publish
 
     failures: list[str] = []
     gen = "publish"
@@ -383,8 +383,7 @@ def scenario_publish(env: Env) -> Result:
 
 def scenario_collect(env: Env) -> Result:
     """Nodes read while the collector empties the store in two steps and the publisher refills it."""
-    from cas._gc import collect
-    from cas._publish import publish
+    from cas import collect, publish
 
     failures: list[str] = []
     gen = "publish"  # the entries published by the previous scenario (published again if missing)
@@ -472,8 +471,7 @@ def scenario_compile(env: Env) -> Result:
     """The publisher compiles with NVRTC and publishes; each node's Program.compile must hit."""
     from cuda.core import Program, ProgramOptions
 
-    from cas import ContentAddressedProgramCache, digest_of
-    from cas._publish import publish
+    from cas import ContentAddressedProgramCache, digest_of, publish
 
     failures: list[str] = []
     src = env.tmp("compile-src")
@@ -510,7 +508,7 @@ def scenario_compile(env: Env) -> Result:
 def scenario_visibility(env: Env) -> Result:
     """Close-to-open: a key published on the writable mount is at once visible on the others,
     unless that node missed it before (a cached negative lookup): then measure how long it lags."""
-    from cas._publish import publish
+    from cas import publish
 
     failures: list[str] = []
     servers = [spawn("serve", env.node_cfg(k), stdin=subprocess.PIPE) for k in range(len(env.nodes))]
