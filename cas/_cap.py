@@ -140,6 +140,7 @@ class SizeCap:
         plan = plan_lru(
             snap,
             target,
+            cap_bytes=max_bytes,
             orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
             retired=self._retired,
             protect=(protect,) if protect else (),

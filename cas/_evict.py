@@ -22,12 +22,17 @@ def plan_lru(
     snap: Snapshot,
     target_bytes: int,
     *,
+    cap_bytes: int | None = None,
     orphan_grace_ns: int,
     retired: dict[str, FileId] | None = None,
     protect: Container[str] = (),
     recency: Mapping[str, int] | None = None,
 ) -> RemovalPlan:
     """Plan removals until the stored bytes would be at most ``target_bytes``.
+
+    ``cap_bytes``: when removing garbage and removable orphans alone brings the
+    cache under this, no live entry is chosen (the low watermark below the cap
+    amortises scans; it is no reason to evict what is in use).
 
     ``retired``: blobs an earlier pass left behind when it removed their last
     manifest (see :func:`cas._remove.removable_orphans`). ``protect``: key ids
@@ -47,7 +52,7 @@ def plan_lru(
             # Garbage costs bytes and serves nothing: it goes first, whatever the target.
             plan.manifests.append(info)
             total -= info.stat.st_size
-    if total <= target_bytes:
+    if total <= target_bytes or (cap_bytes is not None and total <= cap_bytes):
         return plan
     recent = recency or {}
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
-from cuda_program_cas_index import key_id
 
 import cas._cap
 import cas._evict
 import cas._remove
 from cas import CacheStore, ContentAddressedProgramCache, digest_of
+from cuda_program_cas_index import key_id
 
 MANIFEST_BYTES = len(b"cpcas2 ") + 64 + 1 + 64 + 1 + 4 + 1  # a manifest of a 1000..9999-byte blob
 
@@ -461,3 +461,85 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
     remover.execute(plan)
     assert plan.finished
     assert [i for i in range(10) if mpath(cache_dir, f"k{i}").exists()] == [0]
+
+
+# -- deletes, rewrites and tight caps ------------------------------------------------------
+#
+# A blob whose last key was deleted or overwritten is garbage at once: it must not
+# make eviction take live entries (each case below lost every live entry once).
+
+
+def test_rewriting_one_key_keeps_it(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=5000)
+    for i in range(3):
+        cache["a"] = value(i, 2000)
+    assert len(cache) == 1
+    assert cache["a"] == value(2, 2000)
+    assert cache.stats().stored_bytes <= 5000
+
+
+def test_deleted_keys_make_room_for_the_next_write(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=5000)
+    cache["a"] = value(1, 2000)
+    cache["b"] = value(2, 2000)
+    del cache["a"]
+    del cache["b"]
+    cache["c"] = value(3, 2000)
+    assert cache["c"] == value(3, 2000)
+    assert cache.stats().evictions == 0
+
+
+def test_many_rewrites_of_one_key_never_evict_the_live_entries(cache_dir: Path) -> None:
+    cap = 1 << 20
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
+    for i in range(200):
+        cache[f"live{i}"] = value(i, 4096)
+    for n in range(300):
+        cache["hot"] = value(10_000 + n, 4096)
+    stats = cache.stats()
+    assert stats.stored_bytes <= cap
+    assert stats.evictions == 0
+    assert all(cache.get(f"live{i}") == value(i, 4096) for i in range(200))
+    assert cache["hot"] == value(10_299, 4096)
+
+
+def test_a_tight_cap_evicts_only_what_the_write_needs_in_read_order(cache_dir: Path) -> None:
+    # All within one second: the read of "a" counts although its manifest is not touched.
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=5000)
+    cache["a"] = value(1, 2000)
+    cache["b"] = value(2, 2000)
+    assert cache["a"] == value(1, 2000)
+    cache["c"] = value(3, 2000)
+    assert cache.get("a") == value(1, 2000)
+    assert cache.get("b") is None
+    assert cache.get("c") == value(3, 2000)
+    assert cache.stats().evictions == 1
+
+
+def test_a_write_never_evicts_the_entry_it_just_wrote(cache_dir: Path) -> None:
+    cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=2500)
+    for i in range(5):
+        cache[f"k{i}"] = value(i, 2000)
+        assert cache[f"k{i}"] == value(i, 2000)
+        assert len(cache) == 1
+
+
+def test_at_rest_one_writer_is_always_within_the_cap(cache_dir: Path) -> None:
+    cap = 64 * 1024
+    store = CacheStore(cache_dir, max_size_bytes=cap)
+    live: dict[str, bytes] = {}
+    for n in range(600):
+        key = f"k{n % 40}"
+        if n % 7 == 3 and key in live:
+            with contextlib.suppress(KeyError):  # evicted meanwhile
+                store.delete(key)
+            del live[key]
+        else:
+            live[key] = value(n, 1000 + 37 * (n % 50))
+            assert store.put(key, live[key])
+        assert store.stats().stored_bytes <= cap, n
+    # What was evicted went in LRU order; what is there is right.
+    for key, data in live.items():
+        got = store.get(key)
+        assert got is None or got == data
+    assert store.get(key) == live[key]  # the last write is there
