@@ -26,7 +26,18 @@ from typing import TextIO
 from ._config import default_cache_dir, parse_duration, parse_size
 from ._errors import CacheError, LayoutError
 
-__all__ = ["main"]
+__all__ = [
+    "add_json_arg",
+    "add_path_arg",
+    "cache_path",
+    "duration_arg",
+    "fmt_age",
+    "fmt_bytes",
+    "main",
+    "plural",
+    "print_json",
+    "size_arg",
+]
 
 PROG = "cuda-program-cas"
 _COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish")

@@ -6,7 +6,15 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["default_cache_dir", "parse_duration", "parse_size", "validate_max_size"]
+__all__ = [
+    "ENV_DIR",
+    "ENV_MAX_SIZE",
+    "ENV_SHARED",
+    "default_cache_dir",
+    "parse_duration",
+    "parse_size",
+    "validate_max_size",
+]
 
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"

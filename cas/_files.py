@@ -25,6 +25,7 @@ __all__ = [
     "READ_FLAGS",
     "FileId",
     "NotRegularFile",
+    "ShardGuard",
     "SizeMismatch",
     "file_id",
     "fs_now",

@@ -31,6 +31,7 @@ __all__ = [
     "LayoutState",
     "check_layout",
     "create_layout",
+    "damaged_layout_error",
     "is_shared_store",
     "layout_version",
     "mark_shared_store",

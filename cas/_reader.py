@@ -24,6 +24,7 @@ from collections.abc import Callable
 from stat import S_ISREG
 
 from blake3 import blake3
+
 from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_fields
 
 from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_violation, with_sharing_retry

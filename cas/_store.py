@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from blake3 import blake3
+
 from cuda_program_cas_index import Manifest, key_id
 
 from ._blobs import BlobStore

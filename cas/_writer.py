@@ -28,6 +28,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from blake3 import blake3
+
 from cuda_program_cas_index import Manifest
 
 from ._files import SizeMismatch, is_sharing_violation, read_regular, with_sharing_retry
@@ -36,7 +37,14 @@ if TYPE_CHECKING:
     from ._files import ShardGuard
     from ._layout import Layout
 
-__all__ = ["BlobWrite", "WriteResult", "Writer", "atomic_write", "sync_filesystem"]
+__all__ = [
+    "DROP_ERRNOS",
+    "BlobWrite",
+    "WriteResult",
+    "Writer",
+    "atomic_write",
+    "sync_filesystem",
+]
 
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
