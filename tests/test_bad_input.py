@@ -299,9 +299,9 @@ def test_shared_must_be_a_sequence_of_paths(cache_dir: Path, tmp_path: Path) -> 
 @pytest.mark.parametrize("where", ["blob", "manifest"])
 def test_a_directory_in_the_way_drops_the_write_and_the_compile_still_returns(cache_dir: Path, where: str) -> None:
     from conftest import compile_program
-    from cuda_program_cas_index import key_id
 
     from cas import ContentAddressedProgramCache, digest_of
+    from cuda_program_cas_index import key_id
 
     reference = bytes(compile_program().code)
     cache = ContentAddressedProgramCache(cache_dir)

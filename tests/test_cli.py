@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, is_root, write_orphan
-from cuda_program_cas_index import key_id
 
 from cas import CacheStore, digest_of
 from cas._cli import Progress, main
+from cuda_program_cas_index import key_id
 
 SUMMARY = re.compile(
     r"^removed [\d,]+ entr(y|ies)(, [\d,]+ blobs?)? and [\d,]+ (blobs?|stale temp files?), "

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
-from cuda_program_cas_index import key_id
 
 from cas import CacheStore, ContentAddressedProgramCache
+from cuda_program_cas_index import key_id
 
 DATA = bytes(range(256)) * 40  # 10 KB, like a small cubin
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import tempfile
 
 from cuda.core import ObjectCode
-from cuda_program_cas_index import parse_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cas import CacheStore, ContentAddressedProgramCache
+from cuda_program_cas_index import parse_manifest
 
 KEYS = st.one_of(st.text(max_size=12), st.binary(max_size=12))
 # Few distinct small values, so that deduplication happens often.

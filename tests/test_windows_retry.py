@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cuda_program_cas_index import key_id
 
 import cas._blobs
 import cas._files
@@ -26,6 +25,7 @@ import cas._writer
 from cas import CacheStore, WriteResult
 from cas._files import is_sharing_violation, read_regular, with_sharing_retry
 from cas._writer import atomic_write
+from cuda_program_cas_index import key_id
 
 ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION, ERROR_LOCK_VIOLATION = 5, 32, 33
 ALWAYS = 1 << 30

@@ -46,12 +46,12 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from blake3 import blake3  # noqa: E402
-from cuda_program_cas_index import key_id  # noqa: E402
 
 from cas import BlobStore, CacheStore, CollectorBusyError, collect, publish, verify  # noqa: E402
 from cas._blobs import BlobState  # noqa: E402
 from cas._classify import Condition, classify  # noqa: E402
 from cas._scan import take_snapshot  # noqa: E402
+from cuda_program_cas_index import key_id  # noqa: E402
 
 #: Keys ``k0 .. k{N_KEYS-1}``; key ``i`` holds the content of seed ``i % N_SEEDS``,
 #: so some keys share a blob (deduplication is exercised too).
