@@ -36,7 +36,7 @@ from ._classify import Condition, classify
 from ._errors import CollectorBusyError
 from ._evict import plan_lru
 from ._layout import Layout, is_shared_store, stale_temp_files
-from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, open_cache
+from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, check_blobs, open_cache
 from ._remove import RemovalPlan, Remover, removable_orphans
 from ._report import ProblemLog
 from ._scan import ManifestInfo, Snapshot, take_snapshot
@@ -244,18 +244,12 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
     if snap.unreadable:
         removal.blobs_removable = False
     if opts.verify:
-        total = len(snap.blobs)
-        for n, digest in enumerate(sorted(snap.blobs)):
-            if progress and n % 64 == 0:
-                progress("verifying blobs", n, total)
-            check = blobs.check(digest)
+        for digest, check in check_blobs(snap, blobs, progress):
             if check.state is BlobState.CORRUPT:
                 assert check.stat is not None
                 plan.corrupt[digest] = check.stat
             elif check.state is BlobState.UNREADABLE:
                 report.problem(f"blob {blobs.path_for(digest)} cannot be read: {check.detail}")
-        if progress:
-            progress("verifying blobs", total, total)
     removal.keep_blobs = frozenset(plan.corrupt)
 
     groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:7]}

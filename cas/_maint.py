@@ -7,15 +7,16 @@ import this module, never each other.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ._blobs import BlobStore
+from ._blobs import BlobCheck, BlobStore
 from ._errors import LayoutError, ReadOnlyCacheError
 from ._layout import Layout, LayoutState, check_layout, damaged_layout_error
 from ._remove import Remover
+from ._scan import Snapshot
 
-__all__ = ["SHARED_MIN_GRACE_S", "MaintainedCache", "ProgressFn", "check_writable", "open_cache"]
+__all__ = ["SHARED_MIN_GRACE_S", "MaintainedCache", "ProgressFn", "check_blobs", "check_writable", "open_cache"]
 
 #: ``progress(phase, done, total)``: called now and then during long runs.
 ProgressFn = Callable[[str, int, int], None]
@@ -73,3 +74,16 @@ def check_writable(lay: Layout, purpose: str) -> None:
             except (OSError, AttributeError):
                 pass
             raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why}: {directory})")
+
+
+def check_blobs(
+    snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None
+) -> Iterator[tuple[str, BlobCheck]]:
+    """Hash every blob of ``snap`` (in digest order): ``(digest, what the hash found)``, with progress."""
+    total = len(snap.blobs)
+    for n, digest in enumerate(sorted(snap.blobs)):
+        if progress and n % 64 == 0:
+            progress("verifying blobs", n, total)
+        yield digest, blobs.check(digest)
+    if progress:
+        progress("verifying blobs", total, total)

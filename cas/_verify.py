@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ._blobs import BlobState, BlobStore
 from ._classify import classify, describe
 from ._layout import LayoutState, create_layout, stale_temp_files
-from ._maint import ProgressFn, open_cache
+from ._maint import ProgressFn, check_blobs, open_cache
 from ._scan import Snapshot, take_snapshot
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -159,11 +159,7 @@ def _check_blobs(
 ) -> dict[str, tuple[os.stat_result, str]]:
     """Hash every blob; returns the bad ones (digest -> (stat, detail)) and records read errors."""
     bad: dict[str, tuple[os.stat_result, str]] = {}
-    total = len(snap.blobs)
-    for n, digest in enumerate(sorted(snap.blobs)):
-        if progress and n % 64 == 0:
-            progress("verifying blobs", n, total)
-        check = blobs.check(digest)
+    for digest, check in check_blobs(snap, blobs, progress):
         if check.state is BlobState.MISSING:
             continue
         if check.state is BlobState.UNREADABLE:
@@ -174,6 +170,4 @@ def _check_blobs(
         report.bytes_checked += check.stat.st_size
         if check.state is BlobState.CORRUPT:
             bad[digest] = (check.stat, check.detail)
-    if progress:
-        progress("verifying blobs", total, total)
     return bad
