@@ -7,11 +7,11 @@ turning values into bytes is :class:`cas.CacheStore`'s.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from cuda.core import ObjectCode
+from cuda.core import ObjectCode, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
 from ._config import ENV_MAX_SIZE, ENV_SHARED, default_cache_dir, parse_size
@@ -107,6 +107,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             shared=shared,
             copy_shared_hits=copy_shared_hits,
         )
+        self._front_door: Any = None
 
     @property
     def path(self) -> str:
@@ -151,6 +152,40 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
 
     def clear(self) -> None:
         self._store.clear()
+
+    def compile(
+        self,
+        code: str | bytes,
+        code_type: str,
+        options: ProgramOptions | None,
+        target_type: str,
+        *,
+        name_expressions: Sequence[str | bytes] = (),
+        logs: Any = None,
+    ) -> ObjectCode:
+        """Compile through the cache, also what ``Program.compile(cache=)`` refuses.
+
+        The arguments mean what they mean to ``Program(code, code_type,
+        options).compile(target_type, name_expressions, logs)``. Compiles that read
+        headers through ``include_path``, ``pre_include`` or a source ``name`` with
+        a directory are keyed by the contents of every header they read (re-checked
+        on each lookup, see :mod:`cas._frontdoor`); ``name_expressions`` are kept
+        with the entry, so a hit's ``symbol_mapping`` (and ``get_kernel``) work. A
+        hit returns an ``ObjectCode`` with the bytes, ``name`` and
+        ``symbol_mapping`` of the uncached compile, without running NVRTC; a miss
+        compiles and stores (on a read-only cache it compiles and stores nothing).
+        Options whose effect cannot be keyed (``pch``, ``use_pch``, ``pch_dir``,
+        ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``
+        naming the option, before anything runs.
+        """
+        if self._front_door is None:
+            from ._frontdoor import FrontDoor
+
+            self._front_door = FrontDoor(self._store)
+        obj: ObjectCode = self._front_door.compile(
+            code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
+        )
+        return obj
 
     def stats(self) -> CacheStats:
         """Entries, blobs, logical and stored bytes, and this instance's counters."""
