@@ -83,10 +83,17 @@ with warnings.catch_warnings(record=True) as caught:
     else:
         obj = Program(cfg["source"], "c++", options=opts).compile(cfg["target"], cache=cache)
     if cfg.get("extra_miss"):
-        # A compile the cache has never seen: on a read-only cache it must still work.
-        Program(cfg["source"], "c++", options=ProgramOptions(arch=cfg["arch"], name="other")).compile(
-            cfg["target"], cache=cache
-        )
+        # A compile the cache has never seen: a read-only cache refuses to store it.
+        from cas import ReadOnlyCacheError
+
+        try:
+            Program(cfg["source"], "c++", options=ProgramOptions(arch=cfg["arch"], name="other")).compile(
+                cfg["target"], cache=cache
+            )
+        except ReadOnlyCacheError:
+            refused = True
+        else:
+            refused = False
 drv = driver.cuDriverGetVersion()[1]
 _, major, minor = nvrtc.nvrtcVersion()
 report = {
@@ -96,6 +103,7 @@ report = {
     "nvrtc_version": [major, minor],
     "driver_can_load_ptx": major * 1000 + minor * 10 <= drv,
     "digest": None if obj is None else digest_of(obj.code.encode() if isinstance(obj.code, str) else bytes(obj.code)),
+    "refused": refused if cfg.get("extra_miss") else None,
 }
 ok = obj is not None
 if ok and cfg.get("launch", True):
@@ -205,10 +213,10 @@ def test_shared_store_read_only_serves_a_launchable_binary(tmp_path: Path, arch:
         assert report["digest"] == stored and report["ok"]
         assert len(CacheStore(local)) == 1  # the verified hit was copied into the local cache
 
-        # The store itself opened read-only: the hit works, and a miss compiles but is not stored.
+        # The store itself opened read-only: the hit works, and storing a miss is refused.
         report = _run_child(cache=str(view), read_only=True, arch=arch, extra_miss=True)
-        assert report["stats"] == {"hits": 1, "misses": 1, "shared_hits": 0, "writes": 0, "dropped_writes": 1}
-        assert report["digest"] == stored and report["ok"]
+        assert report["stats"] == {"hits": 1, "misses": 1, "shared_hits": 0, "writes": 0, "dropped_writes": 0}
+        assert report["digest"] == stored and report["ok"] and report["refused"]
 
     assert _tree(shared) == before, "a read of the shared store changed it"
 
@@ -238,3 +246,76 @@ def test_ptx_target_through_cache(tmp_path: Path, arch: str) -> None:
     else:
         assert len(hit["runtime_warnings"]) == 1 and "driver" in hit["runtime_warnings"][0]
         assert miss["runtime_warnings"] == hit["runtime_warnings"]
+
+
+# The front door on the GPU: a CUB kernel through include_path and a template through
+# name_expressions, compiled by one process, loaded and launched by a fresh one from a hit.
+_FRONT_DOOR_CHILD = r"""
+import ctypes, json, sys, time
+import numpy as np
+import cuda.core._program as program_mod
+from cuda.core import Device, LaunchConfig, LegacyPinnedMemoryResource, ProgramOptions, launch
+from cas import ContentAddressedProgramCache
+
+cfg = json.loads(sys.argv[1])
+compiles = []
+original = program_mod._program_compile_uncached
+program_mod._program_compile_uncached = lambda *a, **k: compiles.append(1) or original(*a, **k)
+cache = ContentAddressedProgramCache(cfg["cache"])
+t0 = time.perf_counter()
+cub_opts = ProgramOptions(arch=cfg["arch"], std="c++17", include_path=[cfg["cccl"]])
+cub = cache.compile(cfg["cub"], "c++", cub_opts, "cubin")
+t1 = time.perf_counter()
+names = ("twice<float>",)
+tmpl = cache.compile(cfg["template"], "c++", ProgramOptions(arch=cfg["arch"]), "cubin", name_expressions=names)
+symbols = {k: v.decode() for k, v in tmpl.symbol_mapping.items()}
+report = {"compiles": len(compiles), "cub_ms": (t1 - t0) * 1e3, "symbols": symbols}
+if cfg["launch"]:
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream()
+    pinned = LegacyPinnedMemoryResource()
+    n = 128 * 64
+    hin, hout = pinned.allocate(n * 4), pinned.allocate(64 * 4)
+    ints = lambda buf, k: np.ctypeslib.as_array((ctypes.c_int32 * k).from_address(int(buf.handle)))
+    ints(hin, n)[:] = np.arange(n, dtype=np.int32) % 97
+    din, dout = dev.allocate(n * 4, stream=stream), dev.allocate(64 * 4, stream=stream)
+    hin.copy_to(din, stream=stream)
+    launch(stream, LaunchConfig(grid=64, block=128), cub.get_kernel("block_sum"), din, dout)
+    dout.copy_to(hout, stream=stream)
+    hf = pinned.allocate(4 * 256)
+    floats = np.ctypeslib.as_array((ctypes.c_float * 256).from_address(int(hf.handle)))
+    floats[:] = np.arange(256, dtype=np.float32)
+    df = dev.allocate(4 * 256, stream=stream)
+    hf.copy_to(df, stream=stream)
+    launch(stream, LaunchConfig(grid=1, block=256), tmpl.get_kernel("twice<float>"), df)
+    hf2 = pinned.allocate(4 * 256)
+    df.copy_to(hf2, stream=stream)
+    stream.sync()
+    want = (np.arange(n, dtype=np.int64) % 97).reshape(64, 128).sum(axis=1)
+    report["cub_ok"] = bool((ints(hout, 64) == want).all())
+    got = np.ctypeslib.as_array((ctypes.c_float * 256).from_address(int(hf2.handle)))
+    report["template_ok"] = bool((got == 2 * np.arange(256, dtype=np.float32)).all())
+print(json.dumps(report))
+"""
+
+_TEMPLATE = "template <class T> __global__ void twice(T *p) { p[threadIdx.x] = p[threadIdx.x] * 2; }"
+
+
+def test_front_door_cub_and_template_launch_from_a_hit_in_a_fresh_process(tmp_path: Path, arch: str) -> None:
+    from test_frontdoor import CUB_SOURCE, cccl_include
+
+    cccl = cccl_include()
+    if cccl is None:
+        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    cfg = {"cache": str(tmp_path / "cas"), "arch": arch, "cccl": cccl, "cub": CUB_SOURCE, "template": _TEMPLATE}
+    runs = []
+    for launch_it in (False, True):
+        proc = run_python(_FRONT_DOOR_CHILD, json.dumps({**cfg, "launch": launch_it}), timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    miss, hit = runs
+    print(f"front door, CUB kernel: miss {miss['cub_ms']:.0f} ms, hit in a fresh process {hit['cub_ms']:.1f} ms")
+    assert miss["compiles"] == 2 and hit["compiles"] == 0
+    assert hit["symbols"] == miss["symbols"] and "twice" in hit["symbols"]["twice<float>"]
+    assert hit["cub_ok"] and hit["template_ok"]
