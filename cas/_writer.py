@@ -25,6 +25,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from blake3 import blake3
@@ -99,7 +100,7 @@ def _tmp_name(tmp_dir: str) -> str:
 
 def atomic_write(
     target: str,
-    data: bytes | memoryview,
+    data: bytes | memoryview | Iterable[bytes],
     tmp_dir: str,
     *,
     mode: int = 0o600,
@@ -109,6 +110,7 @@ def atomic_write(
 ) -> bool:
     """Write ``data`` to ``target`` through a unique temp file in ``tmp_dir`` and ``os.replace``.
 
+    ``data`` may be an iterable of chunks (a pack, written as it is produced).
     The file gets ``mode`` less the umask, or exactly ``mode`` with ``exact_mode``.
     Creates ``tmp_dir`` and the target's parent directory when they are missing
     (``make_dir(path)`` when given, else :func:`os.makedirs`). Returns False only
@@ -123,10 +125,11 @@ def atomic_write(
         fd = os.open(tmp, _WRITE_FLAGS, mode)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            for chunk in (data,) if isinstance(data, (bytes, memoryview)) else data:
+                view = memoryview(chunk)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
             if exact_mode and _HAVE_FCHMOD:
                 os.fchmod(fd, mode)
             if fsync:
@@ -218,7 +221,7 @@ class Writer:
 
     # -- files -----------------------------------------------------------------------
 
-    def write_file(self, target: str, data: bytes | memoryview, *, mode: int | None = None) -> bool:
+    def write_file(self, target: str, data: bytes | memoryview | Iterable[bytes], *, mode: int | None = None) -> bool:
         """Write one file atomically (see :func:`atomic_write`); False when a sharing violation dropped it."""
         make_dir = self.make_dir if self._dir_mode is not None else None
         return atomic_write(
