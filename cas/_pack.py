@@ -15,9 +15,11 @@ File format, version 1 (integers little-endian)::
     blobs      the blobs' bytes, each distinct blob once, back to back
     index      fan-out: 256 x u32, the number of entries whose key id's first
                byte is <= i (so entries of byte b are [fanout[b-1], fanout[b]))
-               entries: count x 88 bytes, sorted by key id, each
+               entries: count x 96 bytes, sorted by key id, each
                    key id (32 raw bytes) | digest (32) | offset u64 | size u64 |
-                   check (the first 8 bytes of blake3 of the 80 bytes before it)
+                   time u64 (ns: when the entry was published; kept by repack,
+                   for gc --max-age) | check (the first 8 bytes of blake3 of
+                   the 88 bytes before it)
     trailer    56 bytes: blake3 of the whole index (32) | index offset u64 |
                count u32 | version u32 | b"cpcasidx"
 
@@ -55,7 +57,8 @@ VERSION = 1
 _HEADER = b"cpcaspk" + bytes([VERSION])
 _TRAILER_MAGIC = b"cpcasidx"
 _TRAILER = struct.Struct("<32sQII8s")
-_ENTRY = struct.Struct("<32s32sQQ8s")
+_ENTRY = struct.Struct("<32s32sQQQ8s")
+_BODY = _ENTRY.size - 8
 _FANOUT = struct.Struct("<256I")
 PACK_SUFFIX = ".cpk"
 #: How long a process trusts its listing of ``packs/`` before listing again.
@@ -74,6 +77,8 @@ class PackEntry:
     digest: str
     offset: int
     size: int
+    #: When the entry was published (ns since the epoch).
+    time_ns: int
 
 
 def _entry_check(body: bytes) -> bytes:
@@ -97,29 +102,35 @@ def list_packs(packs_dir: str) -> list[str]:
 # -- writing --------------------------------------------------------------------------------
 
 
-def pack_chunks(entries: Iterable[tuple[str, str, bytes]]) -> Iterator[bytes]:
-    """The bytes of a pack holding ``entries`` (key id, digest, verified data), in order.
+#: What a pack is written from: key id, digest, the verified bytes (or a callable giving them), time (ns).
+PackInput = tuple[str, str, "bytes | Callable[[], bytes]", int]
 
-    A key id met twice keeps its first entry; a digest met twice is stored once.
+
+def pack_chunks(entries: Iterable[PackInput]) -> Iterator[bytes]:
+    """The bytes of a pack holding ``entries``, produced as they are read.
+
+    A key id met twice keeps its first entry; a digest met twice is stored once
+    (and, given as a callable, read once).
     """
     yield _HEADER
     offset = len(_HEADER)
     placed: dict[str, tuple[int, int]] = {}
-    index: dict[str, tuple[str, int, int]] = {}
-    for kid, digest, data in entries:
+    index: dict[str, tuple[str, int, int, int]] = {}
+    for kid, digest, data, time_ns in entries:
         if kid in index:
             continue
         where = placed.get(digest)
         if where is None:
-            where = placed[digest] = (offset, len(data))
-            yield data
-            offset += len(data)
-        index[kid] = (digest, *where)
+            blob = data() if callable(data) else data
+            where = placed[digest] = (offset, len(blob))
+            yield blob
+            offset += len(blob)
+        index[kid] = (digest, *where, time_ns)
     counts = [0] * 256
     body = []
     for kid in sorted(index):
-        digest, off, size = index[kid]
-        raw = _ENTRY.pack(bytes.fromhex(kid), bytes.fromhex(digest), off, size, b"")[:80]
+        digest, off, size, time_ns = index[kid]
+        raw = _ENTRY.pack(bytes.fromhex(kid), bytes.fromhex(digest), off, size, time_ns, b"")[:_BODY]
         body.append(raw + _entry_check(raw))
         counts[int(kid[:2], 16)] += 1
     fanout = []
@@ -132,7 +143,7 @@ def pack_chunks(entries: Iterable[tuple[str, str, bytes]]) -> Iterator[bytes]:
     yield _TRAILER.pack(blake3(index_bytes).digest(), offset, len(body), VERSION, _TRAILER_MAGIC)
 
 
-def write_pack(lay: Layout, entries: Iterable[tuple[str, str, bytes]], write_file: object) -> str:
+def write_pack(lay: Layout, entries: Iterable[PackInput], write_file: object) -> str:
     """Write a pack of ``entries`` into ``lay``'s ``packs/`` through ``write_file(target, chunks)``.
 
     ``write_file`` is the store writer's :meth:`cas._writer.Writer.write_file`
@@ -208,12 +219,12 @@ class PackReader:
         if i == len(keys) or keys[i] != key:
             return None
         raw = entries[i]
-        if _entry_check(raw[:80]) != raw[80:]:
+        if _entry_check(raw[:_BODY]) != raw[_BODY:]:
             return None  # a damaged entry: a miss; the rest of the pack still reads
-        _kid, digest, offset, size, _check = _ENTRY.unpack(raw)
+        _kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
         if offset + size > self._index_offset:
             return None
-        return PackEntry(kid, digest.hex(), offset, size)
+        return PackEntry(kid, digest.hex(), offset, size, time_ns)
 
     def read(self, entry: PackEntry) -> bytes | None:
         """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest."""
@@ -226,9 +237,9 @@ class PackReader:
         """Every entry, in key order (damaged ones skipped)."""
         for first in range(256):
             for raw in self._bucket(first)[1]:
-                if _entry_check(raw[:80]) == raw[80:]:
-                    kid, digest, offset, size, _check = _ENTRY.unpack(raw)
-                    yield PackEntry(kid.hex(), digest.hex(), offset, size)
+                if _entry_check(raw[:_BODY]) == raw[_BODY:]:
+                    kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
+                    yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
 
     def index_ok(self) -> bool:
         """True when the whole index matches the trailer's checksum (reads the whole index)."""

@@ -18,7 +18,9 @@ ENTRIES = {f"k{i}": bytes([i % 7]) * (100 + 13 * (i % 7)) for i in range(300)}  
 
 
 def entries() -> list[tuple[str, str, bytes]]:
-    return [(key_id(k), blake3(v).hexdigest(), v) for k, v in ENTRIES.items()]
+    return [
+        (key_id(k), blake3(v).hexdigest(), v, 1_700_000_000_000_000_000 + i) for i, (k, v) in enumerate(ENTRIES.items())
+    ]
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def test_every_entry_reads_back_and_blobs_are_stored_once(pack: str) -> None:
         assert entry is not None
         assert reader.read(entry) == value
     assert reader.find(key_id("absent")) is None
-    assert os.path.getsize(pack) < 2 * 7 * 200 + len(ENTRIES) * 88 + 1024 + 64  # 7 blobs, not 300
+    assert os.path.getsize(pack) < 2 * 7 * 200 + len(ENTRIES) * 96 + 1024 + 64  # 7 blobs, not 300
     assert sorted(e.key_id for e in reader.entries()) == sorted(key_id(k) for k in ENTRIES)
 
 
@@ -104,13 +106,13 @@ def test_a_pack_set_reads_packs_newest_first_and_survives_vanishing_and_truncati
     create_layout(root)
     lay = Layout(root)
     writer = Writer(lay)
-    old = write_pack(lay, [(key_id("a"), blake3(b"old").hexdigest(), b"old")], writer.write_file)
+    old = write_pack(lay, [(key_id("a"), blake3(b"old").hexdigest(), b"old", 1)], writer.write_file)
     damaged: list[str] = []
     packs = PackSet(root, on_damage=damaged.append)
     assert packs.lookup(key_id("a")) == (b"old", blake3(b"old").hexdigest())
     new = write_pack(
         lay,
-        [(key_id("a"), blake3(b"new").hexdigest(), b"new"), (key_id("b"), blake3(b"bb").hexdigest(), b"bb")],
+        [(key_id("a"), blake3(b"new").hexdigest(), b"new", 2), (key_id("b"), blake3(b"bb").hexdigest(), b"bb", 2)],
         writer.write_file,
     )
     packs._listed_at = float("-inf")  # as if RELIST_S had passed
