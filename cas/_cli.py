@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 PROG = "cuda-program-cas"
-_COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish")
+_COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish", "repack")
 
 
 # -- argument types -----------------------------------------------------------------

@@ -30,6 +30,11 @@ def register(subparsers: Any) -> None:
         help="make files group-readable and directories group-accessible and setgid (default: follow the umask)",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and verify everything, write nothing")
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="write what is new into one immutable pack file (a handful of files for any number of entries)",
+    )
     add_json_arg(parser)
     parser.set_defaults(func=run)
 
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         args.dest,
         group_shared=args.group_shared,
         dry_run=args.dry_run,
+        pack=args.pack,
         progress=getattr(args, "progress", None),
     )
     if args.json:
@@ -69,5 +75,7 @@ def run(args: argparse.Namespace) -> int:
         extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
     if report.problems:
         extras.append(plural(report.problems, "problem"))
+    for path in report.packs:
+        extras.append(f"pack {path}")
     print(f"{line}; {', '.join(extras)}")
     return 1 if report.problems else 0

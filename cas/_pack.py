@@ -49,7 +49,18 @@ from blake3 import blake3
 from ._files import READ_FLAGS
 from ._layout import Layout
 
-__all__ = ["PACK_SUFFIX", "PackEntry", "PackError", "PackReader", "PackSet", "list_packs", "write_pack"]
+__all__ = [
+    "PACK_SUFFIX",
+    "PackEntry",
+    "PackError",
+    "PackInput",
+    "PackReader",
+    "PackSet",
+    "list_packs",
+    "pack_chunks",
+    "packed_entries",
+    "write_pack",
+]
 
 _log = logging.getLogger("cas")
 
@@ -102,15 +113,17 @@ def list_packs(packs_dir: str) -> list[str]:
 # -- writing --------------------------------------------------------------------------------
 
 
-#: What a pack is written from: key id, digest, the verified bytes (or a callable giving them), time (ns).
-PackInput = tuple[str, str, "bytes | Callable[[], bytes]", int]
+#: What a pack is written from: key id, digest, the verified bytes (or a callable giving them,
+#: or None when they can no longer be had: the entry is left out), time (ns).
+PackInput = tuple[str, str, "bytes | Callable[[], bytes | None]", int]
 
 
-def pack_chunks(entries: Iterable[PackInput]) -> Iterator[bytes]:
+def pack_chunks(entries: Iterable[PackInput], stats: dict[str, int] | None = None) -> Iterator[bytes]:
     """The bytes of a pack holding ``entries``, produced as they are read.
 
     A key id met twice keeps its first entry; a digest met twice is stored once
-    (and, given as a callable, read once).
+    (and, given as a callable, read once; a callable that gives None leaves its
+    entry out). ``stats``, when given, receives ``entries``, ``blobs`` and ``bytes``.
     """
     yield _HEADER
     offset = len(_HEADER)
@@ -122,6 +135,8 @@ def pack_chunks(entries: Iterable[PackInput]) -> Iterator[bytes]:
         where = placed.get(digest)
         if where is None:
             blob = data() if callable(data) else data
+            if blob is None:
+                continue
             where = placed[digest] = (offset, len(blob))
             yield blob
             offset += len(blob)
@@ -139,11 +154,15 @@ def pack_chunks(entries: Iterable[PackInput]) -> Iterator[bytes]:
         total += c
         fanout.append(total)
     index_bytes = _FANOUT.pack(*fanout) + b"".join(body)
+    if stats is not None:
+        stats.update(entries=len(body), blobs=len(placed), bytes=offset - len(_HEADER))
     yield index_bytes
     yield _TRAILER.pack(blake3(index_bytes).digest(), offset, len(body), VERSION, _TRAILER_MAGIC)
 
 
-def write_pack(lay: Layout, entries: Iterable[PackInput], write_file: object) -> str:
+def write_pack(
+    lay: Layout, entries: Iterable[PackInput], write_file: object, stats: dict[str, int] | None = None
+) -> str:
     """Write a pack of ``entries`` into ``lay``'s ``packs/`` through ``write_file(target, chunks)``.
 
     ``write_file`` is the store writer's :meth:`cas._writer.Writer.write_file`
@@ -152,9 +171,25 @@ def write_pack(lay: Layout, entries: Iterable[PackInput], write_file: object) ->
     packs_dir = os.path.join(lay.root, "packs")
     target = os.path.join(packs_dir, pack_name())
     assert callable(write_file)
-    if not write_file(target, pack_chunks(entries)):
+    if not write_file(target, pack_chunks(entries, stats)):
         raise OSError(f"the pack {target} could not be renamed into place (file busy)")
     return target
+
+
+def packed_entries(root: str) -> dict[str, PackEntry]:
+    """Key id -> entry of every pack of the store at ``root`` (newest pack first wins); unusable packs skipped."""
+    found: dict[str, PackEntry] = {}
+    for path in list_packs(os.path.join(root, "packs")):
+        try:
+            reader = PackReader(path)
+        except (OSError, PackError):
+            continue
+        try:
+            for entry in reader.entries():
+                found.setdefault(entry.key_id, entry)
+        finally:
+            reader.close()
+    return found
 
 
 # -- reading --------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ._blobs import BlobStore
 from ._errors import CorruptBlobError, LayoutError
 from ._files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
 from ._layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
+from ._pack import packed_entries, write_pack
 from ._remove import Remover
 from ._writer import BlobWrite, Writer
 
@@ -82,6 +83,8 @@ class PublishReport:
     errors: list[str] = field(default_factory=list)
     #: Manifests not published because of the problems above.
     skipped: int = 0
+    #: Packs written (``pack=True``).
+    packs: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> int:
@@ -148,6 +151,8 @@ class _Dest:
         )
         #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
         self.good: dict[str, bool] = {}
+        #: The store's packed entries (key id -> entry), read once per run.
+        self.packed = packed_entries(root)
 
     def blob_ok(self, digest: str, size: int) -> bool:
         """Whether the store holds this blob with the right bytes (hashed once per run)."""
@@ -197,9 +202,14 @@ def publish(
     group_shared: bool = False,
     dry_run: bool = False,
     fsync: bool = True,
+    pack: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> PublishReport:
     """Merge the caches at ``sources`` into the shared store at ``dest`` (created if missing).
+
+    ``pack``: write what the sources hold and the store lacks into one new,
+    immutable pack under ``dest/packs/`` (see :mod:`cas._pack`) instead of loose
+    files: a handful of files for any number of entries, opened once per node.
 
     Sources are only read. ``group_shared`` makes the store's files group-readable
     and its directories setgid; otherwise files and directories follow the umask.
@@ -227,6 +237,7 @@ def publish(
         if group_shared:
             _fix_top_modes(target)
         Remover(target.lay).sweep_temp()
+    pending: list[_Item] = []
     for n, src in enumerate(srcs):
         if progress:
             progress(f"publishing {src}", n, len(srcs))
@@ -241,7 +252,12 @@ def publish(
         if src_state is not LayoutState.OK:
             report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
             continue
-        _publish_one(src, target, report)
+        if pack:
+            pending.extend(_plan(src, target, report))
+        else:
+            _publish_one(src, target, report)
+    if pack and pending:
+        _publish_pack(pending, target, report)
     if progress:
         progress("published", len(srcs), len(srcs))
     return report
@@ -280,11 +296,12 @@ class _Item:
     path: str
     stat: os.stat_result
     action: str
+    source: str
 
 
-def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
+def _plan(src: str, target: _Dest, report: PublishReport) -> list[_Item]:
+    """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
-    # 1. Plan: what each source manifest needs in the store.
     todo: list[_Item] = []
     for kid, path, _st in scan_sharded(lay.index):
         report.scanned += 1
@@ -307,7 +324,14 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
         elif action == "conflict":
             report.conflicts += 1
         else:
-            todo.append(_Item(kid, manifest, path, mst, action))
+            todo.append(_Item(kid, manifest, path, mst, action, src))
+    return todo
+
+
+def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
+    lay = Layout(src)
+    # 1. Plan: what each source manifest needs in the store.
+    todo = _plan(src, target, report)
     # 2. Blobs: every blob the plan needs, verified, before any manifest naming it.
     needed: dict[str, list[_Item]] = {}
     for item in todo:
@@ -354,8 +378,58 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
         target.sync()
 
 
+def _publish_pack(todo: list[_Item], target: _Dest, report: PublishReport) -> None:
+    """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
+    written: set[str] = set()
+
+    def loader(item: _Item) -> Callable[[], bytes | None]:
+        def load() -> bytes | None:
+            blob = _read_source_blob(
+                item.source,
+                Layout(item.source),
+                digest=item.manifest.digest,
+                size=item.manifest.size,
+                items=[item],
+                report=report,
+            )
+            if blob is not None:
+                written.add(item.manifest.digest)
+            return blob
+
+        return load
+
+    seen: set[str] = set()
+    inputs = []
+    for item in todo:
+        if item.kid in seen:
+            continue
+        seen.add(item.kid)
+        inputs.append((item.kid, item.manifest.digest, loader(item), item.stat.st_mtime_ns))
+    stats: dict[str, int] = {}
+    if target.dry_run:
+        for _kid, digest, load, _t in inputs:
+            if digest not in target.good and load() is not None:
+                target.good[digest] = True
+        stats = {"entries": sum(1 for i in inputs if i[1] in target.good), "blobs": len(target.good), "bytes": 0}
+    else:
+        pack_writer = Writer(
+            target.lay, file_mode=target.modes.file, exact_mode=True, dir_mode=target.modes.dir, fsync=target.fsync
+        )
+        report.packs.append(write_pack(target.lay, inputs, pack_writer.write_file, stats))
+    report.published += stats.get("entries", 0)
+    report.blobs_published += stats.get("blobs", 0)
+    report.bytes_published += stats.get("bytes", 0)
+
+
 def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
-    """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``."""
+    """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
+
+    An entry of one of the store's packs counts as the store's: equal, ``same``;
+    another digest, ``conflict`` (first published wins, packed or loose).
+    """
+    packed = target.packed.get(kid)
+    if packed is not None:
+        return "same" if (packed.digest, packed.size) == (manifest.digest, manifest.size) else "conflict"
     try:
         data, _ = read_regular(target.lay.manifest_path(kid))
     except FileNotFoundError:

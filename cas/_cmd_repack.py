@@ -1,0 +1,41 @@
+"""``cuda-program-cas repack STORE``: merge a shared store's loose entries and packs into one pack."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ._cli import add_json_arg, fmt_bytes, plural, print_json
+from ._repack import repack
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "repack",
+        help="merge a shared store's loose entries and packs into one pack",
+        description=(
+            "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
+            "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
+            "may be reading is removed; gc removes what was replaced once the shared grace period has passed."
+        ),
+    )
+    p.add_argument("store", metavar="STORE", help="the shared store")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = repack(args.store)
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        for text in report.unreadable:
+            print(f"problem: {text}")
+        where = report.pack or "no pack (the store is empty)"
+        print(
+            f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
+            f"({fmt_bytes(report.bytes)}) into {where}; retired {plural(len(report.retired), 'pack')}"
+        )
+    return 1 if report.unreadable else 0
