@@ -202,7 +202,8 @@ class PackReader:
         self.path = path
         self._fd = os.open(path, READ_FLAGS)
         try:
-            size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            size = st.st_size
             if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
                 raise PackError(f"{path}: too short to be a pack ({size} bytes)")
             if os.pread(self._fd, len(_HEADER), 0) != _HEADER:
@@ -221,6 +222,8 @@ class PackReader:
             os.close(self._fd)
             raise
         self.size = size
+        #: When the pack was written (its file's mtime).
+        self.mtime = st.st_mtime
         self.count = count
         self.checksum = checksum
         self._index_offset = index_offset

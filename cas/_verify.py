@@ -22,6 +22,7 @@ from ._blobs import BlobState, BlobStore
 from ._classify import classify, describe
 from ._layout import LayoutState, create_layout, stale_temp_files
 from ._maint import ProgressFn, check_blobs, open_cache
+from ._packmaint import verify_packs
 from ._scan import Snapshot, take_snapshot
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -149,6 +150,8 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
             except OSError as exc:
                 problem.detail += f"; cannot remove: {exc.strerror}"
         report.problems.append(problem)
+    for kind, path, detail, fixed in verify_packs(lay, repair=remover is not None):
+        report.problems.append(Problem(kind, path, detail, fixed))
     report.orphan_blobs = len(snap.orphans())
     report.elapsed_s = time.monotonic() - t0
     return report

@@ -53,13 +53,16 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and len(result["scenarios"]) == 4
+    assert result["ok"] and len(result["scenarios"]) == 5
     by_name = {s["name"]: s for s in result["scenarios"]}
     compile_nodes = by_name["Program.compile on nodes hits the shared store"]["figures"]["nodes"]
     assert [n["nvrtc_compiles"] for n in compile_nodes] == [0, 0]
     publish_nodes = by_name["publish while nodes read"]["figures"]["nodes"]
     assert all(n["hits"] > 0 and n["all_visible_after_s"] is not None for n in publish_nodes)
-    assert "PASSED: 4 of 4" in proc.stdout
+    packed = by_name["loose against packed stores"]["figures"]
+    assert packed["store"]["packed"]["files"] < 10 < packed["store"]["loose"]["files"]
+    assert all(v["still_missing"] == 0 for v in packed["visibility"])
+    assert "PASSED: 5 of 5" in proc.stdout
 
 
 def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:

@@ -17,7 +17,11 @@ logic but not NFS. The store is ``<publisher>/store``; nodes read it as
   node's ``Program.compile`` must hit the shared store without compiling;
 - visibility: entries published on the writable mount are visible on the others
   at once (close-to-open), and how long a node that had missed a key keeps
-  missing it (negative lookup caching).
+  missing it (negative lookup caching);
+- packed: the same entries published loose and with ``publish --pack``: the NFS
+  operations (``/proc/self/mountstats``) of a cold job's first hits on each
+  node, the files and inodes of each store, and how soon a new generation is
+  visible on every node (one mount uses ``lookupcache=positive``).
 
 A read must return the right bytes or miss: a wrong byte, an exception, or a
 worker that fails fails the run (exit status 1). Figures go to ``--json`` and,
@@ -227,10 +231,57 @@ def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: An
     return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
 
 
+def mountstats(mount: str) -> dict[str, int]:
+    """Operation counts of the NFS mount at ``mount`` from ``/proc/self/mountstats`` (empty off NFS)."""
+    counts: dict[str, int] = {}
+    try:
+        with open("/proc/self/mountstats") as fh:
+            text = fh.read()
+    except OSError:
+        return counts
+    inside = ops = False
+    for line in text.splitlines():
+        if line.startswith("device "):
+            inside = f" mounted on {mount} with fstype nfs" in line
+            ops = False
+            continue
+        if not inside:
+            continue
+        if line.strip() == "per-op statistics":
+            ops = True
+            continue
+        if ops and ":" in line:
+            name, _, rest = line.strip().partition(":")
+            fields = rest.split()
+            if name.isupper() and fields and fields[0].isdigit():
+                counts[name] = int(fields[0])
+    return counts
+
+
+def worker_firsthits(cfg: Result) -> Result:
+    """One node's cold job: the first hit of each of ``n`` keys in a fresh process; the NFS operations it cost."""
+    from cas import CacheStore
+
+    local = cfg["local"]
+    shutil.rmtree(local, ignore_errors=True)
+    before = mountstats(cfg["mount"])
+    store = CacheStore(local, shared=[cfg["store"]])
+    out: Result = {"wrong": [], "exceptions": [], "hits": 0, "misses": 0}
+    t0 = time.perf_counter()
+    for i in range(cfg["n"]):
+        ok = _check(store, cfg["gen"], i, out)
+        out["hits" if ok else "misses"] += 1
+    out["seconds"] = round(time.perf_counter() - t0, 4)
+    after = mountstats(cfg["mount"])
+    out["ops"] = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+    return out
+
+
 WORKERS: dict[str, Callable[[Result], Result]] = {
     "sweep": worker_sweep,
     "serve": worker_serve,
     "compile": worker_compile,
+    "firsthits": worker_firsthits,
 }
 
 
@@ -573,11 +624,107 @@ def scenario_visibility(env: Env) -> Result:
     return {"failures": failures, "figures": {"entries": m, "wait_limit_s": env.neg_wait_s, "nodes": nodes}}
 
 
+def _files_and_inodes(root: str) -> tuple[int, int]:
+    files = dirs = 0
+    for _dirpath, dirnames, filenames in os.walk(root):
+        files += len(filenames)
+        dirs += len(dirnames)
+    return files, files + dirs + 1
+
+
+def scenario_packed(env: Env) -> Result:
+    """Loose against packed stores of the same entries: NFS operations per first hit and per cold job,
+    files and inodes in the store, and how soon a new generation is visible on every node."""
+    from cas import publish
+
+    failures: list[str] = []
+    n = env.n // 4 if env.quick else 100
+    gen = "packcmp"
+    src = env.tmp("packed-src")
+    make_source(src, gen, range(n))
+    roots = {"loose": os.path.join(os.path.dirname(env.publisher), "loose"),
+             "packed": os.path.join(os.path.dirname(env.publisher), "packed")}  # fmt: skip
+    for kind, root in roots.items():
+        shutil.rmtree(root, ignore_errors=True)
+        publish([src], root, pack=kind == "packed")
+    figures: Result = {"entries": n, "store": {}, "per_node": [], "visibility": []}
+    for kind, root in roots.items():
+        files, inodes = _files_and_inodes(root)
+        figures["store"][kind] = {"files": files, "inodes": inodes}
+    totals: dict[str, dict[str, list[int]]] = {"loose": {}, "packed": {}}
+    for k, mount in enumerate(env.mounts):
+        row: Result = {"node": env.who(k)}
+        for kind, root in roots.items():
+            node_root = os.path.join(mount, os.path.basename(root))
+            cfg = {"store": node_root, "mount": mount, "gen": gen, "n": n,
+                   "local": os.path.join(env.local, f"firsthits-{kind}-{k}")}  # fmt: skip
+            out = collect_worker(spawn("firsthits", cfg), 300, failures, f"{env.who(k)} {kind}")
+            if out.get("misses"):
+                failures.append(f"{env.who(k)} {kind}: {out['misses']} of {n} first lookups missed")
+            ops = out.get("ops", {})
+            row[f"{kind}_ops_per_hit"] = round(sum(ops.values()) / n, 2)
+            row[f"{kind}_ops"] = ops
+            row[f"{kind}_ms_per_hit"] = round(1000 * out.get("seconds", 0) / n, 3)
+            for op, count in ops.items():
+                totals[kind].setdefault(op, []).append(count)
+        figures["per_node"].append(row)
+    # A new generation: published while long-lived node processes already read the store.
+    for kind, root in roots.items():
+        servers = [spawn("serve", {**env.node_cfg(k), "store": os.path.join(m, os.path.basename(root))},
+                         stdin=subprocess.PIPE) for k, m in enumerate(env.mounts)]  # fmt: skip
+
+        def ask(k: int, i: int, servers: list[subprocess.Popen[str]] = servers) -> str:
+            proc = servers[k]
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(f"get newgen {i}\n")
+            proc.stdin.flush()
+            return proc.stdout.readline().strip()
+
+        m = 8
+        for k in range(len(servers)):
+            for i in range(m):
+                if ask(k, i) == "bad":
+                    failures.append(f"{env.who(k)} {kind}: bad answer before publishing")
+        nsrc = env.tmp(f"newgen-{kind}")
+        make_source(nsrc, "newgen", range(m))
+        publish([nsrc], root, pack=kind == "packed")
+        t_pub = time.monotonic()
+        pending = {(k, i) for k in range(len(servers)) for i in range(m)}
+        lag: dict[int, float] = {}
+        while pending and time.monotonic() - t_pub < env.neg_wait_s:
+            for k, i in sorted(pending):
+                answer = ask(k, i)
+                if answer == "hit":
+                    pending.discard((k, i))
+                    lag[k] = time.monotonic() - t_pub
+                elif answer != "miss":
+                    failures.append(f"{env.who(k)} {kind}: {answer or 'worker died'}")
+                    pending.discard((k, i))
+            if pending:
+                time.sleep(0.25)
+        for k, proc in enumerate(servers):
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.stdin = None
+            collect_worker(proc, 60, failures, env.who(k))
+            figures["visibility"].append({
+                "store": kind, "node": env.who(k), "all_visible_after_s": round(lag.get(k, -1), 2),
+                "still_missing": sum(1 for kk, _ in pending if kk == k),
+            })  # fmt: skip
+    per_node = {}
+    for kind in roots:
+        hits_ops = [sum(row[f"{kind}_ops"].values()) for row in figures["per_node"]]
+        per_node[kind] = {"ops_fixed": 0.0, "ops_per_hit": round(max(hits_ops) / n, 2) if hits_ops else 0.0}
+    figures["model_inputs"] = per_node
+    return {"failures": failures, "figures": figures}
+
+
 SCENARIOS: dict[str, Callable[[Env], Result]] = {
     "publish while nodes read": scenario_publish,
     "collect while nodes read": scenario_collect,
     "Program.compile on nodes hits the shared store": scenario_compile,
     "close-to-open visibility": scenario_visibility,
+    "loose against packed stores": scenario_packed,
 }
 
 
