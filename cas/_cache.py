@@ -188,11 +188,16 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return obj
 
     def stats(self) -> CacheStats:
-        """Entries, blobs, logical and stored bytes, and this instance's counters."""
+        """Entries, blobs, logical and stored bytes (a scan of the disk), and this instance's counters."""
         return self._store.stats()
 
+    def counters(self) -> dict[str, int]:
+        """This instance's counters (``hits``, ``misses``, ...) without scanning the disk: cheap enough per call."""
+        return self._store.counters()
+
     def close(self) -> None:
-        """Nothing is held open between calls; kept for the ``ProgramCacheResource`` contract."""
+        """Record this instance's counts in the lifetime counters; nothing is held open, the cache stays usable."""
+        self._store.close()
 
     def __enter__(self) -> ContentAddressedProgramCache:
         return self

@@ -15,9 +15,12 @@ scan plans a reference-aware LRU eviction (:mod:`cas._evict`) and the
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 
+from ._events import LOGGER, evicted
 from ._evict import plan_lru
 from ._files import FileId
 from ._layout import Layout
@@ -168,6 +171,7 @@ class SizeCap:
             self._since_measure = 0
 
     def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> RemovalResult:
+        t0 = time.perf_counter_ns()
         result = RemovalResult()
         if must_free > 0:
             # At once, as far as it takes to be under the cap.
@@ -175,6 +179,8 @@ class SizeCap:
         if budget is None or budget > result.steps:
             result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
         self._counters.add("evictions", result.manifests_removed)
+        if (result.manifests_removed or result.blobs_removed) and LOGGER.isEnabledFor(logging.DEBUG):
+            evicted(self._lay.root, result.manifests_removed, result.blobs_removed, result.bytes_freed, t0)
         self._retired.update(result.retired)
         if plan is self._plan and plan.finished:
             self._plan = None

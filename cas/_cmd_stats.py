@@ -1,6 +1,8 @@
-"""``cuda-program-cas stats``: what the cache holds, how well it deduplicates, how full it is.
+"""``cuda-program-cas stats``: what the cache holds, how well it deduplicates, how full it is,
+and its lifetime counters (every process's hits, misses, writes... since they were zeroed).
 
 Reads only: works on a read-only cache or mount, takes no lock, touches nothing.
+``--zero`` sets the lifetime counters to zero (it writes, under ``counters.lock``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -17,6 +20,7 @@ from ._classify import Condition, classify
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
 from ._config import ENV_MAX_SIZE, parse_size
 from ._layout import stale_temp_files
+from ._lifetime import NAMES, read_counters, zero_counters
 from ._maint import open_cache
 from ._scan import take_snapshot
 
@@ -26,13 +30,15 @@ __all__ = ["gather", "register"]
 def register(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "stats",
-        help="entries, blobs, dedup ratio, use of the cap, files count",
-        description="Show what the cache holds. Reads only: works on a read-only cache.",
+        help="entries, blobs, dedup ratio, use of the cap, files count, lifetime counters",
+        description="Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
+        "process since they were zeroed). Reads only: works on a read-only cache.",
     )
     add_path_arg(p)
     p.add_argument(
         "--max-size", type=size_arg, metavar="SIZE", help=f"the cap to compare with (default: ${ENV_MAX_SIZE})"
     )
+    p.add_argument("--zero", action="store_true", help="set the lifetime counters to zero (nothing else changes)")
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -79,6 +85,7 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
     except OSError:
         quarantined = 0
     stored = snap.stored_bytes
+    life = read_counters(lay)
     return {
         "path": lay.root,
         "entries": len(snap.manifests),
@@ -104,10 +111,46 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "size_mismatch_manifests": sum(c is Condition.SIZE_MISMATCH for c in conditions),
         "stale_temp_files": len(stale_temp_files(lay.tmp)),
         "quarantined_files": quarantined,
+        "counters": life.counters,
+        "hit_rate": None if life.hit_rate is None else round(life.hit_rate, 4),
+        "counters_zeroed_at": _iso(life.zeroed_ns),
     }
 
 
+def _zero(root: str, as_json: bool) -> int:
+    lay = open_cache(root, write=True, purpose="zero the counters").lay
+    before = zero_counters(lay)
+    if as_json:
+        print_json({"path": lay.root, "zeroed": True, "counters_before": before.counters})
+        return 0
+    was = ", ".join(f"{before.counters[n]:,} {n.replace('_', ' ')}" for n in NAMES)
+    print(f"zeroed the lifetime counters of {lay.root} (they were: {was})")
+    return 0
+
+
+def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> list[tuple[str, str]]:
+    c = info["counters"]
+    rate = "-" if info["hit_rate"] is None else f"{100 * info['hit_rate']:.1f}%"
+    since = info["counters_zeroed_at"]
+    return [
+        (
+            "lookups",
+            f"{c['hits'] + c['misses']:,}: {c['hits']:,} hits ({c['shared_hits']:,} from shared stores), "
+            f"{c['misses']:,} misses; hit rate {rate}",
+        ),
+        (
+            "writes",
+            f"{c['writes']:,} ({c['dedup_writes']:,} deduplicated), {c['dropped_writes']:,} dropped; "
+            f"{c['evictions']:,} evicted",
+        ),
+        ("problems", f"{c['corrupt']:,} corrupt, {c['errors']:,} errors"),
+        ("counted", f"since {when(since)}" if since else "since the cache was created (never zeroed)"),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.zero:
+        return _zero(cache_path(args.path), args.json)
     cap = args.max_size
     if cap is None and os.environ.get(ENV_MAX_SIZE):
         try:
@@ -151,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             f"{fmt_bytes(info['disk_bytes'])} on disk",
         ),
         ("garbage", ", ".join(garbage)),
+        *_counter_rows(info, when),
     ]
     if info["quarantined_files"]:
         rows.append(("quarantine", plural(info["quarantined_files"], "bad blob") + " kept for inspection"))
@@ -160,5 +204,6 @@ def run(args: argparse.Namespace) -> int:
         f"{plural(info['entries'], 'entry', 'entries')} in {plural(info['blobs'], 'blob')}, "
         f"{fmt_bytes(info['stored_bytes'])} stored, dedup {info['dedup_ratio']:.2f}x"
         + (f", {info['cap_used_percent']}% of the cap" if cap else "")
+        + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")
     )
     return 0

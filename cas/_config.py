@@ -8,6 +8,7 @@ from pathlib import Path
 
 __all__ = [
     "ENV_DIR",
+    "ENV_LOG",
     "ENV_MAX_SIZE",
     "ENV_SHARED",
     "default_cache_dir",
@@ -19,6 +20,8 @@ __all__ = [
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
 ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
+#: A file that every record of the ``cas`` logger, DEBUG and up, is appended to (see :mod:`cas._events`).
+ENV_LOG = "CUDA_PROGRAM_CAS_LOG"
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}

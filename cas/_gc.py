@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from ._blobs import BlobState, BlobStore
 from ._classify import Condition, classify
 from ._errors import CollectorBusyError
+from ._events import collected
 from ._evict import plan_lru
 from ._layout import Layout, is_shared_store, stale_temp_files
 from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, check_blobs, open_cache
@@ -176,6 +177,7 @@ def collect(
         # Nothing is written, not even the lock file.
         _run(report, cache, opts)
         report.elapsed_s = time.monotonic() - t0
+        _record(report)
         return report
     import filelock
 
@@ -192,7 +194,19 @@ def collect(
     finally:
         lock.release()
     report.elapsed_s = time.monotonic() - t0
+    _record(report)
     return report
+
+
+def _record(report: GcReport) -> None:
+    collected(
+        report.root,
+        dry_run=report.dry_run,
+        entries=report.entries_removed,
+        blobs=report.blobs_removed,
+        freed=report.bytes_freed,
+        elapsed_s=report.elapsed_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)

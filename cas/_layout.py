@@ -47,11 +47,27 @@ INDEX = "index"
 TMP = "tmp"
 QUARANTINE = "quarantine"
 LOCK_FILE = "evict.lock"
+#: The lifetime counters (see :mod:`cas._lifetime`) and the lock their writers take.
+COUNTERS_FILE = "counters"
+COUNTERS_LOCK = "counters.lock"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
 _log = logging.getLogger("cas")
-_OWN_NAMES = frozenset({LAYOUT_FILE, "CACHEDIR.TAG", BLOBS, INDEX, TMP, QUARANTINE, LOCK_FILE, "gc.lock"})
+_OWN_NAMES = frozenset(
+    {
+        LAYOUT_FILE,
+        "CACHEDIR.TAG",
+        BLOBS,
+        INDEX,
+        TMP,
+        QUARANTINE,
+        LOCK_FILE,
+        "gc.lock",
+        COUNTERS_FILE,
+        COUNTERS_LOCK,
+    }
+)
 
 _CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
@@ -71,7 +87,7 @@ class LayoutState(enum.Enum):
 class Layout:
     """Paths of one cache root (as ``str`` for the hot path)."""
 
-    __slots__ = ("blobs", "index", "lock", "quarantine", "root", "tmp")
+    __slots__ = ("blobs", "counters", "counters_lock", "index", "lock", "quarantine", "root", "tmp")
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -80,6 +96,8 @@ class Layout:
         self.tmp = os.path.join(root, TMP)
         self.quarantine = os.path.join(root, QUARANTINE)
         self.lock = os.path.join(root, LOCK_FILE)
+        self.counters = os.path.join(root, COUNTERS_FILE)
+        self.counters_lock = os.path.join(root, COUNTERS_LOCK)
 
     def blob_path(self, digest: str) -> str:
         """Where the blob ``digest`` (validated) lives."""

@@ -9,7 +9,9 @@ manifest and the blob unchanged.
 Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
 unreadable file is a miss, counted. A writable cache removes what it proves bad
 (through :class:`cas._remove.Remover`); a read-only one or a shared store only
-reads. One :class:`Reader` is safe to share between threads.
+reads. One :class:`Reader` is safe to share between threads. Each miss leaves
+its reason for the thread that met it (:meth:`Reader.miss_reason`), set on the
+miss paths only.
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ class Reader:
         self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
         self._held_bytes = 0
         self._held_lock = threading.Lock()
+        self._why = threading.local()
+
+    def missed(self, reason: str) -> None:
+        """Record why this thread's lookup missed (see :mod:`cas._events` for the wording)."""
+        self._why.reason = reason
+
+    def miss_reason(self) -> str:
+        """Why this thread's last lookup here missed."""
+        reason: str = getattr(self._why, "reason", "unknown")
+        return reason
 
     def forget(self) -> None:
         """Drop what this reader remembers of files (after many were removed)."""
@@ -114,10 +126,12 @@ class Reader:
             if found is not None:
                 return found
         if not self._guard.ok(self._lay.index, kid):
+            self._why.reason = "index shard is not a directory"
             return None
         try:
             mfd = os.open(ipath, READ_FLAGS)
         except FileNotFoundError:
+            self._why.reason = "no entry"
             return None
         except OSError as exc:
             fd = self._open_failed(exc, ipath)
@@ -132,6 +146,7 @@ class Reader:
                 return None
             if fields is None or (fields[0] is not None and fields[0] != kid):
                 # Garbled, or a manifest of another key copied or renamed here.
+                self._why.reason = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None
@@ -215,11 +230,13 @@ class Reader:
     def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
         """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory."""
         if not self._guard.ok(self._lay.blobs, digest):
+            self._why.reason = "blob shard is not a directory"
             return None
         bpath = self._lay.blob_path(digest)
         try:
             bfd = os.open(bpath, READ_FLAGS)
         except FileNotFoundError:
+            self._why.reason = "blob missing"
             # Dangling: the blob was collected. Remove the manifest only if it is
             # still the one we read; a writer may have just re-pointed it.
             self._remove_manifest(kid, mfd)
@@ -305,9 +322,11 @@ class Reader:
 
     def _read_failed(self, exc: OSError, path: str) -> None:
         if isinstance(exc, NotRegularFile):
+            self._why.reason = "not a regular file"
             self._counters.add("corrupt")
             self._note("not a regular file", 0, path)
             return
+        self._why.reason = f"cannot read ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
         self._counters.add("errors")
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
         if self._on_error is not None:
@@ -320,8 +339,10 @@ class Reader:
         if _hashes_to(bfd, digest):
             # The blob is intact; only the manifest's size is wrong. Other keys may
             # share this blob: drop the lying manifest, keep the blob.
+            self._why.reason = "damaged manifest (its size is not its blob's)"
             self._remove_manifest(kid, mfd)
             return
+        self._why.reason = "damaged blob"
         if self._remover is None:
             self._note("corrupt blob", 0, self._lay.blob_path(digest))
             return

@@ -79,6 +79,9 @@ class Counters:
         with self._lock:
             self.hits += 1
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self, *, lock: bool = True) -> dict[str, int]:
+        """The counts by name; ``lock=False`` reads without the lock (after a fork, where it may be held)."""
+        if not lock:
+            return {name: getattr(self, name) for name in _COUNTER_NAMES}
         with self._lock:
             return {name: getattr(self, name) for name in _COUNTER_NAMES}

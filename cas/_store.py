@@ -4,14 +4,21 @@
 path), the writer (the one write protocol), the remover, the size cap, and the
 shared stores looked up (read-only) after the local one.
 ``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
+
+It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
+writable, records the counts in the cache's lifetime counters
+(:mod:`cas._lifetime`); every lookup and write gets a DEBUG record on the ``cas``
+logger (:mod:`cas._events`), built only when DEBUG is on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 from blake3 import blake3
@@ -22,8 +29,10 @@ from ._blobs import BlobStore
 from ._cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
+from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
 from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error
+from ._lifetime import FLUSH_INTERVAL_S, Recorder
 from ._reader import Reader
 from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
@@ -35,7 +44,10 @@ from ._writer import DROP_ERRNOS, Writer, WriteResult
 __all__ = ["CacheStore"]
 
 _log = logging.getLogger("cas")
+_DEBUG = logging.DEBUG
 _sha256 = hashlib.sha256
+_perf_ns = time.perf_counter_ns
+_monotonic = time.monotonic
 #: The largest manifest a write adds (tag, key id, digest, a size of up to 16 digits, spaces).
 _MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1, "0" * 64).encode())
 #: A manifest's bytes less the digits of its size.
@@ -68,10 +80,14 @@ class CacheStore:
         self.root = os.path.abspath(root)
         self.read_only = bool(read_only)
         self._copy_shared = bool(copy_shared_hits)
+        open_log_file()
         self.layout = lay = Layout(self.root)
         self._counters = Counters()
-        self._warned: set[tuple[str, int]] = set()
-        self._guard = ShardGuard(self._strange_shard)
+        # Nothing this store hands its parts refers back to it: dropping the last
+        # reference frees it at once, and that flushes its lifetime counters.
+        problems = _Problems(self.root, self._counters)
+        self._note = problems.note
+        self._guard = ShardGuard(problems.strange_shard)
         if self.read_only:
             state = check_layout(self.root)
             if state is LayoutState.MISSING:
@@ -93,20 +109,18 @@ class CacheStore:
             self._remover.sweep_temp()
             upgrade_if_needed(lay, self._writer)
             # Uncapped stores keep one too, for explicit evictions (evict_to).
-            self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: self._reader.recent)
+            reader = self._reader
+            self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
         self._clear_lock = threading.Lock()
         self.shared: tuple[SharedStore, ...] = tuple(SharedStore(p) for p in shared)
-
-    def _note(self, what: str, code: int, message: str) -> None:
-        """Log a problem of the local cache once per kind, at WARNING."""
-        if (what, code) in self._warned:
-            return
-        self._warned.add((what, code))
-        _log.warning("cuda-program-cas: %s (%s): %s", self.root, what, message)
-
-    def _strange_shard(self, shard: str) -> None:
-        self._counters.add("corrupt")
-        self._note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+        # Lifetime counters: read-only caches (and shared stores) are never written.
+        self._lifetime: Recorder | None = None
+        self._flush_at = math.inf
+        if not self.read_only:
+            local, theirs = self._counters, tuple(s.counters for s in self.shared)
+            self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
+            self._lifetime.attach(self)
+            self._flush_at = _monotonic() + FLUSH_INTERVAL_S
 
     # -- lookups -----------------------------------------------------------------
 
@@ -114,10 +128,20 @@ class CacheStore:
         """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
         # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
         kid = _sha256(key, usedforsecurity=False).hexdigest() if type(key) is bytes else key_id(key)
+        t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
         found = self._reader.lookup(kid)
         if found is not None:
             self._counters.hit()
+            if t0:
+                lookup_hit(self.root, kid, "local", t0)
+            if _monotonic() >= self._flush_at:
+                self._flush_on_the_way()
             return found[0]
+        return self._get_shared(kid, t0)
+
+    def _get_shared(self, kid: str, t0: int) -> bytes | None:
+        """After a local miss: the shared stores in order, then the miss (``t0``: a record is due)."""
+        reasons = [("local", self._reader.miss_reason())] if t0 else None
         for store in self.shared:
             found = store.lookup(kid)
             if found is not None:
@@ -126,9 +150,29 @@ class CacheStore:
                 self._counters.add("shared_hits")
                 if self._copy_shared and self._writer is not None:
                     self._copy_in(kid, data, digest)
+                if t0:
+                    lookup_hit(self.root, kid, f"shared {store.root}", t0)
+                if _monotonic() >= self._flush_at:
+                    self._flush_on_the_way()
                 return data
+            if reasons is not None:
+                reasons.append((f"shared {store.root}", store.miss_reason()))
         self._counters.add("misses")
+        if reasons is not None:
+            lookup_missed(self.root, kid, t0, reasons)
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
         return None
+
+    def note_miss(self, key: object, reason: str, *, t0_ns: int = 0) -> None:
+        """Count a miss that the caller decided itself, and record it with ``reason``.
+
+        For a front door that finds an entry it cannot use (a header changed since it
+        was stored); ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
+        """
+        self._counters.add("misses")
+        if _log.isEnabledFor(_DEBUG):
+            lookup_missed(self.root, key_id(key), t0_ns or _perf_ns(), [("local", reason)])
 
     def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
         """Keep a verified shared hit locally, so later reads stay local. Best effort."""
@@ -157,11 +201,21 @@ class CacheStore:
             )
         if self._writer is None:
             raise self._refuse("store an entry")
+        t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
+        result, why = self._store(kid, data)
+        if t0:
+            wrote(self.root, kid, result.value, len(data), t0, reason=why)
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+        return result
+
+    def _store(self, kid: str, data: bytes) -> tuple[WriteResult, str | None]:
+        """Store one entry and count it; with ``DROPPED``, why."""
         if self._max is not None and len(data) + _MANIFEST_MAX_BYTES > self._max:
             # It could never fit: storing it would only evict everything else, then itself.
             self._counters.add("dropped_writes")
             self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
-            return WriteResult.DROPPED
+            return WriteResult.DROPPED, f"larger than max_size_bytes={self._max}"
         try:
             result = self._commit(kid, data, blake3(data).hexdigest())
         except OSError as exc:
@@ -169,14 +223,14 @@ class CacheStore:
                 raise
             self._counters.add("dropped_writes")
             self._note("write dropped", exc.errno or 0, str(exc))
-            return WriteResult.DROPPED
+            return WriteResult.DROPPED, str(exc)
         if not result:
             self._counters.add("dropped_writes")
-            return result
+            return result, "a shard is not a directory, or a file stayed locked"
         self._counters.add("writes")
         if result is WriteResult.DEDUPLICATED:
             self._counters.add("dedup_writes")
-        return result
+        return result, None
 
     def _commit(self, kid: str, data: bytes, digest: str) -> WriteResult:
         """The write protocol for one entry, then the cap's accounting; retires the blob it replaced."""
@@ -260,12 +314,27 @@ class CacheStore:
 
     def counters(self) -> dict[str, int]:
         """This instance's counters (and its shared stores' errors), without scanning the disk."""
-        counts = self._counters.as_dict()
-        for store in self.shared:
-            theirs = store.counters.as_dict()
-            counts["errors"] += theirs["errors"]
-            counts["corrupt"] += theirs["corrupt"]
-        return counts
+        return _merged(self._counters, tuple(s.counters for s in self.shared))
+
+    # -- lifetime counters -----------------------------------------------------------
+
+    def _flush_on_the_way(self) -> None:
+        """Record the counts in the lifetime counters, at most once per interval (a lookup or write is due)."""
+        self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+        if self._lifetime is not None:
+            self._lifetime.flush()
+
+    def flush(self) -> bool:
+        """Record this instance's counts in the cache's lifetime counters now (False: they wait for the next flush).
+
+        A no-op on a read-only cache. Counts are recorded anyway, at most once a
+        second, at ``close()``, at garbage collection and at exit.
+        """
+        return self._lifetime is None or self._lifetime.flush(last=True)
+
+    def close(self) -> None:
+        """Record the counts (see :meth:`flush`). Nothing else is held open; the store stays usable."""
+        self.flush()
 
     def stats(self) -> CacheStats:
         """What the local cache holds now (a scan) and this instance's counters."""
@@ -282,3 +351,32 @@ class CacheStore:
 
     def shared_paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.shared)
+
+
+class _Problems:
+    """Logs the local cache's problems once per kind, at WARNING."""
+
+    def __init__(self, root: str, counters: Counters) -> None:
+        self._root = root
+        self._counters = counters
+        self._warned: set[tuple[str, int]] = set()
+
+    def note(self, what: str, code: int, message: str) -> None:
+        if (what, code) in self._warned:
+            return
+        self._warned.add((what, code))
+        _log.warning("cuda-program-cas: %s (%s): %s", self._root, what, message)
+
+    def strange_shard(self, shard: str) -> None:
+        self._counters.add("corrupt")
+        self.note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+
+
+def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
+    """An instance's counts: its own, with its shared stores' errors and corrupt files."""
+    counts = local.as_dict(lock=lock)
+    for store in shared:
+        theirs = store.as_dict(lock=lock)
+        counts["errors"] += theirs["errors"]
+        counts["corrupt"] += theirs["corrupt"]
+    return counts

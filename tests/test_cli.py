@@ -34,6 +34,7 @@ STATS_KEYS = {
     "cap_used_percent", "oldest_use", "newest_use", "files", "directories", "inodes", "disk_bytes",
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
+    "counters", "hit_rate", "counters_zeroed_at",
 }  # fmt: skip
 VERIFY_KEYS = {
     "root", "repair", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",

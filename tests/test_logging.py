@@ -1,0 +1,234 @@
+"""What the ``cas`` logger says: one DEBUG record per lookup (with why a miss missed), per write,
+eviction and collection; one WARNING per process for a shared store that cannot be used; nothing
+at all, not even a clock reading, with logging off; ``CUDA_PROGRAM_CAS_LOG`` in a real process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_python
+
+import cas._shared as shared_mod
+import cas._store as store_mod
+from cas import CacheStore, collect, digest_of
+from cuda_program_cas_index import key_id
+
+
+def records(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "cas_event", None) == event]
+
+
+def lookups(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "cas_event", None) in ("hit", "miss")]
+
+
+def test_one_record_per_lookup_hit_or_miss_with_the_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="cas")
+    store = CacheStore(tmp_path / "cas")
+    for key in ("good", "damaged", "misplaced", "blob gone", "bad blob"):
+        store.put(key, f"bytes of {key}".encode())
+    lay = store.layout
+    Path(lay.manifest_path(key_id("damaged"))).write_bytes(b"cpcas2 garbage\n")
+    shutil.copy(lay.manifest_path(key_id("good")), lay.manifest_path(key_id("misplaced")))
+    os.unlink(lay.blob_path(digest_of(b"bytes of blob gone")))
+    Path(lay.blob_path(digest_of(b"bytes of bad blob"))).write_bytes(b"bytes of bad blOb")
+    caplog.clear()
+
+    expected = {
+        "good": None,
+        "never stored": "local: no entry",
+        "damaged": "local: damaged manifest",
+        "misplaced": "local: misplaced manifest (another key's)",
+        "blob gone": "local: blob missing",
+        "bad blob": "local: damaged blob",
+    }
+    for key, reason in expected.items():
+        caplog.clear()
+        found = store.get(key)
+        assert (found is None) == (reason is not None), key
+        (record,) = lookups(caplog)
+        assert record.levelno == logging.DEBUG and record.name == "cas"
+        assert record.cas_key == key_id(key)[:12]  # type: ignore[attr-defined]
+        assert isinstance(record.cas_us, int) and record.cas_us >= 0  # type: ignore[attr-defined]
+        message = record.getMessage()
+        assert key_id(key)[:12] in message and str(tmp_path / "cas") in message
+        if reason is None:
+            assert record.cas_event == "hit" and record.cas_store == "local"  # type: ignore[attr-defined]
+            assert " hit local key " in message
+        else:
+            assert record.cas_event == "miss" and record.cas_reason == reason, key  # type: ignore[attr-defined]
+            assert f"({reason})" in message
+
+
+def test_a_shared_store_hit_or_miss_names_the_store(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared"
+    CacheStore(shared).put("k", b"shared bytes")
+    caplog.set_level(logging.DEBUG, logger="cas")
+    gone = tmp_path / "gone"
+    store = CacheStore(tmp_path / "local", shared=[gone, shared], copy_shared_hits=False)
+    caplog.clear()
+    assert store.get("k") == b"shared bytes"
+    (hit,) = lookups(caplog)
+    assert hit.cas_event == "hit" and hit.cas_store == f"shared {shared}"  # type: ignore[attr-defined]
+    caplog.clear()
+    assert store.get("other") is None
+    (miss,) = lookups(caplog)
+    reason = miss.cas_reason  # type: ignore[attr-defined]
+    assert reason.startswith(f"local: no entry; shared {gone}: store not usable: ")
+    assert "missing" in reason and reason.endswith(f"; shared {shared}: no entry")
+
+
+def test_writes_evictions_and_collections_get_a_record(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="cas")
+    store = CacheStore(tmp_path / "cas", max_size_bytes=4000)
+    store.put("a", b"x" * 1000)
+    store.put("b", b"x" * 1000)
+    store.put("huge", b"y" * 5000)
+    written = [(r.cas_event, r.cas_key, r.cas_bytes) for r in caplog.records if hasattr(r, "cas_bytes")]  # type: ignore[attr-defined]
+    assert written == [
+        ("stored", key_id("a")[:12], 1000),
+        ("deduplicated", key_id("b")[:12], 1000),
+        ("dropped", key_id("huge")[:12], 5000),
+    ]
+    assert "larger than max_size_bytes=4000" in records(caplog, "dropped")[0].getMessage()
+    for i in range(6):
+        store.put(f"new {i}", os.urandom(900))
+    (evict, *_) = records(caplog, "evict")
+    assert evict.cas_entries >= 1 and evict.cas_bytes > 0  # type: ignore[attr-defined]
+    assert "evicted" in evict.getMessage() and "freed" in evict.getMessage()
+    caplog.clear()
+    report = collect(tmp_path / "cas", grace_s=0)
+    (gc_record,) = records(caplog, "gc")
+    assert gc_record.cas_entries == report.entries_removed  # type: ignore[attr-defined]
+    assert gc_record.cas_bytes == report.bytes_freed  # type: ignore[attr-defined]
+    assert "gc removed" in gc_record.getMessage()
+
+
+def test_with_logging_off_there_is_no_record_and_no_clock(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO, logger="cas")
+
+    def no_clock() -> int:
+        raise AssertionError("the clock was read with DEBUG off")
+
+    monkeypatch.setattr(store_mod, "_perf_ns", no_clock)
+    store = CacheStore(tmp_path / "cas", shared=[tmp_path / "cas"])
+    store.put("k", b"v")
+    assert store.get("k") == b"v" and store.get("nothing") is None
+    assert [r for r in caplog.records if r.levelno < logging.WARNING] == []
+
+
+# -- loud misconfiguration ----------------------------------------------------------------------
+
+
+def test_a_mistyped_shared_path_warns_once_per_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(shared_mod, "time", clock)
+    caplog.set_level(logging.DEBUG, logger="cas")
+    typo = tmp_path / "shraed"
+    first = CacheStore(tmp_path / "one", shared=[typo])
+    for _ in range(3):  # each past the retry interval: the store is checked again, and fails again
+        clock.ahead += shared_mod.RETRY_S
+        assert first.get("k") is None
+    assert first.counters()["errors"] == 4
+    second = CacheStore(tmp_path / "two", shared=[typo])  # another cache, the same process
+    assert second.get("k") is None
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    message = warned[0].getMessage()
+    assert str(typo) in message and "is missing" in message and "once per process" in message
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if r is not warned[0])
+
+
+def test_a_store_of_a_newer_layout_or_not_a_cache_warns_naming_the_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    newer = tmp_path / "newer"
+    CacheStore(newer)
+    (newer / "layout.json").write_text('{"layout": "cuda-program-cas", "version": 99}')
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a cache")
+    caplog.set_level(logging.WARNING, logger="cas")
+    CacheStore(tmp_path / "local", shared=[newer, foreign])
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert str(newer) in messages[0] and "layout version 99" in messages[0]
+    assert str(foreign) in messages[1] and "not a cuda-program-cas cache" in messages[1]
+
+
+class _Clock:
+    """``time`` for cas._shared with a monotonic clock the test moves on (the rest is the real one)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_a_store_that_goes_away_later_is_not_a_warning_on_any_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"
+    CacheStore(shared).put("k", b"v")
+    clock = _Clock()
+    monkeypatch.setattr(shared_mod, "time", clock)
+    caplog.set_level(logging.DEBUG, logger="cas")
+    store = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
+    assert store.get("k") == b"v"
+    shared.rename(tmp_path / "away")  # unmounted, say
+    for _ in range(5):
+        clock.ahead += shared_mod.RETRY_S
+        assert store.get("k") is None
+    (tmp_path / "away").rename(shared)
+    clock.ahead += shared_mod.RETRY_S
+    assert store.get("k") == b"v"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# -- CUDA_PROGRAM_CAS_LOG ---------------------------------------------------------------------
+
+
+def test_the_log_variable_appends_the_records_to_a_file(tmp_path: Path) -> None:
+    log = tmp_path / "cas.log"
+    code = (
+        "import sys\nfrom cas import CacheStore\n"
+        f"c = CacheStore({str(tmp_path / 'cas')!r}, shared=[{str(tmp_path / 'nowhere')!r}])\n"
+        "c.put('k', b'value')\n"
+        "assert c.get('k') == b'value' and c.get('other') is None\n"
+    )
+    for _ in range(2):
+        proc = run_python(code, env={"CUDA_PROGRAM_CAS_LOG": str(log)})
+        assert proc.returncode == 0, proc.stderr
+    lines = log.read_text().splitlines()
+    kid = key_id("k")[:12]
+    # Once per process each: the warning (and in each, its own first write of the key).
+    assert sum("WARNING cuda-program-cas: shared store" in line for line in lines) == 2, lines
+    for what in (" stored key " + kid, " deduplicated key " + kid):
+        assert sum(what in line for line in lines) == 1, (what, lines)
+    assert sum(f" hit local key {kid} in " in line for line in lines) == 2
+    assert sum(" miss key " in line and "(local: no entry; shared " in line for line in lines) == 2
+    pids = {line.split()[2] for line in lines}
+    assert len(pids) == 2  # two processes appended to one file
+    # The warning of the first process also went to stderr (Python's last resort); no DEBUG did.
+    assert "DEBUG" not in proc.stderr
+
+
+def test_a_log_file_that_cannot_be_opened_is_a_warning_not_a_failure(tmp_path: Path) -> None:
+    code = f"from cas import CacheStore\nc = CacheStore({str(tmp_path / 'cas')!r})\nc.put('k', b'v')\n"
+    proc = run_python(code, env={"CUDA_PROGRAM_CAS_LOG": str(tmp_path)})  # a directory
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA_PROGRAM_CAS_LOG" in proc.stderr and "cannot be opened" in proc.stderr
