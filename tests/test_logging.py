@@ -145,7 +145,7 @@ def test_a_mistyped_shared_path_warns_once_per_process(
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     message = warned[0].getMessage()
-    assert str(typo) in message and "is missing" in message and "once per process" in message
+    assert str(typo) in message and "unusable: missing" in message and "once per process" in message
     assert all(r.levelno == logging.DEBUG for r in caplog.records if r is not warned[0])
 
 
