@@ -12,7 +12,8 @@ ours / filestream and the target from issue 3.
     python tools/bench.py --only hit_first,store
 
 Workloads: hit_first (first hit of each key in a fresh process), hit_repeat (repeated
-hits in one process), compile_hit (``Program.compile(cache=...)`` hit), store (new and
+hits in one process; and, ours only, what the lifetime counters and the per-lookup
+records cost a hit with logging off), compile_hit (``Program.compile(cache=...)`` hit), store (new and
 already-stored content), cap_writes (writes at the size cap), footprint (disk use on a
 real NVRTC dedup workload), processes (4 and 8 processes, 90 % reads), cold_start.
 Nothing here asserts speed; ``--quick`` only proves the tool runs.
@@ -366,7 +367,89 @@ def w_hit_repeat(cfg: Config, base: str) -> Result:
         )
         res.add(Row(f"repeated hit {fmt_size(size)}, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
     res.notes.append(f"{cfg.repeat_keys} keys per size, {cfg.repeat_passes} timed passes after one warm-up pass")
+    cost = res.details["counters_cost"] = _counters_cost(cfg, base)
+    res.notes.append(
+        f"lifetime counters and per-lookup records, logging off: {cost['per_hit_us']:.3f} us per hit = checks "
+        f"{cost['checks_us']:.3f} us + {cost['flushes']} flushes of {cost['flush_us']:.0f} us over "
+        f"{cost['hits']:,} hits in {cost['seconds']:.1f} s (ours, 8 KB repeated hits of {cost['hit_us']:.1f} us)"
+    )
     return res
+
+
+def _counters_cost(cfg: Config, base: str) -> dict[str, float]:
+    """What the lifetime counters and the per-lookup DEBUG records add to a hit with logging off (ours only).
+
+    With logging off, a lookup adds two checks (is DEBUG on for ``cas``, is a flush
+    due) and, at most once a second, a flush: one line appended to the cache's
+    ``counters`` file. The checks are timed as ``CacheStore.get`` makes them, a
+    flush as ``close()`` makes it, and the flushes counted in a run of hits as long
+    as a real job's burst (lines added to the file).
+    """
+    import logging
+
+    log = logging.getLogger("cas")
+    if log.isEnabledFor(logging.DEBUG):
+        raise RuntimeError("the counters' cost is measured with logging off; the cas logger is at DEBUG")
+    path = os.path.join(base, "ours-counters")
+    cache = open_cache("ours", path)
+    keys = [key_for("counters", i) for i in range(cfg.repeat_keys)]
+    for i, k in enumerate(keys):
+        cache[k] = payload(8 * KB, i)
+    get = cache.get
+    for k in keys:
+        get(k)
+    cache.close()
+    counters_file = os.path.join(path, "counters")
+    n = 20_000 if cfg.quick else 200_000
+    is_on, debug, clock, never = log.isEnabledFor, logging.DEBUG, time.monotonic, float("inf")
+    with Timer():
+        t0 = perf_ns()
+        for _ in range(n):
+            if is_on(debug):
+                pass
+            if clock() >= never:
+                pass
+        t1 = perf_ns()
+        for _ in range(n):
+            pass
+        t2 = perf_ns()
+        flushes = []
+        for k in keys[:20]:
+            get(k)
+            t3 = perf_ns()
+            cache.close()  # one line appended
+            flushes.append(perf_ns() - t3)
+        lines_before = _lines(counters_file)
+        hits = 0
+        seconds = 1.5 if cfg.quick else 3.0  # past at least one flush interval
+        t4 = perf_ns()
+        end = t4 + int(seconds * 1e9)
+        while perf_ns() < end:
+            for k in keys:
+                get(k)
+            hits += len(keys)
+        t5 = perf_ns()
+        lines_after = _lines(counters_file)
+    checks_us = max(0, (t1 - t0) - (t2 - t1)) / n / 1000
+    flush_us = median(flushes) / 1000
+    flushed = max(0, lines_after - lines_before)
+    return {
+        "checks_us": checks_us,
+        "flush_us": flush_us,
+        "flushes": flushed,
+        "hits": hits,
+        "seconds": (t5 - t4) / 1e9,
+        "hit_us": (t5 - t4) / hits / 1000,
+        "per_hit_us": checks_us + flushed * flush_us / hits,
+    }
+
+
+def _lines(path: str) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 # -- workload 2: Program.compile(cache=...) hit ---------------------------------------
