@@ -24,10 +24,13 @@ child) loses what it counted since its last flush, and nothing else.
 
 Why this design rather than one small file rewritten at each flush:
 
-- A flush is one ``write`` of about 60 bytes under a short blocking ``filelock`` on
+- A flush is one ``write`` of about 60 bytes under a short blocking lock on
   ``counters.lock``: many processes flushing at once are serialised, so none loses
   a count, and no flush costs a temp file and a rename (no directory churn, on NFS
-  no extra round trips, at every process exit of a thousand-process job).
+  no extra round trips, at every process exit of a thousand-process job). The
+  lock is ``flock`` itself where there is one (what ``filelock`` takes on POSIX,
+  without its 20-70 ms import and 250 us per lock: a flush costs tens of
+  microseconds, at every exit too), else ``filelock``.
 - A process killed while flushing leaves at most a torn last line; the lock is an
   OS lock, released by the kill. Readers ignore the torn line and the next writer
   starts its own line on a new line. Damage (a flipped bit, a power loss: nothing
@@ -48,6 +51,7 @@ local cache's file, as ``hits`` and ``shared_hits``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import os
@@ -56,7 +60,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from stat import S_ISREG
 
@@ -64,6 +68,11 @@ from ._errors import CacheError
 from ._files import READ_FLAGS, NotRegularFile
 from ._layout import Layout
 from ._writer import atomic_write
+
+try:
+    import fcntl
+except ImportError:  # Windows: filelock
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["COMPACT_BYTES", "FLUSH_INTERVAL_S", "NAMES", "Lifetime", "Recorder", "read_counters", "zero_counters"]
 
@@ -88,6 +97,9 @@ _APPEND_FLAGS = (
     | getattr(os, "O_NOFOLLOW", 0)
     | getattr(os, "O_NONBLOCK", 0)
     | getattr(os, "O_CLOEXEC", 0)
+)
+_LOCK_FLAGS = (
+    os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 )
 _LINE_RE = re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
 
@@ -171,26 +183,66 @@ def read_counters(lay: Layout) -> Lifetime:
     return _parse(_read(lay.counters))[0]
 
 
+class _Busy(Exception):
+    """``counters.lock`` stayed held by someone else."""
+
+
+@contextlib.contextmanager
+def _locked(path: str, wait_s: float) -> Iterator[None]:
+    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`_Busy` after ``wait_s``.
+
+    Never creates the cache directory (``filelock`` would, for a cache removed meanwhile).
+    """
+    if fcntl is None:
+        try:
+            import filelock
+
+            file_lock, timeout = filelock.FileLock, filelock.Timeout
+        except AttributeError:  # half imported: a collection in its import flushes a dropped instance
+            raise _Busy from None
+        lock = file_lock(path, timeout=wait_s)
+        try:
+            lock.acquire(blocking=wait_s > 0)
+        except timeout:
+            raise _Busy from None
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    fd = os.open(path, _LOCK_FLAGS, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Busy from None
+                time.sleep(min(pause, left))  # holders keep it for microseconds
+                pause = min(2 * pause, 0.05)
+        yield  # closing the descriptor releases the lock
+    finally:
+        os.close(fd)
+
+
 def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
     """Set the lifetime counters of ``lay`` to zero; returns what they were.
 
     Counts that running processes have not flushed yet arrive after the zero.
     Raises :class:`cas.CacheError` when another process holds the lock for ``wait_s``.
     """
-    import filelock
-
     try:
-        lock = filelock.FileLock(lay.counters_lock, timeout=wait_s)
-        lock.acquire()
-    except filelock.Timeout:
+        with _locked(lay.counters_lock, wait_s):
+            before = _parse(_read(lay.counters))[0]
+            atomic_write(lay.counters, _encode("z1", [time.time_ns()]), lay.tmp)
+    except _Busy:
         raise CacheError(
             f"cannot zero the counters of {lay.root!r}: {lay.counters_lock} is held by another process"
         ) from None
-    try:
-        before = _parse(_read(lay.counters))[0]
-        atomic_write(lay.counters, _encode("z1", [time.time_ns()]), lay.tmp)
-    finally:
-        lock.release()
     return before
 
 
@@ -271,37 +323,21 @@ class Recorder:
     def _record(self, line: bytes, wait_s: float) -> bool:
         lay = self._lay
         if not os.path.isdir(lay.index):
-            return False  # the cache was removed (and filelock would create its directory again)
+            return False  # the cache was removed
         try:
-            import filelock
-
-            file_lock, timeout = filelock.FileLock, filelock.Timeout
-        except AttributeError:
-            # filelock is half imported: a garbage collection in the middle of its import, in
-            # this thread, is flushing a dropped instance. The next flush records it.
-            return False
-        try:
-            lock = file_lock(lay.counters_lock, timeout=wait_s)
-            lock.acquire(blocking=wait_s > 0)
-        except timeout:
+            with _locked(lay.counters_lock, wait_s):
+                size = _append(lay.counters, line)
+                if size > COMPACT_BYTES:
+                    try:
+                        _compact(lay)
+                    except OSError as exc:  # the line is recorded; the next flush compacts
+                        self._failed_once(exc)
+        except _Busy:
             return False
         except OSError as exc:
             self._failed_once(exc)
             return False
-        try:
-            try:
-                size = _append(lay.counters, line)
-            except OSError as exc:
-                self._failed_once(exc)
-                return False
-            if size > COMPACT_BYTES:
-                try:
-                    _compact(lay)
-                except OSError as exc:  # the line is recorded; the next flush compacts
-                    self._failed_once(exc)
-            return True
-        finally:
-            lock.release()
+        return True
 
     def _failed_once(self, exc: OSError) -> None:
         code = exc.errno or 0
@@ -322,7 +358,7 @@ class Recorder:
 
 
 _LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
-#: Recorders whose last flush failed (a busy lock, filelock half imported), tried once more at exit.
+#: Recorders whose last flush failed (a busy lock), tried once more at exit.
 _PENDING: list[Recorder] = []
 
 
