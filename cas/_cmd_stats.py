@@ -22,6 +22,7 @@ from ._config import ENV_MAX_SIZE, parse_size
 from ._layout import stale_temp_files
 from ._lifetime import NAMES, read_counters, zero_counters
 from ._maint import open_cache
+from ._packmaint import pack_stats
 from ._scan import take_snapshot
 
 __all__ = ["gather", "register"]
@@ -111,6 +112,7 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "size_mismatch_manifests": sum(c is Condition.SIZE_MISMATCH for c in conditions),
         "stale_temp_files": len(stale_temp_files(lay.tmp)),
         "quarantined_files": quarantined,
+        **pack_stats(lay),
         "counters": life.counters,
         "hit_rate": None if life.hit_rate is None else round(life.hit_rate, 4),
         "counters_zeroed_at": _iso(life.zeroed_ns),
@@ -196,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
         ("garbage", ", ".join(garbage)),
         *_counter_rows(info, when),
     ]
+    if info["packs"] or info["retired_packs"]:
+        rows.append((
+            "packs",
+            f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry', 'entries')} "
+            f"({fmt_bytes(info['pack_bytes'])}), {info['retired_packs']:,} retired (gc removes them after --grace)",
+        ))  # fmt: skip
     if info["quarantined_files"]:
         rows.append(("quarantine", plural(info["quarantined_files"], "bad blob") + " kept for inspection"))
     for label, value in rows:

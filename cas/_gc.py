@@ -38,6 +38,7 @@ from ._events import collected
 from ._evict import plan_lru
 from ._layout import Layout, is_shared_store, stale_temp_files
 from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, check_blobs, open_cache
+from ._packmaint import collect_packs
 from ._remove import RemovalPlan, Remover, removable_orphans
 from ._report import ProblemLog
 from ._scan import ManifestInfo, Snapshot, take_snapshot
@@ -99,6 +100,8 @@ class GcReport(ProblemLog):
     #: Problems found that this run did not fix (each one line).
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
+    #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
+    packs: dict[str, object] = field(default_factory=dict)
 
     @property
     def entries_after(self) -> int:
@@ -225,6 +228,24 @@ def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
     if progress:
         progress("scanning", 0, 0)
     lay = cache.lay
+    # Packs first: loose entries a pack has held for a grace period go, their blobs freshened
+    # so that they wait out a grace period of their own as orphans.
+    packed = collect_packs(
+        lay,
+        None if opts.dry_run else cache.remover,
+        grace_s=opts.grace_s,
+        max_age_s=opts.max_age_s,
+        max_size=opts.max_size,
+    )
+    report.packs = {
+        "retired_removed": packed.retired_removed,
+        "retired_bytes": packed.retired_bytes,
+        "loose_removed": packed.loose_removed,
+        "entries_dropped": packed.entries_dropped,
+        "repacked_into": packed.repacked_into,
+    }
+    for text in packed.problems:
+        report.problem(text)
     snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if opts.dry_run else lay.tmp)
     report.started_ns = snap.started_ns
     report.entries_before = len(snap.manifests)

@@ -66,6 +66,7 @@ _OWN_NAMES = frozenset(
         "gc.lock",
         COUNTERS_FILE,
         COUNTERS_LOCK,
+        "packs",
     }
 )
 

@@ -26,6 +26,7 @@ import time
 from ._errors import LayoutError
 from ._files import ShardGuard
 from ._layout import Layout, LayoutState, check_layout
+from ._pack import PackSet
 from ._reader import Reader
 from ._stats import Counters
 
@@ -78,6 +79,8 @@ class SharedStore:
         self._usable_at = 0.0  # when to try opening again; 0 = usable
         self._why_not = ""  # why it is not usable now
         self._reader = Reader(self._lay, self.counters, ShardGuard(), None, note=self._note, on_error=self._read_error)
+        #: The store's packs (publish --pack), asked before its loose entries: a pack hit costs no lookup of a path.
+        self._packs = PackSet(self.root, on_damage=self._pack_damaged)
         self._open(first=_first_look(self.root))
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
@@ -85,7 +88,14 @@ class SharedStore:
         if self._usable_at and (time.monotonic() < self._usable_at or not self._open()):
             self._reader.missed(f"store not usable: {self._why_not}")
             return None
+        found = self._packs.lookup(kid)
+        if found is not None:
+            return found
         return self._reader.lookup(kid)
+
+    def _pack_damaged(self, path: str) -> None:
+        self.counters.add("corrupt")
+        self._note("damaged pack", 0, f"{path}: an entry's blob is damaged or unreadable; it is a miss")
 
     def miss_reason(self) -> str:
         """Why this thread's last lookup here missed."""

@@ -27,14 +27,14 @@ GC_KEYS = {
     "root", "dry_run", "shared", "blobs_deferred", "started_ns", "elapsed_s", "entries_before", "blobs_before",
     "bytes_before",
     "entries_removed", "blobs_removed", "bytes_freed", "temp_files_removed", "temp_bytes_freed",
-    "kept_changed", "plan", "problems", "problem_count", "entries_after", "blobs_after", "bytes_after",
+    "kept_changed", "plan", "problems", "problem_count", "entries_after", "blobs_after", "bytes_after", "packs",
 }  # fmt: skip
 STATS_KEYS = {
     "path", "entries", "blobs", "logical_bytes", "stored_bytes", "dedup_ratio", "max_size_bytes",
     "cap_used_percent", "oldest_use", "newest_use", "files", "directories", "inodes", "disk_bytes",
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
-    "counters", "hit_rate", "counters_zeroed_at",
+    "counters", "hit_rate", "counters_zeroed_at", "packs", "packed_entries", "pack_bytes", "retired_packs",
 }  # fmt: skip
 VERIFY_KEYS = {
     "root", "repair", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",
