@@ -288,7 +288,8 @@ def cccl_include() -> str | None:
     """The CCCL headers: the nvidia-cuda-cccl wheel's, else the toolkit's."""
     import site
 
-    for base in (*site.getsitepackages(), "/usr/local/cuda/include", *glob.glob("/usr/local/cuda-*/include")):
+    bases = (*sys.path, *site.getsitepackages(), "/usr/local/cuda/include", *glob.glob("/usr/local/cuda-*/include"))
+    for base in bases:
         for candidate in (os.path.join(base, "nvidia", "cu13", "include", "cccl"), os.path.join(base, "cccl")):
             if os.path.isfile(os.path.join(candidate, "cub", "cub.cuh")):
                 return candidate

@@ -1006,7 +1006,8 @@ def _cccl_include() -> str | None:
     import glob
     import site
 
-    for base in (*site.getsitepackages(), "/usr/local/cuda/include", *glob.glob("/usr/local/cuda-*/include")):
+    bases = (*sys.path, *site.getsitepackages(), "/usr/local/cuda/include", *glob.glob("/usr/local/cuda-*/include"))
+    for base in bases:
         for candidate in (os.path.join(base, "nvidia", "cu13", "include", "cccl"), os.path.join(base, "cccl")):
             if os.path.isfile(os.path.join(candidate, "cub", "cub.cuh")):
                 return candidate
