@@ -350,7 +350,7 @@ def test_processes_compiling_while_a_header_changes_never_get_a_result_of_other_
     source = tmp_path / "source.cu"
     source.write_text(SOURCE)
     args = [str(tmp_path / "cas"), str(tree["first"]), str(tree["second"]), str(tree["pre"]), "6", str(source)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     procs = [
         subprocess.Popen([sys.executable, "-c", _RACER, *args], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(3)
@@ -378,6 +378,7 @@ def test_processes_compiling_while_a_header_changes_never_get_a_result_of_other_
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+            proc.communicate()  # reaps it and closes its pipe
     for line in lines:
         state, code, value = line.split()
         if state == "same":  # the header did not change around the call: the result must be built from it

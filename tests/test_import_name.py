@@ -104,7 +104,7 @@ def test_the_shadow_really_shadows(tmp_path: Path) -> None:
     workdir = tmp_path / "project"
     workdir.mkdir()
     shadow(workdir, "module")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     env.pop("PYTHONSAFEPATH", None)
     result = subprocess.run(
         [sys.executable, "-c", "import index"], cwd=workdir, env=env, capture_output=True, text=True, check=False

@@ -207,7 +207,7 @@ def test_readers_while_publish_pack_repack_and_gc_run(tmp_path: Path) -> None:
     store = tmp_path / "store"
     gens = {"a": 30, "b": 30, "c": 30}
     publish([source(tmp_path / "a", "a", 30)], store, pack=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     readers = [
         subprocess.Popen(
             [sys.executable, "-c", _READER, str(store), str(tmp_path / f"r{k}"), json.dumps(gens)],
@@ -264,7 +264,7 @@ def test_two_publishers_at_once_and_a_killed_one(tmp_path: Path) -> None:
     source(tmp_path / "x", "x", 40)
     source(tmp_path / "y", "y", 40)
     code = "import sys; from cas import publish; publish([sys.argv[1]], sys.argv[2], pack=True)"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / s), str(store)], env=env) for s in ("x", "y")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
