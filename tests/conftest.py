@@ -85,3 +85,132 @@ def write_manifest(root: os.PathLike[str] | str, key: str | bytes, digest: str, 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(Manifest(digest, size, kid).encode())
     return path
+
+
+# -- signals between processes: a test waits for what a child says, never for a duration -----------------
+
+
+class ChildLines:
+    """What a child process says on stdout, line by line, for a parent that waits on it.
+
+    A child that reaches a point prints a line saying so (flushed); the parent blocks in
+    :meth:`wait` until that line has come, and fails when the child exits first or the
+    timeout passes: never a sleep of a guessed length. Threads read stdout (and stderr,
+    when it is a pipe) as it comes, so a child that prints a lot never blocks on a pipe.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        import threading
+
+        assert proc.stdout is not None, "the child's stdout must be a pipe"
+        self.proc = proc
+        self.lines: list[str] = []
+        self.stderr = ""
+        self.timed_out = False
+        self._next = 0  # the first line that no wait has looked at yet
+        self._eof = False
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._read_stdout, daemon=True)]
+        if proc.stderr is not None:
+            self._threads.append(threading.Thread(target=self._read_stderr, daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        self.stderr = self.proc.stderr.read()
+
+    def wait(self, word: str, at_least: int | None = None, timeout: float = 60.0) -> str:
+        """Block until the child prints the line ``word`` (with ``at_least``: ``word N``, N >= at_least); return it.
+
+        Each line is looked at by one wait only: a later wait sees the lines after it.
+        """
+        import time
+
+        def says(line: str) -> bool:
+            if at_least is None:
+                return line == word
+            parts = line.split()
+            return len(parts) == 2 and parts[0] == word and parts[1].isdigit() and int(parts[1]) >= at_least
+
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                while self._next < len(self.lines):
+                    line = self.lines[self._next]
+                    self._next += 1
+                    if says(line):
+                        return line
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    break
+                self._cond.wait(left)
+        what = word if at_least is None else f"{word} N, N >= {at_least}"
+        if self._eof:
+            code = self.finish(timeout=30)
+            raise AssertionError(f"the child exited {code} before it said {what!r}:\n{self.output()}")
+        raise AssertionError(f"the child did not say {what!r} within {timeout:g} s:\n{self.output()}")
+
+    def finish(self, timeout: float = 60.0) -> int:
+        """Wait for the child to exit and return its exit status; past ``timeout`` it is killed (``timed_out``)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            self.proc.kill()
+            self.proc.wait()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """Kill the child if it still runs, and reap it (for clean-up after a failure)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.finish()
+
+    def output(self) -> str:
+        """Everything the child said, stdout then stderr (for failure messages)."""
+        with self._cond:
+            out = "\n".join(self.lines)
+        return ("[timed out and killed]\n" if self.timed_out else "") + out + "\n" + self.stderr
+
+
+class StartGate:
+    """A start line for child processes: their stdin is one pipe, and each blocks reading a byte from it.
+
+    Pass ``stdin=gate.fd`` to each Popen. :meth:`open` writes a byte for every child in
+    one write, so they all start together; a parent that gives up (or dies) first only
+    closes the pipe, and the children, reading end of file, exit. The child's side::
+
+        if os.read(0, 1) != b"g":
+            sys.exit("the parent gave up before the start")
+    """
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        self._open_fds = [self.fd, self._write_fd]
+
+    def open(self, children: int) -> None:
+        os.write(self._write_fd, b"g" * children)
+        self.close()
+
+    def close(self) -> None:
+        while self._open_fds:
+            os.close(self._open_fds.pop())

@@ -21,10 +21,11 @@ from pathlib import Path
 import cuda.core._program as program_mod
 import pytest
 from conftest import REPO, SAXPY, compile_program, is_root
-from cuda_program_cas_index import Manifest, key_id
 
+import cas._shared as shared_mod
 from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
 from cas._shared import RETRY_S as _SHARED_RETRY_S
+from cuda_program_cas_index import Manifest, key_id
 
 #: A second kernel, so the shared store holds more than one distinct binary.
 SCALE = r"""
@@ -302,7 +303,7 @@ def test_hostile_entries_through_program_cache(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "not-a-cache", "a-file", "newer-layout", "damaged-layout"])
 def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
-    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared = tmp_path / "shared"
     if kind == "empty":
@@ -319,6 +320,9 @@ def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
     node = tmp_path / "node"
     CacheStore(node).put("k", b"published bytes")
     caplog.set_level("DEBUG", logger="cas")
+    # The retry waits on the clock, not on another process: the test moves the store's clock on, not sleeps.
+    clock = _MovableClock()
+    monkeypatch.setattr(shared_mod, "time", clock)
     cache = CacheStore(tmp_path / "local", shared=[shared])
     for _ in range(3):
         assert cache.get("k") is None
@@ -340,13 +344,23 @@ def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
     report = publish([node], shared)
     assert report.published == 1
     assert CacheStore(tmp_path / "fresh", shared=[shared]).get("k") == b"published bytes"
-    if kind != "missing":
-        return  # the wait below is the same for every kind; pay for it once
-    deadline = time.monotonic() + 3 * _SHARED_RETRY_S
     while cache.get("k") is None:
-        assert time.monotonic() < deadline, "the shared store was not picked up after it appeared"
-        time.sleep(0.2)
+        assert clock.ahead < 3 * _SHARED_RETRY_S, "the shared store was not picked up after it appeared"
+        clock.ahead += _SHARED_RETRY_S / 25
     assert cache.get("k") == b"published bytes"
+
+
+class _MovableClock:
+    """``time`` for cas._shared, with a monotonic clock that a test moves ``ahead`` (the rest is the real one)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
 
 
 @pytest.mark.mount

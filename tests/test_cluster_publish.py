@@ -19,23 +19,35 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_python
+from conftest import REPO, ChildLines, run_python
 
 from cas import CacheStore, digest_of, publish
 from cas._cli import main as cli_main
 
 READER = r"""
-import json, os, random, sys
+import json, os, random, signal, sys
 from cas import CacheStore
-shared, local, expected_path, stop, gone, ready, copy = sys.argv[1:8]
+shared, local, expected_path, stop, gone, copy = sys.argv[1:7]
 expected = {k: {bytes.fromhex(v) for v in vs} for k, vs in json.load(open(expected_path)).items()}
+# The parent marks a point with SIGUSR1; "round N" says a round begun after the N-th mark is done.
+epoch = reported = 0
+def on_mark(signum, frame):
+    global epoch
+    epoch += 1
+signal.signal(signal.SIGUSR1, on_mark)
+def round_done(begun):
+    global reported
+    if begun >= reported:
+        print("round", begun, flush=True)
+        reported = begun + 1
 if copy == "check":
     # No collector runs: a manifest whose blob is absent means publish broke its order.
     from cas._files import scan_sharded
     from cuda_program_cas_index import parse_manifest
-    open(ready, "w").close()
+    print("ready", flush=True)
     checked = 0
     while not os.path.exists(stop):
+        begun = epoch
         for kid, path, _st in scan_sharded(os.path.join(shared, "index")):
             try:
                 manifest = parse_manifest(open(path, "rb").read(), kid)
@@ -47,14 +59,16 @@ if copy == "check":
             if not os.path.exists(blob):
                 sys.exit("a manifest before its blob: " + path)
             checked += 1
+        round_done(begun)
     print(json.dumps({"checked": checked}))
     sys.exit(0)
 cache = CacheStore(local, shared=[shared], copy_shared_hits=copy == "1")
 keys = sorted(expected)
 hits = rounds = 0
 seen = set()
-open(ready, "w").close()
+print("ready", flush=True)
 while not os.path.exists(stop):
+    begun = epoch  # before looking at `gone`: a round begun after a mark sees what came before it
     gone_now = os.path.exists(gone)
     random.shuffle(keys)
     for key in keys:
@@ -70,6 +84,7 @@ while not os.path.exists(stop):
         hits += 1
         seen.add(key)
     rounds += 1
+    round_done(begun)
 print(json.dumps({"hits": hits, "keys": len(seen), "rounds": rounds, "stats": str(cache.stats())}))
 """
 
@@ -81,7 +96,10 @@ def env() -> dict[str, str]:
 
 
 class Readers:
-    """Reader processes over ``shared``; ``stop()`` returns their reports and checks their exit status."""
+    """Reader processes over ``shared``; ``stop()`` returns their reports and checks their exit status.
+
+    ``mark()`` waits until every reader has done a whole round begun after it was called.
+    """
 
     def __init__(self, tmp: Path, shared: Path, expected: dict[str, set[bytes]], copies: list[bool | str]) -> None:
         self.dir = tmp / "readers"
@@ -89,51 +107,54 @@ class Readers:
         (self.dir / "expected.json").write_text(json.dumps({k: [v.hex() for v in vs] for k, vs in expected.items()}))
         self.stop_file = self.dir / "stop"
         self.gone_file = self.dir / "gone"
-        self.procs = []
+        self.marks = 0
+        self.procs: list[ChildLines] = []
         for n, copy in enumerate(copies):
             args = [str(shared), str(self.dir / f"local{n}"), str(self.dir / "expected.json")]
-            args += [
-                str(self.stop_file),
-                str(self.gone_file),
-                str(self.dir / f"ready{n}"),
-                copy if isinstance(copy, str) else "1" if copy else "0",
-            ]
+            args += [str(self.stop_file), str(self.gone_file), copy if isinstance(copy, str) else "1" if copy else "0"]
             self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", READER, *args],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env(),
+                ChildLines(
+                    subprocess.Popen(
+                        [sys.executable, "-c", READER, *args],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=env(),
+                    )
                 )
             )
-        deadline = time.monotonic() + 60
-        while not all((self.dir / f"ready{n}").exists() for n in range(len(copies))):
-            assert all(p.poll() is None for p in self.procs), [p.communicate() for p in self.procs]
-            assert time.monotonic() < deadline, "readers did not start"
-            time.sleep(0.02)
+        try:
+            for proc in self.procs:
+                proc.wait("ready", timeout=60)
+        except BaseException:
+            self.kill()
+            raise
+
+    def mark(self) -> None:
+        """Return once every reader has done a whole round begun after this call (it saw what came before)."""
+        self.marks += 1
+        for proc in self.procs:
+            proc.proc.send_signal(signal.SIGUSR1)
+        for proc in self.procs:
+            proc.wait("round", at_least=self.marks)
 
     def gone(self) -> None:
+        """From now on every lookup must miss; returns once every reader has done a whole round so."""
         self.gone_file.touch()
+        self.mark()
 
     def stop(self) -> list[dict[str, object]]:
         self.stop_file.touch()
         reports = []
         for proc in self.procs:
-            try:
-                out, err = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            assert proc.returncode == 0, f"reader exited {proc.returncode}: {out}{err}"
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+            code = proc.finish(timeout=60)
+            assert code == 0, f"reader exited {code}: {proc.output()}"
+            reports.append(json.loads(proc.lines[-1]))
         return reports
 
     def kill(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            proc.kill()
 
 
 def node_cache(root: Path, values: dict[str, bytes]) -> Path:
@@ -244,7 +265,7 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         assert {k: v for k, v in after.items() if not k.startswith("tmp")} == {
             k: v for k, v in before.items() if not k.startswith("tmp")
         }
-        time.sleep(0.3)  # let the readers see the finished store
+        readers.mark()  # every reader has read the finished store
     except BaseException:
         readers.kill()
         raise
@@ -266,7 +287,7 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
     assert publish([node_cache(tmp_path / "node", values)], shared).published == len(values)
     readers = Readers(tmp_path, shared, {k: {v} for k, v in values.items()}, copies=[False, False])
     try:
-        time.sleep(0.3)
+        readers.mark()  # every reader has read the whole store once
         if collect_first:
             from cas import collect
 
@@ -278,11 +299,9 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
             # (freshened), to be collected as an orphan a grace period later.
             assert report.blobs_removed == 0 and report.blobs_deferred == len(set(values.values()))
             assert len(list((shared / "blobs").glob("*/*"))) == len(set(values.values()))
-            readers.gone()  # from now on, every lookup must miss
-            time.sleep(0.3)
+            readers.gone()  # from now on, every lookup must miss: each reader has done a round so
         shutil.rmtree(shared)
         readers.gone()
-        time.sleep(0.5)
     except BaseException:
         readers.kill()
         raise

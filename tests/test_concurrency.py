@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from cuda_program_cas_index import parse_manifest
+from conftest import REPO, ChildLines, StartGate
 
 from cas import CacheStore
+from cuda_program_cas_index import parse_manifest
 
 HELPERS = textwrap.dedent(
     """
@@ -49,20 +49,18 @@ WORKER = HELPERS + textwrap.dedent(
     """
     import os, random, sys, time, traceback
 
-    root, role, seed, seconds, sync = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    root, role, seed, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     rng = random.Random(seed)
 
     from cas import ContentAddressedProgramCache
 
     cap = 200_000 if role == "capped" else None
     cache = ContentAddressedProgramCache(root, max_size_bytes=cap)
-    # Start together: imports take a while on a loaded machine.
-    open(os.path.join(sync, f"ready-{seed}"), "w").close()
-    give_up = time.time() + 60
-    while not os.path.exists(os.path.join(sync, "go")):
-        if time.time() > give_up:
-            sys.exit(4)
-        time.sleep(0.005)
+    # Start together: imports take a while on a loaded machine. Say so, then wait for the
+    # start (a byte on stdin; end of file: the parent gave up).
+    print("ready", flush=True)
+    if os.read(0, 1) != b"g":
+        sys.exit(4)
     deadline = time.time() + seconds
     checked = 0
     while time.time() < deadline:
@@ -113,48 +111,49 @@ ROLES = ["writer", "reader", "deleter", "clearer", "capped", "capped"]
 RUN_SECONDS = 3.0
 
 
-def start_workers(root: Path, roles: list[str], seconds: float, sync: Path) -> list[subprocess.Popen[str]]:
-    """Start one process per role; they run ``seconds`` together once all have started."""
+def start_workers(root: Path, roles: list[str], seconds: float) -> list[ChildLines]:
+    """Start one process per role; they run ``seconds`` together once every one has said it is ready."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    sync.mkdir()
+    gate = StartGate()
     workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(root), role, str(seed), str(seconds), str(sync)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+        ChildLines(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(root), role, str(seed), str(seconds)],
+                stdin=gate.fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
         )
         for seed, role in enumerate(roles)
     ]
-    give_up = time.monotonic() + 60
-    while len(list(sync.glob("ready-*"))) < len(roles) and time.monotonic() < give_up:
-        if any(w.poll() is not None for w in workers):
-            break  # one died while starting: wait_all reports it
-        time.sleep(0.01)
-    (sync / "go").touch()
+    try:
+        for worker in workers:
+            worker.wait("ready", timeout=60)
+    except BaseException:
+        gate.close()  # the others read end of file and exit
+        for worker in workers:
+            worker.kill()
+        raise
+    gate.open(len(workers))
     return workers
 
 
-def wait_all(workers: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
+def wait_all(workers: list[ChildLines], timeout: float) -> list[tuple[int, str]]:
     results = []
     end = time.monotonic() + timeout
-    for proc in workers:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            results.append((-999, f"timed out\n{out}{err}"))
-            continue
-        results.append((proc.returncode, out + err))
+    for worker in workers:
+        code = worker.finish(timeout=max(1.0, end - time.monotonic()))
+        text = "\n".join(line for line in worker.lines if line != "ready") + "\n" + worker.stderr
+        results.append((-999, f"timed out\n{text}") if worker.timed_out else (code, text))
     return results
 
 
-def test_processes_racing_on_the_same_keys(cache_dir: Path, tmp_path: Path) -> None:
+def test_processes_racing_on_the_same_keys(cache_dir: Path) -> None:
     CacheStore(cache_dir)  # laid out once, so no worker races on creating the layout
-    workers = start_workers(cache_dir, ROLES, RUN_SECONDS, tmp_path / "sync")
+    workers = start_workers(cache_dir, ROLES, RUN_SECONDS)
     results = wait_all(workers, timeout=60)
     report = "\n".join(f"[{role}] exit {rc}: {text.strip()}" for role, (rc, text) in zip(ROLES, results, strict=True))
     assert all(rc == 0 for rc, _ in results), report
@@ -182,12 +181,12 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
     """Processes storing the same key at the same instant: one blob, one manifest, the right bytes."""
     code = textwrap.dedent(
         """
-        import sys, time
+        import os, sys
         from cas import CacheStore
         store = CacheStore(sys.argv[1])
-        go = float(sys.argv[2])
-        while time.time() < go:
-            pass
+        print("ready", flush=True)
+        if os.read(0, 1) != b"g":  # all start at once; end of file: the parent gave up
+            sys.exit(3)
         for _ in range(200):
             if not store.put("k", b"x" * 50_000):
                 sys.exit(1)
@@ -199,14 +198,31 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
     CacheStore(cache_dir)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    go = str(time.time() + 1.0)
+    gate = StartGate()
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(cache_dir), go], env=env, stderr=subprocess.PIPE, text=True)
+        ChildLines(
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(cache_dir)],
+                stdin=gate.fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
         for _ in range(n)
     ]
+    try:
+        for proc in procs:
+            proc.wait("ready", timeout=60)  # every one has opened the store: the puts below race
+    except BaseException:
+        gate.close()
+        for proc in procs:
+            proc.kill()
+        raise
+    gate.open(n)
     for proc in procs:
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
+        assert proc.finish(timeout=60) == 0, proc.output()
     stats = CacheStore(cache_dir).stats()
     assert (stats.entries, stats.blobs) == (1, 1)
     assert os.listdir(cache_dir / "tmp") == []

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_python, write_manifest, write_orphan
-from cuda_program_cas_index import key_id
+from conftest import REPO, ChildLines, StartGate, run_python, write_manifest, write_orphan
 
 from cas import CacheStore, CollectorBusyError, collect, digest_of, verify
+from cuda_program_cas_index import key_id
 
 DAY = 86400
 
@@ -248,10 +248,10 @@ def test_busy_lock_changes_nothing(tmp_path: Path) -> None:
 
 
 _WORKER = r"""
-import hashlib, os, random, sys, time
+import hashlib, os, random, signal, sys, time
 from cas import CacheStore
 
-role, root, wid, npre, ready, go, stop, out = sys.argv[1:]
+role, root, wid, npre, stop, out = sys.argv[1:]
 wid, npre = int(wid), int(npre)
 
 def content(tag):
@@ -262,24 +262,39 @@ def source(w, n):
     # Every other write stores bytes equal to a pre-existing blob that the collector is removing.
     return f"pre{(n * 7 + w) % npre}" if n % 2 == 0 else f"w{w}-{n}"
 
+# The parent marks a point with SIGUSR1; "mark N" says an operation begun after the N-th mark is done.
+epoch = reported = 0
+def on_mark(signum, frame):
+    global epoch
+    epoch += 1
+signal.signal(signal.SIGUSR1, on_mark)
+def done(begun):
+    global reported
+    if begun >= reported:
+        print("mark", begun, flush=True)
+        reported = begun + 1
+
 store = CacheStore(root)
-open(ready, "w").close()
-while not os.path.exists(go):
-    time.sleep(0.001)
+print("ready", flush=True)
+if os.read(0, 1) != b"g":
+    sys.exit(5)  # the parent gave up before the start
 if role == "writer":
     lines, n = [], 0
     while not os.path.exists(stop):
+        begun = epoch
         key = f"w{wid}-{n}"
         t = time.time_ns()
         if not store.put(key, content(source(wid, n))):
             sys.exit(3)
         lines.append(f"{key} {source(wid, n)} {t}\n")
         n += 1
+        done(begun)
     with open(out, "w") as fh:
         fh.writelines(lines)
     sys.exit(0)
 rng = random.Random(wid)
 while not os.path.exists(stop):
+    begun = epoch
     if rng.random() < 0.5:
         j = 2 * rng.randrange(npre // 2)  # only even ones: the odd ones are sure to expire, however fast this runs
         key, want = f"pre{j}", content(f"pre{j}")
@@ -289,6 +304,7 @@ while not os.path.exists(stop):
     got = store.get(key)
     if got is not None and got != want:
         sys.exit(4)
+    done(begun)
 sys.exit(0)
 """
 
@@ -301,28 +317,34 @@ def test_collection_is_safe_while_other_processes_write_and_read(tmp_path: Path)
     for j in range(npre):
         store.put(f"pre{j}", content(f"pre{j}"))
     age_tree(root, 2 * DAY)
-    go, stop = str(tmp_path / "go"), str(tmp_path / "stop")
+    stop = str(tmp_path / "stop")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = []
+    gate = StartGate()
+    workers = []
     for role, wid in (("writer", 0), ("writer", 1), ("reader", 2)):
-        args = [role, root, str(wid), str(npre), str(tmp_path / f"ready{wid}"), go, stop, str(tmp_path / f"log{wid}")]
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, *args], env=env))
+        args = [role, root, str(wid), str(npre), stop, str(tmp_path / f"log{wid}")]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, *args], env=env, stdin=gate.fd, stdout=subprocess.PIPE, text=True
+        )
+        workers.append(ChildLines(proc))
     try:
-        deadline = time.monotonic() + 60
-        while not all(os.path.exists(tmp_path / f"ready{w}") for w in range(3)):
-            assert time.monotonic() < deadline, "workers did not start"
-            assert all(p.poll() is None for p in procs), "a worker died at start"
-            time.sleep(0.01)
-        Path(go).touch()
-        time.sleep(0.2)
+        for worker in workers:
+            worker.wait("ready", timeout=60)
+        gate.open(len(workers))
+        for worker in workers:
+            worker.wait("mark", at_least=0)  # each has done an operation: they are running
         # Every pre-existing entry has expired; new ones are written (half of them
         # deduplicating against blobs this run is removing) while it runs.
         report = collect(root, max_age_s=DAY, verify=True, max_size=100_000)
         ended = time.time_ns()
-        time.sleep(0.1)
+        for worker in workers:
+            worker.proc.send_signal(signal.SIGUSR1)
+        for worker in workers:
+            worker.wait("mark", at_least=1)  # and one more, begun after the collection ended
     finally:
         Path(stop).touch()
-        codes = [p.wait(timeout=60) for p in procs]
+        gate.close()  # if they never started, they read end of file and exit
+        codes = [worker.finish(timeout=60) for worker in workers]
     assert codes == [0, 0, 0], "a worker failed (3: write dropped, 4: wrong bytes read)"
     # Readers keep some pre-existing entries in use; the rest expire.
     assert report.plan["expired_entries"]["count"] > 0 and not report.problems
@@ -398,6 +420,25 @@ def test_gc_runs_where_cuda_core_cannot_be_imported(tmp_path: Path) -> None:
     assert not os.path.exists(orphan_path)
 
 
+#: collect(), saying "removed 100" once it has unlinked 100 manifests (and going on).
+_COLLECT_SAYING_REMOVED = r"""
+import os, sys
+from cas import collect
+root = sys.argv[1]
+index = os.path.realpath(os.path.join(root, "index"))
+unlink, removed = os.unlink, 0
+def counting_unlink(path, *args, **kwargs):
+    global removed
+    unlink(path, *args, **kwargs)
+    if os.path.realpath(os.path.dirname(os.path.dirname(os.fspath(path)))) == index:
+        removed += 1
+        if removed == 100:
+            print("removed", removed, flush=True)
+os.unlink = counting_unlink
+collect(root, max_age_s=86400, verify=True)
+"""
+
+
 def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
     """A collector killed at any point leaves no manifest without its blob."""
     root = str(tmp_path / "cas")
@@ -409,17 +450,19 @@ def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
         data = content(f"c{j % 100}")
         write_manifest(root, f"k{j}", digest_of(data), len(data))
     age_tree(root, 2 * DAY)
-    code = "import sys; from cas import collect; collect(sys.argv[1], max_age_s=86400, verify=True)"
-    proc = subprocess.Popen([sys.executable, "-c", code, root], env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _COLLECT_SAYING_REMOVED, root],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    collector = ChildLines(proc)
     try:
-        deadline = time.monotonic() + 30
-        while len(store) > n - 100:
-            assert proc.poll() is None, "the collector finished before it could be interrupted"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        collector.wait("removed", at_least=100, timeout=30)  # it runs on: the kill lands wherever it is then
+        assert proc.poll() is None, "the collector finished before it could be interrupted"
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        collector.finish(timeout=30)
     left = len(store)
     assert 0 < left < n
     assert verify(root).problems == []  # no manifest without its blob, nothing half-done

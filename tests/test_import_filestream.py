@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SAXPY, compile_program
+from conftest import REPO, SAXPY, ChildLines, compile_program
 
 from cas import CacheStore, collect, import_filestream, verify
 from cas._cli import main
@@ -117,27 +117,43 @@ def payload(i: int) -> bytes:
     return hashlib.sha256(str(i % 700).encode()).digest() * 64  # 2 KB; 700 distinct binaries
 
 
+#: The import-filestream command, saying "written 200" once it has put 200 manifests in place (and going on).
+_IMPORT_SAYING_WRITTEN = r"""
+import os, sys
+from cas._cli import main
+index = os.path.realpath(os.path.join(sys.argv[2], "index"))
+replace, written = os.replace, 0
+def counting_replace(src, dst, *args, **kwargs):
+    global written
+    replace(src, dst, *args, **kwargs)
+    if os.path.realpath(os.path.dirname(os.path.dirname(os.fspath(dst)))) == index:
+        written += 1
+        if written == 200:
+            print("written", written, flush=True)
+os.replace = counting_replace
+sys.exit(main(["import-filestream", *sys.argv[1:]]))
+"""
+
+
 @pytest.mark.slow
 def test_an_interrupted_import_can_be_run_again(tmp_path: Path) -> None:
     n = 2500
     fs_dir, dest = tmp_path / "filestream", tmp_path / "cas"
     write_filestream_entries(fs_dir, {f"kernel-{i}": payload(i) for i in range(n)})
-    code = "import sys; from cas._cli import main; sys.exit(main(['import-filestream', *sys.argv[1:]]))"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(fs_dir), str(dest)],
+        [sys.executable, "-c", _IMPORT_SAYING_WRITTEN, str(fs_dir), str(dest)],
         env=dict(os.environ, PYTHONPATH=str(REPO)),
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    importer = ChildLines(proc)
     index = dest / "index"
     try:
-        deadline = time.monotonic() + 60
-        while sum(len(files) for _, _, files in os.walk(index)) < 200:
-            assert proc.poll() is None, "the import finished before it could be interrupted"
-            assert time.monotonic() < deadline
-            time.sleep(0.03)
+        importer.wait("written", at_least=200, timeout=60)  # it runs on: the kill lands wherever it is then
+        assert proc.poll() is None, "the import finished before it could be interrupted"
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        importer.finish(timeout=30)
     done = sum(len(files) for _, _, files in os.walk(index))
     assert 200 <= done < n
     assert verify(dest).problems == []  # nothing half-written is visible
