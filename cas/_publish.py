@@ -43,7 +43,7 @@ from ._files import NotRegularFile, file_id, read_regular, same_file, scan_shard
 from ._layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
 from ._pack import packed_entries, write_pack
 from ._remove import Remover
-from ._writer import BlobWrite, Writer
+from ._writer import BlobWrite, Writer, current_umask
 
 __all__ = ["PublishReport", "publish"]
 
@@ -106,7 +106,7 @@ class _Modes:
 
     @classmethod
     def for_process(cls, group_shared: bool) -> _Modes:
-        umask = _current_umask()
+        umask = current_umask()
         file_mode = 0o644 & ~umask
         dir_mode = 0o777 & ~umask
         if group_shared:
@@ -117,20 +117,6 @@ class _Modes:
             dir_mode |= 0o2750
             return cls(file_mode, dir_mode, dir_mode, True)
         return cls(file_mode, dir_mode, 0o700, False)
-
-
-def _current_umask() -> int:
-    """The process umask, read without changing it where the system allows."""
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class _Dest:

@@ -44,6 +44,7 @@ __all__ = [
     "WriteResult",
     "Writer",
     "atomic_write",
+    "current_umask",
     "sync_filesystem",
 ]
 
@@ -119,10 +120,10 @@ def atomic_write(
     """
     tmp = _tmp_name(tmp_dir)
     try:
-        fd = os.open(tmp, _WRITE_FLAGS, mode)
+        fd = os.open(tmp, _WRITE_FLAGS, 0o600)  # private while incomplete, whatever its final mode
     except FileNotFoundError:
         os.makedirs(tmp_dir, mode=0o700, exist_ok=True)
-        fd = os.open(tmp, _WRITE_FLAGS, mode)
+        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
     try:
         try:
             for chunk in (data,) if isinstance(data, (bytes, memoryview)) else data:
@@ -130,8 +131,9 @@ def atomic_write(
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
-            if exact_mode and _HAVE_FCHMOD:
-                os.fchmod(fd, mode)
+            if mode != 0o600 and _HAVE_FCHMOD:
+                # The final mode, set once the bytes are all written, just before the rename.
+                os.fchmod(fd, mode if exact_mode else mode & ~current_umask())
             if fsync:
                 os.fsync(fd)
         finally:
@@ -156,6 +158,20 @@ def atomic_write(
         _discard(tmp)
         raise
     return True
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the system allows."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _discard(path: str) -> None:
