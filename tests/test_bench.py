@@ -14,7 +14,17 @@ import sys
 
 from conftest import REPO
 
-WORKLOADS = {"hit_first", "hit_repeat", "compile_hit", "store", "cap_writes", "footprint", "processes", "cold_start"}
+WORKLOADS = {
+    "hit_first",
+    "hit_repeat",
+    "compile_hit",
+    "frontdoor",
+    "store",
+    "cap_writes",
+    "footprint",
+    "processes",
+    "cold_start",
+}
 
 
 def _run_bench(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str]:
