@@ -163,9 +163,9 @@ def atomic_write(
 def current_umask() -> int:
     """The process umask, read without changing it where the system allows."""
     try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+        with open("/proc/self/status", "rb") as fh:  # bytes: no codec needed (a restricted child may lack one)
             for line in fh:
-                if line.startswith("Umask:"):
+                if line.startswith(b"Umask:"):
                     return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
