@@ -18,13 +18,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_manifest
-
-from ._files import read_regular, scan_sharded
 from ._layout import Layout
 from ._pack import PackError, PackReader, list_packs
 from ._remove import Remover
-from ._repack import RETIRED, repack
+from ._repack import RETIRED, loose_entries, repack
 
 __all__ = ["PackGcResult", "collect_packs", "pack_stats", "verify_packs"]
 
@@ -97,19 +94,13 @@ def collect_packs(
         for reader in readers:
             reader.close()
     # Loose manifests a pack holds with the same digest, once the pack is older than the grace period.
-    for kid, path, st in scan_sharded(lay.index):
-        held = covered.get(kid)
-        if held is None or held[1] >= now - grace_s or st.st_size > MAX_MANIFEST_BYTES:
-            continue
-        try:
-            data, _ = read_regular(path)
-        except OSError:
-            continue
-        manifest = parse_manifest(data, kid)
-        if manifest is None or manifest.digest != held[0]:
+    for info in loose_entries(lay):
+        held = covered.get(info.key_id)
+        manifest = info.manifest
+        if held is None or held[1] >= now - grace_s or manifest is None or manifest.digest != held[0]:
             continue
         result.loose_removed += 1
-        if remover is not None and remover.manifest(kid, st):
+        if remover is not None and remover.manifest(info.key_id, info.stat):
             try:
                 os.utime(lay.blob_path(manifest.digest))  # an orphan now: it waits out the grace period
             except OSError:

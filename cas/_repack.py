@@ -22,17 +22,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_manifest
-
 from ._blobs import BlobStore
+from ._classify import Condition, classify
 from ._errors import CorruptBlobError
-from ._files import read_regular, scan_sharded
 from ._layout import Layout
 from ._maint import check_writable, open_cache
 from ._pack import PackEntry, PackError, PackInput, PackReader, list_packs, write_pack
+from ._scan import ManifestInfo, take_snapshot
 from ._writer import Writer
 
-__all__ = ["RETIRED", "RepackReport", "repack"]
+__all__ = ["RETIRED", "RepackReport", "loose_entries", "repack"]
 
 #: Where replaced packs wait out the shared grace period, under ``packs/``.
 RETIRED = "retired"
@@ -62,20 +61,10 @@ class RepackReport:
         return out
 
 
-def _loose(lay: Layout) -> dict[str, tuple[str, int, int]]:
-    """Key id -> (digest, size, mtime) of every valid loose manifest."""
-    found = {}
-    for kid, path, st in scan_sharded(lay.index):
-        if st.st_size > MAX_MANIFEST_BYTES:
-            continue
-        try:
-            data, _ = read_regular(path)
-        except OSError:
-            continue
-        manifest = parse_manifest(data, kid)
-        if manifest is not None:
-            found[kid] = (manifest.digest, manifest.size, st.st_mtime_ns)
-    return found
+def loose_entries(lay: Layout) -> list[ManifestInfo]:
+    """The loose entries of a store that serve their key (judged by the one classifier), by key id."""
+    snap = take_snapshot(lay.index, lay.blobs)
+    return sorted((m for m in snap.manifests if classify(m, snap) is Condition.OK), key=lambda m: m.key_id)
 
 
 def repack(
@@ -109,7 +98,9 @@ def repack(
                 continue
             load = functools.partial(_from_pack, reader, entry, report)
             inputs.append((entry.key_id, entry.digest, load, entry.time_ns))
-    for kid, (digest, size, mtime) in sorted(_loose(lay).items()):
+    for info in loose_entries(lay):
+        assert info.manifest is not None
+        kid, digest, size, mtime = info.key_id, info.manifest.digest, info.manifest.size, info.stat.st_mtime_ns
         if kid in seen:
             continue
         seen.add(kid)
