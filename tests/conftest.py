@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,25 @@ class StartGate:
     def close(self) -> None:
         while self._open_fds:
             os.close(self._open_fds.pop())
+
+
+class Compiles:
+    """Counts real NVRTC compiles through cuda-core's compile seam (the compile still runs)."""
+
+    def __init__(self, original: Callable[..., object]) -> None:
+        self.original = original
+        self.count = 0
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.count += 1
+        return self.original(*args, **kwargs)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> Compiles:
+    """Every uncached NVRTC compile of the test, counted (``Program.compile`` with or without a cache)."""
+    import cuda.core._program as program_mod
+
+    calls = Compiles(program_mod._program_compile_uncached)
+    monkeypatch.setattr(program_mod, "_program_compile_uncached", calls)
+    return calls

@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import cuda.core._program as program_mod
 import pytest
-from conftest import REPO, SAXPY, compile_program, is_root
+from conftest import REPO, SAXPY, Compiles, compile_program, is_root
 
 import cas._shared as shared_mod
 from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
@@ -55,25 +54,6 @@ def age(root: Path, seconds: float = 3600) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             os.utime(os.path.join(dirpath, name), (past, past))
-
-
-class Compiles:
-    """Counts real NVRTC compiles through cuda-core's compile seam (the compile still runs)."""
-
-    def __init__(self, original: Callable[..., object]) -> None:
-        self.original = original
-        self.count = 0
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        self.count += 1
-        return self.original(*args, **kwargs)
-
-
-@pytest.fixture
-def compiles(monkeypatch: pytest.MonkeyPatch) -> Compiles:
-    calls = Compiles(program_mod._program_compile_uncached)
-    monkeypatch.setattr(program_mod, "_program_compile_uncached", calls)
-    return calls
 
 
 @pytest.fixture(scope="module")

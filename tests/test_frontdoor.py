@@ -13,12 +13,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
-import cuda.core._program as program_mod
 import pytest
-from conftest import REPO
+from conftest import REPO, Compiles
 from cuda.core import Program, ProgramOptions
 
 from cas import ContentAddressedProgramCache
@@ -29,25 +27,6 @@ extern "C" __global__ void fill(int *out) { *out = CONFIG_VALUE + PRE_VALUE; }
 template <class T> __global__ void twice(T *p) { *p = *p + *p; }
 """
 NAMES = ("twice<float>", "twice<int>")
-
-
-class Compiles:
-    """Counts real NVRTC compiles through cuda-core's compile seam (the compile still runs)."""
-
-    def __init__(self, original: Callable[..., object]) -> None:
-        self.original = original
-        self.count = 0
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        self.count += 1
-        return self.original(*args, **kwargs)
-
-
-@pytest.fixture
-def compiles(monkeypatch: pytest.MonkeyPatch) -> Compiles:
-    calls = Compiles(program_mod._program_compile_uncached)
-    monkeypatch.setattr(program_mod, "_program_compile_uncached", calls)
-    return calls
 
 
 @pytest.fixture
