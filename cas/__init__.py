@@ -6,6 +6,10 @@
 without CUDA. The maintenance verbs (``collect``, ``verify``, ``publish``,
 ``import_filestream`` and their reports) are imported on first use too, so a job
 that only looks kernels up does not pay for them at start-up.
+
+``cas.__version__`` is the installed distribution's version (read on first use,
+from its metadata), or ``"0+unknown"`` when the package runs from a source tree
+that was never installed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ if TYPE_CHECKING:
     from ._import_fs import ImportReport, import_filestream
     from ._publish import PublishReport, publish
     from ._verify import Problem, VerifyReport, verify
+
+    __version__: str
 
 #: Names imported on first use, and the module each comes from.
 _LAZY = {
@@ -56,6 +62,7 @@ __all__ = [
     "ReadOnlyCacheError",
     "VerifyReport",
     "WriteResult",
+    "__version__",
     "collect",
     "default_cache_dir",
     "digest_of",
@@ -67,7 +74,24 @@ __all__ = [
 ]
 
 
+#: ``cas.__version__`` when ``cuda-program-cas`` is not installed (a source tree on ``sys.path``).
+_UNKNOWN_VERSION = "0+unknown"
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cuda-program-cas")
+    except PackageNotFoundError:
+        return _UNKNOWN_VERSION
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: importlib.metadata costs an import cas need not pay
+        value: Any = _installed_version()
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cas' has no attribute {name!r}")

@@ -9,7 +9,7 @@ Each subcommand lives in its own module ``cas._cmd_<name>`` exposing
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage
 (bad options, a path that does not exist or is not a cache). Expected failures
-are one line on stderr, never a traceback.
+are one line on stderr, never a traceback. ``python -m cas`` is the same script.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -27,15 +28,19 @@ from ._config import default_cache_dir, parse_duration, parse_size
 from ._errors import CacheError, LayoutError
 
 __all__ = [
+    "CommandFailed",
+    "UsageError",
     "add_json_arg",
     "add_path_arg",
+    "age_arg",
     "cache_path",
-    "duration_arg",
     "fmt_age",
     "fmt_bytes",
+    "grace_arg",
     "main",
     "plural",
     "print_json",
+    "seconds_arg",
     "size_arg",
 ]
 
@@ -43,31 +48,62 @@ PROG = "cuda-program-cas"
 _COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish", "repack")
 
 
+class CommandFailed(Exception):
+    """A command that could not do its work, said in the command line's own words: one line, exit 1."""
+
+
+class UsageError(Exception):
+    """Bad usage a command finds after parsing (a source that is not a cache...): one line, exit 2."""
+
+
 # -- argument types -----------------------------------------------------------------
 
 
 def size_arg(text: str) -> int:
-    """``--max-size`` values: ``500M``, ``10G``, plain bytes."""
+    """``--max-size`` values: ``500M``, ``10G``, ``1.5GiB``, plain bytes; more than zero."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a size must be more than zero, got {text!r}")
     try:
         return parse_size(text)
     except ValueError as exc:
+        if "positive" in str(exc):
+            raise argparse.ArgumentTypeError(f"a size must be more than zero, got {text!r}") from None
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def duration_arg(text: str) -> float:
-    """``--grace``/``--max-age`` values: ``90s``, ``30m``, ``12h``, ``7d``, plain seconds."""
+def _duration(text: str, *, zero_ok: bool, require_unit: bool = True) -> float:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"an age must not be negative, got {text!r}")
     try:
-        return parse_duration(text)
+        seconds = parse_duration(text, require_unit=require_unit)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0 and not zero_ok:
+        raise argparse.ArgumentTypeError(f"an age must be more than zero, got {text!r}")
+    return seconds
 
 
-def add_path_arg(parser: argparse.ArgumentParser, name: str = "path") -> None:
+def age_arg(text: str) -> float:
+    """``--max-age`` values: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``; a unit is required, zero refused."""
+    return _duration(text, zero_ok=False)
+
+
+def grace_arg(text: str) -> float:
+    """``--grace`` values: an age with its unit; ``0s`` (collect every orphan now) is allowed."""
+    return _duration(text, zero_ok=True)
+
+
+def seconds_arg(text: str) -> float:
+    """``--wait`` values: seconds (``30``) or an age with its unit (``2m``); zero or more."""
+    return _duration(text, zero_ok=True, require_unit=False)
+
+
+def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: str = "PATH") -> None:
     parser.add_argument(
         name,
         nargs="?",
         default=None,
-        metavar="PATH",
+        metavar=metavar,
         help="cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)",
     )
 
@@ -154,12 +190,20 @@ class Progress:
 # -- the script -----------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    from . import __version__
+
+    return f"{PROG} {__version__}"
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The script's parser, and each subcommand's parser by name."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect and maintain a cuda-program-cas cache directory.",
         epilog="Exit status: 0 done, 1 problems found that were not fixed, 2 bad usage.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
         try:
@@ -169,14 +213,36 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
-    return parser
+    return parser, dict(sub.choices)
+
+
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--max-size -5M`` as ``--max-size=-5M``: argparse takes ``-5M`` for an option and
+    says "expected one argument"; joined, the option's own check says what is wrong."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser, commands = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or bad usage (2): argparse has printed why
+        args, extra = parser.parse_known_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+        if extra:
+            # Say it with the subcommand's usage, not the top-level one.
+            commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version (0) or bad usage (2): argparse has printed why
         return exc.code if isinstance(exc.code, int) else 2
     progress = args.progress = Progress.for_args(args)
     try:
@@ -186,10 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-    except LayoutError as exc:
+    except (LayoutError, UsageError) as exc:
         # A path that does not exist, is a file, or is not a cache: bad usage.
         return _fail(args, exc, 2)
-    except (CacheError, OSError) as exc:
+    except (CacheError, OSError, CommandFailed) as exc:
         # Expected failures (permission denied, read-only, lock busy) are one line.
         return _fail(args, exc, 1)
     except KeyboardInterrupt:

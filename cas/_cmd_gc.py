@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._cli import add_json_arg, add_path_arg, cache_path, duration_arg, fmt_age, fmt_bytes, plural, print_json, size_arg
-from ._gc import CATEGORIES, GcReport, collect
+from ._cli import (
+    UsageError,
+    add_json_arg,
+    add_path_arg,
+    age_arg,
+    cache_path,
+    fmt_age,
+    fmt_bytes,
+    grace_arg,
+    plural,
+    print_json,
+    seconds_arg,
+    size_arg,
+)
+from ._gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect
+from ._layout import is_shared_store
+from ._maint import open_cache
 
 __all__ = ["register"]
 
@@ -26,14 +41,32 @@ def register(subparsers: Any) -> None:
     )
     add_path_arg(p)
     p.add_argument(
-        "--grace", type=duration_arg, default=3600.0, metavar="AGE", help="keep orphan blobs younger than AGE (1h)"
+        "--grace",
+        type=grace_arg,
+        default=3600.0,
+        metavar="AGE",
+        help="keep orphan blobs younger than AGE, e.g. 30m or 1d (default: 1h; a shared store needs at least 1h)",
     )
-    p.add_argument("--max-size", type=size_arg, metavar="SIZE", help="evict LRU entries down to SIZE (500M, 10G)")
-    p.add_argument("--max-age", type=duration_arg, metavar="AGE", help="drop entries unused for longer than AGE (7d)")
+    p.add_argument(
+        "--max-size",
+        type=size_arg,
+        metavar="SIZE",
+        help="evict LRU entries down to SIZE, e.g. 500M or 10G (default: no limit)",
+    )
+    p.add_argument(
+        "--max-age",
+        type=age_arg,
+        metavar="AGE",
+        help="drop entries unused for longer than AGE, e.g. 12h, 7d or 2w (default: no limit)",
+    )
     p.add_argument("--verify", action="store_true", help="hash every blob; quarantine bad ones")
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     p.add_argument(
-        "--wait", type=duration_arg, default=0.0, metavar="SECONDS", help="wait this long for a busy lock (0)"
+        "--wait",
+        type=seconds_arg,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long for a busy lock, e.g. 30 or 2m (default: 0, do not wait)",
     )
     p.add_argument(
         "--shared",
@@ -46,7 +79,26 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
+    """A shared store is collected with at least an hour of grace: say so as bad usage, naming why it is shared."""
+    if grace_s >= SHARED_MIN_GRACE_S or shared is False:
+        return
+    open_cache(root, write=False, allow_damaged=True)  # a path that is not a cache is reported as such first
+    if shared:
+        why = "--shared was given"
+    elif is_shared_store(root):
+        why = f"{root!r} is a shared store (publish marked it in its layout.json)"
+    else:
+        return
+    raise UsageError(
+        f"--grace {fmt_age(grace_s)} is too short: {why}, and a shared store is collected with a grace period of "
+        f"at least {fmt_age(SHARED_MIN_GRACE_S)} (nodes may be reading what goes); give --grace 1h or more"
+        + ("" if shared else ", or --no-shared if no node reads it")
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_grace(cache_path(args.path), args.shared, args.grace)
     report = collect(
         cache_path(args.path),
         grace_s=args.grace,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from typing import Any
 
-from ._cli import add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from ._cli import CommandFailed, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from ._errors import ReadOnlyCacheError
 from ._import_fs import import_filestream
+from ._layout import check_layout
 
 __all__ = ["register"]
 
@@ -24,13 +27,26 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("source", metavar="SRC", help="the FileStreamProgramCache directory")
-    add_path_arg(p, "dest")
+    add_path_arg(p, "dest", metavar="DEST")
     add_json_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = import_filestream(os.path.abspath(args.source), cache_path(args.dest), progress=args.progress)
+    source, dest = os.path.abspath(args.source), cache_path(args.dest)
+    if os.path.islink(source) and not os.path.exists(source):
+        check_layout(source)  # says which missing path the symlink names (LayoutError: exit 2)
+    try:
+        report = import_filestream(source, dest, progress=args.progress)
+    except ReadOnlyCacheError as exc:
+        raise CommandFailed(f"{exc}; give a DEST this user can write") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise CommandFailed(
+            f"cannot import into {dest!r}: {exc.strerror.lower() if exc.strerror else exc} ({exc.filename}); "
+            "give a DEST this user can write"
+        ) from None
     args.progress.done()
     if args.json:
         print_json(report.as_dict())

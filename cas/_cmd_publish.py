@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from ._cli import add_json_arg, fmt_bytes, plural, print_json
-from ._publish import publish
+from ._cli import UsageError, add_json_arg, fmt_bytes, plural, print_json
+from ._maint import open_cache
+from ._publish import PublishReport, publish
 
 __all__ = ["register", "run"]
 
@@ -39,7 +41,29 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _check_sources(sources: list[str], dest: str) -> None:
+    """Bad usage before anything is written: a source that is the store itself, or not a cache at all."""
+    for src in sources:
+        if os.path.realpath(src) == os.path.realpath(dest):
+            raise UsageError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as SRC")
+        open_cache(src, write=False)  # LayoutError (exit 2): missing, a file, a dangling symlink, foreign...
+
+
+def _problem_lines(report: PublishReport) -> list[str]:
+    return [
+        f"{label}: {item}"
+        for label, items in (
+            ("bad blob (skipped)", report.bad_blobs),
+            ("missing blob (skipped)", report.missing_blobs),
+            ("invalid manifest (skipped)", report.invalid_manifests),
+            ("error", report.errors),
+        )
+        for item in items
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_sources(args.sources, args.dest)
     report = publish(
         args.sources,
         args.dest,
@@ -48,17 +72,13 @@ def run(args: argparse.Namespace) -> int:
         pack=args.pack,
         progress=getattr(args, "progress", None),
     )
+    problems = _problem_lines(report)
     if args.json:
-        print_json(report.to_dict())
+        # As every command's JSON: ``problems`` a list, ``problem_count`` beside it.
+        print_json({**report.to_dict(), "problems": problems, "problem_count": report.problems})
         return 1 if report.problems else 0
-    for label, items in (
-        ("bad blob (skipped)", report.bad_blobs),
-        ("missing blob (skipped)", report.missing_blobs),
-        ("invalid manifest (skipped)", report.invalid_manifests),
-        ("error", report.errors),
-    ):
-        for item in items:
-            print(f"{label}: {item}")
+    for line in problems:
+        print(line)
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (

@@ -3,6 +3,8 @@ and its lifetime counters (every process's hits, misses, writes... since they we
 
 Reads only: works on a read-only cache or mount, takes no lock, touches nothing.
 ``--zero`` sets the lifetime counters to zero (it writes, under ``counters.lock``).
+Files it cannot read (another user's cache, a damaged disk) are listed as
+problems, the figures are then lower bounds, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from ._layout import stale_temp_files
 from ._lifetime import NAMES, read_counters, zero_counters
 from ._maint import open_cache
 from ._packmaint import pack_stats
-from ._scan import take_snapshot
+from ._scan import Snapshot, take_snapshot
 
 __all__ = ["gather", "register"]
+
+#: Problems printed one per line; the rest are counted.
+_SHOWN = 20
 
 
 def register(subparsers: Any) -> None:
@@ -73,10 +78,34 @@ def _walk(root: str) -> tuple[int, int, int]:
     return files, dirs, disk
 
 
+def _unreadable(root: str, index_dir: str, blobs_dir: str, snap: Snapshot) -> list[str]:
+    """What this user cannot read: the scan's unreadable manifests and shards, and blobs and blob shards."""
+    found = list(snap.unreadable)
+    for directory in (index_dir, blobs_dir):
+        if os.path.isdir(directory) and not os.access(directory, os.R_OK | os.X_OK):
+            found.append(directory)
+    try:
+        with os.scandir(blobs_dir) as it:
+            shards = [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        shards = []
+    found.extend(sorted(d for d in shards if not os.access(d, os.R_OK | os.X_OK)))
+    found.extend(
+        p for p in (os.path.join(blobs_dir, d[:2], d[2:]) for d in sorted(snap.blobs)) if not os.access(p, os.R_OK)
+    )
+    return found
+
+
 def gather(root: str, cap: int | None) -> dict[str, Any]:
-    """The statistics of the cache at ``root`` as one JSON-ready dict."""
+    """The statistics of the cache at ``root`` as one JSON-ready dict.
+
+    ``problems`` lists what could not be read (``problem_count`` counts it); the
+    other figures then count only what could.
+    """
     lay = open_cache(root, write=False, allow_damaged=True).lay
     snap = take_snapshot(lay.index, lay.blobs)
+    unreadable = _unreadable(lay.root, lay.index, lay.blobs, snap)
+    problems = [f"{path}: cannot be read" for path in unreadable]
     conditions = [classify(m, snap) for m in snap.manifests]
     uses = [m.stat.st_mtime_ns for m in snap.manifests if m.manifest is not None]
     orphans = snap.orphans()
@@ -86,7 +115,11 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
     except OSError:
         quarantined = 0
     stored = snap.stored_bytes
-    life = read_counters(lay)
+    try:
+        life = read_counters(lay)
+    except OSError as exc:
+        life = None
+        problems.append(f"{lay.counters}: cannot be read ({exc.strerror or exc}): the lifetime counters are unknown")
     return {
         "path": lay.root,
         "entries": len(snap.manifests),
@@ -113,9 +146,11 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "stale_temp_files": len(stale_temp_files(lay.tmp)),
         "quarantined_files": quarantined,
         **pack_stats(lay),
-        "counters": life.counters,
-        "hit_rate": None if life.hit_rate is None else round(life.hit_rate, 4),
-        "counters_zeroed_at": _iso(life.zeroed_ns),
+        "counters": None if life is None else life.counters,
+        "hit_rate": None if life is None or life.hit_rate is None else round(life.hit_rate, 4),
+        "counters_zeroed_at": None if life is None else _iso(life.zeroed_ns),
+        "problems": problems,
+        "problem_count": len(problems),
     }
 
 
@@ -132,6 +167,8 @@ def _zero(root: str, as_json: bool) -> int:
 
 def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> list[tuple[str, str]]:
     c = info["counters"]
+    if c is None:
+        return [("lookups", "unknown: the counters file cannot be read")]
     rate = "-" if info["hit_rate"] is None else f"{100 * info['hit_rate']:.1f}%"
     since = info["counters_zeroed_at"]
     return [
@@ -161,9 +198,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"cuda-program-cas stats: error: {ENV_MAX_SIZE}: {exc}", file=sys.stderr)
             return 2
     info = gather(cache_path(args.path), cap)
+    status = 1 if info["problem_count"] else 0
     if args.json:
         print_json(info)
-        return 0
+        return status
     now = time.time()
 
     def when(iso: str | None) -> str:
@@ -185,8 +223,16 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("cache", info["path"]),
         ("entries", f"{info['entries']:,} ({fmt_bytes(info['logical_bytes'])} if each had its own copy)"),
-        ("blobs", f"{info['blobs']:,} ({fmt_bytes(info['stored_bytes'])} stored, manifests included)"),
-        ("dedup ratio", f"{info['dedup_ratio']:.2f}x"),
+        (
+            "blobs",
+            f"{info['blobs']:,} unique ({fmt_bytes(info['blob_bytes'])}) + manifests "
+            f"({fmt_bytes(info['manifest_bytes'])}) = {fmt_bytes(info['stored_bytes'])} stored",
+        ),
+        (
+            "dedup ratio",
+            f"{info['dedup_ratio']:.2f}x ({fmt_bytes(info['logical_bytes'])} of entries in "
+            f"{fmt_bytes(info['blob_bytes'])} of unique blobs; manifests not counted)",
+        ),
         ("cap", cap_text),
         ("oldest use", when(info["oldest_use"])),
         ("newest use", when(info["newest_use"])),
@@ -195,7 +241,11 @@ def run(args: argparse.Namespace) -> int:
             f"{info['inodes']:,} inodes ({info['files']:,} files, {info['directories']:,} directories), "
             f"{fmt_bytes(info['disk_bytes'])} on disk",
         ),
-        ("garbage", ", ".join(garbage)),
+        (
+            "garbage",
+            ", ".join(garbage)
+            + (" (orphans may be named by manifests that cannot be read)" if info["unreadable_manifests"] else ""),
+        ),
         *_counter_rows(info, when),
     ]
     if info["packs"] or info["retired_packs"]:
@@ -206,12 +256,23 @@ def run(args: argparse.Namespace) -> int:
         ))  # fmt: skip
     if info["quarantined_files"]:
         rows.append(("quarantine", plural(info["quarantined_files"], "bad blob") + " kept for inspection"))
+    if info["problem_count"]:
+        rows.append((
+            "unreadable",
+            f"{plural(info['problem_count'], 'file')} this user cannot read; the figures above count only the rest "
+            "(run stats as the cache's owner)",
+        ))  # fmt: skip
     for label, value in rows:
         print(f"{label:<12} {value}")
+    for text in info["problems"][:_SHOWN]:
+        print(f"problem: {text}")
+    if info["problem_count"] > _SHOWN:
+        print(f"problem: ... and {info['problem_count'] - _SHOWN:,} more")
     print(
         f"{plural(info['entries'], 'entry', 'entries')} in {plural(info['blobs'], 'blob')}, "
         f"{fmt_bytes(info['stored_bytes'])} stored, dedup {info['dedup_ratio']:.2f}x"
         + (f", {info['cap_used_percent']}% of the cap" if cap else "")
         + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")
+        + (f"; {plural(info['problem_count'], 'file')} could not be read" if info["problem_count"] else "")
     )
-    return 0
+    return status

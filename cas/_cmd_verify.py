@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
-from ._verify import verify
+from ._verify import VerifyReport, verify
 
 __all__ = ["register"]
 
@@ -27,27 +27,52 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: Problems --repair leaves alone: it cannot make a file readable, and never touches a file that is not the cache's.
+_UNREADABLE = frozenset({"unreadable_manifest", "unreadable_blob"})
+_STRAY = "stray_file"
+
+
+def _tail(report: VerifyReport, repair: bool) -> str:
+    found = len(report.problems)
+    if not found:
+        tail = "no problems"
+    else:
+        unreadable = sum(p.kind in _UNREADABLE for p in report.problems)
+        stray = sum(p.kind == _STRAY for p in report.problems)
+        fixable = found - unreadable - stray
+        notes = []
+        if repair:
+            notes.append(f"{found - report.unfixed:,} fixed")
+        elif fixable:
+            notes.append("fix with --repair" if fixable == found else f"fix {fixable:,} with --repair")
+        if unreadable:
+            notes.append(
+                f"{plural(unreadable, 'file')} this user cannot read: run as the cache's owner, "
+                "--repair does not change permissions"
+            )
+        if stray:
+            notes.append(f"{plural(stray, 'stray file')} left alone")
+        tail = f"{plural(found, 'problem')} ({'; '.join(notes)})"
+    if report.orphan_blobs:
+        if any(p.kind == "unreadable_manifest" for p in report.problems):
+            tail += f"; {plural(report.orphan_blobs, 'blob')} named by no manifest it could read"
+        else:
+            tail += f"; {plural(report.orphan_blobs, 'orphan blob')} for gc"
+    return tail
+
+
 def run(args: argparse.Namespace) -> int:
     report = verify(cache_path(args.path), repair=args.repair, progress=args.progress)
     args.progress.done()
     if args.json:
-        print_json(report.as_dict())
+        # As every command's JSON: ``problems`` a list, ``problem_count`` beside it.
+        print_json({**report.as_dict(), "problem_count": len(report.problems)})
     else:
         for p in report.problems:
             state = " [fixed]" if p.fixed else ""
             print(f"{p.kind}: {p.path}{': ' + p.detail if p.detail else ''}{state}")
-        found = len(report.problems)
-        head = (
+        print(
             f"checked {plural(report.entries, 'entry', 'entries')} and {plural(report.blobs_checked, 'blob')} "
-            f"({fmt_bytes(report.bytes_checked)}) in {report.elapsed_s:.1f} s: "
+            f"({fmt_bytes(report.bytes_checked)}) in {report.elapsed_s:.1f} s: {_tail(report, args.repair)}"
         )
-        if not found:
-            tail = "no problems"
-        elif args.repair:
-            tail = f"{plural(found, 'problem')}, {found - report.unfixed:,} fixed"
-        else:
-            tail = f"{plural(found, 'problem')} (fix with --repair)" if found else "no problems"
-        if report.orphan_blobs:
-            tail += f"; {plural(report.orphan_blobs, 'orphan blob')} for gc"
-        print(head + tail)
     return 1 if report.unfixed else 0

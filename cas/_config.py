@@ -68,9 +68,19 @@ def parse_size(text: str) -> int:
     return value
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"`` or plain seconds."""
+def parse_duration(text: str, *, require_unit: bool = False) -> float:
+    """Seconds from ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
+
+    A plain number (``"90"``) is taken as seconds, unless ``require_unit``: the
+    command line asks for one, since a bare ``7`` next to ``7d`` reads like days.
+    """
     m = _AGE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
         raise ValueError(f"not a duration: {text!r} (expected e.g. 30m, 12h, 7d)")
+    if require_unit and m.group(2) is None:
+        number = m.group(1)
+        raise ValueError(
+            f"a duration needs a unit: {text.strip()!r} (write {number}s for seconds, or {number}m, {number}h, "
+            f"{number}d, {number}w)"
+        )
     return float(m.group(1)) * _AGE_UNITS[(m.group(2) or "s").lower()]

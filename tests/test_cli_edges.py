@@ -1,0 +1,297 @@
+"""The console script at its edges: each bad use one line and its documented exit status, never a traceback.
+
+Exit status 2 is bad usage, 1 a command that could not do its work or found problems it did not fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, is_root
+
+import cas
+from cas import CacheStore, parse_duration, publish
+from cas._cli import main
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str, command: str) -> str:
+    """The last line of ``err``, checked to be the command's one-line error."""
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"cuda-program-cas {command}: error: "), err
+    return last
+
+
+def a_cache(root: Path, n: int = 3) -> CacheStore:
+    store = CacheStore(root)
+    for i in range(n):
+        store.put(f"k{i}", bytes([i]) * 2000)
+    return store
+
+
+# -- gc on a shared store ---------------------------------------------------------------------
+
+
+def test_a_short_grace_on_a_published_store_is_bad_usage_saying_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    publish([a_cache(tmp_path / "node").root], tmp_path / "store")
+    before = sorted(os.walk(tmp_path / "store"))
+    code, out, err = cli(capsys, "gc", str(tmp_path / "store"), "--grace", "10m")
+    line = one_line_error(err, "gc")
+    assert code == 2 and out == ""
+    assert "is a shared store (publish marked it" in line and "--grace 1h or more" in line
+    assert "--shared was given" not in line
+    assert sorted(os.walk(tmp_path / "store")) == before
+    # Told it is not shared after all, gc takes the short grace.
+    assert cli(capsys, "gc", str(tmp_path / "store"), "--grace", "10m", "--no-shared", "--dry-run")[0] == 0
+
+
+def test_a_short_grace_with_shared_on_a_private_cache_says_shared_was_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = a_cache(tmp_path / "cas")
+    code, out, err = cli(capsys, "gc", store.root, "--shared", "--grace", "1s")
+    line = one_line_error(err, "gc")
+    assert code == 2 and out == ""
+    assert "--shared was given" in line and "is a shared store (publish" not in line
+    assert cli(capsys, "gc", store.root, "--shared", "--grace", "1h", "--dry-run")[0] == 0
+
+
+# -- ages and sizes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["gc", "--max-age", "7"], "a duration needs a unit: '7' (write 7s for seconds"),
+        (["gc", "--grace", "90"], "write 90s for seconds"),
+        (["gc", "--max-age", "0d"], "an age must be more than zero, got '0d'"),
+        (["gc", "--max-age", "-1d"], "an age must not be negative, got '-1d'"),
+        (["gc", "--max-age=-1d"], "an age must not be negative, got '-1d'"),
+        (["gc", "--max-age", "-1"], "an age must not be negative, got '-1'"),
+        (["gc", "--grace", "-1h"], "an age must not be negative, got '-1h'"),
+        (["gc", "--wait", "-5"], "an age must not be negative, got '-5'"),
+        (["gc", "--max-size", "-5M"], "a size must be more than zero, got '-5M'"),
+        (["gc", "--max-size=-5M"], "a size must be more than zero, got '-5M'"),
+        (["gc", "--max-size", "0"], "a size must be more than zero, got '0'"),
+        (["stats", "--max-size", "-1G"], "a size must be more than zero, got '-1G'"),
+    ],
+)
+def test_ages_need_a_unit_and_ages_and_sizes_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    store = a_cache(tmp_path / "cas")
+    before = sorted(os.walk(store.root))
+    code, out, err = cli(capsys, *argv, store.root)
+    assert code == 2 and out == ""
+    assert needle in one_line_error(err, argv[0])
+    assert "expected one argument" not in err
+    assert sorted(os.walk(store.root)) == before
+
+
+def test_ages_with_units_and_waits_in_plain_seconds_are_taken(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = a_cache(tmp_path / "cas")
+    code, out, _ = cli(capsys, "gc", store.root, "--max-age", "7d", "--grace", "0s", "--wait", "5", "--json")
+    assert code == 0 and json.loads(out)["entries_removed"] == 0
+    # The library keeps reading plain numbers as seconds; only the command line asks for the unit.
+    assert parse_duration("7") == 7.0 and parse_duration("2m") == 120.0
+    with pytest.raises(ValueError, match="needs a unit"):
+        parse_duration("7", require_unit=True)
+
+
+# -- publish ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("missing", "no cache at"),
+        ("filestream", "it looks like a FileStreamProgramCache"),
+        ("dangling", "is a symlink to"),
+        ("store", "is the store itself"),
+    ],
+)
+def test_publish_usage_errors_exit_2_with_the_prefix_and_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, needle: str
+) -> None:
+    (tmp_path / "filestream" / "entries").mkdir(parents=True)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    store = tmp_path / "store"
+    code, out, err = cli(capsys, "publish", str(tmp_path / source), str(store))
+    assert code == 2 and out == ""
+    assert needle in one_line_error(err, "publish")
+    assert not store.exists()  # nothing created for a run that could not publish anything
+
+
+def test_every_command_reports_problems_as_a_list_with_a_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = a_cache(tmp_path / "node")
+    fs = tmp_path / "fs"
+    (fs / "entries" / "ab").mkdir(parents=True)
+    (fs / "entries" / "ab" / ("c" * 62)).write_bytes(b"a FileStream entry")
+    runs = {
+        "publish": ["publish", node.root, str(tmp_path / "store")],
+        "repack": ["repack", str(tmp_path / "store")],
+        "gc": ["gc", node.root],
+        "stats": ["stats", node.root],
+        "verify": ["verify", node.root],
+        "import-filestream": ["import-filestream", str(fs), node.root],
+    }
+    for command, argv in runs.items():
+        code, out, err = cli(capsys, *argv, "--json")
+        report = json.loads(out)
+        assert code == 0, (command, err)
+        assert report["problems"] == [] and report["problem_count"] == 0, command
+
+
+# -- stats and verify on files this user cannot read ---------------------------------------------
+
+
+@pytest.fixture
+def unreadable_cache() -> Iterator[Path]:
+    """A cache whose files only root can read, in a directory everyone can enter."""
+    base = Path(tempfile.mkdtemp(prefix="cas-unreadable-"))
+    try:
+        base.chmod(0o755)
+        a_cache(base / "cas")
+        yield base / "cas"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m cas ARGV`` as user 65534 (skips when this machine cannot run that)."""
+    if not is_root() or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as a user who cannot read the cache (as root every file reads)")
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "cas", *argv]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    probe = subprocess.run([*command[:5], "-c", "import cas"], capture_output=True, text=True, env=env, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"this interpreter cannot run as user 65534 here: {probe.stderr.strip()[:200]}")
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+def test_stats_says_what_it_cannot_read_and_exits_1(unreadable_cache: Path) -> None:
+    res = as_nobody("stats", str(unreadable_cache))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "this user cannot read" in res.stdout and "cannot be read" in res.stdout
+    assert res.stdout.strip().splitlines()[-1].endswith("could not be read")
+    report = json.loads(as_nobody("stats", str(unreadable_cache), "--json").stdout)
+    assert report["problem_count"] == len(report["problems"]) >= 3
+    assert report["counters"] is None  # unknown, not zero
+
+
+def test_verify_does_not_offer_repair_for_files_it_cannot_read(unreadable_cache: Path) -> None:
+    res = as_nobody("verify", str(unreadable_cache))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    last = res.stdout.strip().splitlines()[-1]
+    assert "this user cannot read" in last and "fix with --repair" not in last
+    assert "--repair does not change permissions" in last
+
+
+def test_import_into_a_directory_this_user_cannot_write_gives_cli_advice(unreadable_cache: Path) -> None:
+    fs = unreadable_cache.parent / "fs"
+    (fs / "entries" / "ab").mkdir(parents=True)
+    (fs / "entries" / "ab" / ("c" * 62)).write_bytes(b"entry")
+    for dirpath, _dirs, files in os.walk(fs):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    res = as_nobody("import-filestream", str(fs), str(unreadable_cache.parent / "new"))
+    assert res.returncode == 1, res.stderr
+    line = one_line_error(res.stderr, "import-filestream")
+    assert "give a DEST this user can write" in line and "read_only" not in line
+
+
+# -- the script itself ------------------------------------------------------------------------
+
+
+def test_version_from_the_script_the_module_and_the_package(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert cas.__version__ == version("cuda-program-cas")
+    code, out, _ = cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"cuda-program-cas {cas.__version__}"
+    res = subprocess.run([sys.executable, "-m", "cas", "--version"], capture_output=True, text=True, check=False)
+    assert res.returncode == 0 and res.stdout.strip() == f"cuda-program-cas {cas.__version__}"
+
+
+def test_version_without_installed_metadata_says_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cas._installed_version() == "0+unknown"
+
+
+def test_python_m_cas_is_the_same_script(tmp_path: Path) -> None:
+    store = a_cache(tmp_path / "cas")
+    res = subprocess.run(
+        [sys.executable, "-m", "cas", "stats", store.root, "--json"], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0 and json.loads(res.stdout)["entries"] == 3
+    res = subprocess.run([sys.executable, "-m", "cas", "gc", "--max-age", "7"], capture_output=True, text=True)
+    assert res.returncode == 2 and "needs a unit" in res.stderr
+
+
+def test_extra_arguments_get_the_subcommands_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = a_cache(tmp_path / "cas")
+    code, out, err = cli(capsys, "stats", store.root, "extra")
+    assert code == 2 and out == ""
+    assert err.startswith("usage: cuda-program-cas stats ")
+    assert one_line_error(err, "stats").endswith("unrecognized arguments: extra")
+
+
+def test_import_filestream_help_names_its_destination_dest(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "import-filestream", "--help")
+    assert code == 0 and "SRC [DEST]" in out and "PATH" not in out
+
+
+@pytest.mark.parametrize("command", ["stats", "verify", "gc", "repack"])
+def test_a_dangling_symlink_is_reported_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    code, _, err = cli(capsys, command, str(link))
+    assert code == 2
+    assert f"is a symlink to {str(tmp_path / 'gone')!r}, which does not exist" in one_line_error(err, command)
+
+
+def test_a_dangling_symlink_as_the_filestream_source_is_reported_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    code, _, err = cli(capsys, "import-filestream", str(link), str(tmp_path / "cas"))
+    assert code == 2 and "is a symlink to" in one_line_error(err, "import-filestream")
+    assert not (tmp_path / "cas").exists()
+
+
+def test_stats_text_says_what_the_dedup_ratio_compares(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = CacheStore(tmp_path / "cas")
+    for i in range(4):
+        store.put(f"k{i}", b"same bytes" * 300)
+    code, out, _ = cli(capsys, "stats", store.root)
+    assert code == 0
+    assert "dedup ratio  4.00x (11.7 KiB of entries in 2.9 KiB of unique blobs; manifests not counted)" in out
