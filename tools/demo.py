@@ -1,6 +1,6 @@
 """The main job: compile real kernels with option variants through the cache, twice.
 
-    python tools/demo.py [--path DIR] [--clear]
+    python tools/demo.py [--path DIR] [--clear [--yes]]
 
 Pass 1 compiles every (kernel, variant) through ``Program.compile(cache=...)``:
 a miss runs NVRTC and stores the binary. Pass 2 runs in a fresh process, as the
@@ -8,7 +8,18 @@ next job on this machine would: every compile is a hit. Then it shows how many
 distinct binaries the keys share (deduplication), each pass's counters and the
 cache's ``stats()``. Hit or miss comes from ``cache.counters()``, which reads
 the instance's counters without scanning the disk (``stats()`` scans it, once,
-at the end). Uses the default cache directory unless ``--path`` is given.
+at the end).
+
+With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra), it
+also compiles a CUB kernel through ``cache.compile()`` with ``include_path``:
+a miss, a hit, and an edit of one of its headers, which misses (and hits on
+later runs: the demo makes the same edit each time). That header lives in
+``DIR-demo-include/`` beside the cache directory DIR.
+
+The cache persists: run it again and pass 1 hits too (the demo says so). Give
+``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
+the cache first; on the default cache directory, which your own jobs use, it
+asks for ``--yes`` too.
 """
 
 from __future__ import annotations
@@ -87,6 +98,20 @@ VARIANTS = {
     "lineinfo": {"lineinfo": True},
 }
 
+#: A CUB kernel that also reads a header of the demo's own (``demo_tile.h``).
+CUB_SOURCE = r"""
+#include <cub/block/block_reduce.cuh>
+#include "demo_tile.h"
+extern "C" __global__ void tile_sum(const int *in, int *out) {
+    using BlockReduce = cub::BlockReduce<int, DEMO_TILE>;
+    __shared__ typename BlockReduce::TempStorage temp;
+    int s = BlockReduce(temp).Sum(in[blockIdx.x * DEMO_TILE + threadIdx.x]);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+"""
+CUB_HEADER = "demo_tile.h"
+CUB_HEADER_TEXT = "// The demo's own header: the CUB kernel reads it through include_path.\n#define DEMO_TILE 128\n"
+
 
 def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
     """Compile every (kernel, variant) through the cache; time each and say hit or miss.
@@ -120,39 +145,131 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
     return rows, counters
 
 
+# -- the front door: a CUB kernel through include_path ----------------------------------
+
+
+def cccl_include() -> str | None:
+    """The CCCL headers (``cub/``), as cuda-pathfinder finds them: the nvidia-cuda-cccl wheel or a toolkit."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    try:
+        found = find_nvidia_header_directory("cccl")
+    except Exception:  # cuda-pathfinder raises its own errors for an unusual installation
+        return None
+    return found if found and os.path.isdir(os.path.join(found, "cub")) else None
+
+
+def include_dir(path: str) -> str:
+    """Where the demo keeps its own header: beside the cache, at a fixed path (the path is part of the key)."""
+    return os.path.abspath(path).rstrip(os.sep) + "-demo-include"
+
+
+def cub_compile(path: str, cccl: str) -> dict[str, object]:
+    """``cache.compile()`` of the CUB kernel with the header as it is now: hit or miss, time, digest."""
+    from cuda.core import ProgramOptions
+
+    from cas import ContentAddressedProgramCache, digest_of
+
+    options = ProgramOptions(arch="sm_80", std="c++17", include_path=[include_dir(path), cccl])
+    with ContentAddressedProgramCache(path) as cache:
+        before = cache.counters()
+        start = time.perf_counter()
+        obj = cache.compile(CUB_SOURCE, "c++", options, "cubin")
+        elapsed = time.perf_counter() - start
+        # The front door looks up and stores more than one entry per compile (its record of the
+        # headers, the binary, its name): a compile that missed none and stored none was a hit.
+        after = cache.counters()
+        hit = after["misses"] == before["misses"] and after["writes"] == before["writes"]
+    return {"hit": hit, "seconds": elapsed, "digest": digest_of(bytes(obj.code))}
+
+
+def write_header(path: str, text: str) -> None:
+    """Put ``text`` in the demo's header, in place: a new file in the directory would change its mtime,
+    which the front door watches (a header added to an include directory may shadow another)."""
+    directory = include_dir(path)
+    os.makedirs(directory, exist_ok=True)
+    header = Path(directory, CUB_HEADER)
+    try:
+        if header.read_text() == text:
+            return
+    except OSError:
+        pass
+    with header.open("w") as f:
+        f.write(text)
+    # A result is stored only when its headers are older than the compile's start (a header
+    # edited in the same clock tick may have been read half-changed): let the tick pass.
+    time.sleep(0.05)
+
+
+def cub_demo(path: str) -> list[tuple[str, dict[str, object], str]] | str:
+    """A miss, a hit, a header edit that misses (hits, on a later run): the rows, or why it was skipped."""
+    cccl = cccl_include()
+    if cccl is None:
+        return "skipped: no CCCL headers found (pip install nvidia-cuda-cccl; the test extra has it)"
+    write_header(path, CUB_HEADER_TEXT)
+    first = cub_compile(path, cccl)
+    again = cub_compile(path, cccl)
+    # The same edit every run (a comment: the cubin stays the same), so a later run hits it too.
+    write_header(path, CUB_HEADER_TEXT + "// edited by the demo\n")
+    edited = cub_compile(path, cccl)
+    earlier = "stored by an earlier run"
+    edit_note = "a changed header is a new key; NVRTC ran" if not edited["hit"] else f"this edit was {earlier}"
+    if edited["digest"] == first["digest"] and not edited["hit"]:
+        edit_note += " (only a comment changed: the same cubin, stored once)"
+    return [
+        ("CUB kernel, include_path", first, earlier if first["hit"] else "NVRTC ran; the headers it read are recorded"),
+        ("the same compile again", again, "every header checked: unchanged"),
+        (f"{CUB_HEADER} edited", edited, edit_note),
+    ]
+
+
+# -- output -------------------------------------------------------------------------------
+
+
 def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:8.0f} µs"
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError
+def _tag(row: dict[str, object]) -> str:
+    return "hit " if row["hit"] else "miss"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", help="cache directory (default: the default cache directory)")
     parser.add_argument("--clear", action="store_true", help="empty the cache first, to see every miss")
+    parser.add_argument("--yes", action="store_true", help="with --clear on the default cache directory: empty it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     from cas import default_cache_dir
+    from cas._cli import fmt_bytes
 
     path = args.path or str(default_cache_dir())
     if args.child:
         rows, counts = compile_all(path)
-        print(json.dumps({"rows": rows, "counters": counts}))
+        cccl = cccl_include()
+        cub = cub_compile(path, cccl) if cccl and os.path.isdir(include_dir(path)) else None
+        print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
         return 0
 
     from cas import ContentAddressedProgramCache
 
     if args.clear:
+        if args.path is None and not args.yes:
+            print(
+                f"demo.py: refusing to --clear the default cache directory {path}: your own jobs use it. "
+                "Give --path DIR for a directory of the demo's own, or add --yes to empty it anyway.",
+                file=sys.stderr,
+            )
+            return 2
         ContentAddressedProgramCache(path).clear()
-    print(f"cache: {path}")
+    where = "the default cache directory" if args.path is None else "given with --path"
+    print(f"cache: {path} ({where})")
     first, first_counts = compile_all(path)
+    cub = cub_demo(path)
     # Pass 2 in a fresh process: what the next job on this node pays.
     proc = subprocess.run(
         [sys.executable, __file__, "--child", "--path", path], capture_output=True, text=True, check=False
@@ -164,13 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     second, second_counts = child["rows"], child["counters"]
 
     print(f"\n{'kernel':9} {'variant':13} {'pass 1 (this process)':>24} {'pass 2 (fresh process)':>25} {'speedup':>8}")
-    for a, b in zip(first, second, strict=True):
-        speed = a["seconds"] / b["seconds"] if b["seconds"] else float("inf")
-        tag_a = "hit " if a["hit"] else "miss"
-        tag_b = "hit " if b["hit"] else "miss"
+    for n, (a, b) in enumerate(zip(first, second, strict=True)):
+        speed = f"{a['seconds'] / b['seconds']:7.0f}x" if not a["hit"] and b["seconds"] else f"{'-':>8}"
+        mark_a = "*" if n == 0 and a["hit"] else " "
+        mark_b = "*" if n == 0 and b["hit"] else " "
         print(
-            f"{a['kernel']:9} {a['variant']:13} {tag_a} {_fmt_time(a['seconds']):>18} "
-            f"{tag_b} {_fmt_time(b['seconds']):>19} {speed:7.0f}x"
+            f"{a['kernel']:9} {a['variant']:13} {_tag(a)} {_fmt_time(a['seconds']):>17}{mark_a} "
+            f"{_tag(b)} {_fmt_time(b['seconds']):>18}{mark_b} {speed}"
+        )
+    if any(r["hit"] for r in first[:1] + second[:1]):
+        print(
+            "* the first compile of a process loads NVRTC, even on a hit (cuda.core builds a Program, which opens "
+            "libnvrtc); later hits take tens of microseconds"
         )
     misses = [r for r in first if not r["hit"]]
     if misses:
@@ -180,11 +302,28 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{len(misses)} compiles took {compile_s:.2f} s; "
             f"the same {len(misses)} compiles in a fresh process, all hits, took {hit_s * 1e3:.1f} ms"
         )
+    if len(misses) < len(first):
+        held = "all" if not misses else f"{len(first) - len(misses)} of the"
+        print(
+            f"\nPass 1 hit too: this cache already held {held} {len(first)} entries, stored by an earlier run "
+            "(entries stay until evicted or collected: that is what the cache is for).\n"
+            "To see what a fresh cache shows, give the demo a new directory:\n"
+            '    python tools/demo.py --path "$(mktemp -d)"'
+        )
+
+    print("\ncache.compile() with include_path: keys that cover the headers a compile read")
+    if isinstance(cub, str):
+        print(f"  {cub}")
+    else:
+        rows = [*cub, ("the edited header, fresh process", child["cub"], "the edited entry was stored")]
+        for label, row, note in rows:
+            if row is not None:
+                print(f"  {label:33} {_tag(row)} {_fmt_time(row['seconds']):>12}  {note}")
 
     with ContentAddressedProgramCache(path) as cache:
         st = cache.stats()
     shown = ("hits", "misses", "writes", "dedup_writes", "corrupt", "evictions")
-    print("\ncounters() of each pass:")
+    print("\ncounters() of each pass (the option variants):")
     print("  pass 1: " + ", ".join(f"{k}={first_counts[k]}" for k in shown))
     print("  pass 2: " + ", ".join(f"{k}={second_counts[k]}" for k in shown))
     print("\ndeduplication (variants that compile to the same bytes share one blob):")
@@ -196,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         shared = " | ".join(" = ".join(g) for g in groups.values())
         print(f"  {kname:9} {len(VARIANTS)} keys -> {len(groups)} blobs: {shared}")
     print(
-        f"cache: {st.entries} entries in {st.blobs} blobs; {_fmt_bytes(st.logical_bytes)} of entries stored in "
-        f"{_fmt_bytes(st.stored_bytes)} (dedup ratio {st.dedup_ratio:.2f}x)"
+        f"cache: {st.entries} entries in {st.blobs} blobs: {fmt_bytes(st.logical_bytes)} of entries stored as "
+        f"{fmt_bytes(st.blob_bytes)} of unique blobs (dedup ratio {st.dedup_ratio:.2f}x), "
+        f"plus {fmt_bytes(st.manifest_bytes)} of manifests"
     )
     return 0
 

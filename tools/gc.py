@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Collect garbage in a cuda-program-cas cache: ``python tools/gc.py [PATH] [options]``.
 
-The same as ``cuda-program-cas gc`` (see ``--help``), for a source checkout. Needs
-no CUDA: it runs on a storage server that has only Python and the project's
-pure-Python dependencies, once the project is installed (``pip install .``).
+The same as ``cuda-program-cas gc`` and ``python -m cas gc`` (see ``--help``), for a
+source checkout; an installed package has the console script instead (``tools/``
+is not in the wheel). Needs no CUDA: it runs on a storage server that has only
+Python and the project's pure-Python dependencies, once the project is installed
+(``pip install .``).
 """
 
 from __future__ import annotations

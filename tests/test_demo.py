@@ -1,0 +1,68 @@
+"""tools/demo.py, the README's first command: a fresh cache, a warm second run, and --clear's guard."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+DEMO = REPO / "tools" / "demo.py"
+
+
+def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(tmp_path: Path) -> None:
+    path = str(tmp_path / "cas")
+    cold = demo("--path", path)
+    assert cold.returncode == 0, cold.stderr
+    out = cold.stdout
+    assert "28 compiles took" in out and "all hits" in out
+    assert "Pass 1 hit too" not in out
+    assert "KB" not in out.replace("KiB", "")  # the CLI's binary units
+    assert "dedup ratio" in out and "of unique blobs" in out
+    if "CUB kernel" in out:  # the CCCL headers are in the test extra
+        assert "CUB kernel, include_path          miss" in out
+        assert "the same compile again            hit" in out
+        assert "demo_tile.h edited                miss" in out
+        assert (tmp_path / "cas-demo-include" / "demo_tile.h").is_file()
+    else:
+        assert "skipped: no CCCL headers found" in out
+
+    warm = demo("--path", path)
+    assert warm.returncode == 0, warm.stderr
+    out = warm.stdout
+    assert "Pass 1 hit too: this cache already held all 28 entries" in out
+    assert 'python tools/demo.py --path "$(mktemp -d)"' in out
+    rows = [line for line in out.splitlines() if line.split(" ")[0] in ("saxpy", "reduce", "matmul", "stencil")]
+    tags = [re.findall(r"\b(hit|miss)\b", row) for row in rows if re.search(r"\d (ms|µs)", row)]
+    assert tags == [["hit", "hit"]] * 28  # every row a hit, in both passes
+    assert "* the first compile of a process loads NVRTC" in out
+    if "CUB kernel" in out:
+        assert "this edit was stored by an earlier run" in out
+
+
+def test_clear_refuses_the_default_directory_without_a_path_or_yes(tmp_path: Path) -> None:
+    from cas import CacheStore
+
+    default = tmp_path / "default"
+    CacheStore(default).put("mine", b"a user's own entry")
+    refused = demo("--clear", env={"CUDA_PROGRAM_CAS_DIR": str(default)})
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "refusing to --clear the default cache directory" in refused.stderr and "--yes" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert CacheStore(default).get("mine") == b"a user's own entry"
