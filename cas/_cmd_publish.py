@@ -1,4 +1,4 @@
-"""``cuda-program-cas publish SRC... DEST``: merge local caches into a shared store."""
+"""``cuda-program-cas publish SRC... STORE``: merge local caches into a shared store."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ def register(subparsers: Any) -> None:
         "publish",
         help="merge local caches into a shared store (created if missing)",
         description=(
-            "Merge the cache directories SRC... into the shared store DEST, which nodes open read-only "
-            "(shared=[DEST]). Blobs are verified, then written before the manifests naming them, each "
-            "atomically: safe while nodes read DEST and while another publish runs; running it again "
-            "publishes only what is new. A key DEST already maps to other valid bytes keeps them."
+            "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
+            "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
+            "atomically: safe while nodes read STORE and while another publish runs; running it again "
+            "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
+            "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
         ),
     )
     parser.add_argument("sources", nargs="+", metavar="SRC", help="a node's local cache directory (only read)")
-    parser.add_argument("dest", metavar="DEST", help="the shared store")
+    parser.add_argument("dest", metavar="STORE", help="the shared store (created if missing)")
     parser.add_argument(
         "--group-shared",
         action="store_true",
