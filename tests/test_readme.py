@@ -1,0 +1,41 @@
+"""The README stays what a user reads: its set-up commands are what CI runs, its links resolve,
+and it names no private module and no internal history."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+INSTALL = 'python3 -m venv .venv && .venv/bin/pip install -e ".[cu13,test]"'
+DEMO = f"{INSTALL} && .venv/bin/python tools/demo.py"
+TESTS = f"{INSTALL} && .venv/bin/python -m pytest -q"
+
+
+def test_the_two_set_up_commands_are_the_readme_s_and_ci_runs_the_test_one() -> None:
+    commands = [line.strip() for line in README.splitlines() if line.strip().startswith("python3 -m venv")]
+    assert commands == [DEMO, TESTS]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert TESTS in [line.strip() for line in ci]
+
+
+def test_every_local_link_resolves() -> None:
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = []
+    for page in docs:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(REPO)} -> {target}")
+    assert missing == []
+    for name in ("benchmarks", "torture", "gpu", "nfs", "nfs-harness", "cli", "cluster", "guarantees", "counters"):
+        assert f"(docs/{name}.md)" in README, name
+
+
+def test_no_private_modules_or_internal_history() -> None:
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert not re.search(r"\bcas\._[a-z]", text), page.name  # private modules are not the API
+        assert not re.search(r"\bissue \d", text, re.IGNORECASE), page.name
+        assert ".wheels" not in text and "the final code" not in text, page.name
+        assert "python tools/gc.py /shared" not in text, page.name  # tools/ is not installed
