@@ -227,7 +227,7 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         # Two publishers at once.
         procs = [publish_cli(str(node_a), str(shared)), publish_cli(str(node_b), str(shared))]
         first = [finish(p) for p in procs]
-        assert all(r["problems"] == 0 for r in first)
+        assert all(r["problem_count"] == 0 for r in first)
         # Every key of each source was accounted for exactly once by its publisher.
         outcomes = ("published", "unchanged", "conflicts", "replaced")
         assert sum(r[o] for r in first for o in outcomes) == len(a) + len(b)
@@ -253,7 +253,7 @@ def test_two_nodes_publish_while_readers_hammer(tmp_path: Path) -> None:
         # Temp files are private until complete (their final mode is set just before the rename).
         assert all(mode == 0o600 or size in final_sizes for mode, size in temp_seen), temp_seen
         resumed = finish(publish_cli(str(node_c), str(shared)))
-        assert resumed["problems"] == 0
+        assert resumed["problem_count"] == 0
         assert resumed["published"] + resumed["unchanged"] == len(c)
 
         # Publishing again changes nothing: not a byte, not an mtime.
@@ -516,7 +516,7 @@ def test_two_publishers_create_one_store_at_once(tmp_path: Path) -> None:
     b = node_cache(tmp_path / "b", {f"b{i}": os.urandom(200) for i in range(30)} | {"same": b"same bytes"})
     shared = tmp_path / "new" / "shared"
     reports = [finish(p) for p in [publish_cli(str(a), str(shared)), publish_cli(str(b), str(shared))]]
-    assert all(r["problems"] == 0 for r in reports)
+    assert all(r["problem_count"] == 0 for r in reports)
     assert sum(r["published"] + r["unchanged"] for r in reports) == 62
     reader = CacheStore(tmp_path / "local", shared=[shared])
     assert reader.get("same") == b"same bytes"

@@ -1,7 +1,7 @@
 """The real-NFS harness: its skip path, and its scenarios run on plain directories.
 
 The full run (a VM with the kernel NFS server) takes minutes and is not part of
-the unit suite: ``python tools/nfs_harness.py`` (README, "Real NFS").
+the unit suite: ``python tools/nfs_harness.py`` (docs/nfs-harness.md).
 """
 
 from __future__ import annotations
