@@ -1098,6 +1098,23 @@ def _mount_of(path: str) -> dict[str, str]:
     return best
 
 
+def git_state() -> tuple[str, str]:
+    """The checkout's short commit, and what ``git status`` says of cas/ and index/ (empty: clean)."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "--", "cas", "index"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit, dirty = "", ""
+    return commit, dirty
+
+
 def machine_info(bench_dir: str) -> dict[str, Any]:
     import importlib.metadata as md
 
@@ -1116,18 +1133,7 @@ def machine_info(bench_dir: str) -> dict[str, Any]:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             versions[dist] = None
-    try:
-        commit = subprocess.run(
-            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", REPO, "status", "--porcelain", "--", "cas", "index"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit, dirty = "", ""
+    commit, dirty = git_state()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -57,6 +57,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from bench import git_state  # tools/ is this script's directory, first on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KB = 1024
 #: Operation mix: the rest of the operations are puts of keys drawn from the key space.
@@ -363,18 +365,7 @@ def warnings_for(cfg: Config, rounds: list[RoundResult]) -> list[str]:
 
 
 def machine_info() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", REPO, "status", "--porcelain", "--", "cas", "index"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit, dirty = "", ""
+    commit, dirty = git_state()
     return {
         "cores": os.cpu_count(),
         "os": platform.platform(),
