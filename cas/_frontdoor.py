@@ -51,6 +51,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from ._files import FileId, file_id
 from ._store import CacheStore
 
 __all__ = ["FrontDoor"]
@@ -76,22 +77,17 @@ _REFUSED = {
     "fdevice_time_trace": "it writes a trace file, which a cache hit would not (the front door traces on its own)",
 }
 
-#: Headers' stats and digests, per process: a hit re-hashes nothing it already hashed.
-_StatKey = tuple[int, int, int, int, int]
-
-
-def _stat_key(st: os.stat_result) -> _StatKey:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
 
 class _HeaderCache:
+    """Headers' identities and digests, per process: a hit re-hashes nothing it already hashed."""
+
     def __init__(self) -> None:
-        self._known: dict[str, tuple[_StatKey, str]] = {}
+        self._known: dict[str, tuple[FileId, str]] = {}
         self._lock = threading.Lock()
 
-    def digest(self, path: str, st: os.stat_result, recorded: tuple[_StatKey, str] | None = None) -> str | None:
+    def digest(self, path: str, st: os.stat_result, recorded: tuple[FileId, str] | None = None) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read."""
-        key = _stat_key(st)
+        key = file_id(st)
         known = self._known.get(path)
         if known is not None and known[0] == key:
             return known[1]
@@ -107,11 +103,11 @@ class _HeaderCache:
         return digest
 
 
-def _hash_file(path: str, key: _StatKey) -> str | None:
+def _hash_file(path: str, key: FileId) -> str | None:
     try:
         with open(path, "rb") as fh:
             data = fh.read()
-            if _stat_key(os.fstat(fh.fileno())) != key:
+            if file_id(os.fstat(fh.fileno())) != key:
                 return None
     except OSError:
         return None
@@ -121,7 +117,7 @@ def _hash_file(path: str, key: _StatKey) -> str | None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Header:
     path: str
-    stat: _StatKey
+    stat: FileId
     digest: str
 
     def as_json(self) -> list[object]:
@@ -269,7 +265,7 @@ class FrontDoor:
                 now = self._headers.digest(path, st, ((dev, ino, size, mtime, ctime), digest))
                 if now is None:
                     return None
-                headers.append(_Header(path, _stat_key(st), now))
+                headers.append(_Header(path, file_id(st), now))
         except (KeyError, TypeError, ValueError):
             return None  # a record of another shape: a miss
         return _result_key(record_key, headers)
@@ -288,7 +284,7 @@ class FrontDoor:
             digest = self._headers.digest(path, st)
             if digest is None:
                 return None
-            headers.append(_Header(path, _stat_key(st), digest))
+            headers.append(_Header(path, file_id(st), digest))
         return headers
 
     def _remember(self, record_key: bytes, headers: list[_Header], guards: list[_Guard], result_key: bytes) -> None:

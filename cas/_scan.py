@@ -71,9 +71,6 @@ class Snapshot:
     def logical_bytes(self) -> int:
         return sum(m.manifest.size for m in self.manifests if m.manifest is not None)
 
-    def is_dangling(self, info: ManifestInfo) -> bool:
-        return info.manifest is not None and info.manifest.digest not in self.blobs
-
     def orphans(self) -> list[str]:
         """Blobs that no valid manifest names."""
         return [d for d in self.blobs if self.refs[d] == 0]
