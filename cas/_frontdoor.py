@@ -180,7 +180,6 @@ class FrontDoor:
             name_expressions=name_expressions,
             extra_digest=extra,
         )
-        dirs = _search_dirs(options)
         found = self._lookup(record_key, target_type)
         if found is not None:
             data, name, mapping = found
@@ -189,6 +188,7 @@ class FrontDoor:
         if self._store.read_only:
             # A read-only cache is never written: compile, return, store nothing.
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
+        dirs = _search_dirs(options)
         started_ns = _fs_clock(self._store.layout.tmp)
         traced = None
         if code_type == "c++" and _nvrtc_major() >= 13:
