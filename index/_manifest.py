@@ -61,8 +61,31 @@ class Manifest:
         return b"%s %s %s %d\n" % (MANIFEST_TAG, self.key_id.encode("ascii"), self.digest.encode("ascii"), self.size)
 
 
+_HEX_BYTES = b"0123456789abcdef"
+#: The shortest current manifest: tag, space, key id, space, digest, space, one digit, newline.
+_MIN_V2 = len(MANIFEST_TAG) + 1 + 64 + 1 + 64 + 1 + 1 + 1
+
+
 def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
-    """``(key id or None, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path)."""
+    """``(key id or None, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path).
+
+    A current manifest is checked field by field with ``bytes`` methods (a few
+    times faster than the regular expression, which it matches exactly); a
+    layout-1 one, or anything else, goes to the regular expression.
+    """
+    n = len(data)
+    if _MIN_V2 <= n <= _MIN_V2 + 15 and data[:7] == b"cpcas2 " and data[71] == 32 and data[136] == 32:
+        kid, digest, size = data[7:71], data[72:136], data[137:-1]
+        # strip() of every hex digit leaves nothing only if the field is all lowercase hex.
+        if (
+            data[-1] == 10
+            and not kid.strip(_HEX_BYTES)
+            and not digest.strip(_HEX_BYTES)
+            and size.isdigit()
+            and (size[0] != 48 or len(size) == 1)
+        ):
+            return kid.decode("ascii"), digest.decode("ascii"), int(size)
+        return None
     m = _LINE_RE.fullmatch(data)
     if m is None:
         return None

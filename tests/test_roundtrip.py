@@ -9,6 +9,9 @@ and ``stats()`` must describe exactly what the model holds.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 from cuda.core import ObjectCode
 from hypothesis import HealthCheck, given, settings
@@ -122,6 +125,36 @@ def test_manifest_parser_accepts_only_what_encode_writes(raw: bytes) -> None:
     manifest = parse_manifest(raw)
     if manifest is not None:
         assert manifest.encode() == raw
+
+
+def _single_edits(raw: bytes, alphabet: bytes) -> Iterator[bytes]:
+    """Every line one byte away from ``raw``: each byte changed, or removed, and a byte added anywhere."""
+    for pos in range(len(raw) + 1):
+        for byte in alphabet:
+            yield raw[:pos] + bytes([byte]) + raw[pos:]
+            if pos < len(raw) and raw[pos] != byte:
+                yield raw[:pos] + bytes([byte]) + raw[pos + 1 :]
+        if pos < len(raw):
+            yield raw[:pos] + raw[pos + 1 :]
+
+
+@pytest.mark.parametrize("size", [0, 7, 1234, 10**15, 10**16 - 1])
+def test_a_manifest_one_byte_off_parses_only_if_it_is_again_exactly_one(size: int) -> None:
+    # Near-valid lines take the parser's fast path (random bytes never do). Every
+    # edit of one byte is rejected unless the result is again a manifest with every
+    # field valid (the constructor checks) and spelled canonically.
+    from cuda_program_cas_index import Manifest
+
+    raw = Manifest("0123456789abcdef" * 4, size, "fedcba9876543210" * 4).encode()
+    assert parse_manifest(raw) is not None
+    accepted = 0
+    for edited in _single_edits(raw, b"0123456789abcdefABCDEFg \n\x00+-\xff"):
+        manifest = parse_manifest(edited)
+        if manifest is not None:
+            assert Manifest(manifest.digest, manifest.size, manifest.key_id).encode() == edited
+            assert manifest.size < 10**16  # sizes have at most 16 digits
+            accepted += 1
+    assert accepted > 0  # changing a hex digit of the digest, say, gives another valid manifest
 
 
 @settings(max_examples=100, deadline=None)
