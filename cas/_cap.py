@@ -27,6 +27,7 @@ from ._layout import Layout
 from ._remove import RemovalPlan, RemovalResult, Remover
 from ._scan import Snapshot, take_snapshot
 from ._stats import Counters
+from ._touch import apply_pending
 
 __all__ = ["EVICT_STEP", "LOW_WATERMARK", "MIN_ENTRIES_FOR_WATERMARK", "ORPHAN_GRACE_S", "SizeCap"]
 
@@ -123,6 +124,7 @@ class SizeCap:
                 must_free = 0
                 if self._plan is None:
                     self._remover.sweep_temp()
+                    apply_pending()  # the scan sees this process's reads, in every instance
                     snap = take_snapshot(self._lay.index, self._lay.blobs, clock_dir=self._lay.tmp)
                     if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile
                         self._measure(snap.stored_bytes)
@@ -172,6 +174,9 @@ class SizeCap:
 
     def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> RemovalResult:
         t0 = time.perf_counter_ns()
+        # Every read this process made, in any instance, lands first: the remover keeps
+        # an entry whose manifest was touched since the plan's scan.
+        apply_pending()
         result = RemovalResult()
         if must_free > 0:
             # At once, as far as it takes to be under the cap.

@@ -229,27 +229,37 @@ class ShardGuard:
     """
 
     def __init__(self, on_strange: Callable[[str], None] | None = None) -> None:
-        self._real: set[str] = set()
+        #: directory -> the shard names (two hex characters) vouched for there.
+        self._real: dict[str, set[str]] = {}
         self._listed: set[str] = set()
         self._on_strange = on_strange
 
+    def real_names(self, directory: str) -> set[str]:
+        """The shard names under ``directory`` vouched for so far: a live set, for a hot path to test first."""
+        names = self._real.get(directory)
+        if names is None:
+            names = self._real.setdefault(directory, set())
+        return names
+
     def ok(self, directory: str, name: str) -> bool:
         """True unless the shard of ``name`` under ``directory`` is a symlink or not a directory."""
-        shard = f"{directory}{os.sep}{name[:2]}"
-        if shard in self._real:
+        head = name[:2]
+        names = self._real.get(directory)
+        if names is not None and head in names:
             return True
+        if names is None:
+            names = self.real_names(directory)
         if directory not in self._listed:
+            # The first check here lists the directory once: it vouches for every shard in it.
             self._listed.add(directory)
-            prefix = directory + os.sep
             try:
                 with os.scandir(directory) as it:
-                    self._real.update(
-                        prefix + e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)
-                    )
+                    names.update(e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
             except OSError:
                 pass
-            if shard in self._real:
+            if head in names:
                 return True
+        shard = f"{directory}{os.sep}{head}"
         try:
             st = os.lstat(shard)
         except FileNotFoundError:
@@ -260,5 +270,5 @@ class ShardGuard:
             if self._on_strange is not None:
                 self._on_strange(shard)
             return False
-        self._real.add(shard)
+        names.add(head)
         return True

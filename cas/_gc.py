@@ -42,6 +42,7 @@ from ._packmaint import collect_packs
 from ._remove import RemovalPlan, Remover, removable_orphans
 from ._report import ProblemLog
 from ._scan import ManifestInfo, Snapshot, take_snapshot
+from ._touch import apply_pending
 
 __all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect"]
 
@@ -246,6 +247,8 @@ def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
     }
     for text in packed.problems:
         report.problem(text)
+    if not opts.dry_run:
+        apply_pending()  # what this process read counts (a dry run writes nothing, touches neither)
     snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if opts.dry_run else lay.tmp)
     report.started_ns = snap.started_ns
     report.entries_before = len(snap.manifests)

@@ -1,10 +1,12 @@
 """The read path: look a key up in one cache root and return verified bytes, or miss.
 
 This is the hot path, written for few system calls: open, read and close the
-manifest, then the blob; ``fstat`` only where it saves a hash (large blobs met
-before) or decides a touch (first sight of a key). Repeated hits of blobs that
-fit the memory budget are served from memory once two ``stat`` calls prove the
-manifest and the blob unchanged.
+manifest, then the blob; ``fstat`` only where it saves a hash (a blob of 16 KiB
+or more, or one met before). The recency touch is queued, not made
+(:mod:`cas._touch`). A repeated hit proves the manifest unchanged with one
+``lstat`` instead of reading it; the blob's bytes then come from memory (the
+32 MiB budget) after one more ``lstat``, or beyond the budget from the file
+after an ``fstat`` proves it the one verified, without hashing it again.
 
 Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
 unreadable file is a miss, counted. A writable cache removes what it proves bad
@@ -33,12 +35,13 @@ from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_v
 from ._layout import Layout
 from ._remove import Remover
 from ._stats import Counters
+from ._touch import Touches
 
 __all__ = ["TOUCH_INTERVAL_NS", "Reader"]
 
 _log = logging.getLogger("cas")
 
-#: A hit touches its manifest only when the mtime is at least this old.
+#: A hit queues a touch of its manifest at most this often per key and process.
 TOUCH_INTERVAL_NS = 1_000_000_000
 #: Verified blob identities remembered per reader (each a few dozen bytes).
 _VERIFIED_MAX = 8192
@@ -49,7 +52,14 @@ _IDENTITY_MIN_BYTES = 16384
 #: Verified bytes of repeatedly read blobs kept in memory per reader, and the largest kept.
 _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
-_UTIME_FD = os.utime in os.supports_fd
+_SEP = os.sep
+_time_ns = time.time_ns
+
+
+def _hexdigest(data: bytes) -> str:
+    """The blake3 digest of ``data``, as blob names spell it."""
+    return blake3(data).hexdigest()
+
 
 #: ``on_error(exc, path)``: a read failed with an I/O error (not a bad file).
 ErrorHook = Callable[[OSError, str], None]
@@ -69,18 +79,24 @@ class Reader:
         on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
+        self._index = lay.index + os.sep
+        self._blobs = lay.blobs + os.sep
         self._counters = counters
         self._guard = guard
+        self._index_real = guard.real_names(lay.index)
+        self._blobs_real = guard.real_names(lay.blobs)
         self._remover = remover
-        self._read_only = remover is None
         self._note = note
         self._on_error = on_error
+        #: The recency touches this reader queues (None: read-only, it never touches).
+        self.touches: Touches | None = None if remover is None else Touches()
         self._verified: dict[str, FileId] = {}
+        #: key id -> when this process last queued a touch of it (0 for a read-only reader): seen before.
         self._touched: dict[str, int] = {}
         #: key id -> when this process last read it (writable caches: recency finer than a touch).
         self.recent: dict[str, int] = {}
-        #: key id -> (identity of its manifest file, digest): lets a repeated hit stat instead of read.
-        self._known: dict[str, tuple[FileId, str]] = {}
+        #: key id -> (identity of its manifest file, digest, size): a repeated hit stats instead of reading it.
+        self._known: dict[str, tuple[FileId, str, int]] = {}
         #: digest -> (identity of its blob file, verified bytes), least recently used first.
         self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
         self._held_bytes = 0
@@ -119,13 +135,19 @@ class Reader:
         return None if fields is None else fields[1]
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
-        """The verified bytes of ``kid`` and their digest, or None on a miss."""
-        ipath = self._lay.manifest_path(kid)
-        if kid in self._known:
-            found = self._lookup_known(kid, ipath)
+        """The verified bytes of ``kid`` and their digest, or None on a miss.
+
+        A first hit makes six system calls (seven for a blob of 16 KiB or more):
+        open, read and close the manifest and the blob. A repeated hit of a key
+        whose files are unchanged makes two or three (:meth:`_lookup_known`).
+        """
+        known = self._known.get(kid)
+        if known is not None:
+            found = self._lookup_known(kid, known)
             if found is not None:
                 return found
-        if not self._guard.ok(self._lay.index, kid):
+        ipath = f"{self._index}{kid[:2]}{_SEP}{kid[2:]}"
+        if kid[:2] not in self._index_real and not self._guard.ok(self._lay.index, kid):
             self._why.reason = "index shard is not a directory"
             return None
         try:
@@ -150,89 +172,111 @@ class Reader:
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None
-            seen = self._touched.get(kid)
-            found = self._read_blob(kid, mfd, fields[1], fields[2], seen is not None)
+            touched = self._touched
+            repeat = kid in touched
+            digest = fields[1]
+            found = self._read_blob(kid, mfd, digest, fields[2], repeat)
             if found is None:
                 return None
-            mst = None
-            try:
-                if self._read_only:
-                    seen = 0
-                    if kid in self._touched:
-                        mst = os.fstat(mfd)
+            if repeat:
+                # Read before: remember the manifest, so the next hit stats instead of reading it.
+                try:
+                    mst = os.fstat(mfd)
+                except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
+                    pass
                 else:
-                    # Recency: touch the manifest, unless its mtime (or our own last
-                    # touch) is under a second old, so a hot key costs no write per read.
-                    if seen is None:
-                        mst = os.fstat(mfd)
-                        seen = mst.st_mtime_ns
-                    now = time.time_ns()
-                    self.recent[kid] = now
-                    if now - seen >= TOUCH_INTERVAL_NS:
-                        try:
-                            os.utime(mfd if _UTIME_FD else ipath)
-                        except OSError:
-                            pass
-                        seen = now
-                        mst = None  # the touch changed its identity; the next hit records it
-                    elif mst is None:
-                        mst = os.fstat(mfd)
-            except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
-                mst = None
-                seen = seen or 0
-            if len(self._touched) >= _TOUCHED_MAX:
-                self._touched.clear()
+                    self._known[kid] = (
+                        (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns),
+                        digest,
+                        fields[2],
+                    )
+            elif len(touched) >= _TOUCHED_MAX:
+                touched.clear()
                 self._known.clear()
                 self.recent.clear()
-            self._touched[kid] = seen
-            if mst is not None:
-                self._known[kid] = ((mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns), found[1])
-            return found
         finally:
             os.close(mfd)
+        touches = self.touches
+        if touches is None:
+            touched[kid] = 0
+        else:
+            # Recency: queue a touch of the manifest, at most one a second per key.
+            now = _time_ns()
+            self.recent[kid] = now
+            if now - touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
+                touched[kid] = now
+                touches.add(ipath)
+        return found
 
-    def _lookup_known(self, kid: str, ipath: str) -> tuple[bytes, str] | None:
-        """A repeated hit: two stats prove the manifest and the blob unchanged since verified.
+    def _lookup_known(self, kid: str, known: tuple[FileId, str, int]) -> tuple[bytes, str] | None:
+        """A repeated hit: a stat proves the manifest unchanged since it was read.
 
-        Returns None (the caller then reads everything) when either changed, or the
-        blob's bytes are not held in memory.
+        The blob's bytes then come from memory once a stat proves its file unchanged,
+        or from the file once an ``fstat`` proves it the one verified (no hash).
+        Returns None (the caller then reads everything) when anything changed or
+        is not known.
         """
-        known = self._known.get(kid)
-        if known is None:
-            return None
+        ipath = f"{self._index}{kid[:2]}{_SEP}{kid[2:]}"
         try:
-            mst = os.stat(ipath, follow_symlinks=False)
+            mst = os.lstat(ipath)
         except OSError:
             return None
         if (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns) != known[0]:
             return None
         digest = known[1]
+        bpath = f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}"
         held = self._held.get(digest)
-        if held is None:
-            return None
-        try:
-            bst = os.stat(self._lay.blob_path(digest), follow_symlinks=False)
-        except OSError:
-            return None
-        if (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns) != held[0]:
-            return None
-        try:
-            self._held.move_to_end(digest)
-        except KeyError:
-            pass  # another thread dropped it from memory meanwhile; these bytes are still proven
-        if not self._read_only:
-            now = time.time_ns()
-            if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
-                return None  # due for a touch: the full path does it
+        if held is not None:
+            try:
+                bst = os.lstat(bpath)
+            except OSError:
+                return None
+            if (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns) != held[0]:
+                return None
+            try:
+                self._held.move_to_end(digest)
+            except KeyError:
+                pass  # another thread dropped it from memory meanwhile; these bytes are still proven
+            data = held[1]
+        else:
+            # Beyond the memory budget: read the file, if provably the one verified.
+            verified = self._verified.get(digest)
+            if verified is None:
+                return None
+            try:
+                bfd = os.open(bpath, READ_FLAGS)
+            except OSError:
+                return None
+            try:
+                bst = os.fstat(bfd)
+                identity = (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns)
+                if identity != verified:
+                    return None
+                size = known[2]
+                data = os.read(bfd, size + 1)
+                if len(data) != size:
+                    return None
+            except OSError:
+                return None
+            finally:
+                os.close(bfd)
+            if size <= _HOLD_MAX_BLOB:
+                self._hold(digest, identity, data)
+        touches = self.touches
+        if touches is not None:
+            now = _time_ns()
             self.recent[kid] = now
-        return held[1], digest
+            if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
+                self._touched[kid] = now
+                touches.add(ipath)
+        return data, digest
 
     def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
         """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory."""
-        if not self._guard.ok(self._lay.blobs, digest):
+        if digest[:2] not in self._blobs_real and not self._guard.ok(self._lay.blobs, digest):
             self._why.reason = "blob shard is not a directory"
             return None
-        bpath = self._lay.blob_path(digest)
+        bpath = f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}"
         try:
             bfd = os.open(bpath, READ_FLAGS)
         except FileNotFoundError:
@@ -272,7 +316,7 @@ class Reader:
             # A blob already verified and provably unchanged (ctime cannot be set
             # back without root) need not be hashed again.
             if identity is None or self._verified.get(digest) != identity:
-                if blake3(data).hexdigest() != digest:
+                if _hexdigest(data) != digest:
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
                 if identity is not None:

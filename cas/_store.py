@@ -19,6 +19,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 from blake3 import blake3
@@ -38,6 +39,7 @@ from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
 from ._shared import SharedStore
 from ._stats import CacheStats, Counters
+from ._touch import apply_pending
 from ._upgrade import upgrade_if_needed
 from ._writer import DROP_ERRNOS, Writer, WriteResult
 
@@ -103,6 +105,8 @@ class CacheStore:
         self._remover = None if self.read_only else Remover(lay)
         self._writer = None if self.read_only else Writer(lay, guard=self._guard)
         self._reader = Reader(lay, self._counters, self._guard, self._remover, note=self._note)
+        if self._reader.touches is not None:
+            weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
         self.blobs = BlobStore(lay.blobs)
         self._cap: SizeCap | None = None
         if self._remover is not None and self._writer is not None:
@@ -127,7 +131,7 @@ class CacheStore:
     def get(self, key: object) -> bytes | None:
         """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
         # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
-        kid = _sha256(key, usedforsecurity=False).hexdigest() if type(key) is bytes else key_id(key)
+        kid = _sha256(key).hexdigest() if type(key) is bytes else key_id(key)
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
         found = self._reader.lookup(kid)
         if found is not None:
@@ -308,6 +312,9 @@ class CacheStore:
         return self._max
 
     def snapshot(self) -> Snapshot:
+        """A scan of the local cache, as an eviction plans from (this process's queued touches land first)."""
+        if not self.read_only:
+            apply_pending()
         return take_snapshot(
             self.layout.index, self.layout.blobs, clock_dir=None if self.read_only else self.layout.tmp
         )
@@ -325,15 +332,19 @@ class CacheStore:
             self._lifetime.flush()
 
     def flush(self) -> bool:
-        """Record this instance's counts in the cache's lifetime counters now (False: they wait for the next flush).
+        """Apply the recency touches of this instance's hits and record its counts in the lifetime counters now.
 
-        A no-op on a read-only cache. Counts are recorded anyway, at most once a
-        second, at ``close()``, at garbage collection and at exit.
+        Returns False when the counts could not be recorded (they wait for the next
+        flush). A no-op on a read-only cache. Both happen anyway: touches within
+        about a second (:mod:`cas._touch`), counts at most once a second, and both
+        at ``close()``, at garbage collection and at exit.
         """
+        if self._reader.touches is not None:
+            self._reader.touches.apply()
         return self._lifetime is None or self._lifetime.flush(last=True)
 
     def close(self) -> None:
-        """Record the counts (see :meth:`flush`). Nothing else is held open; the store stays usable."""
+        """Apply touches and record counts (see :meth:`flush`). Nothing else is held open; the store stays usable."""
         self.flush()
 
     def stats(self) -> CacheStats:

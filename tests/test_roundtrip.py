@@ -12,7 +12,6 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-
 from cuda.core import ObjectCode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

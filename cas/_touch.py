@@ -1,0 +1,126 @@
+"""Recency touches, taken off the hot path.
+
+Eviction orders entries by their manifest's mtime, so a hit must move it. Doing
+that inside the hit costs two system calls (an ``fstat`` to see whether the
+touch is due, then ``utime``): a quarter of a first hit. Instead a hit queues
+the manifest's path (:meth:`Touches.add`, no system call) and the touches are
+applied in one pass, by path and without following a symlink:
+
+- by one daemon thread per process, once a second (:data:`TOUCH_DELAY_S`),
+  started with the first writable cache;
+- by ``CacheStore.flush()`` and ``close()``, when the store is garbage collected,
+  and at interpreter exit;
+- by :func:`apply_pending`, before this process plans an eviction or a
+  collection: every read this process made is on disk when it picks victims.
+
+So a read reaches the disk within about a second while the process lives, and
+at its end otherwise; only a process killed outright loses its last second of
+reads (those entries then look older than they are: evicted earlier, never
+wrong). Until then the process's own evictions see its reads through
+``Reader.recent``. A touch that meets a removed manifest does nothing; one that
+meets a rewritten manifest freshens the new entry, which is as recent anyway.
+A child process after ``fork`` starts with an empty queue (its parent applies
+what it had queued) and its own thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from collections import deque
+
+__all__ = ["TOUCH_DELAY_S", "Touches", "apply_pending"]
+
+#: How often the thread applies the queues.
+TOUCH_DELAY_S = 1.0
+
+#: Touch a symlink itself, never what it points to (where the platform can).
+_NOFOLLOW = os.utime in os.supports_follow_symlinks
+
+
+class Touches:
+    """The queue of manifest paths to touch for one cache. Thread-safe: ``add`` and ``apply`` may race."""
+
+    __slots__ = ("__weakref__", "_due", "add")
+
+    def __init__(self) -> None:
+        self._due: deque[str] = deque()
+        #: Queue a touch of a path (the hot path: no system call, no lock).
+        self.add = self._due.append
+        _FLUSHER.register(self)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def apply(self) -> int:
+        """Touch every queued path now; how many were applied. Never raises for a file."""
+        pop = self._due.popleft
+        done = 0
+        while True:
+            try:
+                path = pop()
+            except IndexError:
+                return done
+            try:
+                if _NOFOLLOW:
+                    os.utime(path, follow_symlinks=False)
+                else:
+                    os.utime(path)
+            except OSError:
+                pass  # removed or rewritten meanwhile, or a read-only mount: nothing to freshen
+            done += 1
+
+    def _forget(self) -> None:
+        self._due.clear()
+
+
+class _Flusher:
+    """The one thread per process that applies every cache's queued touches."""
+
+    def __init__(self) -> None:
+        self._queues: weakref.WeakSet[Touches] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def register(self, touches: Touches) -> None:
+        with self._lock:
+            self._queues.add(touches)
+            if self._thread is None:  # started with the first writable cache, not inside a hit
+                self._thread = threading.Thread(target=self._run, name="cuda-program-cas touches", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        # A pass a second, whether or not anything is queued: waking this thread from
+        # a hit would cost the hit more than the touches it saves.
+        while True:
+            time.sleep(TOUCH_DELAY_S)
+            self.apply_all()
+
+    def apply_all(self) -> None:
+        for touches in list(self._queues):
+            touches.apply()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = None
+        queues = list(self._queues)
+        for touches in queues:
+            touches._forget()
+        if queues:
+            self.register(queues[0])  # a thread for this process too
+
+
+_FLUSHER = _Flusher()
+
+
+def apply_pending() -> None:
+    """Apply every touch this process has queued, for every cache (before planning an eviction)."""
+    _FLUSHER.apply_all()
+
+
+atexit.register(_FLUSHER.apply_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_FLUSHER._after_fork_in_child)
