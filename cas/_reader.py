@@ -101,6 +101,9 @@ class Reader:
         self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
         self._held_bytes = 0
         self._held_lock = threading.Lock()
+        #: digest -> repeated reads of it in this process, halved now and then: which blobs earn memory.
+        self._reads: dict[str, int] = {}
+        self._holds_since_aging = 0
         self._why = threading.local()
 
     def missed(self, reason: str) -> None:
@@ -225,6 +228,8 @@ class Reader:
             return None
         digest = known[1]
         bpath = f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}"
+        reads = self._reads
+        reads[digest] = reads.get(digest, 0) + 1
         held = self._held.get(digest)
         if held is not None:
             try:
@@ -324,18 +329,41 @@ class Reader:
                         self._verified.clear()
                     self._verified[digest] = identity
             if repeat and identity is not None and size <= _HOLD_MAX_BLOB:
+                self._reads[digest] = self._reads.get(digest, 0) + 1
                 self._hold(digest, identity, data)
             return data, digest
         finally:
             os.close(bfd)
 
     def _hold(self, digest: str, identity: FileId, data: bytes) -> None:
-        """Keep a verified blob's bytes in memory (least recently used go past the budget)."""
+        """Keep a verified blob's bytes in memory, within the budget.
+
+        When memory is full, a newcomer takes the place of the least recently used
+        blobs only if it was read more often (reads counted per process, halved
+        every few hundred holds): keys read in turn, more than fit, then keep most
+        of them in memory instead of each pushing out the next one to be read (the
+        way plain LRU fails a loop), and a new hot blob still gets in.
+        """
+        reads = self._reads
         with self._held_lock:
             held = self._held
+            self._holds_since_aging += 1
+            if self._holds_since_aging > 4 * len(held) + 256:
+                self._holds_since_aging = 0
+                if len(reads) > _VERIFIED_MAX:
+                    reads.clear()
+                else:
+                    for name, n in list(reads.items()):
+                        reads[name] = n >> 1
             old = held.pop(digest, None)
             if old is not None:
                 self._held_bytes -= len(old[1])
+            elif (
+                held
+                and self._held_bytes + len(data) > _HOLD_MAX_BYTES
+                and reads.get(digest, 0) <= reads.get(next(iter(held)), 0)
+            ):
+                return  # memory is full of blobs read at least as often
             held[digest] = (identity, data)
             self._held_bytes += len(data)
             while self._held_bytes > _HOLD_MAX_BYTES and held:
