@@ -5,8 +5,9 @@ manifest, then the blob; ``fstat`` only where it saves a hash (a blob of 16 KiB
 or more, or one met before). The recency touch is queued, not made
 (:mod:`cas._touch`). A repeated hit proves the manifest unchanged with one
 ``lstat`` instead of reading it; the blob's bytes then come from memory (the
-32 MiB budget) after one more ``lstat``, or beyond the budget from the file
-after an ``fstat`` proves it the one verified, without hashing it again.
+32 MiB budget: verified bytes need no look at their file), or beyond the budget
+from the file after an ``fstat`` proves it the one verified, without hashing it
+again.
 
 Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
 unreadable file is a miss, counted. A writable cache removes what it proves bad
@@ -95,8 +96,8 @@ class Reader:
         self._touched: dict[str, int] = {}
         #: key id -> when this process last read it (writable caches: recency finer than a touch).
         self.recent: dict[str, int] = {}
-        #: key id -> (identity of its manifest file, digest, size): a repeated hit stats instead of reading it.
-        self._known: dict[str, tuple[FileId, str, int]] = {}
+        #: key id -> (identity of its manifest file, digest, size, manifest path): a repeated hit stats, not reads.
+        self._known: dict[str, tuple[FileId, str, int, str]] = {}
         #: digest -> (identity of its blob file, verified bytes), least recently used first.
         self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
         self._held_bytes = 0
@@ -192,6 +193,7 @@ class Reader:
                         (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns),
                         digest,
                         fields[2],
+                        ipath,
                     )
             elif len(touched) >= _TOUCHED_MAX:
                 touched.clear()
@@ -211,15 +213,16 @@ class Reader:
                 touches.add(ipath)
         return found
 
-    def _lookup_known(self, kid: str, known: tuple[FileId, str, int]) -> tuple[bytes, str] | None:
+    def _lookup_known(self, kid: str, known: tuple[FileId, str, int, str]) -> tuple[bytes, str] | None:
         """A repeated hit: a stat proves the manifest unchanged since it was read.
 
-        The blob's bytes then come from memory once a stat proves its file unchanged,
-        or from the file once an ``fstat`` proves it the one verified (no hash).
+        The blob's bytes then come from memory (verified bytes are right whatever
+        became of their file), or from the file once an ``fstat`` proves it the one
+        verified (no hash).
         Returns None (the caller then reads everything) when anything changed or
         is not known.
         """
-        ipath = f"{self._index}{kid[:2]}{_SEP}{kid[2:]}"
+        ipath = known[3]
         try:
             mst = os.lstat(ipath)
         except OSError:
@@ -227,17 +230,13 @@ class Reader:
         if (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns) != known[0]:
             return None
         digest = known[1]
-        bpath = f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}"
         reads = self._reads
         reads[digest] = reads.get(digest, 0) + 1
         held = self._held.get(digest)
         if held is not None:
-            try:
-                bst = os.lstat(bpath)
-            except OSError:
-                return None
-            if (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns) != held[0]:
-                return None
+            # Verified bytes stay right whatever happens to the blob's file since: the
+            # manifest's stat proved the key still names them, nothing more is needed.
+            # (Damage to the file is caught by whoever reads it next.)
             try:
                 self._held.move_to_end(digest)
             except KeyError:
@@ -249,7 +248,7 @@ class Reader:
             if verified is None:
                 return None
             try:
-                bfd = os.open(bpath, READ_FLAGS)
+                bfd = os.open(f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}", READ_FLAGS)
             except OSError:
                 return None
             try:

@@ -99,14 +99,18 @@ def test_damaged_blob_is_a_counted_quarantined_miss(
 
 
 def test_damage_after_a_verified_hit_is_still_caught(cache: ContentAddressedProgramCache, cache_dir: Path) -> None:
-    # Hits remember what they verified; an in-place change (same size, mtime put
-    # back) changes the ctime, so it must be hashed again.
+    # Hits remember what they verified. An in-place change (same size, mtime put
+    # back) changes the ctime, so a read of the file hashes it again.
     for _ in range(3):
-        assert cache["k"] == DATA
+        assert cache["k"] == DATA  # the last ones from memory
     rewrite_in_place(blob_path(cache_dir), flip(DATA, 1234))
+    # Memory holds the verified bytes: still the right ones, whatever became of the file.
+    assert cache["k"] == DATA
+    other = ContentAddressedProgramCache(cache_dir)  # reads the file: the damage is caught
     for _ in range(3):
-        assert cache.get("k") is None
-    assert cache.stats().corrupt == 1
+        assert other.get("k") is None
+    assert other.stats().corrupt == 1
+    assert cache.get("k") is None  # the entry is gone for everyone now
 
 
 def test_damage_after_a_verified_hit_in_another_instance(cache_dir: Path) -> None:
@@ -119,18 +123,20 @@ def test_damage_after_a_verified_hit_in_another_instance(cache_dir: Path) -> Non
     tmp = cache_dir / "tmp" / "evil"
     tmp.write_bytes(bad)
     os.replace(tmp, blob_path(cache_dir))
+    assert reader["k"] == DATA  # from memory: verified, right
+    fresh = ContentAddressedProgramCache(cache_dir)
+    assert fresh.get("k") is None
+    assert fresh.stats().corrupt == 1
     assert reader.get("k") is None
-    assert reader.stats().corrupt == 1
 
 
 def test_large_blob_damage_is_caught(cache_dir: Path) -> None:
     big = os.urandom(3 << 20)
     cache = ContentAddressedProgramCache(cache_dir)
     cache["big"] = big
-    assert cache["big"] == big
-    assert cache["big"] == big
+    assert cache["big"] == big  # read once: its file identity is remembered as verified, its bytes are not held
     rewrite_in_place(blob_path(cache_dir, big), flip(big, (3 << 20) - 10))
-    assert cache.get("big") is None
+    assert cache.get("big") is None  # the identity changed (ctime): hashed again
     assert cache.stats().corrupt == 1
 
 
