@@ -16,9 +16,9 @@ module caches both, in the manner of ccache's direct mode:
 - A lookup checks each variant: the guards must be unchanged, and each header is
   re-hashed only when its stat changed (a per-process stat cache spares even
   that). The *result key* is derived from the record key and the header contents;
-  under it are the raw binary (the same blob ``Program.compile(cache=)`` stores
-  for equal bytes) and a small *meta* entry (the ``ObjectCode`` name and the
-  symbol mapping of the name expressions).
+  under it is the raw binary (the same blob ``Program.compile(cache=)`` stores
+  for equal bytes). The variant also keeps the ``ObjectCode`` name and the symbol
+  mapping of the name expressions.
 - A miss compiles uncached. With NVRTC 13 or later the compile runs with
   ``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
   the same with and without it); before 13, every file under the include
@@ -26,7 +26,7 @@ module caches both, in the manner of ccache's direct mode:
   the compile's start may have changed while NVRTC read it: the result is
   returned but not stored.
 
-Records, results and metas are ordinary entries of the cache (under keys of
+Records and results are ordinary entries of the cache (under keys of
 their own), so eviction, ``gc``, ``verify``, ``stats`` and ``publish`` treat
 them like any other, and a node of a cluster finds them in a shared store. A
 node whose headers have the same bytes at the same paths hits; where the paths
@@ -37,6 +37,7 @@ records its own variant).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -59,10 +60,11 @@ __all__ = ["FrontDoor"]
 _log = logging.getLogger("cas")
 
 #: Mixed into the record key: a new format of records gets new keys.
-_TAG = b"cuda-program-cas front door 1"
+_TAG = b"cuda-program-cas front door 2"
 _RECORD = b"cpcas-frontdoor/record\0"
 _RESULT = b"cpcas-frontdoor/result\0"
-_META = b"cpcas-frontdoor/meta\0"
+#: Record keys remembered per front door (inputs met before in this process).
+_MAX_MEMO = 1024
 #: Variants kept per record (compiles of the same inputs against other headers).
 _MAX_VARIANTS = 4
 #: Before NVRTC 13, the include trees are fingerprinted: at most this many files.
@@ -143,12 +145,25 @@ def _dir_stat(path: str) -> tuple[int, int] | None:
     return (st.st_mtime_ns, st.st_ctime_ns) if stat.S_ISDIR(st.st_mode) else None
 
 
+@functools.cache
+def _cuda_core() -> tuple[Any, Any, Any, Any]:
+    """``ObjectCode``, ``Program``, ``ProgramOptions``, ``make_program_cache_key``, imported once."""
+    from cuda.core import ObjectCode, Program, ProgramOptions
+    from cuda.core.utils import make_program_cache_key
+
+    return ObjectCode, Program, ProgramOptions, make_program_cache_key
+
+
 class FrontDoor:
     """``compile(...)`` over one :class:`cas.CacheStore`."""
 
     def __init__(self, store: CacheStore) -> None:
         self._store = store
         self._headers = _HeaderCache()
+        #: What make_program_cache_key returned for inputs met before (see _memo_key).
+        self._record_keys: dict[tuple[object, ...], bytes] = {}
+        #: The last record's bytes and its decoded variants.
+        self._decoded: tuple[bytes, list[dict[str, Any]]] | None = None
 
     def compile(
         self,
@@ -160,9 +175,7 @@ class FrontDoor:
         name_expressions: Sequence[str | bytes] = (),
         logs: Any = None,
     ) -> Any:
-        from cuda.core import ObjectCode, Program, ProgramOptions
-        from cuda.core.utils import make_program_cache_key
-
+        ObjectCode, Program, ProgramOptions, make_program_cache_key = _cuda_core()
         if options is None:
             options = ProgramOptions()
         if not isinstance(options, ProgramOptions):
@@ -170,16 +183,23 @@ class FrontDoor:
         name_expressions = tuple(name_expressions)
         _refuse_unkeyable(options, code_type)
         extra = _TAG + _libdevice_fingerprint(options, code_type)
-        # make_program_cache_key validates the rest as Program would (code and
-        # target types, name expressions: bytearray is refused).
-        record_key = make_program_cache_key(
-            code=code,
-            code_type=code_type,
-            options=options,
-            target_type=target_type,
-            name_expressions=name_expressions,
-            extra_digest=extra,
-        )
+        memo = _memo_key(code, code_type, options, target_type, names=name_expressions, extra=extra)
+        record_key = self._record_keys.get(memo) if memo is not None else None
+        if record_key is None:
+            # make_program_cache_key validates the rest as Program would (code and
+            # target types, name expressions: bytearray is refused).
+            record_key = make_program_cache_key(
+                code=code,
+                code_type=code_type,
+                options=options,
+                target_type=target_type,
+                name_expressions=name_expressions,
+                extra_digest=extra,
+            )
+            if memo is not None:
+                if len(self._record_keys) >= _MAX_MEMO:
+                    self._record_keys.clear()
+                self._record_keys[memo] = record_key
         found = self._lookup(record_key, target_type)
         if found is not None:
             data, name, mapping = found
@@ -220,12 +240,11 @@ class FrontDoor:
             _log.debug("cuda-program-cas: front door: a header changed while it was compiled; not stored")
             return result
         guards = _guards(headers, dirs)
-        result_key = _result_key(record_key, headers)
+        result_key = _result_key(record_key, [(h.path, h.digest) for h in headers])
         mapping = dict(result.symbol_mapping) if name_expressions else {}
         stored = self._store.put(_RESULT + result_key, bytes(result.code))
         if stored:
-            self._store.put(_META + result_key, _encode_meta(result.name, mapping))
-            self._remember(record_key, headers, guards, result_key)
+            self._remember(record_key, headers, guards, result_key, name=result.name, mapping=mapping)
         return result
 
     # -- lookups ---------------------------------------------------------------------
@@ -234,19 +253,24 @@ class FrontDoor:
         raw = self._store.get(_RECORD + record_key)
         if raw is None:
             return None
-        variants = _decode_record(raw)
+        # A record served from memory is the same bytes object as before: decode it once.
+        decoded = self._decoded
+        if decoded is not None and decoded[0] is raw:
+            variants = decoded[1]
+        else:
+            variants = _decode_record(raw)
+            self._decoded = (raw, variants)
         for variant in variants:
             result_key = self._check(record_key, variant)
             if result_key is None:
                 continue
+            meta = _variant_meta(variant)
+            if meta is None:
+                continue
             data = self._store.get(_RESULT + result_key)
-            meta = self._store.get(_META + result_key)
-            if data is None or meta is None:
+            if data is None:
                 continue
-            decoded = _decode_meta(meta)
-            if decoded is None:
-                continue
-            return data, decoded[0], decoded[1]
+            return data, meta[0], meta[1]
         _log.debug("cuda-program-cas: front door miss: a header changed (%d variants checked)", len(variants))
         return None
 
@@ -256,19 +280,20 @@ class FrontDoor:
             for path, *rest in variant["guards"]:
                 if _dir_stat(path) != (tuple(rest) or None):
                     return None
-            headers = []
+            found = []
+            digest_of = self._headers.digest
             for path, dev, ino, size, mtime, ctime, digest in variant["headers"]:
                 try:
                     st = os.stat(path)
                 except OSError:
                     return None  # deleted, or its directory is gone
-                now = self._headers.digest(path, st, ((dev, ino, size, mtime, ctime), digest))
+                now = digest_of(path, st, ((dev, ino, size, mtime, ctime), digest))
                 if now is None:
                     return None
-                headers.append(_Header(path, file_id(st), now))
+                found.append((path, now))
         except (KeyError, TypeError, ValueError):
             return None  # a record of another shape: a miss
-        return _result_key(record_key, headers)
+        return _result_key(record_key, found)
 
     # -- misses ----------------------------------------------------------------------
 
@@ -287,20 +312,55 @@ class FrontDoor:
             headers.append(_Header(path, file_id(st), digest))
         return headers
 
-    def _remember(self, record_key: bytes, headers: list[_Header], guards: list[_Guard], result_key: bytes) -> None:
+    def _remember(
+        self,
+        record_key: bytes,
+        headers: list[_Header],
+        guards: list[_Guard],
+        result_key: bytes,
+        *,
+        name: str,
+        mapping: dict[Any, bytes],
+    ) -> None:
         raw = self._store.get(_RECORD + record_key)
         variants = [] if raw is None else _decode_record(raw)
         new = {
             "result": result_key.hex(),
             "headers": [h.as_json() for h in headers],
             "guards": [g.as_json() for g in guards],
+            **_encode_meta(name, mapping),
         }
         kept = [new, *(v for v in variants if v.get("result") != new["result"])][:_MAX_VARIANTS]
-        body = json.dumps({"v": 1, "variants": kept}, separators=(",", ":")).encode()
+        body = json.dumps({"v": 2, "variants": kept}, separators=(",", ":")).encode()
         self._store.put(_RECORD + record_key, body)
 
 
 # -- inputs -------------------------------------------------------------------------------
+
+
+def _memo_key(
+    code: object, code_type: str, options: Any, target_type: str, *, names: tuple[object, ...], extra: bytes
+) -> tuple[object, ...] | None:
+    """What make_program_cache_key reads of a C++ compile, cheaply; None where no memo is kept.
+
+    For NVRTC its key is a hash of the code, code and target types, the options'
+    flags (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against its 25),
+    the name expressions, ``extra_digest`` and the NVRTC version, which cannot
+    change in a process; it refuses ``extra_sources``. Equal memo keys within a
+    process therefore mean equal record keys. Other code types, and inputs it
+    would refuse, always go to make_program_cache_key.
+    """
+    if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
+        return None
+    if not isinstance(code, (str, bytes)) or getattr(options, "extra_sources", None) is not None:
+        return None
+    if not all(type(n) is str or type(n) is bytes for n in names):
+        return None
+    try:
+        flags = tuple(options.as_bytes("nvrtc", target_type.lower()))
+    except Exception:
+        return None  # make_program_cache_key reports what is wrong
+    return (code, target_type.lower(), flags, tuple((type(n) is bytes, n) for n in names), extra)
 
 
 def _option_set(options: Any, name: str) -> bool:
@@ -438,10 +498,11 @@ def _guards(headers: list[_Header], dirs: list[str]) -> list[_Guard]:
     return [guards[p] for p in sorted(guards)]
 
 
-def _result_key(record_key: bytes, headers: list[_Header]) -> bytes:
-    h = hashlib.sha256(record_key, usedforsecurity=False)
-    for header in sorted(headers, key=lambda x: x.path):
-        h.update(b"\0" + header.path.encode("utf-8", "surrogateescape") + b"\0" + header.digest.encode())
+def _result_key(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
+    """The key of a compile's result: its record key and each header's ``(path, digest)``."""
+    h = hashlib.sha256(record_key)
+    for path, digest in sorted(headers):
+        h.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + digest.encode())
     return h.digest()
 
 
@@ -453,30 +514,29 @@ def _decode_record(raw: bytes) -> list[dict[str, Any]]:
         data = json.loads(raw)
     except ValueError:
         return []
-    if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("variants"), list):
+    if not isinstance(data, dict) or data.get("v") != 2 or not isinstance(data.get("variants"), list):
         return []
     return [v for v in data["variants"] if isinstance(v, dict)]
 
 
-def _encode_meta(name: str, mapping: dict[Any, bytes]) -> bytes:
+def _encode_meta(name: str, mapping: dict[Any, bytes]) -> dict[str, Any]:
+    """A variant's ``name`` and ``symbols`` (the ObjectCode name, the symbol mapping) as JSON values."""
     symbols = []
     for key, lowered in mapping.items():
         kind, text = ("b", key.hex()) if isinstance(key, bytes) else ("s", key)
         value = lowered if isinstance(lowered, bytes) else str(lowered).encode()
         symbols.append([kind, text, value.hex()])
-    return json.dumps({"v": 1, "name": name, "symbols": symbols}, separators=(",", ":")).encode()
+    return {"name": name, "symbols": symbols}
 
 
-def _decode_meta(raw: bytes) -> tuple[str, dict[Any, bytes]] | None:
+def _variant_meta(variant: dict[str, Any]) -> tuple[str, dict[Any, bytes]] | None:
+    """The ObjectCode name and symbol mapping a variant keeps; None when they are damaged."""
     try:
-        data = json.loads(raw)
-        if data.get("v") != 1:
-            return None
         mapping: dict[Any, bytes] = {}
-        for kind, text, value in data["symbols"]:
+        for kind, text, value in variant["symbols"]:
             key = bytes.fromhex(text) if kind == "b" else text
             mapping[key] = bytes.fromhex(value)
-        return str(data["name"]), mapping
+        return str(variant["name"]), mapping
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -93,6 +93,32 @@ def test_a_hit_equals_the_uncached_compile_and_runs_no_nvrtc(
     assert hit.symbol_mapping["twice<float>"] == reference.symbol_mapping["twice<float>"]
 
 
+def test_one_process_tells_apart_inputs_that_differ_in_one_thing(
+    tmp_path: Path, tree: dict[str, Path], compiles: Compiles
+) -> None:
+    # Within a process the front door remembers the keys of inputs it met; a change
+    # of any one input (an option, even on the same options object, the target,
+    # the name expressions' type, the code) must still find that input's own entry.
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    opts = options(tree, define_macro=[("EXTRA", "1")])
+    cases = [
+        (SOURCE, opts, "cubin", NAMES),
+        (SOURCE, options(tree, define_macro=[("EXTRA", "2")]), "cubin", NAMES),
+        (SOURCE, options(tree, define_macro=[("EXTRA", "1")], std="c++17"), "cubin", NAMES),
+        (SOURCE, opts, "ltoir", NAMES),
+        (SOURCE, opts, "cubin", tuple(n.encode() for n in NAMES)),
+        (SOURCE + "\n// another kernel text\n", opts, "cubin", NAMES),
+    ]
+    references = [Program(code, "c++", options=o).compile(t, n) for code, o, t, n in cases]
+    for _ in range(2):  # misses, then hits, each against its own uncached compile
+        for (code, o, t, n), reference in zip(cases, references, strict=True):
+            assert_same(cache.compile(code, "c++", o, t, name_expressions=n), reference)
+    assert compiles.count == 2 * len(cases)  # the references and one miss each
+    opts.define_macro = [("EXTRA", "2")]  # the same object, changed: the entry of case 2
+    assert_same(cache.compile(SOURCE, "c++", opts, "cubin", name_expressions=NAMES), references[1])
+    assert compiles.count == 2 * len(cases)
+
+
 def test_editing_a_header_misses_even_with_size_and_mtime_put_back(
     tmp_path: Path, tree: dict[str, Path], compiles: Compiles
 ) -> None:
@@ -196,7 +222,7 @@ def test_name_expressions_keep_their_type_and_share_the_blob_with_program_compil
     Program(plain, "c++", options=opts).compile("cubin", cache=cache)
     blobs = cache.stats().blobs
     front = cache.compile(plain, "c++", opts, "cubin")
-    assert cache.stats().blobs == blobs + 2  # its record and meta; the binary is the same blob
+    assert cache.stats().blobs == blobs + 1  # its record; the binary is the same blob
     assert cache.stats().dedup_writes >= 1
     assert bytes(front.code) == bytes(Program(plain, "c++", options=opts).compile("cubin").code)
 
@@ -260,7 +286,7 @@ def test_entries_are_published_and_found_by_a_node(tmp_path: Path, tree: dict[st
     hit = node.compile(SOURCE, "c++", options(tree), "cubin", name_expressions=NAMES)
     assert compiles.count == 1
     assert_same(hit, reference)
-    assert node.stats().shared_hits == 3  # the record, the binary and its meta
+    assert node.stats().shared_hits == 2  # the record and the binary
 
 
 def cccl_include() -> str | None:
