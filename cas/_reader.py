@@ -32,6 +32,7 @@ from blake3 import blake3
 
 from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_fields
 
+from ._blobs import digest_of as _hexdigest
 from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_violation, with_sharing_retry
 from ._layout import Layout
 from ._remove import Remover
@@ -55,11 +56,6 @@ _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
 _SEP = os.sep
 _time_ns = time.time_ns
-
-
-def _hexdigest(data: bytes) -> str:
-    """The blake3 digest of ``data``, as blob names spell it."""
-    return blake3(data).hexdigest()
 
 
 #: ``on_error(exc, path)``: a read failed with an I/O error (not a bad file).
@@ -339,7 +335,7 @@ class Reader:
 
         When memory is full, a newcomer takes the place of the least recently used
         blobs only if it was read more often (reads counted per process, halved
-        every few hundred holds): keys read in turn, more than fit, then keep most
+        every hundred holds or so past what memory holds): keys read in turn, more than fit, then keep most
         of them in memory instead of each pushing out the next one to be read (the
         way plain LRU fails a loop), and a new hot blob still gets in.
         """
@@ -347,7 +343,7 @@ class Reader:
         with self._held_lock:
             held = self._held
             self._holds_since_aging += 1
-            if self._holds_since_aging > 4 * len(held) + 256:
+            if self._holds_since_aging > len(held) + 64:
                 self._holds_since_aging = 0
                 if len(reads) > _VERIFIED_MAX:
                     reads.clear()

@@ -22,11 +22,9 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 
-from blake3 import blake3
-
 from cuda_program_cas_index import Manifest, key_id
 
-from ._blobs import BlobStore
+from ._blobs import BlobStore, digest_of
 from ._cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
@@ -221,7 +219,7 @@ class CacheStore:
             self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
             return WriteResult.DROPPED, f"larger than max_size_bytes={self._max}"
         try:
-            result = self._commit(kid, data, blake3(data).hexdigest())
+            result = self._commit(kid, data, digest_of(data))
         except OSError as exc:
             if exc.errno not in DROP_ERRNOS:
                 raise
