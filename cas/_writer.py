@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import itertools
 import os
 import secrets
 import stat
@@ -95,8 +96,31 @@ class BlobWrite(enum.Enum):
     DROPPED = "dropped"
 
 
+class _TempNames:
+    """Unique temp file names, ``<pid>-<16 hex>.tmp``: a random half per process, then a counter.
+
+    Drawing them costs no system call (a fresh random name per write cost a
+    ``getpid`` and a ``getrandom``); a child after ``fork`` draws a new half.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._prefix = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._count = itertools.count()
+
+    def next(self, tmp_dir: str) -> str:
+        return f"{tmp_dir}{os.sep}{self._prefix}{next(self._count) & 0xFFFFFFFF:08x}.tmp"
+
+
+_TEMP_NAMES = _TempNames()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_TEMP_NAMES.reset)
+
+
 def _tmp_name(tmp_dir: str) -> str:
-    return os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
+    return _TEMP_NAMES.next(tmp_dir)
 
 
 def atomic_write(
@@ -123,6 +147,9 @@ def atomic_write(
         fd = os.open(tmp, _WRITE_FLAGS, 0o600)  # private while incomplete, whatever its final mode
     except FileNotFoundError:
         os.makedirs(tmp_dir, mode=0o700, exist_ok=True)
+        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
+    except FileExistsError:  # a name left by a process long gone with the same pid and draw
+        tmp = os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
         fd = os.open(tmp, _WRITE_FLAGS, 0o600)
     try:
         try:

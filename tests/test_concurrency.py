@@ -226,3 +226,40 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
     stats = CacheStore(cache_dir).stats()
     assert (stats.entries, stats.blobs) == (1, 1)
     assert os.listdir(cache_dir / "tmp") == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_temp_names_stay_unique_across_fork(tmp_path: Path) -> None:
+    # Temp names are a per-process random half and a counter: a forked child must
+    # not draw the names its parent draws next.
+    from cas._writer import _tmp_name
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, "\n".join(_tmp_name(str(tmp_path)) for _ in range(50)).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as fh:
+        child = set(fh.read().split("\n"))
+    parent = {_tmp_name(str(tmp_path)) for _ in range(50)}
+    assert len(child) == 50 and len(parent) == 50
+    assert not child & parent
+
+
+def test_a_write_whose_temp_name_is_taken_still_lands(tmp_path: Path) -> None:
+    # A name left behind by a process long gone (same pid, same draw) is never
+    # overwritten: the writer takes another name.
+    import cas._writer as writer
+
+    tmp_dir = tmp_path / "tmp"
+    tmp_dir.mkdir()
+    taken = writer._tmp_name(str(tmp_dir))
+    prefix, counter = taken[: -len("00000000.tmp")], int(taken[-len("00000000.tmp") : -4], 16)
+    squatter = f"{prefix}{counter + 1:08x}.tmp"  # the next name drawn
+    Path(squatter).write_bytes(b"someone else's")
+    target = tmp_path / "out"
+    assert writer.atomic_write(str(target), b"mine", str(tmp_dir))
+    assert target.read_bytes() == b"mine"
+    assert Path(squatter).read_bytes() == b"someone else's"
