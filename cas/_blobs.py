@@ -31,7 +31,7 @@ def _usable_cores() -> int:
 #: From this size on, data is hashed on several cores (blake3's shared thread pool),
 #: where the process may use at least _MT_MIN_CORES; never on smaller machines, where
 #: waking the pool costs more than one core hashing (measured: docs/benchmarks.md).
-_MT_MIN_BYTES = 128 << 10
+_MT_MIN_BYTES = 2 << 20
 _MT_MIN_CORES = 8
 _MT = _usable_cores() >= _MT_MIN_CORES
 _AUTO = blake3.AUTO
