@@ -37,7 +37,7 @@ from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
 from ._shared import SharedStore
 from ._stats import CacheStats, Counters
-from ._touch import apply_pending
+from ._touch import apply_pending, ensure_thread
 from ._upgrade import upgrade_if_needed
 from ._writer import DROP_ERRNOS, Writer, WriteResult
 
@@ -326,6 +326,10 @@ class CacheStore:
     def _flush_on_the_way(self) -> None:
         """Record the counts in the lifetime counters, at most once per interval (a lookup or write is due)."""
         self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+        touches = self._reader.touches
+        if touches is not None:
+            touches.apply()
+            ensure_thread()  # from now on a thread lands touches even while the process is idle
         if self._lifetime is not None:
             self._lifetime.flush()
 

@@ -7,7 +7,8 @@ the manifest's path (:meth:`Touches.add`, no system call) and the touches are
 applied in one pass, by path and without following a symlink:
 
 - by one daemon thread per process, once a second (:data:`TOUCH_DELAY_S`),
-  started with the first writable cache;
+  started once the process has used a writable cache for a second (a job that
+  ends sooner never starts it: opening a cache stays cheap);
 - by ``CacheStore.flush()`` and ``close()``, when the store is garbage collected,
   and at interpreter exit;
 - by :func:`apply_pending`, before this process plans an eviction or a
@@ -32,7 +33,7 @@ import time
 import weakref
 from collections import deque
 
-__all__ = ["TOUCH_DELAY_S", "Touches", "apply_pending"]
+__all__ = ["TOUCH_DELAY_S", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
 TOUCH_DELAY_S = 1.0
@@ -88,7 +89,12 @@ class _Flusher:
     def register(self, touches: Touches) -> None:
         with self._lock:
             self._queues.add(touches)
-            if self._thread is None:  # started with the first writable cache, not inside a hit
+
+    def ensure_thread(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cuda-program-cas touches", daemon=True)
                 self._thread.start()
 
@@ -104,16 +110,21 @@ class _Flusher:
             touches.apply()
 
     def _after_fork_in_child(self) -> None:
+        had_thread = self._thread is not None
         self._lock = threading.Lock()
         self._thread = None
-        queues = list(self._queues)
-        for touches in queues:
+        for touches in list(self._queues):
             touches._forget()
-        if queues:
-            self.register(queues[0])  # a thread for this process too
+        if had_thread:
+            self.ensure_thread()  # the parent had one: so does the child
 
 
 _FLUSHER = _Flusher()
+
+
+def ensure_thread() -> None:
+    """Start this process's touch thread if it is not running (called a second into a cache's use)."""
+    _FLUSHER.ensure_thread()
 
 
 def apply_pending() -> None:
