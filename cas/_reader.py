@@ -334,7 +334,7 @@ class Reader:
         """Keep a verified blob's bytes in memory, within the budget.
 
         When memory is full, a newcomer takes the place of the least recently used
-        blobs only if it was read more often (reads counted per process, halved
+        blobs only if it was read more often, by two reads or more (reads counted per process, halved
         every hundred holds or so past what memory holds): keys read in turn, more than fit, then keep most
         of them in memory instead of each pushing out the next one to be read (the
         way plain LRU fails a loop), and a new hot blob still gets in.
@@ -356,9 +356,11 @@ class Reader:
             elif (
                 held
                 and self._held_bytes + len(data) > _HOLD_MAX_BYTES
-                and reads.get(digest, 0) <= reads.get(next(iter(held)), 0)
+                and reads.get(digest, 0) <= reads.get(next(iter(held)), 0) + 1
             ):
-                return  # memory is full of blobs read at least as often
+                # Memory is full of blobs read about as often. One read of margin: in a loop
+                # the blob next in line has one read fewer than the one just read.
+                return
             held[digest] = (identity, data)
             self._held_bytes += len(data)
             while self._held_bytes > _HOLD_MAX_BYTES and held:
