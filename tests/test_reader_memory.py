@@ -39,11 +39,9 @@ def served_from_memory(cache: ContentAddressedProgramCache, keys: list[str], bef
     return same
 
 
-def test_keys_read_in_turn_beyond_the_budget_mostly_stay_in_memory(cache_dir: Path, budget_of_ten: None) -> None:
-    # Plain LRU serves none of 20 keys read in turn from a memory of 10: each read
-    # pushes out the key read next. Here most of those that got in stay.
+def twenty_keys_read_four_times(cache_dir: Path) -> tuple[ContentAddressedProgramCache, list[str], dict[str, bytes]]:
+    """20 keys stored by one instance, then read in turn four times by another: what it returned last."""
     keys = [f"k{i}" for i in range(20)]
-    ContentAddressedProgramCache(cache_dir)  # create it
     writer = ContentAddressedProgramCache(cache_dir)
     for i, k in enumerate(keys):
         writer[k] = value(i)
@@ -51,6 +49,13 @@ def test_keys_read_in_turn_beyond_the_budget_mostly_stay_in_memory(cache_dir: Pa
     seen: dict[str, bytes] = {}
     for _ in range(4):
         served_from_memory(cache, keys, seen)
+    return cache, keys, seen
+
+
+def test_keys_read_in_turn_beyond_the_budget_mostly_stay_in_memory(cache_dir: Path, budget_of_ten: None) -> None:
+    # Plain LRU serves none of 20 keys read in turn from a memory of 10: each read
+    # pushes out the key read next. Here most of those that got in stay.
+    cache, keys, seen = twenty_keys_read_four_times(cache_dir)
     assert served_from_memory(cache, keys, seen) >= 8
     assert all(cache[k] == value(i) for i, k in enumerate(keys))
 
@@ -89,14 +94,7 @@ def blob_path(root: Path, data: bytes) -> Path:
 def test_damage_to_a_blob_read_beyond_the_budget_is_caught(cache_dir: Path, budget_of_ten: None) -> None:
     # Past the budget, a repeated hit reads the file again without hashing it, once
     # an fstat proves it the file that was verified: an in-place change is caught.
-    writer = ContentAddressedProgramCache(cache_dir)
-    keys = [f"k{i}" for i in range(20)]
-    for i, k in enumerate(keys):
-        writer[k] = value(i)
-    cache = ContentAddressedProgramCache(cache_dir)
-    seen: dict[str, bytes] = {}
-    for _ in range(4):
-        served_from_memory(cache, keys, seen)
+    cache, keys, seen = twenty_keys_read_four_times(cache_dir)
     outside = [k for k in keys if cache[k] is not seen[k]]  # read from the file, not memory
     assert outside
     victim = outside[0]

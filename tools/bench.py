@@ -352,22 +352,7 @@ def w_hit_repeat(cfg: Config, base: str) -> Result:
     targets = {8 * KB: 0.5, 160 * KB: 0.6}
     for size in cfg.hit_sizes:
         keys = [key_for("repeat", 0, size, i) for i in range(cfg.repeat_keys)]
-        samples: dict[str, list[float]] = {k: [] for k in KINDS}
-        for kind in KINDS:  # warm-up pass
-            for k in keys:
-                caches[kind].get(k)
-        with Timer():
-            for p in range(cfg.repeat_passes):
-                for kind in interleaved(p):
-                    get = caches[kind].get
-                    out = samples[kind]
-                    for k in keys:
-                        t0 = perf_ns()
-                        v = get(k)
-                        t1 = perf_ns()
-                        out.append((t1 - t0) / 1000)
-                        if v is None:
-                            raise RuntimeError(f"{kind}: repeated hit missed")
+        samples = _repeated_passes(caches, keys, cfg.repeat_passes, first_bytes=None)
         t = targets.get(size)
         res.add(
             Row(
@@ -401,6 +386,32 @@ def w_hit_repeat(cfg: Config, base: str) -> Result:
     return res
 
 
+def _repeated_passes(
+    caches: dict[str, Any], keys: list[bytes], passes: int, *, first_bytes: list[int] | None
+) -> dict[str, list[float]]:
+    """Each cache reads ``keys`` in turn once (warm-up), then ``passes`` timed times, interleaved; us per get.
+
+    ``first_bytes``: the number each value starts with (checked), or None to check only that it hits.
+    """
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
+    for kind in KINDS:  # warm-up pass: ours has read each key once, and remembers what it verified
+        for k in keys:
+            caches[kind].get(k)
+    with Timer():
+        for p in range(passes):
+            for kind in interleaved(p):
+                get = caches[kind].get
+                out = samples[kind]
+                for i, k in enumerate(keys):
+                    t0 = perf_ns()
+                    v = get(k)
+                    t1 = perf_ns()
+                    out.append((t1 - t0) / 1000)
+                    if v is None or (first_bytes is not None and v[:8] != first_bytes[i].to_bytes(8, "little")):
+                        raise RuntimeError(f"{kind}: a repeated hit missed or returned other bytes")
+    return samples
+
+
 def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
     """Repeated hits of more 160 KB keys than ours keeps in memory (its 32 MiB budget), read in turn.
 
@@ -415,22 +426,7 @@ def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
     for cache in caches.values():
         for i, k in enumerate(keys):
             cache[k] = payload(size, 5_000_000 + i)
-    samples: dict[str, list[float]] = {k: [] for k in KINDS}
-    for kind in KINDS:  # warm-up pass: ours has read each key once, and remembers what it verified
-        for k in keys:
-            caches[kind].get(k)
-    with Timer():
-        for p in range(cfg.beyond_passes):
-            for kind in interleaved(p):
-                get = caches[kind].get
-                out = samples[kind]
-                for i, k in enumerate(keys):
-                    t0 = perf_ns()
-                    v = get(k)
-                    t1 = perf_ns()
-                    out.append((t1 - t0) / 1000)
-                    if v is None or v[:8] != (5_000_000 + i).to_bytes(8, "little"):
-                        raise RuntimeError(f"{kind}: a repeated hit beyond the budget returned other bytes")
+    samples = _repeated_passes(caches, keys, cfg.beyond_passes, first_bytes=[5_000_000 + i for i in range(n)])
     total = n * size
     res.add(
         Row(
