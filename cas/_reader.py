@@ -37,14 +37,12 @@ from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_v
 from ._layout import Layout
 from ._remove import Remover
 from ._stats import Counters
-from ._touch import Touches
+from ._touch import TOUCH_INTERVAL_NS, Touches
 
-__all__ = ["TOUCH_INTERVAL_NS", "Reader"]
+__all__ = ["Reader"]
 
 _log = logging.getLogger("cas")
 
-#: A hit queues a touch of its manifest at most this often per key and process.
-TOUCH_INTERVAL_NS = 1_000_000_000
 #: Verified blob identities remembered per reader (each a few dozen bytes).
 _VERIFIED_MAX = 8192
 #: Per-key touch and read times remembered (to skip an fstat on repeated hits).

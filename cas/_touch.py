@@ -33,10 +33,12 @@ import time
 import weakref
 from collections import deque
 
-__all__ = ["TOUCH_DELAY_S", "Touches", "apply_pending", "ensure_thread"]
+__all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
 TOUCH_DELAY_S = 1.0
+#: A manifest whose mtime is younger than this is not touched again.
+TOUCH_INTERVAL_NS = 1_000_000_000
 
 #: Touch a symlink itself, never what it points to (where the platform can).
 _NOFOLLOW = os.utime in os.supports_follow_symlinks
@@ -57,7 +59,13 @@ class Touches:
         return len(self._due)
 
     def apply(self) -> int:
-        """Touch every queued path now; how many were applied. Never raises for a file."""
+        """Touch every queued path whose mtime is a second old or more; how many were touched.
+
+        A manifest touched less than a second ago (by another process reading the
+        same key, or just written) is left alone: an ``lstat`` costs no write, and
+        processes sharing hot keys then write each key's mtime about once a second
+        between them, not once each. Never raises for a file.
+        """
         pop = self._due.popleft
         done = 0
         while True:
@@ -66,12 +74,14 @@ class Touches:
             except IndexError:
                 return done
             try:
+                if time.time_ns() - os.lstat(path).st_mtime_ns < TOUCH_INTERVAL_NS:
+                    continue
                 if _NOFOLLOW:
                     os.utime(path, follow_symlinks=False)
                 else:
                     os.utime(path)
             except OSError:
-                pass  # removed or rewritten meanwhile, or a read-only mount: nothing to freshen
+                continue  # removed or rewritten meanwhile, or a read-only mount: nothing to freshen
             done += 1
 
     def _forget(self) -> None:

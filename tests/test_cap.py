@@ -443,6 +443,24 @@ def test_a_key_read_again_within_the_second_is_touched_once(cache_dir: Path) -> 
     assert manifest.stat().st_mtime_ns > first
 
 
+def test_readers_of_one_key_touch_it_once_a_second_between_them(cache_dir: Path) -> None:
+    # Two instances (as two processes would) read the same old entry: the first to
+    # apply its queue touches the manifest, the second finds it under a second old
+    # and leaves it: one metadata write, not one per reader.
+    ContentAddressedProgramCache(cache_dir)["k"] = b"v"
+    manifest = mpath(cache_dir, "k")
+    age(manifest, 100)
+    old = manifest.stat().st_mtime_ns
+    first, second = ContentAddressedProgramCache(cache_dir), ContentAddressedProgramCache(cache_dir)
+    assert first["k"] == b"v" and second["k"] == b"v"
+    first.store.flush()
+    touched = manifest.stat()
+    assert touched.st_mtime_ns > old
+    second.store.flush()
+    again = manifest.stat()
+    assert (again.st_mtime_ns, again.st_ctime_ns) == (touched.st_mtime_ns, touched.st_ctime_ns)
+
+
 def test_a_read_only_hit_never_touches(cache_dir: Path) -> None:
     ContentAddressedProgramCache(cache_dir)["k"] = b"v"
     manifest = mpath(cache_dir, "k")
