@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, fields
 
@@ -60,24 +61,36 @@ _COUNTER_NAMES = tuple(f.name for f in fields(CacheStats))[6:]
 
 
 class Counters:
-    """This instance's operation counts (thread-safe increments)."""
+    """This instance's operation counts (thread-safe increments).
 
-    __slots__ = ("_lock", *_COUNTER_NAMES)
-    hits: int
+    Hits, the count every hit adds to, go through an ``itertools.count``: its
+    ``next`` is one atomic step, where a lock around ``+= 1`` cost half a
+    microsecond per hit. The other counts take a lock.
+    """
+
+    __slots__ = ("_hits", "_lock", "hit", *(n for n in _COUNTER_NAMES if n != "hits"))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._hits = itertools.count()
         for name in _COUNTER_NAMES:
-            setattr(self, name, 0)
+            if name != "hits":
+                setattr(self, name, 0)
+        #: ``add("hits")`` for the hot path: one atomic step, no lock.
+        self.hit = self._hits.__next__
+
+    @property
+    def hits(self) -> int:
+        # repr is "count(N)": N is the next value, the number of hits so far.
+        return int(repr(self._hits)[6:-1])
 
     def add(self, name: str, n: int = 1) -> None:
+        if name == "hits":
+            for _ in range(n):
+                self.hit()
+            return
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
-
-    def hit(self) -> None:
-        """``add("hits")``, spelled out for the hot path."""
-        with self._lock:
-            self.hits += 1
 
     def as_dict(self, *, lock: bool = True) -> dict[str, int]:
         """The counts by name; ``lock=False`` reads without the lock (after a fork, where it may be held)."""
