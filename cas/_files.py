@@ -236,10 +236,7 @@ class ShardGuard:
 
     def real_names(self, directory: str) -> set[str]:
         """The shard names under ``directory`` vouched for so far: a live set, for a hot path to test first."""
-        names = self._real.get(directory)
-        if names is None:
-            names = self._real.setdefault(directory, set())
-        return names
+        return self._real.setdefault(directory, set())
 
     def ok(self, directory: str, name: str) -> bool:
         """True unless the shard of ``name`` under ``directory`` is a symlink or not a directory."""

@@ -281,13 +281,13 @@ class FrontDoor:
                 if _dir_stat(path) != (tuple(rest) or None):
                     return None
             found = []
-            digest_of = self._headers.digest
+            header_digest = self._headers.digest
             for path, dev, ino, size, mtime, ctime, digest in variant["headers"]:
                 try:
                     st = os.stat(path)
                 except OSError:
                     return None  # deleted, or its directory is gone
-                now = digest_of(path, st, ((dev, ino, size, mtime, ctime), digest))
+                now = header_digest(path, st, ((dev, ino, size, mtime, ctime), digest))
                 if now is None:
                     return None
                 found.append((path, now))

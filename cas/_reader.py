@@ -33,7 +33,16 @@ from blake3 import blake3
 from cuda_program_cas_index import MAX_MANIFEST_BYTES, parse_fields
 
 from ._blobs import digest_of as _hexdigest
-from ._files import READ_FLAGS, FileId, NotRegularFile, ShardGuard, is_sharing_violation, with_sharing_retry
+from ._files import (
+    READ_FLAGS,
+    FileId,
+    NotRegularFile,
+    ShardGuard,
+    file_id,
+    is_sharing_violation,
+    shard_path,
+    with_sharing_retry,
+)
 from ._layout import Layout
 from ._remove import Remover
 from ._stats import Counters
@@ -52,7 +61,6 @@ _IDENTITY_MIN_BYTES = 16384
 #: Verified bytes of repeatedly read blobs kept in memory per reader, and the largest kept.
 _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
-_SEP = os.sep
 _time_ns = time.time_ns
 
 
@@ -74,8 +82,6 @@ class Reader:
         on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
-        self._index = lay.index + os.sep
-        self._blobs = lay.blobs + os.sep
         self._counters = counters
         self._guard = guard
         self._index_real = guard.real_names(lay.index)
@@ -144,7 +150,7 @@ class Reader:
             found = self._lookup_known(kid, known)
             if found is not None:
                 return found
-        ipath = f"{self._index}{kid[:2]}{_SEP}{kid[2:]}"
+        ipath = shard_path(self._lay.index, kid)
         if kid[:2] not in self._index_real and not self._guard.ok(self._lay.index, kid):
             self._why.reason = "index shard is not a directory"
             return None
@@ -183,12 +189,7 @@ class Reader:
                 except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
                     pass
                 else:
-                    self._known[kid] = (
-                        (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns),
-                        digest,
-                        fields[2],
-                        ipath,
-                    )
+                    self._known[kid] = (file_id(mst), digest, fields[2], ipath)
             elif len(touched) >= _TOUCHED_MAX:
                 touched.clear()
                 self._known.clear()
@@ -197,15 +198,18 @@ class Reader:
             os.close(mfd)
         touches = self.touches
         if touches is None:
-            touched[kid] = 0
+            touched[kid] = 0  # seen: its next hit remembers the manifest
         else:
-            # Recency: queue a touch of the manifest, at most one a second per key.
-            now = _time_ns()
-            self.recent[kid] = now
-            if now - touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
-                touched[kid] = now
-                touches.add(ipath)
+            self._used(touches, kid, ipath)
         return found
+
+    def _used(self, touches: Touches, kid: str, ipath: str) -> None:
+        """Recency of a hit: this process's clock for the cap, and a queued touch at most once a second per key."""
+        now = _time_ns()
+        self.recent[kid] = now
+        if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
+            self._touched[kid] = now
+            touches.add(ipath)
 
     def _lookup_known(self, kid: str, known: tuple[FileId, str, int, str]) -> tuple[bytes, str] | None:
         """A repeated hit: a stat proves the manifest unchanged since it was read.
@@ -221,7 +225,7 @@ class Reader:
             mst = os.lstat(ipath)
         except OSError:
             return None
-        if (mst.st_dev, mst.st_ino, mst.st_size, mst.st_mtime_ns, mst.st_ctime_ns) != known[0]:
+        if file_id(mst) != known[0]:
             return None
         digest = known[1]
         reads = self._reads
@@ -242,12 +246,11 @@ class Reader:
             if verified is None:
                 return None
             try:
-                bfd = os.open(f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}", READ_FLAGS)
+                bfd = os.open(shard_path(self._lay.blobs, digest), READ_FLAGS)
             except OSError:
                 return None
             try:
-                bst = os.fstat(bfd)
-                identity = (bst.st_dev, bst.st_ino, bst.st_size, bst.st_mtime_ns, bst.st_ctime_ns)
+                identity = file_id(os.fstat(bfd))
                 if identity != verified:
                     return None
                 size = known[2]
@@ -262,11 +265,7 @@ class Reader:
                 self._hold(digest, identity, data)
         touches = self.touches
         if touches is not None:
-            now = _time_ns()
-            self.recent[kid] = now
-            if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
-                self._touched[kid] = now
-                touches.add(ipath)
+            self._used(touches, kid, ipath)
         return data, digest
 
     def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
@@ -274,7 +273,7 @@ class Reader:
         if digest[:2] not in self._blobs_real and not self._guard.ok(self._lay.blobs, digest):
             self._why.reason = "blob shard is not a directory"
             return None
-        bpath = f"{self._blobs}{digest[:2]}{_SEP}{digest[2:]}"
+        bpath = shard_path(self._lay.blobs, digest)
         try:
             bfd = os.open(bpath, READ_FLAGS)
         except FileNotFoundError:
@@ -300,7 +299,7 @@ class Reader:
                 if st.st_size != size or not S_ISREG(st.st_mode):
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
-                identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                identity = file_id(st)
             try:
                 data = os.read(bfd, size + 1)
                 if len(data) < size:  # a short read: only at EOF on a regular file

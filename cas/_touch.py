@@ -55,9 +55,6 @@ class Touches:
         self.add = self._due.append
         _FLUSHER.register(self)
 
-    def __len__(self) -> int:
-        return len(self._due)
-
     def apply(self) -> int:
         """Touch every queued path whose mtime is a second old or more; how many were touched.
 
