@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,6 +216,22 @@ class StartGate:
     def close(self) -> None:
         while self._open_fds:
             os.close(self._open_fds.pop())
+
+
+class MovableClock:
+    """A stand-in for the ``time`` module whose monotonic clock a test moves ``ahead`` (the rest is the real one).
+
+    Patched into ``cas._shared`` to step past its retry interval without sleeping.
+    """
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
 
 
 class Compiles:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SAXPY, Compiles, compile_program, is_root
+from conftest import REPO, SAXPY, Compiles, MovableClock, compile_program, is_root
 
 import cas._shared as shared_mod
 from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
@@ -301,7 +301,7 @@ def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
     CacheStore(node).put("k", b"published bytes")
     caplog.set_level("DEBUG", logger="cas")
     # The retry waits on the clock, not on another process: the test moves the store's clock on, not sleeps.
-    clock = _MovableClock()
+    clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
     cache = CacheStore(tmp_path / "local", shared=[shared])
     for _ in range(3):
@@ -328,19 +328,6 @@ def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
         assert clock.ahead < 3 * _SHARED_RETRY_S, "the shared store was not picked up after it appeared"
         clock.ahead += _SHARED_RETRY_S / 25
     assert cache.get("k") == b"published bytes"
-
-
-class _MovableClock:
-    """``time`` for cas._shared, with a monotonic clock that a test moves ``ahead`` (the rest is the real one)."""
-
-    def __init__(self) -> None:
-        self.ahead = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.ahead
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(time, name)
 
 
 @pytest.mark.mount

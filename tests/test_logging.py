@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from conftest import MovableClock, run_python
 
 import cas._shared as shared_mod
 import cas._store as store_mod
@@ -131,7 +130,7 @@ def test_with_logging_off_there_is_no_record_and_no_clock(
 def test_a_mistyped_shared_path_warns_once_per_process(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = _Clock()
+    clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
     caplog.set_level(logging.DEBUG, logger="cas")
     typo = tmp_path / "shraed"
@@ -166,25 +165,12 @@ def test_a_store_of_a_newer_layout_or_not_a_cache_warns_naming_the_reason(
     assert str(foreign) in messages[1] and "not a cuda-program-cas cache" in messages[1]
 
 
-class _Clock:
-    """``time`` for cas._shared with a monotonic clock the test moves on (the rest is the real one)."""
-
-    def __init__(self) -> None:
-        self.ahead = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.ahead
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(time, name)
-
-
 def test_a_store_that_goes_away_later_is_not_a_warning_on_any_retry(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared = tmp_path / "shared"
     CacheStore(shared).put("k", b"v")
-    clock = _Clock()
+    clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
     caplog.set_level(logging.DEBUG, logger="cas")
     store = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
