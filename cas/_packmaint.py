@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ._layout import Layout
 from ._pack import PackError, PackReader, list_packs
 from ._remove import Remover
-from ._repack import RETIRED, loose_entries, repack
+from ._repack import RETIRED, loose_entries, repack_locked
 
 __all__ = ["PackGcResult", "collect_packs", "pack_stats", "verify_packs"]
 
@@ -121,7 +121,7 @@ def collect_packs(
     if drop:
         result.entries_dropped = len(drop)
         if remover is not None:
-            report = repack(lay.root, keep=lambda kid, _t: kid not in drop)
+            report = repack_locked(lay, keep=lambda kid, _t: kid not in drop)  # gc holds the lock
             result.repacked_into = report.pack
             result.problems.extend(report.unreadable)
     return result

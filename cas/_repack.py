@@ -12,6 +12,11 @@ passed since the pack that covers them was written.
 
 ``keep(key_id, time_ns)`` lets ``gc`` drop entries (``--max-age``/``--max-size``)
 by repacking without them.
+
+One repack at a time: it takes the store's ``evict.lock`` without blocking, the
+lock ``gc`` holds. Two repacks at once would each retire the packs the other is
+reading (one then failed with ENOENT and two full packs stayed); a second one
+finds the lock taken and does nothing (:class:`cas.CollectorBusyError`).
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ from dataclasses import dataclass, field
 
 from ._blobs import BlobStore
 from ._classify import Condition, classify
-from ._errors import CorruptBlobError
+from ._errors import CollectorBusyError, CorruptBlobError
 from ._layout import Layout
 from ._maint import check_writable, open_cache
 from ._pack import PackEntry, PackError, PackInput, PackReader, list_packs, write_pack
 from ._scan import ManifestInfo, take_snapshot
 from ._writer import Writer
 
-__all__ = ["RETIRED", "RepackReport", "loose_entries", "repack"]
+__all__ = ["RETIRED", "RepackReport", "loose_entries", "repack", "repack_locked"]
 
 #: Where replaced packs wait out the shared grace period, under ``packs/``.
 RETIRED = "retired"
@@ -73,11 +78,32 @@ def repack(
     keep: Callable[[str, int], bool] | None = None,
     fsync: bool = True,
 ) -> RepackReport:
-    """Merge the store at ``root`` into one new pack and retire the packs it replaced."""
-    t0 = time.monotonic()
+    """Merge the store at ``root`` into one new pack and retire the packs it replaced.
+
+    Raises :class:`cas.CollectorBusyError` when another repack or a ``gc`` holds
+    the store's lock (nothing was changed).
+    """
     cache = open_cache(root, write=True, purpose="repack")
     lay = cache.lay
     check_writable(lay, "repack")
+    import filelock
+
+    lock = filelock.FileLock(lay.lock, timeout=0)
+    try:
+        lock.acquire(blocking=False)
+    except filelock.Timeout:
+        raise CollectorBusyError(
+            f"store {lay.root!r} is busy: another repack or a gc holds {lay.lock}; nothing was changed"
+        ) from None
+    try:
+        return repack_locked(lay, keep=keep, fsync=fsync)
+    finally:
+        lock.release()
+
+
+def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None, fsync: bool = True) -> RepackReport:
+    """:func:`repack` for a caller that holds the store's lock already (``gc``)."""
+    t0 = time.monotonic()
     report = RepackReport(lay.root)
     old = []
     for path in list_packs(os.path.join(lay.root, "packs")):
