@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     extras.append(f"{report.unchanged:,} already there")
     if report.replaced:
         extras.append(f"{plural(report.replaced, 'broken entry', 'broken entries')} replaced")
+    if report.blobs_repaired:
+        extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
     if report.conflicts:
         extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
     if report.problems:

@@ -24,7 +24,10 @@ different bytes for the same inputs on two nodes), the store keeps what it has:
 the first published entry wins, so nodes that already copied it stay consistent
 and repeated publishes never flip an entry back and forth. Among the sources of
 one run, the first listed wins for the same reason. An entry of the store whose
-manifest is garbage or whose blob is missing or corrupt is replaced.
+manifest is garbage or whose blob is missing or corrupt is replaced: the store's
+blob of every entry a source also holds is hashed (once per digest per run), so
+a blob damaged in place, at its right size, is rewritten from the source
+(``blobs_repaired``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class PublishReport:
     conflicts: int = 0
     #: Blobs written into the store (new or restored).
     blobs_published: int = 0
+    #: Of those, blobs the store held damaged (bytes that fail their hash, or the wrong size), now rewritten.
+    blobs_repaired: int = 0
     #: Bytes of those blobs.
     bytes_published: int = 0
     #: Source entries that vanished while being read (evicted by their node meanwhile).
@@ -137,6 +142,8 @@ class _Dest:
         )
         #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
         self.good: dict[str, bool] = {}
+        #: Digests whose store blob failed its hash.
+        self.damaged: set[str] = set()
         #: The store's packed entries (key id -> entry), read once per run.
         self.packed = packed_entries(root)
 
@@ -147,8 +154,11 @@ class _Dest:
             try:
                 BlobStore(self.lay.blobs).read(digest, size)
                 known = True
-            except (OSError, CorruptBlobError):
-                known = False  # absent, wrong size or bytes, not a file: not good (yet)
+            except CorruptBlobError:
+                known = False
+                self.damaged.add(digest)
+            except OSError:
+                known = False  # absent, wrong size, not a file: not good (yet)
             self.good[digest] = known
         return known
 
@@ -337,6 +347,7 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
         target.good[digest] = True
         report.blobs_published += 1
         report.bytes_published += len(blob)
+        report.blobs_repaired += digest in target.damaged
     if needed:
         target.sync()
     # 3. Manifests, each after its blob; then make sure the blob is still there.
@@ -428,7 +439,9 @@ def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
         raise
     theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
     if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
-        return "same" if target.blob_present(manifest.digest, manifest.size) else "restore"
+        # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
+        # would otherwise stay lost for every node until ``verify --repair``.
+        return "same" if target.blob_ok(manifest.digest, manifest.size) else "restore"
     if theirs is not None and target.blob_ok(theirs.digest, theirs.size):
         return "conflict"
     return "replace"

@@ -419,6 +419,25 @@ def test_a_corrupt_blob_in_the_store_is_repaired_when_a_new_key_names_it(tmp_pat
     assert blob.read_bytes() == b"payload"
 
 
+def test_a_store_blob_damaged_in_place_is_repaired_by_the_next_publish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    values = {"k1": b"payload one", "k2": b"payload two", "k3": b"payload two"}
+    node = node_cache(tmp_path / "a", values)
+    shared = tmp_path / "shared"
+    publish([node], shared)
+    blob = Path(CacheStore(shared, read_only=True).blobs.path_for(digest_of(b"payload two")))
+    blob.write_bytes(b"PAYLOAD TWO")  # same size: only its hash tells
+    reader = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
+    assert reader.get("k2") is None
+    assert cli_main(["publish", str(node), str(shared)]) == 0
+    assert "1 damaged blob repaired" in capsys.readouterr().out
+    assert blob.read_bytes() == b"payload two"
+    assert reader.get("k2") == reader.get("k3") == b"payload two"
+    again = publish([node], shared)
+    assert (again.unchanged, again.blobs_published, again.blobs_repaired) == (3, 0, 0)
+
+
 def test_resume_after_interruption_and_stale_temp_files(tmp_path: Path) -> None:
     values = {f"k{i}": os.urandom(100) for i in range(20)}
     node = node_cache(tmp_path / "node", values)
