@@ -34,6 +34,7 @@ never rewritten.
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import logging
 import os
@@ -41,6 +42,7 @@ import secrets
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -57,6 +59,7 @@ __all__ = [
     "PackReader",
     "PackSet",
     "list_packs",
+    "open_packs",
     "pack_chunks",
     "packed_entries",
     "write_pack",
@@ -194,34 +197,150 @@ def packed_entries(root: str) -> dict[str, PackEntry]:
 
 # -- reading --------------------------------------------------------------------------------
 
+#: At most this many pack files are open in one process, whatever the number of packs
+#: in its shared stores (1,100 packs open at once made every open past the soft limit
+#: of 1024 fail with EMFILE). Reopening an evicted pack costs one ``open``; see docs/nfs.md.
+MAX_OPEN_PACKS = 32
+#: A pack index up to this size is read whole at open (a lookup then needs no descriptor
+#: until it reads a blob): about 680 entries, what one publish of a CI run writes.
+SMALL_INDEX = 64 * 1024
+#: Errors that say the process is short of descriptors or memory, not that the pack is bad.
+_TRANSIENT = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
+
+
+class _DescriptorPool:
+    """The open descriptors of every pack of this process, least recently used first.
+
+    A descriptor in use (pinned by :meth:`pin`) is never closed under its reader: a
+    thread reading through it would otherwise read a number the kernel gave to
+    another file. Past :data:`MAX_OPEN_PACKS`, unpinned ones close, oldest first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[PackReader, None] = OrderedDict()
+
+    def add(self, reader: PackReader) -> None:
+        """Take in a reader whose descriptor was just opened (unpinned)."""
+        with self._lock:
+            self._lru[reader] = None
+            self._shrink()
+
+    def pin(self, reader: PackReader) -> int:
+        """The reader's descriptor, opened again if it was closed, kept open until :meth:`unpin`."""
+        with self._lock:
+            if reader._fd >= 0:
+                reader._pins += 1
+                self._lru.move_to_end(reader)
+                return reader._fd
+            if reader._closed:
+                raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
+        fd = reader._reopen()  # outside the lock: an open on a slow server holds up no other pack
+        with self._lock:
+            if reader._fd >= 0 or reader._closed:  # another thread opened (or closed) it meanwhile
+                os.close(fd)
+                if reader._closed:
+                    raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
+            else:
+                reader._fd = fd
+                self._lru[reader] = None
+            reader._pins += 1
+            self._lru.move_to_end(reader)
+            self._shrink()
+            return reader._fd
+
+    def unpin(self, reader: PackReader) -> None:
+        with self._lock:
+            reader._pins -= 1
+            if reader._closed and reader._pins == 0:
+                self._drop(reader)
+
+    def close(self, reader: PackReader) -> None:
+        """Close the reader for good (now, or when its last user unpins it)."""
+        with self._lock:
+            reader._closed = True
+            if reader._pins == 0:
+                self._drop(reader)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def _shrink(self) -> None:
+        over = len(self._lru) - MAX_OPEN_PACKS
+        if over <= 0:
+            return
+        for reader in [r for r in self._lru if r._pins == 0][:over]:
+            self._drop(reader)
+
+    def _drop(self, reader: PackReader) -> None:
+        if reader in self._lru:
+            del self._lru[reader]
+            fd, reader._fd = reader._fd, -1
+            os.close(fd)
+
+    def after_fork_in_child(self) -> None:
+        # Threads that pinned descriptors do not exist in the child; its lock may have been held.
+        self._lock = threading.Lock()
+        for reader in self._lru:
+            reader._pins = 0
+
+
+_POOL = _DescriptorPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+
+
+def open_packs() -> int:
+    """How many pack files this process holds open now (at most :data:`MAX_OPEN_PACKS` plus those in use)."""
+    return _POOL.open_count()
+
+
+def _split(raw: bytes) -> tuple[list[bytes], list[bytes]]:
+    """Raw index entries cut apart: their key ids and the entries themselves."""
+    entries = [raw[i : i + _ENTRY.size] for i in range(0, len(raw) - _ENTRY.size + 1, _ENTRY.size)]
+    return [e[:32] for e in entries], entries
+
 
 class PackReader:
-    """One open pack. Lookups ``pread``; nothing here raises for a damaged file (``PackError`` at open)."""
+    """One pack. Lookups ``pread``; nothing here raises for a damaged file (``PackError`` at open).
+
+    Its descriptor comes from a process-wide pool (:data:`MAX_OPEN_PACKS`); one that
+    was closed to stay under the bound is opened again when needed, and must be the
+    same file (device, inode, size), else the pack is gone (``FileNotFoundError``).
+    A pack retired by ``repack`` meanwhile is found in ``packs/retired/``.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, READ_FLAGS)
+        self._fd = -1
+        self._pins = 0
+        self._closed = False
+        fd = os.open(path, READ_FLAGS)
         try:
-            st = os.fstat(self._fd)
+            st = os.fstat(fd)
             size = st.st_size
             if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
                 raise PackError(f"{path}: too short to be a pack ({size} bytes)")
-            if os.pread(self._fd, len(_HEADER), 0) != _HEADER:
+            if os.pread(fd, len(_HEADER), 0) != _HEADER:
                 raise PackError(f"{path}: not a pack of version {VERSION}")
             checksum, index_offset, count, version, magic = _TRAILER.unpack(
-                os.pread(self._fd, _TRAILER.size, size - _TRAILER.size)
+                os.pread(fd, _TRAILER.size, size - _TRAILER.size)
             )
             if magic != _TRAILER_MAGIC or version != VERSION:
                 raise PackError(f"{path}: bad trailer")
             if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
                 raise PackError(f"{path}: the trailer does not match the file's size")
-            fanout = _FANOUT.unpack(os.pread(self._fd, _FANOUT.size, index_offset))
+            index_len = _FANOUT.size + count * _ENTRY.size
+            head = os.pread(fd, index_len if index_len <= SMALL_INDEX else _FANOUT.size, index_offset)
+            fanout = _FANOUT.unpack(head[: _FANOUT.size])
             if any(a > b for a, b in itertools.pairwise(fanout)) or fanout[-1] != count:
                 raise PackError(f"{path}: garbled fan-out table")
         except BaseException:
-            os.close(self._fd)
+            os.close(fd)
             raise
         self.size = size
+        self._identity = (st.st_dev, st.st_ino, size)
         #: When the pack was written (its file's mtime).
         self.mtime = st.st_mtime
         self.count = count
@@ -231,27 +350,58 @@ class PackReader:
         #: First byte -> the sorted key ids of that slice and their raw entries (a pack never changes).
         self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
         self._lock = threading.Lock()
+        if len(head) == index_len:
+            for first in range(256):
+                lo, hi = self._span(first)
+                self._buckets[first] = _split(head[_FANOUT.size + lo * _ENTRY.size : _FANOUT.size + hi * _ENTRY.size])
+        self._fd = fd
+        _POOL.add(self)
+
+    def _reopen(self) -> int:
+        """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
+        head, name = os.path.split(self.path)
+        for candidate in (self.path, os.path.join(head, "retired", name)):
+            try:
+                fd = os.open(candidate, READ_FLAGS)
+            except FileNotFoundError:
+                continue
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_size) == self._identity:
+                return fd
+            os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "the pack is gone", self.path)
 
     def close(self) -> None:
-        os.close(self._fd)
+        _POOL.close(self)
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        fd = _POOL.pin(self)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            _POOL.unpin(self)
+
+    def _span(self, first: int) -> tuple[int, int]:
+        """The entries whose key id starts with byte ``first``: ``[lo, hi)``."""
+        return (self._fanout[first - 1] if first else 0), self._fanout[first]
 
     def _bucket(self, first: int) -> tuple[list[bytes], list[bytes]]:
         bucket = self._buckets.get(first)
         if bucket is not None:
             return bucket
-        lo = self._fanout[first - 1] if first else 0
-        hi = self._fanout[first]
+        lo, hi = self._span(first)
         start = self._index_offset + _FANOUT.size + lo * _ENTRY.size
-        raw = os.pread(self._fd, (hi - lo) * _ENTRY.size, start)
-        entries = [raw[i : i + _ENTRY.size] for i in range(0, len(raw) - _ENTRY.size + 1, _ENTRY.size)]
-        bucket = ([e[:32] for e in entries], entries)
+        bucket = _split(self._pread((hi - lo) * _ENTRY.size, start) if hi > lo else b"")
         with self._lock:
             self._buckets[first] = bucket
         return bucket
 
     def find(self, kid: str) -> PackEntry | None:
         """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
-        key = bytes.fromhex(kid)
+        return self.find_key(bytes.fromhex(kid))
+
+    def find_key(self, key: bytes) -> PackEntry | None:
+        """:meth:`find` for a key id given as its 32 raw bytes."""
         keys, entries = self._bucket(key[0])
         i = bisect.bisect_left(keys, key)
         if i == len(keys) or keys[i] != key:
@@ -259,14 +409,14 @@ class PackReader:
         raw = entries[i]
         if _entry_check(raw[:_BODY]) != raw[_BODY:]:
             return None  # a damaged entry: a miss; the rest of the pack still reads
-        _kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
+        kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
         if offset + size > self._index_offset:
             return None
-        return PackEntry(kid, digest.hex(), offset, size, time_ns)
+        return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
 
     def read(self, entry: PackEntry) -> bytes | None:
         """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest."""
-        data = os.pread(self._fd, entry.size, entry.offset)
+        data = self._pread(entry.size, entry.offset)
         if len(data) != entry.size or blake3(data).hexdigest() != entry.digest:
             return None
         return data
@@ -281,12 +431,16 @@ class PackReader:
 
     def index_ok(self) -> bool:
         """True when the whole index matches the trailer's checksum (reads the whole index)."""
-        raw = os.pread(self._fd, _FANOUT.size + self.count * _ENTRY.size, self._index_offset)
+        raw = self._pread(_FANOUT.size + self.count * _ENTRY.size, self._index_offset)
         return bool(blake3(raw).digest() == self.checksum)
 
 
 class PackSet:
-    """The packs of one store as one process sees them: each opened once, the directory re-listed every few s."""
+    """The packs of one store as one process sees them: the directory re-listed every few s.
+
+    Packs that leave the listing (retired by a repack, moved aside by ``verify``) are
+    closed; their entries are in the pack that replaced them.
+    """
 
     def __init__(self, root: str, on_damage: Callable[[str], None] | None = None) -> None:
         self.packs_dir = os.path.join(root, "packs")
@@ -312,11 +466,16 @@ class PackSet:
                     self._open[path] = PackReader(path)
                 except FileNotFoundError:
                     continue  # retired between the listing and the open: its entries are elsewhere
-                except (OSError, PackError) as exc:
+                except OSError as exc:
+                    if exc.errno not in _TRANSIENT:  # out of descriptors: tried again at the next listing
+                        self._bad.add(path)
+                    _log.debug("cuda-program-cas: pack %s cannot be opened: %s", path, exc)
+                except PackError as exc:
                     self._bad.add(path)
                     _log.debug("cuda-program-cas: unusable pack %s: %s", path, exc)
-            # A pack that left the listing stays open (its file may be retired, still readable
-            # through our descriptor) but is no longer asked first.
+            listed = set(paths)
+            for path in [p for p in self._open if p not in listed]:
+                self._open.pop(path).close()  # a thread reading it still may: the pool closes it after
             self._order = [self._open[p] for p in paths if p in self._open]
             self._listed_at = now
 
@@ -324,15 +483,20 @@ class PackSet:
         """``(bytes, digest)`` from the newest pack that has a good copy; None when none has.
 
         A pack whose copy is damaged or unreadable is reported to ``on_damage(path)``
-        and the next pack is asked.
+        and the next pack is asked; a pack that is gone (removed, not retired) makes
+        the next lookup list the directory again.
         """
         self._refresh()
+        key = bytes.fromhex(kid)
         for pack in self._order:
             try:
-                entry = pack.find(kid)
+                entry = pack.find_key(key)
                 if entry is None:
                     continue
                 data = pack.read(entry)
+            except FileNotFoundError:
+                self._listed_at = float("-inf")
+                continue
             except OSError:
                 data = entry = None
             if data is None or entry is None:

@@ -14,11 +14,16 @@ from pathlib import Path
 
 import filelock
 import pytest
-from conftest import REPO, ChildLines
+from blake3 import blake3
+from conftest import REPO, ChildLines, run_python
 
 import cas._pack
 from cas import CacheStore, publish
 from cas._cli import main as cli
+from cas._layout import Layout, create_layout
+from cas._pack import write_pack
+from cas._writer import Writer
+from cuda_program_cas_index import key_id
 
 
 def value(i: int, gen: str = "g") -> bytes:
@@ -104,3 +109,48 @@ def test_repack_json_says_busy(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert out["busy"] is True and out["problem_count"] == 0
     assert cli(["repack", "--json", str(store)]) == 0  # free again: it repacks
     assert json.loads(capsys.readouterr().out)["entries"] == 20
+
+
+# -- thousands of packs -----------------------------------------------------------------------
+
+
+def many_packs(store: Path, n: int, gen: str = "p") -> None:
+    """A store of ``n`` packs of one entry each, written by the real pack writer (no fsync: a test's speed)."""
+    create_layout(str(store))
+    lay = Layout(str(store))
+    writer = Writer(lay, file_mode=0o644, exact_mode=True)
+    for i in range(n):
+        data = value(i, gen)
+        write_pack(lay, [(key_id(f"{gen}{i}"), blake3(data).hexdigest(), data, i)], writer.write_file)
+
+
+#: A node under a soft limit of 1024 descriptors reads every entry of the store, then opens other files.
+_UNDER_1024 = r"""
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+from cas import CacheStore
+store, local, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def value(i):
+    return (f"p:{i}:".encode() * 40)[: 100 + i % 50]
+node = CacheStore(local, shared=[store], copy_shared_hits=False)
+hits = sum(node.get(f"p{i}") == value(i) for i in range(n))
+again = sum(node.get(f"p{i}") == value(i) for i in range(0, n, 7))
+fds = len(os.listdir("/proc/self/fd"))
+# The process can still open files: a new cache, and 200 more files at once.
+fresh = CacheStore(local + "-fresh")
+fresh.put("k", b"v")
+held = [os.open(store, os.O_RDONLY) for _ in range(200)]
+print(hits, again, fds, fresh.get("k") == b"v", flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_1100_packs_under_a_soft_limit_of_1024_descriptors_every_entry_hits(tmp_path: Path) -> None:
+    n = 1100
+    many_packs(tmp_path / "store", n)
+    proc = run_python(_UNDER_1024, str(tmp_path / "store"), str(tmp_path / "node"), str(n), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    hits, again, fds, fresh_ok = proc.stdout.split()
+    assert (int(hits), int(again), fresh_ok) == (n, len(range(0, n, 7)), "True")
+    assert int(fds) <= cas._pack.MAX_OPEN_PACKS + 16, fds  # the bound, plus stdio, the node's own files
