@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import itertools
 import logging
 import os
 import secrets
@@ -334,7 +333,7 @@ class PackReader:
             index_len = _FANOUT.size + count * _ENTRY.size
             head = os.pread(fd, index_len if index_len <= SMALL_INDEX else _FANOUT.size, index_offset)
             fanout = _FANOUT.unpack(head[: _FANOUT.size])
-            if any(a > b for a, b in itertools.pairwise(fanout)) or fanout[-1] != count:
+            if list(fanout) != sorted(fanout) or fanout[-1] != count:
                 raise PackError(f"{path}: garbled fan-out table")
         except BaseException:
             os.close(fd)
@@ -347,13 +346,11 @@ class PackReader:
         self.checksum = checksum
         self._index_offset = index_offset
         self._fanout = fanout
-        #: First byte -> the sorted key ids of that slice and their raw entries (a pack never changes).
+        #: A small pack's whole index, read at open: its sorted key ids and raw entries.
+        self._whole = _split(head[_FANOUT.size :]) if len(head) == index_len else None
+        #: A large pack's slices read so far: first byte -> key ids and raw entries (a pack never changes).
         self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
         self._lock = threading.Lock()
-        if len(head) == index_len:
-            for first in range(256):
-                lo, hi = self._span(first)
-                self._buckets[first] = _split(head[_FANOUT.size + lo * _ENTRY.size : _FANOUT.size + hi * _ENTRY.size])
         self._fd = fd
         _POOL.add(self)
 
@@ -374,6 +371,10 @@ class PackReader:
     def close(self) -> None:
         _POOL.close(self)
 
+    def loaded_keys(self) -> list[bytes] | None:
+        """Every key id of a small pack (its index was read whole at open); None for a large one."""
+        return None if self._whole is None else self._whole[0]
+
     def _pread(self, size: int, offset: int) -> bytes:
         fd = _POOL.pin(self)
         try:
@@ -385,16 +386,18 @@ class PackReader:
         """The entries whose key id starts with byte ``first``: ``[lo, hi)``."""
         return (self._fanout[first - 1] if first else 0), self._fanout[first]
 
-    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes]]:
-        bucket = self._buckets.get(first)
-        if bucket is not None:
-            return bucket
+    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int]:
+        """Key ids and raw entries holding those that start with byte ``first``, and their ``[lo, hi)`` there."""
         lo, hi = self._span(first)
-        start = self._index_offset + _FANOUT.size + lo * _ENTRY.size
-        bucket = _split(self._pread((hi - lo) * _ENTRY.size, start) if hi > lo else b"")
-        with self._lock:
-            self._buckets[first] = bucket
-        return bucket
+        if self._whole is not None:
+            return self._whole[0], self._whole[1], lo, hi
+        bucket = self._buckets.get(first)
+        if bucket is None:
+            start = self._index_offset + _FANOUT.size + lo * _ENTRY.size
+            bucket = _split(self._pread((hi - lo) * _ENTRY.size, start) if hi > lo else b"")
+            with self._lock:
+                self._buckets[first] = bucket
+        return bucket[0], bucket[1], 0, len(bucket[0])
 
     def find(self, kid: str) -> PackEntry | None:
         """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
@@ -402,9 +405,9 @@ class PackReader:
 
     def find_key(self, key: bytes) -> PackEntry | None:
         """:meth:`find` for a key id given as its 32 raw bytes."""
-        keys, entries = self._bucket(key[0])
-        i = bisect.bisect_left(keys, key)
-        if i == len(keys) or keys[i] != key:
+        keys, entries, lo, hi = self._bucket(key[0])
+        i = bisect.bisect_left(keys, key, lo, hi)
+        if i == hi or keys[i] != key:
             return None
         raw = entries[i]
         if _entry_check(raw[:_BODY]) != raw[_BODY:]:
@@ -424,7 +427,8 @@ class PackReader:
     def entries(self) -> Iterator[PackEntry]:
         """Every entry, in key order (damaged ones skipped)."""
         for first in range(256):
-            for raw in self._bucket(first)[1]:
+            _keys, raws, lo, hi = self._bucket(first)
+            for raw in raws[lo:hi]:
                 if _entry_check(raw[:_BODY]) == raw[_BODY:]:
                     kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
                     yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
@@ -438,8 +442,11 @@ class PackReader:
 class PackSet:
     """The packs of one store as one process sees them: the directory re-listed every few s.
 
-    Packs that leave the listing (retired by a repack, moved aside by ``verify``) are
-    closed; their entries are in the pack that replaced them.
+    A lookup asks only the packs that may hold its key: every key of a small pack
+    (index read whole at open) is in one map from key to the packs holding it, and
+    the few large packs (a repack's) are searched each. So a hit costs the same
+    with 1 or 1,100 packs. Packs that leave the listing (retired by a repack, moved
+    aside by ``verify``) are closed; their entries are in the pack that replaced them.
     """
 
     def __init__(self, root: str, on_damage: Callable[[str], None] | None = None) -> None:
@@ -447,9 +454,14 @@ class PackSet:
         self._on_damage = on_damage
         self._open: dict[str, PackReader] = {}
         self._bad: set[str] = set()
-        self._order: list[PackReader] = []
+        self._paths: list[str] = []
+        #: Key id (raw) -> the small packs holding it; the large packs; each pack's place, newest first.
+        self._where: dict[bytes, list[PackReader]] = {}
+        self._large: list[PackReader] = []
+        self._rank: dict[PackReader, int] = {}
         self._listed_at = float("-inf")
         self._lock = threading.Lock()
+        self._map_lock = threading.Lock()
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -459,25 +471,59 @@ class PackSet:
             if now - self._listed_at < RELIST_S:
                 return
             paths = list_packs(self.packs_dir)
-            for path in paths:
-                if path in self._open or path in self._bad:
-                    continue
-                try:
-                    self._open[path] = PackReader(path)
-                except FileNotFoundError:
-                    continue  # retired between the listing and the open: its entries are elsewhere
-                except OSError as exc:
-                    if exc.errno not in _TRANSIENT:  # out of descriptors: tried again at the next listing
-                        self._bad.add(path)
-                    _log.debug("cuda-program-cas: pack %s cannot be opened: %s", path, exc)
-                except PackError as exc:
-                    self._bad.add(path)
-                    _log.debug("cuda-program-cas: unusable pack %s: %s", path, exc)
-            listed = set(paths)
-            for path in [p for p in self._open if p not in listed]:
-                self._open.pop(path).close()  # a thread reading it still may: the pool closes it after
-            self._order = [self._open[p] for p in paths if p in self._open]
+            if paths != self._paths or len(self._open) != len(paths):
+                self._update(paths)
             self._listed_at = now
+
+    def _update(self, paths: list[str]) -> None:
+        added = []
+        for path in paths:
+            if path in self._open or path in self._bad:
+                continue
+            try:
+                self._open[path] = reader = PackReader(path)
+            except FileNotFoundError:
+                continue  # retired between the listing and the open: its entries are elsewhere
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT:  # out of descriptors: tried again at the next listing
+                    self._bad.add(path)
+                _log.debug("cuda-program-cas: pack %s cannot be opened: %s", path, exc)
+                continue
+            except PackError as exc:
+                self._bad.add(path)
+                _log.debug("cuda-program-cas: unusable pack %s: %s", path, exc)
+                continue
+            added.append(reader)
+        listed = set(paths)
+        gone = [self._open.pop(p) for p in list(self._open) if p not in listed]
+        with self._map_lock:
+            for reader in added:
+                keys = reader.loaded_keys()
+                if keys is None:
+                    self._large.append(reader)
+                for key in keys or ():
+                    self._where.setdefault(key, []).append(reader)
+            for reader in gone:
+                keys = reader.loaded_keys()
+                if keys is None:
+                    self._large.remove(reader)
+                for key in keys or ():
+                    holders = self._where[key]
+                    holders.remove(reader)
+                    if not holders:
+                        del self._where[key]
+            self._rank = {self._open[p]: n for n, p in enumerate(paths) if p in self._open}
+            self._large.sort(key=self._rank.__getitem__)
+            self._paths = paths
+        for reader in gone:
+            reader.close()  # a thread reading it still may: the pool closes it after
+
+    def _candidates(self, key: bytes) -> list[PackReader]:
+        """The packs that may hold ``key``, newest first."""
+        with self._map_lock:
+            out = [*self._where.get(key, ()), *self._large]
+            rank = self._rank
+        return sorted(out, key=rank.__getitem__) if len(out) > 1 else out
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """``(bytes, digest)`` from the newest pack that has a good copy; None when none has.
@@ -488,7 +534,7 @@ class PackSet:
         """
         self._refresh()
         key = bytes.fromhex(kid)
-        for pack in self._order:
+        for pack in self._candidates(key):
             try:
                 entry = pack.find_key(key)
                 if entry is None:

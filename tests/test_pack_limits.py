@@ -22,6 +22,7 @@ from cas import CacheStore, publish
 from cas._cli import main as cli
 from cas._layout import Layout, create_layout
 from cas._pack import write_pack
+from cas._repack import repack
 from cas._writer import Writer
 from cuda_program_cas_index import key_id
 
@@ -154,3 +155,34 @@ def test_1100_packs_under_a_soft_limit_of_1024_descriptors_every_entry_hits(tmp_
     hits, again, fds, fresh_ok = proc.stdout.split()
     assert (int(hits), int(again), fresh_ok) == (n, len(range(0, n, 7)), "True")
     assert int(fds) <= cas._pack.MAX_OPEN_PACKS + 16, fds  # the bound, plus stdio, the node's own files
+
+
+def open_files_under(directory: Path) -> list[str]:
+    """The files under ``directory`` that this process holds open (from /proc/self/fd)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory) + os.sep):
+            held.append(target)
+    return held
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_packs_retired_by_a_repack_still_read_until_relisted_then_are_closed(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    n = cas._pack.MAX_OPEN_PACKS + 8
+    many_packs(store, n)
+    packs = cas._pack.PackSet(str(store))
+    assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
+    assert len(open_files_under(store)) <= cas._pack.MAX_OPEN_PACKS
+    repack(store)  # every pack moves to packs/retired/, most of them closed here meanwhile
+    assert len(cas._pack.list_packs(str(store / "packs"))) == 1
+    # Within the listing this process still trusts, every entry reads from the retired packs.
+    assert all(packs.lookup(key_id(f"p{i}")) == (value(i, "p"), blake3(value(i, "p")).hexdigest()) for i in range(n))
+    assert any("/retired/" in path for path in open_files_under(store))
+    packs._listed_at = float("-inf")  # as if RELIST_S had passed
+    assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
+    assert [path for path in open_files_under(store) if "/retired/" in path] == []  # retired packs closed
