@@ -60,7 +60,6 @@ __all__ = [
     "list_packs",
     "open_packs",
     "pack_chunks",
-    "packed_entries",
     "write_pack",
 ]
 
@@ -176,22 +175,6 @@ def write_pack(
     if not write_file(target, pack_chunks(entries, stats)):
         raise OSError(f"the pack {target} could not be renamed into place (file busy)")
     return target
-
-
-def packed_entries(root: str) -> dict[str, PackEntry]:
-    """Key id -> entry of every pack of the store at ``root`` (newest pack first wins); unusable packs skipped."""
-    found: dict[str, PackEntry] = {}
-    for path in list_packs(os.path.join(root, "packs")):
-        try:
-            reader = PackReader(path)
-        except (OSError, PackError):
-            continue
-        try:
-            for entry in reader.entries():
-                found.setdefault(entry.key_id, entry)
-        finally:
-            reader.close()
-    return found
 
 
 # -- reading --------------------------------------------------------------------------------

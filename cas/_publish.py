@@ -44,7 +44,8 @@ from ._blobs import BlobStore
 from ._errors import CorruptBlobError, LayoutError
 from ._files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
 from ._layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
-from ._pack import packed_entries, write_pack
+from ._pack import PackError, PackReader, write_pack
+from ._packsummary import PackedEntry, PackSummary
 from ._remove import Remover
 from ._writer import BlobWrite, Writer, current_umask
 
@@ -144,8 +145,12 @@ class _Dest:
         self.good: dict[str, bool] = {}
         #: Digests whose store blob failed its hash.
         self.damaged: set[str] = set()
-        #: The store's packed entries (key id -> entry), read once per run.
-        self.packed = packed_entries(root)
+        #: The store's packed entries (key id -> entry), read once per run from ``packs/summary``
+        #: and the packs it does not cover, not from every pack.
+        self.summary = PackSummary.load(root)
+        self.packed = self.summary.entries()
+        self._packed_ok: dict[tuple[str, int], bool] = {}
+        self._readers: dict[str, PackReader | None] = {}
 
     def blob_ok(self, digest: str, size: int) -> bool:
         """Whether the store holds this blob with the right bytes (hashed once per run)."""
@@ -161,6 +166,34 @@ class _Dest:
                 known = False  # absent, wrong size, not a file: not good (yet)
             self.good[digest] = known
         return known
+
+    def packed_ok(self, packed: PackedEntry) -> bool:
+        """Whether the pack's copy of this entry's blob has the right bytes (hashed once per run)."""
+        where = (packed.pack, packed.entry.offset)
+        known = self._packed_ok.get(where)
+        if known is None:
+            if packed.pack not in self._readers:
+                try:
+                    self._readers[packed.pack] = PackReader(packed.pack)
+                except (OSError, PackError):
+                    self._readers[packed.pack] = None
+            reader = self._readers[packed.pack]
+            try:
+                known = reader is not None and reader.read(packed.entry) is not None
+            except OSError:
+                known = False
+            self._packed_ok[where] = known
+        return known
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            if reader is not None:
+                reader.close()
+        self._readers.clear()
+
+    def pack_writer(self) -> Writer:
+        """The writer of packs and of ``packs/summary``: the run's file mode, synced when the run is."""
+        return Writer(self.lay, file_mode=self.modes.file, exact_mode=True, dir_mode=self.modes.dir, fsync=self.fsync)
 
     def blob_present(self, digest: str, size: int) -> bool:
         """A cheap check (no read): a regular file of the right size."""
@@ -252,8 +285,13 @@ def publish(
             pending.extend(_plan(src, target, report))
         else:
             _publish_one(src, target, report)
-    if pack and pending:
-        _publish_pack(pending, target, report)
+    try:
+        if pack and pending:
+            _publish_pack(pending, target, report)
+        if not dry_run and not target.summary.current and os.path.isdir(target.summary.packs_dir):
+            target.summary.save(target.pack_writer().write_file)  # publishers after this one read one file
+    finally:
+        target.close()
     if progress:
         progress("published", len(srcs), len(srcs))
     return report
@@ -409,10 +447,10 @@ def _publish_pack(todo: list[_Item], target: _Dest, report: PublishReport) -> No
                 target.good[digest] = True
         stats = {"entries": sum(1 for i in inputs if i[1] in target.good), "blobs": len(target.good), "bytes": 0}
     else:
-        pack_writer = Writer(
-            target.lay, file_mode=target.modes.file, exact_mode=True, dir_mode=target.modes.dir, fsync=target.fsync
-        )
-        report.packs.append(write_pack(target.lay, inputs, pack_writer.write_file, stats))
+        path = write_pack(target.lay, inputs, target.pack_writer().write_file, stats)
+        report.packs.append(path)
+        target.summary.add(path)
+    report.blobs_repaired += len(written & target.damaged)
     report.published += stats.get("entries", 0)
     report.blobs_published += stats.get("blobs", 0)
     report.bytes_published += stats.get("bytes", 0)
@@ -422,11 +460,18 @@ def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
     """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
 
     An entry of one of the store's packs counts as the store's: equal, ``same``;
-    another digest, ``conflict`` (first published wins, packed or loose).
+    another digest, ``conflict`` (first published wins, packed or loose); either
+    whose blob in the pack fails its hash, ``replace`` (a newer pack, or a loose
+    entry, serves the key before it).
     """
     packed = target.packed.get(kid)
     if packed is not None:
-        return "same" if (packed.digest, packed.size) == (manifest.digest, manifest.size) else "conflict"
+        same = (packed.entry.digest, packed.entry.size) == (manifest.digest, manifest.size)
+        if not target.packed_ok(packed):
+            if same:
+                target.damaged.add(manifest.digest)
+            return "replace"
+        return "same" if same else "conflict"
     try:
         data, _ = read_regular(target.lay.manifest_path(kid))
     except FileNotFoundError:

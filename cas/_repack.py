@@ -33,6 +33,7 @@ from ._errors import CollectorBusyError, CorruptBlobError
 from ._layout import Layout
 from ._maint import check_writable, open_cache
 from ._pack import PackEntry, PackError, PackInput, PackReader, list_packs, write_pack
+from ._packsummary import PackSummary
 from ._scan import ManifestInfo, take_snapshot
 from ._writer import Writer
 
@@ -145,6 +146,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
             reader.close()
     if report.pack is not None:
         report.retired = [retire(lay, reader.path) for reader in old]
+        PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
     report.elapsed_s = time.monotonic() - t0
     return report
 

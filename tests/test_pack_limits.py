@@ -186,3 +186,89 @@ def test_packs_retired_by_a_repack_still_read_until_relisted_then_are_closed(tmp
     packs._listed_at = float("-inf")  # as if RELIST_S had passed
     assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
     assert [path for path in open_files_under(store) if "/retired/" in path] == []  # retired packs closed
+
+
+# -- publish --pack at 1 and 1,100 packs --------------------------------------------------------
+
+#: One publish --pack in a fresh process; prints its report and the files it opened under packs/.
+_PUBLISH_OPENS = r"""
+import json, sys
+packs = sys.argv[2] + "/packs/"
+opened = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(packs):
+        opened.append(args[0])
+sys.addaudithook(hook)
+from cas import publish
+report = publish([sys.argv[1]], sys.argv[2], pack=True, fsync=False)
+print(json.dumps({"published": report.published, "unchanged": report.unchanged, "opened": opened}))
+"""
+
+
+def publish_counting_opens(src: Path, store: Path) -> dict[str, object]:
+    proc = run_python(_PUBLISH_OPENS, str(src), str(store))
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def test_publish_pack_reads_the_summary_not_every_pack(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    n = 1100
+    many_packs(store, n)  # written without a summary: the first publish reads every pack, once
+    first = publish_counting_opens(source(tmp_path / "a", "a", n=1), store)
+    assert first["published"] == 1 and len(first["opened"]) >= n  # type: ignore[arg-type]
+    # Later ones read packs/summary and the packs they need, whatever the number of packs.
+    src = CacheStore(tmp_path / "b")
+    src.put("b0", value(0, "b"))
+    src.put("p7", value(7, "p"))  # already packed: verified in its pack, not published again
+    second = publish_counting_opens(tmp_path / "b", store)
+    assert (second["published"], second["unchanged"]) == (1, 1)
+    opened = [os.path.basename(p) for p in second["opened"]]  # type: ignore[attr-defined]
+    assert len(opened) <= 4, opened  # the summary, the pack of p7, the new pack
+    assert "summary" in opened
+
+
+def test_the_summary_follows_packs_added_retired_and_damaged(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    publish([source(tmp_path / "a", "a")], store, pack=True)
+    publish([source(tmp_path / "b", "b")], store, pack=True)
+    # A pack the summary does not know (a publisher killed before writing it, or an older one).
+    lay = Layout(str(store))
+    data = value(0, "x")
+    write_pack(lay, [(key_id("x0"), blake3(data).hexdigest(), data, 1)], Writer(lay).write_file)
+    src = CacheStore(tmp_path / "x")
+    src.put("x0", data)
+    src.put("a3", value(3, "a"))
+    again = publish([tmp_path / "x"], store, pack=True)
+    assert (again.published, again.unchanged, again.packs) == (0, 2, [])
+    repack(store)  # the summary now covers only the repack's pack
+    assert publish([tmp_path / "a", tmp_path / "b"], store, pack=True).unchanged == 40
+    summary = store / "packs" / "summary"
+    raw = bytearray(summary.read_bytes())
+    raw[40] ^= 0x40
+    summary.write_bytes(bytes(raw))  # damaged: ignored, the packs are read instead
+    assert publish([tmp_path / "a", tmp_path / "x"], store, pack=True).unchanged == 22
+    summary.unlink()
+    assert publish([tmp_path / "b"], store, pack=True).unchanged == 20
+    assert summary.exists()
+
+
+def test_publish_replaces_an_entry_whose_blob_is_damaged_in_its_pack(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    publish([source(tmp_path / "a", "a")], store, pack=True)
+    (pack,) = cas._pack.list_packs(str(store / "packs"))
+    reader = cas._pack.PackReader(pack)
+    entry = reader.find(key_id("a5"))
+    reader.close()
+    assert entry is not None
+    with open(pack, "r+b") as fh:  # one byte of a5's blob, in place
+        fh.seek(entry.offset + 3)
+        byte = fh.read(1)
+        fh.seek(entry.offset + 3)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
+    assert node.get("a5") is None
+    report = publish([tmp_path / "a"], store, pack=True)
+    assert (report.published, report.unchanged, report.blobs_repaired) == (1, 19, 1)
+    fresh = CacheStore(tmp_path / "fresh", shared=[store], copy_shared_hits=False)
+    assert all(fresh.get(f"a{i}") == value(i, "a") for i in range(20))
