@@ -491,10 +491,11 @@ class PackSet:
                 if keys is None:
                     self._large.remove(reader)
                 for key in keys or ():
-                    holders = self._where[key]
-                    holders.remove(reader)
-                    if not holders:
-                        del self._where[key]
+                    holders = self._where.get(key)
+                    if holders is not None:  # a damaged index may name a key twice
+                        holders[:] = [r for r in holders if r is not reader]
+                        if not holders:
+                            del self._where[key]
             self._rank = {self._open[p]: n for n, p in enumerate(paths) if p in self._open}
             self._large.sort(key=self._rank.__getitem__)
             self._paths = paths

@@ -34,7 +34,7 @@ from blake3 import blake3
 from ._files import READ_FLAGS
 from ._pack import PackEntry, PackError, PackReader, list_packs
 
-__all__ = ["SUMMARY", "PackSummary"]
+__all__ = ["SUMMARY", "PackSummary", "PackedEntry"]
 
 #: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
 SUMMARY = "summary"

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import filelock
@@ -272,3 +275,36 @@ def test_publish_replaces_an_entry_whose_blob_is_damaged_in_its_pack(tmp_path: P
     assert (report.published, report.unchanged, report.blobs_repaired) == (1, 19, 1)
     fresh = CacheStore(tmp_path / "fresh", shared=[store], copy_shared_hits=False)
     assert all(fresh.get(f"a{i}") == value(i, "a") for i in range(20))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_packs(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    many_packs(store, 3)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cas._pack._POOL._lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads: what this test is about
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(30)  # a hang is the failure: SIGALRM ends the child
+                packs = cas._pack.PackSet(str(store))
+                code = 0 if all(packs.lookup(key_id(f"p{i}")) is not None for i in range(3)) else 1
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
