@@ -252,7 +252,13 @@ class _DescriptorPool:
         over = len(self._lru) - MAX_OPEN_PACKS
         if over <= 0:
             return
-        for reader in [r for r in self._lru if r._pins == 0][:over]:
+        victims = []
+        for reader in self._lru:  # oldest first; usually the first one will do
+            if reader._pins == 0:
+                victims.append(reader)
+                if len(victims) == over:
+                    break
+        for reader in victims:
             self._drop(reader)
 
     def _drop(self, reader: PackReader) -> None:
