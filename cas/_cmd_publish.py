@@ -38,6 +38,13 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="write what is new into one immutable pack file (a handful of files for any number of entries)",
     )
+    parser.add_argument(
+        "--no-verify-existing",
+        dest="verify_existing",
+        action="store_false",
+        help="trust the store's copies of entries it already holds (no hashing; faster for large sources, "
+        "but a copy damaged in place then stays until verify --repair)",
+    )
     add_json_arg(parser)
     parser.set_defaults(func=run)
 
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         group_shared=args.group_shared,
         dry_run=args.dry_run,
         pack=args.pack,
+        verify_existing=args.verify_existing,
         progress=getattr(args, "progress", None),
     )
     problems = _problem_lines(report)

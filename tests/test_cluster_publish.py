@@ -430,6 +430,8 @@ def test_a_store_blob_damaged_in_place_is_repaired_by_the_next_publish(
     blob.write_bytes(b"PAYLOAD TWO")  # same size: only its hash tells
     reader = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
     assert reader.get("k2") is None
+    trusting = publish([node], shared, verify_existing=False)  # a copy of the right size is trusted
+    assert (trusting.unchanged, trusting.blobs_repaired) == (3, 0) and blob.read_bytes() == b"PAYLOAD TWO"
     assert cli_main(["publish", str(node), str(shared)]) == 0
     assert "1 damaged blob repaired" in capsys.readouterr().out
     assert blob.read_bytes() == b"payload two"
