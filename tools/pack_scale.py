@@ -61,7 +61,7 @@ for _ in range(5):
     best.append((time.perf_counter() - t) / len(hot) * 1e6)
 print(json.dumps({"hits": hits, "first_lookup_ms": (t1 - t0) * 1e3, "first_us": (t2 - t1) / (n - 1) * 1e6,
                   "again_us": min(rounds), "hot_us": min(best), "fds": len(os.listdir("/proc/self/fd")),
-                  "pack_fds": cas._pack.open_packs()}))
+                  "pack_fds": getattr(cas._pack, "open_packs", lambda: -1)()}))  # -1: code before the pool
 """
 
 
