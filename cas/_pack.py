@@ -320,7 +320,10 @@ class PackReader:
             if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
                 raise PackError(f"{path}: the trailer does not match the file's size")
             index_len = _FANOUT.size + count * _ENTRY.size
-            head = os.pread(fd, index_len if index_len <= SMALL_INDEX else _FANOUT.size, index_offset)
+            want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
+            head = os.pread(fd, want, index_offset)
+            if len(head) != want:
+                raise PackError(f"{path}: truncated while being read")
             fanout = _FANOUT.unpack(head[: _FANOUT.size])
             if list(fanout) != sorted(fanout) or fanout[-1] != count:
                 raise PackError(f"{path}: garbled fan-out table")
@@ -346,12 +349,16 @@ class PackReader:
     def _reopen(self) -> int:
         """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
         head, name = os.path.split(self.path)
-        for candidate in (self.path, os.path.join(head, "retired", name)):
+        for candidate in (self.path, os.path.join(head, "retired", name)):  # retired/: _repack.RETIRED
             try:
                 fd = os.open(candidate, READ_FLAGS)
             except FileNotFoundError:
                 continue
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
             if (st.st_dev, st.st_ino, st.st_size) == self._identity:
                 return fd
             os.close(fd)
@@ -533,7 +540,9 @@ class PackSet:
             except FileNotFoundError:
                 self._listed_at = float("-inf")
                 continue
-            except OSError:
+            except OSError as exc:
+                if exc.errno in _TRANSIENT:
+                    continue  # out of descriptors for a moment: a miss, not a damaged pack
                 data = entry = None
             if data is None or entry is None:
                 if self._on_damage is not None:

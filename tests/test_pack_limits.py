@@ -308,3 +308,33 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
         thread.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+#: A node that runs out of descriptors (for other files) while it first opens the store's packs.
+_OUT_OF_DESCRIPTORS = r"""
+import errno, os, resource, sys
+import cas._pack
+from cas import CacheStore
+store, local = sys.argv[1], sys.argv[2]
+node = CacheStore(local, shared=[store], copy_shared_hits=False)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == errno.EMFILE
+os.close(held.pop())  # one free: enough to list packs/ and open the newer pack, not the older one
+node.get("p0")  # a hit or a miss, never an exception
+for fd in held:
+    os.close(fd)
+cas._pack.RELIST_S = 0.0
+print(node.get("p0") == (b"p:0:" * 40)[:100], node.get("p1") == (b"p:1:" * 40)[:101])
+"""
+
+
+def test_packs_that_could_not_be_opened_for_want_of_descriptors_are_tried_again(tmp_path: Path) -> None:
+    many_packs(tmp_path / "store", 2)
+    proc = run_python(_OUT_OF_DESCRIPTORS, str(tmp_path / "store"), str(tmp_path / "node"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
