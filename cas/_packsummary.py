@@ -24,6 +24,7 @@ File format, version 1 (integers little-endian)::
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from ._pack import PackEntry, PackError, PackReader, list_packs
 
 __all__ = ["SUMMARY", "PackSummary", "PackedEntry"]
 
+_log = logging.getLogger("cas")
 #: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
 SUMMARY = "summary"
 _MAGIC = b"cpcassum"
@@ -114,11 +116,18 @@ class PackSummary:
         return found
 
     def save(self, write_file: Callable[[str, Iterable[bytes]], bool]) -> None:
-        """Write ``packs/summary`` for the packs held now (``write_file``: the store writer's)."""
+        """Write ``packs/summary`` for the packs held now (``write_file``: the store writer's).
+
+        A summary that cannot be written (a directory in its place, a full disk) is
+        logged at DEBUG and left: it only saves the next publisher reading packs.
+        """
         if self.current:
             return
-        write_file(os.path.join(self.packs_dir, SUMMARY), [_encode(self._by_pack)])
-        self.current = True
+        path = os.path.join(self.packs_dir, SUMMARY)
+        try:
+            self.current = write_file(path, [_encode(self._by_pack)])
+        except OSError as exc:
+            _log.debug("cuda-program-cas: %s not written: %s", path, exc)
 
 
 def _encode(by_pack: dict[str, list[PackEntry]]) -> bytes:

@@ -253,7 +253,10 @@ def test_the_summary_follows_packs_added_retired_and_damaged(tmp_path: Path) -> 
     assert publish([tmp_path / "a", tmp_path / "x"], store, pack=True).unchanged == 22
     summary.unlink()
     assert publish([tmp_path / "b"], store, pack=True).unchanged == 20
-    assert summary.exists()
+    assert summary.is_file()
+    summary.unlink()
+    summary.mkdir()  # not a file: ignored, and not written over; publish goes on
+    assert publish([tmp_path / "b"], store, pack=True).unchanged == 20
 
 
 def test_publish_replaces_an_entry_whose_blob_is_damaged_in_its_pack(tmp_path: Path) -> None:
