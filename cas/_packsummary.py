@@ -76,14 +76,15 @@ class PackSummary:
         self = cls(root)
         listed = list_packs(self.packs_dir)
         covered = _read_summary(os.path.join(self.packs_dir, SUMMARY))
+        cut = len(self.packs_dir) + 1  # a listed path is packs_dir/name
         for path in listed:
-            entries = covered.get(os.path.basename(path))
+            entries = covered.pop(path[cut:], None)
             if entries is None:
                 entries = self._read_pack(path)
                 self.read_directly += 1
             if entries is not None:
                 self._by_pack[path] = entries
-        self.current = self.read_directly == 0 and set(covered) == {os.path.basename(p) for p in listed}
+        self.current = self.read_directly == 0 and not covered  # nothing left of packs gone since
         return self
 
     def _read_pack(self, path: str) -> list[PackEntry] | None:
