@@ -341,3 +341,46 @@ def test_packs_that_could_not_be_opened_for_want_of_descriptors_are_tried_again(
     proc = run_python(_OUT_OF_DESCRIPTORS, str(tmp_path / "store"), str(tmp_path / "node"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True"]
+
+
+def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_right_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    n = 60
+    many_packs(store, n)
+    monkeypatch.setattr(cas._pack, "MAX_OPEN_PACKS", 4)  # far fewer than the packs: descriptors churn
+    monkeypatch.setattr(cas._pack, "RELIST_S", 0.0)  # every lookup lists packs/ again
+    damaged: list[str] = []  # no pack is damaged: a report would mean a descriptor closed under a reader
+    packs = cas._pack.PackSet(str(store), on_damage=damaged.append)
+    expected = {key_id(f"p{i}"): value(i, "p") for i in range(n)}
+    wrong: list[str] = []
+    rounds = [0] * 8
+    done = threading.Condition()
+    stop = threading.Event()
+
+    def read(me: int) -> None:
+        while not stop.is_set():
+            for kid, data in expected.items():
+                found = packs.lookup(kid)
+                if found is not None and found != (data, blake3(data).hexdigest()):
+                    wrong.append(kid)  # a miss is allowed while packs move; wrong bytes are not
+            with done:
+                rounds[me] += 1
+                done.notify_all()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(rounds))]
+    for thread in threads:
+        thread.start()
+    try:
+        for target in (1, 3, 5):  # a repack after every thread has read a whole round more
+            with done:
+                assert done.wait_for(lambda t=target: min(rounds) >= t, timeout=120), rounds
+            repack(store)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert wrong == [] and damaged == []
+    assert cas._pack.open_packs() <= 4
+    assert all(packs.lookup(kid) == (data, blake3(data).hexdigest()) for kid, data in expected.items())
