@@ -144,21 +144,15 @@ class CacheStore:
     def _get_shared(self, kid: str, t0: int) -> bytes | None:
         """After a local miss: the shared stores in order, then the miss (``t0``: a record is due)."""
         reasons = [("local", self._reader.miss_reason())] if t0 else None
-        for store in self.shared:
-            found = store.lookup(kid)
-            if found is not None:
-                data, digest = found
-                self._counters.add("hits")
-                self._counters.add("shared_hits")
-                if self._copy_shared and self._writer is not None:
-                    self._copy_in(kid, data, digest)
-                if t0:
-                    lookup_hit(self.root, kid, f"shared {store.root}", t0)
-                if _monotonic() >= self._flush_at:
-                    self._flush_on_the_way()
-                return data
-            if reasons is not None:
-                reasons.append((f"shared {store.root}", store.miss_reason()))
+        found = self._find_shared(kid, reasons)
+        if found is not None:
+            self._counters.add("hits")
+            self._counters.add("shared_hits")
+            if t0:
+                lookup_hit(self.root, kid, f"shared {found[1]}", t0)
+            if _monotonic() >= self._flush_at:
+                self._flush_on_the_way()
+            return found[0]
         self._counters.add("misses")
         if reasons is not None:
             lookup_missed(self.root, kid, t0, reasons)
@@ -166,15 +160,61 @@ class CacheStore:
             self._flush_on_the_way()
         return None
 
-    def note_miss(self, key: object, reason: str, *, t0_ns: int = 0) -> None:
-        """Count a miss that the caller decided itself, and record it with ``reason``.
+    def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
+        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None."""
+        for store in self.shared:
+            found = store.lookup(kid)
+            if found is not None:
+                data, digest = found
+                if self._copy_shared and self._writer is not None:
+                    self._copy_in(kid, data, digest)
+                return data, store.root
+            if reasons is not None:
+                reasons.append((f"shared {store.root}", store.miss_reason()))
+        return None
 
-        For a front door that finds an entry it cannot use (a header changed since it
-        was stored); ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
+    # -- lookups for callers that count their own ------------------------------------
+
+    def find(self, kid: str) -> tuple[bytes, str | None] | None:
+        """The verified bytes under key id ``kid``, and where: None for local, else a shared store's root.
+
+        Counts neither a hit nor a miss and logs no lookup record. It serves a
+        caller that answers one request from several entries (the front door's
+        record and result) and reports that request once, with :meth:`note_hit`
+        or :meth:`note_miss`.
+        """
+        found = self._reader.lookup(kid)
+        if found is not None:
+            return found[0], None
+        return self._find_shared(kid, None)
+
+    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0) -> None:
+        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from)."""
+        self._counters.hit()
+        if shared is not None:
+            self._counters.add("shared_hits")
+        if _log.isEnabledFor(_DEBUG):
+            lookup_hit(self.root, kid, "local" if shared is None else f"shared {shared}", t0_ns or _perf_ns())
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
+        """Count one miss that the caller decided itself, and record it with ``reason``.
+
+        For the front door: new inputs, or a header changed since the entry was
+        stored. ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
         """
         self._counters.add("misses")
         if _log.isEnabledFor(_DEBUG):
-            lookup_missed(self.root, key_id(key), t0_ns or _perf_ns(), [("local", reason)])
+            lookup_missed(self.root, kid, t0_ns or _perf_ns(), [("local", reason)])
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_dropped(self, kid: str | None, reason: str) -> None:
+        """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
+        self._counters.add("dropped_writes")
+        if _log.isEnabledFor(_DEBUG):
+            wrote(self.root, kid or "-" * 12, "dropped", 0, _perf_ns(), reason=reason)
 
     def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
         """Keep a verified shared hit locally, so later reads stay local. Best effort."""
@@ -195,7 +235,10 @@ class CacheStore:
         Raises :class:`cas.ReadOnlyCacheError` on a read-only cache, ``TypeError``
         for a key that is not ``str``/``bytes`` or data that is not ``bytes``.
         """
-        kid = key_id(key)
+        return self.put_id(key_id(key), data)
+
+    def put_id(self, kid: str, data: bytes) -> WriteResult:
+        """:meth:`put` under a key id the caller derived itself (the front door's grouped ids)."""
         if not isinstance(data, bytes):
             raise TypeError(
                 f"CacheStore stores bytes, got {type(data).__name__} (other bytes-like values or ObjectCode "
@@ -266,16 +309,21 @@ class CacheStore:
 
     def delete(self, key: object) -> None:
         """Remove ``key``; ``KeyError`` if absent. A blob no other key names goes at the next collection."""
-        kid = key_id(key)
+        if not self.delete_id(key_id(key)):
+            raise KeyError(key)
+
+    def delete_id(self, kid: str) -> bool:
+        """:meth:`delete` by key id; False when there was no such entry."""
         if self._remover is None:
             raise self._refuse("delete a key")
         if not self._guard.ok(self.layout.index, kid):
-            raise KeyError(key)
+            return False
         before = self._reader.current_digest(kid)
         if not self._remover.manifest(kid):
-            raise KeyError(key)
+            return False
         if before is not None:
             self._remover.retire(before)
+        return True
 
     def clear(self) -> None:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
