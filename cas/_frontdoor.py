@@ -229,13 +229,14 @@ class FrontDoor:
         _refuse_unkeyable(options, code_type)
         t0 = _perf_ns()
         try:
-            search = _Search.of(code, code_type, options, target_type)
+            flags = _nvrtc_flags(options, target_type)
+            search = _Search.of(code, code_type, options, flags)
         except _Uncacheable as exc:
             # No working directory to resolve names against (it was removed): compile as Program would.
             self._uncacheable(exc, None)
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
         extra = _TAG + _libdevice_fingerprint(options, code_type) + search.key_part()
-        memo = _memo_key(code, code_type, options, target_type, names=name_expressions, extra=extra)
+        memo = _memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
         record_key = self._record_keys.get(memo) if memo is not None else None
         if record_key is None:
             # make_program_cache_key validates the rest as Program would (code and
@@ -391,8 +392,25 @@ class FrontDoor:
 # -- inputs -------------------------------------------------------------------------------
 
 
+def _nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
+    """The options as NVRTC gets them (``ProgramOptions.as_bytes``, 3 us); None when they are refused."""
+    if not isinstance(target_type, str):
+        return None
+    try:
+        return tuple(options.as_bytes("nvrtc", target_type.lower()))
+    except Exception:
+        return None  # make_program_cache_key (or Program) reports what is wrong
+
+
 def _memo_key(
-    code: object, code_type: str, options: Any, target_type: str, *, names: tuple[object, ...], extra: bytes
+    code: object,
+    code_type: str,
+    options: Any,
+    target_type: str,
+    flags: tuple[bytes, ...] | None,
+    *,
+    names: tuple[object, ...],
+    extra: bytes,
 ) -> tuple[object, ...] | None:
     """What make_program_cache_key reads of a C++ compile, cheaply; None where no memo is kept.
 
@@ -407,12 +425,8 @@ def _memo_key(
         return None
     if not isinstance(code, (str, bytes)) or getattr(options, "extra_sources", None) is not None:
         return None
-    if not all(type(n) is str or type(n) is bytes for n in names):
+    if flags is None or not all(type(n) is str or type(n) is bytes for n in names):
         return None
-    try:
-        flags = tuple(options.as_bytes("nvrtc", target_type.lower()))
-    except Exception:
-        return None  # make_program_cache_key reports what is wrong
     return (code, target_type.lower(), flags, tuple((type(n) is bytes, n) for n in names), extra)
 
 
@@ -442,17 +456,14 @@ class _Search:
     pre_includes: tuple[str, ...]
 
     @staticmethod
-    def of(code: object, code_type: str, options: Any, target_type: object) -> _Search:
+    def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> _Search:
         if code_type != "c++":
             return _Search(None, (), ())
         includes = _as_list(getattr(options, "include_path", None))
         pre = _as_list(getattr(options, "pre_include", None))
         name = getattr(options, "name", None)
         source_dir = os.path.dirname(name) if isinstance(name, str) else ""
-        try:
-            flags = options.as_bytes("nvrtc", target_type.lower() if isinstance(target_type, str) else "cubin")
-        except Exception:
-            flags = []
+        flags = flags or ()
         flag = b"--use-bundled-headers="
         bundled = [f[len(flag) :].decode("utf-8", "surrogateescape") for f in flags if f.startswith(flag)]
         quoted = not getattr(options, "no_source_include", None) and (
