@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from ._events import LOGGER, evicted
 from ._evict import plan_lru
 from ._files import FileId
+from ._fork import after_fork
 from ._layout import Layout
 from ._remove import RemovalPlan, RemovalResult, Remover
 from ._scan import Snapshot, take_snapshot
@@ -70,6 +71,16 @@ class SizeCap:
         self._retired: dict[str, FileId] = {}  # see cas._remove.removable_orphans
         self._mutex = threading.Lock()  # one evictor per instance
         self._count_lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A thread of the parent may have been counting or evicting: new locks, and the
+        # child measures the cache afresh. What was retired stays retired.
+        self._mutex = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._plan = None
+        self._approx = None
+        self._since_measure = 0
 
     def account(self, added: int, *, written: str | None = None) -> None:
         """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 from ._config import ENV_LOG
+from ._fork import ForkSafeLock
 
 __all__ = [
     "LOGGER",
@@ -46,7 +47,7 @@ _perf_ns = time.perf_counter_ns
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
 
 _opened = threading.Event()
-_open_lock = threading.Lock()
+_open_lock = ForkSafeLock()
 
 
 def _us(t0_ns: int) -> int:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 from ._files import READ_FLAGS
+from ._fork import after_fork
 from ._layout import Layout
 
 __all__ = [
@@ -231,6 +232,10 @@ class PackReader:
         #: First byte -> the sorted key ids of that slice and their raw entries (a pack never changes).
         self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
         self._lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # see cas._fork
 
     def close(self) -> None:
         os.close(self._fd)
@@ -296,6 +301,10 @@ class PackSet:
         self._order: list[PackReader] = []
         self._listed_at = float("-inf")
         self._lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # see cas._fork
 
     def _refresh(self) -> None:
         now = time.monotonic()

@@ -43,6 +43,7 @@ from ._files import (
     shard_path,
     with_sharing_retry,
 )
+from ._fork import after_fork
 from ._layout import Layout
 from ._remove import Remover
 from ._stats import Counters
@@ -106,6 +107,13 @@ class Reader:
         self._reads: dict[str, int] = {}
         self._holds_since_aging = 0
         self._why = threading.local()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # What the parent held stays held (its bytes are verified); a thread of the
+        # parent may have been between changing ``_held`` and its byte count.
+        self._held_lock = threading.Lock()
+        self._held_bytes = sum(len(data) for _, data in self._held.values())
 
     def missed(self, reason: str) -> None:
         """Record why this thread's lookup missed (see :mod:`cas._events` for the wording)."""

@@ -30,6 +30,7 @@ from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
 from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
+from ._fork import after_fork
 from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error
 from ._lifetime import FLUSH_INTERVAL_S, Recorder
 from ._reader import Reader
@@ -114,6 +115,7 @@ class CacheStore:
             reader = self._reader
             self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
         self._clear_lock = threading.Lock()
+        after_fork(self)
         self.shared: tuple[SharedStore, ...] = tuple(SharedStore(p) for p in shared)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
@@ -123,6 +125,9 @@ class CacheStore:
             self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+
+    def _after_fork_in_child(self) -> None:
+        self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
 
     # -- lookups -----------------------------------------------------------------
 

@@ -33,6 +33,8 @@ import time
 import weakref
 from collections import deque
 
+from ._fork import after_fork
+
 __all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
@@ -140,5 +142,4 @@ def apply_pending() -> None:
 
 
 atexit.register(_FLUSHER.apply_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_FLUSHER._after_fork_in_child)
+after_fork(_FLUSHER)

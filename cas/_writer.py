@@ -34,6 +34,7 @@ from blake3 import blake3
 from cuda_program_cas_index import Manifest
 
 from ._files import SizeMismatch, is_sharing_violation, read_regular, with_sharing_retry
+from ._fork import after_fork_call
 
 if TYPE_CHECKING:
     from ._files import ShardGuard
@@ -115,8 +116,7 @@ class _TempNames:
 
 
 _TEMP_NAMES = _TempNames()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_TEMP_NAMES.reset)
+after_fork_call(_TEMP_NAMES.reset)
 
 
 def _tmp_name(tmp_dir: str) -> str:
