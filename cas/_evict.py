@@ -78,7 +78,7 @@ def plan_lru(
     recent = recency or {}
 
     def last_use(info: ManifestInfo) -> int:
-        return max(info.stat.st_mtime_ns, recent.get(info.key_id, 0))
+        return max(snap.mtime_ns(info.stat), recent.get(info.key_id, 0))
 
     # A front-door record and its results are one unit, as recent as its latest member.
     for unit in lru_units(live, _key_id, last_use):

@@ -311,8 +311,12 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
         live = [m for m in live if m not in partners]
     if max_age_s is not None:
         expire_before = snap.started_ns - int(max_age_s * 1e9)
-        for unit in lru_units(live, _key_id, _mtime):
-            if max(map(_mtime, unit)) < expire_before:
+
+        def used(info: ManifestInfo) -> int:
+            return snap.mtime_ns(info.stat)  # a time from a wrong clock, a day or more ahead, counts as 0
+
+        for unit in lru_units(live, _key_id, used):
+            if max(map(used, unit)) < expire_before:
                 groups["expired_entries"].extend(unit)
         expired = {m.key_id for m in groups["expired_entries"]}
         live = [m for m in live if m.key_id not in expired]
@@ -328,7 +332,7 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
             kept_blobs.pop(digest)
     if max_size is not None:
         # Entries written after the scan began belong to this run's writers: never chosen.
-        protect = {m.key_id for m in live if m.stat.st_mtime_ns >= snap.cutoff_ns}
+        protect = {m.key_id for m in live if snap.mtime_ns(m.stat) >= snap.cutoff_ns}
         for digest in [d for d in kept_blobs if refs[d] == 0 and snap.refs[d]]:
             kept_blobs.pop(digest)  # named only by manifests that go anyway
         rest = Snapshot(snap.started_ns, live, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
@@ -393,7 +397,3 @@ def _execute(plan: _Plan, report: GcReport, remover: Remover, blobs: BlobStore) 
 
 def _key_id(info: ManifestInfo) -> str:
     return info.key_id
-
-
-def _mtime(info: ManifestInfo) -> int:
-    return info.stat.st_mtime_ns

@@ -21,7 +21,7 @@ import stat
 import time
 
 from ._errors import LayoutError
-from ._files import shard_path
+from ._files import shard_path, trusted_mtime_ns
 from ._writer import atomic_write
 
 __all__ = [
@@ -257,7 +257,8 @@ def create_layout(root: str) -> None:
 
 def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
     """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
-    cutoff = (time.time() if now is None else now) - STALE_TMP_S
+    now_ns = time.time_ns() if now is None else int(now * 1e9)
+    cutoff = now_ns - int(STALE_TMP_S * 1e9)
     found = []
     try:
         with os.scandir(tmp_dir) as it:
@@ -266,7 +267,7 @@ def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, 
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
+                if not stat.S_ISDIR(st.st_mode) and trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff:
                     found.append((entry.path, st))
     except OSError:
         pass

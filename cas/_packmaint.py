@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ._files import trusted_mtime_ns
 from ._layout import Layout
 from ._pack import PackError, PackReader, list_packs
 from ._remove import Remover
@@ -107,12 +108,14 @@ def collect_packs(
                 pass
     # Ages and sizes: repack without what goes.
     drop: set[str] = set()
+    now_ns = time.time_ns()
     if max_age_s is not None:
-        cutoff = time.time_ns() - int(max_age_s * 1e9)
-        drop.update(e.key_id for e in entries if e.time_ns < cutoff)
+        cutoff = now_ns - int(max_age_s * 1e9)
+        drop.update(e.key_id for e in entries if trusted_mtime_ns(e.time_ns, now_ns) < cutoff)
     if max_size is not None:
         total = 0
-        for entry in sorted(entries, key=lambda e: e.time_ns, reverse=True):  # newest kept first
+        newest_first = sorted(entries, key=lambda e: trusted_mtime_ns(e.time_ns, now_ns), reverse=True)
+        for entry in newest_first:
             if entry.key_id in drop:
                 continue
             total += entry.size

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cuda_program_cas_index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-from ._files import fs_now, read_regular, scan_sharded
+from ._files import fs_now, read_regular, scan_sharded, trusted_mtime_ns
 
 __all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
 
@@ -53,6 +53,11 @@ class Snapshot:
     def __post_init__(self) -> None:
         if not self.cutoff_ns:
             self.cutoff_ns = self.started_ns - CLOCK_SLACK_NS
+
+    def mtime_ns(self, st: os.stat_result) -> int:
+        """The mtime of ``st`` as ages are judged: more than a day ahead of the scan's clock, 0 (see
+        :func:`cas._files.trusted_mtime_ns`)."""
+        return trusted_mtime_ns(st.st_mtime_ns, self.cutoff_ns)
 
     @property
     def manifest_bytes(self) -> int:

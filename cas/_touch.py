@@ -33,6 +33,7 @@ import time
 import weakref
 from collections import deque
 
+from ._files import trusted_mtime_ns
 from ._fork import after_fork
 
 __all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
@@ -73,8 +74,9 @@ class Touches:
             except IndexError:
                 return done
             try:
-                if time.time_ns() - os.lstat(path).st_mtime_ns < TOUCH_INTERVAL_NS:
-                    continue
+                now = time.time_ns()
+                if now - trusted_mtime_ns(os.lstat(path).st_mtime_ns, now) < TOUCH_INTERVAL_NS:
+                    continue  # touched within the second (or ahead by less than a day)
                 if _NOFOLLOW:
                     os.utime(path, follow_symlinks=False)
                 else:
