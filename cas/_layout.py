@@ -36,6 +36,7 @@ __all__ = [
     "layout_version",
     "mark_shared_store",
     "stale_temp_files",
+    "temp_files",
     "write_layout",
 ]
 
@@ -255,10 +256,8 @@ def create_layout(root: str) -> None:
     write_layout(root, lay.tmp, version=LAYOUT_VERSION)
 
 
-def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
-    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
-    now_ns = time.time_ns() if now is None else int(now * 1e9)
-    cutoff = now_ns - int(STALE_TMP_S * 1e9)
+def temp_files(tmp_dir: str) -> list[tuple[str, os.stat_result]]:
+    """Every file in ``tmp_dir`` (writes in flight and crashed writers' leftovers), with its stat."""
     found = []
     try:
         with os.scandir(tmp_dir) as it:
@@ -267,8 +266,15 @@ def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, 
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISDIR(st.st_mode) and trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff:
+                if not stat.S_ISDIR(st.st_mode):
                     found.append((entry.path, st))
     except OSError:
         pass
     return found
+
+
+def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
+    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
+    now_ns = time.time_ns() if now is None else int(now * 1e9)
+    cutoff = now_ns - int(STALE_TMP_S * 1e9)
+    return [(path, st) for path, st in temp_files(tmp_dir) if trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff]

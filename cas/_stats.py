@@ -26,7 +26,7 @@ class CacheStats:
     blobs: int
     #: Sum of the sizes of all entries, as if each key had its own copy.
     logical_bytes: int
-    #: What the size cap counts: unique blob bytes plus manifest bytes.
+    #: Unique blob bytes plus manifest bytes: what the size cap counts (it adds the files in ``tmp/``, none at rest).
     stored_bytes: int
     #: Unique blob bytes: each distinct binary once.
     blob_bytes: int
