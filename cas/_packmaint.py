@@ -69,8 +69,9 @@ def collect_packs(
     """Collect what repacks replaced and apply ages and sizes to packed entries (``remover`` None: plan only)."""
     result = PackGcResult()
     now = time.time()
+    now_ns = time.time_ns()
     for path, st in _retired(lay):
-        if st.st_mtime < now - grace_s:
+        if trusted_mtime_ns(st.st_mtime_ns, now_ns) < now_ns - int(grace_s * 1e9):
             result.retired_removed += 1
             result.retired_bytes += st.st_size
             if remover is not None:
@@ -88,8 +89,9 @@ def collect_packs(
         covered: dict[str, tuple[str, float]] = {}
         entries = []
         for reader in readers:
+            packed_at = trusted_mtime_ns(int(reader.mtime * 1e9), now_ns) / 1e9
             for entry in reader.entries():
-                covered.setdefault(entry.key_id, (entry.digest, reader.mtime))
+                covered.setdefault(entry.key_id, (entry.digest, packed_at))
                 entries.append(entry)
     finally:
         for reader in readers:
@@ -108,7 +110,6 @@ def collect_packs(
                 pass
     # Ages and sizes: repack without what goes.
     drop: set[str] = set()
-    now_ns = time.time_ns()
     if max_age_s is not None:
         cutoff = now_ns - int(max_age_s * 1e9)
         drop.update(e.key_id for e in entries if trusted_mtime_ns(e.time_ns, now_ns) < cutoff)

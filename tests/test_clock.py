@@ -17,6 +17,7 @@ from conftest import write_orphan
 from cas import CacheStore, collect, publish
 from cas._files import FUTURE_MTIME_NS
 from cas._gc import SHARED_MIN_GRACE_S
+from cas._repack import repack
 from cuda_program_cas_index import key_id
 
 #: 1 January 2030, as a node whose clock ran years ahead stamps its files.
@@ -143,3 +144,24 @@ def test_max_age_expires_packed_entries_dated_in_the_future(tmp_path: Path) -> N
     assert report.packs["entries_dropped"] == 1
     node = CacheStore(tmp_path / "node", shared=[tmp_path / "store"])
     assert [node.get(f"k{i}") is not None for i in range(3)] == [False, True, True]
+
+
+def test_packs_dated_in_the_future_wait_out_no_grace_period(tmp_path: Path) -> None:
+    src = CacheStore(tmp_path / "src")
+    src.put("a", value(1))
+    store = tmp_path / "store"
+    publish([tmp_path / "src"], store)  # a loose entry
+    src.put("b", value(2))
+    publish([tmp_path / "src"], store, pack=True)  # a pack of the new one
+    repack(store)  # one pack of both; the first one retires, the loose copy of "a" is now covered
+    packs = store / "packs"
+    retired = list((packs / "retired").iterdir())
+    assert len(retired) == 1
+    for path in [*retired, *packs.glob("*.cpk")]:
+        date(path, Y2030_NS)
+
+    report = collect(store, grace_s=SHARED_MIN_GRACE_S)
+    assert report.packs["retired_removed"] == 1  # not young for years: gone like an old one
+    assert report.packs["loose_removed"] == 1  # the loose copy the pack holds
+    node = CacheStore(tmp_path / "node", shared=[store])
+    assert node.get("a") == value(1) and node.get("b") == value(2)
