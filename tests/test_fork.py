@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 import cas
+import cas._fork
 import cas._lifetime
 import cas._touch
 from cas import CacheStore, publish
@@ -302,3 +303,28 @@ def test_every_lock_of_the_package_is_free_in_a_forked_child(tmp_path: Path) -> 
         return not stuck
 
     fork_while(pause, pause.hold(*held), child)
+
+
+class _Broken:
+    """An owner whose reset fails (a bug in one owner)."""
+
+    def _after_fork_in_child(self) -> None:
+        raise RuntimeError("this reset fails")
+
+
+def test_one_failing_reset_leaves_the_others_to_run(cache_dir: Path) -> None:
+    broken = _Broken()
+    cas._fork.after_fork(broken)
+    cas._fork.after_fork_call(broken._after_fork_in_child)  # a module reset: those run before every owner's
+    try:
+        store = CacheStore(cache_dir)
+        store.put("k", b"v")
+        pause = Pause()
+
+        def child() -> bool:
+            store.clear()
+            return len(store) == 0
+
+        fork_while(pause, pause.hold(store._clear_lock), child)
+    finally:
+        cas._fork._calls.remove(broken._after_fork_in_child)
