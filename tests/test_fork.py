@@ -17,6 +17,7 @@ import signal
 import threading
 import traceback
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,7 +107,9 @@ def fork_while(pause: Pause, operation: Callable[[], object], child: Callable[[]
     thread.start()
     assert pause.inside.wait(HANG_S), "the operation never reached its hook"
     r, w = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork in a process with threads
+        pid = os.fork()
     if pid == 0:
         code = 2
         try:
