@@ -64,6 +64,7 @@ from typing import Any
 from blake3 import blake3
 
 from ._files import FileId, file_id
+from ._fork import after_fork
 from ._groups import grouped_id
 from ._store import CacheStore
 
@@ -118,6 +119,10 @@ class _HeaderCache:
     def __init__(self) -> None:
         self._known: dict[str, tuple[FileId, str]] = {}
         self._lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread of the parent may have held it
 
     def digest(self, path: str, st: os.stat_result, recorded: tuple[str, str] | None = None) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
