@@ -292,7 +292,7 @@ def unwritable_reason(lay: Layout) -> str | None:
             why = "permission denied"
             try:
                 if os.statvfs(directory).f_flag & os.ST_RDONLY:
-                    why = "read-only file system"
+                    why = "read-only filesystem"
             except (OSError, AttributeError):
                 pass
             return f"{why}: {directory}"

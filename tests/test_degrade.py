@@ -157,7 +157,7 @@ def test_an_unwritable_directory_opens_read_only_with_one_warning(
             caches = [ContentAddressedProgramCache(ro_path) for _ in range(3)]
         warned = cas_warnings(caplog)
         assert len(warned) == 1, warned
-        assert str(ro_path) in warned[0] and "read-only file system" in warned[0]
+        assert str(ro_path) in warned[0] and "read-only filesystem" in warned[0]
         first = caches[0]
         assert first.store.read_only
         assert bytes(compile_program(cache=first).code)  # a hit
