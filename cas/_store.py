@@ -55,6 +55,12 @@ _MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1, "0" * 64).encode())
 _MANIFEST_BASE_BYTES = len(Manifest("0" * 64, 0, "0" * 64).encode()) - 1
 #: Errors of a cache that cannot be laid out for want of space: opened uncached, like an unwritable one.
 _FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+#: What to do about a write dropped for these reasons (said once, with the first such drop).
+_DROP_HINTS = {
+    errno.EXDEV: "; blobs/, index/ or tmp/ is on another file system than tmp/: keep tmp/ on the same disk",
+    errno.EROFS: "; the file system is read-only: writes are dropped until it is writable again",
+    errno.EACCES: "; this process may not write there: writes are dropped",
+}
 #: Cache directories this process has warned about (one WARNING per directory per process).
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -102,6 +108,8 @@ class CacheStore:
         problems = _Problems(self.root, self._counters)
         self._note = problems.note
         self._guard = ShardGuard(problems.strange_shard)
+        #: Why a writable open became read-only ("" when it did not).
+        self._why_read_only = ""
         usable = True
         if self.read_only:
             state = check_layout(self.root)
@@ -151,11 +159,13 @@ class CacheStore:
                 raise
             why = f"{exc.strerror or exc}: {exc.filename or self.root}"
             self.read_only = True
+            self._why_read_only = f"could not be created ({why})"
             _warn_once(self.root, f"cannot be created or laid out ({why}); running uncached: every lookup is a miss")
             return False
         why_not = unwritable_reason(lay)
         if why_not is not None:
             self.read_only = True
+            self._why_read_only = f"cannot be written ({why_not})"
             _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
         return True
 
@@ -222,7 +232,8 @@ class CacheStore:
     # -- writes ------------------------------------------------------------------
 
     def _refuse(self, what: str) -> ReadOnlyCacheError:
-        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} was opened read-only")
+        how = self._why_read_only or "was opened read-only"
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} {how}")
 
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cas.WriteResult` says how (``DROPPED``: not stored).
@@ -266,7 +277,7 @@ class CacheStore:
             if exc.errno not in DROP_ERRNOS and exc.errno not in UNWRITABLE_ERRNOS:
                 raise
             self._counters.add("dropped_writes")
-            self._note("write dropped", exc.errno or 0, str(exc))
+            self._note("write dropped", exc.errno or 0, f"{exc}{_DROP_HINTS.get(exc.errno or 0, '')}")
             return WriteResult.DROPPED, str(exc)
         if not result:
             self._counters.add("dropped_writes")
