@@ -12,7 +12,9 @@ again.
 Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
 unreadable file is a miss, counted. A writable cache removes what it proves bad
 (through :class:`cas._remove.Remover`); a read-only one or a shared store only
-reads. One :class:`Reader` is safe to share between threads. Each miss leaves
+reads. Clean-up that cannot be done (a read-only remount, a ``quarantine/`` that
+cannot take a blob) leaves the lookup a miss all the same, and is said once.
+One :class:`Reader` is safe to share between threads. Each miss leaves
 its reason for the thread that met it (:meth:`Reader.miss_reason`), set on the
 miss paths only.
 """

@@ -5,6 +5,12 @@ path), the writer (the one write protocol), the remover, the size cap, and the
 shared stores looked up (read-only) after the local one.
 ``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
 
+What is not bad input never raises into the caller: a lookup is a hit or a miss,
+a write lands or is dropped and counted. A directory this process cannot write
+is opened read-only, one it cannot create is uncached (every lookup a miss), each
+with one WARNING per process; ``del`` and ``clear`` there raise
+:class:`cas.ReadOnlyCacheError`.
+
 It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
 writable, records the counts in the cache's lifetime counters
 (:mod:`cas._lifetime`); every lookup and write gets a DEBUG record on the ``cas``
