@@ -247,6 +247,8 @@ def test_unwritable_directories_for_an_unprivileged_user(tmp_path: Path) -> None
 
 @pytest.mark.mount
 def test_a_file_system_that_goes_read_only_under_an_open_cache(tmp_path: Path) -> None:
+    from cuda.core import ProgramOptions
+
     src = tmp_path / "cas"
     src.mkdir()
     with bind(src, tmp_path / "mnt") as mnt:
@@ -259,6 +261,9 @@ def test_a_file_system_that_goes_read_only_under_an_open_cache(tmp_path: Path) -
         assert cache.store.put("k", b"v") is WriteResult.DROPPED
         assert bytes(compile_program(cache=cache).code)  # hits go on
         assert cache.counters()["hits"] == 1
+        front = cache.compile(_OTHER, "c++", ProgramOptions(arch="sm_80"), "cubin")  # the front door too
+        assert bytes(front.code) == bytes(missed.code)
+        assert cache.counters()["dropped_writes"] > 2
         cache.close()
 
 
