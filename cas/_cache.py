@@ -71,8 +71,12 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         Paths of read-only shared stores, looked up in order after this cache.
         When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
     read_only:
-        Never write, create, touch or lock anything under ``path``. Every write
-        (``cache[key] = value``, ``del``, ``clear()``) raises ``ReadOnlyCacheError``.
+        Never write, create, touch or lock anything under ``path``. A write
+        (``cache[key] = value``, so ``Program.compile`` on a miss) is dropped and
+        counted in ``dropped_writes``; ``del`` and ``clear()`` raise
+        ``ReadOnlyCacheError``. A directory this process cannot write is opened
+        this way anyway (one WARNING per process); one that cannot be created runs
+        uncached.
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 

@@ -5,6 +5,12 @@ path), the writer (the one write protocol), the remover, the size cap, and the
 shared stores looked up (read-only) after the local one.
 ``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
 
+What is not bad input never raises into the caller: a lookup is a hit or a miss,
+a write lands or is dropped and counted. A directory this process cannot write
+is opened read-only, one it cannot create is uncached (every lookup a miss), each
+with one WARNING per process; ``del`` and ``clear`` there raise
+:class:`cas.ReadOnlyCacheError`.
+
 It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
 writable, records the counts in the cache's lifetime counters
 (:mod:`cas._lifetime`); every lookup and write gets a DEBUG record on the ``cas``
@@ -13,6 +19,7 @@ logger (:mod:`cas._events`), built only when DEBUG is on.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -31,16 +38,16 @@ from ._errors import LayoutError, ReadOnlyCacheError
 from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
 from ._fork import after_fork
-from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error
+from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error, unwritable_reason
 from ._lifetime import FLUSH_INTERVAL_S, Recorder
-from ._reader import Reader
+from ._reader import Reader, Uncached
 from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
 from ._shared import SharedStore
 from ._stats import CacheStats, Counters
 from ._touch import apply_pending, ensure_thread
 from ._upgrade import upgrade_if_needed
-from ._writer import DROP_ERRNOS, Writer, WriteResult
+from ._writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, Writer, WriteResult
 
 __all__ = ["CacheStore"]
 
@@ -53,6 +60,25 @@ _monotonic = time.monotonic
 _MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1, "0" * 64).encode())
 #: A manifest's bytes less the digits of its size.
 _MANIFEST_BASE_BYTES = len(Manifest("0" * 64, 0, "0" * 64).encode()) - 1
+#: Errors of a cache that cannot be laid out for want of space: opened uncached, like an unwritable one.
+_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+#: What to do about a write dropped for these reasons (said once, with the first such drop).
+_DROP_HINTS = {
+    errno.EXDEV: "; blobs/, index/ or tmp/ is on another file system than tmp/: keep tmp/ on the same disk",
+    errno.EROFS: "; the file system is read-only: writes are dropped until it is writable again",
+    errno.EACCES: "; this process may not write there: writes are dropped",
+}
+#: Cache directories this process has warned about (one WARNING per directory per process).
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(root: str, what: str) -> None:
+    with _warned_lock:
+        if root in _warned:
+            return
+        _warned.add(root)
+    _log.warning("cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)", root, what)
 
 
 class CacheStore:
@@ -89,6 +115,9 @@ class CacheStore:
         problems = _Problems(self.root, self._counters)
         self._note = problems.note
         self._guard = ShardGuard(problems.strange_shard)
+        #: Why a writable open became read-only ("" when it did not).
+        self._why_read_only = ""
+        usable = True
         if self.read_only:
             state = check_layout(self.root)
             if state is LayoutState.MISSING:
@@ -96,14 +125,11 @@ class CacheStore:
             if state is LayoutState.DAMAGED:
                 raise damaged_layout_error(self.root)
         else:
-            create_layout(self.root)
-            if not os.access(self.root, os.W_OK):
-                raise ReadOnlyCacheError(
-                    f"cache directory {self.root!r} is not writable; open it with read_only=True to use it as is"
-                )
+            usable = self._open_writable(lay)
         self._remover = None if self.read_only else Remover(lay)
         self._writer = None if self.read_only else Writer(lay, guard=self._guard)
-        self._reader = Reader(lay, self._counters, self._guard, self._remover, note=self._note)
+        kind = Reader if usable else Uncached
+        self._reader = kind(lay, self._counters, self._guard, self._remover, note=self._note)
         if self._reader.touches is not None:
             weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
         self.blobs = BlobStore(lay.blobs)
@@ -128,6 +154,31 @@ class CacheStore:
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+
+    def _open_writable(self, lay: Layout) -> bool:
+        """Lay the cache out if needed; one this process cannot write is opened read-only instead.
+
+        Returns False when there is no cache to read either (it could not be
+        created, or its ``layout.json`` is damaged and cannot be rewritten): the
+        store is then uncached, a read-only store whose every lookup misses. Either
+        way one WARNING per process names the directory and the reason.
+        """
+        try:
+            create_layout(self.root)
+        except OSError as exc:
+            if exc.errno not in UNWRITABLE_ERRNOS and exc.errno not in _FULL_ERRNOS:
+                raise
+            why = f"{exc.strerror or exc}: {exc.filename or self.root}"
+            self.read_only = True
+            self._why_read_only = f"could not be created ({why})"
+            _warn_once(self.root, f"cannot be created or laid out ({why}); running uncached: every lookup is a miss")
+            return False
+        why_not = unwritable_reason(lay)
+        if why_not is not None:
+            self.read_only = True
+            self._why_read_only = f"cannot be written ({why_not})"
+            _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
+        return True
 
     # -- lookups -----------------------------------------------------------------
 
@@ -232,13 +283,17 @@ class CacheStore:
     # -- writes ------------------------------------------------------------------
 
     def _refuse(self, what: str) -> ReadOnlyCacheError:
-        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} was opened read-only")
+        how = self._why_read_only or "was opened read-only"
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} {how}")
 
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cas.WriteResult` says how (``DROPPED``: not stored).
 
-        Raises :class:`cas.ReadOnlyCacheError` on a read-only cache, ``TypeError``
-        for a key that is not ``str``/``bytes`` or data that is not ``bytes``.
+        A write that cannot land is dropped and counted in ``dropped_writes``: on a
+        read-only cache, a full disk, a directory this process may not write or
+        that went read-only, a ``blobs/`` or ``tmp/`` moved to another disk. Raises
+        ``TypeError`` for a key that is not ``str``/``bytes`` or data that is not
+        ``bytes``.
         """
         return self.put_id(key_id(key), data)
 
@@ -249,10 +304,14 @@ class CacheStore:
                 f"CacheStore stores bytes, got {type(data).__name__} (other bytes-like values or ObjectCode "
                 "go through ContentAddressedProgramCache)"
             )
-        if self._writer is None:
-            raise self._refuse("store an entry")
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
-        result, why = self._store(kid, data)
+        why: str | None
+        if self._writer is None:
+            # As ccache and sccache in their read-only modes: the caller keeps its program.
+            self._counters.add("dropped_writes")
+            result, why = WriteResult.DROPPED, "read-only cache"
+        else:
+            result, why = self._store(kid, data)
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:
@@ -269,10 +328,10 @@ class CacheStore:
         try:
             result = self._commit(kid, data, digest_of(data))
         except OSError as exc:
-            if exc.errno not in DROP_ERRNOS:
+            if exc.errno not in DROP_ERRNOS and exc.errno not in UNWRITABLE_ERRNOS:
                 raise
             self._counters.add("dropped_writes")
-            self._note("write dropped", exc.errno or 0, str(exc))
+            self._note("write dropped", exc.errno or 0, f"{exc}{_DROP_HINTS.get(exc.errno or 0, '')}")
             return WriteResult.DROPPED, str(exc)
         if not result:
             self._counters.add("dropped_writes")
