@@ -267,8 +267,10 @@ class FrontDoor:
         self._store.note_miss(record_kid, found, t0_ns=t0)
 
         if self._store.read_only:
-            # A read-only cache is never written: compile, return, store nothing.
-            return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
+            # A read-only cache is never written: compile, return, count the write it drops.
+            result = Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
+            self._store.note_dropped(record_kid, "read-only cache")
+            return result
         started_ns = _fs_clock(self._store.layout.tmp)
         traced = None
         if code_type == "c++" and _nvrtc_major() >= 13:

@@ -143,6 +143,7 @@ def test_front_door_compile_on_a_read_only_cache_returns_the_program(tmp_path: P
     obj = ro.compile(_OTHER, "c++", ProgramOptions(arch="sm_80"), "cubin")
     assert bytes(obj.code) == bytes(compile_program(_OTHER).code)
     assert len(ro) == 0
+    assert ro.counters()["dropped_writes"] == 1 and ro.counters()["misses"] == 1
 
 
 @pytest.mark.mount
