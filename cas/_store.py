@@ -37,7 +37,7 @@ from ._config import validate_max_size
 from ._errors import LayoutError, ReadOnlyCacheError
 from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
-from ._fork import after_fork
+from ._fork import ForkSafeLock, after_fork
 from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error, unwritable_reason
 from ._lifetime import FLUSH_INTERVAL_S, Recorder
 from ._reader import Reader, Uncached
@@ -70,7 +70,7 @@ _DROP_HINTS = {
 }
 #: Cache directories this process has warned about (one WARNING per directory per process).
 _warned: set[str] = set()
-_warned_lock = threading.Lock()
+_warned_lock = ForkSafeLock()
 
 
 def _warn_once(root: str, what: str) -> None:
