@@ -32,6 +32,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "platform_cache_dir",
+    "read_env",
     "validate_max_size",
     "warn_once",
 ]
@@ -69,20 +70,31 @@ def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
     return True
 
 
+def read_env(name: str, parse: Callable[[str], _T]) -> tuple[_T | None, str | None]:
+    """The environment variable ``name`` read with ``parse``, and why it is ignored (None when it is not).
+
+    Unset or empty: ``(None, None)``. A value ``parse`` refuses (``ValueError``):
+    ``(None, "NAME='value' is ignored: why")``.
+    """
+    text = os.environ.get(name)
+    if not text:
+        return None, None
+    try:
+        return parse(text), None
+    except ValueError as exc:
+        return None, f"{name}={text!r} is ignored: {exc}"
+
+
 def env_value(name: str, parse: Callable[[str], _T]) -> _T | None:
     """The environment variable ``name`` read with ``parse``; None when it is unset or empty.
 
     A value ``parse`` refuses (``ValueError``) is one WARNING per process and None:
     a job runs on without it.
     """
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        return parse(text)
-    except ValueError as exc:
-        warn_once(("env", name, text), "cuda-program-cas: %s=%r is ignored: %s", name, text, exc)
-        return None
+    value, why = read_env(name, parse)
+    if why is not None:
+        warn_once(("env", name, os.environ.get(name, "")), "cuda-program-cas: %s", why)
+    return value
 
 
 def _absolute(name: str) -> Callable[[str], str]:

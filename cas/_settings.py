@@ -27,9 +27,10 @@ from ._config import (
     ENV_SHARED,
     env_dir,
     env_log_file,
-    env_max_size,
     env_shared,
+    parse_size,
     platform_cache_dir,
+    read_env,
     warn_once,
 )
 from ._layout import SETTINGS_FILE, Layout, LayoutState, check_layout
@@ -40,6 +41,7 @@ __all__ = [
     "SETTING_NAMES",
     "Setting",
     "effective_settings",
+    "load_settings",
     "read_settings",
     "settings_path",
     "store_setting",
@@ -59,14 +61,20 @@ def settings_path(root: str) -> str:
     return os.path.join(root, SETTINGS_FILE)
 
 
-def _ignored(path: str, why: str) -> dict[str, object]:
-    message = "cuda-program-cas: %s is ignored: %s (set the cap again with `cuda-program-cas config`)"
-    warn_once(("settings", path), message, path, why)
-    return {}
-
-
 def read_settings(root: str) -> dict[str, object]:
     """The usable settings stored in the cache at ``root``: ``{}`` when there are none.
+
+    A file that cannot be used is one WARNING per process, and ``{}``.
+    """
+    settings, why = load_settings(root)
+    if why is not None:
+        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
+        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
+    return settings
+
+
+def load_settings(root: str) -> tuple[dict[str, object], str | None]:
+    """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not).
 
     Never raises for what is on disk. O_NONBLOCK: a FIFO put in its place must not
     hang the open; O_NOFOLLOW: a symlink is not the cache's file.
@@ -76,31 +84,31 @@ def read_settings(root: str) -> dict[str, object]:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return {}
-        return _ignored(path, f"cannot be opened ({exc.strerror or exc})")
+            return {}, None
+        return {}, f"cannot be opened ({exc.strerror or exc})"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return _ignored(path, "not a regular file")
+            return {}, "not a regular file"
         raw = os.read(fd, _MAX_BYTES + 1)
     except OSError as exc:
-        return _ignored(path, f"cannot be read ({exc.strerror or exc})")
+        return {}, f"cannot be read ({exc.strerror or exc})"
     finally:
         os.close(fd)
     if len(raw) > _MAX_BYTES:
-        return _ignored(path, f"larger than {_MAX_BYTES:,} bytes")
+        return {}, f"larger than {_MAX_BYTES:,} bytes"
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return _ignored(path, "not a JSON object")
+        return {}, "not a JSON object"
     if not isinstance(data, dict):
-        return _ignored(path, "not a JSON object")
+        return {}, "not a JSON object"
     found: dict[str, object] = {}
     cap = data.get(MAX_SIZE)
     if cap is not None:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-            return _ignored(path, f"{MAX_SIZE} is {cap!r}, not a positive number of bytes")
+            return {}, f"{MAX_SIZE} is {cap!r}, not a positive number of bytes"
         found[MAX_SIZE] = cap
-    return found
+    return found, None
 
 
 def stored_max_size(root: str) -> int | None:
@@ -115,7 +123,7 @@ def store_setting(root: str, name: str, value: int | None) -> None:
     The cache must exist. What else the file holds is kept (a damaged file is
     rewritten with only the new value). Two runs at once: the last one wins.
     """
-    settings = read_settings(root)
+    settings, _ = load_settings(root)  # a damaged file is replaced: no warning for what is being rewritten
     if value is None:
         settings.pop(name, None)
     else:
@@ -136,6 +144,8 @@ class Setting:
     origin: str = ""
     #: What else the reader should know (a value it overrides, a cache not created yet).
     note: str = ""
+    #: A value that was ignored, and why ("" when none was).
+    problem: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {"value": self.value, "source": self.source, "origin": self.origin, "note": self.note}
@@ -145,28 +155,34 @@ def effective_settings(path: str | None) -> list[Setting]:
     """Every setting a cache opened at ``path`` (None: the default directory) gets with no arguments.
 
     Directory, cap, shared stores and log file, in the order the library reads
-    them. Raises :class:`cas.LayoutError` when ``path`` is a file or not a cache.
+    them; a value the library would ignore is in the setting's ``problem``.
+    Raises :class:`cas.LayoutError` when ``path`` is a file or not a cache.
     """
+    env_text = os.environ.get(ENV_DIR, "")
     if path:
         directory = Setting("directory", os.path.abspath(path), "argument")
     elif (env := env_dir()) is not None:
-        directory = Setting("directory", env, "environment", ENV_DIR)
+        note = "" if os.path.isabs(env_text) else f"the relative {env_text!r} taken from the working directory"
+        directory = Setting("directory", env, "environment", ENV_DIR, note)
     else:
         directory = Setting("directory", os.fspath(platform_cache_dir()), "default")
     root = str(directory.value)
     state = check_layout(root)
-    stored = stored_max_size(root) if state is not LayoutState.MISSING else None
-    where = settings_path(root)
-    env_cap = env_max_size()
-    if env_cap is not None:
-        note = f"overrides the cache's {stored:,} bytes" if stored is not None else ""
-        cap = Setting("max_size_bytes", env_cap, "environment", ENV_MAX_SIZE, note)
-    elif stored is not None:
-        cap = Setting("max_size_bytes", stored, "cache", where)
-    else:
-        cap = Setting("max_size_bytes", None, "default", note="no cap")
     if state is LayoutState.MISSING:
-        directory = Setting(directory.name, root, directory.source, directory.origin, "no cache there yet")
+        note = "; ".join(n for n in (directory.note, "no cache there yet") if n)
+        directory = Setting(directory.name, root, directory.source, directory.origin, note)
+    stored, stored_problem = load_settings(root) if state is not LayoutState.MISSING else ({}, None)
+    stored_cap = stored.get(MAX_SIZE)
+    where = settings_path(root)
+    env_cap, env_problem = read_env(ENV_MAX_SIZE, parse_size)
+    problem = "; ".join(p for p in (env_problem, stored_problem and f"{where} is ignored: {stored_problem}") if p)
+    if env_cap is not None:
+        note = f"overrides the cache's {stored_cap:,} bytes" if isinstance(stored_cap, int) else ""
+        cap = Setting(MAX_SIZE, env_cap, "environment", ENV_MAX_SIZE, note, problem)
+    elif stored_cap is not None:
+        cap = Setting(MAX_SIZE, stored_cap, "cache", where, "", problem)
+    else:
+        cap = Setting(MAX_SIZE, None, "default", "", "no cap", problem)
     shared = env_shared()
     log_file = env_log_file()
     return [
