@@ -14,6 +14,17 @@ from conftest import REPO
 DEMO = REPO / "tools" / "demo.py"
 
 
+def include_dir(path: str) -> str:
+    """Where the demo keeps its header while it runs (tools/ is not a package: loaded from its file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.include_dir(path))
+
+
 def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(DEMO), *args],
@@ -39,13 +50,19 @@ def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(tmp_path: Path)
         assert "CUB kernel, include_path          miss" in out
         assert "the same compile again            hit" in out
         assert "demo_tile.h edited                miss" in out
-        assert (tmp_path / "cas-demo-include" / "demo_tile.h").is_file()
     else:
         assert "skipped: no CCCL headers found" in out
+
+    # Nothing outside the cache directory it was given: its header directory was a temp one, removed.
+    assert os.listdir(tmp_path) == ["cas"]
+    assert not os.path.exists(include_dir(path))
+    assert "why the dedup ratio is not keys per blob: 'N keys -> M blobs' counts keys" in out
+    assert re.search(r"the 28 variant keys: 28 keys in \d+ blobs \(\d\.\d\dx by count\)", out)
 
     warm = demo("--path", path)
     assert warm.returncode == 0, warm.stderr
     out = warm.stdout
+    assert os.listdir(tmp_path) == ["cas"] and not os.path.exists(include_dir(path))
     assert "Pass 1 hit too: this cache already held all 28 entries" in out
     assert 'python tools/demo.py --path "$(mktemp -d)"' in out
     rows = [line for line in out.splitlines() if line.split(" ")[0] in ("saxpy", "reduce", "matmul", "stencil")]

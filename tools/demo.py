@@ -13,8 +13,11 @@ at the end).
 With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra), it
 also compiles a CUB kernel through ``cache.compile()`` with ``include_path``:
 a miss, a hit, and an edit of one of its headers, which misses (and hits on
-later runs: the demo makes the same edit each time). That header lives in
-``DIR-demo-include/`` beside the cache directory DIR.
+later runs: the demo makes the same edit each time; the first compile misses on
+every run, since its include directory is new). That header lives, while
+the demo runs, in a directory of the system's temp directory named after the
+cache directory (the header's path is part of the key, so a later run finds the
+same entries); the demo removes it at the end and leaves nothing outside DIR.
 
 The cache persists: run it again and pass 1 hits too (the demo says so). Give
 ``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
@@ -25,10 +28,13 @@ asks for ``--yes`` too.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,6 +145,7 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
                         "hit": hit,
                         "seconds": elapsed,
                         "digest": digest_of(bytes(obj.code)),
+                        "size": len(bytes(obj.code)),
                     }
                 )
         counters = cache.counters()
@@ -162,8 +169,10 @@ def cccl_include() -> str | None:
 
 
 def include_dir(path: str) -> str:
-    """Where the demo keeps its own header: beside the cache, at a fixed path (the path is part of the key)."""
-    return os.path.abspath(path).rstrip(os.sep) + "-demo-include"
+    """Where the demo keeps its own header while it runs: a fixed path for each cache (the path is part of
+    the key), in the temp directory, so that nothing is left beside the cache the user gave."""
+    tag = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"program-cas-demo-include-{tag}")
 
 
 def cub_compile(path: str, cccl: str) -> dict[str, object]:
@@ -189,7 +198,11 @@ def write_header(path: str, text: str) -> None:
     """Put ``text`` in the demo's header, in place: a new file in the directory would change its mtime,
     which the front door watches (a header added to an include directory may shadow another)."""
     directory = include_dir(path)
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not os.path.isdir(directory) or os.path.islink(directory) or st.st_uid != os.getuid():
+        # A fixed name in a shared temp directory: another user could have made it first.
+        raise SystemExit(f"demo.py: {directory} is not a directory of this user's own; remove it and run again")
     header = Path(directory, CUB_HEADER)
     try:
         if header.read_text() == text:
@@ -218,8 +231,13 @@ def cub_demo(path: str) -> list[tuple[str, dict[str, object], str]] | str:
     edit_note = "a changed header is a new key; NVRTC ran" if not edited["hit"] else f"this edit was {earlier}"
     if edited["digest"] == first["digest"] and not edited["hit"]:
         edit_note += " (only a comment changed: the same cubin, stored once)"
+    first_note = earlier if first["hit"] else "NVRTC ran; the headers it read are recorded"
+    if not first["hit"] and edited["hit"]:
+        # The directory is made afresh by each run (and removed at its end); the front door checks that
+        # no new header shadows another there, and a new directory fails that check: it compiles again.
+        first_note += " (the demo's include directory is new in each run)"
     return [
-        ("CUB kernel, include_path", first, earlier if first["hit"] else "NVRTC ran; the headers it read are recorded"),
+        ("CUB kernel, include_path", first, first_note),
         ("the same compile again", again, "every header checked: unchanged"),
         (f"{CUB_HEADER} edited", edited, edit_note),
     ]
@@ -245,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from cas import default_cache_dir
-    from cas._cli import fmt_bytes
 
     path = args.path or str(default_cache_dir())
     if args.child:
@@ -266,7 +283,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         ContentAddressedProgramCache(path).clear()
-    where = "the default cache directory" if args.path is None else "given with --path"
+    try:
+        return _run(path, args.path is None)
+    finally:
+        shutil.rmtree(include_dir(path), ignore_errors=True)
+
+
+def _run(path: str, default_dir: bool) -> int:
+    """The demo's two passes and its report (the header directory is the caller's to remove)."""
+    from cas import ContentAddressedProgramCache
+    from cas._cli import fmt_bytes
+
+    where = "the default cache directory" if default_dir else "given with --path"
     print(f"cache: {path} ({where})")
     first, first_counts = compile_all(path)
     cub = cub_demo(path)
@@ -339,7 +367,37 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt_bytes(st.blob_bytes)} of unique blobs (dedup ratio {st.dedup_ratio:.2f}x), "
         f"plus {fmt_bytes(st.manifest_bytes)} of manifests"
     )
+    print(_why_the_ratios_differ(first, st.entries, st.logical_bytes))
     return 0
+
+
+def _why_the_ratios_differ(rows: list[dict[str, object]], entries: int, logical: int) -> str:
+    """Keys per blob count keys; the dedup ratio weighs bytes, over every entry of the cache: say both."""
+    from cas._cli import fmt_bytes
+
+    sizes = {str(r["digest"]): int(str(r["size"])) for r in rows}
+    v_logical = sum(int(str(r["size"])) for r in rows)
+    v_unique = sum(sizes.values())
+    o_entries, o_logical = entries - len(rows), logical - v_logical
+    by_count, by_bytes = len(rows) / len(sizes), v_logical / v_unique
+    why = ""
+    if by_bytes < by_count - 0.005:
+        why = ": the blobs that no other key shares are the larger ones"
+    elif by_bytes > by_count + 0.005:
+        why = ": the blobs that several keys share are the larger ones"
+    text = (
+        f"why the dedup ratio is not keys per blob: 'N keys -> M blobs' counts keys, the dedup ratio weighs bytes "
+        f"over the whole cache.\n  the {len(rows)} variant keys: {len(rows)} keys in {len(sizes)} blobs "
+        f"({by_count:.2f}x by count), {fmt_bytes(v_logical)} in {fmt_bytes(v_unique)} "
+        f"({v_logical / v_unique:.2f}x by bytes{why})"
+    )
+    if o_entries > 0 and logical > 0:
+        text += (
+            f"\n  the cache's other {o_entries} entries (the CUB kernel, the records cache.compile() keeps of its "
+            f"headers, whatever else is stored there) hold {fmt_bytes(o_logical)}, {100 * o_logical / logical:.0f}% "
+            "of the bytes the ratio weighs"
+        )
+    return text
 
 
 if __name__ == "__main__":
