@@ -21,7 +21,6 @@ from cas import CacheStore
 from cas._cli import main
 from cas._config import default_cache_dir
 from cas._layout import LayoutState, check_layout
-from cas._settings import effective_settings
 
 CAP = 40 * 1024
 
@@ -293,6 +292,8 @@ def test_config_on_a_path_with_no_cache_yet_says_so_and_creates_nothing(
     assert code == 0 and out.splitlines()[0] == f"directory  {tmp_path / 'new'} (argument; no cache there yet)"
     assert "max-size   none (default; no cap)" in out
     assert not (tmp_path / "new").exists()
+    from cas._settings import effective_settings
+
     assert [s.name for s in effective_settings(str(tmp_path / "new"))] == [
         "directory",
         "max_size_bytes",
