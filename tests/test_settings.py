@@ -230,17 +230,22 @@ def test_default_cache_dir_is_absolute_for_a_relative_value(
     assert any("CUDA_PROGRAM_CAS_DIR='somewhere/cas' is a relative path" in w for w in warnings_of(caplog))
 
 
-def test_relative_shared_paths_are_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_relative_shared_paths_are_made_absolute_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from cas import ContentAddressedProgramCache
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", "store-a", str(tmp_path / "b"), ""]))
-    logging.getLogger("cas").setLevel(logging.ERROR)  # the unusable stores' warnings are not this test's
-    try:
-        cache = ContentAddressedProgramCache(tmp_path / "cas")
-    finally:
-        logging.getLogger("cas").setLevel(logging.NOTSET)
-    assert list(cache.store.shared_paths()) == [str(tmp_path / "store-a"), str(tmp_path / "b")]
+    with caplog.at_level(logging.WARNING, logger="cas"):
+        for _ in range(2):
+            cache = ContentAddressedProgramCache(tmp_path / "cas")
+            assert list(cache.store.shared_paths()) == [str(tmp_path / "store-a"), str(tmp_path / "b")]
+    relative = [w for w in warnings_of(caplog) if "is a relative path" in w]
+    assert relative == [
+        f"cuda-program-cas: CUDA_PROGRAM_CAS_SHARED='store-a' is a relative path; it is taken as "
+        f"{tmp_path / 'store-a'} (the working directory of the process that read it first): give an absolute path"
+    ]
 
 
 # -- config shows every setting and where it came from -----------------------------------------
