@@ -55,17 +55,34 @@ _AGE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*", re.IGNORECASE)
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-#: What this process has warned about once (see :func:`warn_once`).
-_warned: set[tuple[str, ...]] = set()
-_warned_lock = threading.Lock()
+class _Once:
+    """What this process has warned about (see :func:`warn_once`)."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, ...]] = set()
+        self.lock = threading.Lock()
+
+    def first(self, key: tuple[str, ...]) -> bool:
+        with self.lock:
+            if key in self.seen:
+                return False
+            self.seen.add(key)
+            return True
+
+    def after_fork_in_child(self) -> None:
+        # A fork while another thread held the lock would leave the child's copy held for good.
+        self.lock = threading.Lock()
+
+
+_ONCE = _Once()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ONCE.after_fork_in_child)
 
 
 def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
     """Log ``message % args`` at WARNING the first time this process meets ``key``; True if it did."""
-    with _warned_lock:
-        if key in _warned:
-            return False
-        _warned.add(key)
+    if not _ONCE.first(key):
+        return False
     _log.warning(message, *args)
     return True
 

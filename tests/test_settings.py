@@ -351,3 +351,29 @@ def test_stats_compares_with_the_stored_cap_and_says_where_it_came_from(
     monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_SIZE", "0")  # before: stats exited 2 on a bad value
     code, out, _ = cli(capsys, "stats", store.root, "--json")
     assert code == 0 and json.loads(out)["max_size_bytes"] == CAP
+
+
+def test_a_fork_while_the_warn_once_lock_is_held_leaves_the_child_able_to_warn(tmp_path: Path) -> None:
+    """Another thread of the parent may hold it at the fork: the child gets a lock of its own."""
+    import select
+
+    import cas._config
+
+    read_end, write_end = os.pipe()
+    with cas._config._ONCE.lock:
+        pid = os.fork()
+        if pid == 0:  # the child: a bad value to warn about, then say so
+            try:
+                os.environ["CUDA_PROGRAM_CAS_MAX_SIZE"] = "forked-bad"
+                cas._config.env_max_size()
+                os.write(write_end, b"1")
+            finally:
+                os._exit(0)
+    os.close(write_end)
+    ready, _, _ = select.select([read_end], [], [], 60)
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    said = os.read(read_end, 1) if ready else b""
+    os.close(read_end)
+    assert said == b"1", "the child hung on the lock its parent held at the fork"
