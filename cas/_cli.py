@@ -206,7 +206,7 @@ class _Parser(argparse.ArgumentParser):
     last_error: str | None = None
 
     def error(self, message: str) -> NoReturn:
-        _Parser.last_error = f"{self.prog}: error: {message}"
+        _Parser.last_error = message
         super().error(message)
 
 
