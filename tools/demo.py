@@ -12,12 +12,10 @@ at the end).
 
 With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra), it
 also compiles a CUB kernel through ``cache.compile()`` with ``include_path``:
-a miss, a hit, and an edit of one of its headers, which misses (and hits on
-later runs: the demo makes the same edit each time; the first compile misses on
-every run, since its include directory is new). That header lives, while
-the demo runs, in a directory of the system's temp directory named after the
-cache directory (the header's path is part of the key, so a later run finds the
-same entries); the demo removes it at the end and leaves nothing outside DIR.
+a miss, a hit, and an edit of one of its headers, which misses. That header
+lives in a temp directory the demo makes for the run and removes at its end, so
+that it leaves nothing outside DIR; the include directory is part of what a
+header-aware key checks, so a later run compiles the CUB kernel again.
 
 The cache persists: run it again and pass 1 hits too (the demo says so). Give
 ``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
@@ -28,7 +26,6 @@ asks for ``--yes`` too.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -168,20 +165,13 @@ def cccl_include() -> str | None:
     return found if found and os.path.isdir(os.path.join(found, "cub")) else None
 
 
-def include_dir(path: str) -> str:
-    """Where the demo keeps its own header while it runs: a fixed path for each cache (the path is part of
-    the key), in the temp directory, so that nothing is left beside the cache the user gave."""
-    tag = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"program-cas-demo-include-{tag}")
-
-
-def cub_compile(path: str, cccl: str) -> dict[str, object]:
+def cub_compile(path: str, include: str, cccl: str) -> dict[str, object]:
     """``cache.compile()`` of the CUB kernel with the header as it is now: hit or miss, time, digest."""
     from cuda.core import ProgramOptions
 
     from cas import ContentAddressedProgramCache, digest_of
 
-    options = ProgramOptions(arch="sm_80", std="c++17", include_path=[include_dir(path), cccl])
+    options = ProgramOptions(arch="sm_80", std="c++17", include_path=[include, cccl])
     with ContentAddressedProgramCache(path) as cache:
         before = cache.counters()
         start = time.perf_counter()
@@ -194,15 +184,9 @@ def cub_compile(path: str, cccl: str) -> dict[str, object]:
     return {"hit": hit, "seconds": elapsed, "digest": digest_of(bytes(obj.code))}
 
 
-def write_header(path: str, text: str) -> None:
+def write_header(directory: str, text: str) -> None:
     """Put ``text`` in the demo's header, in place: a new file in the directory would change its mtime,
     which the front door watches (a header added to an include directory may shadow another)."""
-    directory = include_dir(path)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.lstat(directory)
-    if not os.path.isdir(directory) or os.path.islink(directory) or st.st_uid != os.getuid():
-        # A fixed name in a shared temp directory: another user could have made it first.
-        raise SystemExit(f"demo.py: {directory} is not a directory of this user's own; remove it and run again")
     header = Path(directory, CUB_HEADER)
     try:
         if header.read_text() == text:
@@ -216,26 +200,21 @@ def write_header(path: str, text: str) -> None:
     time.sleep(0.05)
 
 
-def cub_demo(path: str) -> list[tuple[str, dict[str, object], str]] | str:
-    """A miss, a hit, a header edit that misses (hits, on a later run): the rows, or why it was skipped."""
+def cub_demo(path: str, include: str) -> list[tuple[str, dict[str, object], str]] | str:
+    """A miss, a hit, a header edit that misses: the rows, or why it was skipped."""
     cccl = cccl_include()
     if cccl is None:
         return "skipped: no CCCL headers found (pip install nvidia-cuda-cccl; the test extra has it)"
-    write_header(path, CUB_HEADER_TEXT)
-    first = cub_compile(path, cccl)
-    again = cub_compile(path, cccl)
-    # The same edit every run (a comment: the cubin stays the same), so a later run hits it too.
-    write_header(path, CUB_HEADER_TEXT + "// edited by the demo\n")
-    edited = cub_compile(path, cccl)
-    earlier = "stored by an earlier run"
-    edit_note = "a changed header is a new key; NVRTC ran" if not edited["hit"] else f"this edit was {earlier}"
+    write_header(include, CUB_HEADER_TEXT)
+    first = cub_compile(path, include, cccl)
+    again = cub_compile(path, include, cccl)
+    write_header(include, CUB_HEADER_TEXT + "// edited by the demo\n")  # a comment: the cubin stays the same
+    edited = cub_compile(path, include, cccl)
+    edit_note = "a changed header is a new key; NVRTC ran" if not edited["hit"] else "stored by an earlier compile"
     if edited["digest"] == first["digest"] and not edited["hit"]:
         edit_note += " (only a comment changed: the same cubin, stored once)"
-    first_note = earlier if first["hit"] else "NVRTC ran; the headers it read are recorded"
-    if not first["hit"] and edited["hit"]:
-        # The directory is made afresh by each run (and removed at its end); the front door checks that
-        # no new header shadows another there, and a new directory fails that check: it compiles again.
-        first_note += " (the demo's include directory is new in each run)"
+    # The include directory is new in each run: what a header-aware key checks, so a later run misses too.
+    first_note = "stored by an earlier compile" if first["hit"] else "NVRTC ran; the headers it read are recorded"
     return [
         ("CUB kernel, include_path", first, first_note),
         ("the same compile again", again, "every header checked: unchanged"),
@@ -260,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clear", action="store_true", help="empty the cache first, to see every miss")
     parser.add_argument("--yes", action="store_true", help="with --clear on the default cache directory: empty it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--include", help=argparse.SUPPRESS)  # the child's: the parent's header directory
     args = parser.parse_args(argv)
 
     from cas import default_cache_dir
@@ -268,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         rows, counts = compile_all(path)
         cccl = cccl_include()
-        cub = cub_compile(path, cccl) if cccl and os.path.isdir(include_dir(path)) else None
+        cub = cub_compile(path, args.include, cccl) if cccl and args.include else None
         print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
         return 0
 
@@ -283,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         ContentAddressedProgramCache(path).clear()
+    include = tempfile.mkdtemp(prefix="program-cas-demo-include-")
     try:
-        return _run(path, args.path is None)
+        return _run(path, include, args.path is None)
     finally:
-        shutil.rmtree(include_dir(path), ignore_errors=True)
+        shutil.rmtree(include, ignore_errors=True)
 
 
-def _run(path: str, default_dir: bool) -> int:
+def _run(path: str, include: str, default_dir: bool) -> int:
     """The demo's two passes and its report (the header directory is the caller's to remove)."""
     from cas import ContentAddressedProgramCache
     from cas._cli import fmt_bytes
@@ -297,10 +278,13 @@ def _run(path: str, default_dir: bool) -> int:
     where = "the default cache directory" if default_dir else "given with --path"
     print(f"cache: {path} ({where})")
     first, first_counts = compile_all(path)
-    cub = cub_demo(path)
+    cub = cub_demo(path, include)
     # Pass 2 in a fresh process: what the next job on this node pays.
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--path", path], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--child", "--path", path, "--include", include],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         print(proc.stderr, file=sys.stderr)
@@ -340,6 +324,7 @@ def _run(path: str, default_dir: bool) -> int:
         )
 
     print("\ncache.compile() with include_path: keys that cover the headers a compile read")
+    print("  (the demo's header is in a temp directory made for this run: a later run compiles these again)")
     if isinstance(cub, str):
         print(f"  {cub}")
     else:
