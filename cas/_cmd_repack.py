@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from ._cli import add_json_arg, fmt_bytes, plural, print_json
+from ._cli import UsageError, add_json_arg, fmt_bytes, plural, print_json
+from ._layout import LayoutState, check_layout, is_shared_store
 from ._repack import repack
 
 __all__ = ["register"]
@@ -18,7 +20,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
             "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
-            "may be reading is removed; gc removes what was replaced once the shared grace period has passed."
+            "may be reading is removed; gc removes what was replaced once the shared grace period has passed. "
+            "A node's local cache (a store publish did not mark as shared) is refused."
         ),
     )
     p.add_argument("store", metavar="STORE", help="the shared store")
@@ -27,7 +30,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = repack(args.store)
+    root = os.path.abspath(args.store)
+    if check_layout(root) is LayoutState.OK and not is_shared_store(root):
+        # Nodes read loose entries of their own cache: repack would keep each twice until a gc.
+        raise UsageError(
+            f"{root!r} is not a shared store (publish marks the stores it writes): repacking it would keep every "
+            "entry twice, loose and packed; repack the shared store your nodes read"
+        )
+    report = repack(root)
     if args.json:
         print_json(report.as_dict())
     else:

@@ -23,12 +23,11 @@ configure logging, as ccache's ``log_file``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
 
-from ._config import ENV_LOG
+from ._config import ENV_LOG, env_log_file
 from ._fork import ForkSafeLock
 
 __all__ = [
@@ -139,7 +138,7 @@ def open_log_file() -> None:
         if _opened.is_set():
             return
         _opened.set()
-        path = os.environ.get(ENV_LOG)
+        path = env_log_file()
         if not path:
             return
         try:

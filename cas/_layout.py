@@ -27,6 +27,7 @@ from ._writer import atomic_write, make_tmp_dir
 
 __all__ = [
     "LAYOUT_VERSION",
+    "SETTINGS_FILE",
     "STALE_TMP_S",
     "Layout",
     "LayoutState",
@@ -53,6 +54,8 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cas._lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cas._settings`).
+SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
@@ -69,6 +72,7 @@ _OWN_NAMES = frozenset(
         "gc.lock",
         COUNTERS_FILE,
         COUNTERS_LOCK,
+        SETTINGS_FILE,
         "packs",
     }
 )

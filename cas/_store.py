@@ -33,16 +33,17 @@ from cuda_program_cas_index import Manifest, key_id
 
 from ._blobs import BlobStore, digest_of
 from ._cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
-from ._config import validate_max_size
+from ._config import NOT_GIVEN, validate_max_size, warn_once
 from ._errors import LayoutError, ReadOnlyCacheError
 from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
-from ._fork import ForkSafeLock, after_fork
+from ._fork import after_fork
 from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error, unwritable_reason
 from ._lifetime import FLUSH_INTERVAL_S, Recorder
 from ._reader import Reader, Uncached
 from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
+from ._settings import stored_max_size
 from ._shared import SharedStore
 from ._stats import CacheStats, Counters
 from ._touch import apply_pending, ensure_thread
@@ -68,37 +69,38 @@ _DROP_HINTS = {
     errno.EROFS: "; the file system is read-only: writes are dropped until it is writable again",
     errno.EACCES: "; this process may not write there: writes are dropped",
 }
-#: Cache directories this process has warned about (one WARNING per directory per process).
-_warned: set[str] = set()
-_warned_lock = ForkSafeLock()
 
 
 def _warn_once(root: str, what: str) -> None:
-    with _warned_lock:
-        if root in _warned:
-            return
-        _warned.add(root)
-    _log.warning("cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)", root, what)
+    """One WARNING per cache directory per process: it cannot be written."""
+    warn_once(
+        ("unwritable", root),
+        "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)",
+        root,
+        what,
+    )
 
 
 class CacheStore:
     """A content-addressed cache directory, optionally layered over shared stores.
 
     Parameters are those of :class:`cas.ContentAddressedProgramCache`, except that
-    this class stores ``bytes`` only and reads no environment variables. One
-    instance is safe to share between threads.
+    this class stores ``bytes`` only and reads no environment variables: a
+    ``max_size_bytes`` not given is the cap stored in the cache (``cuda-program-cas
+    config``), if any. One instance is safe to share between threads.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        max_size_bytes: int | None = None,
+        max_size_bytes: int | None = NOT_GIVEN,
         read_only: bool = False,
         shared: Iterable[str | os.PathLike[str]] = (),
         copy_shared_hits: bool = True,
     ) -> None:
-        self._max = validate_max_size(max_size_bytes)
+        from_cache = max_size_bytes is NOT_GIVEN
+        self._max = None if from_cache else validate_max_size(max_size_bytes)
         root = os.fspath(path)
         if not isinstance(root, str) or root == "":
             raise ValueError(f"cache path must be a non-empty path, got {path!r}")
@@ -126,6 +128,8 @@ class CacheStore:
                 raise damaged_layout_error(self.root)
         else:
             usable = self._open_writable(lay)
+        if from_cache and usable:
+            self._max = stored_max_size(self.root)
         self._remover = None if self.read_only else Remover(lay)
         self._writer = None if self.read_only else Writer(lay, guard=self._guard)
         kind = Reader if usable else Uncached
