@@ -329,7 +329,7 @@ def test_bad_max_size_in_environment_is_one_warning_naming_the_variable(
     """A bad value never fails a job: one WARNING per process, and the variable is ignored."""
     import cas._config
 
-    monkeypatch.setattr(cas._config._ONCE, "seen", set())  # this process may have warned about it already
+    monkeypatch.setattr(cas._config, "_seen", set())  # this process may have warned about it already
     monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_SIZE", bad)
     with caplog.at_level(logging.WARNING, logger="cas"):
         for _ in range(3):
