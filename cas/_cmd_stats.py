@@ -25,6 +25,7 @@ from typing import Any
 from ._classify import Condition, classify
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
 from ._config import ENV_MAX_SIZE
+from ._groups import is_record
 from ._layout import Layout, LayoutState, check_layout, stale_temp_files
 from ._lifetime import NAMES, read_counters, zero_counters
 from ._maint import open_cache
@@ -133,6 +134,8 @@ def gather(root: str, cap: int | None, cap_source: str | None = None) -> dict[st
     except OSError:
         quarantined = 0
     stored = snap.stored_bytes
+    records = [m.manifest for m in snap.manifests if m.manifest is not None and is_record(m.key_id)]
+    record_bytes = sum(snap.blobs[r.digest].st_size for r in records if r.digest in snap.blobs)
     try:
         life = read_counters(lay)
     except OSError as exc:
@@ -157,6 +160,8 @@ def gather(root: str, cap: int | None, cap_source: str | None = None) -> dict[st
         "directories": dirs,
         "inodes": files + dirs,
         "disk_bytes": disk,
+        "front_door_records": len(records),
+        "front_door_record_bytes": record_bytes,
         "orphan_blobs": len(orphans),
         "orphan_bytes": sum(snap.blobs[d].st_size for d in orphans),
         "invalid_manifests": sum(c in (Condition.INVALID, Condition.MISPLACED) for c in conditions),
@@ -267,6 +272,12 @@ def run(args: argparse.Namespace) -> int:
         ),
         *_counter_rows(info, when),
     ]
+    if info["front_door_records"]:
+        rows.append((
+            "front door",
+            f"{plural(info['front_door_records'], 'record')} of the headers cache.compile() read "
+            f"({fmt_bytes(info['front_door_record_bytes'])} of the unique blobs), each evicted with its binaries",
+        ))  # fmt: skip
     if info["packs"] or info["retired_packs"]:
         rows.append((
             "packs",

@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["RECORD_MEMBER", "group_of", "grouped_id", "lru_units", "partners_of"]
+__all__ = ["RECORD_MEMBER", "group_of", "grouped_id", "is_record", "lru_units", "partners_of"]
 
 #: The last 8 hex digits of every grouped key id.
 GROUP_TAG = "fd0c6a1e"
@@ -42,6 +42,11 @@ def grouped_id(group: bytes, member: bytes | None) -> str:
 def group_of(kid: str) -> str | None:
     """The group of key id ``kid``, or None when it belongs to none."""
     return kid[:24] if kid.endswith(GROUP_TAG) else None
+
+
+def is_record(kid: str) -> bool:
+    """Whether key id ``kid`` names a group's record (a front door's list of headers), not a binary."""
+    return kid.endswith(GROUP_TAG) and kid[24:56] == RECORD_MEMBER
 
 
 def lru_units(

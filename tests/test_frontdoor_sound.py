@@ -360,3 +360,22 @@ def test_bundled_headers_edited_by_hand_miss(tmp_path: Path, monkeypatch: pytest
     assert edited != reference
     assert cached(cache, code, opts) == edited
     assert cached(ContentAddressedProgramCache(tmp_path / "cas"), code, opts) == edited
+
+
+def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    _some_front_door_entries(tmp_path, cache, 2)  # two kernels: two records, two binaries
+    cache.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "cas", "stats", str(tmp_path / "cas"), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    info = json.loads(out)
+    assert info["front_door_records"] == 2 and info["entries"] == 4
+    assert 0 < info["front_door_record_bytes"] < info["blob_bytes"]
