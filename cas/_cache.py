@@ -14,13 +14,11 @@ from typing import Any
 from cuda.core import ObjectCode, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
-from ._config import ENV_MAX_SIZE, ENV_SHARED, default_cache_dir, parse_size
+from ._config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared
 from ._stats import CacheStats
 from ._store import CacheStore
 
 __all__ = ["ContentAddressedProgramCache"]
-
-_FROM_ENV: Any = type("_FromEnv", (), {"__repr__": lambda self: "<from environment>"})()
 
 
 def as_bytes(value: object) -> bytes:
@@ -66,13 +64,20 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     max_size_bytes:
         A cap on stored bytes (unique blobs plus manifests), enforced by
         reference-aware LRU eviction down to 80 % of it. ``None``: no cap. When
-        not given, ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G`` style) if set.
+        not given, ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G`` style) if set, else
+        the cap stored in the cache (``cuda-program-cas config PATH max-size
+        10G``), else no cap. A bad value in the environment is one WARNING and
+        is ignored.
     shared:
         Paths of read-only shared stores, looked up in order after this cache.
         When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
     read_only:
-        Never write, create, touch or lock anything under ``path``. Every write
-        (``cache[key] = value``, ``del``, ``clear()``) raises ``ReadOnlyCacheError``.
+        Never write, create, touch or lock anything under ``path``. A write
+        (``cache[key] = value``, so ``Program.compile`` on a miss) is dropped and
+        counted in ``dropped_writes``; ``del`` and ``clear()`` raise
+        ``ReadOnlyCacheError``. A directory this process cannot write is opened
+        this way anyway (one WARNING per process); one that cannot be created runs
+        uncached.
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 
@@ -84,20 +89,16 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        max_size_bytes: int | None = _FROM_ENV,
-        shared: Iterable[str | os.PathLike[str]] | None = _FROM_ENV,
+        max_size_bytes: int | None = NOT_GIVEN,
+        shared: Iterable[str | os.PathLike[str]] | None = NOT_GIVEN,
         read_only: bool = False,
         copy_shared_hits: bool = True,
     ) -> None:
-        if max_size_bytes is _FROM_ENV:
-            env = os.environ.get(ENV_MAX_SIZE)
-            try:
-                max_size_bytes = parse_size(env) if env else None
-            except ValueError as exc:
-                raise ValueError(f"{ENV_MAX_SIZE}: {exc}") from None
-        if shared is _FROM_ENV:
-            env = os.environ.get(ENV_SHARED, "")
-            shared = [p for p in env.split(os.pathsep) if p]
+        if max_size_bytes is NOT_GIVEN:
+            # The environment, else (still NOT_GIVEN) the cache's own setting.
+            max_size_bytes = env_max_size() or NOT_GIVEN
+        if shared is NOT_GIVEN:
+            shared = env_shared() or []
         elif shared is None:
             shared = ()
         self._store = CacheStore(

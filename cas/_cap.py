@@ -1,6 +1,7 @@
 """The size cap of one cache instance: count writes, plan evictions, carry them out.
 
-The cap counts stored bytes (unique blobs plus manifests). An instance counts its
+The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``
+(writes in flight, crashed writers' leftovers, which go first). An instance counts its
 own writes between listings of the cache; when its count goes over the cap, one
 scan plans a reference-aware LRU eviction (:mod:`cas._evict`) and the
 :class:`cas._remove.Remover` carries it out:
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from ._events import LOGGER, evicted
 from ._evict import plan_lru
 from ._files import FileId
+from ._fork import after_fork
 from ._layout import Layout
 from ._remove import RemovalPlan, RemovalResult, Remover
 from ._scan import Snapshot, take_snapshot
@@ -70,6 +72,16 @@ class SizeCap:
         self._retired: dict[str, FileId] = {}  # see cas._remove.removable_orphans
         self._mutex = threading.Lock()  # one evictor per instance
         self._count_lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A thread of the parent may have been counting or evicting: new locks, and the
+        # child measures the cache afresh. What was retired stays retired.
+        self._mutex = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._plan = None
+        self._approx = None
+        self._since_measure = 0
 
     def account(self, added: int, *, written: str | None = None) -> None:
         """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
@@ -109,7 +121,8 @@ class SizeCap:
             return None
         try:
             if self._plan is None and (self._approx is None or self._approx <= max_bytes):
-                stored = take_snapshot(self._lay.index, self._lay.blobs, read_manifests=False).stored_bytes
+                lay = self._lay
+                stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
                 self._measure(stored)
                 if stored <= max_bytes:
                     return None
@@ -123,9 +136,10 @@ class SizeCap:
             try:
                 must_free = 0
                 if self._plan is None:
-                    self._remover.sweep_temp()
+                    self._remover.sweep_temp()  # a crashed writer's temp files count, and go first
                     apply_pending()  # the scan sees this process's reads, in every instance
-                    snap = take_snapshot(self._lay.index, self._lay.blobs, clock_dir=self._lay.tmp)
+                    lay = self._lay
+                    snap = take_snapshot(lay.index, lay.blobs, clock_dir=lay.tmp, temp_dir=lay.tmp)
                     if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile
                         self._measure(snap.stored_bytes)
                         return RemovalResult(stored_bytes_after=snap.stored_bytes)

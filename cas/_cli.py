@@ -9,7 +9,10 @@ Each subcommand lives in its own module ``cas._cmd_<name>`` exposing
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage
 (bad options, a path that does not exist or is not a cache). Expected failures
-are one line on stderr, never a traceback. ``python -m cas`` is the same script.
+are one line on stderr, never a traceback; with ``--json`` they are also one JSON
+object on stdout (``error``, ``exit_status``, ``problems``, ``problem_count``).
+``python -m cas`` is the same script. ``CUDA_PROGRAM_CAS_LOG`` is honoured as the
+library honours it: the records of what a command did are appended to that file.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from ._config import default_cache_dir, parse_duration, parse_size
 from ._errors import CacheError, LayoutError
+from ._events import open_log_file
 
 __all__ = [
     "CommandFailed",
@@ -45,7 +49,7 @@ __all__ = [
 ]
 
 PROG = "cuda-program-cas"
-_COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish", "repack")
+_COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish", "repack", "config", "clear")
 
 
 class CommandFailed(Exception):
@@ -71,15 +75,15 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _duration(text: str, *, zero_ok: bool, require_unit: bool = True) -> float:
+def _duration(text: str, *, zero_ok: bool, require_unit: bool = True, what: str = "an age") -> float:
     if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"an age must not be negative, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} must not be negative, got {text!r}")
     try:
         seconds = parse_duration(text, require_unit=require_unit)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if seconds <= 0 and not zero_ok:
-        raise argparse.ArgumentTypeError(f"an age must be more than zero, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be more than zero, got {text!r}")
     return seconds
 
 
@@ -95,7 +99,7 @@ def grace_arg(text: str) -> float:
 
 def seconds_arg(text: str) -> float:
     """``--wait`` values: seconds (``30``) or an age with its unit (``2m``); zero or more."""
-    return _duration(text, zero_ok=True, require_unit=False)
+    return _duration(text, zero_ok=True, require_unit=False, what="a wait")
 
 
 def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: str = "PATH") -> None:
@@ -196,14 +200,24 @@ def _version() -> str:
     return f"{PROG} {__version__}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that remembers its last usage error, so ``--json`` can report it too."""
+
+    last_error: str | None = None
+
+    def error(self, message: str) -> NoReturn:
+        _Parser.last_error = message
+        super().error(message)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The script's parser, and each subcommand's parser by name."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Inspect and maintain a cuda-program-cas cache directory.",
         epilog="Exit status: 0 done, 1 problems found that were not fixed, 2 bad usage.",
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("-V", "--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
         try:
@@ -237,13 +251,21 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, commands = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _Parser.last_error = None
     try:
-        args, extra = parser.parse_known_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(_join_negative_values(argv))
         if extra:
             # Say it with the subcommand's usage, not the top-level one.
             commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version (0) or bad usage (2): argparse has printed why
-        return exc.code if isinstance(exc.code, int) else 2
+        status = exc.code if isinstance(exc.code, int) else 2
+        if status and "--json" in argv:
+            command = next((a for a in argv if a in commands), None)
+            _print_error_json(command, _Parser.last_error or "bad usage", status)
+        return status
+    # As a cache opened by the library does: CUDA_PROGRAM_CAS_LOG gets this command's records.
+    open_log_file()
     progress = args.progress = Progress.for_args(args)
     try:
         return int(args.func(args))
@@ -269,7 +291,14 @@ def _fail(args: argparse.Namespace, exc: BaseException | str, status: int) -> in
     if isinstance(exc, OSError) and exc.filename and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
     print(f"{PROG} {args.command}: error: {text}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _print_error_json(args.command, text, status)
     return status
+
+
+def _print_error_json(command: str | None, text: str, status: int) -> None:
+    """With ``--json``, an error is one JSON object on stdout too: a script reading stdout sees why."""
+    print_json({"command": command, "error": text, "exit_status": status, "problems": [text], "problem_count": 1})
 
 
 if __name__ == "__main__":

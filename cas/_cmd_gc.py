@@ -124,6 +124,7 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
         "dangling_manifests": "dangling manifests (blob missing)",
         "size_mismatch_manifests": "manifests whose size disagrees with their blob",
         "corrupt_blob_manifests": "manifests of corrupt blobs",
+        "partner_entries": "front-door records or results whose partner goes",
         "expired_entries": f"entries unused for over {fmt_age(args.max_age or 0)}",
         "evicted_entries": f"least recently used entries (down to {fmt_bytes(args.max_size or 0)})",
         "unreferenced_blobs": "blobs whose last entry goes",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from ._cli import add_json_arg, fmt_bytes, plural, print_json
+from ._cli import UsageError, add_json_arg, fmt_bytes, plural, print_json
 from ._errors import CollectorBusyError
+from ._layout import LayoutState, check_layout, is_shared_store
 from ._repack import repack
 
 __all__ = ["register"]
@@ -20,8 +22,8 @@ def register(subparsers: Any) -> None:
             "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
             "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
             "may be reading is removed; gc removes what was replaced once the shared grace period has passed. "
-            "One repack at a time: while another repack or a gc runs on STORE, it says so, changes nothing "
-            "and exits 0."
+            "A node's local cache (a store publish did not mark as shared) is refused. One repack at a time: "
+            "while another repack or a gc runs on STORE, it says so, changes nothing and exits 0."
         ),
     )
     p.add_argument("store", metavar="STORE", help="the shared store")
@@ -30,12 +32,19 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    root = os.path.abspath(args.store)
+    if check_layout(root) is LayoutState.OK and not is_shared_store(root):
+        # Nodes read loose entries of their own cache: repack would keep each twice until a gc.
+        raise UsageError(
+            f"{root!r} is not a shared store (publish marks the stores it writes): repacking it would keep every "
+            "entry twice, loose and packed; repack the shared store your nodes read"
+        )
     try:
-        report = repack(args.store)
+        report = repack(root)
     except CollectorBusyError as exc:
         # Not a failure: the running one does the work this one was asked to do.
         if args.json:
-            print_json({"root": args.store, "busy": True, "message": str(exc), "problems": [], "problem_count": 0})
+            print_json({"root": root, "busy": True, "message": str(exc), "problems": [], "problem_count": 0})
         else:
             print(exc)
         return 0

@@ -5,6 +5,11 @@ Reads only: works on a read-only cache or mount, takes no lock, touches nothing.
 ``--zero`` sets the lifetime counters to zero (it writes, under ``counters.lock``).
 Files it cannot read (another user's cache, a damaged disk) are listed as
 problems, the figures are then lower bounds, and the exit status is 1.
+
+A path where no cache has been created yet (missing, or an empty directory) is
+reported as an empty cache, exit 0, and said so (``exists`` false in the JSON):
+a job that has not stored anything yet is not bad usage. A file or a directory
+holding something else is still bad usage (exit 2).
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import stat
-import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -20,17 +24,26 @@ from typing import Any
 
 from ._classify import Condition, classify
 from ._cli import add_json_arg, add_path_arg, cache_path, fmt_age, fmt_bytes, plural, print_json, size_arg
-from ._config import ENV_MAX_SIZE, parse_size
-from ._layout import stale_temp_files
+from ._config import ENV_MAX_SIZE
+from ._groups import is_record
+from ._layout import Layout, LayoutState, check_layout, stale_temp_files
 from ._lifetime import NAMES, read_counters, zero_counters
 from ._maint import open_cache
 from ._packmaint import pack_stats
 from ._scan import Snapshot, take_snapshot
+from ._settings import Setting, effective_settings
 
 __all__ = ["gather", "register"]
 
 #: Problems printed one per line; the rest are counted.
 _SHOWN = 20
+#: Where the cap came from, in the text output.
+_CAP_FROM = {
+    "argument": "--max-size",
+    "environment": f"${ENV_MAX_SIZE}",
+    "cache": "stored in the cache: cuda-program-cas config",
+    "default": "default",
+}
 
 
 def register(subparsers: Any) -> None:
@@ -42,7 +55,10 @@ def register(subparsers: Any) -> None:
     )
     add_path_arg(p)
     p.add_argument(
-        "--max-size", type=size_arg, metavar="SIZE", help=f"the cap to compare with (default: ${ENV_MAX_SIZE})"
+        "--max-size",
+        type=size_arg,
+        metavar="SIZE",
+        help=f"the cap to compare with (default: ${ENV_MAX_SIZE}, else the cap stored in the cache)",
     )
     p.add_argument("--zero", action="store_true", help="set the lifetime counters to zero (nothing else changes)")
     add_json_arg(p)
@@ -96,13 +112,16 @@ def _unreadable(root: str, index_dir: str, blobs_dir: str, snap: Snapshot) -> li
     return found
 
 
-def gather(root: str, cap: int | None) -> dict[str, Any]:
+def gather(root: str, cap: int | None, cap_source: str | None = None) -> dict[str, Any]:
     """The statistics of the cache at ``root`` as one JSON-ready dict.
 
     ``problems`` lists what could not be read (``problem_count`` counts it); the
-    other figures then count only what could.
+    other figures then count only what could. No cache at ``root`` yet: an empty
+    one, with ``exists`` false.
     """
-    lay = open_cache(root, write=False, allow_damaged=True).lay
+    path = os.path.abspath(root)
+    exists = check_layout(path) is not LayoutState.MISSING
+    lay = open_cache(path, write=False, allow_damaged=True).lay if exists else Layout(path)
     snap = take_snapshot(lay.index, lay.blobs)
     unreadable = _unreadable(lay.root, lay.index, lay.blobs, snap)
     problems = [f"{path}: cannot be read" for path in unreadable]
@@ -115,6 +134,8 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
     except OSError:
         quarantined = 0
     stored = snap.stored_bytes
+    records = [m.manifest for m in snap.manifests if m.manifest is not None and is_record(m.key_id)]
+    record_bytes = sum(snap.blobs[r.digest].st_size for r in records if r.digest in snap.blobs)
     try:
         life = read_counters(lay)
     except OSError as exc:
@@ -122,6 +143,7 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         problems.append(f"{lay.counters}: cannot be read ({exc.strerror or exc}): the lifetime counters are unknown")
     return {
         "path": lay.root,
+        "exists": exists,
         "entries": len(snap.manifests),
         "blobs": len(snap.blobs),
         "logical_bytes": snap.logical_bytes,
@@ -130,6 +152,7 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "manifest_bytes": snap.manifest_bytes,
         "dedup_ratio": round(snap.logical_bytes / snap.blob_bytes, 3) if snap.blob_bytes else 1.0,
         "max_size_bytes": cap,
+        "max_size_source": cap_source if cap else None,
         "cap_used_percent": round(100.0 * stored / cap, 1) if cap else None,
         "oldest_use": _iso(min(uses)) if uses else None,
         "newest_use": _iso(max(uses)) if uses else None,
@@ -137,6 +160,8 @@ def gather(root: str, cap: int | None) -> dict[str, Any]:
         "directories": dirs,
         "inodes": files + dirs,
         "disk_bytes": disk,
+        "front_door_records": len(records),
+        "front_door_record_bytes": record_bytes,
         "orphan_blobs": len(orphans),
         "orphan_bytes": sum(snap.blobs[d].st_size for d in orphans),
         "invalid_manifests": sum(c in (Condition.INVALID, Condition.MISPLACED) for c in conditions),
@@ -190,14 +215,13 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
 def run(args: argparse.Namespace) -> int:
     if args.zero:
         return _zero(cache_path(args.path), args.json)
-    cap = args.max_size
-    if cap is None and os.environ.get(ENV_MAX_SIZE):
-        try:
-            cap = parse_size(os.environ[ENV_MAX_SIZE])
-        except ValueError as exc:
-            print(f"cuda-program-cas stats: error: {ENV_MAX_SIZE}: {exc}", file=sys.stderr)
-            return 2
-    info = gather(cache_path(args.path), cap)
+    root = cache_path(args.path)
+    if args.max_size is not None:
+        setting = Setting("max_size_bytes", args.max_size, "argument", "--max-size")
+    else:  # the environment, else the cache's own setting: as a cache opened there would
+        setting = next(s for s in effective_settings(root) if s.name == "max_size_bytes")
+    cap = setting.value if isinstance(setting.value, int) else None
+    info = gather(root, cap, setting.source)
     status = 1 if info["problem_count"] else 0
     if args.json:
         print_json(info)
@@ -211,9 +235,9 @@ def run(args: argparse.Namespace) -> int:
         return f"{iso.replace('T', ' ').replace('+00:00', ' UTC')} ({fmt_age(age)} ago)"
 
     if cap:
-        cap_text = f"{fmt_bytes(cap)}, {info['cap_used_percent']}% used"
+        cap_text = f"{fmt_bytes(cap)}, {info['cap_used_percent']}% used ({_CAP_FROM[setting.source]})"
     else:
-        cap_text = f"none (give --max-size or set {ENV_MAX_SIZE})"
+        cap_text = f"none (give --max-size, set {ENV_MAX_SIZE}, or store one with `config PATH max-size 10G`)"
     garbage = [
         plural(info["orphan_blobs"], "orphan blob") + f" ({fmt_bytes(info['orphan_bytes'])})",
         plural(info["invalid_manifests"], "invalid manifest"),
@@ -221,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         plural(info["stale_temp_files"], "stale temp file"),
     ]
     rows = [
-        ("cache", info["path"]),
+        ("cache", info["path"] + ("" if info["exists"] else " (no cache here yet: nothing has been stored)")),
         ("entries", f"{info['entries']:,} ({fmt_bytes(info['logical_bytes'])} if each had its own copy)"),
         (
             "blobs",
@@ -248,6 +272,12 @@ def run(args: argparse.Namespace) -> int:
         ),
         *_counter_rows(info, when),
     ]
+    if info["front_door_records"]:
+        rows.append((
+            "front door",
+            f"{plural(info['front_door_records'], 'record')} of the headers cache.compile() read "
+            f"({fmt_bytes(info['front_door_record_bytes'])} of the unique blobs), each evicted with its binaries",
+        ))  # fmt: skip
     if info["packs"] or info["retired_packs"]:
         rows.append((
             "packs",

@@ -71,8 +71,16 @@ def run(args: argparse.Namespace) -> int:
         for p in report.problems:
             state = " [fixed]" if p.fixed else ""
             print(f"{p.kind}: {p.path}{': ' + p.detail if p.detail else ''}{state}")
+        entries = plural(report.entries, "entry", "entries")
+        packed = ""
+        if report.packs:
+            entries = plural(report.entries, "loose entry", "loose entries")
+            packed = (
+                f", and {plural(report.packs, 'pack')} holding {plural(report.packed_entries, 'entry', 'entries')} "
+                f"({fmt_bytes(report.pack_bytes)})"
+            )
         print(
-            f"checked {plural(report.entries, 'entry', 'entries')} and {plural(report.blobs_checked, 'blob')} "
-            f"({fmt_bytes(report.bytes_checked)}) in {report.elapsed_s:.1f} s: {_tail(report, args.repair)}"
+            f"checked {entries} and {plural(report.blobs_checked, 'blob')} ({fmt_bytes(report.bytes_checked)})"
+            f"{packed} in {report.elapsed_s:.1f} s: {_tail(report, args.repair)}"
         )
     return 1 if report.unfixed else 0

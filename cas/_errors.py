@@ -20,7 +20,10 @@ class LayoutError(CacheError, ValueError):
 
 
 class ReadOnlyCacheError(CacheError, PermissionError):
-    """A write was asked of a cache opened read-only, a shared store, or a directory that cannot be written."""
+    """A removal (``del``, ``clear``, an eviction, a maintenance verb) was asked of a cache that cannot be written.
+
+    A write there is not an error: it is dropped and counted in ``dropped_writes``.
+    """
 
 
 class CollectorBusyError(CacheError):

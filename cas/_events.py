@@ -23,12 +23,12 @@ configure logging, as ccache's ``log_file``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
 
-from ._config import ENV_LOG
+from ._config import ENV_LOG, env_log_file
+from ._fork import ForkSafeLock
 
 __all__ = [
     "LOGGER",
@@ -46,7 +46,7 @@ _perf_ns = time.perf_counter_ns
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
 
 _opened = threading.Event()
-_open_lock = threading.Lock()
+_open_lock = ForkSafeLock()
 
 
 def _us(t0_ns: int) -> int:
@@ -138,7 +138,7 @@ def open_log_file() -> None:
         if _opened.is_set():
             return
         _opened.set()
-        path = os.environ.get(ENV_LOG)
+        path = env_log_file()
         if not path:
             return
         try:

@@ -1,7 +1,8 @@
 """Reference-aware LRU eviction planning: which manifests and blobs to remove to reach a size.
 
 Least recently used manifests go first (recency is the manifest's mtime, which a
-hit refreshes, or this process's own later reads). A blob goes only when the last
+hit refreshes, or this process's own later reads). A front-door record and its
+results go together (:mod:`cas._groups`). A blob goes only when the last
 manifest naming it goes. Garbage manifests and removable orphans go before any
 live entry. Carrying the plan out is :meth:`cas._remove.Remover.execute`'s.
 """
@@ -12,6 +13,7 @@ from collections.abc import Container, Mapping
 
 from ._classify import Condition, classify
 from ._files import FileId
+from ._groups import lru_units, partners_of
 from ._remove import RemovalPlan, removable_orphans
 from ._scan import ManifestInfo, Snapshot
 
@@ -52,20 +54,10 @@ def plan_lru(
             # Garbage costs bytes and serves nothing: it goes first, whatever the target.
             plan.manifests.append(info)
             total -= info.stat.st_size
-    if total <= target_bytes or (cap_bytes is not None and total <= cap_bytes):
-        return plan
-    recent = recency or {}
-
-    def last_use(info: ManifestInfo) -> int:
-        return max(info.stat.st_mtime_ns, recent.get(info.key_id, 0))
-
-    live.sort(key=last_use)
     refs = snap.refs.copy()
-    for info in live:
-        if total <= target_bytes:
-            break
-        if info.key_id in protect:
-            continue
+
+    def remove(info: ManifestInfo) -> None:
+        nonlocal total
         assert info.manifest is not None
         plan.manifests.append(info)
         total -= info.stat.st_size
@@ -73,4 +65,31 @@ def plan_lru(
         refs[digest] -= 1
         if refs[digest] == 0:
             total -= snap.blobs[digest].st_size
+
+    # A live record or result whose partner is garbage serves nothing either (see cas._groups).
+    partners = partners_of(plan.manifests, live, _key_id)
+    if partners:
+        going = {info.key_id for info in partners}
+        live = [info for info in live if info.key_id not in going]
+        for info in partners:
+            remove(info)
+    if total <= target_bytes or (cap_bytes is not None and total <= cap_bytes):
+        return plan
+    recent = recency or {}
+
+    def last_use(info: ManifestInfo) -> int:
+        return max(snap.mtime_ns(info.stat), recent.get(info.key_id, 0))
+
+    # A front-door record and its results are one unit, as recent as its latest member.
+    for unit in lru_units(live, _key_id, last_use):
+        if total <= target_bytes:
+            break
+        if any(info.key_id in protect for info in unit):
+            continue
+        for info in unit:
+            remove(info)
     return plan
+
+
+def _key_id(info: ManifestInfo) -> str:
+    return info.key_id

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 __all__ = [
+    "FUTURE_MTIME_NS",
     "IS_WINDOWS",
     "READ_FLAGS",
     "FileId",
@@ -34,6 +35,7 @@ __all__ = [
     "same_file",
     "scan_sharded",
     "shard_path",
+    "trusted_mtime_ns",
     "with_sharing_retry",
 ]
 
@@ -60,6 +62,25 @@ FileId = tuple[int, int, int, int, int]
 def file_id(st: os.stat_result) -> FileId:
     """The identity of the file ``st`` describes (see :data:`FileId`)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+#: How far ahead of the file system's clock a file time is still believed (a day).
+#: Clocks of nodes and NFS servers differ by seconds, rarely minutes; a time further
+#: ahead comes from a wrong clock (a restored backup, a node years ahead, a clock set
+#: back), and believing it would keep the file "young" or "recent" until that date.
+FUTURE_MTIME_NS = 86_400 * 10**9
+
+
+def trusted_mtime_ns(mtime_ns: int, now_ns: int) -> int:
+    """``mtime_ns`` as every age in the cache is computed from it; ``now_ns``: the file system's clock.
+
+    A time more than :data:`FUTURE_MTIME_NS` ahead of ``now_ns`` counts as 0, the
+    oldest there is: an orphan is past its grace period, a temp file stale, an entry
+    least recently used and expired. One within the day is taken as it is (it is
+    young for at most a day longer than it should be). A hit's touch, or a writer's
+    freshen, sets the time back to now.
+    """
+    return 0 if mtime_ns > now_ns + FUTURE_MTIME_NS else mtime_ns
 
 
 def same_file(path: str, before: FileId) -> bool:

@@ -6,7 +6,10 @@ What goes, in the order it is carried out:
 - invalid manifests (empty, truncated, garbled), dangling ones (blob missing) and
   ones whose size disagrees with their blob's; with ``verify``, the manifests of
   blobs that fail their hash;
-- with ``max_age_s``, entries not used for longer than that;
+- the live partners of those: a front-door record goes with its results, and
+  results with their record (see :mod:`cas._groups`);
+- with ``max_age_s``, entries not used for longer than that (a record and its
+  results when the latest of them was not);
 - with ``max_size``, least recently used entries until the stored bytes are at
   most ``max_size`` (reference-aware: a blob goes with its last manifest);
 - blobs whose last manifest this run removed, unless written or freshened after
@@ -36,6 +39,7 @@ from ._classify import Condition, classify
 from ._errors import CollectorBusyError
 from ._events import collected
 from ._evict import plan_lru
+from ._groups import lru_units, partners_of
 from ._layout import Layout, is_shared_store, stale_temp_files
 from ._maint import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, check_blobs, open_cache
 from ._packmaint import collect_packs
@@ -53,6 +57,7 @@ CATEGORIES = (
     "dangling_manifests",
     "size_mismatch_manifests",
     "corrupt_blob_manifests",
+    "partner_entries",
     "expired_entries",
     "evicted_entries",
     "unreferenced_blobs",
@@ -290,17 +295,31 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
                 report.problem(f"blob {blobs.path_for(digest)} cannot be read: {check.detail}")
     removal.keep_blobs = frozenset(plan.corrupt)
 
-    groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:7]}
+    groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:8]}
     live: list[ManifestInfo] = []
-    expire_before = None if max_age_s is None else snap.started_ns - int(max_age_s * 1e9)
     for info in snap.manifests:
         condition = classify(info, snap, plan.corrupt)
         if condition.bad:
             groups[_CATEGORY_OF[condition]].append(info)
-        elif expire_before is not None and info.stat.st_mtime_ns < expire_before:
-            groups["expired_entries"].append(info)
         else:
             live.append(info)
+    # A front-door record and its results are one unit (see cas._groups): the partners
+    # of a bad one go with it, and a unit expires when its latest member does.
+    bad = [m for name in CATEGORIES[:5] for m in groups[name]]
+    groups["partner_entries"] = partners = partners_of(bad, live, _key_id)
+    if partners:
+        live = [m for m in live if m not in partners]
+    if max_age_s is not None:
+        expire_before = snap.started_ns - int(max_age_s * 1e9)
+
+        def used(info: ManifestInfo) -> int:
+            return snap.mtime_ns(info.stat)  # a time from a wrong clock, a day or more ahead, counts as 0
+
+        for unit in lru_units(live, _key_id, used):
+            if max(map(used, unit)) < expire_before:
+                groups["expired_entries"].extend(unit)
+        expired = {m.key_id for m in groups["expired_entries"]}
+        live = [m for m in live if m.key_id not in expired]
 
     refs: Counter[str] = Counter()
     for info in live:
@@ -313,14 +332,12 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
             kept_blobs.pop(digest)
     if max_size is not None:
         # Entries written after the scan began belong to this run's writers: never chosen.
-        protect_from = snap.cutoff_ns
-        candidates = [m for m in live if m.stat.st_mtime_ns < protect_from]
-        protected = sum(m.stat.st_size for m in live if m.stat.st_mtime_ns >= protect_from)
+        protect = {m.key_id for m in live if snap.mtime_ns(m.stat) >= snap.cutoff_ns}
         for digest in [d for d in kept_blobs if refs[d] == 0 and snap.refs[d]]:
             kept_blobs.pop(digest)  # named only by manifests that go anyway
-        rest = Snapshot(snap.started_ns, candidates, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
+        rest = Snapshot(snap.started_ns, live, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
         grace_ns = int(grace_s * 1e9) if removal.blobs_removable else 1 << 62
-        lru = plan_lru(rest, max(0, max_size - protected), orphan_grace_ns=grace_ns)
+        lru = plan_lru(rest, max_size, orphan_grace_ns=grace_ns, protect=protect)
         groups["evicted_entries"] = [m for m in lru.manifests if m.manifest is not None]
 
     plan.categories = {k: v for k, v in groups.items() if v}
@@ -376,3 +393,7 @@ def _execute(plan: _Plan, report: GcReport, remover: Remover, blobs: BlobStore) 
             continue
         report.blobs_removed += 1
         report.bytes_freed += os.stat(where).st_size
+
+
+def _key_id(info: ManifestInfo) -> str:
+    return info.key_id

@@ -99,6 +99,10 @@ def import_filestream(
     src = os.path.abspath(os.fspath(source))
     entries_dir = os.path.join(src, "entries")
     if not os.path.isdir(src):
+        if os.path.lexists(src):
+            raise LayoutError(
+                f"{src!r} is not a directory: a FileStreamProgramCache is a directory (the one holding entries/)"
+            )
         raise LayoutError(f"no FileStreamProgramCache at {src!r}: no such directory")
     if not os.path.isdir(entries_dir):
         raise LayoutError(f"{src!r} is not a FileStreamProgramCache directory: it has no entries/")

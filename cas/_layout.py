@@ -14,6 +14,7 @@ writing upgrades it in place (see :mod:`cas._upgrade`).
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import logging
 import os
@@ -21,11 +22,12 @@ import stat
 import time
 
 from ._errors import LayoutError
-from ._files import shard_path
-from ._writer import atomic_write
+from ._files import READ_FLAGS, shard_path, trusted_mtime_ns
+from ._writer import atomic_write, make_tmp_dir
 
 __all__ = [
     "LAYOUT_VERSION",
+    "SETTINGS_FILE",
     "STALE_TMP_S",
     "Layout",
     "LayoutState",
@@ -36,6 +38,8 @@ __all__ = [
     "layout_version",
     "mark_shared_store",
     "stale_temp_files",
+    "temp_files",
+    "unwritable_reason",
     "write_layout",
 ]
 
@@ -50,6 +54,8 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cas._lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cas._settings`).
+SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
@@ -66,6 +72,7 @@ _OWN_NAMES = frozenset(
         "gc.lock",
         COUNTERS_FILE,
         COUNTERS_LOCK,
+        SETTINGS_FILE,
         "packs",
     }
 )
@@ -110,12 +117,36 @@ class Layout:
 
 
 def _read_layout(path: str) -> dict[str, object] | None:
-    """The parsed layout file, or None when it is damaged (empty, not JSON, not ours)."""
+    """The parsed layout file, or None when it is damaged (empty, not JSON, not ours, not a regular file).
+
+    Opened without following a symlink and without blocking, so a FIFO put in its
+    place never hangs an open (a FIFO or a symlink is damage, like garbled bytes).
+    Raises ``FileNotFoundError`` when there is none, :class:`LayoutError` when it is
+    a directory (a writable open could not replace it), ``OSError`` when it cannot
+    be read.
+    """
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(4096)
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
+            return None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            root = os.path.dirname(path)
+            raise LayoutError(
+                f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
+                "(`rmdir` it if empty) and open the cache again"
+            )
+        if not stat.S_ISREG(mode):
+            return None
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: thousands of "["
         return None
     if not isinstance(data, dict) or data.get("layout") != LAYOUT_NAME:
         return None
@@ -129,7 +160,7 @@ def layout_version(root: str) -> int | None:
     """The version ``layout.json`` records, or None when it is missing or damaged."""
     try:
         data = _read_layout(os.path.join(root, LAYOUT_FILE))
-    except OSError:
+    except (OSError, LayoutError):
         return None
     if data is None:
         return None
@@ -196,7 +227,7 @@ def is_shared_store(root: str) -> bool:
     """True when ``layout.json`` marks ``root`` as a shared store (``publish`` does)."""
     try:
         data = _read_layout(os.path.join(root, LAYOUT_FILE))
-    except OSError:
+    except (OSError, LayoutError):
         return False
     return data is not None and data.get("shared") is True
 
@@ -248,16 +279,33 @@ def create_layout(root: str) -> None:
     os.makedirs(root, exist_ok=True)
     for sub in (lay.blobs, lay.index):
         os.makedirs(sub, exist_ok=True)
-    os.makedirs(lay.tmp, mode=0o700, exist_ok=True)
+    make_tmp_dir(lay.tmp)
     tag = os.path.join(root, "CACHEDIR.TAG")
     if not os.path.exists(tag):
         atomic_write(tag, _CACHEDIR_TAG, lay.tmp, mode=0o644)
     write_layout(root, lay.tmp, version=LAYOUT_VERSION)
 
 
-def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
-    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
-    cutoff = (time.time() if now is None else now) - STALE_TMP_S
+def unwritable_reason(lay: Layout) -> str | None:
+    """Why this process cannot write the cache at ``lay`` (naming the directory), or None when it can.
+
+    Asks ``access(2)``, which knows both permissions and read-only mounts, of the
+    root and of the directories a write goes through; ``statvfs`` says which.
+    """
+    for directory in (lay.root, lay.index, lay.blobs, lay.tmp):
+        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
+            why = "permission denied"
+            try:
+                if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                    why = "read-only filesystem"
+            except (OSError, AttributeError):
+                pass
+            return f"{why}: {directory}"
+    return None
+
+
+def temp_files(tmp_dir: str) -> list[tuple[str, os.stat_result]]:
+    """Every file in ``tmp_dir`` (writes in flight and crashed writers' leftovers), with its stat."""
     found = []
     try:
         with os.scandir(tmp_dir) as it:
@@ -266,8 +314,15 @@ def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, 
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISDIR(st.st_mode) and st.st_mtime < cutoff:
+                if not stat.S_ISDIR(st.st_mode):
                     found.append((entry.path, st))
     except OSError:
         pass
     return found
+
+
+def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
+    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
+    now_ns = time.time_ns() if now is None else int(now * 1e9)
+    cutoff = now_ns - int(STALE_TMP_S * 1e9)
+    return [(path, st) for path, st in temp_files(tmp_dir) if trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff]

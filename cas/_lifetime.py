@@ -66,6 +66,7 @@ from stat import S_ISREG
 
 from ._errors import CacheError
 from ._files import READ_FLAGS, NotRegularFile
+from ._fork import after_fork, after_fork_call
 from ._layout import Layout
 from ._writer import atomic_write
 
@@ -102,6 +103,9 @@ _LOCK_FLAGS = (
     os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 )
 _LINE_RE = re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
+
+#: Descriptors of ``counters.lock`` open in this process (closed in a forked child).
+_LOCK_FDS: set[int] = set()
 
 #: ``source(lock)``: an instance's counts now (``lock=False`` after a fork).
 Source = Callable[[bool], Mapping[str, int]]
@@ -211,6 +215,7 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
             lock.release()
         return
     fd = os.open(path, _LOCK_FLAGS, 0o600)
+    _LOCK_FDS.add(fd)  # a child forked meanwhile closes its copy
     try:
         deadline = time.monotonic() + wait_s
         pause = 0.001
@@ -224,8 +229,14 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
                     raise _Busy from None
                 time.sleep(min(pause, left))  # holders keep it for microseconds
                 pause = min(2 * pause, 0.05)
-        yield  # closing the descriptor releases the lock
+        try:
+            yield
+        finally:
+            # Explicitly: closing releases an flock only once every copy of the
+            # descriptor is closed, and a child forked meanwhile holds one.
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
+        _LOCK_FDS.discard(fd)
         os.close(fd)
 
 
@@ -285,7 +296,7 @@ class Recorder:
         self._flushed = dict.fromkeys(NAMES, 0)  # a new instance has counted nothing yet
         self._mutex = threading.Lock()
         self._failed: set[int] = set()
-        _LIVE.add(self)
+        after_fork(self)
 
     def attach(self, owner: object) -> None:
         """Flush when ``owner`` is garbage collected, or at interpreter exit if it is still alive."""
@@ -351,13 +362,12 @@ class Recorder:
             exc,
         )
 
-    def _after_fork(self) -> None:
+    def _after_fork_in_child(self) -> None:
         # The child starts from what the parent counted (the parent records that).
         self._mutex = threading.Lock()
         self._flushed = dict(self._source(False))
 
 
-_LIVE: weakref.WeakSet[Recorder] = weakref.WeakSet()
 #: Recorders whose last flush failed (a busy lock), tried once more at exit.
 _PENDING: list[Recorder] = []
 
@@ -376,11 +386,14 @@ def _flush_pending() -> None:
 atexit.register(_flush_pending)
 
 
+@after_fork_call
 def _after_fork_in_child() -> None:
     _PENDING.clear()  # the parent tries those
-    for recorder in list(_LIVE):
-        recorder._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    # A thread of the parent was inside a flush: its descriptor of counters.lock came
+    # along, and while open it would hold the flock for the child's whole life (the
+    # parent's close releases only its own copy). Closing it here releases nothing
+    # the parent holds.
+    for fd in list(_LOCK_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ._blobs import BlobCheck, BlobStore
 from ._errors import LayoutError, ReadOnlyCacheError
-from ._layout import Layout, LayoutState, check_layout, damaged_layout_error
+from ._layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
 from ._remove import Remover
 from ._scan import Snapshot
 
@@ -65,15 +65,9 @@ def open_cache(
 
 def check_writable(lay: Layout, purpose: str) -> None:
     """Raise :class:`ReadOnlyCacheError` when the cache's directories cannot be written."""
-    for directory in (lay.root, lay.index, lay.blobs):
-        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
-            why = "permission denied"
-            try:
-                if os.statvfs(directory).f_flag & os.ST_RDONLY:
-                    why = "read-only filesystem"
-            except (OSError, AttributeError):
-                pass
-            raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why}: {directory})")
+    why = unwritable_reason(lay)
+    if why is not None:
+        raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why})")
 
 
 def check_blobs(

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 from ._files import READ_FLAGS
+from ._fork import after_fork, after_fork_call
 from ._layout import Layout
 
 __all__ = [
@@ -275,8 +276,7 @@ class _DescriptorPool:
 
 
 _POOL = _DescriptorPool()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_POOL.after_fork_in_child)
+after_fork_call(_POOL.after_fork_in_child)
 
 
 def open_packs() -> int:
@@ -345,6 +345,10 @@ class PackReader:
         self._lock = threading.Lock()
         self._fd = fd
         _POOL.add(self)
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # see cas._fork; the descriptor pool resets its own
 
     def _reopen(self) -> int:
         """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
@@ -458,6 +462,19 @@ class PackSet:
         self._listed_at = float("-inf")
         self._lock = threading.Lock()
         self._map_lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # See cas._fork. A thread of the parent may have been half way through an update of
+        # the map: the child lists packs/ again and rebuilds it at its first lookup.
+        self._lock = threading.Lock()
+        self._map_lock = threading.Lock()
+        self._open = {}
+        self._paths = []
+        self._where = {}
+        self._large = []
+        self._rank = {}
+        self._listed_at = float("-inf")
 
     def _refresh(self) -> None:
         now = time.monotonic()

@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ._files import trusted_mtime_ns
 from ._layout import Layout
 from ._pack import PackError, PackReader, list_packs
 from ._remove import Remover
@@ -68,8 +69,9 @@ def collect_packs(
     """Collect what repacks replaced and apply ages and sizes to packed entries (``remover`` None: plan only)."""
     result = PackGcResult()
     now = time.time()
+    now_ns = time.time_ns()
     for path, st in _retired(lay):
-        if st.st_mtime < now - grace_s:
+        if trusted_mtime_ns(st.st_mtime_ns, now_ns) < now_ns - int(grace_s * 1e9):
             result.retired_removed += 1
             result.retired_bytes += st.st_size
             if remover is not None:
@@ -87,8 +89,9 @@ def collect_packs(
         covered: dict[str, tuple[str, float]] = {}
         entries = []
         for reader in readers:
+            packed_at = trusted_mtime_ns(int(reader.mtime * 1e9), now_ns) / 1e9
             for entry in reader.entries():
-                covered.setdefault(entry.key_id, (entry.digest, reader.mtime))
+                covered.setdefault(entry.key_id, (entry.digest, packed_at))
                 entries.append(entry)
     finally:
         for reader in readers:
@@ -108,11 +111,12 @@ def collect_packs(
     # Ages and sizes: repack without what goes.
     drop: set[str] = set()
     if max_age_s is not None:
-        cutoff = time.time_ns() - int(max_age_s * 1e9)
-        drop.update(e.key_id for e in entries if e.time_ns < cutoff)
+        cutoff = now_ns - int(max_age_s * 1e9)
+        drop.update(e.key_id for e in entries if trusted_mtime_ns(e.time_ns, now_ns) < cutoff)
     if max_size is not None:
         total = 0
-        for entry in sorted(entries, key=lambda e: e.time_ns, reverse=True):  # newest kept first
+        newest_first = sorted(entries, key=lambda e: trusted_mtime_ns(e.time_ns, now_ns), reverse=True)
+        for entry in newest_first:
             if entry.key_id in drop:
                 continue
             total += entry.size

@@ -12,7 +12,9 @@ again.
 Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
 unreadable file is a miss, counted. A writable cache removes what it proves bad
 (through :class:`cas._remove.Remover`); a read-only one or a shared store only
-reads. One :class:`Reader` is safe to share between threads. Each miss leaves
+reads. Clean-up that cannot be done (a read-only remount, a ``quarantine/`` that
+cannot take a blob) leaves the lookup a miss all the same, and is said once.
+One :class:`Reader` is safe to share between threads. Each miss leaves
 its reason for the thread that met it (:meth:`Reader.miss_reason`), set on the
 miss paths only.
 """
@@ -43,12 +45,13 @@ from ._files import (
     shard_path,
     with_sharing_retry,
 )
+from ._fork import after_fork
 from ._layout import Layout
 from ._remove import Remover
 from ._stats import Counters
 from ._touch import TOUCH_INTERVAL_NS, Touches
 
-__all__ = ["Reader"]
+__all__ = ["Reader", "Uncached"]
 
 _log = logging.getLogger("cas")
 
@@ -106,6 +109,13 @@ class Reader:
         self._reads: dict[str, int] = {}
         self._holds_since_aging = 0
         self._why = threading.local()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # What the parent held stays held (its bytes are verified); a thread of the
+        # parent may have been between changing ``_held`` and its byte count.
+        self._held_lock = threading.Lock()
+        self._held_bytes = sum(len(data) for _, data in self._held.values())
 
     def missed(self, reason: str) -> None:
         """Record why this thread's lookup missed (see :mod:`cas._events` for the wording)."""
@@ -382,9 +392,11 @@ class Reader:
             return
         try:
             st = os.fstat(mfd)
-        except OSError:
-            return
-        self._remover.manifest(kid, st)
+            self._remover.manifest(kid, st)
+        except OSError as exc:
+            # A read-only remount, permissions: the lookup is a miss all the same.
+            self._counters.add("errors")
+            self._note("cannot remove a bad manifest", exc.errno or 0, f"{self._lay.manifest_path(kid)}: {exc}")
 
     def _read_failed(self, exc: OSError, path: str) -> None:
         if isinstance(exc, NotRegularFile):
@@ -413,12 +425,52 @@ class Reader:
             self._note("corrupt blob", 0, self._lay.blob_path(digest))
             return
         try:
-            bst: os.stat_result | None = os.fstat(bfd)
-        except OSError:
-            bst = None
-        where = self._remover.quarantine(digest, bst) if bst is not None else None
-        _log.warning("cuda-program-cas: blob %s failed verification; moved to %s", digest, where)
+            bst = os.fstat(bfd)
+            where = self._remover.quarantine(digest, bst)
+        except OSError as exc:
+            self._set_aside_failed(digest, bfd, exc)
+        else:
+            done = f"moved to {where}" if where else "left alone (it changed meanwhile)"
+            _log.warning("cuda-program-cas: blob %s failed verification; %s", digest, done)
         self._remove_manifest(kid, mfd)
+
+    def _set_aside_failed(self, digest: str, bfd: int, exc: OSError) -> None:
+        """A bad blob that ``quarantine/`` cannot take (no inode left, not a directory, another disk): remove it.
+
+        Only if it is still the file read. On a read-only file system it stays:
+        every lookup of it hashes it and misses, and that is said once.
+        """
+        assert self._remover is not None
+        try:
+            removed = self._remover.blob(digest, seen=file_id(os.fstat(bfd)))
+        except OSError as again:
+            self._counters.add("errors")
+            self._note(
+                "bad blob stays",
+                again.errno or 0,
+                f"blob {digest} failed verification and can be neither moved to quarantine/ ({exc}) nor removed "
+                f"({again}); it stays, and every lookup of it is a miss",
+            )
+            return
+        done = "removed it" if removed else "left alone (it changed meanwhile)"
+        _log.warning(
+            "cuda-program-cas: blob %s failed verification; quarantine/ cannot take it (%s), so %s", digest, exc, done
+        )
+
+
+class Uncached(Reader):
+    """The reader of a cache that could not be created or laid out: every lookup is a miss, nothing is read.
+
+    Nothing is read on a guess: a directory without a valid ``layout.json`` is not
+    known to be a cache.
+    """
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None:
+        self._why.reason = "cache not usable (it could not be created or laid out)"
+        return None
+
+    def current_digest(self, kid: str) -> str | None:
+        return None
 
 
 def _hashes_to(fd: int, digest: str) -> bool:

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ._files import FileId, file_id, is_sharing_violation, same_file, with_sharing_retry
+from ._files import FileId, file_id, is_sharing_violation, same_file, trusted_mtime_ns, with_sharing_retry
 from ._layout import Layout, stale_temp_files
 from ._scan import ManifestInfo, Snapshot
 
@@ -115,7 +115,8 @@ def removable_orphans(snap: Snapshot, grace_ns: int, retired: dict[str, FileId] 
     """
     cutoff = snap.started_ns - grace_ns
     retired = retired or {}
-    return [d for d in snap.orphans() if snap.blobs[d].st_mtime_ns < cutoff or retired.get(d) == file_id(snap.blobs[d])]
+    blobs = snap.blobs
+    return [d for d in snap.orphans() if snap.mtime_ns(blobs[d]) < cutoff or retired.get(d) == file_id(blobs[d])]
 
 
 class Remover:
@@ -160,7 +161,8 @@ class Remover:
             st = os.lstat(path)
         except FileNotFoundError:
             return 0
-        if st.st_mtime_ns >= cutoff_ns and (seen is None or file_id(st) != seen):
+        # A time more than a day past the scan's clock is no freshen since the scan: a wrong clock's.
+        if trusted_mtime_ns(st.st_mtime_ns, cutoff_ns) >= cutoff_ns and (seen is None or file_id(st) != seen):
             return 0
         return st.st_size if self._unlink(path) else 0
 

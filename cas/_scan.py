@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from cuda_program_cas_index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-from ._files import fs_now, read_regular, scan_sharded
+from ._files import fs_now, read_regular, scan_sharded, trusted_mtime_ns
+from ._layout import temp_files
 
 __all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
 
@@ -45,6 +46,9 @@ class Snapshot:
     #: Manifest files that exist but could not be read (EACCES, EIO): the blobs
     #: they name are unknown, so no blob can be proven unreferenced.
     unreadable: list[str] = field(default_factory=list)
+    #: Bytes of the files in ``tmp/`` when the scan asked for them (the size cap does):
+    #: writes in flight and crashed writers' leftovers take disk too.
+    temp_bytes: int = 0
     #: The file system's clock when the scan began: a file whose mtime is below it
     #: was last written or touched before the scan. Without a clock reading (a
     #: read-only cache), the process clock less :data:`CLOCK_SLACK_NS`.
@@ -53,6 +57,11 @@ class Snapshot:
     def __post_init__(self) -> None:
         if not self.cutoff_ns:
             self.cutoff_ns = self.started_ns - CLOCK_SLACK_NS
+
+    def mtime_ns(self, st: os.stat_result) -> int:
+        """The mtime of ``st`` as ages are judged: more than a day ahead of the scan's clock, 0 (see
+        :func:`cas._files.trusted_mtime_ns`)."""
+        return trusted_mtime_ns(st.st_mtime_ns, self.cutoff_ns)
 
     @property
     def manifest_bytes(self) -> int:
@@ -64,8 +73,8 @@ class Snapshot:
 
     @property
     def stored_bytes(self) -> int:
-        """What the size cap counts: every blob once, plus every manifest."""
-        return self.blob_bytes + self.manifest_bytes
+        """What the size cap counts: every blob once, plus every manifest (and :attr:`temp_bytes`)."""
+        return self.blob_bytes + self.manifest_bytes + self.temp_bytes
 
     @property
     def logical_bytes(self) -> int:
@@ -77,14 +86,21 @@ class Snapshot:
 
 
 def take_snapshot(
-    index_dir: str, blobs_dir: str, *, read_manifests: bool = True, clock_dir: str | None = None
+    index_dir: str,
+    blobs_dir: str,
+    *,
+    read_manifests: bool = True,
+    clock_dir: str | None = None,
+    temp_dir: str | None = None,
 ) -> Snapshot:
-    """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``.
+    """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``, then ``temp_dir``.
 
     Manifests first: a blob written after its manifest was scanned is then seen as
     referenced or young, never as an old orphan. ``clock_dir`` (the cache's
     ``tmp/``, when it may be written) gives the file system's clock at the start,
-    as :attr:`Snapshot.cutoff_ns`.
+    as :attr:`Snapshot.cutoff_ns`. ``temp_dir`` (the cache's ``tmp/``, for the size
+    cap) is counted in :attr:`Snapshot.temp_bytes`; last, so that a temp file renamed
+    into a blob meanwhile is counted once at most.
     """
     # The file system's clock first: anything that starts after ``started`` (a
     # writer's temp file, a freshen) then carries an mtime of at least the cutoff.
@@ -112,4 +128,6 @@ def take_snapshot(
         snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced))
     for digest, _path, st in scan_sharded(blobs_dir):
         snap.blobs[digest] = st
+    if temp_dir is not None:
+        snap.temp_bytes = sum(st.st_size for _, st in temp_files(temp_dir))
     return snap

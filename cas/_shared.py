@@ -20,11 +20,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 
 from ._errors import LayoutError
 from ._files import ShardGuard
+from ._fork import ForkSafeLock
 from ._layout import Layout, LayoutState, check_layout
 from ._pack import PackSet
 from ._reader import Reader
@@ -45,7 +45,7 @@ _DENIED_ERRNOS = frozenset((errno.EACCES, errno.EPERM))
 #: Shared stores this process has looked at, and those it has warned about (by path).
 _seen: set[str] = set()
 _warned: set[str] = set()
-_seen_lock = threading.Lock()
+_seen_lock = ForkSafeLock()
 
 
 def _first_look(root: str) -> bool:

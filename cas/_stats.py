@@ -6,6 +6,8 @@ import itertools
 import threading
 from dataclasses import dataclass, fields
 
+from ._fork import after_fork
+
 __all__ = ["CacheStats", "Counters"]
 
 
@@ -24,7 +26,7 @@ class CacheStats:
     blobs: int
     #: Sum of the sizes of all entries, as if each key had its own copy.
     logical_bytes: int
-    #: What the size cap counts: unique blob bytes plus manifest bytes.
+    #: Unique blob bytes plus manifest bytes: what the size cap counts (it adds the files in ``tmp/``, none at rest).
     stored_bytes: int
     #: Unique blob bytes: each distinct binary once.
     blob_bytes: int
@@ -68,10 +70,11 @@ class Counters:
     microsecond per hit. The other counts take a lock.
     """
 
-    __slots__ = ("_hits", "_lock", "hit", *(n for n in _COUNTER_NAMES if n != "hits"))
+    __slots__ = ("__weakref__", "_hits", "_lock", "hit", *(n for n in _COUNTER_NAMES if n != "hits"))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        after_fork(self)
         self._hits = itertools.count()
         for name in _COUNTER_NAMES:
             if name != "hits":
@@ -91,6 +94,10 @@ class Counters:
             return
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
+
+    def _after_fork_in_child(self) -> None:
+        # The counts stay: a child starts from its parent's (its recorder records only what it adds).
+        self._lock = threading.Lock()
 
     def as_dict(self, *, lock: bool = True) -> dict[str, int]:
         """The counts by name; ``lock=False`` reads without the lock (after a fork, where it may be held)."""

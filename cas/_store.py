@@ -5,6 +5,12 @@ path), the writer (the one write protocol), the remover, the size cap, and the
 shared stores looked up (read-only) after the local one.
 ``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
 
+What is not bad input never raises into the caller: a lookup is a hit or a miss,
+a write lands or is dropped and counted. A directory this process cannot write
+is opened read-only, one it cannot create is uncached (every lookup a miss), each
+with one WARNING per process; ``del`` and ``clear`` there raise
+:class:`cas.ReadOnlyCacheError`.
+
 It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
 writable, records the counts in the cache's lifetime counters
 (:mod:`cas._lifetime`); every lookup and write gets a DEBUG record on the ``cas``
@@ -13,6 +19,7 @@ logger (:mod:`cas._events`), built only when DEBUG is on.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -26,20 +33,22 @@ from cuda_program_cas_index import Manifest, key_id
 
 from ._blobs import BlobStore, digest_of
 from ._cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
-from ._config import validate_max_size
+from ._config import NOT_GIVEN, validate_max_size, warn_once
 from ._errors import LayoutError, ReadOnlyCacheError
 from ._events import lookup_hit, lookup_missed, open_log_file, wrote
 from ._files import FileId, ShardGuard
-from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error
+from ._fork import after_fork
+from ._layout import Layout, LayoutState, check_layout, create_layout, damaged_layout_error, unwritable_reason
 from ._lifetime import FLUSH_INTERVAL_S, Recorder
-from ._reader import Reader
+from ._reader import Reader, Uncached
 from ._remove import RemovalPlan, RemovalResult, Remover, removable_orphans
 from ._scan import Snapshot, take_snapshot
+from ._settings import stored_max_size
 from ._shared import SharedStore
 from ._stats import CacheStats, Counters
 from ._touch import apply_pending, ensure_thread
 from ._upgrade import upgrade_if_needed
-from ._writer import DROP_ERRNOS, Writer, WriteResult
+from ._writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, Writer, WriteResult
 
 __all__ = ["CacheStore"]
 
@@ -52,26 +61,46 @@ _monotonic = time.monotonic
 _MANIFEST_MAX_BYTES = len(Manifest("0" * 64, 10**16 - 1, "0" * 64).encode())
 #: A manifest's bytes less the digits of its size.
 _MANIFEST_BASE_BYTES = len(Manifest("0" * 64, 0, "0" * 64).encode()) - 1
+#: Errors of a cache that cannot be laid out for want of space: opened uncached, like an unwritable one.
+_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+#: What to do about a write dropped for these reasons (said once, with the first such drop).
+_DROP_HINTS = {
+    errno.EXDEV: "; blobs/, index/ or tmp/ is on another file system than tmp/: keep tmp/ on the same disk",
+    errno.EROFS: "; the file system is read-only: writes are dropped until it is writable again",
+    errno.EACCES: "; this process may not write there: writes are dropped",
+}
+
+
+def _warn_once(root: str, what: str) -> None:
+    """One WARNING per cache directory per process: it cannot be written."""
+    warn_once(
+        ("unwritable", root),
+        "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)",
+        root,
+        what,
+    )
 
 
 class CacheStore:
     """A content-addressed cache directory, optionally layered over shared stores.
 
     Parameters are those of :class:`cas.ContentAddressedProgramCache`, except that
-    this class stores ``bytes`` only and reads no environment variables. One
-    instance is safe to share between threads.
+    this class stores ``bytes`` only and reads no environment variables: a
+    ``max_size_bytes`` not given is the cap stored in the cache (``cuda-program-cas
+    config``), if any. One instance is safe to share between threads.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        max_size_bytes: int | None = None,
+        max_size_bytes: int | None = NOT_GIVEN,
         read_only: bool = False,
         shared: Iterable[str | os.PathLike[str]] = (),
         copy_shared_hits: bool = True,
     ) -> None:
-        self._max = validate_max_size(max_size_bytes)
+        from_cache = max_size_bytes is NOT_GIVEN
+        self._max = None if from_cache else validate_max_size(max_size_bytes)
         root = os.fspath(path)
         if not isinstance(root, str) or root == "":
             raise ValueError(f"cache path must be a non-empty path, got {path!r}")
@@ -88,6 +117,9 @@ class CacheStore:
         problems = _Problems(self.root, self._counters)
         self._note = problems.note
         self._guard = ShardGuard(problems.strange_shard)
+        #: Why a writable open became read-only ("" when it did not).
+        self._why_read_only = ""
+        usable = True
         if self.read_only:
             state = check_layout(self.root)
             if state is LayoutState.MISSING:
@@ -95,14 +127,13 @@ class CacheStore:
             if state is LayoutState.DAMAGED:
                 raise damaged_layout_error(self.root)
         else:
-            create_layout(self.root)
-            if not os.access(self.root, os.W_OK):
-                raise ReadOnlyCacheError(
-                    f"cache directory {self.root!r} is not writable; open it with read_only=True to use it as is"
-                )
+            usable = self._open_writable(lay)
+        if from_cache and usable:
+            self._max = stored_max_size(self.root)
         self._remover = None if self.read_only else Remover(lay)
         self._writer = None if self.read_only else Writer(lay, guard=self._guard)
-        self._reader = Reader(lay, self._counters, self._guard, self._remover, note=self._note)
+        kind = Reader if usable else Uncached
+        self._reader = kind(lay, self._counters, self._guard, self._remover, note=self._note)
         if self._reader.touches is not None:
             weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
         self.blobs = BlobStore(lay.blobs)
@@ -114,6 +145,7 @@ class CacheStore:
             reader = self._reader
             self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
         self._clear_lock = threading.Lock()
+        after_fork(self)
         self.shared: tuple[SharedStore, ...] = tuple(SharedStore(p) for p in shared)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
@@ -123,6 +155,34 @@ class CacheStore:
             self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+
+    def _after_fork_in_child(self) -> None:
+        self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+
+    def _open_writable(self, lay: Layout) -> bool:
+        """Lay the cache out if needed; one this process cannot write is opened read-only instead.
+
+        Returns False when there is no cache to read either (it could not be
+        created, or its ``layout.json`` is damaged and cannot be rewritten): the
+        store is then uncached, a read-only store whose every lookup misses. Either
+        way one WARNING per process names the directory and the reason.
+        """
+        try:
+            create_layout(self.root)
+        except OSError as exc:
+            if exc.errno not in UNWRITABLE_ERRNOS and exc.errno not in _FULL_ERRNOS:
+                raise
+            why = f"{exc.strerror or exc}: {exc.filename or self.root}"
+            self.read_only = True
+            self._why_read_only = f"could not be created ({why})"
+            _warn_once(self.root, f"cannot be created or laid out ({why}); running uncached: every lookup is a miss")
+            return False
+        why_not = unwritable_reason(lay)
+        if why_not is not None:
+            self.read_only = True
+            self._why_read_only = f"cannot be written ({why_not})"
+            _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
+        return True
 
     # -- lookups -----------------------------------------------------------------
 
@@ -144,21 +204,15 @@ class CacheStore:
     def _get_shared(self, kid: str, t0: int) -> bytes | None:
         """After a local miss: the shared stores in order, then the miss (``t0``: a record is due)."""
         reasons = [("local", self._reader.miss_reason())] if t0 else None
-        for store in self.shared:
-            found = store.lookup(kid)
-            if found is not None:
-                data, digest = found
-                self._counters.add("hits")
-                self._counters.add("shared_hits")
-                if self._copy_shared and self._writer is not None:
-                    self._copy_in(kid, data, digest)
-                if t0:
-                    lookup_hit(self.root, kid, f"shared {store.root}", t0)
-                if _monotonic() >= self._flush_at:
-                    self._flush_on_the_way()
-                return data
-            if reasons is not None:
-                reasons.append((f"shared {store.root}", store.miss_reason()))
+        found = self._find_shared(kid, reasons)
+        if found is not None:
+            self._counters.add("hits")
+            self._counters.add("shared_hits")
+            if t0:
+                lookup_hit(self.root, kid, f"shared {found[1]}", t0)
+            if _monotonic() >= self._flush_at:
+                self._flush_on_the_way()
+            return found[0]
         self._counters.add("misses")
         if reasons is not None:
             lookup_missed(self.root, kid, t0, reasons)
@@ -166,15 +220,61 @@ class CacheStore:
             self._flush_on_the_way()
         return None
 
-    def note_miss(self, key: object, reason: str, *, t0_ns: int = 0) -> None:
-        """Count a miss that the caller decided itself, and record it with ``reason``.
+    def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
+        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None."""
+        for store in self.shared:
+            found = store.lookup(kid)
+            if found is not None:
+                data, digest = found
+                if self._copy_shared and self._writer is not None:
+                    self._copy_in(kid, data, digest)
+                return data, store.root
+            if reasons is not None:
+                reasons.append((f"shared {store.root}", store.miss_reason()))
+        return None
 
-        For a front door that finds an entry it cannot use (a header changed since it
-        was stored); ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
+    # -- lookups for callers that count their own ------------------------------------
+
+    def find(self, kid: str) -> tuple[bytes, str | None] | None:
+        """The verified bytes under key id ``kid``, and where: None for local, else a shared store's root.
+
+        Counts neither a hit nor a miss and logs no lookup record. It serves a
+        caller that answers one request from several entries (the front door's
+        record and result) and reports that request once, with :meth:`note_hit`
+        or :meth:`note_miss`.
+        """
+        found = self._reader.lookup(kid)
+        if found is not None:
+            return found[0], None
+        return self._find_shared(kid, None)
+
+    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0) -> None:
+        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from)."""
+        self._counters.hit()
+        if shared is not None:
+            self._counters.add("shared_hits")
+        if _log.isEnabledFor(_DEBUG):
+            lookup_hit(self.root, kid, "local" if shared is None else f"shared {shared}", t0_ns or _perf_ns())
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
+        """Count one miss that the caller decided itself, and record it with ``reason``.
+
+        For the front door: new inputs, or a header changed since the entry was
+        stored. ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
         """
         self._counters.add("misses")
         if _log.isEnabledFor(_DEBUG):
-            lookup_missed(self.root, key_id(key), t0_ns or _perf_ns(), [("local", reason)])
+            lookup_missed(self.root, kid, t0_ns or _perf_ns(), [("local", reason)])
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_dropped(self, kid: str | None, reason: str) -> None:
+        """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
+        self._counters.add("dropped_writes")
+        if _log.isEnabledFor(_DEBUG):
+            wrote(self.root, kid or "-" * 12, "dropped", 0, _perf_ns(), reason=reason)
 
     def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
         """Keep a verified shared hit locally, so later reads stay local. Best effort."""
@@ -187,24 +287,35 @@ class CacheStore:
     # -- writes ------------------------------------------------------------------
 
     def _refuse(self, what: str) -> ReadOnlyCacheError:
-        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} was opened read-only")
+        how = self._why_read_only or "was opened read-only"
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} {how}")
 
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cas.WriteResult` says how (``DROPPED``: not stored).
 
-        Raises :class:`cas.ReadOnlyCacheError` on a read-only cache, ``TypeError``
-        for a key that is not ``str``/``bytes`` or data that is not ``bytes``.
+        A write that cannot land is dropped and counted in ``dropped_writes``: on a
+        read-only cache, a full disk, a directory this process may not write or
+        that went read-only, a ``blobs/`` or ``tmp/`` moved to another disk. Raises
+        ``TypeError`` for a key that is not ``str``/``bytes`` or data that is not
+        ``bytes``.
         """
-        kid = key_id(key)
+        return self.put_id(key_id(key), data)
+
+    def put_id(self, kid: str, data: bytes) -> WriteResult:
+        """:meth:`put` under a key id the caller derived itself (the front door's grouped ids)."""
         if not isinstance(data, bytes):
             raise TypeError(
                 f"CacheStore stores bytes, got {type(data).__name__} (other bytes-like values or ObjectCode "
                 "go through ContentAddressedProgramCache)"
             )
-        if self._writer is None:
-            raise self._refuse("store an entry")
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
-        result, why = self._store(kid, data)
+        why: str | None
+        if self._writer is None:
+            # As ccache and sccache in their read-only modes: the caller keeps its program.
+            self._counters.add("dropped_writes")
+            result, why = WriteResult.DROPPED, "read-only cache"
+        else:
+            result, why = self._store(kid, data)
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:
@@ -221,10 +332,10 @@ class CacheStore:
         try:
             result = self._commit(kid, data, digest_of(data))
         except OSError as exc:
-            if exc.errno not in DROP_ERRNOS:
+            if exc.errno not in DROP_ERRNOS and exc.errno not in UNWRITABLE_ERRNOS:
                 raise
             self._counters.add("dropped_writes")
-            self._note("write dropped", exc.errno or 0, str(exc))
+            self._note("write dropped", exc.errno or 0, f"{exc}{_DROP_HINTS.get(exc.errno or 0, '')}")
             return WriteResult.DROPPED, str(exc)
         if not result:
             self._counters.add("dropped_writes")
@@ -266,16 +377,21 @@ class CacheStore:
 
     def delete(self, key: object) -> None:
         """Remove ``key``; ``KeyError`` if absent. A blob no other key names goes at the next collection."""
-        kid = key_id(key)
+        if not self.delete_id(key_id(key)):
+            raise KeyError(key)
+
+    def delete_id(self, kid: str) -> bool:
+        """:meth:`delete` by key id; False when there was no such entry."""
         if self._remover is None:
             raise self._refuse("delete a key")
         if not self._guard.ok(self.layout.index, kid):
-            raise KeyError(key)
+            return False
         before = self._reader.current_digest(kid)
         if not self._remover.manifest(kid):
-            raise KeyError(key)
+            return False
         if before is not None:
             self._remover.retire(before)
+        return True
 
     def clear(self) -> None:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""

@@ -33,6 +33,9 @@ import time
 import weakref
 from collections import deque
 
+from ._files import trusted_mtime_ns
+from ._fork import after_fork
+
 __all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
@@ -71,8 +74,9 @@ class Touches:
             except IndexError:
                 return done
             try:
-                if time.time_ns() - os.lstat(path).st_mtime_ns < TOUCH_INTERVAL_NS:
-                    continue
+                now = time.time_ns()
+                if now - trusted_mtime_ns(os.lstat(path).st_mtime_ns, now) < TOUCH_INTERVAL_NS:
+                    continue  # touched within the second (or ahead by less than a day)
                 if _NOFOLLOW:
                     os.utime(path, follow_symlinks=False)
                 else:
@@ -140,5 +144,4 @@ def apply_pending() -> None:
 
 
 atexit.register(_FLUSHER.apply_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_FLUSHER._after_fork_in_child)
+after_fork(_FLUSHER)

@@ -22,7 +22,7 @@ from ._blobs import BlobState, BlobStore
 from ._classify import classify, describe
 from ._layout import LayoutState, create_layout, stale_temp_files
 from ._maint import ProgressFn, check_blobs, open_cache
-from ._packmaint import verify_packs
+from ._packmaint import pack_stats, verify_packs
 from ._scan import Snapshot, take_snapshot
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -77,6 +77,10 @@ class VerifyReport:
     blobs_checked: int = 0
     bytes_checked: int = 0
     orphan_blobs: int = 0
+    #: The packs whose every blob was hashed too (a packed store), their entries and bytes.
+    packs: int = 0
+    packed_entries: int = 0
+    pack_bytes: int = 0
     elapsed_s: float = 0.0
     problems: list[Problem] = field(default_factory=list)
 
@@ -93,6 +97,9 @@ class VerifyReport:
             "blobs_checked": self.blobs_checked,
             "bytes_checked": self.bytes_checked,
             "orphan_blobs": self.orphan_blobs,
+            "packs": self.packs,
+            "packed_entries": self.packed_entries,
+            "pack_bytes": self.pack_bytes,
             "elapsed_s": round(self.elapsed_s, 3),
             "problems_found": len(self.problems),
             "problems_fixed": len(self.problems) - self.unfixed,
@@ -150,6 +157,12 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
             except OSError as exc:
                 problem.detail += f"; cannot remove: {exc.strerror}"
         report.problems.append(problem)
+    packs = pack_stats(lay)  # before verify_packs: what it checks, also a pack it moves aside
+    report.packs, report.packed_entries, report.pack_bytes = (
+        packs["packs"],
+        packs["packed_entries"],
+        packs["pack_bytes"],
+    )
     for kind, path, detail, fixed in verify_packs(lay, repair=remover is not None):
         report.problems.append(Problem(kind, path, detail, fixed))
     report.orphan_blobs = len(snap.orphans())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import errno
 import itertools
+import logging
 import os
 import secrets
 import stat
@@ -34,6 +35,7 @@ from blake3 import blake3
 from cuda_program_cas_index import Manifest
 
 from ._files import SizeMismatch, is_sharing_violation, read_regular, with_sharing_retry
+from ._fork import after_fork_call
 
 if TYPE_CHECKING:
     from ._files import ShardGuard
@@ -41,23 +43,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DROP_ERRNOS",
+    "UNWRITABLE_ERRNOS",
     "BlobWrite",
     "WriteResult",
     "Writer",
     "atomic_write",
     "current_umask",
+    "make_tmp_dir",
     "sync_filesystem",
 ]
 
+_log = logging.getLogger("cas")
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
 _HAVE_FCHMOD = hasattr(os, "fchmod")
 
 #: Write failures that drop the write instead of failing the caller: the disk is
-#: full, or something that is not ours is in the way of a file (a directory where a
-#: blob or manifest belongs). Permission and read-only errors are configuration
-#: problems and propagate, as they do from FileStreamProgramCache.
+#: full, something that is not ours is in the way of a file (a directory where a
+#: blob or manifest belongs), or the rename would cross file systems (``blobs/`` or
+#: ``tmp/`` moved to another disk behind a symlink: staging elsewhere would leave
+#: temp files no sweep finds).
 DROP_ERRNOS = frozenset(
     e
     for e in (
@@ -69,9 +75,15 @@ DROP_ERRNOS = frozenset(
         errno.ELOOP,
         errno.ENOTEMPTY,
         errno.EEXIST,
+        errno.EXDEV,
     )
     if e is not None
 )
+#: Write failures of a cache that cannot be written (permissions, a read-only
+#: mount, perhaps remounted read-only under an open cache). A cache drops such a
+#: write, as ccache and sccache do in their read-only modes; a maintenance verb
+#: asked to write there fails instead.
+UNWRITABLE_ERRNOS = frozenset((errno.EACCES, errno.EPERM, errno.EROFS))
 
 
 class WriteResult(enum.Enum):
@@ -115,8 +127,7 @@ class _TempNames:
 
 
 _TEMP_NAMES = _TempNames()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_TEMP_NAMES.reset)
+after_fork_call(_TEMP_NAMES.reset)
 
 
 def _tmp_name(tmp_dir: str) -> str:
@@ -145,8 +156,8 @@ def atomic_write(
     tmp = _tmp_name(tmp_dir)
     try:
         fd = os.open(tmp, _WRITE_FLAGS, 0o600)  # private while incomplete, whatever its final mode
-    except FileNotFoundError:
-        os.makedirs(tmp_dir, mode=0o700, exist_ok=True)
+    except (FileNotFoundError, NotADirectoryError):
+        make_tmp_dir(tmp_dir)
         fd = os.open(tmp, _WRITE_FLAGS, 0o600)
     except FileExistsError:  # a name left by a process long gone with the same pid and draw
         tmp = os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
@@ -185,6 +196,42 @@ def atomic_write(
         _discard(tmp)
         raise
     return True
+
+
+def make_tmp_dir(tmp_dir: str) -> None:
+    """Create the staging directory ``tmp_dir`` (and its parent) unless it is one already.
+
+    Anything else in its place (a file, a FIFO, a symlink to nothing) would drop
+    every write of every process for good: it is replaced by a directory, once,
+    with a WARNING. It is unlinked, never moved: ``unlink`` cannot take a directory,
+    so a process that races here cannot remove the one another just made.
+    """
+    try:
+        os.mkdir(tmp_dir, 0o700)
+        return
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(tmp_dir), exist_ok=True)
+    except FileExistsError:
+        if os.path.isdir(tmp_dir):  # also through a symlink: an operator's choice
+            return
+        try:
+            st = os.lstat(tmp_dir)
+            os.unlink(tmp_dir)
+        except FileNotFoundError:
+            pass  # another process replaced it meanwhile
+        else:
+            kind = "symlink" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "special file"
+            _log.warning(
+                "cuda-program-cas: %s was a %s of %d bytes, not a directory; replaced it with a directory",
+                tmp_dir,
+                kind,
+                st.st_size,
+            )
+    try:
+        os.mkdir(tmp_dir, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(tmp_dir):
+            raise
 
 
 def current_umask() -> int:

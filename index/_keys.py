@@ -17,11 +17,21 @@ _ID_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def key_bytes(key: object) -> bytes:
-    """The bytes of a cache key: ``str`` is UTF-8 encoded, so ``"k"`` is ``b"k"``."""
+    """The bytes of a cache key: ``str`` is UTF-8 encoded, so ``"k"`` is ``b"k"``.
+
+    A ``str`` that UTF-8 cannot encode (a lone surrogate) raises ``TypeError``
+    naming the key, as a key of another type does.
+    """
     if isinstance(key, bytes):
         return key
     if isinstance(key, str):
-        return key.encode("utf-8")
+        try:
+            return key.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\udc80", from os.fsdecode of bad bytes)
+            raise TypeError(
+                f"cache keys must be str that UTF-8 can encode, or bytes: {_short_repr(key)} has "
+                f"{key[exc.start]!r} at index {exc.start} ({exc.reason}); pass the key as bytes"
+            ) from None
     if isinstance(key, bytearray):
         return bytes(key)
     raise TypeError(f"cache keys must be str or bytes, got {type(key).__name__}: {_short_repr(key)}")

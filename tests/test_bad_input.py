@@ -273,15 +273,19 @@ def test_damaged_layout_file_is_refused_read_only(cache_dir: Path) -> None:
     assert listing(cache_dir) == before
 
 
-def test_read_only_cache_refuses_mutation_clearly(cache: ContentAddressedProgramCache, cache_dir: Path) -> None:
+def test_read_only_cache_refuses_removal_clearly_and_drops_writes(
+    cache: ContentAddressedProgramCache, cache_dir: Path
+) -> None:
     before = listing(cache_dir)
     ro = ContentAddressedProgramCache(cache_dir, read_only=True)
     with pytest.raises(ReadOnlyCacheError, match="read-only"):
         del ro["existing"]
     with pytest.raises(ReadOnlyCacheError, match="read-only"):
         ro.clear()
-    with pytest.raises(ReadOnlyCacheError, match="read-only"):
-        ro["new"] = b"refused"
+    ro["new"] = b"dropped"  # not bad input: dropped and counted
+    assert ro.get("new") is None and ro.counters()["dropped_writes"] == 1
+    with pytest.raises(TypeError):
+        ro[3] = b"x"  # type: ignore[index]  # a bad key is still bad input
     assert listing(cache_dir) == before
 
 

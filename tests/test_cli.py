@@ -35,11 +35,11 @@ STATS_KEYS = {
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
     "counters", "hit_rate", "counters_zeroed_at", "packs", "packed_entries", "pack_bytes", "retired_packs",
-    "problems", "problem_count",
+    "problems", "problem_count", "exists", "max_size_source", "front_door_records", "front_door_record_bytes",
 }  # fmt: skip
 VERIFY_KEYS = {
     "root", "repair", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",
-    "problems_found", "problems_fixed", "problems", "problem_count",
+    "problems_found", "problems_fixed", "problems", "problem_count", "packs", "packed_entries", "pack_bytes",
 }  # fmt: skip
 
 
@@ -157,7 +157,7 @@ def test_a_damaged_layout_is_reported_and_repaired(tmp_path: Path, capsys: pytes
         (["gc", "--max-size", "12Q"], "not a size: '12Q'"),
         (["gc", "--grace", "soon"], "not a duration"),
         (["gc", "--frobnicate"], "unrecognized arguments"),
-        (["stats", "{missing}"], "no such directory"),
+        (["verify", "{missing}"], "no such directory"),
         (["verify", "{file}"], "is not a directory"),
         (["gc", "{foreign}"], "is not a cuda-program-cas cache"),
         (["import-filestream", "{missing}"], "no FileStreamProgramCache"),
@@ -228,8 +228,12 @@ def test_a_read_only_mount_can_be_inspected_not_collected(tmp_path: Path, capsys
         if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True, check=False).returncode:
             pytest.skip("cannot remount read-only here")
         before = sorted((p, os.lstat(os.path.join(p, f)).st_mtime_ns) for p, _, fs in os.walk(ro) for f in fs)
-        for argv in (["gc"], ["gc", "--verify"], ["verify", "--repair"]):
+        for argv in (["gc"], ["gc", "--verify"], ["verify", "--repair"], ["clear"]):
             code, out, err = cli(capsys, *argv, str(ro))
+            assert code == 1 and out == ""
+            assert "read-only filesystem" in err and err.count("\n") == 1, err
+        for argv in (["max-size", "1G"], ["max-size", "none"]):
+            code, out, err = cli(capsys, "config", str(ro), *argv)
             assert code == 1 and out == ""
             assert "read-only filesystem" in err and err.count("\n") == 1, err
         code, out, _ = cli(capsys, "stats", str(ro), "--json")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, is_root
+from conftest import REPO, ChildLines, is_root
 
 import cas
 from cas import CacheStore, parse_duration, publish
@@ -85,7 +85,7 @@ def test_a_short_grace_with_shared_on_a_private_cache_says_shared_was_given(
         (["gc", "--max-age=-1d"], "an age must not be negative, got '-1d'"),
         (["gc", "--max-age", "-1"], "an age must not be negative, got '-1'"),
         (["gc", "--grace", "-1h"], "an age must not be negative, got '-1h'"),
-        (["gc", "--wait", "-5"], "an age must not be negative, got '-5'"),
+        (["gc", "--wait", "-5"], "a wait must not be negative, got '-5'"),
         (["gc", "--max-size", "-5M"], "a size must be more than zero, got '-5M'"),
         (["gc", "--max-size=-5M"], "a size must be more than zero, got '-5M'"),
         (["gc", "--max-size", "0"], "a size must be more than zero, got '0'"),
@@ -295,3 +295,206 @@ def test_stats_text_says_what_the_dedup_ratio_compares(tmp_path: Path, capsys: p
     code, out, _ = cli(capsys, "stats", store.root)
     assert code == 0
     assert "dedup ratio  4.00x (11.7 KiB of entries in 2.9 KiB of unique blobs; manifests not counted)" in out
+
+
+# -- issue 21: the CLI and demo edges ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_stats_on_a_path_with_no_cache_yet_reports_an_empty_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """Not bad usage: a node that has stored nothing yet. Said in words, and ``exists`` false."""
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    code, out, err = cli(capsys, "stats", str(path))
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == f"cache        {path} (no cache here yet: nothing has been stored)"
+    assert out.strip().splitlines()[-1] == "0 entries in 0 blobs, 0 B stored, dedup 1.00x"
+    code, out, _ = cli(capsys, "stats", str(path), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["exists"] is False and report["entries"] == 0 and report["problem_count"] == 0
+    assert os.path.exists(path) == (where == "empty") and (where == "missing" or os.listdir(path) == [])
+    # A file or a foreign directory is still bad usage.
+    (tmp_path / "file").write_text("x")
+    assert cli(capsys, "stats", str(tmp_path / "file"))[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "needle"),
+    [
+        (["gc", "--max-age", "7", "{cache}"], 2, "a duration needs a unit"),
+        (["stats", "{file}"], 2, "exists and is not a directory"),
+        (["verify", "{missing}"], 2, "no such directory"),
+        (["repack", "{cache}"], 2, "is not a shared store"),
+        (["clear", "{store}"], 2, "is a shared store"),
+        (["stats", "--zero", "{missing}"], 2, "no such directory"),
+        (["config", "{cache}", "max-size", "0"], 2, "a size must be more than zero"),
+    ],
+)
+def test_json_errors_are_one_json_object_on_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], status: int, needle: str
+) -> None:
+    cache = a_cache(tmp_path / "cas")
+    publish([cache.root], tmp_path / "store")
+    (tmp_path / "file").write_text("x")
+    paths = {"cache": cache.root, "file": tmp_path / "file", "missing": tmp_path / "nope", "store": tmp_path / "store"}
+    code, out, err = cli(capsys, *(a.format(**paths) for a in argv), "--json")
+    assert code == status
+    report = json.loads(out)  # before: nothing on stdout
+    assert report["exit_status"] == status and report["command"] == argv[0]
+    assert needle in report["error"] and report["problems"] == [report["error"]] and report["problem_count"] == 1
+    assert needle in err  # and the one line on stderr, as without --json
+
+
+def test_import_filestream_of_a_file_says_it_is_not_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "fs.tar").write_bytes(b"not a directory")
+    code, out, err = cli(capsys, "import-filestream", str(tmp_path / "fs.tar"), str(tmp_path / "cas"))
+    line = one_line_error(err, "import-filestream")
+    assert code == 2 and out == ""
+    assert f"{str(tmp_path / 'fs.tar')!r} is not a directory" in line and "no such directory" not in line
+    assert not (tmp_path / "cas").exists()
+
+
+def test_the_command_line_honours_cuda_program_cas_log(tmp_path: Path) -> None:
+    """As the library does: the records of what a command did are appended to that file."""
+    store = a_cache(tmp_path / "cas")
+    log = tmp_path / "cas.log"
+    env = {**os.environ, "CUDA_PROGRAM_CAS_LOG": str(log), "PYTHONPATH": str(REPO)}
+    res = subprocess.run(
+        [sys.executable, "-m", "cas", "gc", store.root, "--grace", "0s"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"cuda-program-cas: {store.root}: gc removed 0 entries and 0 blobs" in log.read_text()
+
+
+def test_repack_refuses_a_nodes_local_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It would hold every entry twice, loose and packed, until a gc: refused, nothing written."""
+    store = a_cache(tmp_path / "cas")
+    before = sorted(os.walk(store.root))
+    code, out, err = cli(capsys, "repack", store.root)
+    line = one_line_error(err, "repack")
+    assert code == 2 and out == ""
+    assert "is not a shared store (publish marks the stores it writes)" in line
+    assert sorted(os.walk(store.root)) == before
+    # A published store is repacked as before.
+    publish([store.root], tmp_path / "store")
+    assert cli(capsys, "repack", str(tmp_path / "store"))[0] == 0
+
+
+def test_dash_capital_v_is_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "-V")
+    assert code == 0 and out.strip() == f"cuda-program-cas {cas.__version__}"
+
+
+def test_verify_on_a_packed_store_says_it_checked_the_packs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    node = a_cache(tmp_path / "node")
+    publish([node.root], tmp_path / "store", pack=True)
+    code, out, _ = cli(capsys, "verify", str(tmp_path / "store"))
+    assert code == 0
+    assert out.startswith("checked 0 loose entries and 0 blobs (0 B), and 1 pack holding 3 entries ("), out
+    code, out, _ = cli(capsys, "verify", str(tmp_path / "store"), "--json")
+    report = json.loads(out)
+    assert report["packs"] == 1 and report["packed_entries"] == 3 and report["pack_bytes"] > 6000
+
+
+def test_a_str_key_with_a_lone_surrogate_is_a_type_error_naming_it(tmp_path: Path) -> None:
+    store = a_cache(tmp_path / "cas")
+    key = "kernel-\udc80"
+    calls = (lambda: store.get(key), lambda: store.put(key, b"x"), lambda: store.delete(key))
+    for call in calls:
+        with pytest.raises(TypeError, match=r"'kernel-\\udc80' has '\\udc80' at index 7") as info:
+            call()
+        assert not isinstance(info.value, UnicodeError)
+    assert len(store) == 3
+
+
+# -- clear ------------------------------------------------------------------------------------
+
+
+def test_clear_empties_a_local_cache_and_keeps_its_counters_and_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = a_cache(tmp_path / "cas", n=5)
+    assert store.get("k1") is not None
+    store.close()
+    assert cli(capsys, "config", store.root, "max-size", "1G")[0] == 0
+    code, out, _ = cli(capsys, "clear", store.root, "--dry-run")
+    assert code == 0 and out.startswith("would remove 5 entries and 5 blobs, freeing ")
+    assert len(CacheStore(store.root)) == 5
+    code, out, _ = cli(capsys, "clear", store.root)
+    assert code == 0 and out.startswith(f"cleared {store.root}: removed 5 entries and 5 blobs, freed ")
+    after = CacheStore(store.root)
+    assert len(after) == 0 and after.get("k1") is None
+    assert after.max_size_bytes == 1 << 30
+    code, out, _ = cli(capsys, "stats", store.root, "--json")
+    report = json.loads(out)
+    assert report["entries"] == report["blobs"] == 0 and report["counters"]["hits"] == 1
+    code, out, _ = cli(capsys, "clear", store.root, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["entries_before"] == 0 and report["problem_count"] == 0
+
+
+def test_clear_while_another_process_uses_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The other process keeps working: its later write lands and hits, what it had is a miss."""
+    store = a_cache(tmp_path / "cas")
+    child = ChildLines(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys\n"
+                "from cas import CacheStore\n"
+                "store = CacheStore(sys.argv[1])\n"
+                "store.put('mine', b'before' * 100)\n"
+                "print('ready', flush=True)\n"
+                "sys.stdin.readline()\n"
+                "print('old', store.get('mine'), flush=True)\n"
+                "store.put('mine', b'after' * 100)\n"
+                "print('new', store.get('mine') == b'after' * 100, flush=True)\n",
+                store.root,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    )
+    try:
+        child.wait("ready")
+        code, out, _ = cli(capsys, "clear", store.root, "--json")
+        assert code == 0 and json.loads(out)["entries_after"] == 0
+        assert child.proc.stdin is not None
+        child.proc.stdin.write("go\n")
+        child.proc.stdin.flush()
+        assert child.finish() == 0, child.output()
+    finally:
+        child.kill()
+    assert child.lines[-2:] == ["old None", "new True"]
+    assert CacheStore(store.root).get("mine") == b"after" * 100
+
+
+def test_clear_refuses_a_shared_store_and_what_is_not_a_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    publish([a_cache(tmp_path / "node").root], tmp_path / "store")
+    before = sorted(os.walk(tmp_path / "store"))
+    code, out, err = cli(capsys, "clear", str(tmp_path / "store"))
+    assert code == 2 and out == ""
+    assert "is a shared store (publish marked it in its layout.json)" in one_line_error(err, "clear")
+    assert sorted(os.walk(tmp_path / "store")) == before
+    for name in ("missing", "file"):
+        if name == "file":
+            (tmp_path / name).write_text("x")
+        code, _, err = cli(capsys, "clear", str(tmp_path / name))
+        assert code == 2 and "Traceback" not in err
+    assert not (tmp_path / "missing").exists()

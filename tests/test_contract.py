@@ -54,7 +54,7 @@ class Config:
 
     def need_writes(self) -> None:
         if not self.writable:
-            pytest.skip("needs a writable cache; the read-only configuration refuses every write")
+            pytest.skip("needs a writable cache; the read-only configuration drops every write")
 
 
 @pytest.fixture(params=CONFIGS)
@@ -190,16 +190,16 @@ def test_value_that_can_never_fit_is_dropped(config: Config) -> None:
     assert config.store.stats().dropped_writes == 1
 
 
-def test_read_only_refuses_every_write_and_changes_nothing(config: Config) -> None:
+def test_read_only_drops_every_write_refuses_removal_and_changes_nothing(config: Config) -> None:
     if config.name != "read_only":
-        pytest.skip("only the read-only configuration refuses writes")
+        pytest.skip("only the read-only configuration drops writes")
     config.seed({"a": b"alpha", b"b": value(20_000)})
     before = tree(config.root)
     store = config.store
-    with pytest.raises(ReadOnlyCacheError):
-        store.put("new", b"data")
-    with pytest.raises(ReadOnlyCacheError):
-        store.put("a", b"alpha")  # even a write that would deduplicate
+    # A write is dropped and counted (the caller keeps its program); removal cannot be done and raises.
+    assert store.put("new", b"data") is cas.WriteResult.DROPPED
+    assert store.put("a", b"alpha") is cas.WriteResult.DROPPED  # even a write that would deduplicate
+    assert store.counters()["dropped_writes"] == 2
     with pytest.raises(ReadOnlyCacheError):
         store.delete("a")
     with pytest.raises(ReadOnlyCacheError):
@@ -211,8 +211,9 @@ def test_read_only_refuses_every_write_and_changes_nothing(config: Config) -> No
         assert store.get("b") == value(20_000)
         assert store.get("absent") is None
     assert len(store) == 2
+    assert store.get("new") is None
     stats = store.stats()
-    assert (stats.entries, stats.hits, stats.misses, stats.writes) == (2, 6, 3, 0)
+    assert (stats.entries, stats.hits, stats.misses, stats.writes, stats.dropped_writes) == (2, 6, 4, 0, 2)
     assert tree(config.root) == before
 
 
@@ -256,12 +257,13 @@ _NO_CUDA = textwrap.dedent(
 
     ro = CacheStore(shared, read_only=True)
     assert ro.get("s") == b"shared bytes"
+    assert ro.put("t", b"t") is WriteResult.DROPPED
     try:
-        ro.put("t", b"t")
+        ro.clear()
     except ReadOnlyCacheError:
         pass
     else:
-        sys.exit("put on a read-only store did not raise ReadOnlyCacheError")
+        sys.exit("clear on a read-only store did not raise ReadOnlyCacheError")
 
     loaded = [n for n, m in sys.modules.items() if (n == "cuda.core" or n.startswith("cuda.core.")) and m is not None]
     if loaded:

@@ -26,9 +26,12 @@ def demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(tmp_path: Path) -> None:
+def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     path = str(tmp_path / "cas")
-    cold = demo("--path", path)
+    scratch = tmp_path_factory.mktemp("demo-tmpdir")  # its TMPDIR: what it leaves there is seen
+    cold = demo("--path", path, env={"TMPDIR": str(scratch)})
     assert cold.returncode == 0, cold.stderr
     out = cold.stdout
     assert "28 compiles took" in out and "all hits" in out
@@ -36,24 +39,34 @@ def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(tmp_path: Path)
     assert "KB" not in out.replace("KiB", "")  # the CLI's binary units
     assert "dedup ratio" in out and "of unique blobs" in out
     if "CUB kernel" in out:  # the CCCL headers are in the test extra
-        assert "CUB kernel, include_path          miss" in out
-        assert "the same compile again            hit" in out
-        assert "demo_tile.h edited                miss" in out
-        assert (tmp_path / "cas-demo-include" / "demo_tile.h").is_file()
+        assert re.search(r"CUB kernel, include_path=\[CCCL\] +miss", out)
+        assert re.search(r"the same compile again +hit", out)
+        assert re.search(r"a kernel reading demo_tile.h +miss", out)
+        assert re.search(r"demo_tile.h edited +miss", out)
+        assert re.search(r"the edited header, fresh process +hit", out)
     else:
         assert "skipped: no CCCL headers found" in out
 
-    warm = demo("--path", path)
+    # Nothing outside the cache directory it was given: its header directory was a temp one, removed.
+    assert os.listdir(tmp_path) == ["cas"]
+    assert os.listdir(scratch) == []
+    assert "why the dedup ratio is not keys per blob: 'N keys -> M blobs' counts keys" in out
+    assert re.search(r"the 28 variant keys: 28 keys in \d+ blobs \(\d\.\d\dx by count\)", out)
+
+    warm = demo("--path", path, env={"TMPDIR": str(scratch)})
     assert warm.returncode == 0, warm.stderr
     out = warm.stdout
+    assert os.listdir(tmp_path) == ["cas"] and os.listdir(scratch) == []
     assert "Pass 1 hit too: this cache already held all 28 entries" in out
     assert 'python tools/demo.py --path "$(mktemp -d)"' in out
     rows = [line for line in out.splitlines() if line.split(" ")[0] in ("saxpy", "reduce", "matmul", "stencil")]
     tags = [re.findall(r"\b(hit|miss)\b", row) for row in rows if re.search(r"\d (ms|µs)", row)]
     assert tags == [["hit", "hit"]] * 28  # every row a hit, in both passes
     assert "* the first compile of a process loads NVRTC" in out
-    if "CUB kernel" in out:
-        assert "this edit was stored by an earlier run" in out
+    if "CUB kernel" in out:  # the CCCL directory is the same in every run: a hit
+        assert re.search(r"CUB kernel, include_path=\[CCCL\] +hit .* stored by an earlier run", out)
+        assert re.search(r"the same compile again +hit", out)
+        assert re.search(r"a kernel reading demo_tile.h +miss", out)  # a new include directory in each run
 
 
 def test_clear_refuses_the_default_directory_without_a_path_or_yes(tmp_path: Path) -> None:

@@ -11,10 +11,13 @@ the instance's counters without scanning the disk (``stats()`` scans it, once,
 at the end).
 
 With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra), it
-also compiles a CUB kernel through ``cache.compile()`` with ``include_path``:
-a miss, a hit, and an edit of one of its headers, which misses (and hits on
-later runs: the demo makes the same edit each time). That header lives in
-``DIR-demo-include/`` beside the cache directory DIR.
+also compiles a CUB kernel through ``cache.compile()`` with ``include_path``: a
+miss on a fresh cache, a hit on every later run. Then a small kernel that reads
+a header of the demo's own: a miss, an edit of the header, which misses, and the
+edited compile from a fresh process, which hits. That header lives in a temp
+directory the demo makes for the run and removes at its end, so that it leaves
+nothing outside DIR (a new include directory is a new key: that kernel misses
+once in every run).
 
 The cache persists: run it again and pass 1 hits too (the demo says so). Give
 ``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,19 +103,23 @@ VARIANTS = {
     "lineinfo": {"lineinfo": True},
 }
 
-#: A CUB kernel that also reads a header of the demo's own (``demo_tile.h``).
+#: A CUB kernel: its headers come from the CCCL directory, the same in every run.
 CUB_SOURCE = r"""
 #include <cub/block/block_reduce.cuh>
-#include "demo_tile.h"
-extern "C" __global__ void tile_sum(const int *in, int *out) {
-    using BlockReduce = cub::BlockReduce<int, DEMO_TILE>;
+extern "C" __global__ void block_sum(const int *in, int *out) {
+    using BlockReduce = cub::BlockReduce<int, 128>;
     __shared__ typename BlockReduce::TempStorage temp;
-    int s = BlockReduce(temp).Sum(in[blockIdx.x * DEMO_TILE + threadIdx.x]);
+    int s = BlockReduce(temp).Sum(in[blockIdx.x * 128 + threadIdx.x]);
     if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 """
+#: A small kernel that reads a header of the demo's own (``demo_tile.h``), which the demo edits.
+TILE_SOURCE = r"""
+#include "demo_tile.h"
+extern "C" __global__ void tile_fill(int *out) { out[threadIdx.x] = DEMO_TILE; }
+"""
 CUB_HEADER = "demo_tile.h"
-CUB_HEADER_TEXT = "// The demo's own header: the CUB kernel reads it through include_path.\n#define DEMO_TILE 128\n"
+CUB_HEADER_TEXT = "// The demo's own header: a kernel reads it through include_path.\n#define DEMO_TILE 128\n"
 
 
 def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
@@ -139,6 +148,7 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
                         "hit": hit,
                         "seconds": elapsed,
                         "digest": digest_of(bytes(obj.code)),
+                        "size": len(bytes(obj.code)),
                     }
                 )
         counters = cache.counters()
@@ -161,35 +171,25 @@ def cccl_include() -> str | None:
     return found if found and os.path.isdir(os.path.join(found, "cub")) else None
 
 
-def include_dir(path: str) -> str:
-    """Where the demo keeps its own header: beside the cache, at a fixed path (the path is part of the key)."""
-    return os.path.abspath(path).rstrip(os.sep) + "-demo-include"
-
-
-def cub_compile(path: str, cccl: str) -> dict[str, object]:
-    """``cache.compile()`` of the CUB kernel with the header as it is now: hit or miss, time, digest."""
+def cub_compile(path: str, source: str, include: list[str]) -> dict[str, object]:
+    """``cache.compile()`` of ``source`` with its headers as they are now: hit or miss, time, digest."""
     from cuda.core import ProgramOptions
 
     from cas import ContentAddressedProgramCache, digest_of
 
-    options = ProgramOptions(arch="sm_80", std="c++17", include_path=[include_dir(path), cccl])
+    options = ProgramOptions(arch="sm_80", std="c++17", include_path=include)
     with ContentAddressedProgramCache(path) as cache:
-        before = cache.counters()
+        before = cache.counters()["hits"]
         start = time.perf_counter()
-        obj = cache.compile(CUB_SOURCE, "c++", options, "cubin")
+        obj = cache.compile(source, "c++", options, "cubin")
         elapsed = time.perf_counter() - start
-        # The front door looks up and stores more than one entry per compile (its record of the
-        # headers, the binary, its name): a compile that missed none and stored none was a hit.
-        after = cache.counters()
-        hit = after["misses"] == before["misses"] and after["writes"] == before["writes"]
+        hit = cache.counters()["hits"] > before  # one compile counts one hit or one miss
     return {"hit": hit, "seconds": elapsed, "digest": digest_of(bytes(obj.code))}
 
 
-def write_header(path: str, text: str) -> None:
+def write_header(directory: str, text: str) -> None:
     """Put ``text`` in the demo's header, in place: a new file in the directory would change its mtime,
     which the front door watches (a header added to an include directory may shadow another)."""
-    directory = include_dir(path)
-    os.makedirs(directory, exist_ok=True)
     header = Path(directory, CUB_HEADER)
     try:
         if header.read_text() == text:
@@ -203,24 +203,23 @@ def write_header(path: str, text: str) -> None:
     time.sleep(0.05)
 
 
-def cub_demo(path: str) -> list[tuple[str, dict[str, object], str]] | str:
-    """A miss, a hit, a header edit that misses (hits, on a later run): the rows, or why it was skipped."""
+def cub_demo(path: str, include: str) -> list[tuple[str, dict[str, object], str]] | str:
+    """A miss, a hit, a header edit that misses: the rows, or why it was skipped."""
     cccl = cccl_include()
     if cccl is None:
         return "skipped: no CCCL headers found (pip install nvidia-cuda-cccl; the test extra has it)"
-    write_header(path, CUB_HEADER_TEXT)
-    first = cub_compile(path, cccl)
-    again = cub_compile(path, cccl)
-    # The same edit every run (a comment: the cubin stays the same), so a later run hits it too.
-    write_header(path, CUB_HEADER_TEXT + "// edited by the demo\n")
-    edited = cub_compile(path, cccl)
-    earlier = "stored by an earlier run"
-    edit_note = "a changed header is a new key; NVRTC ran" if not edited["hit"] else f"this edit was {earlier}"
-    if edited["digest"] == first["digest"] and not edited["hit"]:
-        edit_note += " (only a comment changed: the same cubin, stored once)"
+    first = cub_compile(path, CUB_SOURCE, [cccl])
+    again = cub_compile(path, CUB_SOURCE, [cccl])
+    write_header(include, CUB_HEADER_TEXT)
+    tile = cub_compile(path, TILE_SOURCE, [include])
+    write_header(include, CUB_HEADER_TEXT.replace("128", "256"))
+    edited = cub_compile(path, TILE_SOURCE, [include])
+    first_note = "stored by an earlier run" if first["hit"] else "NVRTC ran; the headers it read are recorded"
+    edit_note = "a changed header; NVRTC ran" if not edited["hit"] else "stored by an earlier compile"
     return [
-        ("CUB kernel, include_path", first, earlier if first["hit"] else "NVRTC ran; the headers it read are recorded"),
+        ("CUB kernel, include_path=[CCCL]", first, first_note),
         ("the same compile again", again, "every header checked: unchanged"),
+        (f"a kernel reading {CUB_HEADER}", tile, "NVRTC ran: its include directory is new in each run"),
         (f"{CUB_HEADER} edited", edited, edit_note),
     ]
 
@@ -242,16 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clear", action="store_true", help="empty the cache first, to see every miss")
     parser.add_argument("--yes", action="store_true", help="with --clear on the default cache directory: empty it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--include", help=argparse.SUPPRESS)  # the child's: the parent's header directory
     args = parser.parse_args(argv)
 
     from cas import default_cache_dir
-    from cas._cli import fmt_bytes
 
     path = args.path or str(default_cache_dir())
     if args.child:
         rows, counts = compile_all(path)
-        cccl = cccl_include()
-        cub = cub_compile(path, cccl) if cccl and os.path.isdir(include_dir(path)) else None
+        cub = cub_compile(path, TILE_SOURCE, [args.include]) if cccl_include() and args.include else None
         print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
         return 0
 
@@ -266,13 +264,28 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         ContentAddressedProgramCache(path).clear()
-    where = "the default cache directory" if args.path is None else "given with --path"
+    include = tempfile.mkdtemp(prefix="program-cas-demo-include-")
+    try:
+        return _run(path, include, args.path is None)
+    finally:
+        shutil.rmtree(include, ignore_errors=True)
+
+
+def _run(path: str, include: str, default_dir: bool) -> int:
+    """The demo's two passes and its report (the header directory is the caller's to remove)."""
+    from cas import ContentAddressedProgramCache
+    from cas._cli import fmt_bytes
+
+    where = "the default cache directory" if default_dir else "given with --path"
     print(f"cache: {path} ({where})")
     first, first_counts = compile_all(path)
-    cub = cub_demo(path)
+    cub = cub_demo(path, include)
     # Pass 2 in a fresh process: what the next job on this node pays.
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--path", path], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--child", "--path", path, "--include", include],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode != 0:
         print(proc.stderr, file=sys.stderr)
@@ -339,7 +352,37 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt_bytes(st.blob_bytes)} of unique blobs (dedup ratio {st.dedup_ratio:.2f}x), "
         f"plus {fmt_bytes(st.manifest_bytes)} of manifests"
     )
+    print(_why_the_ratios_differ(first, st.entries, st.logical_bytes))
     return 0
+
+
+def _why_the_ratios_differ(rows: list[dict[str, object]], entries: int, logical: int) -> str:
+    """Keys per blob count keys; the dedup ratio weighs bytes, over every entry of the cache: say both."""
+    from cas._cli import fmt_bytes
+
+    sizes = {str(r["digest"]): int(str(r["size"])) for r in rows}
+    v_logical = sum(int(str(r["size"])) for r in rows)
+    v_unique = sum(sizes.values())
+    o_entries, o_logical = entries - len(rows), logical - v_logical
+    by_count, by_bytes = len(rows) / len(sizes), v_logical / v_unique
+    why = ""
+    if by_bytes < by_count - 0.005:
+        why = ": the blobs that no other key shares are the larger ones"
+    elif by_bytes > by_count + 0.005:
+        why = ": the blobs that several keys share are the larger ones"
+    text = (
+        f"why the dedup ratio is not keys per blob: 'N keys -> M blobs' counts keys, the dedup ratio weighs bytes "
+        f"over the whole cache.\n  the {len(rows)} variant keys: {len(rows)} keys in {len(sizes)} blobs "
+        f"({by_count:.2f}x by count), {fmt_bytes(v_logical)} in {fmt_bytes(v_unique)} "
+        f"({v_logical / v_unique:.2f}x by bytes{why})"
+    )
+    if o_entries > 0 and logical > 0:
+        text += (
+            f"\n  the cache's other {o_entries} entries (the CUB kernel, the records cache.compile() keeps of its "
+            f"headers, whatever else is stored there) hold {fmt_bytes(o_logical)}, {100 * o_logical / logical:.0f}% "
+            "of the bytes the ratio weighs"
+        )
+    return text
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Entries that live and die together: a front-door record and the results it names.
+
+A front-door compile stores two kinds of entry: a *record* (which headers its
+variants read) and one *result* per variant (the raw binary). A result without
+its record can never be reached, and a record without its results only misses.
+So every planner that removes live entries (the cap's LRU, ``gc --max-age`` and
+``--max-size``, and the clean-up of damaged entries) treats the members of one
+group as one unit: they are chosen together, and a group's last use is its most
+recent member's.
+
+Membership is read from the key id alone, so planning needs no extra I/O. A
+grouped key id is ``group (24 hex) + member (32 hex) + tag (8 hex)``. Every
+other key id is a sha256, which ends in the tag once in 2**32 keys. Such a key
+is grouped only with entries that share its first 24 hex digits as well, which
+has a chance of 2**-96. Even then, grouping only makes entries leave together:
+it never serves a wrong byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+__all__ = ["RECORD_MEMBER", "group_of", "grouped_id", "is_record", "lru_units", "partners_of"]
+
+#: The last 8 hex digits of every grouped key id.
+GROUP_TAG = "fd0c6a1e"
+#: The member part of a group's record.
+RECORD_MEMBER = "0" * 32
+
+_Info = TypeVar("_Info")
+
+
+def grouped_id(group: bytes, member: bytes | None) -> str:
+    """The key id of ``member`` of ``group`` (``member`` None: the group's record)."""
+    head = hashlib.sha256(group).hexdigest()[:24]
+    tail = RECORD_MEMBER if member is None else hashlib.sha256(member).hexdigest()[:32]
+    return head + tail + GROUP_TAG
+
+
+def group_of(kid: str) -> str | None:
+    """The group of key id ``kid``, or None when it belongs to none."""
+    return kid[:24] if kid.endswith(GROUP_TAG) else None
+
+
+def is_record(kid: str) -> bool:
+    """Whether key id ``kid`` names a group's record (a front door's list of headers), not a binary."""
+    return kid.endswith(GROUP_TAG) and kid[24:56] == RECORD_MEMBER
+
+
+def lru_units(
+    infos: Iterable[_Info], kid: Callable[[_Info], str], last_use: Callable[[_Info], int]
+) -> list[list[_Info]]:
+    """``infos`` as units of removal, least recently used first: each group one unit, each other entry its own."""
+    units: list[list[_Info]] = []
+    groups: dict[str, list[_Info]] = {}
+    for info in infos:
+        group = group_of(kid(info))
+        if group is None:
+            units.append([info])
+        elif group in groups:
+            groups[group].append(info)
+        else:
+            groups[group] = unit = [info]
+            units.append(unit)
+    units.sort(key=lambda unit: max(last_use(i) for i in unit))
+    return units
+
+
+def partners_of(removed: Iterable[_Info], candidates: Sequence[_Info], kid: Callable[[_Info], str]) -> list[_Info]:
+    """The entries of ``candidates`` whose group loses a member in ``removed`` (and that are not in it)."""
+    gone = {kid(i) for i in removed}
+    groups = {g for g in (group_of(k) for k in gone) if g is not None}
+    if not groups:
+        return []
+    return [i for i in candidates if kid(i) not in gone and group_of(kid(i)) in groups]

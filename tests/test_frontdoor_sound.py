@@ -1,0 +1,381 @@
+"""The front door never serves a binary built from other header bytes (issue 20's findings).
+
+Each test compiles through ``cache.compile`` and compares against an uncached
+``Program.compile`` of the files as they are at that moment, with real NVRTC.
+Relative names are resolved against the working directory, so these tests chdir
+into the tree they build (``monkeypatch.chdir`` restores it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from conftest import Compiles
+from cuda.core import Program, ProgramOptions
+from test_frontdoor import CUB_SOURCE, cccl_include, settle
+
+from cas import CacheStore, ContentAddressedProgramCache, collect
+from cas._groups import RECORD_MEMBER, group_of
+
+KERNEL = r"""
+#include "val.h"
+extern "C" __global__ void k(int *out) { *out = VAL; }
+"""
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    settle(path)
+
+
+def uncached(code: str, opts: ProgramOptions) -> bytes:
+    return bytes(Program(code, "c++", options=opts).compile("cubin").code)
+
+
+def cached(cache: ContentAddressedProgramCache, code: str, opts: ProgramOptions) -> bytes:
+    return bytes(cache.compile(code, "c++", opts, "cubin").code)
+
+
+# The spellings of finding 1: each finds val.h through a name relative to the working directory.
+SPELLINGS = {
+    "relative include dir": ("proj", "proj/hdr/val.h", {"include_path": ["hdr"]}),
+    "dot include dir": ("proj", "proj/hdr/val.h", {"include_path": ["./hdr"]}),
+    "dot-dot include dir": ("proj/build", "proj/hdr/val.h", {"include_path": ["../hdr"]}),
+    "header in the working directory": ("proj", "proj/val.h", {}),
+    "header next to a relative source name": ("proj", "proj/src/val.h", {"name": "src/kernel.cu"}),
+    "relative pre_include": ("proj", "proj/hdr/val.h", {"include_path": ["hdr"], "pre_include": "hdr/val.h"}),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_an_edited_header_found_through_a_relative_name_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: Compiles, spelling: str
+) -> None:
+    cwd, header, extra = SPELLINGS[spelling]
+    (tmp_path / cwd).mkdir(parents=True, exist_ok=True)
+    write(tmp_path / header, "#define VAL 1\n")
+    monkeypatch.chdir(tmp_path / cwd)
+    opts = ProgramOptions(arch="sm_80", **extra)
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    first = cached(cache, KERNEL, opts)
+    assert first == uncached(KERNEL, opts)
+    assert cached(cache, KERNEL, opts) == first  # a hit
+    count = compiles.count
+    write(tmp_path / header, "#define VAL 2\n")
+    edited = cached(cache, KERNEL, opts)
+    assert edited == uncached(KERNEL, opts) != first
+    assert compiles.count == count + 2  # the miss and the reference
+    assert cached(ContentAddressedProgramCache(tmp_path / "cas"), KERNEL, opts) == edited
+
+
+def test_two_projects_with_the_same_relative_paths_get_their_own_binaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: Compiles
+) -> None:
+    write(tmp_path / "projA" / "include" / "val.h", "#define VAL 1\n")
+    write(tmp_path / "projB" / "include" / "val.h", "#define VAL 2\n")
+    opts = ProgramOptions(arch="sm_80", include_path=["include"])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")  # one cache, as the default per-user one
+    monkeypatch.chdir(tmp_path / "projA")
+    a = cached(cache, KERNEL, opts)
+    assert a == uncached(KERNEL, opts)
+    monkeypatch.chdir(tmp_path / "projB")
+    b = cached(cache, KERNEL, opts)
+    assert b == uncached(KERNEL, opts) != a
+    monkeypatch.chdir(tmp_path / "projA")
+    count = compiles.count
+    assert cached(ContentAddressedProgramCache(tmp_path / "cas"), KERNEL, opts) == a  # each keeps its own
+    assert compiles.count == count
+
+
+def test_a_symlinked_include_directory_that_now_points_elsewhere_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path / "v1" / "val.h", "#define VAL 1\n")
+    write(tmp_path / "v2" / "val.h", "#define VAL 2\n")
+    (tmp_path / "current").symlink_to("v1")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "current")])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    first = cached(cache, KERNEL, opts)
+    (tmp_path / "next").symlink_to("v2")
+    os.replace(tmp_path / "next", tmp_path / "current")  # the link moves, atomically
+    assert cached(cache, KERNEL, opts) == uncached(KERNEL, opts) != first
+
+
+def test_a_symlink_followed_by_dot_dot_resolves_as_the_kernel_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # proj/link -> elsewhere/deep; "link/../val.h" is elsewhere/val.h to the kernel, proj/val.h to normpath.
+    write(tmp_path / "proj" / "val.h", "#define VAL 1\n")
+    write(tmp_path / "elsewhere" / "val.h", "#define VAL 2\n")
+    (tmp_path / "elsewhere" / "deep").mkdir()
+    (tmp_path / "proj" / "link").symlink_to(tmp_path / "elsewhere" / "deep")
+    monkeypatch.chdir(tmp_path / "proj")
+    code = KERNEL.replace('"val.h"', '"link/../val.h"')
+    opts = ProgramOptions(arch="sm_80")
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    assert cached(cache, code, opts) == uncached(code, opts)
+    write(tmp_path / "elsewhere" / "val.h", "#define VAL 3\n")
+    assert cached(cache, code, opts) == uncached(code, opts)
+
+
+def test_a_new_header_in_the_working_directory_is_found_first_and_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A quoted include is looked for next to the source (the working directory) before include_path.
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    first = cached(cache, KERNEL, opts)
+    write(tmp_path / "work" / "val.h", "#define VAL 5\n")
+    assert cached(cache, KERNEL, opts) == uncached(KERNEL, opts) != first
+
+
+def test_angled_includes_through_absolute_directories_do_not_depend_on_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: Compiles
+) -> None:
+    # The common case of libraries (CCCL through an absolute path): shared across directories.
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    code = KERNEL.replace('"val.h"', "<val.h>")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    first = cached(cache, code, opts)
+    monkeypatch.chdir(tmp_path / "b")
+    (tmp_path / "b" / "val.h").write_text("#define VAL 9\n")  # not searched for <val.h>
+    count = compiles.count
+    assert cached(cache, code, opts) == first == uncached(code, opts)
+    assert compiles.count == count + 1  # the reference only
+
+
+def test_debug_information_names_the_working_directory_so_it_is_keyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: Compiles
+) -> None:
+    # Line tables name the compile's directory (and cuda-core writes the source of a debug
+    # compile to a temp file, so two uncached compiles differ): each directory gets its own entry.
+    code = 'extern "C" __global__ void k(int *o) { *o = 1; }'
+    opts = ProgramOptions(arch="sm_80", lineinfo=True)
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        monkeypatch.chdir(tmp_path / d)
+        cached(cache, code, opts)
+        assert compiles.count == 1 + (d == "b")
+        cached(cache, code, opts)
+        assert compiles.count == 1 + (d == "b")
+    assert cache.stats().entries == 4  # a record and a result for each directory
+
+
+class _RemovesWhenLogged:
+    """A ``logs`` sink that removes a header when NVRTC's log arrives: after NVRTC read it, before it is recorded."""
+
+    def __init__(self, header: Path) -> None:
+        self.header = header
+
+    def write(self, text: str) -> int:
+        if self.header.exists():
+            self.header.unlink()
+        return len(text)
+
+
+def test_a_header_gone_before_it_is_recorded_is_not_cached_and_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, compiles: Compiles
+) -> None:
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    header = tmp_path / "inc" / "val.h"
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    with caplog.at_level(logging.WARNING, logger="cas"):
+        for _ in range(2):
+            write(header, '#define VAL 1\n#warning "a log line"\n')
+            obj = cache.compile(KERNEL, "c++", opts, "cubin", logs=_RemovesWhenLogged(header))
+            write(header, '#define VAL 1\n#warning "a log line"\n')
+            assert bytes(obj.code) == uncached(KERNEL, opts)
+    assert compiles.count == 4  # never stored: each call compiles
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and str(header) in r.getMessage()]
+    assert len(warnings) == 1
+    assert cache.counters()["dropped_writes"] == 2 and cache.counters()["misses"] == 2
+    assert cache.stats().entries == 0
+
+
+def test_a_removed_working_directory_compiles_uncached_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    code = 'extern "C" __global__ void k(int *o) { *o = 1; } // #include "nothing.h" in a comment'
+    opts = ProgramOptions(arch="sm_80")
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    with caplog.at_level(logging.WARNING, logger="cas"):
+        for _ in range(2):
+            assert bytes(cache.compile(code, "c++", opts, "cubin").code) == uncached(code, opts)
+    assert len([r for r in caplog.records if "working directory" in r.getMessage()]) == 1
+    assert cache.counters()["dropped_writes"] == 2
+    assert cache.stats().entries == 0
+
+
+def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cas._lifetime import read_counters
+
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    cached(cache, KERNEL, opts)
+    assert (cache.counters()["hits"], cache.counters()["misses"]) == (0, 1)
+    header = tmp_path / "inc" / "val.h"
+    header.write_bytes(header.read_bytes())  # touched: same bytes
+    os.utime(header, ns=(1, 1))
+    fresh = ContentAddressedProgramCache(tmp_path / "cas")
+    cached(fresh, KERNEL, opts)
+    assert (fresh.counters()["hits"], fresh.counters()["misses"]) == (1, 0)
+    cache.close()
+    fresh.close()
+    lifetime = read_counters(CacheStore(tmp_path / "cas").layout)
+    assert (lifetime.counters["hits"], lifetime.counters["misses"]) == (1, 1)
+
+
+def test_a_miss_says_which_header_changed_or_that_the_inputs_are_new(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    with caplog.at_level(logging.DEBUG, logger="cas"):
+        cached(cache, KERNEL, opts)
+        write(tmp_path / "inc" / "val.h", "#define VAL 2\n")
+        cached(cache, KERNEL, opts)
+    misses = [r.cas_reason for r in caplog.records if getattr(r, "cas_event", None) == "miss"]
+    assert len(misses) == 2
+    assert "new inputs" in misses[0]
+    assert f"header {tmp_path / 'inc' / 'val.h'} changed" in misses[1]
+
+
+def _groups_whole(root: Path) -> int:
+    """The front-door groups in the cache at ``root``; asserts each has its record and at least one result."""
+    groups: dict[str, set[str]] = {}
+    for shard in (root / "index").iterdir():
+        for f in shard.iterdir():
+            kid = shard.name + f.name
+            group = group_of(kid)
+            if group is not None:
+                groups.setdefault(group, set()).add("record" if kid[24:56] == RECORD_MEMBER else "result")
+    for members in groups.values():
+        assert members == {"record", "result"}, members
+    return len(groups)
+
+
+def _some_front_door_entries(tmp_path: Path, cache: ContentAddressedProgramCache, n: int) -> None:
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    for i in range(n):
+        write(tmp_path / "inc" / "val.h", f"#define VAL {i}\n")  # a variant each: results under one record
+        cached(cache, KERNEL.replace("k(", f"k{i % 3}("), opts)
+
+
+def test_gc_max_size_and_max_age_keep_records_and_results_together(tmp_path: Path) -> None:
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    _some_front_door_entries(tmp_path, cache, 9)
+    cache.close()
+    before = _groups_whole(tmp_path / "cas")
+    assert before == 3
+    size = CacheStore(tmp_path / "cas").stats().stored_bytes
+    report = collect(tmp_path / "cas", max_size=size // 2)
+    assert report.entries_removed > 0
+    after = _groups_whole(tmp_path / "cas")
+    assert 0 < after < before
+    report = collect(tmp_path / "cas", max_age_s=0.0)
+    assert _groups_whole(tmp_path / "cas") == 0
+
+
+def test_the_cap_evicts_records_and_results_together(tmp_path: Path) -> None:
+    cache = ContentAddressedProgramCache(tmp_path / "cas", max_size_bytes=40_000)
+    _some_front_door_entries(tmp_path, cache, 12)
+    cache.close()
+    records = _groups_whole(tmp_path / "cas")
+    assert records >= 1
+    assert CacheStore(tmp_path / "cas").stats().stored_bytes <= 40_000
+
+
+def test_a_damaged_result_takes_its_record_with_it(tmp_path: Path) -> None:
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    _some_front_door_entries(tmp_path, cache, 1)
+    cache.close()
+    for blob in (tmp_path / "cas" / "blobs").rglob("*"):
+        if blob.is_file() and not blob.read_bytes().startswith(b"{"):
+            blob.unlink()  # the result's binary: its manifest now dangles
+    report = collect(tmp_path / "cas")
+    assert report.plan["partner_entries"]["count"] == 1  # the record, unreachable without its result
+    assert _groups_whole(tmp_path / "cas") == 0
+
+
+def test_a_variant_pushed_out_of_its_record_takes_its_result_with_it(tmp_path: Path) -> None:
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    for i in range(6):  # six variants of one record, which keeps four
+        write(tmp_path / "inc" / "val.h", f"#define VAL {i}\n")
+        cached(cache, KERNEL, opts)
+    assert cache.stats().entries == 1 + 4
+
+
+@pytest.mark.slow
+def test_a_cub_record_is_small_against_its_binary(tmp_path: Path) -> None:
+    inc = cccl_include()
+    if inc is None:
+        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    opts = ProgramOptions(arch="sm_80", std="c++17", include_path=[inc])
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    binary = cached(cache, CUB_SOURCE, opts)
+    stats = cache.stats()
+    record_bytes = stats.blob_bytes - len(binary)
+    assert stats.entries == 2
+    assert record_bytes < len(binary) / 2, (record_bytes, len(binary))
+
+
+def test_bundled_headers_edited_by_hand_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVRTC's up-to-date check of its installed headers reads only their version file, so a hand
+    # edit stays, and NVRTC compiles it: the front door must see it.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # NVRTC installs its headers here
+    code = (
+        "#include <cuda/std/cstdint>\n#ifdef CPCAS_EDITED\n#define VAL 7\n#else\n#define VAL 8\n#endif\n"
+        'extern "C" __global__ void k(int *out) { *out = VAL; }\n'
+    )
+    opts = ProgramOptions(arch="sm_80", use_bundled_headers=True)
+    try:
+        reference = uncached(code, opts)
+    except Exception as exc:  # NVRTC before 13.3 has no bundled headers
+        pytest.skip(f"this NVRTC cannot use bundled headers: {exc}")
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    assert cached(cache, code, opts) == reference
+    headers = list((tmp_path / "xdg").rglob("cstdint"))
+    assert headers, "NVRTC did not install its headers under XDG_CACHE_HOME"
+    header = headers[0]
+    write(header, header.read_text() + "\n#define CPCAS_EDITED 1\n")
+    edited = uncached(code, opts)
+    assert edited != reference
+    assert cached(cache, code, opts) == edited
+    assert cached(ContentAddressedProgramCache(tmp_path / "cas"), code, opts) == edited
+
+
+def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    _some_front_door_entries(tmp_path, cache, 2)  # two kernels: two records, two binaries
+    cache.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "cas", "stats", str(tmp_path / "cas"), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    info = json.loads(out)
+    assert info["front_door_records"] == 2 and info["entries"] == 4
+    assert 0 < info["front_door_record_bytes"] < info["blob_bytes"]
