@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from ._files import trusted_mtime_ns
+from ._groups import lru_units
 from ._layout import Layout
-from ._pack import PackError, PackReader, list_packs
+from ._pack import PackEntry, PackError, PackReader, list_packs
 from ._remove import Remover
 from ._repack import RETIRED, loose_entries, repack_locked
 
@@ -109,19 +110,22 @@ def collect_packs(
             except OSError:
                 pass
     # Ages and sizes: repack without what goes.
+    # A front-door record and its results are one unit, as new as its newest member (cas._groups).
+    units = lru_units(entries, _key_id, lambda e: trusted_mtime_ns(e.time_ns, now_ns))
     drop: set[str] = set()
     if max_age_s is not None:
         cutoff = now_ns - int(max_age_s * 1e9)
-        drop.update(e.key_id for e in entries if trusted_mtime_ns(e.time_ns, now_ns) < cutoff)
+        for unit in units:
+            if max(trusted_mtime_ns(e.time_ns, now_ns) for e in unit) < cutoff:
+                drop.update(e.key_id for e in unit)
     if max_size is not None:
         total = 0
-        newest_first = sorted(entries, key=lambda e: trusted_mtime_ns(e.time_ns, now_ns), reverse=True)
-        for entry in newest_first:
-            if entry.key_id in drop:
+        for unit in reversed(units):  # newest kept first
+            if unit[0].key_id in drop:
                 continue
-            total += entry.size
+            total += sum(e.size for e in unit)
             if total > max_size:
-                drop.add(entry.key_id)
+                drop.update(e.key_id for e in unit)
     if drop:
         result.entries_dropped = len(drop)
         if remover is not None:
@@ -179,3 +183,7 @@ def pack_stats(lay: Layout) -> dict[str, int]:
         size += reader.size
         reader.close()
     return {"packs": packs, "packed_entries": entries, "pack_bytes": size, "retired_packs": len(_retired(lay))}
+
+
+def _key_id(entry: PackEntry) -> str:
+    return entry.key_id

@@ -379,3 +379,35 @@ def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> Non
     info = json.loads(out)
     assert info["front_door_records"] == 2 and info["entries"] == 4
     assert 0 < info["front_door_record_bytes"] < info["blob_bytes"]
+
+
+def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path) -> None:
+    from cas import publish
+    from cas._pack import PackReader, list_packs
+
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    _some_front_door_entries(tmp_path, cache, 9)  # three records of three variants each
+    cache.close()
+    publish([tmp_path / "cas"], tmp_path / "store", pack=True)
+
+    def packed_groups() -> dict[str, set[str]]:
+        groups: dict[str, set[str]] = {}
+        for path in list_packs(str(tmp_path / "store" / "packs")):
+            reader = PackReader(path)
+            try:
+                for entry in reader.entries():
+                    group = group_of(entry.key_id)
+                    if group is not None:
+                        kind = "record" if entry.key_id[24:56] == RECORD_MEMBER else "result"
+                        groups.setdefault(group, set()).add(kind)
+            finally:
+                reader.close()
+        return groups
+
+    assert len(packed_groups()) == 3
+    size = sum(os.path.getsize(p) for p in list_packs(str(tmp_path / "store" / "packs")))
+    report = collect(tmp_path / "store", max_size=size // 2, grace_s=86400)
+    assert report.packs["entries_dropped"] > 0
+    after = packed_groups()
+    assert 0 < len(after) < 3
+    assert all(kinds == {"record", "result"} for kinds in after.values()), after
