@@ -411,3 +411,26 @@ def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path)
     after = packed_groups()
     assert 0 < len(after) < 3
     assert all(kinds == {"record", "result"} for kinds in after.values()), after
+
+
+def test_a_trace_that_lost_its_beginning_is_not_trusted(tmp_path: Path) -> None:
+    # NVRTC always reads its builtin header first; a trace without it lost the headers read
+    # in its first milliseconds (NVRTC 13.5 was seen doing so in long-running processes).
+    import json
+
+    from cas._frontdoor import _traced_names
+
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    trace = tmp_path / "t"
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")], fdevice_time_trace=str(trace))
+    Program(KERNEL, "c++", options=opts).compile("cubin")
+    whole = tmp_path / "t.json"
+    names = _traced_names(str(whole))
+    assert names is not None and str(tmp_path / "inc" / "val.h") in names
+    data = json.loads(whole.read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    cut = [e for e in events if not (isinstance(e, dict) and "__nv_nvrtc" in str(e.get("args")))]
+    assert len(cut) == len(events) - 1
+    cut_path = tmp_path / "cut.json"
+    cut_path.write_text(json.dumps({**data, "traceEvents": cut} if isinstance(data, dict) else cut))
+    assert _traced_names(str(cut_path)) is None
