@@ -240,7 +240,7 @@ class FrontDoor:
             # No working directory to resolve names against (it was removed): compile as Program would.
             self._uncacheable(exc, None)
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
-        extra = _TAG + _libdevice_fingerprint(options, code_type) + search.key_part()
+        extra = _TAG + _libdevice_fingerprint(options, code_type) + search.key_part() + _name_part(options)
         memo = _memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
         record_key = self._record_keys.get(memo) if memo is not None else None
         if record_key is None:
@@ -521,6 +521,12 @@ class _Search:
             else:
                 raise _Uncacheable(f"header {name!r} was found through a relative name the key does not cover", name)
         return paths
+
+
+def _name_part(options: Any) -> bytes:
+    """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
+    ``ObjectCode.name`` must be the one this compile would give."""
+    return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
 
 
 def _strip_sep(path: str) -> str:

@@ -434,3 +434,14 @@ def test_a_trace_that_lost_its_beginning_is_not_trusted(tmp_path: Path) -> None:
     cut_path = tmp_path / "cut.json"
     cut_path.write_text(json.dumps({**data, "traceEvents": cut} if isinstance(data, dict) else cut))
     assert _traced_names(str(cut_path)) is None
+
+
+def test_a_hit_keeps_the_name_of_its_own_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two spellings of one source name compile to the same bytes; each ObjectCode keeps its own name.
+    write(tmp_path / "proj" / "src" / "val.h", "#define VAL 1\n")
+    monkeypatch.chdir(tmp_path / "proj")
+    cache = ContentAddressedProgramCache(tmp_path / "cas")
+    for name in ("src/kernel.cu", "../proj/src/kernel.cu", "src/kernel.cu"):
+        opts = ProgramOptions(arch="sm_80", name=name)
+        obj = cache.compile(KERNEL, "c++", opts, "cubin")
+        assert obj.name == Program(KERNEL, "c++", options=opts).compile("cubin").name == name
