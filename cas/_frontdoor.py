@@ -272,21 +272,29 @@ class FrontDoor:
             self._store.note_dropped(record_kid, "read-only cache")
             return result
         started_ns = _fs_clock(self._store.layout.tmp)
-        traced = None
-        if code_type == "c++" and _nvrtc_major() >= 13:
-            trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-")
-            traced = os.path.join(trace_dir, "trace")
-            compile_options = dataclasses.replace(options, fdevice_time_trace=traced)
-        else:
-            trace_dir = None
-            compile_options = options
+        traced = code_type == "c++" and _nvrtc_major() >= 13
+        trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-") if traced else None
+        trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
+        # Traced here unless an earlier traced compile of this process failed (see _TRACES).
+        here = traced and _TRACES.sound
+        compile_options = dataclasses.replace(options, fdevice_time_trace=trace) if here else options
         try:
-            result = Program(code, code_type, options=compile_options).compile(target_type, name_expressions, logs)
+            try:
+                result = Program(code, code_type, options=compile_options).compile(target_type, name_expressions, logs)
+            except BaseException:
+                if here:
+                    _TRACES.sound = False
+                raise
             try:
                 if code_type != "c++":
                     paths: list[str] = []
-                elif traced is not None:
-                    paths = search.resolve(_traced_names(traced + ".json"))
+                elif traced:
+                    names = _traced_names(trace + ".json") if here else None
+                    if names is None:
+                        if here:
+                            _TRACES.sound = False  # another library's traced compile may have failed
+                        names = _trace_in_child(code, code_type, options, target_type, name_expressions, trace=trace)
+                    paths = search.resolve(names)
                 else:
                     paths = _tree_files(search.dirs)
                 paths = sorted({*paths, *search.pre_includes})
@@ -599,6 +607,49 @@ def _fs_clock(directory: str) -> int:
     return now if now is not None else time.time_ns() - 50_000_000
 
 
+class _TraceHealth:
+    """Whether NVRTC's time traces of this process can be trusted.
+
+    NVRTC 13.5 breaks them for good once a traced compile fails with an error
+    inside an included file: every later trace of the process lacks its first
+    events (its builtin header, then the source's first includes). So after a
+    traced compile fails, or a trace comes back without the builtin header, the
+    front door traces in a child process instead, where NVRTC starts clean. That
+    costs the child's start (about 0.7 s here) per miss, not per hit. A forked
+    child inherits NVRTC's state, so it inherits this flag too.
+    """
+
+    sound = True
+
+
+_TRACES = _TraceHealth()
+#: The child that traces a compile: the inputs come pickled on stdin, the trace goes to a file.
+_TRACE_CHILD = (
+    "import pickle, sys\n"
+    "from cuda.core import Program\n"
+    "code, code_type, options, target_type, names = pickle.loads(sys.stdin.buffer.read())\n"
+    "Program(code, code_type, options=options).compile(target_type, names)\n"
+)
+
+
+def _trace_in_child(
+    code: object, code_type: str, options: Any, target_type: str, names: tuple[Any, ...], *, trace: str
+) -> list[str] | None:
+    """The names of the files a compile reads, from a trace made in a child process (None if it failed)."""
+    import pickle
+    import subprocess
+    import sys
+
+    spec = pickle.dumps((code, code_type, dataclasses.replace(options, fdevice_time_trace=trace), target_type, names))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _TRACE_CHILD], input=spec, capture_output=True, timeout=3600, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return _traced_names(trace + ".json") if done.returncode == 0 else None
+
+
 def _traced_names(trace_path: str) -> list[str] | None:
     """The names of the files NVRTC's time trace says it processed, as it spelled them; None if unreadable."""
     try:
@@ -617,9 +668,7 @@ def _traced_names(trace_path: str) -> list[str] | None:
                 return None  # a header it read, named in a way we cannot follow
             names.add(detail)
     # NVRTC reads its builtin header before anything else. A trace without it lost its
-    # beginning, and with it the first headers of the source. NVRTC 13.5 was seen doing
-    # that in a process after some twenty traced compiles, for every later compile: the
-    # events of the first 10-20 ms were gone. Such a list cannot be trusted.
+    # beginning, and with it the first headers of the source (see _TraceHealth).
     if not names & _BUILTIN_HEADERS:
         return None
     return sorted(names)

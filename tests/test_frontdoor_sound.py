@@ -173,35 +173,57 @@ def test_debug_information_names_the_working_directory_so_it_is_keyed(
     assert cache.stats().entries == 4  # a record and a result for each directory
 
 
-class _RemovesWhenLogged:
-    """A ``logs`` sink that removes a header when NVRTC's log arrives: after NVRTC read it, before it is recorded."""
+_GONE_BEFORE_RECORDED = r"""
+import json, logging, sys
+from pathlib import Path
+from cuda.core import Program, ProgramOptions
+from cas import ContentAddressedProgramCache
 
-    def __init__(self, header: Path) -> None:
-        self.header = header
-
-    def write(self, text: str) -> int:
-        if self.header.exists():
-            self.header.unlink()
-        return len(text)
+tmp = Path(sys.argv[1])
+header = tmp / "inc" / "val.h"
+header.parent.mkdir()
+kernel = '#include "val.h"\\nextern "C" __global__ void k(int *out) { *out = VAL; }\\n'
+text = '#define VAL 1\\n#warning "a log line"\\n'
 
 
-def test_a_header_gone_before_it_is_recorded_is_not_cached_and_warned_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, compiles: Compiles
-) -> None:
-    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
-    header = tmp_path / "inc" / "val.h"
-    cache = ContentAddressedProgramCache(tmp_path / "cas")
-    with caplog.at_level(logging.WARNING, logger="cas"):
-        for _ in range(2):
-            write(header, '#define VAL 1\n#warning "a log line"\n')
-            obj = cache.compile(KERNEL, "c++", opts, "cubin", logs=_RemovesWhenLogged(header))
-            write(header, '#define VAL 1\n#warning "a log line"\n')
-            assert bytes(obj.code) == uncached(KERNEL, opts)
-    assert compiles.count == 4  # never stored: each call compiles
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and str(header) in r.getMessage()]
-    assert len(warnings) == 1
-    assert cache.counters()["dropped_writes"] == 2 and cache.counters()["misses"] == 2
-    assert cache.stats().entries == 0
+class RemovesWhenLogged:
+    # A logs sink: NVRTC's log arrives after NVRTC read the header, before it is recorded.
+    def write(self, line):
+        if header.exists():
+            header.unlink()
+        return len(line)
+
+
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
+logging.getLogger("cas").addHandler(handler)
+opts = ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")])
+cache = ContentAddressedProgramCache(tmp / "cas")
+same = []
+for _ in range(2):
+    header.write_text(text)
+    got = bytes(cache.compile(kernel, "c++", opts, "cubin", logs=RemovesWhenLogged()).code)
+    header.write_text(text)
+    same.append(got == bytes(Program(kernel, "c++", options=opts).compile("cubin").code))
+counts = cache.counters()
+print(json.dumps({"same": same, "warned": [w for w in warnings if str(header) in w],
+                  "dropped": counts["dropped_writes"], "misses": counts["misses"], "entries": cache.stats().entries}))
+"""
+
+
+def test_a_header_gone_before_it_is_recorded_is_not_cached_and_warned_once(tmp_path: Path) -> None:
+    # In a process of its own: NVRTC's traces there are whole (see the test after a failed compile).
+    import json
+
+    from conftest import run_python
+
+    done = run_python(_GONE_BEFORE_RECORDED, str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["same"] == [True, True]
+    assert len(report["warned"]) == 1  # one WARNING per process, naming the header
+    assert (report["dropped"], report["misses"], report["entries"]) == (2, 2, 0)
 
 
 def test_a_removed_working_directory_compiles_uncached_with_one_warning(
@@ -445,3 +467,52 @@ def test_a_hit_keeps_the_name_of_its_own_compile(tmp_path: Path, monkeypatch: py
         opts = ProgramOptions(arch="sm_80", name=name)
         obj = cache.compile(KERNEL, "c++", opts, "cubin")
         assert obj.name == Program(KERNEL, "c++", options=opts).compile("cubin").name == name
+
+
+_AFTER_A_FAILED_COMPILE = r"""
+import json, os, sys
+from pathlib import Path
+from cuda.core import Program, ProgramOptions
+from cas import ContentAddressedProgramCache
+
+tmp = Path(sys.argv[1])
+(tmp / "inc").mkdir()
+(tmp / "inc" / "a.h").write_text('#include "gone.h"\n')
+(tmp / "inc" / "val.h").write_text("#define VAL 1\n")
+opts = ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")])
+cache = ContentAddressedProgramCache(tmp / "cas")
+try:  # a traced compile that fails inside an include: NVRTC's later traces lose their beginning
+    cache.compile('#include "a.h"\n', "c++", opts, "cubin")
+    sys.exit("the compile should have failed")
+except Exception:
+    pass
+probe = tmp / "probe"
+Program('#include "val.h"\n', "c++", options=ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")],
+        fdevice_time_trace=str(probe))).compile("cubin")
+poisoned = "__nv_nvrtc_builtin_header.h" not in (probe.with_suffix(".json")).read_text()
+kernel = '#include "val.h"\nextern "C" __global__ void k(int *o) { *o = VAL; }\n'
+first = bytes(cache.compile(kernel, "c++", opts, "cubin").code)
+stored = cache.stats().entries
+(tmp / "inc" / "val.h").write_text("#define VAL 2\n")
+changed = (tmp / "inc" / "val.h").stat().st_ctime_ns
+while (tmp / "clock").write_bytes(b"") is not None and (tmp / "clock").stat().st_mtime_ns <= changed:
+    pass  # the file system's clock past the edit, as a person editing lets it be
+edited = bytes(cache.compile(kernel, "c++", opts, "cubin").code)
+reference = bytes(Program(kernel, "c++", options=opts).compile("cubin").code)
+hit = ContentAddressedProgramCache(tmp / "cas")
+again = bytes(hit.compile(kernel, "c++", opts, "cubin").code)
+print(json.dumps({"poisoned": poisoned, "stored": stored, "edited_ok": edited == reference != first,
+                  "hit": hit.counters()["hits"], "again_ok": again == reference}))
+"""
+
+
+def test_after_a_failed_traced_compile_misses_are_traced_in_a_child_and_still_cached(tmp_path: Path) -> None:
+    import json
+
+    from conftest import run_python
+
+    done = run_python(_AFTER_A_FAILED_COMPILE, str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["poisoned"], "NVRTC no longer loses trace events after a failed compile: the fallback is untested"
+    assert report == {"poisoned": True, "stored": 2, "edited_ok": True, "hit": 1, "again_ok": True}
