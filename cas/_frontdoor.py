@@ -284,6 +284,7 @@ class FrontDoor:
             except BaseException:
                 if here:
                     _TRACES.sound = False
+                    _end_nvrtc_tracing(Program, ProgramOptions)
                 raise
             try:
                 if code_type != "c++":
@@ -630,6 +631,23 @@ _TRACE_CHILD = (
     "code, code_type, options, target_type, names = pickle.loads(sys.stdin.buffer.read())\n"
     "Program(code, code_type, options=options).compile(target_type, names)\n"
 )
+
+
+def _end_nvrtc_tracing(program: Any, program_options: Any) -> None:
+    """Make NVRTC stop tracing after a traced compile failed.
+
+    NVRTC 13.5 then keeps tracing: its next compile in the process, traced or not,
+    writes ``.json`` into the working directory. One small traced compile that
+    succeeds (to a temp file, removed) ends that, so the user's directory stays clean.
+    """
+    trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-")
+    try:
+        options = program_options(arch="sm_80", fdevice_time_trace=os.path.join(trace_dir, "trace"))
+        program('extern "C" __global__ void cpcas_end_trace() {}', "c++", options=options).compile("cubin")
+    except Exception as exc:
+        _log.debug("cuda-program-cas: front door: NVRTC's tracing could not be ended: %r", exc)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def _trace_in_child(

@@ -486,6 +486,11 @@ try:  # a traced compile that fails inside an include: NVRTC's later traces lose
     sys.exit("the compile should have failed")
 except Exception:
     pass
+work = tmp / "work"
+work.mkdir()
+os.chdir(work)  # NVRTC left tracing on would now write .json here
+Program('extern "C" __global__ void k2() {}', "c++", options=ProgramOptions(arch="sm_80")).compile("cubin")
+littered = os.listdir(work)
 probe = tmp / "probe"
 Program('#include "val.h"\n', "c++", options=ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")],
         fdevice_time_trace=str(probe))).compile("cubin")
@@ -501,8 +506,9 @@ edited = bytes(cache.compile(kernel, "c++", opts, "cubin").code)
 reference = bytes(Program(kernel, "c++", options=opts).compile("cubin").code)
 hit = ContentAddressedProgramCache(tmp / "cas")
 again = bytes(hit.compile(kernel, "c++", opts, "cubin").code)
-print(json.dumps({"poisoned": poisoned, "stored": stored, "edited_ok": edited == reference != first,
-                  "hit": hit.counters()["hits"], "again_ok": again == reference}))
+print(json.dumps({"poisoned": poisoned, "littered": littered, "stored": stored,
+                  "edited_ok": edited == reference != first, "hit": hit.counters()["hits"],
+                  "again_ok": again == reference}))
 """
 
 
@@ -515,4 +521,4 @@ def test_after_a_failed_traced_compile_misses_are_traced_in_a_child_and_still_ca
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["poisoned"], "NVRTC no longer loses trace events after a failed compile: the fallback is untested"
-    assert report == {"poisoned": True, "stored": 2, "edited_ok": True, "hit": 1, "again_ok": True}
+    assert report == {"poisoned": True, "littered": [], "stored": 2, "edited_ok": True, "hit": 1, "again_ok": True}
