@@ -67,7 +67,7 @@ def plan_lru(
             total -= snap.blobs[digest].st_size
 
     # A live record or result whose partner is garbage serves nothing either (see cas._groups).
-    partners = partners_of(plan.manifests, live, _key_id)
+    partners = partners_of(plan.manifests, live)
     if partners:
         going = {info.key_id for info in partners}
         live = [info for info in live if info.key_id not in going]
@@ -81,7 +81,7 @@ def plan_lru(
         return max(snap.mtime_ns(info.stat), recent.get(info.key_id, 0))
 
     # A front-door record and its results are one unit, as recent as its latest member.
-    for unit in lru_units(live, _key_id, last_use):
+    for unit in lru_units(live, last_use):
         if total <= target_bytes:
             break
         if any(info.key_id in protect for info in unit):
@@ -89,7 +89,3 @@ def plan_lru(
         for info in unit:
             remove(info)
     return plan
-
-
-def _key_id(info: ManifestInfo) -> str:
-    return info.key_id

@@ -306,16 +306,17 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
     # A front-door record and its results are one unit (see cas._groups): the partners
     # of a bad one go with it, and a unit expires when its latest member does.
     bad = [m for name in CATEGORIES[:5] for m in groups[name]]
-    groups["partner_entries"] = partners = partners_of(bad, live, _key_id)
+    groups["partner_entries"] = partners = partners_of(bad, live)
     if partners:
-        live = [m for m in live if m not in partners]
+        going = {m.key_id for m in partners}
+        live = [m for m in live if m.key_id not in going]
     if max_age_s is not None:
         expire_before = snap.started_ns - int(max_age_s * 1e9)
 
         def used(info: ManifestInfo) -> int:
             return snap.mtime_ns(info.stat)  # a time from a wrong clock, a day or more ahead, counts as 0
 
-        for unit in lru_units(live, _key_id, used):
+        for unit in lru_units(live, used):
             if max(map(used, unit)) < expire_before:
                 groups["expired_entries"].extend(unit)
         expired = {m.key_id for m in groups["expired_entries"]}
@@ -393,7 +394,3 @@ def _execute(plan: _Plan, report: GcReport, remover: Remover, blobs: BlobStore) 
             continue
         report.blobs_removed += 1
         report.bytes_freed += os.stat(where).st_size
-
-
-def _key_id(info: ManifestInfo) -> str:
-    return info.key_id

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 __all__ = ["RECORD_MEMBER", "group_of", "grouped_id", "is_record", "lru_units", "partners_of"]
 
@@ -29,7 +29,15 @@ GROUP_TAG = "fd0c6a1e"
 #: The member part of a group's record.
 RECORD_MEMBER = "0" * 32
 
-_Info = TypeVar("_Info")
+
+class _Entry(Protocol):
+    """A manifest or a packed entry: anything named by a key id."""
+
+    @property
+    def key_id(self) -> str: ...
+
+
+_Info = TypeVar("_Info", bound=_Entry)
 
 
 def grouped_id(group: bytes, member: bytes | None) -> str:
@@ -49,14 +57,12 @@ def is_record(kid: str) -> bool:
     return kid.endswith(GROUP_TAG) and kid[24:56] == RECORD_MEMBER
 
 
-def lru_units(
-    infos: Iterable[_Info], kid: Callable[[_Info], str], last_use: Callable[[_Info], int]
-) -> list[list[_Info]]:
+def lru_units(infos: Iterable[_Info], last_use: Callable[[_Info], int]) -> list[list[_Info]]:
     """``infos`` as units of removal, least recently used first: each group one unit, each other entry its own."""
     units: list[list[_Info]] = []
     groups: dict[str, list[_Info]] = {}
     for info in infos:
-        group = group_of(kid(info))
+        group = group_of(info.key_id)
         if group is None:
             units.append([info])
         elif group in groups:
@@ -68,10 +74,10 @@ def lru_units(
     return units
 
 
-def partners_of(removed: Iterable[_Info], candidates: Sequence[_Info], kid: Callable[[_Info], str]) -> list[_Info]:
+def partners_of(removed: Iterable[_Entry], candidates: Sequence[_Info]) -> list[_Info]:
     """The entries of ``candidates`` whose group loses a member in ``removed`` (and that are not in it)."""
-    gone = {kid(i) for i in removed}
+    gone = {i.key_id for i in removed}
     groups = {g for g in (group_of(k) for k in gone) if g is not None}
     if not groups:
         return []
-    return [i for i in candidates if kid(i) not in gone and group_of(kid(i)) in groups]
+    return [i for i in candidates if i.key_id not in gone and group_of(i.key_id) in groups]

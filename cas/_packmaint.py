@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ._files import trusted_mtime_ns
 from ._groups import lru_units
 from ._layout import Layout
-from ._pack import PackEntry, PackError, PackReader, list_packs
+from ._pack import PackError, PackReader, list_packs
 from ._remove import Remover
 from ._repack import RETIRED, loose_entries, repack_locked
 
@@ -111,7 +111,7 @@ def collect_packs(
                 pass
     # Ages and sizes: repack without what goes.
     # A front-door record and its results are one unit, as new as its newest member (cas._groups).
-    units = lru_units(entries, _key_id, lambda e: trusted_mtime_ns(e.time_ns, now_ns))
+    units = lru_units(entries, lambda e: trusted_mtime_ns(e.time_ns, now_ns))
     drop: set[str] = set()
     if max_age_s is not None:
         cutoff = now_ns - int(max_age_s * 1e9)
@@ -183,7 +183,3 @@ def pack_stats(lay: Layout) -> dict[str, int]:
         size += reader.size
         reader.close()
     return {"packs": packs, "packed_entries": entries, "pack_bytes": size, "retired_packs": len(_retired(lay))}
-
-
-def _key_id(entry: PackEntry) -> str:
-    return entry.key_id

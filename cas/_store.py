@@ -206,12 +206,7 @@ class CacheStore:
         reasons = [("local", self._reader.miss_reason())] if t0 else None
         found = self._find_shared(kid, reasons)
         if found is not None:
-            self._counters.add("hits")
-            self._counters.add("shared_hits")
-            if t0:
-                lookup_hit(self.root, kid, f"shared {found[1]}", t0)
-            if _monotonic() >= self._flush_at:
-                self._flush_on_the_way()
+            self.note_hit(kid, found[1], t0_ns=t0)
             return found[0]
         self._counters.add("misses")
         if reasons is not None:

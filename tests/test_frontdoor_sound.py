@@ -18,7 +18,7 @@ from cuda.core import Program, ProgramOptions
 from test_frontdoor import CUB_SOURCE, cccl_include, settle
 
 from cas import CacheStore, ContentAddressedProgramCache, collect
-from cas._groups import RECORD_MEMBER, group_of
+from cas._groups import group_of, is_record
 
 KERNEL = r"""
 #include "val.h"
@@ -287,7 +287,7 @@ def _groups_whole(root: Path) -> int:
             kid = shard.name + f.name
             group = group_of(kid)
             if group is not None:
-                groups.setdefault(group, set()).add("record" if kid[24:56] == RECORD_MEMBER else "result")
+                groups.setdefault(group, set()).add("record" if is_record(kid) else "result")
     for members in groups.values():
         assert members == {"record", "result"}, members
     return len(groups)
@@ -420,7 +420,7 @@ def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path)
                 for entry in reader.entries():
                     group = group_of(entry.key_id)
                     if group is not None:
-                        kind = "record" if entry.key_id[24:56] == RECORD_MEMBER else "result"
+                        kind = "record" if is_record(entry.key_id) else "result"
                         groups.setdefault(group, set()).add(kind)
             finally:
                 reader.close()
