@@ -33,6 +33,7 @@ from ._config import (
     read_env,
     warn_once,
 )
+from ._files import READ_FLAGS
 from ._layout import SETTINGS_FILE, Layout, LayoutState, check_layout
 from ._writer import atomic_write
 
@@ -54,7 +55,6 @@ SETTING_NAMES = {"max-size": MAX_SIZE}
 
 #: A settings file is a few dozen bytes; anything past this is not ours.
 _MAX_BYTES = 64 * 1024
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def settings_path(root: str) -> str:
@@ -81,7 +81,7 @@ def load_settings(root: str) -> tuple[dict[str, object], str | None]:
     """
     path = settings_path(root)
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, READ_FLAGS)  # the cache's flags for its own files: no symlink, no FIFO wait
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}, None
