@@ -1,23 +1,42 @@
-"""Key-to-content index of cuda-program-cas: cache keys, their ids, and manifests.
+"""The index's format: cache keys, their ids, grouped ids, and manifests.
 
-Installed as ``cuda_program_cas_index`` (the folder is ``index/``), so that a
-user's own ``index.py`` cannot shadow it. Each key (``str`` or ``bytes``; ``"k"``
-and ``b"k"`` are the same key) has one manifest naming the digest and size of its
-content and the key's own id. This package does no I/O and knows nothing about
-how content is stored beyond a digest string.
+Installed as ``cuda_program_cas.index`` (the folder is ``index/``). Each key
+(``str`` or ``bytes``; ``"k"`` and ``b"k"`` are the same key) has one manifest
+naming the digest and size of its content and the key's own id. Entries that
+live and die together (a front-door record and its results) share a group of
+key ids. This package does no I/O: reading and writing the index's files is the
+store's work, and it knows nothing about content beyond a digest string.
 """
 
+from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
 from ._keys import is_key_id, key_bytes, key_id
-from ._manifest import MANIFEST_TAG, MAX_MANIFEST_BYTES, Manifest, is_digest, parse_fields, parse_manifest
+from ._manifest import (
+    LONGEST_MANIFEST,
+    MANIFEST_TAG,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    is_digest,
+    manifest_length,
+    parse_fields,
+    parse_manifest,
+)
 
 __all__ = [
+    "LONGEST_MANIFEST",
     "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
+    "RECORD_MEMBER",
     "Manifest",
+    "group_of",
+    "grouped_id",
     "is_digest",
     "is_key_id",
+    "is_record",
     "key_bytes",
     "key_id",
+    "lru_units",
+    "manifest_length",
     "parse_fields",
     "parse_manifest",
+    "partners_of",
 ]

@@ -19,11 +19,33 @@ from dataclasses import dataclass
 
 from ._keys import is_key_id
 
-__all__ = ["MANIFEST_TAG", "MAX_MANIFEST_BYTES", "Manifest", "is_digest", "parse_fields", "parse_manifest"]
+__all__ = [
+    "LONGEST_MANIFEST",
+    "MANIFEST_TAG",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "is_digest",
+    "manifest_length",
+    "parse_fields",
+    "parse_manifest",
+]
 
 MANIFEST_TAG = b"cpcas2"
 #: Larger than any valid manifest; a bigger file is garbage, not worth reading whole.
 MAX_MANIFEST_BYTES = 256
+#: The most decimal digits a size may have.
+_MAX_SIZE_DIGITS = 16
+#: A current manifest's bytes besides its size's digits: the tag, three spaces, two ids of 64 hex, the newline.
+_FIXED_BYTES = len(MANIFEST_TAG) + 1 + 64 + 1 + 64 + 1 + 1
+#: The length of the longest current manifest (a size of 16 digits).
+LONGEST_MANIFEST = _FIXED_BYTES + _MAX_SIZE_DIGITS
+
+
+def manifest_length(size: int) -> int:
+    """The length in bytes of the current manifest of a blob of ``size`` bytes (what a store accounts for it)."""
+    return _FIXED_BYTES + len(str(size))
+
+
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _LINE_RE = re.compile(
     rb"cpcas2 ([0-9a-f]{64}) ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"
@@ -62,8 +84,8 @@ class Manifest:
 
 
 _HEX_BYTES = b"0123456789abcdef"
-#: The shortest current manifest: tag, space, key id, space, digest, space, one digit, newline.
-_MIN_V2 = len(MANIFEST_TAG) + 1 + 64 + 1 + 64 + 1 + 1 + 1
+#: The shortest current manifest: its size has one digit.
+_MIN_V2 = _FIXED_BYTES + 1
 
 
 def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
@@ -74,7 +96,7 @@ def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
     layout-1 one, or anything else, goes to the regular expression.
     """
     n = len(data)
-    if _MIN_V2 <= n <= _MIN_V2 + 15 and data[:7] == b"cpcas2 " and data[71] == 32 and data[136] == 32:
+    if _MIN_V2 <= n <= LONGEST_MANIFEST and data[:7] == b"cpcas2 " and data[71] == 32 and data[136] == 32:
         kid, digest, size = data[7:71], data[72:136], data[137:-1]
         # strip() of every hex digit leaves nothing only if the field is all lowercase hex.
         if (

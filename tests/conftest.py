@@ -55,7 +55,6 @@ def run_python(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (the repo importable), capturing output."""
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     if env:
         full_env.update(env)
     return subprocess.run(
@@ -69,7 +68,7 @@ def is_root() -> bool:
 
 def write_orphan(root: os.PathLike[str] | str, data: bytes) -> str:
     """Put a blob with no manifest into the cache at ``root``, as a writer that died between the two leaves it."""
-    from cas import digest_of
+    from cuda_program_cas import digest_of
 
     digest = digest_of(data)
     path = Path(root) / "blobs" / digest[:2] / digest[2:]
@@ -80,7 +79,7 @@ def write_orphan(root: os.PathLike[str] | str, data: bytes) -> str:
 
 def write_manifest(root: os.PathLike[str] | str, key: str | bytes, digest: str, size: int) -> Path:
     """Write a manifest by hand (naming whatever blob the test wants), bypassing the write protocol."""
-    from cuda_program_cas_index import Manifest, key_id
+    from cuda_program_cas.index import Manifest, key_id
 
     kid = key_id(key)
     path = Path(root) / "index" / kid[:2] / kid[2:]
@@ -221,7 +220,7 @@ class StartGate:
 class MovableClock:
     """A stand-in for the ``time`` module whose monotonic clock a test moves ``ahead`` (the rest is the real one).
 
-    Patched into ``cas._shared`` to step past its retry interval without sleeping.
+    Patched into ``cuda_program_cas._store.shared`` to step past its retry interval without sleeping.
     """
 
     def __init__(self) -> None:

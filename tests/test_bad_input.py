@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cuda.core import ObjectCode
 
-from cas import CacheStore, ContentAddressedProgramCache, LayoutError, ReadOnlyCacheError
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, LayoutError, ReadOnlyCacheError
 
 
 def listing(root: Path) -> dict[str, bytes | None]:
@@ -247,7 +247,7 @@ def test_damaged_layout_file_is_repaired_when_the_rest_is_ours(
     cache: ContentAddressedProgramCache, cache_dir: Path, damage: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     (cache_dir / "layout.json").write_bytes(damage)
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         reopened = ContentAddressedProgramCache(cache_dir)
     assert "damaged" in caplog.text
     assert json.loads((cache_dir / "layout.json").read_text())["layout"] == "cuda-program-cas"
@@ -304,8 +304,8 @@ def test_shared_must_be_a_sequence_of_paths(cache_dir: Path, tmp_path: Path) -> 
 def test_a_directory_in_the_way_drops_the_write_and_the_compile_still_returns(cache_dir: Path, where: str) -> None:
     from conftest import compile_program
 
-    from cas import ContentAddressedProgramCache, digest_of
-    from cuda_program_cas_index import key_id
+    from cuda_program_cas import ContentAddressedProgramCache, digest_of
+    from cuda_program_cas.index import key_id
 
     reference = bytes(compile_program().code)
     cache = ContentAddressedProgramCache(cache_dir)

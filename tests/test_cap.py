@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-import cas._cap
-import cas._evict
-import cas._remove
-import cas._touch
-from cas import CacheStore, ContentAddressedProgramCache, digest_of
-from cuda_program_cas_index import key_id
+import cuda_program_cas._disk.remove
+import cuda_program_cas._store.cap
+import cuda_program_cas._store.touch
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
+from cuda_program_cas.index import key_id
 
 MANIFEST_BYTES = len(b"cpcas2 ") + 64 + 1 + 64 + 1 + 4 + 1  # a manifest of a 1000..9999-byte blob
 
@@ -197,8 +196,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
     # A writer that died between its blob and its manifest leaves an orphan.
     write_orphan(cache_dir, young)
     write_orphan(cache_dir, old)
-    age(bpath(cache_dir, old), cas._cap.ORPHAN_GRACE_S + 60)
-    age(bpath(cache_dir, young), cas._cap.ORPHAN_GRACE_S - 60)
+    age(bpath(cache_dir, old), cuda_program_cas._store.cap.ORPHAN_GRACE_S + 60)
+    age(bpath(cache_dir, young), cuda_program_cas._store.cap.ORPHAN_GRACE_S - 60)
 
     # Even a target of zero leaves a young orphan alone: its manifest may be on the way.
     snap = store.snapshot()
@@ -216,7 +215,7 @@ def test_orphans_are_collected_under_the_cap_once_past_grace(cache_dir: Path) ->
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
     orphan = value(99, 3000)
     write_orphan(cache_dir, orphan)
-    age(bpath(cache_dir, orphan), cas._cap.ORPHAN_GRACE_S + 1)
+    age(bpath(cache_dir, orphan), cuda_program_cas._store.cap.ORPHAN_GRACE_S + 1)
     for i in range(8):
         cache[f"k{i}"] = value(i)
     assert not bpath(cache_dir, orphan).exists()  # an old orphan goes before any live key
@@ -246,7 +245,7 @@ class ScanCounter:
     def __init__(self) -> None:
         self.full = 0
         self.quick = 0
-        self._real = cas._cap.take_snapshot
+        self._real = cuda_program_cas._store.cap.take_snapshot
 
     def __call__(self, *args, **kwargs):
         if kwargs.get("read_manifests", True):
@@ -264,11 +263,11 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
     for i in range(100):  # fill to just under the cap
         cache[f"fill{i}"] = value(i)
     scans = ScanCounter()
-    monkeypatch.setattr(cas._cap, "take_snapshot", scans)
+    monkeypatch.setattr(cuda_program_cas._store.cap, "take_snapshot", scans)
     writes = 400
     for i in range(writes):
         cache[f"k{i}"] = value(1000 + i)
-    low = int(cap * cas._cap.LOW_WATERMARK)
+    low = int(cap * cuda_program_cas._store.cap.LOW_WATERMARK)
     # Each eviction frees at least cap - low, so 400 writes at the cap need at
     # most about writes * size / (cap - low) scans, not one per write.
     bound = writes * (1000 + MANIFEST_BYTES) // (cap - low) + 2
@@ -281,13 +280,13 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
 
 
 def test_one_eviction_lands_at_the_low_watermark(cache_dir: Path) -> None:
-    cap = 2 * cas._cap.MIN_ENTRIES_FOR_WATERMARK * (1000 + MANIFEST_BYTES)
+    cap = 2 * cuda_program_cas._store.cap.MIN_ENTRIES_FOR_WATERMARK * (1000 + MANIFEST_BYTES)
     store = CacheStore(cache_dir, max_size_bytes=cap)
     i = 0
     while store.stats().evictions == 0:
         store.put(f"k{i}", value(i))
         i += 1
-    low = int(cap * cas._cap.LOW_WATERMARK)
+    low = int(cap * cuda_program_cas._store.cap.LOW_WATERMARK)
     after = store.stats().stored_bytes
     assert after <= low
     assert after > low - 2 * (1000 + MANIFEST_BYTES)  # not much further than needed
@@ -469,7 +468,7 @@ def test_a_read_only_hit_never_touches(cache_dir: Path) -> None:
     reader = ContentAddressedProgramCache(cache_dir, read_only=True)
     assert reader["k"] == b"v"
     reader.close()
-    cas._touch.apply_pending()
+    cuda_program_cas._store.touch.apply_pending()
     assert manifest.stat().st_mtime_ns == stamped
 
 
@@ -508,7 +507,10 @@ def test_a_read_at_exit_is_recorded(cache_dir: Path) -> None:
     manifest = mpath(cache_dir, "k")
     age(manifest, 100)
     old = manifest.stat().st_mtime_ns
-    code = f"import cas, sys; c = cas.ContentAddressedProgramCache({str(cache_dir)!r}); sys.exit(c['k'] != b'v')"
+    code = (
+        "import cuda_program_cas, sys; "
+        f"c = cuda_program_cas.ContentAddressedProgramCache({str(cache_dir)!r}); sys.exit(c['k'] != b'v')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert manifest.stat().st_mtime_ns > old + 50 * 10**9
 
@@ -520,7 +522,7 @@ def test_a_forked_child_touches_with_its_own_thread(cache_dir: Path) -> None:
     manifest = mpath(cache_dir, "k")
     age(manifest, 100)
     old = manifest.stat().st_mtime_ns
-    cas._touch.ensure_thread()  # the parent has its thread (a second into a cache's use)
+    cuda_program_cas._store.touch.ensure_thread()  # the parent has its thread (a second into a cache's use)
     pid = os.fork()
     if pid == 0:  # the child: read, then wait for its touch thread; never runs atexit
         ok = cache["k"] == b"v"
@@ -535,7 +537,7 @@ def test_a_forked_child_touches_with_its_own_thread(cache_dir: Path) -> None:
 def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No single write pays for removing a fifth of a large cache: one scan plans the
     # eviction, then each write over the cap removes at most _EVICT_STEP entries.
-    step = cas._cap.EVICT_STEP
+    step = cuda_program_cas._store.cap.EVICT_STEP
     n = 6 * step
     cap = n * (100 + MANIFEST_BYTES)
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
@@ -546,7 +548,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
     for i in range(n):
         age(mpath(cache_dir, f"k{i}"), 60 - i / n)
     scans = ScanCounter()
-    monkeypatch.setattr(cas._cap, "take_snapshot", scans)
+    monkeypatch.setattr(cuda_program_cas._store.cap, "take_snapshot", scans)
 
     removed = []
     for i in range(12):
@@ -555,7 +557,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
         removed.append(before + 1 - len(cache))
     assert max(removed) <= step  # never more than a step per write
     assert scans.full == 1  # one scan planned all of it
-    assert sum(removed) >= n - int(n * cas._cap.LOW_WATERMARK)  # down to the low watermark
+    assert sum(removed) >= n - int(n * cuda_program_cas._store.cap.LOW_WATERMARK)  # down to the low watermark
     assert cache.stats().stored_bytes <= cap
     alive = [i for i in range(n) if cache.get(f"k{i}") is not None]
     assert alive == list(range(n - len(alive), n))  # the least recently used went, in order
@@ -568,10 +570,10 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
         store.put(f"k{i}", value(i))
         age(mpath(cache_dir, f"k{i}"), 60 - i)
     snap = store.snapshot()
-    plan = cas._evict.plan_lru(snap, 0, orphan_grace_ns=10**12)
+    plan = cuda_program_cas._store.cap.plan_lru(snap, 0, orphan_grace_ns=10**12)
     assert store.get("k0") == value(0)  # read after the scan: a touch of its manifest is queued
     store.flush()  # it lands (within a second without this, see test_touches_land_within_a_second)
-    remover = cas._remove.Remover(store.layout)
+    remover = cuda_program_cas._disk.remove.Remover(store.layout)
     remover.execute(plan, budget=3)
     assert store.get("k0") == value(0)  # planned first, kept: it was used since
     assert not mpath(cache_dir, "k1").exists() and not mpath(cache_dir, "k2").exists()

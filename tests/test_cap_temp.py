@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from cas import CacheStore
-from cas._layout import STALE_TMP_S
+from cuda_program_cas import CacheStore
+from cuda_program_cas._disk.layout import STALE_TMP_S
 
 #: A manifest of a 1000..9999-byte blob.
 MANIFEST_BYTES = len(b"cpcas2 ") + 64 + 1 + 64 + 1 + 4 + 1

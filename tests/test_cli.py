@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, is_root, write_orphan
 
-from cas import CacheStore, digest_of
-from cas._cli import Progress, main
-from cuda_program_cas_index import key_id
+from cuda_program_cas import CacheStore, digest_of
+from cuda_program_cas._cli.main import Progress, main
+from cuda_program_cas.index import key_id
 
 SUMMARY = re.compile(
     r"^removed [\d,]+ entr(y|ies)(, [\d,]+ blobs?)? and [\d,]+ (blobs?|stale temp files?), "

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, ChildLines, is_root
 
-import cas
-from cas import CacheStore, parse_duration, publish
-from cas._cli import main
+import cuda_program_cas
+from cuda_program_cas import CacheStore, parse_duration, publish
+from cuda_program_cas._cli.main import main
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -178,12 +178,23 @@ def unreadable_cache() -> Iterator[Path]:
 
 
 def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``python -m cas ARGV`` as user 65534 (skips when this machine cannot run that)."""
+    """``python -m cuda_program_cas ARGV`` as user 65534 (skips when this machine cannot run that)."""
     if not is_root() or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run as a user who cannot read the cache (as root every file reads)")
-    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "cas", *argv]
+    command = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        sys.executable,
+        "-m",
+        "cuda_program_cas",
+        *argv,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    probe = subprocess.run([*command[:5], "-c", "import cas"], capture_output=True, text=True, env=env, check=False)
+    probe = subprocess.run(
+        [*command[:5], "-c", "import cuda_program_cas"], capture_output=True, text=True, env=env, check=False
+    )
     if probe.returncode != 0:
         pytest.skip(f"this interpreter cannot run as user 65534 here: {probe.stderr.strip()[:200]}")
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, check=False)
@@ -227,11 +238,13 @@ def test_import_into_a_directory_this_user_cannot_write_gives_cli_advice(unreada
 def test_version_from_the_script_the_module_and_the_package(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 
-    assert cas.__version__ == version("cuda-program-cas")
+    assert cuda_program_cas.__version__ == version("cuda-program-cas")
     code, out, _ = cli(capsys, "--version")
-    assert code == 0 and out.strip() == f"cuda-program-cas {cas.__version__}"
-    res = subprocess.run([sys.executable, "-m", "cas", "--version"], capture_output=True, text=True, check=False)
-    assert res.returncode == 0 and res.stdout.strip() == f"cuda-program-cas {cas.__version__}"
+    assert code == 0 and out.strip() == f"cuda-program-cas {cuda_program_cas.__version__}"
+    res = subprocess.run(
+        [sys.executable, "-m", "cuda_program_cas", "--version"], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0 and res.stdout.strip() == f"cuda-program-cas {cuda_program_cas.__version__}"
 
 
 def test_version_without_installed_metadata_says_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,16 +254,21 @@ def test_version_without_installed_metadata_says_unknown(monkeypatch: pytest.Mon
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert cas._installed_version() == "0+unknown"
+    assert cuda_program_cas._base.config.installed_version() == "0+unknown"
 
 
 def test_python_m_cas_is_the_same_script(tmp_path: Path) -> None:
     store = a_cache(tmp_path / "cas")
     res = subprocess.run(
-        [sys.executable, "-m", "cas", "stats", store.root, "--json"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "cuda_program_cas", "stats", store.root, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert res.returncode == 0 and json.loads(res.stdout)["entries"] == 3
-    res = subprocess.run([sys.executable, "-m", "cas", "gc", "--max-age", "7"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "cuda_program_cas", "gc", "--max-age", "7"], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "needs a unit" in res.stderr
 
 
@@ -365,7 +383,7 @@ def test_the_command_line_honours_cuda_program_cas_log(tmp_path: Path) -> None:
     log = tmp_path / "cas.log"
     env = {**os.environ, "CUDA_PROGRAM_CAS_LOG": str(log), "PYTHONPATH": str(REPO)}
     res = subprocess.run(
-        [sys.executable, "-m", "cas", "gc", store.root, "--grace", "0s"],
+        [sys.executable, "-m", "cuda_program_cas", "gc", store.root, "--grace", "0s"],
         capture_output=True,
         text=True,
         env=env,
@@ -392,7 +410,7 @@ def test_repack_refuses_a_nodes_local_cache(tmp_path: Path, capsys: pytest.Captu
 
 def test_dash_capital_v_is_the_version(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "-V")
-    assert code == 0 and out.strip() == f"cuda-program-cas {cas.__version__}"
+    assert code == 0 and out.strip() == f"cuda-program-cas {cuda_program_cas.__version__}"
 
 
 def test_verify_on_a_packed_store_says_it_checked_the_packs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -452,7 +470,7 @@ def test_clear_while_another_process_uses_the_cache(tmp_path: Path, capsys: pyte
                 sys.executable,
                 "-c",
                 "import sys\n"
-                "from cas import CacheStore\n"
+                "from cuda_program_cas import CacheStore\n"
                 "store = CacheStore(sys.argv[1])\n"
                 "store.put('mine', b'before' * 100)\n"
                 "print('ready', flush=True)\n"

@@ -1,6 +1,6 @@
 """Clocks that jump: an mtime in the future is not believed as "young" or "recently used" forever.
 
-The rule (cas._files.trusted_mtime_ns): a file time more than a day ahead of the file
+The rule (cuda_program_cas._disk.files.trusted_mtime_ns): a file time more than a day ahead of the file
 system's clock counts as the oldest possible. Files get their future times here
 from os.utime, as a restored backup, a copy from a node with a wrong clock, or a
 clock set back after a while leaves them.
@@ -14,11 +14,11 @@ from pathlib import Path
 
 from conftest import write_orphan
 
-from cas import CacheStore, collect, publish
-from cas._files import FUTURE_MTIME_NS
-from cas._gc import SHARED_MIN_GRACE_S
-from cas._repack import repack
-from cuda_program_cas_index import key_id
+from cuda_program_cas import CacheStore, collect, publish
+from cuda_program_cas._disk.files import FUTURE_MTIME_NS
+from cuda_program_cas._verbs.gc import SHARED_MIN_GRACE_S
+from cuda_program_cas._verbs.repack import repack
+from cuda_program_cas.index import key_id
 
 #: 1 January 2030, as a node whose clock ran years ahead stamps its files.
 Y2030_NS = 1_893_456_000 * 10**9

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SAXPY, Compiles, MovableClock, compile_program, is_root
+from conftest import SAXPY, Compiles, MovableClock, compile_program, is_root
 
-import cas._shared as shared_mod
-from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
-from cas._shared import RETRY_S as _SHARED_RETRY_S
-from cuda_program_cas_index import Manifest, key_id
+import cuda_program_cas._store.shared as shared_mod
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
+from cuda_program_cas._store.shared import RETRY_S as _SHARED_RETRY_S
+from cuda_program_cas.index import Manifest, key_id
 
 #: A second kernel, so the shared store holds more than one distinct binary.
 SCALE = r"""
@@ -298,7 +298,7 @@ def test_unusable_shared_store_is_a_miss_and_becomes_usable_once_it_appears(
         (shared / "layout.json").write_text(body)
     node = tmp_path / "node"
     CacheStore(node).put("k", b"published bytes")
-    caplog.set_level("DEBUG", logger="cas")
+    caplog.set_level("DEBUG", logger="cuda_program_cas")
     # The retry waits on the clock, not on another process: the test moves the store's clock on, not sleeps.
     clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
@@ -359,7 +359,7 @@ def test_eio_is_a_miss_and_an_unreachable_store_is_skipped(
     for key in ("eio", "good", "other"):
         writer.put(key, f"bytes of {key}".encode())
     mem = Path(f"/proc/{os.getpid()}/mem")
-    caplog.set_level("DEBUG", logger="cas")
+    caplog.set_level("DEBUG", logger="cuda_program_cas")
     cache = CacheStore(tmp_path / "local", shared=[src], copy_shared_hits=False)
     bind_file(mounts, mem, Path(writer.layout.manifest_path(key_id("eio"))))
     for _ in range(3):
@@ -391,10 +391,17 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
     if not is_root() or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to read as another user")
     probe = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", "import cas"],
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            "import cuda_program_cas",
+        ],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
         check=False,
     )
     if probe.returncode != 0:
@@ -428,7 +435,6 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=60,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
             check=False,
         )
         assert proc.returncode == 0, proc.stderr

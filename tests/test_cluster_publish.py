@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ChildLines, run_python
+from conftest import ChildLines, run_python
 
-from cas import CacheStore, digest_of, publish
-from cas._cli import main as cli_main
+from cuda_program_cas import CacheStore, digest_of, publish
+from cuda_program_cas._cli.main import main as cli_main
 
 READER = r"""
 import json, os, random, signal, sys
-from cas import CacheStore
+from cuda_program_cas import CacheStore
 shared, local, expected_path, stop, gone, copy = sys.argv[1:7]
 expected = {k: {bytes.fromhex(v) for v in vs} for k, vs in json.load(open(expected_path)).items()}
 # The parent marks a point with SIGUSR1; "round N" says a round begun after the N-th mark is done.
@@ -42,8 +42,8 @@ def round_done(begun):
         reported = begun + 1
 if copy == "check":
     # No collector runs: a manifest whose blob is absent means publish broke its order.
-    from cas._files import scan_sharded
-    from cuda_program_cas_index import parse_manifest
+    from cuda_program_cas._disk.files import scan_sharded
+    from cuda_program_cas.index import parse_manifest
     print("ready", flush=True)
     checked = 0
     while not os.path.exists(stop):
@@ -89,12 +89,6 @@ print(json.dumps({"hits": hits, "keys": len(seen), "rounds": rounds, "stats": st
 """
 
 
-def env() -> dict[str, str]:
-    out = dict(os.environ)
-    out["PYTHONPATH"] = str(REPO) + os.pathsep + out.get("PYTHONPATH", "")
-    return out
-
-
 class Readers:
     """Reader processes over ``shared``; ``stop()`` returns their reports and checks their exit status.
 
@@ -119,7 +113,6 @@ class Readers:
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         text=True,
-                        env=env(),
                     )
                 )
             )
@@ -166,11 +159,10 @@ def node_cache(root: Path, values: dict[str, bytes]) -> Path:
 
 def publish_cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "cas._cli", "publish", "--json", *args],
+        [sys.executable, "-m", "cuda_program_cas", "publish", "--json", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env(),
     )
 
 
@@ -289,7 +281,7 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
     try:
         readers.mark()  # every reader has read the whole store once
         if collect_first:
-            from cas import collect
+            from cuda_program_cas import collect
 
             with pytest.raises(ValueError, match="shared store"):
                 collect(shared, grace_s=0, max_size=0)  # publish marked it: a short grace is refused
@@ -310,7 +302,6 @@ def _collected_while_reading(tmp_path: Path, collect_first: bool) -> None:
 
 
 def test_shared_store_collected_then_removed_while_readers_run(tmp_path: Path) -> None:
-    pytest.importorskip("cas._gc", reason="cas._gc (the collector) is not there yet")
     _collected_while_reading(tmp_path, collect_first=True)
 
 
@@ -393,7 +384,7 @@ def test_conflicts_keep_what_was_published_and_broken_entries_are_replaced(tmp_p
     shared = tmp_path / "shared"
     publish([first], shared)
     store = CacheStore(shared, read_only=True)
-    from cuda_program_cas_index import key_id
+    from cuda_program_cas.index import key_id
 
     Path(store.layout.manifest_path(key_id("broken"))).write_bytes(b"garbage")
     os.unlink(store.blobs.path_for(digest_of(b"d1")))
@@ -447,7 +438,7 @@ def test_resume_after_interruption_and_stale_temp_files(tmp_path: Path) -> None:
     publish([node], shared)
     # As if interrupted: some manifests not written yet, one blob not either, a stale temp file.
     store = CacheStore(shared, read_only=True)
-    from cuda_program_cas_index import key_id
+    from cuda_program_cas.index import key_id
 
     for i in range(5):
         os.unlink(store.layout.manifest_path(key_id(f"k{i}")))
@@ -516,7 +507,9 @@ def test_cli_exit_codes_json_and_summary(tmp_path: Path, capsys: pytest.CaptureF
     assert cli_main(["publish", str(node), str(tmp_path / "foreign")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a cuda-program-cas cache" in err[0]
-    proc = run_python("from cas._cli import main; raise SystemExit(main(['publish', 'only-one-path']))")
+    proc = run_python(
+        "from cuda_program_cas._cli.main import main; raise SystemExit(main(['publish', 'only-one-path']))"
+    )
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 

@@ -1,5 +1,6 @@
-"""The module map keeps its promises: true ``__all__`` lists, the index used only through its
-public interface, maintenance verbs that do not import each other.
+"""The tree keeps its promises: packages that depend strictly downward, no circle, true
+``__all__`` lists, the index used only through its public interface, maintenance verbs
+that do not import each other, every verb a library function.
 
 These read the source (``ast``); nothing is imported but the modules themselves.
 """
@@ -8,23 +9,114 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-PACKAGES = {"cas": REPO / "cas", "cuda_program_cas_index": REPO / "index"}
-#: The maintenance verbs: each a caller of the engine, none of another verb.
-VERBS = ("cas._gc", "cas._verify", "cas._publish", "cas._import_fs", "cas._cmd_stats")
+#: The import name, and the folder each of its packages lives in.
+NAME = "cuda_program_cas"
+INDEX = f"{NAME}.index"
+#: The floors, lowest first. A module may import from its own package and from packages on
+#: lower floors only; the two packages of one floor never import each other.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("index",),  # the index's format: keys, key ids, manifests (no I/O)
+    ("_base",),  # exceptions, the fork registry, environment knobs, the logger
+    ("_disk",),  # the cache's files: atomic write, layout, blobs, scans, writer, remover, pack format
+    ("_store",),  # the cache at run time: reader, shared stores, cap, counters, CacheStore
+    ("_cuda", "_verbs"),  # cuda.core's side; the maintenance verbs
+    ("_cli",),  # the console script: parse and print
+    ("",),  # the package's own __init__ and __main__
+)
+#: Modules of _verbs that the verbs share; every other module there is a verb.
+VERB_SHARED = ("common", "packs")
+#: Console commands that are not maintenance verbs, and the library call each fronts.
+NOT_VERBS = {"clear": "CacheStore.clear", "config": "the settings of _disk.settings"}
+
+
+def folder_of(package: str) -> Path:
+    if package == "index":
+        return REPO / "index"
+    return REPO / "cas" / package if package else REPO / "cas"
 
 
 def modules() -> list[tuple[str, Path]]:
+    """``(dotted name, path)`` of every module of the package, the index included."""
     found = []
-    for package, folder in PACKAGES.items():
-        for path in sorted(folder.glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found.append((name, path))
+    for floor in FLOORS:
+        for package in floor:
+            dotted = f"{NAME}.{package}" if package else NAME
+            for path in sorted(folder_of(package).glob("*.py")):
+                found.append((dotted if path.stem == "__init__" else f"{dotted}.{path.stem}", path))
     return found
+
+
+def package_of(module: str) -> str:
+    """The floor package a module belongs to (``""`` for the top-level ``__init__``/``__main__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in _PACKAGES) else ""
+
+
+_PACKAGES = {p for floor in FLOORS for p in floor if p}
+
+
+def floor_of(package: str) -> int:
+    return next(i for i, floor in enumerate(FLOORS) if package in floor)
+
+
+def test_every_folder_of_cas_is_a_package_on_a_floor() -> None:
+    folders = {p.name for p in (REPO / "cas").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == _PACKAGES - {"index"}
+    assert all((folder_of(p) / "__init__.py").is_file() for p in _PACKAGES)
+
+
+def test_the_type_checkers_tree_links_every_entry() -> None:
+    # mypy reads the package through .ci/mypy/cuda_program_cas (it cannot see setuptools' mapping).
+    tree = REPO / ".ci" / "mypy" / NAME
+    wanted = {p.name for p in (REPO / "cas").iterdir() if p.name != "__pycache__"} | {"index"}
+    assert {p.name for p in tree.iterdir()} == wanted
+    assert all(os.path.realpath(tree / n) == os.path.realpath(REPO / "cas" / n) for n in wanted - {"index"})
+    assert os.path.realpath(tree / "index") == os.path.realpath(REPO / "index")
+
+
+def test_packages_depend_strictly_downward() -> None:
+    bad = []
+    for name, path in modules():
+        mine = package_of(name)
+        for source, _ in imports_of(name, path):
+            theirs = package_of(source)
+            if theirs == mine:
+                continue
+            if floor_of(theirs) >= floor_of(mine):
+                bad.append(f"{name} imports {source}: {theirs or NAME} is not below {mine or NAME}")
+    assert bad == []
+
+
+def test_no_circle_between_modules() -> None:
+    graph: dict[str, set[str]] = {name: set() for name, _ in modules()}
+    for name, path in modules():
+        for source, symbol in imports_of(name, path):
+            target = f"{source}.{symbol}" if f"{source}.{symbol}" in graph else source
+            if target in graph and target != name:
+                graph[name].add(target)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("circle: " + " -> ".join([*stack[stack.index(nxt) :], nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
 
 
 def imports_of(name: str, path: Path) -> list[tuple[str, str]]:
@@ -35,14 +127,14 @@ def imports_of(name: str, path: Path) -> list[tuple[str, str]]:
         if not isinstance(node, ast.ImportFrom):
             continue
         source = (package + ("." + node.module if node.module else "")) if node.level else (node.module or "")
-        if source.split(".")[0] in PACKAGES:
+        if source.split(".")[0] == NAME:
             out.extend((source, alias.name) for alias in node.names)
     return out
 
 
 @pytest.mark.parametrize(("name", "path"), modules(), ids=[n for n, _ in modules()])
 def test_all_is_true(name: str, path: Path) -> None:
-    module = importlib.import_module(name) if name != "cas._cache" else pytest.importorskip(name)
+    module = importlib.import_module(name) if name != f"{NAME}._cuda.cache" else pytest.importorskip(name)
     exported = getattr(module, "__all__", None)
     assert exported is not None, f"{name} has no __all__"
     for symbol in exported:
@@ -53,7 +145,7 @@ def test_every_import_between_modules_is_of_an_exported_name() -> None:
     bad = []
     for name, path in modules():
         for source, symbol in imports_of(name, path):
-            module = importlib.import_module(source) if source != "cas._cache" else None
+            module = importlib.import_module(source) if source != f"{NAME}._cuda.cache" else None
             if module is None:
                 continue
             if symbol not in getattr(module, "__all__", ()):
@@ -61,18 +153,28 @@ def test_every_import_between_modules_is_of_an_exported_name() -> None:
     assert bad == []
 
 
-def test_cas_uses_only_the_public_interface_of_the_index() -> None:
+def test_the_package_uses_only_the_public_interface_of_the_index() -> None:
     private = [
         f"{name}: from {source} import {symbol}"
         for name, path in modules()
-        if name.startswith("cas")
+        if not name.startswith(INDEX)
         for source, symbol in imports_of(name, path)
-        if source.startswith("cuda_program_cas_index.")
+        if source.startswith(INDEX + ".")
     ]
     assert private == []
 
 
+def verbs() -> list[str]:
+    """The verb modules: every module of ``_verbs`` but the ones the verbs share."""
+    folder = folder_of("_verbs")
+    return [f"{NAME}._verbs.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem not in ("__init__", *VERB_SHARED)]
+
+
+VERBS = verbs()
+
+
 def test_maintenance_verbs_do_not_import_each_other() -> None:
+    assert len(VERBS) >= 5
     paths = dict(modules())
     crossed = [
         f"{verb} imports {source}"

@@ -18,7 +18,7 @@ import cuda.core._program as program_mod
 import pytest
 from conftest import SAXPY, compile_program, run_python
 
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 TARGETS = ["cubin", "ltoir"]
 
@@ -133,7 +133,7 @@ _CHILD = textwrap.dedent(
     import hashlib, sys
     import cuda.core._program as program_mod
     from conftest import compile_program
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     def no_nvrtc(*args, **kwargs):
         print("NVRTC called", file=sys.stderr)

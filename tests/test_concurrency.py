@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, ChildLines, StartGate
 
-from cas import CacheStore
-from cuda_program_cas_index import parse_manifest
+from cuda_program_cas import CacheStore
+from cuda_program_cas.index import parse_manifest
 
 HELPERS = textwrap.dedent(
     """
@@ -52,7 +52,7 @@ WORKER = HELPERS + textwrap.dedent(
     root, role, seed, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     rng = random.Random(seed)
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     cap = 200_000 if role == "capped" else None
     cache = ContentAddressedProgramCache(root, max_size_bytes=cap)
@@ -182,7 +182,7 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
     code = textwrap.dedent(
         """
         import os, sys
-        from cas import CacheStore
+        from cuda_program_cas import CacheStore
         store = CacheStore(sys.argv[1])
         print("ready", flush=True)
         if os.read(0, 1) != b"g":  # all start at once; end of file: the parent gave up
@@ -232,7 +232,7 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
 def test_temp_names_stay_unique_across_fork(tmp_path: Path) -> None:
     # Temp names are a per-process random half and a counter: a forked child must
     # not draw the names its parent draws next.
-    from cas._writer import _tmp_name
+    from cuda_program_cas._disk.atomic import _tmp_name
 
     r, w = os.pipe()
     pid = os.fork()
@@ -251,7 +251,7 @@ def test_temp_names_stay_unique_across_fork(tmp_path: Path) -> None:
 def test_a_write_whose_temp_name_is_taken_still_lands(tmp_path: Path) -> None:
     # A name left behind by a process long gone (same pid, same draw) is never
     # overwritten: the writer takes another name.
-    import cas._writer as writer
+    import cuda_program_cas._disk.atomic as writer
 
     tmp_dir = tmp_path / "tmp"
     tmp_dir.mkdir()

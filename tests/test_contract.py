@@ -1,4 +1,4 @@
-"""One contract for every way a :class:`cas.CacheStore` can be opened.
+"""One contract for every way a :class:`cuda_program_cas.CacheStore` can be opened.
 
 The ``config`` fixture yields the same small object for four configurations: a plain
 local cache, a capped one, one reopened ``read_only=True`` after a writable store
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-import cas
-from cas import CacheStore, LayoutError, ReadOnlyCacheError
+import cuda_program_cas
+from cuda_program_cas import CacheStore, LayoutError, ReadOnlyCacheError
 
 MiB = 1 << 20
 CAP = 4 * MiB  # large enough for everything a test here stores (the largest value is 1 MiB)
@@ -117,8 +117,8 @@ def test_identical_content_is_stored_once(config: Config) -> None:
     data = value(50_000, "same")
     first = config.store.put("one", data)
     second = config.store.put(b"two", data)
-    assert first is cas.WriteResult.STORED
-    assert second is cas.WriteResult.DEDUPLICATED
+    assert first is cuda_program_cas.WriteResult.STORED
+    assert second is cuda_program_cas.WriteResult.DEDUPLICATED
     assert first and second
     stats = config.store.stats()
     assert (stats.entries, stats.blobs, stats.writes, stats.dedup_writes) == (2, 1, 2, 1)
@@ -184,7 +184,7 @@ def test_value_that_can_never_fit_is_dropped(config: Config) -> None:
     if config.name != "capped":
         pytest.skip("only a capped cache drops a value larger than its cap")
     result = config.store.put("huge", bytes(CAP + 1))
-    assert result is cas.WriteResult.DROPPED
+    assert result is cuda_program_cas.WriteResult.DROPPED
     assert not result
     assert config.store.get("huge") is None
     assert config.store.stats().dropped_writes == 1
@@ -197,8 +197,8 @@ def test_read_only_drops_every_write_refuses_removal_and_changes_nothing(config:
     before = tree(config.root)
     store = config.store
     # A write is dropped and counted (the caller keeps its program); removal cannot be done and raises.
-    assert store.put("new", b"data") is cas.WriteResult.DROPPED
-    assert store.put("a", b"alpha") is cas.WriteResult.DROPPED  # even a write that would deduplicate
+    assert store.put("new", b"data") is cuda_program_cas.WriteResult.DROPPED
+    assert store.put("a", b"alpha") is cuda_program_cas.WriteResult.DROPPED  # even a write that would deduplicate
     assert store.counters()["dropped_writes"] == 2
     with pytest.raises(ReadOnlyCacheError):
         store.delete("a")
@@ -230,8 +230,8 @@ _NO_CUDA = textwrap.dedent(
     sys.modules["cuda.core"] = None
     sys.modules["cuda.core.utils"] = None
 
-    import cas
-    from cas import CacheStore, ReadOnlyCacheError, WriteResult
+    import cuda_program_cas
+    from cuda_program_cas import CacheStore, ReadOnlyCacheError, WriteResult
 
     root, shared = sys.argv[1], sys.argv[2]
     seed = CacheStore(shared)

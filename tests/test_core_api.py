@@ -17,7 +17,7 @@ from conftest import write_orphan
 from cuda.core import ObjectCode
 from cuda.core.utils import ProgramCacheResource
 
-from cas import CacheStats, ContentAddressedProgramCache, default_cache_dir
+from cuda_program_cas import CacheStats, ContentAddressedProgramCache, default_cache_dir
 
 
 def test_is_a_program_cache_resource(cache_dir: Path) -> None:
@@ -327,11 +327,11 @@ def test_bad_max_size_in_environment_is_one_warning_naming_the_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, bad: str
 ) -> None:
     """A bad value never fails a job: one WARNING per process, and the variable is ignored."""
-    import cas._config
+    import cuda_program_cas._base.config
 
-    monkeypatch.setattr(cas._config, "_seen", set())  # this process may have warned about it already
+    monkeypatch.setattr(cuda_program_cas._base.config, "_seen", set())  # this process may have warned about it already
     monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_SIZE", bad)
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(3):
             assert ContentAddressedProgramCache(tmp_path / "cas").stats().max_size_bytes is None
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

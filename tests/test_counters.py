@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
 
-import cas._store as store_mod
-from cas import CacheStore, verify
-from cas._cli import main
-from cas._layout import Layout
-from cas._lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
+import cuda_program_cas._store.store as store_mod
+from cuda_program_cas import CacheStore, verify
+from cuda_program_cas._cli.main import main
+from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas._store.lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
 
 ZERO = dict.fromkeys(NAMES, 0)
 
@@ -45,8 +44,7 @@ def counters_of(root: Path | str) -> dict[str, int]:
 
 def spawn(code: str, **kwargs: Any) -> subprocess.Popen[str]:
     """A fresh interpreter running ``code`` with the repository importable."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-c", code], env=env, text=True, **kwargs)
+    return subprocess.Popen([sys.executable, "-c", code], text=True, **kwargs)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
@@ -119,7 +117,7 @@ def test_a_sigkilled_process_leaves_counters_readable_and_the_cache_clean(
     # The child writes, reads and flushes in a loop and says how far it has recorded; the
     # parent kills it somewhere in that loop, likely in a flush or a compaction.
     child = (
-        "from cas import CacheStore\n"
+        "from cuda_program_cas import CacheStore\n"
         f"c = CacheStore({str(root)!r})\n"
         "i = 0\n"
         "while True:\n"

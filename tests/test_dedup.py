@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import compile_program
 
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 CUBIN_VARIANTS = [{}, {"name": "renamed.cu"}, {"define_macro": "UNUSED_MACRO"}, {"std": "c++17"}]
 

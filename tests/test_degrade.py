@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import compile_program, is_root, run_python
 
-from cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, WriteResult, digest_of
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, WriteResult, digest_of
 
 _OTHER = r"""
 extern "C" __global__ void scale(float a, float *x, int n) {
@@ -81,7 +81,7 @@ def remount_ro(path: Path) -> None:
 
 
 def cas_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cas" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "cuda_program_cas" and r.levelno == logging.WARNING]
 
 
 def corrupt_in_place(store: CacheStore, data: bytes) -> Path:
@@ -102,12 +102,12 @@ def test_a_read_only_cache_drops_writes_and_counts_them(tmp_path: Path, caplog: 
     CacheStore(root).put("a", b"alpha")
     before = sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*"))
     ro = CacheStore(root, read_only=True)
-    with caplog.at_level(logging.DEBUG, logger="cas"):
+    with caplog.at_level(logging.DEBUG, logger="cuda_program_cas"):
         assert ro.put("new", b"data") is WriteResult.DROPPED
         assert ro.put("a", b"alpha") is WriteResult.DROPPED  # even one that would deduplicate
     assert ro.counters()["dropped_writes"] == 2 and ro.counters()["writes"] == 0
     assert ro.get("a") == b"alpha" and ro.get("new") is None
-    assert [r.levelno for r in caplog.records if r.name == "cas" and "dropped" in r.getMessage()] == [
+    assert [r.levelno for r in caplog.records if r.name == "cuda_program_cas" and "dropped" in r.getMessage()] == [
         logging.DEBUG,
         logging.DEBUG,
     ]
@@ -154,7 +154,7 @@ def test_an_unwritable_directory_opens_read_only_with_one_warning(
     compile_program(cache=ContentAddressedProgramCache(src))
     with bind(src, tmp_path / "ro") as ro_path:
         remount_ro(ro_path)
-        with caplog.at_level(logging.DEBUG, logger="cas"):
+        with caplog.at_level(logging.DEBUG, logger="cuda_program_cas"):
             caches = [ContentAddressedProgramCache(ro_path) for _ in range(3)]
         warned = cas_warnings(caplog)
         assert len(warned) == 1, warned
@@ -176,7 +176,7 @@ def test_a_default_directory_that_cannot_be_created_runs_uncached(
     with tmpfs(tmp_path / "home") as home:
         remount_ro(home)
         monkeypatch.setenv("CUDA_PROGRAM_CAS_DIR", str(home / ".cache" / "cuda-python" / "program-cas"))
-        with caplog.at_level(logging.WARNING, logger="cas"):
+        with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             cache = ContentAddressedProgramCache()
             ContentAddressedProgramCache()
         warned = cas_warnings(caplog)
@@ -193,13 +193,13 @@ def test_a_default_directory_that_cannot_be_created_runs_uncached(
 _AS_NOBODY = textwrap.dedent(
     """
     import json, logging, os, sys
-    import cas
-    from cas import CacheStore, WriteResult
+    import cuda_program_cas
+    from cuda_program_cas import CacheStore, WriteResult
     records = []
     class Keep(logging.Handler):
         def emit(self, record):
             records.append((record.levelname, record.getMessage()))
-    logging.getLogger("cas").addHandler(Keep())
+    logging.getLogger("cuda_program_cas").addHandler(Keep())
     os.setgid(65534); os.setuid(65534)
     out = {}
     for name in sys.argv[1:]:
@@ -291,7 +291,7 @@ def test_a_damaged_blob_with_no_inode_left_for_quarantine(tmp_path: Path, caplog
         with pytest.raises(OSError):
             for n in range(1000):
                 (filler / str(n)).touch()
-        with caplog.at_level(logging.WARNING, logger="cas"):
+        with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             _bad_blob_is_a_miss(store, data, blob)
         assert not blob.exists()
         assert any("removed" in w for w in cas_warnings(caplog)), cas_warnings(caplog)
@@ -303,7 +303,7 @@ def test_a_damaged_blob_when_quarantine_is_a_file(tmp_path: Path, caplog: pytest
     store.put("k", data)
     (tmp_path / "cas" / "quarantine").write_bytes(b"not a directory")
     blob = corrupt_in_place(store, data)
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         _bad_blob_is_a_miss(store, data, blob)
     assert not blob.exists()
     assert (tmp_path / "cas" / "quarantine").read_bytes() == b"not a directory"
@@ -333,7 +333,7 @@ def test_damage_found_after_the_file_system_went_read_only(tmp_path: Path, caplo
         blob = corrupt_in_place(store, bad)
         os.unlink(store.layout.blob_path(digest_of(gone)))  # its manifest now dangles
         remount_ro(mnt)
-        with caplog.at_level(logging.WARNING, logger="cas"):
+        with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             _bad_blob_is_a_miss(store, bad, blob)
             for _ in range(3):
                 assert store.get("gone") is None
@@ -359,9 +359,9 @@ def _layout_cases(root: Path, kind: str) -> None:
 _LAYOUT_CHILD = textwrap.dedent(
     """
     import json, sys
-    import cas
-    from cas import CacheStore, LayoutError
-    from cas._cli import main
+    import cuda_program_cas
+    from cuda_program_cas import CacheStore, LayoutError
+    from cuda_program_cas._cli.main import main
     kind, root, local = sys.argv[1:4]
     out = {}
     def attempt(name, fn):
@@ -421,7 +421,7 @@ def test_a_directory_moved_to_another_disk_never_fails_a_write(
         subprocess.run(["rm", "-rf", str(root / moved)], check=True)
         (root / moved).symlink_to(target)
         cache = ContentAddressedProgramCache(root)
-        with caplog.at_level(logging.WARNING, logger="cas"):
+        with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             obj = compile_program(cache=cache)
             result = cache.store.put("k", b"new bytes")
         assert bytes(obj.code) == bytes(compile_program().code)
@@ -439,7 +439,7 @@ def test_a_tmp_that_is_a_file_heals_once(tmp_path: Path, caplog: pytest.LogCaptu
     tmp = root / "tmp"
     tmp.rmdir()
     tmp.write_bytes(b"someone's file")
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         stores = [CacheStore(root) for _ in range(2)]
         for n, store in enumerate(stores * 2):
             assert store.put(f"k{n}", f"v{n}".encode()) is WriteResult.STORED
@@ -455,7 +455,7 @@ def test_a_tmp_that_is_a_file_in_a_fresh_process(tmp_path: Path) -> None:
     CacheStore(root)
     (root / "tmp").rmdir()
     (root / "tmp").write_bytes(b"x")
-    code = "import sys, cas; k = sys.argv[2]; print(cas.CacheStore(sys.argv[1]).put(k, k.encode()).value)"
+    code = "import sys, cuda_program_cas; k = sys.argv[2]; print(cuda_program_cas.CacheStore(sys.argv[1]).put(k, k.encode()).value)"
     for n in range(2):
         out = run_python(code, str(root), f"k{n}")  # a new key and value each time: stored, not deduplicated
         assert out.returncode == 0 and out.stdout.split() == ["stored"], out.stderr

@@ -70,7 +70,7 @@ def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(
 
 
 def test_clear_refuses_the_default_directory_without_a_path_or_yes(tmp_path: Path) -> None:
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
 
     default = tmp_path / "default"
     CacheStore(default).put("mine", b"a user's own entry")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import cas
+import cuda_program_cas
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64
@@ -31,8 +31,8 @@ EXCEPTIONS = {
 
 @pytest.mark.parametrize("name", list(EXCEPTIONS))
 def test_exception_pickles(name: str) -> None:
-    cls = getattr(cas, name)
-    assert issubclass(cls, cas.CacheError)
+    cls = getattr(cuda_program_cas, name)
+    assert issubclass(cls, cuda_program_cas.CacheError)
     exc = cls(*EXCEPTIONS[name])
     restored = pickle.loads(pickle.dumps(exc))
     assert type(restored) is cls
@@ -46,10 +46,10 @@ def test_exception_pickles(name: str) -> None:
 
 def test_exception_pickles_after_being_raised(tmp_path: Path) -> None:
     # A real one, as the library raises it (with a traceback and its own message).
-    with pytest.raises(cas.LayoutError) as info:
-        cas.CacheStore(tmp_path / "missing", read_only=True)
+    with pytest.raises(cuda_program_cas.LayoutError) as info:
+        cuda_program_cas.CacheStore(tmp_path / "missing", read_only=True)
     restored = pickle.loads(pickle.dumps(info.value))
-    assert type(restored) is cas.LayoutError
+    assert type(restored) is cuda_program_cas.LayoutError
     assert str(restored) == str(info.value)
 
 
@@ -59,7 +59,7 @@ BAD_VALUES = ["a string", 12, None, [1, 2, 3], 1.5]
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=lambda v: type(v).__name__)
 def test_program_cache_rejects_value_naming_its_type(tmp_path: Path, bad: object) -> None:
     pytest.importorskip("cuda.core")
-    cache = cas.ContentAddressedProgramCache(tmp_path / "cas")
+    cache = cuda_program_cas.ContentAddressedProgramCache(tmp_path / "cas")
     with pytest.raises(TypeError) as info:
         cache["k"] = bad
     message = str(info.value)
@@ -71,7 +71,7 @@ def test_program_cache_rejects_value_naming_its_type(tmp_path: Path, bad: object
 
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=lambda v: type(v).__name__)
 def test_cache_store_rejects_value_naming_its_type(tmp_path: Path, bad: object) -> None:
-    store = cas.CacheStore(tmp_path / "cas")
+    store = cuda_program_cas.CacheStore(tmp_path / "cas")
     with pytest.raises(TypeError, match=type(bad).__name__):
         store.put("k", bad)  # type: ignore[arg-type]
     assert store.get("k") is None
@@ -83,7 +83,7 @@ BAD_KEYS = [12, None, 1.5, ("tuple",), object()]
 
 @pytest.mark.parametrize("bad", BAD_KEYS, ids=lambda v: type(v).__name__)
 def test_cache_store_rejects_key_naming_its_type(tmp_path: Path, bad: object) -> None:
-    store = cas.CacheStore(tmp_path / "cas")
+    store = cuda_program_cas.CacheStore(tmp_path / "cas")
     for call in (lambda: store.get(bad), lambda: store.put(bad, b"v"), lambda: store.delete(bad)):
         with pytest.raises(TypeError, match=type(bad).__name__):
             call()
@@ -93,7 +93,7 @@ def test_cache_store_rejects_key_naming_its_type(tmp_path: Path, bad: object) ->
 @pytest.mark.parametrize("bad", BAD_KEYS, ids=lambda v: type(v).__name__)
 def test_program_cache_rejects_key_naming_its_type(tmp_path: Path, bad: object) -> None:
     pytest.importorskip("cuda.core")
-    cache = cas.ContentAddressedProgramCache(tmp_path / "cas")
+    cache = cuda_program_cas.ContentAddressedProgramCache(tmp_path / "cas")
 
     def setitem() -> None:
         cache[bad] = b"v"  # type: ignore[index]
@@ -115,7 +115,7 @@ BAD_SIZES = [True, 1.5, 0, -1, "10G"]
 def test_bad_max_size_is_refused_before_anything_is_written(tmp_path: Path, kind: str, bad: object) -> None:
     if kind == "ContentAddressedProgramCache":
         pytest.importorskip("cuda.core")
-    cls = getattr(cas, kind)
+    cls = getattr(cuda_program_cas, kind)
     root = tmp_path / "parent" / "cas"
     with pytest.raises((TypeError, ValueError)) as info:
         cls(root, max_size_bytes=bad)

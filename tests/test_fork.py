@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-import cas
-import cas._fork
-import cas._lifetime
-import cas._touch
-from cas import CacheStore, publish
-from cas._lifetime import read_counters
-from cuda_program_cas_index import key_id
+import cuda_program_cas
+import cuda_program_cas._base.fork
+import cuda_program_cas._store.lifetime
+import cuda_program_cas._store.touch
+from cuda_program_cas import CacheStore, publish
+from cuda_program_cas._store.lifetime import read_counters
+from cuda_program_cas.index import key_id
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -206,8 +206,8 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
     store.put("k", b"v")
     assert store.get("k") == b"v"
     pause = Pause()
-    real_append = cas._lifetime._append
-    cas._lifetime._append = pause.wrap(real_append)  # type: ignore[attr-defined]
+    real_append = cuda_program_cas._store.lifetime._append
+    cuda_program_cas._store.lifetime._append = pause.wrap(real_append)  # type: ignore[attr-defined]
     try:
 
         def child() -> bool:
@@ -217,7 +217,7 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
         # The flush stops while it holds the recorder's lock and counters.lock (an flock).
         fork_while(pause, store.flush, child)
     finally:
-        cas._lifetime._append = real_append  # type: ignore[attr-defined]
+        cuda_program_cas._store.lifetime._append = real_append  # type: ignore[attr-defined]
     # The parent records after its child, and nothing is counted twice.
     assert store.get("k") == b"v"
     assert store.flush()
@@ -230,17 +230,17 @@ def test_a_child_forked_during_touches_lands_its_own_reads(cache_dir: Path) -> N
     store.put("k", b"v")
     manifest = Path(store.layout.manifest_path(key_id("k")))
     os.utime(manifest, ns=(0, 0))
-    cas._touch.ensure_thread()  # the parent has its touch thread
+    cuda_program_cas._store.touch.ensure_thread()  # the parent has its touch thread
     pause = Pause()
 
     def child() -> bool:
         other = CacheStore(cache_dir)  # registers its touch queue with the process's one thread
         ok = other.get("k") == b"v" and store.get("k") == b"v"
-        cas._touch.apply_pending()  # what an eviction does before it plans
+        cuda_program_cas._store.touch.apply_pending()  # what an eviction does before it plans
         return ok and manifest.stat().st_mtime_ns > 0
 
     # The touch thread's registry lock, as a cache opening in another thread holds it.
-    fork_while(pause, pause.hold(cas._touch._FLUSHER._lock), child)
+    fork_while(pause, pause.hold(cuda_program_cas._store.touch._FLUSHER._lock), child)
 
 
 def _locks(root: object, seen: set[int] | None = None, depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -257,10 +257,10 @@ def _locks(root: object, seen: set[int] | None = None, depth: int = 0) -> Iterat
     elif isinstance(root, (list, tuple, set, frozenset)):
         children = [(str(i), v) for i, v in enumerate(list(root))]
     elif isinstance(root, types.ModuleType):
-        if not root.__name__.startswith("cas"):
+        if not root.__name__.startswith("cuda_program_cas"):
             return
         children = [(n, v) for n, v in vars(root).items() if not n.startswith("__")]
-    elif type(root).__module__.startswith(("cas", "cuda_program_cas_index")):
+    elif type(root).__module__.startswith("cuda_program_cas"):
         names = list(getattr(root, "__dict__", {}))
         for klass in type(root).__mro__:
             names += [s for s in getattr(klass, "__slots__", ()) if isinstance(s, str)]
@@ -286,9 +286,11 @@ def _everything(tmp_path: Path) -> list[object]:
     for shared in store.shared:
         assert shared.lookup(key_id("s")) is not None
     modules = [
-        importlib.import_module(f"cas.{m.name}") for m in pkgutil.iter_modules(cas.__path__) if m.name != "__main__"
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(cuda_program_cas.__path__, "cuda_program_cas.")
+        if not m.name.endswith("__main__")
     ]
-    from cas._frontdoor import FrontDoor
+    from cuda_program_cas._cuda.frontdoor import FrontDoor
 
     return [store, FrontDoor(store), *modules]
 
@@ -319,8 +321,10 @@ class _Broken:
 
 def test_one_failing_reset_leaves_the_others_to_run(cache_dir: Path) -> None:
     broken = _Broken()
-    cas._fork.after_fork(broken)
-    cas._fork.after_fork_call(broken._after_fork_in_child)  # a module reset: those run before every owner's
+    cuda_program_cas._base.fork.after_fork(broken)
+    cuda_program_cas._base.fork.after_fork_call(
+        broken._after_fork_in_child
+    )  # a module reset: those run before every owner's
     try:
         store = CacheStore(cache_dir)
         store.put("k", b"v")
@@ -332,4 +336,4 @@ def test_one_failing_reset_leaves_the_others_to_run(cache_dir: Path) -> None:
 
         fork_while(pause, pause.hold(store._clear_lock), child)
     finally:
-        cas._fork._calls.remove(broken._after_fork_in_child)
+        cuda_program_cas._base.fork._calls.remove(broken._after_fork_in_child)

@@ -16,10 +16,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Compiles
+from conftest import Compiles
 from cuda.core import Program, ProgramOptions
 
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 SOURCE = r"""
 #include "config.h"
@@ -276,7 +276,7 @@ def test_a_read_only_cache_compiles_and_stores_nothing(tmp_path: Path, tree: dic
 
 
 def test_entries_are_published_and_found_by_a_node(tmp_path: Path, tree: dict[str, Path], compiles: Compiles) -> None:
-    from cas import publish, verify
+    from cuda_program_cas import publish, verify
 
     builder = ContentAddressedProgramCache(tmp_path / "builder")
     reference = builder.compile(SOURCE, "c++", options(tree), "cubin", name_expressions=NAMES)
@@ -329,7 +329,7 @@ _RACER = textwrap.dedent(
     """
     import sys
     from cuda.core import ProgramOptions
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
     root, first, second, pre, n = sys.argv[1:6]
     source = open(sys.argv[6]).read()
     opts = ProgramOptions(arch="sm_80", include_path=[first, second], pre_include=pre)
@@ -361,10 +361,8 @@ def test_processes_compiling_while_a_header_changes_never_get_a_result_of_other_
     source = tmp_path / "source.cu"
     source.write_text(SOURCE)
     args = [str(tmp_path / "cas"), str(tree["first"]), str(tree["second"]), str(tree["pre"]), "6", str(source)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RACER, *args], stdout=subprocess.PIPE, text=True, env=env)
-        for _ in range(3)
+        subprocess.Popen([sys.executable, "-c", _RACER, *args], stdout=subprocess.PIPE, text=True) for _ in range(3)
     ]
     lines: list[str] = []
     try:

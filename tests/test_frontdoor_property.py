@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, event, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 #: The CI configuration: examples, steps per example and the seed (about 60-90 s on 2 cores).
 EXAMPLES = int(os.environ.get("CPCAS_PROPERTY_EXAMPLES", "20"))

@@ -17,8 +17,8 @@ from conftest import Compiles
 from cuda.core import Program, ProgramOptions
 from test_frontdoor import CUB_SOURCE, cccl_include, settle
 
-from cas import CacheStore, ContentAddressedProgramCache, collect
-from cas._groups import group_of, is_record
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect
+from cuda_program_cas.index import group_of, is_record
 
 KERNEL = r"""
 #include "val.h"
@@ -177,7 +177,7 @@ _GONE_BEFORE_RECORDED = r"""
 import json, logging, sys
 from pathlib import Path
 from cuda.core import Program, ProgramOptions
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 tmp = Path(sys.argv[1])
 header = tmp / "inc" / "val.h"
@@ -197,7 +197,7 @@ class RemovesWhenLogged:
 warnings = []
 handler = logging.Handler()
 handler.emit = lambda record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
-logging.getLogger("cas").addHandler(handler)
+logging.getLogger("cuda_program_cas").addHandler(handler)
 opts = ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")])
 cache = ContentAddressedProgramCache(tmp / "cas")
 same = []
@@ -235,7 +235,7 @@ def test_a_removed_working_directory_compiles_uncached_with_one_warning(
     (tmp_path / "gone").mkdir()
     monkeypatch.chdir(tmp_path / "gone")
     (tmp_path / "gone").rmdir()
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(2):
             assert bytes(cache.compile(code, "c++", opts, "cubin").code) == uncached(code, opts)
     assert len([r for r in caplog.records if "working directory" in r.getMessage()]) == 1
@@ -244,7 +244,7 @@ def test_a_removed_working_directory_compiles_uncached_with_one_warning(
 
 
 def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cas._lifetime import read_counters
+    from cuda_program_cas._store.lifetime import read_counters
 
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
@@ -269,7 +269,7 @@ def test_a_miss_says_which_header_changed_or_that_the_inputs_are_new(
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
     cache = ContentAddressedProgramCache(tmp_path / "cas")
-    with caplog.at_level(logging.DEBUG, logger="cas"):
+    with caplog.at_level(logging.DEBUG, logger="cuda_program_cas"):
         cached(cache, KERNEL, opts)
         write(tmp_path / "inc" / "val.h", "#define VAL 2\n")
         cached(cache, KERNEL, opts)
@@ -393,7 +393,7 @@ def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> Non
     _some_front_door_entries(tmp_path, cache, 2)  # two kernels: two records, two binaries
     cache.close()
     out = subprocess.run(
-        [sys.executable, "-m", "cas", "stats", str(tmp_path / "cas"), "--json"],
+        [sys.executable, "-m", "cuda_program_cas", "stats", str(tmp_path / "cas"), "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -404,8 +404,8 @@ def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> Non
 
 
 def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path) -> None:
-    from cas import publish
-    from cas._pack import PackReader, list_packs
+    from cuda_program_cas import publish
+    from cuda_program_cas._disk.pack import PackReader, list_packs
 
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     _some_front_door_entries(tmp_path, cache, 9)  # three records of three variants each
@@ -440,7 +440,7 @@ def test_a_trace_that_lost_its_beginning_is_not_trusted(tmp_path: Path) -> None:
     # in its first milliseconds (NVRTC 13.5 was seen doing so in long-running processes).
     import json
 
-    from cas._frontdoor import _traced_names
+    from cuda_program_cas._cuda.frontdoor import _traced_names
 
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     trace = tmp_path / "t"
@@ -473,7 +473,7 @@ _AFTER_A_FAILED_COMPILE = r"""
 import json, os, sys
 from pathlib import Path
 from cuda.core import Program, ProgramOptions
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 tmp = Path(sys.argv[1])
 (tmp / "inc").mkdir()

@@ -1,4 +1,4 @@
-"""The garbage collector (cas._gc.collect and tools/gc.py): what goes, what stays, under load."""
+"""The garbage collector (cuda_program_cas._verbs.gc.collect and tools/gc.py): what goes, what stays, under load."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, ChildLines, StartGate, run_python, write_manifest, write_orphan
 
-from cas import CacheStore, CollectorBusyError, collect, digest_of, verify
-from cuda_program_cas_index import key_id
+from cuda_program_cas import CacheStore, CollectorBusyError, collect, digest_of, verify
+from cuda_program_cas.index import key_id
 
 DAY = 86400
 
@@ -249,7 +249,7 @@ def test_busy_lock_changes_nothing(tmp_path: Path) -> None:
 
 _WORKER = r"""
 import hashlib, os, random, signal, sys, time
-from cas import CacheStore
+from cuda_program_cas import CacheStore
 
 role, root, wid, npre, stop, out = sys.argv[1:]
 wid, npre = int(wid), int(npre)
@@ -376,7 +376,7 @@ except ImportError:
     pass
 else:
     sys.exit("cuda.core is still importable: the test would prove nothing")
-from cas._cli import main
+from cuda_program_cas._cli.main import main
 root = sys.argv[1]
 codes = [
     main(["gc", root, "--verify", "--max-age", "1d", "--max-size", "1M", "--json"]),
@@ -423,7 +423,7 @@ def test_gc_runs_where_cuda_core_cannot_be_imported(tmp_path: Path) -> None:
 #: collect(), saying "removed 100" once it has unlinked 100 manifests (and going on).
 _COLLECT_SAYING_REMOVED = r"""
 import os, sys
-from cas import collect
+from cuda_program_cas import collect
 root = sys.argv[1]
 index = os.path.realpath(os.path.join(root, "index"))
 unlink, removed = os.unlink, 0
@@ -471,9 +471,9 @@ def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
 
 
 def test_a_shared_store_keeps_the_blobs_of_removed_entries_for_a_grace_period(tmp_path: Path) -> None:
-    from cas import collect, publish
-    from cas._layout import is_shared_store
-    from cas._maint import SHARED_MIN_GRACE_S
+    from cuda_program_cas import collect, publish
+    from cuda_program_cas._disk.layout import is_shared_store
+    from cuda_program_cas._verbs.common import SHARED_MIN_GRACE_S
 
     def age_all(seconds: float) -> list[Path]:
         files = [*(shared / "blobs").glob("*/*"), *(shared / "index").glob("*/*")]

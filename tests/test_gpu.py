@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import SAXPY, compile_program, is_root, run_python
 
-from cas import CacheStore, digest_of
+from cuda_program_cas import CacheStore, digest_of
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +62,7 @@ import ctypes, json, sys, warnings
 import numpy as np
 from cuda.bindings import driver, nvrtc
 from cuda.core import Device, LaunchConfig, LegacyPinnedMemoryResource, ObjectCode, Program, ProgramOptions, launch
-from cas import ContentAddressedProgramCache, digest_of
+from cuda_program_cas import ContentAddressedProgramCache, digest_of
 
 cfg = json.loads(sys.argv[1])
 dev = Device()
@@ -84,7 +84,7 @@ with warnings.catch_warnings(record=True) as caught:
         obj = Program(cfg["source"], "c++", options=opts).compile(cfg["target"], cache=cache)
     if cfg.get("extra_miss"):
         # A compile the cache has never seen: a read-only cache refuses to store it.
-        from cas import ReadOnlyCacheError
+        from cuda_program_cas import ReadOnlyCacheError
 
         try:
             Program(cfg["source"], "c++", options=ProgramOptions(arch=cfg["arch"], name="other")).compile(
@@ -175,7 +175,7 @@ def _read_only_view(src: Path, where: Path):
 
 
 def test_cubin_from_cache_launches_in_fresh_process(tmp_path: Path, arch: str) -> None:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     obj = compile_program(SAXPY, "cubin", cache=cache, arch=arch)
@@ -196,7 +196,7 @@ def test_cubin_from_cache_launches_in_fresh_process(tmp_path: Path, arch: str) -
 
 
 def test_shared_store_read_only_serves_a_launchable_binary(tmp_path: Path, arch: str) -> None:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     shared = tmp_path / "shared"
     with ContentAddressedProgramCache(shared) as publisher:
@@ -255,7 +255,7 @@ import ctypes, json, sys, time
 import numpy as np
 import cuda.core._program as program_mod
 from cuda.core import Device, LaunchConfig, LegacyPinnedMemoryResource, ProgramOptions, launch
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 
 cfg = json.loads(sys.argv[1])
 compiles = []

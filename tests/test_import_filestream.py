@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SAXPY, ChildLines, compile_program
 
-from cas import CacheStore, collect, import_filestream, verify
-from cas._cli import main
+from cuda_program_cas import CacheStore, collect, import_filestream, verify
+from cuda_program_cas._cli.main import main
 
 SCALE = r"""
 extern "C" __global__ void scale(float *x, float a, int n) {
@@ -55,7 +55,7 @@ def test_filestream_entries_hit_through_program_compile_without_nvrtc(
 ) -> None:
     from cuda.core.utils import FileStreamProgramCache
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     fs_dir, dest = tmp_path / "filestream", tmp_path / "cas"
     with FileStreamProgramCache(fs_dir) as fs:
@@ -120,7 +120,7 @@ def payload(i: int) -> bytes:
 #: The import-filestream command, saying "written 200" once it has put 200 manifests in place (and going on).
 _IMPORT_SAYING_WRITTEN = r"""
 import os, sys
-from cas._cli import main
+from cuda_program_cas._cli.main import main
 index = os.path.realpath(os.path.join(sys.argv[2], "index"))
 replace, written = os.replace, 0
 def counting_replace(src, dst, *args, **kwargs):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from cas import CacheStore, ContentAddressedProgramCache
-from cuda_program_cas_index import key_id
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache
+from cuda_program_cas.index import key_id
 
 DATA = bytes(range(256)) * 40  # 10 KB, like a small cubin
 
@@ -316,8 +316,8 @@ def test_dangling_manifest_replaced_meanwhile_is_kept(cache_dir: Path) -> None:
 
 
 def test_the_remover_refuses_a_replaced_manifest(cache_dir: Path) -> None:
-    from cas._layout import Layout
-    from cas._remove import Remover
+    from cuda_program_cas._disk.layout import Layout
+    from cuda_program_cas._disk.remove import Remover
 
     cache = ContentAddressedProgramCache(cache_dir)
     cache["k"] = b"one"
@@ -389,7 +389,7 @@ def test_store_level_reads_never_raise_for_disk_problems(cache_dir: Path) -> Non
 
 
 def test_blob_store_read_verifies_and_names_the_corruption(cache_dir: Path) -> None:
-    from cas import BlobStore, CacheStore, CorruptBlobError, digest_of
+    from cuda_program_cas import BlobStore, CacheStore, CorruptBlobError, digest_of
 
     store = CacheStore(cache_dir)
     data = b"good bytes" * 100

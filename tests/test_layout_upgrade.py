@@ -17,8 +17,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-from cas import CacheStore
-from cuda_program_cas_index import parse_manifest
+from cuda_program_cas import CacheStore
+from cuda_program_cas.index import parse_manifest
 
 ENTRIES = {f"k{i}": bytes([i]) * (1000 + i) for i in range(40)}
 ENTRIES["dup"] = ENTRIES["k1"]
@@ -94,7 +94,7 @@ def test_a_writable_open_upgrades_in_place_keeping_recency(tmp_path: Path) -> No
 
 
 def _kid(key: str) -> str:
-    from cuda_program_cas_index import key_id
+    from cuda_program_cas.index import key_id
 
     return key_id(key)
 
@@ -106,7 +106,7 @@ def _split(kid: str) -> tuple[str, str]:
 _READER = textwrap.dedent(
     """
     import json, sys
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
     root, expected = sys.argv[1], json.load(open(sys.argv[2]))
     store = CacheStore(root, read_only=True)
     rounds = 0

@@ -1,4 +1,4 @@
-"""What the ``cas`` logger says: one DEBUG record per lookup (with why a miss missed), per write,
+"""What the ``cuda_program_cas`` logger says: one DEBUG record per lookup (with why a miss missed), per write,
 eviction and collection; one WARNING per process for a shared store that cannot be used; nothing
 at all, not even a clock reading, with logging off; ``CUDA_PROGRAM_CAS_LOG`` in a real process.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import MovableClock, run_python
 
-import cas._shared as shared_mod
-import cas._store as store_mod
-from cas import CacheStore, collect, digest_of
-from cuda_program_cas_index import key_id
+import cuda_program_cas._store.shared as shared_mod
+import cuda_program_cas._store.store as store_mod
+from cuda_program_cas import CacheStore, collect, digest_of
+from cuda_program_cas.index import key_id
 
 
 def records(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
@@ -28,7 +28,7 @@ def lookups(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 
 def test_one_record_per_lookup_hit_or_miss_with_the_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="cas")
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     store = CacheStore(tmp_path / "cas")
     for key in ("good", "damaged", "misplaced", "blob gone", "bad blob"):
         store.put(key, f"bytes of {key}".encode())
@@ -52,7 +52,7 @@ def test_one_record_per_lookup_hit_or_miss_with_the_reason(tmp_path: Path, caplo
         found = store.get(key)
         assert (found is None) == (reason is not None), key
         (record,) = lookups(caplog)
-        assert record.levelno == logging.DEBUG and record.name == "cas"
+        assert record.levelno == logging.DEBUG and record.name == "cuda_program_cas"
         assert record.cas_key == key_id(key)[:12]  # type: ignore[attr-defined]
         assert isinstance(record.cas_us, int) and record.cas_us >= 0  # type: ignore[attr-defined]
         message = record.getMessage()
@@ -68,7 +68,7 @@ def test_one_record_per_lookup_hit_or_miss_with_the_reason(tmp_path: Path, caplo
 def test_a_shared_store_hit_or_miss_names_the_store(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     shared = tmp_path / "shared"
     CacheStore(shared).put("k", b"shared bytes")
-    caplog.set_level(logging.DEBUG, logger="cas")
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     gone = tmp_path / "gone"
     store = CacheStore(tmp_path / "local", shared=[gone, shared], copy_shared_hits=False)
     caplog.clear()
@@ -84,7 +84,7 @@ def test_a_shared_store_hit_or_miss_names_the_store(tmp_path: Path, caplog: pyte
 
 
 def test_writes_evictions_and_collections_get_a_record(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="cas")
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     store = CacheStore(tmp_path / "cas", max_size_bytes=4000)
     store.put("a", b"x" * 1000)
     store.put("b", b"x" * 1000)
@@ -112,7 +112,7 @@ def test_writes_evictions_and_collections_get_a_record(tmp_path: Path, caplog: p
 def test_with_logging_off_there_is_no_record_and_no_clock(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caplog.set_level(logging.INFO, logger="cas")
+    caplog.set_level(logging.INFO, logger="cuda_program_cas")
 
     def no_clock() -> int:
         raise AssertionError("the clock was read with DEBUG off")
@@ -132,7 +132,7 @@ def test_a_mistyped_shared_path_warns_once_per_process(
 ) -> None:
     clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
-    caplog.set_level(logging.DEBUG, logger="cas")
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     typo = tmp_path / "shraed"
     first = CacheStore(tmp_path / "one", shared=[typo])
     for _ in range(3):  # each past the retry interval: the store is checked again, and fails again
@@ -157,7 +157,7 @@ def test_a_store_of_a_newer_layout_or_not_a_cache_warns_naming_the_reason(
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not a cache")
-    caplog.set_level(logging.WARNING, logger="cas")
+    caplog.set_level(logging.WARNING, logger="cuda_program_cas")
     CacheStore(tmp_path / "local", shared=[newer, foreign])
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2
@@ -172,7 +172,7 @@ def test_a_store_that_goes_away_later_is_not_a_warning_on_any_retry(
     CacheStore(shared).put("k", b"v")
     clock = MovableClock()
     monkeypatch.setattr(shared_mod, "time", clock)
-    caplog.set_level(logging.DEBUG, logger="cas")
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     store = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
     assert store.get("k") == b"v"
     shared.rename(tmp_path / "away")  # unmounted, say
@@ -214,7 +214,7 @@ def test_the_log_variable_appends_the_records_to_a_file(tmp_path: Path) -> None:
 
 
 def test_a_log_file_that_cannot_be_opened_is_a_warning_not_a_failure(tmp_path: Path) -> None:
-    code = f"from cas import CacheStore\nc = CacheStore({str(tmp_path / 'cas')!r})\nc.put('k', b'v')\n"
+    code = f"from cuda_program_cas import CacheStore\nc = CacheStore({str(tmp_path / 'cas')!r})\nc.put('k', b'v')\n"
     proc = run_python(code, env={"CUDA_PROGRAM_CAS_LOG": str(tmp_path)})  # a directory
     assert proc.returncode == 0, proc.stderr
     assert "CUDA_PROGRAM_CAS_LOG" in proc.stderr and "cannot be opened" in proc.stderr

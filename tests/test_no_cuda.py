@@ -1,4 +1,4 @@
-"""``import cas``, the blob store, the index and the maintenance code work without CUDA.
+"""``import cuda_program_cas``, the blob store, the index and the maintenance code work without CUDA.
 
 Each test runs a fresh interpreter in which importing ``cuda.core`` fails, either
 because a ``cuda`` package that raises ``ImportError`` shadows the real one on
@@ -9,12 +9,11 @@ status: any exception, any import of ``cuda.core``, is a failure.
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_python
+from conftest import run_python
 
 _BLOCKERS = {
     "shadow-package": "",  # the shadowing package is put on PYTHONPATH by the test
@@ -34,9 +33,9 @@ _CHILD = textwrap.dedent(
     else:
         sys.exit("precondition: cuda.core must not be importable in this child")
 
-    import cas
-    from cas import BlobStore, CacheStore, digest_of, parse_size
-    from cuda_program_cas_index import Manifest, key_id, parse_manifest
+    import cuda_program_cas
+    from cuda_program_cas import BlobStore, CacheStore, digest_of, parse_size
+    from cuda_program_cas.index import Manifest, key_id, parse_manifest
 
     # The store: write, dedup, read, delete, cap, clear.
     store = CacheStore(root, max_size_bytes=parse_size("20K"))
@@ -59,19 +58,19 @@ _CHILD = textwrap.dedent(
     assert parse_manifest(m.encode()) == m
     assert len(key_id("k")) == 64 and key_id("k") == key_id(b"k")
     assert isinstance(store.blobs, BlobStore)
-    assert "index" not in sys.modules  # the index is cuda_program_cas_index, never a bare "index"
+    assert "index" not in sys.modules  # the index is cuda_program_cas.index, never a bare "index"
 
     # Every maintenance module imports, and the console script runs.
-    for info in pkgutil.iter_modules(cas.__path__):
-        if info.name != "_cache":
-            importlib.import_module(f"cas.{info.name}")
-    from cas._cli import main
+    for info in pkgutil.walk_packages(cuda_program_cas.__path__, "cuda_program_cas."):
+        if not info.name.startswith("cuda_program_cas._cuda."):  # the only importers of cuda.core
+            importlib.import_module(info.name)
+    from cuda_program_cas._cli.main import main
     assert main(["stats", root]) == 0
     assert main(["verify", root]) == 0
 
     # Only touching the adapter needs CUDA, and then it says so.
     try:
-        cas.ContentAddressedProgramCache
+        cuda_program_cas.ContentAddressedProgramCache
     except ImportError:
         pass
     else:
@@ -92,7 +91,7 @@ def test_storage_and_maintenance_work_without_cuda(tmp_path: Path, how: str) -> 
         shadow = tmp_path / "no-cuda"
         (shadow / "cuda").mkdir(parents=True)
         (shadow / "cuda" / "__init__.py").write_text("raise ImportError('no CUDA on this machine')\n")
-        env["PYTHONPATH"] = f"{shadow}{os.pathsep}{REPO}"
+        env["PYTHONPATH"] = str(shadow)
     result = run_python(_BLOCKERS[how] + _CHILD, str(tmp_path / "cache"), env=env, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("ok")
@@ -103,8 +102,8 @@ def test_import_cas_does_not_import_cuda_core() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import cas, index
-        cas.CacheStore, cas.BlobStore, cas.default_cache_dir
+        import cuda_program_cas, index
+        cuda_program_cas.CacheStore, cuda_program_cas.BlobStore, cuda_program_cas.default_cache_dir
         sys.exit(1 if "cuda.core" in sys.modules else 0)
         """
     )
@@ -117,8 +116,8 @@ def test_touching_the_adapter_imports_cuda_core() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import cas
-        cas.ContentAddressedProgramCache
+        import cuda_program_cas
+        cuda_program_cas.ContentAddressedProgramCache
         sys.exit(0 if "cuda.core" in sys.modules else 1)
         """
     )

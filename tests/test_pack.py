@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from cas._layout import Layout, create_layout
-from cas._pack import PackError, PackReader, PackSet, list_packs, write_pack
-from cas._writer import Writer
-from cuda_program_cas_index import key_id
+from cuda_program_cas._disk.layout import Layout, create_layout
+from cuda_program_cas._disk.pack import PackError, PackReader, PackSet, list_packs, write_pack
+from cuda_program_cas._disk.writer import Writer
+from cuda_program_cas.index import key_id
 
 ENTRIES = {f"k{i}": bytes([i % 7]) * (100 + 13 * (i % 7)) for i in range(300)}  # 7 distinct blobs
 

@@ -20,14 +20,14 @@ import pytest
 from blake3 import blake3
 from conftest import REPO, ChildLines, run_python
 
-import cas._pack
-from cas import CacheStore, publish
-from cas._cli import main as cli
-from cas._layout import Layout, create_layout
-from cas._pack import write_pack
-from cas._repack import repack
-from cas._writer import Writer
-from cuda_program_cas_index import key_id
+import cuda_program_cas._disk.pack
+from cuda_program_cas import CacheStore, publish
+from cuda_program_cas._cli.main import main as cli
+from cuda_program_cas._disk.layout import Layout, create_layout
+from cuda_program_cas._disk.pack import write_pack
+from cuda_program_cas._disk.writer import Writer
+from cuda_program_cas._verbs.repack import repack
+from cuda_program_cas.index import key_id
 
 
 def value(i: int, gen: str = "g") -> bytes:
@@ -50,8 +50,8 @@ def child_env() -> dict[str, str]:
 #: A repack that stops while it writes its pack (holding the lock) until the parent says go on stdin.
 _HELD_REPACK = r"""
 import sys
-import cas._repack as R
-from cas._cli import main
+import cuda_program_cas._verbs.packs as R
+from cuda_program_cas._cli.main import main
 orig = R.write_pack
 def write_pack(*args, **kwargs):
     print("writing", flush=True)
@@ -67,7 +67,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
     store = tmp_path / "store"
     for gen in "abc":
         publish([source(tmp_path / gen, gen)], store, pack=True)
-    before = cas._pack.list_packs(str(store / "packs"))
+    before = cuda_program_cas._disk.pack.list_packs(str(store / "packs"))
     assert len(before) == 3
     first = ChildLines(
         subprocess.Popen(
@@ -82,7 +82,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
     try:
         first.wait("writing")
         second = subprocess.run(
-            [sys.executable, "-m", "cas", "repack", str(store)],
+            [sys.executable, "-m", "cuda_program_cas", "repack", str(store)],
             capture_output=True,
             text=True,
             env=child_env(),
@@ -91,7 +91,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
         )
         assert second.returncode == 0, second.stderr
         assert "another repack or a gc" in second.stdout and "nothing was changed" in second.stdout
-        assert cas._pack.list_packs(str(store / "packs")) == before  # the second one changed nothing
+        assert cuda_program_cas._disk.pack.list_packs(str(store / "packs")) == before  # the second one changed nothing
         assert first.proc.stdin is not None
         first.proc.stdin.write("go\n")
         first.proc.stdin.flush()
@@ -99,7 +99,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
     finally:
         first.kill()
     assert "retired 3 packs" in first.lines[-1]
-    assert len(cas._pack.list_packs(str(store / "packs"))) == 1
+    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 1
     node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
     assert all(node.get(f"{g}{i}") == value(i, g) for g in "abc" for i in range(20))
 
@@ -133,7 +133,7 @@ _UNDER_1024 = r"""
 import os, resource, sys
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
-from cas import CacheStore
+from cuda_program_cas import CacheStore
 store, local, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def value(i):
     return (f"p:{i}:".encode() * 40)[: 100 + i % 50]
@@ -157,7 +157,9 @@ def test_1100_packs_under_a_soft_limit_of_1024_descriptors_every_entry_hits(tmp_
     assert proc.returncode == 0, proc.stderr
     hits, again, fds, fresh_ok = proc.stdout.split()
     assert (int(hits), int(again), fresh_ok) == (n, len(range(0, n, 7)), "True")
-    assert int(fds) <= cas._pack.MAX_OPEN_PACKS + 16, fds  # the bound, plus stdio, the node's own files
+    assert int(fds) <= cuda_program_cas._disk.pack.MAX_OPEN_PACKS + 16, (
+        fds
+    )  # the bound, plus stdio, the node's own files
 
 
 def open_files_under(directory: Path) -> list[str]:
@@ -176,13 +178,13 @@ def open_files_under(directory: Path) -> list[str]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
 def test_packs_retired_by_a_repack_still_read_until_relisted_then_are_closed(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    n = cas._pack.MAX_OPEN_PACKS + 8
+    n = cuda_program_cas._disk.pack.MAX_OPEN_PACKS + 8
     many_packs(store, n)
-    packs = cas._pack.PackSet(str(store))
+    packs = cuda_program_cas._disk.pack.PackSet(str(store))
     assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
-    assert len(open_files_under(store)) <= cas._pack.MAX_OPEN_PACKS
+    assert len(open_files_under(store)) <= cuda_program_cas._disk.pack.MAX_OPEN_PACKS
     repack(store)  # every pack moves to packs/retired/, most of them closed here meanwhile
-    assert len(cas._pack.list_packs(str(store / "packs"))) == 1
+    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 1
     # Within the listing this process still trusts, every entry reads from the retired packs.
     assert all(packs.lookup(key_id(f"p{i}")) == (value(i, "p"), blake3(value(i, "p")).hexdigest()) for i in range(n))
     assert any("/retired/" in path for path in open_files_under(store))
@@ -202,7 +204,7 @@ def hook(event, args):
     if event == "open" and isinstance(args[0], str) and args[0].startswith(packs):
         opened.append(args[0])
 sys.addaudithook(hook)
-from cas import publish
+from cuda_program_cas import publish
 report = publish([sys.argv[1]], sys.argv[2], pack=True, fsync=False)
 print(json.dumps({"published": report.published, "unchanged": report.unchanged, "opened": opened}))
 """
@@ -262,8 +264,8 @@ def test_the_summary_follows_packs_added_retired_and_damaged(tmp_path: Path) -> 
 def test_publish_replaces_an_entry_whose_blob_is_damaged_in_its_pack(tmp_path: Path) -> None:
     store = tmp_path / "store"
     publish([source(tmp_path / "a", "a")], store, pack=True)
-    (pack,) = cas._pack.list_packs(str(store / "packs"))
-    reader = cas._pack.PackReader(pack)
+    (pack,) = cuda_program_cas._disk.pack.list_packs(str(store / "packs"))
+    reader = cuda_program_cas._disk.pack.PackReader(pack)
     entry = reader.find(key_id("a5"))
     reader.close()
     assert entry is not None
@@ -287,7 +289,7 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with cas._pack._POOL._lock:
+        with cuda_program_cas._disk.pack._POOL._lock:
             held.set()
             release.wait(60)
 
@@ -302,7 +304,7 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
             code = 1
             try:
                 signal.alarm(30)  # a hang is the failure: SIGALRM ends the child
-                packs = cas._pack.PackSet(str(store))
+                packs = cuda_program_cas._disk.pack.PackSet(str(store))
                 code = 0 if all(packs.lookup(key_id(f"p{i}")) is not None for i in range(3)) else 1
             finally:
                 os._exit(code)
@@ -316,8 +318,8 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
 #: A node that runs out of descriptors (for other files) while it first opens the store's packs.
 _OUT_OF_DESCRIPTORS = r"""
 import errno, os, resource, sys
-import cas._pack
-from cas import CacheStore
+import cuda_program_cas._disk.pack
+from cuda_program_cas import CacheStore
 store, local = sys.argv[1], sys.argv[2]
 node = CacheStore(local, shared=[store], copy_shared_hits=False)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -331,7 +333,7 @@ os.close(held.pop())  # one free: enough to list packs/ and open the newer pack,
 node.get("p0")  # a hit or a miss, never an exception
 for fd in held:
     os.close(fd)
-cas._pack.RELIST_S = 0.0
+cuda_program_cas._disk.pack.RELIST_S = 0.0
 print(node.get("p0") == (b"p:0:" * 40)[:100], node.get("p1") == (b"p:1:" * 40)[:101])
 """
 
@@ -349,10 +351,10 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
     store = tmp_path / "store"
     n = 60
     many_packs(store, n)
-    monkeypatch.setattr(cas._pack, "MAX_OPEN_PACKS", 4)  # far fewer than the packs: descriptors churn
-    monkeypatch.setattr(cas._pack, "RELIST_S", 0.0)  # every lookup lists packs/ again
+    monkeypatch.setattr(cuda_program_cas._disk.pack, "MAX_OPEN_PACKS", 4)  # far fewer than the packs: descriptors churn
+    monkeypatch.setattr(cuda_program_cas._disk.pack, "RELIST_S", 0.0)  # every lookup lists packs/ again
     damaged: list[str] = []  # no pack is damaged: a report would mean a descriptor closed under a reader
-    packs = cas._pack.PackSet(str(store), on_damage=damaged.append)
+    packs = cuda_program_cas._disk.pack.PackSet(str(store), on_damage=damaged.append)
     expected = {key_id(f"p{i}"): value(i, "p") for i in range(n)}
     wrong: list[str] = []
     rounds = [0] * 8
@@ -382,5 +384,5 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
         for thread in threads:
             thread.join(60)
     assert wrong == [] and damaged == []
-    assert cas._pack.open_packs() <= 4
+    assert cuda_program_cas._disk.pack.open_packs() <= 4
     assert all(packs.lookup(kid) == (data, blake3(data).hexdigest()) for kid, data in expected.items())

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_python
+from conftest import run_python
 
-import cas._pack
-from cas import CacheStore, collect, publish, verify
-from cas._cli import main as cli
+import cuda_program_cas._disk.pack
+from cuda_program_cas import CacheStore, collect, publish, verify
+from cuda_program_cas._cli.main import main as cli
 
 N = 100
 
@@ -68,7 +68,7 @@ _OPENS = textwrap.dedent(
         if event == "open" and isinstance(args[0], str) and args[0].startswith(store):
             opened.append(args[0])
     sys.addaudithook(hook)
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
     node = CacheStore(local, shared=[store])
     hits = sum(node.get(f"g{i}") is not None for i in range(n))
     print(hits, len(opened))
@@ -102,7 +102,7 @@ def test_publish_and_repack_through_the_cli(tmp_path: Path, capsys: pytest.Captu
     assert cli(["repack", "--json", str(tmp_path / "store")]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["entries"] == N + 10 and len(rep["retired"]) == 1
-    assert len(cas._pack.list_packs(str(tmp_path / "store" / "packs"))) == 1
+    assert len(cuda_program_cas._disk.pack.list_packs(str(tmp_path / "store" / "packs"))) == 1
     node = CacheStore(tmp_path / "node", shared=[tmp_path / "store"], copy_shared_hits=False)
     assert all(node.get(f"a{i}") == value(i, "a") for i in range(N))
     assert all(node.get(f"b{i}") == value(i, "b") for i in range(10))
@@ -118,7 +118,7 @@ def test_a_running_process_picks_up_a_new_generation(tmp_path: Path, monkeypatch
     assert node.get("two0") is None
     publish([source(tmp_path / "g2", "two", n=5)], tmp_path / "store", pack=True)
     assert node.get("two0") is None  # the listing is trusted for RELIST_S
-    monkeypatch.setattr(cas._pack, "RELIST_S", 0.0)
+    monkeypatch.setattr(cuda_program_cas._disk.pack, "RELIST_S", 0.0)
     assert node.get("two0") == value(0, "two")
 
 
@@ -126,7 +126,7 @@ def test_gc_removes_what_repack_replaced_only_after_the_grace_period(tmp_path: P
     store = tmp_path / "store"
     publish([source(tmp_path / "src", n=20)], store, pack=True)
     publish([source(tmp_path / "more", "m", n=5)], store)  # loose
-    from cas._repack import repack
+    from cuda_program_cas._verbs.repack import repack
 
     report = repack(store)
     retired = Path(report.retired[0])
@@ -179,9 +179,9 @@ def test_verify_finds_a_bad_pack_and_repair_moves_it_aside(tmp_path: Path) -> No
 _READER = textwrap.dedent(
     """
     import json, sys
-    import cas._pack
-    cas._pack.RELIST_S = 0.0  # see every new pack at once: the hardest case for the reader
-    from cas import CacheStore
+    import cuda_program_cas._disk.pack
+    cuda_program_cas._disk.pack.RELIST_S = 0.0  # see every new pack at once: the hardest case for the reader
+    from cuda_program_cas import CacheStore
     store, local, gens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     node = CacheStore(local, shared=[store], copy_shared_hits=False)
     def value(i, gen):
@@ -207,14 +207,12 @@ def test_readers_while_publish_pack_repack_and_gc_run(tmp_path: Path) -> None:
     store = tmp_path / "store"
     gens = {"a": 30, "b": 30, "c": 30}
     publish([source(tmp_path / "a", "a", 30)], store, pack=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
     readers = [
         subprocess.Popen(
             [sys.executable, "-c", _READER, str(store), str(tmp_path / f"r{k}"), json.dumps(gens)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
         )  # fmt: skip
         for k in range(2)
     ]
@@ -237,7 +235,7 @@ def test_readers_while_publish_pack_repack_and_gc_run(tmp_path: Path) -> None:
         step()
         publish([source(tmp_path / "c", "c", 30)], store)  # loose
         step()
-        from cas._repack import repack
+        from cuda_program_cas._verbs.repack import repack
 
         repack(store)
         step()
@@ -263,24 +261,23 @@ def test_two_publishers_at_once_and_a_killed_one(tmp_path: Path) -> None:
     store = tmp_path / "store"
     source(tmp_path / "x", "x", 40)
     source(tmp_path / "y", "y", 40)
-    code = "import sys; from cas import publish; publish([sys.argv[1]], sys.argv[2], pack=True)"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / s), str(store)], env=env) for s in ("x", "y")]
+    code = "import sys; from cuda_program_cas import publish; publish([sys.argv[1]], sys.argv[2], pack=True)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / s), str(store)]) for s in ("x", "y")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
     assert all(node.get(f"{g}{i}") == value(i, g) for g in "xy" for i in range(40))
     # A publisher killed while it writes its pack leaves only a temp file: the store reads as before.
     source(tmp_path / "z", "z", 40)
-    killed = code.replace("publish([", "import cas._pack as P, os, signal\n"
+    killed = code.replace("publish([", "import cuda_program_cas._disk.pack as P, os, signal\n"
                           "orig = P.pack_chunks\n"
                           "def chunks(*a, **k):\n"
                           "    for i, c in enumerate(orig(*a, **k)):\n"
                           "        yield c\n"
                           "        if i == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
                           "P.pack_chunks = chunks\npublish([")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", killed, str(tmp_path / "z"), str(store)], env=env, check=False)
+    proc = subprocess.run([sys.executable, "-c", killed, str(tmp_path / "z"), str(store)], check=False)
     assert proc.returncode == -9
-    assert len(cas._pack.list_packs(str(store / "packs"))) == 2
+    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 2
     assert node.get("z0") is None
     assert verify(store).problems == []
     assert publish([tmp_path / "z"], store, pack=True).published == 40  # the next run completes it

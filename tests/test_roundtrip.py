@@ -16,8 +16,8 @@ from cuda.core import ObjectCode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cas import CacheStore, ContentAddressedProgramCache
-from cuda_program_cas_index import parse_manifest
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache
+from cuda_program_cas.index import parse_manifest
 
 KEYS = st.one_of(st.text(max_size=12), st.binary(max_size=12))
 # Few distinct small values, so that deduplication happens often.
@@ -142,7 +142,7 @@ def test_a_manifest_one_byte_off_parses_only_if_it_is_again_exactly_one(size: in
     # Near-valid lines take the parser's fast path (random bytes never do). Every
     # edit of one byte is rejected unless the result is again a manifest with every
     # field valid (the constructor checks) and spelled canonically.
-    from cuda_program_cas_index import Manifest
+    from cuda_program_cas.index import Manifest
 
     raw = Manifest("0123456789abcdef" * 4, size, "fedcba9876543210" * 4).encode()
     assert parse_manifest(raw) is not None
@@ -163,7 +163,7 @@ def test_a_manifest_one_byte_off_parses_only_if_it_is_again_exactly_one(size: in
     st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
 )
 def test_manifest_encode_parse_round_trip(digest: str, size: int, kid: str) -> None:
-    from cuda_program_cas_index import Manifest
+    from cuda_program_cas.index import Manifest
 
     manifest = Manifest(digest, size, kid)
     assert parse_manifest(manifest.encode()) == manifest

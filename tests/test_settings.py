@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-from cas import CacheStore
-from cas._cli import main
-from cas._config import default_cache_dir
-from cas._layout import LayoutState, check_layout
+from cuda_program_cas import CacheStore
+from cuda_program_cas._base.config import default_cache_dir
+from cuda_program_cas._cli.main import main
+from cuda_program_cas._disk.layout import LayoutState, check_layout
 
 CAP = 40 * 1024
 
@@ -36,7 +36,7 @@ def stored_bytes(root: str | Path) -> int:
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cas" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "cuda_program_cas" and r.levelno == logging.WARNING]
 
 
 # -- the cap stored in the cache ------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_a_cap_stored_with_config_holds_for_a_job_that_sets_nothing(
     # A job in its own process, with no argument and no environment variable: the cache's cap holds.
     job = run_python(
         "import sys\n"
-        "from cas import ContentAddressedProgramCache\n"
+        "from cuda_program_cas import ContentAddressedProgramCache\n"
         "cache = ContentAddressedProgramCache(sys.argv[1])\n"
         "assert cache.store.max_size_bytes == 40960, cache.store.max_size_bytes\n"
         "for i in range(70):\n"
@@ -68,7 +68,7 @@ def test_a_cap_stored_with_config_holds_for_a_job_that_sets_nothing(
 def test_the_argument_then_the_environment_then_the_cache_then_no_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     root = str(tmp_path / "cas")
     assert cli(capsys, "config", root, "max-size", "40K")[0] == 0
@@ -88,7 +88,7 @@ def test_the_argument_then_the_environment_then_the_cache_then_no_cap(
 
 
 def test_explicit_bad_max_size_arguments_still_raise(tmp_path: Path) -> None:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     for bad, kind in ((0, ValueError), (-1, ValueError), (True, TypeError), ("10G", TypeError)):
         with pytest.raises(kind, match="max_size_bytes"):
@@ -128,7 +128,7 @@ def test_a_damaged_settings_file_is_one_warning_and_no_cap(
     root = tmp_path / "cas"
     CacheStore(root).put("k", b"v")
     (root / "settings.json").write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(3):
             store = CacheStore(root)
             assert store.max_size_bytes is None
@@ -151,7 +151,7 @@ def test_a_settings_file_that_is_a_directory_a_symlink_or_unreadable_is_ignored(
         else:
             (tmp_path / "elsewhere.json").write_text('{"max_size_bytes": 1000}')
             target.symlink_to(tmp_path / "elsewhere.json")
-        with caplog.at_level(logging.WARNING, logger="cas"):
+        with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             assert CacheStore(root).max_size_bytes is None
         assert any(f"{target} is ignored: {why}" in w for w in warnings_of(caplog)), warnings_of(caplog)
 
@@ -179,7 +179,7 @@ def test_a_bad_max_size_in_the_environment_is_one_warning_and_the_job_runs(tmp_p
     res = run_python(
         "import sys\n"
         "from conftest import compile_program\n"
-        "from cas import ContentAddressedProgramCache\n"
+        "from cuda_program_cas import ContentAddressedProgramCache\n"
         "for _ in range(3):\n"
         "    with ContentAddressedProgramCache(sys.argv[1]) as cache:\n"
         "        assert cache.store.max_size_bytes is None\n"
@@ -197,7 +197,7 @@ def test_a_relative_cache_dir_is_made_absolute_with_one_warning(tmp_path: Path) 
     (tmp_path / "sub").mkdir()
     code = (
         "import os\n"
-        "from cas import CacheStore, default_cache_dir\n"
+        "from cuda_program_cas import CacheStore, default_cache_dir\n"
         "first = default_cache_dir()\n"
         "os.chdir('sub')\n"
         "again = default_cache_dir()\n"
@@ -224,7 +224,7 @@ def test_default_cache_dir_is_absolute_for_a_relative_value(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_PROGRAM_CAS_DIR", "somewhere/cas")
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         assert default_cache_dir() == tmp_path / "somewhere" / "cas"
         assert default_cache_dir().is_absolute()
     assert any("CUDA_PROGRAM_CAS_DIR='somewhere/cas' is a relative path" in w for w in warnings_of(caplog))
@@ -233,11 +233,11 @@ def test_default_cache_dir_is_absolute_for_a_relative_value(
 def test_relative_shared_paths_are_made_absolute_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", "store-a", str(tmp_path / "b"), ""]))
-    with caplog.at_level(logging.WARNING, logger="cas"):
+    with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(2):
             cache = ContentAddressedProgramCache(tmp_path / "cas")
             assert list(cache.store.shared_paths()) == [str(tmp_path / "store-a"), str(tmp_path / "b")]
@@ -297,7 +297,7 @@ def test_config_on_a_path_with_no_cache_yet_says_so_and_creates_nothing(
     assert code == 0 and out.splitlines()[0] == f"directory  {tmp_path / 'new'} (argument; no cache there yet)"
     assert "max-size   none (default; no cap)" in out
     assert not (tmp_path / "new").exists()
-    from cas._settings import effective_settings
+    from cuda_program_cas._disk.settings import effective_settings
 
     assert [s.name for s in effective_settings(str(tmp_path / "new"))] == [
         "directory",
@@ -357,15 +357,15 @@ def test_a_fork_while_the_warn_once_lock_is_held_leaves_the_child_able_to_warn(t
     """Another thread of the parent may hold it at the fork: the child gets a lock of its own."""
     import select
 
-    import cas._config
+    import cuda_program_cas._base.config
 
     read_end, write_end = os.pipe()
-    with cas._config._seen_lock:
+    with cuda_program_cas._base.config._seen_lock:
         pid = os.fork()
         if pid == 0:  # the child: a bad value to warn about, then say so
             try:
                 os.environ["CUDA_PROGRAM_CAS_MAX_SIZE"] = "forked-bad"
-                cas._config.env_max_size()
+                cuda_program_cas._base.config.env_max_size()
                 os.write(write_end, b"1")
             finally:
                 os._exit(0)

@@ -1,12 +1,12 @@
 """One cache instance shared by eight threads: gets, puts, deletes and clears under a cap.
 
-Once for a :class:`cas.CacheStore` and once for a ``ContentAddressedProgramCache``.
+Once for a :class:`cuda_program_cas.CacheStore` and once for a ``ContentAddressedProgramCache``.
 About 40 keys with 1-4 KiB values under a 64 KiB cap, so eviction runs all the time.
 Every value spells out its key and a version, so a reader can check that the bytes
 it got are exactly one version of the key it asked for. Each thread counts its own
 calls; at the end the instance's counters must match those counts, no thread may
 have raised anything but ``KeyError`` from a delete or ``cache[key]``, and
-``cas.verify`` must find no corrupt blob.
+``cuda_program_cas.verify`` must find no corrupt blob.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import cas
+import cuda_program_cas
 
 N_THREADS = 8
 N_KEYS = 40
@@ -111,7 +111,7 @@ def run_threads(ops: dict[str, Any]) -> list[Tally]:
     return tallies
 
 
-def check_counters(stats: cas.CacheStats, tallies: list[Tally], path: Path) -> None:
+def check_counters(stats: cuda_program_cas.CacheStats, tallies: list[Tally], path: Path) -> None:
     gets = sum(t.gets for t in tallies)
     puts: Counter[object] = Counter()
     for t in tallies:
@@ -122,20 +122,20 @@ def check_counters(stats: cas.CacheStats, tallies: list[Tally], path: Path) -> N
     assert stats.shared_hits == 0
     assert stats.corrupt == 0 and stats.errors == 0, stats
     assert stats.evictions > 0, stats  # the cap was exercised
-    report = cas.verify(path)
+    report = cuda_program_cas.verify(path)
     assert [p for p in report.problems if p.kind == "corrupt_blob"] == [], report.problems
     stored = sum(n for result, n in puts.items() if result)
     dropped = sum(n for result, n in puts.items() if not result)
     assert stats.writes == stored, (stats, puts)
     assert stats.dropped_writes == dropped, (stats, puts)
-    assert set(puts) <= set(cas.WriteResult), puts
-    assert stats.dedup_writes == puts[cas.WriteResult.DEDUPLICATED], (stats, puts)
+    assert set(puts) <= set(cuda_program_cas.WriteResult), puts
+    assert stats.dedup_writes == puts[cuda_program_cas.WriteResult.DEDUPLICATED], (stats, puts)
     assert stats.dedup_writes > 0, stats
 
 
 def test_one_cache_store_shared_by_threads(tmp_path: Path) -> None:
     path = tmp_path / "cas"
-    store = cas.CacheStore(path, max_size_bytes=CAP)
+    store = cuda_program_cas.CacheStore(path, max_size_bytes=CAP)
     ops = {"get": store.get, "getitem": None, "put": store.put, "delete": store.delete, "clear": store.clear}
     tallies = run_threads(ops)
     check_counters(store.stats(), tallies, path)
@@ -148,7 +148,7 @@ def test_one_cache_store_shared_by_threads(tmp_path: Path) -> None:
 def test_one_program_cache_shared_by_threads(tmp_path: Path) -> None:
     pytest.importorskip("cuda.core")
     path = tmp_path / "cas"
-    cache = cas.ContentAddressedProgramCache(path, max_size_bytes=CAP)
+    cache = cuda_program_cas.ContentAddressedProgramCache(path, max_size_bytes=CAP)
 
     def put(key: str | bytes, data: bytes) -> str:
         # cache[key] = value returns nothing; pass bytes, bytearray and memoryview values alike.
@@ -171,7 +171,7 @@ def test_one_program_cache_shared_by_threads(tmp_path: Path) -> None:
     assert stats.writes + stats.dropped_writes == sets, (stats, sets)
     assert stats.corrupt == 0 and stats.errors == 0, stats
     assert stats.evictions > 0 and stats.dedup_writes > 0, stats
-    report = cas.verify(path)
+    report = cuda_program_cas.verify(path)
     assert [p for p in report.problems if p.kind == "corrupt_blob"] == [], report.problems
     for i in range(N_KEYS):
         data = cache.get(key_of(i))

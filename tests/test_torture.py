@@ -39,7 +39,7 @@ def test_harness_detects_wrong_bytes_and_wrong_mappings(tmp_path: Path) -> None:
     that is really there): it is what the torture checks exist to catch if a
     writer ever did it. A manifest merely copied from key 2 names key 2, and is a miss.
     """
-    from cuda_program_cas_index import Manifest
+    from cuda_program_cas.index import Manifest
 
     root = str(tmp_path / "c")
     store = torture.CacheStore(root)

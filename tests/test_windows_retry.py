@@ -1,6 +1,6 @@
 """Windows sharing violations, simulated: transient ones are retried, the rest propagate.
 
-Nothing runs on Windows here, so the test sets ``cas._files.IS_WINDOWS`` and
+Nothing runs on Windows here, so the test sets ``cuda_program_cas._disk.files.IS_WINDOWS`` and
 injects the fault where the OS would raise it: the ``os`` that the file-handling
 modules call is replaced by a proxy that makes ``replace``/``unlink``/``open``
 fail a given number of times with ``PermissionError(winerror=32)`` and otherwise
@@ -16,16 +16,17 @@ from pathlib import Path
 
 import pytest
 
-import cas._blobs
-import cas._files
-import cas._reader
-import cas._remove
-import cas._store
-import cas._writer
-from cas import CacheStore, WriteResult
-from cas._files import is_sharing_violation, read_regular, with_sharing_retry
-from cas._writer import atomic_write
-from cuda_program_cas_index import key_id
+import cuda_program_cas._disk.atomic
+import cuda_program_cas._disk.blobs
+import cuda_program_cas._disk.files
+import cuda_program_cas._disk.remove
+import cuda_program_cas._disk.writer
+import cuda_program_cas._store.reader
+import cuda_program_cas._store.store
+from cuda_program_cas import CacheStore, WriteResult
+from cuda_program_cas._disk.atomic import atomic_write
+from cuda_program_cas._disk.files import is_sharing_violation, read_regular, with_sharing_retry
+from cuda_program_cas.index import key_id
 
 ERROR_ACCESS_DENIED, ERROR_SHARING_VIOLATION, ERROR_LOCK_VIOLATION = 5, 32, 33
 ALWAYS = 1 << 30
@@ -82,17 +83,27 @@ class FlakyOS:
 
 
 #: Every module that touches cache files.
-_FILE_MODULES = (cas._files, cas._writer, cas._remove, cas._reader, cas._blobs, cas._store)
+_FILE_MODULES = (
+    cuda_program_cas._disk.files,
+    cuda_program_cas._disk.atomic,
+    cuda_program_cas._disk.writer,
+    cuda_program_cas._disk.remove,
+    cuda_program_cas._store.reader,
+    cuda_program_cas._disk.blobs,
+    cuda_program_cas._store.store,
+)
 
 
 @pytest.fixture
 def windows(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
     """Simulated Windows with fault injection in every module that touches cache files."""
     flaky = FlakyOS()
-    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cuda_program_cas._disk.files, "IS_WINDOWS", True)
     # As many attempts as the real budget, with shorter sleeps: exhausted budgets
     # are met many times here (the real budget is checked on its own above).
-    monkeypatch.setattr(cas._files, "_RETRY_DELAYS", tuple(d / 20 for d in cas._files._RETRY_DELAYS))
+    monkeypatch.setattr(
+        cuda_program_cas._disk.files, "_RETRY_DELAYS", tuple(d / 20 for d in cuda_program_cas._disk.files._RETRY_DELAYS)
+    )
     for module in _FILE_MODULES:
         monkeypatch.setattr(module, "os", flaky)
     return flaky
@@ -101,7 +112,7 @@ def windows(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
 @pytest.fixture
 def posix(monkeypatch: pytest.MonkeyPatch) -> FlakyOS:
     flaky = FlakyOS()
-    monkeypatch.setattr(cas._files, "IS_WINDOWS", False)
+    monkeypatch.setattr(cuda_program_cas._disk.files, "IS_WINDOWS", False)
     for module in _FILE_MODULES:
         monkeypatch.setattr(module, "os", flaky)
     return flaky
@@ -137,18 +148,18 @@ def in_dir(directory: Path) -> Callable[[str], bool]:
 def test_sharing_violation_predicate_on_windows(
     monkeypatch: pytest.MonkeyPatch, exc: BaseException, expected: bool
 ) -> None:
-    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cuda_program_cas._disk.files, "IS_WINDOWS", True)
     assert is_sharing_violation(exc) is expected
 
 
 def test_nothing_is_a_sharing_violation_off_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cas._files, "IS_WINDOWS", False)
+    monkeypatch.setattr(cuda_program_cas._disk.files, "IS_WINDOWS", False)
     for winerror in (5, 32, 33, None):
         assert not is_sharing_violation(win_error(winerror))
 
 
 def test_with_sharing_retry_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cas._files, "IS_WINDOWS", True)
+    monkeypatch.setattr(cuda_program_cas._disk.files, "IS_WINDOWS", True)
     calls = []
 
     def busy_then(n: int):

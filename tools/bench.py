@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmarks: this project's cache beside cuda.core's FileStreamProgramCache, in one run.
 
-Every figure is measured for ``cas.ContentAddressedProgramCache`` ("ours") and for
+Every figure is measured for ``cuda_program_cas.ContentAddressedProgramCache`` ("ours") and for
 ``cuda.core.utils.FileStreamProgramCache`` ("filestream") on the same machine, in the
 same run, each in its own directory under ``--dir``, and printed with the ratio
 ours / filestream and the target from issue 3.
@@ -125,7 +125,7 @@ class Config:
 
 def open_cache(kind: str, path: str, max_size_bytes: int | None = None) -> Any:
     if kind == "ours":
-        from cas import ContentAddressedProgramCache
+        from cuda_program_cas import ContentAddressedProgramCache
 
         return ContentAddressedProgramCache(path, max_size_bytes=max_size_bytes, shared=())
     if kind == "filestream":
@@ -417,7 +417,7 @@ def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
 
     Fresh instances of both caches: nothing read before competes for ours' memory.
     """
-    from cas._reader import _HOLD_MAX_BYTES
+    from cuda_program_cas._store.reader import _HOLD_MAX_BYTES
 
     caches = {k: open_cache(k, os.path.join(base, f"{k}-beyond")) for k in KINDS}
     size = 160 * KB
@@ -448,7 +448,7 @@ def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
 def _counters_cost(cfg: Config, base: str) -> dict[str, float]:
     """What the lifetime counters and the per-lookup DEBUG records add to a hit with logging off (ours only).
 
-    With logging off, a lookup adds two checks (is DEBUG on for ``cas``, is a flush
+    With logging off, a lookup adds two checks (is DEBUG on for ``cuda_program_cas``, is a flush
     due) and, at most once a second, a flush: one line appended to the cache's
     ``counters`` file. The checks are timed as ``CacheStore.get`` makes them, a
     flush as ``close()`` makes it, and the flushes counted in a run of hits as long
@@ -456,9 +456,9 @@ def _counters_cost(cfg: Config, base: str) -> dict[str, float]:
     """
     import logging
 
-    log = logging.getLogger("cas")
+    log = logging.getLogger("cuda_program_cas")
     if log.isEnabledFor(logging.DEBUG):
-        raise RuntimeError("the counters' cost is measured with logging off; the cas logger is at DEBUG")
+        raise RuntimeError("the counters' cost is measured with logging off; the cuda_program_cas logger is at DEBUG")
     path = os.path.join(base, "ours-counters")
     cache = open_cache("ours", path)
     keys = [key_for("counters", i) for i in range(cfg.repeat_keys)]
@@ -1034,7 +1034,7 @@ def w_cold_start(cfg: Config, base: str) -> Result:
     for r in range(-1, cfg.cold_runs):  # run -1 warms the OS caches for the interpreter and libraries
         for kind in interleaved(r):
             imp, ctor = (
-                ("from cas import ContentAddressedProgramCache", "ContentAddressedProgramCache")
+                ("from cuda_program_cas import ContentAddressedProgramCache", "ContentAddressedProgramCache")
                 if kind == "ours"
                 else ("from cuda.core.utils import FileStreamProgramCache", "FileStreamProgramCache")
             )
@@ -1081,7 +1081,7 @@ _SMALL = '#include "scale.h"\nextern "C" __global__ void k(int *p) { *p *= SCALE
 _FRONT_HIT = r"""
 import json, sys, time
 from cuda.core import ProgramOptions
-from cas import ContentAddressedProgramCache
+from cuda_program_cas import ContentAddressedProgramCache
 spec = json.loads(sys.argv[1])
 opts = ProgramOptions(arch="sm_80", std="c++17", include_path=spec["include"])
 cache = ContentAddressedProgramCache(spec["path"])
@@ -1111,7 +1111,7 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
     hits in fresh processes. FileStream cannot cache such a compile: its column is the uncached compile."""
     from cuda.core import Program, ProgramOptions
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     res = Result()
     include = None if cfg.quick else _cccl_include()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The size cap with N writers at once: how far over the cap the cache is at rest, and at peak.
 
-Each ``cas.CacheStore`` instance counts its own writes and lists the cache again after
-writing an eighth of the cap (``cas._cap``), so N processes writing at once may take
+Each ``cuda_program_cas.CacheStore`` instance counts its own writes and lists the cache again after
+writing an eighth of the cap (``cuda_program_cas._store.cap``), so N processes writing at once may take
 the cache over the cap; one writer never leaves it over the cap at rest. For each N in
 ``--writers`` and each of ``--rounds`` rounds, this tool starts N worker processes
 (fresh interpreters: this file's ``_worker`` mode) on one fresh cache directory, all
@@ -17,7 +17,7 @@ until the parent has heard from all of them (the start barrier); then each does
 Every value is distinct (worker, write number), so deduplication never helps. After
 all workers exit, the parent measures the cache at rest with an uncapped read-only
 ``CacheStore(path).stats()`` scan: stored bytes (unique blobs plus manifests, what the
-cap counts), entries, blobs; and runs ``cas.verify`` on it (a warning line for any
+cap counts), entries, blobs; and runs ``cuda_program_cas.verify`` on it (a warning line for any
 ``corrupt_blob`` or ``dangling_manifest``). During the run a sampler thread in the
 parent scans ``stats().stored_bytes`` every ~50 ms: the peak is informative only (a
 scan is not atomic: it may miss the true peak, or count blobs written while it ran
@@ -69,7 +69,7 @@ KEY_SPACE_FACTOR = 4
 #: Roughly what a manifest takes on disk (a key id, a digest, a size, a tag).
 MANIFEST_ESTIMATE = 160
 SAMPLE_INTERVAL_S = 0.05
-#: Problems of cas.verify that this workload must never leave.
+#: Problems of cuda_program_cas.verify that this workload must never leave.
 BAD_KINDS = ("corrupt_blob", "dangling_manifest")
 ROUND_TIMEOUT_S = 900.0
 
@@ -115,12 +115,12 @@ def child_env() -> dict[str, str]:
 
 def _worker_main(argv: list[str]) -> int:
     """``_worker SPEC_JSON``: open the cache, print "ready", wait for a byte on stdin, work, print a JSON line."""
-    import cas
-    from cas import WriteResult
+    import cuda_program_cas
+    from cuda_program_cas import WriteResult
 
     spec = json.loads(argv[0])
     worker, size = spec["worker"], spec["value_size"]
-    store = cas.CacheStore(spec["path"], max_size_bytes=spec["cap"])
+    store = cuda_program_cas.CacheStore(spec["path"], max_size_bytes=spec["cap"])
     rng = random.Random(spec["seed"])
     base = random.Random(size).randbytes(size)
     head = worker.to_bytes(4, "little")
@@ -175,9 +175,9 @@ class Sampler(threading.Thread):
 
     def __init__(self, path: str, interval: float = SAMPLE_INTERVAL_S) -> None:
         super().__init__(daemon=True)
-        import cas
+        import cuda_program_cas
 
-        self._store = cas.CacheStore(path, read_only=True)
+        self._store = cuda_program_cas.CacheStore(path, read_only=True)
         self._interval = interval
         self._done = threading.Event()
         self.peak = 0
@@ -235,9 +235,9 @@ def _tail(err: IO[bytes]) -> str:
 
 
 def run_round(cfg: Config, n: int, rnd: int, path: str) -> RoundResult:
-    import cas
+    import cuda_program_cas
 
-    cas.CacheStore(path)  # the layout, before the sampler opens it read-only
+    cuda_program_cas.CacheStore(path)  # the layout, before the sampler opens it read-only
     procs: list[subprocess.Popen[bytes]] = []
     errs: list[IO[bytes]] = []
     sampler = Sampler(path)
@@ -284,8 +284,8 @@ def run_round(cfg: Config, n: int, rnd: int, path: str) -> RoundResult:
             if sampler.is_alive():
                 sampler.stop()
     sampler.sample()  # the peak includes the state at rest
-    stats = cas.CacheStore(path, read_only=True).stats()
-    report = cas.verify(path)
+    stats = cuda_program_cas.CacheStore(path, read_only=True).stats()
+    report = cuda_program_cas.verify(path)
     problems: dict[str, int] = {}
     for prob in report.problems:
         problems[prob.kind] = problems.get(prob.kind, 0) + 1
@@ -353,7 +353,7 @@ def warnings_for(cfg: Config, rounds: list[RoundResult]) -> list[str]:
         bad = {k: v for k, v in r.problems.items() if k in BAD_KINDS}
         if bad:
             warns.append(
-                f"WARNING: cas.verify found {', '.join(f'{v} {k}' for k, v in bad.items())} "
+                f"WARNING: cuda_program_cas.verify found {', '.join(f'{v} {k}' for k, v in bad.items())} "
                 f"after N={r.writers} round {r.round}"
             )
         if r.writers == 1 and r.at_rest_bytes > cfg.cap:
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
         return _worker_main(argv[1:])
-    import cas
+    import cuda_program_cas
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="N = 1,2; 300 operations; 1 round (seconds)")
@@ -455,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"--{name} must be positive, got {value}")
             setattr(cfg, name, value)
     try:
-        cfg.cap = cas.parse_size(args.cap)
-        cfg.value_size = cas.parse_size(args.value_size)
+        cfg.cap = cuda_program_cas.parse_size(args.cap)
+        cfg.value_size = cuda_program_cas.parse_size(args.value_size)
     except ValueError as exc:
         ap.error(str(exc))
     if cfg.value_size < 16:

@@ -129,7 +129,7 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
     """
     from cuda.core import Program, ProgramOptions
 
-    from cas import ContentAddressedProgramCache, digest_of
+    from cuda_program_cas import ContentAddressedProgramCache, digest_of
 
     rows = []
     with ContentAddressedProgramCache(path) as cache:
@@ -175,7 +175,7 @@ def cub_compile(path: str, source: str, include: list[str]) -> dict[str, object]
     """``cache.compile()`` of ``source`` with its headers as they are now: hit or miss, time, digest."""
     from cuda.core import ProgramOptions
 
-    from cas import ContentAddressedProgramCache, digest_of
+    from cuda_program_cas import ContentAddressedProgramCache, digest_of
 
     options = ProgramOptions(arch="sm_80", std="c++17", include_path=include)
     with ContentAddressedProgramCache(path) as cache:
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include", help=argparse.SUPPRESS)  # the child's: the parent's header directory
     args = parser.parse_args(argv)
 
-    from cas import default_cache_dir
+    from cuda_program_cas import default_cache_dir
 
     path = args.path or str(default_cache_dir())
     if args.child:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
         return 0
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     if args.clear:
         if args.path is None and not args.yes:
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(path: str, include: str, default_dir: bool) -> int:
     """The demo's two passes and its report (the header directory is the caller's to remove)."""
-    from cas import ContentAddressedProgramCache
-    from cas._cli import fmt_bytes
+    from cuda_program_cas import ContentAddressedProgramCache
+    from cuda_program_cas._cli.main import fmt_bytes
 
     where = "the default cache directory" if default_dir else "given with --path"
     print(f"cache: {path} ({where})")
@@ -358,7 +358,7 @@ def _run(path: str, include: str, default_dir: bool) -> int:
 
 def _why_the_ratios_differ(rows: list[dict[str, object]], entries: int, logical: int) -> str:
     """Keys per blob count keys; the dedup ratio weighs bytes, over every entry of the cache: say both."""
-    from cas._cli import fmt_bytes
+    from cuda_program_cas._cli.main import fmt_bytes
 
     sizes = {str(r["digest"]): int(str(r["size"])) for r in rows}
     v_logical = sum(int(str(r["size"])) for r in rows)

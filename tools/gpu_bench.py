@@ -222,7 +222,7 @@ def child(args: argparse.Namespace) -> int:
     marks = {"spawn": args.t0}
     from cuda.core import Device
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     marks["imported"] = time.monotonic()
     dev = Device()
@@ -292,7 +292,7 @@ def facts(dev: Any) -> dict[str, Any]:
 
 
 def in_process(kernel: str, mode: str, *, arch: str, root: str, repeat: int, hits: int) -> dict[str, Any]:
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     pc = time.perf_counter
     compile_cached(kernel, mode, arch, None)  # the first compile loads NVRTC and, if asked, installs headers

@@ -29,17 +29,17 @@ from blake3 import blake3
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cas import CacheStore, publish  # noqa: E402
-from cas._layout import Layout, create_layout  # noqa: E402
-from cas._pack import write_pack  # noqa: E402
-from cas._writer import Writer  # noqa: E402
-from cuda_program_cas_index import key_id  # noqa: E402
+from cuda_program_cas import CacheStore, publish  # noqa: E402
+from cuda_program_cas._disk.layout import Layout, create_layout  # noqa: E402
+from cuda_program_cas._disk.pack import write_pack  # noqa: E402
+from cuda_program_cas._disk.writer import Writer  # noqa: E402
+from cuda_program_cas.index import key_id  # noqa: E402
 
 _HITS = r"""
 import json, os, sys, time
-import cas._pack
-cas._pack.MAX_OPEN_PACKS = int(sys.argv[3])
-from cas import CacheStore
+import cuda_program_cas._disk.pack
+cuda_program_cas._disk.pack.MAX_OPEN_PACKS = int(sys.argv[3])
+from cuda_program_cas import CacheStore
 store, n = sys.argv[1], int(sys.argv[2])
 node = CacheStore(store + "-node-" + sys.argv[3], shared=[store], copy_shared_hits=False)
 keys = [f"p{i}" for i in range(n)]
@@ -61,7 +61,7 @@ for _ in range(5):
     best.append((time.perf_counter() - t) / len(hot) * 1e6)
 print(json.dumps({"hits": hits, "first_lookup_ms": (t1 - t0) * 1e3, "first_us": (t2 - t1) / (n - 1) * 1e6,
                   "again_us": min(rounds), "hot_us": min(best), "fds": len(os.listdir("/proc/self/fd")),
-                  "pack_fds": getattr(cas._pack, "open_packs", lambda: -1)()}))  # -1: code before the pool
+                  "pack_fds": getattr(cuda_program_cas._disk.pack, "open_packs", lambda: -1)()}))  # -1: before the pool
 """
 
 

@@ -14,7 +14,7 @@ under a small cap), ``crash`` (writers killed with SIGKILL at random moments),
 ``fulldisk`` (the cache on a 1 MiB tmpfs; needs root), ``paths`` (bad inputs,
 symlinked shard directories, hostile manifests; nothing outside the root is
 read or written) and ``shared`` (publish and collect a shared store while
-nodes read it; needs ``cas._publish``).
+nodes read it; needs ``cuda_program_cas._verbs.publish``).
 
 The ``tests/test_torture.py`` suite runs each scenario briefly through the same
 functions.
@@ -47,11 +47,11 @@ if REPO not in sys.path:
 
 from blake3 import blake3  # noqa: E402
 
-from cas import BlobStore, CacheStore, CollectorBusyError, collect, publish, verify  # noqa: E402
-from cas._blobs import BlobState  # noqa: E402
-from cas._classify import Condition, classify  # noqa: E402
-from cas._scan import take_snapshot  # noqa: E402
-from cuda_program_cas_index import key_id  # noqa: E402
+from cuda_program_cas import BlobStore, CacheStore, CollectorBusyError, collect, publish, verify  # noqa: E402
+from cuda_program_cas._disk.blobs import BlobState  # noqa: E402
+from cuda_program_cas._disk.classify import Condition, classify  # noqa: E402
+from cuda_program_cas._disk.scan import take_snapshot  # noqa: E402
+from cuda_program_cas.index import key_id  # noqa: E402
 
 #: Keys ``k0 .. k{N_KEYS-1}``; key ``i`` holds the content of seed ``i % N_SEEDS``,
 #: so some keys share a blob (deduplication is exercised too).
@@ -172,7 +172,7 @@ def unexpected(rep: Report, where: str, exc: BaseException) -> None:
 
 
 def collect_once(root: str, cap: int | None, rng: random.Random, *, shared_store: bool = False) -> None:
-    """One collection with ``cas.collect``, with a short grace.
+    """One collection with ``cuda_program_cas.collect``, with a short grace.
 
     A shared store is collected half the time as its operator should (shared
     mode, the long grace it demands) and half the time as a careless one would
@@ -284,7 +284,7 @@ def _remove(path: str) -> None:
 
 
 def verify_and_repair(root: str, expected: dict[str, str], rep: Report, where: str) -> dict[str, int]:
-    """Check, repair with ``cas.verify``, check again.
+    """Check, repair with ``cuda_program_cas.verify``, check again.
 
     Returns the counts found before the repair. After it, the cache must be clean.
     """
@@ -312,7 +312,7 @@ def _problems(counts: dict[str, int]) -> str:
 
 def _quiet() -> None:
     """Corruption is logged as warnings by design; a torture run makes thousands."""
-    logging.getLogger("cas").setLevel(logging.ERROR)
+    logging.getLogger("cuda_program_cas").setLevel(logging.ERROR)
 
 
 # -- worker processes ----------------------------------------------------------------
@@ -579,7 +579,7 @@ def run_crashes(workdir: str, *, rounds: int = 10, processes: int = 2, cap: int 
 
 def _young_orphan_bytes(store: CacheStore) -> int:
     """Bytes of blobs that no manifest names and that are within the eviction's grace period."""
-    from cas._cap import ORPHAN_GRACE_S
+    from cuda_program_cas._store.cap import ORPHAN_GRACE_S
 
     snap = store.snapshot()
     cutoff = time.time_ns() - ORPHAN_GRACE_S * 1e9
@@ -716,8 +716,8 @@ _UNREADABLE_CHILD = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import torture
-from cas import CacheStore
-from cuda_program_cas_index import key_id
+from cuda_program_cas import CacheStore
+from cuda_program_cas.index import key_id
 import filelock
 torture._quiet()
 # Everything imported first: the interpreter's own files may be unreadable to nobody.
@@ -920,7 +920,7 @@ def _full_disk(root: str, rep: Report, rng: random.Random, compile_program: Call
                 rep.fail(f"{key_name(i)} was stored but misses on a full disk")
     # Program.compile(cache=...) still returns its result.
     if compile_program is not None:
-        from cas import ContentAddressedProgramCache
+        from cuda_program_cas import ContentAddressedProgramCache
 
         try:
             with ContentAddressedProgramCache(root) as cache:
@@ -1026,7 +1026,7 @@ def run_paths(workdir: str) -> Report:
 
 def run_bad_inputs(workdir: str) -> Report:
     """Each row of "What a bad input gets": a clear exception naming the value, nothing on disk changed."""
-    from cas import LayoutError, ReadOnlyCacheError
+    from cuda_program_cas import LayoutError, ReadOnlyCacheError
 
     _quiet()
     started = time.monotonic()
@@ -1082,7 +1082,7 @@ def run_bad_inputs(workdir: str) -> Report:
         changed = sorted(set(after.items()) ^ set(before.items()))[:5]
         rep.fail(f"bad inputs changed the disk: {changed}")
     try:
-        from cas import ContentAddressedProgramCache
+        from cuda_program_cas import ContentAddressedProgramCache
     except ImportError:  # pragma: no cover
         rep.notes.append("adapter checks skipped: cuda.core not importable")
         return rep

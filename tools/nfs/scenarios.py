@@ -84,7 +84,7 @@ def value_of(gen: str, i: int) -> bytes:
 
 def make_source(path: str, gen: str, indices: range | list[int]) -> int:
     """A local cache holding the given entries (what a node would have compiled). Returns bytes."""
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
 
     store = CacheStore(path)
     total = 0
@@ -99,7 +99,7 @@ def make_source(path: str, gen: str, indices: range | list[int]) -> int:
 
 
 def _node_store(cfg: Result) -> Any:
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
 
     local = cfg["local"]
     shutil.rmtree(local, ignore_errors=True)
@@ -196,7 +196,7 @@ def worker_compile(cfg: Result) -> Result:
     import cuda.core._program as program_mod
     from cuda.core import Program, ProgramOptions
 
-    from cas import ContentAddressedProgramCache
+    from cuda_program_cas import ContentAddressedProgramCache
 
     real = program_mod._program_compile_uncached
     calls = {"n": 0}
@@ -208,7 +208,7 @@ def worker_compile(cfg: Result) -> Result:
     program_mod._program_compile_uncached = counted
     shutil.rmtree(cfg["local"], ignore_errors=True)
     out: Result = {"digests": [], "times_ms": [], "second_times_ms": []}
-    from cas import digest_of
+    from cuda_program_cas import digest_of
 
     with ContentAddressedProgramCache(cfg["local"], shared=[cfg["store"]]) as cache:
         for rounds in ("times_ms", "second_times_ms"):
@@ -260,7 +260,7 @@ def mountstats(mount: str) -> dict[str, int]:
 
 def worker_firsthits(cfg: Result) -> Result:
     """One node's cold job: the first hit of each of ``n`` keys in a fresh process; the NFS operations it cost."""
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
 
     local = cfg["local"]
     shutil.rmtree(local, ignore_errors=True)
@@ -373,7 +373,7 @@ class Env:
 
 def scenario_publish(env: Env) -> Result:
     """Nodes read every key in a loop (missing at first) while the publisher publishes batches."""
-    from cas import publish
+    from cuda_program_cas import publish
 
     failures: list[str] = []
     gen = "publish"
@@ -434,7 +434,7 @@ def scenario_publish(env: Env) -> Result:
 
 def scenario_collect(env: Env) -> Result:
     """Nodes read while the collector empties the store in two steps and the publisher refills it."""
-    from cas import collect, publish
+    from cuda_program_cas import collect, publish
 
     failures: list[str] = []
     gen = "publish"  # the entries published by the previous scenario (published again if missing)
@@ -445,7 +445,7 @@ def scenario_collect(env: Env) -> Result:
     procs, stop = env.start_sweepers(gen, "collect", max_s=600)
     time.sleep(1.0)
     steps = []
-    from cas import CacheStore
+    from cuda_program_cas import CacheStore
 
     # First as a shared store is collected (manifests go; their blobs stay for the grace period),
     # then everything at once with no grace, blobs under the readers' feet: stale handles.
@@ -522,7 +522,7 @@ def scenario_compile(env: Env) -> Result:
     """The publisher compiles with NVRTC and publishes; each node's Program.compile must hit."""
     from cuda.core import Program, ProgramOptions
 
-    from cas import ContentAddressedProgramCache, digest_of, publish
+    from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
 
     failures: list[str] = []
     src = env.tmp("compile-src")
@@ -559,7 +559,7 @@ def scenario_compile(env: Env) -> Result:
 def scenario_visibility(env: Env) -> Result:
     """Close-to-open: a key published on the writable mount is at once visible on the others,
     unless that node missed it before (a cached negative lookup): then measure how long it lags."""
-    from cas import publish
+    from cuda_program_cas import publish
 
     failures: list[str] = []
     servers = [spawn("serve", env.node_cfg(k), stdin=subprocess.PIPE) for k in range(len(env.nodes))]
@@ -635,7 +635,7 @@ def _files_and_inodes(root: str) -> tuple[int, int]:
 def scenario_packed(env: Env) -> Result:
     """Loose against packed stores of the same entries: NFS operations per first hit and per cold job,
     files and inodes in the store, and how soon a new generation is visible on every node."""
-    from cas import publish
+    from cuda_program_cas import publish
 
     failures: list[str] = []
     n = env.n // 4 if env.quick else 100

@@ -1,0 +1,65 @@
+"""``cuda-program-cas import-filestream SRC [DEST]``: import a FileStreamProgramCache, keys intact."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+from typing import Any
+
+from cuda_program_cas._base.errors import ReadOnlyCacheError
+from cuda_program_cas._disk.layout import check_layout
+from cuda_program_cas._verbs.import_filestream import import_filestream
+
+from .main import CommandFailed, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "import-filestream",
+        help="import a FileStreamProgramCache directory, keeping its keys",
+        description=(
+            "Import the entries of a cuda.core FileStreamProgramCache directory (SRC/entries/...) into the "
+            "cache at DEST (created if missing), keeping their keys: Program.compile(cache=...) then hits "
+            "for every kernel FileStream had cached. Idempotent and deduplicating; safe to interrupt and "
+            "run again. SRC is only read."
+        ),
+    )
+    p.add_argument("source", metavar="SRC", help="the FileStreamProgramCache directory")
+    add_path_arg(p, "dest", metavar="DEST")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    source, dest = os.path.abspath(args.source), cache_path(args.dest)
+    if os.path.islink(source) and not os.path.exists(source):
+        check_layout(source)  # says which missing path the symlink names (LayoutError: exit 2)
+    try:
+        report = import_filestream(source, dest, progress=args.progress)
+    except ReadOnlyCacheError as exc:
+        raise CommandFailed(f"{exc}; give a DEST this user can write") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise CommandFailed(
+            f"cannot import into {dest!r}: {exc.strerror.lower() if exc.strerror else exc} ({exc.filename}); "
+            "give a DEST this user can write"
+        ) from None
+    args.progress.done()
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        for text in report.problems:
+            print(f"problem: {text}")
+        if report.problem_count > len(report.problems):
+            print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+        print(
+            f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
+            f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
+            f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
+            f"{report.kept_existing:,} kept as they were"
+        )
+    return 1 if report.problem_count else 0

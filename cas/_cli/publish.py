@@ -1,0 +1,113 @@
+"""``cuda-program-cas publish SRC... STORE``: merge local caches into a shared store."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from cuda_program_cas._verbs.common import open_cache
+from cuda_program_cas._verbs.publish import PublishReport, publish
+
+from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "publish",
+        help="merge local caches into a shared store (created if missing)",
+        description=(
+            "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
+            "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
+            "atomically: safe while nodes read STORE and while another publish runs; running it again "
+            "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
+            "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
+        ),
+    )
+    parser.add_argument("sources", nargs="+", metavar="SRC", help="a node's local cache directory (only read)")
+    parser.add_argument("dest", metavar="STORE", help="the shared store (created if missing)")
+    parser.add_argument(
+        "--group-shared",
+        action="store_true",
+        help="make files group-readable and directories group-accessible and setgid (default: follow the umask)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="read and verify everything, write nothing")
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="write what is new into one immutable pack file (a handful of files for any number of entries)",
+    )
+    parser.add_argument(
+        "--no-verify-existing",
+        dest="verify_existing",
+        action="store_false",
+        help="trust the store's copies of entries it already holds (no hashing; faster for large sources, "
+        "but a copy damaged in place then stays until verify --repair)",
+    )
+    add_json_arg(parser)
+    parser.set_defaults(func=run)
+
+
+def _check_sources(sources: list[str], dest: str) -> None:
+    """Bad usage before anything is written: a source that is the store itself, or not a cache at all."""
+    for src in sources:
+        if os.path.realpath(src) == os.path.realpath(dest):
+            raise UsageError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as SRC")
+        open_cache(src, write=False)  # LayoutError (exit 2): missing, a file, a dangling symlink, foreign...
+
+
+def _problem_lines(report: PublishReport) -> list[str]:
+    return [
+        f"{label}: {item}"
+        for label, items in (
+            ("bad blob (skipped)", report.bad_blobs),
+            ("missing blob (skipped)", report.missing_blobs),
+            ("invalid manifest (skipped)", report.invalid_manifests),
+            ("error", report.errors),
+        )
+        for item in items
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_sources(args.sources, args.dest)
+    report = publish(
+        args.sources,
+        args.dest,
+        group_shared=args.group_shared,
+        dry_run=args.dry_run,
+        pack=args.pack,
+        verify_existing=args.verify_existing,
+        progress=getattr(args, "progress", None),
+    )
+    problems = _problem_lines(report)
+    if args.json:
+        # As every command's JSON: ``problems`` a list, ``problem_count`` beside it.
+        print_json({**report.to_dict(), "problems": problems, "problem_count": report.problems})
+        return 1 if report.problems else 0
+    for line in problems:
+        print(line)
+    verb = "would publish" if report.dry_run else "published"
+    new = report.published + report.replaced
+    line = (
+        f"{verb} {plural(new, 'entry', 'entries')} and {plural(report.blobs_published, 'blob')} "
+        f"({fmt_bytes(report.bytes_published)}) from {plural(len(report.sources), 'cache')} into {report.dest}"
+    )
+    extras = []
+    if report.created:
+        extras.append("store " + ("would be created" if report.dry_run else "created"))
+    extras.append(f"{report.unchanged:,} already there")
+    if report.replaced:
+        extras.append(f"{plural(report.replaced, 'broken entry', 'broken entries')} replaced")
+    if report.blobs_repaired:
+        extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
+    if report.conflicts:
+        extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
+    if report.problems:
+        extras.append(plural(report.problems, "problem"))
+    for path in report.packs:
+        extras.append(f"pack {path}")
+    print(f"{line}; {', '.join(extras)}")
+    return 1 if report.problems else 0

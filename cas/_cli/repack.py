@@ -1,0 +1,62 @@
+"""``cuda-program-cas repack STORE``: merge a shared store's loose entries and packs into one pack."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from cuda_program_cas._base.errors import CollectorBusyError
+from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
+from cuda_program_cas._verbs.repack import repack
+
+from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "repack",
+        help="merge a shared store's loose entries and packs into one pack",
+        description=(
+            "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
+            "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
+            "may be reading is removed; gc removes what was replaced once the shared grace period has passed. "
+            "A node's local cache (a store publish did not mark as shared) is refused. One repack at a time: "
+            "while another repack or a gc runs on STORE, it says so, changes nothing and exits 0."
+        ),
+    )
+    p.add_argument("store", metavar="STORE", help="the shared store")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    root = os.path.abspath(args.store)
+    if check_layout(root) is LayoutState.OK and not is_shared_store(root):
+        # Nodes read loose entries of their own cache: repack would keep each twice until a gc.
+        raise UsageError(
+            f"{root!r} is not a shared store (publish marks the stores it writes): repacking it would keep every "
+            "entry twice, loose and packed; repack the shared store your nodes read"
+        )
+    try:
+        report = repack(root)
+    except CollectorBusyError as exc:
+        # Not a failure: the running one does the work this one was asked to do.
+        if args.json:
+            print_json({"root": root, "busy": True, "message": str(exc), "problems": [], "problem_count": 0})
+        else:
+            print(exc)
+        return 0
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        for text in report.unreadable:
+            print(f"problem: {text}")
+        where = report.pack or "no pack (the store is empty)"
+        print(
+            f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
+            f"({fmt_bytes(report.bytes)}) into {where}; retired {plural(len(report.retired), 'pack')}"
+        )
+    return 1 if report.unreadable else 0

@@ -1,0 +1,217 @@
+"""``ContentAddressedProgramCache``: the ``cuda.core`` ``ProgramCacheResource`` adapter.
+
+This is the only module that imports ``cuda.core``; everything it does beyond
+turning values into bytes is :class:`cuda_program_cas.CacheStore`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+from cuda.core import ObjectCode, ProgramOptions
+from cuda.core.utils import ProgramCacheResource
+
+from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared
+from cuda_program_cas._store.stats import CacheStats
+from cuda_program_cas._store.store import CacheStore
+
+__all__ = ["ContentAddressedProgramCache"]
+
+
+def as_bytes(value: object) -> bytes:
+    """The bytes to store for a cache value.
+
+    ``bytes`` as is; ``bytearray`` and ``memoryview`` copied (so a caller that
+    mutates its buffer later cannot make the stored bytes differ from their
+    digest); an ``ObjectCode``'s code, a path-backed one read from its file now.
+    """
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, ObjectCode):
+        code = value.code
+        if isinstance(code, str):
+            try:
+                with open(code, "rb") as fh:
+                    return fh.read()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"cannot cache path-backed ObjectCode: {code} does not exist") from None
+        return bytes(code)
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    raise TypeError(
+        "cache values must be bytes-like or ObjectCode (bytes, bytearray, memoryview or ObjectCode), "
+        f"got {type(value).__name__}: {text}"
+    )
+
+
+class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
+    """A persistent, deduplicating program cache for ``Program.compile(cache=...)``.
+
+    Each distinct binary is stored once under its blake3 digest; each key has a
+    small manifest naming it. Reads verify the bytes against the digest.
+
+    Parameters
+    ----------
+    path:
+        The cache directory, created if missing. Default: ``$CUDA_PROGRAM_CAS_DIR``
+        if set, else ``<user cache dir>/cuda-python/program-cas``.
+    max_size_bytes:
+        A cap on stored bytes (unique blobs plus manifests), enforced by
+        reference-aware LRU eviction down to 80 % of it. ``None``: no cap. When
+        not given, ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G`` style) if set, else
+        the cap stored in the cache (``cuda-program-cas config PATH max-size
+        10G``), else no cap. A bad value in the environment is one WARNING and
+        is ignored.
+    shared:
+        Paths of read-only shared stores, looked up in order after this cache.
+        When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
+    read_only:
+        Never write, create, touch or lock anything under ``path``. A write
+        (``cache[key] = value``, so ``Program.compile`` on a miss) is dropped and
+        counted in ``dropped_writes``; ``del`` and ``clear()`` raise
+        ``ReadOnlyCacheError``. A directory this process cannot write is opened
+        this way anyway (one WARNING per process); one that cannot be created runs
+        uncached.
+    copy_shared_hits:
+        Copy a verified hit from a shared store into this cache (default True).
+
+    ``key in cache`` raises ``TypeError``: a check followed by a read races with
+    other processes; ``cache.get(key)`` answers both at once.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        max_size_bytes: int | None = NOT_GIVEN,
+        shared: Iterable[str | os.PathLike[str]] | None = NOT_GIVEN,
+        read_only: bool = False,
+        copy_shared_hits: bool = True,
+    ) -> None:
+        if max_size_bytes is NOT_GIVEN:
+            # The environment, else (still NOT_GIVEN) the cache's own setting.
+            max_size_bytes = env_max_size() or NOT_GIVEN
+        if shared is NOT_GIVEN:
+            shared = env_shared() or []
+        elif shared is None:
+            shared = ()
+        self._store = CacheStore(
+            default_cache_dir() if path is None else path,
+            max_size_bytes=max_size_bytes,
+            read_only=read_only,
+            shared=shared,
+            copy_shared_hits=copy_shared_hits,
+        )
+        self._front_door: Any = None
+
+    @property
+    def path(self) -> str:
+        """The absolute path of the local cache directory."""
+        return self._store.root
+
+    @property
+    def store(self) -> CacheStore:
+        """The underlying bytes-only :class:`cuda_program_cas.CacheStore`."""
+        return self._store
+
+    def __getitem__(self, key: bytes | str) -> bytes:
+        data = self._store.get(key)
+        if data is None:
+            raise KeyError(key)
+        return data
+
+    def get(self, key: bytes | str, default: bytes | None = None) -> bytes | None:
+        data = self._store.get(key)
+        return default if data is None else data
+
+    def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
+        from cuda_program_cas.index import key_bytes
+
+        key_bytes(key)  # a bad key is reported before a path-backed value is read
+        self._store.put(key, as_bytes(value))
+
+    def __delitem__(self, key: bytes | str) -> None:
+        self._store.delete(key)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __contains__(self, key: object) -> bool:
+        raise TypeError(
+            "`key in cache` is not supported: another process can remove the entry between the check and "
+            "the read; use `data = cache.get(key)` and test `data is None`"
+        )
+
+    def __iter__(self) -> Iterator[bytes]:
+        raise TypeError("a ContentAddressedProgramCache cannot list its keys: they are stored hashed")
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def compile(
+        self,
+        code: str | bytes,
+        code_type: str,
+        options: ProgramOptions | None,
+        target_type: str,
+        *,
+        name_expressions: Sequence[str | bytes] = (),
+        logs: Any = None,
+    ) -> ObjectCode:
+        """Compile through the cache, also what ``Program.compile(cache=)`` refuses.
+
+        The arguments mean what they mean to ``Program(code, code_type,
+        options).compile(target_type, name_expressions, logs)``. Compiles that read
+        headers through ``include_path``, ``pre_include`` or a source ``name`` with
+        a directory are keyed by the contents of every header they read (re-checked
+        on each lookup, see :mod:`cuda_program_cas._cuda.frontdoor`); ``name_expressions`` are kept
+        with the entry, so a hit's ``symbol_mapping`` (and ``get_kernel``) work. A
+        hit returns an ``ObjectCode`` with the bytes, ``name`` and
+        ``symbol_mapping`` of the uncached compile, without running NVRTC; a miss
+        compiles and stores (on a read-only cache it compiles and stores nothing).
+        Options whose effect cannot be keyed (``pch``, ``use_pch``, ``pch_dir``,
+        ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``
+        naming the option, before anything runs.
+        """
+        if self._front_door is None:
+            from .frontdoor import FrontDoor
+
+            self._front_door = FrontDoor(self._store)
+        obj: ObjectCode = self._front_door.compile(
+            code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
+        )
+        return obj
+
+    def stats(self) -> CacheStats:
+        """Entries, blobs, logical and stored bytes (a scan of the disk), and this instance's counters."""
+        return self._store.stats()
+
+    def counters(self) -> dict[str, int]:
+        """This instance's counters (``hits``, ``misses``, ...) without scanning the disk: cheap enough per call."""
+        return self._store.counters()
+
+    def close(self) -> None:
+        """Record this instance's counts in the lifetime counters; nothing is held open, the cache stays usable."""
+        self._store.close()
+
+    def __enter__(self) -> ContentAddressedProgramCache:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        extra = f", max_size_bytes={self._store.max_size_bytes}" if self._store.max_size_bytes else ""
+        if self._store.read_only:
+            extra += ", read_only=True"
+        if self._store.shared:
+            extra += f", shared={list(self._store.shared_paths())!r}"
+        return f"ContentAddressedProgramCache({self.path!r}{extra})"

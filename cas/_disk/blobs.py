@@ -1,0 +1,125 @@
+"""Content-addressed blob store: ``blobs/<2 hex>/<62 hex>``, named by blake3 of the bytes.
+
+A blob holds the compiled binary verbatim and nothing else, so ``cuobjdump`` and
+``nvdisasm`` read it directly. This module reads blobs (every read verified) and
+lists them; writing is :mod:`cuda_program_cas._disk.writer`'s, removing :mod:`cuda_program_cas._disk.remove`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+from cuda_program_cas._base.errors import CorruptBlobError
+
+from .files import SizeMismatch, read_regular, scan_sharded, shard_path
+
+__all__ = ["BlobCheck", "BlobEntry", "BlobState", "BlobStore", "digest_of"]
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: From this size on, data is hashed on several cores (blake3's shared thread pool),
+#: where the process may use at least _MT_MIN_CORES; never on smaller machines, where
+#: waking the pool costs more than one core hashing (measured: docs/benchmarks.md).
+_MT_MIN_BYTES = 2 << 20
+_MT_MIN_CORES = 8
+_MT = _usable_cores() >= _MT_MIN_CORES
+_AUTO = blake3.AUTO
+
+
+def digest_of(data: bytes | bytearray | memoryview) -> str:
+    """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
+    if _MT and len(data) >= _MT_MIN_BYTES:
+        return blake3(data, max_threads=_AUTO).hexdigest()
+    return blake3(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class BlobEntry:
+    """One blob file met during a scan."""
+
+    digest: str
+    path: str
+    stat: os.stat_result
+
+
+class BlobState(enum.Enum):
+    """What hashing one blob found."""
+
+    OK = "ok"
+    CORRUPT = "corrupt"
+    MISSING = "missing"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobCheck:
+    """The outcome of :meth:`BlobStore.check`: the state, the file's stat (when read) and a detail."""
+
+    state: BlobState
+    stat: os.stat_result | None = None
+    detail: str = ""
+
+
+class BlobStore:
+    """The blobs under one ``blobs/`` directory, read-only."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def path_for(self, digest: str) -> str:
+        """The path of a blob; ``digest`` must already be validated (see ``is_digest``)."""
+        return shard_path(self.directory, digest)
+
+    def read(self, digest: str, size: int | None = None) -> tuple[bytes, os.stat_result]:
+        """The verified bytes of a blob, and the stat of its file.
+
+        Raises ``FileNotFoundError`` when absent, :class:`cuda_program_cas.CorruptBlobError` when
+        it does not hash to ``digest`` or (``size`` given) has another size, and
+        ``OSError`` (``NotRegularFile`` among them) for what cannot be read or is
+        not a regular file. The cache's own hit path does the same with fewer
+        system calls (:mod:`cuda_program_cas._store.reader`).
+        """
+        path = self.path_for(digest)
+        try:
+            data, st = read_regular(path, size)
+        except SizeMismatch as exc:
+            raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}") from None
+        actual = digest_of(data)
+        if actual != digest:
+            raise CorruptBlobError(path, digest, actual, st)
+        return data, st
+
+    def check(self, digest: str) -> BlobCheck:
+        """Read and hash one blob, never raising for what is on disk."""
+        try:
+            _, st = self.read(digest)
+        except FileNotFoundError:
+            return BlobCheck(BlobState.MISSING)
+        except CorruptBlobError as exc:
+            return BlobCheck(BlobState.CORRUPT, exc.stat, f"hashes to {exc.actual}")
+        except OSError as exc:
+            return BlobCheck(BlobState.UNREADABLE, None, f"{exc.strerror or exc}")
+        return BlobCheck(BlobState.OK, st)
+
+    def exists(self, digest: str) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(self.path_for(digest), follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def scan(self) -> Iterator[BlobEntry]:
+        """Every blob file with its stat; names that are not digests are skipped."""
+        for digest, path, st in scan_sharded(self.directory):
+            yield BlobEntry(digest, path, st)

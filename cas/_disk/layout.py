@@ -1,0 +1,329 @@
+"""The cache root: ``layout.json``, ``CACHEDIR.TAG``, the top-level directories and their paths.
+
+Opening a directory that is empty (or absent) lays it out. A directory holding
+anything but our own names is refused, never adopted. A layout version newer than
+this code is refused. A damaged ``layout.json`` in a directory that holds only
+our own names is rewritten by a writable open (and ``verify --repair``); a
+read-only open and the maintenance verbs refuse it: nothing is read on a guess.
+
+Versions: 1 wrote manifests without their key id; 2 (this one) writes manifests
+that name their key. Version-1 caches are read as they are; opening one for
+writing upgrades it in place (see :mod:`cuda_program_cas._disk.upgrade`).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import logging
+import os
+import stat
+import time
+
+from cuda_program_cas._base.errors import LayoutError
+
+from .atomic import atomic_write, make_tmp_dir
+from .files import READ_FLAGS, shard_path, trusted_mtime_ns
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "SETTINGS_FILE",
+    "STALE_TMP_S",
+    "Layout",
+    "LayoutState",
+    "check_layout",
+    "create_layout",
+    "damaged_layout_error",
+    "is_shared_store",
+    "layout_version",
+    "mark_shared_store",
+    "stale_temp_files",
+    "temp_files",
+    "unwritable_reason",
+    "write_layout",
+]
+
+LAYOUT_NAME = "cuda-program-cas"
+LAYOUT_VERSION = 2
+LAYOUT_FILE = "layout.json"
+BLOBS = "blobs"
+INDEX = "index"
+TMP = "tmp"
+QUARANTINE = "quarantine"
+LOCK_FILE = "evict.lock"
+#: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
+COUNTERS_FILE = "counters"
+COUNTERS_LOCK = "counters.lock"
+#: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
+SETTINGS_FILE = "settings.json"
+#: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
+#: publish): no write takes anywhere near that long.
+STALE_TMP_S = 3600.0
+_log = logging.getLogger("cuda_program_cas")
+_OWN_NAMES = frozenset(
+    {
+        LAYOUT_FILE,
+        "CACHEDIR.TAG",
+        BLOBS,
+        INDEX,
+        TMP,
+        QUARANTINE,
+        LOCK_FILE,
+        "gc.lock",
+        COUNTERS_FILE,
+        COUNTERS_LOCK,
+        SETTINGS_FILE,
+        "packs",
+    }
+)
+
+_CACHEDIR_TAG = (
+    b"Signature: 8a477f597d28d172789f06886806bc55\n"
+    b"# This file is a cache directory tag created by cuda-program-cas.\n"
+    b"# For information about cache directory tags, see https://bford.info/cachedir/\n"
+)
+
+
+class LayoutState(enum.Enum):
+    """What :func:`check_layout` found at a cache root."""
+
+    OK = "ok"
+    MISSING = "missing"
+    DAMAGED = "damaged"
+
+
+class Layout:
+    """Paths of one cache root (as ``str`` for the hot path)."""
+
+    __slots__ = ("blobs", "counters", "counters_lock", "index", "lock", "quarantine", "root", "tmp")
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.blobs = os.path.join(root, BLOBS)
+        self.index = os.path.join(root, INDEX)
+        self.tmp = os.path.join(root, TMP)
+        self.quarantine = os.path.join(root, QUARANTINE)
+        self.lock = os.path.join(root, LOCK_FILE)
+        self.counters = os.path.join(root, COUNTERS_FILE)
+        self.counters_lock = os.path.join(root, COUNTERS_LOCK)
+
+    def blob_path(self, digest: str) -> str:
+        """Where the blob ``digest`` (validated) lives."""
+        return shard_path(self.blobs, digest)
+
+    def manifest_path(self, kid: str) -> str:
+        """Where the manifest of key id ``kid`` (validated) lives."""
+        return shard_path(self.index, kid)
+
+
+def _read_layout(path: str) -> dict[str, object] | None:
+    """The parsed layout file, or None when it is damaged (empty, not JSON, not ours, not a regular file).
+
+    Opened without following a symlink and without blocking, so a FIFO put in its
+    place never hangs an open (a FIFO or a symlink is damage, like garbled bytes).
+    Raises ``FileNotFoundError`` when there is none, :class:`LayoutError` when it is
+    a directory (a writable open could not replace it), ``OSError`` when it cannot
+    be read.
+    """
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
+            return None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            root = os.path.dirname(path)
+            raise LayoutError(
+                f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
+                "(`rmdir` it if empty) and open the cache again"
+            )
+        if not stat.S_ISREG(mode):
+            return None
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: thousands of "["
+        return None
+    if not isinstance(data, dict) or data.get("layout") != LAYOUT_NAME:
+        return None
+    version = data.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return None
+    return data
+
+
+def layout_version(root: str) -> int | None:
+    """The version ``layout.json`` records, or None when it is missing or damaged."""
+    try:
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+    except (OSError, LayoutError):
+        return None
+    if data is None:
+        return None
+    version = data["version"]
+    assert isinstance(version, int)
+    return version
+
+
+def check_layout(root: str) -> LayoutState:
+    """Validate an existing cache root without writing.
+
+    Raises :class:`LayoutError` for a file, a dangling symlink, a foreign directory
+    or a newer layout.
+    """
+    if not os.path.isdir(root):
+        if os.path.islink(root) and not os.path.exists(root):
+            raise LayoutError(f"cache path {root!r} is a symlink to {os.readlink(root)!r}, which does not exist")
+        if os.path.lexists(root):
+            raise LayoutError(f"cache path {root!r} exists and is not a directory")
+        return LayoutState.MISSING
+    layout_path = os.path.join(root, LAYOUT_FILE)
+    try:
+        data = _read_layout(layout_path)
+    except FileNotFoundError:
+        data = None
+        present = False
+    else:
+        present = True
+    if data is not None:
+        version = data["version"]
+        assert isinstance(version, int)
+        if version > LAYOUT_VERSION:
+            raise LayoutError(
+                f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
+                f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
+            )
+        if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
+            raise LayoutError(
+                f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
+            )
+        return LayoutState.OK
+    with os.scandir(root) as it:
+        foreign = sorted(e.name for e in it if e.name not in _OWN_NAMES)
+    if foreign:
+        hint = ""
+        if "entries" in foreign:
+            hint = " (it looks like a FileStreamProgramCache: import it with `cuda-program-cas import-filestream`)"
+        raise LayoutError(
+            f"directory {root!r} is not a cuda-program-cas cache: it holds {', '.join(map(repr, foreign[:5]))}"
+            f"{', ...' if len(foreign) > 5 else ''}{hint}"
+        )
+    return LayoutState.DAMAGED if present else LayoutState.MISSING
+
+
+def damaged_layout_error(root: str) -> LayoutError:
+    """The one message for a cache whose ``layout.json`` is damaged."""
+    return LayoutError(
+        f"cache at {root!r} has a damaged layout.json; repair it with `cuda-program-cas verify --repair` "
+        "from an account that can write there"
+    )
+
+
+def is_shared_store(root: str) -> bool:
+    """True when ``layout.json`` marks ``root`` as a shared store (``publish`` does)."""
+    try:
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+    except (OSError, LayoutError):
+        return False
+    return data is not None and data.get("shared") is True
+
+
+def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: object) -> None:
+    """Rewrite ``layout.json`` atomically with ``changes``, keeping what else it says.
+
+    A missing or damaged file is written afresh. A no-op when nothing changes.
+    """
+    path = os.path.join(root, LAYOUT_FILE)
+    try:
+        data = _read_layout(path)
+    except FileNotFoundError:
+        data = None
+    base: dict[str, object] = {
+        "layout": LAYOUT_NAME,
+        "version": LAYOUT_VERSION,
+        "blob_hash": "blake3",
+        "key_hash": "sha256",
+    }
+    current = dict(data) if data is not None else None
+    new = dict(current if current is not None else base)
+    new.update(changes)
+    if new == current:
+        return
+    atomic_write(path, (json.dumps(new, indent=2, sort_keys=True) + "\n").encode(), tmp_dir, mode=mode)
+
+
+def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
+    """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful."""
+    if layout_version(root) is None:
+        raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
+    write_layout(root, tmp_dir, mode=mode, shared=True)
+
+
+def create_layout(root: str) -> None:
+    """Lay out ``root`` if it holds no cache yet; ``layout.json`` is written last, atomically.
+
+    A damaged ``layout.json`` in a directory that holds only our own names is
+    rewritten (with a warning): every manifest carries its own format tag and key
+    id, every blob its digest, so nothing is trusted on the layout's word.
+    """
+    state = check_layout(root)
+    if state is LayoutState.OK:
+        return
+    if state is LayoutState.DAMAGED:
+        _log.warning("cuda-program-cas: rewriting damaged %s in %s", LAYOUT_FILE, root)
+    lay = Layout(root)
+    os.makedirs(root, exist_ok=True)
+    for sub in (lay.blobs, lay.index):
+        os.makedirs(sub, exist_ok=True)
+    make_tmp_dir(lay.tmp)
+    tag = os.path.join(root, "CACHEDIR.TAG")
+    if not os.path.exists(tag):
+        atomic_write(tag, _CACHEDIR_TAG, lay.tmp, mode=0o644)
+    write_layout(root, lay.tmp, version=LAYOUT_VERSION)
+
+
+def unwritable_reason(lay: Layout) -> str | None:
+    """Why this process cannot write the cache at ``lay`` (naming the directory), or None when it can.
+
+    Asks ``access(2)``, which knows both permissions and read-only mounts, of the
+    root and of the directories a write goes through; ``statvfs`` says which.
+    """
+    for directory in (lay.root, lay.index, lay.blobs, lay.tmp):
+        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
+            why = "permission denied"
+            try:
+                if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                    why = "read-only filesystem"
+            except (OSError, AttributeError):
+                pass
+            return f"{why}: {directory}"
+    return None
+
+
+def temp_files(tmp_dir: str) -> list[tuple[str, os.stat_result]]:
+    """Every file in ``tmp_dir`` (writes in flight and crashed writers' leftovers), with its stat."""
+    found = []
+    try:
+        with os.scandir(tmp_dir) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    found.append((entry.path, st))
+    except OSError:
+        pass
+    return found
+
+
+def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
+    """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
+    now_ns = time.time_ns() if now is None else int(now * 1e9)
+    cutoff = now_ns - int(STALE_TMP_S * 1e9)
+    return [(path, st) for path, st in temp_files(tmp_dir) if trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff]

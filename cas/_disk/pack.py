@@ -1,0 +1,570 @@
+"""Packs: immutable files that hold many entries of a shared store, opened once per process.
+
+A loose shared store costs every node two opens per first hit and the store an
+inode per blob and per manifest. A pack holds one publish generation: every blob
+once, then a sorted index from key id to blob, then a trailer. Nodes open each
+pack once, read the 1 KiB fan-out table once, and answer a lookup with one
+``pread`` of the index slice for the key's first byte and one ``pread`` of the
+blob, which is verified by its blake3 digest before its bytes are returned, as
+a loose blob is. Nothing is memory-mapped: a pack truncated or replaced under a
+reader makes short reads (misses), never a SIGBUS.
+
+File format, version 1 (integers little-endian)::
+
+    header     8 bytes   b"cpcaspk" + version byte (1)
+    blobs      the blobs' bytes, each distinct blob once, back to back
+    index      fan-out: 256 x u32, the number of entries whose key id's first
+               byte is <= i (so entries of byte b are [fanout[b-1], fanout[b]))
+               entries: count x 96 bytes, sorted by key id, each
+                   key id (32 raw bytes) | digest (32) | offset u64 | size u64 |
+                   time u64 (ns: when the entry was published; kept by repack,
+                   for gc --max-age) | check (the first 8 bytes of blake3 of
+                   the 88 bytes before it)
+    trailer    56 bytes: blake3 of the whole index (32) | index offset u64 |
+               count u32 | version u32 | b"cpcasidx"
+
+The trailer's checksum covers the index: ``verify`` and ``repack`` check it; a
+lookup does not read the whole index, and relies instead on each entry's own
+check (a damaged entry is a miss, the rest of its pack still reads) and on the
+blob's digest. A pack becomes visible only complete: it is written to the
+store's ``tmp/``, synced, and renamed into ``packs/`` under a new name; it is
+never rewritten.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+from cuda_program_cas._base.fork import after_fork, after_fork_call
+
+from .files import READ_FLAGS
+from .layout import Layout
+
+__all__ = [
+    "PACK_SUFFIX",
+    "PackEntry",
+    "PackError",
+    "PackInput",
+    "PackReader",
+    "PackSet",
+    "list_packs",
+    "open_packs",
+    "pack_chunks",
+    "write_pack",
+]
+
+_log = logging.getLogger("cuda_program_cas")
+
+VERSION = 1
+_HEADER = b"cpcaspk" + bytes([VERSION])
+_TRAILER_MAGIC = b"cpcasidx"
+_TRAILER = struct.Struct("<32sQII8s")
+_ENTRY = struct.Struct("<32s32sQQQ8s")
+_BODY = _ENTRY.size - 8
+_FANOUT = struct.Struct("<256I")
+PACK_SUFFIX = ".cpk"
+#: How long a process trusts its listing of ``packs/`` before listing again.
+RELIST_S = 2.0
+
+
+class PackError(ValueError):
+    """A pack file that is not a valid pack (truncated, garbled, of another version)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    """One index entry: a key id, its blob's digest, and where the blob lies in the pack."""
+
+    key_id: str
+    digest: str
+    offset: int
+    size: int
+    #: When the entry was published (ns since the epoch).
+    time_ns: int
+
+
+def _entry_check(body: bytes) -> bytes:
+    return blake3(body).digest()[:8]
+
+
+def pack_name() -> str:
+    """A new pack's file name: time-ordered (newest sorts last), never reused."""
+    return f"pack-{time.time_ns():016x}-{secrets.token_hex(4)}{PACK_SUFFIX}"
+
+
+def list_packs(packs_dir: str) -> list[str]:
+    """The pack files of a store, newest first."""
+    try:
+        names = [n for n in os.listdir(packs_dir) if n.startswith("pack-") and n.endswith(PACK_SUFFIX)]
+    except OSError:
+        return []
+    return [os.path.join(packs_dir, n) for n in sorted(names, reverse=True)]
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+#: What a pack is written from: key id, digest, the verified bytes (or a callable giving them,
+#: or None when they can no longer be had: the entry is left out), time (ns).
+PackInput = tuple[str, str, "bytes | Callable[[], bytes | None]", int]
+
+
+def pack_chunks(entries: Iterable[PackInput], stats: dict[str, int] | None = None) -> Iterator[bytes]:
+    """The bytes of a pack holding ``entries``, produced as they are read.
+
+    A key id met twice keeps its first entry; a digest met twice is stored once
+    (and, given as a callable, read once; a callable that gives None leaves its
+    entry out). ``stats``, when given, receives ``entries``, ``blobs`` and ``bytes``.
+    """
+    yield _HEADER
+    offset = len(_HEADER)
+    placed: dict[str, tuple[int, int]] = {}
+    index: dict[str, tuple[str, int, int, int]] = {}
+    for kid, digest, data, time_ns in entries:
+        if kid in index:
+            continue
+        where = placed.get(digest)
+        if where is None:
+            blob = data() if callable(data) else data
+            if blob is None:
+                continue
+            where = placed[digest] = (offset, len(blob))
+            yield blob
+            offset += len(blob)
+        index[kid] = (digest, *where, time_ns)
+    counts = [0] * 256
+    body = []
+    for kid in sorted(index):
+        digest, off, size, time_ns = index[kid]
+        raw = _ENTRY.pack(bytes.fromhex(kid), bytes.fromhex(digest), off, size, time_ns, b"")[:_BODY]
+        body.append(raw + _entry_check(raw))
+        counts[int(kid[:2], 16)] += 1
+    fanout = []
+    total = 0
+    for c in counts:
+        total += c
+        fanout.append(total)
+    index_bytes = _FANOUT.pack(*fanout) + b"".join(body)
+    if stats is not None:
+        stats.update(entries=len(body), blobs=len(placed), bytes=offset - len(_HEADER))
+    yield index_bytes
+    yield _TRAILER.pack(blake3(index_bytes).digest(), offset, len(body), VERSION, _TRAILER_MAGIC)
+
+
+def write_pack(
+    lay: Layout, entries: Iterable[PackInput], write_file: object, stats: dict[str, int] | None = None
+) -> str:
+    """Write a pack of ``entries`` into ``lay``'s ``packs/`` through ``write_file(target, chunks)``.
+
+    ``write_file`` is the store writer's :meth:`cuda_program_cas._disk.writer.Writer.write_file`
+    (temp file in ``tmp/``, final mode, fsync, rename). Returns the pack's path.
+    """
+    packs_dir = os.path.join(lay.root, "packs")
+    target = os.path.join(packs_dir, pack_name())
+    assert callable(write_file)
+    if not write_file(target, pack_chunks(entries, stats)):
+        raise OSError(f"the pack {target} could not be renamed into place (file busy)")
+    return target
+
+
+# -- reading --------------------------------------------------------------------------------
+
+#: At most this many pack files are open in one process, whatever the number of packs
+#: in its shared stores (1,100 packs open at once made every open past the soft limit
+#: of 1024 fail with EMFILE). Reopening an evicted pack costs one ``open``; see docs/nfs.md.
+MAX_OPEN_PACKS = 32
+#: A pack index up to this size is read whole at open (a lookup then needs no descriptor
+#: until it reads a blob): about 680 entries, what one publish of a CI run writes.
+SMALL_INDEX = 64 * 1024
+#: Errors that say the process is short of descriptors or memory, not that the pack is bad.
+_TRANSIENT = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
+
+
+class _DescriptorPool:
+    """The open descriptors of every pack of this process, least recently used first.
+
+    A descriptor in use (pinned by :meth:`pin`) is never closed under its reader: a
+    thread reading through it would otherwise read a number the kernel gave to
+    another file. Past :data:`MAX_OPEN_PACKS`, unpinned ones close, oldest first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[PackReader, None] = OrderedDict()
+
+    def add(self, reader: PackReader) -> None:
+        """Take in a reader whose descriptor was just opened (unpinned)."""
+        with self._lock:
+            self._lru[reader] = None
+            self._shrink()
+
+    def pin(self, reader: PackReader) -> int:
+        """The reader's descriptor, opened again if it was closed, kept open until :meth:`unpin`."""
+        with self._lock:
+            if reader._fd >= 0:
+                reader._pins += 1
+                self._lru.move_to_end(reader)
+                return reader._fd
+            if reader._closed:
+                raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
+        fd = reader._reopen()  # outside the lock: an open on a slow server holds up no other pack
+        with self._lock:
+            if reader._fd >= 0 or reader._closed:  # another thread opened (or closed) it meanwhile
+                os.close(fd)
+                if reader._closed:
+                    raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
+            else:
+                reader._fd = fd
+                self._lru[reader] = None
+            reader._pins += 1
+            self._lru.move_to_end(reader)
+            self._shrink()
+            return reader._fd
+
+    def unpin(self, reader: PackReader) -> None:
+        with self._lock:
+            reader._pins -= 1
+            if reader._closed and reader._pins == 0:
+                self._drop(reader)
+
+    def close(self, reader: PackReader) -> None:
+        """Close the reader for good (now, or when its last user unpins it)."""
+        with self._lock:
+            reader._closed = True
+            if reader._pins == 0:
+                self._drop(reader)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def _shrink(self) -> None:
+        over = len(self._lru) - MAX_OPEN_PACKS
+        if over <= 0:
+            return
+        victims = []
+        for reader in self._lru:  # oldest first; usually the first one will do
+            if reader._pins == 0:
+                victims.append(reader)
+                if len(victims) == over:
+                    break
+        for reader in victims:
+            self._drop(reader)
+
+    def _drop(self, reader: PackReader) -> None:
+        if reader in self._lru:
+            del self._lru[reader]
+            fd, reader._fd = reader._fd, -1
+            os.close(fd)
+
+    def after_fork_in_child(self) -> None:
+        # Threads that pinned descriptors do not exist in the child; its lock may have been held.
+        self._lock = threading.Lock()
+        for reader in self._lru:
+            reader._pins = 0
+
+
+_POOL = _DescriptorPool()
+after_fork_call(_POOL.after_fork_in_child)
+
+
+def open_packs() -> int:
+    """How many pack files this process holds open now (at most :data:`MAX_OPEN_PACKS` plus those in use)."""
+    return _POOL.open_count()
+
+
+def _split(raw: bytes) -> tuple[list[bytes], list[bytes]]:
+    """Raw index entries cut apart: their key ids and the entries themselves."""
+    entries = [raw[i : i + _ENTRY.size] for i in range(0, len(raw) - _ENTRY.size + 1, _ENTRY.size)]
+    return [e[:32] for e in entries], entries
+
+
+class PackReader:
+    """One pack. Lookups ``pread``; nothing here raises for a damaged file (``PackError`` at open).
+
+    Its descriptor comes from a process-wide pool (:data:`MAX_OPEN_PACKS`); one that
+    was closed to stay under the bound is opened again when needed, and must be the
+    same file (device, inode, size), else the pack is gone (``FileNotFoundError``).
+    A pack retired by ``repack`` meanwhile is found in ``packs/retired/``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+        self._pins = 0
+        self._closed = False
+        fd = os.open(path, READ_FLAGS)
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
+                raise PackError(f"{path}: too short to be a pack ({size} bytes)")
+            if os.pread(fd, len(_HEADER), 0) != _HEADER:
+                raise PackError(f"{path}: not a pack of version {VERSION}")
+            checksum, index_offset, count, version, magic = _TRAILER.unpack(
+                os.pread(fd, _TRAILER.size, size - _TRAILER.size)
+            )
+            if magic != _TRAILER_MAGIC or version != VERSION:
+                raise PackError(f"{path}: bad trailer")
+            if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
+                raise PackError(f"{path}: the trailer does not match the file's size")
+            index_len = _FANOUT.size + count * _ENTRY.size
+            want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
+            head = os.pread(fd, want, index_offset)
+            if len(head) != want:
+                raise PackError(f"{path}: truncated while being read")
+            fanout = _FANOUT.unpack(head[: _FANOUT.size])
+            if list(fanout) != sorted(fanout) or fanout[-1] != count:
+                raise PackError(f"{path}: garbled fan-out table")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.size = size
+        self._identity = (st.st_dev, st.st_ino, size)
+        #: When the pack was written (its file's mtime).
+        self.mtime = st.st_mtime
+        self.count = count
+        self.checksum = checksum
+        self._index_offset = index_offset
+        self._fanout = fanout
+        #: A small pack's whole index, read at open: its sorted key ids and raw entries.
+        self._whole = _split(head[_FANOUT.size :]) if len(head) == index_len else None
+        #: A large pack's slices read so far: first byte -> key ids and raw entries (a pack never changes).
+        self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        self._lock = threading.Lock()
+        self._fd = fd
+        _POOL.add(self)
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # see cuda_program_cas._base.fork; the descriptor pool resets its own
+
+    def _reopen(self) -> int:
+        """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
+        head, name = os.path.split(self.path)
+        for candidate in (self.path, os.path.join(head, "retired", name)):  # retired/: _repack.RETIRED
+            try:
+                fd = os.open(candidate, READ_FLAGS)
+            except FileNotFoundError:
+                continue
+            try:
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if (st.st_dev, st.st_ino, st.st_size) == self._identity:
+                return fd
+            os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "the pack is gone", self.path)
+
+    def close(self) -> None:
+        _POOL.close(self)
+
+    def loaded_keys(self) -> list[bytes] | None:
+        """Every key id of a small pack (its index was read whole at open); None for a large one."""
+        return None if self._whole is None else self._whole[0]
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        fd = _POOL.pin(self)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            _POOL.unpin(self)
+
+    def _span(self, first: int) -> tuple[int, int]:
+        """The entries whose key id starts with byte ``first``: ``[lo, hi)``."""
+        return (self._fanout[first - 1] if first else 0), self._fanout[first]
+
+    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int]:
+        """Key ids and raw entries holding those that start with byte ``first``, and their ``[lo, hi)`` there."""
+        lo, hi = self._span(first)
+        if self._whole is not None:
+            return self._whole[0], self._whole[1], lo, hi
+        bucket = self._buckets.get(first)
+        if bucket is None:
+            start = self._index_offset + _FANOUT.size + lo * _ENTRY.size
+            bucket = _split(self._pread((hi - lo) * _ENTRY.size, start) if hi > lo else b"")
+            with self._lock:
+                self._buckets[first] = bucket
+        return bucket[0], bucket[1], 0, len(bucket[0])
+
+    def find(self, kid: str) -> PackEntry | None:
+        """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
+        return self.find_key(bytes.fromhex(kid))
+
+    def find_key(self, key: bytes) -> PackEntry | None:
+        """:meth:`find` for a key id given as its 32 raw bytes."""
+        keys, entries, lo, hi = self._bucket(key[0])
+        i = bisect.bisect_left(keys, key, lo, hi)
+        if i == hi or keys[i] != key:
+            return None
+        raw = entries[i]
+        if _entry_check(raw[:_BODY]) != raw[_BODY:]:
+            return None  # a damaged entry: a miss; the rest of the pack still reads
+        kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
+        if offset + size > self._index_offset:
+            return None
+        return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+
+    def read(self, entry: PackEntry) -> bytes | None:
+        """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest."""
+        data = self._pread(entry.size, entry.offset)
+        if len(data) != entry.size or blake3(data).hexdigest() != entry.digest:
+            return None
+        return data
+
+    def entries(self) -> Iterator[PackEntry]:
+        """Every entry, in key order (damaged ones skipped)."""
+        for first in range(256):
+            _keys, raws, lo, hi = self._bucket(first)
+            for raw in raws[lo:hi]:
+                if _entry_check(raw[:_BODY]) == raw[_BODY:]:
+                    kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
+                    yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+
+    def index_ok(self) -> bool:
+        """True when the whole index matches the trailer's checksum (reads the whole index)."""
+        raw = self._pread(_FANOUT.size + self.count * _ENTRY.size, self._index_offset)
+        return bool(blake3(raw).digest() == self.checksum)
+
+
+class PackSet:
+    """The packs of one store as one process sees them: the directory re-listed every few s.
+
+    A lookup asks only the packs that may hold its key: every key of a small pack
+    (index read whole at open) is in one map from key to the packs holding it, and
+    the few large packs (a repack's) are searched each. So a hit costs the same
+    with 1 or 1,100 packs. Packs that leave the listing (retired by a repack, moved
+    aside by ``verify``) are closed; their entries are in the pack that replaced them.
+    """
+
+    def __init__(self, root: str, on_damage: Callable[[str], None] | None = None) -> None:
+        self.packs_dir = os.path.join(root, "packs")
+        self._on_damage = on_damage
+        self._open: dict[str, PackReader] = {}
+        self._bad: set[str] = set()
+        self._paths: list[str] = []
+        #: Key id (raw) -> the small packs holding it; the large packs; each pack's place, newest first.
+        self._where: dict[bytes, list[PackReader]] = {}
+        self._large: list[PackReader] = []
+        self._rank: dict[PackReader, int] = {}
+        self._listed_at = float("-inf")
+        self._lock = threading.Lock()
+        self._map_lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # See cuda_program_cas._base.fork. A thread of the parent may have been half way through an update of
+        # the map: the child lists packs/ again and rebuilds it at its first lookup.
+        self._lock = threading.Lock()
+        self._map_lock = threading.Lock()
+        self._open = {}
+        self._paths = []
+        self._where = {}
+        self._large = []
+        self._rank = {}
+        self._listed_at = float("-inf")
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._listed_at < RELIST_S:
+            return
+        with self._lock:
+            if now - self._listed_at < RELIST_S:
+                return
+            paths = list_packs(self.packs_dir)
+            if paths != self._paths or len(self._open) != len(paths):
+                self._update(paths)
+            self._listed_at = now
+
+    def _update(self, paths: list[str]) -> None:
+        added = []
+        for path in paths:
+            if path in self._open or path in self._bad:
+                continue
+            try:
+                self._open[path] = reader = PackReader(path)
+            except FileNotFoundError:
+                continue  # retired between the listing and the open: its entries are elsewhere
+            except OSError as exc:
+                if exc.errno not in _TRANSIENT:  # out of descriptors: tried again at the next listing
+                    self._bad.add(path)
+                _log.debug("cuda-program-cas: pack %s cannot be opened: %s", path, exc)
+                continue
+            except PackError as exc:
+                self._bad.add(path)
+                _log.debug("cuda-program-cas: unusable pack %s: %s", path, exc)
+                continue
+            added.append(reader)
+        listed = set(paths)
+        gone = [self._open.pop(p) for p in list(self._open) if p not in listed]
+        with self._map_lock:
+            for reader in added:
+                keys = reader.loaded_keys()
+                if keys is None:
+                    self._large.append(reader)
+                for key in keys or ():
+                    self._where.setdefault(key, []).append(reader)
+            for reader in gone:
+                keys = reader.loaded_keys()
+                if keys is None:
+                    self._large.remove(reader)
+                for key in keys or ():
+                    holders = self._where.get(key)
+                    if holders is not None:  # a damaged index may name a key twice
+                        holders[:] = [r for r in holders if r is not reader]
+                        if not holders:
+                            del self._where[key]
+            self._rank = {self._open[p]: n for n, p in enumerate(paths) if p in self._open}
+            self._large.sort(key=self._rank.__getitem__)
+            self._paths = paths
+        for reader in gone:
+            reader.close()  # a thread reading it still may: the pool closes it after
+
+    def _candidates(self, key: bytes) -> list[PackReader]:
+        """The packs that may hold ``key``, newest first."""
+        with self._map_lock:
+            out = [*self._where.get(key, ()), *self._large]
+            rank = self._rank
+        return sorted(out, key=rank.__getitem__) if len(out) > 1 else out
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None:
+        """``(bytes, digest)`` from the newest pack that has a good copy; None when none has.
+
+        A pack whose copy is damaged or unreadable is reported to ``on_damage(path)``
+        and the next pack is asked; a pack that is gone (removed, not retired) makes
+        the next lookup list the directory again.
+        """
+        self._refresh()
+        key = bytes.fromhex(kid)
+        for pack in self._candidates(key):
+            try:
+                entry = pack.find_key(key)
+                if entry is None:
+                    continue
+                data = pack.read(entry)
+            except FileNotFoundError:
+                self._listed_at = float("-inf")
+                continue
+            except OSError as exc:
+                if exc.errno in _TRANSIENT:
+                    continue  # out of descriptors for a moment: a miss, not a damaged pack
+                data = entry = None
+            if data is None or entry is None:
+                if self._on_damage is not None:
+                    self._on_damage(pack.path)
+                continue
+            return data, entry.digest
+        return None

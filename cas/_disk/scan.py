@@ -1,0 +1,133 @@
+"""One pass over a cache directory: every manifest (parsed) and every blob, with stats.
+
+Eviction, ``clear``, ``stats()`` and the maintenance verbs all start from a
+:class:`Snapshot`, and judge each manifest with :func:`cuda_program_cas._disk.classify.classify`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+
+from .files import fs_now, read_regular, scan_sharded, trusted_mtime_ns
+from .layout import temp_files
+
+__all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
+
+#: How far file times may lag the process clock (a coarse kernel clock stamps them),
+#: used only where the file system's own clock could not be read.
+CLOCK_SLACK_NS = 50_000_000
+
+
+@dataclass(slots=True)
+class ManifestInfo:
+    key_id: str
+    stat: os.stat_result
+    #: None when the file is not a valid manifest for its key.
+    manifest: Manifest | None
+    #: A valid manifest of another key, copied or renamed onto this key's path.
+    misplaced: bool = False
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What the cache held when the scan began at ``started_ns``."""
+
+    started_ns: int
+    manifests: list[ManifestInfo] = field(default_factory=list)
+    #: digest -> stat of every blob file.
+    blobs: dict[str, os.stat_result] = field(default_factory=dict)
+    #: digest -> number of valid manifests naming it.
+    refs: Counter[str] = field(default_factory=Counter)
+    #: Manifest files that exist but could not be read (EACCES, EIO): the blobs
+    #: they name are unknown, so no blob can be proven unreferenced.
+    unreadable: list[str] = field(default_factory=list)
+    #: Bytes of the files in ``tmp/`` when the scan asked for them (the size cap does):
+    #: writes in flight and crashed writers' leftovers take disk too.
+    temp_bytes: int = 0
+    #: The file system's clock when the scan began: a file whose mtime is below it
+    #: was last written or touched before the scan. Without a clock reading (a
+    #: read-only cache), the process clock less :data:`CLOCK_SLACK_NS`.
+    cutoff_ns: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.cutoff_ns:
+            self.cutoff_ns = self.started_ns - CLOCK_SLACK_NS
+
+    def mtime_ns(self, st: os.stat_result) -> int:
+        """The mtime of ``st`` as ages are judged: more than a day ahead of the scan's clock, 0 (see
+        :func:`cuda_program_cas._disk.files.trusted_mtime_ns`)."""
+        return trusted_mtime_ns(st.st_mtime_ns, self.cutoff_ns)
+
+    @property
+    def manifest_bytes(self) -> int:
+        return sum(m.stat.st_size for m in self.manifests)
+
+    @property
+    def blob_bytes(self) -> int:
+        return sum(st.st_size for st in self.blobs.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the size cap counts: every blob once, plus every manifest (and :attr:`temp_bytes`)."""
+        return self.blob_bytes + self.manifest_bytes + self.temp_bytes
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(m.manifest.size for m in self.manifests if m.manifest is not None)
+
+    def orphans(self) -> list[str]:
+        """Blobs that no valid manifest names."""
+        return [d for d in self.blobs if self.refs[d] == 0]
+
+
+def take_snapshot(
+    index_dir: str,
+    blobs_dir: str,
+    *,
+    read_manifests: bool = True,
+    clock_dir: str | None = None,
+    temp_dir: str | None = None,
+) -> Snapshot:
+    """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``, then ``temp_dir``.
+
+    Manifests first: a blob written after its manifest was scanned is then seen as
+    referenced or young, never as an old orphan. ``clock_dir`` (the cache's
+    ``tmp/``, when it may be written) gives the file system's clock at the start,
+    as :attr:`Snapshot.cutoff_ns`. ``temp_dir`` (the cache's ``tmp/``, for the size
+    cap) is counted in :attr:`Snapshot.temp_bytes`; last, so that a temp file renamed
+    into a blob meanwhile is counted once at most.
+    """
+    # The file system's clock first: anything that starts after ``started`` (a
+    # writer's temp file, a freshen) then carries an mtime of at least the cutoff.
+    # Read the other way round, a manifest whose temp file was written between the
+    # two readings, and renamed in place after, would look older than the scan.
+    fs_started = fs_now(clock_dir) if clock_dir is not None else None
+    started = time.time_ns()
+    snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
+    for kid, path, st in scan_sharded(index_dir, snap.unreadable):
+        manifest = None
+        misplaced = False
+        if read_manifests and st.st_size <= MAX_MANIFEST_BYTES:
+            try:
+                data, _ = read_regular(path)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                snap.unreadable.append(path)
+                continue
+            manifest = parse_manifest(data, kid)
+            if manifest is not None:
+                snap.refs[manifest.digest] += 1
+            else:
+                misplaced = parse_manifest(data) is not None
+        snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced))
+    for digest, _path, st in scan_sharded(blobs_dir):
+        snap.blobs[digest] = st
+    if temp_dir is not None:
+        snap.temp_bytes = sum(st.st_size for _, st in temp_files(temp_dir))
+    return snap

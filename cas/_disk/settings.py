@@ -1,0 +1,194 @@
+"""Settings stored in the cache itself: ``settings.json`` in its root (``cuda-program-cas config``).
+
+As with ``ccache -M``, a cap set once in the cache is honoured by every process
+that opens it, unless an argument or the environment says otherwise. Each
+setting comes from the first of: an argument, the environment, the cache, the
+default. :func:`effective_settings` says which, for ``config``.
+
+The file is a small JSON object (``{"max_size_bytes": 10737418240}``) written
+through the one atomic write (:func:`cuda_program_cas._disk.atomic.atomic_write`). A file that
+cannot be used (not a regular file, unreadable, not JSON, a value that is not a
+positive int) is one WARNING per process and ignored, never an exception: a
+lookup or a write does not fail for a setting.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from dataclasses import dataclass
+
+from cuda_program_cas._base.config import (
+    ENV_DIR,
+    ENV_LOG,
+    ENV_MAX_SIZE,
+    ENV_SHARED,
+    env_dir,
+    env_log_file,
+    env_shared,
+    parse_size,
+    platform_cache_dir,
+    read_env,
+    warn_once,
+)
+
+from .atomic import atomic_write
+from .files import READ_FLAGS
+from .layout import SETTINGS_FILE, Layout, LayoutState, check_layout
+
+__all__ = [
+    "MAX_SIZE",
+    "SETTING_NAMES",
+    "Setting",
+    "effective_settings",
+    "load_settings",
+    "read_settings",
+    "settings_path",
+    "store_setting",
+    "stored_max_size",
+]
+
+#: The stored name of the cap, and the command line's names of what can be stored.
+MAX_SIZE = "max_size_bytes"
+SETTING_NAMES = {"max-size": MAX_SIZE}
+
+#: A settings file is a few dozen bytes; anything past this is not ours.
+_MAX_BYTES = 64 * 1024
+
+
+def settings_path(root: str) -> str:
+    return os.path.join(root, SETTINGS_FILE)
+
+
+def read_settings(root: str) -> dict[str, object]:
+    """The usable settings stored in the cache at ``root``: ``{}`` when there are none.
+
+    A file that cannot be used is one WARNING per process, and ``{}``.
+    """
+    settings, why = load_settings(root)
+    if why is not None:
+        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
+        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
+    return settings
+
+
+def load_settings(root: str) -> tuple[dict[str, object], str | None]:
+    """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not).
+
+    Never raises for what is on disk. O_NONBLOCK: a FIFO put in its place must not
+    hang the open; O_NOFOLLOW: a symlink is not the cache's file.
+    """
+    path = settings_path(root)
+    try:
+        fd = os.open(path, READ_FLAGS)  # the cache's flags for its own files: no symlink, no FIFO wait
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return {}, None
+        return {}, f"cannot be opened ({exc.strerror or exc})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}, "not a regular file"
+        raw = os.read(fd, _MAX_BYTES + 1)
+    except OSError as exc:
+        return {}, f"cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_BYTES:
+        return {}, f"larger than {_MAX_BYTES:,} bytes"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return {}, "not a JSON object"
+    if not isinstance(data, dict):
+        return {}, "not a JSON object"
+    found: dict[str, object] = {}
+    cap = data.get(MAX_SIZE)
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            return {}, f"{MAX_SIZE} is {cap!r}, not a positive number of bytes"
+        found[MAX_SIZE] = cap
+    return found, None
+
+
+def stored_max_size(root: str) -> int | None:
+    """The cap stored in the cache at ``root``, or None."""
+    value = read_settings(root).get(MAX_SIZE)
+    return value if isinstance(value, int) else None
+
+
+def store_setting(root: str, name: str, value: int | None) -> None:
+    """Store ``name`` (a stored name, e.g. :data:`MAX_SIZE`) in the cache at ``root``; None removes it.
+
+    The cache must exist. What else the file holds is kept (a damaged file is
+    rewritten with only the new value). Two runs at once: the last one wins.
+    """
+    settings, _ = load_settings(root)  # a damaged file is replaced: no warning for what is being rewritten
+    if value is None:
+        settings.pop(name, None)
+    else:
+        settings[name] = value
+    data = (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write(settings_path(root), data, Layout(root).tmp, mode=0o644)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One effective setting: its value, and where it came from."""
+
+    name: str
+    value: object
+    #: ``argument``, ``environment``, ``cache`` or ``default``.
+    source: str
+    #: The variable or the file it came from ("" for an argument or the default).
+    origin: str = ""
+    #: What else the reader should know (a value it overrides, a cache not created yet).
+    note: str = ""
+    #: A value that was ignored, and why ("" when none was).
+    problem: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"value": self.value, "source": self.source, "origin": self.origin, "note": self.note}
+
+
+def effective_settings(path: str | None) -> list[Setting]:
+    """Every setting a cache opened at ``path`` (None: the default directory) gets with no arguments.
+
+    Directory, cap, shared stores and log file, in the order the library reads
+    them; a value the library would ignore is in the setting's ``problem``.
+    Raises :class:`cuda_program_cas.LayoutError` when ``path`` is a file or not a cache.
+    """
+    env_text = os.environ.get(ENV_DIR, "")
+    if path:
+        directory = Setting("directory", os.path.abspath(path), "argument")
+    elif (env := env_dir()) is not None:
+        note = "" if os.path.isabs(env_text) else f"the relative {env_text!r} taken from the working directory"
+        directory = Setting("directory", env, "environment", ENV_DIR, note)
+    else:
+        directory = Setting("directory", os.fspath(platform_cache_dir()), "default")
+    root = str(directory.value)
+    state = check_layout(root)
+    if state is LayoutState.MISSING:
+        note = "; ".join(n for n in (directory.note, "no cache there yet") if n)
+        directory = Setting(directory.name, root, directory.source, directory.origin, note)
+    stored, stored_problem = load_settings(root) if state is not LayoutState.MISSING else ({}, None)
+    stored_cap = stored.get(MAX_SIZE)
+    where = settings_path(root)
+    env_cap, env_problem = read_env(ENV_MAX_SIZE, parse_size)
+    problem = "; ".join(p for p in (env_problem, stored_problem and f"{where} is ignored: {stored_problem}") if p)
+    if env_cap is not None:
+        note = f"overrides the cache's {stored_cap:,} bytes" if isinstance(stored_cap, int) else ""
+        cap = Setting(MAX_SIZE, env_cap, "environment", ENV_MAX_SIZE, note, problem)
+    elif stored_cap is not None:
+        cap = Setting(MAX_SIZE, stored_cap, "cache", where, "", problem)
+    else:
+        cap = Setting(MAX_SIZE, None, "default", "", "no cap", problem)
+    shared = env_shared()
+    log_file = env_log_file()
+    return [
+        directory,
+        cap,
+        Setting("shared", shared, "environment", ENV_SHARED) if shared else Setting("shared", [], "default"),
+        Setting("log_file", log_file, "environment", ENV_LOG) if log_file else Setting("log_file", None, "default"),
+    ]

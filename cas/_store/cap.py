@@ -1,0 +1,285 @@
+"""The size cap of one cache instance: count writes, plan evictions, carry them out.
+
+The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``
+(writes in flight, crashed writers' leftovers, which go first). An instance counts its
+own writes between listings of the cache; when its count goes over the cap, one
+scan plans a reference-aware LRU eviction (:func:`plan_lru`, below) and the
+:class:`cuda_program_cas._disk.remove.Remover` carries it out:
+
+- at once, as far as it takes to bring the cache under the cap: at rest, one
+  writer's cache is never over its cap;
+- then, with many entries, on down to the low watermark, :data:`EVICT_STEP`
+  removals per later write, so that one scan pays for many writes and no single
+  write pays for removing a fifth of a large cache. With few entries (under
+  :data:`MIN_ENTRIES_FOR_WATERMARK`) only what the write needs goes, in read order.
+
+The plan: least recently used manifests go first (recency is the manifest's
+mtime, which a hit refreshes, or this process's own later reads). A front-door
+record and its results go together (:mod:`cuda_program_cas.index`). A blob goes
+only when the last manifest naming it goes. Garbage manifests and removable
+orphans go before any live entry. ``gc --max-size`` plans with the same function.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Container, Mapping
+
+from cuda_program_cas._base.events import LOGGER, evicted
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._disk.classify import Condition, classify
+from cuda_program_cas._disk.files import FileId
+from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas._disk.remove import RemovalPlan, RemovalResult, Remover, removable_orphans
+from cuda_program_cas._disk.scan import ManifestInfo, Snapshot, take_snapshot
+from cuda_program_cas.index import lru_units, partners_of
+
+from .stats import Counters
+from .touch import apply_pending
+
+__all__ = ["EVICT_STEP", "LOW_WATERMARK", "MIN_ENTRIES_FOR_WATERMARK", "ORPHAN_GRACE_S", "SizeCap", "plan_lru"]
+
+#: Eviction brings the stored bytes down to this fraction of the cap, so one
+#: scan pays for many writes.
+LOW_WATERMARK = 0.8
+#: Below this many live entries a scan is cheap: evict only down to the cap.
+MIN_ENTRIES_FOR_WATERMARK = 64
+#: Blobs no manifest names are kept this long: a writer stores the blob first.
+ORPHAN_GRACE_S = 600.0
+#: Removals each write carries out of an eviction under way, once under the cap.
+EVICT_STEP = 64
+#: A capped writer lists the cache again after writing this fraction of the cap.
+REMEASURE_FRACTION = 8
+
+
+class SizeCap:
+    """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked).
+
+    ``recency()`` returns key id -> this process's last read (ns) of keys read
+    more recently than their manifest's mtime says.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None,
+        lay: Layout,
+        remover: Remover,
+        counters: Counters,
+        recency: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._lay = lay
+        self._remover = remover
+        self._counters = counters
+        self._recency = recency
+        self._approx: int | None = None  # stored bytes as this instance believes them
+        self._since_measure = 0  # bytes this instance wrote since it last listed the cache
+        self._plan: RemovalPlan | None = None  # an eviction under way, carried out a step per write
+        self._retired: dict[str, FileId] = {}  # see cuda_program_cas._disk.remove.removable_orphans
+        self._mutex = threading.Lock()  # one evictor per instance
+        self._count_lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A thread of the parent may have been counting or evicting: new locks, and the
+        # child measures the cache afresh. What was retired stays retired.
+        self._mutex = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._plan = None
+        self._approx = None
+        self._since_measure = 0
+
+    def account(self, added: int, *, written: str | None = None) -> None:
+        """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
+
+        Other processes write too, and this instance does not see their writes: it
+        lists the cache again (stats, no reads) after every eighth of the cap it
+        writes itself, so each other writer adds at most about an eighth of the cap
+        to what this one believes. While an eviction is under way, every write
+        carries out a step of it.
+        """
+        max_bytes = self.max_bytes
+        if max_bytes is None:
+            return
+        with self._count_lock:
+            self._since_measure += added
+            approx = self._approx
+            if approx is not None:
+                approx += added
+                self._approx = approx
+                if (
+                    self._plan is None
+                    and approx <= max_bytes
+                    and self._since_measure <= max_bytes // REMEASURE_FRACTION
+                ):
+                    return
+        self.enforce(protect=written)
+
+    def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if they are over it, then a step toward the low watermark.
+
+        ``budget=None``: all the way to the low watermark at once. Only one evictor
+        runs at a time (a non-blocking lock per instance, a ``filelock`` across
+        processes); a writer that finds one running goes on.
+        """
+        max_bytes = self.max_bytes
+        if max_bytes is None or not self._mutex.acquire(blocking=False):
+            return None
+        try:
+            if self._plan is None and (self._approx is None or self._approx <= max_bytes):
+                lay = self._lay
+                stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
+                self._measure(stored)
+                if stored <= max_bytes:
+                    return None
+            import filelock
+
+            lock = filelock.FileLock(self._lay.lock, timeout=0)
+            try:
+                lock.acquire(blocking=False)
+            except filelock.Timeout:
+                return None
+            try:
+                must_free = 0
+                if self._plan is None:
+                    self._remover.sweep_temp()  # a crashed writer's temp files count, and go first
+                    apply_pending()  # the scan sees this process's reads, in every instance
+                    lay = self._lay
+                    snap = take_snapshot(lay.index, lay.blobs, clock_dir=lay.tmp, temp_dir=lay.tmp)
+                    if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile
+                        self._measure(snap.stored_bytes)
+                        return RemovalResult(stored_bytes_after=snap.stored_bytes)
+                    self._plan = self._plan_for(snap, max_bytes, protect)
+                    must_free = snap.stored_bytes - max_bytes
+                result = self._carry_out(self._plan, budget, must_free)
+            finally:
+                lock.release()
+            self._measure(result.stored_bytes_after)
+            return result
+        finally:
+            self._mutex.release()
+
+    def _plan_for(self, snap: Snapshot, max_bytes: int, protect: str | None) -> RemovalPlan:
+        live = sum(1 for m in snap.manifests if m.manifest is not None)
+        target = int(max_bytes * LOW_WATERMARK) if live >= MIN_ENTRIES_FOR_WATERMARK else max_bytes
+        plan = plan_lru(
+            snap,
+            target,
+            cap_bytes=max_bytes,
+            orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
+            retired=self._retired,
+            protect=(protect,) if protect else (),
+            recency=self._recency() if self._recency is not None else None,
+        )
+        self._retired = {}
+        return plan
+
+    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
+        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
+        self._retired = {}
+        return self._carry_out(plan, None, 0)
+
+    def reset(self) -> None:
+        """Forget counts and plans (after the cache was cleared)."""
+        with self._mutex, self._count_lock:
+            self._plan = None
+            self._approx = None
+            self._since_measure = 0
+
+    def _measure(self, stored_bytes: int) -> None:
+        with self._count_lock:
+            self._approx = stored_bytes
+            self._since_measure = 0
+
+    def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> RemovalResult:
+        t0 = time.perf_counter_ns()
+        # Every read this process made, in any instance, lands first: the remover keeps
+        # an entry whose manifest was touched since the plan's scan.
+        apply_pending()
+        result = RemovalResult()
+        if must_free > 0:
+            # At once, as far as it takes to be under the cap.
+            result.add(self._remover.execute(plan, until_freed=must_free))
+        if budget is None or budget > result.steps:
+            result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
+        self._counters.add("evictions", result.manifests_removed)
+        if (result.manifests_removed or result.blobs_removed) and LOGGER.isEnabledFor(logging.DEBUG):
+            evicted(self._lay.root, result.manifests_removed, result.blobs_removed, result.bytes_freed, t0)
+        self._retired.update(result.retired)
+        if plan is self._plan and plan.finished:
+            self._plan = None
+        return result
+
+
+def plan_lru(
+    snap: Snapshot,
+    target_bytes: int,
+    *,
+    cap_bytes: int | None = None,
+    orphan_grace_ns: int,
+    retired: dict[str, FileId] | None = None,
+    protect: Container[str] = (),
+    recency: Mapping[str, int] | None = None,
+) -> RemovalPlan:
+    """Plan removals until the stored bytes would be at most ``target_bytes``.
+
+    ``cap_bytes``: when removing garbage and removable orphans alone brings the
+    cache under this, no live entry is chosen (the low watermark below the cap
+    amortises scans; it is no reason to evict what is in use).
+
+    ``retired``: blobs an earlier pass left behind when it removed their last
+    manifest (see :func:`cuda_program_cas._disk.remove.removable_orphans`). ``protect``: key ids
+    never chosen (the entry a write has just stored). ``recency``: key id -> the
+    time (ns) this process last read it, where that is later than the
+    manifest's mtime (a hit touches the manifest at most once a second).
+    """
+    plan = RemovalPlan(snap)
+    total = snap.stored_bytes
+    plan.orphans = removable_orphans(snap, orphan_grace_ns, retired)
+    total -= sum(snap.blobs[d].st_size for d in plan.orphans)
+    live = []
+    for info in snap.manifests:
+        if classify(info, snap) is Condition.OK:
+            live.append(info)
+        else:
+            # Garbage costs bytes and serves nothing: it goes first, whatever the target.
+            plan.manifests.append(info)
+            total -= info.stat.st_size
+    refs = snap.refs.copy()
+
+    def remove(info: ManifestInfo) -> None:
+        nonlocal total
+        assert info.manifest is not None
+        plan.manifests.append(info)
+        total -= info.stat.st_size
+        digest = info.manifest.digest
+        refs[digest] -= 1
+        if refs[digest] == 0:
+            total -= snap.blobs[digest].st_size
+
+    # A live record or result whose partner is garbage serves nothing either (see cuda_program_cas.index).
+    partners = partners_of(plan.manifests, live)
+    if partners:
+        going = {info.key_id for info in partners}
+        live = [info for info in live if info.key_id not in going]
+        for info in partners:
+            remove(info)
+    if total <= target_bytes or (cap_bytes is not None and total <= cap_bytes):
+        return plan
+    recent = recency or {}
+
+    def last_use(info: ManifestInfo) -> int:
+        return max(snap.mtime_ns(info.stat), recent.get(info.key_id, 0))
+
+    # A front-door record and its results are one unit, as recent as its latest member.
+    for unit in lru_units(live, last_use):
+        if total <= target_bytes:
+            break
+        if any(info.key_id in protect for info in unit):
+            continue
+        for info in unit:
+            remove(info)
+    return plan

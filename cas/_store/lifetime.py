@@ -1,0 +1,399 @@
+"""Lifetime counters: what every process did with one cache directory since they were last zeroed.
+
+``<root>/counters`` is an append-only file of short self-checking text lines::
+
+    c1 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors> <crc>
+    z1 <when the counters were zeroed, ns since the epoch> <crc>
+
+A ``c1`` line holds what one process counted since its previous line (non-negative
+decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
+to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
+garbled or fails its check is ignored; one that checks out but has a tag this
+version does not know (a later version's) is left out of the sums and kept by
+compaction.
+
+How counts get there: an instance counts in memory (:class:`cuda_program_cas._store.stats.Counters`,
+an increment and no I/O per operation) and its :class:`Recorder` appends the
+difference since its last line: on the first operation a second or more after
+the last flush (so at most once a second, and only when there is something new),
+at ``close()``, when the instance is garbage collected, and at interpreter exit
+(``weakref.finalize``, which holds no reference to the instance). A forked child
+starts from what its parent had counted, so nothing is counted twice. A process
+that ends without running ``atexit`` (SIGKILL, ``os._exit``, a ``multiprocessing``
+child) loses what it counted since its last flush, and nothing else.
+
+Why this design rather than one small file rewritten at each flush:
+
+- A flush is one ``write`` of about 60 bytes under a short blocking lock on
+  ``counters.lock``: many processes flushing at once are serialised, so none loses
+  a count, and no flush costs a temp file and a rename (no directory churn, on NFS
+  no extra round trips, at every process exit of a thousand-process job). The
+  lock is ``flock`` itself where there is one (what ``filelock`` takes on POSIX,
+  without its 20-70 ms import and 250 us per lock: a flush costs tens of
+  microseconds, at every exit too), else ``filelock``.
+- A process killed while flushing leaves at most a torn last line; the lock is an
+  OS lock, released by the kill. Readers ignore the torn line and the next writer
+  starts its own line on a new line. Damage (a flipped bit, a power loss: nothing
+  is fsync-ed) costs the lines it touches, not the totals.
+- Readers take no lock: a valid line is complete whenever it is seen.
+- ``stats --zero`` and compaction (every line folded into one once the file passes
+  :data:`COMPACT_BYTES`) rewrite the file through the one write protocol
+  (:func:`cuda_program_cas._disk.atomic.atomic_write`) under the same lock, so no append falls
+  between their read and their replace. The append is the one write that does not
+  go through it: a rename per flush is what this design avoids.
+
+Counts never corrupt the cache: the file sits beside it and nothing else reads it.
+Caches opened ``read_only=True`` and shared stores are never written: their counts
+stay in the instance (``counters()``). A hit from a shared store is counted in the
+local cache's file, as ``hits`` and ``shared_hits``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import re
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from stat import S_ISREG
+
+from cuda_program_cas._base.errors import CacheError
+from cuda_program_cas._base.fork import after_fork, after_fork_call
+from cuda_program_cas._disk.atomic import atomic_write
+from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
+from cuda_program_cas._disk.layout import Layout
+
+try:
+    import fcntl
+except ImportError:  # Windows: filelock
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["COMPACT_BYTES", "FLUSH_INTERVAL_S", "NAMES", "Lifetime", "Recorder", "read_counters", "zero_counters"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: The counters of a ``c1`` line, in order. A new counter needs a new tag.
+NAMES = ("hits", "misses", "writes", "dedup_writes", "evictions", "corrupt", "shared_hits", "dropped_writes", "errors")
+#: An instance flushes at most this often (on its next operation once it has passed).
+FLUSH_INTERVAL_S = 1.0
+#: A flush that leaves the file larger than this folds it into one line.
+COMPACT_BYTES = 4096
+#: How long the last flush (close, collection, exit) waits for the lock. One on the way
+#: (in a lookup or a write) does not wait: a busy lock only puts it off to the next.
+_WAIT_LAST_S = 2.0
+_MAX_READ = 1 << 24
+
+_APPEND_FLAGS = (
+    os.O_RDWR
+    | os.O_APPEND
+    | os.O_CREAT
+    | getattr(os, "O_BINARY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+_LOCK_FLAGS = (
+    os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+_LINE_RE = re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
+
+#: Descriptors of ``counters.lock`` open in this process (closed in a forked child).
+_LOCK_FDS: set[int] = set()
+
+#: ``source(lock)``: an instance's counts now (``lock=False`` after a fork).
+Source = Callable[[bool], Mapping[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Lifetime:
+    """The sums of a counters file."""
+
+    #: Name -> total, for every name in :data:`NAMES`.
+    counters: dict[str, int]
+    #: When ``stats --zero`` last ran (ns since the epoch), or None.
+    zeroed_ns: int | None = None
+    #: Lines ignored: torn, garbled or failing their check.
+    bad_lines: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / (hits + misses)``, or None before the first lookup."""
+        looked = self.counters["hits"] + self.counters["misses"]
+        return self.counters["hits"] / looked if looked else None
+
+
+def _encode(tag: str, values: Sequence[int]) -> bytes:
+    body = " ".join([tag, *map(str, values)]).encode()
+    return b"%s %08x\n" % (body, zlib.crc32(body))
+
+
+def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
+    """The sums of ``data``, and its well-formed lines of unknown tags (kept by compaction)."""
+    totals = dict.fromkeys(NAMES, 0)
+    zeroed = None
+    bad = 0
+    unknown = []
+    lines = data.split(b"\n")
+    if lines.pop():  # what follows the last newline: a torn line
+        bad += 1
+    for raw in lines:
+        if not raw:
+            continue
+        m = _LINE_RE.fullmatch(raw)
+        if m is None or zlib.crc32(raw[: m.start(3) - 1]) != int(m.group(3), 16):
+            bad += 1
+            continue
+        tag, values = m.group(1), [int(v) for v in m.group(2).split()]
+        if tag == b"c1" and len(values) == len(NAMES):
+            for name, value in zip(NAMES, values, strict=True):
+                totals[name] += value
+        elif tag == b"z1" and len(values) == 1:
+            zeroed = values[0]
+        elif tag in (b"c1", b"z1"):
+            bad += 1
+        else:
+            unknown.append(raw + b"\n")
+    return Lifetime(totals, zeroed, bad), unknown
+
+
+def _read(path: str) -> bytes:
+    """The counters file's bytes; empty when there is none."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except FileNotFoundError:
+        return b""
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(path)
+        chunks = []
+        got = 0
+        while got < _MAX_READ and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_counters(lay: Layout) -> Lifetime:
+    """The lifetime counters of the cache ``lay`` (all zero when it has none). Reads only, takes no lock."""
+    return _parse(_read(lay.counters))[0]
+
+
+class _Busy(Exception):
+    """``counters.lock`` stayed held by someone else."""
+
+
+@contextlib.contextmanager
+def _locked(path: str, wait_s: float) -> Iterator[None]:
+    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`_Busy` after ``wait_s``.
+
+    Never creates the cache directory (``filelock`` would, for a cache removed meanwhile).
+    """
+    if fcntl is None:
+        try:
+            import filelock
+
+            file_lock, timeout = filelock.FileLock, filelock.Timeout
+        except AttributeError:  # half imported: a collection in its import flushes a dropped instance
+            raise _Busy from None
+        lock = file_lock(path, timeout=wait_s)
+        try:
+            lock.acquire(blocking=wait_s > 0)
+        except timeout:
+            raise _Busy from None
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    fd = os.open(path, _LOCK_FLAGS, 0o600)
+    _LOCK_FDS.add(fd)  # a child forked meanwhile closes its copy
+    try:
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Busy from None
+                time.sleep(min(pause, left))  # holders keep it for microseconds
+                pause = min(2 * pause, 0.05)
+        try:
+            yield
+        finally:
+            # Explicitly: closing releases an flock only once every copy of the
+            # descriptor is closed, and a child forked meanwhile holds one.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        _LOCK_FDS.discard(fd)
+        os.close(fd)
+
+
+def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
+    """Set the lifetime counters of ``lay`` to zero; returns what they were.
+
+    Counts that running processes have not flushed yet arrive after the zero.
+    Raises :class:`cuda_program_cas.CacheError` when another process holds the lock for ``wait_s``.
+    """
+    try:
+        with _locked(lay.counters_lock, wait_s):
+            before = _parse(_read(lay.counters))[0]
+            atomic_write(lay.counters, _encode("z1", [time.time_ns()]), lay.tmp)
+    except _Busy:
+        raise CacheError(
+            f"cannot zero the counters of {lay.root!r}: {lay.counters_lock} is held by another process"
+        ) from None
+    return before
+
+
+def _append(path: str, line: bytes) -> int:
+    """Append ``line`` to the counters file (the caller holds the lock); the file's size after it."""
+    fd = os.open(path, _APPEND_FLAGS, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not S_ISREG(st.st_mode):
+            raise NotRegularFile(path)
+        if st.st_size:
+            os.lseek(fd, st.st_size - 1, os.SEEK_SET)
+            if os.read(fd, 1) != b"\n":
+                line = b"\n" + line  # a killed writer's torn line: end it, so that ours stays whole
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view) :]
+        return st.st_size + len(line)
+    finally:
+        os.close(fd)
+
+
+def _compact(lay: Layout) -> None:
+    """Fold every line into one (the caller holds the lock)."""
+    life, unknown = _parse(_read(lay.counters))
+    head = b"" if life.zeroed_ns is None else _encode("z1", [life.zeroed_ns])
+    atomic_write(lay.counters, head + _encode("c1", [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
+
+
+class Recorder:
+    """Appends one instance's counts to its cache's counters file (see the module docstring).
+
+    ``source`` must not refer to the instance, so that the instance can be
+    collected (and flushed) while the recorder lives on in its finalizer.
+    """
+
+    def __init__(self, lay: Layout, source: Source) -> None:
+        self._lay = lay
+        self._source = source
+        self._flushed = dict.fromkeys(NAMES, 0)  # a new instance has counted nothing yet
+        self._mutex = threading.Lock()
+        self._failed: set[int] = set()
+        after_fork(self)
+
+    def attach(self, owner: object) -> None:
+        """Flush when ``owner`` is garbage collected, or at interpreter exit if it is still alive."""
+        weakref.finalize(owner, self._last_flush)
+
+    def _last_flush(self) -> None:
+        # Runs in a finalizer (in whatever thread collects the owner) or at exit: never raises.
+        try:
+            if not self.flush(last=True) and os.path.isdir(self._lay.index):
+                _PENDING.append(self)  # one more try at exit
+        except Exception as exc:
+            _log.debug("cuda-program-cas: %s: lifetime counters not recorded: %r", self._lay.root, exc)
+
+    def flush(self, *, last: bool = False) -> bool:
+        """Append what was counted since the last flush; False when it could not be (it is kept for the next).
+
+        ``last``: wait up to a few seconds for the lock; otherwise do not wait at all.
+        """
+        wait_s = _WAIT_LAST_S if last else 0.0
+        acquired = self._mutex.acquire(timeout=wait_s) if last else self._mutex.acquire(blocking=False)
+        if not acquired:
+            return False
+        try:
+            now = self._source(True)
+            delta = [now[n] - self._flushed[n] for n in NAMES]
+            if not any(delta):
+                return True
+            if not self._record(_encode("c1", delta), wait_s):
+                return False
+            self._flushed = dict(now)
+            return True
+        finally:
+            self._mutex.release()
+
+    def _record(self, line: bytes, wait_s: float) -> bool:
+        lay = self._lay
+        if not os.path.isdir(lay.index):
+            return False  # the cache was removed
+        try:
+            with _locked(lay.counters_lock, wait_s):
+                size = _append(lay.counters, line)
+                if size > COMPACT_BYTES:
+                    try:
+                        _compact(lay)
+                    except OSError as exc:  # the line is recorded; the next flush compacts
+                        self._failed_once(exc)
+        except _Busy:
+            return False
+        except OSError as exc:
+            self._failed_once(exc)
+            return False
+        return True
+
+    def _failed_once(self, exc: OSError) -> None:
+        code = exc.errno or 0
+        if code in self._failed:
+            return
+        self._failed.add(code)
+        _log.debug(
+            "cuda-program-cas: %s: lifetime counters not recorded (%s: %s); kept for the next flush",
+            self._lay.root,
+            errno.errorcode.get(code, code),
+            exc,
+        )
+
+    def _after_fork_in_child(self) -> None:
+        # The child starts from what the parent counted (the parent records that).
+        self._mutex = threading.Lock()
+        self._flushed = dict(self._source(False))
+
+
+#: Recorders whose last flush failed (a busy lock), tried once more at exit.
+_PENDING: list[Recorder] = []
+
+
+def _flush_pending() -> None:
+    while _PENDING:
+        recorder = _PENDING.pop()
+        try:
+            recorder.flush(last=True)
+        except Exception as exc:
+            _log.debug("cuda-program-cas: %s: lifetime counters not recorded: %r", recorder._lay.root, exc)
+
+
+# Exit hooks run last registered first: this one runs after the finalizers' (which flush the
+# instances still alive) unless something created a finalizer before cas was imported.
+atexit.register(_flush_pending)
+
+
+@after_fork_call
+def _after_fork_in_child() -> None:
+    _PENDING.clear()  # the parent tries those
+    # A thread of the parent was inside a flush: its descriptor of counters.lock came
+    # along, and while open it would hold the flock for the child's whole life (the
+    # parent's close releases only its own copy). Closing it here releases nothing
+    # the parent holds.
+    for fd in list(_LOCK_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()

@@ -1,0 +1,107 @@
+"""What ``cache.stats()`` returns."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, fields
+
+from cuda_program_cas._base.fork import after_fork
+
+__all__ = ["CacheStats", "Counters"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of a cache: what is on disk, and what this instance did.
+
+    ``entries``, ``blobs``, ``logical_bytes`` and ``stored_bytes`` describe the local
+    cache directory now (a scan). The counters count this instance's operations
+    since it was opened.
+    """
+
+    #: Keys (manifests) in the local cache.
+    entries: int
+    #: Distinct blobs in the local cache.
+    blobs: int
+    #: Sum of the sizes of all entries, as if each key had its own copy.
+    logical_bytes: int
+    #: Unique blob bytes plus manifest bytes: what the size cap counts (it adds the files in ``tmp/``, none at rest).
+    stored_bytes: int
+    #: Unique blob bytes: each distinct binary once.
+    blob_bytes: int
+    #: The cap, or None.
+    max_size_bytes: int | None
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    #: Writes whose content was already stored (the blob was freshened, not rewritten).
+    dedup_writes: int = 0
+    #: Manifests removed by size-cap eviction.
+    evictions: int = 0
+    #: Bad blobs or manifests met (moved aside or removed; never returned).
+    corrupt: int = 0
+    #: Hits served by a shared store.
+    shared_hits: int = 0
+    #: Writes not stored: the cache is read-only, the disk full, or a file was locked.
+    dropped_writes: int = 0
+    #: I/O errors met on lookups (a shared store gone, EIO, ESTALE, permission): each a miss.
+    errors: int = 0
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / blob_bytes``: 1.0 when nothing is shared (or the cache is empty)."""
+        return self.logical_bytes / self.blob_bytes if self.blob_bytes else 1.0
+
+    @property
+    def manifest_bytes(self) -> int:
+        """What the manifests take: ``stored_bytes - blob_bytes``."""
+        return self.stored_bytes - self.blob_bytes
+
+
+_COUNTER_NAMES = tuple(f.name for f in fields(CacheStats))[6:]
+
+
+class Counters:
+    """This instance's operation counts (thread-safe increments).
+
+    Hits, the count every hit adds to, go through an ``itertools.count``: its
+    ``next`` is one atomic step, where a lock around ``+= 1`` cost half a
+    microsecond per hit. The other counts take a lock.
+    """
+
+    __slots__ = ("__weakref__", "_hits", "_lock", "hit", *(n for n in _COUNTER_NAMES if n != "hits"))
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        after_fork(self)
+        self._hits = itertools.count()
+        for name in _COUNTER_NAMES:
+            if name != "hits":
+                setattr(self, name, 0)
+        #: ``add("hits")`` for the hot path: one atomic step, no lock.
+        self.hit = self._hits.__next__
+
+    @property
+    def hits(self) -> int:
+        # repr is "count(N)": N is the next value, the number of hits so far.
+        return int(repr(self._hits)[6:-1])
+
+    def add(self, name: str, n: int = 1) -> None:
+        if name == "hits":
+            for _ in range(n):
+                self.hit()
+            return
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def _after_fork_in_child(self) -> None:
+        # The counts stay: a child starts from its parent's (its recorder records only what it adds).
+        self._lock = threading.Lock()
+
+    def as_dict(self, *, lock: bool = True) -> dict[str, int]:
+        """The counts by name; ``lock=False`` reads without the lock (after a fork, where it may be held)."""
+        if not lock:
+            return {name: getattr(self, name) for name in _COUNTER_NAMES}
+        with self._lock:
+            return {name: getattr(self, name) for name in _COUNTER_NAMES}

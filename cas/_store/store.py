@@ -1,0 +1,509 @@
+"""The cache itself, bytes in and bytes out, with no CUDA dependency.
+
+:class:`CacheStore` composes the pieces of one cache root: the reader (the hot
+path), the writer (the one write protocol), the remover, the size cap, and the
+shared stores looked up (read-only) after the local one.
+``ContentAddressedProgramCache`` is a thin ``cuda.core`` adapter over it.
+
+What is not bad input never raises into the caller: a lookup is a hit or a miss,
+a write lands or is dropped and counted. A directory this process cannot write
+is opened read-only, one it cannot create is uncached (every lookup a miss), each
+with one WARNING per process; ``del`` and ``clear`` there raise
+:class:`cuda_program_cas.ReadOnlyCacheError`.
+
+It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
+writable, records the counts in the cache's lifetime counters
+(:mod:`cuda_program_cas._store.lifetime`); every lookup and write gets a DEBUG record on the ``cuda_program_cas``
+logger (:mod:`cuda_program_cas._base.events`), built only when DEBUG is on.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+
+from cuda_program_cas._base.config import NOT_GIVEN, validate_max_size, warn_once
+from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
+from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._disk.blobs import BlobStore, digest_of
+from cuda_program_cas._disk.files import FileId, ShardGuard
+from cuda_program_cas._disk.layout import (
+    Layout,
+    LayoutState,
+    check_layout,
+    create_layout,
+    damaged_layout_error,
+    unwritable_reason,
+)
+from cuda_program_cas._disk.remove import RemovalPlan, RemovalResult, Remover, removable_orphans
+from cuda_program_cas._disk.scan import Snapshot, take_snapshot
+from cuda_program_cas._disk.settings import stored_max_size
+from cuda_program_cas._disk.upgrade import upgrade_if_needed
+from cuda_program_cas._disk.writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, Writer, WriteResult
+from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
+
+from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
+from .lifetime import FLUSH_INTERVAL_S, Recorder
+from .reader import Reader, Uncached
+from .shared import SharedStore
+from .stats import CacheStats, Counters
+from .touch import apply_pending, ensure_thread
+
+__all__ = ["CacheStore"]
+
+_log = logging.getLogger("cuda_program_cas")
+_DEBUG = logging.DEBUG
+_sha256 = hashlib.sha256
+_perf_ns = time.perf_counter_ns
+_monotonic = time.monotonic
+#: Errors of a cache that cannot be laid out for want of space: opened uncached, like an unwritable one.
+_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+#: What to do about a write dropped for these reasons (said once, with the first such drop).
+_DROP_HINTS = {
+    errno.EXDEV: "; blobs/, index/ or tmp/ is on another file system than tmp/: keep tmp/ on the same disk",
+    errno.EROFS: "; the file system is read-only: writes are dropped until it is writable again",
+    errno.EACCES: "; this process may not write there: writes are dropped",
+}
+
+
+def _warn_once(root: str, what: str) -> None:
+    """One WARNING per cache directory per process: it cannot be written."""
+    warn_once(
+        ("unwritable", root),
+        "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)",
+        root,
+        what,
+    )
+
+
+class CacheStore:
+    """A content-addressed cache directory, optionally layered over shared stores.
+
+    Parameters are those of :class:`cuda_program_cas.ContentAddressedProgramCache`, except that
+    this class stores ``bytes`` only and reads no environment variables: a
+    ``max_size_bytes`` not given is the cap stored in the cache (``cuda-program-cas
+    config``), if any. One instance is safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_size_bytes: int | None = NOT_GIVEN,
+        read_only: bool = False,
+        shared: Iterable[str | os.PathLike[str]] = (),
+        copy_shared_hits: bool = True,
+    ) -> None:
+        from_cache = max_size_bytes is NOT_GIVEN
+        self._max = None if from_cache else validate_max_size(max_size_bytes)
+        root = os.fspath(path)
+        if not isinstance(root, str) or root == "":
+            raise ValueError(f"cache path must be a non-empty path, got {path!r}")
+        if isinstance(shared, (str, bytes, os.PathLike)):
+            raise TypeError(f"shared must be a sequence of paths, not a single path: {shared!r}")
+        self.root = os.path.abspath(root)
+        self.read_only = bool(read_only)
+        self._copy_shared = bool(copy_shared_hits)
+        open_log_file()
+        self.layout = lay = Layout(self.root)
+        self._counters = Counters()
+        # Nothing this store hands its parts refers back to it: dropping the last
+        # reference frees it at once, and that flushes its lifetime counters.
+        problems = _Problems(self.root, self._counters)
+        self._note = problems.note
+        self._guard = ShardGuard(problems.strange_shard)
+        #: Why a writable open became read-only ("" when it did not).
+        self._why_read_only = ""
+        usable = True
+        if self.read_only:
+            state = check_layout(self.root)
+            if state is LayoutState.MISSING:
+                raise LayoutError(f"read-only cache {self.root!r} does not exist (a read-only cache is never created)")
+            if state is LayoutState.DAMAGED:
+                raise damaged_layout_error(self.root)
+        else:
+            usable = self._open_writable(lay)
+        if from_cache and usable:
+            self._max = stored_max_size(self.root)
+        self._remover = None if self.read_only else Remover(lay)
+        self._writer = None if self.read_only else Writer(lay, guard=self._guard)
+        kind = Reader if usable else Uncached
+        self._reader = kind(lay, self._counters, self._guard, self._remover, note=self._note)
+        if self._reader.touches is not None:
+            weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
+        self.blobs = BlobStore(lay.blobs)
+        self._cap: SizeCap | None = None
+        if self._remover is not None and self._writer is not None:
+            self._remover.sweep_temp()
+            upgrade_if_needed(lay, self._writer)
+            # Uncapped stores keep one too, for explicit evictions (evict_to).
+            reader = self._reader
+            self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
+        self._clear_lock = threading.Lock()
+        after_fork(self)
+        self.shared: tuple[SharedStore, ...] = tuple(SharedStore(p) for p in shared)
+        # Lifetime counters: read-only caches (and shared stores) are never written.
+        self._lifetime: Recorder | None = None
+        self._flush_at = math.inf
+        if not self.read_only:
+            local, theirs = self._counters, tuple(s.counters for s in self.shared)
+            self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
+            self._lifetime.attach(self)
+            self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+
+    def _after_fork_in_child(self) -> None:
+        self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+
+    def _open_writable(self, lay: Layout) -> bool:
+        """Lay the cache out if needed; one this process cannot write is opened read-only instead.
+
+        Returns False when there is no cache to read either (it could not be
+        created, or its ``layout.json`` is damaged and cannot be rewritten): the
+        store is then uncached, a read-only store whose every lookup misses. Either
+        way one WARNING per process names the directory and the reason.
+        """
+        try:
+            create_layout(self.root)
+        except OSError as exc:
+            if exc.errno not in UNWRITABLE_ERRNOS and exc.errno not in _FULL_ERRNOS:
+                raise
+            why = f"{exc.strerror or exc}: {exc.filename or self.root}"
+            self.read_only = True
+            self._why_read_only = f"could not be created ({why})"
+            _warn_once(self.root, f"cannot be created or laid out ({why}); running uncached: every lookup is a miss")
+            return False
+        why_not = unwritable_reason(lay)
+        if why_not is not None:
+            self.read_only = True
+            self._why_read_only = f"cannot be written ({why_not})"
+            _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
+        return True
+
+    # -- lookups -----------------------------------------------------------------
+
+    def get(self, key: object) -> bytes | None:
+        """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
+        # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
+        kid = _sha256(key).hexdigest() if type(key) is bytes else key_id(key)
+        t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
+        found = self._reader.lookup(kid)
+        if found is not None:
+            self._counters.hit()
+            if t0:
+                lookup_hit(self.root, kid, "local", t0)
+            if _monotonic() >= self._flush_at:
+                self._flush_on_the_way()
+            return found[0]
+        return self._get_shared(kid, t0)
+
+    def _get_shared(self, kid: str, t0: int) -> bytes | None:
+        """After a local miss: the shared stores in order, then the miss (``t0``: a record is due)."""
+        reasons = [("local", self._reader.miss_reason())] if t0 else None
+        found = self._find_shared(kid, reasons)
+        if found is not None:
+            self.note_hit(kid, found[1], t0_ns=t0)
+            return found[0]
+        self._counters.add("misses")
+        if reasons is not None:
+            lookup_missed(self.root, kid, t0, reasons)
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+        return None
+
+    def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
+        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None."""
+        for store in self.shared:
+            found = store.lookup(kid)
+            if found is not None:
+                data, digest = found
+                if self._copy_shared and self._writer is not None:
+                    self._copy_in(kid, data, digest)
+                return data, store.root
+            if reasons is not None:
+                reasons.append((f"shared {store.root}", store.miss_reason()))
+        return None
+
+    # -- lookups for callers that count their own ------------------------------------
+
+    def find(self, kid: str) -> tuple[bytes, str | None] | None:
+        """The verified bytes under key id ``kid``, and where: None for local, else a shared store's root.
+
+        Counts neither a hit nor a miss and logs no lookup record. It serves a
+        caller that answers one request from several entries (the front door's
+        record and result) and reports that request once, with :meth:`note_hit`
+        or :meth:`note_miss`.
+        """
+        found = self._reader.lookup(kid)
+        if found is not None:
+            return found[0], None
+        return self._find_shared(kid, None)
+
+    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0) -> None:
+        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from)."""
+        self._counters.hit()
+        if shared is not None:
+            self._counters.add("shared_hits")
+        if _log.isEnabledFor(_DEBUG):
+            lookup_hit(self.root, kid, "local" if shared is None else f"shared {shared}", t0_ns or _perf_ns())
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
+        """Count one miss that the caller decided itself, and record it with ``reason``.
+
+        For the front door: new inputs, or a header changed since the entry was
+        stored. ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
+        """
+        self._counters.add("misses")
+        if _log.isEnabledFor(_DEBUG):
+            lookup_missed(self.root, kid, t0_ns or _perf_ns(), [("local", reason)])
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+
+    def note_dropped(self, kid: str | None, reason: str) -> None:
+        """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
+        self._counters.add("dropped_writes")
+        if _log.isEnabledFor(_DEBUG):
+            wrote(self.root, kid or "-" * 12, "dropped", 0, _perf_ns(), reason=reason)
+
+    def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
+        """Keep a verified shared hit locally, so later reads stay local. Best effort."""
+        try:
+            self._commit(kid, data, digest)
+        except OSError as exc:
+            self._counters.add("dropped_writes")
+            self._note("copy from shared store failed", exc.errno or 0, str(exc))
+
+    # -- writes ------------------------------------------------------------------
+
+    def _refuse(self, what: str) -> ReadOnlyCacheError:
+        how = self._why_read_only or "was opened read-only"
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} {how}")
+
+    def put(self, key: object, data: bytes) -> WriteResult:
+        """Store ``data`` under ``key``; :class:`cuda_program_cas.WriteResult` says how (``DROPPED``: not stored).
+
+        A write that cannot land is dropped and counted in ``dropped_writes``: on a
+        read-only cache, a full disk, a directory this process may not write or
+        that went read-only, a ``blobs/`` or ``tmp/`` moved to another disk. Raises
+        ``TypeError`` for a key that is not ``str``/``bytes`` or data that is not
+        ``bytes``.
+        """
+        return self.put_id(key_id(key), data)
+
+    def put_id(self, kid: str, data: bytes) -> WriteResult:
+        """:meth:`put` under a key id the caller derived itself (the front door's grouped ids)."""
+        if not isinstance(data, bytes):
+            raise TypeError(
+                f"CacheStore stores bytes, got {type(data).__name__} (other bytes-like values or ObjectCode "
+                "go through ContentAddressedProgramCache)"
+            )
+        t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
+        why: str | None
+        if self._writer is None:
+            # As ccache and sccache in their read-only modes: the caller keeps its program.
+            self._counters.add("dropped_writes")
+            result, why = WriteResult.DROPPED, "read-only cache"
+        else:
+            result, why = self._store(kid, data)
+        if t0:
+            wrote(self.root, kid, result.value, len(data), t0, reason=why)
+        if _monotonic() >= self._flush_at:
+            self._flush_on_the_way()
+        return result
+
+    def _store(self, kid: str, data: bytes) -> tuple[WriteResult, str | None]:
+        """Store one entry and count it; with ``DROPPED``, why."""
+        if self._max is not None and len(data) + LONGEST_MANIFEST > self._max:
+            # It could never fit: storing it would only evict everything else, then itself.
+            self._counters.add("dropped_writes")
+            self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
+            return WriteResult.DROPPED, f"larger than max_size_bytes={self._max}"
+        try:
+            result = self._commit(kid, data, digest_of(data))
+        except OSError as exc:
+            if exc.errno not in DROP_ERRNOS and exc.errno not in UNWRITABLE_ERRNOS:
+                raise
+            self._counters.add("dropped_writes")
+            self._note("write dropped", exc.errno or 0, f"{exc}{_DROP_HINTS.get(exc.errno or 0, '')}")
+            return WriteResult.DROPPED, str(exc)
+        if not result:
+            self._counters.add("dropped_writes")
+            return result, "a shard is not a directory, or a file stayed locked"
+        self._counters.add("writes")
+        if result is WriteResult.DEDUPLICATED:
+            self._counters.add("dedup_writes")
+        return result, None
+
+    def _commit(self, kid: str, data: bytes, digest: str) -> WriteResult:
+        """The write protocol for one entry, then the cap's accounting; retires the blob it replaced."""
+        assert self._writer is not None and self._remover is not None
+        before = self._reader.current_digest(kid)
+        result = self._writer.commit(kid, data, digest)
+        if not result:
+            return result
+        if before is not None and before != digest:
+            self._remover.retire(before)
+        if self._max is not None and self._cap is not None:
+            added = manifest_length(len(data)) + (len(data) if result is WriteResult.STORED else 0)
+            self._cap.account(added, written=kid)
+        return result
+
+    # -- the size cap --------------------------------------------------------------
+
+    def enforce_cap(self, *, budget: int | None = EVICT_STEP) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._store.cap.SizeCap.enforce`)."""
+        if self._cap is None or self._max is None:
+            return None
+        return self._cap.enforce(budget=budget)
+
+    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
+        if self._cap is None:
+            raise self._refuse("evict")
+        return self._cap.evict_to(snap, target_bytes, orphan_grace_s=orphan_grace_s)
+
+    # -- deletion ----------------------------------------------------------------
+
+    def delete(self, key: object) -> None:
+        """Remove ``key``; ``KeyError`` if absent. A blob no other key names goes at the next collection."""
+        if not self.delete_id(key_id(key)):
+            raise KeyError(key)
+
+    def delete_id(self, kid: str) -> bool:
+        """:meth:`delete` by key id; False when there was no such entry."""
+        if self._remover is None:
+            raise self._refuse("delete a key")
+        if not self._guard.ok(self.layout.index, kid):
+            return False
+        before = self._reader.current_digest(kid)
+        if not self._remover.manifest(kid):
+            return False
+        if before is not None:
+            self._remover.retire(before)
+        return True
+
+    def clear(self) -> None:
+        """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
+        if self._remover is None:
+            raise self._refuse("clear")
+        with self._clear_lock:
+            retired: dict[str, FileId] = {}
+            # Two passes of one plan: the second takes the blobs the first retired
+            # (too young to remove with their last manifest) if still untouched.
+            for _ in range(2):
+                snap = take_snapshot(self.layout.index, self.layout.blobs, clock_dir=self.layout.tmp)
+                plan = RemovalPlan(
+                    snap,
+                    manifests=list(snap.manifests),
+                    orphans=removable_orphans(snap, int(ORPHAN_GRACE_S * 1e9), retired),
+                )
+                retired = self._remover.execute(plan).retired
+                if not retired:
+                    break
+            self._remover.sweep_temp()
+            self._reader.forget()
+            if self._cap is not None:
+                self._cap.reset()
+
+    # -- inspection ----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(take_snapshot(self.layout.index, self.layout.blobs, read_manifests=False).manifests)
+
+    @property
+    def max_size_bytes(self) -> int | None:
+        return self._max
+
+    def snapshot(self) -> Snapshot:
+        """A scan of the local cache, as an eviction plans from (this process's queued touches land first)."""
+        if not self.read_only:
+            apply_pending()
+        return take_snapshot(
+            self.layout.index, self.layout.blobs, clock_dir=None if self.read_only else self.layout.tmp
+        )
+
+    def counters(self) -> dict[str, int]:
+        """This instance's counters (and its shared stores' errors), without scanning the disk."""
+        return _merged(self._counters, tuple(s.counters for s in self.shared))
+
+    # -- lifetime counters -----------------------------------------------------------
+
+    def _flush_on_the_way(self) -> None:
+        """Record the counts in the lifetime counters, at most once per interval (a lookup or write is due)."""
+        self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+        touches = self._reader.touches
+        if touches is not None:
+            touches.apply()
+            ensure_thread()  # from now on a thread lands touches even while the process is idle
+        if self._lifetime is not None:
+            self._lifetime.flush()
+
+    def flush(self) -> bool:
+        """Apply the recency touches of this instance's hits and record its counts in the lifetime counters now.
+
+        Returns False when the counts could not be recorded (they wait for the next
+        flush). A no-op on a read-only cache. Both happen anyway: touches within
+        about a second (:mod:`cuda_program_cas._store.touch`), counts at most once a second, and both
+        at ``close()``, at garbage collection and at exit.
+        """
+        if self._reader.touches is not None:
+            self._reader.touches.apply()
+        return self._lifetime is None or self._lifetime.flush(last=True)
+
+    def close(self) -> None:
+        """Apply touches and record counts (see :meth:`flush`). Nothing else is held open; the store stays usable."""
+        self.flush()
+
+    def stats(self) -> CacheStats:
+        """What the local cache holds now (a scan) and this instance's counters."""
+        snap = take_snapshot(self.layout.index, self.layout.blobs)
+        return CacheStats(
+            entries=len(snap.manifests),
+            blobs=len(snap.blobs),
+            logical_bytes=snap.logical_bytes,
+            stored_bytes=snap.stored_bytes,
+            blob_bytes=snap.blob_bytes,
+            max_size_bytes=self._max,
+            **self.counters(),
+        )
+
+    def shared_paths(self) -> Sequence[str]:
+        return tuple(s.root for s in self.shared)
+
+
+class _Problems:
+    """Logs the local cache's problems once per kind, at WARNING."""
+
+    def __init__(self, root: str, counters: Counters) -> None:
+        self._root = root
+        self._counters = counters
+        self._warned: set[tuple[str, int]] = set()
+
+    def note(self, what: str, code: int, message: str) -> None:
+        if (what, code) in self._warned:
+            return
+        self._warned.add((what, code))
+        _log.warning("cuda-program-cas: %s (%s): %s", self._root, what, message)
+
+    def strange_shard(self, shard: str) -> None:
+        self._counters.add("corrupt")
+        self.note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+
+
+def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
+    """An instance's counts: its own, with its shared stores' errors and corrupt files."""
+    counts = local.as_dict(lock=lock)
+    for store in shared:
+        theirs = store.as_dict(lock=lock)
+        counts["errors"] += theirs["errors"]
+        counts["corrupt"] += theirs["corrupt"]
+    return counts

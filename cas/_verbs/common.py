@@ -1,0 +1,117 @@
+"""What the maintenance verbs share: opening an existing cache for maintenance, progress, reports.
+
+``collect``, ``verify``, ``publish``, ``import_filestream`` and ``stats`` each
+import this module, never each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
+from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
+from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
+from cuda_program_cas._disk.remove import Remover
+from cuda_program_cas._disk.scan import Snapshot
+
+__all__ = [
+    "SHARED_MIN_GRACE_S",
+    "MaintainedCache",
+    "ProblemLog",
+    "ProgressFn",
+    "check_blobs",
+    "check_writable",
+    "open_cache",
+]
+
+#: ``progress(phase, done, total)``: called now and then during long runs.
+ProgressFn = Callable[[str, int, int], None]
+
+#: The shortest grace period a shared store is collected with. Nodes never touch a
+#: shared store, so its mtimes only say when something was published or freshened;
+#: a publish keeps its blobs as orphans until its manifests land, and an NFS client
+#: may serve a removed manifest from its attribute cache for ``actimeo`` seconds
+#: (60 s by default) and then open the blob it names. An hour covers both widely.
+SHARED_MIN_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MaintainedCache:
+    """An existing cache opened for maintenance: its layout, its blobs, and (when writable) its remover."""
+
+    lay: Layout
+    blobs: BlobStore
+    remover: Remover | None
+    state: LayoutState
+
+
+def open_cache(
+    root: str | os.PathLike[str], *, write: bool, allow_damaged: bool = False, purpose: str = "maintain"
+) -> MaintainedCache:
+    """Open an existing cache for maintenance; never creates anything.
+
+    Raises :class:`LayoutError` for a path that is missing, a file, foreign, newer
+    or (unless ``allow_damaged``) has a damaged ``layout.json``;
+    :class:`ReadOnlyCacheError` when ``write`` is asked of a cache that cannot be
+    written (read-only mount, permissions).
+    """
+    path = os.path.abspath(os.fspath(root))
+    state = check_layout(path)
+    if state is LayoutState.MISSING:
+        if not os.path.isdir(path):
+            raise LayoutError(f"no cache at {path!r}: no such directory")
+        raise LayoutError(f"no cache at {path!r}: the directory holds no layout.json")
+    if state is LayoutState.DAMAGED and not allow_damaged:
+        raise damaged_layout_error(path)
+    lay = Layout(path)
+    if write:
+        check_writable(lay, purpose)
+    return MaintainedCache(lay, BlobStore(lay.blobs), Remover(lay) if write else None, state)
+
+
+def check_writable(lay: Layout, purpose: str) -> None:
+    """Raise :class:`ReadOnlyCacheError` when the cache's directories cannot be written."""
+    why = unwritable_reason(lay)
+    if why is not None:
+        raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why})")
+
+
+def check_blobs(
+    snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None
+) -> Iterator[tuple[str, BlobCheck]]:
+    """Hash every blob of ``snap`` (in digest order): ``(digest, what the hash found)``, with progress."""
+    total = len(snap.blobs)
+    for n, digest in enumerate(sorted(snap.blobs)):
+        if progress and n % 64 == 0:
+            progress("verifying blobs", n, total)
+        yield digest, blobs.check(digest)
+    if progress:
+        progress("verifying blobs", total, total)
+
+
+#: At most this many problems are listed one by one (all are counted).
+MAX_LISTED = 100
+
+
+class ProblemLog:
+    """Mixin for a report dataclass with ``problems``, ``problem_count`` and ``elapsed_s`` fields."""
+
+    problems: list[str]
+    problem_count: int
+    elapsed_s: float
+
+    def problem(self, text: str) -> None:
+        """Count a problem; list it while fewer than :data:`MAX_LISTED` are listed."""
+        self.problem_count += 1
+        if len(self.problems) < MAX_LISTED:
+            self.problems.append(text)
+
+    def as_dict(self) -> dict[str, object]:
+        """Every field, for ``--json`` (the elapsed time rounded to milliseconds)."""
+        assert dataclasses.is_dataclass(self)
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["elapsed_s"] = round(self.elapsed_s, 3)
+        return out

@@ -1,0 +1,396 @@
+"""The garbage collector: scan, plan, then execute (or only report the plan).
+
+What goes, in the order it is carried out:
+
+- stale temp files (older than an hour: a crashed writer's);
+- invalid manifests (empty, truncated, garbled), dangling ones (blob missing) and
+  ones whose size disagrees with their blob's; with ``verify``, the manifests of
+  blobs that fail their hash;
+- the live partners of those: a front-door record goes with its results, and
+  results with their record (see :mod:`cuda_program_cas.index`);
+- with ``max_age_s``, entries not used for longer than that (a record and its
+  results when the latest of them was not);
+- with ``max_size``, least recently used entries until the stored bytes are at
+  most ``max_size`` (reference-aware: a blob goes with its last manifest);
+- blobs whose last manifest this run removed, unless written or freshened after
+  the scan began (a writer that just deduplicated against one keeps it);
+- orphan blobs (named by no manifest at scan time) older than ``grace_s``;
+- with ``verify``, blobs that fail their hash, moved to ``quarantine/``.
+
+Manifests go before blobs; every removal re-checks that the file is still the
+one the scan saw (a blob: not written or freshened since the scan began), so
+entries written, replaced or used while the collector runs are kept. Manifests
+written after the scan began are never chosen. One collector at a time: the
+cache's ``evict.lock`` (shared with size-cap eviction) is taken without
+blocking; a busy lock raises :class:`CollectorBusyError`. Removal is
+:class:`cuda_program_cas._disk.remove.Remover`'s, under the same rules as eviction and ``clear``;
+each manifest is judged by :func:`cuda_program_cas._disk.classify.classify`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from cuda_program_cas._base.errors import CollectorBusyError
+from cuda_program_cas._base.events import collected
+from cuda_program_cas._disk.blobs import BlobState, BlobStore
+from cuda_program_cas._disk.classify import Condition, classify
+from cuda_program_cas._disk.layout import Layout, is_shared_store, stale_temp_files
+from cuda_program_cas._disk.remove import RemovalPlan, Remover, removable_orphans
+from cuda_program_cas._disk.scan import ManifestInfo, Snapshot, take_snapshot
+from cuda_program_cas._store.cap import plan_lru
+from cuda_program_cas._store.touch import apply_pending
+from cuda_program_cas.index import lru_units, partners_of
+
+from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProblemLog, ProgressFn, check_blobs, open_cache
+from .packs import collect_packs
+
+__all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect"]
+
+#: Categories of the plan, in the order they are reported.
+CATEGORIES = (
+    "invalid_manifests",
+    "misplaced_manifests",
+    "dangling_manifests",
+    "size_mismatch_manifests",
+    "corrupt_blob_manifests",
+    "partner_entries",
+    "expired_entries",
+    "evicted_entries",
+    "unreferenced_blobs",
+    "orphan_blobs",
+    "corrupt_blobs",
+    "temp_files",
+)
+_CATEGORY_OF = {
+    Condition.INVALID: "invalid_manifests",
+    Condition.MISPLACED: "misplaced_manifests",
+    Condition.DANGLING: "dangling_manifests",
+    Condition.SIZE_MISMATCH: "size_mismatch_manifests",
+    Condition.CORRUPT_BLOB: "corrupt_blob_manifests",
+}
+
+
+@dataclass(slots=True)
+class GcReport(ProblemLog):
+    """What a collection found and did (``dry_run``: what it would do).
+
+    ``*_before`` describe the cache as the scan saw it; ``*_after`` subtract what
+    this run removed (concurrent writers may have added more meanwhile). Bytes
+    are stored bytes as the size cap counts them: unique blobs plus manifests.
+    """
+
+    root: str
+    dry_run: bool
+    #: Collected as a shared store (see :func:`collect`).
+    shared: bool = False
+    started_ns: int = 0
+    elapsed_s: float = 0.0
+    entries_before: int = 0
+    blobs_before: int = 0
+    bytes_before: int = 0
+    entries_removed: int = 0
+    blobs_removed: int = 0
+    bytes_freed: int = 0
+    temp_files_removed: int = 0
+    temp_bytes_freed: int = 0
+    #: Chosen by the plan but kept because it changed (used, rewritten, freshened) meanwhile.
+    kept_changed: int = 0
+    #: Shared stores: blobs whose last entry went, kept (freshened) to wait out the grace period.
+    blobs_deferred: int = 0
+    #: category -> {"count", "bytes"} as planned (see ``CATEGORIES``).
+    plan: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Problems found that this run did not fix (each one line).
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+    #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
+    packs: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def entries_after(self) -> int:
+        return self.entries_before - self.entries_removed
+
+    @property
+    def blobs_after(self) -> int:
+        return self.blobs_before - self.blobs_removed
+
+    @property
+    def bytes_after(self) -> int:
+        return max(0, self.bytes_before - self.bytes_freed)
+
+    def as_dict(self) -> dict[str, object]:
+        out = ProblemLog.as_dict(self)
+        out["entries_after"] = self.entries_after
+        out["blobs_after"] = self.blobs_after
+        out["bytes_after"] = self.bytes_after
+        return out
+
+
+@dataclass(slots=True)
+class _Plan:
+    removal: RemovalPlan
+    categories: dict[str, list[ManifestInfo]] = field(default_factory=dict)
+    #: digest -> stat of blobs that failed their hash.
+    corrupt: dict[str, os.stat_result] = field(default_factory=dict)
+    temp_files: list[tuple[str, os.stat_result]] = field(default_factory=list)
+    #: Blobs expected to go (or, on a shared store, wait) with their last manifest.
+    unreferenced: list[str] = field(default_factory=list)
+
+
+def collect(
+    root: str | os.PathLike[str],
+    *,
+    grace_s: float = 3600.0,
+    max_size: int | None = None,
+    max_age_s: float | None = None,
+    verify: bool = False,
+    dry_run: bool = False,
+    progress: ProgressFn | None = None,
+    wait_s: float = 0.0,
+    shared: bool | None = None,
+) -> GcReport:
+    """Collect garbage in the cache at ``root`` and report what went.
+
+    ``shared``: collect it as a shared store that nodes read over NFS (default:
+    when its ``layout.json`` says so, as ``publish`` marks it). Then the grace
+    period must be at least :data:`SHARED_MIN_GRACE_S`, and a blob whose last
+    manifest this run removes is not removed with it but freshened, so it waits
+    out a whole grace period as an orphan: a node that read the manifest just
+    before it went still finds the blob.
+
+    ``wait_s``: how long to wait for the lock when another collector or evictor
+    holds it (0: not at all; :class:`CollectorBusyError` is raised).
+    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a usable cache and
+    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written (not for ``dry_run``).
+    """
+    if grace_s < 0 or (max_age_s is not None and max_age_s < 0):
+        raise ValueError(f"grace_s and max_age_s must not be negative, got {grace_s!r}, {max_age_s!r}")
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0):
+        raise ValueError(f"max_size must be a non-negative int or None, got {max_size!r}")
+    t0 = time.monotonic()
+    cache = open_cache(root, write=not dry_run, purpose="collect garbage")
+    lay = cache.lay
+    if shared is None:
+        shared = is_shared_store(lay.root)
+    if shared and grace_s < SHARED_MIN_GRACE_S:
+        raise ValueError(
+            f"{lay.root!r} is collected as a shared store: its grace period must be at least "
+            f"{SHARED_MIN_GRACE_S:.0f} s (nodes may be reading what goes), got {grace_s:g} s"
+        )
+    report = GcReport(lay.root, dry_run, shared=shared)
+    opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress, shared)
+    if dry_run:
+        # Nothing is written, not even the lock file.
+        _run(report, cache, opts)
+        report.elapsed_s = time.monotonic() - t0
+        _record(report)
+        return report
+    import filelock
+
+    lock = filelock.FileLock(lay.lock, timeout=wait_s)
+    try:
+        lock.acquire(timeout=wait_s, blocking=wait_s > 0)
+    except filelock.Timeout:
+        raise CollectorBusyError(
+            f"cache {lay.root!r} is busy: another gc or a size-cap eviction holds {lay.lock}; nothing was changed"
+            + ("" if wait_s else " (wait for it with --wait SECONDS)")
+        ) from None
+    try:
+        _run(report, cache, opts)
+    finally:
+        lock.release()
+    report.elapsed_s = time.monotonic() - t0
+    _record(report)
+    return report
+
+
+def _record(report: GcReport) -> None:
+    collected(
+        report.root,
+        dry_run=report.dry_run,
+        entries=report.entries_removed,
+        blobs=report.blobs_removed,
+        freed=report.bytes_freed,
+        elapsed_s=report.elapsed_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    grace_s: float
+    max_size: int | None
+    max_age_s: float | None
+    verify: bool
+    dry_run: bool
+    progress: ProgressFn | None
+    shared: bool = False
+
+
+def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
+    progress = opts.progress
+    if progress:
+        progress("scanning", 0, 0)
+    lay = cache.lay
+    # Packs first: loose entries a pack has held for a grace period go, their blobs freshened
+    # so that they wait out a grace period of their own as orphans.
+    packed = collect_packs(
+        lay,
+        None if opts.dry_run else cache.remover,
+        grace_s=opts.grace_s,
+        max_age_s=opts.max_age_s,
+        max_size=opts.max_size,
+    )
+    report.packs = {
+        "retired_removed": packed.retired_removed,
+        "retired_bytes": packed.retired_bytes,
+        "loose_removed": packed.loose_removed,
+        "entries_dropped": packed.entries_dropped,
+        "repacked_into": packed.repacked_into,
+    }
+    for text in packed.problems:
+        report.problem(text)
+    if not opts.dry_run:
+        apply_pending()  # what this process read counts (a dry run writes nothing, touches neither)
+    snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if opts.dry_run else lay.tmp)
+    report.started_ns = snap.started_ns
+    report.entries_before = len(snap.manifests)
+    report.blobs_before = len(snap.blobs)
+    report.bytes_before = snap.stored_bytes
+    plan = _make_plan(snap, report, lay, cache.blobs, opts)
+    _fill_plan_summary(plan, report)
+    if opts.dry_run:
+        removal = plan.removal
+        freed, _ = removal.expected()
+        report.entries_removed = len(removal.manifests)
+        report.blobs_deferred = len(plan.unreferenced) if opts.shared else 0
+        report.blobs_removed = len(plan.unreferenced) - report.blobs_deferred + len(removal.orphans) + len(plan.corrupt)
+        report.bytes_freed = freed + sum(st.st_size for st in plan.corrupt.values())
+        report.temp_files_removed = len(plan.temp_files)
+        report.temp_bytes_freed = report.plan["temp_files"]["bytes"]
+        return
+    if progress:
+        progress("removing", 0, 0)
+    assert cache.remover is not None
+    _execute(plan, report, cache.remover, cache.blobs)
+
+
+def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, opts: _Options) -> _Plan:
+    grace_s, max_size, max_age_s, progress = opts.grace_s, opts.max_size, opts.max_age_s, opts.progress
+    removal = RemovalPlan(snap, shared=opts.shared)
+    plan = _Plan(removal)
+    plan.temp_files = stale_temp_files(lay.tmp)
+    for path in snap.unreadable:
+        report.problem(f"manifest {path} cannot be read; its blob is unknown, so no blob was removed")
+    if snap.unreadable:
+        removal.blobs_removable = False
+    if opts.verify:
+        for digest, check in check_blobs(snap, blobs, progress):
+            if check.state is BlobState.CORRUPT:
+                assert check.stat is not None
+                plan.corrupt[digest] = check.stat
+            elif check.state is BlobState.UNREADABLE:
+                report.problem(f"blob {blobs.path_for(digest)} cannot be read: {check.detail}")
+    removal.keep_blobs = frozenset(plan.corrupt)
+
+    groups: dict[str, list[ManifestInfo]] = {name: [] for name in CATEGORIES[:8]}
+    live: list[ManifestInfo] = []
+    for info in snap.manifests:
+        condition = classify(info, snap, plan.corrupt)
+        if condition.bad:
+            groups[_CATEGORY_OF[condition]].append(info)
+        else:
+            live.append(info)
+    # A front-door record and its results are one unit (see cuda_program_cas.index): the partners
+    # of a bad one go with it, and a unit expires when its latest member does.
+    bad = [m for name in CATEGORIES[:5] for m in groups[name]]
+    groups["partner_entries"] = partners = partners_of(bad, live)
+    if partners:
+        going = {m.key_id for m in partners}
+        live = [m for m in live if m.key_id not in going]
+    if max_age_s is not None:
+        expire_before = snap.started_ns - int(max_age_s * 1e9)
+
+        def used(info: ManifestInfo) -> int:
+            return snap.mtime_ns(info.stat)  # a time from a wrong clock, a day or more ahead, counts as 0
+
+        for unit in lru_units(live, used):
+            if max(map(used, unit)) < expire_before:
+                groups["expired_entries"].extend(unit)
+        expired = {m.key_id for m in groups["expired_entries"]}
+        live = [m for m in live if m.key_id not in expired]
+
+    refs: Counter[str] = Counter()
+    for info in live:
+        assert info.manifest is not None
+        refs[info.manifest.digest] += 1
+    kept_blobs = {d: st for d, st in snap.blobs.items() if d not in plan.corrupt}
+    if removal.blobs_removable:
+        removal.orphans = [d for d in removable_orphans(snap, int(grace_s * 1e9)) if d not in plan.corrupt]
+        for digest in removal.orphans:
+            kept_blobs.pop(digest)
+    if max_size is not None:
+        # Entries written after the scan began belong to this run's writers: never chosen.
+        protect = {m.key_id for m in live if snap.mtime_ns(m.stat) >= snap.cutoff_ns}
+        for digest in [d for d in kept_blobs if refs[d] == 0 and snap.refs[d]]:
+            kept_blobs.pop(digest)  # named only by manifests that go anyway
+        rest = Snapshot(snap.started_ns, live, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
+        grace_ns = int(grace_s * 1e9) if removal.blobs_removable else 1 << 62
+        lru = plan_lru(rest, max_size, orphan_grace_ns=grace_ns, protect=protect)
+        groups["evicted_entries"] = [m for m in lru.manifests if m.manifest is not None]
+
+    plan.categories = {k: v for k, v in groups.items() if v}
+    removal.manifests = [m for name in CATEGORIES if name in plan.categories for m in plan.categories[name]]
+    _, plan.unreferenced = removal.expected()
+    return plan
+
+
+def _fill_plan_summary(plan: _Plan, report: GcReport) -> None:
+    blobs = plan.removal.snapshot.blobs
+    for name in CATEGORIES:
+        items = plan.categories.get(name, [])
+        report.plan[name] = {"count": len(items), "bytes": sum(m.stat.st_size for m in items)}
+    for name, digests in (("unreferenced_blobs", plan.unreferenced), ("orphan_blobs", plan.removal.orphans)):
+        report.plan[name] = {"count": len(digests), "bytes": sum(blobs[d].st_size for d in digests)}
+    report.plan["corrupt_blobs"] = {"count": len(plan.corrupt), "bytes": sum(s.st_size for s in plan.corrupt.values())}
+    report.plan["temp_files"] = {"count": len(plan.temp_files), "bytes": sum(s.st_size for _, s in plan.temp_files)}
+
+
+def _execute(plan: _Plan, report: GcReport, remover: Remover, blobs: BlobStore) -> None:
+    for path, st in plan.temp_files:
+        try:
+            if not remover.temp_file(path, st):
+                continue
+        except OSError as exc:
+            report.problem(f"temp file {path} cannot be removed: {exc.strerror}")
+            continue
+        report.temp_files_removed += 1
+        report.temp_bytes_freed += st.st_size
+    try:
+        result = remover.execute(plan.removal)
+    except OSError as exc:
+        report.problem(f"stopped removing files: {exc}")
+        return
+    report.entries_removed += result.manifests_removed
+    report.blobs_removed += result.blobs_removed
+    report.bytes_freed += result.bytes_freed
+    report.blobs_deferred += result.blobs_deferred
+    report.kept_changed += result.kept_changed + len(result.retired)
+
+    for digest, st in plan.corrupt.items():
+        where = remover.quarantine(digest, st)
+        if where is None:
+            # Changed since it was hashed (a writer stored good bytes) or gone: check again.
+            check = blobs.check(digest)
+            if check.state is BlobState.CORRUPT and check.stat is not None:
+                where = remover.quarantine(digest, check.stat)
+            elif check.state in (BlobState.OK, BlobState.MISSING):
+                report.kept_changed += check.state is BlobState.OK
+                continue
+        if where is None:
+            report.problem(f"corrupt blob {blobs.path_for(digest)} could not be moved to quarantine")
+            continue
+        report.blobs_removed += 1
+        report.bytes_freed += os.stat(where).st_size

@@ -1,0 +1,324 @@
+"""Maintenance of a store's packs, for ``gc``, ``verify`` and ``stats``.
+
+- ``gc``: retired packs (``packs/retired/``, moved there by ``repack``) go once the
+  grace period has passed since they were retired; a loose manifest that a live
+  pack holds with the same digest goes once the grace period has passed since
+  that pack was written (nodes had time to list it); ``--max-age``/``--max-size``
+  over packed entries are applied by repacking without the dropped entries, never
+  by rewriting a pack. Nothing goes in the run that replaced it.
+- ``verify``: each pack's index checksum, and every entry's blob hashed; with
+  ``repair``, a bad pack is moved into ``quarantine/`` (its good entries are lost
+  from the store until the next publish; a repack first keeps them).
+- ``stats``: packs, their entries and bytes.
+
+Repacking (``repack``, and ``gc`` over packed entries) merges a store's loose
+entries and packs into one new pack. The new pack holds every entry the store
+serves (a key's newest pack entry wins over older packs, a pack entry over a
+loose one), each blob verified as it is read. It becomes visible complete (written in ``tmp/``, synced, renamed into
+``packs/``); then the packs it replaced are *retired*: moved into
+``packs/retired/`` (out of the listing new readers see; a node that has one open
+keeps reading it through its descriptor) with their mtime set to now. Nothing a
+node may still be reading is removed here: ``gc`` removes retired packs, and loose
+entries that a pack holds with the same digest, once the shared grace period has
+passed since the pack that covers them was written.
+
+``keep(key_id, time_ns)`` lets ``gc`` drop entries (``--max-age``/``--max-size``)
+by repacking without them.
+
+Repacking needs the store's ``evict.lock``: :mod:`.repack` takes it, ``gc`` holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cuda_program_cas._base.errors import CorruptBlobError
+from cuda_program_cas._disk.blobs import BlobStore
+from cuda_program_cas._disk.classify import Condition, classify
+from cuda_program_cas._disk.files import trusted_mtime_ns
+from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas._disk.pack import PackEntry, PackError, PackInput, PackReader, list_packs, write_pack
+from cuda_program_cas._disk.packsummary import PackSummary
+from cuda_program_cas._disk.remove import Remover
+from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
+from cuda_program_cas._disk.writer import Writer
+from cuda_program_cas.index import lru_units
+
+__all__ = [
+    "RETIRED",
+    "PackGcResult",
+    "RepackReport",
+    "collect_packs",
+    "loose_entries",
+    "pack_stats",
+    "repack_locked",
+    "verify_packs",
+]
+
+#: Where replaced packs wait out the shared grace period, under ``packs/``.
+RETIRED = "retired"
+
+
+@dataclass(slots=True)
+class RepackReport:
+    root: str
+    #: The pack written (None when there was nothing to pack).
+    pack: str | None = None
+    entries: int = 0
+    blobs: int = 0
+    bytes: int = 0
+    #: Entries left out on purpose (``keep`` said no).
+    dropped: int = 0
+    #: Entries left out because their blob could not be read or was corrupt.
+    unreadable: list[str] = field(default_factory=list)
+    #: Packs moved to ``packs/retired/``.
+    retired: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        out = {k: getattr(self, k) for k in self.__slots__}
+        out["problems"] = list(self.unreadable)
+        out["problem_count"] = len(self.unreadable)
+        out["elapsed_s"] = round(self.elapsed_s, 3)
+        return out
+
+
+def loose_entries(lay: Layout) -> list[ManifestInfo]:
+    """The loose entries of a store that serve their key (judged by the one classifier), by key id."""
+    snap = take_snapshot(lay.index, lay.blobs)
+    return sorted((m for m in snap.manifests if classify(m, snap) is Condition.OK), key=lambda m: m.key_id)
+
+
+def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None, fsync: bool = True) -> RepackReport:
+    """Repack the store of ``lay``, for a caller that holds its lock (``repack``, ``gc``)."""
+    t0 = time.monotonic()
+    report = RepackReport(lay.root)
+    old = []
+    for path in list_packs(os.path.join(lay.root, "packs")):
+        try:
+            old.append(PackReader(path))
+        except (OSError, PackError) as exc:
+            report.unreadable.append(f"{path}: {exc}")
+    blobs = BlobStore(lay.blobs)
+    inputs: list[PackInput] = []
+    seen: set[str] = set()
+    for reader in old:  # newest first
+        for entry in reader.entries():
+            if entry.key_id in seen:
+                continue
+            seen.add(entry.key_id)
+            if keep is not None and not keep(entry.key_id, entry.time_ns):
+                report.dropped += 1
+                continue
+            load = functools.partial(_from_pack, reader, entry, report)
+            inputs.append((entry.key_id, entry.digest, load, entry.time_ns))
+    for info in loose_entries(lay):
+        assert info.manifest is not None
+        kid, digest, size, mtime = info.key_id, info.manifest.digest, info.manifest.size, info.stat.st_mtime_ns
+        if kid in seen:
+            continue
+        seen.add(kid)
+        if keep is not None and not keep(kid, mtime):
+            report.dropped += 1
+            continue
+        inputs.append((kid, digest, functools.partial(_from_loose, blobs, digest, size, report), mtime))
+    stats: dict[str, int] = {}
+    try:
+        if inputs or old:
+            writer = Writer(lay, file_mode=0o644, exact_mode=True, fsync=fsync)
+            report.pack = write_pack(lay, inputs, writer.write_file, stats)
+            report.entries, report.blobs, report.bytes = stats["entries"], stats["blobs"], stats["bytes"]
+    finally:
+        for reader in old:
+            reader.close()
+    if report.pack is not None:
+        report.retired = [retire(lay, reader.path) for reader in old]
+        PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
+    report.elapsed_s = time.monotonic() - t0
+    return report
+
+
+def _from_pack(reader: PackReader, entry: PackEntry, report: RepackReport) -> bytes | None:
+    data = reader.read(entry)
+    if data is None:
+        report.unreadable.append(f"{reader.path}: the blob of {entry.key_id} is damaged")
+    return data
+
+
+def _from_loose(blobs: BlobStore, digest: str, size: int, report: RepackReport) -> bytes | None:
+    try:
+        return blobs.read(digest, size)[0]
+    except (OSError, CorruptBlobError) as exc:
+        report.unreadable.append(f"{blobs.path_for(digest)}: {exc}")
+        return None
+
+
+def retire(lay: Layout, path: str) -> str:
+    """Move a replaced pack out of the listing into ``packs/retired/``, its mtime set to now (its grace starts)."""
+    retired_dir = os.path.join(lay.root, "packs", RETIRED)
+    os.makedirs(retired_dir, exist_ok=True)
+    dest = os.path.join(retired_dir, os.path.basename(path))
+    os.replace(path, dest)
+    os.utime(dest)
+    return dest
+
+
+@dataclass(slots=True)
+class PackGcResult:
+    retired_removed: int = 0
+    retired_bytes: int = 0
+    loose_removed: int = 0
+    #: Entries dropped by repacking for ``max_age_s``/``max_size``.
+    entries_dropped: int = 0
+    repacked_into: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _packs_dir(lay: Layout) -> str:
+    return os.path.join(lay.root, "packs")
+
+
+def _retired(lay: Layout) -> list[tuple[str, os.stat_result]]:
+    directory = os.path.join(_packs_dir(lay), RETIRED)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            out.append((path, os.lstat(path)))
+        except OSError:
+            continue
+    return out
+
+
+def collect_packs(
+    lay: Layout,
+    remover: Remover | None,
+    *,
+    grace_s: float,
+    max_age_s: float | None = None,
+    max_size: int | None = None,
+) -> PackGcResult:
+    """Collect what repacks replaced and apply ages and sizes to packed entries (``remover`` None: plan only)."""
+    result = PackGcResult()
+    now = time.time()
+    now_ns = time.time_ns()
+    for path, st in _retired(lay):
+        if trusted_mtime_ns(st.st_mtime_ns, now_ns) < now_ns - int(grace_s * 1e9):
+            result.retired_removed += 1
+            result.retired_bytes += st.st_size
+            if remover is not None:
+                try:
+                    os.unlink(path)
+                except OSError as exc:
+                    result.problems.append(f"retired pack {path} cannot be removed: {exc.strerror}")
+    readers = []
+    for path in list_packs(_packs_dir(lay)):
+        try:
+            readers.append(PackReader(path))
+        except (OSError, PackError) as exc:
+            result.problems.append(f"pack {path} cannot be read: {exc}")
+    try:
+        covered: dict[str, tuple[str, float]] = {}
+        entries = []
+        for reader in readers:
+            packed_at = trusted_mtime_ns(int(reader.mtime * 1e9), now_ns) / 1e9
+            for entry in reader.entries():
+                covered.setdefault(entry.key_id, (entry.digest, packed_at))
+                entries.append(entry)
+    finally:
+        for reader in readers:
+            reader.close()
+    # Loose manifests a pack holds with the same digest, once the pack is older than the grace period.
+    for info in loose_entries(lay):
+        held = covered.get(info.key_id)
+        manifest = info.manifest
+        if held is None or held[1] >= now - grace_s or manifest is None or manifest.digest != held[0]:
+            continue
+        result.loose_removed += 1
+        if remover is not None and remover.manifest(info.key_id, info.stat):
+            try:
+                os.utime(lay.blob_path(manifest.digest))  # an orphan now: it waits out the grace period
+            except OSError:
+                pass
+    # Ages and sizes: repack without what goes.
+    # A front-door record and its results are one unit, as new as its newest member (cuda_program_cas.index).
+    units = lru_units(entries, lambda e: trusted_mtime_ns(e.time_ns, now_ns))
+    drop: set[str] = set()
+    if max_age_s is not None:
+        cutoff = now_ns - int(max_age_s * 1e9)
+        for unit in units:
+            if max(trusted_mtime_ns(e.time_ns, now_ns) for e in unit) < cutoff:
+                drop.update(e.key_id for e in unit)
+    if max_size is not None:
+        total = 0
+        for unit in reversed(units):  # newest kept first
+            if unit[0].key_id in drop:
+                continue
+            total += sum(e.size for e in unit)
+            if total > max_size:
+                drop.update(e.key_id for e in unit)
+    if drop:
+        result.entries_dropped = len(drop)
+        if remover is not None:
+            report = repack_locked(lay, keep=lambda kid, _t: kid not in drop)  # gc holds the lock
+            result.repacked_into = report.pack
+            result.problems.extend(report.unreadable)
+    return result
+
+
+def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool]]:
+    """Problems of the store's packs: ``(kind, path, detail, fixed)``; ``repair`` moves a bad pack aside."""
+    problems = []
+    for path in list_packs(_packs_dir(lay)):
+        detail = ""
+        try:
+            reader = PackReader(path)
+        except (OSError, PackError) as exc:
+            detail = str(exc)
+        else:
+            try:
+                if not reader.index_ok():
+                    detail = "its index does not match its checksum"
+                else:
+                    bad = [e.key_id for e in reader.entries() if reader.read(e) is None]
+                    if bad:
+                        detail = f"{len(bad)} of {reader.count} blobs fail their hash"
+            finally:
+                reader.close()
+        if not detail:
+            continue
+        fixed = False
+        if repair:
+            os.makedirs(lay.quarantine, mode=0o700, exist_ok=True)
+            dest = os.path.join(lay.quarantine, f"{os.path.basename(path)}.{time.time_ns()}")
+            try:
+                os.replace(path, dest)
+                fixed = True
+                detail += f"; moved to {dest}"
+            except OSError as exc:
+                detail += f"; cannot be moved aside: {exc.strerror}"
+        problems.append(("bad_pack", path, detail, fixed))
+    return problems
+
+
+def pack_stats(lay: Layout) -> dict[str, int]:
+    """Packs, packed entries and their bytes, and retired packs."""
+    packs = entries = size = 0
+    for path in list_packs(_packs_dir(lay)):
+        try:
+            reader = PackReader(path)
+        except (OSError, PackError):
+            continue
+        packs += 1
+        entries += reader.count
+        size += reader.size
+        reader.close()
+    return {"packs": packs, "packed_entries": entries, "pack_bytes": size, "retired_packs": len(_retired(lay))}

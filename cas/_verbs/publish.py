@@ -1,0 +1,527 @@
+"""Publishing: merge nodes' local caches into a shared store that a cluster reads.
+
+A shared store is an ordinary cache directory that nodes open read-only. Only
+the publisher writes it, and only through this module, so that a node reading it
+meanwhile never sees a partial file or a manifest whose blob is not there yet:
+
+- per source, first every blob the new manifests need, read from the source,
+  verified against its digest (a bad one is skipped and reported, and so is
+  every manifest naming it), then the manifests;
+- every file is written by the one write protocol (:class:`cuda_program_cas._disk.writer.Writer`,
+  with the store's modes): a private temp file in the store's own ``tmp/``, its
+  final mode, then :func:`os.replace`;
+- a blob already in the store that a new manifest will name is verified and
+  freshened (its mtime set to now, so a concurrent collector sees it young); after
+  each manifest commit the blob is checked again and restored if a collector took
+  it in between.
+
+Running it again publishes nothing new (idempotent); after an interruption it
+picks up where it stopped (resumable); two publishers at once only ever rename
+complete files over each other.
+
+When the store already maps a key to another valid blob (the compiler produced
+different bytes for the same inputs on two nodes), the store keeps what it has:
+the first published entry wins, so nodes that already copied it stay consistent
+and repeated publishes never flip an entry back and forth. Among the sources of
+one run, the first listed wins for the same reason. An entry of the store whose
+manifest is garbage or whose blob is missing or corrupt is replaced: the store's
+blob of every entry a source also holds is hashed (once per digest per run), so
+a blob damaged in place, at its right size, is rewritten from the source
+(``blobs_repaired``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from cuda_program_cas._base.errors import CorruptBlobError, LayoutError
+from cuda_program_cas._disk.atomic import current_umask
+from cuda_program_cas._disk.blobs import BlobStore
+from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
+from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
+from cuda_program_cas._disk.pack import PackError, PackReader, write_pack
+from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
+from cuda_program_cas._disk.remove import Remover
+from cuda_program_cas._disk.writer import BlobWrite, Writer
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+
+__all__ = ["PublishReport", "publish"]
+
+
+@dataclass
+class PublishReport:
+    """What one :func:`publish` run did (or, with ``dry_run``, would do)."""
+
+    sources: list[str]
+    dest: str
+    dry_run: bool = False
+    #: The store did not exist (or had no layout) and was laid out by this run.
+    created: bool = False
+    #: Manifests read from the sources.
+    scanned: int = 0
+    #: Keys the store did not have, now published.
+    published: int = 0
+    #: Keys whose entry in the store was garbage, dangling or corrupt, now replaced.
+    replaced: int = 0
+    #: Keys the store already had, identical.
+    unchanged: int = 0
+    #: Keys the store maps to another valid blob: kept as they were (first published wins).
+    conflicts: int = 0
+    #: Blobs written into the store (new or restored).
+    blobs_published: int = 0
+    #: Of those, blobs the store held damaged (bytes that fail their hash, or the wrong size), now rewritten.
+    blobs_repaired: int = 0
+    #: Bytes of those blobs.
+    bytes_published: int = 0
+    #: Source entries that vanished while being read (evicted by their node meanwhile).
+    vanished: int = 0
+    #: Source blobs that failed verification: ``"<source>: <digest>"``; their manifests were skipped.
+    bad_blobs: list[str] = field(default_factory=list)
+    #: Source manifests whose blob is missing: ``"<source>: <digest>"``.
+    missing_blobs: list[str] = field(default_factory=list)
+    #: Source manifest files that are not valid manifests.
+    invalid_manifests: list[str] = field(default_factory=list)
+    #: Sources that could not be read, one message each.
+    errors: list[str] = field(default_factory=list)
+    #: Manifests not published because of the problems above.
+    skipped: int = 0
+    #: Packs written (``pack=True``).
+    packs: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> int:
+        """Problems found in the sources (each left out of the store)."""
+        return len(self.bad_blobs) + len(self.missing_blobs) + len(self.invalid_manifests) + len(self.errors)
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["problems"] = self.problems
+        return out
+
+
+@dataclass(frozen=True)
+class _Modes:
+    file: int
+    dir: int
+    tmp_dir: int
+    group_shared: bool
+
+    @classmethod
+    def for_process(cls, group_shared: bool) -> _Modes:
+        umask = current_umask()
+        file_mode = 0o644 & ~umask
+        dir_mode = 0o777 & ~umask
+        if group_shared:
+            # Group members read everything; new files and directories inherit
+            # the directory's group (setgid). Group write follows the umask, so a
+            # publishing team with umask 002 can publish into one store together.
+            file_mode |= 0o640
+            dir_mode |= 0o2750
+            return cls(file_mode, dir_mode, dir_mode, True)
+        return cls(file_mode, dir_mode, 0o700, False)
+
+
+class _Dest:
+    """The store being published into: its layout, its writer (with the run's modes), and what it holds."""
+
+    def __init__(self, root: str, modes: _Modes, *, dry_run: bool, fsync: bool, verify_existing: bool = True) -> None:
+        self.lay = Layout(root)
+        self.modes = modes
+        self.dry_run = dry_run
+        self.fsync = fsync
+        self.verify_existing = verify_existing
+        self.writer = Writer(
+            self.lay,
+            file_mode=modes.file,
+            exact_mode=True,
+            dir_mode=modes.dir,
+            setgid=modes.group_shared,
+            verify_existing=True,
+        )
+        #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
+        self.good: dict[str, bool] = {}
+        #: Digests whose store blob failed its hash.
+        self.damaged: set[str] = set()
+        #: The store's packed entries (key id -> entry), read once per run from ``packs/summary``
+        #: and the packs it does not cover, not from every pack.
+        self.summary = PackSummary.load(root)
+        self.packed = self.summary.entries()
+        self._packed_ok: dict[tuple[str, int], bool] = {}
+        self._readers: dict[str, PackReader | None] = {}
+
+    def blob_ok(self, digest: str, size: int) -> bool:
+        """Whether the store holds this blob with the right bytes (hashed once per run)."""
+        known = self.good.get(digest)
+        if known is None:
+            try:
+                BlobStore(self.lay.blobs).read(digest, size)
+                known = True
+            except CorruptBlobError:
+                known = False
+                self.damaged.add(digest)
+            except OSError:
+                known = False  # absent, wrong size, not a file: not good (yet)
+            self.good[digest] = known
+        return known
+
+    def packed_ok(self, packed: PackedEntry) -> bool:
+        """Whether the pack's copy of this entry's blob has the right bytes (hashed once per run)."""
+        where = (packed.pack, packed.entry.offset)
+        known = self._packed_ok.get(where)
+        if known is None:
+            if packed.pack not in self._readers:
+                try:
+                    self._readers[packed.pack] = PackReader(packed.pack)
+                except (OSError, PackError):
+                    self._readers[packed.pack] = None
+            reader = self._readers[packed.pack]
+            try:
+                known = reader is not None and reader.read(packed.entry) is not None
+            except OSError:
+                known = False
+            self._packed_ok[where] = known
+        return known
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            if reader is not None:
+                reader.close()
+        self._readers.clear()
+
+    def pack_writer(self) -> Writer:
+        """The writer of packs and of ``packs/summary``: the run's file mode, synced when the run is."""
+        return Writer(self.lay, file_mode=self.modes.file, exact_mode=True, dir_mode=self.modes.dir, fsync=self.fsync)
+
+    def blob_present(self, digest: str, size: int) -> bool:
+        """A cheap check (no read): a regular file of the right size."""
+        try:
+            st = os.lstat(self.lay.blob_path(digest))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+    def sync(self) -> None:
+        """Make what was written so far durable: one ``syncfs`` per phase, not an fsync per file.
+
+        Manifests are renamed into place only after the blobs they name were
+        synced, so a crash of the publishing host never leaves a manifest whose
+        blob is empty or absent; a blob left damaged is re-hashed and replaced by
+        the next run before a new manifest names it.
+        """
+        if self.fsync and not self.dry_run:
+            self.writer.sync()
+
+    def make_tmp(self) -> None:
+        """The store's ``tmp/``: owner-only, or the group's with ``group_shared`` (files in it stay private)."""
+        self.writer.make_dir(self.lay.root)
+        try:
+            os.mkdir(self.lay.tmp, self.modes.tmp_dir)
+        except FileExistsError:
+            return
+        os.chmod(self.lay.tmp, self.modes.tmp_dir)
+
+
+def publish(
+    sources: Iterable[str | os.PathLike[str]],
+    dest: str | os.PathLike[str],
+    *,
+    group_shared: bool = False,
+    dry_run: bool = False,
+    fsync: bool = True,
+    pack: bool = False,
+    verify_existing: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> PublishReport:
+    """Merge the caches at ``sources`` into the shared store at ``dest`` (created if missing).
+
+    ``pack``: write what the sources hold and the store lacks into one new,
+    immutable pack under ``dest/packs/`` (see :mod:`cuda_program_cas._disk.pack`) instead of loose
+    files: a handful of files for any number of entries, opened once per node.
+
+    ``verify_existing``: hash the store's copy of every entry it already holds
+    (once per blob per run), so a copy damaged in place is replaced. That reads
+    the store's copies of everything the sources hold: 125 MiB more read and
+    hashed cost 0.16 s on a local disk (docs/cluster.md). False trusts a copy of
+    the right size; one damaged in place then stays until ``verify --repair``.
+
+    Sources are only read. ``group_shared`` makes the store's files group-readable
+    and its directories setgid; otherwise files and directories follow the umask.
+    Temp files are always private. ``dry_run`` reads and verifies everything but
+    writes nothing. ``progress(phase, done, total)`` is called per source. Raises
+    :class:`LayoutError` when ``dest`` is not a cache, and
+    ``OSError`` when it cannot be written; what was published until then is
+    complete, and running again resumes.
+    """
+    root = os.path.abspath(os.fspath(dest))
+    srcs = [os.path.abspath(os.fspath(s)) for s in sources]
+    if not srcs:
+        raise ValueError("publish needs at least one source cache")
+    report = PublishReport(sources=srcs, dest=root, dry_run=dry_run)
+    modes = _Modes.for_process(group_shared)
+    state = check_layout(root)  # LayoutError for a file, a foreign or a newer layout
+    target = _Dest(root, modes, dry_run=dry_run, fsync=fsync, verify_existing=verify_existing)
+    if state is not LayoutState.OK:
+        report.created = True
+        if not dry_run:
+            _lay_out(target)
+    elif not dry_run:
+        target.make_tmp()
+        mark_shared_store(root, target.lay.tmp, mode=modes.file)
+        if group_shared:
+            _fix_top_modes(target)
+        Remover(target.lay).sweep_temp()
+    pending: list[_Item] = []
+    for n, src in enumerate(srcs):
+        if progress:
+            progress(f"publishing {src}", n, len(srcs))
+        if os.path.realpath(src) == os.path.realpath(root):
+            report.errors.append(f"{src}: is the destination itself")
+            continue
+        try:
+            src_state = check_layout(src)
+        except (LayoutError, OSError) as exc:
+            report.errors.append(f"{src}: {exc}")
+            continue
+        if src_state is not LayoutState.OK:
+            report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
+            continue
+        if pack:
+            pending.extend(_plan(src, target, report))
+        else:
+            _publish_one(src, target, report)
+    try:
+        if pack and pending:
+            _publish_pack(pending, target, report)
+        if not dry_run and not target.summary.current and os.path.isdir(target.summary.packs_dir):
+            target.summary.save(target.pack_writer().write_file)  # publishers after this one read one file
+    finally:
+        target.close()
+    if progress:
+        progress("published", len(srcs), len(srcs))
+    return report
+
+
+def _lay_out(target: _Dest) -> None:
+    """Create the store with the run's modes; ``layout.json`` comes last, so nodes wait for it."""
+    lay = target.lay
+    for path in (lay.root, lay.blobs, lay.index):
+        target.writer.make_dir(path)
+    target.make_tmp()
+    create_layout(lay.root)
+    mark_shared_store(lay.root, lay.tmp, mode=target.modes.file)
+    _fix_top_modes(target)
+
+
+def _fix_top_modes(target: _Dest) -> None:
+    """Give the store's top-level files and directories the run's modes, where this user owns them."""
+    lay = target.lay
+    wanted = [(lay.root, target.modes.dir), (lay.blobs, target.modes.dir), (lay.index, target.modes.dir)]
+    wanted += [(lay.tmp, target.modes.tmp_dir)]
+    wanted += [(os.path.join(lay.root, n), target.modes.file) for n in ("layout.json", "CACHEDIR.TAG")]
+    for path, mode in wanted:
+        try:
+            st = os.lstat(path)
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) | mode != stat.S_IMODE(st.st_mode):
+                os.chmod(path, stat.S_IMODE(st.st_mode) | mode)
+        except OSError:
+            continue
+
+
+@dataclass(slots=True)
+class _Item:
+    kid: str
+    manifest: Manifest
+    path: str
+    stat: os.stat_result
+    action: str
+    source: str
+
+
+def _plan(src: str, target: _Dest, report: PublishReport) -> list[_Item]:
+    """What each manifest of the source ``src`` needs in the store."""
+    lay = Layout(src)
+    todo: list[_Item] = []
+    for kid, path, _st in scan_sharded(lay.index):
+        report.scanned += 1
+        try:
+            data, mst = read_regular(path)
+        except FileNotFoundError:
+            report.vanished += 1
+            continue
+        except OSError as exc:
+            report.invalid_manifests.append(f"{path}: {exc.strerror or exc}")
+            continue
+        manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+        if manifest is None:
+            report.invalid_manifests.append(path)
+            continue
+        manifest = Manifest(manifest.digest, manifest.size, kid)  # a layout-1 source names no key
+        action = _action(target, kid, manifest)
+        if action == "same":
+            report.unchanged += 1
+        elif action == "conflict":
+            report.conflicts += 1
+        else:
+            todo.append(_Item(kid, manifest, path, mst, action, src))
+    return todo
+
+
+def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
+    lay = Layout(src)
+    # 1. Plan: what each source manifest needs in the store.
+    todo = _plan(src, target, report)
+    # 2. Blobs: every blob the plan needs, verified, before any manifest naming it.
+    needed: dict[str, list[_Item]] = {}
+    for item in todo:
+        needed.setdefault(item.manifest.digest, []).append(item)
+    for digest, items in needed.items():
+        size = items[0].manifest.size
+        if target.blob_ok(digest, size):
+            if not target.dry_run:
+                target.writer.freshen(target.lay.blob_path(digest), size)
+            continue
+        blob = _read_source_blob(src, lay, digest=digest, size=size, items=items, report=report)
+        if blob is None:
+            continue
+        if not target.dry_run and target.writer.write_blob(digest, blob) is BlobWrite.DROPPED:
+            report.errors.append(f"{target.lay.blob_path(digest)}: the write was dropped")
+            continue
+        target.good[digest] = True
+        report.blobs_published += 1
+        report.bytes_published += len(blob)
+        report.blobs_repaired += digest in target.damaged
+    if needed:
+        target.sync()
+    # 3. Manifests, each after its blob; then make sure the blob is still there.
+    for item in todo:
+        manifest = item.manifest
+        if not target.good.get(manifest.digest):
+            continue
+        if item.action in ("new", "replace"):
+            if not target.dry_run:
+                target.writer.write_manifest(manifest)
+                if not target.blob_present(manifest.digest, manifest.size):
+                    # A collector removed it after the blob phase: store it again.
+                    blob = _read_source_blob(
+                        src, lay, digest=manifest.digest, size=manifest.size, items=[], report=report
+                    )
+                    if blob is not None:
+                        target.writer.recheck(manifest.digest, blob)
+            if item.action == "new":
+                report.published += 1
+            else:
+                report.replaced += 1
+        else:  # "restore": the store had this very manifest but not its blob
+            report.unchanged += 1
+    if todo:
+        target.sync()
+
+
+def _publish_pack(todo: list[_Item], target: _Dest, report: PublishReport) -> None:
+    """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
+    written: set[str] = set()
+
+    def loader(item: _Item) -> Callable[[], bytes | None]:
+        def load() -> bytes | None:
+            blob = _read_source_blob(
+                item.source,
+                Layout(item.source),
+                digest=item.manifest.digest,
+                size=item.manifest.size,
+                items=[item],
+                report=report,
+            )
+            if blob is not None:
+                written.add(item.manifest.digest)
+            return blob
+
+        return load
+
+    seen: set[str] = set()
+    inputs = []
+    for item in todo:
+        if item.kid in seen:
+            continue
+        seen.add(item.kid)
+        inputs.append((item.kid, item.manifest.digest, loader(item), item.stat.st_mtime_ns))
+    stats: dict[str, int] = {}
+    if target.dry_run:
+        for _kid, digest, load, _t in inputs:
+            if digest not in target.good and load() is not None:
+                target.good[digest] = True
+        stats = {"entries": sum(1 for i in inputs if i[1] in target.good), "blobs": len(target.good), "bytes": 0}
+    else:
+        path = write_pack(target.lay, inputs, target.pack_writer().write_file, stats)
+        report.packs.append(path)
+        target.summary.add(path)
+    report.blobs_repaired += len(written & target.damaged)
+    report.published += stats.get("entries", 0)
+    report.blobs_published += stats.get("blobs", 0)
+    report.bytes_published += stats.get("bytes", 0)
+
+
+def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
+    """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
+
+    An entry of one of the store's packs counts as the store's: equal, ``same``;
+    another digest, ``conflict`` (first published wins, packed or loose); either
+    whose blob in the pack fails its hash, ``replace`` (a newer pack, or a loose
+    entry, serves the key before it).
+    """
+    packed = target.packed.get(kid)
+    if packed is not None:
+        same = (packed.entry.digest, packed.entry.size) == (manifest.digest, manifest.size)
+        if target.verify_existing and not target.packed_ok(packed):
+            if same:
+                target.damaged.add(manifest.digest)
+            return "replace"
+        return "same" if same else "conflict"
+    try:
+        data, _ = read_regular(target.lay.manifest_path(kid))
+    except FileNotFoundError:
+        return "new"
+    except NotRegularFile:
+        return "replace"
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            return "new"  # the store does not exist yet (dry run) or a shard is not a directory
+        raise
+    theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+    if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
+        # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
+        # would otherwise stay lost for every node until ``verify --repair``.
+        good = target.blob_ok if target.verify_existing else target.blob_present
+        return "same" if good(manifest.digest, manifest.size) else "restore"
+    if theirs is not None and target.blob_ok(theirs.digest, theirs.size):
+        return "conflict"
+    return "replace"
+
+
+def _read_source_blob(
+    src: str, lay: Layout, *, digest: str, size: int, items: list[_Item], report: PublishReport
+) -> bytes | None:
+    """The verified bytes of a source blob, or None (reported) when it is missing or bad."""
+    source = BlobStore(lay.blobs)
+    path = source.path_for(digest)
+    try:
+        data, _st = source.read(digest, size)
+    except FileNotFoundError:
+        # Evicted by its node after we read the manifest? Then the manifest went too.
+        still = sum(1 for it in items if same_file(it.path, file_id(it.stat)))
+        report.vanished += len(items) - still
+        report.skipped += still
+        if still or not items:
+            report.missing_blobs.append(f"{src}: {digest}")
+        return None
+    except (CorruptBlobError, NotRegularFile):
+        report.bad_blobs.append(f"{src}: {digest}")
+    except OSError as exc:
+        report.errors.append(f"{path}: {exc.strerror or exc}")
+    else:
+        return data
+    report.skipped += len(items)
+    return None

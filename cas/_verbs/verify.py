@@ -1,0 +1,190 @@
+"""Check every manifest and blob of a cache; with ``repair``, fix what can be fixed.
+
+Problems found: a damaged ``layout.json``, manifests that are not valid (empty,
+truncated, garbled), that name a missing blob or a blob of another size, blobs
+whose bytes do not hash to their name, stale temp files, files that cannot be
+read, and stray files where only cache files belong. Repair moves bad blobs to
+``quarantine/``, removes bad manifests (only if still the file that was checked)
+and stale temp files, and rewrites a damaged ``layout.json``. Stray and
+unreadable files are reported, never touched. Without ``repair`` nothing is
+written: a read-only cache or mount can be verified. Manifests are judged by
+:func:`cuda_program_cas._disk.classify.classify`, the same as ``gc`` and ``stats`` judge them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from cuda_program_cas._disk.blobs import BlobState, BlobStore
+from cuda_program_cas._disk.classify import classify, describe
+from cuda_program_cas._disk.layout import LayoutState, create_layout, stale_temp_files
+from cuda_program_cas._disk.scan import Snapshot, take_snapshot
+
+from .common import ProgressFn, check_blobs, open_cache
+from .packs import pack_stats, verify_packs
+
+__all__ = ["Problem", "VerifyReport", "verify"]
+
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_REST_RE = re.compile(r"[0-9a-f]{62}")
+
+
+def strays(directory: str) -> list[str]:
+    """Entries under a two-level ``<2 hex>/<62 hex>`` tree that are not cache files."""
+    found: list[str] = []
+    try:
+        with os.scandir(directory) as top:
+            shards = []
+            for entry in top:
+                if _SHARD_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                    shards.append(entry.path)
+                else:
+                    found.append(entry.path)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for shard in shards:
+        try:
+            with os.scandir(shard) as it:
+                for entry in it:
+                    if _REST_RE.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
+                        found.append(entry.path)
+        except OSError:
+            continue
+    return sorted(found)
+
+
+@dataclass(slots=True)
+class Problem:
+    """One thing wrong in the cache."""
+
+    kind: str
+    path: str
+    detail: str = ""
+    fixed: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "path": self.path, "detail": self.detail, "fixed": self.fixed}
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    root: str
+    repair: bool
+    entries: int = 0
+    blobs: int = 0
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+    orphan_blobs: int = 0
+    #: The packs whose every blob was hashed too (a packed store), their entries and bytes.
+    packs: int = 0
+    packed_entries: int = 0
+    pack_bytes: int = 0
+    elapsed_s: float = 0.0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def unfixed(self) -> int:
+        return sum(1 for p in self.problems if not p.fixed)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "root": self.root,
+            "repair": self.repair,
+            "entries": self.entries,
+            "blobs": self.blobs,
+            "blobs_checked": self.blobs_checked,
+            "bytes_checked": self.bytes_checked,
+            "orphan_blobs": self.orphan_blobs,
+            "packs": self.packs,
+            "packed_entries": self.packed_entries,
+            "pack_bytes": self.pack_bytes,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "problems_found": len(self.problems),
+            "problems_fixed": len(self.problems) - self.unfixed,
+            "problems": [p.as_dict() for p in self.problems],
+        }
+
+
+def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: ProgressFn | None = None) -> VerifyReport:
+    """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file."""
+    t0 = time.monotonic()
+    cache = open_cache(root, write=repair, allow_damaged=True, purpose="repair")
+    lay, blobs, remover = cache.lay, cache.blobs, cache.remover
+    report = VerifyReport(lay.root, repair)
+    if cache.state is LayoutState.DAMAGED:
+        problem = Problem("damaged_layout", os.path.join(lay.root, "layout.json"), "not a valid layout file")
+        if repair:
+            create_layout(lay.root)
+            problem.fixed = True
+        report.problems.append(problem)
+    if progress:
+        progress("scanning", 0, 0)
+    snap = take_snapshot(lay.index, lay.blobs)
+    report.entries = len(snap.manifests)
+    report.blobs = len(snap.blobs)
+    for path in snap.unreadable:
+        report.problems.append(Problem("unreadable_manifest", path, "cannot be read"))
+    for directory in (lay.index, lay.blobs):
+        for path in strays(directory):
+            report.problems.append(Problem("stray_file", path, "not a cache file; left alone"))
+
+    bad_blobs = _check_blobs(snap, blobs, report, progress)
+    for info in snap.manifests:
+        condition = classify(info, snap, bad_blobs)
+        if not condition.bad:
+            continue
+        path = lay.manifest_path(info.key_id)
+        problem = Problem(condition.value, path, describe(condition, info, snap))
+        if remover is not None:
+            problem.fixed = remover.manifest(info.key_id, info.stat) or not os.path.lexists(path)
+        report.problems.append(problem)
+    for digest, (st, detail) in bad_blobs.items():
+        problem = Problem("corrupt_blob", blobs.path_for(digest), detail)
+        if remover is not None:
+            where = remover.quarantine(digest, st)
+            problem.fixed = where is not None or not os.path.lexists(blobs.path_for(digest))
+            if where:
+                problem.detail += f"; moved to {where}"
+        report.problems.append(problem)
+    for path, st in stale_temp_files(lay.tmp):
+        problem = Problem("stale_temp_file", path, "left by a crashed writer")
+        if remover is not None:
+            try:
+                remover.temp_file(path, st)
+                problem.fixed = not os.path.lexists(path)
+            except OSError as exc:
+                problem.detail += f"; cannot remove: {exc.strerror}"
+        report.problems.append(problem)
+    packs = pack_stats(lay)  # before verify_packs: what it checks, also a pack it moves aside
+    report.packs, report.packed_entries, report.pack_bytes = (
+        packs["packs"],
+        packs["packed_entries"],
+        packs["pack_bytes"],
+    )
+    for kind, path, detail, fixed in verify_packs(lay, repair=remover is not None):
+        report.problems.append(Problem(kind, path, detail, fixed))
+    report.orphan_blobs = len(snap.orphans())
+    report.elapsed_s = time.monotonic() - t0
+    return report
+
+
+def _check_blobs(
+    snap: Snapshot, blobs: BlobStore, report: VerifyReport, progress: ProgressFn | None
+) -> dict[str, tuple[os.stat_result, str]]:
+    """Hash every blob; returns the bad ones (digest -> (stat, detail)) and records read errors."""
+    bad: dict[str, tuple[os.stat_result, str]] = {}
+    for digest, check in check_blobs(snap, blobs, progress):
+        if check.state is BlobState.MISSING:
+            continue
+        if check.state is BlobState.UNREADABLE:
+            report.problems.append(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
+            continue
+        assert check.stat is not None
+        report.blobs_checked += 1
+        report.bytes_checked += check.stat.st_size
+        if check.state is BlobState.CORRUPT:
+            bad[digest] = (check.stat, check.detail)
+    return bad
