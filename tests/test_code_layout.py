@@ -183,3 +183,16 @@ def test_maintenance_verbs_do_not_import_each_other() -> None:
         if source in VERBS and source != verb
     ]
     assert crossed == []
+
+
+def test_only_the_cuda_package_imports_cuda() -> None:
+    # The storage, the verbs and the console script run on a machine without CUDA.
+    found = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "cuda" or n.startswith("cuda.") for n in names):
+                found.append(name)
+    assert found and all(name.startswith(f"{NAME}._cuda.") for name in found), found

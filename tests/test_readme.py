@@ -35,7 +35,8 @@ def test_every_local_link_resolves() -> None:
 def test_no_private_modules_or_internal_history() -> None:
     for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         text = page.read_text()
-        assert not re.search(r"\bcas\._[a-z]", text), page.name  # private modules are not the API
+        assert not re.search(r"\bcuda_program_cas\._[a-z]", text), page.name  # private modules are not the API
+        assert not re.search(r"\b(from|import) cas\b|(?<![\w/-])cas\.[A-Za-z]", text), page.name  # the old import name
         assert not re.search(r"\bissue \d", text, re.IGNORECASE), page.name
         assert ".wheels" not in text and "the final code" not in text, page.name
         assert "python tools/gc.py /shared" not in text, page.name  # tools/ is not installed
