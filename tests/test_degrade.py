@@ -455,7 +455,10 @@ def test_a_tmp_that_is_a_file_in_a_fresh_process(tmp_path: Path) -> None:
     CacheStore(root)
     (root / "tmp").rmdir()
     (root / "tmp").write_bytes(b"x")
-    code = "import sys, cuda_program_cas; k = sys.argv[2]; print(cuda_program_cas.CacheStore(sys.argv[1]).put(k, k.encode()).value)"
+    code = (
+        "import sys; from cuda_program_cas import CacheStore; k = sys.argv[2]; "
+        "print(CacheStore(sys.argv[1]).put(k, k.encode()).value)"
+    )
     for n in range(2):
         out = run_python(code, str(root), f"k{n}")  # a new key and value each time: stored, not deduplicated
         assert out.returncode == 0 and out.stdout.split() == ["stored"], out.stderr

@@ -170,3 +170,16 @@ def test_manifest_encode_parse_round_trip(digest: str, size: int, kid: str) -> N
     assert parse_manifest(manifest.encode(), kid) == manifest
     assert parse_manifest(manifest.encode(), "f" * 64 if kid != "f" * 64 else "0" * 64) is None  # another key's
     assert len(manifest.encode()) < 160
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.integers(0, 10**16 - 1), st.sampled_from([0, 9, 10, 10**15, 10**16 - 1])))
+def test_the_index_says_how_long_a_manifest_is(size: int) -> None:
+    # The store accounts a write's manifest bytes with manifest_length, without encoding one.
+    from cuda_program_cas.index import LONGEST_MANIFEST, Manifest, manifest_length
+
+    encoded = Manifest("a" * 64, size, "b" * 64).encode()
+    assert manifest_length(size) == len(encoded) <= LONGEST_MANIFEST
+    assert parse_manifest(encoded) is not None
+    assert len(Manifest("a" * 64, 10**16 - 1, "b" * 64).encode()) == LONGEST_MANIFEST
+    assert parse_manifest(Manifest("a" * 64, 10**16, "b" * 64).encode()) is None  # 17 digits: longer than any
