@@ -1,5 +1,8 @@
 """The exceptions of cuda-program-cas, all under :class:`CacheError`.
 
+One more lives beside the format it guards: ``PackError`` (a file that is not a
+valid pack), in :mod:`cuda_program_cas._disk.pack`, under :class:`CacheError` too.
+
 Every one pickles (a worker process can send it back to its parent): each keeps
 the arguments it was made with in ``args``.
 """

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
+from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork, after_fork_call
 
 from .files import READ_FLAGS
@@ -79,8 +80,12 @@ PACK_SUFFIX = ".cpk"
 RELIST_S = 2.0
 
 
-class PackError(ValueError):
-    """A pack file that is not a valid pack (truncated, garbled, of another version)."""
+class PackError(CacheError, ValueError):
+    """A pack file that is not a valid pack (truncated, garbled, of another version).
+
+    A :class:`cuda_program_cas.CacheError` like every error the library raises on purpose;
+    a ``ValueError`` too, as it always was (a bad file is a bad value).
+    """
 
 
 @dataclass(frozen=True, slots=True)
