@@ -318,7 +318,7 @@ def test_publish_creates_the_store_and_is_idempotent(tmp_path: Path) -> None:
     node = node_cache(tmp_path / "node", values)
     shared = tmp_path / "deep" / "shared"
     report = publish([node], shared)
-    assert report.created and report.problems == 0
+    assert report.created and report.problems == [] and report.problem_count == 0
     assert (report.published, report.blobs_published) == (31, 30)
     assert report.bytes_published == sum(len(v) for k, v in values.items() if k != "dup")
     reader = CacheStore(tmp_path / "local", shared=[shared])
@@ -369,7 +369,7 @@ def test_bad_sources_are_skipped_and_reported(tmp_path: Path) -> None:
     assert len(report.missing_blobs) == 1 and digest_of(b"content of missing") in report.missing_blobs[0]
     assert len(report.invalid_manifests) == 1
     assert len(report.errors) == 2  # absent, and a directory that is not a cache
-    assert report.published == 2 and report.skipped == 3 and report.problems == 6
+    assert report.published == 2 and report.skipped == 3 and report.problem_count == len(report.problems) == 6
     reader = CacheStore(tmp_path / "local", shared=[shared])
     assert reader.get("good") == b"content of good"
     assert reader.get("garbage") is None and reader.get("missing") is None and reader.get("symlink") is None

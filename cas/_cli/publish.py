@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from cuda_program_cas._verbs.common import open_cache
-from cuda_program_cas._verbs.publish import PublishReport, publish
+from cuda_program_cas._verbs.publish import check_sources, publish
 
-from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
+from .main import add_json_arg, fmt_bytes, plural, print_json
 
 __all__ = ["register", "run"]
 
@@ -50,29 +48,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _check_sources(sources: list[str], dest: str) -> None:
-    """Bad usage before anything is written: a source that is the store itself, or not a cache at all."""
-    for src in sources:
-        if os.path.realpath(src) == os.path.realpath(dest):
-            raise UsageError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as SRC")
-        open_cache(src, write=False)  # LayoutError (exit 2): missing, a file, a dangling symlink, foreign...
-
-
-def _problem_lines(report: PublishReport) -> list[str]:
-    return [
-        f"{label}: {item}"
-        for label, items in (
-            ("bad blob (skipped)", report.bad_blobs),
-            ("missing blob (skipped)", report.missing_blobs),
-            ("invalid manifest (skipped)", report.invalid_manifests),
-            ("error", report.errors),
-        )
-        for item in items
-    ]
-
-
 def run(args: argparse.Namespace) -> int:
-    _check_sources(args.sources, args.dest)
+    check_sources(args.sources, args.dest)  # a source that is STORE or not a cache: bad usage, nothing written
     report = publish(
         args.sources,
         args.dest,
@@ -82,12 +59,10 @@ def run(args: argparse.Namespace) -> int:
         verify_existing=args.verify_existing,
         progress=getattr(args, "progress", None),
     )
-    problems = _problem_lines(report)
     if args.json:
-        # As every command's JSON: ``problems`` a list, ``problem_count`` beside it.
-        print_json({**report.to_dict(), "problems": problems, "problem_count": report.problems})
-        return 1 if report.problems else 0
-    for line in problems:
+        print_json(report.as_dict())
+        return 1 if report.problem_count else 0
+    for line in report.problems:
         print(line)
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
@@ -105,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
         extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
     if report.conflicts:
         extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
-    if report.problems:
-        extras.append(plural(report.problems, "problem"))
+    if report.problem_count:
+        extras.append(plural(report.problem_count, "problem"))
     for path in report.packs:
         extras.append(f"pack {path}")
     print(f"{line}; {', '.join(extras)}")
-    return 1 if report.problems else 0
+    return 1 if report.problem_count else 0

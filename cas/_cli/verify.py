@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     report = verify(cache_path(args.path), repair=args.repair, progress=args.progress)
     args.progress.done()
     if args.json:
-        # As every command's JSON: ``problems`` a list, ``problem_count`` beside it.
-        print_json({**report.as_dict(), "problem_count": len(report.problems)})
+        print_json(report.as_dict())
     else:
         for p in report.problems:
             state = " [fixed]" if p.fixed else ""

@@ -1,7 +1,7 @@
-"""What the maintenance verbs share: opening an existing cache for maintenance, progress, reports.
+"""What the maintenance verbs share: opening an existing cache for maintenance, progress, the report base.
 
-``collect``, ``verify``, ``publish``, ``import_filestream`` and ``stats`` each
-import this module, never each other.
+``collect``, ``verify``, ``publish``, ``import_filestream``, ``stats``,
+``repack``, ``clear`` and ``config`` each import this module, never each other.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
@@ -20,8 +22,9 @@ from cuda_program_cas._disk.scan import Snapshot
 __all__ = [
     "SHARED_MIN_GRACE_S",
     "MaintainedCache",
-    "ProblemLog",
     "ProgressFn",
+    "Report",
+    "cache_root",
     "check_blobs",
     "check_writable",
     "open_cache",
@@ -46,6 +49,11 @@ class MaintainedCache:
     blobs: BlobStore
     remover: Remover | None
     state: LayoutState
+
+
+def cache_root(path: str | os.PathLike[str] | None) -> str:
+    """The absolute path of the cache at ``path``; None or empty: :func:`cuda_program_cas.default_cache_dir`."""
+    return os.path.abspath(path) if path else os.fspath(default_cache_dir())
 
 
 def open_cache(
@@ -96,22 +104,32 @@ def check_blobs(
 MAX_LISTED = 100
 
 
-class ProblemLog:
-    """Mixin for a report dataclass with ``problems``, ``problem_count`` and ``elapsed_s`` fields."""
+class Report:
+    """The one shape of every verb's report: a dataclass with ``problems`` (a list) and ``problem_count``.
 
-    problems: list[str]
+    ``problems`` lists what the run found wrong, one item each: a line of text,
+    or for ``verify`` a :class:`~cuda_program_cas.Problem` that says whether it was fixed.
+    ``problem_count`` counts them all, also those past :attr:`max_listed`, so it
+    is at least ``len(problems)``. :meth:`as_dict` is every field, JSON-ready:
+    what ``--json`` prints.
+    """
+
+    problems: list[Any]
     problem_count: int
-    elapsed_s: float
+    #: How many problems :meth:`problem` lists one by one (None: every one).
+    max_listed: ClassVar[int | None] = MAX_LISTED
 
-    def problem(self, text: str) -> None:
-        """Count a problem; list it while fewer than :data:`MAX_LISTED` are listed."""
+    def problem(self, item: Any) -> None:
+        """Count a problem; list it while fewer than :attr:`max_listed` are listed."""
         self.problem_count += 1
-        if len(self.problems) < MAX_LISTED:
-            self.problems.append(text)
+        if self.max_listed is None or len(self.problems) < self.max_listed:
+            self.problems.append(item)
 
     def as_dict(self) -> dict[str, object]:
-        """Every field, for ``--json`` (the elapsed time rounded to milliseconds)."""
+        """Every field, for ``--json`` (an elapsed time rounded to milliseconds)."""
         assert dataclasses.is_dataclass(self)
         out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["elapsed_s"] = round(self.elapsed_s, 3)
+        elapsed = out.get("elapsed_s")
+        if isinstance(elapsed, float):
+            out["elapsed_s"] = round(elapsed, 3)
         return out

@@ -45,10 +45,10 @@ from cuda_program_cas._store.cap import plan_lru
 from cuda_program_cas._store.touch import apply_pending
 from cuda_program_cas.index import lru_units, partners_of
 
-from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProblemLog, ProgressFn, check_blobs, open_cache
+from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, Report, check_blobs, open_cache
 from .packs import collect_packs
 
-__all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect"]
+__all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect", "collected_as_shared"]
 
 #: Categories of the plan, in the order they are reported.
 CATEGORIES = (
@@ -75,7 +75,7 @@ _CATEGORY_OF = {
 
 
 @dataclass(slots=True)
-class GcReport(ProblemLog):
+class GcReport(Report):
     """What a collection found and did (``dry_run``: what it would do).
 
     ``*_before`` describe the cache as the scan saw it; ``*_after`` subtract what
@@ -122,11 +122,21 @@ class GcReport(ProblemLog):
         return max(0, self.bytes_before - self.bytes_freed)
 
     def as_dict(self) -> dict[str, object]:
-        out = ProblemLog.as_dict(self)
+        out = Report.as_dict(self)
         out["entries_after"] = self.entries_after
         out["blobs_after"] = self.blobs_after
         out["bytes_after"] = self.bytes_after
         return out
+
+
+def collected_as_shared(root: str | os.PathLike[str], shared: bool | None = None) -> bool:
+    """Whether :func:`collect` collects the cache at ``root`` as a shared store, given its ``shared`` argument.
+
+    None: as its ``layout.json`` says (publish marks the stores it writes).
+    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a cache.
+    """
+    cache = open_cache(root, write=False, allow_damaged=True)
+    return is_shared_store(cache.lay.root) if shared is None else shared
 
 
 @dataclass(slots=True)

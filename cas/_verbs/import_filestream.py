@@ -26,12 +26,12 @@ from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._disk.blobs import BlobStore, digest_of
 from cuda_program_cas._disk.files import ShardGuard, read_regular
-from cuda_program_cas._disk.layout import Layout, create_layout
+from cuda_program_cas._disk.layout import Layout, check_layout, create_layout
 from cuda_program_cas._disk.upgrade import upgrade_if_needed
 from cuda_program_cas._disk.writer import DROP_ERRNOS, Writer, WriteResult
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_manifest
 
-from .common import ProblemLog, ProgressFn, check_writable
+from .common import ProgressFn, Report, check_writable
 
 __all__ = ["ImportReport", "import_filestream"]
 
@@ -40,7 +40,7 @@ _REST_RE = re.compile(r"[0-9a-f]{62}")
 
 
 @dataclass(slots=True)
-class ImportReport(ProblemLog):
+class ImportReport(Report):
     source: str
     dest: str
     #: Entry files found under ``entries/``.
@@ -98,6 +98,8 @@ def import_filestream(
     src = os.path.abspath(os.fspath(source))
     entries_dir = os.path.join(src, "entries")
     if not os.path.isdir(src):
+        if os.path.islink(src) and not os.path.exists(src):
+            check_layout(src)  # says which missing path the symlink names
         if os.path.lexists(src):
             raise LayoutError(
                 f"{src!r} is not a directory: a FileStreamProgramCache is a directory (the one holding entries/)"

@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cuda_program_cas._base.errors import CorruptBlobError
 from cuda_program_cas._disk.blobs import BlobStore
@@ -47,6 +48,8 @@ from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
 from cuda_program_cas._disk.writer import Writer
 from cuda_program_cas.index import lru_units
+
+from .common import Report
 
 __all__ = [
     "RETIRED",
@@ -64,7 +67,12 @@ RETIRED = "retired"
 
 
 @dataclass(slots=True)
-class RepackReport:
+class RepackReport(Report):
+    """What a repack wrote and retired; ``problems``: the entries left out because their blob could not be read."""
+
+    #: Every problem is listed.
+    max_listed: ClassVar[int | None] = None
+
     root: str
     #: The pack written (None when there was nothing to pack).
     pack: str | None = None
@@ -73,17 +81,21 @@ class RepackReport:
     bytes: int = 0
     #: Entries left out on purpose (``keep`` said no).
     dropped: int = 0
-    #: Entries left out because their blob could not be read or was corrupt.
-    unreadable: list[str] = field(default_factory=list)
     #: Packs moved to ``packs/retired/``.
     retired: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    #: Entries left out because their blob could not be read or was corrupt, and packs that could not be read.
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+
+    @property
+    def unreadable(self) -> list[str]:
+        """``problems``, by the name this report gave them before every report shared one shape."""
+        return self.problems
 
     def as_dict(self) -> dict[str, object]:
-        out = {k: getattr(self, k) for k in self.__slots__}
-        out["problems"] = list(self.unreadable)
-        out["problem_count"] = len(self.unreadable)
-        out["elapsed_s"] = round(self.elapsed_s, 3)
+        out = Report.as_dict(self)
+        out["unreadable"] = list(self.problems)  # the key --json has always had
         return out
 
 
@@ -102,7 +114,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
         try:
             old.append(PackReader(path))
         except (OSError, PackError) as exc:
-            report.unreadable.append(f"{path}: {exc}")
+            report.problem(f"{path}: {exc}")
     blobs = BlobStore(lay.blobs)
     inputs: list[PackInput] = []
     seen: set[str] = set()
@@ -145,7 +157,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
 def _from_pack(reader: PackReader, entry: PackEntry, report: RepackReport) -> bytes | None:
     data = reader.read(entry)
     if data is None:
-        report.unreadable.append(f"{reader.path}: the blob of {entry.key_id} is damaged")
+        report.problem(f"{reader.path}: the blob of {entry.key_id} is damaged")
     return data
 
 
@@ -153,7 +165,7 @@ def _from_loose(blobs: BlobStore, digest: str, size: int, report: RepackReport) 
     try:
         return blobs.read(digest, size)[0]
     except (OSError, CorruptBlobError) as exc:
-        report.unreadable.append(f"{blobs.path_for(digest)}: {exc}")
+        report.problem(f"{blobs.path_for(digest)}: {exc}")
         return None
 
 
@@ -270,7 +282,7 @@ def collect_packs(
         if remover is not None:
             report = repack_locked(lay, keep=lambda kid, _t: kid not in drop)  # gc holds the lock
             result.repacked_into = report.pack
-            result.problems.extend(report.unreadable)
+            result.problems.extend(report.problems)
     return result
 
 

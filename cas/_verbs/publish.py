@@ -36,7 +36,8 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cuda_program_cas._base.errors import CorruptBlobError, LayoutError
 from cuda_program_cas._disk.atomic import current_umask
@@ -49,12 +50,22 @@ from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-__all__ = ["PublishReport", "publish"]
+from .common import Report, open_cache
+
+__all__ = ["PublishReport", "check_sources", "publish"]
 
 
 @dataclass
-class PublishReport:
-    """What one :func:`publish` run did (or, with ``dry_run``, would do)."""
+class PublishReport(Report):
+    """What one :func:`publish` run did (or, with ``dry_run``, would do).
+
+    ``problems`` has one line for each problem of the sources, each left out of
+    the store: the items of ``bad_blobs``, ``missing_blobs``,
+    ``invalid_manifests`` and ``errors``, in that order, each labelled.
+    """
+
+    #: Every problem is listed.
+    max_listed: ClassVar[int | None] = None
 
     sources: list[str]
     dest: str
@@ -91,16 +102,36 @@ class PublishReport:
     skipped: int = 0
     #: Packs written (``pack=True``).
     packs: list[str] = field(default_factory=list)
-
-    @property
-    def problems(self) -> int:
-        """Problems found in the sources (each left out of the store)."""
-        return len(self.bad_blobs) + len(self.missing_blobs) + len(self.invalid_manifests) + len(self.errors)
+    #: Problems found in the sources (each left out of the store), one labelled line each.
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
 
     def to_dict(self) -> dict[str, object]:
-        out = asdict(self)
-        out["problems"] = self.problems
-        return out
+        """The same as :meth:`as_dict` (the name this report had before every report shared one shape)."""
+        return self.as_dict()
+
+    def _settle(self) -> None:
+        """List the problems the run met, by kind (what ``problems`` and ``problem_count`` say)."""
+        for label, items in (
+            ("bad blob (skipped)", self.bad_blobs),
+            ("missing blob (skipped)", self.missing_blobs),
+            ("invalid manifest (skipped)", self.invalid_manifests),
+            ("error", self.errors),
+        ):
+            for item in items:
+                self.problem(f"{label}: {item}")
+
+
+def check_sources(sources: Iterable[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> None:
+    """Raise :class:`LayoutError` for a source that is the store ``dest`` itself or not a cache at all.
+
+    :func:`publish` reports such a source as a problem and publishes the others;
+    a caller that wants to refuse the whole run before anything is written asks this first.
+    """
+    for src in sources:
+        if os.path.realpath(src) == os.path.realpath(dest):
+            raise LayoutError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as sources")
+        open_cache(src, write=False)  # LayoutError: missing, a file, a dangling symlink, foreign...
 
 
 @dataclass(frozen=True)
@@ -302,6 +333,7 @@ def publish(
         target.close()
     if progress:
         progress("published", len(srcs), len(srcs))
+    report._settle()
     return report
 
 

@@ -17,13 +17,14 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cuda_program_cas._disk.blobs import BlobState, BlobStore
 from cuda_program_cas._disk.classify import classify, describe
 from cuda_program_cas._disk.layout import LayoutState, create_layout, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 
-from .common import ProgressFn, check_blobs, open_cache
+from .common import ProgressFn, Report, check_blobs, open_cache
 from .packs import pack_stats, verify_packs
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -70,7 +71,12 @@ class Problem:
 
 
 @dataclass(slots=True)
-class VerifyReport:
+class VerifyReport(Report):
+    """What a check found (``problems``: every one, a :class:`Problem` each) and, with ``repair``, fixed."""
+
+    #: Every problem is listed (``--repair`` reports each one fixed or not).
+    max_listed: ClassVar[int | None] = None
+
     root: str
     repair: bool
     entries: int = 0
@@ -84,6 +90,7 @@ class VerifyReport:
     pack_bytes: int = 0
     elapsed_s: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    problem_count: int = 0
 
     @property
     def unfixed(self) -> int:
@@ -105,6 +112,7 @@ class VerifyReport:
             "problems_found": len(self.problems),
             "problems_fixed": len(self.problems) - self.unfixed,
             "problems": [p.as_dict() for p in self.problems],
+            "problem_count": self.problem_count,
         }
 
 
@@ -119,17 +127,17 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
         if repair:
             create_layout(lay.root)
             problem.fixed = True
-        report.problems.append(problem)
+        report.problem(problem)
     if progress:
         progress("scanning", 0, 0)
     snap = take_snapshot(lay.index, lay.blobs)
     report.entries = len(snap.manifests)
     report.blobs = len(snap.blobs)
     for path in snap.unreadable:
-        report.problems.append(Problem("unreadable_manifest", path, "cannot be read"))
+        report.problem(Problem("unreadable_manifest", path, "cannot be read"))
     for directory in (lay.index, lay.blobs):
         for path in strays(directory):
-            report.problems.append(Problem("stray_file", path, "not a cache file; left alone"))
+            report.problem(Problem("stray_file", path, "not a cache file; left alone"))
 
     bad_blobs = _check_blobs(snap, blobs, report, progress)
     for info in snap.manifests:
@@ -140,7 +148,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
         problem = Problem(condition.value, path, describe(condition, info, snap))
         if remover is not None:
             problem.fixed = remover.manifest(info.key_id, info.stat) or not os.path.lexists(path)
-        report.problems.append(problem)
+        report.problem(problem)
     for digest, (st, detail) in bad_blobs.items():
         problem = Problem("corrupt_blob", blobs.path_for(digest), detail)
         if remover is not None:
@@ -148,7 +156,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
             problem.fixed = where is not None or not os.path.lexists(blobs.path_for(digest))
             if where:
                 problem.detail += f"; moved to {where}"
-        report.problems.append(problem)
+        report.problem(problem)
     for path, st in stale_temp_files(lay.tmp):
         problem = Problem("stale_temp_file", path, "left by a crashed writer")
         if remover is not None:
@@ -157,7 +165,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
                 problem.fixed = not os.path.lexists(path)
             except OSError as exc:
                 problem.detail += f"; cannot remove: {exc.strerror}"
-        report.problems.append(problem)
+        report.problem(problem)
     packs = pack_stats(lay)  # before verify_packs: what it checks, also a pack it moves aside
     report.packs, report.packed_entries, report.pack_bytes = (
         packs["packs"],
@@ -165,7 +173,7 @@ def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: Prog
         packs["pack_bytes"],
     )
     for kind, path, detail, fixed in verify_packs(lay, repair=remover is not None):
-        report.problems.append(Problem(kind, path, detail, fixed))
+        report.problem(Problem(kind, path, detail, fixed))
     report.orphan_blobs = len(snap.orphans())
     report.elapsed_s = time.monotonic() - t0
     return report
@@ -180,7 +188,7 @@ def _check_blobs(
         if check.state is BlobState.MISSING:
             continue
         if check.state is BlobState.UNREADABLE:
-            report.problems.append(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
+            report.problem(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
             continue
         assert check.stat is not None
         report.blobs_checked += 1
