@@ -1,28 +1,19 @@
 """``cuda-program-cas clear [PATH]``: empty a node's local cache (``ccache -C``), safe while others use it.
 
-It is :meth:`cuda_program_cas.CacheStore.clear`: every manifest, then every blob no manifest
-names, each removal re-checked against the file the scan saw; what a concurrent
-writer adds meanwhile stays, and a reader meanwhile gets misses, never wrong
-bytes. The lifetime counters, settings and quarantine/ are kept (``stats --zero``
-zeroes the counters).
-
-A shared store (publish marked it) is refused as bad usage: emptying it empties
-every node's second level at once, and its packs are not loose entries; its
-owner collects it with ``gc`` or removes it and publishes again.
+It prints :func:`cuda_program_cas.clear`'s report: every manifest, then every blob
+no manifest names, each removal re-checked; what a concurrent writer adds
+meanwhile stays. The lifetime counters, settings and quarantine/ are kept
+(``stats --zero`` zeroes the counters). A shared store is refused as bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-from cuda_program_cas._disk.layout import is_shared_store
-from cuda_program_cas._disk.scan import take_snapshot
-from cuda_program_cas._store.store import CacheStore
-from cuda_program_cas._verbs.common import open_cache
+from cuda_program_cas._verbs.clear import clear
 
-from .main import UsageError, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from .main import add_json_arg, add_path_arg, fmt_bytes, plural, print_json
 
 __all__ = ["register"]
 
@@ -44,45 +35,24 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
-    root = cache_path(args.path)
-    lay = open_cache(root, write=not args.dry_run, purpose="clear").lay
-    if is_shared_store(lay.root):
-        raise UsageError(
-            f"{lay.root!r} is a shared store (publish marked it in its layout.json): clear empties a node's local "
-            "cache; collect a shared store with `gc`, or remove it and publish again"
-        )
-    before = take_snapshot(lay.index, lay.blobs, read_manifests=False)
-    if not args.dry_run:
-        CacheStore(lay.root, max_size_bytes=None).clear()
-    after = before if args.dry_run else take_snapshot(lay.index, lay.blobs, read_manifests=False)
-    freed = max(0, before.stored_bytes - after.stored_bytes)
-    report = {
-        "root": lay.root,
-        "dry_run": bool(args.dry_run),
-        "entries_before": len(before.manifests),
-        "blobs_before": len(before.blobs),
-        "bytes_before": before.stored_bytes,
-        "entries_after": len(after.manifests),
-        "blobs_after": len(after.blobs),
-        "bytes_after": after.stored_bytes,
-        "bytes_freed": before.stored_bytes if args.dry_run else freed,
-        "elapsed_s": round(time.monotonic() - t0, 3),
-        "problems": [],
-        "problem_count": 0,
-    }
+    report = clear(args.path, dry_run=args.dry_run)  # a shared store: LayoutError, bad usage
     if args.json:
-        print_json(report)
+        print_json(report.as_dict())
         return 0
-    what = f"{plural(len(before.manifests), 'entry', 'entries')} and {plural(len(before.blobs), 'blob')}"
-    if args.dry_run:
-        print(f"would remove {what}, freeing {fmt_bytes(before.stored_bytes)} of {lay.root} (dry run: nothing changed)")
+    what = f"{plural(report.entries_before, 'entry', 'entries')} and {plural(report.blobs_before, 'blob')}"
+    if report.dry_run:
+        print(
+            f"would remove {what}, freeing {fmt_bytes(report.bytes_before)} of {report.root} (dry run: nothing changed)"
+        )
         return 0
     kept = ""
-    if after.manifests or after.blobs:
+    if report.entries_after or report.blobs_after:
         kept = (
-            f"; kept {plural(len(after.manifests), 'entry', 'entries')} and {plural(len(after.blobs), 'blob')} "
+            f"; kept {plural(report.entries_after, 'entry', 'entries')} and {plural(report.blobs_after, 'blob')} "
             "written meanwhile"
         )
-    print(f"cleared {lay.root}: removed {what}, freed {fmt_bytes(freed)} of {fmt_bytes(before.stored_bytes)}{kept}")
+    print(
+        f"cleared {report.root}: removed {what}, freed {fmt_bytes(report.bytes_freed)} of "
+        f"{fmt_bytes(report.bytes_before)}{kept}"
+    )
     return 0

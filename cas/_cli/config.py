@@ -12,19 +12,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cuda_program_cas._base.config import ENV_MAX_SIZE, env_max_size
-from cuda_program_cas._disk.layout import Layout, create_layout
-from cuda_program_cas._disk.settings import (
-    MAX_SIZE,
-    SETTING_NAMES,
-    Setting,
-    effective_settings,
-    settings_path,
-    store_setting,
-)
-from cuda_program_cas._verbs.common import check_writable
+from cuda_program_cas._base.config import ENV_MAX_SIZE
+from cuda_program_cas._verbs.config import MAX_SIZE, SETTING_NAMES, ConfigReport, Setting, config, settings_path
 
-from .main import UsageError, cache_path, fmt_bytes, print_json, size_arg
+from .main import UsageError, fmt_bytes, print_json, size_arg
 
 __all__ = ["register"]
 
@@ -79,16 +70,6 @@ def _show_source(s: Setting) -> str:
     return where + (f"; {s.note}" if s.note else "")
 
 
-def _as_json(path: str, settings: list[Setting], problems: list[str], **extra: object) -> dict[str, object]:
-    return {
-        "path": path,
-        **extra,
-        "settings": {s.name: s.as_dict() for s in settings},
-        "problems": problems,
-        "problem_count": len(problems),
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     path, rest = _split(list(args.words))
     if rest and rest[0] not in SETTING_NAMES:
@@ -96,31 +77,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown setting {rest[0]!r}{after}: a cache stores {', '.join(SETTING_NAMES)}")
     if len(rest) > 2:
         raise UsageError(f"too many arguments: {' '.join(rest[2:])!r} (usage: {_USAGE})")
-    root = cache_path(path)
     if len(rest) == 2:
-        return _store(args, path, root, _value(rest[1]))
-    settings = effective_settings(path)
-    if len(rest) == 1:
-        settings = [s for s in settings if s.name == SETTING_NAMES[rest[0]]]
-    problems = [s.problem for s in settings if s.problem]
+        return _stored(args, config(path, max_size=_value(rest[1])))
+    report = config(path, name=SETTING_NAMES[rest[0]] if rest else None)
     if args.json:
-        print_json(_as_json(root, settings, problems))
+        print_json(report.as_dict())
     else:
-        for s in settings:
+        for s in report.settings:
             print(f"{_LABELS[s.name]:<10} {_show_value(s)} ({_show_source(s)})")
-        for text in problems:
+        for text in report.problems:
             print(f"problem: {text}")
-    return 1 if problems else 0
+    return 1 if report.problem_count else 0
 
 
-def _store(args: argparse.Namespace, path: str | None, root: str, value: int | None) -> int:
-    create_layout(root)  # a cache set up before its first job: as a first open would
-    check_writable(Layout(root), "store a setting")
-    store_setting(root, MAX_SIZE, value)
-    settings = effective_settings(path and root)
+def _stored(args: argparse.Namespace, report: ConfigReport) -> int:
     if args.json:
-        print_json(_as_json(root, settings, [], stored={MAX_SIZE: value}))
+        print_json(report.as_dict())
         return 0
+    root, value = report.path, (report.stored or {}).get(MAX_SIZE)
     if value is None:
         print(f"removed the cap stored in {root}: no cap unless max_size_bytes= or ${ENV_MAX_SIZE} gives one")
     else:
@@ -128,6 +102,6 @@ def _store(args: argparse.Namespace, path: str | None, root: str, value: int | N
             f"stored max-size {fmt_bytes(value)} ({value:,} bytes) in {settings_path(root)}: every process that "
             f"opens {root} uses it unless max_size_bytes= or ${ENV_MAX_SIZE} says otherwise"
         )
-    if env_max_size() is not None:
+    if any(s.name == MAX_SIZE and s.source == "environment" for s in report.settings):
         print(f"note: ${ENV_MAX_SIZE} is set here, and overrides it in this environment")
     return 0

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cuda_program_cas._disk.layout import is_shared_store
-from cuda_program_cas._verbs.common import open_cache
-from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect
+from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
 
 from .main import (
     UsageError,
@@ -84,13 +82,9 @@ def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
     """A shared store is collected with at least an hour of grace: say so as bad usage, naming why it is shared."""
     if grace_s >= SHARED_MIN_GRACE_S or shared is False:
         return
-    open_cache(root, write=False, allow_damaged=True)  # a path that is not a cache is reported as such first
-    if shared:
-        why = "--shared was given"
-    elif is_shared_store(root):
-        why = f"{root!r} is a shared store (publish marked it in its layout.json)"
-    else:
+    if not collected_as_shared(root, shared):  # a path that is not a cache is reported as such first
         return
+    why = "--shared was given" if shared else f"{root!r} is a shared store (publish marked it in its layout.json)"
     raise UsageError(
         f"--grace {fmt_age(grace_s)} is too short: {why}, and a shared store is collected with a grace period of "
         f"at least {fmt_age(SHARED_MIN_GRACE_S)} (nodes may be reading what goes); give --grace 1h or more"

@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 from cuda_program_cas._base.errors import ReadOnlyCacheError
-from cuda_program_cas._disk.layout import check_layout
 from cuda_program_cas._verbs.import_filestream import import_filestream
 
 from .main import CommandFailed, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
@@ -35,8 +34,6 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     source, dest = os.path.abspath(args.source), cache_path(args.dest)
-    if os.path.islink(source) and not os.path.exists(source):
-        check_layout(source)  # says which missing path the symlink names (LayoutError: exit 2)
     try:
         report = import_filestream(source, dest, progress=args.progress)
     except ReadOnlyCacheError as exc:

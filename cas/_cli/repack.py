@@ -7,10 +7,9 @@ import os
 from typing import Any
 
 from cuda_program_cas._base.errors import CollectorBusyError
-from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
-from cuda_program_cas._verbs.repack import repack
+from cuda_program_cas._verbs.repack import check_shared_store, repack
 
-from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
+from .main import add_json_arg, fmt_bytes, plural, print_json
 
 __all__ = ["register"]
 
@@ -34,12 +33,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     root = os.path.abspath(args.store)
-    if check_layout(root) is LayoutState.OK and not is_shared_store(root):
-        # Nodes read loose entries of their own cache: repack would keep each twice until a gc.
-        raise UsageError(
-            f"{root!r} is not a shared store (publish marks the stores it writes): repacking it would keep every "
-            "entry twice, loose and packed; repack the shared store your nodes read"
-        )
+    check_shared_store(root)  # a node's local cache: bad usage
     try:
         report = repack(root)
     except CollectorBusyError as exc:
@@ -52,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report.as_dict())
     else:
-        for text in report.unreadable:
+        for text in report.problems:
             print(f"problem: {text}")
         where = report.pack or "no pack (the store is empty)"
         print(
             f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
             f"({fmt_bytes(report.bytes)}) into {where}; retired {plural(len(report.retired), 'pack')}"
         )
-    return 1 if report.unreadable else 0
+    return 1 if report.problem_count else 0

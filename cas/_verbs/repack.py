@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from cuda_program_cas._base.errors import CollectorBusyError
+from cuda_program_cas._base.errors import CollectorBusyError, LayoutError
+from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
 
 from .common import check_writable, open_cache
 from .packs import RepackReport, repack_locked
 
-__all__ = ["RepackReport", "repack"]
+__all__ = ["RepackReport", "check_shared_store", "repack"]
 
 
 def repack(
@@ -46,3 +47,18 @@ def repack(
         return repack_locked(lay, keep=keep, fsync=fsync)
     finally:
         lock.release()
+
+
+def check_shared_store(root: str | os.PathLike[str]) -> None:
+    """Raise :class:`cuda_program_cas.LayoutError` when ``root`` is a cache that publish did not mark as shared.
+
+    Nodes read the loose entries of their own cache: a repack there would keep
+    each entry twice, loose and packed, until a ``gc``. :func:`repack` itself
+    does not ask (``gc`` repacks what it drops from any store); the command does.
+    """
+    path = os.path.abspath(os.fspath(root))
+    if check_layout(path) is LayoutState.OK and not is_shared_store(path):
+        raise LayoutError(
+            f"{path!r} is not a shared store (publish marks the stores it writes): repacking it would keep every "
+            "entry twice, loose and packed; repack the shared store your nodes read"
+        )

@@ -1,0 +1,96 @@
+"""The settings a cache gets, and the cap it stores (``ccache -M``).
+
+:func:`config` says every effective setting of a cache (directory, cap, shared
+stores, log file) and where each came from: argument, environment, cache or
+default. With ``max_size`` it first stores the cap in the cache
+(``settings.json``): every process that opens the cache honours it unless
+``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise; None
+removes it. The settings themselves are :mod:`cuda_program_cas._disk.settings`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar, Final
+
+from cuda_program_cas._disk.layout import Layout, create_layout
+from cuda_program_cas._disk.settings import (
+    MAX_SIZE,
+    SETTING_NAMES,
+    Setting,
+    effective_settings,
+    settings_path,
+    store_setting,
+)
+
+from .common import Report, cache_root, check_writable
+
+__all__ = ["MAX_SIZE", "SETTING_NAMES", "UNCHANGED", "ConfigReport", "Setting", "config", "settings_path"]
+
+
+class _Unchanged(enum.Enum):
+    UNCHANGED = "unchanged"
+
+
+#: ``config(path, max_size=UNCHANGED)`` (the default): store nothing, only say the settings.
+UNCHANGED: Final = _Unchanged.UNCHANGED
+
+
+@dataclass(slots=True)
+class ConfigReport(Report):
+    """The effective settings of a cache; ``problems``: values the library ignores, and why."""
+
+    #: Every problem is listed.
+    max_listed: ClassVar[int | None] = None
+
+    path: str
+    #: Every setting asked for, in the order the library reads them.
+    settings: list[Setting] = field(default_factory=list)
+    #: What this call stored in the cache (name -> value, None: removed), or None.
+    stored: dict[str, int | None] | None = None
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"path": self.path}
+        if self.stored is not None:
+            out["stored"] = dict(self.stored)
+        out["settings"] = {s.name: s.as_dict() for s in self.settings}
+        out["problems"] = list(self.problems)
+        out["problem_count"] = self.problem_count
+        return out
+
+
+def config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    name: str | None = None,
+    max_size: int | _Unchanged | None = UNCHANGED,
+) -> ConfigReport:
+    """The settings a cache opened at ``path`` (None: the default directory) gets with no arguments.
+
+    ``name``: only that setting (``"max_size_bytes"``, ``"directory"``, ``"shared"``, ``"log_file"``).
+    ``max_size``: first store that cap in the cache (None removes it), creating
+    the cache if missing; raises :class:`cuda_program_cas.ReadOnlyCacheError`
+    when it cannot be written. Raises :class:`cuda_program_cas.LayoutError` when
+    ``path`` is a file or not a cache.
+    """
+    given = os.path.abspath(path) if path else None
+    root = cache_root(path)
+    stored: dict[str, int | None] | None = None
+    if not isinstance(max_size, _Unchanged):
+        create_layout(root)  # a cache set up before its first job: as a first open would
+        check_writable(Layout(root), "store a setting")
+        store_setting(root, MAX_SIZE, max_size)
+        stored = {MAX_SIZE: max_size}
+    settings = effective_settings(given)
+    if name is not None:
+        settings = [s for s in settings if s.name == name]
+    report = ConfigReport(root, settings, stored)
+    if stored is None:  # a store that succeeded is not failed by a bad variable elsewhere
+        for s in settings:
+            if s.problem:
+                report.problem(s.problem)
+    return report
