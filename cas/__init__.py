@@ -4,8 +4,10 @@
 ``ProgramCacheResource``; it is imported on first use, so the storage layer
 (:class:`CacheStore`, the blob store and the maintenance verbs) works on a machine
 without CUDA. The maintenance verbs (``collect``, ``verify``, ``publish``,
-``import_filestream`` and their reports) are imported on first use too, so a job
-that only looks kernels up does not pay for them at start-up.
+``import_filestream``, ``stats``, ``repack``, ``clear``, ``config``) are imported
+on first use too, so a job that only looks kernels up does not pay for them at
+start-up. Each returns a report of one shape (:class:`Report`): ``problems`` (a
+list), ``problem_count`` and ``as_dict()``, what the command line prints.
 
 ``cuda_program_cas.__version__`` is the installed distribution's version (read on first use,
 from its metadata), or ``"0+unknown"`` when the package runs from a source tree
@@ -25,9 +27,15 @@ from ._store.store import CacheStore
 
 if TYPE_CHECKING:
     from ._cuda.cache import ContentAddressedProgramCache
+    from ._disk.pack import PackError
+    from ._verbs.clear import ClearReport, clear
+    from ._verbs.common import Report
+    from ._verbs.config import ConfigReport, config
     from ._verbs.gc import GcReport, collect
     from ._verbs.import_filestream import ImportReport, import_filestream
     from ._verbs.publish import PublishReport, publish
+    from ._verbs.repack import RepackReport, repack
+    from ._verbs.stats import StatsReport, stats
     from ._verbs.verify import Problem, VerifyReport, verify
 
     __version__: str
@@ -35,6 +43,12 @@ if TYPE_CHECKING:
 #: Names imported on first use, and the module each comes from.
 _LAZY = {
     "ContentAddressedProgramCache": "._cuda.cache",
+    "PackError": "._disk.pack",
+    "ClearReport": "._verbs.clear",
+    "clear": "._verbs.clear",
+    "Report": "._verbs.common",
+    "ConfigReport": "._verbs.config",
+    "config": "._verbs.config",
     "GcReport": "._verbs.gc",
     "collect": "._verbs.gc",
     "ImportReport": "._verbs.import_filestream",
@@ -43,6 +57,10 @@ _LAZY = {
     "publish": "._verbs.publish",
     "Problem": "._verbs.verify",
     "VerifyReport": "._verbs.verify",
+    "RepackReport": "._verbs.repack",
+    "repack": "._verbs.repack",
+    "StatsReport": "._verbs.stats",
+    "stats": "._verbs.stats",
     "verify": "._verbs.verify",
 }
 
@@ -51,25 +69,35 @@ __all__ = [
     "CacheError",
     "CacheStats",
     "CacheStore",
+    "ClearReport",
     "CollectorBusyError",
+    "ConfigReport",
     "ContentAddressedProgramCache",
     "CorruptBlobError",
     "GcReport",
     "ImportReport",
     "LayoutError",
+    "PackError",
     "Problem",
     "PublishReport",
     "ReadOnlyCacheError",
+    "RepackReport",
+    "Report",
+    "StatsReport",
     "VerifyReport",
     "WriteResult",
     "__version__",
+    "clear",
     "collect",
+    "config",
     "default_cache_dir",
     "digest_of",
     "import_filestream",
     "parse_duration",
     "parse_size",
     "publish",
+    "repack",
+    "stats",
     "verify",
 ]
 
