@@ -1,6 +1,7 @@
 """The tree keeps its promises: packages that depend strictly downward, no circle, true
 ``__all__`` lists, the index used only through its public interface, maintenance verbs
-that do not import each other, every verb a library function.
+that do not import each other, every verb a library function of the package with a
+report of one shape, and a console script that only parses and prints.
 
 These read the source (``ast``); nothing is imported but the modules themselves.
 """
@@ -31,8 +32,22 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 )
 #: Modules of _verbs that the verbs share; every other module there is a verb.
 VERB_SHARED = ("common", "packs")
-#: Console commands that are not maintenance verbs, and the library call each fronts.
-NOT_VERBS = {"clear": "CacheStore.clear", "config": "the settings of _disk.settings"}
+#: Each verb module, and the library function it is (exported by the package, returning a report).
+VERB_FUNCTIONS = {
+    "clear": "clear",
+    "config": "config",
+    "gc": "collect",
+    "import_filestream": "import_filestream",
+    "publish": "publish",
+    "repack": "repack",
+    "stats": "stats",
+    "verify": "verify",
+}
+#: Console commands that are not maintenance verbs, and the library call each fronts (none: every
+#: command is a verb, so the console script needs nothing below _verbs).
+NOT_VERBS: dict[str, str] = {}
+#: What a console command may import from: the verbs, the base, the script itself and the index.
+CLI_MAY_IMPORT = ("_verbs", "_base", "_cli", "index")
 
 
 def folder_of(package: str) -> Path:
@@ -174,7 +189,6 @@ VERBS = verbs()
 
 
 def test_maintenance_verbs_do_not_import_each_other() -> None:
-    assert len(VERBS) >= 5
     paths = dict(modules())
     crossed = [
         f"{verb} imports {source}"
@@ -183,6 +197,45 @@ def test_maintenance_verbs_do_not_import_each_other() -> None:
         if source in VERBS and source != verb
     ]
     assert crossed == []
+
+
+def test_every_verb_is_a_library_function_of_the_package_with_a_report() -> None:
+    import typing
+
+    package = importlib.import_module(NAME)
+    report_base = importlib.import_module(f"{NAME}._verbs.common").Report
+    assert {v.rsplit(".", 1)[1] for v in VERBS} == set(VERB_FUNCTIONS), "a verb module without its function here"
+    for verb in VERBS:
+        module = importlib.import_module(verb)
+        name = VERB_FUNCTIONS[verb.rsplit(".", 1)[1]]
+        function = getattr(module, name)
+        assert name in module.__all__ and name in package.__all__, f"{verb}.{name} is not exported"
+        assert getattr(package, name) is function
+        report = typing.get_type_hints(function)["return"]
+        assert isinstance(report, type) and issubclass(report, report_base), f"{verb}.{name} returns {report}"
+        assert report.__name__ in package.__all__ and getattr(package, report.__name__) is report
+
+
+def test_every_command_is_a_verb() -> None:
+    commands = importlib.import_module(f"{NAME}._cli.main")._COMMAND_MODULES
+    verbs = {v.rsplit(".", 1)[1] for v in VERBS}
+    assert [c for c in commands if c not in verbs and c not in NOT_VERBS] == []
+    assert set(NOT_VERBS) <= set(commands)
+
+
+def test_the_console_script_only_parses_and_prints() -> None:
+    # Its commands call verbs: nothing of the cache's files (_disk) or its run time (_store) directly.
+    allowed = {f"{NAME}.{p}" for p in CLI_MAY_IMPORT}
+    bad = []
+    for name, path in modules():
+        if package_of(name) != "_cli":
+            continue
+        sources = [source for source, _ in imports_of(name, path)]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                sources += [a.name for a in node.names if a.name.split(".")[0] == NAME]
+        bad += [f"{name} imports {s}" for s in sources if ".".join(s.split(".")[:2]) not in allowed]
+    assert bad == []
 
 
 def test_only_the_cuda_package_imports_cuda() -> None:

@@ -26,6 +26,7 @@ EXCEPTIONS = {
     "ReadOnlyCacheError": ("cannot put: cache '/tmp/x' was opened read-only",),
     "CorruptBlobError": ("/tmp/x/blobs/aa/" + "a" * 62, DIGEST_A, DIGEST_B),
     "CollectorBusyError": ("cache '/tmp/x' is busy",),
+    "PackError": ("/tmp/x/packs/pack-0.cpk: bad trailer",),
 }
 
 
