@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module ``cuda_program_cas._cli.<name>`` exposing
 ``register(subparsers) -> None``; ``register`` adds a parser whose default
-``func`` takes the parsed arguments and returns the exit status. ``main`` sets
+``func`` takes the parsed arguments, calls the verb of the same name (a function
+of the package, :mod:`cuda_program_cas._verbs`), prints its report and returns the
+exit status: the commands parse and print, the verbs do the work. ``main`` sets
 ``args.progress`` (a :class:`Progress`, silent unless stderr is a terminal and
 ``--json`` is off) for commands that report progress.
 

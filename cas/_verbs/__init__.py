@@ -1,3 +1,3 @@
-"""The maintenance verbs (gc, verify, publish, import, stats, repack), each a library function with a report."""
+"""The maintenance verbs (gc, verify, publish, import, stats, repack, clear, config), each a function with a report."""
 
 __all__: list[str] = []
