@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +109,14 @@ def cccl_include() -> str | None:
             if os.path.isfile(os.path.join(path, "cub", "cub.cuh")):
                 return path
     return None
+
+
+def work_dir(parent: str | None, name: str) -> str:
+    """A new directory for a run's caches: ``name-*`` under ``parent`` (``--dir``, made if need be), else a temp dir."""
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
+    return tempfile.mkdtemp(prefix=f"cas-{name}-")
 
 
 # -- the checkout ----------------------------------------------------------------------------

@@ -57,7 +57,13 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from _common import git_state, log, spawn_worker, worker_spec  # tools/ is this script's directory, first on sys.path
+from _common import (  # tools/ is this script's directory, first on sys.path
+    git_state,
+    log,
+    spawn_worker,
+    work_dir,
+    worker_spec,
+)
 
 KB = 1024
 #: Operation mix: the rest of the operations are puts of keys drawn from the key space.
@@ -446,11 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--value-size must be at least 16 bytes, got {cfg.value_size}")
     if cfg.fits < 4:
         ap.error(f"--cap {args.cap} holds fewer than 4 values of {cfg.value_size} bytes")
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-        base = tempfile.mkdtemp(prefix="cap-bound-", dir=args.dir)
-    else:
-        base = tempfile.mkdtemp(prefix="cas-cap-bound-")
+    base = work_dir(args.dir, "cap-bound")
     started = time.perf_counter()
     rounds: list[RoundResult] = []
     try:
