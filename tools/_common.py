@@ -73,7 +73,9 @@ def run_worker(script: str, spec: dict[str, Any], timeout: float = 300) -> dict[
         worker_command(script, spec), capture_output=True, text=True, timeout=timeout, env=child_env(), check=False
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"worker {spec['task']} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(
+            f"worker {spec.get('task', script)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 

@@ -123,7 +123,10 @@ def _shared_worker(config: dict[str, Any], rep: Report, rng: random.Random) -> i
 
 
 def spawn(config: dict[str, Any], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """Start one worker: tools/torture.py re-run in its ``_worker`` mode, which calls :func:`worker`."""
+    """Start one worker: tools/torture.py re-run in its ``_worker`` mode, which calls :func:`worker`.
+
+    The operator's ``CUDA_PROGRAM_CAS_*`` settings stay (``CUDA_PROGRAM_CAS_LOG`` for a run under the microscope).
+    """
     return spawn_worker(TOOL, config, keep_settings=True, **kwargs)
 
 
