@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# The tools' helpers, written once for tools and tests: the CCCL header search and the CUB kernel
+# (tools/_common.py), and bench's workloads (tools/_bench/). Last on the path: nothing is shadowed.
+if str(REPO / "tools") not in sys.path:
+    sys.path.append(str(REPO / "tools"))
 
 #: A small kernel; with NVRTC its cubin does not depend on `name`, unused macros or `std`.
 SAXPY = r"""

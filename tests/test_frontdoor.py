@@ -8,7 +8,6 @@ the ``nvidia-cuda-cccl`` wheel's headers (or the toolkit's), and skips without t
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _common import CUB_SOURCE, cccl_include
 from conftest import Compiles
 from cuda.core import Program, ProgramOptions
 
@@ -287,29 +287,6 @@ def test_entries_are_published_and_found_by_a_node(tmp_path: Path, tree: dict[st
     assert compiles.count == 1
     assert_same(hit, reference)
     assert node.stats().shared_hits == 1  # one compile, one count (its record and binary are internal)
-
-
-def cccl_include() -> str | None:
-    """The CCCL headers: the nvidia-cuda-cccl wheel's, else the toolkit's."""
-    import site
-
-    bases = (*sys.path, *site.getsitepackages(), "/usr/local/cuda/include", *glob.glob("/usr/local/cuda-*/include"))
-    for base in bases:
-        for candidate in (os.path.join(base, "nvidia", "cu13", "include", "cccl"), os.path.join(base, "cccl")):
-            if os.path.isfile(os.path.join(candidate, "cub", "cub.cuh")):
-                return candidate
-    return None
-
-
-CUB_SOURCE = r"""
-#include <cub/block/block_reduce.cuh>
-extern "C" __global__ void block_sum(const int *in, int *out) {
-    using BlockReduce = cub::BlockReduce<int, 128>;
-    __shared__ typename BlockReduce::TempStorage temp;
-    int s = BlockReduce(temp).Sum(in[blockIdx.x * 128 + threadIdx.x]);
-    if (threadIdx.x == 0) out[blockIdx.x] = s;
-}
-"""
 
 
 @pytest.mark.slow

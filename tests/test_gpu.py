@@ -303,7 +303,7 @@ _TEMPLATE = "template <class T> __global__ void twice(T *p) { p[threadIdx.x] = p
 
 
 def test_front_door_cub_and_template_launch_from_a_hit_in_a_fresh_process(tmp_path: Path, arch: str) -> None:
-    from test_frontdoor import CUB_SOURCE, cccl_include
+    from _common import CUB_SOURCE, cccl_include
 
     cccl = cccl_include()
     if cccl is None:

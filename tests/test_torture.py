@@ -1,26 +1,23 @@
-"""Quick versions of the torture scenarios of tools/torture.py (about a minute in all on 2 cores).
+"""Quick versions of the torture scenarios of tests/_torture/ (about a minute in all on 2 cores).
 
 Each scenario returns a report of figures; a test fails on any wrong byte, any
 unexpected exception, or any failure the scenario records (printed in full).
-Long runs: ``python tools/torture.py --processes 4 --seconds 150``.
+Long runs, through its command line: ``python tools/torture.py --processes 4 --seconds 150``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
+import _torture as torture
 import pytest
+from blake3 import blake3
 from conftest import REPO, compile_program, is_root, run_python
 
-_spec = importlib.util.spec_from_file_location("torture", REPO / "tools" / "torture.py")
-assert _spec is not None and _spec.loader is not None
-torture = importlib.util.module_from_spec(_spec)
-sys.modules["torture"] = torture
-_spec.loader.exec_module(torture)
+from cuda_program_cas import CacheStore
+from cuda_program_cas.index import key_id
 
 
 def _assert_clean(rep) -> None:
@@ -42,20 +39,20 @@ def test_harness_detects_wrong_bytes_and_wrong_mappings(tmp_path: Path) -> None:
     from cuda_program_cas.index import Manifest
 
     root = str(tmp_path / "c")
-    store = torture.CacheStore(root)
+    store = CacheStore(root)
     for i in (1, 2):
         store.put(torture.key_name(i), torture.content(i))
-    kid1, kid2 = (torture.key_id(torture.key_name(i)) for i in (1, 2))
+    kid1, kid2 = (key_id(torture.key_name(i)) for i in (1, 2))
     with open(store.layout.manifest_path(kid2), "rb") as fh:
         copied = fh.read()
     with open(store.layout.manifest_path(kid1), "wb") as fh:
         fh.write(copied)
-    assert torture.CacheStore(root).get(torture.key_name(1)) is None  # misplaced: a miss
-    digest2 = torture.blake3(torture.content(2)).hexdigest()
+    assert CacheStore(root).get(torture.key_name(1)) is None  # misplaced: a miss
+    digest2 = blake3(torture.content(2)).hexdigest()
     with open(store.layout.manifest_path(kid1), "wb") as fh:
         fh.write(Manifest(digest2, len(torture.content(2)), kid1).encode())
     rep = torture.Report("self-test")
-    torture.check_hit(1, torture.CacheStore(root).get(torture.key_name(1)), rep, "self-test")
+    torture.check_hit(1, CacheStore(root).get(torture.key_name(1)), rep, "self-test")
     assert rep.wrong_bytes == 1 and not rep.ok
     assert torture.inspect_cache(root, torture.expected_digests())["wrong_mapping"] == 1
 
@@ -159,7 +156,9 @@ def test_shared_store_published_and_collected_while_nodes_read(tmp_path: Path) -
 def test_command_line_summary_and_exit_status(tmp_path: Path) -> None:
     """One JSON object whose verdict matches the exit status; bad usage exits 2."""
     script = str(REPO / "tools" / "torture.py")
-    code = "import runpy, sys; del sys.argv[0]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    # As `python tools/torture.py ...` runs it: the script's folder first on sys.path.
+    code = "import os, runpy, sys; del sys.argv[0]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+    code += "runpy.run_path(sys.argv[0], run_name='__main__')"
     out = run_python(code, script, "--scenarios", "corrupt", "--corrupt-rounds", "1", "--json", "--dir", str(tmp_path))
     summary = json.loads(out.stdout)
     assert out.returncode == (0 if summary["ok"] else 1), out.stderr

@@ -57,9 +57,14 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bench import git_state  # tools/ is this script's directory, first on sys.path
+from _common import (  # tools/ is this script's directory, first on sys.path
+    git_state,
+    log,
+    spawn_worker,
+    work_dir,
+    worker_spec,
+)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KB = 1024
 #: Operation mix: the rest of the operations are puts of keys drawn from the key space.
 REWRITE_FRACTION = 0.20
@@ -100,25 +105,14 @@ class Config:
         return max(8, self.fits // (2 * n))
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_PROGRAM_CAS_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 # -- the worker ------------------------------------------------------------------------
 
 
-def _worker_main(argv: list[str]) -> int:
+def _worker_main(spec: dict[str, Any]) -> int:
     """``_worker SPEC_JSON``: open the cache, print "ready", wait for a byte on stdin, work, print a JSON line."""
     import cuda_program_cas
     from cuda_program_cas import WriteResult
 
-    spec = json.loads(argv[0])
     worker, size = spec["worker"], spec["value_size"]
     store = cuda_program_cas.CacheStore(spec["path"], max_size_bytes=spec["cap"])
     rng = random.Random(spec["seed"])
@@ -220,13 +214,7 @@ class RoundResult:
 
 
 def _start_worker(spec: dict[str, Any], err: IO[bytes]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "_worker", json.dumps(spec)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=err,
-        env=child_env(),
-    )
+    return spawn_worker(__file__, spec, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
 
 
 def _tail(err: IO[bytes]) -> str:
@@ -425,8 +413,9 @@ def _positive_list(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_worker"]:
-        return _worker_main(argv[1:])
+    spec = worker_spec(argv)
+    if spec is not None:
+        return _worker_main(spec)
     import cuda_program_cas
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -463,11 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--value-size must be at least 16 bytes, got {cfg.value_size}")
     if cfg.fits < 4:
         ap.error(f"--cap {args.cap} holds fewer than 4 values of {cfg.value_size} bytes")
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
-        base = tempfile.mkdtemp(prefix="cap-bound-", dir=args.dir)
-    else:
-        base = tempfile.mkdtemp(prefix="cas-cap-bound-")
+    base = work_dir(args.dir, "cap-bound")
     started = time.perf_counter()
     rounds: list[RoundResult] = []
     try:

@@ -39,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import CUB_SOURCE, cccl_include
+
 KERNELS = {
     "saxpy": r"""
 extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
@@ -103,16 +105,6 @@ VARIANTS = {
     "lineinfo": {"lineinfo": True},
 }
 
-#: A CUB kernel: its headers come from the CCCL directory, the same in every run.
-CUB_SOURCE = r"""
-#include <cub/block/block_reduce.cuh>
-extern "C" __global__ void block_sum(const int *in, int *out) {
-    using BlockReduce = cub::BlockReduce<int, 128>;
-    __shared__ typename BlockReduce::TempStorage temp;
-    int s = BlockReduce(temp).Sum(in[blockIdx.x * 128 + threadIdx.x]);
-    if (threadIdx.x == 0) out[blockIdx.x] = s;
-}
-"""
 #: A small kernel that reads a header of the demo's own (``demo_tile.h``), which the demo edits.
 TILE_SOURCE = r"""
 #include "demo_tile.h"
@@ -156,19 +148,6 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
 
 
 # -- the front door: a CUB kernel through include_path ----------------------------------
-
-
-def cccl_include() -> str | None:
-    """The CCCL headers (``cub/``), as cuda-pathfinder finds them: the nvidia-cuda-cccl wheel or a toolkit."""
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-    except ImportError:
-        return None
-    try:
-        found = find_nvidia_header_directory("cccl")
-    except Exception:  # cuda-pathfinder raises its own errors for an unusual installation
-        return None
-    return found if found and os.path.isdir(os.path.join(found, "cub")) else None
 
 
 def cub_compile(path: str, source: str, include: list[str]) -> dict[str, object]:

@@ -44,6 +44,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from _common import cccl_include, child_env  # noqa: E402  (tools/, this script's folder, is on sys.path)
+
 HEAVY = r"""
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_radix_sort.cuh>
@@ -85,27 +87,6 @@ LIGHT_N = 1 << 22
 
 
 # -- compiling through the cache --------------------------------------------------------
-
-
-def cccl_include() -> str | None:
-    """The directory holding ``cub/``: cuda-pathfinder's answer, else the usual toolkit places."""
-    try:
-        import cuda.pathfinder as pf
-
-        locate = getattr(pf, "locate_nvidia_header_directory", None)
-        if locate is not None:
-            found = locate("cccl")
-            path = getattr(found, "abs_path", found)
-        else:
-            path = pf.find_nvidia_header_directory("cccl")
-        if path and os.path.isdir(os.path.join(path, "cub")):
-            return str(path)
-    except Exception:
-        pass
-    for path in ("/usr/local/cuda/include/cccl", "/usr/local/cuda/include"):
-        if os.path.isdir(os.path.join(path, "cub")):
-            return path
-    return None
 
 
 def has_bundled_headers() -> bool:
@@ -244,7 +225,7 @@ def child(args: argparse.Namespace) -> int:
 
 
 def fresh_process(kernel: str, mode: str, cache: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(keep_settings=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--kernel", kernel, "--mode", mode, "--cache", cache]
     t0 = time.monotonic()
     proc = subprocess.run([*cmd, "--t0", repr(t0)], capture_output=True, text=True, env=env, timeout=300, check=False)

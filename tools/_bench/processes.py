@@ -1,0 +1,194 @@
+"""Processes: several processes sharing one cache, and the cold start of a fresh process."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from _common import child_env
+
+from .common import (
+    KB,
+    KINDS,
+    Config,
+    Result,
+    Row,
+    fmt_size,
+    interleaved,
+    key_for,
+    median,
+    open_cache,
+    payload,
+    perf_ns,
+    wait_until_old,
+)
+
+# -- workload 6: processes sharing one cache -------------------------------------------
+
+
+def _mp_worker(spec: dict[str, Any], wid: int, go: Any, q: Any) -> None:
+    kind, path, nkeys, size, deadline_s = spec["kind"], spec["path"], spec["nkeys"], spec["size"], spec["duration_s"]
+    ops = reads = writes = errors = 0
+    first_error = ""
+    try:
+        cache = open_cache(kind, path)
+        rng = random.Random(wid)
+        keys = [key_for("mp", i) for i in range(nkeys)]
+        q.put(("ready", wid))
+        go.wait()
+        t0 = time.perf_counter()
+        end = t0 + deadline_s
+        n = 0
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                break
+            try:
+                if rng.random() < 0.1:
+                    n += 1
+                    cache[key_for("mp-write", wid, n)] = payload(size, (wid + 1) * 10_000_000 + n)
+                    writes += 1
+                else:
+                    i = rng.randrange(nkeys)
+                    v = cache.get(keys[i])
+                    reads += 1
+                    if v is None or len(v) != size or v[:8] != i.to_bytes(8, "little"):
+                        errors += 1
+                        first_error = first_error or f"read of key {i} returned {'nothing' if v is None else 'wrong'}"
+            except Exception as exc:
+                errors += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
+            ops += 1
+        elapsed = time.perf_counter() - t0
+        q.put(("done", wid, ops, reads, writes, errors, elapsed, first_error))
+    except BaseException as exc:
+        q.put(("failed", wid, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def w_processes(cfg: Config, base: str) -> Result:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+    res = Result()
+    size = 8 * KB
+    for nproc in cfg.mp_procs:
+        tput: dict[str, float] = {}
+        errs: dict[str, int] = {}
+        for kind in interleaved(nproc):
+            path = os.path.join(base, f"{kind}-{nproc}")
+            cache = open_cache(kind, path)
+            for i in range(cfg.mp_keys):
+                cache[key_for("mp", i)] = payload(size, i)
+            spec = {"kind": kind, "path": path, "nkeys": cfg.mp_keys, "size": size, "duration_s": cfg.mp_duration_s}
+            go = ctx.Event()
+            q = ctx.Queue()
+            procs = [ctx.Process(target=_mp_worker, args=(spec, w, go, q)) for w in range(nproc)]
+            for p in procs:
+                p.start()
+            msgs = [q.get(timeout=120) for _ in procs]
+            if any(m[0] != "ready" for m in msgs):
+                raise RuntimeError(f"{kind}: a worker failed to start: {msgs}")
+            go.set()
+            msgs = [q.get(timeout=120 + cfg.mp_duration_s) for _ in procs]
+            for p in procs:
+                p.join(timeout=60)
+            failed = [m for m in msgs if m[0] != "done"]
+            if failed:
+                raise RuntimeError(f"{kind}: worker failed: {failed}")
+            ops = sum(m[2] for m in msgs)
+            elapsed = max(m[6] for m in msgs)
+            tput[kind] = ops / elapsed
+            errs[kind] = sum(m[5] for m in msgs)
+            res.details[f"{kind}_{nproc}"] = {
+                "ops": ops,
+                "reads": sum(m[3] for m in msgs),
+                "writes": sum(m[4] for m in msgs),
+                "errors": errs[kind],
+                "first_error": next((m[7] for m in msgs if m[7]), ""),
+                "elapsed_s": elapsed,
+                "exit_codes": [p.exitcode for p in procs],
+            }
+        res.add(Row(f"{nproc} processes, 90% reads, throughput", "ops/s", tput["ours"], tput["filestream"],
+                    target_op=">=", target_ratio=1.0))  # fmt: skip
+        res.add(
+            Row(
+                f"{nproc} processes, errors",
+                "count",
+                errs["ours"],
+                errs["filestream"],
+                target="0 for ours",
+                verdict=errs["ours"] == 0,
+            )
+        )
+    res.notes.append(
+        f"each process opens the cache and runs {cfg.mp_duration_s:g} s: 90 % get() of {cfg.mp_keys} stored "
+        f"{fmt_size(size)} keys (bytes checked), 10 % writes of new keys; {os.cpu_count()} CPUs, so 4 and 8 "
+        "processes share them"
+    )
+    return res
+
+
+# -- workload 7: cold start ------------------------------------------------------------
+
+_COLD = """
+import time
+t0 = time.perf_counter_ns()
+{imp}
+t1 = time.perf_counter_ns()
+c = {ctor}({path!r})
+t2 = time.perf_counter_ns()
+v = c.get({key!r})
+t3 = time.perf_counter_ns()
+assert v is not None and len(v) == {size}
+print(t1 - t0, t2 - t1, t3 - t2)
+"""
+
+
+def w_cold_start(cfg: Config, base: str) -> Result:
+    res = Result()
+    size = 8 * KB
+    paths = {k: os.path.join(base, k) for k in KINDS}
+    for kind in KINDS:
+        cache = open_cache(kind, paths[kind])
+        for i in range(cfg.cold_runs + 1):
+            cache[key_for("cold", i)] = payload(size, i)
+    wait_until_old(time.time())
+    parts: dict[str, list[list[int]]] = {k: [] for k in KINDS}
+    walls: dict[str, list[float]] = {k: [] for k in KINDS}
+    for r in range(-1, cfg.cold_runs):  # run -1 warms the OS caches for the interpreter and libraries
+        for kind in interleaved(r):
+            imp, ctor = (
+                ("from cuda_program_cas import ContentAddressedProgramCache", "ContentAddressedProgramCache")
+                if kind == "ours"
+                else ("from cuda.core.utils import FileStreamProgramCache", "FileStreamProgramCache")
+            )
+            code = _COLD.format(imp=imp, ctor=ctor, path=paths[kind], key=key_for("cold", r + 1), size=size)
+            t0 = perf_ns()
+            proc = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120, check=False
+            )
+            wall = perf_ns() - t0
+            if proc.returncode != 0:
+                raise RuntimeError(f"cold start ({kind}) failed: {proc.stderr.strip()[-2000:]}")
+            if r >= 0:
+                parts[kind].append([int(x) for x in proc.stdout.split()])
+                walls[kind].append(wall / 1e6)
+
+    def med(kind: str, i: int | None) -> float:
+        vals = [sum(p) if i is None else p[i] for p in parts[kind]]
+        return median([v / 1e6 for v in vals])
+
+    res.add(Row("import + open + first hit (in process), median", "ms", med("ours", None), med("filestream", None)))
+    res.add(Row("  of which import", "ms", med("ours", 0), med("filestream", 0)))
+    res.add(Row("  of which open", "ms", med("ours", 1), med("filestream", 1)))
+    res.add(Row("  of which first hit", "ms", med("ours", 2), med("filestream", 2)))
+    res.add(Row("whole process (spawn to exit), median", "ms", median(walls["ours"]), median(walls["filestream"])))
+    res.notes.append(
+        f"{cfg.cold_runs} fresh `python -c` processes per cache after one warm-up each; both imports load cuda.core"
+    )
+    return res
