@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,7 +46,6 @@ from cuda_program_cas._store.store import CacheStore
 
 __all__ = ["link"]
 
-_log = logging.getLogger("cuda_program_cas")
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas link 1\0"
 #: The key's prefix in the store (the rest is a sha256): no other key of the store starts so.
@@ -121,7 +119,7 @@ def _link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> 
     linker = _cuda_core()[2].Linker(*objects, options=options)
     try:
         result = linker.link(target_type)
-        backend = getattr(linker, "backend", None)  # cuda.core names it per linker from 1.3 on
+        backend = getattr(linker, "backend", None)  # newer cuda.core names it per linker (1.2 does not)
     finally:
         close = getattr(linker, "close", None)
         if close is not None:
