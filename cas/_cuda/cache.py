@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from cuda.core import ObjectCode, ProgramOptions
+from cuda.core import LinkerOptions, ObjectCode, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
 from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared
@@ -186,6 +186,26 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         obj: ObjectCode = self._front_door.compile(
             code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
         )
+        return obj
+
+    def link(self, object_codes: Iterable[ObjectCode], options: LinkerOptions | None, target_type: str) -> ObjectCode:
+        """Link through the cache: ``Linker(*object_codes, options=options).link(target_type)``.
+
+        Keyed by each input's code type, name and bytes (a path-backed one is read)
+        in order, every ``LinkerOptions`` field, the linker's backend and its
+        version, and the target type. A hit returns an ``ObjectCode`` with the
+        bytes, code type and ``name`` of the uncached link without running the
+        linker; a miss links and stores. One call counts one hit or one miss. A
+        link that fails raises what the uncached link raises and stores nothing.
+        Options that cannot be keyed soundly (a value other than None, a bool, an
+        int, a str or a list or tuple of str), and inputs whose file cannot be
+        read, link uncached: the result is returned, a dropped write counted and
+        one WARNING logged. A cache that cannot be written or read returns the
+        uncached link's result.
+        """
+        from .link import link
+
+        obj: ObjectCode = link(self._store, object_codes, options, target_type)
         return obj
 
     def stats(self) -> CacheStats:

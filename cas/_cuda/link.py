@@ -1,0 +1,246 @@
+"""``cache.link(...)``: ``Linker(*object_codes, options=...).link(target_type)`` through the cache.
+
+A link is keyed by everything that can change its output:
+
+- each input, in order: its code type, its name (the linker is given it), and
+  its bytes (a path-backed ``ObjectCode`` is read, and its path is keyed too:
+  the linker opens the file by that name);
+- every field of the ``LinkerOptions``, each value tagged with its type (the
+  linker treats a ``list`` and a ``tuple`` differently), an ``arch`` of None
+  resolved to the current device's, as the linker resolves it;
+- the backend cuda.core links with (nvJitLink or the driver's cuLink) and its
+  version, as cuda.core's own program cache keys them;
+- the target type, and this module's format tag.
+
+The value is the linked bytes, an ordinary entry of the store (one lookup: one
+hit or one miss); a hit returns an ``ObjectCode`` of the target's code type
+named by ``options.name``, as the uncached link does, without running the
+linker. A hit has no linker logs: there is no ``Linker`` to ask.
+
+What cannot be keyed soundly links uncached, counts a dropped write and logs
+one WARNING per reason per process: an option value that is not None, a bool,
+an int, a str or a list or tuple of str; an ``options`` that is not a plain
+``LinkerOptions`` (a dict, a subclass); an input file that cannot be read; an
+``arch`` of None where no device can be asked; a backend cuda.core cannot name.
+Inputs the uncached link would refuse (no inputs, not an ``ObjectCode``, a
+target other than ``cubin`` or ``ptx``) go to it, which raises.
+
+The uncached link is cuda.core's own class, looked up in ``cuda.core._linker``
+at each call, so a switch that rebinds ``cuda.core.Linker`` to route links
+through :func:`link` does not call itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from blake3 import blake3
+
+from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._store.store import CacheStore
+
+__all__ = ["link"]
+
+#: Mixed into every key: a new key format gets new keys.
+_TAG = b"cuda-program-cas link 1\0"
+#: The key's prefix in the store (the rest is a sha256): no other key of the store starts so.
+_PREFIX = b"cpcas-link/1\0"
+#: The targets the linker produces.
+_TARGETS = ("cubin", "ptx")
+
+
+class _Unkeyable(Exception):
+    """A link whose inputs cannot be keyed soundly: it runs uncached."""
+
+
+@functools.cache
+def _cuda_core() -> tuple[Any, Any, Any]:
+    """``ObjectCode``, ``LinkerOptions`` and the module holding cuda.core's own ``Linker``, imported once."""
+    from cuda.core import LinkerOptions, ObjectCode
+
+    try:
+        import cuda.core._linker as linker_module
+    except ImportError:  # a cuda.core laid out otherwise: its public name, as imported now
+        import cuda.core as linker_module
+    return ObjectCode, LinkerOptions, linker_module
+
+
+def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
+    """``Linker(*object_codes, options=options).link(target_type)``, from the store when it holds it.
+
+    Raises what the uncached link raises (then nothing is stored). A store that
+    fails (a full disk, a read-only directory, an error reading it) never costs
+    the caller the link: it links uncached and returns the result.
+    """
+    ObjectCode, LinkerOptions, _ = _cuda_core()
+    objects = tuple(object_codes)
+    if options is None:
+        options = LinkerOptions()
+    if not _valid(objects, target_type, ObjectCode):
+        return _link_uncached(objects, options, target_type)[0]
+    try:
+        key, files = _key(objects, options, target_type, LinkerOptions)
+    except _Unkeyable as exc:
+        result = _link_uncached(objects, options, target_type)[0]
+        _dropped(store, str(exc))
+        return result
+    try:
+        data = store.get(key)
+    except Exception as exc:  # the cache must never cost the caller its link
+        warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
+        data = None
+    if data is not None:
+        return _object_code(ObjectCode, data, target_type, options.name)
+    result, backend = _link_uncached(objects, options, target_type)
+    why = _why_not_stored(files, backend)
+    if why is not None:
+        _dropped(store, why)
+        return result
+    try:
+        store.put(key, bytes(result.code))
+    except Exception as exc:  # as above: the caller has its result, the cache only loses an entry
+        warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
+        store.note_dropped(None, f"write failed: {exc!r}")
+    return result
+
+
+def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> bool:
+    """Whether the uncached link would get past its checks of the arguments (else it raises for them)."""
+    return bool(objects) and all(isinstance(o, object_code) for o in objects) and target_type in _TARGETS
+
+
+def _link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> tuple[Any, str | None]:
+    """The link as cuda.core runs it, and the backend the linker says it used (None if it cannot say)."""
+    linker = _cuda_core()[2].Linker(*objects, options=options)
+    try:
+        result = linker.link(target_type)
+        backend = getattr(linker, "backend", None)  # newer cuda.core names it per linker (1.2 does not)
+    finally:
+        close = getattr(linker, "close", None)
+        if close is not None:
+            close()
+    return result, backend if isinstance(backend, str) else None
+
+
+def _dropped(store: CacheStore, reason: str) -> None:
+    warn_once(("link uncached", reason), "cuda-program-cas: link: %s; such links are not cached", reason)
+    store.note_dropped(None, reason)
+
+
+def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
+    """Why a successful miss must not be stored: an input file changed, or another backend linked."""
+    for path, digest in files.items():
+        try:
+            if _digest(_read(path)) != digest:
+                return f"input file {path} changed while it was linked"
+        except OSError:
+            return f"input file {path} cannot be read again"
+    if backend is not None and backend.lower() != _backend()[0].lower():
+        return f"the linker used {backend}, not {_backend()[0]}"
+    return None
+
+
+# -- the key ----------------------------------------------------------------------------
+
+
+def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_options: Any) -> tuple[bytes, dict[str, str]]:
+    """The store key of a link, and the digest of each path-backed input (re-checked before storing)."""
+    if type(options) is not linker_options:
+        raise _Unkeyable(f"options of type {type(options).__name__}, not LinkerOptions")
+    backend, version = _backend()
+    h = hashlib.sha256(_TAG)
+    h.update(json.dumps([backend, version, target_type, _options_part(options)]).encode())
+    files: dict[str, str] = {}
+    for obj in objects:
+        code, code_type, name = obj.code, obj.code_type, obj.name
+        if isinstance(code, bytes):
+            source, data = "", code
+        elif isinstance(code, str):
+            try:
+                data = _read(code)
+            except OSError as exc:
+                raise _Unkeyable(f"input file {code} cannot be read ({exc.strerror or exc})") from None
+            source = code
+        else:
+            raise _Unkeyable(f"an input whose code is a {type(code).__name__}")
+        digest = _digest(data)
+        if source:
+            files[source] = digest
+        h.update(b"\0" + json.dumps([str(code_type), f"{name}", source, len(data), digest]).encode())
+    return _PREFIX + h.digest(), files
+
+
+def _options_part(options: Any) -> list[list[Any]]:
+    """Every field of the options as ``[name, type tag, value]``, sorted by name; arch None resolved."""
+    part = []
+    for field in sorted(dataclasses.fields(options), key=lambda f: f.name):
+        value = getattr(options, field.name)
+        if field.name == "arch" and value is None:
+            value = _device_arch()
+        part.append([field.name, *_tagged(field.name, value)])
+    return part
+
+
+def _tagged(name: str, value: object) -> tuple[str, object]:
+    """A value as ``(type tag, JSON value)``; the types the linker formats are the only ones keyed."""
+    kind = type(value)
+    if value is None or kind is bool or kind is int or kind is str:
+        return kind.__name__, value
+    if (kind is list or kind is tuple) and all(type(v) is str for v in value):  # type: ignore[attr-defined]
+        return kind.__name__, list(value)  # type: ignore[call-overload]
+    raise _Unkeyable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
+
+
+def _device_arch() -> str:
+    """``sm_XY`` of the current device, as the linker resolves an ``arch`` of None."""
+    try:
+        from cuda.core import Device
+
+        major, minor = Device().compute_capability
+    except Exception as exc:
+        raise _Unkeyable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def _backend() -> tuple[str, str]:
+    """The backend cuda.core links with and its version: ``("nvJitLink", "(13, 5)")`` or ``("driver", "13020")``.
+
+    Cached: cuda.core decides once per process. Raises _Unkeyable when it cannot be told.
+    """
+    try:
+        which = _cuda_core()[2].Linker.which_backend()
+        name = str(getattr(which, "value", which))
+        if name.lower() == "nvjitlink":
+            from cuda.bindings import nvjitlink
+
+            return "nvJitLink", str(tuple(nvjitlink.version()))
+        if name.lower() == "driver":
+            from cuda.bindings import driver
+
+            err, version = driver.cuDriverGetVersion()
+            if int(err) != 0:
+                raise RuntimeError(f"cuDriverGetVersion: {err}")
+            return "driver", str(int(version))
+    except Exception as exc:
+        raise _Unkeyable(f"the linker's backend cannot be told ({type(exc).__name__}: {exc})") from None
+    raise _Unkeyable(f"the linker's backend {name!r} is not known")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _digest(data: bytes) -> str:
+    return blake3(data).hexdigest()
+
+
+def _object_code(object_code: Any, data: bytes, target_type: str, name: str) -> Any:
+    make = object_code.from_cubin if target_type == "cubin" else object_code.from_ptx
+    return make(data, name=name)
