@@ -35,6 +35,10 @@ record and its results share a group of key ids (:mod:`cuda_program_cas.index`),
 eviction and ``gc`` keep or remove them together. One ``compile`` counts one hit
 or one miss, whatever it looked up.
 
+A miss first takes the claim on the record key (:meth:`CacheStore.claim`): of the
+processes of a node that miss the same inputs at once, one compiles and the others
+wait, then look the record up again and hit.
+
 A miss compiles uncached. With NVRTC 13 or later the compile runs with
 ``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
 the same with and without it). Before 13, every file under the search

@@ -154,7 +154,8 @@ def _take(path: str, wait_s: float) -> tuple[Claim, int | None]:
                     return Claim(waited=True), None
                 continue
             if os.utime in os.supports_fd:
-                os.utime(fd)  # a file left by a dead claimant: young again, so no sweep takes it
+                with contextlib.suppress(OSError):  # another user's file: held all the same
+                    os.utime(fd)  # a file left by a dead claimant: young again, so no sweep takes it
         except OSError as exc:
             _close(fd)
             _no_claim(path, exc)
