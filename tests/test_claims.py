@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, ChildLines, StartGate, is_root
 
-from cuda_program_cas import CacheStore, ContentAddressedProgramCache
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect, verify
 from cuda_program_cas._store import claims
 from cuda_program_cas.index import key_id
 
@@ -249,8 +249,8 @@ def test_read_only_and_unclaimable_caches_compile(cache_dir: Path, reference: di
     assert bytes(hit.code).hex() == reference["code"]
 
 
-@pytest.mark.parametrize("what", ["directory", "symlink", "fifo", "unwritable"])
-def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str) -> None:
+@pytest.mark.parametrize("what", ["directory", "symlink", "fifo", "unwritable", "read-only file system"])
+def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Something in the claim file's place, or a tmp/ that cannot be written: no claim, no wait, no exception."""
     if what == "unwritable" and is_root():
         pytest.skip("root writes anywhere")
@@ -263,6 +263,12 @@ def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str) -> None:
         place.symlink_to(cache_dir / "elsewhere")
     elif what == "fifo":
         os.mkfifo(place)
+    elif what == "read-only file system":
+
+        def read_only_fs(path: str) -> int:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+
+        monkeypatch.setattr(claims, "_open", read_only_fs)
     else:
         (cache_dir / "tmp").chmod(0o500)
     try:
@@ -277,6 +283,23 @@ def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str) -> None:
     read_only = CacheStore(cache_dir, read_only=True)
     with read_only.claim(kid) as claim:
         assert not claim.held and not claim.waited
+
+
+def test_a_dead_claimants_file_is_taken_over_or_swept(cache_dir: Path) -> None:
+    """A claim file no one holds is free: the next claimant takes it (and freshens it); else gc takes it."""
+    store = CacheStore(cache_dir)
+    old = time.time() - 2 * 3600
+    for name in ("k", "gone"):
+        leftover = cache_dir / "tmp" / f"{key_id(name)}.claim"
+        leftover.write_bytes(b"")
+        os.utime(leftover, (old, old))
+    with store.claim(key_id("k"), wait_s=0) as claim:
+        assert claim.held and not claim.waited
+        assert (cache_dir / "tmp" / f"{key_id('k')}.claim").stat().st_mtime > old + 3600  # no sweep takes it now
+    assert claim_files(cache_dir) == [f"{key_id('gone')}.claim"]
+    assert [p.kind for p in verify(cache_dir).problems] == ["stale_temp_file"]
+    assert collect(cache_dir).temp_files_removed == 1
+    assert claim_files(cache_dir) == []
 
 
 def test_threads_of_one_process_wait_for_each_other(cache_dir: Path) -> None:
