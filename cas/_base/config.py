@@ -19,12 +19,15 @@ from typing import Any, TypeVar
 from .fork import ForkSafeLock
 
 __all__ = [
+    "DEFAULT_CLAIM_WAIT_S",
+    "ENV_CLAIM_WAIT",
     "ENV_DIR",
     "ENV_LOG",
     "ENV_MAX_SIZE",
     "ENV_SHARED",
     "NOT_GIVEN",
     "default_cache_dir",
+    "env_claim_wait",
     "env_dir",
     "env_log_file",
     "env_max_size",
@@ -48,6 +51,14 @@ ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
 #: A file that every record of the ``cuda_program_cas`` logger, DEBUG and up, is appended to
 #: (see :mod:`cuda_program_cas._base.events`).
 ENV_LOG = "CUDA_PROGRAM_CAS_LOG"
+#: How long a compile waits for another process of the node compiling the same key
+#: (see :mod:`cuda_program_cas._store.claims`): a duration, ``0`` never waits.
+ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
+#: The wait's default: 5 minutes. A CUB kernel compiles in seconds and the largest
+#: template-heavy kernels in a minute or two, so a waiter rarely gives up on a live
+#: compile; and a claimant that hangs without dying holds the others back no longer
+#: than this before each compiles itself (a claimant that dies frees them at once).
+DEFAULT_CLAIM_WAIT_S = 300.0
 
 #: An argument that was not given: its value comes from the environment or the cache.
 NOT_GIVEN: Any = type("_NotGiven", (), {"__repr__": lambda self: "<not given>"})()
@@ -127,6 +138,12 @@ def env_shared() -> list[str] | None:
     """The paths of ``$CUDA_PROGRAM_CAS_SHARED`` (``os.pathsep`` between them, empty parts skipped), absolute."""
     parse = _absolute(ENV_SHARED)
     return env_value(ENV_SHARED, lambda text: [parse(p) for p in text.split(os.pathsep) if p])
+
+
+def env_claim_wait() -> float:
+    """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S` (a bad value: one WARNING)."""
+    value = env_value(ENV_CLAIM_WAIT, parse_duration)
+    return DEFAULT_CLAIM_WAIT_S if value is None else value
 
 
 def env_log_file() -> str | None:

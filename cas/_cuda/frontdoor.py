@@ -35,6 +35,10 @@ record and its results share a group of key ids (:mod:`cuda_program_cas.index`),
 eviction and ``gc`` keep or remove them together. One ``compile`` counts one hit
 or one miss, whatever it looked up.
 
+A miss first takes the claim on the record key (:meth:`CacheStore.claim`): of the
+processes of a node that miss the same inputs at once, one compiles and the others
+wait, then look the record up again and hit.
+
 A miss compiles uncached. With NVRTC 13 or later the compile runs with
 ``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
 the same with and without it). Before 13, every file under the search
@@ -264,13 +268,49 @@ class FrontDoor:
             data, variant, shared = found
             self._store.note_hit(record_kid, shared, t0_ns=t0)
             return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
-        self._store.note_miss(record_kid, found, t0_ns=t0)
-
         if self._store.read_only:
             # A read-only cache is never written: compile, return, count the write it drops.
+            self._store.note_miss(record_kid, found, t0_ns=t0)
             result = Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
             self._store.note_dropped(record_kid, "read-only cache")
             return result
+        # One process of the node compiles these inputs; the others wait for its record.
+        with self._store.claim(record_kid) as claim:
+            if claim.held or claim.waited:
+                # Stored meanwhile, by the claimant waited for or one that let go just before.
+                found = self._lookup(record_kid, record_key)
+                if isinstance(found, tuple):
+                    data, variant, shared = found
+                    self._store.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
+                    return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
+            self._store.note_miss(record_kid, found, t0_ns=t0)
+            return self._compile(
+                code,
+                code_type,
+                options,
+                target_type,
+                expressions=name_expressions,
+                logs=logs,
+                search=search,
+                key=record_key,
+            )
+
+    def _compile(
+        self,
+        code: str | bytes,
+        code_type: str,
+        options: Any,
+        target_type: str,
+        *,
+        expressions: tuple[Any, ...],
+        logs: Any,
+        search: _Search,
+        key: bytes,
+    ) -> Any:
+        """A miss: compile uncached, record the headers it read, store the result and the record."""
+        _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
+        name_expressions, record_key = expressions, key
+        record_kid = grouped_id(record_key, None)
         started_ns = _fs_clock(self._store.layout.tmp)
         traced = code_type == "c++" and _nvrtc_major() >= 13
         trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-") if traced else None

@@ -27,6 +27,7 @@ from .atomic import atomic_write, make_tmp_dir
 from .files import READ_FLAGS, shard_path, trusted_mtime_ns
 
 __all__ = [
+    "CLAIM_SUFFIX",
     "LAYOUT_VERSION",
     "SETTINGS_FILE",
     "STALE_TMP_S",
@@ -50,6 +51,10 @@ LAYOUT_FILE = "layout.json"
 BLOBS = "blobs"
 INDEX = "index"
 TMP = "tmp"
+#: Claims (see :mod:`cuda_program_cas._store.claims`) are ``tmp/<key id>.claim``: empty
+#: files, removed by their holder, and otherwise temp files like any other (a sweep
+#: takes them once stale).
+CLAIM_SUFFIX = ".claim"
 QUARANTINE = "quarantine"
 LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.

@@ -47,6 +47,10 @@ class CacheStats:
     dropped_writes: int = 0
     #: I/O errors met on lookups (a shared store gone, EIO, ESTALE, permission): each a miss.
     errors: int = 0
+    #: Lookups that missed, then waited for another process of the node compiling the same key (``claim``).
+    claim_waits: int = 0
+    #: Of those, the ones that then found its result: a compile saved.
+    claim_hits: int = 0
 
     @property
     def dedup_ratio(self) -> float:

@@ -28,8 +28,9 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
-from cuda_program_cas._base.config import NOT_GIVEN, validate_max_size, warn_once
+from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
@@ -51,6 +52,7 @@ from cuda_program_cas._disk.writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, Writer
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
+from .claims import Claim, claim
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .shared import SharedStore
@@ -246,11 +248,16 @@ class CacheStore:
             return found[0], None
         return self._find_shared(kid, None)
 
-    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0) -> None:
-        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from)."""
+    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
+        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from).
+
+        ``waited``: found after waiting for another's :meth:`claim` (counted in ``claim_hits`` too).
+        """
         self._counters.hit()
         if shared is not None:
             self._counters.add("shared_hits")
+        if waited:
+            self._counters.add("claim_hits")
         if _log.isEnabledFor(_DEBUG):
             lookup_hit(self.root, kid, "local" if shared is None else f"shared {shared}", t0_ns or _perf_ns())
         if _monotonic() >= self._flush_at:
@@ -267,6 +274,23 @@ class CacheStore:
             lookup_missed(self.root, kid, t0_ns or _perf_ns(), [("local", reason)])
         if _monotonic() >= self._flush_at:
             self._flush_on_the_way()
+
+    def claim(self, kid: str, *, wait_s: float | None = None) -> AbstractContextManager[Claim]:
+        """Single flight for key id ``kid`` on this node: ``with store.claim(kid) as c:`` around a compile.
+
+        The first process (or thread) to claim a key holds it (``c.held``) until its
+        block ends; the others wait for that (``c.waited``), then look the key up
+        again and compile only if it is still missing. A claim dies with its
+        process. The wait is bounded by ``wait_s``, by default
+        ``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` or 5 minutes. A read-only or uncached store,
+        or one where no lock can be taken, yields a claim neither held nor waited
+        for, at once: compile. Never raises for what it meets on disk. See
+        :mod:`cuda_program_cas._store.claims`.
+        """
+        if self._writer is None:
+            return nullcontext(Claim())
+        bound = env_claim_wait() if wait_s is None else wait_s
+        return claim(self.layout.tmp, kid, bound, self._counters)
 
     def note_dropped(self, kid: str | None, reason: str) -> None:
         """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
