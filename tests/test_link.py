@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -325,10 +326,10 @@ def test_a_store_that_raises_still_returns_the_link(
     def broken(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(cache.store, "put", broken)
+    monkeypatch.setattr(cache.store, "put_id", broken)
     assert cached(cache, objs, options) == reference
     assert cache.counters()["dropped_writes"] == 1
-    monkeypatch.setattr(cache.store, "get", broken)
+    monkeypatch.setattr(cache.store, "find", broken)
     assert cached(cache, objs, options) == reference
 
 
@@ -384,3 +385,49 @@ def test_a_directory_this_user_cannot_write_returns_the_link(cache_dir: Path, ob
     finally:
         for d in dirs:
             os.chmod(d, 0o755)
+
+
+def test_links_of_the_same_inputs_at_once_run_the_linker_once(
+    cache_dir: Path, objects: Inputs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first thread's link is held inside the linker until the second waits on its claim.
+    import cuda.core._linker as linker_module
+
+    from cuda_program_cas._store import claims
+
+    objs, options = Objects([objects["caller"], objects["callee"]]), LinkerOptions(**LTO)
+    reference = uncached(objs, options)
+    real, inside, go, waiting = linker_module.Linker, threading.Event(), threading.Event(), threading.Event()
+    made: list[int] = []
+    real_wait = claims._wait
+
+    def wait(fd: int, deadline: float) -> bool:  # the claim's own wait, run as is, announced first
+        waiting.set()
+        return real_wait(fd, deadline)
+
+    class Held:
+        which_backend = real.which_backend
+
+        def __new__(cls, *objects: Any, options: Any = None) -> Any:
+            made.append(1)
+            inside.set()
+            assert go.wait(60), "the second link never waited"
+            return real(*objects, options=options)
+
+    monkeypatch.setattr(linker_module, "Linker", Held)
+    monkeypatch.setattr(claims, "_wait", wait)
+    cache = ContentAddressedProgramCache(cache_dir)
+    got: dict[str, tuple[Any, ...]] = {}
+    first = threading.Thread(target=lambda: got.__setitem__("first", cached(cache, objs, options)))
+    first.start()
+    assert inside.wait(60)
+    second = threading.Thread(target=lambda: got.__setitem__("second", cached(cache, objs, options)))
+    second.start()
+    assert waiting.wait(60)
+    go.set()
+    first.join(60)
+    second.join(60)
+    assert got == {"first": reference, "second": reference}
+    assert len(made) == 1
+    counts = cache.counters()
+    assert (counts["misses"], counts["hits"], counts["claim_waits"], counts["claim_hits"]) == (1, 1, 1, 1)

@@ -13,7 +13,8 @@ A link is keyed by everything that can change its output:
 - the target type, and this module's format tag.
 
 The value is the linked bytes, an ordinary entry of the store (one lookup: one
-hit or one miss); a hit returns an ``ObjectCode`` of the target's code type
+hit or one miss); a miss takes the node's claim on the key first, so processes
+that miss the same link at once run the linker once; a hit returns an ``ObjectCode`` of the target's code type
 named by ``options.name``, as the uncached link does, without running the
 linker. A hit has no linker logs: there is no ``Linker`` to ask.
 
@@ -32,10 +33,12 @@ through :func:`link` does not call itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +46,7 @@ from blake3 import blake3
 
 from cuda_program_cas._base.config import warn_once
 from cuda_program_cas._store.store import CacheStore
+from cuda_program_cas.index import key_id
 
 __all__ = ["link"]
 
@@ -89,24 +93,46 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
         result = _link_uncached(objects, options, target_type)[0]
         _dropped(store, str(exc))
         return result
+    kid = key_id(key)
+    t0 = time.perf_counter_ns()
+    found = _find(store, kid)
+    if found is not None:
+        store.note_hit(kid, found[1], t0_ns=t0)
+        return _object_code(ObjectCode, found[0], target_type, options.name)
+    with contextlib.ExitStack() as stack:
+        # One process of the node links these inputs; the others wait for its entry (a claim
+        # can only save work: one that cannot be taken links at once).
+        try:
+            claim = stack.enter_context(store.claim(kid))
+        except Exception as exc:  # the cache must never cost the caller its link
+            warn_once(("link claim", type(exc).__name__), "cuda-program-cas: link: claim failed (%r); linking", exc)
+            claim = None
+        if claim is not None and (claim.held or claim.waited):
+            found = _find(store, kid)  # stored meanwhile, by the claimant waited for
+            if found is not None:
+                store.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
+                return _object_code(ObjectCode, found[0], target_type, options.name)
+        store.note_miss(kid, "new inputs", t0_ns=t0)
+        result, backend = _link_uncached(objects, options, target_type)
+        why = _why_not_stored(files, backend)
+        if why is not None:
+            _dropped(store, why)
+            return result
+        try:
+            store.put_id(kid, bytes(result.code))
+        except Exception as exc:  # as above: the caller has its result, the cache only loses an entry
+            warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
+            store.note_dropped(kid, f"write failed: {exc!r}")
+        return result
+
+
+def _find(store: CacheStore, kid: str) -> tuple[bytes, str | None] | None:
+    """The stored link under ``kid`` and where it was found; None on a miss or when the lookup fails."""
     try:
-        data = store.get(key)
+        return store.find(kid)
     except Exception as exc:  # the cache must never cost the caller its link
         warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
-        data = None
-    if data is not None:
-        return _object_code(ObjectCode, data, target_type, options.name)
-    result, backend = _link_uncached(objects, options, target_type)
-    why = _why_not_stored(files, backend)
-    if why is not None:
-        _dropped(store, why)
-        return result
-    try:
-        store.put(key, bytes(result.code))
-    except Exception as exc:  # as above: the caller has its result, the cache only loses an entry
-        warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
-        store.note_dropped(None, f"write failed: {exc!r}")
-    return result
+        return None
 
 
 def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> bool:
