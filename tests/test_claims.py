@@ -76,7 +76,7 @@ print("result " + json.dumps({{"code": bytes(obj.code).hex(), "mapping": {{k: v.
 def start(
     root: Path, *, hold: bool, wait_s: str | None = None, stdin: int | None = None, wait_ready: bool = True
 ) -> ChildLines:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)
     env.pop("CUDA_PROGRAM_CAS_CLAIM_WAIT", None)
     if wait_s is not None:
         env["CUDA_PROGRAM_CAS_CLAIM_WAIT"] = wait_s
@@ -358,7 +358,6 @@ def test_a_forked_child_does_not_hold_its_parents_claim(cache_dir: Path) -> None
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     parent = ChildLines(proc)
     try:
@@ -378,3 +377,20 @@ def test_a_forked_child_does_not_hold_its_parents_claim(cache_dir: Path) -> None
         assert proc.stdin is not None
         proc.stdin.close()  # the child, reading end of file, exits
         parent.kill()
+
+
+def test_the_stampede_tool_counts_one_compile_per_kernel_with_claims(tmp_path: Path) -> None:
+    # tools/stampede.py, small: two processes at once on two kernels compile each once.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "stampede.py"), "-p", "2", "-k", "2", "--cub", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(proc.stdout)["runs"]
+    assert runs["one process alone"]["compiles"] == 2
+    assert runs["2 processes, claims"]["compiles"] == 2
+    assert runs["2 processes, claims"]["hits"] == 2
+    assert runs["2 processes, no waiting"]["compiles"] + runs["2 processes, no waiting"]["hits"] == 4

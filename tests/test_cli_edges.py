@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ChildLines, is_root
+from conftest import ChildLines, is_root
 
 import cuda_program_cas
 from cuda_program_cas import CacheStore, parse_duration, publish
@@ -191,7 +191,7 @@ def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
         "cuda_program_cas",
         *argv,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = dict(os.environ)
     probe = subprocess.run(
         [*command[:5], "-c", "import cuda_program_cas"], capture_output=True, text=True, env=env, check=False
     )
@@ -381,7 +381,7 @@ def test_the_command_line_honours_cuda_program_cas_log(tmp_path: Path) -> None:
     """As the library does: the records of what a command did are appended to that file."""
     store = a_cache(tmp_path / "cas")
     log = tmp_path / "cas.log"
-    env = {**os.environ, "CUDA_PROGRAM_CAS_LOG": str(log), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDA_PROGRAM_CAS_LOG": str(log)}
     res = subprocess.run(
         [sys.executable, "-m", "cuda_program_cas", "gc", store.root, "--grace", "0s"],
         capture_output=True,
@@ -484,7 +484,6 @@ def test_clear_while_another_process_uses_the_cache(tmp_path: Path, capsys: pyte
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
         )
     )
     try:

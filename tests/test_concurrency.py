@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ChildLines, StartGate
+from conftest import ChildLines, StartGate
 
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import parse_manifest
@@ -114,7 +114,6 @@ RUN_SECONDS = 3.0
 def start_workers(root: Path, roles: list[str], seconds: float) -> list[ChildLines]:
     """Start one process per role; they run ``seconds`` together once every one has said it is ready."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     gate = StartGate()
     workers = [
         ChildLines(
@@ -197,7 +196,6 @@ def test_concurrent_first_writes_of_one_key(cache_dir: Path, n: int) -> None:
     )
     CacheStore(cache_dir)
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     gate = StartGate()
     procs = [
         ChildLines(

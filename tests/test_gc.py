@@ -318,7 +318,7 @@ def test_collection_is_safe_while_other_processes_write_and_read(tmp_path: Path)
         store.put(f"pre{j}", content(f"pre{j}"))
     age_tree(root, 2 * DAY)
     stop = str(tmp_path / "stop")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)
     gate = StartGate()
     workers = []
     for role, wid in (("writer", 0), ("writer", 1), ("reader", 2)):
@@ -409,7 +409,7 @@ def test_gc_runs_where_cuda_core_cannot_be_imported(tmp_path: Path) -> None:
     age(orphan_path, 2 * 3600)
     res2 = subprocess.run(
         [sys.executable, str(REPO / "tools" / "gc.py"), store.root],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent), str(REPO)])),
+        env=dict(os.environ, PYTHONPATH=str(shadow.parent)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -452,7 +452,6 @@ def test_gc_killed_midway_leaves_a_consistent_cache(tmp_path: Path) -> None:
     age_tree(root, 2 * DAY)
     proc = subprocess.Popen(
         [sys.executable, "-c", _COLLECT_SAYING_REMOVED, root],
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE,
         text=True,
     )

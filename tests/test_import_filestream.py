@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SAXPY, ChildLines, compile_program
+from conftest import SAXPY, ChildLines, compile_program
 
 from cuda_program_cas import CacheStore, collect, import_filestream, verify
 from cuda_program_cas._cli.main import main
@@ -142,7 +142,6 @@ def test_an_interrupted_import_can_be_run_again(tmp_path: Path) -> None:
     write_filestream_entries(fs_dir, {f"kernel-{i}": payload(i) for i in range(n)})
     proc = subprocess.Popen(
         [sys.executable, "-c", _IMPORT_SAYING_WRITTEN, str(fs_dir), str(dest)],
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -15,8 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import REPO
-
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import parse_manifest
 
@@ -128,7 +126,7 @@ def test_the_upgrade_is_safe_while_another_process_reads(tmp_path: Path) -> None
     make_v1_cache(root)
     expected = tmp_path / "expected.json"
     expected.write_text(json.dumps({k: v.hex() for k, v in ENTRIES.items()}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+    env = dict(os.environ)
     reader = subprocess.Popen(
         [sys.executable, "-c", _READER, str(root), str(expected)],
         stdin=subprocess.PIPE,

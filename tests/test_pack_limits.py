@@ -18,7 +18,7 @@ from pathlib import Path
 import filelock
 import pytest
 from blake3 import blake3
-from conftest import REPO, ChildLines, run_python
+from conftest import ChildLines, run_python
 
 import cuda_program_cas._disk.pack
 from cuda_program_cas import CacheStore, publish
@@ -42,7 +42,7 @@ def source(path: Path, gen: str = "g", n: int = 20, start: int = 0) -> Path:
 
 
 def child_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+    return dict(os.environ)
 
 
 # -- one repack at a time ---------------------------------------------------------------------

@@ -21,7 +21,6 @@ from .checker import PROBLEMS, describe_problems, inspect_cache, verify_and_repa
 from .common import (
     N_KEYS,
     N_SEEDS,
-    REPO,
     Report,
     check_hit,
     content,
@@ -236,7 +235,7 @@ def run_unreadable(workdir: str) -> Report:
     try:
         if os.geteuid() == 0:
             os.chown(base, 65534, 65534)
-        env = dict(os.environ, PYTHONPATH=REPO)
+        env = dict(os.environ)
         proc = subprocess.run(
             [
                 sys.executable,
