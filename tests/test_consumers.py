@@ -1,0 +1,78 @@
+"""A real consumer under the switch: numba-cuda's NVRTC compile, a library that never passes ``cache=``.
+
+``numba.cuda.cudadrv.nvrtc.compile(src, name, cc, ltoir=...)`` builds a ``cuda.core``
+``Program`` with its own ``include_path`` (numba's headers, the CUDA and CCCL include
+directories, and ``NUMBA_CUDA_NVRTC_EXTRA_SEARCH_PATHS``) and compiles it; it runs without
+a GPU. Each compile here runs in a fresh interpreter with ``CUDA_PROGRAM_CAS=1``; the cache's
+lifetime counters say what each process did: a miss is an NVRTC run, a hit is none.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas._store.lifetime import read_counters
+
+# Looked for, not imported: numba is imported by the children only.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("numba_cuda") is None, reason="numba-cuda is not installed (the test extra brings it)"
+)
+
+#: A device function that reads a header of the test's own through the extra search path.
+SOURCE = '#include "scale.h"\nextern "C" __device__ int scaled(int x) { return x * SCALE; }\n'
+
+#: One numba-cuda compile; prints the digest of the LTO-IR it got.
+CHILD = """
+import hashlib, json, sys, warnings
+warnings.simplefilter("ignore")  # numba-cuda warns of NVRTC log messages; not the point here
+from numba.cuda.cudadrv import nvrtc
+result, _ = nvrtc.compile(sys.argv[1], "scaled.cu", (8, 0), ltoir=True)
+print(json.dumps({"digest": hashlib.sha256(bytes(result.code)).hexdigest(), "type": result.code_type}))
+"""
+
+
+def compile_in_child(cache: Path, headers: Path, *, switch: str = "1") -> dict[str, str]:
+    env = dict(os.environ, CUDA_PROGRAM_CAS=switch, CUDA_PROGRAM_CAS_DIR=str(cache))
+    env["NUMBA_CUDA_NVRTC_EXTRA_SEARCH_PATHS"] = str(headers)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, SOURCE], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def counters(cache: Path) -> dict[str, int]:
+    return dict(read_counters(Layout(str(cache))).counters)
+
+
+def test_numba_cuda_compiles_are_cached_across_processes_and_see_a_header_edit(tmp_path: Path) -> None:
+    headers, cache = tmp_path / "include", tmp_path / "cache"
+    headers.mkdir()
+    (headers / "scale.h").write_text("#define SCALE 3\n")
+    uncached = compile_in_child(tmp_path / "unused", headers, switch="0")
+    assert not (tmp_path / "unused").exists()  # off: the package opened no cache
+
+    first = compile_in_child(cache, headers)
+    assert first == uncached and first["type"] == "ltoir"
+    after_first = counters(cache)
+    assert (after_first["misses"], after_first["hits"]) == (1, 0)
+
+    second = compile_in_child(cache, headers)  # a fresh process: a hit, NVRTC not run
+    assert second == first
+    after_second = counters(cache)
+    assert (after_second["misses"], after_second["hits"]) == (1, 1)
+
+    (headers / "scale.h").write_text("#define SCALE 5\n")  # the header numba's compile reads
+    edited = compile_in_child(cache, headers)
+    assert edited != first
+    assert edited == compile_in_child(tmp_path / "unused", headers, switch="0")
+    after_edit = counters(cache)
+    assert (after_edit["misses"], after_edit["hits"]) == (2, 1)
