@@ -25,6 +25,7 @@ from ._store.store import CacheStore
 
 if TYPE_CHECKING:
     from ._cuda.cache import ContentAddressedProgramCache
+    from ._cuda.switch import install, uninstall
     from ._verbs.gc import GcReport, collect
     from ._verbs.import_filestream import ImportReport, import_filestream
     from ._verbs.publish import PublishReport, publish
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 #: Names imported on first use, and the module each comes from.
 _LAZY = {
     "ContentAddressedProgramCache": "._cuda.cache",
+    "install": "._cuda.switch",
+    "uninstall": "._cuda.switch",
     "GcReport": "._verbs.gc",
     "collect": "._verbs.gc",
     "ImportReport": "._verbs.import_filestream",
@@ -67,9 +70,11 @@ __all__ = [
     "default_cache_dir",
     "digest_of",
     "import_filestream",
+    "install",
     "parse_duration",
     "parse_size",
     "publish",
+    "uninstall",
     "verify",
 ]
 

@@ -661,7 +661,12 @@ def _trace_in_child(
     spec = pickle.dumps((code, code_type, dataclasses.replace(options, fdevice_time_trace=trace), target_type, names))
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _TRACE_CHILD], input=spec, capture_output=True, timeout=3600, check=False
+            [sys.executable, "-c", _TRACE_CHILD],
+            input=spec,
+            capture_output=True,
+            timeout=3600,
+            check=False,
+            env={**os.environ, "CUDA_PROGRAM_CAS": "0"},  # the child's compile is this miss's: never the cache's
         )
     except (OSError, subprocess.SubprocessError):
         return None
