@@ -8,7 +8,7 @@ only, and imports nothing of it that ``site`` has not imported already.
 
 It puts a finder first on ``sys.meta_path`` that answers for ``cuda.core`` alone:
 it asks the other finders for the real module and wraps its loader, so that once
-``cuda.core`` has run, :func:`cuda_program_cas._cuda.switch.activate` rebinds its
+``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate`` rebinds its
 ``Program`` and ``Linker``, before the code that imported it reads either name.
 Nothing imports ``cuda.core`` early: a process that never compiles never pays for it.
 """
@@ -40,9 +40,7 @@ class _Loader:
         self._loader.exec_module(module)
         remove()
         try:
-            from cuda_program_cas._cuda.switch import activate
-
-            activate(self._mode)
+            _activate(self._mode)
         except Exception as exc:  # the switch never costs a job its cuda.core
             import logging
 
@@ -84,11 +82,17 @@ def defer(mode: str) -> None:
     """Run the switch in ``mode`` when ``cuda.core`` is imported (at once when it is already)."""
     remove()
     if _TARGET in sys.modules:
-        from cuda_program_cas._cuda.switch import activate
-
-        activate(mode)
+        _activate(mode)
     else:
         sys.meta_path.insert(0, _Finder(mode))
+
+
+def _activate(mode: str) -> None:
+    # By name, when it is needed: this file sits below the switch (which imports it), and at
+    # start-up it runs before the package may be imported at all.
+    import importlib
+
+    importlib.import_module("cuda_program_cas._cuda.switch").activate(mode)
 
 
 def remove() -> None:

@@ -68,7 +68,7 @@ from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
-__all__ = ["FrontDoor"]
+__all__ = ["FrontDoor", "may_include_quoted", "refuse_unkeyable"]
 
 _log = logging.getLogger("cuda_program_cas")
 _DEBUG = logging.DEBUG
@@ -558,6 +558,11 @@ def _refuse_unkeyable(options: Any, code_type: str) -> None:
             "cache.compile() does not support ProgramOptions.use_libdevice here: the libdevice file that "
             "would be linked cannot be found, so it cannot be fingerprinted"
         )
+
+
+#: What the switch asks before it routes a compile here.
+refuse_unkeyable = _refuse_unkeyable
+may_include_quoted = _may_include_quoted
 
 
 def _libdevice_path() -> str | None:

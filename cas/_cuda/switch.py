@@ -81,16 +81,16 @@ def install(*, read_only: bool = False) -> None:
     directory, opened on the first compile. When ``cuda.core`` is not imported
     yet, it is not imported now: the classes are rebound when it is.
     """
-    from . import boot
+    from .boot import defer
 
-    boot.defer("read-only" if read_only else "1")
+    defer("read-only" if read_only else "1")
 
 
 def uninstall() -> None:
     """Undo :func:`install`: the original classes everywhere, compiles uncached (the cache stays open)."""
-    from . import boot
+    from .boot import remove
 
-    boot.remove()
+    remove()
     with _lock:
         _S.mode = None
         for name, switched in _S.switched.items():
@@ -230,9 +230,9 @@ def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions
     name = getattr(options, "name", None)
     if isinstance(name, str) and ("/" in name or "\\" in name):
         return True
-    from .frontdoor import _may_include_quoted
+    from .frontdoor import may_include_quoted
 
-    return not isinstance(code, (str, bytes)) or _may_include_quoted(code)
+    return not isinstance(code, (str, bytes)) or may_include_quoted(code)
 
 
 def _depth() -> int:
@@ -269,10 +269,10 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         kind = str(code_type).lower()
         if kind == "ptx":  # PTX to cubin runs the driver's linker: not what the cache keys
             return original(program, target_type, name_expressions, logs)
-        from .frontdoor import _refuse_unkeyable
+        from .frontdoor import refuse_unkeyable
 
         try:
-            _refuse_unkeyable(options, kind)
+            refuse_unkeyable(options, kind)
         except ValueError:
             return original(program, target_type, name_expressions, logs)
         store = _process_cache()
@@ -283,6 +283,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         _warn(exc)
         return original(program, target_type, name_expressions, logs)
     next(_S.routed)
+    store.store.note_switched()
     if front:
         with _Inside():
             try:
@@ -372,6 +373,7 @@ def _link(linker: Any, target_type: Any) -> Any:
         return original(linker, target_type)
     objects, options = inputs
     next(_S.routed)
+    store.store.note_switched()
     with _Inside():
         try:
             return cached_link(objects, options, target_type)

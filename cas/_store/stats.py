@@ -47,6 +47,8 @@ class CacheStats:
     dropped_writes: int = 0
     #: I/O errors met on lookups (a shared store gone, EIO, ESTALE, permission): each a miss.
     errors: int = 0
+    #: Compiles and links that the switch (``CUDA_PROGRAM_CAS=1``, ``install()``) sent through the cache.
+    switched: int = 0
 
     @property
     def dedup_ratio(self) -> float:

@@ -268,6 +268,10 @@ class CacheStore:
         if _monotonic() >= self._flush_at:
             self._flush_on_the_way()
 
+    def note_switched(self) -> None:
+        """Count one compile or link that the switch sent through this cache (before its lookup)."""
+        self._counters.add("switched")
+
     def note_dropped(self, kid: str | None, reason: str) -> None:
         """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
         self._counters.add("dropped_writes")
