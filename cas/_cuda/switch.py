@@ -194,10 +194,15 @@ def _process_cache() -> Any:
         return cache
     with _lock:
         if _S.cache is None and not _S.cache_failed:
+            read_only = _S.mode == "read-only"
             try:
+                from cuda_program_cas._base.config import default_cache_dir
+
                 from .cache import ContentAddressedProgramCache
 
-                _S.cache = ContentAddressedProgramCache(read_only=_S.mode == "read-only")
+                if read_only and not default_cache_dir().is_dir():
+                    return None  # nothing to hit yet, and a read-only cache is never created: not a failure
+                _S.cache = ContentAddressedProgramCache(read_only=read_only)
             except Exception as exc:
                 _S.cache_failed = True
                 _warn(exc)
