@@ -107,3 +107,10 @@ def _from_environment() -> None:
     value = os.environ.get("CUDA_PROGRAM_CAS", "").strip()
     if value not in ("", "0"):
         defer(value)
+
+
+if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up
+    try:
+        _from_environment()
+    except Exception as exc:  # never fail the interpreter's start
+        print(f"cuda-program-cas: CUDA_PROGRAM_CAS is set but the switch could not start: {exc!r}", file=sys.stderr)
