@@ -151,6 +151,9 @@ _INSTALL = textwrap.dedent(
     src, own_dir = sys.argv[2], sys.argv[3]
     import before  # did `from cuda.core import Program` before install()
     import cuda.core
+    import types
+    shim = sys.modules["cuda.core.experimental"] = types.ModuleType("cuda.core.experimental")  # as older versions have
+    shim.Program = cuda.core.Program
     import cuda_program_cas
     from cuda_program_cas._cuda import switch
     cuda_program_cas.install()
@@ -158,6 +161,8 @@ _INSTALL = textwrap.dedent(
     out["before_rebound"] = before.Program is cuda.core.Program is not cuda.core._program.Program
     import after  # imports the name after install()
     out["after_rebound"] = after.Program is cuda.core.Program
+    out["shim_rebound"] = shim.Program is cuda.core.Program
+    out["internal_kept"] = sys.modules["cuda.core._program"].Program is not cuda.core.Program
     p = after.Program(src, "c++", options=after.ProgramOptions(arch="sm_80"))
     out["isinstance"] = isinstance(p, cuda.core._program.Program)
     before.build(src)
@@ -187,6 +192,7 @@ def test_install_covers_libraries_imported_before_and_after_and_uninstall_restor
     out = report(child(_INSTALL, str(lib), SAXPY, str(tmp_path / "own"), env=env))
     assert out["installed"] == "on"
     assert out["before_rebound"] and out["after_rebound"] and out["isinstance"]
+    assert out["shim_rebound"] and out["internal_kept"]
     assert out["routed_by_libraries"] == 2
     # A cache the caller passes wins: the switch does not route that compile.
     assert out["routed_with_own_cache"] == 2

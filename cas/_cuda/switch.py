@@ -130,13 +130,20 @@ def activate(value: str) -> None:
             _rebind(original, _S.switched[name])
 
 
+def _internal(modname: str) -> bool:
+    """cuda.core's private modules (its classes' homes, and what uses them inside) and this package's."""
+    if modname.startswith("cuda_program_cas"):
+        return True  # the cache's own compiles stay uncached
+    if modname.startswith("cuda.core."):  # public ones (cuda.core.experimental in older versions) are rebound
+        return any(part.startswith("_") or part in ("cu12", "cu13") for part in modname.split(".")[2:])
+    return False
+
+
 def _rebind(old: type, new: type) -> None:
-    """Every module attribute bound to ``old`` now bound to ``new``, except cuda.core's own modules and ours."""
+    """Every module attribute bound to ``old`` now bound to ``new``, except in cuda.core's internals and ours."""
     for modname, module in list(sys.modules.items()):
-        if not isinstance(module, types.ModuleType):
+        if not isinstance(module, types.ModuleType) or _internal(modname):
             continue
-        if modname.startswith(("cuda.core.", "cuda_program_cas")):
-            continue  # cuda.core's internals keep their classes; the cache's own compiles stay uncached
         try:
             namespace = object.__getattribute__(module, "__dict__")  # a lazy module is not loaded by this
         except AttributeError:
