@@ -320,3 +320,35 @@ def test_the_log_says_it_is_on(tmp_path: Path) -> None:
     report(child(_COMPILE, json.dumps({"src": SAXPY}), env=env))
     text = log.read_text()
     assert text.count("switch on") == 1 and str(tmp_path / "cas") in text, text
+
+
+_FORK = textwrap.dedent(
+    """
+    import json, os, sys
+    from cuda.core import Program, ProgramOptions
+    from cuda_program_cas._cuda import switch
+
+    def build(macro):
+        src = "#if " + macro + "\\n" + sys.argv[1] + "#endif\\n"
+        opts = ProgramOptions(arch="sm_80", define_macro=macro)
+        return Program(src, "c++", options=opts).compile("cubin")
+
+    build("PARENT")  # opens the process's cache
+    pid = os.fork()
+    if pid == 0:
+        build("CHILD")  # the parent's cache, in the child: stores
+        c = switch._S.cache.counters()
+        os._exit(0 if c["writes"] == 2 and c["misses"] == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    build("CHILD")  # the child's entry
+    print(json.dumps({"child_status": status, "counters": switch._S.cache.counters()}))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_compiles_through_the_parent_s_cache(tmp_path: Path) -> None:
+    env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")}
+    out = report(child(_FORK, SAXPY, env=env))
+    assert out["child_status"] == 0
+    assert out["counters"]["hits"] == 1 and out["counters"]["misses"] == 1, out
