@@ -242,9 +242,15 @@ def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions
     name = getattr(options, "name", None)
     if isinstance(name, str) and ("/" in name or "\\" in name):
         return True
-    from .frontdoor import may_include_quoted
+    return not isinstance(code, (str, bytes)) or _front_door_checks()[1](code)
 
-    return not isinstance(code, (str, bytes)) or may_include_quoted(code)
+
+@functools.cache
+def _front_door_checks() -> tuple[Any, Any]:
+    """The front door's ``refuse_unkeyable`` and ``may_include_quoted``, imported once (a hit costs tens of us)."""
+    from .frontdoor import may_include_quoted, refuse_unkeyable
+
+    return refuse_unkeyable, may_include_quoted
 
 
 def _depth() -> int:
@@ -281,10 +287,8 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         kind = str(code_type).lower()
         if kind == "ptx":  # PTX to cubin runs the driver's linker: not what the cache keys
             return original(program, target_type, name_expressions, logs)
-        from .frontdoor import refuse_unkeyable
-
         try:
-            refuse_unkeyable(options, kind)
+            _front_door_checks()[0](options, kind)
         except ValueError:
             return original(program, target_type, name_expressions, logs)
         store = _process_cache()
