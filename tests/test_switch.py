@@ -352,3 +352,27 @@ def test_a_forked_child_compiles_through_the_parent_s_cache(tmp_path: Path) -> N
     out = report(child(_FORK, SAXPY, env=env))
     assert out["child_status"] == 0
     assert out["counters"]["hits"] == 1 and out["counters"]["misses"] == 1, out
+
+
+_EARLY = textwrap.dedent(
+    """
+    import json, sys
+    import cuda_program_cas
+    cuda_program_cas.install()
+    out = {"cuda_core_imported_by_install": "cuda.core" in sys.modules}
+    from cuda.core import Program
+    import cuda.core
+    out["rebound_on_import"] = Program is cuda.core.Program is not cuda.core._program.Program
+    cuda_program_cas.uninstall()
+    cuda_program_cas.install()
+    cuda_program_cas.uninstall()
+    out["restored"] = cuda.core.Program is cuda.core._program.Program
+    print(json.dumps(out))
+    """
+)
+
+
+def test_install_before_cuda_core_is_imported_waits_for_it(tmp_path: Path) -> None:
+    env = {"CUDA_PROGRAM_CAS": None, "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")}
+    out = report(child(_EARLY, env=env))
+    assert out == {"cuda_core_imported_by_install": False, "rebound_on_import": True, "restored": True}

@@ -284,7 +284,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         return original(program, target_type, name_expressions, logs)
     code, code_type, options = inputs
     try:
-        kind = str(code_type).lower()
+        kind = str(getattr(code_type, "value", code_type)).lower()  # a str, or cuda.core's SourceCodeType
         if kind == "ptx":  # PTX to cubin runs the driver's linker: not what the cache keys
             return original(program, target_type, name_expressions, logs)
         try:
