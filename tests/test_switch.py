@@ -376,3 +376,23 @@ def test_install_before_cuda_core_is_imported_waits_for_it(tmp_path: Path) -> No
     env = {"CUDA_PROGRAM_CAS": None, "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")}
     out = report(child(_EARLY, env=env))
     assert out == {"cuda_core_imported_by_install": False, "rebound_on_import": True, "restored": True}
+
+
+_BAD_PTX = textwrap.dedent(
+    """
+    import json
+    from cuda.core import Program, ProgramOptions
+    try:
+        Program("this is not ptx", "ptx", ProgramOptions(arch="sm_80")).compile("cubin")
+    except Exception as exc:
+        print(json.dumps([type(exc).__qualname__, str(exc)]))
+    """
+)
+
+
+def test_a_ptx_compile_runs_uncached_and_its_error_propagates(tmp_path: Path) -> None:
+    on = child(_BAD_PTX, env={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")})
+    off = child(_BAD_PTX, env={"CUDA_PROGRAM_CAS": None})
+    assert report(on) == report(off)
+    assert not warnings_in(on.stderr), on.stderr
+    assert files_under(tmp_path / "cas") == []

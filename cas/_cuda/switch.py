@@ -253,6 +253,15 @@ def _front_door_checks() -> tuple[Any, Any]:
     return refuse_unkeyable, may_include_quoted
 
 
+def _keyable(options: Any, kind: str) -> bool:
+    """False for options whose effect the cache cannot key, or that write files a hit would not write."""
+    try:
+        _front_door_checks()[0](options, kind)
+    except ValueError:
+        return False
+    return True
+
+
 def _depth() -> int:
     depth: int = getattr(_inside, "depth", 0)
     return depth
@@ -283,20 +292,17 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
     if _S.mode is None or inputs is None:
         return original(program, target_type, name_expressions, logs)
     code, code_type, options = inputs
-    try:
+    store = None
+    try:  # the route; every compile runs outside this try, so that its errors are never taken for the cache's
         kind = str(getattr(code_type, "value", code_type)).lower()  # a str, or cuda.core's SourceCodeType
-        if kind == "ptx":  # PTX to cubin runs the driver's linker: not what the cache keys
-            return original(program, target_type, name_expressions, logs)
-        try:
-            _front_door_checks()[0](options, kind)
-        except ValueError:
-            return original(program, target_type, name_expressions, logs)
-        store = _process_cache()
-        if store is None:
-            return original(program, target_type, name_expressions, logs)
-        front = _front_door_needed(code, kind, options, name_expressions)
+        # PTX to cubin runs the driver's linker, which the cache does not key.
+        if kind != "ptx" and _keyable(options, kind):
+            store = _process_cache()
+            front = _front_door_needed(code, kind, options, name_expressions)
     except Exception as exc:
         _warn(exc)
+        store = None
+    if store is None:
         return original(program, target_type, name_expressions, logs)
     next(_S.routed)
     store.store.note_switched()
