@@ -27,6 +27,7 @@ from ._store.store import CacheStore
 
 if TYPE_CHECKING:
     from ._cuda.cache import ContentAddressedProgramCache
+    from ._cuda.switch import install, uninstall
     from ._disk.pack import PackError
     from ._verbs.clear import ClearReport, clear
     from ._verbs.common import Report
@@ -49,6 +50,8 @@ _LAZY = {
     "Report": "._verbs.common",
     "ConfigReport": "._verbs.config",
     "config": "._verbs.config",
+    "install": "._cuda.switch",
+    "uninstall": "._cuda.switch",
     "GcReport": "._verbs.gc",
     "collect": "._verbs.gc",
     "ImportReport": "._verbs.import_filestream",
@@ -93,11 +96,13 @@ __all__ = [
     "default_cache_dir",
     "digest_of",
     "import_filestream",
+    "install",
     "parse_duration",
     "parse_size",
     "publish",
     "repack",
     "stats",
+    "uninstall",
     "verify",
 ]
 

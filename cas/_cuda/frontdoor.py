@@ -72,7 +72,7 @@ from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
-__all__ = ["FrontDoor"]
+__all__ = ["FrontDoor", "may_include_quoted", "refuse_unkeyable"]
 
 _log = logging.getLogger("cuda_program_cas")
 _DEBUG = logging.DEBUG
@@ -600,6 +600,11 @@ def _refuse_unkeyable(options: Any, code_type: str) -> None:
         )
 
 
+#: What the switch asks before it routes a compile here.
+refuse_unkeyable = _refuse_unkeyable
+may_include_quoted = _may_include_quoted
+
+
 def _libdevice_path() -> str | None:
     try:
         from cuda.core._program import _find_libdevice_path
@@ -701,7 +706,12 @@ def _trace_in_child(
     spec = pickle.dumps((code, code_type, dataclasses.replace(options, fdevice_time_trace=trace), target_type, names))
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _TRACE_CHILD], input=spec, capture_output=True, timeout=3600, check=False
+            [sys.executable, "-c", _TRACE_CHILD],
+            input=spec,
+            capture_output=True,
+            timeout=3600,
+            check=False,
+            env={**os.environ, "CUDA_PROGRAM_CAS": "0"},  # the child's compile is this miss's: never the cache's
         )
     except (OSError, subprocess.SubprocessError):
         return None

@@ -2,10 +2,11 @@
 
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
-    c1 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors> <crc>
+    c2 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
+       <switched> <crc>        (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c1`` line holds what one process counted since its previous line (non-negative
+A ``c2`` line holds what one process counted since its previous line (non-negative
 decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
 to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
 garbled or fails its check is ignored; one that checks out but has a tag this
@@ -79,8 +80,23 @@ __all__ = ["COMPACT_BYTES", "FLUSH_INTERVAL_S", "NAMES", "Lifetime", "Recorder",
 
 _log = logging.getLogger("cuda_program_cas")
 
-#: The counters of a ``c1`` line, in order. A new counter needs a new tag.
-NAMES = ("hits", "misses", "writes", "dedup_writes", "evictions", "corrupt", "shared_hits", "dropped_writes", "errors")
+#: The counters of a ``c2`` line, in order. A new counter needs a new tag: a ``c1`` line
+#: (written before ``switched`` was counted) holds all but the last.
+NAMES = (
+    "hits",
+    "misses",
+    "writes",
+    "dedup_writes",
+    "evictions",
+    "corrupt",
+    "shared_hits",
+    "dropped_writes",
+    "errors",
+    "switched",
+)
+_TAG = "c2"
+#: The tags of counter lines this version sums, and how many values each holds.
+_COUNTS = {b"c1": len(NAMES) - 1, b"c2": len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.
@@ -151,12 +167,12 @@ def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
             bad += 1
             continue
         tag, values = m.group(1), [int(v) for v in m.group(2).split()]
-        if tag == b"c1" and len(values) == len(NAMES):
-            for name, value in zip(NAMES, values, strict=True):
+        if _COUNTS.get(tag) == len(values):
+            for name, value in zip(NAMES, values, strict=False):
                 totals[name] += value
         elif tag == b"z1" and len(values) == 1:
             zeroed = values[0]
-        elif tag in (b"c1", b"z1"):
+        elif tag in _COUNTS or tag == b"z1":
             bad += 1
         else:
             unknown.append(raw + b"\n")
@@ -280,7 +296,7 @@ def _compact(lay: Layout) -> None:
     """Fold every line into one (the caller holds the lock)."""
     life, unknown = _parse(_read(lay.counters))
     head = b"" if life.zeroed_ns is None else _encode("z1", [life.zeroed_ns])
-    atomic_write(lay.counters, head + _encode("c1", [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
+    atomic_write(lay.counters, head + _encode(_TAG, [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
 
 
 class Recorder:
@@ -324,7 +340,7 @@ class Recorder:
             delta = [now[n] - self._flushed[n] for n in NAMES]
             if not any(delta):
                 return True
-            if not self._record(_encode("c1", delta), wait_s):
+            if not self._record(_encode(_TAG, delta), wait_s):
                 return False
             self._flushed = dict(now)
             return True

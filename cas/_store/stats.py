@@ -51,6 +51,8 @@ class CacheStats:
     claim_waits: int = 0
     #: Of those, the ones that then found its result: a compile saved.
     claim_hits: int = 0
+    #: Compiles and links that the switch (``CUDA_PROGRAM_CAS=1``, ``install()``) sent through the cache.
+    switched: int = 0
 
     @property
     def dedup_ratio(self) -> float:

@@ -292,6 +292,10 @@ class CacheStore:
         bound = env_claim_wait() if wait_s is None else wait_s
         return claim(self.layout.tmp, kid, bound, self._counters)
 
+    def note_switched(self) -> None:
+        """Count one compile or link that the switch sent through this cache (before its lookup)."""
+        self._counters.add("switched")
+
     def note_dropped(self, kid: str | None, reason: str) -> None:
         """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
         self._counters.add("dropped_writes")

@@ -1,0 +1,116 @@
+"""The switch's start-up hook: waits for ``cuda.core`` to be imported, then routes its compiles.
+
+``cuda_program_cas-switch.pth`` (in site-packages) runs this file at interpreter
+start-up when ``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is
+loaded by path, not imported: importing the package would cost every process
+tens of milliseconds before it compiled anything. So it uses the standard library
+only, and imports nothing of it that ``site`` has not imported already.
+
+It puts a finder first on ``sys.meta_path`` that answers for ``cuda.core`` alone:
+it asks the other finders for the real module and wraps its loader, so that once
+``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate`` rebinds its
+``Program`` and ``Linker``, before the code that imported it reads either name.
+Nothing imports ``cuda.core`` early: a process that never compiles never pays for it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is not imported at start-up: it costs milliseconds
+    from typing import Any
+
+__all__ = ["defer", "remove"]
+
+_TARGET = "cuda.core"
+
+
+class _Loader:
+    """The real loader of ``cuda.core``, followed by the switch."""
+
+    def __init__(self, loader: Any, mode: str) -> None:
+        self._loader = loader
+        self._mode = mode
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        remove()
+        try:
+            _activate(self._mode)
+        except Exception as exc:  # the switch never costs a job its cuda.core
+            import logging
+
+            logging.getLogger("cuda_program_cas").warning(
+                "cuda-program-cas: the switch could not start, compiles are not cached: %r", exc
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """Answers for ``cuda.core`` only: the real spec, with its loader wrapped."""
+
+    cpcas_switch_hook = True
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "cpcas_switch_hook", False):
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self.mode)
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+def defer(mode: str) -> None:
+    """Run the switch in ``mode`` when ``cuda.core`` is imported (at once when it is already)."""
+    remove()
+    if _TARGET in sys.modules:
+        _activate(mode)
+    else:
+        sys.meta_path.insert(0, _Finder(mode))
+
+
+def _activate(mode: str) -> None:
+    # By name, when it is needed: this file sits below the switch (which imports it), and at
+    # start-up it runs before the package may be imported at all.
+    import importlib
+
+    importlib.import_module("cuda_program_cas._cuda.switch").activate(mode)
+
+
+def remove() -> None:
+    """Take the hook off ``sys.meta_path`` (every copy of it, from this file or the .pth's)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_switch_hook", False)]
+
+
+def _from_environment() -> None:
+    """What the .pth runs: the hook, in the mode ``CUDA_PROGRAM_CAS`` names (checked by the switch)."""
+    import os
+
+    value = os.environ.get("CUDA_PROGRAM_CAS", "").strip()
+    if value not in ("", "0"):
+        defer(value)
+
+
+if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up
+    try:
+        _from_environment()
+    except Exception as exc:  # never fail the interpreter's start
+        print(f"cuda-program-cas: CUDA_PROGRAM_CAS is set but the switch could not start: {exc!r}", file=sys.stderr)

@@ -1,0 +1,406 @@
+"""The switch: every ``cuda.core`` ``Program.compile`` (and ``Linker.link``) of a process through the cache.
+
+``Program.compile`` cannot be patched (``Program`` is an immutable extension
+type), but ``Program`` can be subclassed, and ``cuda.core.Program`` is a module
+attribute. :func:`install` rebinds it, and every module attribute already bound
+to the original class (a library's ``from cuda.core import Program`` made
+earlier), to :class:`Program`, a subclass whose ``compile`` routes:
+
+- a ``cache=`` the caller passes: as given (the caller's cache wins);
+- code type ``ptx``, and options the cache refuses (they write files a hit would
+  not write, or cannot be keyed): the original, uncached compile;
+- compiles that read headers (``include_path``, ``pre_include``, a source name
+  with a directory, a quoted ``#include``), use ``name_expressions``, or link
+  libdevice: the front door, ``cache.compile(...)``;
+- every other: ``Program.compile(cache=)``, keyed as cuda.core keys it.
+
+``Linker`` is rebound the same way; its ``link`` goes through ``cache.link``
+where the cache has one, else runs uncached.
+
+One cache per process, opened on the first compile (``CUDA_PROGRAM_CAS_DIR`` or
+the default directory); a forked child keeps it. The cache never costs a program
+its result: a failure inside it (disk, layout, a bug) is one WARNING per process
+and the uncached compile; a compile error is raised as the uncached compile
+raises it. Compiles the cache runs itself use the original class.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import sys
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.fork import ForkSafeLock
+
+__all__ = ["activate", "install", "installed", "routed", "uninstall"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: ``CUDA_PROGRAM_CAS`` values and the mode each names (None: off).
+_MODES = {"": None, "0": None, "1": "on", "read-only": "read-only"}
+
+_lock = ForkSafeLock()
+
+
+class _State:
+    mode: str | None = None
+    #: The original classes, and this module's subclasses of them (made once per process).
+    original: dict[str, Any] = {}  # noqa: RUF012  # one instance, a namespace
+    switched: dict[str, Any] = {}  # noqa: RUF012
+    cache: Any = None
+    cache_failed = False
+    #: Compiles and links sent through the cache (``next`` is one atomic step).
+    routed = itertools.count()
+
+
+_S = _State()
+_inside = threading.local()
+
+
+def installed() -> str | None:
+    """``"on"`` or ``"read-only"`` while the switch is installed, else None."""
+    return _S.mode
+
+
+def routed() -> int:
+    """How many compiles and links of this process the switch sent through the cache."""
+    return int(repr(_S.routed)[6:-1])  # repr is "count(N)": N counted so far
+
+
+def install(*, read_only: bool = False) -> None:
+    """Send every ``cuda.core`` ``Program.compile`` and ``Linker.link`` of this process through the cache.
+
+    What ``CUDA_PROGRAM_CAS=1`` (``read-only``: ``read_only=True``) does for every
+    process of an environment. The cache is ``$CUDA_PROGRAM_CAS_DIR`` or the default
+    directory, opened on the first compile. When ``cuda.core`` is not imported
+    yet, it is not imported now: the classes are rebound when it is.
+    """
+    from .boot import defer
+
+    defer("read-only" if read_only else "1")
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: the original classes everywhere, compiles uncached (the cache stays open)."""
+    from .boot import remove
+
+    remove()
+    with _lock:
+        _S.mode = None
+        for name, switched in _S.switched.items():
+            _rebind(switched, _S.original[name])
+
+
+def activate(value: str) -> None:
+    """Install the switch in the mode ``value`` names (a ``CUDA_PROGRAM_CAS`` value); ``cuda.core`` is imported."""
+    value = value.strip()
+    if value not in _MODES:
+        warn_once(
+            ("switch-value", value),
+            "cuda-program-cas: CUDA_PROGRAM_CAS=%r is ignored: it is 1, read-only or 0; compiles are not cached",
+            value,
+        )
+        return
+    mode = _MODES[value]
+    if mode is None:
+        uninstall()
+        return
+    # From sys.modules: inside the import hook, cuda.core has run but is not yet an attribute of cuda.
+    core: Any = sys.modules.get("cuda.core")
+    if core is None:
+        import importlib
+
+        core = importlib.import_module("cuda.core")
+    with _lock:
+        if _S.mode is not None and _S.mode != mode and _S.cache is not None:
+            _S.cache = None  # another mode: another instance (read-only or not)
+        _S.mode = mode
+        for name in ("Program", "Linker"):
+            original = getattr(core, name)
+            original = getattr(original, "cpcas_original", original)
+            if name not in _S.switched:
+                _S.original[name] = original
+                _S.switched[name] = _subclass(name, original)
+            _rebind(original, _S.switched[name])
+
+
+def _internal(modname: str) -> bool:
+    """cuda.core's private modules (its classes' homes, and what uses them inside) and this package's."""
+    if modname.startswith("cuda_program_cas"):
+        return True  # the cache's own compiles stay uncached
+    if modname.startswith("cuda.core."):  # public ones (cuda.core.experimental in older versions) are rebound
+        return any(part.startswith("_") or part in ("cu12", "cu13") for part in modname.split(".")[2:])
+    return False
+
+
+def _rebind(old: type, new: type) -> None:
+    """Every module attribute bound to ``old`` now bound to ``new``, except in cuda.core's internals and ours."""
+    for modname, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType) or _internal(modname):
+            continue
+        try:
+            namespace = object.__getattribute__(module, "__dict__")  # a lazy module is not loaded by this
+        except AttributeError:
+            continue
+        for attr, value in list(namespace.items()):
+            if value is old:
+                namespace[attr] = new
+
+
+def _subclass(name: str, original: type) -> type:
+    if name == "Program":
+
+        class Program(original):  # type: ignore[misc]
+            """``cuda.core.Program``, its compiles routed through the cache (``cuda_program_cas.install()``)."""
+
+            cpcas_original = original
+
+            def __init__(self, code: Any, code_type: Any, options: Any = None) -> None:
+                super().__init__(code, code_type, options)
+                self._cpcas_inputs = (code, code_type, options)
+
+            def compile(
+                self, target_type: Any, name_expressions: Sequence[Any] = (), logs: Any = None, *, cache: Any = None
+            ) -> Any:
+                return _compile(self, target_type, name_expressions, logs, cache)
+
+        Program.__module__ = "cuda_program_cas"
+        Program.__qualname__ = "Program"
+        return Program
+
+    class Linker(original):  # type: ignore[misc]
+        """``cuda.core.Linker``, its links routed through the cache (``cuda_program_cas.install()``)."""
+
+        cpcas_original = original
+
+        def __init__(self, *object_codes: Any, options: Any = None) -> None:
+            super().__init__(*object_codes, options=options)
+            self._cpcas_inputs = (object_codes, options)
+
+        def link(self, target_type: Any) -> Any:
+            return _link(self, target_type)
+
+    Linker.__module__ = "cuda_program_cas"
+    Linker.__qualname__ = "Linker"
+    return Linker
+
+
+# -- routing ---------------------------------------------------------------------------
+
+
+def _process_cache() -> Any:
+    """This process's cache, opened on first use; None when it cannot be (one WARNING)."""
+    cache = _S.cache
+    if cache is not None or _S.cache_failed:
+        return cache
+    with _lock:
+        if _S.cache is None and not _S.cache_failed:
+            read_only = _S.mode == "read-only"
+            try:
+                from cuda_program_cas._base.config import default_cache_dir
+
+                from .cache import ContentAddressedProgramCache
+
+                if read_only and not default_cache_dir().is_dir():
+                    return None  # nothing to hit yet, and a read-only cache is never created: not a failure
+                _S.cache = ContentAddressedProgramCache(read_only=read_only)
+            except Exception as exc:
+                _S.cache_failed = True
+                _warn(exc)
+                return None
+            _log.info(
+                "cuda-program-cas: switch on%s: cuda.core Program.compile and Linker.link of this process "
+                "go through the cache at %s",
+                " (read-only)" if _S.mode == "read-only" else "",
+                _S.cache.path,
+            )
+        return _S.cache
+
+
+def _warn(exc: BaseException) -> None:
+    warn_once(
+        ("switch-failed",),
+        "cuda-program-cas: the cache failed (%r); compiles run uncached instead (said once per process)",
+        exc,
+    )
+
+
+def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions: Sequence[Any]) -> bool:
+    """Whether the compile reads headers or names expressions: only the front door caches it soundly."""
+    if name_expressions:
+        return True
+    if code_type == "nvvm":
+        return bool(getattr(options, "use_libdevice", None))
+    if getattr(options, "include_path", None) or getattr(options, "pre_include", None):
+        return True
+    name = getattr(options, "name", None)
+    if isinstance(name, str) and ("/" in name or "\\" in name):
+        return True
+    return not isinstance(code, (str, bytes)) or _front_door_checks()[1](code)
+
+
+@functools.cache
+def _front_door_checks() -> tuple[Any, Any]:
+    """The front door's ``refuse_unkeyable`` and ``may_include_quoted``, imported once (a hit costs tens of us)."""
+    from .frontdoor import may_include_quoted, refuse_unkeyable
+
+    return refuse_unkeyable, may_include_quoted
+
+
+def _keyable(options: Any, kind: str) -> bool:
+    """False for options whose effect the cache cannot key, or that write files a hit would not write."""
+    try:
+        _front_door_checks()[0](options, kind)
+    except ValueError:
+        return False
+    return True
+
+
+def _depth() -> int:
+    depth: int = getattr(_inside, "depth", 0)
+    return depth
+
+
+class _Inside:
+    """Marks the thread while the cache runs a compile: that compile is the original, uncached one."""
+
+    def __enter__(self) -> None:
+        _inside.depth = _depth() + 1
+        _inside.error = None
+
+    def __exit__(self, *exc: object) -> None:
+        _inside.depth -= 1
+
+
+def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], logs: Any, cache: Any) -> Any:
+    original = _S.original["Program"].compile
+    if cache is not None:
+        return original(program, target_type, name_expressions, logs, cache=cache)
+    if _depth():
+        try:
+            return original(program, target_type, name_expressions, logs)
+        except Exception as exc:
+            _inside.error = exc  # the compiler's, not the cache's: raised as it is
+            raise
+    inputs = getattr(program, "_cpcas_inputs", None)
+    if _S.mode is None or inputs is None:
+        return original(program, target_type, name_expressions, logs)
+    code, code_type, options = inputs
+    store = None
+    try:  # the route; every compile runs outside this try, so that its errors are never taken for the cache's
+        kind = str(getattr(code_type, "value", code_type)).lower()  # a str, or cuda.core's SourceCodeType
+        # PTX to cubin runs the driver's linker, which the cache does not key.
+        if kind != "ptx" and _keyable(options, kind):
+            store = _process_cache()
+            front = _front_door_needed(code, kind, options, name_expressions)
+    except Exception as exc:
+        _warn(exc)
+        store = None
+    if store is None:
+        return original(program, target_type, name_expressions, logs)
+    next(_S.routed)
+    store.store.note_switched()
+    if front:
+        with _Inside():
+            try:
+                return store.compile(
+                    code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
+                )
+            except Exception as exc:
+                if exc is _inside.error:
+                    raise
+                failure: Exception = exc
+    else:
+        guarded = _guarded(store)
+        try:
+            return original(program, target_type, name_expressions, logs, cache=guarded)
+        except Exception as exc:
+            if guarded.keyed:
+                raise  # the key was made and looked up: what failed is the compile
+            failure = exc  # cuda.core would not key it: compile as if uncached
+    return _uncached(lambda: original(program, target_type, name_expressions, logs), failure)
+
+
+def _uncached(run: Any, failure: Exception) -> Any:
+    """The uncached compile or link after the cached one failed with ``failure``.
+
+    When it fails too, its own error is raised (the compiler's: the cache is not
+    to blame); when it succeeds, the cache was: one WARNING per process.
+    """
+    result = run()
+    if not isinstance(failure, ValueError):
+        _warn(failure)
+    return result
+
+
+@functools.cache
+def _guarded_class() -> Any:
+    from .cache import ContentAddressedProgramCache
+
+    class Guarded(ContentAddressedProgramCache):
+        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss."""
+
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+            #: Whether cuda.core made the key and looked it up (what fails after that is the compile).
+            self.keyed = False
+
+        def get(self, key: bytes | str, default: Any = None) -> Any:
+            self.keyed = True
+            try:
+                return self._inner.get(key, default)
+            except Exception as exc:
+                _warn(exc)
+                return default
+
+        def __getitem__(self, key: bytes | str) -> bytes:
+            found = self.get(key)
+            if found is None:
+                raise KeyError(key)
+            return found  # type: ignore[no-any-return]
+
+        def __setitem__(self, key: bytes | str, value: Any) -> None:
+            try:
+                self._inner[key] = value
+            except Exception as exc:
+                _warn(exc)
+
+    return Guarded
+
+
+def _guarded(store: Any) -> Any:
+    return _guarded_class()(store)
+
+
+def _link(linker: Any, target_type: Any) -> Any:
+    original = _S.original["Linker"].link
+    inputs = getattr(linker, "_cpcas_inputs", None)
+    if _S.mode is None or inputs is None or _depth():
+        return original(linker, target_type)
+    try:
+        store = _process_cache()
+        # The seam for cached links: ``cache.link(objects, options, target)`` (cas/_cuda/link.py).
+        # Until the cache has it, links run uncached.
+        cached_link = getattr(store, "link", None)
+    except Exception as exc:
+        _warn(exc)
+        return original(linker, target_type)
+    if cached_link is None:
+        return original(linker, target_type)
+    objects, options = inputs
+    next(_S.routed)
+    store.store.note_switched()
+    with _Inside():
+        try:
+            return cached_link(objects, options, target_type)
+        except Exception as exc:
+            if exc is _inside.error:
+                raise
+            failure = exc
+    return _uncached(lambda: original(linker, target_type), failure)
