@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SAXPY
+from conftest import SAXPY, StartGate
 
 PTH = "cuda_program_cas-switch.pth"
 
@@ -396,3 +396,40 @@ def test_a_ptx_compile_runs_uncached_and_its_error_propagates(tmp_path: Path) ->
     assert report(on) == report(off)
     assert not warnings_in(on.stderr), on.stderr
     assert files_under(tmp_path / "cas") == []
+
+
+#: Waits at a start gate (a byte on stdin), then compiles SAXPY as _COMPILE does.
+_GATED = "import os, sys\nif os.read(0, 1) != b'g':\n    sys.exit('the test gave up before the start')\n" + _COMPILE
+
+
+def test_processes_that_miss_a_plain_compile_at_once_run_nvrtc_once(tmp_path: Path) -> None:
+    # The plain route (Program.compile(cache=) under the switch) holds the node's claim on the key
+    # for the whole compile: however the four interleave, one misses and three hit.
+    cache = tmp_path / "cache"
+    gate = StartGate()
+    env = dict(os.environ, CUDA_PROGRAM_CAS="1", CUDA_PROGRAM_CAS_DIR=str(cache))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GATED, json.dumps({"src": SAXPY})],
+            stdin=gate.fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(4)
+    ]
+    try:
+        gate.open(len(procs))
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        gate.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert len({r["sha"] for r in results}) == 1
+    counted = [r["counters"] for r in results]
+    assert sum(c["misses"] for c in counted) == 1, counted
+    assert sum(c["hits"] for c in counted) == 3, counted
+    assert sum(c["claim_hits"] for c in counted) == sum(c["claim_waits"] for c in counted)

@@ -12,7 +12,9 @@ earlier), to :class:`Program`, a subclass whose ``compile`` routes:
 - compiles that read headers (``include_path``, ``pre_include``, a source name
   with a directory, a quoted ``#include``), use ``name_expressions``, or link
   libdevice: the front door, ``cache.compile(...)``;
-- every other: ``Program.compile(cache=)``, keyed as cuda.core keys it.
+- every other: ``Program.compile(cache=)``, keyed as cuda.core keys it; a miss
+  takes the node's claim on the key for the whole compile, so processes that miss
+  the same key at once compile it once (the front door and links claim too).
 
 ``Linker`` is rebound the same way; its ``link`` goes through ``cache.link``
 where the cache has one, else runs uncached.
@@ -26,11 +28,13 @@ raises it. Compiles the cache runs itself use the original class.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import sys
 import threading
+import time
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -319,7 +323,9 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
     else:
         guarded = _guarded(store)
         try:
-            return original(program, target_type, name_expressions, logs, cache=guarded)
+            # A claim taken by the lookup's miss is held until this compile has stored, or failed.
+            with contextlib.ExitStack() as guarded.claims:
+                return original(program, target_type, name_expressions, logs, cache=guarded)
         except Exception as exc:
             if guarded.keyed:
                 raise  # the key was made and looked up: what failed is the compile
@@ -350,14 +356,42 @@ def _guarded_class() -> Any:
             self._inner = inner
             #: Whether cuda.core made the key and looked it up (what fails after that is the compile).
             self.keyed = False
+            #: Where a miss's claim is kept until the compile around this lookup ends (None: no claim).
+            self.claims: contextlib.ExitStack | None = None
 
         def get(self, key: bytes | str, default: Any = None) -> Any:
             self.keyed = True
             try:
-                return self._inner.get(key, default)
+                found = self._single_flight(key) if self.claims is not None else self._inner.get(key)
             except Exception as exc:
                 _warn(exc)
                 return default
+            return default if found is None else found
+
+        def _single_flight(self, key: bytes | str) -> bytes | None:
+            """The lookup; on a miss, the node's claim on the key, then the lookup again if another held it.
+
+            One hit or one miss is counted, as ``get`` counts: a hit found after waiting
+            for another's compile is a hit (and a claim hit).
+            """
+            from cuda_program_cas.index import key_id
+
+            assert self.claims is not None
+            store = self._inner.store
+            kid = key_id(key)
+            t0 = time.perf_counter_ns()
+            found = store.find(kid)
+            if found is None:
+                claim = self.claims.enter_context(store.claim(kid))
+                if claim.held or claim.waited:
+                    found = store.find(kid)  # stored meanwhile, by the claimant waited for
+                    if found is not None:
+                        store.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
+                        return found[0]  # type: ignore[no-any-return]
+                store.note_miss(kid, "not stored", t0_ns=t0)
+                return None
+            store.note_hit(kid, found[1], t0_ns=t0)
+            return found[0]  # type: ignore[no-any-return]
 
         def __getitem__(self, key: bytes | str) -> bytes:
             found = self.get(key)
