@@ -67,10 +67,18 @@ def spawn_worker(
     return subprocess.Popen(worker_command(script, spec), env=child_env(keep_settings=keep_settings), **popen)
 
 
-def run_worker(script: str, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-    """Run ``script`` as a worker for ``spec`` and wait; its answer, the JSON object on its last line of stdout."""
+def run_worker(
+    script: str, spec: dict[str, Any], timeout: float = 300, *, settings: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``script`` as a worker for ``spec`` and wait; its answer, the JSON object on its last line of stdout.
+
+    ``settings``: ``CUDA_PROGRAM_CAS_*`` variables the worker gets (the operator's are dropped).
+    Raises :class:`RuntimeError` with the end of the worker's stderr when it fails.
+    """
+    env = child_env()
+    env.update(settings or {})
     proc = subprocess.run(
-        worker_command(script, spec), capture_output=True, text=True, timeout=timeout, env=child_env(), check=False
+        worker_command(script, spec), capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
     if proc.returncode != 0:
         raise RuntimeError(

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from _common import REPO, child_env, worker_command, worker_spec
+from _common import REPO, run_worker, worker_spec
 
 DEVICE_FUNCTION = r"""
 extern "C" __device__ int cpcas_triple(int x) { return 3 * x; }
@@ -103,22 +102,18 @@ def counters(cache: str) -> dict[str, int]:
 
 
 def run(task: str, cache: str, work: str) -> dict[str, Any]:
-    env = child_env(keep_settings=False)
-    env.update(CUDA_PROGRAM_CAS="1", CUDA_PROGRAM_CAS_DIR=cache)
+    """One workload in a fresh interpreter with the switch on; its answer, or why it failed."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        worker_command(__file__, {"task": task, "work": work}),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        return {"ok": False, "error": proc.stderr.strip()[-1500:], "process_s": wall}
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["process_s"] = wall
+    try:
+        out = run_worker(
+            __file__,
+            {"task": task, "work": work},
+            600,
+            settings={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": cache},
+        )
+    except RuntimeError as exc:
+        out = {"ok": False, "error": str(exc)[-1500:]}
+    out["process_s"] = time.perf_counter() - t0
     return out
 
 
