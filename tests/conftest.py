@@ -35,6 +35,16 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.setenv("CUDA_PROGRAM_CAS_DIR", str(tmp_path_factory.mktemp("default-cas")))
     monkeypatch.delenv("CUDA_PROGRAM_CAS_SHARED", raising=False)
     monkeypatch.delenv("CUDA_PROGRAM_CAS_MAX_SIZE", raising=False)
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_CLAIM_WAIT", raising=False)
+    monkeypatch.delenv("CUDA_PROGRAM_CAS", raising=False)  # the tests turn the switch on where they mean to
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An operator's ``CUDA_PROGRAM_CAS=1`` armed the switch in this process at start-up: off again."""
+    if os.environ.get("CUDA_PROGRAM_CAS", "").strip() not in ("", "0"):
+        from cuda_program_cas import uninstall
+
+        uninstall()  # takes the start-up hook off sys.meta_path, and the classes back if it ran
 
 
 @pytest.fixture

@@ -433,3 +433,12 @@ def test_processes_that_miss_a_plain_compile_at_once_run_nvrtc_once(tmp_path: Pa
     assert sum(c["misses"] for c in counted) == 1, counted
     assert sum(c["hits"] for c in counted) == 3, counted
     assert sum(c["claim_hits"] for c in counted) == sum(c["claim_waits"] for c in counted)
+
+
+def test_the_suite_itself_runs_with_the_switch_off() -> None:
+    # conftest takes back what an operator's CUDA_PROGRAM_CAS=1 armed in this process at start-up.
+    import cuda.core
+    import cuda.core._program
+
+    assert cuda.core.Program is cuda.core._program.Program
+    assert not any(getattr(f, "cpcas_switch_hook", False) for f in sys.meta_path)
