@@ -320,6 +320,18 @@ def test_the_log_says_it_is_on(tmp_path: Path) -> None:
     report(child(_COMPILE, json.dumps({"src": SAXPY}), env=env))
     text = log.read_text()
     assert text.count("switch on") == 1 and str(tmp_path / "cas") in text, text
+    # stats says so too: the lifetime counter, in its table and in --json.
+    for args in ([], ["--json"]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "cuda_program_cas", "stats", str(tmp_path / "cas"), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if args:
+            assert json.loads(shown.stdout)["counters"]["switched"] == 1
+        else:
+            assert "switch       1 compiles and links sent here" in shown.stdout, shown.stdout
 
 
 _FORK = textwrap.dedent(

@@ -85,6 +85,7 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
             f"{c['evictions']:,} evicted",
         ),
         ("problems", f"{c['corrupt']:,} corrupt, {c['errors']:,} errors"),
+        ("switch", f"{c.get('switched', 0):,} compiles and links sent here by CUDA_PROGRAM_CAS / install()"),
         ("counted", f"since {when(since)}" if since else "since the cache was created (never zeroed)"),
     ]
 
