@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -94,25 +93,16 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
         _dropped(store, str(exc))
         return result
     kid = key_id(key)
-    t0 = time.perf_counter_ns()
-    found = _find(store, kid)
-    if found is not None:
-        store.note_hit(kid, found[1], t0_ns=t0)
-        return _object_code(ObjectCode, found[0], target_type, options.name)
-    with contextlib.ExitStack() as stack:
-        # One process of the node links these inputs; the others wait for its entry (a claim
-        # can only save work: one that cannot be taken links at once).
+    with contextlib.ExitStack() as claims:
+        # On a miss the node's claim on the key is held until this link is stored (or failed), so
+        # processes that miss the same link at once run the linker once.
         try:
-            claim = stack.enter_context(store.claim(kid))
+            found = store.find_or_claim(kid, claims, reason="new inputs")
         except Exception as exc:  # the cache must never cost the caller its link
-            warn_once(("link claim", type(exc).__name__), "cuda-program-cas: link: claim failed (%r); linking", exc)
-            claim = None
-        if claim is not None and (claim.held or claim.waited):
-            found = _find(store, kid)  # stored meanwhile, by the claimant waited for
-            if found is not None:
-                store.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
-                return _object_code(ObjectCode, found[0], target_type, options.name)
-        store.note_miss(kid, "new inputs", t0_ns=t0)
+            warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
+            found = None
+        if found is not None:
+            return _object_code(ObjectCode, found[0], target_type, options.name)
         result, backend = _link_uncached(objects, options, target_type)
         why = _why_not_stored(files, backend)
         if why is not None:
@@ -124,15 +114,6 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
             warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
             store.note_dropped(kid, f"write failed: {exc!r}")
         return result
-
-
-def _find(store: CacheStore, kid: str) -> tuple[bytes, str | None] | None:
-    """The stored link under ``kid`` and where it was found; None on a miss or when the lookup fails."""
-    try:
-        return store.find(kid)
-    except Exception as exc:  # the cache must never cost the caller its link
-        warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
-        return None
 
 
 def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> bool:

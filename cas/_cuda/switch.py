@@ -34,7 +34,6 @@ import itertools
 import logging
 import sys
 import threading
-import time
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -362,36 +361,17 @@ def _guarded_class() -> Any:
         def get(self, key: bytes | str, default: Any = None) -> Any:
             self.keyed = True
             try:
-                found = self._single_flight(key) if self.claims is not None else self._inner.get(key)
+                if self.claims is None:
+                    found = self._inner.get(key)
+                else:  # a miss holds the node's claim on the key until the compile around it ends
+                    from cuda_program_cas.index import key_id
+
+                    hit = self._inner.store.find_or_claim(key_id(key), self.claims)
+                    found = None if hit is None else hit[0]
             except Exception as exc:
                 _warn(exc)
                 return default
             return default if found is None else found
-
-        def _single_flight(self, key: bytes | str) -> bytes | None:
-            """The lookup; on a miss, the node's claim on the key, then the lookup again if another held it.
-
-            One hit or one miss is counted, as ``get`` counts: a hit found after waiting
-            for another's compile is a hit (and a claim hit).
-            """
-            from cuda_program_cas.index import key_id
-
-            assert self.claims is not None
-            store = self._inner.store
-            kid = key_id(key)
-            t0 = time.perf_counter_ns()
-            found = store.find(kid)
-            if found is None:
-                claim = self.claims.enter_context(store.claim(kid))
-                if claim.held or claim.waited:
-                    found = store.find(kid)  # stored meanwhile, by the claimant waited for
-                    if found is not None:
-                        store.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
-                        return found[0]  # type: ignore[no-any-return]
-                store.note_miss(kid, "not stored", t0_ns=t0)
-                return None
-            store.note_hit(kid, found[1], t0_ns=t0)
-            return found[0]  # type: ignore[no-any-return]
 
         def __getitem__(self, key: bytes | str) -> bytes:
             found = self.get(key)

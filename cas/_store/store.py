@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
@@ -291,6 +291,30 @@ class CacheStore:
             return nullcontext(Claim())
         bound = env_claim_wait() if wait_s is None else wait_s
         return claim(self.layout.tmp, kid, bound, self._counters)
+
+    def find_or_claim(
+        self, kid: str, claims: ExitStack, *, reason: str = "not stored"
+    ) -> tuple[bytes, str | None] | None:
+        """:meth:`find`, for a caller that compiles on a miss; one hit or one miss is counted.
+
+        On a miss the node's :meth:`claim` on ``kid`` is entered into ``claims``, so it
+        is held until the caller closes that stack (its compile stored, or failed); when
+        another held it, ``kid`` is looked up again, and found then it is a hit (and a
+        claim hit). ``reason``: what the miss's record says.
+        """
+        t0 = _perf_ns()
+        found = self.find(kid)
+        if found is None:
+            claim = claims.enter_context(self.claim(kid))
+            if claim.held or claim.waited:
+                found = self.find(kid)  # stored meanwhile, by the claimant waited for
+                if found is not None:
+                    self.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
+                    return found
+            self.note_miss(kid, reason, t0_ns=t0)
+            return None
+        self.note_hit(kid, found[1], t0_ns=t0)
+        return found
 
     def note_switched(self) -> None:
         """Count one compile or link that the switch sent through this cache (before its lookup)."""
