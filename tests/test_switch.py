@@ -441,6 +441,7 @@ def test_processes_that_miss_a_plain_compile_at_once_run_nvrtc_once(tmp_path: Pa
                 p.kill()
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert len({r["sha"] for r in results}) == 1
+    assert all("counters" in r for r in results), [err for _, err in outs]
     counted = [r["counters"] for r in results]
     assert sum(c["misses"] for c in counted) == 1, counted
     assert sum(c["hits"] for c in counted) == 3, counted
