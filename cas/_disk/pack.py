@@ -37,6 +37,7 @@ import bisect
 import errno
 import logging
 import os
+import re
 import secrets
 import struct
 import threading
@@ -54,15 +55,22 @@ from .files import READ_FLAGS
 from .layout import Layout
 
 __all__ = [
+    "LISTING",
     "PACK_SUFFIX",
+    "TRAILER_SIZE",
     "PackEntry",
     "PackError",
+    "PackIndex",
     "PackInput",
     "PackReader",
     "PackSet",
+    "encode_listing",
     "list_packs",
     "open_packs",
     "pack_chunks",
+    "parse_listing",
+    "parse_trailer",
+    "save_listing",
     "write_pack",
 ]
 
@@ -76,6 +84,8 @@ _ENTRY = struct.Struct("<32s32sQQQ8s")
 _BODY = _ENTRY.size - 8
 _FANOUT = struct.Struct("<256I")
 PACK_SUFFIX = ".cpk"
+#: A pack's trailer: its last bytes.
+TRAILER_SIZE = _TRAILER.size
 #: How long a process trusts its listing of ``packs/`` before listing again.
 RELIST_S = 2.0
 
@@ -107,6 +117,57 @@ def _entry_check(body: bytes) -> bytes:
 def pack_name() -> str:
     """A new pack's file name: time-ordered (newest sorts last), never reused."""
     return f"pack-{time.time_ns():016x}-{secrets.token_hex(4)}{PACK_SUFFIX}"
+
+
+#: ``packs/list``: the pack names of a store, for readers that cannot list a directory (HTTP).
+LISTING = "list"
+_LISTING_HEAD = b"cpcas-packs 1\n"
+_NAME_RE = re.compile(r"pack-[0-9a-f]{16}-[0-9a-f]{8}\.cpk")
+
+
+def encode_listing(names: Iterable[str]) -> bytes:
+    """``packs/list``'s bytes: a header line, one pack name per line newest first, and ``end N``.
+
+    The last line makes a listing cut short (a truncated download) a bad one, not a shorter one.
+    """
+    ordered = sorted(set(names), reverse=True)
+    return _LISTING_HEAD + b"".join(n.encode() + b"\n" for n in ordered) + b"end %d\n" % len(ordered)
+
+
+def parse_listing(data: bytes) -> list[str] | None:
+    """The pack names of a ``packs/list``, newest first; None when ``data`` is not a whole listing."""
+    if not data.startswith(_LISTING_HEAD) or not data.endswith(b"\n"):
+        return None
+    lines = data[len(_LISTING_HEAD) : -1].decode("ascii", "replace").split("\n")
+    last = lines.pop()
+    names = [n for n in lines if _NAME_RE.fullmatch(n)]
+    if last != f"end {len(lines)}" or len(names) != len(lines):
+        return None
+    return sorted(set(names), reverse=True)
+
+
+def save_listing(root: str, write_file: Callable[[str, Iterable[bytes]], bool]) -> bool:
+    """Write ``packs/list`` from the directory's listing of ``root``'s ``packs/``; True when written.
+
+    Whoever adds, retires or moves aside a pack calls this after. Two such
+    writers at once could each list before the other's pack landed: the listing
+    is read again after it is written, and written again while it differs.
+    A listing that cannot be written is logged at DEBUG: directory readers do
+    not need it, and the next pack change writes it.
+    """
+    packs_dir = os.path.join(root, "packs")
+    path = os.path.join(packs_dir, LISTING)
+    for _ in range(5):
+        names = [os.path.basename(p) for p in list_packs(packs_dir)]
+        try:
+            if not write_file(path, [encode_listing(names)]):
+                return False
+        except OSError as exc:
+            _log.debug("cuda-program-cas: %s not written: %s", path, exc)
+            return False
+        if [os.path.basename(p) for p in list_packs(packs_dir)] == names:
+            return True
+    return True
 
 
 def list_packs(packs_dir: str) -> list[str]:
@@ -296,6 +357,91 @@ def _split(raw: bytes) -> tuple[list[bytes], list[bytes]]:
     return [e[:32] for e in entries], entries
 
 
+def parse_trailer(raw: bytes, size: int, name: str) -> tuple[bytes, int, int]:
+    """Checksum, index offset and count from the trailer (the last :data:`TRAILER_SIZE` bytes) of a pack of ``size``.
+
+    Raises :class:`PackError` naming ``name`` for a trailer that is not one, or
+    that does not fit the size.
+    """
+    if size < len(_HEADER) + _FANOUT.size + _TRAILER.size or len(raw) != _TRAILER.size:
+        raise PackError(f"{name}: too short to be a pack ({size} bytes)")
+    checksum, index_offset, count, version, magic = _TRAILER.unpack(raw)
+    if magic != _TRAILER_MAGIC or version != VERSION:
+        raise PackError(f"{name}: bad trailer")
+    if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
+        raise PackError(f"{name}: the trailer does not match the file's size")
+    return checksum, index_offset, count
+
+
+def _fanout(head: bytes, count: int, name: str) -> tuple[int, ...]:
+    fanout: tuple[int, ...] = _FANOUT.unpack(head[: _FANOUT.size])
+    if list(fanout) != sorted(fanout) or fanout[-1] != count:
+        raise PackError(f"{name}: garbled fan-out table")
+    return fanout
+
+
+def _find(keys: list[bytes], entries: list[bytes], lo: int, hi: int, key: bytes, *, limit: int) -> PackEntry | None:
+    """The entry of ``key`` among ``keys[lo:hi]`` (sorted), or None; ``limit``: where the blobs end."""
+    i = bisect.bisect_left(keys, key, lo, hi)
+    if i == hi or keys[i] != key:
+        return None
+    raw = entries[i]
+    if _entry_check(raw[:_BODY]) != raw[_BODY:]:
+        return None  # a damaged entry: a miss; the rest of the pack still reads
+    kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
+    if offset + size > limit:
+        return None
+    return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+
+
+class PackIndex:
+    """A pack's whole index held in memory, for a reader that fetched it (HTTP): lookups without I/O.
+
+    Made from the pack's size, its trailer and its index bytes, checked against
+    the trailer's checksum: an index that is not the pack's is a :class:`PackError`.
+    :meth:`to_bytes` gives back what :meth:`from_bytes` takes, to keep it on disk.
+    """
+
+    def __init__(self, name: str, size: int, trailer: bytes, index: bytes) -> None:
+        checksum, index_offset, count = parse_trailer(trailer, size, name)
+        if len(index) != _FANOUT.size + count * _ENTRY.size or blake3(index).digest() != checksum:
+            raise PackError(f"{name}: its index does not match its trailer's checksum")
+        self.name = name
+        self.size = size
+        self.count = count
+        self.index_offset = index_offset
+        self._fanout = _fanout(index, count, name)
+        self._trailer = trailer
+        self._index = index
+        self._keys, self._entries = _split(index[_FANOUT.size :])
+
+    @staticmethod
+    def span(size: int, trailer: bytes, name: str) -> tuple[int, int]:
+        """Where the index of a pack of ``size`` bytes with this trailer lies: ``(offset, length)``."""
+        _checksum, index_offset, count = parse_trailer(trailer, size, name)
+        return index_offset, _FANOUT.size + count * _ENTRY.size
+
+    def find_key(self, key: bytes) -> PackEntry | None:
+        """The entry of the key id ``key`` (32 raw bytes), or None."""
+        first = key[0]
+        lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
+        return _find(self._keys, self._entries, lo, hi, key, limit=self.index_offset)
+
+    def keys(self) -> list[bytes]:
+        return self._keys
+
+    def to_bytes(self) -> bytes:
+        return struct.pack("<Q", self.size) + self._trailer + self._index
+
+    @classmethod
+    def from_bytes(cls, name: str, data: bytes) -> PackIndex:
+        """The index :meth:`to_bytes` gave; :class:`PackError` when ``data`` is not one of ``name``."""
+        if len(data) < 8 + _TRAILER.size:
+            raise PackError(f"{name}: a kept index too short")
+        (size,) = struct.unpack_from("<Q", data)
+        return cls(name, size, data[8 : 8 + _TRAILER.size], data[8 + _TRAILER.size :])
+
+
 class PackReader:
     """One pack. Lookups ``pread``; nothing here raises for a damaged file (``PackError`` at open).
 
@@ -318,21 +464,13 @@ class PackReader:
                 raise PackError(f"{path}: too short to be a pack ({size} bytes)")
             if os.pread(fd, len(_HEADER), 0) != _HEADER:
                 raise PackError(f"{path}: not a pack of version {VERSION}")
-            checksum, index_offset, count, version, magic = _TRAILER.unpack(
-                os.pread(fd, _TRAILER.size, size - _TRAILER.size)
-            )
-            if magic != _TRAILER_MAGIC or version != VERSION:
-                raise PackError(f"{path}: bad trailer")
-            if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
-                raise PackError(f"{path}: the trailer does not match the file's size")
+            checksum, index_offset, count = parse_trailer(os.pread(fd, _TRAILER.size, size - _TRAILER.size), size, path)
             index_len = _FANOUT.size + count * _ENTRY.size
             want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
             head = os.pread(fd, want, index_offset)
             if len(head) != want:
                 raise PackError(f"{path}: truncated while being read")
-            fanout = _FANOUT.unpack(head[: _FANOUT.size])
-            if list(fanout) != sorted(fanout) or fanout[-1] != count:
-                raise PackError(f"{path}: garbled fan-out table")
+            fanout = _fanout(head, count, path)
         except BaseException:
             os.close(fd)
             raise
@@ -412,16 +550,7 @@ class PackReader:
     def find_key(self, key: bytes) -> PackEntry | None:
         """:meth:`find` for a key id given as its 32 raw bytes."""
         keys, entries, lo, hi = self._bucket(key[0])
-        i = bisect.bisect_left(keys, key, lo, hi)
-        if i == hi or keys[i] != key:
-            return None
-        raw = entries[i]
-        if _entry_check(raw[:_BODY]) != raw[_BODY:]:
-            return None  # a damaged entry: a miss; the rest of the pack still reads
-        kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
-        if offset + size > self._index_offset:
-            return None
-        return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+        return _find(keys, entries, lo, hi, key, limit=self._index_offset)
 
     def read(self, entry: PackEntry) -> bytes | None:
         """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest."""

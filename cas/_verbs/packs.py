@@ -42,7 +42,15 @@ from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._disk.pack import PackEntry, PackError, PackInput, PackReader, list_packs, write_pack
+from cuda_program_cas._disk.pack import (
+    PackEntry,
+    PackError,
+    PackInput,
+    PackReader,
+    list_packs,
+    save_listing,
+    write_pack,
+)
 from cuda_program_cas._disk.packsummary import PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
@@ -150,6 +158,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
     if report.pack is not None:
         report.retired = [retire(lay, reader.path) for reader in old]
         PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
+        save_listing(lay.root, writer.write_file)  # what HTTP readers list
     report.elapsed_s = time.monotonic() - t0
     return report
 
@@ -318,6 +327,8 @@ def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool
             except OSError as exc:
                 detail += f"; cannot be moved aside: {exc.strerror}"
         problems.append(("bad_pack", path, detail, fixed))
+    if any(fixed for *_, fixed in problems):
+        save_listing(lay.root, Writer(lay, file_mode=0o644, exact_mode=True).write_file)  # what HTTP readers list
     return problems
 
 

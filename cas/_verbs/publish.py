@@ -44,7 +44,7 @@ from cuda_program_cas._disk.atomic import current_umask
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
-from cuda_program_cas._disk.pack import PackError, PackReader, write_pack
+from cuda_program_cas._disk.pack import PackError, PackReader, save_listing, write_pack
 from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
@@ -329,6 +329,8 @@ def publish(
             _publish_pack(pending, target, report)
         if not dry_run and not target.summary.current and os.path.isdir(target.summary.packs_dir):
             target.summary.save(target.pack_writer().write_file)  # publishers after this one read one file
+        if not dry_run and report.packs:
+            save_listing(target.lay.root, target.pack_writer().write_file)  # what HTTP readers list
     finally:
         target.close()
     if progress:
