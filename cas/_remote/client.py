@@ -1,0 +1,287 @@
+"""The one HTTP client of the cache: urllib3's pool, bounded in time, never raising anything but :class:`HttpFailure`.
+
+Why urllib3: it is the connection pool under ``requests`` and pip, kept by a team
+that ships security fixes quickly. It gives keep-alive pools that threads share,
+per-phase timeouts, Range bodies read in chunks, a cap on redirects, and TLS
+through the standard ``ssl`` module (so the system's CAs). ``requests`` adds
+sessions and cookies the cache does not need, and brings ``certifi``'s CAs instead
+of the system's; ``httpx`` is larger and slower to import. It is imported the
+first time a request is made (about 25 ms, once per process that uses a URL).
+
+Every request is bounded: a connection must open within the connect timeout, and
+the answer with its whole body must arrive within the read timeout (a server that
+trickles a byte now and then is cut off). Nothing is retried here: a failure is
+an :class:`HttpFailure`, and the store that asked decides (a miss, and a pause
+before it asks that server again). Redirects are followed three times at most.
+
+Settings, each read once per process from the environment (a bad value: one WARNING):
+
+``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``
+    ``CONNECT[,READ]`` in seconds (``2`` or ``2,10``); default ``3,10``.
+``CUDA_PROGRAM_CAS_HTTP_TOKEN``
+    A bearer token sent to every store URL's server. Without it, a ``.netrc``
+    entry for the host (``$NETRC`` or ``~/.netrc``; its ``password`` is the token).
+    A token is never logged; a redirect to another host does not carry it.
+``CUDA_PROGRAM_CAS_CA_BUNDLE``
+    A PEM file of CAs trusted besides the system's (a site's own CA). HTTPS is
+    always verified; ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace the system's CAs
+    as for any OpenSSL program.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from cuda_program_cas._base.config import env_value
+from cuda_program_cas._base.errors import CacheError
+from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
+
+__all__ = [
+    "ENV_CA_BUNDLE",
+    "ENV_HTTP_TIMEOUT",
+    "ENV_HTTP_TOKEN",
+    "HttpFailure",
+    "Reply",
+    "request",
+    "timeouts",
+]
+
+ENV_HTTP_TIMEOUT = "CUDA_PROGRAM_CAS_HTTP_TIMEOUT"
+ENV_HTTP_TOKEN = "CUDA_PROGRAM_CAS_HTTP_TOKEN"  # noqa: S105 - the variable's name, not a token
+ENV_CA_BUNDLE = "CUDA_PROGRAM_CAS_CA_BUNDLE"
+#: Connect and read timeouts (s) when the environment says nothing. Three seconds
+#: covers a SYN retransmit on a lossy link; ten, a cold object store's first byte.
+DEFAULT_TIMEOUTS = (3.0, 10.0)
+#: A body this large gets more time than the read timeout: it may take this long per byte.
+_SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
+_MAX_REDIRECTS = 3
+_CHUNK = 1 << 16
+
+
+class HttpFailure(CacheError):
+    """A request that got no usable answer: ``kind`` says what (``refused``, ``timeout``, ``tls``...).
+
+    ``outage`` is True when the server (or the way to it) may be down, so asking it
+    again at once would cost another timeout; False when only this answer was bad.
+    """
+
+    def __init__(self, url: str, kind: str, detail: str, *, outage: bool = True) -> None:
+        super().__init__(url, kind, detail, outage)
+        self.url = url
+        self.kind = kind
+        self.detail = detail
+        self.outage = outage
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.kind}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A server's answer: its status, body (empty for HEAD) and headers (names lowercase)."""
+
+    status: int
+    body: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def _parse_timeouts(text: str) -> tuple[float, float]:
+    parts = [p.strip() for p in text.split(",")]
+    if not 1 <= len(parts) <= 2:
+        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10") from None
+    if any(not 0 < v < float("inf") for v in values):  # NaN fails both
+        raise ValueError("timeouts must be positive numbers of seconds")
+    return (values[0], values[-1] if len(values) == 2 else DEFAULT_TIMEOUTS[1])
+
+
+def _parse_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise ValueError("no such file")
+    return text
+
+
+class _Pool:
+    """This process's urllib3 pool manager and settings, made at the first request."""
+
+    def __init__(self) -> None:
+        self.lock = ForkSafeLock()
+        self.manager: Any = None
+        self.timeouts = DEFAULT_TIMEOUTS
+        self.tokens: dict[str, str | None] = {}
+
+    def reset(self) -> None:
+        # A forked child must not share its parent's sockets: it opens its own.
+        self.manager = None
+        self.tokens = {}
+
+
+_POOL = _Pool()
+after_fork_call(_POOL.reset)
+
+
+def timeouts() -> tuple[float, float]:
+    """The connect and read timeouts this process uses, in seconds."""
+    value = env_value(ENV_HTTP_TIMEOUT, _parse_timeouts)
+    return DEFAULT_TIMEOUTS if value is None else value
+
+
+def _manager() -> Any:
+    manager = _POOL.manager
+    if manager is not None:
+        return manager
+    with _POOL.lock:
+        if _POOL.manager is None:
+            import urllib3
+
+            context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
+            bundle = env_value(ENV_CA_BUNDLE, _parse_file)
+            if bundle is not None:
+                context.load_verify_locations(cafile=bundle)
+            _POOL.timeouts = timeouts()
+            _POOL.manager = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, ssl_context=context)
+        return _POOL.manager
+
+
+def _token(host: str) -> str | None:
+    """The bearer token for ``host``: the environment's, else ``.netrc``'s password for it, else None."""
+    if host in _POOL.tokens:
+        return _POOL.tokens[host]
+    token = os.environ.get(ENV_HTTP_TOKEN) or None
+    if token is None:
+        import netrc
+
+        try:
+            entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            entry = None
+        token = entry[2] if entry and entry[2] else None
+    _POOL.tokens[host] = token
+    return token
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    limit: int = 1 << 20,
+) -> Reply:
+    """``method`` on ``url``; the reply whatever its status, or :class:`HttpFailure`.
+
+    At most ``limit`` bytes of body are accepted: a longer one (said by its
+    ``Content-Length`` or found while reading) is a failure that is not an outage.
+    """
+    import urllib3
+    from urllib3.exceptions import HTTPError as _Urllib3Error
+
+    manager = _manager()
+    connect, read = _POOL.timeouts
+    host = urlsplit(url).hostname or ""
+    sent = dict(headers or {})
+    token = _token(host)
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    deadline = time.monotonic() + connect + read + limit * _SLOW_LINK_S_PER_BYTE
+    retries = urllib3.Retry(
+        total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
+        raise_on_redirect=True, raise_on_status=False, respect_retry_after_header=False,
+    )  # fmt: skip
+    try:
+        resp = manager.request(
+            method,
+            url,
+            body=body,
+            headers=sent,
+            timeout=urllib3.Timeout(connect=connect, read=read),
+            retries=retries,
+            preload_content=False,
+        )
+    except _Urllib3Error as exc:
+        raise _failure(url, exc) from None
+    except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
+        raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
+    try:
+        return _read(resp, url, method, limit, deadline)
+    finally:
+        resp.release_conn()
+
+
+def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Reply:
+    from urllib3.exceptions import HTTPError as _Urllib3Error
+
+    head = {k.lower(): v for k, v in resp.headers.items()}
+    if method == "HEAD":
+        return Reply(resp.status, b"", head)
+    length = head.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        resp.close()  # not read: the connection cannot be reused
+        raise HttpFailure(url, "too large", f"{length} bytes, at most {limit} expected", outage=False)
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        while True:
+            chunk = resp.read(min(_CHUNK, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+            if got > limit:
+                resp.close()
+                raise HttpFailure(url, "too large", f"more than {limit} bytes", outage=False)
+            if time.monotonic() > deadline:
+                resp.close()
+                raise HttpFailure(url, "timeout", "the body did not arrive in time (a stalled server)")
+    except _Urllib3Error as exc:
+        resp.close()
+        raise _failure(url, exc) from None
+    except OSError as exc:
+        resp.close()
+        raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
+    return Reply(resp.status, b"".join(chunks), head)
+
+
+def _failure(url: str, exc: BaseException) -> HttpFailure:
+    """An urllib3 error as one :class:`HttpFailure`, named by what happened."""
+    from urllib3.exceptions import (
+        MaxRetryError,
+        NameResolutionError,
+        NewConnectionError,
+        ProtocolError,
+        ProxyError,
+        SSLError,
+        TimeoutError,
+    )
+
+    reason = exc.reason if isinstance(exc, MaxRetryError) and exc.reason is not None else exc
+    if isinstance(exc, MaxRetryError) and exc.reason is None:
+        return HttpFailure(url, "redirects", f"more than {_MAX_REDIRECTS} redirects")
+    text = str(reason)
+    if isinstance(reason, SSLError):
+        return HttpFailure(url, "tls", text)
+    if isinstance(reason, NameResolutionError):
+        return HttpFailure(url, "dns", text)
+    if isinstance(reason, NewConnectionError):  # before TimeoutError: urllib3 makes it one
+        kind = "refused" if "refused" in text.lower() else "connect"
+        return HttpFailure(url, kind, text)
+    if isinstance(reason, TimeoutError):
+        return HttpFailure(url, "timeout", text)
+    if isinstance(reason, ProtocolError):
+        cause = reason.args[1] if len(reason.args) > 1 else None
+        if isinstance(cause, (socket.timeout, TimeoutError)):
+            return HttpFailure(url, "timeout", text)
+        return HttpFailure(url, "truncated" if "IncompleteRead" in text else "protocol", text)
+    if isinstance(reason, ProxyError):
+        return HttpFailure(url, "proxy", text)
+    return HttpFailure(url, "error", f"{type(reason).__name__}: {text}")

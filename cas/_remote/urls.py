@@ -1,0 +1,86 @@
+"""Store URLs: which entries of a store list are URLs, and how a URL is checked and shown.
+
+``CUDA_PROGRAM_CAS_SHARED`` separates stores with ``os.pathsep``, which is ``:`` on
+POSIX, and a URL holds ``:`` after its scheme and before a port. The split is
+made first, then mended: a part ``http`` or ``https`` followed by a part that
+starts with ``//`` opens a URL, and a next part that starts with a port number
+(digits, then ``/`` or nothing) is that URL's port. So
+``/nfs/store:https://cache.example:8443/store:/scratch/store`` is three stores.
+A directory whose relative name starts with digits and a slash would be read as
+a port: write it ``./8080/store`` (relative names get a WARNING anyway).
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+__all__ = ["is_store_url", "join", "mend_split", "normalize_store_url", "shown"]
+
+_SCHEMES = ("http://", "https://")
+_PORT_PART = re.compile(r"\d+(/.*)?")
+
+
+def is_store_url(text: object) -> bool:
+    """True when ``text`` names a store over HTTP(S) (a ``str`` starting with ``http://`` or ``https://``)."""
+    return isinstance(text, str) and text[:8].lower().startswith(_SCHEMES)
+
+
+def mend_split(parts: list[str]) -> list[str]:
+    """The parts of a ``os.pathsep`` split, with the URLs the split cut put back together."""
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part.lower() in ("http", "https") and i + 1 < len(parts) and parts[i + 1].startswith("//"):
+            url = f"{part}:{parts[i + 1]}"
+            i += 2
+            if i < len(parts) and _PORT_PART.fullmatch(parts[i]) and not url.rstrip("/").endswith("]"):
+                host = urlsplit(url).netloc
+                if ":" not in host:  # no port yet: this part is it
+                    url = f"{url}:{parts[i]}"
+                    i += 1
+            out.append(url)
+            continue
+        out.append(part)
+        i += 1
+    return out
+
+
+def normalize_store_url(url: str) -> str:
+    """``url`` checked and without a trailing slash; ``ValueError`` naming what is wrong.
+
+    A store URL is ``http(s)://host[:port]/path``: no user name or password in it
+    (a token comes from the environment or ``.netrc``, never from a URL that ends
+    up in logs), no query and no fragment (entries are paths below it).
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"not an http(s) URL: {shown(url)!r}")
+    if not parts.hostname:
+        raise ValueError(f"store URL has no host: {shown(url)!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"store URL carries credentials: {shown(url)!r}; put a token in CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"store URL has a query or fragment: {shown(url)!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"store URL has a bad port: {shown(url)!r}") from exc
+    return f"{parts.scheme.lower()}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+def join(base: str, relative: str) -> str:
+    """The URL of ``relative`` (a store-relative path with ``/``) below the store URL ``base``."""
+    return f"{base}/{relative}"
+
+
+def shown(url: str) -> str:
+    """``url`` as it may be logged: any user name and password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
