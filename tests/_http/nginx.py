@@ -10,6 +10,7 @@ the same directory ``root``:
   nginx receives a PUT's body into ``client_body_temp_path`` (a folder on the same filesystem
   as ``root``) and renames it onto the target once the body is complete, so a reader never sees
   a partial file and a client that disconnects mid-body leaves nothing at the target path.
+  A PUT creates missing parent folders; MKCOL makes one level (409 where the parent is missing).
 
 ``token="s3cret"`` makes both locations answer 401 to a request without
 ``Authorization: Bearer s3cret``. ``tls=True`` serves HTTPS with a self-signed certificate for
