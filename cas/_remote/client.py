@@ -36,7 +36,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from cuda_program_cas._base.config import env_value
@@ -174,7 +174,7 @@ def request(
     method: str,
     url: str,
     *,
-    body: bytes | None = None,
+    body: bytes | IO[bytes] | None = None,
     headers: Mapping[str, str] | None = None,
     limit: int = 1 << 20,
 ) -> Reply:
@@ -182,6 +182,9 @@ def request(
 
     At most ``limit`` bytes of body are accepted: a longer one (said by its
     ``Content-Length`` or found while reading) is a failure that is not an outage.
+    ``body`` is bytes, or a binary file read from its start and sent with its
+    size as ``Content-Length`` (a large upload is never held in memory). A body
+    sent gets time for its bytes too, as a body received does.
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -193,7 +196,14 @@ def request(
     token = _token(host)
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
-    deadline = time.monotonic() + connect + read + limit * _SLOW_LINK_S_PER_BYTE
+    size = 0
+    if isinstance(body, bytes):
+        size = len(body)
+    elif body is not None:
+        size = os.fstat(body.fileno()).st_size
+        body.seek(0)
+        sent["Content-Length"] = str(size)  # not chunked: object stores want the length
+    deadline = time.monotonic() + connect + read + (limit + size) * _SLOW_LINK_S_PER_BYTE
     retries = urllib3.Retry(
         total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
         raise_on_redirect=True, raise_on_status=False, respect_retry_after_header=False,
