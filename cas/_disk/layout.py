@@ -27,7 +27,9 @@ from .atomic import atomic_write, make_tmp_dir
 from .files import READ_FLAGS, shard_path, trusted_mtime_ns
 
 __all__ = [
+    "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
+    "LAYOUT_FILE",
     "LAYOUT_VERSION",
     "SETTINGS_FILE",
     "STALE_TMP_S",
@@ -37,8 +39,11 @@ __all__ = [
     "create_layout",
     "damaged_layout_error",
     "is_shared_store",
+    "layout_bytes",
     "layout_version",
     "mark_shared_store",
+    "parse_layout",
+    "refuse_layout",
     "stale_temp_files",
     "temp_files",
     "unwritable_reason",
@@ -83,7 +88,8 @@ _OWN_NAMES = frozenset(
     }
 )
 
-_CACHEDIR_TAG = (
+#: ``CACHEDIR.TAG``'s bytes.
+CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
     b"# This file is a cache directory tag created by cuda-program-cas.\n"
     b"# For information about cache directory tags, see https://bford.info/cachedir/\n"
@@ -150,6 +156,11 @@ def _read_layout(path: str) -> dict[str, object] | None:
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
+    return parse_layout(raw)
+
+
+def parse_layout(raw: bytes) -> dict[str, object] | None:
+    """The parsed bytes of a ``layout.json``, or None when they are damaged (not JSON, not ours)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: thousands of "["
@@ -196,17 +207,7 @@ def check_layout(root: str) -> LayoutState:
     else:
         present = True
     if data is not None:
-        version = data["version"]
-        assert isinstance(version, int)
-        if version > LAYOUT_VERSION:
-            raise LayoutError(
-                f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
-                f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
-            )
-        if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
-            raise LayoutError(
-                f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
-            )
+        refuse_layout(data, root)
         return LayoutState.OK
     with os.scandir(root) as it:
         foreign = sorted(e.name for e in it if e.name not in _OWN_NAMES)
@@ -219,6 +220,21 @@ def check_layout(root: str) -> LayoutState:
             f"{', ...' if len(foreign) > 5 else ''}{hint}"
         )
     return LayoutState.DAMAGED if present else LayoutState.MISSING
+
+
+def refuse_layout(data: dict[str, object], root: str) -> None:
+    """Raise :class:`LayoutError` for a parsed layout this code cannot use: newer, or other hashes."""
+    version = data["version"]
+    assert isinstance(version, int)
+    if version > LAYOUT_VERSION:
+        raise LayoutError(
+            f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
+            f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
+        )
+    if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
+        raise LayoutError(
+            f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
+        )
 
 
 def damaged_layout_error(root: str) -> LayoutError:
@@ -248,18 +264,28 @@ def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: objec
         data = _read_layout(path)
     except FileNotFoundError:
         data = None
+    raw = layout_bytes(data, **changes)
+    if raw is not None:
+        atomic_write(path, raw, tmp_dir, mode=mode)
+
+
+def layout_bytes(current: dict[str, object] | None, **changes: object) -> bytes | None:
+    """The bytes of ``layout.json`` saying ``current`` (None: a new layout) with ``changes``; None when nothing changes.
+
+    What :func:`write_layout` writes, for a writer that cannot write through it (publish over HTTP).
+    """
     base: dict[str, object] = {
         "layout": LAYOUT_NAME,
         "version": LAYOUT_VERSION,
         "blob_hash": "blake3",
         "key_hash": "sha256",
     }
-    current = dict(data) if data is not None else None
+    current = dict(current) if current is not None else None
     new = dict(current if current is not None else base)
     new.update(changes)
     if new == current:
-        return
-    atomic_write(path, (json.dumps(new, indent=2, sort_keys=True) + "\n").encode(), tmp_dir, mode=mode)
+        return None
+    return (json.dumps(new, indent=2, sort_keys=True) + "\n").encode()
 
 
 def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
@@ -288,7 +314,7 @@ def create_layout(root: str) -> None:
     make_tmp_dir(lay.tmp)
     tag = os.path.join(root, "CACHEDIR.TAG")
     if not os.path.exists(tag):
-        atomic_write(tag, _CACHEDIR_TAG, lay.tmp, mode=0o644)
+        atomic_write(tag, CACHEDIR_TAG, lay.tmp, mode=0o644)
     write_layout(root, lay.tmp, version=LAYOUT_VERSION)
 
 

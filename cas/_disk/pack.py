@@ -68,6 +68,7 @@ __all__ = [
     "list_packs",
     "open_packs",
     "pack_chunks",
+    "pack_name",
     "parse_listing",
     "parse_trailer",
     "save_listing",
