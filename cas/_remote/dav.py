@@ -1,0 +1,128 @@
+"""The store's remote side: WebDAV writes (PUT, MKCOL) and the reads a publisher needs (HEAD, GET).
+
+Every request goes through the one client (:func:`.client.request`). Each call
+either returns what the server said or raises :class:`.client.HttpFailure`, with
+the URL as :func:`.urls.shown` gives it; a token never appears in a message.
+
+Atomicity is the server's job. nginx's dav module receives a PUT's body into
+``client_body_temp_path`` and renames it onto the target once it is complete;
+an object store (S3, GCS, Azure Blob) makes an object visible only once its
+upload is complete. So a reader sees the old file, or none, or the whole new
+one, never a part.
+
+Parent collections: nginx with ``create_full_put_path on`` creates them for a
+PUT. A stricter WebDAV server answers ``409 Conflict`` instead; then the missing
+collections are made with MKCOL, top down, and the PUT is sent again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import IO
+
+from .client import HttpFailure, Reply, request
+from .urls import shown
+
+__all__ = ["fetch", "fetch_range", "fetch_tail", "mkcol", "put", "size_of"]
+
+#: Statuses of a PUT that stored the body: created, replaced (with or without a body).
+_PUT_OK = frozenset((200, 201, 204))
+#: Statuses that say "there is nothing here".
+_ABSENT = frozenset((404, 410))
+_AUTH_HINT = "the server wants a token: set CUDA_PROGRAM_CAS_HTTP_TOKEN or a ~/.netrc entry for the host"
+
+
+def _refused(url: str, reply: Reply, method: str) -> HttpFailure:
+    """An answer that is not one this protocol expects, as one :class:`HttpFailure`."""
+    detail = f"{method} answered {reply.status}"
+    if reply.status in (401, 403):
+        detail += f" ({_AUTH_HINT}, with write access for a publish)"
+    elif reply.status == 405 and method in ("PUT", "MKCOL"):
+        detail += " (the server does not accept WebDAV writes there: nginx needs dav_methods PUT MKCOL)"
+    elif reply.status == 413:
+        detail += " (the body is too large for the server: nginx needs client_max_body_size 0)"
+    return HttpFailure(shown(url), f"HTTP {reply.status}", detail, outage=reply.status >= 500)
+
+
+def size_of(url: str) -> int | None:
+    """The size of the file at ``url`` (its ``Content-Length``), or None when there is none.
+
+    A file whose size the server does not say counts as size -1: present, size unknown.
+    """
+    reply = request("HEAD", url)
+    if reply.status in _ABSENT:
+        return None
+    if reply.status != 200:
+        raise _refused(url, reply, "HEAD")
+    length = reply.headers.get("content-length", "")
+    return int(length) if length.isdigit() else -1
+
+
+def fetch(url: str, *, limit: int = 1 << 20) -> tuple[bytes, str | None] | None:
+    """The bytes of the file at ``url`` and its ``ETag``, or None when there is none."""
+    reply = request("GET", url, limit=limit)
+    if reply.status in _ABSENT:
+        return None
+    if reply.status != 200:
+        raise _refused(url, reply, "GET")
+    return reply.body, reply.headers.get("etag")
+
+
+def fetch_tail(url: str, length: int) -> tuple[bytes, int] | None:
+    """The last ``length`` bytes of the file at ``url`` and its whole size; None when there is none."""
+    reply = request("GET", url, headers={"Range": f"bytes=-{length}"}, limit=length)
+    if reply.status in _ABSENT:
+        return None
+    if reply.status == 206:
+        total = reply.headers.get("content-range", "").rpartition("/")[2]
+        if total.isdigit():
+            return reply.body, int(total)
+    raise _refused(url, reply, "GET (Range)")
+
+
+def fetch_range(url: str, offset: int, length: int) -> bytes | None:
+    """``length`` bytes of the file at ``url`` from ``offset``; None when there is no file."""
+    if length == 0:
+        return b""
+    reply = request("GET", url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}, limit=length)
+    if reply.status in _ABSENT:
+        return None
+    if reply.status == 206 and len(reply.body) == length:
+        return reply.body
+    raise _refused(url, reply, "GET (Range)")
+
+
+def put(url: str, data: bytes | IO[bytes], *, root: str, headers: Mapping[str, str] | None = None) -> int:
+    """Store ``data`` at ``url`` (below the store URL ``root``); the status: 200, 201, 204, or 412.
+
+    ``headers`` may make the PUT conditional (``If-Match``); a server that honours
+    it answers 412 when the file changed since it was read, which is returned,
+    not raised. On ``409 Conflict`` (a parent collection is missing) the
+    collections from ``root`` down are made and the PUT is sent again.
+    """
+    reply = request("PUT", url, body=data, headers=headers)
+    if reply.status == 409:
+        _make_parents(root, url)
+        reply = request("PUT", url, body=data, headers=headers)
+    if reply.status in _PUT_OK or reply.status == 412:
+        return reply.status
+    raise _refused(url, reply, "PUT")
+
+
+def mkcol(url: str, *, root: str) -> None:
+    """Make the collection at ``url`` and the missing ones between the store URL ``root`` and it."""
+    _make_parents(root, url.rstrip("/") + "/x")
+
+
+def _make_parents(root: str, url: str) -> None:
+    """MKCOL ``root`` and every collection below it on the way to ``url``, top down.
+
+    Those that exist answer 405 (RFC 4918 9.3.1). ``root``'s own parent must exist.
+    """
+    below = url[len(root) :].strip("/").split("/")[:-1] if url.startswith(root + "/") else []
+    level = root
+    for part in ["", *below]:
+        level = f"{level}/{part}" if part else level
+        reply = request("MKCOL", level + "/")
+        if reply.status not in (200, 201, 204, 405):
+            raise _refused(level + "/", reply, "MKCOL")
