@@ -1,4 +1,4 @@
-"""``cuda-program-cas publish SRC... STORE``: merge local caches into a shared store."""
+"""``cuda-program-cas publish SRC... STORE``: merge local caches into a shared store (a directory or a URL)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,15 @@ def register(subparsers: Any) -> None:
             "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
             "atomically: safe while nodes read STORE and while another publish runs; running it again "
             "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
+            "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
+            "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
             "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
         ),
     )
     parser.add_argument("sources", nargs="+", metavar="SRC", help="a node's local cache directory (only read)")
-    parser.add_argument("dest", metavar="STORE", help="the shared store (created if missing)")
+    parser.add_argument(
+        "dest", metavar="STORE", help="the shared store: a directory or an http(s):// WebDAV URL (created if missing)"
+    )
     parser.add_argument(
         "--group-shared",
         action="store_true",
@@ -49,7 +53,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_sources(args.sources, args.dest)  # a source that is STORE or not a cache: bad usage, nothing written
+    # A source that is STORE or not a cache, a bad URL: bad usage, nothing written.
+    check_sources(args.sources, args.dest, group_shared=args.group_shared)
     report = publish(
         args.sources,
         args.dest,

@@ -28,31 +28,72 @@ manifest is garbage or whose blob is missing or corrupt is replaced: the store's
 blob of every entry a source also holds is hashed (once per digest per run), so
 a blob damaged in place, at its right size, is rewritten from the source
 (``blobs_repaired``).
+
+A store URL (``https://host/path/store``) is published through WebDAV PUT, in
+the same order and by the same plan; only the destination differs
+(:class:`_UrlDest` beside the directory's :class:`_Dest`). A loose publish asks
+for each manifest the sources hold (GET: absent, equal or another), asks for
+the blob of each new one (HEAD), uploads the blobs that are missing, then the
+manifests. ``--pack`` uploads one new pack, then adds its name to
+``packs/list``. Each upload is atomic on the server: nginx's dav module writes a
+PUT's body to a temp file and renames it; an object store shows an object only
+once its upload is complete.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
-from collections.abc import Callable, Iterable
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import IO, ClassVar
 
-from cuda_program_cas._base.errors import CorruptBlobError, LayoutError
+from cuda_program_cas._base.errors import CacheError, CorruptBlobError, LayoutError
 from cuda_program_cas._disk.atomic import current_umask
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, create_layout, mark_shared_store
-from cuda_program_cas._disk.pack import PackError, PackReader, save_listing, write_pack
+from cuda_program_cas._disk.layout import (
+    CACHEDIR_TAG,
+    LAYOUT_FILE,
+    Layout,
+    LayoutState,
+    check_layout,
+    create_layout,
+    layout_bytes,
+    mark_shared_store,
+    parse_layout,
+    refuse_layout,
+)
+from cuda_program_cas._disk.pack import (
+    LISTING,
+    TRAILER_SIZE,
+    PackError,
+    PackIndex,
+    PackInput,
+    PackReader,
+    encode_listing,
+    pack_chunks,
+    pack_name,
+    parse_listing,
+    save_listing,
+    write_pack,
+)
 from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
+from cuda_program_cas._remote.client import HttpFailure
+from cuda_program_cas._remote.dav import fetch, fetch_range, fetch_tail, put, size_of
+from cuda_program_cas._remote.urls import is_store_url, join, normalize_store_url, shown
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 from .common import Report, open_cache
 
 __all__ = ["PublishReport", "check_sources", "publish"]
+
+_log = logging.getLogger("cuda_program_cas")
 
 
 @dataclass
@@ -122,14 +163,22 @@ class PublishReport(Report):
                 self.problem(f"{label}: {item}")
 
 
-def check_sources(sources: Iterable[str | os.PathLike[str]], dest: str | os.PathLike[str]) -> None:
+def check_sources(
+    sources: Iterable[str | os.PathLike[str]], dest: str | os.PathLike[str], *, group_shared: bool = False
+) -> None:
     """Raise :class:`LayoutError` for a source that is the store ``dest`` itself or not a cache at all.
 
     :func:`publish` reports such a source as a problem and publishes the others;
     a caller that wants to refuse the whole run before anything is written asks this first.
+    A ``dest`` that is a store URL must be a valid one, and takes no ``group_shared``.
     """
+    url = is_store_url(dest)
+    if url:
+        _store_url(os.fspath(dest))
+        if group_shared:
+            raise LayoutError(_GROUP_SHARED_URL)
     for src in sources:
-        if os.path.realpath(src) == os.path.realpath(dest):
+        if not url and os.path.realpath(src) == os.path.realpath(dest):
             raise LayoutError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as sources")
         open_cache(src, write=False)  # LayoutError: missing, a file, a dangling symlink, foreign...
 
@@ -235,6 +284,62 @@ class _Dest:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == size
 
+    # -- what the plan and the phases ask of a destination (the URL one has the same methods) --
+
+    @property
+    def where(self) -> str:
+        return self.lay.root
+
+    def manifest_bytes(self, kid: str) -> bytes | None:
+        """The store's manifest of ``kid``: None when it has none, ``b""`` for a file that is not a manifest."""
+        try:
+            data, _ = read_regular(self.lay.manifest_path(kid))
+        except FileNotFoundError:
+            return None
+        except NotRegularFile:
+            return b""
+        except OSError as exc:
+            if exc.errno == errno.ENOTDIR:
+                return None  # the store does not exist yet (dry run) or a shard is not a directory
+            raise
+        return data
+
+    def blob_where(self, digest: str) -> str:
+        return self.lay.blob_path(digest)
+
+    def put_blob(self, digest: str, blob: bytes) -> bool:
+        """Store a verified blob; False when the write was dropped."""
+        return self.writer.write_blob(digest, blob) is not BlobWrite.DROPPED
+
+    def keep_blob(self, digest: str, size: int) -> None:
+        """A good blob the store has, that a new manifest will name: freshened, so a collector keeps it."""
+        self.writer.freshen(self.lay.blob_path(digest), size)
+
+    def put_manifest(self, manifest: Manifest) -> None:
+        self.writer.write_manifest(manifest)
+
+    def blob_still_there(self, digest: str, size: int) -> bool:
+        """After a manifest commit: whether its blob is still there (a collector may have taken it)."""
+        return self.blob_present(digest, size)
+
+    def restore_blob(self, digest: str, blob: bytes) -> None:
+        self.writer.recheck(digest, blob)
+
+    def write_pack(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
+        """Write one new pack of ``inputs``; its path."""
+        path = write_pack(self.lay, inputs, self.pack_writer().write_file, stats)
+        self.summary.add(path)
+        return path
+
+    def finish(self, report: PublishReport) -> None:
+        """After the last write: ``packs/summary`` for later publishers, ``packs/list`` for HTTP readers."""
+        if self.dry_run:
+            return
+        if not self.summary.current and os.path.isdir(self.summary.packs_dir):
+            self.summary.save(self.pack_writer().write_file)  # publishers after this one read one file
+        if report.packs:
+            save_listing(self.lay.root, self.pack_writer().write_file)  # what HTTP readers list
+
     def sync(self) -> None:
         """Make what was written so far durable: one ``syncfs`` per phase, not an fsync per file.
 
@@ -256,6 +361,218 @@ class _Dest:
         os.chmod(self.lay.tmp, self.modes.tmp_dir)
 
 
+#: How often one publisher reads ``packs/list`` and writes it again to get its pack listed.
+_LISTING_TRIES = 5
+_GROUP_SHARED_URL = (
+    "--group-shared (group_shared) applies to a store directory: over HTTP the server sets the modes of what it writes "
+    "(nginx: dav_access)"
+)
+
+
+def _store_url(dest: str) -> str:
+    """``dest`` as a store URL; :class:`LayoutError` (bad usage) naming what is wrong with it."""
+    try:
+        return normalize_store_url(dest)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+
+
+class _UrlDest:
+    """A store reached over HTTP: read with GET and HEAD, written with WebDAV PUT (see :mod:`.._remote.dav`).
+
+    It answers what :class:`_Dest` answers, from requests: there is no listing of
+    a directory, so each manifest a source holds is asked for (GET), and each blob
+    a new manifest needs (HEAD). The store's copies are checked by their size, not
+    hashed: that would download every blob the sources hold. ``verify`` where the
+    store's files are hashes them. There are no mtimes to freshen: a blob this
+    run did not upload is asked for again (HEAD) after the manifest naming it is
+    stored, and stored again if a collector took it meanwhile.
+    """
+
+    verify_existing = False
+
+    def __init__(self, url: str, *, dry_run: bool) -> None:
+        self.url = url
+        self.dry_run = dry_run
+        self.good: dict[str, bool] = {}
+        self.damaged: set[str] = set()
+        #: The store's packed entries (key id -> entry): from the indexes of the packs ``packs/list`` names.
+        self.packed: dict[str, PackedEntry] = {}
+        #: Blobs this run stored: a collector keeps them (their mtime is new), so no re-check is needed.
+        self._uploaded: set[str] = set()
+
+    @property
+    def where(self) -> str:
+        return shown(self.url)
+
+    def _at(self, relative: str) -> str:
+        return join(self.url, relative)
+
+    def _put(self, relative: str, data: bytes | IO[bytes]) -> None:
+        put(self._at(relative), data, root=self.url)
+
+    def prepare(self, report: PublishReport) -> None:
+        """Lay the store out if it has no ``layout.json``, mark it shared, and read what its packs hold."""
+        got = fetch(self._at(LAYOUT_FILE), limit=4096)
+        if got is None:
+            report.created = True
+            current = None
+        else:
+            current = parse_layout(got[0])
+            if current is None:
+                raise LayoutError(
+                    f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
+                    "(cuda-program-cas verify --repair DIR)"
+                )
+            refuse_layout(current, self.where)  # newer, or other hashes
+        if not self.dry_run:
+            # As a directory store is laid out: the tag, then layout.json (marked shared), before any entry.
+            if size_of(self._at("CACHEDIR.TAG")) is None:
+                self._put("CACHEDIR.TAG", CACHEDIR_TAG)
+            raw = layout_bytes(current, shared=True)
+            if raw is not None:
+                self._put(LAYOUT_FILE, raw)
+        if report.created:
+            return
+        names, _etag = self._listing()
+        for name in reversed(names):  # oldest first: a newer pack's entry of a key replaces an older one's
+            index = self._pack_index(name)
+            if index is None:
+                continue
+            for key in index.keys():  # noqa: SIM118 - a PackIndex is not a dict
+                entry = index.find_key(key)  # None for a damaged entry: absent
+                if entry is not None:
+                    self.packed[entry.key_id] = PackedEntry(name, entry)
+
+    def _listing(self) -> tuple[list[str], str | None]:
+        """The pack names ``packs/list`` holds (none when it is absent), and its ETag."""
+        got = fetch(self._at(f"packs/{LISTING}"), limit=64 << 20)
+        if got is None:
+            return [], None
+        names = parse_listing(got[0])
+        if names is None:
+            raise CacheError(
+                f"the store at {self.where} has a damaged packs/{LISTING}: write it again where the store's files "
+                "are (cuda-program-cas repack STORE does)"
+            )
+        return names, got[1]
+
+    def _pack_index(self, name: str) -> PackIndex | None:
+        """The index of the pack ``name``: its trailer, then its index, each one Range GET; None when it is gone."""
+        url = self._at(f"packs/{name}")
+        tail = fetch_tail(url, TRAILER_SIZE)
+        if tail is None:
+            return None  # retired since the listing was written: its entries are in a newer pack
+        trailer, size = tail
+        try:
+            offset, length = PackIndex.span(size, trailer, name)
+            raw = fetch_range(url, offset, length)
+            return None if raw is None else PackIndex(name, size, trailer, raw)
+        except PackError as exc:
+            # A pack nodes cannot read either: its entries count as absent, and are published again.
+            _log.debug("cuda-program-cas: pack %s of %s is not usable: %s", name, self.where, exc)
+            return None
+
+    # -- what the plan and the phases ask (as of :class:`_Dest`) --
+
+    def manifest_bytes(self, kid: str) -> bytes | None:
+        try:
+            got = fetch(self._at(f"index/{kid[:2]}/{kid[2:]}"), limit=MAX_MANIFEST_BYTES)
+        except HttpFailure as exc:
+            if exc.kind == "too large":
+                return b""  # not a manifest: replaced
+            raise
+        return None if got is None else got[0]
+
+    def blob_ok(self, digest: str, size: int) -> bool:
+        known = self.good.get(digest)
+        if known is None:
+            known = self.good[digest] = size_of(self._at(f"blobs/{digest[:2]}/{digest[2:]}")) == size
+        return known
+
+    blob_present = blob_ok
+
+    def packed_ok(self, packed: PackedEntry) -> bool:
+        return True  # its index entry passed its check; the blob is not downloaded to be hashed
+
+    def blob_where(self, digest: str) -> str:
+        return self._at(f"blobs/{digest[:2]}/{digest[2:]}")
+
+    def put_blob(self, digest: str, blob: bytes) -> bool:
+        self._put(f"blobs/{digest[:2]}/{digest[2:]}", blob)
+        self._uploaded.add(digest)
+        return True
+
+    def keep_blob(self, digest: str, size: int) -> None:
+        return  # no mtime to set over HTTP: blob_still_there() checks again after the manifest
+
+    def put_manifest(self, manifest: Manifest) -> None:
+        kid = manifest.key_id
+        assert kid is not None
+        self._put(f"index/{kid[:2]}/{kid[2:]}", manifest.encode())
+
+    def blob_still_there(self, digest: str, size: int) -> bool:
+        if digest in self._uploaded:
+            return True
+        self.good.pop(digest, None)
+        return self.blob_ok(digest, size)
+
+    def restore_blob(self, digest: str, blob: bytes) -> None:
+        self.put_blob(digest, blob)
+
+    def write_pack(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
+        """Upload one new pack of ``inputs``, then add it to ``packs/list``; its URL (None: nothing to pack).
+
+        The pack is built in a temp file (its blobs read and verified one by
+        one), so memory holds one blob at a time whatever the pack's size.
+        """
+        name = pack_name()
+        with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:
+            for chunk in pack_chunks(inputs, stats):
+                f.write(chunk)
+            if not stats.get("entries"):
+                return None
+            f.flush()
+            self._put(f"packs/{name}", f)
+        self._list_pack(name)
+        return self._at(f"packs/{name}")
+
+    def _list_pack(self, name: str) -> None:
+        """Add ``name`` to ``packs/list``, after the pack itself is stored.
+
+        Read, add, write, read again: another publisher's write of the listing
+        at the same moment may have dropped this name, so it is added again
+        until a read shows it (a few tries). The write is conditional on the
+        ETag read (``If-Match``; ``If-None-Match: *`` where there was none): a
+        server that honours it (S3, GCS) refuses a write over a listing that
+        changed meanwhile; nginx ignores it, and the read after catches most such races.
+        """
+        for _ in range(_LISTING_TRIES):
+            names, etag = self._listing()
+            if name in names:
+                return
+            cond = {"If-None-Match": "*"} if etag is None else {} if etag.startswith("W/") else {"If-Match": etag}
+            put(self._at(f"packs/{LISTING}"), encode_listing([*names, name]), root=self.url, headers=cond)
+        names, _ = self._listing()
+        if name not in names:
+            raise CacheError(
+                f"{self.where}/packs/{LISTING}: other publishers kept replacing it; the pack {name} is stored but "
+                "not listed: publish again, or run repack where the store's files are"
+            )
+
+    def finish(self, report: PublishReport) -> None:
+        return  # the listing was written with the pack; no packs/summary over HTTP (it is a directory's cache)
+
+    def sync(self) -> None:
+        return  # the server makes each upload durable before it answers
+
+    def close(self) -> None:
+        return
+
+
+_Target = _Dest | _UrlDest
+
+
 def publish(
     sources: Iterable[str | os.PathLike[str]],
     dest: str | os.PathLike[str],
@@ -268,6 +585,13 @@ def publish(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> PublishReport:
     """Merge the caches at ``sources`` into the shared store at ``dest`` (created if missing).
+
+    ``dest`` is a directory, or the ``http(s)://`` URL of a WebDAV location that
+    serves one (token and CAs: :mod:`cuda_program_cas._remote.client`). Over HTTP the store's
+    copies are checked by their size, not hashed, ``fsync`` is the server's
+    business, and ``group_shared`` is refused (the server sets the modes).
+    A failed request raises :class:`cuda_program_cas.CacheError` (``HttpFailure``): what was
+    uploaded until then is complete, and running again resumes.
 
     ``pack``: write what the sources hold and the store lacks into one new,
     immutable pack under ``dest/packs/`` (see :mod:`cuda_program_cas._disk.pack`) instead of loose
@@ -287,56 +611,68 @@ def publish(
     ``OSError`` when it cannot be written; what was published until then is
     complete, and running again resumes.
     """
-    root = os.path.abspath(os.fspath(dest))
     srcs = [os.path.abspath(os.fspath(s)) for s in sources]
     if not srcs:
         raise ValueError("publish needs at least one source cache")
-    report = PublishReport(sources=srcs, dest=root, dry_run=dry_run)
-    modes = _Modes.for_process(group_shared)
-    state = check_layout(root)  # LayoutError for a file, a foreign or a newer layout
-    target = _Dest(root, modes, dry_run=dry_run, fsync=fsync, verify_existing=verify_existing)
-    if state is not LayoutState.OK:
-        report.created = True
-        if not dry_run:
-            _lay_out(target)
-    elif not dry_run:
-        target.make_tmp()
-        mark_shared_store(root, target.lay.tmp, mode=modes.file)
+    target: _Target
+    if is_store_url(dest):
+        url = _store_url(os.fspath(dest))
         if group_shared:
-            _fix_top_modes(target)
-        Remover(target.lay).sweep_temp()
-    pending: list[_Item] = []
-    for n, src in enumerate(srcs):
-        if progress:
-            progress(f"publishing {src}", n, len(srcs))
-        if os.path.realpath(src) == os.path.realpath(root):
-            report.errors.append(f"{src}: is the destination itself")
-            continue
-        try:
-            src_state = check_layout(src)
-        except (LayoutError, OSError) as exc:
-            report.errors.append(f"{src}: {exc}")
-            continue
-        if src_state is not LayoutState.OK:
-            report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
-            continue
-        if pack:
-            pending.extend(_plan(src, target, report))
-        else:
-            _publish_one(src, target, report)
+            raise ValueError(_GROUP_SHARED_URL)
+        report = PublishReport(sources=srcs, dest=shown(url), dry_run=dry_run)
+        target = _UrlDest(url, dry_run=dry_run)
+        target.prepare(report)
+    else:
+        root = os.path.abspath(os.fspath(dest))
+        report = PublishReport(sources=srcs, dest=root, dry_run=dry_run)
+        target = _open_dir(root, report, group_shared=group_shared, fsync=fsync, verify_existing=verify_existing)
     try:
+        pending: list[_Item] = []
+        for n, src in enumerate(srcs):
+            if progress:
+                progress(f"publishing {src}", n, len(srcs))
+            if isinstance(target, _Dest) and os.path.realpath(src) == os.path.realpath(target.where):
+                report.errors.append(f"{src}: is the destination itself")
+                continue
+            try:
+                src_state = check_layout(src)
+            except (LayoutError, OSError) as exc:
+                report.errors.append(f"{src}: {exc}")
+                continue
+            if src_state is not LayoutState.OK:
+                report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
+                continue
+            if pack:
+                pending.extend(_plan(src, target, report))
+            else:
+                _publish_one(src, target, report)
         if pack and pending:
             _publish_pack(pending, target, report)
-        if not dry_run and not target.summary.current and os.path.isdir(target.summary.packs_dir):
-            target.summary.save(target.pack_writer().write_file)  # publishers after this one read one file
-        if not dry_run and report.packs:
-            save_listing(target.lay.root, target.pack_writer().write_file)  # what HTTP readers list
+        target.finish(report)
     finally:
         target.close()
     if progress:
         progress("published", len(srcs), len(srcs))
     report._settle()
     return report
+
+
+def _open_dir(root: str, report: PublishReport, *, group_shared: bool, fsync: bool, verify_existing: bool) -> _Dest:
+    """The store directory at ``root``, laid out (``created``) or made ready for this run."""
+    modes = _Modes.for_process(group_shared)
+    state = check_layout(root)  # LayoutError for a file, a foreign or a newer layout
+    target = _Dest(root, modes, dry_run=report.dry_run, fsync=fsync, verify_existing=verify_existing)
+    if state is not LayoutState.OK:
+        report.created = True
+        if not report.dry_run:
+            _lay_out(target)
+    elif not report.dry_run:
+        target.make_tmp()
+        mark_shared_store(root, target.lay.tmp, mode=modes.file)
+        if group_shared:
+            _fix_top_modes(target)
+        Remover(target.lay).sweep_temp()
+    return target
 
 
 def _lay_out(target: _Dest) -> None:
@@ -375,7 +711,7 @@ class _Item:
     source: str
 
 
-def _plan(src: str, target: _Dest, report: PublishReport) -> list[_Item]:
+def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
     """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
     todo: list[_Item] = []
@@ -404,7 +740,7 @@ def _plan(src: str, target: _Dest, report: PublishReport) -> list[_Item]:
     return todo
 
 
-def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
+def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
     lay = Layout(src)
     # 1. Plan: what each source manifest needs in the store.
     todo = _plan(src, target, report)
@@ -416,13 +752,13 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
         size = items[0].manifest.size
         if target.blob_ok(digest, size):
             if not target.dry_run:
-                target.writer.freshen(target.lay.blob_path(digest), size)
+                target.keep_blob(digest, size)
             continue
         blob = _read_source_blob(src, lay, digest=digest, size=size, items=items, report=report)
         if blob is None:
             continue
-        if not target.dry_run and target.writer.write_blob(digest, blob) is BlobWrite.DROPPED:
-            report.errors.append(f"{target.lay.blob_path(digest)}: the write was dropped")
+        if not target.dry_run and not target.put_blob(digest, blob):
+            report.errors.append(f"{target.blob_where(digest)}: the write was dropped")
             continue
         target.good[digest] = True
         report.blobs_published += 1
@@ -437,14 +773,14 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
             continue
         if item.action in ("new", "replace"):
             if not target.dry_run:
-                target.writer.write_manifest(manifest)
-                if not target.blob_present(manifest.digest, manifest.size):
+                target.put_manifest(manifest)
+                if not target.blob_still_there(manifest.digest, manifest.size):
                     # A collector removed it after the blob phase: store it again.
                     blob = _read_source_blob(
                         src, lay, digest=manifest.digest, size=manifest.size, items=[], report=report
                     )
                     if blob is not None:
-                        target.writer.recheck(manifest.digest, blob)
+                        target.restore_blob(manifest.digest, blob)
             if item.action == "new":
                 report.published += 1
             else:
@@ -455,7 +791,7 @@ def _publish_one(src: str, target: _Dest, report: PublishReport) -> None:
         target.sync()
 
 
-def _publish_pack(todo: list[_Item], target: _Dest, report: PublishReport) -> None:
+def _publish_pack(todo: list[_Item], target: _Target, report: PublishReport) -> None:
     """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
     written: set[str] = set()
 
@@ -489,16 +825,16 @@ def _publish_pack(todo: list[_Item], target: _Dest, report: PublishReport) -> No
                 target.good[digest] = True
         stats = {"entries": sum(1 for i in inputs if i[1] in target.good), "blobs": len(target.good), "bytes": 0}
     else:
-        path = write_pack(target.lay, inputs, target.pack_writer().write_file, stats)
-        report.packs.append(path)
-        target.summary.add(path)
+        path = target.write_pack(inputs, stats)
+        if path is not None:
+            report.packs.append(path)
     report.blobs_repaired += len(written & target.damaged)
     report.published += stats.get("entries", 0)
     report.blobs_published += stats.get("blobs", 0)
     report.bytes_published += stats.get("bytes", 0)
 
 
-def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
+def _action(target: _Target, kid: str, manifest: Manifest) -> str:
     """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
 
     An entry of one of the store's packs counts as the store's: equal, ``same``;
@@ -514,16 +850,9 @@ def _action(target: _Dest, kid: str, manifest: Manifest) -> str:
                 target.damaged.add(manifest.digest)
             return "replace"
         return "same" if same else "conflict"
-    try:
-        data, _ = read_regular(target.lay.manifest_path(kid))
-    except FileNotFoundError:
+    data = target.manifest_bytes(kid)
+    if data is None:
         return "new"
-    except NotRegularFile:
-        return "replace"
-    except OSError as exc:
-        if exc.errno == errno.ENOTDIR:
-            return "new"  # the store does not exist yet (dry run) or a shard is not a directory
-        raise
     theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
     if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
         # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
