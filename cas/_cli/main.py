@@ -119,6 +119,9 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cache_path(value: str | None) -> str:
+    from cuda_program_cas._verbs.common import refuse_url
+
+    refuse_url(value)  # a store URL: these commands need the store's files (LayoutError, exit 2)
     return os.path.abspath(value) if value else os.fspath(default_cache_dir())
 
 

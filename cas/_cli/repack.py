@@ -32,8 +32,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_shared_store(args.store)  # a store URL, a node's local cache: bad usage
     root = os.path.abspath(args.store)
-    check_shared_store(root)  # a node's local cache: bad usage
     try:
         report = repack(root)
     except CollectorBusyError as exc:

@@ -18,6 +18,7 @@ from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import Snapshot
+from cuda_program_cas._remote.urls import is_store_url, shown
 
 __all__ = [
     "SHARED_MIN_GRACE_S",
@@ -28,6 +29,7 @@ __all__ = [
     "check_blobs",
     "check_writable",
     "open_cache",
+    "refuse_url",
 ]
 
 #: ``progress(phase, done, total)``: called now and then during long runs.
@@ -53,7 +55,23 @@ class MaintainedCache:
 
 def cache_root(path: str | os.PathLike[str] | None) -> str:
     """The absolute path of the cache at ``path``; None or empty: :func:`cuda_program_cas.default_cache_dir`."""
+    refuse_url(path)
     return os.path.abspath(path) if path else os.fspath(default_cache_dir())
+
+
+def refuse_url(path: object) -> None:
+    """Raise :class:`LayoutError` when ``path`` is a store URL: maintenance needs the store's files.
+
+    ``gc``, ``repack`` and ``verify`` list directories, take a lock file and move
+    files aside: none of that exists over HTTP. They run on the host that holds
+    the directory the web server serves (docs/cluster.md).
+    """
+    if is_store_url(path):
+        assert isinstance(path, str)
+        raise LayoutError(
+            f"{shown(path)} is a store URL: maintenance runs where the store's files are; "
+            "run it there, on the directory the web server serves (docs/cluster.md)"
+        )
 
 
 def open_cache(
@@ -66,6 +84,7 @@ def open_cache(
     :class:`ReadOnlyCacheError` when ``write`` is asked of a cache that cannot be
     written (read-only mount, permissions).
     """
+    refuse_url(root)
     path = os.path.abspath(os.fspath(root))
     state = check_layout(path)
     if state is LayoutState.MISSING:

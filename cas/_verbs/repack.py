@@ -14,7 +14,7 @@ from collections.abc import Callable
 from cuda_program_cas._base.errors import CollectorBusyError, LayoutError
 from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
 
-from .common import check_writable, open_cache
+from .common import check_writable, open_cache, refuse_url
 from .packs import RepackReport, repack_locked
 
 __all__ = ["RepackReport", "check_shared_store", "repack"]
@@ -56,6 +56,7 @@ def check_shared_store(root: str | os.PathLike[str]) -> None:
     each entry twice, loose and packed, until a ``gc``. :func:`repack` itself
     does not ask (``gc`` repacks what it drops from any store); the command does.
     """
+    refuse_url(root)
     path = os.path.abspath(os.fspath(root))
     if check_layout(path) is LayoutState.OK and not is_shared_store(path):
         raise LayoutError(
