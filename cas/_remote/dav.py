@@ -41,6 +41,8 @@ def _refused(url: str, reply: Reply, method: str) -> HttpFailure:
         detail += " (the server does not accept WebDAV writes there: nginx needs dav_methods PUT MKCOL)"
     elif reply.status == 413:
         detail += " (the body is too large for the server: nginx needs client_max_body_size 0)"
+    elif reply.status == 500 and method == "PUT":
+        detail += " (nginx answers 500 to a PUT into a missing folder without create_full_put_path on)"
     return HttpFailure(shown(url), f"HTTP {reply.status}", detail, outage=reply.status >= 500)
 
 

@@ -1,0 +1,351 @@
+"""Publishing over HTTP: WebDAV PUT into a real nginx; the directory nginx serves is then a valid store.
+
+The sources are local caches filled by real NVRTC compiles. What was sent, and in which order,
+is read from nginx's access log: one JSON line per request, in the order nginx answered them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _http.faults import refused_url
+from _http.nginx import LogEntry, Nginx, nginx_or_skip
+from conftest import SAXPY, compile_program, run_python
+
+from cuda_program_cas import ContentAddressedProgramCache, LayoutError, collect
+from cuda_program_cas._cli.main import main as cli_main
+from cuda_program_cas._disk.pack import parse_listing
+
+TOKEN = "tok-3f9a1c-publish"  # noqa: S105 - a test's token, searched for in every output
+N_KERNELS = 4
+
+
+def kernel(i: int) -> str:
+    """A kernel whose cubin differs for each ``i``."""
+    return SAXPY.replace("a * x[i] + y[i]", f"a * x[i] + y[i] + {i}.0f")
+
+
+class Sources:
+    """Two local caches: ``a`` with N_KERNELS kernels and a fifth key whose cubin is the first's; ``b`` one more."""
+
+    def __init__(self, root: Path) -> None:
+        self.a, self.b = root / "a", root / "b"
+        self.cubins: dict[tuple[str, str], bytes] = {}  # (source, name) -> the cubin
+        with ContentAddressedProgramCache(self.a) as cache:
+            for i in range(N_KERNELS):
+                self._compile(cache, kernel(i), "default_program")
+            self._compile(cache, kernel(0), "renamed")  # another key, the same bytes
+        self.in_a = list(self.cubins)
+        with ContentAddressedProgramCache(self.b) as cache:
+            self._compile(cache, kernel(N_KERNELS), "default_program")
+        self.in_b = [k for k in self.cubins if k not in self.in_a]
+
+    def _compile(self, cache: ContentAddressedProgramCache, source: str, name: str) -> None:
+        self.cubins[(source, name)] = bytes(compile_program(source, cache=cache, name=name).code)
+
+    def read_back(self, store: Path, local: Path, which: list[tuple[str, str]]) -> int:
+        """Compile ``which`` on a node whose shared store is ``store``: the shared hits, each byte-checked."""
+        with ContentAddressedProgramCache(local, shared=[str(store)]) as cache:
+            for source, name in which:
+                assert bytes(compile_program(source, cache=cache, name=name).code) == self.cubins[(source, name)]
+            return cache.stats().shared_hits
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Sources:
+    return Sources(tmp_path_factory.mktemp("http-publish-sources"))
+
+
+@pytest.fixture(autouse=True)
+def _no_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This process sends no token (the client keeps a host's token for the process): token tests run children."""
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_HTTP_TOKEN", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+@pytest.fixture
+def nginx(tmp_path: Path) -> Iterator[Nginx]:
+    with nginx_or_skip(tmp_path / "nginx") as server:
+        yield server
+
+
+def settled(server: Nginx) -> list[LogEntry]:
+    """The access log since the last reset, complete: a marker request is logged after every earlier one.
+
+    nginx logs a request after its response went out, so a client can be ahead of the log; its one
+    worker answers the marker only after it logged what came before.
+    """
+    mark = f"/store/.mark-{uuid.uuid4().hex}"
+    try:
+        urllib.request.urlopen(server.base_url + mark, timeout=5).close()  # noqa: S310 - our loopback nginx
+    except urllib.error.HTTPError as exc:
+        exc.close()
+    deadline = time.monotonic() + 10
+    while True:
+        entries = server.requests()
+        if any(e.uri == mark for e in entries):
+            server.reset_log()
+            return [e for e in entries if e.uri != mark]
+        assert time.monotonic() < deadline, "the marker request never reached the access log"
+        time.sleep(0.01)
+
+
+def puts(entries: list[LogEntry]) -> list[str]:
+    """The paths below the store that were written, in order."""
+    return [e.uri.split("/dav/store/", 1)[1] for e in entries if e.method == "PUT" and e.status in (200, 201, 204)]
+
+
+def publish_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
+    capsys.readouterr()
+    status = cli_main(["publish", *args, "--json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def manifest_digest(store: Path, relative: str) -> str:
+    """The digest a published manifest (``index/xx/yyy...``) names."""
+    return (store / relative).read_text().split()[2]
+
+
+def check_order(store: Path, written: list[str]) -> None:
+    """Every manifest PUT comes after its blob's PUT (when this run uploaded that blob), all after layout.json."""
+    where = {path: n for n, path in enumerate(written)}
+    assert where["layout.json"] < min(n for p, n in where.items() if p.startswith(("blobs/", "index/", "packs/")))
+    for path, n in where.items():
+        if path.startswith("index/"):
+            digest = manifest_digest(store, path)
+            blob = f"blobs/{digest[:2]}/{digest[2:]}"
+            assert blob in where, f"{path} names {blob}, never uploaded"
+            assert where[blob] < n, f"{path} was uploaded before its blob"
+
+
+def test_loose_publish_over_http_gives_a_store_that_nodes_hit(
+    sources: Sources, nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    status, report = publish_json(capsys, "--dry-run", str(sources.a), url)
+    assert status == 0 and report["created"] and report["published"] == N_KERNELS + 1
+    assert puts(settled(nginx)) == [] and not store.exists()
+
+    status, report = publish_json(capsys, str(sources.a), url)
+    assert status == 0, report
+    assert (report["dest"], report["created"], report["published"]) == (url, True, N_KERNELS + 1)
+    assert (report["blobs_published"], report["problem_count"]) == (N_KERNELS, 0)
+    written = puts(settled(nginx))
+    assert sorted(p.split("/")[0] for p in written) == sorted(
+        ["CACHEDIR.TAG", "layout.json"] + ["blobs"] * N_KERNELS + ["index"] * (N_KERNELS + 1)
+    )
+    check_order(store, written)
+    assert json.loads((store / "layout.json").read_text())["shared"] is True
+    assert cli_main(["verify", str(store)]) == 0
+    assert sources.read_back(store, tmp_path / "node", sources.in_a) == N_KERNELS + 1
+
+    # Again: nothing new, nothing uploaded.
+    status, report = publish_json(capsys, str(sources.a), url)
+    assert (status, report["published"], report["unchanged"], report["blobs_published"]) == (0, 0, N_KERNELS + 1, 0)
+    assert puts(settled(nginx)) == []
+
+
+def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
+    sources: Sources, nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    status, report = publish_json(capsys, "--pack", str(sources.a), url)
+    assert status == 0 and report["published"] == N_KERNELS + 1 and len(report["packs"]) == 1
+    written = puts(settled(nginx))
+    pack = report["packs"][0].rsplit("/", 1)[1]
+    assert written == ["CACHEDIR.TAG", "layout.json", f"packs/{pack}", "packs/list"]
+    assert parse_listing((store / "packs" / "list").read_bytes()) == [pack]
+    assert cli_main(["verify", str(store)]) == 0
+    assert sources.read_back(store, tmp_path / "node1", sources.in_a) == N_KERNELS + 1
+
+    # Again, packed or loose: the pack's index (two Range GETs) says the store has it all.
+    for args in (["--pack"], []):
+        status, report = publish_json(capsys, *args, str(sources.a), url)
+        assert (status, report["published"], report["unchanged"]) == (0, 0, N_KERNELS + 1)
+        entries = settled(nginx)
+        assert puts(entries) == []
+        assert sum(1 for e in entries if e.range and e.uri.endswith(pack) and e.status == 206) == 2
+
+    # Another source: a second pack, both listed, only what is new in it.
+    status, report = publish_json(capsys, "--pack", str(sources.a), str(sources.b), url)
+    assert (status, report["published"], report["unchanged"]) == (0, 1, N_KERNELS + 1)
+    newer = report["packs"][0].rsplit("/", 1)[1]
+    assert puts(settled(nginx)) == [f"packs/{newer}", "packs/list"]
+    assert parse_listing((store / "packs" / "list").read_bytes()) == sorted([pack, newer], reverse=True)
+    assert cli_main(["verify", str(store)]) == 0
+    assert sources.read_back(store, tmp_path / "node2", sources.in_a + sources.in_b) == N_KERNELS + 2
+
+
+# The publisher, killed by a signal right after its first blob upload (as a crash or an OOM kill would).
+KILLED_AFTER_FIRST_BLOB = r"""
+import os, signal, sys
+from cuda_program_cas._verbs import publish as verb
+real = verb._UrlDest.put_blob
+def put_blob(self, digest, blob):
+    real(self, digest, blob)
+    os.kill(os.getpid(), signal.SIGKILL)
+verb._UrlDest.put_blob = put_blob
+from cuda_program_cas._cli.main import main
+sys.exit(main(["publish", sys.argv[1], sys.argv[2]]))
+"""
+
+
+def test_an_interrupted_publish_is_finished_by_the_next_run(
+    sources: Sources, nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    done = run_python(KILLED_AFTER_FIRST_BLOB, str(sources.a), url, env={"NETRC": str(tmp_path / "no-netrc")})
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    first = puts(settled(nginx))
+    assert [p.split("/")[0] for p in first] == ["CACHEDIR.TAG", "layout.json", "blobs"]
+    assert [p for p in store.rglob("*") if p.is_file() and "index" in p.parts] == []  # no manifest yet
+
+    status, report = publish_json(capsys, str(sources.a), url)
+    assert (status, report["published"], report["blobs_published"]) == (0, N_KERNELS + 1, N_KERNELS - 1)
+    written = puts(settled(nginx))
+    assert first[2] not in written  # the blob already there is not sent again
+    assert cli_main(["verify", str(store)]) == 0
+    assert sources.read_back(store, tmp_path / "node", sources.in_a) == N_KERNELS + 1
+
+
+class StrictDav(Nginx):
+    """nginx as a strict WebDAV server: a PUT below a missing collection gets 409 Conflict (RFC 4918 9.7.1).
+
+    Without ``create_full_put_path`` nginx itself answers 500 there; the rule answers 409 first.
+    """
+
+    def _config(self) -> str:
+        rule = (
+            '        set $parent "";\n'
+            '        set $put_missing "";\n'
+            '        if ($uri ~ "^/dav/(.*/)?[^/]+$") { set $parent $1; }\n'
+            '        if ($request_method = PUT) { set $put_missing "put"; }\n'
+            f'        if (!-d "{self.root}/$parent") {{ set $put_missing "${{put_missing}}-missing"; }}\n'
+            '        if ($put_missing = "put-missing") { return 409; }\n'
+        )
+        conf = super()._config().replace("create_full_put_path on;", "")
+        return conf.replace("        location /store/", rule + "        location /store/", 1)
+
+
+def test_a_server_that_wants_collections_made_gets_them(
+    sources: Sources, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = StrictDav(tmp_path / "nginx")
+    nginx_or_skip(tmp_path / "probe").stop()  # skips where nginx cannot run at all
+    with server:
+        status, report = publish_json(capsys, str(sources.a), server.dav_url("store"))
+        assert status == 0 and report["published"] == N_KERNELS + 1
+        entries = settled(server)
+    conflicts = [n for n, e in enumerate(entries) if e.status == 409]
+    assert entries[conflicts[0]].uri == "/dav/store/CACHEDIR.TAG" and len(conflicts) > 1  # and each new folder's first
+    for n in conflicts:  # each sent again once its folders were made
+        assert any(e.method == "PUT" and e.uri == entries[n].uri and e.status == 201 for e in entries[n + 1 :])
+    assert any(e.method == "MKCOL" and e.uri == "/dav/store/" and e.status == 201 for e in entries)
+    check_order(server.root / "store", puts(entries))
+    assert cli_main(["verify", str(server.root / "store")]) == 0
+
+
+def test_the_store_keeps_what_it_has_and_gets_back_a_lost_blob(
+    nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    first, second = tmp_path / "first", tmp_path / "second"
+    with ContentAddressedProgramCache(first) as cache:
+        cache["k"] = b"first bytes"
+    with ContentAddressedProgramCache(second) as cache:
+        cache["k"] = b"other bytes"
+    assert publish_json(capsys, str(first), url)[1]["published"] == 1
+    status, report = publish_json(capsys, str(second), url)
+    assert (status, report["conflicts"], report["published"]) == (0, 1, 0)  # the first published wins
+    assert puts(settled(nginx)) == ["CACHEDIR.TAG", "layout.json", *puts_of_one_entry(store)]
+    blob = next(p for p in (store / "blobs").rglob("*") if p.is_file())
+    blob.unlink()  # lost on the server (a collector, an operator)
+    status, report = publish_json(capsys, str(first), url)
+    assert (status, report["unchanged"], report["blobs_published"]) == (0, 1, 1)
+    assert blob.read_bytes() == b"first bytes"
+    assert cli_main(["verify", str(store)]) == 0
+
+
+def puts_of_one_entry(store: Path) -> list[str]:
+    blob = next(p for p in (store / "blobs").rglob("*") if p.is_file())
+    manifest = next(p for p in (store / "index").rglob("*") if p.is_file())
+    return [str(p.relative_to(store)) for p in (blob, manifest)]
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cuda_program_cas", *args],
+        capture_output=True, text=True, timeout=60, check=False, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_server_that_wants_a_token_gets_it_and_it_is_never_shown(sources: Sources, tmp_path: Path) -> None:
+    log = tmp_path / "cas.log"
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine 127.0.0.1 login cas password {TOKEN}\n")
+    netrc.chmod(0o600)
+    base = {"CUDA_PROGRAM_CAS_LOG": str(log), "NETRC": str(tmp_path / "no-netrc")}
+    with nginx_or_skip(tmp_path / "nginx", token=TOKEN) as server:
+        url, store = server.dav_url("store"), server.root / "store"
+        refused = _cli(["publish", str(sources.a), url], base)
+        assert refused.returncode == 1, refused.stderr
+        assert refused.stdout == "" and len(refused.stderr.splitlines()) == 1 and "Traceback" not in refused.stderr
+        assert "401" in refused.stderr and "CUDA_PROGRAM_CAS_HTTP_TOKEN" in refused.stderr
+        assert not store.exists()
+        by_env = _cli(["publish", str(sources.a), url], {**base, "CUDA_PROGRAM_CAS_HTTP_TOKEN": TOKEN})
+        assert by_env.returncode == 0, by_env.stderr
+        assert "published 5 entries" in by_env.stdout
+        by_netrc = _cli(["publish", "--pack", str(sources.b), url], {**base, "NETRC": str(netrc)})
+        assert by_netrc.returncode == 0, by_netrc.stderr
+        assert "published 1 entry" in by_netrc.stdout
+        logs = [server.access_log, server.error_log]
+    assert cli_main(["verify", str(store)]) == 0
+    said = [r.stdout + r.stderr for r in (refused, by_env, by_netrc)]
+    said += [p.read_text(errors="replace") for p in [*logs, log] if p.exists()]
+    assert all(TOKEN not in text for text in said)
+
+
+def test_a_server_that_is_down_is_one_line_and_exit_1(sources: Sources, capsys: pytest.CaptureFixture[str]) -> None:
+    url = refused_url("store")
+    capsys.readouterr()
+    assert cli_main(["publish", str(sources.a), url]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith("cuda-program-cas publish: error: ") and "refused" in err and url in err
+
+
+@pytest.mark.parametrize("command", [["gc"], ["repack"], ["verify"], ["gc", "--grace", "1d", "--dry-run"]])
+def test_maintenance_given_a_url_is_bad_usage(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert cli_main([*command, "https://cache.example/store"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert "is a store URL" in err and "where the store's files are" in err
+
+
+def test_bad_store_urls_and_options_are_bad_usage(
+    sources: Sources, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(LayoutError, match="store URL"):
+        collect("http://cache.example/store")
+    for args, said in (
+        ([str(sources.a), "http://user:pw@cache.example/store"], "carries credentials"),
+        (["--group-shared", str(sources.a), "http://cache.example/store"], "--group-shared"),
+        ([str(sources.a), "http://cache.example/store?x=1"], "query"),
+    ):
+        capsys.readouterr()
+        assert cli_main(["publish", *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and said in err and "pw" not in err
