@@ -349,3 +349,35 @@ def test_bad_store_urls_and_options_are_bad_usage(
         assert cli_main(["publish", *args]) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and said in err and "pw" not in err
+
+
+def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
+    sources: Sources, nginx: Nginx, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cuda_program_cas._disk.pack import encode_listing
+    from cuda_program_cas._verbs import publish as verb
+
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    assert publish_json(capsys, "--pack", str(sources.a), url)[0] == 0
+    settled(nginx)
+    older = parse_listing((store / "packs" / "list").read_bytes())
+    assert older is not None
+    real_put = verb.put
+
+    def put_then_lose_it(target: str, data: object, **kw: object) -> int:
+        status = real_put(target, data, **kw)  # type: ignore[arg-type]
+        if target.endswith("/packs/list") and not lost:
+            # Another publisher read the listing before this PUT and writes it now, with its own pack only.
+            lost.append(True)
+            (store / "tmp-list").write_bytes(encode_listing([*older, "pack-0000000000000001-00000000.cpk"]))
+            os.replace(store / "tmp-list", store / "packs" / "list")
+        return status
+
+    lost: list[bool] = []
+    monkeypatch.setattr(verb, "put", put_then_lose_it)
+    status, report = publish_json(capsys, "--pack", str(sources.b), url)
+    assert status == 0 and lost
+    ours = report["packs"][0].rsplit("/", 1)[1]
+    names = parse_listing((store / "packs" / "list").read_bytes())
+    assert names is not None and ours in names and set(older) <= set(names)
+    assert [p for p in puts(settled(nginx)) if p == "packs/list"] == ["packs/list"] * 2
