@@ -27,21 +27,27 @@ from .atomic import atomic_write, make_tmp_dir
 from .files import READ_FLAGS, shard_path, trusted_mtime_ns
 
 __all__ = [
+    "BLOBS",
     "CLAIM_SUFFIX",
+    "INDEX",
+    "LAYOUT_FILE",
     "LAYOUT_VERSION",
     "SETTINGS_FILE",
     "STALE_TMP_S",
     "Layout",
     "LayoutState",
     "check_layout",
+    "check_layout_data",
     "create_layout",
     "damaged_layout_error",
     "is_shared_store",
     "layout_version",
     "mark_shared_store",
+    "parse_layout",
     "stale_temp_files",
     "temp_files",
     "unwritable_reason",
+    "url_path",
     "write_layout",
 ]
 
@@ -122,6 +128,15 @@ class Layout:
         return shard_path(self.index, kid)
 
 
+def url_path(kind: str, name: str) -> str:
+    """Where a blob (``kind`` ``blobs``) or manifest (``index``) lies below a store's URL: ``/`` separated.
+
+    ``name`` must already be validated, as for :meth:`Layout.blob_path`.
+    """
+    assert kind in (BLOBS, INDEX)
+    return f"{kind}/{name[:2]}/{name[2:]}"
+
+
 def _read_layout(path: str) -> dict[str, object] | None:
     """The parsed layout file, or None when it is damaged (empty, not JSON, not ours, not a regular file).
 
@@ -150,6 +165,11 @@ def _read_layout(path: str) -> dict[str, object] | None:
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
+    return parse_layout(raw)
+
+
+def parse_layout(raw: bytes) -> dict[str, object] | None:
+    """``layout.json``'s bytes parsed, or None when they are not a layout file of ours."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: thousands of "["
@@ -160,6 +180,21 @@ def _read_layout(path: str) -> dict[str, object] | None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         return None
     return data
+
+
+def check_layout_data(root: str, data: dict[str, object]) -> None:
+    """Raise :class:`LayoutError` when a parsed layout is one this version cannot read (newer, other hashes)."""
+    version = data["version"]
+    assert isinstance(version, int)
+    if version > LAYOUT_VERSION:
+        raise LayoutError(
+            f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
+            f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
+        )
+    if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
+        raise LayoutError(
+            f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
+        )
 
 
 def layout_version(root: str) -> int | None:
@@ -196,17 +231,7 @@ def check_layout(root: str) -> LayoutState:
     else:
         present = True
     if data is not None:
-        version = data["version"]
-        assert isinstance(version, int)
-        if version > LAYOUT_VERSION:
-            raise LayoutError(
-                f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
-                f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
-            )
-        if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
-            raise LayoutError(
-                f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
-            )
+        check_layout_data(root, data)
         return LayoutState.OK
     with os.scandir(root) as it:
         foreign = sorted(e.name for e in it if e.name not in _OWN_NAMES)

@@ -427,7 +427,7 @@ class PackIndex:
         lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
         return _find(self._keys, self._entries, lo, hi, key, limit=self.index_offset)
 
-    def keys(self) -> list[bytes]:
+    def key_ids(self) -> list[bytes]:
         return self._keys
 
     def to_bytes(self) -> bytes:

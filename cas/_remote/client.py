@@ -31,8 +31,6 @@ Settings, each read once per process from the environment (a bad value: one WARN
 from __future__ import annotations
 
 import os
-import socket
-import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -142,6 +140,8 @@ def _manager() -> Any:
         return manager
     with _POOL.lock:
         if _POOL.manager is None:
+            import ssl
+
             import urllib3
 
             context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
@@ -254,6 +254,8 @@ def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Repl
 
 def _failure(url: str, exc: BaseException) -> HttpFailure:
     """An urllib3 error as one :class:`HttpFailure`, named by what happened."""
+    import socket
+
     from urllib3.exceptions import (
         MaxRetryError,
         NameResolutionError,

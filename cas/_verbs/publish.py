@@ -48,7 +48,7 @@ from cuda_program_cas._disk.pack import PackError, PackReader, save_listing, wri
 from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import Report, open_cache
 
@@ -380,6 +380,8 @@ def _plan(src: str, target: _Dest, report: PublishReport) -> list[_Item]:
     lay = Layout(src)
     todo: list[_Item] = []
     for kid, path, _st in scan_sharded(lay.index):
+        if is_local_id(kid):
+            continue  # what the node keeps for itself (the index of a pack it read over HTTP)
         report.scanned += 1
         try:
             data, mst = read_regular(path)
