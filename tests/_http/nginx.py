@@ -240,12 +240,13 @@ http {{
             self.access_log.touch()
             self.error_log.write_text("")
             self.pid_file.unlink(missing_ok=True)
-            self._proc = subprocess.Popen(
-                [binary, "-p", f"{self.prefix}/", "-c", str(self.conf), "-e", str(self.error_log),
-                 "-g", f"daemon off; pid {self.pid_file};"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                start_new_session=True,  # its own process group: stop() can kill master and workers together
-            )  # fmt: skip
+            with open(self.prefix / "stderr.log", "wb") as stderr:  # a file, not a pipe nobody drains
+                self._proc = subprocess.Popen(
+                    [binary, "-p", f"{self.prefix}/", "-c", str(self.conf), "-e", str(self.error_log),
+                     "-g", f"daemon off; pid {self.pid_file};"],
+                    stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                    start_new_session=True,  # its own process group: stop() can kill master and workers together
+                )  # fmt: skip
             if self._wait_ready():
                 return self
             last = self._reap_failed()
@@ -277,12 +278,9 @@ http {{
     def _reap_failed(self) -> str:
         """Stop a child that failed to start; the tail of its error output."""
         self._kill()
-        assert self._proc is not None
-        stderr = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-        if self._proc.stderr:
-            self._proc.stderr.close()
         self._proc = None
-        return (self.error_log.read_text(errors="replace") + stderr)[-3000:]
+        stderr = (self.prefix / "stderr.log").read_text(errors="replace")
+        return (self.error_log_tail() + stderr)[-3000:]
 
     def _kill(self) -> None:
         """SIGTERM (nginx's fast shutdown), SIGKILL to the whole process group after 5 s."""
@@ -306,8 +304,6 @@ http {{
         if self._proc is None:
             return
         self._kill()
-        if self._proc.stderr:
-            self._proc.stderr.close()
         self._proc = None
 
     @property
@@ -345,6 +341,7 @@ http {{
         self._log_offset = self.access_log.stat().st_size
 
     def error_log_tail(self, n: int = 3000) -> str:
+        """The last ``n`` characters of nginx's error log (info level)."""
         try:
             return self.error_log.read_text(errors="replace")[-n:]
         except OSError:
