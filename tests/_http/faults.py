@@ -1,0 +1,451 @@
+"""A loopback HTTP/1.1 server of the tests' own whose misbehaviour each test chooses.
+
+It serves the files of a folder for GET and HEAD, with single Range requests (206, 416) and
+keep-alive, one thread a connection. ``set(prefix, fault)`` makes requests whose path starts
+with ``prefix`` misbehave (the longest matching prefix wins; ``set_default`` covers the rest):
+
+- ``Fault.ok()``            serve the file (404 where there is none)
+- ``Fault.refuse()``        close the connection at once with a reset, no answer; a port where
+                            nothing listens at all is :func:`refused_url`
+- ``Fault.stall()``         read the request, answer nothing until ``stop()``
+- ``Fault.stall_body()``    send the headers, then nothing until ``stop()``
+- ``Fault.trickle(ms)``     send the body one byte every ``ms`` milliseconds
+- ``Fault.status(code)``    answer ``code`` (500, 503, 404, 403...) with a short body
+- ``Fault.truncate()``      Content-Length of the whole body, send half of it, close
+- ``Fault.wrong_bytes()``   the right length, the first byte of the body flipped
+- ``Fault.redirect_loop()`` 302 to the same URL
+- ``Fault.redirect_to(url)``302 to ``url``
+
+``times=n`` on any fault applies it to the next n matching requests only, then ``ok``.
+Every request is recorded (``log``, ``hits(path)``, per-connection counts); ``wait_for`` blocks
+until requests arrived, so a test synchronises with the server without sleeping. ``stop()``
+releases the stalls and closes every connection, so no test hangs on it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["Fault", "FaultServer", "Request", "refused_url"]
+
+_MAX_HEADER = 65536
+
+
+@dataclass(frozen=True)
+class Fault:
+    """How to answer a request; build one with the class methods."""
+
+    kind: str = "ok"
+    code: int = 200
+    url: str = ""
+    interval: float = 0.0  # seconds between bytes, for trickle
+    times: int | None = None  # apply to this many requests, then serve normally; None: always
+
+    @classmethod
+    def ok(cls) -> Fault:
+        return cls("ok")
+
+    @classmethod
+    def refuse(cls, times: int | None = None) -> Fault:
+        return cls("refuse", times=times)
+
+    @classmethod
+    def stall(cls, times: int | None = None) -> Fault:
+        return cls("stall", times=times)
+
+    @classmethod
+    def stall_body(cls, times: int | None = None) -> Fault:
+        return cls("stall_body", times=times)
+
+    @classmethod
+    def trickle(cls, ms: float = 50, times: int | None = None) -> Fault:
+        return cls("trickle", interval=ms / 1000, times=times)
+
+    @classmethod
+    def status(cls, code: int, times: int | None = None) -> Fault:
+        return cls("status", code=code, times=times)
+
+    @classmethod
+    def truncate(cls, times: int | None = None) -> Fault:
+        return cls("truncate", times=times)
+
+    @classmethod
+    def wrong_bytes(cls, times: int | None = None) -> Fault:
+        return cls("wrong_bytes", times=times)
+
+    @classmethod
+    def redirect_loop(cls, times: int | None = None) -> Fault:
+        return cls("redirect_loop", times=times)
+
+    @classmethod
+    def redirect_to(cls, url: str, times: int | None = None) -> Fault:
+        return cls("redirect_to", url=url, times=times)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as the server received it."""
+
+    method: str
+    path: str  # without the query string
+    headers: dict[str, str]  # names lowercased
+    connection: int  # serial number of the connection, from 1
+    seq: int  # the request's number on its connection, from 1
+    fault: str  # the fault kind it got
+
+
+def refused_url(path: str = "/") -> str:
+    """A URL on 127.0.0.1 where nothing listens: connecting is refused (ECONNREFUSED).
+
+    The port was free a moment ago; nothing of this suite listens on ports it did not bind itself.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{path.lstrip('/')}"
+
+
+@dataclass
+class _State:
+    root: Path
+    faults: dict[str, Fault] = field(default_factory=dict)
+    remaining: dict[str, int] = field(default_factory=dict)  # prefix -> requests left for a times= fault
+    log: list[Request] = field(default_factory=list)
+    per_connection: Counter[int] = field(default_factory=Counter)
+    connections: int = 0
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    sockets: set[socket.socket] = field(default_factory=set)
+    arrived: threading.Event = field(default_factory=threading.Event)  # set at each request
+
+
+class _Stop(Exception):
+    """The server is stopping or the client went away: end this connection."""
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def setup(self) -> None:
+        self.state = self.server.state
+        self.sock: socket.socket = self.request
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        with self.state.lock:
+            self.state.connections += 1
+            self.conn_id = self.state.connections
+            self.state.sockets.add(self.sock)
+
+    def finish(self) -> None:
+        with self.state.lock:
+            self.state.sockets.discard(self.sock)
+
+    def handle(self) -> None:
+        try:
+            while not self.state.stopping.is_set():
+                head = self._read_head()
+                if head is None:
+                    return
+                if not self._answer(head):
+                    return
+        except (_Stop, OSError):
+            return
+
+    # -- Reading ----------------------------------------------------------------------------
+    def _recv(self) -> bytes:
+        data = self.sock.recv(65536)
+        if not data:
+            raise _Stop
+        return data
+
+    def _read_head(self) -> tuple[str, str, dict[str, str]] | None:
+        while b"\r\n\r\n" not in self.buf:
+            if len(self.buf) > _MAX_HEADER:
+                raise _Stop
+            try:
+                self.buf += self._recv()
+            except _Stop:
+                return None
+        raw, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = raw.decode("latin-1").split("\r\n")
+        method, target, _version = lines[0].split(" ", 2)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0") or 0)
+        while len(self.buf) < length:  # a body (PUT...) is read and dropped, to keep the connection in step
+            self.buf += self._recv()
+        self.buf = self.buf[length:]
+        return method, target, headers
+
+    # -- Answering --------------------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _head(self, code: int, reason: str, headers: dict[str, str]) -> bytes:
+        lines = [f"HTTP/1.1 {code} {reason}"] + [f"{k}: {v}" for k, v in headers.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def _fault_for(self, path: str) -> Fault:
+        state = self.state
+        with state.lock:
+            best = max((p for p in state.faults if path.startswith(p)), key=len, default=None)
+            if best is None:
+                return Fault.ok()
+            fault = state.faults[best]
+            if fault.times is not None:
+                left = state.remaining.get(best, 0)
+                if left <= 0:
+                    return Fault.ok()
+                state.remaining[best] = left - 1
+            return fault
+
+    def _answer(self, head: tuple[str, str, dict[str, str]]) -> bool:
+        """Answer one request; False where the connection must end."""
+        method, target, headers = head
+        path = target.split("?", 1)[0]
+        if "://" in path:  # absolute-form target
+            path = "/" + path.split("://", 1)[1].partition("/")[2]
+        fault = self._fault_for(path)
+        state = self.state
+        with state.lock:
+            state.per_connection[self.conn_id] += 1
+            state.log.append(
+                Request(method, path, headers, self.conn_id, state.per_connection[self.conn_id], fault.kind)
+            )
+            state.lock.notify_all()
+        state.arrived.set()
+        keep = headers.get("connection", "").lower() != "close"
+        kind = fault.kind
+        if kind == "refuse":
+            # SO_LINGER 0: close() sends a reset, as a server that dropped the connection at once.
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            self.sock.close()  # here, before socketserver's shutdown(SHUT_WR) could send a FIN first
+            return False
+        if kind == "stall":
+            state.stopping.wait()
+            return False
+        if kind == "status":
+            return self._simple(fault.code, f"fault: status {fault.code}\n".encode(), {}, keep, method)
+        if kind in ("redirect_loop", "redirect_to"):
+            host = headers.get("host", f"127.0.0.1:{self.server.server_address[1]}")
+            location = fault.url if kind == "redirect_to" else f"http://{host}{target}"
+            return self._simple(302, b"redirect\n", {"Location": location}, keep, method)
+        if method not in ("GET", "HEAD"):
+            return self._simple(405, b"method not allowed\n", {"Allow": "GET, HEAD"}, keep, method)
+        file = self._file(path)
+        if file is None:
+            return self._simple(404, b"not found\n", {}, keep, method)
+        data = file.read_bytes()
+        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
+        rng = headers.get("range")
+        if rng:
+            span = _parse_range(rng, len(data))
+            if span is None:
+                return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
+            start, end = span
+            data = data[start : end + 1]
+            code, reason = 206, "Partial Content"
+            extra["Content-Range"] = f"bytes {start}-{end}/{len(file.read_bytes())}"
+        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data)), **extra}
+        if not keep:
+            hdrs["Connection"] = "close"
+        self._send(self._head(code, reason, hdrs))
+        if method == "HEAD":
+            return keep
+        if kind == "stall_body":
+            state.stopping.wait()
+            return False
+        if kind == "trickle":
+            for i in range(len(data)):
+                if i and state.stopping.wait(fault.interval):
+                    return False
+                self._send(data[i : i + 1])
+            return keep
+        if kind == "truncate":
+            self._send(data[: len(data) // 2])
+            return False
+        if kind == "wrong_bytes" and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        self._send(data)
+        return keep
+
+    def _simple(self, code: int, body: bytes, extra: dict[str, str], keep: bool, method: str) -> bool:
+        reasons = {302: "Found", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+                   416: "Range Not Satisfiable", 500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+        hdrs = {"Content-Length": str(len(body)), **extra}
+        if not keep:
+            hdrs["Connection"] = "close"
+        self._send(self._head(code, reasons.get(code, "Status"), hdrs) + (b"" if method == "HEAD" else body))
+        return keep
+
+    def _file(self, path: str) -> Path | None:
+        from urllib.parse import unquote
+
+        rel = unquote(path).lstrip("/")
+        if not rel or any(part in ("", ".", "..") for part in rel.split("/")):
+            return None
+        file = self.state.root / rel
+        return file if file.is_file() else None
+
+
+def _parse_range(value: str, size: int) -> tuple[int, int] | None:
+    """One ``bytes=`` range as (first, last) inclusive; None where unsatisfiable or not understood."""
+    unit, _, spec = value.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        return None
+    first, _, last = spec.strip().partition("-")
+    try:
+        if first == "":
+            n = int(last)
+            return (max(size - n, 0), size - 1) if n > 0 and size > 0 else None
+        start = int(first)
+        end = int(last) if last else size - 1
+    except ValueError:
+        return None
+    if start >= size or end < start:
+        return None
+    return start, min(end, size - 1)
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = False  # server_close() joins them: stop() leaves no thread behind
+    block_on_close = True
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+
+class FaultServer:
+    """The server: ``with FaultServer(root) as s:``; ``s.url("blobs/ab/cd")``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._state = _State(self.root)
+        self._server: _TCPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- Life cycle -------------------------------------------------------------------------
+    def start(self) -> FaultServer:
+        self._server = _TCPServer(self._state)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05})
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Release every stall, close every connection, join every thread; idempotent."""
+        if self._server is None:
+            return
+        self._state.stopping.set()
+        self._server.shutdown()
+        with self._state.lock:
+            for sock in list(self._state.sockets):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv()
+                except OSError:
+                    pass
+        self._server.server_close()
+        assert self._thread is not None
+        self._thread.join()
+        self._server = None
+
+    def __enter__(self) -> FaultServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- URLs -------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "not started"
+        port: int = self._server.server_address[1]
+        return port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, sub: str = "") -> str:
+        return f"{self.base_url}/{sub.lstrip('/')}"
+
+    # -- Faults -----------------------------------------------------------------------------
+    def set(self, prefix: str, fault: Fault) -> None:
+        """Requests whose path starts with ``prefix`` (e.g. "/blobs/") get ``fault``."""
+        if not prefix.startswith("/"):
+            prefix = "/" + prefix
+        with self._state.lock:
+            self._state.faults[prefix] = fault
+            if fault.times is not None:
+                self._state.remaining[prefix] = fault.times
+
+    def set_default(self, fault: Fault) -> None:
+        """Every request that no longer prefix matches gets ``fault``."""
+        self.set("/", fault)
+
+    def clear(self) -> None:
+        """Every request is served normally again."""
+        with self._state.lock:
+            self._state.faults.clear()
+            self._state.remaining.clear()
+
+    # -- What arrived -----------------------------------------------------------------------
+    @property
+    def log(self) -> list[Request]:
+        with self._state.lock:
+            return list(self._state.log)
+
+    def hits(self, path: str | None = None) -> int:
+        """Requests received for ``path`` (exactly), or in all."""
+        with self._state.lock:
+            return sum(1 for r in self._state.log if path is None or r.path == path)
+
+    def hits_by_path(self) -> Counter[str]:
+        with self._state.lock:
+            return Counter(r.path for r in self._state.log)
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        with self._state.lock:
+            return self._state.connections
+
+    def requests_per_connection(self) -> dict[int, int]:
+        """Connection serial number -> requests it carried (more than 1: keep-alive)."""
+        with self._state.lock:
+            return dict(self._state.per_connection)
+
+    def wait_for(self, n: int = 1, path: str | None = None, timeout: float = 5.0) -> bool:
+        """Block until ``n`` requests (for ``path``, if given) have arrived; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._state.lock:
+            while True:
+                count = sum(1 for r in self._state.log if path is None or r.path == path)
+                left = deadline - time.monotonic()
+                if count >= n or left <= 0:
+                    return count >= n
+                self._state.lock.wait(left)
+
+    @property
+    def arrived(self) -> threading.Event:
+        """Set when a request arrives; ``reset()`` clears it. ``wait_for`` counts, this only signals."""
+        return self._state.arrived
+
+    def reset(self) -> None:
+        """Forget the requests recorded so far (faults and connection counts stay); clear ``arrived``."""
+        with self._state.lock:
+            self._state.log.clear()
+            self._state.arrived.clear()
