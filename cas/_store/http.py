@@ -42,7 +42,7 @@ from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.urls import join, normalize_store_url
 from cuda_program_cas._disk.layout import BLOBS, INDEX, LAYOUT_FILE, check_layout_data, parse_layout, url_path
-from cuda_program_cas._disk.pack import LISTING, TRAILER_SIZE, PackError, PackIndex, parse_listing
+from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
 from cuda_program_cas._remote.client import HttpFailure, Reply, request
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, local_id, parse_fields
 
@@ -166,7 +166,7 @@ class HttpStore:
             entry = pack.find_key(bytes.fromhex(kid))
             if entry is None:
                 continue
-            data = self._range(f"packs/{pack.name}", entry.offset, entry.size)
+            data = self._range(pack.name, entry.offset, entry.size)
             if data is None:
                 continue
             if blake3(data).hexdigest() != entry.digest:
@@ -221,15 +221,15 @@ class HttpStore:
                 return PackIndex.from_bytes(name, kept)
             except PackError:
                 pass  # verified by the local cache, yet not this pack's: fetched again
-        reply = self._get(f"packs/{name}", limit=TRAILER_SIZE, headers={"Range": f"bytes=-{TRAILER_SIZE}"})
+        reply = self._pack_get(name, {"Range": f"bytes=-{TRAILER_SIZE}"}, TRAILER_SIZE)
         if reply.status == 404:
-            return None  # retired since the listing: its entries are in the pack that replaced it
+            return None  # gone (not retired): its entries are in the pack that replaced it
         span = self._content_range(reply, f"packs/{name}")
         if span is None:
             return None
         try:
             offset, length = PackIndex.span(span[2], reply.body, name)
-            index = self._range(f"packs/{name}", offset, length)
+            index = self._range(name, offset, length)
             if index is None:
                 return None
             pack = PackIndex(name, span[2], reply.body, index)
@@ -241,11 +241,20 @@ class HttpStore:
             self._memo_put(memo, pack.to_bytes())
         return pack
 
-    def _range(self, relative: str, offset: int, size: int) -> bytes | None:
-        """Bytes ``[offset, offset + size)`` of a file of the store; None (noted) when the server gives others."""
+    def _pack_get(self, name: str, headers: dict[str, str], limit: int) -> Reply:
+        """GET (a range of) pack ``name``: in ``packs/``, or in ``packs/retired/`` where a repack moved it."""
+        reply = self._get(f"packs/{name}", limit=limit, headers=headers)
+        if reply.status == 404:
+            self._listed_at = float("-inf")  # the listing is stale: asked again at the next lookup
+            reply = self._get(f"packs/{RETIRED}/{name}", limit=limit, headers=headers)
+        return reply
+
+    def _range(self, name: str, offset: int, size: int) -> bytes | None:
+        """Bytes ``[offset, offset + size)`` of pack ``name``; None (noted) when the server gives others."""
         if size == 0:
             return b""
-        reply = self._get(relative, limit=size, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+        relative = f"packs/{name}"
+        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size)
         if reply.status == 404:
             self._missed("pack missing")
             return None
