@@ -9,7 +9,7 @@ store's work, and it knows nothing about content beyond a digest string.
 """
 
 from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
-from ._keys import is_key_id, key_bytes, key_id
+from ._keys import LOCAL_TAG, is_key_id, is_local_id, key_bytes, key_id, local_id
 from ._manifest import (
     LONGEST_MANIFEST,
     MANIFEST_TAG,
@@ -22,6 +22,7 @@ from ._manifest import (
 )
 
 __all__ = [
+    "LOCAL_TAG",
     "LONGEST_MANIFEST",
     "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
@@ -31,9 +32,11 @@ __all__ = [
     "grouped_id",
     "is_digest",
     "is_key_id",
+    "is_local_id",
     "is_record",
     "key_bytes",
     "key_id",
+    "local_id",
     "lru_units",
     "manifest_length",
     "parse_fields",

@@ -4,6 +4,11 @@
 ``cuda.core``. A key's id is the lowercase hex sha256 of its bytes, exactly as
 ``FileStreamProgramCache`` names its entry files, so a FileStream directory can
 be imported with its keys intact.
+
+A *node-local* key id ends in :data:`LOCAL_TAG`: an entry a node keeps for
+itself (the index of a pack it read over HTTP), which ``publish`` leaves out.
+A sha256 ends in the tag once in 2**32 keys; such an entry is only not
+published, never served wrongly.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import re
 
-__all__ = ["is_key_id", "key_bytes", "key_id"]
+__all__ = ["LOCAL_TAG", "is_key_id", "is_local_id", "key_bytes", "key_id", "local_id"]
 
 _ID_RE = re.compile(r"[0-9a-f]{64}")
+#: The last 8 hex digits of every node-local key id.
+LOCAL_TAG = "10ca1000"
 
 
 def key_bytes(key: object) -> bytes:
@@ -51,3 +58,13 @@ def is_key_id(value: object) -> bool:
 def _short_repr(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def local_id(key: object) -> str:
+    """The node-local key id of ``key``: never published (see the module docstring)."""
+    return hashlib.sha256(key_bytes(key)).hexdigest()[:56] + LOCAL_TAG
+
+
+def is_local_id(kid: str) -> bool:
+    """Whether key id ``kid`` names a node-local entry."""
+    return kid.endswith(LOCAL_TAG)

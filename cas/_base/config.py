@@ -135,9 +135,33 @@ def env_max_size() -> int | None:
 
 
 def env_shared() -> list[str] | None:
-    """The paths of ``$CUDA_PROGRAM_CAS_SHARED`` (``os.pathsep`` between them, empty parts skipped), absolute."""
+    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``: ``os.pathsep`` between them, empty parts skipped.
+
+    Directories are made absolute. An ``http://`` or ``https://`` URL is kept whole
+    although it holds ``:`` (see :mod:`cuda_program_cas._base.urls` for the rule).
+    A URL that is not a store URL is one WARNING and left out.
+    """
+    from .urls import is_store_url, mend_split, normalize_store_url
+
     parse = _absolute(ENV_SHARED)
-    return env_value(ENV_SHARED, lambda text: [parse(p) for p in text.split(os.pathsep) if p])
+
+    def stores(text: str) -> list[str]:
+        out = []
+        for part in mend_split(text.split(os.pathsep)):
+            if not part:
+                continue
+            if not is_store_url(part):
+                out.append(parse(part))
+                continue
+            try:
+                out.append(normalize_store_url(part))
+            except ValueError as exc:
+                warn_once(
+                    ("env-url", ENV_SHARED, part), "cuda-program-cas: %s: a store is left out: %s", ENV_SHARED, exc
+                )
+        return out
+
+    return env_value(ENV_SHARED, stores)
 
 
 def env_claim_wait() -> float:

@@ -27,8 +27,10 @@ from .atomic import atomic_write, make_tmp_dir
 from .files import READ_FLAGS, shard_path, trusted_mtime_ns
 
 __all__ = [
+    "BLOBS",
     "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
+    "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
     "SETTINGS_FILE",
@@ -36,6 +38,7 @@ __all__ = [
     "Layout",
     "LayoutState",
     "check_layout",
+    "check_layout_data",
     "create_layout",
     "damaged_layout_error",
     "is_shared_store",
@@ -43,10 +46,10 @@ __all__ = [
     "layout_version",
     "mark_shared_store",
     "parse_layout",
-    "refuse_layout",
     "stale_temp_files",
     "temp_files",
     "unwritable_reason",
+    "url_path",
     "write_layout",
 ]
 
@@ -128,6 +131,15 @@ class Layout:
         return shard_path(self.index, kid)
 
 
+def url_path(kind: str, name: str) -> str:
+    """Where a blob (``kind`` ``blobs``) or manifest (``index``) lies below a store's URL: ``/`` separated.
+
+    ``name`` must already be validated, as for :meth:`Layout.blob_path`.
+    """
+    assert kind in (BLOBS, INDEX)
+    return f"{kind}/{name[:2]}/{name[2:]}"
+
+
 def _read_layout(path: str) -> dict[str, object] | None:
     """The parsed layout file, or None when it is damaged (empty, not JSON, not ours, not a regular file).
 
@@ -160,7 +172,7 @@ def _read_layout(path: str) -> dict[str, object] | None:
 
 
 def parse_layout(raw: bytes) -> dict[str, object] | None:
-    """The parsed bytes of a ``layout.json``, or None when they are damaged (not JSON, not ours)."""
+    """``layout.json``'s bytes parsed, or None when they are not a layout file of ours."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: thousands of "["
@@ -171,6 +183,21 @@ def parse_layout(raw: bytes) -> dict[str, object] | None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         return None
     return data
+
+
+def check_layout_data(root: str, data: dict[str, object]) -> None:
+    """Raise :class:`LayoutError` when a parsed layout is one this version cannot read (newer, other hashes)."""
+    version = data["version"]
+    assert isinstance(version, int)
+    if version > LAYOUT_VERSION:
+        raise LayoutError(
+            f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
+            f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
+        )
+    if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
+        raise LayoutError(
+            f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
+        )
 
 
 def layout_version(root: str) -> int | None:
@@ -207,7 +234,7 @@ def check_layout(root: str) -> LayoutState:
     else:
         present = True
     if data is not None:
-        refuse_layout(data, root)
+        check_layout_data(root, data)
         return LayoutState.OK
     with os.scandir(root) as it:
         foreign = sorted(e.name for e in it if e.name not in _OWN_NAMES)
@@ -220,21 +247,6 @@ def check_layout(root: str) -> LayoutState:
             f"{', ...' if len(foreign) > 5 else ''}{hint}"
         )
     return LayoutState.DAMAGED if present else LayoutState.MISSING
-
-
-def refuse_layout(data: dict[str, object], root: str) -> None:
-    """Raise :class:`LayoutError` for a parsed layout this code cannot use: newer, or other hashes."""
-    version = data["version"]
-    assert isinstance(version, int)
-    if version > LAYOUT_VERSION:
-        raise LayoutError(
-            f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
-            f"understands ({LAYOUT_VERSION}); upgrade cuda-program-cas or use another directory"
-        )
-    if data.get("blob_hash") != "blake3" or data.get("key_hash") != "sha256":
-        raise LayoutError(
-            f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
-        )
 
 
 def damaged_layout_error(root: str) -> LayoutError:

@@ -57,6 +57,7 @@ from .layout import Layout
 __all__ = [
     "LISTING",
     "PACK_SUFFIX",
+    "RETIRED",
     "TRAILER_SIZE",
     "PackEntry",
     "PackError",
@@ -120,6 +121,8 @@ def pack_name() -> str:
     return f"pack-{time.time_ns():016x}-{secrets.token_hex(4)}{PACK_SUFFIX}"
 
 
+#: Where a repack moves the packs it replaced, under ``packs/`` (they wait out the shared grace period).
+RETIRED = "retired"
 #: ``packs/list``: the pack names of a store, for readers that cannot list a directory (HTTP).
 LISTING = "list"
 _LISTING_HEAD = b"cpcas-packs 1\n"
@@ -428,7 +431,7 @@ class PackIndex:
         lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
         return _find(self._keys, self._entries, lo, hi, key, limit=self.index_offset)
 
-    def keys(self) -> list[bytes]:
+    def key_ids(self) -> list[bytes]:
         return self._keys
 
     def to_bytes(self) -> bytes:
@@ -498,7 +501,7 @@ class PackReader:
     def _reopen(self) -> int:
         """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
         head, name = os.path.split(self.path)
-        for candidate in (self.path, os.path.join(head, "retired", name)):  # retired/: _repack.RETIRED
+        for candidate in (self.path, os.path.join(head, RETIRED, name)):
             try:
                 fd = os.open(candidate, READ_FLAGS)
             except FileNotFoundError:

@@ -31,8 +31,6 @@ Settings, each read once per process from the environment (a bad value: one WARN
 from __future__ import annotations
 
 import os
-import socket
-import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -116,13 +114,14 @@ class _Pool:
 
     def __init__(self) -> None:
         self.lock = ForkSafeLock()
-        self.manager: Any = None
+        #: Pool managers for http and for https URLs (the latter alone loads the CAs: ~70 ms).
+        self.managers: dict[bool, Any] = {}
         self.timeouts = DEFAULT_TIMEOUTS
         self.tokens: dict[str, str | None] = {}
 
     def reset(self) -> None:
         # A forked child must not share its parent's sockets: it opens its own.
-        self.manager = None
+        self.managers = {}
         self.tokens = {}
 
 
@@ -136,21 +135,26 @@ def timeouts() -> tuple[float, float]:
     return DEFAULT_TIMEOUTS if value is None else value
 
 
-def _manager() -> Any:
-    manager = _POOL.manager
+def _manager(tls: bool) -> Any:
+    manager = _POOL.managers.get(tls)
     if manager is not None:
         return manager
     with _POOL.lock:
-        if _POOL.manager is None:
+        if tls not in _POOL.managers:
             import urllib3
 
-            context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
-            bundle = env_value(ENV_CA_BUNDLE, _parse_file)
-            if bundle is not None:
-                context.load_verify_locations(cafile=bundle)
+            tls_kw: dict[str, Any] = {}
+            if tls:
+                import ssl
+
+                context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
+                bundle = env_value(ENV_CA_BUNDLE, _parse_file)
+                if bundle is not None:
+                    context.load_verify_locations(cafile=bundle)
+                tls_kw["ssl_context"] = context
             _POOL.timeouts = timeouts()
-            _POOL.manager = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, ssl_context=context)
-        return _POOL.manager
+            _POOL.managers[tls] = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, **tls_kw)
+        return _POOL.managers[tls]
 
 
 def _token(host: str) -> str | None:
@@ -189,9 +193,10 @@ def request(
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
 
-    manager = _manager()
+    parts = urlsplit(url)
+    manager = _manager(parts.scheme == "https")
     connect, read = _POOL.timeouts
-    host = urlsplit(url).hostname or ""
+    host = parts.hostname or ""
     sent = dict(headers or {})
     token = _token(host)
     if token is not None:
@@ -264,6 +269,8 @@ def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Repl
 
 def _failure(url: str, exc: BaseException) -> HttpFailure:
     """An urllib3 error as one :class:`HttpFailure`, named by what happened."""
+    import socket
+
     from urllib3.exceptions import (
         MaxRetryError,
         NameResolutionError,

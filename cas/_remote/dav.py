@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import IO
 
+from cuda_program_cas._base.urls import shown
+
 from .client import HttpFailure, Reply, request
-from .urls import shown
 
 __all__ = ["fetch", "fetch_range", "fetch_tail", "mkcol", "put", "size_of"]
 

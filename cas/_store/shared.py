@@ -31,7 +31,7 @@ from cuda_program_cas._disk.pack import PackSet
 from .reader import Reader
 from .stats import Counters
 
-__all__ = ["RETRY_S", "SharedStore"]
+__all__ = ["RETRY_S", "SharedStore", "warn_once_for"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -50,13 +50,14 @@ _seen_lock = ForkSafeLock()
 
 
 def _first_look(root: str) -> bool:
+    """True the first time this process looks at the store ``root``."""
     with _seen_lock:
         first = root not in _seen
         _seen.add(root)
         return first
 
 
-def _warn_once(root: str) -> bool:
+def warn_once_for(root: str) -> bool:
     """True the first time this process is to warn about ``root``."""
     with _seen_lock:
         if root in _warned:
@@ -122,7 +123,7 @@ class SharedStore:
         self._usable_at = time.monotonic() + RETRY_S
         self._why_not = why
         self.counters.add("errors")
-        if first and _warn_once(self.root):
+        if first and warn_once_for(self.root):
             self._warned.add(("unusable", 0))
             _log.warning(
                 "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses (checked again every "
@@ -145,7 +146,7 @@ class SharedStore:
         if (what, code) in self._warned:
             return
         self._warned.add((what, code))
-        if code in _DENIED_ERRNOS and _warn_once(self.root):
+        if code in _DENIED_ERRNOS and warn_once_for(self.root):
             # Permission denied is misconfiguration, not an outage: say it once, loudly.
             _log.warning(
                 "cuda-program-cas: shared store %s cannot be read: %s; such lookups are misses (said once per process)",

@@ -34,6 +34,7 @@ from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_ma
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.urls import is_store_url
 from cuda_program_cas._disk.blobs import BlobStore, digest_of
 from cuda_program_cas._disk.files import FileId, ShardGuard
 from cuda_program_cas._disk.layout import (
@@ -53,6 +54,7 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
+from .http import HttpStore
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .shared import SharedStore
@@ -151,7 +153,7 @@ class CacheStore:
             self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
         self._clear_lock = threading.Lock()
         after_fork(self)
-        self.shared: tuple[SharedStore, ...] = tuple(SharedStore(p) for p in shared)
+        self.shared: tuple[SharedStore | HttpStore, ...] = tuple(self._shared_store(p) for p in shared)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -160,6 +162,23 @@ class CacheStore:
             self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
+
+    def _shared_store(self, where: str | os.PathLike[str]) -> SharedStore | HttpStore:
+        """The reader of one shared store: a directory, or a URL (its pack indexes kept in this cache)."""
+        if not is_store_url(where):
+            return SharedStore(where)
+        reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
+
+        def memo_get(kid: str) -> bytes | None:
+            found = reader.lookup(kid)
+            return None if found is None else found[0]
+
+        def memo_put(kid: str, data: bytes) -> None:
+            store = me()
+            if store is not None and store._writer is not None:
+                store._copy_in(kid, data, digest_of(data))
+
+        return HttpStore(os.fspath(where), memo_get=memo_get, memo_put=memo_put)
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing

@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 
 from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
+from cuda_program_cas._base.urls import is_store_url, shown
 from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import Snapshot
-from cuda_program_cas._remote.urls import is_store_url, shown
 
 __all__ = [
     "SHARED_MIN_GRACE_S",

@@ -43,6 +43,7 @@ from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._disk.pack import (
+    RETIRED,
     PackEntry,
     PackError,
     PackInput,
@@ -69,9 +70,6 @@ __all__ = [
     "repack_locked",
     "verify_packs",
 ]
-
-#: Where replaced packs wait out the shared grace period, under ``packs/``.
-RETIRED = "retired"
 
 
 @dataclass(slots=True)

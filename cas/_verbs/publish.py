@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import IO, ClassVar
 
 from cuda_program_cas._base.errors import CacheError, CorruptBlobError, LayoutError
+from cuda_program_cas._base.urls import is_store_url, join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import current_umask
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
@@ -61,11 +62,11 @@ from cuda_program_cas._disk.layout import (
     Layout,
     LayoutState,
     check_layout,
+    check_layout_data,
     create_layout,
     layout_bytes,
     mark_shared_store,
     parse_layout,
-    refuse_layout,
 )
 from cuda_program_cas._disk.pack import (
     LISTING,
@@ -86,8 +87,7 @@ from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
 from cuda_program_cas._remote.client import HttpFailure
 from cuda_program_cas._remote.dav import fetch, fetch_range, fetch_tail, put, size_of
-from cuda_program_cas._remote.urls import is_store_url, join, normalize_store_url, shown
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import Report, open_cache
 
@@ -424,7 +424,7 @@ class _UrlDest:
                     f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
                     "(cuda-program-cas verify --repair DIR)"
                 )
-            refuse_layout(current, self.where)  # newer, or other hashes
+            check_layout_data(self.where, current)  # newer, or other hashes
         if not self.dry_run:
             # As a directory store is laid out: the tag, then layout.json (marked shared), before any entry.
             if size_of(self._at("CACHEDIR.TAG")) is None:
@@ -439,7 +439,7 @@ class _UrlDest:
             index = self._pack_index(name)
             if index is None:
                 continue
-            for key in index.keys():  # noqa: SIM118 - a PackIndex is not a dict
+            for key in index.key_ids():
                 entry = index.find_key(key)  # None for a damaged entry: absent
                 if entry is not None:
                     self.packed[entry.key_id] = PackedEntry(name, entry)
@@ -716,6 +716,8 @@ def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
     lay = Layout(src)
     todo: list[_Item] = []
     for kid, path, _st in scan_sharded(lay.index):
+        if is_local_id(kid):
+            continue  # what the node keeps for itself (the index of a pack it read over HTTP)
         report.scanned += 1
         try:
             data, mst = read_regular(path)

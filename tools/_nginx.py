@@ -1,0 +1,346 @@
+"""A real nginx on loopback, for the HTTP store's tests and benchmarks: static reads and WebDAV writes of one directory.
+
+``Nginx(prefix, root)`` writes its own ``nginx.conf`` under ``prefix`` and runs nginx in the
+foreground as a child process (``daemon off``) on 127.0.0.1 and a free port. Two locations serve
+the same directory ``root``:
+
+- ``/store/`` reads: static files, so nginx answers Range requests (206) itself; ``etag on``,
+  keep-alive on. ``read_url("packs/list")`` is ``<base_url>/store/packs/list``.
+- ``/dav/`` writes: WebDAV ``PUT DELETE MKCOL COPY MOVE`` with ``create_full_put_path on``.
+  nginx receives a PUT's body into ``client_body_temp_path`` (a folder on the same filesystem
+  as ``root``) and renames it onto the target once the body is complete, so a reader never sees
+  a partial file and a client that disconnects mid-body leaves nothing at the target path.
+  A PUT creates missing parent folders; MKCOL makes one level (409 where the parent is missing).
+
+``token="s3cret"`` makes both locations answer 401 to a request without
+``Authorization: Bearer s3cret``. ``tls=True`` serves HTTPS with a self-signed certificate for
+127.0.0.1 and localhost (made by the ``openssl`` command); ``cert`` is its path, for a client's
+CA bundle. Every request is logged as one JSON object a line; ``requests()`` parses them.
+
+The tests' helper ``nginx_or_skip`` (tests/_http) skips a test, with the reason, where nginx is
+not installed or does not start.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["LogEntry", "Nginx", "NginxError", "find_nginx", "free_port"]
+
+READ_PREFIX = "/store/"
+DAV_PREFIX = "/dav/"
+_TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]+")
+# The access log: one JSON object a line. $connection is the connection's serial number and
+# $connection_requests the request's number on it: two requests on one connection prove keep-alive.
+_LOG_FORMAT = (
+    '{"method":"$request_method","uri":"$request_uri","status":$status,"range":"$http_range",'
+    '"body_bytes":$body_bytes_sent,"bytes":$bytes_sent,"request_length":$request_length,'
+    '"connection":$connection,"connection_requests":$connection_requests}'
+)
+
+
+class NginxError(RuntimeError):
+    """nginx could not be started; the message ends with the tail of its error log."""
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One line of the access log."""
+
+    method: str
+    uri: str
+    status: int
+    range: str  # the Range request header, "" where none
+    body_bytes: int  # $body_bytes_sent
+    bytes: int  # $bytes_sent, headers included
+    request_length: int
+    connection: int  # nginx's serial number of the connection
+    connection_requests: int  # 1 for the first request on a connection, 2 for the next, ...
+
+
+def find_nginx() -> str | None:
+    """The nginx binary: on PATH, else /usr/sbin/nginx (Debian's, off a non-root PATH); None if neither."""
+    found = shutil.which("nginx")
+    if found:
+        return found
+    if os.access("/usr/sbin/nginx", os.X_OK):
+        return "/usr/sbin/nginx"
+    return None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (nginx cannot listen on port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _make_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) for IP:127.0.0.1 and DNS:localhost, and its key."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise NginxError("tls=True needs the openssl command, which is not on PATH")
+    done = subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "2", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+         "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+         "-keyout", str(key), "-out", str(cert)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise NginxError(f"openssl req failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return cert, key
+
+
+class Nginx:
+    """nginx serving ``root`` for reads under ``/store/`` and WebDAV writes under ``/dav/``.
+
+    ``prefix`` holds the config, logs, pid file, temp folders and certificate; it is created.
+    ``root`` defaults to ``prefix/root``. Start with ``start()`` or ``with Nginx(...) as n:``.
+    """
+
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        root: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        start_timeout: float = 10.0,
+    ) -> None:
+        if token is not None and not _TOKEN_RE.fullmatch(token):
+            raise ValueError("token: only [A-Za-z0-9._~+/=-] (it is written into nginx.conf)")
+        self.prefix = Path(prefix).resolve()
+        self.root = Path(root).resolve() if root is not None else self.prefix / "root"
+        self.token = token
+        self.tls = tls
+        self.start_timeout = start_timeout
+        self.conf = self.prefix / "nginx.conf"
+        self.error_log = self.prefix / "error.log"
+        self.access_log = self.prefix / "access.log"
+        self.pid_file = self.prefix / "nginx.pid"
+        self.cert: Path | None = None  # the certificate (and CA bundle) where tls=True
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    # -- URLs -------------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` (``https://`` with tls=True), no trailing slash."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def read_url(self, sub: str = "") -> str:
+        """The URL that reads ``root/sub`` (``sub`` relative, "" for the folder itself)."""
+        return self.base_url + READ_PREFIX + sub.lstrip("/")
+
+    def dav_url(self, sub: str = "") -> str:
+        """The WebDAV URL of ``root/sub``; MKCOL wants a trailing slash on folders."""
+        return self.base_url + DAV_PREFIX + sub.lstrip("/")
+
+    def auth_headers(self) -> dict[str, str]:
+        """``{"Authorization": "Bearer <token>"}``, or {} where there is no token."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    # -- Config -----------------------------------------------------------------------------
+    def _body_temp(self) -> Path:
+        """A temp folder for PUT bodies on root's filesystem, so each PUT lands by rename."""
+        body = self.prefix / "body-temp"
+        body.mkdir(parents=True, exist_ok=True)
+        if os.stat(body).st_dev != os.stat(self.root).st_dev:
+            body = self.root.parent / f".nginx-body-{os.getpid()}-{id(self)}"
+            body.mkdir(parents=True, exist_ok=True)
+        return body
+
+    def _config(self) -> str:
+        p = self.prefix
+        user = "user root root;\n" if os.geteuid() == 0 else ""  # workers must read pytest's 0700 dirs
+        listen = f"127.0.0.1:{self.port}" + (" ssl" if self.tls else "")
+        tls = ""
+        if self.tls:
+            assert self.cert is not None
+            tls = (
+                f"        ssl_certificate {self.cert};\n"
+                f"        ssl_certificate_key {self.prefix / 'key.pem'};\n"
+                "        ssl_protocols TLSv1.2 TLSv1.3;\n"
+            )
+        auth = ""
+        if self.token:
+            auth = (
+                f'        if ($http_authorization != "Bearer {self.token}") {{ return 401; }}\n'
+                '        add_header WWW-Authenticate "Bearer" always;\n'
+            )
+        root = str(self.root).rstrip("/") + "/"
+        return f"""{user}worker_processes 1;
+error_log {self.error_log} info;
+events {{ worker_connections 256; }}
+http {{
+    default_type application/octet-stream;
+    log_format jsonl escape=json '{_LOG_FORMAT}';
+    access_log {self.access_log} jsonl;
+    client_body_temp_path {self._body_temp()};
+    proxy_temp_path {p / "proxy-temp"};
+    fastcgi_temp_path {p / "fastcgi-temp"};
+    uwsgi_temp_path {p / "uwsgi-temp"};
+    scgi_temp_path {p / "scgi-temp"};
+    sendfile on;
+    keepalive_timeout 60s;
+    keepalive_requests 1000;
+    server {{
+        listen {listen};
+        server_name localhost;
+{tls}{auth}        location {READ_PREFIX} {{
+            alias {root};
+            etag on;
+            autoindex off;
+        }}
+        location {DAV_PREFIX} {{
+            alias {root};
+            dav_methods PUT DELETE MKCOL COPY MOVE;
+            create_full_put_path on;
+            client_max_body_size 0;
+            dav_access user:rw group:r all:r;
+        }}
+        location / {{ return 404; }}
+    }}
+}}
+"""
+
+    # -- Life cycle -------------------------------------------------------------------------
+    def start(self) -> Nginx:
+        """Write the config and start nginx; return once it accepts connections. Raises NginxError."""
+        binary = find_nginx()
+        if binary is None:
+            raise NginxError("nginx is not installed (not on PATH, no /usr/sbin/nginx)")
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.tls and self.cert is None:
+            self.cert, _ = _make_cert(self.prefix)
+        last = ""
+        for _ in range(5):  # another process may take the port between free_port() and nginx's bind
+            self.port = free_port()
+            self.conf.write_text(self._config())
+            self.access_log.touch()
+            self.error_log.write_text("")
+            self.pid_file.unlink(missing_ok=True)
+            with open(self.prefix / "stderr.log", "wb") as stderr:  # a file, not a pipe nobody drains
+                self._proc = subprocess.Popen(
+                    [binary, "-p", f"{self.prefix}/", "-c", str(self.conf), "-e", str(self.error_log),
+                     "-g", f"daemon off; pid {self.pid_file};"],
+                    stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                    start_new_session=True,  # its own process group: stop() can kill master and workers together
+                )  # fmt: skip
+            if self._wait_ready():
+                return self
+            last = self._reap_failed()
+            if "Address already in use" not in last and f"({errno.EADDRINUSE}:" not in last:
+                break
+        raise NginxError(f"nginx did not start; error log tail:\n{last}")
+
+    def _wait_ready(self) -> bool:
+        """True once the pid file names our child and the port accepts; False if nginx exited."""
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            # nginx writes the pid file after it has bound its listening sockets.
+            try:
+                pid = int(self.pid_file.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid == self._proc.pid:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                    return True
+                except OSError:
+                    pass
+            time.sleep(0.01)
+        return False
+
+    def _reap_failed(self) -> str:
+        """Stop a child that failed to start; the tail of its error output."""
+        self._kill()
+        self._proc = None
+        stderr = (self.prefix / "stderr.log").read_text(errors="replace")
+        return (self.error_log_tail() + stderr)[-3000:]
+
+    def _kill(self) -> None:
+        """SIGTERM (nginx's fast shutdown), SIGKILL to the whole process group after 5 s."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # workers too, whatever the master did
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+    def stop(self) -> None:
+        """Stop nginx and its workers; idempotent."""
+        if self._proc is None:
+            return
+        self._kill()
+        self._proc = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> Nginx:
+        return self.start() if self._proc is None else self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- Logs -------------------------------------------------------------------------------
+    def requests(self, wait_for: int = 0, timeout: float = 5.0) -> list[LogEntry]:
+        """The access log's entries since the last ``reset_log()``.
+
+        nginx logs a request after it sent the response, so a client may be ahead of the log:
+        ``wait_for=n`` polls until at least n entries are there (or ``timeout`` passed).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.access_log, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+            lines = data.decode().splitlines(keepends=True)
+            entries = [LogEntry(**json.loads(line)) for line in lines if line.endswith("\n")]
+            if len(entries) >= wait_for or time.monotonic() >= deadline:
+                return entries
+            time.sleep(0.01)
+
+    def reset_log(self) -> None:
+        """Forget the entries so far: ``requests()`` returns only later ones."""
+        self._log_offset = self.access_log.stat().st_size
+
+    def error_log_tail(self, n: int = 3000) -> str:
+        """The last ``n`` characters of nginx's error log (info level)."""
+        try:
+            return self.error_log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
