@@ -1,4 +1,4 @@
-"""Publishing over HTTP: WebDAV PUT into a real nginx; the directory nginx serves is then a valid store.
+"""Publishing over HTTP: WebDAV PUT into a real nginx; the directory it serves is then a valid store, read by nodes.
 
 The sources are local caches filled by real NVRTC compiles. What was sent, and in which order,
 is read from nginx's access log: one JSON line per request, in the order nginx answered them.
@@ -54,8 +54,8 @@ class Sources:
     def _compile(self, cache: ContentAddressedProgramCache, source: str, name: str) -> None:
         self.cubins[(source, name)] = bytes(compile_program(source, cache=cache, name=name).code)
 
-    def read_back(self, store: Path, local: Path, which: list[tuple[str, str]]) -> int:
-        """Compile ``which`` on a node whose shared store is ``store``: the shared hits, each byte-checked."""
+    def read_back(self, store: Path | str, local: Path, which: list[tuple[str, str]]) -> int:
+        """Compile ``which`` on a node whose shared store is ``store`` (a directory or a URL): the shared hits."""
         with ContentAddressedProgramCache(local, shared=[str(store)]) as cache:
             for source, name in which:
                 assert bytes(compile_program(source, cache=cache, name=name).code) == self.cubins[(source, name)]
@@ -149,6 +149,8 @@ def test_loose_publish_over_http_gives_a_store_that_nodes_hit(
     assert json.loads((store / "layout.json").read_text())["shared"] is True
     assert cli_main(["verify", str(store)]) == 0
     assert sources.read_back(store, tmp_path / "node", sources.in_a) == N_KERNELS + 1
+    assert sources.read_back(nginx.read_url("store"), tmp_path / "http-node", sources.in_a) == N_KERNELS + 1
+    settled(nginx)
 
     # Again: nothing new, nothing uploaded.
     status, report = publish_json(capsys, str(sources.a), url)
@@ -185,6 +187,8 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
     assert parse_listing((store / "packs" / "list").read_bytes()) == sorted([pack, newer], reverse=True)
     assert cli_main(["verify", str(store)]) == 0
     assert sources.read_back(store, tmp_path / "node2", sources.in_a + sources.in_b) == N_KERNELS + 2
+    http_node = sources.read_back(nginx.read_url("store"), tmp_path / "http-node", sources.in_a + sources.in_b)
+    assert http_node == N_KERNELS + 2
 
 
 # The publisher, killed by a signal right after its first blob upload (as a crash or an OOM kill would).
