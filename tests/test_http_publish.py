@@ -385,3 +385,17 @@ def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
     names = parse_listing((store / "packs" / "list").read_bytes())
     assert names is not None and ours in names and set(older) <= set(names)
     assert [p for p in puts(settled(nginx)) if p == "packs/list"] == ["packs/list"] * 2
+
+
+@pytest.mark.slow
+def test_publish_over_https_trusts_the_ca_bundle_it_is_given(sources: Sources, tmp_path: Path) -> None:
+    base = {"NETRC": str(tmp_path / "no-netrc")}
+    with nginx_or_skip(tmp_path / "nginx", tls=True) as server:
+        url, store = server.dav_url("store"), server.root / "store"
+        assert url.startswith("https://") and server.cert is not None
+        untrusted = _cli(["publish", str(sources.b), url], base)
+        assert untrusted.returncode == 1 and len(untrusted.stderr.splitlines()) == 1, untrusted.stderr
+        assert "tls" in untrusted.stderr and not store.exists()
+        trusted = _cli(["publish", str(sources.b), url], {**base, "CUDA_PROGRAM_CAS_CA_BUNDLE": str(server.cert)})
+        assert trusted.returncode == 0, trusted.stderr
+    assert cli_main(["verify", str(store)]) == 0

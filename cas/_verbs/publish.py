@@ -544,7 +544,7 @@ class _UrlDest:
         at the same moment may have dropped this name, so it is added again
         until a read shows it (a few tries). The write is conditional on the
         ETag read (``If-Match``; ``If-None-Match: *`` where there was none): a
-        server that honours it (S3, GCS) refuses a write over a listing that
+        server that honours it (S3 does) refuses a write over a listing that
         changed meanwhile; nginx ignores it, and the read after catches most such races.
         """
         for _ in range(_LISTING_TRIES):
@@ -590,7 +590,7 @@ def publish(
     serves one (token and CAs: :mod:`cuda_program_cas._remote.client`). Over HTTP the store's
     copies are checked by their size, not hashed, ``fsync`` is the server's
     business, and ``group_shared`` is refused (the server sets the modes).
-    A failed request raises :class:`cuda_program_cas.CacheError` (``HttpFailure``): what was
+    A failed request raises a :class:`cuda_program_cas.CacheError` (an HTTP failure): what was
     uploaded until then is complete, and running again resumes.
 
     ``pack``: write what the sources hold and the store lacks into one new,
