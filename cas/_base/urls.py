@@ -14,7 +14,6 @@ a port: write it ``./8080/store`` (relative names get a WARNING anyway).
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
 
 __all__ = ["is_store_url", "join", "mend_split", "normalize_store_url", "shown"]
 
@@ -29,6 +28,8 @@ def is_store_url(text: object) -> bool:
 
 def mend_split(parts: list[str]) -> list[str]:
     """The parts of a ``os.pathsep`` split, with the URLs the split cut put back together."""
+    from urllib.parse import urlsplit  # only where a store list is read: not on a plain cache's path
+
     out: list[str] = []
     i = 0
     while i < len(parts):
@@ -70,6 +71,8 @@ def normalize_store_url(url: str) -> str:
     (a token comes from the environment or ``.netrc``, never from a URL that ends
     up in logs), no query and no fragment (entries are paths below it).
     """
+    from urllib.parse import urlsplit
+
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https"):
         raise ValueError(f"not an http(s) URL: {shown(url)!r}")
@@ -95,6 +98,8 @@ def join(base: str, relative: str) -> str:
 
 def shown(url: str) -> str:
     """``url`` as it may be logged: any user name and password replaced by ``***``."""
+    from urllib.parse import urlsplit
+
     parts = urlsplit(url)
     if parts.username is None and parts.password is None:
         return url
