@@ -8,6 +8,7 @@ bad answers, TLS, tokens) is tests/test_http_faults.py.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -222,3 +223,68 @@ def test_the_kept_pack_index_is_a_node_local_entry(server, tmp_path: Path) -> No
     assert len(local) == 1  # the one pack's index
     report = publish([tmp_path / "node"], tmp_path / "elsewhere")
     assert report.published == 1 and report.scanned == 1  # g0 only: the kept index stays on the node
+
+
+def _docs_server_block(root: Path, body_temp: Path, token: str) -> str:
+    """docs/http.md's nginx server block, pointed at this test's directories, address and certificate."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "http.md").read_text()
+    block = text.split("```nginx\n", 1)[1].split("```", 1)[0]
+    for old, new in (
+        ("listen 443 ssl;", "listen LISTEN;"),
+        ("/etc/ssl/cache.example.org.pem", "CERT"),
+        ("/etc/ssl/cache.example.org.key", "KEY"),
+        ("/srv/cuda-cas-tmp", str(body_temp)),
+        ("/srv/cuda-cas/", f"{root}/"),
+        ("CHANGE-ME", token),
+    ):
+        assert old in block, old
+        block = block.replace(old, new)
+    return block
+
+
+_CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    from cuda_program_cas._remote.client import request
+    spec = json.loads(sys.argv[1])
+    out = []
+    for method, url, body, headers in spec:
+        reply = request(method, url, body=None if body is None else body.encode(), headers=headers)
+        out.append([reply.status, reply.body.decode("latin-1")])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_nginx_server_of_docs_http_md_serves_reads_and_takes_writes_only_with_the_token(tmp_path: Path) -> None:
+    from _nginx import Nginx, NginxError, find_nginx
+
+    if find_nginx() is None:
+        pytest.skip("nginx is not installed")
+    root, body = tmp_path / "srv", tmp_path / "body"
+    root.mkdir()
+    body.mkdir()
+    server = Nginx(tmp_path / "ngx", root, tls=True, server_block=_docs_server_block(root, body, "s3cret"))
+    try:
+        server.start()
+    except NginxError as exc:
+        server.stop()
+        pytest.skip(f"nginx did not start: {exc}")
+    with server:
+        base = f"https://127.0.0.1:{server.port}"
+        auth = {"Authorization": "Bearer s3cret"}
+        spec = [
+            ["PUT", f"{base}/cuda-cas-dav/a/b/file", "hello", auth],
+            ["PUT", f"{base}/cuda-cas-dav/a/b/other", "no token", {}],
+            ["GET", f"{base}/cuda-cas/a/b/file", None, {}],
+            ["PUT", f"{base}/cuda-cas/a/b/file", "through the read location", auth],
+        ]
+        env = dict(os.environ, CUDA_PROGRAM_CAS_CA_BUNDLE=str(server.cert))
+        done = subprocess.run(
+            [sys.executable, "-c", _CLIENT, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        (put, status_put), (denied, _), (got, text), (read_only, _) = json.loads(done.stdout.strip().splitlines()[-1])
+        assert put in (201, 204) and denied == 401 and got == 200 and text == "hello" and read_only == 403
+        assert (root / "a" / "b" / "file").read_text() == "hello"
+        assert not (root / "a" / "b" / "other").exists()

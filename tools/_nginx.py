@@ -122,6 +122,7 @@ class Nginx:
         token: str | None = None,
         tls: bool = False,
         start_timeout: float = 10.0,
+        server_block: str | None = None,
     ) -> None:
         if token is not None and not _TOKEN_RE.fullmatch(token):
             raise ValueError("token: only [A-Za-z0-9._~+/=-] (it is written into nginx.conf)")
@@ -129,6 +130,9 @@ class Nginx:
         self.root = Path(root).resolve() if root is not None else self.prefix / "root"
         self.token = token
         self.tls = tls
+        #: A whole ``server { ... }`` block to use instead of the built-in one (docs/http.md's, in a test):
+        #: ``LISTEN``, ``CERT`` and ``KEY`` in it become this server's address, certificate and key.
+        self.server_block = server_block
         self.start_timeout = start_timeout
         self.conf = self.prefix / "nginx.conf"
         self.error_log = self.prefix / "error.log"
@@ -186,6 +190,7 @@ class Nginx:
                 '        add_header WWW-Authenticate "Bearer" always;\n'
             )
         root = str(self.root).rstrip("/") + "/"
+        server = self._server(listen, tls, auth, root)
         return f"""{user}worker_processes 1;
 error_log {self.error_log} info;
 events {{ worker_connections 256; }}
@@ -201,7 +206,15 @@ http {{
     sendfile on;
     keepalive_timeout 60s;
     keepalive_requests 1000;
-    server {{
+{server}
+}}
+"""
+
+    def _server(self, listen: str, tls: str, auth: str, root: str) -> str:
+        if self.server_block is not None:
+            key = str(self.prefix / "key.pem")
+            return self.server_block.replace("LISTEN", listen).replace("CERT", str(self.cert)).replace("KEY", key)
+        return f"""    server {{
         listen {listen};
         server_name localhost;
 {tls}{auth}        location {READ_PREFIX} {{
@@ -217,9 +230,7 @@ http {{
             dav_access user:rw group:r all:r;
         }}
         location / {{ return 404; }}
-    }}
-}}
-"""
+    }}"""
 
     # -- Life cycle -------------------------------------------------------------------------
     def start(self) -> Nginx:

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -106,7 +107,7 @@ def _refused_url() -> str:
     return f"http://127.0.0.1:{port}/store"
 
 
-def run(kernels: int, parent: str | None) -> dict[str, Any]:
+def run(kernels: int, parent: str | None, repeat: int = 3) -> dict[str, Any]:
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache, publish
@@ -124,7 +125,7 @@ def run(kernels: int, parent: str | None) -> dict[str, Any]:
         served = os.path.join(base, "served")
         publish([builder], os.path.join(served, "loose"))
         publish([builder], os.path.join(served, "packed"), pack=True)
-        results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
+        results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
         with Nginx(os.path.join(base, "nginx"), served) as server:
             cases = [
                 ("directory, loose", os.path.join(served, "loose"), "fresh"),
@@ -134,27 +135,33 @@ def run(kernels: int, parent: str | None) -> dict[str, Any]:
                 ("HTTP, packed, warm node", server.read_url("packed"), "warm"),
             ]
             reference = None
-            for name, shared, node in cases:
-                log(f"{name} ...")
-                local = os.path.join(base, f"node-{len(results['cases'])}")
-                if node == "warm":  # an earlier process of the node kept the pack's index, then its entries went
-                    run_worker(__file__, {"local": local, "shared": shared, "kernels": 1})
-                    _drop_all_but_local_ids(local)
-                server.reset_log()
-                out = run_worker(__file__, {"local": local, "shared": shared, "kernels": kernels})
-                answered = len(server.requests(wait_for=out["requests"])) if shared.startswith("http") else 0
-                if reference is None:
-                    reference = out["digests"]
-                elif out["digests"] != reference:
-                    raise RuntimeError(f"{name}: other bytes than the first case")
-                if out["counters"]["shared_hits"] != kernels:
-                    raise RuntimeError(f"{name}: {out['counters']['shared_hits']} shared hits, not {kernels}")
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cases}
+            for r in range(repeat):  # rounds interleave the cases, so a busy moment hits them all alike
+                for name, shared, node in cases:
+                    log(f"round {r + 1}/{repeat}: {name} ...")
+                    local = os.path.join(base, f"node-{r}-{len(runs[name])}-{name.replace(' ', '').replace(',', '-')}")
+                    if node == "warm":  # an earlier process of the node kept the pack's index; its entries went
+                        run_worker(__file__, {"local": local, "shared": shared, "kernels": 1})
+                        _drop_all_but_local_ids(local)
+                    server.reset_log()
+                    out = run_worker(__file__, {"local": local, "shared": shared, "kernels": kernels})
+                    out["answered"] = len(server.requests(wait_for=out["requests"])) if out["requests"] else 0
+                    if reference is None:
+                        reference = out["digests"]
+                    elif out["digests"] != reference:
+                        raise RuntimeError(f"{name}: other bytes than the first case")
+                    if out["counters"]["shared_hits"] != kernels:
+                        raise RuntimeError(f"{name}: {out['counters']['shared_hits']} shared hits, not {kernels}")
+                    runs[name].append(out)
+            for name, outs in runs.items():
+                cold = statistics.median(o["elapsed_s"] for o in outs)
                 results["cases"][name] = {
-                    "cold_start_s": out["elapsed_s"],
-                    "ms_per_first_hit": out["elapsed_s"] * 1000 / kernels,
-                    "requests": out["requests"],
-                    "requests_per_first_hit": out["requests"] / kernels,
-                    "server_answered": answered,
+                    "cold_start_s": cold,
+                    "cold_start_s_all": [o["elapsed_s"] for o in outs],
+                    "ms_per_first_hit": cold * 1000 / kernels,
+                    "requests": outs[0]["requests"],
+                    "requests_per_first_hit": outs[0]["requests"] / kernels,
+                    "server_answered": outs[0]["answered"],
                 }
         stall, port = _stall_server()
         try:
@@ -198,7 +205,8 @@ def _drop_all_but_local_ids(local: str) -> None:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s",
+        f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s; "
+        f"cold starts: the median of {results['repeat']}",
         "",
         f"{'case':42} {'cold start':>11} {'per hit':>9} {'requests':>9} {'per hit':>8}",
     ]
@@ -224,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", type=int, default=200, help="kernels per cold start (default 200)")
+    parser.add_argument("--repeat", type=int, default=3, help="cold starts per case; the median is shown (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--dir", help="where the caches and the served store go (kept); default a temp dir")
     args = parser.parse_args(args_in)
     if find_nginx() is None:
         print("http_bench: nginx is not installed (apt-get install nginx)", file=sys.stderr)
         return 2
-    results = run(args.kernels, args.dir)
+    results = run(args.kernels, args.dir, args.repeat)
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
 

@@ -29,6 +29,7 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
@@ -54,12 +55,14 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
-from .http import HttpStore
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .shared import SharedStore
 from .stats import CacheStats, Counters
 from .touch import apply_pending, ensure_thread
+
+if TYPE_CHECKING:
+    from .http import HttpStore
 
 __all__ = ["CacheStore"]
 
@@ -167,6 +170,8 @@ class CacheStore:
         """The reader of one shared store: a directory, or a URL (its pack indexes kept in this cache)."""
         if not is_store_url(where):
             return SharedStore(where)
+        from .http import HttpStore  # imported for a URL only: a plain cache never loads the HTTP side
+
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
 
         def memo_get(kid: str) -> bytes | None:
