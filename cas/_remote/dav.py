@@ -71,9 +71,19 @@ def fetch(url: str, *, limit: int = 1 << 20) -> tuple[bytes, str | None] | None:
     return reply.body, reply.headers.get("etag")
 
 
+def _ranged(url: str, spec: str, length: int) -> Reply:
+    """A Range GET; a server that sends the whole file instead is named for what it did."""
+    try:
+        return request("GET", url, headers={"Range": f"bytes={spec}"}, limit=length)
+    except HttpFailure as exc:
+        if exc.kind == "too large":
+            raise HttpFailure(exc.url, "no range", "the server ignored a Range request (packs need Range)") from None
+        raise
+
+
 def fetch_tail(url: str, length: int) -> tuple[bytes, int] | None:
     """The last ``length`` bytes of the file at ``url`` and its whole size; None when there is none."""
-    reply = request("GET", url, headers={"Range": f"bytes=-{length}"}, limit=length)
+    reply = _ranged(url, f"-{length}", length)
     if reply.status in _ABSENT:
         return None
     if reply.status == 206:
@@ -87,7 +97,7 @@ def fetch_range(url: str, offset: int, length: int) -> bytes | None:
     """``length`` bytes of the file at ``url`` from ``offset``; None when there is no file."""
     if length == 0:
         return b""
-    reply = request("GET", url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}, limit=length)
+    reply = _ranged(url, f"{offset}-{offset + length - 1}", length)
     if reply.status in _ABSENT:
         return None
     if reply.status == 206 and len(reply.body) == length:
