@@ -288,3 +288,30 @@ def test_the_nginx_server_of_docs_http_md_serves_reads_and_takes_writes_only_wit
         assert put in (201, 204) and denied == 401 and got == 200 and text == "hello" and read_only == 403
         assert (root / "a" / "b" / "file").read_text() == "hello"
         assert not (root / "a" / "b" / "other").exists()
+        # As the page says: publish through the WebDAV location, nodes read through the other.
+        src = fill(tmp_path / "src", n=5)
+        env["CUDA_PROGRAM_CAS_HTTP_TOKEN"] = "s3cret"
+        done = subprocess.run(
+            [sys.executable, "-m", "cuda_program_cas", "publish", str(src), f"{base}/cuda-cas-dav", "--pack"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        del env["CUDA_PROGRAM_CAS_HTTP_TOKEN"]  # reads need none
+        read = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _NODE,
+                json.dumps({"local": str(tmp_path / "node"), "url": f"{base}/cuda-cas", "keys": ["g0", "g4"]}),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        assert read.returncode == 0, read.stderr
+        found = json.loads(read.stdout.strip().splitlines()[-1])["found"]
+        assert found == {"g0": value(0).hex(), "g4": value(4).hex()}
