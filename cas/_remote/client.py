@@ -230,9 +230,12 @@ def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Repl
         raise HttpFailure(url, "too large", f"{length} bytes, at most {limit} expected", outage=False)
     chunks: list[bytes] = []
     got = 0
+    # read1: what one recv gives. read(n) waits for all n bytes, so a server trickling a byte
+    # within each read timeout would hold it far past the deadline (read1 is urllib3 >= 2.3).
+    read = getattr(resp, "read1", None) or resp.read
     try:
         while True:
-            chunk = resp.read(min(_CHUNK, limit + 1 - got))
+            chunk = read(min(_CHUNK, limit + 1 - got))
             if not chunk:
                 break
             chunks.append(chunk)
