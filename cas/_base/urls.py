@@ -4,7 +4,10 @@
 POSIX, and a URL holds ``:`` after its scheme and before a port. The split is
 made first, then mended: a part ``http`` or ``https`` followed by a part that
 starts with ``//`` opens a URL, and a next part that starts with a port number
-(digits, then ``/`` or nothing) is that URL's port. So
+(digits, then ``/`` or nothing) is that URL's port. After ``//user``, a part
+with ``@`` before any ``/`` is the password and the host: a URL with
+credentials stays whole, so it is refused whole, and its password is never
+taken for a directory (and logged). So
 ``/nfs/store:https://cache.example:8443/store:/scratch/store`` is three stores.
 A directory whose relative name starts with digits and a slash would be read as
 a port: write it ``./8080/store`` (relative names get a WARNING anyway).
@@ -19,6 +22,8 @@ __all__ = ["is_store_url", "join", "mend_split", "normalize_store_url", "shown"]
 
 _SCHEMES = ("http://", "https://")
 _PORT_PART = re.compile(r"\d+(/.*)?")
+#: The part after ``scheme://user``: a password, ``@`` and the host (and perhaps more).
+_PASSWORD_PART = re.compile(r"[^/@]*@")
 
 
 def is_store_url(text: object) -> bool:
@@ -35,8 +40,11 @@ def mend_split(parts: list[str]) -> list[str]:
         if part.lower() in ("http", "https") and i + 1 < len(parts) and parts[i + 1].startswith("//"):
             url = f"{part}:{parts[i + 1]}"
             i += 2
+            if i < len(parts) and _PASSWORD_PART.match(parts[i]) and not re.search("[/@]", parts[i - 1][2:]):
+                url = f"{url}:{parts[i]}"  # user:password@host: kept whole, so it is refused whole, never logged
+                i += 1
             if i < len(parts) and _PORT_PART.fullmatch(parts[i]) and not url.rstrip("/").endswith("]"):
-                host = urlsplit(url).netloc
+                host = urlsplit(url).netloc.rpartition("@")[2]
                 if ":" not in host:  # no port yet: this part is it
                     url = f"{url}:{parts[i]}"
                     i += 1
