@@ -265,12 +265,15 @@ def _failure(url: str, exc: BaseException) -> HttpFailure:
         NewConnectionError,
         ProtocolError,
         ProxyError,
+        ResponseError,
         SSLError,
         TimeoutError,
     )
 
     reason = exc.reason if isinstance(exc, MaxRetryError) and exc.reason is not None else exc
-    if isinstance(exc, MaxRetryError) and exc.reason is None:
+    # urllib3 2 gives the redirects it ran out of as ResponseError("too many redirects").
+    redirects = isinstance(reason, ResponseError) and "redirect" in str(reason)
+    if redirects or (isinstance(exc, MaxRetryError) and exc.reason is None):
         return HttpFailure(url, "redirects", f"more than {_MAX_REDIRECTS} redirects")
     text = str(reason)
     if isinstance(reason, SSLError):
