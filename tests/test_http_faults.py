@@ -9,11 +9,11 @@ never time them. The pause's clock is a frozen stand-in for the ``time`` module,
 into the store's module only and moved by hand, so no test sleeps through a pause.
 
 The client reads its settings (timeouts, CA bundle, tokens) once per process, when it makes
-its pool. The autouse fixture ``_fresh_client`` sets the timeouts (0.5 s to connect, 1 s to read) and drops the
-pool (closing its connections) before and after each test, through the client's own
-at-fork reset (``_POOL.reset()``), so each test's settings take effect; the client is not
-changed for the tests. Tests that need a
-process of their own (the log file, laziness, fork) run a fresh interpreter.
+its pool. The autouse fixture ``_fresh_client`` sets the timeouts (long; short where a server
+stalls) and drops the pool (closing its connections) before and after each test, through the
+client's own at-fork reset (``_POOL.reset()``), so each test's settings take effect; the
+client is not changed for the tests. Tests that need a process of their own (the log file,
+laziness, fork) run a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ from cuda_program_cas._store.shared import RETRY_S, SharedStore
 
 #: Kernels compiled once for the module: distinct cubins, stored under the keys "k0", "k1", ...
 ARCHES = ("sm_80", "sm_86", "sm_90", "sm_75")
-TIMEOUTS = "0.5,1"  # connect, read: a loaded CI machine may take half a second to answer
+#: Connect and read timeouts (s). Where nothing stalls, long ones: a loaded machine may take a
+#: second to answer, and a timeout there would fail a test of something else. Where a server
+#: stalls, short ones (``short_timeouts``): each stall costs one.
+TIMEOUTS = "2,5"
+SHORT_TIMEOUTS = "0.5,1"
 TOKEN = "t0k3n-Sekr1t.value"  # noqa: S105 - a test's token, grepped for in logs
 
 
@@ -76,7 +80,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Published:
 
 @pytest.fixture(autouse=True)
 def _fresh_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """Short timeouts, no token, no CA bundle, no .netrc; a pool made anew for this test and closed after it."""
+    """Long timeouts, no token, no CA bundle, no .netrc; a pool made anew for this test and closed after it."""
     monkeypatch.setenv(client.ENV_HTTP_TIMEOUT, TIMEOUTS)
     monkeypatch.delenv(client.ENV_HTTP_TOKEN, raising=False)
     monkeypatch.delenv(client.ENV_CA_BUNDLE, raising=False)
@@ -84,6 +88,12 @@ def _fresh_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     _drop_pool()
     yield
     _drop_pool()
+
+
+@pytest.fixture
+def short_timeouts(_fresh_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short timeouts for a test whose server stalls (read when the test's first request makes the pool)."""
+    monkeypatch.setenv(client.ENV_HTTP_TIMEOUT, SHORT_TIMEOUTS)
 
 
 def _drop_pool() -> None:
@@ -228,7 +238,18 @@ OUTAGES = [
 ]
 
 
-@pytest.mark.parametrize("outage", [pytest.param(o[1:], id=o[0]) for o in OUTAGES])
+@pytest.fixture
+def outage(
+    _fresh_client: None, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, str, Fault, str]:
+    """One row of :data:`OUTAGES` (without its id), with short timeouts where the server stalls."""
+    row: tuple[str, str, Fault, str] = request.param
+    if row[2].kind in ("stall", "stall_body", "trickle"):
+        monkeypatch.setenv(client.ENV_HTTP_TIMEOUT, SHORT_TIMEOUTS)
+    return row
+
+
+@pytest.mark.parametrize("outage", [pytest.param(o[1:], id=o[0]) for o in OUTAGES], indirect=True)
 def test_an_outage_is_a_miss_then_a_pause(
     tmp_path: Path,
     published: Published,
@@ -253,6 +274,8 @@ def test_an_outage_is_a_miss_then_a_pause(
         (warning,) = warnings_about(caplog, site.url)
         assert "unusable" in warning
         assert what in warning, warning
+        if fault.kind == "stall":  # the short timeouts were in force (urllib3 names the read timeout)
+            assert "read timeout=1.0" in warning, warning
         # Nothing wrong was kept: the local cache has none of the store's keys.
         with node(tmp_path) as alone:
             assert all(alone.get(key) is None for key in published.values)
@@ -263,11 +286,12 @@ def test_an_outage_is_a_miss_then_a_pause(
         assert site.hits > asked
 
 
+@pytest.mark.usefixtures("short_timeouts")
 def test_a_trickling_server_is_cut_off_at_the_deadline(tmp_path: Path, published: Published) -> None:
     """A byte every 0.1 s, well within the read timeout: a 3 KB blob would take minutes; the client gives up.
 
     The lookup runs in a thread joined with a bound twenty times what it needs (about 1.5 s: the
-    connect and read timeouts), so a client that waits for the whole body fails here, not hangs.
+    short timeouts), so a client that waits for the whole body fails here, not hangs.
     """
     with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
         assert len(published.values["k0"]) > 2000
@@ -319,6 +343,7 @@ def test_a_blob_gone_after_its_manifest_is_a_plain_miss(tmp_path: Path, publishe
 # -- the pause ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("short_timeouts")
 def test_an_outage_costs_one_connection_not_one_per_lookup(tmp_path: Path, published: Published) -> None:
     """A stalled server (accepts, never answers): twenty lookups and three compiles open one connection."""
     with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
@@ -369,6 +394,7 @@ def test_a_success_resets_the_pause(tmp_path: Path, published: Published, clock:
         assert site.hits > before
 
 
+@pytest.mark.usefixtures("short_timeouts")
 def test_one_warning_per_process_however_many_failures_and_caches(
     tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture, clock: FrozenClock
 ) -> None:
@@ -390,6 +416,7 @@ def test_one_warning_per_process_however_many_failures_and_caches(
         assert any("timeout" in r.getMessage() for r in debug)
 
 
+@pytest.mark.usefixtures("short_timeouts")
 def test_threads_meeting_one_outage_pay_once_each_and_count_as_one_failure(
     tmp_path: Path, published: Published, clock: FrozenClock
 ) -> None:
@@ -418,9 +445,10 @@ def test_threads_meeting_one_outage_pay_once_each_and_count_as_one_failure(
             t.join(60)
         assert not errors
         assert not any(t.is_alive() for t in threads)
-        assert site.server.wait_for(http_of(cache).requests)  # a request given up on may be logged after
-        assert 1 <= site.server.connections <= len(threads)
-        assert site.hits == site.server.connections  # one request each, never a second
+        # Each thread asked once at most (the server may see fewer: its listen backlog is 5, and
+        # a connection still waiting in it when the connect timeout passes never arrives).
+        assert 1 <= http_of(cache).requests <= len(threads)
+        assert site.hits <= site.server.connections <= len(threads)
         asked = site.hits
         site.server.clear()
         clock.advance(RETRY_S)
