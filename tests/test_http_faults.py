@@ -532,8 +532,11 @@ def test_no_token_or_a_wrong_one_is_a_miss_with_one_warning(
 
 
 def test_a_token_is_never_logged_at_any_level(tmp_path: Path, published: Published) -> None:
-    """A process logging everything (DEBUG to stderr and CUDA_PROGRAM_CAS_LOG) reads with one token, is denied with
-    another: neither token is in its log file, its output or its miss reasons."""
+    """Neither token, the one that reads nor the one denied, is in a log record, file or output at DEBUG.
+
+    The process logs everything (DEBUG to stderr, and CUDA_PROGRAM_CAS_LOG to a file) and prints its
+    miss reasons; its .netrc gives 127.0.0.1 the right token and localhost a wrong one.
+    """
     right, wrong = TOKEN, "wr0ng-Sekr1t.value"
     with _nginx_store(tmp_path, published, token=right) as server:
         netrc = tmp_path / "netrc"
