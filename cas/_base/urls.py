@@ -5,7 +5,10 @@ POSIX, and a URL holds ``:`` after its scheme and before a port. The split is
 made first, then mended: a part ``http`` or ``https`` followed by a part that
 starts with ``//`` opens a URL; an IPv6 literal (``[::1]``) is joined up to its
 ``]``; and a next part that starts with a port number (digits, then ``/`` or
-nothing) is that URL's port when the URL has no path yet. So
+nothing) is that URL's port when the URL has no path yet. After ``//user``, a
+part with ``@`` before any ``/`` is the password and the host: a URL with
+credentials stays whole, so it is refused whole, and its password is never taken
+for a directory (and logged). So
 ``/nfs/store:https://cache.example:8443/store:/scratch/store`` is three stores.
 A directory whose relative name starts with digits and a slash would be read as
 a port: write it ``./8080/store`` (relative names get a WARNING anyway).

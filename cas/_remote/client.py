@@ -47,6 +47,7 @@ __all__ = [
     "ENV_HTTP_TOKEN",
     "HttpFailure",
     "Reply",
+    "close_connections",
     "request",
     "timeouts",
 ]
@@ -127,6 +128,15 @@ class _Pool:
 
 _POOL = _Pool()
 after_fork_call(_POOL.reset)
+
+
+def close_connections() -> None:
+    """Close this process's connections; the next request opens new ones and reads the settings again."""
+    with _POOL.lock:
+        managers = list(_POOL.managers.values())
+        _POOL.reset()
+    for manager in managers:
+        manager.clear()
 
 
 def timeouts() -> tuple[float, float]:
@@ -245,9 +255,12 @@ def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Repl
         raise HttpFailure(url, "too large", f"{length} bytes, at most {limit} expected", outage=False)
     chunks: list[bytes] = []
     got = 0
+    # read1: what one recv gives. read(n) waits for all n bytes, so a server trickling a byte
+    # within each read timeout would hold it far past the deadline (read1 is urllib3 >= 2.3).
+    read = getattr(resp, "read1", None) or resp.read
     try:
         while True:
-            chunk = resp.read(min(_CHUNK, limit + 1 - got))
+            chunk = read(min(_CHUNK, limit + 1 - got))
             if not chunk:
                 break
             chunks.append(chunk)
@@ -277,12 +290,15 @@ def _failure(url: str, exc: BaseException) -> HttpFailure:
         NewConnectionError,
         ProtocolError,
         ProxyError,
+        ResponseError,
         SSLError,
         TimeoutError,
     )
 
     reason = exc.reason if isinstance(exc, MaxRetryError) and exc.reason is not None else exc
-    if isinstance(exc, MaxRetryError) and exc.reason is None:
+    # urllib3 2 gives the redirects it ran out of as ResponseError("too many redirects").
+    redirects = isinstance(reason, ResponseError) and "redirect" in str(reason)
+    if redirects or (isinstance(exc, MaxRetryError) and exc.reason is None):
         return HttpFailure(url, "redirects", f"more than {_MAX_REDIRECTS} redirects")
     text = str(reason)
     if isinstance(reason, SSLError):

@@ -19,9 +19,10 @@ Outages cost a timeout, not a job. A refused or timed-out connection, a DNS
 failure, a TLS failure, a 5xx, a truncated body, a redirect loop, a store that
 is not there (no ``layout.json``), or access denied (401, 403): each makes the
 lookup a miss and pauses the store. The pause is :data:`RETRY_S` after the first
-failure, doubling with each failure in a row up to :data:`RETRY_MAX_S`; any
-answer resets it. While paused, lookups miss at once. So a dead server costs a
-process about one timeout (a few over a long job), not one per lookup. The first
+failure, doubling with each failure in a row up to :data:`RETRY_MAX_S` (threads
+that meet one outage together are one failure); any answer resets it. While
+paused, lookups miss at once. So a dead server costs a process about one
+timeout (a few over a long job), not one per lookup. The first
 failure gets one WARNING per process, naming the store and what happened; the
 later ones DEBUG. A 404 for a manifest is an ordinary miss; wrong bytes (a digest
 that does not match, a wrong size) are a miss counted in ``corrupt``. No failure
@@ -82,6 +83,7 @@ class HttpStore:
         self._memo_get = memo_get
         self._memo_put = memo_put
         self._lock = threading.Lock()
+        self._fail_lock = threading.Lock()
         self._why = threading.local()
         self._warned: set[str] = set()
         self._opened = False
@@ -98,6 +100,7 @@ class HttpStore:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the indexes stay: immutable, and verified
+        self._fail_lock = threading.Lock()
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -300,11 +303,17 @@ class HttpStore:
             self._missed(f"bad answer: {exc.kind}")
             self._once(f"answer {exc.kind}", logging.DEBUG, str(exc))
             return
-        self._failures += 1
-        self._listed_at = float("-inf")  # asked again when the pause ends
-        pause = min(RETRY_MAX_S, RETRY_S * 2 ** (self._failures - 1))
-        self._paused_until = time.monotonic() + pause
-        self._why_not = f"{exc.kind}: {exc.detail}"
+        with self._fail_lock:
+            if time.monotonic() < self._paused_until:
+                # Another thread's request of the same outage failed first and paused the store while
+                # this one was out: one outage is one step of the pause, however many threads met it.
+                self._missed(f"store not usable: {self._why_not}")
+                return
+            self._failures += 1
+            self._listed_at = float("-inf")  # asked again when the pause ends
+            pause = min(RETRY_MAX_S, RETRY_S * 2 ** (self._failures - 1))
+            self._paused_until = time.monotonic() + pause
+            self._why_not = f"{exc.kind}: {exc.detail}"
         self._missed(f"store not usable: {self._why_not}")
         if warn_once_for(self.root):
             _log.warning(
