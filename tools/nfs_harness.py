@@ -74,8 +74,12 @@ class AssetError(Exception):
     """The VM assets could not be built."""
 
 
+#: Where progress goes: stdout, or stderr under --json (stdout then holds one JSON object).
+_progress = {"to": sys.stdout}
+
+
 def log(msg: str) -> None:
-    print(f"nfs-harness: {msg}", flush=True)
+    print(f"nfs-harness: {msg}", file=_progress["to"], flush=True)
 
 
 # -- preconditions ---------------------------------------------------------------
@@ -393,7 +397,7 @@ def run_vm(qemu: str, assets: dict[str, str], rundir: Path, args: argparse.Names
                 for line in lines:
                     text = line.decode(errors="replace").rstrip("\r")
                     if args.verbose or text.startswith(("nfsh:", "Kernel panic", "qemu")):
-                        print(f"  | {text}", flush=True)
+                        print(f"  | {text}", file=_progress["to"], flush=True)
             elif proc.poll() is not None:
                 break
             else:
@@ -420,12 +424,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accel", choices=("auto", "kvm", "tcg"), default=os.environ.get("NFS_HARNESS_ACCEL", "auto"))
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--memory-mb", type=int, default=4096)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (the scenarios' results; progress to stderr)"
+    )
     parser.add_argument("scenario_args", nargs="*", help="passed to tools/nfs/scenarios.py in the guest")
     args = parser.parse_args(argv)
+    _progress["to"] = sys.stderr if args.json else sys.stdout
     try:
         qemu, _kvm = find_qemu_and_kvm()
     except Skip as exc:
-        print(f"skipped: {exc}")
+        print(json.dumps({"skipped": str(exc)}) if args.json else f"skipped: {exc}")
         return 0
     started = time.monotonic()
     try:
@@ -445,14 +453,23 @@ def main(argv: list[str] | None = None) -> int:
     rc = run_vm(qemu, assets, rundir, args)
     vm_s = time.monotonic() - vm_started
     result_file = rundir / "ctl" / "result.json"
+    result: dict[str, object] = {"ok": False, "scenarios": []}
     if result_file.exists():
         sys.path.insert(0, str(REPO / "tools" / "nfs"))
         from scenarios import format_summary
 
-        print(format_summary(json.loads(result_file.read_text())), flush=True)
+        result = json.loads(result_file.read_text())
+        print(format_summary(result), file=_progress["to"], flush=True)
     status = 0 if rc == 0 else 1
+    total_s = time.monotonic() - started
     log(f"{'passed' if status == 0 else 'FAILED'}: assets {assets_s:.1f} s, VM {vm_s:.1f} s, "
-        f"total {time.monotonic() - started:.1f} s (guest exit status {rc})")  # fmt: skip
+        f"total {total_s:.1f} s (guest exit status {rc})")  # fmt: skip
+    if args.json:
+        result["harness"] = {
+            "accel": args.accel, "kernel_package": assets["kernel_package"], "guest_exit_status": rc,
+            "assets_s": round(assets_s, 1), "vm_s": round(vm_s, 1), "total_s": round(total_s, 1),
+        }  # fmt: skip
+        print(json.dumps(result, indent=1), flush=True)
     if status == 0 and not args.keep:
         shutil.rmtree(rundir, ignore_errors=True)
     else:
