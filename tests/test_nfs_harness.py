@@ -237,3 +237,15 @@ def test_harness_json_skip_is_one_object(tmp_path: Path) -> None:
     assert json.loads(proc.stdout) == {
         "skipped": f"{missing} is missing (no hardware virtualization for qemu -enable-kvm)"
     }
+
+
+def test_close_to_open_claims_hold_on_the_real_run_and_catch_a_lagging_node() -> None:
+    scenarios = _scenarios_module()
+    figures = _figures("close-to-open visibility")
+    m = figures["entries"]
+    assert scenarios.check_visibility(figures["nodes"], m) == []
+    eager = next(n for n in figures["nodes"] if not n["negative_lookups_cached"])
+    lagging = {**eager, "missed_then_published_visible_at_once": 0}
+    assert any("visible at once, with no negative lookup cached" in f for f in scenarios.check_visibility([lagging], m))
+    never = {**figures["nodes"][0], "still_missing_after_wait": 3}
+    assert any("still missing after the wait" in f for f in scenarios.check_visibility([never], m))
