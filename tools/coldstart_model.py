@@ -33,14 +33,14 @@ import sys
 from typing import Any
 
 #: Per-node figures measured with tools/nfs_harness.py on the real NFS server (docs/nfs.md: NFSv4.2
-#: and v3, 100 first hits of entries of 0.3-24 KiB, the worst of three nodes); used when --measured
-#: is not given. ops_per_hit: NFS operations per first hit of one kernel after the first (loose: OPEN,
+#: and v3, 100 first hits of entries of 0.3-24 KiB, the worst node of three runs on 2026-12-02); used
+#: when --measured is not given. ops_per_hit: NFS operations per first hit of one kernel after the first (loose: OPEN,
 #: READ, CLOSE, ACCESS and LOOKUP of a manifest and a blob; packed: READs of the pack, which the
 #: client coalesces); ops_fixed: what the first hit costs beyond that, once per node and job (the
 #: store's directories, layout.json, listing packs/, opening the pack).
 DEFAULTS: dict[str, dict[str, float]] = {
-    "loose": {"ops_fixed": 0.0, "ops_per_hit": 7.3},
-    "packed": {"ops_fixed": 9.0, "ops_per_hit": 0.63},
+    "loose": {"ops_fixed": 14.1, "ops_per_hit": 6.9},
+    "packed": {"ops_fixed": 14.4, "ops_per_hit": 0.6},
 }
 
 #: The scenario of tools/nfs/scenarios.py whose figures hold the NFS inputs (``model_inputs``).
