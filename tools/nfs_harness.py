@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true", help="rebuild the VM assets")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     parser.add_argument("--verbose", "-v", action="store_true", help="echo the whole guest console")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the VM is killed")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the VM is killed (1800)")
     parser.add_argument("--accel", choices=("auto", "kvm", "tcg"), default=os.environ.get("NFS_HARNESS_ACCEL", "auto"))
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--memory-mb", type=int, default=4096)
