@@ -3,9 +3,12 @@
 
     python tools/nfs_harness.py            # build (first run) or reuse the VM assets, boot, run, report
     python tools/nfs_harness.py --keep     # keep the run directory (console log, results) afterwards
+    python tools/nfs_harness.py --json     # one JSON object on stdout (the results), progress on stderr
+    python tools/nfs_harness.py -- --only packed   # arguments after -- go to tools/nfs/scenarios.py
 
-A Debian kernel (``linux-image-amd64``) boots under ``qemu-system-x86_64
--enable-kvm`` with no network device at all. Its root is built from this host's
+A Debian kernel (``linux-image-amd64``) boots under ``qemu-system-x86_64``
+(KVM, or software emulation where ``/dev/kvm`` is PVM) with no network device
+at all. Its root is built from this host's
 own ``/usr`` and ``/etc``, the Python installation and this repository, shared
 read-only over virtio-9p, with the NFS server's userland (``nfs-kernel-server``
 and whatever it needs that this host lacks) layered on top with overlayfs. In the
@@ -20,9 +23,10 @@ small initramfs (busybox and the modules needed), the extracted packages.
 
 Exit status: 0 when every scenario passed, or when the harness skipped
 (``skipped: ...`` on stdout: no ``/dev/kvm`` or no qemu); 1 when a scenario
-failed (a wrong byte, an unexpected exception) or the VM did not finish; 2 on
-bad usage or when the assets could not be built. ``NFS_HARNESS_KVM`` and
-``NFS_HARNESS_QEMU`` override the device and the qemu binary.
+failed (a wrong byte, an unexpected exception, a figure that breaks what the
+docs claim: ``CLAIM:``) or the VM did not finish; 2 on bad usage or when the
+assets could not be built. ``NFS_HARNESS_KVM`` and ``NFS_HARNESS_QEMU``
+override the device and the qemu binary.
 """
 
 from __future__ import annotations
