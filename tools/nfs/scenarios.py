@@ -3,6 +3,8 @@
 
     scenarios.py --publisher /mnt/publisher --node /mnt/node1 --node /mnt/node2 \\
         --local /tmp/nodes --json result.json [--quick]
+    # over NFS, as tools/nfs/guest.sh runs it: each --node with its mount options
+    scenarios.py ... --node /mnt/node1 --node-options ro,vers=4.2 --nfs-export 127.0.0.1:/srv/export
 
 ``tools/nfs_harness.py`` runs this inside its VM over real NFS mounts of one
 export (``nosharecache``: one client cache per mount, like separate nodes); it
@@ -20,12 +22,15 @@ logic but not NFS. The store is ``<publisher>/store``; nodes read it as
   missing it (negative lookup caching);
 - packed: the same entries published loose and with ``publish --pack``: the NFS
   operations (``/proc/self/mountstats``) of a cold job's first hits on each
-  node, the files and inodes of each store, and how soon a new generation is
-  visible on every node (one mount uses ``lookupcache=positive``).
+  node, each job on a fresh mount of ``--nfs-export``, the files and inodes of
+  each store, and how soon a new generation is visible on every node (one mount
+  uses ``lookupcache=positive``).
 
 A read must return the right bytes or miss: a wrong byte, an exception, or a
-worker that fails fails the run (exit status 1). Figures go to ``--json`` and,
-formatted by :func:`format_summary`, to stdout.
+worker that fails fails the run (exit status 1). So does a figure that breaks
+what docs/nfs.md and docs/nfs-harness.md claim (a failure line that starts with
+``CLAIM:``; :data:`PACKED_CLAIMS`, :func:`check_collect`, :func:`check_visibility`).
+Figures go to ``--json`` and, formatted by :func:`format_summary`, to stdout.
 """
 
 from __future__ import annotations
