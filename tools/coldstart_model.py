@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 #: Per-node figures measured with tools/nfs_harness.py on the real NFS server (docs/nfs.md: NFSv4.2
-#: and v3, 100 first hits of entries of 0.3-24 KiB, the worst node of three runs on 2026-12-02); used
+#: and v3, 100 first hits of entries of 0.3-24 KiB, the worst node of four runs on 2026-12-02); used
 #: when --measured is not given. ops_per_hit: NFS operations per first hit of one kernel after the first (loose: OPEN,
 #: READ, CLOSE, ACCESS and LOOKUP of a manifest and a blob; packed: READs of the pack, which the
 #: client coalesces); ops_fixed: what the first hit costs beyond that, once per node and job (the
