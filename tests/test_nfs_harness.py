@@ -6,12 +6,15 @@ the unit suite: ``python tools/nfs_harness.py`` (docs/nfs-harness.md).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from conftest import REPO
 
 HARNESS = REPO / "tools" / "nfs_harness.py"
@@ -62,6 +65,11 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     packed = by_name["loose against packed stores"]["figures"]
     assert packed["store"]["packed"]["files"] < 10 < packed["store"]["loose"]["files"]
     assert all(v["still_missing"] == 0 for v in packed["visibility"])
+    # Off NFS: no operation counts to check, no negative lookups cached, nothing stale.
+    assert not any(row["nfs"] or row["packed_ops"] for row in packed["per_node"])
+    collect_nodes = by_name["collect while nodes read"]["figures"]["nodes"]
+    assert all(not n["negative_lookups_cached"] and n["visible_right_after"] == 24 for n in collect_nodes)
+    assert all(n["store_errors"] == 0 == n["errors_otherwise_count"] for n in collect_nodes)
     assert "PASSED: 5 of 5" in proc.stdout
 
 
@@ -81,3 +89,163 @@ def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:
     out: dict[str, list[str]] = {"wrong": [], "exceptions": []}
     assert scenarios._check(Tampered(), "g", 1, out) is None
     assert out["wrong"] and "first difference at 10" in out["wrong"][0]
+
+
+# -- the evidence: a real run's result, the claims checked on it, and the cold-start model -----------
+
+#: The output of ``tools/nfs_harness.py --json`` from a real run (docs/nfs-harness.md has its figures).
+REAL_RUN = REPO / "tests" / "data" / "nfs-harness-run.json"
+COLDSTART = REPO / "tools" / "coldstart_model.py"
+
+
+def _scenarios_module() -> Any:
+    sys.path.insert(0, str(SCENARIOS.parent))
+    try:
+        import scenarios
+    finally:
+        sys.path.remove(str(SCENARIOS.parent))
+    return scenarios
+
+
+def _figures(name: str) -> dict[str, Any]:
+    result = json.loads(REAL_RUN.read_text())
+    return copy.deepcopy(next(s for s in result["scenarios"] if s["name"] == name)["figures"])
+
+
+def test_the_real_run_passed_over_nfs() -> None:
+    """The fixture is a passing run over NFS mounts, with operation counts on every node."""
+    result = json.loads(REAL_RUN.read_text())
+    assert result["ok"] and result["harness"]["guest_exit_status"] == 0
+    assert [s["ok"] for s in result["scenarios"]] == [True] * 5
+    assert all(opts.startswith("nfs") for opts in result["mounts"].values())
+    packed = _figures("loose against packed stores")
+    assert all(row["nfs"] and row["packed_ops"] and row["loose_ops"] for row in packed["per_node"])
+
+
+def test_coldstart_model_reads_the_harness_output() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(COLDSTART), "--measured", str(REAL_RUN), "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model = json.loads(proc.stdout)
+    inputs = _figures("loose against packed stores")["model_inputs"]
+    assert model["measured"] == inputs
+    packed = model["rows"]["packed"]
+    assert packed["ops_per_node"] == pytest.approx(
+        inputs["packed"]["ops_fixed"] + 200 * inputs["packed"]["ops_per_hit"]
+    )
+    assert model["rows"]["loose"]["ops_total"] > 5 * packed["ops_total"]
+
+
+def test_coldstart_model_reads_a_kept_runs_result(tmp_path: Path) -> None:
+    """A kept run's ctl/result.json is the same object without the harness's own figures."""
+    result = json.loads(REAL_RUN.read_text())
+    del result["harness"]
+    kept = tmp_path / "result.json"
+    kept.write_text(json.dumps(result))
+    proc = subprocess.run(
+        [sys.executable, str(COLDSTART), "--measured", str(kept)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "fewer NFS operations than loose" in proc.stdout
+
+
+def test_coldstart_model_refuses_a_file_without_the_inputs(tmp_path: Path) -> None:
+    result = json.loads(REAL_RUN.read_text())
+    result["scenarios"] = [s for s in result["scenarios"] if s["name"] != "loose against packed stores"]
+    for name, content in (("other.json", json.dumps(result)), ("bare.json", '{"loose": {"ops_per_hit": 7}}')):
+        path = tmp_path / name
+        path.write_text(content)
+        proc = subprocess.run(
+            [sys.executable, str(COLDSTART), "--measured", str(path)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2
+        assert str(path) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_inputs_add_up_to_the_worst_nodes_cold_job() -> None:
+    scenarios = _scenarios_module()
+    figures = _figures("loose against packed stores")
+    inputs = scenarios.model_inputs(figures)
+    assert inputs == figures["model_inputs"]
+    n = figures["entries"]
+    for kind in ("loose", "packed"):
+        worst = max(sum(row[f"{kind}_ops"].values()) for row in figures["per_node"])
+        assert inputs[kind]["ops_fixed"] + n * inputs[kind]["ops_per_hit"] == pytest.approx(worst, abs=0.2)
+
+
+def test_the_packed_claims_hold_on_the_real_run_and_catch_a_polluted_count() -> None:
+    scenarios = _scenarios_module()
+    figures = _figures("loose against packed stores")
+    assert scenarios.check_packed(figures) == []
+    # What an earlier run counted: the loose phase's delegation returns in the packed phase.
+    polluted = copy.deepcopy(figures)
+    row = polluted["per_node"][0]
+    row["packed_ops"]["DELEGRETURN"] = 141
+    row["packed_ops_per_hit"] = round(sum(row["packed_ops"].values()) / figures["entries"], 2)
+    failures = scenarios.check_packed(polluted)
+    assert any("per packed first hit" in f and "DELEGRETURN" in f for f in failures), failures
+    more_files = copy.deepcopy(figures)
+    more_files["store"]["packed"]["files"] += 1
+    assert any("packed store holds" in f for f in scenarios.check_packed(more_files))
+    slow = copy.deepcopy(figures)
+    next(v for v in slow["visibility"] if v["store"] == "packed")["all_visible_after_s"] = 60.0
+    assert any("new generation visible after 60.0 s" in f for f in scenarios.check_packed(slow))
+
+
+def test_store_errors_count_only_while_the_collector_removes_files() -> None:
+    scenarios = _scenarios_module()
+    window = [100.0, 110.0]
+    events = [[99.5, 100.2, "cannot read (ESTALE)"], [105.0, 105.1, "cannot read (ESTALE)"]]
+    node = {"node": "n1", "store_errors": 2, "negative_lookups_cached": True, "visible_right_after": 0}
+    node.update(scenarios.errors_in_window(events, window))
+    assert node["errors_while_removing"] == 2
+    assert scenarios.check_collect([node], 96) == []
+    late = {**node, "store_errors": 3}
+    late.update(scenarios.errors_in_window([*events, [111.0, 111.2, "cannot read (ESTALE)"]], window))
+    assert any("while no file was being removed" in f for f in scenarios.check_collect([late], 96))
+    odd = {**node}
+    odd.update(scenarios.errors_in_window([[105.0, 105.1, "cannot read (EIO)"], events[0]], window))
+    assert any("other than stale files" in f for f in scenarios.check_collect([odd], 96))
+    uncounted = {**node, "store_errors": 5}
+    assert any("seen by the lookups" in f for f in scenarios.check_collect([uncounted], 96))
+    # A node that caches no negative lookups must see every republished key at once.
+    eager = {**node, "negative_lookups_cached": False}
+    assert any("visible right after" in f for f in scenarios.check_collect([eager], 96))
+    assert scenarios.check_collect([{**eager, "visible_right_after": 96}], 96) == []
+
+
+def test_the_real_runs_collect_figures_pass_its_checks() -> None:
+    scenarios = _scenarios_module()
+    figures = _figures("collect while nodes read")
+    assert scenarios.check_collect(figures["nodes"], figures["keys"]) == []
+
+
+def test_harness_json_skip_is_one_object(tmp_path: Path) -> None:
+    missing = tmp_path / "no-kvm"
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), "--cache", str(tmp_path / "cache"), "--json"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "NFS_HARNESS_KVM": str(missing)}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {
+        "skipped": f"{missing} is missing (no hardware virtualization for qemu -enable-kvm)"
+    }
+
+
+def test_close_to_open_claims_hold_on_the_real_run_and_catch_a_lagging_node() -> None:
+    scenarios = _scenarios_module()
+    figures = _figures("close-to-open visibility")
+    m = figures["entries"]
+    assert scenarios.check_visibility(figures["nodes"], m) == []
+    eager = next(n for n in figures["nodes"] if not n["negative_lookups_cached"])
+    lagging = {**eager, "missed_then_published_visible_at_once": 0}
+    assert any("visible at once, with no negative lookup cached" in f for f in scenarios.check_visibility([lagging], m))
+    never = {**figures["nodes"][0], "still_missing_after_wait": 3}
+    assert any("still missing after the wait" in f for f in scenarios.check_visibility([never], m))

@@ -2,7 +2,8 @@
 """What the NFS server sees when many nodes start one job at once: loose store, packed store, or compiling.
 
     python tools/coldstart_model.py                        # 1,000 nodes, 200 kernels, the measured defaults
-    python tools/coldstart_model.py --measured nfs.json    # per-node counts from tools/nfs_harness.py --json
+    python tools/nfs_harness.py --json > nfs.json          # a run of the NFS harness, as one JSON object
+    python tools/coldstart_model.py --measured nfs.json    # the per-node counts of that run
     python tools/coldstart_model.py --nodes 4000 --kernels 50 --json
 
 A model on paper, from per-node measurements: each node of a job looks each of
@@ -11,14 +12,17 @@ compiles each. The inputs are the NFS operations one node's first hits cost
 (measured by ``tools/nfs_harness.py``'s ``packed`` scenario from
 ``/proc/self/mountstats``: LOOKUP, GETATTR, ACCESS, OPEN, READ and the rest), the
 bytes one kernel moves, and NVRTC's seconds per kernel (from ``tools/bench.py``).
+``--measured`` reads them from the harness's output (``--json``, or the
+``result.json`` of a kept run) or from ``{"loose": {...}, "packed": {...}}``.
 
 Assumptions (each a flag): all nodes start within ``--window`` seconds; the
 server completes at most ``--server-ops`` metadata-or-data operations per second
 and ``--server-gbps`` GB/s; one node compiles its kernels on ``--cores`` cores in
 parallel. The model does not simulate queueing: it reports the load (operations
 and bytes, and their rate over the window) and the floor the server's capacity
-sets on the start, against the time compiling would take instead. Exit 0, or 2
-on bad usage.
+sets on the start, against the time compiling would take instead. Each transport
+(a shared store on NFS, today) is one function that turns per-node inputs into
+rows. Exit 0, or 2 on bad usage or a ``--measured`` file without the inputs.
 """
 
 from __future__ import annotations
@@ -28,56 +32,97 @@ import json
 import sys
 from typing import Any
 
-#: Per-node figures measured with tools/nfs_harness.py on the real NFS server (docs/nfs.md: NFSv4.2,
-#: 100 first hits of entries of 0.3-24 KiB, the worst of three nodes); used when --measured is not
-#: given. ops_per_hit: NFS operations per first hit of one kernel (loose: OPEN, READ, CLOSE, ACCESS
-#: and LOOKUP of a manifest and a blob; packed: READs of index slices and blobs, which the client
-#: coalesces); ops_fixed: once per node and job (layout.json, listing packs/, opening the pack).
+#: Per-node figures measured with tools/nfs_harness.py on the real NFS server (docs/nfs.md: NFSv4.2
+#: and v3, 100 first hits of entries of 0.3-24 KiB, the worst node of four runs on 2026-12-02); used
+#: when --measured is not given. ops_per_hit: NFS operations per first hit of one kernel after the first (loose: OPEN,
+#: READ, CLOSE, ACCESS and LOOKUP of a manifest and a blob; packed: READs of the pack, which the
+#: client coalesces); ops_fixed: what the first hit costs beyond that, once per node and job (the
+#: store's directories, layout.json, listing packs/, opening the pack).
 DEFAULTS: dict[str, dict[str, float]] = {
-    "loose": {"ops_fixed": 0.0, "ops_per_hit": 7.3},
-    "packed": {"ops_fixed": 9.0, "ops_per_hit": 0.63},
+    "loose": {"ops_fixed": 14.1, "ops_per_hit": 6.9},
+    "packed": {"ops_fixed": 14.4, "ops_per_hit": 0.6},
 }
+
+#: The scenario of tools/nfs/scenarios.py whose figures hold the NFS inputs (``model_inputs``).
+PACKED_SCENARIO = "loose against packed stores"
+
+
+class MeasuredError(ValueError):
+    """A --measured file that holds no usable per-node inputs."""
+
+
+def load_measured(path: str) -> dict[str, dict[str, float]]:
+    """The loose and packed inputs from a harness result (``nfs_harness.py --json``, a kept run's
+    ``result.json``) or from a bare ``{"loose": {...}, "packed": {...}}``."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise MeasuredError(f"cannot read {path}: {exc}") from exc
+    if isinstance(data, dict) and "scenarios" in data:
+        found = [s for s in data["scenarios"] if isinstance(s, dict) and s.get("name") == PACKED_SCENARIO]
+        if not found:
+            raise MeasuredError(f"{path}: a harness result without the {PACKED_SCENARIO!r} scenario (run it)")
+        data = found[0].get("figures", {}).get("model_inputs")
+    measured: dict[str, dict[str, float]] = {}
+    for kind in ("loose", "packed"):
+        row = data.get(kind) if isinstance(data, dict) else None
+        try:
+            measured[kind] = {f: float(row[f]) for f in ("ops_fixed", "ops_per_hit")}  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            raise MeasuredError(f"{path}: no {kind} ops_fixed and ops_per_hit in it") from None
+        if min(measured[kind].values()) < 0:
+            raise MeasuredError(f"{path}: negative operation counts for {kind}: {measured[kind]}")
+    return measured
+
+
+def nfs_rows(args: argparse.Namespace, measured: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """A shared store on NFS, loose and packed: every node's first hits, and their load on the server."""
+    total_bytes = args.nodes * args.kernels * args.kernel_kib * 1024
+    rows = {}
+    for kind in ("loose", "packed"):
+        per_node = measured[kind]["ops_fixed"] + args.kernels * measured[kind]["ops_per_hit"]
+        ops = args.nodes * per_node
+        rows[kind] = {
+            "transport": "nfs",
+            "ops_per_node": per_node,
+            "ops_total": ops,
+            "ops_per_s_over_window": ops / args.window,
+            "bytes_total": total_bytes,
+            "server_floor_s": max(ops / args.server_ops, total_bytes / (args.server_gbps * 1e9)),
+        }
+    return rows
+
+
+def compile_row(args: argparse.Namespace) -> dict[str, Any]:
+    """No shared store: every node compiles every kernel."""
+    return {
+        "transport": None,
+        "ops_per_node": 0,
+        "ops_total": 0,
+        "ops_per_s_over_window": 0.0,
+        "bytes_total": 0,
+        "server_floor_s": 0.0,
+        "node_compile_s": args.kernels * args.nvrtc_s / max(1, args.cores),
+        "cpu_hours": args.nodes * args.kernels * args.nvrtc_s / 3600,
+    }
 
 
 def model(args: argparse.Namespace, measured: dict[str, dict[str, float]]) -> dict[str, Any]:
-    nodes, kernels = args.nodes, args.kernels
-    kernel_bytes = args.kernel_kib * 1024
-    out: dict[str, Any] = {
+    return {
         "assumptions": {
-            "nodes": nodes,
-            "kernels": kernels,
-            "kernel_bytes": kernel_bytes,
+            "nodes": args.nodes,
+            "kernels": args.kernels,
+            "kernel_bytes": args.kernel_kib * 1024,
             "window_s": args.window,
             "server_ops_per_s": args.server_ops,
             "server_gb_per_s": args.server_gbps,
             "nvrtc_s_per_kernel": args.nvrtc_s,
             "cores_per_node": args.cores,
         },
-        "rows": {},
+        "measured": measured,
+        "rows": {**nfs_rows(args, measured), "compile": compile_row(args)},
     }
-    total_bytes = nodes * kernels * kernel_bytes
-    for kind in ("loose", "packed"):
-        per_node = measured[kind]["ops_fixed"] + kernels * measured[kind]["ops_per_hit"]
-        ops = nodes * per_node
-        floor = max(ops / args.server_ops, total_bytes / (args.server_gbps * 1e9))
-        out["rows"][kind] = {
-            "ops_per_node": per_node,
-            "ops_total": ops,
-            "ops_per_s_over_window": ops / args.window,
-            "bytes_total": total_bytes,
-            "server_floor_s": floor,
-        }
-    compile_s = kernels * args.nvrtc_s / max(1, args.cores)
-    out["rows"]["compile"] = {
-        "ops_per_node": 0,
-        "ops_total": 0,
-        "ops_per_s_over_window": 0.0,
-        "bytes_total": 0,
-        "server_floor_s": 0.0,
-        "node_compile_s": compile_s,
-        "cpu_hours": nodes * kernels * args.nvrtc_s / 3600,
-    }
-    return out
 
 
 def render(result: dict[str, Any]) -> str:
@@ -118,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-gbps", type=float, default=5.0, help="GB/s the server delivers (5)")
     ap.add_argument("--nvrtc-s", type=float, default=0.5, help="NVRTC seconds per kernel (0.5)")
     ap.add_argument("--cores", type=int, default=16, help="cores a node compiles on in parallel (16)")
-    ap.add_argument("--measured", help="JSON with loose/packed ops_fixed and ops_per_hit (from nfs_harness)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--measured", help="nfs_harness.py --json output (or loose/packed ops_fixed and ops_per_hit)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -129,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     measured = DEFAULTS
     if args.measured:
-        with open(args.measured) as fh:
-            data = json.load(fh)
-        measured = data.get("per_node", data)
+        try:
+            measured = load_measured(args.measured)
+        except MeasuredError as exc:
+            print(f"coldstart_model.py: error: {exc}", file=sys.stderr)
+            return 2
     result = model(args, measured)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -3,9 +3,12 @@
 
     python tools/nfs_harness.py            # build (first run) or reuse the VM assets, boot, run, report
     python tools/nfs_harness.py --keep     # keep the run directory (console log, results) afterwards
+    python tools/nfs_harness.py --json     # one JSON object on stdout (the results), progress on stderr
+    python tools/nfs_harness.py -- --only packed   # arguments after -- go to tools/nfs/scenarios.py
 
-A Debian kernel (``linux-image-amd64``) boots under ``qemu-system-x86_64
--enable-kvm`` with no network device at all. Its root is built from this host's
+A Debian kernel (``linux-image-amd64``) boots under ``qemu-system-x86_64``
+(KVM, or software emulation where ``/dev/kvm`` is PVM) with no network device
+at all. Its root is built from this host's
 own ``/usr`` and ``/etc``, the Python installation and this repository, shared
 read-only over virtio-9p, with the NFS server's userland (``nfs-kernel-server``
 and whatever it needs that this host lacks) layered on top with overlayfs. In the
@@ -20,9 +23,10 @@ small initramfs (busybox and the modules needed), the extracted packages.
 
 Exit status: 0 when every scenario passed, or when the harness skipped
 (``skipped: ...`` on stdout: no ``/dev/kvm`` or no qemu); 1 when a scenario
-failed (a wrong byte, an unexpected exception) or the VM did not finish; 2 on
-bad usage or when the assets could not be built. ``NFS_HARNESS_KVM`` and
-``NFS_HARNESS_QEMU`` override the device and the qemu binary.
+failed (a wrong byte, an unexpected exception, a figure that breaks what the
+docs claim: ``CLAIM:``) or the VM did not finish; 2 on bad usage or when the
+assets could not be built. ``NFS_HARNESS_KVM`` and ``NFS_HARNESS_QEMU``
+override the device and the qemu binary.
 """
 
 from __future__ import annotations
@@ -74,8 +78,12 @@ class AssetError(Exception):
     """The VM assets could not be built."""
 
 
+#: Where progress goes: stdout, or stderr under --json (stdout then holds one JSON object).
+_progress = {"to": sys.stdout}
+
+
 def log(msg: str) -> None:
-    print(f"nfs-harness: {msg}", flush=True)
+    print(f"nfs-harness: {msg}", file=_progress["to"], flush=True)
 
 
 # -- preconditions ---------------------------------------------------------------
@@ -393,7 +401,7 @@ def run_vm(qemu: str, assets: dict[str, str], rundir: Path, args: argparse.Names
                 for line in lines:
                     text = line.decode(errors="replace").rstrip("\r")
                     if args.verbose or text.startswith(("nfsh:", "Kernel panic", "qemu")):
-                        print(f"  | {text}", flush=True)
+                        print(f"  | {text}", file=_progress["to"], flush=True)
             elif proc.poll() is not None:
                 break
             else:
@@ -416,16 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true", help="rebuild the VM assets")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     parser.add_argument("--verbose", "-v", action="store_true", help="echo the whole guest console")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the VM is killed")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the VM is killed (1800)")
     parser.add_argument("--accel", choices=("auto", "kvm", "tcg"), default=os.environ.get("NFS_HARNESS_ACCEL", "auto"))
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--memory-mb", type=int, default=4096)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (the scenarios' results; progress to stderr)"
+    )
     parser.add_argument("scenario_args", nargs="*", help="passed to tools/nfs/scenarios.py in the guest")
     args = parser.parse_args(argv)
+    _progress["to"] = sys.stderr if args.json else sys.stdout
     try:
         qemu, _kvm = find_qemu_and_kvm()
     except Skip as exc:
-        print(f"skipped: {exc}")
+        print(json.dumps({"skipped": str(exc)}) if args.json else f"skipped: {exc}")
         return 0
     started = time.monotonic()
     try:
@@ -445,14 +457,23 @@ def main(argv: list[str] | None = None) -> int:
     rc = run_vm(qemu, assets, rundir, args)
     vm_s = time.monotonic() - vm_started
     result_file = rundir / "ctl" / "result.json"
+    result: dict[str, object] = {"ok": False, "scenarios": []}
     if result_file.exists():
         sys.path.insert(0, str(REPO / "tools" / "nfs"))
         from scenarios import format_summary
 
-        print(format_summary(json.loads(result_file.read_text())), flush=True)
+        result = json.loads(result_file.read_text())
+        print(format_summary(result), file=_progress["to"], flush=True)
     status = 0 if rc == 0 else 1
+    total_s = time.monotonic() - started
     log(f"{'passed' if status == 0 else 'FAILED'}: assets {assets_s:.1f} s, VM {vm_s:.1f} s, "
-        f"total {time.monotonic() - started:.1f} s (guest exit status {rc})")  # fmt: skip
+        f"total {total_s:.1f} s (guest exit status {rc})")  # fmt: skip
+    if args.json:
+        result["harness"] = {
+            "accel": args.accel, "kernel_package": assets["kernel_package"], "guest_exit_status": rc,
+            "assets_s": round(assets_s, 1), "vm_s": round(vm_s, 1), "total_s": round(total_s, 1),
+        }  # fmt: skip
+        print(json.dumps(result, indent=1), flush=True)
     if status == 0 and not args.keep:
         shutil.rmtree(rundir, ignore_errors=True)
     else:

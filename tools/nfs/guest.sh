@@ -44,16 +44,21 @@ mnt() {  # mnt DIR OPTIONS
     step "mounted $1: $(grep " $1 " /proc/mounts | cut -d' ' -f3,4)"
 }
 mnt /mnt/publisher rw,vers=4.2
-mnt /mnt/node1 ro,vers=4.2
-mnt /mnt/node2 ro,vers=3,nolock
-mnt /mnt/node3 ro,vers=4.2,lookupcache=positive
+nodes=""
+i=0
+# The nodes' mount options, one word each. The packed scenario mounts the export again with
+# them for each cold job it counts (--nfs-export): a mount's counters then hold that job alone.
+for opts in ro,vers=4.2 ro,vers=3,nolock ro,vers=4.2,lookupcache=positive; do
+    i=$((i + 1))
+    mnt "/mnt/node$i" "$opts"
+    nodes="$nodes --node /mnt/node$i --node-options $opts"
+done
 
 cd "$NFSH_REPO"
 set +e
 # shellcheck disable=SC2086
-"$NFSH_PYTHON" tools/nfs/scenarios.py --publisher /mnt/publisher \
-    --node /mnt/node1 --node /mnt/node2 --node /mnt/node3 \
-    --local /tmp/nodes --json /nfsh/result.json $NFSH_SCENARIO_ARGS
+"$NFSH_PYTHON" tools/nfs/scenarios.py --publisher /mnt/publisher $nodes \
+    --nfs-export 127.0.0.1:/srv/export --local /tmp/nodes --json /nfsh/result.json $NFSH_SCENARIO_ARGS
 rc=$?
 set -e
 trap - EXIT
