@@ -825,8 +825,8 @@ PACKED_CLAIMS: dict[str, float] = {
     "packed_ops_per_hit_max": 1.0,
     # A loose store costs every node at least this many times the operations of a packed one.
     "loose_over_packed_min": 5.0,
-    # Files in the packed store: layout.json, CACHEDIR.TAG, the pack, packs/summary.
-    "packed_files": 4,
+    # Files in the packed store: layout.json, CACHEDIR.TAG, the pack, packs/summary, packs/list.
+    "packed_files": 5,
     # Files in the loose store besides one manifest a key and one blob per distinct content.
     "loose_extra_files": 2,
     # Seconds until a new packed generation is visible on every node, each having missed its keys.
