@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the NFS server sees when many nodes start one job at once: loose store, packed store, or compiling.
+"""What the server sees when many nodes start one job at once: a loose or packed store on NFS or HTTP, or compiling.
 
     python tools/coldstart_model.py                        # 1,000 nodes, 200 kernels, the measured defaults
     python tools/nfs_harness.py --json > nfs.json          # a run of the NFS harness, as one JSON object
@@ -21,8 +21,10 @@ and ``--server-gbps`` GB/s; one node compiles its kernels on ``--cores`` cores i
 parallel. The model does not simulate queueing: it reports the load (operations
 and bytes, and their rate over the window) and the floor the server's capacity
 sets on the start, against the time compiling would take instead. Each transport
-(a shared store on NFS, today) is one function that turns per-node inputs into
-rows. Exit 0, or 2 on bad usage or a ``--measured`` file without the inputs.
+is one function that turns per-node inputs into rows: NFS (operations, measured by
+the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
+its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
+``--server-rps`` requests a second). Exit 0, or 2 on bad usage or a ``--measured`` file without the inputs.
 """
 
 from __future__ import annotations
@@ -94,6 +96,39 @@ def nfs_rows(args: argparse.Namespace, measured: dict[str, dict[str, float]]) ->
     return rows
 
 
+#: Requests one node's process makes over HTTP (tools/http_bench.py counts them, and nginx's
+#: access log agrees; they do not vary from run to run). Fixed: layout.json and packs/list,
+#: plus, for a packed store on a cold node, each pack's trailer and index (2 per pack, once per
+#: node: kept in the local cache after). Per hit: a manifest and a blob (loose), one Range GET (packed).
+HTTP_REQUESTS: dict[str, dict[str, float]] = {
+    "loose": {"fixed": 2.0, "per_pack": 0.0, "per_hit": 2.0},
+    "packed": {"fixed": 2.0, "per_pack": 2.0, "per_hit": 1.0},
+}
+
+
+def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """A shared store over HTTP, loose and packed: requests per node, the server's request rate and floor.
+
+    A node's process asks one request at a time: its wait is requests x ``--rtt-ms`` (plus the
+    server's time, which the floor covers). Packs: ``--packs`` in the store, all fetched by a cold node.
+    """
+    total_bytes = args.nodes * args.kernels * args.kernel_kib * 1024
+    rows = {}
+    for kind, cost in HTTP_REQUESTS.items():
+        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+        requests = args.nodes * per_node
+        rows[f"http {kind}"] = {
+            "transport": "http",
+            "requests_per_node": per_node,
+            "requests_total": requests,
+            "requests_per_s_over_window": requests / args.window,
+            "bytes_total": total_bytes,
+            "node_wait_s": per_node * args.rtt_ms / 1000,
+            "server_floor_s": max(requests / args.server_rps, total_bytes / (args.server_gbps * 1e9)),
+        }
+    return rows
+
+
 def compile_row(args: argparse.Namespace) -> dict[str, Any]:
     """No shared store: every node compiles every kernel."""
     return {
@@ -119,9 +154,12 @@ def model(args: argparse.Namespace, measured: dict[str, dict[str, float]]) -> di
             "server_gb_per_s": args.server_gbps,
             "nvrtc_s_per_kernel": args.nvrtc_s,
             "cores_per_node": args.cores,
+            "http_requests_per_s": args.server_rps,
+            "http_rtt_ms": args.rtt_ms,
+            "packs": args.packs,
         },
         "measured": measured,
-        "rows": {**nfs_rows(args, measured), "compile": compile_row(args)},
+        "rows": {**nfs_rows(args, measured), **http_rows(args), "compile": compile_row(args)},
     }
 
 
@@ -144,6 +182,20 @@ def render(result: dict[str, Any]) -> str:
         f"{'compile':<10} {0:>13} {0:>12} {0:>12} {0:>9.2f} {c['node_compile_s']:>11.1f}s"
         f"  (every node compiles: {c['cpu_hours']:,.0f} CPU hours)"
     )
+    lines.append("")
+    lines.append(
+        f"over HTTP: server {a['http_requests_per_s']:,.0f} requests/s, {a['http_rtt_ms']:g} ms a round trip, "
+        f"{a['packs']} pack(s)"
+    )
+    lines.append(
+        f"{'':<12} {'requests/node':>13} {'requests':>12} {'requests/s':>12} {'node wait':>10} {'start floor':>12}"
+    )
+    for kind in ("http loose", "http packed"):
+        r = result["rows"][kind]
+        lines.append(
+            f"{kind:<12} {r['requests_per_node']:>13,.0f} {r['requests_total']:>12,.0f} "
+            f"{r['requests_per_s_over_window']:>12,.0f} {r['node_wait_s']:>9.2f}s {r['server_floor_s']:>11.1f}s"
+        )
     loose, packed = result["rows"]["loose"], result["rows"]["packed"]
     lines.append("")
     lines.append(
@@ -163,13 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-gbps", type=float, default=5.0, help="GB/s the server delivers (5)")
     ap.add_argument("--nvrtc-s", type=float, default=0.5, help="NVRTC seconds per kernel (0.5)")
     ap.add_argument("--cores", type=int, default=16, help="cores a node compiles on in parallel (16)")
+    ap.add_argument("--server-rps", type=float, default=50_000.0, help="HTTP requests per second served (50k)")
+    ap.add_argument("--rtt-ms", type=float, default=0.5, help="a node's round trip to the HTTP server, ms (0.5)")
+    ap.add_argument("--packs", type=int, default=1, help="packs in the store, fetched by a cold node (1)")
     ap.add_argument("--measured", help="nfs_harness.py --json output (or loose/packed ops_fixed and ops_per_hit)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    if min(args.nodes, args.kernels, args.cores) <= 0 or min(args.window, args.server_ops, args.server_gbps) <= 0:
+    if (
+        min(args.nodes, args.kernels, args.cores) <= 0
+        or min(args.window, args.server_ops, args.server_gbps, args.server_rps) <= 0
+        or min(args.rtt_ms, args.packs) < 0
+    ):
         print("coldstart_model.py: error: every count, rate and window must be positive", file=sys.stderr)
         return 2
     measured = DEFAULTS
