@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from _common import CUB_SOURCE, cccl_include, child_env
 
@@ -24,20 +26,15 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     for cache in caches.values():
         obj = Program(SAXPY, "c++", options=opts).compile("cubin", cache=cache)  # the miss: compile and store
         ref = bytes(obj.code)
-    samples: dict[str, list[float]] = {k: [] for k in (*KINDS, "fs_again")}
     blocks = max(2, cfg.compile_hits // 10)
-    with Timer():
-        for b in range(-1, blocks):  # block -1 is the warm-up
-            for kind in interleaved(b):
-                cache = caches[kind]
-                for _ in range(10):
-                    t0 = perf_ns()
-                    obj = Program(SAXPY, "c++", options=opts).compile("cubin", cache=cache)
-                    t1 = perf_ns()
-                    if b >= 0:
-                        samples[kind].append((t1 - t0) / 1000)
-    if bytes(obj.code) != ref:
-        raise RuntimeError("compile hit returned other bytes")
+
+    def check(obj: Any) -> None:
+        if bytes(obj.code) != ref:
+            raise RuntimeError("a hit returned other bytes")
+
+    samples = _interleaved_hits(
+        blocks, lambda kind: Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches[kind]), check
+    )
     res.add(
         Row(
             "Program.compile hit, median",
@@ -52,27 +49,21 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     # The front door on the same kernel: cache.compile() against FileStream's Program.compile hit.
     front = caches["ours"]
     front.compile(SAXPY, "c++", opts, "cubin")  # its record and meta entries (the binary is stored already)
-    door: list[float] = []
-    with Timer():
-        for b in range(-1, blocks):
-            for kind in interleaved(b):
-                for _ in range(10):
-                    t0 = perf_ns()
-                    if kind == "ours":
-                        obj = front.compile(SAXPY, "c++", opts, "cubin")
-                    else:
-                        obj = Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches["filestream"])
-                    t1 = perf_ns()
-                    if b >= 0:
-                        (door if kind == "ours" else samples["fs_again"]).append((t1 - t0) / 1000)
-    if bytes(obj.code) != ref or bytes(front.compile(SAXPY, "c++", opts, "cubin").code) != ref:
-        raise RuntimeError("front-door hit returned other bytes")
+    door = _interleaved_hits(
+        blocks,
+        lambda kind: (
+            front.compile(SAXPY, "c++", opts, "cubin")
+            if kind == "ours"
+            else Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches["filestream"])
+        ),
+        check,
+    )
     res.add(
         Row(
             "front-door hit (cache.compile), median",
             "us",
-            median(door),
-            median(samples["fs_again"]),
+            median(door["ours"]),
+            median(door["filestream"]),
             target_op="<=",
             target_ratio=0.5,
         )
@@ -99,6 +90,22 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     return res
 
 
+def _interleaved_hits(blocks: int, hit: Callable[[str], Any], check: Callable[[Any], None]) -> dict[str, list[float]]:
+    """Microseconds of each ``hit(kind)``, ten a block, the kinds' order alternating; block -1 warms up."""
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
+    with Timer():
+        for b in range(-1, blocks):
+            for kind in interleaved(b):
+                for _ in range(10):
+                    t0 = perf_ns()
+                    obj = hit(kind)
+                    t1 = perf_ns()
+                    if b >= 0:
+                        samples[kind].append((t1 - t0) / 1000)
+                    check(obj)
+    return samples
+
+
 def _switched_hits(caches: dict, opts: object, blocks: int, ref: bytes | None) -> dict[str, list[float]]:
     """``Program(...).compile()`` hits with the switch on (ours) against FileStream's ``cache=`` hits, interleaved."""
     import cuda.core
@@ -111,19 +118,18 @@ def _switched_hits(caches: dict, opts: object, blocks: int, ref: bytes | None) -
     cuda_program_cas.install()
     try:
         program = cuda.core.Program  # the switch's subclass now
-        samples: dict[str, list[float]] = {"ours": [], "filestream": []}
-        with Timer():
-            for b in range(-1, blocks):
-                for kind in interleaved(b):
-                    cache = None if kind == "ours" else caches["filestream"]
-                    for _ in range(10):
-                        t0 = perf_ns()
-                        obj = program(SAXPY, "c++", options=opts).compile("cubin", cache=cache)
-                        t1 = perf_ns()
-                        if b >= 0:
-                            samples[kind].append((t1 - t0) / 1000)
-                        if bytes(obj.code) != ref:
-                            raise RuntimeError("a hit through the switch returned other bytes")
+
+        def check(obj: Any) -> None:
+            if bytes(obj.code) != ref:
+                raise RuntimeError("a hit through the switch returned other bytes")
+
+        samples = _interleaved_hits(
+            blocks,
+            lambda kind: program(SAXPY, "c++", options=opts).compile(
+                "cubin", cache=None if kind == "ours" else caches["filestream"]
+            ),
+            check,
+        )
         if routed() < len(samples["ours"]):
             raise RuntimeError("the switch did not route the compiles")
     finally:
