@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -261,3 +262,42 @@ def test_a_write_whose_temp_name_is_taken_still_lands(tmp_path: Path) -> None:
     assert writer.atomic_write(str(target), b"mine", str(tmp_dir))
     assert target.read_bytes() == b"mine"
     assert Path(squatter).read_bytes() == b"someone else's"
+
+
+def test_a_cache_directory_another_process_makes_meanwhile_is_never_taken_for_a_file(tmp_path: Path) -> None:
+    # Processes that open one new cache at once: each checks the path while another may be
+    # making it. A check that asked "a directory?" and then "anything there?" took a directory
+    # made in between for a file, and the open failed (CI saw it twice: a stampede tool worker,
+    # and a switched compile that ran uncached). Threads switching every microsecond land in
+    # that window thousands of times in 20,000 checks (tried on the old code: it failed).
+    from cuda_program_cas._base.errors import LayoutError
+    from cuda_program_cas._disk.layout import LayoutState, check_layout
+
+    n = 20_000
+    made = [-1]
+
+    def make() -> None:
+        for i in range(n):
+            os.mkdir(tmp_path / str(i))
+            made[0] = i
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    wrong: list[str] = []
+    try:
+        maker = threading.Thread(target=make)
+        maker.start()
+        i = 0
+        while i < n:
+            try:
+                state = check_layout(str(tmp_path / str(i)))
+            except LayoutError as exc:
+                wrong.append(str(exc))
+            else:
+                assert state is LayoutState.MISSING
+            if made[0] >= i:
+                i += 1
+        maker.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert wrong == []

@@ -219,12 +219,19 @@ def check_layout(root: str) -> LayoutState:
     Raises :class:`LayoutError` for a file, a dangling symlink, a foreign directory
     or a newer layout.
     """
-    if not os.path.isdir(root):
-        if os.path.islink(root) and not os.path.exists(root):
-            raise LayoutError(f"cache path {root!r} is a symlink to {os.readlink(root)!r}, which does not exist")
-        if os.path.lexists(root):
-            raise LayoutError(f"cache path {root!r} exists and is not a directory")
-        return LayoutState.MISSING
+    # One stat decides: asking "a directory?" and then "anything there?" would take a
+    # directory another process made in between for a file (processes that open one
+    # new cache at once did).
+    try:
+        st = os.stat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        try:
+            target = os.readlink(root)
+        except OSError:
+            return LayoutState.MISSING  # nothing there (or a parent is not a directory: create fails)
+        raise LayoutError(f"cache path {root!r} is a symlink to {target!r}, which does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LayoutError(f"cache path {root!r} exists and is not a directory")
     layout_path = os.path.join(root, LAYOUT_FILE)
     try:
         data = _read_layout(layout_path)
