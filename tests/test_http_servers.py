@@ -23,6 +23,9 @@ from _http.nginx import Nginx, nginx_or_skip
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes, every offset's byte known
 
+#: Tests of the test servers themselves, the same on every Python: the full run (CI's 3.11) has them.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def nginx(tmp_path: Path) -> Iterator[Nginx]:
