@@ -57,7 +57,9 @@ from cuda_program_cas._disk.atomic import current_umask
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
 from cuda_program_cas._disk.layout import (
+    BLOBS,
     CACHEDIR_TAG,
+    INDEX,
     LAYOUT_FILE,
     Layout,
     LayoutState,
@@ -67,6 +69,7 @@ from cuda_program_cas._disk.layout import (
     layout_bytes,
     mark_shared_store,
     parse_layout,
+    url_path,
 )
 from cuda_program_cas._disk.pack import (
     LISTING,
@@ -477,7 +480,7 @@ class _UrlDest:
 
     def manifest_bytes(self, kid: str) -> bytes | None:
         try:
-            got = fetch(self._at(f"index/{kid[:2]}/{kid[2:]}"), limit=MAX_MANIFEST_BYTES)
+            got = fetch(self._at(url_path(INDEX, kid)), limit=MAX_MANIFEST_BYTES)
         except HttpFailure as exc:
             if exc.kind == "too large":
                 return b""  # not a manifest: replaced
@@ -487,7 +490,7 @@ class _UrlDest:
     def blob_ok(self, digest: str, size: int) -> bool:
         known = self.good.get(digest)
         if known is None:
-            known = self.good[digest] = size_of(self._at(f"blobs/{digest[:2]}/{digest[2:]}")) == size
+            known = self.good[digest] = size_of(self._at(url_path(BLOBS, digest))) == size
         return known
 
     blob_present = blob_ok
@@ -496,10 +499,10 @@ class _UrlDest:
         return True  # its index entry passed its check; the blob is not downloaded to be hashed
 
     def blob_where(self, digest: str) -> str:
-        return self._at(f"blobs/{digest[:2]}/{digest[2:]}")
+        return self._at(url_path(BLOBS, digest))
 
     def put_blob(self, digest: str, blob: bytes) -> bool:
-        self._put(f"blobs/{digest[:2]}/{digest[2:]}", blob)
+        self._put(url_path(BLOBS, digest), blob)
         self._uploaded.add(digest)
         return True
 
@@ -509,7 +512,7 @@ class _UrlDest:
     def put_manifest(self, manifest: Manifest) -> None:
         kid = manifest.key_id
         assert kid is not None
-        self._put(f"index/{kid[:2]}/{kid[2:]}", manifest.encode())
+        self._put(url_path(INDEX, kid), manifest.encode())
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         if digest in self._uploaded:
