@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
-from cuda_program_cas._base.config import default_cache_dir, installed_version, parse_duration, parse_size
+from cuda_program_cas._base.config import installed_version, parse_duration, parse_size
 from cuda_program_cas._base.errors import CacheError, LayoutError
 from cuda_program_cas._base.events import open_log_file
 
@@ -119,10 +119,10 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def cache_path(value: str | None) -> str:
-    from cuda_program_cas._verbs.common import refuse_url
+    """The verbs' :func:`cache_root`: a store URL is refused (LayoutError, exit 2), as the commands need files."""
+    from cuda_program_cas._verbs.common import cache_root
 
-    refuse_url(value)  # a store URL: these commands need the store's files (LayoutError, exit 2)
-    return os.path.abspath(value) if value else os.fspath(default_cache_dir())
+    return cache_root(value)
 
 
 # -- output ---------------------------------------------------------------------------
