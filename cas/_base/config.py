@@ -20,9 +20,11 @@ from .fork import ForkSafeLock
 
 __all__ = [
     "DEFAULT_CLAIM_WAIT_S",
+    "DEFAULT_MAX_ENTRY_BYTES",
     "ENV_CLAIM_WAIT",
     "ENV_DIR",
     "ENV_LOG",
+    "ENV_MAX_ENTRY_SIZE",
     "ENV_MAX_SIZE",
     "ENV_SHARED",
     "NOT_GIVEN",
@@ -30,6 +32,7 @@ __all__ = [
     "env_claim_wait",
     "env_dir",
     "env_log_file",
+    "env_max_entry_size",
     "env_max_size",
     "env_shared",
     "env_value",
@@ -59,6 +62,13 @@ ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
 #: compile; and a claimant that hangs without dying holds the others back no longer
 #: than this before each compiles itself (a claimant that dies frees them at once).
 DEFAULT_CLAIM_WAIT_S = 300.0
+#: The largest entry the cache reads from a store it does not own (a shared directory, a
+#: server) or stores: a ceiling of the cache's own, checked before a byte is read, so that
+#: no manifest, ``Content-Length`` or pack trailer decides how much a node reads.
+ENV_MAX_ENTRY_SIZE = "CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE"
+#: Its default: 256 MiB. The largest cubins and fatbins seen (CUTLASS, many architectures)
+#: are tens of MB; an LTO-IR of a big library a little more.
+DEFAULT_MAX_ENTRY_BYTES = 256 << 20
 
 #: An argument that was not given: its value comes from the environment or the cache.
 NOT_GIVEN: Any = type("_NotGiven", (), {"__repr__": lambda self: "<not given>"})()
@@ -162,6 +172,12 @@ def env_shared() -> list[str] | None:
         return out
 
     return env_value(ENV_SHARED, stores)
+
+
+def env_max_entry_size() -> int:
+    """``$CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` in bytes, else :data:`DEFAULT_MAX_ENTRY_BYTES` (bad: one WARNING)."""
+    value = env_value(ENV_MAX_ENTRY_SIZE, parse_size)
+    return DEFAULT_MAX_ENTRY_BYTES if value is None else value
 
 
 def env_claim_wait() -> float:
