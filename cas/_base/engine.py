@@ -1,0 +1,100 @@
+"""The one interface of a store's storage engine: named objects, read and written whole.
+
+A store is the directory layout (``layout.json``, ``index/``, ``blobs/``,
+``packs/``) kept by some engine: files in a directory, files behind a web
+server (WebDAV for writes), keys of a Redis server. An engine knows nothing of
+manifests, digests or packs: it gets, puts and removes objects named by their
+store-relative path (``index/ab/cdef...``, as :func:`cuda_program_cas._disk.layout.url_path`
+builds it), and says what it can do besides (batches, leases). Lookup,
+verification, the pause after an outage, publish and write-back are written once,
+over this interface, by the store above it.
+
+Rules every engine keeps:
+
+- ``get`` returns None only for "there is no such object"; every other failure
+  is a :class:`StoreFailure`, never another exception (``MemoryError`` included).
+- ``limit`` is the cache's own bound: an object larger than it is refused
+  (``StoreFailure`` with ``outage=False``, kind ``too large``) before more than
+  ``limit + 1`` bytes of it are read, whatever the server claims.
+- Every call has one overall deadline (the engine's timeout), covering connect
+  and the whole answer.
+- ``put`` is atomic: a reader sees the old object, none, or the whole new one.
+- A password or token never appears in ``shown`` or in any message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import IO, Protocol
+
+from .errors import CacheError
+
+__all__ = ["Engine", "StoreFailure"]
+
+
+class StoreFailure(CacheError):
+    """A request to a store that got no usable answer; ``kind`` says what (``refused``, ``timeout``, ``too large``...).
+
+    ``outage`` is True when the store (or the way to it) may be down, so asking it
+    again at once would cost another timeout; False when only this answer was bad.
+    ``where`` is the store or object as it may be shown (no credentials).
+    """
+
+    def __init__(self, where: str, kind: str, detail: str, *, outage: bool = True) -> None:
+        super().__init__(where, kind, detail, outage)
+        self.where = where
+        self.kind = kind
+        self.detail = detail
+        self.outage = outage
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.kind}: {self.detail}"
+
+
+class Engine(Protocol):
+    """One store's objects (see the module docstring for the rules)."""
+
+    #: The store's address as it may be logged (no password, no token).
+    shown: str
+    #: Whether this engine can take leases (:meth:`lease`); False: per-node claims only.
+    can_lease: bool
+
+    def get(self, name: str, *, limit: int) -> bytes | None:
+        """The whole object ``name``, or None when there is none."""
+        ...
+
+    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
+        """:meth:`get` of each name, in as few round trips as the engine can (Redis: one pipeline)."""
+        ...
+
+    def put(self, name: str, data: bytes | IO[bytes]) -> None:
+        """Store ``data`` (bytes, or a binary file read from its start) as ``name``, atomically."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """:meth:`put` of each item, in this order (a reader never sees a later one before an earlier one)."""
+        ...
+
+    def remove(self, name: str) -> None:
+        """Remove ``name``; nothing when it is not there."""
+        ...
+
+    def size(self, name: str) -> int | None:
+        """The size of ``name`` in bytes without reading it, or None when there is none."""
+        ...
+
+    def lease(self, name: str, ttl_s: float) -> str | None:
+        """Take the lease ``name`` for ``ttl_s`` seconds: its token, or None when another holds it."""
+        ...
+
+    def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        """Extend a lease this holder still holds; False when it was lost (expired, taken)."""
+        ...
+
+    def release(self, name: str, token: str) -> None:
+        """Give a lease back, only if ``token`` still holds it."""
+        ...
+
+    def close(self) -> None:
+        """Close connections; the next call opens new ones."""
+        ...
