@@ -8,22 +8,30 @@ another key's bytes. The leading tag carries the format version: a manifest of a
 future format is rejected rather than misread. Anything that is not exactly this
 line (empty, truncated, garbled, padded) is rejected.
 
-Layout version 1 wrote ``cpcas1 <digest> <size>\n`` (no key id). Those are still
-read, and are rewritten in the current format when their cache is upgraded.
+Layout version 1 wrote ``cpcas1 <digest> <size>\n`` (no key id). Such a line fits
+any key's path, so it is believed only in a store whose layout says 1; from
+:data:`KEYED_LAYOUT` on it is refused like a manifest of another key.
+:func:`fits_key` is that rule, asked by every reader of manifests (the cache's
+reader, shared and HTTP stores, the scan behind gc, verify, stats and the cap,
+the upgrade, publish and import). A layout-1 cache opened for writing is
+upgraded: its lines are rewritten in the current format.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._keys import is_key_id
 
 __all__ = [
+    "KEYED_LAYOUT",
     "LONGEST_MANIFEST",
     "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
     "Manifest",
+    "fits_key",
     "is_digest",
     "manifest_length",
     "parse_fields",
@@ -31,6 +39,9 @@ __all__ = [
 ]
 
 MANIFEST_TAG = b"cpcas2"
+#: The first layout version whose manifests name their key. In a store of this
+#: layout or a later one, a line that names no key (``cpcas1``) is refused.
+KEYED_LAYOUT = 2
 #: Larger than any valid manifest; a bigger file is garbage, not worth reading whole.
 MAX_MANIFEST_BYTES = 256
 #: The most decimal digits a size may have.
@@ -116,15 +127,36 @@ def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
     return None, m.group(4).decode("ascii"), int(m.group(5))
 
 
-def parse_manifest(data: bytes, key_id: str | None = None) -> Manifest | None:
+def fits_key(found: str | None, kid: str, layout: int | Callable[[], int]) -> bool:
+    """Whether a manifest naming key ``found`` is read as ``kid``'s in a store of layout version ``layout``.
+
+    The one rule. A manifest that names its key fits that key's path only. A
+    layout-1 line (``found`` None) names no key: it would fit any path, so it is
+    believed only where the layout is older than :data:`KEYED_LAYOUT`; elsewhere it
+    may be another key's manifest copied here, and is refused.
+
+    ``layout`` may be a function giving the version now; it is called only for a
+    line that names no key, and after that line was read, so that a store
+    upgraded meanwhile is judged by its new layout
+    (:class:`cuda_program_cas._disk.layout.LayoutVersion` explains why that is sound).
+    """
+    if found is not None:
+        return found == kid
+    return (layout if isinstance(layout, int) else layout()) < KEYED_LAYOUT
+
+
+def parse_manifest(
+    data: bytes, key_id: str | None = None, *, layout: int | Callable[[], int] = KEYED_LAYOUT
+) -> Manifest | None:
     """Decode a manifest, or None when ``data`` is not exactly one.
 
-    With ``key_id``, a manifest that names another key is rejected too (it was
-    copied or renamed onto this key's path). A layout-1 manifest names no key and
-    is accepted as is.
+    With ``key_id``, a manifest that does not fit that key's path in a store of
+    ``layout`` (:func:`fits_key`) is rejected too: one naming another key, and a
+    layout-1 line unless the layout is 1. The default layout is the strict one.
+    Without ``key_id``, only the line's form is checked (either format).
     """
     fields = parse_fields(data)
-    if fields is None or (key_id is not None and fields[0] is not None and fields[0] != key_id):
+    if fields is None or (key_id is not None and not fits_key(fields[0], key_id, layout)):
         return None
     # Skip __post_init__: the regular expression already proved every field.
     manifest = object.__new__(Manifest)

@@ -8,7 +8,9 @@ read-only open and the maintenance verbs refuse it: nothing is read on a guess.
 
 Versions: 1 wrote manifests without their key id; 2 (this one) writes manifests
 that name their key. Version-1 caches are read as they are; opening one for
-writing upgrades it in place (see :mod:`cuda_program_cas._disk.upgrade`).
+writing upgrades it in place (see :mod:`cuda_program_cas._disk.upgrade`). Which
+manifests a version admits is one rule (:func:`cuda_program_cas.index.fits_key`);
+:class:`LayoutVersion` gives readers the version to judge by.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import stat
 import time
 
 from cuda_program_cas._base.errors import LayoutError
+from cuda_program_cas.index import KEYED_LAYOUT
 
 from .atomic import atomic_write, make_tmp_dir
-from .files import READ_FLAGS, shard_path, trusted_mtime_ns
+from .files import READ_FLAGS, FileId, file_id, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
@@ -37,6 +40,7 @@ __all__ = [
     "STALE_TMP_S",
     "Layout",
     "LayoutState",
+    "LayoutVersion",
     "check_layout",
     "check_layout_data",
     "create_layout",
@@ -141,7 +145,12 @@ def url_path(kind: str, name: str) -> str:
 
 
 def _read_layout(path: str) -> dict[str, object] | None:
-    """The parsed layout file, or None when it is damaged (empty, not JSON, not ours, not a regular file).
+    """The parsed layout file, or None when it is damaged (see :func:`_read_layout_file`)."""
+    return _read_layout_file(path)[0]
+
+
+def _read_layout_file(path: str) -> tuple[dict[str, object] | None, os.stat_result | None]:
+    """The parsed layout file (None when it is damaged: empty, not JSON, not ours, not a regular file), and its stat.
 
     Opened without following a symlink and without blocking, so a FIFO put in its
     place never hangs an open (a FIFO or a symlink is damage, like garbled bytes).
@@ -153,10 +162,11 @@ def _read_layout(path: str) -> dict[str, object] | None:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
-            return None
+            return None, None
         raise
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
+        mode = st.st_mode
         if stat.S_ISDIR(mode):
             root = os.path.dirname(path)
             raise LayoutError(
@@ -164,11 +174,11 @@ def _read_layout(path: str) -> dict[str, object] | None:
                 "(`rmdir` it if empty) and open the cache again"
             )
         if not stat.S_ISREG(mode):
-            return None
+            return None, st
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
-    return parse_layout(raw)
+    return parse_layout(raw), st
 
 
 def parse_layout(raw: bytes) -> dict[str, object] | None:
@@ -185,8 +195,8 @@ def parse_layout(raw: bytes) -> dict[str, object] | None:
     return data
 
 
-def check_layout_data(root: str, data: dict[str, object]) -> None:
-    """Raise :class:`LayoutError` when a parsed layout is one this version cannot read (newer, other hashes)."""
+def check_layout_data(root: str, data: dict[str, object]) -> int:
+    """The version of a parsed layout; :class:`LayoutError` when this code cannot read it (newer, other hashes)."""
     version = data["version"]
     assert isinstance(version, int)
     if version > LAYOUT_VERSION:
@@ -198,6 +208,7 @@ def check_layout_data(root: str, data: dict[str, object]) -> None:
         raise LayoutError(
             f"cache at {root!r} uses hashes {data.get('blob_hash')!r}/{data.get('key_hash')!r}, not blake3/sha256"
         )
+    return version
 
 
 def layout_version(root: str) -> int | None:
@@ -211,6 +222,65 @@ def layout_version(root: str) -> int | None:
     version = data["version"]
     assert isinstance(version, int)
     return version
+
+
+class LayoutVersion:
+    """The layout version of one root, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
+
+    ``layout.json`` is read when this is made. A version of :data:`KEYED_LAYOUT` or
+    later is final: nothing writes an older one (the upgrade only raises it, and
+    every writer of this code writes manifests that name their key), so readers of
+    such a store ask nothing more, and a ``layout.json`` edited back to 1 is not
+    believed by them.
+
+    Below it, :meth:`now` is asked for each layout-1 line read, after reading it:
+    one ``lstat`` of ``layout.json``, read again when it is another file than the
+    one read before. That makes believing a layout-1 line sound across an upgrade
+    in place, which rewrites every layout-1 line and only then replaces
+    ``layout.json`` (atomically: another file). If ``now`` finds the file read
+    before, ``layout.json`` still said 1 when the line was read, so the line was
+    one the layout admits. If the upgrade came first, ``now`` sees the new file and
+    says 2: a line copied in after the upgrade, or one an older version's process
+    wrote after it, is refused.
+
+    A ``layout.json`` that is missing, damaged or unreadable gives the current
+    version (strict; nothing is believed on a guess), and is read again next time.
+    Safe to share between threads: the file's identity and its version change as one.
+    """
+
+    __slots__ = ("_path", "_state")
+
+    def __init__(self, root: str) -> None:
+        self._path = os.path.join(root, LAYOUT_FILE)
+        #: (identity of the layout.json read, or None; its version; final).
+        self._state: tuple[FileId | None, int, bool] = (None, LAYOUT_VERSION, False)
+        self._read()
+
+    def now(self) -> int:
+        """The version to judge a manifest just read by."""
+        seen, version, final = self._state
+        if final:
+            return version
+        try:
+            st = os.lstat(self._path)
+        except OSError:
+            return LAYOUT_VERSION
+        if file_id(st) != seen:
+            return self._read()
+        return version
+
+    def _read(self) -> int:
+        try:
+            data, st = _read_layout_file(self._path)
+        except (OSError, LayoutError):
+            data = None
+        if data is None or st is None:
+            self._state = (None, LAYOUT_VERSION, False)
+            return LAYOUT_VERSION
+        version = data["version"]
+        assert isinstance(version, int)
+        self._state = (file_id(st), version, version >= KEYED_LAYOUT)
+        return version
 
 
 def check_layout(root: str) -> LayoutState:

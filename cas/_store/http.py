@@ -45,7 +45,7 @@ from cuda_program_cas._base.urls import join, normalize_store_url
 from cuda_program_cas._disk.layout import BLOBS, INDEX, LAYOUT_FILE, check_layout_data, parse_layout, url_path
 from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
 from cuda_program_cas._remote.client import HttpFailure, Reply, request
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, local_id, parse_fields
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, local_id, parse_fields
 
 from .shared import RETRY_S, warn_once_for
 from .stats import Counters
@@ -136,7 +136,7 @@ class HttpStore:
         if data is None:
             raise HttpFailure(join(self.root, LAYOUT_FILE), "not a store", "its layout.json is damaged")
         try:
-            check_layout_data(self.root, data)
+            self._layout = check_layout_data(self.root, data)  # its manifests are judged by it (fits_key)
         except LayoutError as exc:
             raise HttpFailure(join(self.root, LAYOUT_FILE), "not usable", str(exc)) from None
         self._opened = True
@@ -148,7 +148,7 @@ class HttpStore:
             self._missed("no entry")
             return None
         fields = parse_fields(reply.body) if reply.status == 200 else None
-        if fields is None or (fields[0] is not None and fields[0] != kid):
+        if fields is None or not fits_key(fields[0], kid, self._layout):
             self._damaged(
                 "manifest", f"manifest of {kid}: status {reply.status}, {len(reply.body)} bytes that are not one"
             )

@@ -44,9 +44,9 @@ from cuda_program_cas._disk.files import (
     shard_path,
     with_sharing_retry,
 )
-from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas._disk.layout import Layout, LayoutVersion
 from cuda_program_cas._disk.remove import Remover
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, parse_fields
 
 from .stats import Counters
 from .touch import TOUCH_INTERVAL_NS, Touches
@@ -72,7 +72,11 @@ ErrorHook = Callable[[OSError, str], None]
 
 
 class Reader:
-    """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes)."""
+    """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes).
+
+    ``version`` is the root's layout version, which decides whether a layout-1
+    manifest (naming no key) is believed (:func:`cuda_program_cas.index.fits_key`).
+    """
 
     def __init__(
         self,
@@ -81,10 +85,12 @@ class Reader:
         guard: ShardGuard,
         remover: Remover | None,
         *,
+        version: LayoutVersion,
         note: Callable[[str, int, str], None],
         on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
+        self._layout_now = version.now
         self._counters = counters
         self._guard = guard
         self._index_real = guard.real_names(lay.index)
@@ -146,7 +152,7 @@ class Reader:
             return None
         finally:
             os.close(fd)
-        return None if fields is None else fields[1]
+        return None if fields is None or not fits_key(fields[0], kid, self._layout_now) else fields[1]
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """The verified bytes of ``kid`` and their digest, or None on a miss.
@@ -180,9 +186,17 @@ class Reader:
             except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
                 self._read_failed(exc, ipath)
                 return None
-            if fields is None or (fields[0] is not None and fields[0] != kid):
-                # Garbled, or a manifest of another key copied or renamed here.
-                self._why.reason = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
+            # A manifest naming this key is the fast test; anything else asks the one rule.
+            if fields is None or (fields[0] != kid and not fits_key(fields[0], kid, self._layout_now)):
+                # Garbled, a manifest of another key copied or renamed here, or a
+                # layout-1 line (it names no key: it may be any key's) where the layout is 2.
+                self._why.reason = (
+                    "damaged manifest"
+                    if fields is None
+                    else "misplaced manifest (names no key, in a layout-2 cache)"
+                    if fields[0] is None
+                    else "misplaced manifest (another key's)"
+                )
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None

@@ -25,7 +25,7 @@ import time
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import ForkSafeLock
 from cuda_program_cas._disk.files import ShardGuard
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
+from cuda_program_cas._disk.layout import Layout, LayoutState, LayoutVersion, check_layout
 from cuda_program_cas._disk.pack import PackSet
 
 from .reader import Reader
@@ -80,7 +80,15 @@ class SharedStore:
         self._warned: set[tuple[str, int]] = set()
         self._usable_at = 0.0  # when to try opening again; 0 = usable
         self._why_not = ""  # why it is not usable now
-        self._reader = Reader(self._lay, self.counters, ShardGuard(), None, note=self._note, on_error=self._read_error)
+        self._reader = Reader(
+            self._lay,
+            self.counters,
+            ShardGuard(),
+            None,
+            version=LayoutVersion(self.root),
+            note=self._note,
+            on_error=self._read_error,
+        )
         #: The store's packs (publish --pack), asked before its loose entries: a pack hit costs no lookup of a path.
         self._packs = PackSet(self.root, on_damage=self._pack_damaged)
         self._open(first=_first_look(self.root))

@@ -41,6 +41,7 @@ from cuda_program_cas._disk.files import FileId, ShardGuard
 from cuda_program_cas._disk.layout import (
     Layout,
     LayoutState,
+    LayoutVersion,
     check_layout,
     create_layout,
     damaged_layout_error,
@@ -143,7 +144,8 @@ class CacheStore:
         self._remover = None if self.read_only else Remover(lay)
         self._writer = None if self.read_only else Writer(lay, guard=self._guard)
         kind = Reader if usable else Uncached
-        self._reader = kind(lay, self._counters, self._guard, self._remover, note=self._note)
+        version = LayoutVersion(self.root)  # raised by the upgrade below: it asks again
+        self._reader = kind(lay, self._counters, self._guard, self._remover, version=version, note=self._note)
         if self._reader.touches is not None:
             weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
         self.blobs = BlobStore(lay.blobs)

@@ -61,8 +61,10 @@ from cuda_program_cas._disk.layout import (
     CACHEDIR_TAG,
     INDEX,
     LAYOUT_FILE,
+    LAYOUT_VERSION,
     Layout,
     LayoutState,
+    LayoutVersion,
     check_layout,
     check_layout_data,
     create_layout,
@@ -213,6 +215,8 @@ class _Dest:
 
     def __init__(self, root: str, modes: _Modes, *, dry_run: bool, fsync: bool, verify_existing: bool = True) -> None:
         self.lay = Layout(root)
+        #: The store's layout version, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
+        self.manifest_layout: int | Callable[[], int] = LayoutVersion(root).now
         self.modes = modes
         self.dry_run = dry_run
         self.fsync = fsync
@@ -397,6 +401,8 @@ class _UrlDest:
     def __init__(self, url: str, *, dry_run: bool) -> None:
         self.url = url
         self.dry_run = dry_run
+        #: The store's layout version (from its ``layout.json``, read by :meth:`prepare`).
+        self.manifest_layout: int | Callable[[], int] = LAYOUT_VERSION
         self.good: dict[str, bool] = {}
         self.damaged: set[str] = set()
         #: The store's packed entries (key id -> entry): from the indexes of the packs ``packs/list`` names.
@@ -427,7 +433,7 @@ class _UrlDest:
                     f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
                     "(cuda-program-cas verify --repair DIR)"
                 )
-            check_layout_data(self.where, current)  # newer, or other hashes
+            self.manifest_layout = check_layout_data(self.where, current)  # LayoutError: newer, or other hashes
         if not self.dry_run:
             # As a directory store is laid out: the tag, then layout.json (marked shared), before any entry.
             if size_of(self._at("CACHEDIR.TAG")) is None:
@@ -717,6 +723,7 @@ class _Item:
 def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
     """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
+    layout_now = LayoutVersion(src).now  # a layout-1 line of a layout-2 source may be any key's: refused
     todo: list[_Item] = []
     for kid, path, _st in scan_sharded(lay.index):
         if is_local_id(kid):
@@ -730,7 +737,7 @@ def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
         except OSError as exc:
             report.invalid_manifests.append(f"{path}: {exc.strerror or exc}")
             continue
-        manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+        manifest = parse_manifest(data, kid, layout=layout_now) if len(data) <= MAX_MANIFEST_BYTES else None
         if manifest is None:
             report.invalid_manifests.append(path)
             continue
@@ -858,7 +865,7 @@ def _action(target: _Target, kid: str, manifest: Manifest) -> str:
     data = target.manifest_bytes(kid)
     if data is None:
         return "new"
-    theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
+    theirs = parse_manifest(data, kid, layout=target.manifest_layout) if len(data) <= MAX_MANIFEST_BYTES else None
     if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
         # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
         # would otherwise stay lost for every node until ``verify --repair``.
