@@ -145,30 +145,33 @@ def env_max_size() -> int | None:
 
 
 def env_shared() -> list[str] | None:
-    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``: ``os.pathsep`` between them, empty parts skipped.
+    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order; empty parts skipped.
 
-    Directories are made absolute. An ``http://`` or ``https://`` URL is kept whole
-    although it holds ``:`` (see :mod:`cuda_program_cas._base.urls` for the rule).
-    A URL that is not a store URL is one WARNING and left out.
+    Whitespace or ``;`` between stores, and ``os.pathsep`` (the older form) inside
+    each part: see :mod:`cuda_program_cas._base.urls` for the rule. Each entry is
+    a directory (made absolute; ``file://`` gives its path) or a store URL
+    (checked), with ``|write`` kept where the store is named writable. An entry
+    that cannot be used is one WARNING and left out.
     """
-    from .urls import is_store_url, mend_split, normalize_store_url
+    from .urls import is_store_url, normalize_store_url, parse_store_entry, shown, split_store_list
 
     parse = _absolute(ENV_SHARED)
 
     def stores(text: str) -> list[str]:
         out = []
-        for part in mend_split(text.split(os.pathsep)):
-            if not part:
-                continue
-            if not is_store_url(part):
-                out.append(parse(part))
-                continue
+        for part in split_store_list(text):
             try:
-                out.append(normalize_store_url(part))
+                address, writable = parse_store_entry(part)
+                address = normalize_store_url(address) if is_store_url(address) else parse(address)
             except ValueError as exc:
                 warn_once(
-                    ("env-url", ENV_SHARED, part), "cuda-program-cas: %s: a store is left out: %s", ENV_SHARED, exc
+                    ("env-url", ENV_SHARED, shown(part)),
+                    "cuda-program-cas: %s: a store is left out: %s",
+                    ENV_SHARED,
+                    exc,
                 )
+                continue
+            out.append(f"{address}|write" if writable else address)
         return out
 
     return env_value(ENV_SHARED, stores)

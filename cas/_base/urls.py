@@ -1,14 +1,23 @@
-"""Store URLs: which entries of a store list are URLs, and how a URL is checked and shown.
+"""Store addresses: which entries of a store list are URLs, and how an address is checked and shown.
 
-``CUDA_PROGRAM_CAS_SHARED`` separates stores with ``os.pathsep``, which is ``:`` on
-POSIX, and a URL holds ``:`` after its scheme and before a port. The split is
-made first, then mended: a part ``http`` or ``https`` followed by a part that
+A store is a directory (a path, or a ``file://`` URL), an ``http(s)://`` URL (a
+web server; WebDAV for writes), or a ``redis(s)://`` URL. :data:`STORE_SCHEMES`
+names every scheme; the table that picks an engine for each is
+:mod:`cuda_program_cas._store.tiers`.
+
+A list of stores (``CUDA_PROGRAM_CAS_SHARED``) separates them with whitespace or
+``;``: ``/nfs/store https://cache.example:8443/store redis://cache:6379/0|write``.
+``|write`` after a store names it writable (new entries are written back to it);
+without it a store is read only.
+
+The older form, ``os.pathsep`` between stores, is still read inside each part: the
+split is made, then mended. A part that is a scheme followed by a part that
 starts with ``//`` opens a URL; an IPv6 literal (``[::1]``) is joined up to its
 ``]``; and a next part that starts with a port number (digits, then ``/`` or
 nothing) is that URL's port when the URL has no path yet. After ``//user``, a
 part with ``@`` before any ``/`` is the password and the host: a URL with
-credentials stays whole, so it is refused whole, and its password is never taken
-for a directory (and logged). So
+credentials stays whole, so it is refused whole (HTTP) or kept whole (Redis), and
+its password is never taken for a directory (and logged). So
 ``/nfs/store:https://cache.example:8443/store:/scratch/store`` is three stores.
 A directory whose relative name starts with digits and a slash would be read as
 a port: write it ``./8080/store`` (relative names get a WARNING anyway).
@@ -17,16 +26,87 @@ a port: write it ``./8080/store`` (relative names get a WARNING anyway).
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
-__all__ = ["is_store_url", "join", "mend_split", "normalize_store_url", "shown"]
+__all__ = [
+    "STORE_SCHEMES",
+    "StoreEntry",
+    "is_store_url",
+    "join",
+    "mend_split",
+    "normalize_store_url",
+    "parse_store_entry",
+    "scheme_of",
+    "shown",
+    "split_store_list",
+]
 
-_SCHEMES = ("http://", "https://")
-_PORT_PART = re.compile(r"\d+(/.*)?")
+#: Every scheme a store address may have (``file`` names a directory).
+STORE_SCHEMES = ("file", "http", "https", "redis", "rediss")
+#: The schemes of stores reached over a network.
+_URL_SCHEMES = ("http", "https", "redis", "rediss")
+_PORT_PART = re.compile(r"\d+([/|].*)?")
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+#: What follows ``|`` to name a store writable.
+WRITABLE = "write"
+_LIST_SEP = re.compile(r"[\s;]+")
+
+
+def scheme_of(text: object) -> str | None:
+    """The lowercase scheme of a store URL (one of :data:`STORE_SCHEMES`), or None for a path."""
+    if not isinstance(text, str):
+        return None
+    m = _SCHEME_RE.match(text)
+    if m is None:
+        return None
+    scheme = m.group(1).lower()
+    return scheme if scheme in STORE_SCHEMES else None
 
 
 def is_store_url(text: object) -> bool:
-    """True when ``text`` names a store over HTTP(S) (a ``str`` starting with ``http://`` or ``https://``)."""
-    return isinstance(text, str) and text[:8].lower().startswith(_SCHEMES)
+    """True when ``text`` names a store reached over a network (``http(s)://``, ``redis(s)://``)."""
+    return scheme_of(text) in _URL_SCHEMES
+
+
+class StoreEntry(NamedTuple):
+    """One store of a list: its address (a path or a URL) and whether it was named writable."""
+
+    address: str
+    writable: bool = False
+
+
+def parse_store_entry(text: str) -> StoreEntry:
+    """``ADDRESS`` or ``ADDRESS|write``; ``ValueError`` for another attribute. ``file://`` gives the path."""
+    address, bar, attrs = text.partition("|")
+    writable = False
+    if bar:
+        for attr in (a.strip() for a in attrs.split("|")):
+            if attr.lower() != WRITABLE:
+                raise ValueError(f"unknown store attribute {attr!r} after {shown(address)!r} (only |{WRITABLE})")
+            writable = True
+    if scheme_of(address) == "file":
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(address)
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"a file:// store must be on this host: {address!r}")
+        address = unquote(parts.path)
+    return StoreEntry(address, writable)
+
+
+def split_store_list(text: str) -> list[str]:
+    """The entries of a store list: whitespace or ``;`` between them, and ``os.pathsep`` inside each part.
+
+    Each part is split on ``os.pathsep`` and mended (:func:`mend_split`), so the
+    older form (``/a:https://host:8443/b``) reads as it always did.
+    """
+    import os
+
+    out: list[str] = []
+    for part in _LIST_SEP.split(text.strip()):
+        if part:
+            out.extend(p for p in mend_split(part.split(os.pathsep)) if p)
+    return out
 
 
 def mend_split(parts: list[str]) -> list[str]:
@@ -37,7 +117,7 @@ def mend_split(parts: list[str]) -> list[str]:
     i = 0
     while i < len(parts):
         part = parts[i]
-        if part.lower() in ("http", "https") and i + 1 < len(parts) and parts[i + 1].startswith("//"):
+        if part.lower() in STORE_SCHEMES and i + 1 < len(parts) and parts[i + 1].startswith("//"):
             url = f"{part}:{parts[i + 1]}"
             i += 2
             # An IPv6 literal ([::1]) was cut at each of its colons: join up to its "]".
@@ -70,18 +150,23 @@ def _authority(url: str) -> str:
 def normalize_store_url(url: str) -> str:
     """``url`` checked and without a trailing slash; ``ValueError`` naming what is wrong.
 
-    A store URL is ``http(s)://host[:port]/path``: no user name or password in it
-    (a token comes from the environment or ``.netrc``, never from a URL that ends
-    up in logs), no query and no fragment (entries are paths below it).
+    An HTTP store URL is ``http(s)://host[:port]/path``: no user name or password
+    in it (a token comes from the environment or ``.netrc``, never from a URL that
+    ends up in logs), no query and no fragment (entries are paths below it).
+    A Redis store URL is ``redis(s)://[[user]:password@]host[:port][/db]``, as
+    Redis clients spell it: the password may be in it (it is never shown), and
+    the path is a database number or nothing.
     """
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"not an http(s) URL: {shown(url)!r}")
+    scheme = parts.scheme.lower()
+    if scheme not in _URL_SCHEMES:
+        raise ValueError(f"not a store URL (http, https, redis or rediss): {shown(url)!r}")
     if not parts.hostname:
         raise ValueError(f"store URL has no host: {shown(url)!r}")
-    if parts.username is not None or parts.password is not None:
+    redis = scheme in ("redis", "rediss")
+    if not redis and (parts.username is not None or parts.password is not None):
         raise ValueError(
             f"store URL carries credentials: {shown(url)!r}; put a token in CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc"
         )
@@ -91,7 +176,10 @@ def normalize_store_url(url: str) -> str:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError as exc:
         raise ValueError(f"store URL has a bad port: {shown(url)!r}") from exc
-    return f"{parts.scheme.lower()}://{parts.netloc}{parts.path.rstrip('/')}"
+    path = parts.path.rstrip("/")
+    if redis and path and not (path[1:].isdigit() and path.count("/") == 1):
+        raise ValueError(f"a Redis store URL's path is a database number (/0 to /15 ...): {shown(url)!r}")
+    return f"{scheme}://{parts.netloc}{path}"
 
 
 def join(base: str, relative: str) -> str:
