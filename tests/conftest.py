@@ -234,7 +234,7 @@ class StartGate:
 class MovableClock:
     """A stand-in for the ``time`` module whose monotonic clock a test moves ``ahead`` (the rest is the real one).
 
-    Patched into ``cuda_program_cas._store.shared`` to step past its retry interval without sleeping.
+    Patched into ``cuda_program_cas._store.tier`` to step past its retry interval without sleeping.
     """
 
     def __init__(self) -> None:

@@ -38,7 +38,8 @@ from cuda_program_cas._base.config import env_shared
 from cuda_program_cas._base.urls import mend_split
 from cuda_program_cas._remote import client
 from cuda_program_cas._store.http import RETRY_MAX_S, HttpStore
-from cuda_program_cas._store.shared import RETRY_S, SharedStore
+from cuda_program_cas._store.tier import RETRY_S
+from cuda_program_cas._store.tier import Tier as SharedStore
 
 #: Kernels compiled once for the module: distinct cubins, stored under the keys "k0", "k1", ...
 ARCHES = ("sm_80", "sm_86", "sm_90", "sm_75")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import MovableClock, run_python
 
-import cuda_program_cas._store.shared as shared_mod
 import cuda_program_cas._store.store as store_mod
+import cuda_program_cas._store.tier as shared_mod
 from cuda_program_cas import CacheStore, collect, digest_of
 from cuda_program_cas.index import key_id
 

@@ -138,6 +138,10 @@ class Remover:
             raise
         return True
 
+    def file(self, path: str) -> bool:
+        """Unlink one file of the root by its path (a store's object removed by name); True if this call did."""
+        return self._unlink(path)
+
     def manifest(self, kid: str, st: os.stat_result | None = None) -> bool:
         """Unlink the manifest of ``kid``; with ``st``, only if it is still that file. True if this call removed it.
 

@@ -47,8 +47,8 @@ from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackErro
 from cuda_program_cas._remote.client import HttpFailure, Reply, request
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, local_id, parse_fields
 
-from .shared import RETRY_S, warn_once_for
 from .stats import Counters
+from .tier import RETRY_S, warn_once_for
 
 __all__ = ["RELIST_S", "RETRY_MAX_S", "HttpStore"]
 

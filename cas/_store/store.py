@@ -29,13 +29,11 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.urls import is_store_url
 from cuda_program_cas._disk.blobs import BlobStore, digest_of
 from cuda_program_cas._disk.files import FileId, ShardGuard
 from cuda_program_cas._disk.layout import (
@@ -58,12 +56,9 @@ from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
-from .shared import SharedStore
 from .stats import CacheStats, Counters
+from .tiers import SharedTier, open_tier
 from .touch import apply_pending, ensure_thread
-
-if TYPE_CHECKING:
-    from .http import HttpStore
 
 __all__ = ["CacheStore"]
 
@@ -158,7 +153,7 @@ class CacheStore:
             self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
         self._clear_lock = threading.Lock()
         after_fork(self)
-        self.shared: tuple[SharedStore | HttpStore, ...] = tuple(self._shared_store(p) for p in shared)
+        self.shared: tuple[SharedTier, ...] = tuple(self._shared_store(p) for p in shared)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -168,12 +163,8 @@ class CacheStore:
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
 
-    def _shared_store(self, where: str | os.PathLike[str]) -> SharedStore | HttpStore:
-        """The reader of one shared store: a directory, or a URL (its pack indexes kept in this cache)."""
-        if not is_store_url(where):
-            return SharedStore(where)
-        from .http import HttpStore  # imported for a URL only: a plain cache never loads the HTTP side
-
+    def _shared_store(self, where: str | os.PathLike[str]) -> SharedTier:
+        """The reader of one shared store (:mod:`cuda_program_cas._store.tiers`); pack indexes kept in this cache."""
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
 
         def memo_get(kid: str) -> bytes | None:
@@ -185,7 +176,7 @@ class CacheStore:
             if store is not None and store._writer is not None:
                 store._copy_in(kid, data, digest_of(data))
 
-        return HttpStore(os.fspath(where), memo_get=memo_get, memo_put=memo_put)
+        return open_tier(os.fspath(where), memo_get=memo_get, memo_put=memo_put)
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing

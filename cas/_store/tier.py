@@ -1,0 +1,321 @@
+"""A shared store: lookups over its engine, verified, and a failure a miss, never an exception.
+
+One class for every engine (:mod:`cuda_program_cas._base.engine`): a directory, a
+web server, a Redis server. What it does, written once here:
+
+- **The layout.** ``layout.json`` is read at the first lookup and checked as the
+  local cache's is (a newer layout or other hashes: not usable). A layout-1 store
+  is read as one; the version is asked again for each layout-1 manifest met, so a
+  store upgraded in place meanwhile is judged by its new layout
+  (:func:`cuda_program_cas.index.fits_key`). An engine whose objects can be evicted
+  on their own (Redis) needs no ``layout.json``: an empty one is a current store.
+- **A lookup.** The store's packs first (an engine may have none), then the loose
+  manifest, checked against the key, then its blob, read with the manifest's size
+  as the limit (never more than the cache's ceiling for an entry,
+  :func:`cuda_program_cas._base.config.env_max_entry_size`) and verified by its
+  blake3 digest. A missing object is a plain miss; a damaged one (garbled,
+  misplaced, wrong bytes) a miss counted in ``corrupt``.
+- **Failures.** An outage (the engine says ``outage``) pauses the store:
+  :data:`RETRY_S` after the first failure, doubling with each failure in a row up to
+  :data:`RETRY_MAX_S` (threads that meet one outage together are one failure); any
+  answer resets it. While paused, lookups miss at once, so a dead server costs a
+  process about one timeout, not one per lookup. On a directory one bad file is not
+  yet an outage: the layout is checked once, and only if that fails too is the store
+  paused. A store that cannot be used (missing, not a store, a newer or damaged
+  layout) is paused the same way, and asked again when the pause ends.
+- **Saying so.** The first time this process finds a store unusable, down or
+  denied gets one WARNING naming it and why; everything after, and every bad answer
+  about one object, is DEBUG, once per kind.
+
+Nothing here writes to a store (that is write-back's and publish's) or raises into
+the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from blake3 import blake3
+
+from cuda_program_cas._base.config import env_max_entry_size
+from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.errors import LayoutError
+from cuda_program_cas._base.fork import ForkSafeLock, after_fork
+from cuda_program_cas._disk.layout import (
+    BLOBS,
+    INDEX,
+    LAYOUT_FILE,
+    LAYOUT_VERSION,
+    check_layout_data,
+    parse_layout,
+    url_path,
+)
+from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, parse_fields
+
+from .stats import Counters
+
+__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "warn_once_for"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: The first pause after a store failed; it doubles with each failure in a row.
+RETRY_S = 5.0
+#: The longest pause.
+RETRY_MAX_S = 300.0
+#: The largest ``layout.json`` read (a real one is about 100 bytes).
+MAX_LAYOUT_BYTES = 4096
+
+#: Stores this process has warned about (by their shown address).
+_warned: set[str] = set()
+_warned_lock = ForkSafeLock()
+
+
+def warn_once_for(root: str) -> bool:
+    """True the first time this process is to warn about ``root``."""
+    with _warned_lock:
+        if root in _warned:
+            return False
+        _warned.add(root)
+        return True
+
+
+class PackSource(Protocol):
+    """A store's packs as one process sees them: ``lookup`` gives verified bytes and their digest, or None."""
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
+
+
+class Tier:
+    """Lookups in one shared store over ``engine``, read-only (module docstring).
+
+    ``packs``: the store's packs, asked before its loose entries (None: it has none).
+    ``layout_optional``: a store with no ``layout.json`` is an empty current one
+    (an engine that may evict any object on its own, such as Redis).
+    ``missing()``: why a store without ``layout.json`` is not one (for the WARNING).
+    ``retry_max_s``: the longest pause (:data:`RETRY_S`: a fixed pause, for a store
+    whose check costs a stat). ``warn_later``: a store that worked and fails later
+    is a WARNING too (the first in this process), not only one that fails at its
+    first look. ``open_now``: read the layout at once (a directory: a few system
+    calls), not at the first lookup.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        packs: PackSource | None = None,
+        writable: bool = False,
+        layout_optional: bool = False,
+        missing: Callable[[], str] | None = None,
+        retry_max_s: float = RETRY_MAX_S,
+        warn_later: bool = True,
+        open_now: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.root = engine.shown
+        self.writable = writable
+        self.packs = packs
+        self.counters = Counters()
+        self._layout_optional = layout_optional
+        self._missing = missing
+        self._recheck = bool(getattr(engine, "recheck_on_outage", False))
+        self._version = 0  # 0: not opened yet
+        self._fail_lock = threading.Lock()
+        self._paused_until = 0.0
+        self._failures = 0
+        self._why_not = ""
+        self._noted: set[str] = set()
+        self._why = threading.local()
+        self._retry_max_s = retry_max_s
+        self._warn_later = warn_later
+        self._looked = False
+        after_fork(self)
+        if open_now:
+            try:
+                self._open()
+            except StoreFailure as exc:
+                self._failed(exc)
+
+    def _after_fork_in_child(self) -> None:
+        self._fail_lock = threading.Lock()
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None:
+        """The verified bytes of ``kid`` here and their digest, or None."""
+        if self._paused_until and time.monotonic() < self._paused_until:
+            self._why.reason = f"store not usable: {self._why_not}"
+            return None
+        try:
+            if not self._version and not self._open():
+                return None
+            found = self.packs.lookup(kid) if self.packs is not None else None
+            if found is None:
+                found = self._loose(kid)
+        except StoreFailure as exc:
+            self._failed(exc)
+            return None
+        except MemoryError:
+            self._failed(StoreFailure(self.root, "out of memory", "a lookup ran out of memory", outage=False))
+            return None
+        self._failures = 0  # an answer: the next outage pauses for RETRY_S again
+        self._looked = True
+        return found
+
+    def paused(self) -> bool:
+        """Whether the store is paused now (after an outage, or unusable): its lookups and uploads are skipped."""
+        return bool(self._paused_until) and time.monotonic() < self._paused_until
+
+    def why_not(self) -> str:
+        """Why the store was last paused ("" if never)."""
+        return self._why_not
+
+    def failed(self, exc: StoreFailure) -> None:
+        """Count and handle a failure met by a user of :attr:`engine` (write-back, leases): as a lookup's."""
+        self._failed(exc)
+
+    def miss_reason(self) -> str:
+        """Why this thread's last lookup here missed."""
+        reason: str = getattr(self._why, "reason", "unknown")
+        return reason
+
+    def _loose(self, kid: str) -> tuple[bytes, str] | None:
+        data = self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES)
+        if data is None:
+            self._why.reason = "no entry"
+            return None
+        fields = parse_fields(data)
+        if fields is None or not fits_key(fields[0], kid, self._layout_now):
+            why = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
+            self._damaged(why, f"the manifest of {kid}: {len(data)} bytes that are not its manifest")
+            return None
+        _found, digest, size = fields
+        ceiling = env_max_entry_size()
+        if size > ceiling:
+            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {ceiling} allowed")
+            return None
+        blob = self.engine.get(url_path(BLOBS, digest), limit=size)
+        if blob is None:
+            self._why.reason = "blob missing"
+            return None
+        if len(blob) != size or blake3(blob).hexdigest() != digest:
+            self._damaged("damaged blob", f"blob {digest}: {len(blob)} bytes that do not hash to it")
+            return None
+        return blob, digest
+
+    # -- the layout ----------------------------------------------------------------------
+
+    def _open(self) -> bool:
+        """Read and check ``layout.json``; False (the store paused) when it is not usable."""
+        try:
+            raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
+        except StoreFailure as exc:
+            if exc.kind != "too large":
+                raise
+            raw = b""  # hundreds of MB of "layout": not a store
+        if raw is None:
+            if self._layout_optional:
+                self._version = LAYOUT_VERSION
+                return True
+            return self._unusable(self._missing() if self._missing is not None else "not a store (no layout.json)")
+        data = parse_layout(raw)
+        if data is None:
+            return self._unusable("damaged (its layout.json)")
+        try:
+            self._version = check_layout_data(self.root, data)
+        except LayoutError as exc:
+            return self._unusable(str(exc))
+        self._looked = True
+        return True
+
+    def _layout_now(self) -> int:
+        """The layout version to judge a layout-1 manifest just read by (asked again: an upgrade in place)."""
+        if self._version >= KEYED_LAYOUT:
+            return self._version
+        raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
+        data = parse_layout(raw) if raw is not None else None
+        if data is None:
+            return LAYOUT_VERSION  # strict: nothing is believed on a guess
+        try:
+            self._version = check_layout_data(self.root, data)
+        except LayoutError:
+            return LAYOUT_VERSION
+        return self._version
+
+    def _unusable(self, why: str) -> bool:
+        self._version = 0
+        self._pause(StoreFailure(self.root, "unusable", why))
+        return False
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _failed(self, exc: StoreFailure) -> None:
+        if not exc.outage:
+            if exc.kind in ("too large", "not a regular file", "not a directory"):
+                self._damaged(exc.kind, str(exc))
+                return
+            self.counters.add("errors")
+            self._why.reason = f"cannot read ({exc.kind})" if exc.kind != "denied" else "access denied"
+            if exc.kind == "denied" and warn_once_for(self.root):
+                _log.warning(
+                    "cuda-program-cas: shared store %s cannot be read: %s; such lookups are misses (said once per "
+                    "process)",
+                    self.root,
+                    exc,
+                )
+                return
+            self._note(f"read error {exc.kind}", f"read error: {exc}")
+            return
+        if self._recheck:
+            # One file failing is not yet an outage of a directory: its layout is read once more.
+            self.counters.add("errors")
+            self._why.reason = f"cannot read ({exc.kind})"
+            self._note(f"read error {exc.kind}", f"read error: {exc}")
+            try:
+                if self._open():
+                    return
+            except StoreFailure as again:
+                self._pause(again)
+            return
+        self._pause(exc)
+
+    def _pause(self, exc: StoreFailure) -> None:
+        self.counters.add("errors")
+        with self._fail_lock:
+            if time.monotonic() < self._paused_until:
+                # Another thread met the same outage first: one outage is one step of the pause.
+                self._why.reason = f"store not usable: {self._why_not}"
+                return
+            self._failures += 1
+            pause = min(self._retry_max_s, RETRY_S * 2 ** (self._failures - 1))
+            self._paused_until = time.monotonic() + pause
+            self._why_not = f"{exc.kind}: {exc.detail}" if exc.kind != "unusable" else exc.detail
+            self._version = 0  # asked again when the pause ends
+        self._why.reason = f"store not usable: {self._why_not}"
+        first_look, self._looked = not self._looked, True
+        if (first_look or self._warn_later) and warn_once_for(self.root):
+            _log.warning(
+                "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
+                "(said once per process)",
+                self.root,
+                self._why_not,
+                pause,
+                ", then less often" if self._retry_max_s > RETRY_S else "",
+            )
+        else:
+            _log.debug("cuda-program-cas: shared store %s: %s; paused for %g s", self.root, self._why_not, pause)
+
+    def _damaged(self, why: str, message: str) -> None:
+        self.counters.add("corrupt")
+        self._why.reason = why
+        self._note(why, message)
+
+    def _note(self, what: str, message: str) -> None:
+        if what in self._noted:
+            return
+        self._noted.add(what)
+        _log.debug("cuda-program-cas: shared store %s (%s): %s", self.root, what, message)

@@ -1,0 +1,91 @@
+"""The one table that picks a store's engine by its address's scheme, and opens the store over it.
+
+=============================  ============================================  =====================
+address                        engine                                        packs
+=============================  ============================================  =====================
+a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngine`  ``packs/``, listed
+``http://``, ``https://``      the HTTP reader (WebDAV for writes)          ``packs/list``
+=============================  ============================================  =====================
+
+Each engine is imported when a store of its scheme is opened, so a plain cache
+never loads the HTTP or Redis side. ``ADDRESS|write`` names a store writable
+(:func:`cuda_program_cas._base.urls.parse_store_entry`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Union
+
+from cuda_program_cas._base.urls import parse_store_entry, scheme_of
+
+from .tier import RETRY_S, Tier
+
+if TYPE_CHECKING:
+    from .http import HttpStore
+
+__all__ = ["SharedTier", "open_tier"]
+
+#: ``memo_get(key id)`` -> bytes the local cache keeps, or None; ``memo_put(key id, bytes)``: keep them.
+MemoGet = Callable[[str], "bytes | None"]
+MemoPut = Callable[[str, bytes], None]
+SharedTier = Union[Tier, "HttpStore"]
+
+
+def _directory(address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None) -> Tier:
+    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._disk.pack import PackSet
+
+    root = os.path.abspath(address)
+    tier: Tier
+
+    def missing() -> str:
+        from cuda_program_cas._base.errors import LayoutError
+        from cuda_program_cas._disk.layout import check_layout
+
+        try:
+            check_layout(root)  # names a file, a foreign directory, a dangling symlink
+        except (OSError, LayoutError) as exc:
+            return str(exc)
+        return "not a cache (no layout.json)" if os.path.isdir(root) else "missing"
+
+    def damaged(path: str) -> None:
+        tier.counters.add("corrupt")
+        tier._note("damaged pack", f"{path}: an entry's blob is damaged or unreadable; it is a miss")
+
+    # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
+    # store that worked and is gone later (unmounted) is not a WARNING.
+    tier = Tier(
+        DirEngine(root),
+        packs=PackSet(root, on_damage=damaged),
+        writable=writable,
+        missing=missing,
+        retry_max_s=RETRY_S,
+        warn_later=False,
+        open_now=True,
+    )
+    return tier
+
+
+def _http(address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None) -> HttpStore:
+    from .http import HttpStore
+
+    return HttpStore(address, memo_get=memo_get, memo_put=memo_put)
+
+
+_ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None], SharedTier]] = {
+    "file": _directory,
+    "http": _http,
+    "https": _http,
+}
+
+
+def open_tier(entry: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None) -> SharedTier:
+    """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one."""
+    address, writable = parse_store_entry(entry)
+    scheme = scheme_of(address) or "file"
+    make = _ENGINES.get(scheme)
+    if make is None:
+        raise ValueError(f"no engine for {scheme}:// stores yet: {address!r}")
+    return make(address, writable, memo_get, memo_put)
