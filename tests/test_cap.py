@@ -710,3 +710,32 @@ def test_a_stored_value_is_landed_when_its_eviction_fails_and_the_cap_holds(
         assert store.put(f"after{n}", value(100 + n, 300)) is WriteResult.STORED
         assert store.snapshot().stored_bytes <= 1500
     assert not mpath(root, "stuck").exists()
+
+
+@pytest.mark.mount
+def test_garbage_that_cannot_be_removed_neither_stalls_nor_overfills_the_cache(tmp_path: Path) -> None:
+    from cuda_program_cas import WriteResult
+
+    root = tmp_path / "cas"
+    store = CacheStore(root, max_size_bytes=1500)
+    junk = mpath(root, "junk")
+    junk.parent.mkdir(parents=True)
+    junk.write_bytes(b"cpcas2 not a manifest\n")  # garbage: every plan takes it first, whatever the target
+    keys = [k for k in (f"k{i}" for i in range(40)) if mpath(root, k).parent != junk.parent][:8]
+    sizes: list[int] = []
+    results: list[WriteResult] = []
+
+    def writes() -> None:
+        for n, key in enumerate(keys, 1):
+            results.append(store.put(key, value(n, 300)))
+            sizes.append(store.snapshot().stored_bytes)
+
+    with read_only(junk.parent):
+        # In a thread: an eviction that plans the same stuck file again and again never returns.
+        writer = threading.Thread(target=writes, daemon=True)
+        writer.start()
+        writer.join(timeout=60)
+        assert not writer.is_alive(), "an eviction retried the file it cannot remove without end"
+    assert results == [WriteResult.STORED] * len(keys)
+    assert max(sizes) <= 1500, sizes  # the live entries around it went instead
+    assert junk.exists() and store.get(keys[-1]) == value(len(keys), 300)

@@ -203,9 +203,11 @@ class SizeCap:
                 # The plan counted on that file's bytes: plan again without it, as far as it takes.
                 failure = failed
                 self._plan = None
-                if not isinstance(failed.filename, str) or len(stuck) >= MAX_FAILED_REMOVALS:
+                name = failed.filename
+                # A file that fails again, or one this pass cannot name, would fail every pass: stop.
+                if not isinstance(name, str) or name in stuck or len(stuck) >= MAX_FAILED_REMOVALS:
                     break
-                stuck.add(failed.filename)
+                stuck.add(name)
         finally:
             lock.release()
         self._measure(total.stored_bytes_after)
@@ -220,7 +222,7 @@ class SizeCap:
             os.path.basename(os.path.dirname(p)) + os.path.basename(p): os.path.dirname(os.path.dirname(p))
             for p in stuck
         }
-        kept_kids = [name for name, top in held.items() if top == lay.index]
+        kept_kids = frozenset(name for name, top in held.items() if top == lay.index)
         kept_blobs = frozenset(name for name, top in held.items() if top == lay.blobs)
         live = sum(1 for m in snap.manifests if m.manifest is not None)
         target = int(max_bytes * LOW_WATERMARK) if live >= MIN_ENTRIES_FOR_WATERMARK else max_bytes
@@ -230,7 +232,8 @@ class SizeCap:
             cap_bytes=max_bytes,
             orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
             retired=self._retired,
-            protect=[*kept_kids, protect] if protect else kept_kids,
+            protect=(protect,) if protect else (),
+            keep_manifests=kept_kids,
             keep_blobs=kept_blobs,
             recency=self._recency() if self._recency is not None else None,
         )
@@ -303,6 +306,7 @@ def plan_lru(
     orphan_grace_ns: int,
     retired: dict[str, FileId] | None = None,
     protect: Container[str] = (),
+    keep_manifests: frozenset[str] = frozenset(),
     keep_blobs: frozenset[str] = frozenset(),
     recency: Mapping[str, int] | None = None,
 ) -> RemovalPlan:
@@ -314,9 +318,9 @@ def plan_lru(
 
     ``retired``: blobs an earlier pass left behind when it removed their last
     manifest (see :func:`cuda_program_cas._disk.remove.removable_orphans`). ``protect``: key ids
-    never chosen (the entry a write has just stored, a manifest that could not be
-    removed). ``keep_blobs``: digests never removed, whose bytes stay (blobs that
-    could not be removed). ``recency``: key id -> the
+    never chosen as least recently used (the entry a write has just stored).
+    ``keep_manifests``, ``keep_blobs``: key ids and digests never removed, garbage
+    or not, whose bytes stay (files that could not be removed). ``recency``: key id -> the
     time (ns) this process last read it, where that is later than the
     manifest's mtime (a hit touches the manifest at most once a second).
     """
@@ -326,6 +330,8 @@ def plan_lru(
     total -= sum(snap.blobs[d].st_size for d in plan.orphans)
     live = []
     for info in snap.manifests:
+        if info.key_id in keep_manifests:
+            continue  # its bytes stay: it counts in total, and is no candidate
         if classify(info, snap) is Condition.OK:
             live.append(info)
         else:
