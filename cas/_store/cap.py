@@ -22,7 +22,7 @@ orphans go before any live entry. ``gc --max-size`` plans with the same function
 A removal that fails (a shard that went read-only, a file another user owns) does
 not turn the write that triggered it into a dropped one: the value is stored. It
 does not keep the cache over its cap either: the eviction is planned again from a
-new listing without that file, as far as it takes (up to :data:`MAX_FAILED_REMOVALS`
+new listing without that file (garbage or not), as far as it takes (up to :data:`MAX_FAILED_REMOVALS`
 files a pass), and is said once at WARNING. Whatever is still over the cap then is
 evicted by the next write or call, which lists the cache again.
 """
