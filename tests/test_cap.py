@@ -663,3 +663,79 @@ def test_at_rest_one_writer_is_always_within_the_cap(cache_dir: Path) -> None:
         got = store.get(key)
         assert got is None or got == data
     assert store.get(key) == live[key]  # the last write is there
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` bind-mounted on itself read-only for the duration (root only; skips where impossible)."""
+    from conftest import is_root
+
+    if not is_root():
+        pytest.skip("bind mounts need root")
+    if subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True).returncode:
+        pytest.skip("mount --bind is not available here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+@pytest.mark.mount
+def test_a_stored_value_is_landed_when_its_eviction_fails_and_the_cap_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cuda_program_cas import WriteResult
+
+    root = tmp_path / "cas"
+    store = CacheStore(root, max_size_bytes=1500)
+    assert store.put("stuck", value(0, 300)) is WriteResult.STORED
+    shard = mpath(root, "stuck").parent
+    # Keys whose manifests go elsewhere: a write into the read-only shard would be a real drop.
+    keys = [k for k in (f"k{i}" for i in range(40)) if mpath(root, k).parent != shard][:8]
+    with read_only(shard):
+        for n, key in enumerate(keys, 1):
+            # The least recently used entry cannot be removed: the write is stored all the same,
+            # and the entries after it are evicted instead, so the cache stays under its cap.
+            assert store.put(key, value(n, 300)) is WriteResult.STORED, key
+            assert store.get(key) == value(n, 300)
+            assert store.snapshot().stored_bytes <= 1500, (key, store.snapshot().stored_bytes)
+        assert store.get("stuck") == value(0, 300)
+        assert store.counters()["dropped_writes"] == 0
+    warned = [r.getMessage() for r in caplog.records if "eviction failed" in r.getMessage()]
+    assert len(warned) == 1 and "Read-only file system" in warned[0]
+    # Writable again: it is evicted in its turn (3 entries fit; 5 newer ones come).
+    for n in range(5):
+        assert store.put(f"after{n}", value(100 + n, 300)) is WriteResult.STORED
+        assert store.snapshot().stored_bytes <= 1500
+    assert not mpath(root, "stuck").exists()
+
+
+@pytest.mark.mount
+def test_garbage_that_cannot_be_removed_neither_stalls_nor_overfills_the_cache(tmp_path: Path) -> None:
+    from cuda_program_cas import WriteResult
+
+    root = tmp_path / "cas"
+    store = CacheStore(root, max_size_bytes=1500)
+    junk = mpath(root, "junk")
+    junk.parent.mkdir(parents=True)
+    junk.write_bytes(b"cpcas2 not a manifest\n")  # garbage: every plan takes it first, whatever the target
+    keys = [k for k in (f"k{i}" for i in range(40)) if mpath(root, k).parent != junk.parent][:8]
+    sizes: list[int] = []
+    results: list[WriteResult] = []
+
+    def writes() -> None:
+        for n, key in enumerate(keys, 1):
+            results.append(store.put(key, value(n, 300)))
+            sizes.append(store.snapshot().stored_bytes)
+
+    with read_only(junk.parent):
+        # In a thread: an eviction that plans the same stuck file again and again never returns.
+        writer = threading.Thread(target=writes, daemon=True)
+        writer.start()
+        writer.join(timeout=60)
+        assert not writer.is_alive(), "an eviction retried the file it cannot remove without end"
+    assert results == [WriteResult.STORED] * len(keys)
+    assert max(sizes) <= 1500, sizes  # the live entries around it went instead
+    assert junk.exists() and store.get(keys[-1]) == value(len(keys), 300)

@@ -535,3 +535,43 @@ def test_two_publishers_create_one_store_at_once(tmp_path: Path) -> None:
     reader = CacheStore(tmp_path / "local", shared=[shared])
     assert reader.get("same") == b"same bytes"
     assert len(CacheStore(shared, read_only=True)) == 61
+
+
+def test_verify_repair_keeps_the_shared_mark_of_a_damaged_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cuda_program_cas import collect, verify
+    from cuda_program_cas._disk.layout import is_shared_store
+
+    shared = tmp_path / "shared"
+    publish([node_cache(tmp_path / "node", {"k": b"v" * 100})], shared)
+    layout = shared / "layout.json"
+    whole = layout.read_bytes()
+    mark = whole.index(b'"shared": true') + len(b'"shared": true')
+    # Cut anywhere (a torn write, a disk that lost the tail): the mark is kept once it is whole in what is left.
+    assert whole.endswith(b"}\n")  # cut before the newline, it is whole
+    for cut in range(len(whole) - 1):
+        layout.write_bytes(whole[:cut])
+        report = verify(shared, repair=True)
+        assert [p.kind for p in report.problems] == ["damaged_layout"] and report.problems[0].fixed
+        assert is_shared_store(str(shared)) is (cut >= mark), (cut, whole[:cut])
+        detail = report.problems[0].detail
+        assert ("with its shared mark" in detail) is (cut >= mark) and ("--shared for a published" in detail) is (
+            cut < mark
+        )
+    # Valid JSON with a bad field still says it; so a short grace stays refused.
+    layout.write_text('{"layout": "cuda-program-cas", "version": "two", "shared": true}')
+    assert verify(shared, repair=True).problems[0].fixed and is_shared_store(str(shared))
+    with pytest.raises(ValueError, match="shared store"):
+        collect(shared, grace_s=60)
+    # Nothing left to read: the operator says it.
+    for args, marked in ((["--repair", "--shared"], True), (["--repair", "--no-shared"], False)):
+        layout.write_bytes(b"")
+        capsys.readouterr()
+        assert cli_main(["verify", str(shared), *args]) == 0
+        assert is_shared_store(str(shared)) is marked
+    layout.write_text('{"layout": "cuda-program-cas", "version": 0, "shared": true}')
+    assert cli_main(["verify", str(shared), "--repair", "--no-shared"]) == 0 and not is_shared_store(str(shared))
+    capsys.readouterr()
+    assert cli_main(["verify", str(shared), "--shared"]) == 2
+    assert "give --repair" in capsys.readouterr().err

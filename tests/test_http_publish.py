@@ -399,3 +399,179 @@ def test_publish_over_https_trusts_the_ca_bundle_it_is_given(sources: Sources, t
         trusted = _cli(["publish", str(sources.b), url], {**base, "CUDA_PROGRAM_CAS_CA_BUNDLE": str(server.cert)})
         assert trusted.returncode == 0, trusted.stderr
     assert cli_main(["verify", str(store)]) == 0
+
+
+# -- What the server holds, not what it answered -------------------------------------------------
+
+
+def publish_fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run publish that must fail: exit 1, nothing on stdout, one line on stderr; that line."""
+    capsys.readouterr()
+    assert cli_main(["publish", *args]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, (out, err)
+    assert err.startswith("cuda-program-cas publish: error: ")
+    return err.strip()
+
+
+def blob_sizes(source: Path) -> set[int]:
+    return {p.stat().st_size for p in (source / "blobs").rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # Every file: the first upload (CACHEDIR.TAG) is read back, and the run stops there.
+        ({"/": "nothing"}, False, r"/store/CACHEDIR\.TAG: not stored: the server answered 201 to PUT but holds 0 of"),
+        ({"/": "half"}, True, r"/store/CACHEDIR\.TAG: not stored: .* but holds [\d,]+ of its [\d,]+ bytes"),
+        ({"/store/layout.json": "half"}, False, r"/store/layout\.json: not stored: .* holds [\d,]+ of its"),
+        # Blobs only: no manifest is sent that names a blob the server does not hold.
+        ({"/store/blobs/": "nothing"}, False, r"/store/blobs/[0-9a-f]{2}/[0-9a-f]{62}: not stored: .* holds 0 of"),
+        ({"/store/blobs/": "half"}, False, r"/store/blobs/[0-9a-f]{2}/[0-9a-f]{62}: not stored: .* holds [\d,]+ of"),
+        ({"/store/index/": "half"}, False, r"/store/index/[0-9a-f]{2}/[0-9a-f]{62}: not stored: .* holds [\d,]+ of"),
+        ({"/store/packs/pack-": "half"}, True, r"/store/packs/pack-[0-9a-f-]+\.cpk: not stored: .* holds [\d,]+ of"),
+        # The listing: a server that dropped it is not "other publishers kept replacing it".
+        ({"/store/packs/list": "nothing"}, True, r"/store/packs/list: not stored: .* holds 0 of its [\d,]+ bytes"),
+        ({"/store/packs/list": "half"}, True, r"/store/packs/list: not stored: .* holds [\d,]+ of its [\d,]+ bytes"),
+    ],
+    ids=lambda case: "-".join([*(f"{k.strip('/') or 'all'}={v}" for k, v in case[0].items()), *(["pack"] * case[1])]),
+)
+def test_a_server_that_answers_201_and_keeps_less_fails_the_publish(
+    sources: Sources, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: tuple[dict[str, str], bool, str]
+) -> None:
+    import re
+
+    from _http.lying_dav import LyingDav
+
+    lies, pack, said = case
+    with LyingDav(tmp_path / "dav", lies=lies) as server:
+        err = publish_fails(capsys, *(["--pack"] if pack else []), str(sources.a), server.url("store"))
+        log = server.log
+    assert re.search(said, err), err
+    assert err.endswith("is it a real WebDAV store?") and "other publishers" not in err
+    if "/blobs/" in err:
+        found = re.search(r"holds ([\d,]+) of its ([\d,]+) bytes", err)
+        assert found is not None
+        held, whole = (int(n.replace(",", "")) for n in found.groups())
+        assert whole in blob_sizes(sources.a) and held == (0 if lies["/store/blobs/"] == "nothing" else whole // 2)
+        assert not [p for m, p, _ in log if m == "PUT" and "/index/" in p]  # nothing names what it lacks
+    # Each upload was read back once, at once: the failing one is the last request.
+    assert log[-1][0] in ("GET", "HEAD") and log[-2][0] == "PUT"
+
+
+def test_the_check_costs_one_request_per_upload(
+    sources: Sources, nginx: Nginx, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from collections import Counter
+
+    def counted() -> Counter[str]:
+        return Counter(f"{e.method} {e.uri.split('/dav/store/', 1)[1].split('/')[0]}" for e in settled(nginx))
+
+    # Loose, 5 entries and 4 blobs into a new store: 22 requests without the check, 33 with it.
+    assert publish_json(capsys, str(sources.a), nginx.dav_url("store"))[0] == 0
+    assert counted() == {
+        "GET layout.json": 2, "PUT layout.json": 1, "HEAD CACHEDIR.TAG": 1, "PUT CACHEDIR.TAG": 1,
+        "GET CACHEDIR.TAG": 1,  # read back
+        "GET index": 5 + 5,  # absent before, then each read back
+        "HEAD blobs": 4 + 4,  # absent before, then each read back
+        "PUT blobs": 4, "PUT index": 5,
+    }  # fmt: skip
+    # Packed, into a new store: 13 requests without the check, 16 with it (the listing was read back before).
+    assert publish_json(capsys, "--pack", str(sources.a), nginx.dav_url("packed"))[0] == 0
+    entries = settled(nginx)
+    kinds = Counter(f"{e.method} {e.uri.split('/dav/packed/', 1)[1].split('/')[0]}" for e in entries)
+    assert kinds == {
+        "GET layout.json": 2, "PUT layout.json": 1, "HEAD CACHEDIR.TAG": 1, "PUT CACHEDIR.TAG": 1,
+        "GET CACHEDIR.TAG": 1, "GET index": 5, "PUT packs": 2, "GET packs": 3,
+    }  # fmt: skip
+    ranged = [e.range for e in entries if e.method == "GET" and ".cpk" in e.uri]
+    assert ranged == ["bytes=-64"]  # the pack's size and its last 64 bytes, trailer included
+
+
+class WorkerNginx(Nginx):
+    """nginx whose worker runs as ``nobody``, as a root-started nginx does by default, with its own body folder."""
+
+    def __init__(self, prefix: Path, root: Path, body: Path) -> None:
+        super().__init__(prefix, root)
+        self.body = body
+
+    def _config(self) -> str:
+        return super()._config().replace("user root root;", "user nobody nogroup;")
+
+    def _body_temp(self) -> Path:
+        return self.body
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder outside pytest's owner-only ones, that nginx's worker (``nobody``) can enter."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="cpcas-ngx-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_nginx_that_cannot_write_the_store_names_the_likely_causes(
+    sources: Sources, open_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conftest import is_root
+
+    if not is_root():
+        pytest.skip("nginx's worker runs as another user only when its master is root")
+    nginx_or_skip(open_dir / "probe").stop()  # skips where nginx cannot run at all
+    root, body = open_dir / "root", open_dir / "body"
+    (root / "store").mkdir(parents=True)  # root's, mode 0755: nobody may not write it
+    body.mkdir()
+    os.chown(body, 65534, 65534)
+    with WorkerNginx(open_dir / "nginx", root, body) as server:
+        err = publish_fails(capsys, str(sources.a), server.dav_url("store"))
+        logged = server.error_log_tail()
+    assert "/store/CACHEDIR.TAG: HTTP 500: PUT answered 500" in err
+    for cause in ("not writable by nginx's worker user", "create_full_put_path is off", "full", "error log"):
+        assert cause in err, err
+    assert "Permission denied" in logged  # what nginx itself says
+    assert os.listdir(root / "store") == []
+
+
+# The publisher, in a child whose address space is bounded: a read that follows what a server claims fails there.
+BOUNDED_PUBLISH = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from cuda_program_cas._cli.main import main
+sys.exit(main(["publish", sys.argv[1], sys.argv[2], "--json"]))
+"""
+
+
+def test_a_pack_trailer_that_claims_a_huge_index_is_not_fetched(
+    sources: Sources, nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import struct
+
+    from cuda_program_cas._base.config import DEFAULT_MAX_ENTRY_BYTES
+    from cuda_program_cas._disk.pack import encode_listing
+
+    url, store = nginx.dav_url("store"), nginx.root / "store"
+    assert publish_json(capsys, str(sources.b), url)[0] == 0
+    # A pack whose trailer claims 2^32 - 1 entries, and whose size (412 GB, sparse) agrees.
+    count = 2**32 - 1
+    size = 8 + 1024 + count * 96 + 56  # header, fan-out, entries, trailer
+    name = "pack-00000000000000ff-00000000.cpk"
+    (store / "packs").mkdir()
+    with open(store / "packs" / name, "wb") as f:
+        f.write(b"cpcaspk\x01")
+        f.truncate(size)
+        f.seek(size - 56)
+        f.write(struct.pack("<32sQII8s", bytes(32), 8, count, 1, b"cpcasidx"))
+    (store / "packs" / "list").write_bytes(encode_listing([name]))
+    settled(nginx)
+    done = run_python(BOUNDED_PUBLISH, str(sources.a), url, env={"NETRC": str(tmp_path / "no-netrc")}, timeout=60)
+    asked = [e.range for e in settled(nginx) if e.uri.endswith(name)]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert asked == ["bytes=-56"]  # the trailer; its index (412 GB > 256 MiB) never
+    assert size - 56 - 8 > DEFAULT_MAX_ENTRY_BYTES
+    report = json.loads(done.stdout)
+    assert (report["published"], report["unchanged"]) == (N_KERNELS + 1, 0)  # an unusable pack holds nothing
+    assert len([p for p in (store / "index").rglob("*") if p.is_file()]) == N_KERNELS + 2  # a's entries, and b's

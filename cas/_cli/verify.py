@@ -7,7 +7,7 @@ from typing import Any
 
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
-from .main import add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from .main import UsageError, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
 
 __all__ = ["register"]
 
@@ -19,11 +19,19 @@ def register(subparsers: Any) -> None:
         description=(
             "Read every manifest and hash every blob; report each problem. Without --repair nothing is "
             "written (a read-only cache can be verified). --repair moves bad blobs to quarantine/, removes "
-            "bad manifests and stale temp files, and rewrites a damaged layout.json."
+            "bad manifests and stale temp files, and rewrites a damaged layout.json (with the shared mark of a "
+            "published store, as far as the damaged file still shows it; --shared or --no-shared says it)."
         ),
     )
     add_path_arg(p)
     p.add_argument("--repair", action="store_true", help="fix what can be fixed")
+    p.add_argument(
+        "--shared",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --repair: rewrite a damaged layout.json marked as a shared store, or not (default: as the "
+        "damaged file still says; unmarked where it says nothing)",
+    )
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -63,7 +71,9 @@ def _tail(report: VerifyReport, repair: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = verify(cache_path(args.path), repair=args.repair, progress=args.progress)
+    if args.shared is not None and not args.repair:
+        raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
+    report = verify(cache_path(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
     args.progress.done()
     if args.json:
         print_json(report.as_dict())

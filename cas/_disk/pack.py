@@ -56,6 +56,7 @@ from .layout import Layout
 
 __all__ = [
     "LISTING",
+    "MAX_LISTING_BYTES",
     "PACK_SUFFIX",
     "RETIRED",
     "TRAILER_SIZE",
@@ -125,6 +126,8 @@ def pack_name() -> str:
 RETIRED = "retired"
 #: ``packs/list``: the pack names of a store, for readers that cannot list a directory (HTTP).
 LISTING = "list"
+#: The largest ``packs/list`` a reader fetches: 4 MiB, about 140,000 pack names.
+MAX_LISTING_BYTES = 4 << 20
 _LISTING_HEAD = b"cpcas-packs 1\n"
 _NAME_RE = re.compile(r"pack-[0-9a-f]{16}-[0-9a-f]{8}\.cpk")
 
@@ -420,10 +423,17 @@ class PackIndex:
         self._keys, self._entries = _split(index[_FANOUT.size :])
 
     @staticmethod
-    def span(size: int, trailer: bytes, name: str) -> tuple[int, int]:
-        """Where the index of a pack of ``size`` bytes with this trailer lies: ``(offset, length)``."""
+    def span(size: int, trailer: bytes, name: str, *, limit: int | None = None) -> tuple[int, int]:
+        """Where the index of a pack of ``size`` bytes with this trailer lies: ``(offset, length)``.
+
+        ``limit``: the most bytes the caller will read; a trailer that claims a longer
+        index is a :class:`PackError` before a byte of it is fetched.
+        """
         _checksum, index_offset, count = parse_trailer(trailer, size, name)
-        return index_offset, _FANOUT.size + count * _ENTRY.size
+        length = _FANOUT.size + count * _ENTRY.size
+        if limit is not None and length > limit:
+            raise PackError(f"{name}: its trailer claims an index of {length:,} bytes, more than the {limit:,} allowed")
+        return index_offset, length
 
     def find_key(self, key: bytes) -> PackEntry | None:
         """The entry of the key id ``key`` (32 raw bytes), or None."""

@@ -18,14 +18,23 @@ mtime, which a hit refreshes, or this process's own later reads). A front-door
 record and its results go together (:mod:`cuda_program_cas.index`). A blob goes
 only when the last manifest naming it goes. Garbage manifests and removable
 orphans go before any live entry. ``gc --max-size`` plans with the same function.
+
+A removal that fails (a shard that went read-only, a file another user owns) does
+not turn the write that triggered it into a dropped one: the value is stored. It
+does not keep the cache over its cap either: the eviction is planned again from a
+new listing without that file (garbage or not), as far as it takes (up to :data:`MAX_FAILED_REMOVALS`
+files a pass), and is said once at WARNING. Whatever is still over the cap then is
+evicted by the next write or call, which lists the cache again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
+from typing import Protocol
 
 from cuda_program_cas._base.events import LOGGER, evicted
 from cuda_program_cas._base.fork import after_fork
@@ -39,7 +48,15 @@ from cuda_program_cas.index import lru_units, partners_of
 from .stats import Counters
 from .touch import apply_pending
 
-__all__ = ["EVICT_STEP", "LOW_WATERMARK", "MIN_ENTRIES_FOR_WATERMARK", "ORPHAN_GRACE_S", "SizeCap", "plan_lru"]
+__all__ = [
+    "EVICT_STEP",
+    "LOW_WATERMARK",
+    "MAX_FAILED_REMOVALS",
+    "MIN_ENTRIES_FOR_WATERMARK",
+    "ORPHAN_GRACE_S",
+    "SizeCap",
+    "plan_lru",
+]
 
 #: Eviction brings the stored bytes down to this fraction of the cap, so one
 #: scan pays for many writes.
@@ -52,6 +69,15 @@ ORPHAN_GRACE_S = 600.0
 EVICT_STEP = 64
 #: A capped writer lists the cache again after writing this fraction of the cap.
 REMEASURE_FRACTION = 8
+#: Removals that may fail in one pass of an eviction before it stops until the next write:
+#: one stuck file costs a failed unlink per pass, a cache gone read-only no more than this.
+MAX_FAILED_REMOVALS = 8
+
+
+class Note(Protocol):
+    """How the cap reports a problem (the store's one-WARNING-per-kind logger)."""
+
+    def __call__(self, what: str, code: int, message: str) -> None: ...
 
 
 class SizeCap:
@@ -67,9 +93,12 @@ class SizeCap:
         lay: Layout,
         remover: Remover,
         counters: Counters,
+        *,
         recency: Callable[[], Mapping[str, int]] | None = None,
+        note: Note | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        self._note = note
         self._lay = lay
         self._remover = remover
         self._counters = counters
@@ -122,46 +151,79 @@ class SizeCap:
 
         ``budget=None``: all the way to the low watermark at once. Only one evictor
         runs at a time (a non-blocking lock per instance, a ``filelock`` across
-        processes); a writer that finds one running goes on.
+        processes); a writer that finds one running goes on. Never raises
+        ``OSError``: an eviction that fails is said and tried again by the next call.
         """
         max_bytes = self.max_bytes
         if max_bytes is None or not self._mutex.acquire(blocking=False):
             return None
         try:
-            if self._plan is None and (self._approx is None or self._approx <= max_bytes):
-                lay = self._lay
-                stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
-                self._measure(stored)
-                if stored <= max_bytes:
-                    return None
-            import filelock
+            return self._enforce(max_bytes, budget, protect)
+        except OSError as exc:  # listing the cache, its lock file: the next write tries again
+            self._failed(exc)
+            return None
+        finally:
+            self._mutex.release()
 
-            lock = filelock.FileLock(self._lay.lock, timeout=0)
-            try:
-                lock.acquire(blocking=False)
-            except filelock.Timeout:
+    def _enforce(self, max_bytes: int, budget: int | None, protect: str | None) -> RemovalResult | None:
+        """:meth:`enforce`, under its mutex."""
+        if self._plan is None and (self._approx is None or self._approx <= max_bytes):
+            lay = self._lay
+            stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
+            self._measure(stored)
+            if stored <= max_bytes:
                 return None
-            try:
+        import filelock
+
+        lock = filelock.FileLock(self._lay.lock, timeout=0)
+        try:
+            lock.acquire(blocking=False)
+        except filelock.Timeout:
+            return None
+        total = RemovalResult()
+        failure: OSError | None = None
+        stuck: set[str] = set()  # files this pass could not remove
+        try:
+            while True:
                 must_free = 0
                 if self._plan is None:
                     self._remover.sweep_temp()  # a crashed writer's temp files count, and go first
                     apply_pending()  # the scan sees this process's reads, in every instance
                     lay = self._lay
                     snap = take_snapshot(lay.index, lay.blobs, clock_dir=lay.tmp, temp_dir=lay.tmp)
-                    if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile
-                        self._measure(snap.stored_bytes)
-                        return RemovalResult(stored_bytes_after=snap.stored_bytes)
-                    self._plan = self._plan_for(snap, max_bytes, protect)
+                    total.stored_bytes_after = snap.stored_bytes
+                    if snap.stored_bytes <= max_bytes:  # another process evicted meanwhile, or this pass did
+                        break
+                    self._plan = self._plan_for(snap, max_bytes, protect, stuck)
                     must_free = snap.stored_bytes - max_bytes
-                result = self._carry_out(self._plan, budget, must_free)
-            finally:
-                lock.release()
-            self._measure(result.stored_bytes_after)
-            return result
+                result, failed = self._carry_out(self._plan, budget, must_free)
+                total.add(result)
+                if failed is None:
+                    break
+                # The plan counted on that file's bytes: plan again without it, as far as it takes.
+                failure = failed
+                self._plan = None
+                name = failed.filename
+                # A file that fails again, or one this pass cannot name, would fail every pass: stop.
+                if not isinstance(name, str) or name in stuck or len(stuck) >= MAX_FAILED_REMOVALS:
+                    break
+                stuck.add(name)
         finally:
-            self._mutex.release()
+            lock.release()
+        self._measure(total.stored_bytes_after)
+        if failure is not None:
+            self._failed(failure)
+        return total
 
-    def _plan_for(self, snap: Snapshot, max_bytes: int, protect: str | None) -> RemovalPlan:
+    def _plan_for(self, snap: Snapshot, max_bytes: int, protect: str | None, stuck: set[str]) -> RemovalPlan:
+        """The eviction of ``snap`` down to the cap (or the low watermark); ``stuck``: paths that cannot go."""
+        lay = self._lay
+        held = {
+            os.path.basename(os.path.dirname(p)) + os.path.basename(p): os.path.dirname(os.path.dirname(p))
+            for p in stuck
+        }
+        kept_kids = frozenset(name for name, top in held.items() if top == lay.index)
+        kept_blobs = frozenset(name for name, top in held.items() if top == lay.blobs)
         live = sum(1 for m in snap.manifests if m.manifest is not None)
         target = int(max_bytes * LOW_WATERMARK) if live >= MIN_ENTRIES_FOR_WATERMARK else max_bytes
         plan = plan_lru(
@@ -171,6 +233,8 @@ class SizeCap:
             orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9),
             retired=self._retired,
             protect=(protect,) if protect else (),
+            keep_manifests=kept_kids,
+            keep_blobs=kept_blobs,
             recency=self._recency() if self._recency is not None else None,
         )
         self._retired = {}
@@ -180,7 +244,10 @@ class SizeCap:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
         plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
         self._retired = {}
-        return self._carry_out(plan, None, 0)
+        result, failure = self._carry_out(plan, None, 0)
+        if failure is not None:
+            raise failure  # gc --max-size reports it
+        return result
 
     def reset(self) -> None:
         """Forget counts and plans (after the cache was cleared)."""
@@ -194,24 +261,41 @@ class SizeCap:
             self._approx = stored_bytes
             self._since_measure = 0
 
-    def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> RemovalResult:
+    def _failed(self, exc: OSError) -> None:
+        """An eviction that failed: said once; the next write lists the cache again and carries on."""
+        self._plan = None
+        with self._count_lock:
+            self._approx = None
+            self._since_measure = 0
+        if self._note is not None:
+            self._note(
+                "eviction failed", exc.errno or 0, f"{exc}; the entries around it are evicted instead, at each write"
+            )
+
+    def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> tuple[RemovalResult, OSError | None]:
+        """Carry out the plan's next steps; with the removal that failed and stopped them, if one did."""
         t0 = time.perf_counter_ns()
         # Every read this process made, in any instance, lands first: the remover keeps
         # an entry whose manifest was touched since the plan's scan.
         apply_pending()
         result = RemovalResult()
-        if must_free > 0:
-            # At once, as far as it takes to be under the cap.
-            result.add(self._remover.execute(plan, until_freed=must_free))
-        if budget is None or budget > result.steps:
-            result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
+        failure: OSError | None = None
+        try:
+            if must_free > 0:
+                # At once, as far as it takes to be under the cap.
+                result.add(self._remover.execute(plan, until_freed=must_free))
+            if budget is None or budget > result.steps:
+                result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
+        except OSError as exc:
+            failure = exc  # what the failed call freed before is not counted: the caller lists the cache again
+        result.stored_bytes_after = max(0, plan.snapshot.stored_bytes - plan.freed_so_far)
         self._counters.add("evictions", result.manifests_removed)
         if (result.manifests_removed or result.blobs_removed) and LOGGER.isEnabledFor(logging.DEBUG):
             evicted(self._lay.root, result.manifests_removed, result.blobs_removed, result.bytes_freed, t0)
         self._retired.update(result.retired)
         if plan is self._plan and plan.finished:
             self._plan = None
-        return result
+        return result, failure
 
 
 def plan_lru(
@@ -222,6 +306,8 @@ def plan_lru(
     orphan_grace_ns: int,
     retired: dict[str, FileId] | None = None,
     protect: Container[str] = (),
+    keep_manifests: frozenset[str] = frozenset(),
+    keep_blobs: frozenset[str] = frozenset(),
     recency: Mapping[str, int] | None = None,
 ) -> RemovalPlan:
     """Plan removals until the stored bytes would be at most ``target_bytes``.
@@ -232,16 +318,20 @@ def plan_lru(
 
     ``retired``: blobs an earlier pass left behind when it removed their last
     manifest (see :func:`cuda_program_cas._disk.remove.removable_orphans`). ``protect``: key ids
-    never chosen (the entry a write has just stored). ``recency``: key id -> the
+    never chosen as least recently used (the entry a write has just stored).
+    ``keep_manifests``, ``keep_blobs``: key ids and digests never removed, garbage
+    or not, whose bytes stay (files that could not be removed). ``recency``: key id -> the
     time (ns) this process last read it, where that is later than the
     manifest's mtime (a hit touches the manifest at most once a second).
     """
-    plan = RemovalPlan(snap)
+    plan = RemovalPlan(snap, keep_blobs=keep_blobs)
     total = snap.stored_bytes
-    plan.orphans = removable_orphans(snap, orphan_grace_ns, retired)
+    plan.orphans = [d for d in removable_orphans(snap, orphan_grace_ns, retired) if d not in keep_blobs]
     total -= sum(snap.blobs[d].st_size for d in plan.orphans)
     live = []
     for info in snap.manifests:
+        if info.key_id in keep_manifests:
+            continue  # its bytes stay: it counts in total, and is no candidate
         if classify(info, snap) is Condition.OK:
             live.append(info)
         else:
@@ -257,7 +347,7 @@ def plan_lru(
         total -= info.stat.st_size
         digest = info.manifest.digest
         refs[digest] -= 1
-        if refs[digest] == 0:
+        if refs[digest] == 0 and digest not in keep_blobs:
             total -= snap.blobs[digest].st_size
 
     # A live record or result whose partner is garbage serves nothing either (see cuda_program_cas.index).

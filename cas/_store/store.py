@@ -150,7 +150,9 @@ class CacheStore:
             upgrade_if_needed(lay, self._writer)
             # Uncapped stores keep one too, for explicit evictions (evict_to).
             reader = self._reader
-            self._cap = SizeCap(self._max, lay, self._remover, self._counters, lambda: reader.recent)
+            self._cap = SizeCap(
+                self._max, lay, self._remover, self._counters, recency=lambda: reader.recent, note=self._note
+            )
         self._clear_lock = threading.Lock()
         after_fork(self)
         self.shared: tuple[SharedTier, ...] = tuple(self._shared_store(p) for p in shared)

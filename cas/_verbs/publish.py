@@ -38,6 +38,16 @@ manifests. ``--pack`` uploads one new pack, then adds its name to
 ``packs/list``. Each upload is atomic on the server: nginx's dav module writes a
 PUT's body to a temp file and renames it; an object store shows an object only
 once its upload is complete.
+
+A 2xx is not taken for a proof. Each upload is read back at once, before
+anything names it: a blob's size (HEAD), a pack's size and last bytes (a Range
+GET), a manifest's, ``layout.json``'s and ``CACHEDIR.TAG``'s every byte (GET),
+``packs/list`` by the read that looks for the pack's name in it anyway. A server
+that holds less, or other bytes, stops the run with a ``not stored``
+:class:`HttpFailure` naming the file. Every read is bounded by the cache's own
+limits, never by what the server says: a manifest by its longest form, the
+listing by :data:`MAX_LISTING_BYTES`, a pack's index by the ceiling for any
+entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it is fetched.
 """
 
 from __future__ import annotations
@@ -49,8 +59,9 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, ClassVar
+from typing import ClassVar
 
+from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.errors import CacheError, CorruptBlobError, LayoutError
 from cuda_program_cas._base.urls import is_store_url, join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import current_umask
@@ -75,6 +86,7 @@ from cuda_program_cas._disk.layout import (
 )
 from cuda_program_cas._disk.pack import (
     LISTING,
+    MAX_LISTING_BYTES,
     TRAILER_SIZE,
     PackError,
     PackIndex,
@@ -91,7 +103,17 @@ from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.writer import BlobWrite, Writer
 from cuda_program_cas._remote.client import HttpFailure
-from cuda_program_cas._remote.dav import fetch, fetch_range, fetch_tail, put, size_of
+from cuda_program_cas._remote.dav import (
+    check_bytes,
+    check_size,
+    check_tail,
+    fetch,
+    fetch_range,
+    fetch_tail,
+    not_stored,
+    put,
+    size_of,
+)
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import Report, open_cache
@@ -417,8 +439,10 @@ class _UrlDest:
     def _at(self, relative: str) -> str:
         return join(self.url, relative)
 
-    def _put(self, relative: str, data: bytes | IO[bytes]) -> None:
-        put(self._at(relative), data, root=self.url)
+    def _put(self, relative: str, data: bytes, *, accept: Callable[[bytes], bool] | None = None) -> None:
+        """Upload a small file, then read every byte of it back (``accept``: what else it may hold)."""
+        url = self._at(relative)
+        check_bytes(url, data, put(url, data, root=self.url), accept=accept)
 
     def prepare(self, report: PublishReport) -> None:
         """Lay the store out if it has no ``layout.json``, mark it shared, and read what its packs hold."""
@@ -453,9 +477,19 @@ class _UrlDest:
                 if entry is not None:
                     self.packed[entry.key_id] = PackedEntry(name, entry)
 
-    def _listing(self) -> tuple[list[str], str | None]:
-        """The pack names ``packs/list`` holds (none when it is absent), and its ETag."""
-        got = fetch(self._at(f"packs/{LISTING}"), limit=64 << 20)
+    def _listing(self, sent: tuple[bytes, int] | None = None) -> tuple[list[str], str | None]:
+        """The pack names ``packs/list`` holds (none when it is absent), and its ETag.
+
+        ``sent``: the bytes this run just uploaded there and the status the PUT got.
+        What is read instead must be a valid listing (another publisher's, written
+        since): nothing, or a part, is a server that did not store it.
+        """
+        url = self._at(f"packs/{LISTING}")
+        got = fetch(url, limit=MAX_LISTING_BYTES)
+        if sent is not None and (got is None or (got[0] != sent[0] and parse_listing(got[0]) is None)):
+            body, status = sent
+            held = None if got is None else len(got[0])
+            raise not_stored(url, status, len(body), held, other=held == len(body))
         if got is None:
             return [], None
         names = parse_listing(got[0])
@@ -474,7 +508,9 @@ class _UrlDest:
             return None  # retired since the listing was written: its entries are in a newer pack
         trailer, size = tail
         try:
-            offset, length = PackIndex.span(size, trailer, name)
+            # The trailer's count and the size the server gave decide nothing: an index
+            # longer than any entry may be is refused before it is fetched.
+            offset, length = PackIndex.span(size, trailer, name, limit=env_max_entry_size())
             raw = fetch_range(url, offset, length)
             return None if raw is None else PackIndex(name, size, trailer, raw)
         except PackError as exc:
@@ -508,7 +544,8 @@ class _UrlDest:
         return self._at(url_path(BLOBS, digest))
 
     def put_blob(self, digest: str, blob: bytes) -> bool:
-        self._put(url_path(BLOBS, digest), blob)
+        url = self._at(url_path(BLOBS, digest))
+        check_size(url, blob, put(url, blob, root=self.url))  # before a manifest names it
         self._uploaded.add(digest)
         return True
 
@@ -518,7 +555,8 @@ class _UrlDest:
     def put_manifest(self, manifest: Manifest) -> None:
         kid = manifest.key_id
         assert kid is not None
-        self._put(url_path(INDEX, kid), manifest.encode())
+        # Another publisher's valid manifest of the key, renamed in at the same moment, is no lie.
+        self._put(url_path(INDEX, kid), manifest.encode(), accept=lambda held: parse_manifest(held, kid) is not None)
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         if digest in self._uploaded:
@@ -542,7 +580,8 @@ class _UrlDest:
             if not stats.get("entries"):
                 return None
             f.flush()
-            self._put(f"packs/{name}", f)
+            url = self._at(f"packs/{name}")
+            check_tail(url, f, put(url, f, root=self.url))  # before the listing names it
         self._list_pack(name)
         return self._at(f"packs/{name}")
 
@@ -556,13 +595,16 @@ class _UrlDest:
         server that honours it (S3 does) refuses a write over a listing that
         changed meanwhile; nginx ignores it, and the read after catches most such races.
         """
+        sent: tuple[bytes, int] | None = None
         for _ in range(_LISTING_TRIES):
-            names, etag = self._listing()
+            names, etag = self._listing(sent)
             if name in names:
                 return
             cond = {"If-None-Match": "*"} if etag is None else {} if etag.startswith("W/") else {"If-Match": etag}
-            put(self._at(f"packs/{LISTING}"), encode_listing([*names, name]), root=self.url, headers=cond)
-        names, _ = self._listing()
+            body = encode_listing([*names, name])
+            status = put(self._at(f"packs/{LISTING}"), body, root=self.url, headers=cond)
+            sent = None if status == 412 else (body, status)  # 412: refused, another publisher's is newer
+        names, _ = self._listing(sent)
         if name not in names:
             raise CacheError(
                 f"{self.where}/packs/{LISTING}: other publishers kept replacing it; the pack {name} is stored but "

@@ -5,7 +5,8 @@ truncated, garbled), that name a missing blob or a blob of another size, blobs
 whose bytes do not hash to their name, stale temp files, files that cannot be
 read, and stray files where only cache files belong. Repair moves bad blobs to
 ``quarantine/``, removes bad manifests (only if still the file that was checked)
-and stale temp files, and rewrites a damaged ``layout.json``. Stray and
+and stale temp files, and rewrites a damaged ``layout.json`` (keeping the shared
+mark a published store's carries, as far as the damaged file still shows it). Stray and
 unreadable files are reported, never touched. Without ``repair`` nothing is
 written: a read-only cache or mount can be verified. Manifests are judged by
 :func:`cuda_program_cas._disk.classify.classify`, the same as ``gc`` and ``stats`` judge them.
@@ -13,15 +14,18 @@ written: a read-only cache or mount can be verified. Manifests are judged by
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cuda_program_cas._disk.blobs import BlobState, BlobStore
 from cuda_program_cas._disk.classify import classify, describe
-from cuda_program_cas._disk.layout import LayoutState, create_layout, stale_temp_files
+from cuda_program_cas._disk.files import READ_FLAGS
+from cuda_program_cas._disk.layout import LAYOUT_FILE, LayoutState, create_layout, mark_shared_store, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 
 from .common import ProgressFn, Report, check_blobs, open_cache
@@ -31,6 +35,35 @@ __all__ = ["Problem", "VerifyReport", "verify"]
 
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _REST_RE = re.compile(r"[0-9a-f]{62}")
+#: The shared mark as ``layout.json`` spells it, found in what is left of a damaged one.
+_SHARED_RE = re.compile(rb'"shared"\s*:\s*(true|false)')
+
+
+def said_shared(path: str) -> bool | None:
+    """What a damaged ``layout.json`` still says of the shared mark: True, False, or None (nothing).
+
+    Its first 4 KiB are read (the file is a few lines), without following a
+    symlink or blocking on a FIFO: valid JSON whose other fields are wrong, or a
+    file cut short after the mark, still says it.
+    """
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4096) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        raw = b""
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("shared"), bool):
+        return bool(data["shared"])
+    found = _SHARED_RE.search(raw)
+    return None if found is None else found.group(1) == b"true"
 
 
 def strays(directory: str) -> list[str]:
@@ -116,16 +149,37 @@ class VerifyReport(Report):
         }
 
 
-def verify(root: str | os.PathLike[str], *, repair: bool = False, progress: ProgressFn | None = None) -> VerifyReport:
-    """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file."""
+def verify(
+    root: str | os.PathLike[str],
+    *,
+    repair: bool = False,
+    progress: ProgressFn | None = None,
+    shared: bool | None = None,
+) -> VerifyReport:
+    """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file.
+
+    ``shared``: whether a damaged ``layout.json`` is rewritten with the shared mark
+    (``gc`` then keeps a shared store's long grace period). None: as the damaged
+    file still says; where it says nothing, unmarked, and the problem says so.
+    """
     t0 = time.monotonic()
     cache = open_cache(root, write=repair, allow_damaged=True, purpose="repair")
     lay, blobs, remover = cache.lay, cache.blobs, cache.remover
     report = VerifyReport(lay.root, repair)
     if cache.state is LayoutState.DAMAGED:
-        problem = Problem("damaged_layout", os.path.join(lay.root, "layout.json"), "not a valid layout file")
+        path = os.path.join(lay.root, LAYOUT_FILE)
+        problem = Problem("damaged_layout", path, "not a valid layout file")
         if repair:
+            said = said_shared(path)  # before it is rewritten
+            mark = said if shared is None else shared
             create_layout(lay.root)
+            if mark:
+                mark_shared_store(lay.root, lay.tmp)
+                problem.detail += "; rewritten with its shared mark" + (" (--shared)" if shared else "")
+            elif said is None and shared is None:
+                problem.detail += (
+                    "; rewritten without a shared mark (none is left to read): --shared for a published store"
+                )
             problem.fixed = True
         report.problem(problem)
     if progress:
