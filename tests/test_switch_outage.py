@@ -72,18 +72,30 @@ def uncached() -> list[str]:
     return digests
 
 
-@pytest.fixture(params=["refused", "stalled", "stalled body"])
+_FAULTS = {
+    "stalled": Fault.stall(),
+    "stalled body": Fault.stall_body(),
+    "reset": Fault.refuse(),
+    "500": Fault.status(500),
+}
+
+
+@pytest.fixture(params=["refused", *_FAULTS, "https to a plain http server"])
 def outage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """The URL of a shared store that is out: nothing listens there, or it accepts and never answers
-    (nor sends its body after the headers)."""
+    """The URL of a shared store that is out: nothing listens there; it accepts and never answers (nor
+    sends its body after the headers); it resets the connection; it fails (500); it never answers a TLS handshake."""
     if request.param == "refused":
         yield refused_url()
         return
     (tmp_path / "served").mkdir()
     (tmp_path / "served" / "layout.json").write_text('{"layout": 2}')
     with FaultServer(tmp_path / "served") as server:
-        server.set_default(Fault.stall() if request.param == "stalled" else Fault.stall_body())
-        yield server.base_url
+        server.set_default(_FAULTS.get(request.param, Fault.ok()))
+        yield (
+            server.base_url.replace("http:", "https:")
+            if request.param == "https to a plain http server"
+            else server.base_url
+        )
 
 
 @pytest.mark.parametrize("when", ["exit", "collect"])
