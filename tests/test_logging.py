@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
-from conftest import MovableClock, run_python
+from conftest import SAXPY, MovableClock, is_root, run_python
+from test_degrade import tmpfs
 
 import cuda_program_cas._store.store as store_mod
 import cuda_program_cas._store.tier as shared_mod
@@ -213,8 +215,146 @@ def test_the_log_variable_appends_the_records_to_a_file(tmp_path: Path) -> None:
     assert "DEBUG" not in proc.stderr
 
 
-def test_a_log_file_that_cannot_be_opened_is_a_warning_not_a_failure(tmp_path: Path) -> None:
-    code = f"from cuda_program_cas import CacheStore\nc = CacheStore({str(tmp_path / 'cas')!r})\nc.put('k', b'v')\n"
-    proc = run_python(code, env={"CUDA_PROGRAM_CAS_LOG": str(tmp_path)})  # a directory
-    assert proc.returncode == 0, proc.stderr
-    assert "CUDA_PROGRAM_CAS_LOG" in proc.stderr and "cannot be opened" in proc.stderr
+#: 200 lookups, one write and a shared store that is missing: a record each, and a WARNING. Then the
+#: logger's level and how many handlers it has.
+_LOOKUPS = (
+    "import logging, sys\nfrom cuda_program_cas import CacheStore\n"
+    "c = CacheStore(sys.argv[1], shared=[sys.argv[1] + '-nowhere'])\n"
+    "c.put('k', b'value')\n"
+    "for i in range(200):\n    c.get(f'key {i}')\n"
+    "logger = logging.getLogger('cuda_program_cas')\n"
+    "print('done', logger.level, len(logger.handlers))\n"
+)
+
+
+def log_to(path: os.PathLike[str] | str, cache: Path, *, cwd: Path | None = None, used: bool = False) -> list[str]:
+    """Run the 200 lookups with ``CUDA_PROGRAM_CAS_LOG=path`` (10 s at most: a hang fails); the log's stderr lines.
+
+    ``used``: the log is still written at the end (the logger at DEBUG with one handler);
+    else nothing is (the logger as it was, without a handler).
+    """
+    code = _LOOKUPS if cwd is None else f"import os\nos.chdir({str(cwd)!r})\n{_LOOKUPS}"
+    proc = run_python(code, str(cache), env={"CUDA_PROGRAM_CAS_LOG": str(path)}, timeout=10)
+    assert proc.returncode == 0 and proc.stdout == ("done 10 1\n" if used else "done 0 0\n"), proc.stderr
+    assert "Logging error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    return [line for line in proc.stderr.splitlines() if "CUDA_PROGRAM_CAS_LOG" in line]
+
+
+def refused(lines: list[str], path: os.PathLike[str] | str, why: str) -> None:
+    """One WARNING line: the path is not used, and why."""
+    assert len(lines) == 1, lines
+    assert f"CUDA_PROGRAM_CAS_LOG={path} is not used ({why}" in lines[0], lines[0]
+    assert lines[0].endswith("nothing is logged there"), lines[0]
+
+
+def test_a_log_that_is_a_fifo_is_refused_without_waiting_for_a_reader(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    refused(log_to(fifo, tmp_path / "cas"), fifo, "it is a FIFO, not a regular file")
+    # With a reader waiting, the open would succeed: the FIFO is refused all the same, and nothing is sent.
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        refused(log_to(fifo, tmp_path / "cas"), fifo, "it is a FIFO, not a regular file")
+        assert os.read(reader, 4096) == b""  # nothing was sent
+    finally:
+        os.close(reader)
+
+
+def test_a_log_fifo_under_the_switch_does_not_hold_the_first_compile(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = (
+        "from cuda.core import Program, ProgramOptions\n"
+        f"Program({SAXPY!r}, 'c++', options=ProgramOptions(arch='sm_80')).compile('cubin')\nprint('done')\n"
+    )
+    env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"), "CUDA_PROGRAM_CAS_LOG": str(fifo)}
+    proc = run_python(code, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr
+    refused([line for line in proc.stderr.splitlines() if "CUDA_PROGRAM_CAS_LOG" in line], fifo, "it is a FIFO")
+
+
+def test_a_log_that_is_a_directory_a_device_or_a_symlink_is_refused(tmp_path: Path) -> None:
+    refused(log_to(tmp_path, tmp_path / "cas"), tmp_path, "it is a directory, not a regular file")
+    if os.path.exists("/dev/full"):
+        refused(log_to("/dev/full", tmp_path / "cas"), "/dev/full", "it is a character device, not a regular file")
+    target = tmp_path / "target.log"
+    target.write_text("someone's file\n")
+    link = tmp_path / "cas.log"
+    link.symlink_to(target)
+    refused(log_to(link, tmp_path / "cas"), link, "it is a symlink, and a symlink there is never followed")
+    assert target.read_text() == "someone's file\n"
+    dangling = tmp_path / "dangling.log"
+    dangling.symlink_to(tmp_path / "created-through-the-link")
+    refused(log_to(dangling, tmp_path / "cas"), dangling, "it is a symlink")
+    assert not (tmp_path / "created-through-the-link").exists()
+
+
+def test_a_log_that_cannot_be_opened_is_one_warning(tmp_path: Path) -> None:
+    missing = tmp_path / "no such folder" / "cas.log"
+    refused(log_to(missing, tmp_path / "cas"), missing, "it cannot be opened: No such file or directory")
+
+
+def test_a_new_log_file_is_the_user_s_alone(tmp_path: Path) -> None:
+    log = tmp_path / "cas.log"
+    code = f"import os\nos.umask(0)\nexec({_LOOKUPS!r})"
+    proc = run_python(code, str(tmp_path / "cas"), env={"CUDA_PROGRAM_CAS_LOG": str(log)}, timeout=10)
+    assert proc.returncode == 0 and proc.stdout == "done 10 1\n", proc.stderr
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert sum(" miss key " in line for line in log.read_text().splitlines()) == 200
+
+
+@pytest.mark.mount
+@pytest.mark.skipif(not is_root(), reason="mounting needs root")
+def test_a_log_on_a_full_disk_is_one_warning_then_dropped(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", size="16k") as disk:
+        log = disk / "cas.log"
+        lines = log_to(log, tmp_path / "cas")
+        assert len(lines) == 1, lines
+        assert f"CUDA_PROGRAM_CAS_LOG={log}: a write failed (No space left on device)" in lines[0]
+        assert lines[0].endswith("nothing more is logged there")
+        written = log.read_bytes()
+        assert 0 < len(written) <= 16 << 10 and b" miss key " in written  # what fitted was written
+
+
+@pytest.mark.skipif(not is_root(), reason="planting another user's files needs root")
+def test_a_log_path_through_another_user_s_entry_in_a_shared_folder_is_refused(tmp_path: Path) -> None:
+    """A shared folder (like /tmp: every user can write, sticky): what another user made there is not trusted."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    planted_link = shared / "logs"
+    planted_link.symlink_to(victim)
+    os.lchown(planted_link, 65534, 65534)
+    cas = tmp_path / "cas"
+    why = f"{planted_link} belongs to uid 65534, in {shared}, which every user can write"
+    refused(log_to(planted_link / "cas.log", cas), planted_link / "cas.log", why)
+    # The same plant reached through a symlink of the user's own, and through '..' from a folder of theirs.
+    own = tmp_path / "mine"
+    own.symlink_to(planted_link)
+    refused(log_to(own / "cas.log", cas), own / "cas.log", why)
+    (shared / "work").mkdir()
+    refused(log_to("../logs/cas.log", cas, cwd=shared / "work"), "../logs/cas.log", why)
+    assert list(victim.iterdir()) == []
+    # A folder another user made there: they could swap the file in it at any moment.
+    planted_dir = shared / "theirs"
+    planted_dir.mkdir()
+    os.chown(planted_dir, 65534, 65534)
+    refused(log_to(planted_dir / "cas.log", cas), planted_dir / "cas.log", f"{planted_dir} belongs to uid 65534")
+    # A file another user made there, writable by all: it would receive this job's log.
+    planted_file = shared / "cas.log"
+    planted_file.write_text("")
+    planted_file.chmod(0o666)
+    os.chown(planted_file, 65534, 65534)
+    refused(log_to(planted_file, cas), planted_file, "it belongs to uid 65534, in a folder that every user can write")
+    assert planted_file.read_text() == ""
+    # A folder every user can write that is not sticky: anyone can rename anything in it.
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    refused(log_to(loose / "cas.log", cas), loose / "cas.log", f"the way to it passes through {loose}, which every")
+    # The user's own folder and file in the shared folder are used.
+    (shared / "work" / "cas.log").write_text("")
+    assert log_to(shared / "work" / "cas.log", cas, used=True) == []
+    assert " miss key " in (shared / "work" / "cas.log").read_text()

@@ -88,6 +88,9 @@ def test_the_environment_has_the_pth() -> None:
     assert found, f"{PTH} is in none of {dirs}: the switch cannot start in this environment"
     text = Path(found[0], PTH).read_text()
     assert text.startswith("import ") and text.count("\n") == 1, "site runs one line that begins with import"
+    # tests/test_switch_start.py runs the installed copy: one older than the source tests the old one.
+    source = Path(__file__).resolve().parent.parent / "cas" / "_cuda" / PTH
+    assert text == source.read_text(), f"{found[0]}/{PTH} is not {source}: reinstall (pip install -e .)"
 
 
 def test_a_plain_compile_is_stored_then_hit_by_a_fresh_interpreter(tmp_path: Path) -> None:

@@ -10,8 +10,19 @@ the arguments it was made with in ``args``.
 from __future__ import annotations
 
 import os
+import traceback
+from typing import TypeVar
 
-__all__ = ["CacheError", "CollectorBusyError", "CorruptBlobError", "LayoutError", "ReadOnlyCacheError"]
+__all__ = [
+    "CacheError",
+    "CollectorBusyError",
+    "CorruptBlobError",
+    "LayoutError",
+    "ReadOnlyCacheError",
+    "without_frames",
+]
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class CacheError(Exception):
@@ -49,3 +60,26 @@ class CorruptBlobError(CacheError):
 
     def __str__(self) -> str:
         return f"blob {self.path} is corrupt: expected blake3 {self.expected}, got {self.actual}"
+
+
+def without_frames(exc: _E) -> _E:
+    """``exc``, the finished frames of its traceback (and of its causes and contexts) cleared of their locals.
+
+    For an error caught and turned into a miss. A library may keep the error it raises in
+    a local of a frame of that error's own traceback (urllib3's ``urlopen`` does, in
+    ``new_e``): a reference cycle that keeps every frame above it alive, with its locals,
+    until the garbage collector runs. There, the caller's ``Program`` is cleared by
+    ``tp_clear`` before ``cuda.core``'s ``__dealloc__`` reads it, which printed
+    ``Exception ignored in: ...Program.__dealloc__`` and a traceback at exit. Cleared,
+    the frames go when the error goes. The error's message and type are left as they are.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)  # a frame still running is skipped
+        todo += (err.__cause__, err.__context__)
+    return exc

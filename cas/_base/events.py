@@ -14,10 +14,12 @@ key's), ``blob missing``, ``damaged blob``, ``not a regular file``, ``cannot rea
 a miss themselves (a header that changed) pass their own reason to
 :func:`lookup_missed`.
 
-``CUDA_PROGRAM_CAS_LOG=PATH``: a ``FileHandler`` appending every record of the
+``CUDA_PROGRAM_CAS_LOG=PATH``: a handler appending every record of the
 ``cuda_program_cas`` logger, DEBUG and up, to PATH, added once per process when the first cache
 is opened (the logger's level is lowered to DEBUG for it), for jobs that do not
-configure logging, as ccache's ``log_file``.
+configure logging, as ccache's ``log_file``. A PATH that is not a regular file, or
+is reached through another user's entry in ``/tmp``, and a write that fails, are
+one WARNING each and no log (:mod:`cuda_program_cas._base.logfile` says how).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 from .config import ENV_LOG, env_log_file
 from .fork import ForkSafeLock
+from .logfile import open_log
 
 __all__ = [
     "LOGGER",
@@ -141,13 +144,13 @@ def open_log_file() -> None:
         path = env_log_file()
         if not path:
             return
-        try:
-            handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-        except OSError as exc:
-            LOGGER.warning("cuda-program-cas: %s=%s cannot be opened (%s); nothing is logged there", ENV_LOG, path, exc)
+        handler = open_log(path, ENV_LOG, LOGGER)
+        if isinstance(handler, str):
+            LOGGER.warning("cuda-program-cas: %s=%s is not used (%s); nothing is logged there", ENV_LOG, path, handler)
             return
         handler.setLevel(_DEBUG)
         handler.setFormatter(logging.Formatter(_FORMAT))
-        LOGGER.addHandler(handler)
         if LOGGER.getEffectiveLevel() > _DEBUG:
+            handler.level_before = LOGGER.level
             LOGGER.setLevel(_DEBUG)
+        LOGGER.addHandler(handler)

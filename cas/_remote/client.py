@@ -38,7 +38,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from cuda_program_cas._base.config import env_value
-from cuda_program_cas._base.errors import CacheError
+from cuda_program_cas._base.errors import CacheError, without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
 
 __all__ = [
@@ -234,7 +234,7 @@ def request(
             preload_content=False,
         )
     except _Urllib3Error as exc:
-        raise _failure(url, exc) from None
+        raise _failure(url, without_frames(exc)) from None
     except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
         raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
     try:
