@@ -282,6 +282,15 @@ def test_put_many_is_one_round_trip_and_a_reader_never_sees_a_later_item_first(s
         assert proxy.exchanges == 1
 
 
+def test_a_batch_of_100_000_small_items_is_not_too_large(server: RedisServer, make: Any) -> None:
+    """The replies' bound grows with the commands: 100,000 QUEUEDs and OKs are 1.4 MB of answers, no value."""
+    e = make(server.url, timeout=30)
+    items = [(f"index/{i}", b"v") for i in range(100_000)]
+    e.put_many(items)
+    assert e.get_many([n for n, _ in items], limit=1) == [b"v"] * len(items)
+    assert server.client().get(f"{e.prefix}index/99999") == b"v"
+
+
 # -- bounds -----------------------------------------------------------------------------------
 
 _PEAK_SCRIPT = textwrap.dedent(

@@ -91,9 +91,10 @@ LEASE_PREFIX = "lease:"
 
 _SCHEMES = ("redis", "rediss")
 _DEFAULT_PORT = 6379
-#: What a call may receive besides its values: +QUEUED lines, headers, integers.
+#: The largest value a call that asks for none may receive (a script's answer, an error line).
 _SMALL_REPLY = 1 << 20
-_PER_VALUE_OVERHEAD = 64
+#: What each command's reply may take besides its value: a header, +QUEUED, +OK, an integer.
+_PER_REPLY = 64
 _MAX_IDLE = 16
 
 # KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
@@ -222,8 +223,7 @@ class RedisEngine:
         commands: list[tuple[Any, ...]] = []
         for key in keys:
             commands += [("GETRANGE", key, 0, limit), ("EXISTS", key)]
-        budget = len(keys) * (limit + 1 + _PER_VALUE_OVERHEAD) + _SMALL_REPLY
-        replies = self._call(commands, bulk=limit + 1, budget=budget)
+        replies = self._call(commands, bulk=limit + 1, values=len(keys) * (limit + 1))
         out: list[bytes | None] = []
         for i, name in enumerate(names):
             value, exists = replies[2 * i], replies[2 * i + 1]
@@ -344,11 +344,12 @@ class RedisEngine:
         return reply
 
     def _call(
-        self, commands: list[tuple[Any, ...]], *, bulk: int = _SMALL_REPLY, budget: int = _SMALL_REPLY, sent: int = 0
+        self, commands: list[tuple[Any, ...]], *, bulk: int = _SMALL_REPLY, values: int = 0, sent: int = 0
     ) -> list[Any]:
         """Send ``commands`` at once and read one reply each (an error reply as its exception, in place).
 
-        ``bulk`` bounds each value received, ``budget`` all bytes received; the deadline
+        ``bulk`` bounds each value received; all bytes received are bounded by ``values``
+        (the values' bounds), :data:`_PER_REPLY` per command and :data:`_SMALL_REPLY`; the deadline
         is the timeout plus the time of ``sent`` bytes at the slow-link rate (and of each
         value as the parser meets it).
         """
@@ -356,6 +357,7 @@ class RedisEngine:
         try:
             conn = self._take(wire)
             seconds = self.timeout + sent / SLOW_LINK_BYTES_PER_S
+            budget = values + len(commands) * _PER_REPLY + _SMALL_REPLY
             conn.bound(limit=bulk, budget=budget, items=len(commands), seconds=seconds, rate=SLOW_LINK_BYTES_PER_S)
         except Exception as exc:
             raise self._failure(exc) from None
