@@ -619,6 +619,29 @@ def test_a_wrong_or_missing_password_is_denied(
     assert user.get("k", limit=10) == b"v"
 
 
+def test_a_read_only_acl_user_reads_and_its_writes_are_denied_without_an_outage(
+    auth_server: RedisServer, make: Any
+) -> None:
+    """The user docs/redis.md gives read-only nodes: reads work, writes and leases are refused, the store stays up."""
+    client = auth_server.client()
+    client.execute_command("ACL", "SETUSER", "reader", "on", ">reader-pw", "~cpcas:*", "+@read", "+@connection")
+    try:
+        make(auth_server.url_with_password(), prefix=KEY_PREFIX).put("index/ro", b"written by a writer")
+        reader = make(auth_server.url.replace("://", "://reader:reader-pw@"), prefix=KEY_PREFIX)
+        assert reader.get_many(["index/ro", "index/none"], limit=100) == [b"written by a writer", None]
+        for call in (
+            lambda: reader.put("index/ro", b"x"),
+            lambda: reader.lease("ro", 5),
+            lambda: reader.remove("index/ro"),
+        ):
+            f, _ = failure_of(call)
+            assert (f.kind, f.outage) == ("denied", False), f
+        assert reader.get("index/ro", limit=100) == b"written by a writer"
+    finally:
+        client.execute_command("ACL", "DELUSER", "reader")
+        client.delete(f"{KEY_PREFIX}index/ro")
+
+
 def test_a_server_that_is_not_redis_is_a_protocol_outage(tmp_path: Path, make: Any) -> None:
     from _http import nginx_or_skip
 
