@@ -491,6 +491,52 @@ def test_a_slow_server_is_a_timeout_within_the_deadline(server: RedisServer, mak
     assert f.kind == "timeout" and elapsed < 0.6, (f, elapsed)
 
 
+def test_one_deadline_covers_a_slow_connect_and_a_trickling_tls_handshake() -> None:
+    """A SYN dropped once (the accept queue full: Linux retransmits it after 1 s), then a TLS record that trickles.
+
+    Each step alone fits its socket timeout; the call's deadline (1.6 s) must bound both together.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # room for one connection not yet accepted
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # the queue is full: the engine's first SYN is dropped
+    started = threading.Event()
+    accepted_after: list[float] = []
+
+    def serve() -> None:
+        started.wait()
+        time.sleep(0.3)  # the engine's SYN has been dropped by now; its retransmit comes at 1 s
+        filler_end, _ = listener.accept()
+        conn, _ = listener.accept()
+        accepted_after.append(time.monotonic() - t0)
+        try:
+            conn.sendall(b"\x16\x03\x03\x40\x00")  # a TLS handshake record of 16 KiB...
+            while True:
+                conn.sendall(b"\x00")  # ...that comes 5 bytes a second
+                time.sleep(0.2)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            filler_end.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    e = RedisEngine(f"rediss://127.0.0.1:{port}/0", timeout=1.6)
+    try:
+        t0 = time.monotonic()
+        started.set()
+        f, elapsed = failure_of(e.get, "k", limit=1)
+    finally:
+        e.close()
+        filler.close()
+        listener.close()
+    assert accepted_after and accepted_after[0] > 0.9, accepted_after  # the connect was slow, as meant
+    assert (f.kind, f.outage) == ("timeout", True), f
+    assert elapsed < 1.6 + 0.5, elapsed  # 2.8 s when the handshake got a whole timeout of its own
+
+
 def test_a_stalled_connection_is_a_timeout_then_the_engine_recovers(server: RedisServer, make: Any) -> None:
     with Proxy(("127.0.0.1", server.port)) as proxy:
         e = make(f"redis://127.0.0.1:{proxy.port}/0", timeout=1.0)

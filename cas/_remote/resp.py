@@ -172,6 +172,7 @@ class _Bounded:
     _parser: _Parser
     _sock: Any
     encoder: Any
+    socket_connect_timeout: Any
 
     def bound(self, *, limit: int, budget: int, items: int, seconds: float, rate: float) -> None:
         """The bounds of the next call: each value, all bytes, the longest array, the deadline, the slow-link rate."""
@@ -183,6 +184,22 @@ class _Bounded:
         """True when an idle connection has something to read: the server closed it, or sent junk."""
         sock = self._sock
         return sock is not None and bool(select.select([sock], [], [], 0)[0])
+
+    def _left(self) -> float:
+        left = self._parser.deadline - time.monotonic()
+        if left <= 0:
+            raise exceptions.TimeoutError("the call ran past its deadline while connecting")
+        return left
+
+    def _connect(self) -> Any:
+        # redis-py gives the connect its whole timeout, then the TLS handshake its whole timeout
+        # again: a slow SYN-ACK and a trickling handshake would double the deadline. Each gets what is left.
+        self.socket_connect_timeout = self._left()
+        return super()._connect()  # type: ignore[misc]
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        sock.settimeout(self._left())  # CPython's handshake keeps its socket timeout as one deadline
+        return super()._wrap_socket_with_ssl(sock)  # type: ignore[misc]
 
     def _construct_command_packer(self, packer: Any) -> Any:
         # redis-py's own packer sends a large value as it is; hiredis's would copy it.
