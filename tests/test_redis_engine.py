@@ -457,6 +457,34 @@ def test_the_max_entry_size_setting_bounds_put(server: RedisServer, monkeypatch:
     assert RedisEngine(server.url).max_value == 2048
 
 
+def test_the_timeout_setting_is_each_calls_deadline(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from cuda_program_cas._remote.redis import DEFAULT_TIMEOUT_S, ENV_REDIS_TIMEOUT
+
+    monkeypatch.setenv(ENV_REDIS_TIMEOUT, "0.4")
+    e = RedisEngine(server.url, prefix="timeout:")
+    try:
+        assert e.timeout == 0.4
+        with Proxy(("127.0.0.1", server.port)) as proxy:
+            slow = RedisEngine(f"redis://127.0.0.1:{proxy.port}/0", prefix="timeout:")
+            assert slow.get("k", limit=1) is None
+            proxy.stall = True
+            f, elapsed = failure_of(slow.get, "k", limit=1)
+            slow.close()
+        assert f.kind == "timeout" and 0.35 < elapsed < 0.8, (f, elapsed)
+        assert RedisEngine(server.url, timeout=3).timeout == 3.0  # the argument wins
+        for bad in ("soon", "0", "-1"):
+            monkeypatch.setenv(ENV_REDIS_TIMEOUT, bad)
+            with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
+                assert RedisEngine(server.url).timeout == DEFAULT_TIMEOUT_S
+            assert f"{ENV_REDIS_TIMEOUT}={bad!r}" in caplog.text, caplog.text
+    finally:
+        e.close()
+
+
 def test_a_trickling_server_is_cut_off_at_the_deadline(server: RedisServer, make: Any) -> None:
     """20 bytes a second, a byte at a time: each recv gets one within its timeout, the call's deadline ends it."""
     writer = make(server.url)
