@@ -28,13 +28,11 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
+from _child import ServerProcess
 from _nginx import _make_cert, free_port
 
 __all__ = ["RedisServer", "RedisServerError", "find_redis_server"]
@@ -54,7 +52,7 @@ def find_redis_server() -> str | None:
     return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """redis-server on 127.0.0.1, configured for a test (see the module docstring)."""
 
     def __init__(
@@ -143,61 +141,23 @@ class RedisServer:
             if self._wait_ready():
                 return self
             last = self.log_tail()
-            self._kill(signal.SIGKILL)
+            self._terminate(signal.SIGKILL)
             if "Address already in use" not in last or port:
                 break
         raise RedisServerError(f"redis-server did not start; log tail:\n{last}")
 
-    def _wait_ready(self) -> bool:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return False
-            if "Ready to accept connections" in self.log_tail(20000):
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                    return True
-                except OSError:
-                    pass
-            time.sleep(0.01)
-        return False
+    def _started(self) -> bool:
+        return "Ready to accept connections" in self.log_tail(20000)
 
-    def _kill(self, sig: int) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
-        self._proc = None
+    def _terminate(self, sig: int = signal.SIGTERM) -> None:
+        super()._terminate(sig)
         if self._client is not None:
             self._client.close()
             self._client = None
 
-    def stop(self) -> None:
-        """Stop redis-server (SIGTERM, SIGKILL after 5 s); idempotent."""
-        self._kill(signal.SIGTERM)
-
     def kill(self) -> None:
         """SIGKILL: the server dies at once, its connections reset (an outage)."""
-        self._kill(signal.SIGKILL)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def __enter__(self) -> RedisServer:
-        return self.start() if self._proc is None else self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        self._terminate(signal.SIGKILL)
 
     def log_tail(self, n: int = 3000) -> str:
         try:
