@@ -735,6 +735,7 @@ def test_tls_is_verified_against_the_ca_bundle(
     assert url.startswith("rediss://")
     f, _ = failure_of(make(url).get, "k", limit=10)
     assert (f.kind, f.outage) == ("tls", True), f  # a self-signed CA the system does not trust
+    assert "CERTIFICATE_VERIFY_FAILED" in str(f) and "CUDA_PROGRAM_CAS_CA_BUNDLE" in str(f), f  # and what to do
     monkeypatch.setenv("CUDA_PROGRAM_CAS_CA_BUNDLE", str(tls_server.cert))
     e = make(url)
     e.put("k", b"over tls")

@@ -61,7 +61,7 @@ from cuda_program_cas._base.config import env_max_entry_size, env_value, parse_d
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 
-from .client import ca_bundle
+from .client import ENV_CA_BUNDLE, ca_bundle
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -442,7 +442,11 @@ def _classify(exc: BaseException, text: str) -> tuple[str, bool, str]:
     if isinstance(exc, x.ConnectionError):
         if "refused" in lowered:
             return "refused", True, ""
-        if "ssl" in lowered or "certificate" in lowered:
+        if "mismatch" in lowered:
+            return "tls", True, " (the server's certificate does not name this host: use a name it has)"
+        if "certificate" in lowered:
+            return "tls", True, f" (is the server's CA among the system's, or in ${ENV_CA_BUNDLE}?)"
+        if "ssl" in lowered:
             return "tls", True, ""
         return "connection", True, ""
     if isinstance(exc, (x.InvalidResponse, ValueError)):
