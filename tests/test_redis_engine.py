@@ -741,6 +741,8 @@ def test_tls_is_verified_against_the_ca_bundle(
     e.put("k", b"over tls")
     assert e.get("k", limit=100) == b"over tls"
     assert make(url.replace("127.0.0.1", "localhost")).get("k", limit=100) == b"over tls"  # its other name
+    f, _ = failure_of(make(url.replace("127.0.0.1", "[::ffff:127.0.0.1]")).get, "k", limit=10)  # a name it lacks
+    assert f.kind == "tls" and "does not name this host" in str(f), f
     f, _ = failure_of(make(tls_server.url).get, "k", limit=10)  # TLS, no password
     assert f.kind == "denied"
     plain = tls_server.url_with_password().replace("rediss://", "redis://")
