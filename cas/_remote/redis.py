@@ -473,10 +473,12 @@ def _sha1(source: str) -> str:
 
 @functools.cache
 def _wire() -> Any:
-    """:mod:`.resp`, the bounded connection (imports redis: the first call of any engine)."""
-    from . import resp
+    """:mod:`.resp`'s bounded connection and redis-py's exceptions (imports redis: the first call of any engine)."""
+    from types import SimpleNamespace
 
-    return resp
+    from .resp import TooLarge, connect, exceptions
+
+    return SimpleNamespace(TooLarge=TooLarge, connect=connect, exceptions=exceptions)
 
 
 if TYPE_CHECKING:  # mypy checks that the class keeps the interface
