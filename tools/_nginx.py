@@ -28,13 +28,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+
+from _child import ServerProcess
 
 __all__ = ["LogEntry", "Nginx", "NginxError", "find_nginx", "free_port"]
 
@@ -107,7 +107,7 @@ def _make_cert(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-class Nginx:
+class Nginx(ServerProcess):
     """nginx serving ``root`` for reads under ``/store/`` and WebDAV writes under ``/dav/``.
 
     ``prefix`` holds the config, logs, pid file, temp folders and certificate; it is created.
@@ -263,69 +263,20 @@ http {{
                 break
         raise NginxError(f"nginx did not start; error log tail:\n{last}")
 
-    def _wait_ready(self) -> bool:
-        """True once the pid file names our child and the port accepts; False if nginx exited."""
+    def _started(self) -> bool:
+        # nginx writes the pid file after it has bound its listening sockets.
         assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return False
-            # nginx writes the pid file after it has bound its listening sockets.
-            try:
-                pid = int(self.pid_file.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid == self._proc.pid:
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                    return True
-                except OSError:
-                    pass
-            time.sleep(0.01)
-        return False
+        try:
+            pid = int(self.pid_file.read_text().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        return pid == self._proc.pid
 
     def _reap_failed(self) -> str:
         """Stop a child that failed to start; the tail of its error output."""
-        self._kill()
-        self._proc = None
+        self._terminate()
         stderr = (self.prefix / "stderr.log").read_text(errors="replace")
         return (self.error_log_tail() + stderr)[-3000:]
-
-    def _kill(self) -> None:
-        """SIGTERM (nginx's fast shutdown), SIGKILL to the whole process group after 5 s."""
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # workers too, whatever the master did
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-
-    def stop(self) -> None:
-        """Stop nginx and its workers; idempotent."""
-        if self._proc is None:
-            return
-        self._kill()
-        self._proc = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def __enter__(self) -> Nginx:
-        return self.start() if self._proc is None else self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # -- Logs -------------------------------------------------------------------------------
     def requests(self, wait_for: int = 0, timeout: float = 5.0) -> list[LogEntry]:

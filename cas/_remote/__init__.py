@@ -1,10 +1,11 @@
-"""Stores reached over HTTP(S): the one HTTP client the cache uses (no CUDA needed).
+"""Stores reached over the network: the one HTTP client the cache uses, and the Redis engine (no CUDA needed).
 
 The client is urllib3's, imported the first time a store URL is used: a plain local
 cache, or one over NFS, never imports it. :mod:`.client` says how a request is
 made, authenticated, bounded in time and failed; how a store URL is named (and
 survives ``CUDA_PROGRAM_CAS_SHARED``'s ``os.pathsep`` split) is
-:mod:`cuda_program_cas._base.urls`.
+:mod:`cuda_program_cas._base.urls`. :mod:`.redis` keeps a store in a Redis
+database through redis-py, imported only when a Redis URL is used.
 """
 
 __all__: list[str] = []

@@ -47,6 +47,7 @@ __all__ = [
     "ENV_HTTP_TOKEN",
     "HttpFailure",
     "Reply",
+    "ca_bundle",
     "close_connections",
     "request",
     "timeouts",
@@ -110,6 +111,11 @@ def _parse_file(text: str) -> str:
     return text
 
 
+def ca_bundle() -> str | None:
+    """``$CUDA_PROGRAM_CAS_CA_BUNDLE``: a PEM file of CAs trusted besides the system's (HTTPS and ``rediss://``)."""
+    return env_value(ENV_CA_BUNDLE, _parse_file)
+
+
 class _Pool:
     """This process's urllib3 pool manager and settings, made at the first request."""
 
@@ -158,7 +164,7 @@ def _manager(tls: bool) -> Any:
                 import ssl
 
                 context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
-                bundle = env_value(ENV_CA_BUNDLE, _parse_file)
+                bundle = ca_bundle()
                 if bundle is not None:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context

@@ -1,0 +1,487 @@
+"""The Redis engine of a shared store: objects are string keys of one Redis database, read through ``redis``.
+
+Why ``redis`` (redis-py): it is the client Redis's own team keeps, pure Python, with
+TLS through the standard ``ssl`` module (so the system's CAs). It is imported the
+first time an engine talks to its server, never by ``import cuda_program_cas``.
+Only its connection and its packer are used, through :mod:`.resp`, which bounds
+every reply; its client class (retries, response callbacks) is not.
+
+Keys: an object ``name`` (``index/ab/cdef...``) is the string key ``cpcas:<name>``
+(:data:`KEY_PREFIX`); a lease ``name`` is ``cpcas:lease:<name>``. One database
+holds one store: give each store a database number of its own (``/1``).
+
+Each call is one round trip on one pooled connection:
+
+- ``get``/``get_many``: ``GETRANGE k 0 limit`` and ``EXISTS k`` per name, all
+  pipelined. The server never sends more than ``limit + 1`` bytes of a value
+  (GETRANGE bounds it), and the parser refuses any bulk reply longer than that
+  before reading it (a server that is not Redis, or lies). 200 names cost one
+  round trip. A value is GETRANGE's answer; EXISTS is looked at only when that is
+  empty, to tell an empty value from none (a key made between the two reads as
+  empty: the store above verifies what it reads). No MULTI: Redis refuses to
+  queue any command, reads too, while it is out of memory, and reads must go on.
+- ``put``: ``SET`` (atomic: a reader sees the old value or the new one).
+  ``put_many``: ``MULTI``, the ``SET`` s in order, ``EXEC``: Redis runs one
+  connection's commands in order and a transaction whole, so a reader never sees
+  a manifest before its blob; an out-of-memory refusal of any of them writes none.
+- ``size``: ``STRLEN``, and ``EXISTS`` for a length of 0. ``remove``: ``UNLINK``.
+- ``lease``: ``SET k token NX PX ttl``; ``renew``/``release``: a Lua script that
+  compares the token and then acts (``PEXPIRE``/``DEL``), sent by ``EVALSHA``
+  with ``EVAL`` when the server does not have it yet: only the holder renews or
+  releases. A lease dies with its TTL, however its holder died.
+
+Bounds. Every call has one deadline: :data:`DEFAULT_TIMEOUT_S` (or
+``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``), covering connect, TLS, AUTH, the request and
+the whole answer, plus the time of its bytes at :data:`SLOW_LINK_BYTES_PER_S`;
+a call receives at most what it asked for (its values' bounds, and a little per
+reply). :mod:`.resp` says how. A value over ``max_value``
+(``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``, at most Redis's 512 MiB) is refused on put
+before a byte is sent.
+
+Failures are :class:`StoreFailure` and nothing else; ``outage`` is True when no
+call to this store can succeed for now (the server down, unreachable, slow, not
+Redis, TLS refused, the password refused: the store above pauses it) and False
+when only this request was refused (a value too large, out of memory on a write,
+a read-only replica, a command the ACL denies). The password is never in
+``shown``, a message or a repr. A forked child opens its own connections.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
+
+from cuda_program_cas._base.config import env_max_entry_size, env_value, parse_duration
+from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.fork import after_fork
+
+from .client import ENV_CA_BUNDLE, ca_bundle
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ENV_REDIS_PASSWORD",
+    "ENV_REDIS_TIMEOUT",
+    "KEY_PREFIX",
+    "LEASE_PREFIX",
+    "MAX_VALUE_BYTES",
+    "SLOW_LINK_BYTES_PER_S",
+    "RedisEngine",
+    "is_redis_url",
+]
+
+#: The password, when the URL has none (a URL in a job script or a log is easier to leak).
+ENV_REDIS_PASSWORD = "CUDA_PROGRAM_CAS_REDIS_PASSWORD"  # noqa: S105 - the variable's name
+#: Each call's deadline in seconds (``2``, ``2s``, ``0.5``; no form in milliseconds).
+ENV_REDIS_TIMEOUT = "CUDA_PROGRAM_CAS_REDIS_TIMEOUT"
+#: Five seconds: Redis answers in a millisecond; five covers a SYN retransmit (1 s, then 3 s)
+#: and a server paused by a fork or another client's slow command.
+DEFAULT_TIMEOUT_S = 5.0
+#: A call gets this long per byte besides its timeout (4 MiB/s, as the HTTP client allows).
+SLOW_LINK_BYTES_PER_S = 4 << 20
+#: Redis refuses a string longer than 512 MiB (``proto-max-bulk-len``'s default).
+MAX_VALUE_BYTES = 512 << 20
+KEY_PREFIX = "cpcas:"
+LEASE_PREFIX = "lease:"
+
+_SCHEMES = ("redis", "rediss")
+_DEFAULT_PORT = 6379
+#: The largest value a call that asks for none may receive (a script's answer, an error line).
+_SMALL_REPLY = 1 << 20
+#: What each command's reply may take besides its value: a header, +QUEUED, +OK, an integer.
+_PER_REPLY = 64
+_MAX_IDLE = 16
+
+# KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def is_redis_url(text: object) -> bool:
+    """True when ``text`` names a Redis store (a ``str`` starting with ``redis://`` or ``rediss://``)."""
+    return isinstance(text, str) and text[:9].lower().startswith(("redis://", "rediss://"))
+
+
+class _Address:
+    """A Redis URL's parts; ``shown`` is the URL without its password."""
+
+    def __init__(self, url: str) -> None:
+        if not is_redis_url(url):
+            raise ValueError(f"not a Redis URL (redis:// or rediss://): {_without_password(url)!r}")
+        parts = urlsplit(url)
+        self.tls = parts.scheme.lower() == "rediss"
+        netloc = parts.netloc
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        self.user = unquote(user) or None
+        self.password = unquote(password) if colon and password else None
+        host = parts.hostname
+        bracketed = hostport.startswith("[")
+        where = f"{parts.scheme}://{f'{user}@' if user else ''}{hostport}{parts.path}"
+        if not host:
+            raise ValueError(f"a Redis URL needs a host: {where!r}")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"a Redis URL's port is a number from 1 to 65535: {where!r}") from None
+        self.host = host
+        self.port = port or _DEFAULT_PORT
+        path = parts.path.strip("/")
+        if path and not (path.isascii() and path.isdigit()):
+            raise ValueError(f"a Redis URL's path is a database number (/0, /1...): {where!r}")
+        self.db = int(path or 0)
+        if parts.query or parts.fragment:
+            raise ValueError(f"a Redis URL takes no query or fragment: {where!r}")
+        shown_host = f"[{host}]" if bracketed else host
+        self.shown = f"{parts.scheme.lower()}://{f'{user}@' if user else ''}{shown_host}:{self.port}/{self.db}"
+
+
+def _without_password(url: str) -> str:
+    """``url`` with whatever stands between ``:`` and ``@`` of its authority cut out, for a message."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url[:200]
+    authority, slash, path = rest.partition("/")
+    userinfo, at, hostport = authority.rpartition("@")
+    if at:
+        authority = f"{userinfo.partition(':')[0]}@{hostport}"
+    return f"{scheme}://{authority}{slash}{path}"[:200]
+
+
+def _positive_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if not seconds > 0:
+        raise ValueError("the timeout must be more than 0 seconds")
+    return seconds
+
+
+class RedisEngine:
+    """One Redis database as a store's :class:`~cuda_program_cas._base.engine.Engine` (see the module docstring).
+
+    ``url`` is ``redis://[[user]:password@]host[:port][/db]`` or ``rediss://`` (TLS,
+    verified against the system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``). Without
+    a password in the URL, ``CUDA_PROGRAM_CAS_REDIS_PASSWORD`` is used. ``timeout``
+    is each call's deadline (default: ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``, else
+    :data:`DEFAULT_TIMEOUT_S`); ``max_value`` the largest value ``put`` sends
+    (default: ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``). ``prefix`` starts every key.
+    A bad URL or argument is a ``ValueError``; nothing is connected before the first call.
+    """
+
+    can_lease = True
+
+    def __init__(
+        self, url: str, *, timeout: float | None = None, max_value: int | None = None, prefix: str = KEY_PREFIX
+    ) -> None:
+        address = _Address(url)
+        if address.password is None:
+            address.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+        if timeout is None:
+            timeout = env_value(ENV_REDIS_TIMEOUT, _positive_duration) or DEFAULT_TIMEOUT_S
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        if max_value is None:
+            max_value = env_max_entry_size()
+        elif isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 0:
+            raise ValueError(f"max_value must be a non-negative int, not {max_value!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
+        self._address = address
+        #: The store's address as it may be logged: the URL without its password.
+        self.shown = address.shown
+        self.timeout = float(timeout)
+        self.max_value = min(max_value, MAX_VALUE_BYTES)
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._idle: list[Any] = []
+        after_fork(self)
+
+    def __repr__(self) -> str:
+        return f"RedisEngine({self.shown!r})"
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's sockets are not ours: forget them (each closes its fd copy when collected,
+        # without a shutdown, since redis-py compares the pid) and connect anew.
+        self._lock = threading.Lock()
+        self._idle = []
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def get(self, name: str, *, limit: int) -> bytes | None:
+        return self.get_many([name], limit=limit)[0]
+
+    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a non-negative int, not {limit!r}")
+        keys = [self._key(n) for n in names]
+        if not keys:
+            return []
+        commands: list[tuple[Any, ...]] = []
+        for key in keys:
+            commands += [("GETRANGE", key, 0, limit), ("EXISTS", key)]
+        replies = self._call(commands, bulk=limit + 1, values=len(keys) * (limit + 1))
+        out: list[bytes | None] = []
+        for i, name in enumerate(names):
+            value, exists = replies[2 * i], replies[2 * i + 1]
+            self._check(value, name)
+            self._check(exists, name)
+            if not isinstance(value, bytes):
+                raise StoreFailure(self._where(name), "protocol", "GETRANGE did not answer a string")
+            if len(value) > limit:
+                raise StoreFailure(self._where(name), "too large", f"more than {limit} bytes", outage=False)
+            out.append(value if value or exists else None)
+        return out
+
+    def put(self, name: str, data: bytes | IO[bytes]) -> None:
+        self.put_many([(name, self._body(name, data))])
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        commands: list[tuple[Any, ...]] = []
+        sent = 0
+        for name, data in items:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"put_many takes bytes, not {type(data).__name__} (for {name!r})")
+            self._fits(name, len(data))
+            commands.append(("SET", self._key(name), data))
+            sent += len(data)
+        if not commands:
+            return
+        # One SET is atomic by itself; more go in one transaction, all or none.
+        replies = self._call(commands, sent=sent) if len(commands) == 1 else self._transaction(commands, sent=sent)
+        for reply, (name, _) in zip(replies, items, strict=True):
+            self._check(reply, name)
+
+    def remove(self, name: str) -> None:
+        (reply,) = self._call([("UNLINK", self._key(name))])
+        self._check(reply, name)
+
+    def size(self, name: str) -> int | None:
+        key = self._key(name)
+        length, exists = self._call([("STRLEN", key), ("EXISTS", key)])
+        self._check(length, name)
+        self._check(exists, name)
+        return int(length) if length or exists else None
+
+    def lease(self, name: str, ttl_s: float) -> str | None:
+        token = secrets.token_hex(16)
+        (reply,) = self._call([("SET", self._lease_key(name), token, "NX", "PX", _ms(ttl_s))])
+        self._check(reply, name)
+        return token if reply is not None else None
+
+    def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        return bool(self._script(_RENEW, name, token, _ms(ttl_s)) == 1)
+
+    def release(self, name: str, token: str) -> None:
+        self._script(_RELEASE, name, token)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
+
+    # -- keys and values --------------------------------------------------------------------
+
+    def _key(self, name: str) -> bytes:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an object name is a non-empty str, not {name!r}")
+        try:
+            return (self.prefix + name).encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"an object name must be encodable as UTF-8: {name!r}") from None
+
+    def _lease_key(self, name: str) -> bytes:
+        return self._key(LEASE_PREFIX + name)
+
+    def _where(self, name: str) -> str:
+        return f"{self.shown} key {self.prefix}{name}"
+
+    def _fits(self, name: str, size: int) -> None:
+        if size > self.max_value:
+            raise StoreFailure(
+                self._where(name), "too large", f"{size} bytes, at most {self.max_value} are stored", outage=False
+            )
+
+    def _body(self, name: str, data: bytes | IO[bytes]) -> bytes:
+        """``data``'s bytes: a file is read from its start, at most ``max_value + 1`` bytes of it."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return bytes(data) if not isinstance(data, bytes) else data
+        try:
+            if hasattr(data, "fileno"):
+                self._fits(name, os.fstat(data.fileno()).st_size)
+            data.seek(0)
+            body = data.read(self.max_value + 1)
+        except OSError as exc:
+            raise StoreFailure(self._where(name), "read", f"the file to store: {exc}", outage=False) from None
+        self._fits(name, len(body))
+        return body
+
+    # -- round trips ------------------------------------------------------------------------
+
+    def _transaction(self, commands: list[tuple[Any, ...]], **bounds: int) -> list[Any]:
+        """``commands`` in one MULTI/EXEC, in one round trip: EXEC's replies, one per command."""
+        replies = self._call([("MULTI",), *commands, ("EXEC",)], **bounds)
+        # A command refused while queued (OOM, NOPERM) makes EXEC answer EXECABORT: name the first cause.
+        for reply in replies[:-1]:
+            self._check(reply, None)
+        result = replies[-1]
+        self._check(result, None)
+        if not isinstance(result, list) or len(result) != len(commands):
+            raise StoreFailure(self.shown, "protocol", "EXEC did not answer one reply per command")
+        return result
+
+    def _script(self, source: str, name: str, *args: object) -> Any:
+        """The lease script ``source`` on ``name``'s lease: EVALSHA, then EVAL where the server lacks it."""
+        from_sha = ("EVALSHA", _sha1(source), 1, self._lease_key(name), *args)
+        (reply,) = self._call([from_sha])
+        if isinstance(reply, _wire().exceptions.NoScriptError):
+            (reply,) = self._call([("EVAL", source, 1, self._lease_key(name), *args)])
+        self._check(reply, name)
+        return reply
+
+    def _call(
+        self, commands: list[tuple[Any, ...]], *, bulk: int = _SMALL_REPLY, values: int = 0, sent: int = 0
+    ) -> list[Any]:
+        """Send ``commands`` at once and read one reply each (an error reply as its exception, in place).
+
+        ``bulk`` bounds each value received; all bytes received are bounded by ``values``
+        (the values' bounds), :data:`_PER_REPLY` per command and :data:`_SMALL_REPLY`; the deadline
+        is the timeout plus the time of ``sent`` bytes at the slow-link rate (and of each
+        value as the parser meets it).
+        """
+        wire = _wire()
+        try:
+            conn = self._take(wire)
+            seconds = self.timeout + sent / SLOW_LINK_BYTES_PER_S
+            budget = values + len(commands) * _PER_REPLY + _SMALL_REPLY
+            conn.bound(limit=bulk, budget=budget, items=len(commands), seconds=seconds, rate=SLOW_LINK_BYTES_PER_S)
+        except Exception as exc:
+            raise self._failure(exc) from None
+        try:
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response(disable_decoding=True))
+                except wire.exceptions.ResponseError as exc:  # an error reply: the connection is still in step
+                    replies.append(exc)
+        except Exception as exc:  # redis-py's errors, the socket's, the parser's, MemoryError: each a StoreFailure
+            conn.disconnect()
+            raise self._failure(exc) from None
+        except BaseException:
+            conn.disconnect()
+            raise
+        self._give(conn)
+        return replies
+
+    def _take(self, wire: Any) -> Any:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            a = self._address
+            return wire.connect(
+                host=a.host, port=a.port, db=a.db, user=a.user, password=a.password, timeout=self.timeout,
+                tls=a.tls, ca_bundle=ca_bundle() if a.tls else None,
+            )  # fmt: skip
+        if conn.stale():
+            conn.disconnect()  # the server closed it (a restart, its idle timeout): connect again
+        return conn
+
+    def _give(self, conn: Any) -> None:
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.disconnect()
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _check(self, reply: Any, name: str | None) -> None:
+        if isinstance(reply, Exception):
+            raise self._failure(reply, name)
+
+    def _failure(self, exc: BaseException, name: str | None = None) -> StoreFailure:
+        """``exc`` as one :class:`StoreFailure` named by what happened; the password cut out of every text."""
+        where = self.shown if name is None else self._where(name)
+        text = self._scrub(str(exc) or type(exc).__name__)
+        kind, outage, hint = _classify(exc, text)
+        return StoreFailure(where, kind, text + hint, outage=outage)
+
+    def _scrub(self, text: str) -> str:
+        password = self._address.password
+        if password:
+            from urllib.parse import quote
+
+            for form in sorted({password, quote(password, safe="")}, key=len, reverse=True):
+                text = text.replace(form, "***")  # the longer first: the quoted form may hold the plain one
+        return text
+
+
+def _classify(exc: BaseException, text: str) -> tuple[str, bool, str]:
+    """``(kind, outage, hint)`` of a failure."""
+    x = _wire().exceptions
+    lowered = text.lower()
+    if isinstance(exc, _wire().TooLarge):
+        return "too large", False, ""
+    if isinstance(exc, x.AuthenticationError):
+        return "denied", True, f" (is the password right? the URL's, or ${ENV_REDIS_PASSWORD})"
+    if isinstance(exc, x.NoPermissionError):
+        return "denied", False, " (the server's ACL refuses this command to this user)"
+    if isinstance(exc, x.OutOfMemoryError):
+        return "out of memory", False, " (maxmemory reached: a cache wants maxmemory-policy allkeys-lru)"
+    if isinstance(exc, x.ReadOnlyError):
+        return "read only", False, " (a replica: name the primary)"
+    if isinstance(exc, x.BusyLoadingError):
+        return "loading", True, ""
+    if isinstance(exc, (x.TimeoutError, TimeoutError)):
+        return "timeout", True, ""
+    if isinstance(exc, x.ConnectionError):
+        if "refused" in lowered:
+            return "refused", True, ""
+        if "mismatch" in lowered:
+            return "tls", True, " (the server's certificate does not name this host: use a name it has)"
+        if "certificate" in lowered:
+            return "tls", True, f" (is the server's CA among the system's, or in ${ENV_CA_BUNDLE}?)"
+        if "ssl" in lowered:
+            return "tls", True, ""
+        return "connection", True, ""
+    if isinstance(exc, (x.InvalidResponse, ValueError)):
+        return "protocol", True, " (is it a Redis server?)"
+    if isinstance(exc, x.ResponseError):
+        return "error", False, ""
+    if isinstance(exc, MemoryError):
+        return "memory", False, ""
+    if isinstance(exc, OSError):
+        return "connection", True, ""
+    return "error", True, f" ({type(exc).__name__})"
+
+
+def _ms(ttl_s: float) -> int:
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e9:
+        raise ValueError(f"a lease's ttl_s is a positive number of seconds, not {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
+
+
+@functools.cache
+def _sha1(source: str) -> str:
+    return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+
+@functools.cache
+def _wire() -> Any:
+    """:mod:`.resp`'s bounded connection and redis-py's exceptions (imports redis: the first call of any engine)."""
+    from types import SimpleNamespace
+
+    from .resp import TooLarge, connect, exceptions
+
+    return SimpleNamespace(TooLarge=TooLarge, connect=connect, exceptions=exceptions)
+
+
+if TYPE_CHECKING:  # mypy checks that the class keeps the interface
+
+    def _is_engine(engine: RedisEngine) -> Engine:
+        return engine

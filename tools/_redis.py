@@ -1,0 +1,195 @@
+"""A real redis-server on loopback, for the Redis engine's tests and benchmarks: one server, its own counters.
+
+``RedisServer(prefix)`` writes its own ``redis.conf`` under ``prefix`` and runs redis-server in
+the foreground as a child process on 127.0.0.1 and a free port, with no persistence
+(``save ""``, ``appendonly no``: a cache needs none, and a test no files), its working
+directory and log under ``prefix``. Options:
+
+- ``password="s3cret"``: ``requirepass`` (the default user's password).
+- ``tls=True``: TLS only (``port 0``, ``tls-port``), with a self-signed certificate for
+  127.0.0.1 and localhost made by openssl (the one :mod:`_nginx` makes); ``cert`` is its
+  path, for a client's CA bundle. Clients need no certificate of their own.
+- ``maxmemory="2mb"``, ``policy="noeviction"`` (or ``allkeys-lru``...): the memory limit.
+- ``debug=True``: ``enable-debug-command yes`` (Redis 7), so a test can ``DEBUG SLEEP``.
+
+``url`` is the server's URL without the password (``redis://127.0.0.1:PORT/0``);
+``url_with_password()`` with it. ``client()`` is a redis-py client of its own for setting
+up and reading the server's own figures: ``commandstats()`` (calls per command),
+``stats()`` (``INFO stats``: ``total_commands_processed``, ``keyspace_hits``...), and
+``reset_stats()`` (``CONFIG RESETSTAT``). ``kill()`` is a SIGKILL (an outage);
+``start(port=server.port)`` brings it back on the same port.
+
+The tests skip, with the reason, where redis-server is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from _child import ServerProcess
+from _nginx import _make_cert, free_port
+
+__all__ = ["RedisServer", "RedisServerError", "find_redis_server"]
+
+_WORD_RE = re.compile(r"[A-Za-z0-9._~+/=-]+")
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be started; the message ends with the tail of its log."""
+
+
+def find_redis_server() -> str | None:
+    """The redis-server binary: on PATH, else /usr/bin/redis-server; None if neither."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+
+
+class RedisServer(ServerProcess):
+    """redis-server on 127.0.0.1, configured for a test (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        password: str | None = None,
+        tls: bool = False,
+        maxmemory: str | None = None,
+        policy: str = "noeviction",
+        debug: bool = True,
+        start_timeout: float = 10.0,
+    ) -> None:
+        for what, word in (("password", password), ("maxmemory", maxmemory), ("policy", policy)):
+            if word is not None and not _WORD_RE.fullmatch(word):
+                raise ValueError(f"{what}: only [A-Za-z0-9._~+/=-] (it is written into redis.conf)")
+        self.prefix = Path(prefix).resolve()
+        self.password = password
+        self.tls = tls
+        self.maxmemory = maxmemory
+        self.policy = policy
+        self.debug = debug
+        self.start_timeout = start_timeout
+        self.conf = self.prefix / "redis.conf"
+        self.log = self.prefix / "redis.log"
+        self.cert: Path | None = None
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._client: Any = None
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with tls=True), without the password."""
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    def url_with_password(self, password: str | None = None) -> str:
+        """The URL with ``password`` (default: the server's) as the default user's: ``redis://:PW@...``."""
+        word = self.password if password is None else password
+        return self.url.replace("://", f"://:{word}@", 1)
+
+    def _config(self) -> str:
+        lines = [
+            "bind 127.0.0.1",
+            f"port {0 if self.tls else self.port}",
+            "daemonize no",
+            'save ""',
+            "appendonly no",
+            f"dir {self.prefix}",
+            f"logfile {self.log}",
+            "databases 16",
+            f"maxmemory-policy {self.policy}",
+        ]
+        if self.maxmemory:
+            lines.append(f"maxmemory {self.maxmemory}")
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        if self.debug:
+            lines.append("enable-debug-command yes")
+        if self.tls:
+            assert self.cert is not None
+            lines += [
+                f"tls-port {self.port}",
+                f"tls-cert-file {self.cert}",
+                f"tls-key-file {self.prefix / 'key.pem'}",
+                "tls-auth-clients no",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, port: int | None = None) -> RedisServer:
+        """Write the config and start redis-server on ``port`` (default: a free one); return once it answers."""
+        binary = find_redis_server()
+        if binary is None:
+            raise RedisServerError("redis-server is not installed (not on PATH, no /usr/bin/redis-server)")
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        if self.tls and self.cert is None:
+            self.cert, _ = _make_cert(self.prefix)
+        last = ""
+        for _ in range(5):  # another process may take the port between free_port() and redis's bind
+            self.port = port or free_port()
+            self.conf.write_text(self._config())
+            self.log.write_text("")
+            self._proc = subprocess.Popen(
+                [binary, str(self.conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            if self._wait_ready():
+                return self
+            last = self.log_tail()
+            self._terminate(signal.SIGKILL)
+            if "Address already in use" not in last or port:
+                break
+        raise RedisServerError(f"redis-server did not start; log tail:\n{last}")
+
+    def _started(self) -> bool:
+        return "Ready to accept connections" in self.log_tail(20000)
+
+    def _terminate(self, sig: int = signal.SIGTERM) -> None:
+        super()._terminate(sig)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, its connections reset (an outage)."""
+        self._terminate(signal.SIGKILL)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    # -- the server's own figures -------------------------------------------------------------
+    def client(self) -> Any:
+        """A redis-py client of this server (its password, its certificate), made once per start."""
+        if self._client is None:
+            import redis
+
+            tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.cert)} if self.tls else {}
+            self._client = redis.Redis(
+                host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls
+            )
+        return self._client
+
+    def commandstats(self) -> dict[str, int]:
+        """Calls per command since the start or the last ``reset_stats()`` (``INFO commandstats``): ``{"get": 3}``.
+
+        Commands a script or a transaction runs are counted as themselves, and ``exec``
+        once per transaction; a subcommand is ``client|setinfo``.
+        """
+        info = self.client().info("commandstats")
+        return {name.removeprefix("cmdstat_"): int(fields["calls"]) for name, fields in info.items()}
+
+    def stats(self) -> dict[str, Any]:
+        """``INFO stats``: ``total_commands_processed``, ``total_connections_received``, ``keyspace_hits``..."""
+        return dict(self.client().info("stats"))
+
+    def reset_stats(self) -> None:
+        """``CONFIG RESETSTAT``: the counters start again from 0."""
+        self.client().config_resetstat()
