@@ -64,6 +64,20 @@ def seam(monkeypatch: pytest.MonkeyPatch) -> Seam:
     return fake
 
 
+@pytest.fixture
+def waiting(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set when a claim first waits for another's."""
+    event = threading.Event()
+    real_wait = claims._wait
+
+    def said(fd: int, deadline: float) -> bool:
+        event.set()
+        return real_wait(fd, deadline)
+
+    monkeypatch.setattr(claims, "_wait", said)
+    return event
+
+
 def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
     got: list[Any] = []
     thread = threading.Thread(target=lambda: got.append(fn()), daemon=True)
@@ -137,68 +151,48 @@ def _timed(store: CacheStore, kid: str, wait_s: float) -> tuple[claims.Claim, fl
         return got, time.monotonic() - t0
 
 
-def test_a_waiter_whose_claimant_let_go_takes_the_claim_afresh(cache_dir: Path) -> None:
+def test_a_waiter_whose_claimant_let_go_takes_the_claim_afresh(cache_dir: Path, waiting: threading.Event) -> None:
     """The claimant let go (its file gone from the name): the waiter holds a new claim while it
     looks the key up, so that if it still misses (an NFS client caching the entry's absence) its
     compile is the node's one, and the node's other waiters wait for it."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    waiting = threading.Event()
-    real_wait = claims._wait
+    with store.claim(kid) as first:
+        assert first.held
+        holding, let_go = threading.Event(), threading.Event()
 
-    def said(fd: int, deadline: float) -> bool:
-        waiting.set()
-        return real_wait(fd, deadline)
+        def second() -> claims.Claim:
+            with store.claim(kid, wait_s=60) as got:
+                holding.set()
+                assert let_go.wait(60)
+                return got
 
-    claims._wait = said  # type: ignore[assignment]
-    try:
-        with store.claim(kid) as first:
-            assert first.held
-            holding, let_go = threading.Event(), threading.Event()
-
-            def second() -> claims.Claim:
-                with store.claim(kid, wait_s=60) as got:
-                    holding.set()
-                    assert let_go.wait(60)
-                    return got
-
-            thread, got = in_thread(second)
-            assert waiting.wait(60)
-        assert holding.wait(60)  # the first let go: the second holds the claim now
-        with store.claim(kid, wait_s=0) as third:
-            assert third.timed_out and not third.held  # it waits for the second, as for the first
-        let_go.set()
-        thread.join(60)
-    finally:
-        claims._wait = real_wait  # type: ignore[assignment]
+        thread, got = in_thread(second)
+        assert waiting.wait(60)
+    assert holding.wait(60)  # the first let go: the second holds the claim now
+    with store.claim(kid, wait_s=0) as third:
+        assert third.timed_out and not third.held  # it waits for the second, as for the first
+    let_go.set()
+    thread.join(60)
     assert got[0].held and got[0].waited
     assert sorted(p.name for p in (cache_dir / "tmp").iterdir() if p.name.endswith(".claim")) == []
     assert store.counters()["claim_waits"] == 2
 
 
-def test_a_claim_file_the_server_removed_under_a_waiter_is_a_claimant_that_let_go(cache_dir: Path, seam: Seam) -> None:
+def test_a_claim_file_the_server_removed_under_a_waiter_is_a_claimant_that_let_go(
+    cache_dir: Path, seam: Seam, waiting: threading.Event
+) -> None:
     """NFSv3: the claimant's node removed the file while this waiter had it open; the waiter's next
     try gets ESTALE. It takes the claim afresh, as when it finds the file gone from its name."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    waiting = threading.Event()
-    real_wait = claims._wait
-
-    def said(fd: int, deadline: float) -> bool:
-        waiting.set()
-        return real_wait(fd, deadline)
-
-    claims._wait = said  # type: ignore[assignment]
-    try:
-        with store.claim(kid) as first:
-            assert first.held
-            thread, got = in_thread(lambda: _timed(store, kid, 60))
-            assert waiting.wait(60)
-            seam.stale.set()  # the waiter's next try: the file is gone on the server
-            assert until(lambda: not seam.stale.is_set())
-        thread.join(60)
-    finally:
-        claims._wait = real_wait  # type: ignore[assignment]
+    with store.claim(kid) as first:
+        assert first.held
+        thread, got = in_thread(lambda: _timed(store, kid, 60))
+        assert waiting.wait(60)
+        seam.stale.set()  # the waiter's next try: the file is gone on the server
+        assert until(lambda: not seam.stale.is_set())
+    thread.join(60)
     claim, _took = got[0]
     assert claim.held and claim.waited
 

@@ -94,8 +94,8 @@ _FLAGS = (
 #: A waiter polls the lock: first after 1 ms, doubling up to every 50 ms, then every
 #: twentieth of the time it has waited, up to every second. It sees a release within
 #: 50 ms or 5 % of its wait. Over NFS each poll is a round trip to the server: every
-#: 50 ms, a waiter sent 17 to 18 LOCK calls a second in the NFS harness; now 20 in its
-#: first second, and about one a second past 20 s (300 s: about 360, not 6,000).
+#: 50 ms, a waiter sent 17 to 18 LOCK calls a second in the NFS harness; now 25 in its
+#: first second, and about one a second past 20 s (300 s: about 370, not 6,000).
 _FIRST_PAUSE_S = 0.001
 _FAST_PAUSE_S = 0.05
 _PAUSE_SHARE = 0.05
