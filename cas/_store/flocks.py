@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from cuda_program_cas._base.fork import after_fork_call
+
 try:
     import fcntl
 except ImportError:  # Windows: callers take no flock there
@@ -38,9 +40,16 @@ FIRST_TRY_S = 1.0
 #: A later try (while waiting) may end this long past its caller's bound.
 LAST_TRY_S = 0.05
 
-#: ``st_dev`` of the file systems where an abandoned try has not returned yet.
-_STUCK: set[int] = set()
-_STUCK_LOCK = threading.Lock()
+
+class _Stuck:
+    """``devs``: ``st_dev`` of the file systems where an abandoned try has not returned yet."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.devs: set[int] = set()
+
+
+_STUCK = _Stuck()
 
 
 class Slow(Exception):
@@ -72,8 +81,8 @@ class _Try:
             if not self.abandoned:
                 return
         # Its caller gave up: the file system answers again; let go of what it got.
-        with _STUCK_LOCK:
-            _STUCK.discard(self.dev)
+        with _STUCK.lock:
+            _STUCK.devs.discard(self.dev)
         if self.taken:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -88,18 +97,31 @@ def try_lock(fd: int, until: float, close: Callable[[int], None]) -> bool:
     so the caller must not close ``fd`` itself.
     """
     dev = os.fstat(fd).st_dev
-    with _STUCK_LOCK:
-        if dev in _STUCK:
+    with _STUCK.lock:
+        if dev in _STUCK.devs:
             raise Slow
     attempt = _Try(dev, close)
-    threading.Thread(target=attempt.run, args=(fd,), name="cuda-program-cas flock", daemon=True).start()
+    try:
+        threading.Thread(target=attempt.run, args=(fd,), name="cuda-program-cas flock", daemon=True).start()
+    except RuntimeError:
+        # No new thread (Python 3.12.1 refuses one at interpreter shutdown, where the counters'
+        # last flush runs; or the process's thread limit): the try is made here, unbounded.
+        attempt.run(fd)
     if not attempt.done.wait(max(0.0, until - time.monotonic())):
         with attempt.mutex:
             if not attempt.done.is_set():
                 attempt.abandoned = True
-                with _STUCK_LOCK:
-                    _STUCK.add(dev)
+                with _STUCK.lock:
+                    _STUCK.devs.add(dev)
                 raise Slow
     if attempt.error is not None:
         raise attempt.error
     return attempt.taken
+
+
+@after_fork_call
+def _after_fork_in_child() -> None:
+    # The parent's tries and their threads stay the parent's: the child has no thread that
+    # would clear their file systems, and a thread of the parent may have held the lock.
+    _STUCK.lock = threading.Lock()
+    _STUCK.devs.clear()
