@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.layout import CLAIM_SUFFIX
 
-from . import flocks
+from .flocks import FIRST_TRY_S, LAST_TRY_S, try_lock
 from .flocks import Slow as _Slow
 from .stats import Counters
 
@@ -101,9 +101,9 @@ _FAST_PAUSE_S = 0.05
 _PAUSE_SHARE = 0.05
 _LONGEST_PAUSE_S = 1.0
 #: The first try at the lock may take this long even when the wait's bound is shorter.
-_FIRST_TRY_S = flocks.FIRST_TRY_S
+_FIRST_TRY_S = FIRST_TRY_S
 #: A later try may end this long past the bound (a try made as the bound passes).
-_LAST_TRY_S = flocks.LAST_TRY_S
+_LAST_TRY_S = LAST_TRY_S
 #: Opens of a name whose file was replaced under us before the claim is given up.
 _MAX_TRIES = 32
 
@@ -232,7 +232,7 @@ class _Gone(Exception):
 def _lock(fd: int, until: float) -> bool:
     """One non-blocking try (:func:`cuda_program_cas._store.flocks.try_lock`): True when taken,
     False when another holds it; :class:`_Slow` when not back by ``until`` (its thread then closes ``fd``)."""
-    return flocks.try_lock(fd, until, _close)
+    return try_lock(fd, until, _close)
 
 
 def _next_pause(pause: float, waited_s: float) -> float:

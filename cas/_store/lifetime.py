@@ -71,7 +71,7 @@ from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
-from . import flocks
+from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, try_lock
 
 try:
     import fcntl
@@ -239,12 +239,12 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
         deadline = time.monotonic() + wait_s
         pause = 0.001
         # Each try bounded: over NFS one may never return (docs/nfs.md), and a put flushes here.
-        until = max(deadline, time.monotonic() + flocks.FIRST_TRY_S)
+        until = max(deadline, time.monotonic() + FIRST_TRY_S)
         while True:
             try:
-                if flocks.try_lock(fd, until, _close_lock_fd):
+                if try_lock(fd, until, _close_lock_fd):
                     break
-            except flocks.Slow:
+            except Slow:
                 owned = False
                 raise _Busy from None
             left = deadline - time.monotonic()
@@ -252,7 +252,7 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
                 raise _Busy from None
             time.sleep(min(pause, left))  # holders keep it for microseconds
             pause = min(2 * pause, 0.05)
-            until = max(deadline, time.monotonic() + flocks.LAST_TRY_S)
+            until = max(deadline, time.monotonic() + LAST_TRY_S)
         try:
             yield
         finally:
