@@ -7,6 +7,7 @@ the unit suite: ``python tools/nfs_harness.py`` (docs/nfs-harness.md).
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import subprocess
@@ -56,7 +57,7 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and len(result["scenarios"]) == 5
+    assert result["ok"] and len(result["scenarios"]) == 6
     by_name = {s["name"]: s for s in result["scenarios"]}
     compile_nodes = by_name["Program.compile on nodes hits the shared store"]["figures"]["nodes"]
     assert [n["nvrtc_compiles"] for n in compile_nodes] == [0, 0]
@@ -70,7 +71,14 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     collect_nodes = by_name["collect while nodes read"]["figures"]["nodes"]
     assert all(not n["negative_lookups_cached"] and n["visible_right_after"] == 24 for n in collect_nodes)
     assert all(n["store_errors"] == 0 == n["errors_otherwise_count"] for n in collect_nodes)
-    assert "PASSED: 5 of 5" in proc.stdout
+    # Claims on one directory: one compile for 4 processes, and for a holder with 3 waiters; a killed
+    # holder's waiter takes over.
+    claims = {row["case"]: row for row in by_name["claims on an NFS-mounted cache"]["figures"]["cases"]}
+    assert claims["one mount, 4 processes at once"]["compiles"] == 1
+    assert claims["two mounts, plain"]["compiles"] == 1
+    assert all(took < 5.0 for took in claims["holder SIGKILLed mid-compile"]["takeover_s"].values())
+    assert "skipped" in claims["NFS-only cases"]
+    assert "PASSED: 6 of 6" in proc.stdout
 
 
 def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:
@@ -98,13 +106,13 @@ REAL_RUN = REPO / "tests" / "data" / "nfs-harness-run.json"
 COLDSTART = REPO / "tools" / "coldstart_model.py"
 
 
-def _scenarios_module() -> Any:
+def _scenarios_module(name: str = "scenarios") -> Any:
+    """``tools/nfs/<name>.py``, imported."""
     sys.path.insert(0, str(SCENARIOS.parent))
     try:
-        import scenarios
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(SCENARIOS.parent))
-    return scenarios
 
 
 def _figures(name: str) -> dict[str, Any]:
@@ -249,3 +257,34 @@ def test_close_to_open_claims_hold_on_the_real_run_and_catch_a_lagging_node() ->
     assert any("visible at once, with no negative lookup cached" in f for f in scenarios.check_visibility([lagging], m))
     never = {**figures["nodes"][0], "still_missing_after_wait": 3}
     assert any("still missing after the wait" in f for f in scenarios.check_visibility([never], m))
+
+
+#: The claims scenario's figures from real runs (docs/nfs.md): ``before``, of main's claims (commit
+#: a9a0e41) under this scenario's first version; ``before_counters``, of bounded claims with the
+#: lifetime counters' lock not yet bounded (its no-NLM case); ``after``, of this version.
+CLAIMS_RUNS = REPO / "tests" / "data" / "nfs-claims-runs.json"
+
+
+def test_the_claims_that_broke_over_nfs_are_caught_and_hold_now() -> None:
+    """What broke on main over NFS fails the checks; the run after the fixes passes them."""
+    claim_scenario = _scenarios_module("claim_scenario")
+    runs = json.loads(CLAIMS_RUNS.read_text())
+    assert all(opts.startswith("nfs") for opts in runs["after"]["mounts"].values())
+    assert claim_scenario.check_claims(runs["after"]["cases"]) == []
+    failures = claim_scenario.check_claims(runs["before"]["cases"])
+    # rpc.statd stopped: each claim, bounded by 5 s, returned after its 61 s flock.
+    statd = [f for f in failures if "statd" in f and "its claim returned after 61." in f]
+    assert len(statd) == 3, failures
+    # Two v3 mounts: the second mount's waiters each compiled (one after ESTALE).
+    assert any("two mounts, v3: 3 compiles" in f for f in failures), failures
+    # What the docs say of the run after: one compile a mount, a killed holder taken over at once.
+    after = {(row["case"], row.get("mount")): row for row in runs["after"]["cases"]}
+    assert after[("one mount, 4 processes at once", "v4one")]["compiles"] == 1
+    assert after[("one mount, 4 processes at once", "v3one")]["compiles"] == 1
+    assert after[("two mounts, v3", None)]["compiles"] == 2
+    # The server's lock manager gone: put hung on the counters' lock, until faulthandler ended it.
+    (hung,) = runs["before_counters"]["cases"]
+    assert claim_scenario.check_claims([hung]) != []
+    for p in hung["processes"]:
+        assert p["no_result"] and "compiling" in p["said"] and "stored" not in p["said"]
+        assert "in _locked" in p["stderr"] and "in put" in p["stderr"]

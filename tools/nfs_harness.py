@@ -49,14 +49,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".nfs-harness"
 #: Bump when what ends up in the cached assets changes.
-ASSET_FORMAT = 1
+ASSET_FORMAT = 2
 
 #: Packages whose files the guest needs on top of this host's own (deps resolved against this host).
 GUEST_PACKAGES = ("nfs-kernel-server",)
 #: Kernel modules loaded in the initramfs, with everything they depend on.
-MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "nfsd", "nfsv4", "nfsv3")
+#: veth: the claims scenario joins a second NFS client (a network namespace) to the server.
+MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "nfsd", "nfsv4", "nfsv3", "veth")
 #: Top-level host directories the guest root is built from (besides Python and the repo).
 HOST_TOP = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+#: Of those, the ones the guest writes (guest.sh writes /etc/exports): writable over a tmpfs even
+#: when the host has every package, so that no package's files were layered over them.
+WRITABLE_TOP = ("etc",)
 
 INIT = """#!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /dev /ctl
@@ -336,11 +340,14 @@ def stage1_script(shares: list[tuple[str, str]], extras_tops: list[str]) -> str:
         rel = path.lstrip("/")
         lines.append(f"mkdir -p .layers/{tag} {rel}")
         lines.append(f"mount -t 9p -o $M9 {tag} .layers/{tag}")
-        if rel in extras_tops:
+        if rel in extras_tops or rel in WRITABLE_TOP:
             # the host's directory with the packages' files layered over it; writable (tmpfs upper)
+            lower = f"/newroot/.layers/{tag}"
+            if rel in extras_tops:
+                lower = f"/newroot/.layers/extras/{rel}:{lower}"
             lines.append(f"mkdir -p .layers/{tag}-up .layers/{tag}-work")
             lines.append(
-                f"mount -t overlay overlay -o lowerdir=/newroot/.layers/extras/{rel}:/newroot/.layers/{tag},"
+                f"mount -t overlay overlay -o lowerdir={lower},"
                 f"upperdir=/newroot/.layers/{tag}-up,workdir=/newroot/.layers/{tag}-work /newroot/{rel}"
             )
         else:
@@ -473,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             "accel": args.accel, "kernel_package": assets["kernel_package"], "guest_exit_status": rc,
             "assets_s": round(assets_s, 1), "vm_s": round(vm_s, 1), "total_s": round(total_s, 1),
         }  # fmt: skip
+        if isinstance(result.get("guest_uptime_s"), float) and vm_s > 0:
+            # Seconds of the guest's clock per second of the host's: every figure is in the guest's.
+            result["harness"]["guest_s_per_host_s"] = round(result["guest_uptime_s"] / vm_s, 2)
         print(json.dumps(result, indent=1), flush=True)
     if status == 0 and not args.keep:
         shutil.rmtree(rundir, ignore_errors=True)

@@ -11,7 +11,8 @@ hit. A claim can only save work, never change a result:
   over at once and compiles itself;
 - a wait is bounded (:data:`cuda_program_cas._base.config.DEFAULT_CLAIM_WAIT_S`,
   or ``$CUDA_PROGRAM_CAS_CLAIM_WAIT``): a waiter whose claimant is still compiling
-  when the bound passes compiles too;
+  when the bound passes compiles too. The bound holds even where a single
+  "non-blocking" ``flock`` does not return (NFS: see below);
 - anything that keeps a claim from being taken (a read-only cache, no space, a
   directory where the file belongs, no locks on this file system, no ``fcntl`` on
   Windows) means no claim: the caller compiles as it would without them.
@@ -26,11 +27,27 @@ drops it. An ``flock`` belongs to the open file: threads contend like processes.
 
 Lock files do not pile up. The holder removes its file while it still holds the
 lock, then lets go. A waiter that then gets the lock finds the file it locked gone
-from its name (the inode check): the claimant is done, and it looks the key up.
-One that finds its file still in place took over from a claimant that died, and
-compiles. Files of claimants that died and that no one took over are temp files
-like any other in ``tmp/``: a holder freshens its file's mtime, and ``gc``,
-``verify`` and a writable open remove the ones an hour old.
+from its name (the inode check): the claimant is done. It takes the claim afresh
+(a new file) and looks the key up; should it still miss (the claimant failed, or
+an NFS client still caches the entry's absence), its compile is the one of its
+node, and the node's other waiters wait for it. One that finds its file still in
+place took over from a claimant that died, and compiles. Files of claimants that
+died and that no one took over are temp files like any other in ``tmp/``: a
+holder freshens its file's mtime, and ``gc``, ``verify`` and a writable open
+remove the ones an hour old.
+
+On a cache that sits on NFS (docs/nfs.md has what the NFS harness measured), the
+client turns ``flock`` into byte-range locks that the server arbitrates, so the
+claim holds across the nodes that mount the cache (with ``nolock`` or
+``local_lock=``, across one mount's processes only). A holder that dies lets go
+at once while its node lives; a node that dies holds its claims until the
+server's lease ends (NFSv4: 90 s by default) or, on NFSv3, until it comes back:
+the wait's bound covers both. Each try is a round trip to the server, so a
+waiter asks less and less often, and each try is bounded
+(:mod:`cuda_program_cas._store.flocks`): one on NFSv3 with no ``rpc.statd`` did
+not return for 61 s, one whose server's lock manager is gone never returns. A try
+still out at the bound is given up (no claim: compile). A file that the server
+removed while a waiter had it open (``ESTALE``) is a claimant that let go.
 
 A forked child gets copies of its parent's descriptors, and with them a share of
 its ``flock``: a parent killed while its child lives would leave its claim held. So
@@ -53,6 +70,8 @@ from dataclasses import dataclass
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.layout import CLAIM_SUFFIX
 
+from .flocks import FIRST_TRY_S, LAST_TRY_S, try_lock
+from .flocks import Slow as _Slow
 from .stats import Counters
 
 try:
@@ -72,11 +91,19 @@ _FLAGS = (
     | getattr(os, "O_CLOEXEC", 0)
     | getattr(os, "O_BINARY", 0)
 )
-#: A waiter polls the lock: first after 1 ms, doubling up to every 50 ms. Compiles
-#: take a tenth of a second and more, so a waiter sees a release within a few percent
-#: of the compile it waited for.
+#: A waiter polls the lock: first after 1 ms, doubling up to every 50 ms, then every
+#: twentieth of the time it has waited, up to every second. It sees a release within
+#: 50 ms or 5 % of its wait. Over NFS each poll is a round trip to the server: every
+#: 50 ms, a waiter sent 17 to 18 LOCK calls a second in the NFS harness; now 25 in its
+#: first second, and about one a second past 20 s (300 s: about 370, not 6,000).
 _FIRST_PAUSE_S = 0.001
-_LONGEST_PAUSE_S = 0.05
+_FAST_PAUSE_S = 0.05
+_PAUSE_SHARE = 0.05
+_LONGEST_PAUSE_S = 1.0
+#: The first try at the lock may take this long even when the wait's bound is shorter.
+_FIRST_TRY_S = FIRST_TRY_S
+#: A later try may end this long past the bound (a try made as the bound passes).
+_LAST_TRY_S = LAST_TRY_S
 #: Opens of a name whose file was replaced under us before the claim is given up.
 _MAX_TRIES = 32
 
@@ -128,43 +155,62 @@ def _take(path: str, wait_s: float) -> tuple[Claim, int | None]:
     """The claim, and the descriptor whose lock holds it (None when not held)."""
     assert fcntl is not None
     deadline = time.monotonic() + wait_s
+    waited = False  # whether this caller waited for another's claim, on this file or an earlier one
     for _ in range(_MAX_TRIES):
         try:
             fd = _open(path)
         except OSError as exc:
+            if exc.errno == errno.ESTALE:
+                continue  # NFS: the name still led to a file its server had removed; look again
             _no_claim(path, exc)
-            return Claim(), None
+            return Claim(waited=waited), None
         try:
             try:
-                busy = not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+                # The first try may take _FIRST_TRY_S even when the bound is shorter.
+                busy = not _lock(fd, max(deadline, time.monotonic() + (_LAST_TRY_S if waited else _FIRST_TRY_S)))
+            except OSError as exc:
+                if exc.errno == errno.ESTALE:
+                    raise
                 # No locks here (ENOLCK, EOPNOTSUPP): no one holds this file, so it goes now.
                 with contextlib.suppress(OSError):
                     if _still_named(path, fd):
                         os.unlink(path)
                 raise
-            if busy and not _wait(fd, deadline):
-                _close(fd)
-                _log.debug("cuda-program-cas: %s: waited %.1f s for another compile; compiling here", path, wait_s)
-                return Claim(waited=True, timed_out=True), None
+            if busy:
+                waited = True
+                if not _wait(fd, deadline):
+                    _close(fd)
+                    _log.debug("cuda-program-cas: %s: waited %.1f s for another compile; compiling here", path, wait_s)
+                    return Claim(waited=True, timed_out=True), None
             if not _still_named(path, fd):
-                # Its holder removed it as it let go: done (or given up); look the key up.
-                _close(fd)
-                if busy:
-                    return Claim(waited=True), None
-                continue
+                raise _Gone
             if os.utime in os.supports_fd:
                 with contextlib.suppress(OSError):  # another user's file: held all the same
                     os.utime(fd)  # a file left by a dead claimant: young again, so no sweep takes it
-        except OSError as exc:
-            _close(fd)
-            _no_claim(path, exc)
+        except _Slow:
+            # The try goes on in its thread, which lets go of what it gets and closes fd.
+            if waited:
+                return Claim(waited=True, timed_out=True), None
+            _no_claim(
+                path, OSError(errno.ETIMEDOUT, "flock did not return in time (a lock manager that does not answer)")
+            )
             return Claim(), None
+        except (_Gone, OSError) as exc:
+            _close(fd)
+            if isinstance(exc, _Gone) or exc.errno == errno.ESTALE:
+                # Its holder removed it as it let go (done, or given up; ESTALE: an NFS server
+                # removed it while it was open here). Take the claim afresh and look the key
+                # up: a caller that still misses (the holder failed, or this NFS client still
+                # caches the entry's absence) then compiles holding it, and the node's other
+                # waiters wait for that compile rather than each compile.
+                continue
+            _no_claim(path, exc)
+            return Claim(waited=waited), None
         except BaseException:
             _close(fd)  # interrupted while waiting
             raise
-        return Claim(held=True, waited=busy), fd
-    return Claim(), None
+        return Claim(held=True, waited=waited), fd
+    return Claim(waited=waited), None
 
 
 def _open(path: str) -> int:
@@ -179,27 +225,34 @@ def _open(path: str) -> int:
     return fd
 
 
-def _lock(fd: int, how: int) -> bool:
-    """True when ``flock`` took the lock; False when another holds it. Other failures raise."""
-    assert fcntl is not None
-    try:
-        fcntl.flock(fd, how)
-    except BlockingIOError:
-        return False
-    return True
+class _Gone(Exception):
+    """The claim file locked is no longer at its name: its holder let go."""
+
+
+def _lock(fd: int, until: float) -> bool:
+    """One non-blocking try (:func:`cuda_program_cas._store.flocks.try_lock`): True when taken,
+    False when another holds it; :class:`_Slow` when not back by ``until`` (its thread then closes ``fd``)."""
+    return try_lock(fd, until, _close)
+
+
+def _next_pause(pause: float, waited_s: float) -> float:
+    """The pause after ``pause``, ``waited_s`` into a wait: doubling to 50 ms, then a
+    twentieth of the time waited, up to 1 s."""
+    return min(_LONGEST_PAUSE_S, max(min(2 * pause, _FAST_PAUSE_S), _PAUSE_SHARE * waited_s))
 
 
 def _wait(fd: int, deadline: float) -> bool:
     """Poll the lock until it is ours (True) or the deadline passes (False)."""
-    assert fcntl is not None
+    start = time.monotonic()
     pause = _FIRST_PAUSE_S
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             return False
         time.sleep(min(pause, left))
-        pause = min(2 * pause, _LONGEST_PAUSE_S)
-        if _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+        pause = _next_pause(pause, now - start)
+        if _lock(fd, max(deadline, time.monotonic() + _LAST_TRY_S)):
             return True
 
 

@@ -71,6 +71,8 @@ from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
+from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, try_lock
+
 try:
     import fcntl
 except ImportError:  # Windows: filelock
@@ -232,19 +234,25 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
         return
     fd = os.open(path, _LOCK_FLAGS, 0o600)
     _LOCK_FDS.add(fd)  # a child forked meanwhile closes its copy
+    owned = True  # False once a try that did not return owns fd (flocks.try_lock closes it)
     try:
         deadline = time.monotonic() + wait_s
         pause = 0.001
+        # Each try bounded: over NFS one may never return (docs/nfs.md), and a put flushes here.
+        until = max(deadline, time.monotonic() + FIRST_TRY_S)
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _Busy from None
-                time.sleep(min(pause, left))  # holders keep it for microseconds
-                pause = min(2 * pause, 0.05)
+                if try_lock(fd, until, _close_lock_fd):
+                    break
+            except Slow:
+                owned = False
+                raise _Busy from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Busy from None
+            time.sleep(min(pause, left))  # holders keep it for microseconds
+            pause = min(2 * pause, 0.05)
+            until = max(deadline, time.monotonic() + LAST_TRY_S)
         try:
             yield
         finally:
@@ -252,7 +260,13 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
             # descriptor is closed, and a child forked meanwhile holds one.
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        _LOCK_FDS.discard(fd)
+        if owned:
+            _close_lock_fd(fd)
+
+
+def _close_lock_fd(fd: int) -> None:
+    _LOCK_FDS.discard(fd)
+    with contextlib.suppress(OSError):
         os.close(fd)
 
 

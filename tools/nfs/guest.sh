@@ -31,7 +31,9 @@ echo 10 > /proc/fs/nfsd/nfsv4gracetime
 # rpcbind drops to _rpc, a user the package's postinst would have created.
 grep -q '^_rpc:' /etc/passwd || echo '_rpc:x:911:65534::/run/rpcbind:/usr/sbin/nologin' >> /etc/passwd
 rpcbind -w
-echo '/srv/export 127.0.0.1(rw,sync,no_subtree_check,no_root_squash,insecure,fsid=1)' > /etc/exports
+# 10.99.0.2: the other NFS client of the claims scenario (a network namespace over a veth pair).
+export_opts='rw,sync,no_subtree_check,no_root_squash,insecure,fsid=1'
+echo "/srv/export 127.0.0.1($export_opts) 10.99.0.0/24($export_opts)" > /etc/exports
 exportfs -ra
 rpc.mountd
 rpc.nfsd 4

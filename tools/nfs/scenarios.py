@@ -24,7 +24,10 @@ logic but not NFS. The store is ``<publisher>/store``; nodes read it as
   operations (``/proc/self/mountstats``) of a cold job's first hits on each
   node, each job on a fresh mount of ``--nfs-export``, the files and inodes of
   each store, and how soon a new generation is visible on every node (one mount
-  uses ``lookupcache=positive``).
+  uses ``lookupcache=positive``);
+- claims: processes of one mount and of several mounts of ``--nfs-export`` miss one
+  key of a cache on NFS at once; a holder killed, a dead node, node-local locks, no
+  lock daemon (``tools/nfs/claim_scenario.py``).
 
 A read must return the right bytes or miss: a wrong byte, an exception, or a
 worker that fails fails the run (exit status 1). So does a figure that breaks
@@ -36,6 +39,7 @@ Figures go to ``--json`` and, formatted by :func:`format_summary`, to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib.util
 import json
@@ -402,6 +406,8 @@ class Env:
         #: packed scenario counts each cold job on a mount of its own (see :meth:`fresh_mount`).
         self.export = args.nfs_export
         self.node_options = list(args.node_options or [])
+        #: The claims scenario runs only its cases whose label contains one of these (all when empty).
+        self.claim_cases = list(getattr(args, "claim_case", None) or [])
         if self.export and len(self.node_options) != len(self.mounts):
             raise SystemExit("scenarios.py: --nfs-export needs one --node-options per --node")
         os.makedirs(self.local, exist_ok=True)
@@ -989,12 +995,22 @@ def check_packed(figures: Result) -> list[str]:
     return failures
 
 
+def scenario_claims(env: Env) -> Result:
+    """Claims on a cache that sits on NFS (tools/nfs/claim_scenario.py): one mount, several, a holder
+    killed, a dead node, node-local locks, no lock daemon."""
+    sys.path.insert(0, HERE)
+    import claim_scenario
+
+    return claim_scenario.run(env)
+
+
 SCENARIOS: dict[str, Callable[[Env], Result]] = {
     "publish while nodes read": scenario_publish,
     "collect while nodes read": scenario_collect,
     "Program.compile on nodes hits the shared store": scenario_compile,
     "close-to-open visibility": scenario_visibility,
     "loose against packed stores": scenario_packed,
+    "claims on an NFS-mounted cache": scenario_claims,
 }
 
 
@@ -1033,6 +1049,10 @@ def run_all(args: argparse.Namespace) -> Result:
         print(f"nfsh: scenario: {name}: {'ok' if out['ok'] else 'FAILED'} in {out['seconds']} s", flush=True)
         result["scenarios"].append(out)
     result["seconds"] = round(time.monotonic() - t_all, 1)
+    # Against the VM's time on the host (the harness): under emulation on a busy host the guest's
+    # clock may run slow, and every figure in seconds is the guest's.
+    with contextlib.suppress(OSError, ValueError), open("/proc/uptime") as fh:
+        result["guest_uptime_s"] = float(fh.read().split()[0])
     result["ok"] = all(s["ok"] for s in result["scenarios"]) and bool(result["scenarios"])
     return result
 
@@ -1068,6 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer keys, shorter waits")
     parser.add_argument("--keys", type=int, help="keys per scenario (default 400, 48 with --quick)")
     parser.add_argument("--only", action="append", help="run only scenarios whose name contains this")
+    parser.add_argument("--claim-case", action="append", help="claims: run only cases whose label contains this")
     parser.add_argument("--nfs-export", help="HOST:/PATH the nodes mount: count each cold job on a fresh mount")
     parser.add_argument("--node-options", action="append", help="mount options of each --node, in order")
     args = parser.parse_args(argv)

@@ -1,0 +1,127 @@
+"""One ``flock`` try that cannot hold its caller past a bound: the claims' and the lifetime counters'.
+
+``LOCK_NB`` makes the lock non-blocking, not the call. Over NFS each try is a round
+trip to the server's lock manager, and the NFS harness (docs/nfs.md) measured tries
+that do not come back: on NFSv3 with the client's ``rpc.statd`` stopped, the first
+try blocked 61 s; with the server's lock manager gone from its rpcbind, it never
+returned, and ``CacheStore.put`` (which flushes the lifetime counters under their
+lock) with it. So a try runs in a thread of its own, and one that has not returned
+by its bound raises :class:`Slow`: the caller goes on without the lock (no claim:
+compile; counts kept for the next flush). The thread owns the descriptor from then
+on: when the call returns it lets go of whatever it got and closes the file.
+
+While a try is still out on a file system, later tries on it raise :class:`Slow` at
+once, without a thread: a lock manager that is gone costs each process one thread
+and one descriptor, not one per miss or per flush.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from cuda_program_cas._base.fork import after_fork_call
+
+try:
+    import fcntl
+except ImportError:  # Windows: callers take no flock there
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["FIRST_TRY_S", "LAST_TRY_S", "Slow", "try_lock"]
+
+#: A first try may take this long even when its caller's bound is shorter (``0``: no
+#: wait): a try over NFS takes milliseconds (at most 0.32 s in the harness, under
+#: emulation); one that is not back after a second is taken for one that never will be.
+FIRST_TRY_S = 1.0
+
+#: A later try (while waiting) may end this long past its caller's bound.
+LAST_TRY_S = 0.05
+
+
+class _Stuck:
+    """``devs``: ``st_dev`` of the file systems where an abandoned try has not returned yet."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.devs: set[int] = set()
+
+
+_STUCK = _Stuck()
+
+
+class Slow(Exception):
+    """A try at the lock did not return in time (or one on the same file system is still out)."""
+
+
+class _Try:
+    __slots__ = ("abandoned", "close", "dev", "done", "error", "mutex", "taken")
+
+    def __init__(self, dev: int, close: Callable[[int], None]) -> None:
+        self.dev = dev
+        self.close = close
+        self.done = threading.Event()
+        self.mutex = threading.Lock()
+        self.taken = self.abandoned = False
+        self.error: OSError | None = None
+
+    def run(self, fd: int) -> None:
+        assert fcntl is not None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.taken = True
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self.error = exc
+        with self.mutex:
+            self.done.set()
+            if not self.abandoned:
+                return
+        # Its caller gave up: the file system answers again; let go of what it got.
+        with _STUCK.lock:
+            _STUCK.devs.discard(self.dev)
+        if self.taken:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        self.close(fd)
+
+
+def try_lock(fd: int, until: float, close: Callable[[int], None]) -> bool:
+    """One ``LOCK_EX | LOCK_NB`` try on ``fd``: True when taken, False when another holds it.
+
+    Other failures raise OSError. A try not back by ``until`` (``time.monotonic()``)
+    raises :class:`Slow`; ``close(fd)`` is then called by its thread once it returns,
+    so the caller must not close ``fd`` itself.
+    """
+    dev = os.fstat(fd).st_dev
+    with _STUCK.lock:
+        if dev in _STUCK.devs:
+            raise Slow
+    attempt = _Try(dev, close)
+    try:
+        threading.Thread(target=attempt.run, args=(fd,), name="cuda-program-cas flock", daemon=True).start()
+    except RuntimeError:
+        # No new thread (Python 3.12.1 refuses one at interpreter shutdown, where the counters'
+        # last flush runs; or the process's thread limit): the try is made here, unbounded.
+        attempt.run(fd)
+    if not attempt.done.wait(max(0.0, until - time.monotonic())):
+        with attempt.mutex:
+            if not attempt.done.is_set():
+                attempt.abandoned = True
+                with _STUCK.lock:
+                    _STUCK.devs.add(dev)
+                raise Slow
+    if attempt.error is not None:
+        raise attempt.error
+    return attempt.taken
+
+
+@after_fork_call
+def _after_fork_in_child() -> None:
+    # The parent's tries and their threads stay the parent's: the child has no thread that
+    # would clear their file systems, and a thread of the parent may have held the lock.
+    _STUCK.lock = threading.Lock()
+    _STUCK.devs.clear()
