@@ -86,6 +86,10 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
         ),
         ("problems", f"{c['corrupt']:,} corrupt, {c['errors']:,} errors"),
         ("switch", f"{c.get('switched', 0):,} compiles and links sent here by CUDA_PROGRAM_CAS / install()"),
+        (
+            "write-back",
+            f"{c.get('uploads', 0):,} entries sent to writable shared stores, {c.get('uploads_dropped', 0):,} dropped",
+        ),
         ("counted", f"since {when(since)}" if since else "since the cache was created (never zeroed)"),
     ]
 

@@ -2,11 +2,11 @@
 
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
-    c2 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
-       <switched> <crc>        (one line)
+    c3 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
+       <switched> <uploads> <uploads_dropped> <crc>        (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c2`` line holds what one process counted since its previous line (non-negative
+A ``c3`` line holds what one process counted since its previous line (non-negative
 decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
 to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
 garbled or fails its check is ignored; one that checks out but has a tag this
@@ -82,8 +82,9 @@ __all__ = ["COMPACT_BYTES", "FLUSH_INTERVAL_S", "NAMES", "Lifetime", "Recorder",
 
 _log = logging.getLogger("cuda_program_cas")
 
-#: The counters of a ``c2`` line, in order. A new counter needs a new tag: a ``c1`` line
-#: (written before ``switched`` was counted) holds all but the last.
+#: The counters of a ``c3`` line, in order. A new counter needs a new tag: a ``c1`` line
+#: (written before ``switched`` was counted) holds the first 9, a ``c2`` line (before
+#: write-back) the first 10. An older version keeps a ``c3`` line as one it does not know.
 NAMES = (
     "hits",
     "misses",
@@ -95,10 +96,12 @@ NAMES = (
     "dropped_writes",
     "errors",
     "switched",
+    "uploads",
+    "uploads_dropped",
 )
-_TAG = "c2"
+_TAG = "c3"
 #: The tags of counter lines this version sums, and how many values each holds.
-_COUNTS = {b"c1": len(NAMES) - 1, b"c2": len(NAMES)}
+_COUNTS = {b"c1": 9, b"c2": 10, b"c3": len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.

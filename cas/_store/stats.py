@@ -53,6 +53,10 @@ class CacheStats:
     claim_hits: int = 0
     #: Compiles and links that the switch (``CUDA_PROGRAM_CAS=1``, ``install()``) sent through the cache.
     switched: int = 0
+    #: New entries sent to writable shared stores (write-back).
+    uploads: int = 0
+    #: Uploads not sent: the queue was full, the store down or paused, the process exiting.
+    uploads_dropped: int = 0
 
     @property
     def dedup_ratio(self) -> float:

@@ -57,8 +57,10 @@ from .claims import Claim, claim
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .stats import CacheStats, Counters
+from .tier import Tier
 from .tiers import SharedTier, open_tier
 from .touch import apply_pending, ensure_thread
+from .writeback import EXIT_FLUSH_S, WriteBack
 
 __all__ = ["CacheStore"]
 
@@ -156,6 +158,11 @@ class CacheStore:
         self._clear_lock = threading.Lock()
         after_fork(self)
         self.shared: tuple[SharedTier, ...] = tuple(self._shared_store(p) for p in shared)
+        #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
+        self._writeback: WriteBack | None = None
+        targets = [s for s in self.shared if isinstance(s, Tier) and s.writable]
+        if targets and self._writer is not None:
+            self._writeback = WriteBack(targets, self._counters)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -384,14 +391,17 @@ class CacheStore:
             self._counters.add("dropped_writes")
             result, why = WriteResult.DROPPED, "read-only cache"
         else:
-            result, why = self._store(kid, data)
+            digest = digest_of(data)
+            result, why = self._store(kid, data, digest)
+            if result and self._writeback is not None:
+                self._writeback.submit(kid, digest, data)
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:
             self._flush_on_the_way()
         return result
 
-    def _store(self, kid: str, data: bytes) -> tuple[WriteResult, str | None]:
+    def _store(self, kid: str, data: bytes, digest: str) -> tuple[WriteResult, str | None]:
         """Store one entry and count it; with ``DROPPED``, why."""
         if self._max is not None and len(data) + LONGEST_MANIFEST > self._max:
             # It could never fit: storing it would only evict everything else, then itself.
@@ -399,7 +409,7 @@ class CacheStore:
             self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
             return WriteResult.DROPPED, f"larger than max_size_bytes={self._max}"
         try:
-            result = self._commit(kid, data, digest_of(data))
+            result = self._commit(kid, data, digest)
         except OSError as exc:
             if exc.errno not in DROP_ERRNOS and exc.errno not in UNWRITABLE_ERRNOS:
                 raise
@@ -531,7 +541,13 @@ class CacheStore:
         return self._lifetime is None or self._lifetime.flush(last=True)
 
     def close(self) -> None:
-        """Apply touches and record counts (see :meth:`flush`). Nothing else is held open; the store stays usable."""
+        """Apply touches and record counts (see :meth:`flush`), and send queued uploads to writable stores.
+
+        The uploads get at most :data:`cuda_program_cas._store.writeback.EXIT_FLUSH_S`; what is left then
+        is dropped and counted. Nothing else is held open; the store stays usable.
+        """
+        if self._writeback is not None:
+            self._writeback.flush(EXIT_FLUSH_S)
         self.flush()
 
     def stats(self) -> CacheStats:

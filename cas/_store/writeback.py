@@ -1,0 +1,222 @@
+"""Write-back: a node's new entries copied to the stores named writable, in the background.
+
+After an entry lands in the local cache (a compile's binary, a front-door record,
+a link product), :meth:`WriteBack.submit` queues it for each writable store and
+returns at once: the caller's compile waits for a lock and a list append, never
+for a network. One worker thread per cache instance (started at the first
+upload) sends each entry as publish does, **blob first, then the manifest that
+names it** (one :meth:`~cuda_program_cas._base.engine.Engine.put_many`, in that
+order), so a reader of the store never finds a manifest whose blob is not there
+yet.
+
+What is not sent is dropped, never retried later and never an error of the caller:
+
+- the queue is full (:data:`MAX_QUEUED` entries or :data:`MAX_QUEUED_BYTES` bytes
+  waiting: a store slower than the node's compiles);
+- the store is paused after an outage (:mod:`cuda_program_cas._store.tier`), or
+  the upload fails (down, full, denied, too slow for its deadline);
+- the process exits with uploads still queued after :data:`EXIT_FLUSH_S`.
+
+Each drop counts ``uploads_dropped`` (``stats``); the first in a process gets one
+WARNING naming the store and why, the rest DEBUG. Each upload counts ``uploads``.
+A forked child starts with an empty queue and no worker: what its parent queued
+is its parent's to send.
+
+Only new local entries are sent: a hit copied in from a shared store is not
+written back (it came from one), and entries under a node-local key id
+(:func:`cuda_program_cas.index.is_local_id`: keys that name files of this node)
+stay on the node. A read-only cache writes nothing locally and so sends nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
+from cuda_program_cas.index import Manifest, is_local_id
+
+from .stats import Counters
+from .tier import warn_once_for
+
+if TYPE_CHECKING:
+    from .tier import Tier
+
+__all__ = ["EXIT_FLUSH_S", "MAX_QUEUED", "MAX_QUEUED_BYTES", "WriteBack"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: Entries waiting at most; one more is dropped. A node compiles a few per second at most.
+MAX_QUEUED = 256
+#: Bytes waiting at most (the entries' blobs); one more is dropped.
+MAX_QUEUED_BYTES = 64 << 20
+#: How long an exiting process waits for its queue to drain.
+EXIT_FLUSH_S = 2.0
+
+#: A worker with nothing to send this long ends (an instance that is no longer used keeps no thread).
+_IDLE_S = 5.0
+
+#: ``then(sent)``: called by the worker after an entry's uploads (``sent``: it reached every store).
+Then = Callable[[bool], None]
+
+
+class WriteBack:
+    """The background uploads of one cache instance to ``tiers`` (its writable stores)."""
+
+    def __init__(self, tiers: Sequence[Tier], counters: Counters) -> None:
+        self.tiers = tuple(tiers)
+        self._counters = counters
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[tuple[str, str, bytes, Then | None]] = deque()
+        self._queued_bytes = 0
+        self._busy = 0  # entries taken by the worker and not yet sent
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        after_fork(self)
+        _instances.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue = deque()
+        self._queued_bytes = self._busy = 0
+        self._worker = None
+
+    def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
+        """Queue one new local entry for upload; False (counted, said once) when it is dropped at once.
+
+        ``then(sent)`` runs after its uploads (or at once with False when dropped).
+        """
+        if is_local_id(kid):
+            if then is not None:
+                then(False)
+            return False
+        live = [t for t in self.tiers if not t.paused()]
+        if len(live) < len(self.tiers):
+            for tier in self.tiers:
+                if tier.paused():
+                    self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
+            if not live:
+                if then is not None:
+                    then(False)
+                return False
+        with self._cond:
+            if self._closed or len(self._queue) >= MAX_QUEUED or self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
+                full = True
+            else:
+                full = False
+                self._queue.append((kid, digest, data, then))
+                self._queued_bytes += len(data)
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._run, name="cuda-program-cas-writeback", daemon=True)
+                    self._worker.start()
+                self._cond.notify()
+        if full:
+            for tier in self.tiers:
+                self._dropped(tier.root, f"the upload queue is full ({MAX_QUEUED} entries or {MAX_QUEUED_BYTES} bytes)")
+            if then is not None:
+                then(False)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(_IDLE_S)
+                    if not self._queue:
+                        self._worker = None  # idle: the next upload starts another
+                        return
+                kid, digest, data, then = self._queue.popleft()
+                self._queued_bytes -= len(data)
+                self._busy += 1
+            sent = True
+            try:
+                for tier in self.tiers:
+                    sent = self._send(tier, kid, digest, data) and sent
+            finally:
+                if then is not None:
+                    try:
+                        then(sent)
+                    except Exception:
+                        _log.debug("cuda-program-cas: write-back callback failed", exc_info=True)
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def _send(self, tier: Tier, kid: str, digest: str, data: bytes) -> bool:
+        if tier.paused():
+            self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
+            return False
+        line = Manifest(digest, len(data), kid).encode()
+        try:
+            tier.engine.put_many([(url_path(BLOBS, digest), data), (url_path(INDEX, kid), line)])
+        except StoreFailure as exc:
+            tier.failed(exc)
+            self._dropped(tier.root, str(exc))
+            return False
+        except Exception as exc:
+            self._dropped(tier.root, f"{type(exc).__name__}: {exc}")
+            return False
+        self._counters.add("uploads")
+        return True
+
+    def _dropped(self, root: str, why: str) -> None:
+        self._counters.add("uploads_dropped")
+        if warn_once_for(f"write-back {root}"):
+            _log.warning(
+                "cuda-program-cas: uploads to shared store %s are dropped: %s; entries stay in the local cache "
+                "(said once per process)",
+                root,
+                why,
+            )
+        else:
+            _log.debug("cuda-program-cas: upload to %s dropped: %s", root, why)
+
+    def pending(self) -> int:
+        """Entries queued or being sent now."""
+        with self._cond:
+            return len(self._queue) + self._busy
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every queued upload to finish; True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = EXIT_FLUSH_S) -> None:
+        """Send what can be sent within ``timeout_s``; what is left is dropped (counted)."""
+        self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+        for _kid, _digest, _data, then in left:
+            for tier in self.tiers:
+                self._dropped(tier.root, f"the process exited with uploads queued after {timeout_s:g} s")
+            if then is not None:
+                then(False)
+
+
+_instances: weakref.WeakSet[WriteBack] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """An exiting process sends what it can: all instances share one :data:`EXIT_FLUSH_S`."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    for wb in list(_instances):
+        wb.close(max(0.0, deadline - time.monotonic()))
