@@ -20,9 +20,11 @@ from .fork import ForkSafeLock
 
 __all__ = [
     "DEFAULT_CLAIM_WAIT_S",
+    "DEFAULT_LEASE_TTL_S",
     "DEFAULT_MAX_ENTRY_BYTES",
     "ENV_CLAIM_WAIT",
     "ENV_DIR",
+    "ENV_LEASE_TTL",
     "ENV_LOG",
     "ENV_MAX_ENTRY_SIZE",
     "ENV_MAX_SIZE",
@@ -31,6 +33,7 @@ __all__ = [
     "default_cache_dir",
     "env_claim_wait",
     "env_dir",
+    "env_lease_ttl",
     "env_log_file",
     "env_max_entry_size",
     "env_max_size",
@@ -62,6 +65,12 @@ ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
 #: compile; and a claimant that hangs without dying holds the others back no longer
 #: than this before each compiles itself (a claimant that dies frees them at once).
 DEFAULT_CLAIM_WAIT_S = 300.0
+#: How long a node's lease on a key in a writable store that gives leases lives without renewal
+#: (see :mod:`cuda_program_cas._store.lease`): a holder killed or stopped frees it within this.
+ENV_LEASE_TTL = "CUDA_PROGRAM_CAS_LEASE_TTL"
+#: Its default: 30 s. A holder renews every third of it (10 s), so a live one loses it only
+#: when the store stops answering for 20 s.
+DEFAULT_LEASE_TTL_S = 30.0
 #: The largest entry the cache reads from a store it does not own (a shared directory, a
 #: server) or stores: a ceiling of the cache's own, checked before a byte is read, so that
 #: no manifest, ``Content-Length`` or pack trailer decides how much a node reads.
@@ -187,6 +196,12 @@ def env_claim_wait() -> float:
     """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S` (a bad value: one WARNING)."""
     value = env_value(ENV_CLAIM_WAIT, parse_duration)
     return DEFAULT_CLAIM_WAIT_S if value is None else value
+
+
+def env_lease_ttl() -> float:
+    """``$CUDA_PROGRAM_CAS_LEASE_TTL`` in seconds (at least 0.3), else :data:`DEFAULT_LEASE_TTL_S`."""
+    value = env_value(ENV_LEASE_TTL, parse_duration)
+    return DEFAULT_LEASE_TTL_S if value is None else max(0.3, value)
 
 
 def env_log_file() -> str | None:

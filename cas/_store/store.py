@@ -27,10 +27,10 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
-from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, validate_max_size, warn_once
+from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, env_lease_ttl, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
@@ -54,6 +54,7 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
+from .lease import Lease, lease
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .stats import CacheStats, Counters
@@ -161,8 +162,12 @@ class CacheStore:
         #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self._writeback: WriteBack | None = None
         targets = [s for s in self.shared if isinstance(s, Tier) and s.writable]
+        #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
+        self._lease_tier: Tier | None = None
+        self._leases: dict[str, Lease] = {}
         if targets and self._writer is not None:
             self._writeback = WriteBack(targets, self._counters)
+            self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -316,7 +321,30 @@ class CacheStore:
         if self._writer is None:
             return nullcontext(Claim())
         bound = env_claim_wait() if wait_s is None else wait_s
-        return claim(self.layout.tmp, kid, bound, self._counters)
+        if self._lease_tier is None:
+            return claim(self.layout.tmp, kid, bound, self._counters)
+        return self._claim_in_cluster(kid, bound)
+
+    @contextmanager
+    def _claim_in_cluster(self, kid: str, bound: float) -> Iterator[Claim]:
+        """The node's claim, then the cluster's lease on ``kid`` (:mod:`cuda_program_cas._store.lease`)."""
+        tier = self._lease_tier
+        assert tier is not None
+        with claim(self.layout.tmp, kid, bound, self._counters) as mine:
+            if mine.waited:
+                yield mine  # another process of this node compiled it: the caller looks again
+                return
+
+            def probe() -> tuple[bytes, str] | None:
+                return self._find_shared(kid, None)  # copied in: the caller's next look is local
+
+            with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=self._counters) as got:
+                if got.held:
+                    self._leases[kid] = got
+                try:
+                    yield Claim(held=mine.held or got.held, waited=got.waited, timed_out=got.waited and not got.held)
+                finally:
+                    self._leases.pop(kid, None)
 
     def find_or_claim(
         self, kid: str, claims: ExitStack, *, reason: str = "not stored"
@@ -394,7 +422,9 @@ class CacheStore:
             digest = digest_of(data)
             result, why = self._store(kid, data, digest)
             if result and self._writeback is not None:
-                self._writeback.submit(kid, digest, data)
+                held = self._leases.pop(kid, None) if self._leases else None
+                # A lease held for this key is given back once the result is uploaded, so waiters find it.
+                self._writeback.submit(kid, digest, data, then=None if held is None else held.pass_on())
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:

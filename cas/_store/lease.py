@@ -1,0 +1,166 @@
+"""Leases: one compile per key per cluster, where a writable store can give them (Redis).
+
+Claims (:mod:`cuda_program_cas._store.claims`) make one process per node compile a
+key. On a cluster each node would still compile it once. So the process holding
+its node's claim then asks the writable store for the key's *lease*
+(``leases/<key id>``: Redis ``SET NX PX`` with a random token):
+
+- **Taken**: this node compiles. A thread renews the lease every third of its
+  time to live while the compile runs; the lease is given back (only if the token
+  still holds it) once the result has been uploaded by write-back
+  (:mod:`cuda_program_cas._store.writeback`), or at once when the compile failed
+  or its result was not stored, so that a waiter compiles.
+- **Held by another node**: this one waits, looking the key up in the shared
+  stores (its manifest, then its blob: two small reads) and asking for the lease
+  again, every 20 ms at first and every 0.5 s at most. The result found is a hit
+  (and a claim hit). The lease freed without a result (its holder failed, was
+  killed and its lease expired): this node takes it and compiles. The wait is
+  bounded as a claim's (``$CUDA_PROGRAM_CAS_CLAIM_WAIT``, 5 minutes): past it,
+  this node compiles.
+- **No answer** (the store is down, paused, or gives no leases): compile, as
+  without leases. Nothing here raises into the caller.
+
+A holder that is killed or stopped stops renewing: its lease ends within its time
+to live (:data:`cuda_program_cas._base.config.DEFAULT_LEASE_TTL_S`, or
+``$CUDA_PROGRAM_CAS_LEASE_TTL``), and a waiting node compiles then. A holder whose
+renewal fails (the lease expired while it was stopped, or another took it) keeps
+compiling; at worst two nodes compile the key, and both store the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from cuda_program_cas._base.engine import StoreFailure
+
+from .stats import Counters
+from .tier import Tier
+
+__all__ = ["POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: The first wait between looks for another node's result; it grows by half each time.
+POLL_FIRST_S = 0.02
+#: The longest wait between looks.
+POLL_MAX_S = 0.5
+
+
+@dataclass
+class Lease:
+    """What :func:`lease` yields: ``held`` (compile, then :meth:`done`), or ``found`` (another node's result)."""
+
+    held: bool = False
+    waited: bool = False
+    found: tuple[bytes, str] | None = None
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def done(self) -> None:
+        """Give the lease back now (idempotent); write-back calls it after the result's upload."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def pass_on(self) -> Callable[[bool], None] | None:
+        """The release as a write-back callback, taken from this lease (its ``with`` block then releases nothing)."""
+        release, self._release = self._release, None
+        if release is None:
+            return None
+        return lambda _sent: release()
+
+
+def _name(kid: str) -> str:
+    return f"leases/{kid}"
+
+
+@contextmanager
+def lease(
+    tier: Tier,
+    kid: str,
+    *,
+    ttl_s: float,
+    wait_s: float,
+    probe: Callable[[], tuple[bytes, str] | None],
+    counters: Counters,
+) -> Iterator[Lease]:
+    """The lease on ``kid`` in ``tier`` for the ``with`` block (module docstring); ``probe()`` looks for a result."""
+    got = _take(tier, kid, ttl_s)
+    if got is None:
+        yield Lease()
+        return
+    state = Lease()
+    if got == "":  # another node holds it: wait for its result, or for the lease
+        counters.add("claim_waits")
+        state.waited = True
+        deadline = time.monotonic() + wait_s
+        pause = POLL_FIRST_S
+        wake = threading.Event()
+        while True:
+            state.found = probe()
+            if state.found is not None:
+                counters.add("claim_hits")
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            wake.wait(min(pause, left))
+            pause = min(POLL_MAX_S, pause * 1.5)
+            got = _take(tier, kid, ttl_s)
+            if got is None:
+                break  # the store stopped answering: compile
+            if got:
+                break  # freed without a result: this node compiles
+        if not got:
+            yield state
+            return
+    token = got
+    state.held = True
+    stop = threading.Event()
+    renewer = threading.Thread(
+        target=_renew, args=(tier, kid, token, ttl_s, stop), name="cuda-program-cas-lease", daemon=True
+    )
+    renewer.start()
+
+    def release() -> None:
+        stop.set()
+        try:
+            tier.engine.release(_name(kid), token)
+        except StoreFailure as exc:
+            tier.failed(exc)  # it expires on its own
+
+    state._release = release
+    try:
+        yield state
+    finally:
+        state.done()
+
+
+def _take(tier: Tier, kid: str, ttl_s: float) -> str | None:
+    """A token (taken), "" (another holds it), or None (no lease to be had: compile)."""
+    if tier.paused():
+        return None
+    try:
+        token = tier.engine.lease(_name(kid), ttl_s)
+    except StoreFailure as exc:
+        tier.failed(exc)
+        return None
+    except Exception as exc:  # an engine's bug: no lease, never the caller's exception
+        _log.debug("cuda-program-cas: lease on %s in %s failed: %r", kid, tier.root, exc)
+        return None
+    return token if token is not None else ""
+
+
+def _renew(tier: Tier, kid: str, token: str, ttl_s: float, stop: threading.Event) -> None:
+    while not stop.wait(ttl_s / 3):
+        try:
+            if not tier.engine.renew(_name(kid), token, ttl_s):
+                _log.debug("cuda-program-cas: lease on %s in %s was lost while compiling", kid, tier.root)
+                return
+        except StoreFailure as exc:
+            tier.failed(exc)
+            return
