@@ -8,6 +8,15 @@ another key's bytes. The leading tag carries the format version: a manifest of a
 future format is rejected rather than misread. Anything that is not exactly this
 line (empty, truncated, garbled, padded) is rejected.
 
+A manifest of a shared store may carry a second line, a site's signature of the
+first (:mod:`cuda_program_cas._base.signing`)::
+
+    ed25519 <signer: 16 hex> <signature: 128 hex>\n
+
+Its form is checked here, so that every reader and classifier takes a signed
+manifest as well-formed; whether the signature holds is the business of a node
+configured with trusted keys.
+
 Layout version 1 wrote ``cpcas1 <digest> <size>\n`` (no key id). Such a line fits
 any key's path, so it is believed only in a store whose layout says 1; from
 :data:`KEYED_LAYOUT` on it is refused like a manifest of another key.
@@ -42,8 +51,8 @@ MANIFEST_TAG = b"cpcas2"
 #: The first layout version whose manifests name their key. In a store of this
 #: layout or a later one, a line that names no key (``cpcas1``) is refused.
 KEYED_LAYOUT = 2
-#: Larger than any valid manifest; a bigger file is garbage, not worth reading whole.
-MAX_MANIFEST_BYTES = 256
+#: Larger than any valid manifest, signed ones included; a bigger file is garbage, not worth reading whole.
+MAX_MANIFEST_BYTES = 512
 #: The most decimal digits a size may have.
 _MAX_SIZE_DIGITS = 16
 #: A current manifest's bytes besides its size's digits: the tag, three spaces, two ids of 64 hex, the newline.
@@ -58,6 +67,8 @@ def manifest_length(size: int) -> int:
 
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+#: The form of a signature line (its meaning: :mod:`cuda_program_cas._base.signing`).
+_SIGNATURE_RE = re.compile(rb"ed25519 [0-9a-f]{16} [0-9a-f]{128}\n")
 _LINE_RE = re.compile(
     rb"cpcas2 ([0-9a-f]{64}) ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"
     rb"|cpcas1 ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"  # layout 1: no key id
@@ -107,6 +118,12 @@ def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
     layout-1 one, or anything else, goes to the regular expression.
     """
     n = len(data)
+    if n > LONGEST_MANIFEST:
+        # A signed manifest: the line, then one signature line (checked by a node that trusts keys).
+        cut = data.find(b"\n") + 1
+        if cut <= 0 or _SIGNATURE_RE.fullmatch(data, cut) is None:
+            return None
+        data, n = data[:cut], cut
     if _MIN_V2 <= n <= LONGEST_MANIFEST and data[:7] == b"cpcas2 " and data[71] == 32 and data[136] == 32:
         kid, digest, size = data[7:71], data[72:136], data[137:-1]
         # strip() of every hex digit leaves nothing only if the field is all lowercase hex.

@@ -41,6 +41,7 @@ from blake3 import blake3
 
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import join, normalize_store_url
 from cuda_program_cas._disk.layout import BLOBS, INDEX, LAYOUT_FILE, check_layout_data, parse_layout, url_path
 from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
@@ -75,8 +76,11 @@ class HttpStore:
     between processes; without them every process fetches the indexes it needs.
     """
 
-    def __init__(self, url: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None) -> None:
+    def __init__(
+        self, url: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None, trust: Trust | None = None
+    ) -> None:
         self.root = normalize_store_url(url)
+        self._trust = trust
         self.counters = Counters()
         #: Requests this instance made (for the tests and the benchmarks).
         self.requests = 0
@@ -112,7 +116,7 @@ class HttpStore:
         try:
             if not self._opened and not self._open():
                 return None
-            found = self._packed(kid)
+            found = self._packed(kid) if self._trust is None else None  # packs carry no signatures yet
             return found if found is not None else self._loose(kid)
         except HttpFailure as exc:
             self._failed(exc)
@@ -152,6 +156,10 @@ class HttpStore:
             self._damaged(
                 "manifest", f"manifest of {kid}: status {reply.status}, {len(reply.body)} bytes that are not one"
             )
+            return None
+        if self._trust is not None and not self._trust.verify(reply.body):
+            self.counters.add("untrusted")
+            self._missed("untrusted (not signed by a trusted key)")
             return None
         _kid, digest, size = fields
         reply = self._get(url_path(BLOBS, digest), limit=size)

@@ -3,7 +3,7 @@
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
     c3 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
-       <switched> <uploads> <uploads_dropped> <crc>        (one line)
+       <switched> <uploads> <uploads_dropped> <untrusted> <crc>        (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
 A ``c3`` line holds what one process counted since its previous line (non-negative
@@ -98,6 +98,7 @@ NAMES = (
     "switched",
     "uploads",
     "uploads_dropped",
+    "untrusted",
 )
 _TAG = "c3"
 #: The tags of counter lines this version sums, and how many values each holds.

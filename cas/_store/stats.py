@@ -57,6 +57,8 @@ class CacheStats:
     uploads: int = 0
     #: Uploads not sent: the queue was full, the store down or paused, the process exiting.
     uploads_dropped: int = 0
+    #: Shared entries ignored because no trusted key signed them (``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``).
+    untrusted: int = 0
 
     @property
     def dedup_ratio(self) -> float:

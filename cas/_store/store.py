@@ -34,6 +34,7 @@ from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, env_lease_t
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.signing import env_signer, env_trust
 from cuda_program_cas._disk.blobs import BlobStore, digest_of
 from cuda_program_cas._disk.files import FileId, ShardGuard
 from cuda_program_cas._disk.layout import (
@@ -158,6 +159,8 @@ class CacheStore:
             )
         self._clear_lock = threading.Lock()
         after_fork(self)
+        #: The keys shared entries must be signed by ($CUDA_PROGRAM_CAS_TRUSTED_KEYS), or None: any verified entry.
+        self._trust = env_trust() if shared else None
         self.shared: tuple[SharedTier, ...] = tuple(self._shared_store(p) for p in shared)
         #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self._writeback: WriteBack | None = None
@@ -166,7 +169,11 @@ class CacheStore:
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
         if targets and self._writer is not None:
-            self._writeback = WriteBack(targets, self._counters)
+            try:
+                signer, unusable = env_signer(), None
+            except ValueError as exc:
+                signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
+            self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable)
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
@@ -190,7 +197,7 @@ class CacheStore:
             if store is not None and store._writer is not None:
                 store._copy_in(kid, data, digest_of(data))
 
-        return open_tier(os.fspath(where), memo_get=memo_get, memo_put=memo_put)
+        return open_tier(os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust)
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
@@ -617,10 +624,11 @@ class _Problems:
 
 
 def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
-    """An instance's counts: its own, with its shared stores' errors and corrupt files."""
+    """An instance's counts: its own, with its shared stores' errors, corrupt and untrusted entries."""
     counts = local.as_dict(lock=lock)
     for store in shared:
         theirs = store.as_dict(lock=lock)
         counts["errors"] += theirs["errors"]
         counts["corrupt"] += theirs["corrupt"]
+        counts["untrusted"] += theirs["untrusted"]
     return counts

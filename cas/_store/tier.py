@@ -45,6 +45,7 @@ from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork
+from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
     BLOBS,
     INDEX,
@@ -100,7 +101,9 @@ class Tier:
     whose check costs a stat). ``warn_later``: a store that worked and fails later
     is a WARNING too (the first in this process), not only one that fails at its
     first look. ``open_now``: read the layout at once (a directory: a few system
-    calls), not at the first lookup.
+    calls), not at the first lookup. ``trust``: the keys an entry must be signed
+    by (:mod:`cuda_program_cas._base.signing`); an entry not signed by one is a
+    miss counted in ``untrusted``, and the store's packs are not read.
     """
 
     def __init__(
@@ -114,12 +117,14 @@ class Tier:
         retry_max_s: float = RETRY_MAX_S,
         warn_later: bool = True,
         open_now: bool = False,
+        trust: Trust | None = None,
     ) -> None:
         self.engine = engine
         self.root = engine.shown
         self.writable = writable
         self.packs = packs
         self.counters = Counters()
+        self._trust = trust
         self._layout_optional = layout_optional
         self._missing = missing
         self._recheck = bool(getattr(engine, "recheck_on_outage", False))
@@ -153,7 +158,8 @@ class Tier:
         try:
             if not self._version and not self._open():
                 return None
-            found = self.packs.lookup(kid) if self.packs is not None else None
+            # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
+            found = self.packs.lookup(kid) if self.packs is not None and self._trust is None else None
             if found is None:
                 found = self._loose(kid)
         except StoreFailure as exc:
@@ -192,6 +198,11 @@ class Tier:
         if fields is None or not fits_key(fields[0], kid, self._layout_now):
             why = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
             self._damaged(why, f"the manifest of {kid}: {len(data)} bytes that are not its manifest")
+            return None
+        if self._trust is not None and not self._trust.verify(data):
+            self.counters.add("untrusted")
+            self._why.reason = "untrusted (not signed by a trusted key)"
+            self._note("untrusted", f"the manifest of {kid} is not signed by a key in $CUDA_PROGRAM_CAS_TRUSTED_KEYS")
             return None
         _found, digest, size = fields
         ceiling = env_max_entry_size()

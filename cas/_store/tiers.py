@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Union
 
+from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import parse_store_entry, scheme_of
 
 from .tier import RETRY_S, Tier
@@ -33,7 +34,9 @@ MemoPut = Callable[[str, bytes], None]
 SharedTier = Union[Tier, "HttpStore"]
 
 
-def _directory(address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None) -> Tier:
+def _directory(
+    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
+) -> Tier:
     from cuda_program_cas._disk.direngine import DirEngine
     from cuda_program_cas._disk.pack import PackSet
 
@@ -64,28 +67,38 @@ def _directory(address: str, writable: bool, memo_get: MemoGet | None, memo_put:
         retry_max_s=RETRY_S,
         warn_later=False,
         open_now=True,
+        trust=trust,
     )
     return tier
 
 
-def _http(address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None) -> HttpStore:
+def _http(
+    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
+) -> HttpStore:
     from .http import HttpStore
 
-    return HttpStore(address, memo_get=memo_get, memo_put=memo_put)
+    if writable:
+        raise ValueError(f"write-back to HTTP stores is not supported yet (publish fills them): {address!r}|write")
+    return HttpStore(address, memo_get=memo_get, memo_put=memo_put, trust=trust)
 
 
-_ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None], SharedTier]] = {
+_ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None, Trust | None], SharedTier]] = {
     "file": _directory,
     "http": _http,
     "https": _http,
 }
 
 
-def open_tier(entry: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None) -> SharedTier:
-    """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one."""
+def open_tier(
+    entry: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None, trust: Trust | None = None
+) -> SharedTier:
+    """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one.
+
+    ``trust``: the keys its entries must be signed by (:mod:`cuda_program_cas._base.signing`), or None.
+    """
     address, writable = parse_store_entry(entry)
     scheme = scheme_of(address) or "file"
     make = _ENGINES.get(scheme)
     if make is None:
         raise ValueError(f"no engine for {scheme}:// stores yet: {address!r}")
-    return make(address, writable, memo_get, memo_put)
+    return make(address, writable, memo_get, memo_put, trust)

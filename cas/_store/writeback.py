@@ -22,6 +22,10 @@ WARNING naming the store and why, the rest DEBUG. Each upload counts ``uploads``
 A forked child starts with an empty queue and no worker: what its parent queued
 is its parent's to send.
 
+With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest sent carries the site's
+signature (:mod:`cuda_program_cas._base.signing`); a key that cannot be used drops
+every upload (said once) rather than send entries that trusting nodes would ignore.
+
 Only new local entries are sent: a hit copied in from a shared store is not
 written back (it came from one), and entries under a node-local key id
 (:func:`cuda_program_cas.index.is_local_id`: keys that name files of this node)
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas.index import Manifest, is_local_id
 
@@ -71,8 +76,12 @@ Then = Callable[[bool], None]
 class WriteBack:
     """The background uploads of one cache instance to ``tiers`` (its writable stores)."""
 
-    def __init__(self, tiers: Sequence[Tier], counters: Counters) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], counters: Counters, *, signer: Signer | None = None, unusable: str | None = None
+    ) -> None:
         self.tiers = tuple(tiers)
+        self._signer = signer
+        self._unusable = unusable
         self._counters = counters
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[tuple[str, str, bytes, Then | None]] = deque()
@@ -94,7 +103,10 @@ class WriteBack:
 
         ``then(sent)`` runs after its uploads (or at once with False when dropped).
         """
-        if is_local_id(kid):
+        if is_local_id(kid) or self._unusable is not None:
+            if self._unusable is not None:
+                for tier in self.tiers:
+                    self._dropped(tier.root, self._unusable)
             if then is not None:
                 then(False)
             return False
@@ -156,6 +168,8 @@ class WriteBack:
             self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
             return False
         line = Manifest(digest, len(data), kid).encode()
+        if self._signer is not None:
+            line += self._signer.sign(line)
         try:
             tier.engine.put_many([(url_path(BLOBS, digest), data), (url_path(INDEX, kid), line)])
         except StoreFailure as exc:

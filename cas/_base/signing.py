@@ -1,0 +1,191 @@
+"""Signed entries: a site's ed25519 key says which bytes a key may map to in a shared store.
+
+Whoever can write a shared store chooses, without signatures, which verified
+blob a key gets. With them, a node configured with the site's public keys
+(``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``) uses an entry of a shared store only if its
+manifest carries a signature by one of those keys; writers holding the private key
+(``$CUDA_PROGRAM_CAS_SIGNING_KEY``: write-back, publish) sign what they upload.
+
+What is signed is the manifest line itself (``cpcas2 <key id> <digest> <size>``:
+the format, the key, the blob and its size; the key id hashes the compile's
+inputs, its options and its output format), after a domain prefix. The
+signature is a second line of the manifest file::
+
+    cpcas2 <key id> <digest> <size>\\n
+    ed25519 <signer: 16 hex> <signature: 128 hex>\\n
+
+``signer`` is the first 8 bytes of the blake3 of the raw public key, so a node
+picks the key to check with. The blob is still verified by its blake3 digest, so
+a signed manifest pins the exact bytes. A manifest copied to another key's path
+names the other key and is refused as before; a replayed old signature can only
+give a key what the site once signed for that same key.
+
+Keys are the files ``openssl`` makes (``openssl genpkey -algorithm ed25519 -out
+site.key``; ``openssl pkey -in site.key -pubout -out site.pub``), or a public key
+given inline as ``ed25519:<64 hex>``. The library is ``cryptography``, imported
+only when a key is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from blake3 import blake3
+
+from .config import env_value, warn_once
+
+__all__ = [
+    "ENV_SIGNING_KEY",
+    "ENV_TRUSTED_KEYS",
+    "SIG_LINE_BYTES",
+    "Signer",
+    "Trust",
+    "env_signer",
+    "env_trust",
+    "load_public_key",
+]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: A private key (PEM, ed25519) that write-back and publish sign uploads with.
+ENV_SIGNING_KEY = "CUDA_PROGRAM_CAS_SIGNING_KEY"
+#: Public keys (files, or ``ed25519:<hex>``), separated by whitespace or ``;``: shared entries not signed by one are
+#: ignored.
+ENV_TRUSTED_KEYS = "CUDA_PROGRAM_CAS_TRUSTED_KEYS"
+
+_DOMAIN = b"cuda-program-cas manifest v1\x00"
+_SIG_RE = re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
+#: The length of a signature line.
+SIG_LINE_BYTES = len(b"ed25519 ") + 16 + 1 + 128 + 1
+_MAX_KEY_FILE = 16 << 10
+
+
+def _key_id(raw_public: bytes) -> str:
+    return blake3(raw_public).hexdigest()[:16]
+
+
+def _read_key_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(_MAX_KEY_FILE + 1)
+    if len(data) > _MAX_KEY_FILE:
+        raise ValueError(f"{path}: larger than {_MAX_KEY_FILE} bytes: not a key file")
+    return data
+
+
+class Signer:
+    """Signs manifest lines with one private key."""
+
+    def __init__(self, private_key: Any) -> None:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        if not isinstance(private_key, Ed25519PrivateKey):
+            raise ValueError("the signing key is not an ed25519 private key")
+        self._key = private_key
+        raw = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.key_id = _key_id(raw)
+        #: The public key inline, as ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS`` takes it.
+        self.public = "ed25519:" + raw.hex()
+
+    @classmethod
+    def from_file(cls, path: str) -> Signer:
+        """The key in PEM file ``path``; ``ValueError`` (naming the file) when it is not an ed25519 private key."""
+        from cryptography.hazmat.primitives import serialization
+
+        try:
+            key = serialization.load_pem_private_key(_read_key_file(path), password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"signing key {path}: {exc}") from None
+        try:
+            return cls(key)
+        except ValueError as exc:
+            raise ValueError(f"signing key {path}: {exc}") from None
+
+    def sign(self, line: bytes) -> bytes:
+        """The signature line for manifest ``line``."""
+        sig = self._key.sign(_DOMAIN + line)
+        return b"ed25519 %s %s\n" % (self.key_id.encode(), sig.hex().encode())
+
+
+def load_public_key(spec: str) -> tuple[str, Any]:
+    """``(signer id, key)`` from ``ed25519:<64 hex>`` or a PEM public-key file; ``ValueError`` naming it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        if spec.startswith("ed25519:"):
+            raw = bytes.fromhex(spec[len("ed25519:") :])
+            key = Ed25519PublicKey.from_public_bytes(raw)
+        else:
+            loaded = serialization.load_pem_public_key(_read_key_file(spec))
+            if not isinstance(loaded, Ed25519PublicKey):
+                raise ValueError("not an ed25519 public key")
+            key = loaded
+            raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"trusted key {spec!r}: {exc}") from None
+    return _key_id(raw), key
+
+
+@dataclass(frozen=True)
+class Trust:
+    """The public keys a node accepts shared entries from (none: nothing is accepted)."""
+
+    keys: dict[str, Any]
+
+    def verify(self, data: bytes) -> bool:
+        """Whether manifest file ``data`` (its line, then a signature line) is signed by a trusted key."""
+        cut = data.find(b"\n") + 1
+        if cut <= 0:
+            return False
+        m = _SIG_RE.fullmatch(data, cut)
+        if m is None:
+            return False
+        key = self.keys.get(m.group(1).decode())
+        if key is None:
+            return False
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            key.verify(bytes.fromhex(m.group(2).decode()), _DOMAIN + data[:cut])
+        except InvalidSignature:
+            return False
+        return True
+
+
+def _parts(value: str) -> list[str]:
+    return value.replace(";", " ").split()
+
+
+def env_trust() -> Trust | None:
+    """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``; None when unset (every verified entry is used, as before).
+
+    A key that cannot be read is left out with one WARNING; if none can be read,
+    nothing from a shared store is trusted (the node fails closed).
+    """
+    value = env_value(ENV_TRUSTED_KEYS, str)
+    if value is None or not value.strip():
+        return None
+    keys: dict[str, Any] = {}
+    for spec in _parts(value):
+        try:
+            kid, key = load_public_key(os.path.expanduser(spec))
+        except ValueError as exc:
+            warn_once(("trust", spec), "cuda-program-cas: %s; it is left out of %s", exc, ENV_TRUSTED_KEYS)
+            continue
+        keys[kid] = key
+    if not keys:
+        warn_once(("trust",), "cuda-program-cas: no usable key in %s: no shared entry is trusted", ENV_TRUSTED_KEYS)
+    return Trust(keys)
+
+
+def env_signer() -> Signer | None:
+    """The key of ``$CUDA_PROGRAM_CAS_SIGNING_KEY``; None when unset. ``ValueError`` when it cannot be used."""
+    value = env_value(ENV_SIGNING_KEY, str)
+    if value is None or not value.strip():
+        return None
+    return Signer.from_file(os.path.expanduser(value.strip()))

@@ -1,0 +1,252 @@
+"""Signed entries: an attacker who can write the shared store, without the site's private key, gets no node to load
+bytes the site did not sign for that key.
+
+Keys are made with the real ``openssl`` CLI, as docs/guarantees.md tells an operator.
+Entries are real NVRTC cubins uploaded by write-back with the site's key. The
+attacker then has full write access to the store: it rewrites manifests, swaps
+blobs, replays other keys' signed manifests, signs with a key of its own, strips
+signatures and plants a pack. A node trusting the site's key must return, for every
+key, the site's bytes for that key or a miss: never anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import SAXPY, compile_program
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_cluster import SCALE
+
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of, verify
+from cuda_program_cas._base.signing import Signer
+from cuda_program_cas._disk.layout import url_path
+from cuda_program_cas.index import Manifest, key_id
+
+#: Kernels whose cubins the site uploads (each with its own key).
+SOURCES = {
+    "saxpy": SAXPY,
+    "scale": SCALE,
+    "neg": 'extern "C" __global__ void neg(float *x) { x[threadIdx.x] = -x[threadIdx.x]; }',
+}
+
+
+def openssl_key(path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(path)], check=True, capture_output=True)
+    pub = path.with_suffix(".pub")
+    subprocess.run(["openssl", "pkey", "-in", str(path), "-pubout", "-out", str(pub)], check=True, capture_output=True)
+    return path, pub
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A shared store filled by write-back with the site's key: key name -> (key id, the true cubin)."""
+    base = tmp_path_factory.mktemp("site")
+    private, public = openssl_key(base / "site.key")
+    attacker_private, _ = openssl_key(base / "attacker.key")
+    store = base / "store"
+    CacheStore(store).close()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(private))
+    try:
+        truth = {}
+        with ContentAddressedProgramCache(base / "writer", shared=[f"{store}|write"]) as cache:
+            for name, src in SOURCES.items():
+                truth[name] = bytes(compile_program(src, cache=cache).code)
+            cache.close()
+            assert cache.stats().uploads == len(SOURCES)
+    finally:
+        mp.undo()
+    kids = {}
+    for shard in (store / "index").iterdir():
+        for f in shard.iterdir():
+            data = f.read_bytes()
+            assert data.count(b"\n") == 2 and b"\ned25519 " in data  # signed: the line, then the signature
+            digest = data.split()[2].decode()
+            blob = (store / url_path("blobs", digest)).read_bytes()
+            name = next(n for n, code in truth.items() if code == blob)
+            kids[name] = shard.name + f.name
+    return {"store": store, "public": public, "attacker": attacker_private, "truth": truth, "kids": kids}
+
+
+def _copy(site: dict[str, object], tmp_path: Path) -> Path:
+    dst = tmp_path / "store"
+    shutil.copytree(site["store"], dst)  # type: ignore[arg-type]
+    return dst
+
+
+def _manifest_path(store: Path, kid: str) -> Path:
+    return store / url_path("index", kid)
+
+
+def _lookup_all(
+    store: Path, site: dict[str, object], tmp_path: Path, trusted: str
+) -> tuple[dict[str, bytes | None], dict[str, int]]:
+    """Each key's bytes as a fresh node trusting ``trusted`` sees them through the shared store."""
+    os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"] = trusted
+    try:
+        node = CacheStore(tmp_path / f"node{len(list(tmp_path.iterdir()))}", shared=[store])
+        got = {}
+        for name, kid in site["kids"].items():  # type: ignore[attr-defined]
+            found = node.find(kid)
+            got[name] = None if found is None else found[0]
+        return got, node.counters()
+    finally:
+        del os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"]
+
+
+def test_signed_entries_are_served_to_a_trusting_node(site, tmp_path: Path) -> None:
+    got, counts = _lookup_all(_copy(site, tmp_path), site, tmp_path, str(site["public"]))
+    assert got == site["truth"]
+    assert counts["untrusted"] == 0
+    # verify and gc take a signed manifest as well-formed: nothing in the store is damaged.
+    report = verify(site["store"])
+    assert report.unfixed == 0 and not report.problems, report.problems
+
+
+def test_an_unsigned_store_is_untrusted_and_without_keys_nothing_changes(tmp_path: Path, site) -> None:
+    plain = tmp_path / "plain"
+    with ContentAddressedProgramCache(plain) as cache:
+        code = bytes(compile_program(SAXPY, cache=cache).code)
+    kid = next(shard.name + f.name for shard in (plain / "index").iterdir() for f in shard.iterdir())
+    os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"] = str(site["public"])
+    try:
+        node = CacheStore(tmp_path / "n1", shared=[plain])
+        assert node.find(kid) is None
+        assert node.counters()["untrusted"] == 1
+    finally:
+        del os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"]
+    node = CacheStore(tmp_path / "n2", shared=[plain])  # no keys configured: as before
+    assert node.find(kid) == (code, str(plain))
+
+
+# -- the attacker ---------------------------------------------------------------------------------------------------
+
+
+def _rewrite_to_own_blob(store: Path, site, name: str) -> None:
+    """Point the key at a blob of the attacker's (correctly hashed), keeping the site's signature line."""
+    evil = b"\x7fELF evil" * 100
+    digest = digest_of(evil)
+    blob = store / url_path("blobs", digest)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(evil)
+    path = _manifest_path(store, site["kids"][name])
+    sig = path.read_bytes().split(b"\n")[1] + b"\n"
+    path.write_bytes(Manifest(digest, len(evil), site["kids"][name]).encode() + sig)
+
+
+def _strip_signature(store: Path, site, name: str) -> None:
+    path = _manifest_path(store, site["kids"][name])
+    path.write_bytes(path.read_bytes().split(b"\n")[0] + b"\n")
+
+
+def _sign_with_own_key(store: Path, site, name: str) -> None:
+    evil = b"\x7fELF signed by someone else" * 50
+    digest = digest_of(evil)
+    blob = store / url_path("blobs", digest)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(evil)
+    line = Manifest(digest, len(evil), site["kids"][name]).encode()
+    _manifest_path(store, site["kids"][name]).write_bytes(line + Signer.from_file(str(site["attacker"])).sign(line))
+
+
+def _swap_blob(store: Path, site, name: str) -> None:
+    """Replace the bytes of the key's blob file (its name, the site's digest, unchanged)."""
+    digest = _manifest_path(store, site["kids"][name]).read_bytes().split()[2].decode()
+    (store / url_path("blobs", digest)).write_bytes(b"\x7fELF swapped")
+
+
+def _replay_other(store: Path, site, name: str) -> None:
+    """Copy another key's signed manifest (a valid signature, by the site) onto this key's path."""
+    other = next(n for n in site["kids"] if n != name)
+    _manifest_path(store, site["kids"][name]).write_bytes(_manifest_path(store, site["kids"][other]).read_bytes())
+
+
+def _plant_pack(store: Path, site, name: str) -> None:
+    """A pack of the attacker's mapping the key to its bytes (packs carry no signature)."""
+    from cuda_program_cas._disk.layout import Layout
+    from cuda_program_cas._disk.pack import write_pack
+    from cuda_program_cas._disk.writer import Writer
+
+    evil = b"\x7fELF packed" * 40
+    lay = Layout(str(store))
+    write_pack(lay, [(site["kids"][name], digest_of(evil), evil, 1)], Writer(lay).write_file)
+
+
+ATTACKS = {
+    "rewrite": _rewrite_to_own_blob,
+    "strip": _strip_signature,
+    "own-key": _sign_with_own_key,
+    "swap-blob": _swap_blob,
+    "replay": _replay_other,
+    "pack": _plant_pack,
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_each_attack_loads_no_wrong_binary(site, tmp_path: Path, attack: str) -> None:
+    store = _copy(site, tmp_path)
+    ATTACKS[attack](store, site, "saxpy")
+    got, counts = _lookup_all(store, site, tmp_path, str(site["public"]))
+    assert got["saxpy"] in (None, site["truth"]["saxpy"]), f"{attack}: a wrong binary was loaded"
+    assert {n: got[n] for n in ("scale", "neg")} == {n: site["truth"][n] for n in ("scale", "neg")}
+    if attack != "pack":  # a planted pack is not read at all by a trusting node: saxpy stays a hit
+        assert got["saxpy"] is None
+        assert counts["untrusted"] + counts["corrupt"] >= 1
+    else:
+        assert got["saxpy"] == site["truth"]["saxpy"]
+
+
+def test_without_keys_the_same_attacks_do_load_the_attackers_bytes(site, tmp_path: Path) -> None:
+    """The threat that signatures remove is real: a node trusting no key takes a rewritten entry."""
+    store = _copy(site, tmp_path)
+    _rewrite_to_own_blob(store, site, "saxpy")
+    node = CacheStore(tmp_path / "node", shared=[store])
+    found = node.find(site["kids"]["saxpy"])
+    assert found is not None and found[0].startswith(b"\x7fELF evil")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(sorted(ATTACKS)), st.sampled_from(sorted(SOURCES))), max_size=6))
+def test_any_sequence_of_attacks_loads_only_the_sites_bytes(site, tmp_path_factory, attacks) -> None:
+    tmp = tmp_path_factory.mktemp("prop")
+    store = _copy(site, tmp)
+    for attack, name in attacks:
+        ATTACKS[attack](store, site, name)
+    got, _counts = _lookup_all(store, site, tmp, str(site["public"]))
+    for name, data in got.items():
+        assert data in (None, site["truth"][name]), f"{attacks}: {name} got bytes the site did not sign for it"
+
+
+def test_a_bad_trusted_key_fails_closed_and_a_bad_signing_key_drops_uploads(site, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="cuda_program_cas")
+    bogus = tmp_path / "bogus.pub"
+    bogus.write_text("not a key\n")
+    got, counts = _lookup_all(_copy(site, tmp_path), site, tmp_path, str(bogus))
+    assert got == dict.fromkeys(site["truth"])  # nothing trusted
+    assert counts["untrusted"] == len(site["truth"])
+    assert any("no usable key" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    store = tmp_path / "wb"
+    CacheStore(store).close()
+    os.environ["CUDA_PROGRAM_CAS_SIGNING_KEY"] = str(bogus)
+    try:
+        writer = CacheStore(tmp_path / "writer", shared=[f"{store}|write"])
+        writer.put("k", b"x" * 10)
+        writer.close()
+    finally:
+        del os.environ["CUDA_PROGRAM_CAS_SIGNING_KEY"]
+    assert writer.counters()["uploads_dropped"] == 1 and writer.counters()["uploads"] == 0
+    assert not any((store / "index").iterdir())
+    assert [r.getMessage() for r in caplog.records if "uploads to shared store" in r.getMessage()][0].count(
+        "bogus.pub"
+    ) == 1
+    assert key_id("k")  # the local write landed regardless
+    assert writer.get("k") == b"x" * 10
