@@ -250,3 +250,66 @@ def test_a_bad_trusted_key_fails_closed_and_a_bad_signing_key_drops_uploads(site
     ) == 1
     assert key_id("k")  # the local write landed regardless
     assert writer.get("k") == b"x" * 10
+
+
+# -- publish signs ---------------------------------------------------------------------------------------------------
+
+
+def _unsigned_node(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A node's local cache with the three kernels (its manifests unsigned, as every local cache's are)."""
+    node = tmp_path / "node"
+    with ContentAddressedProgramCache(node) as cache:
+        codes = {name: bytes(compile_program(src, cache=cache).code) for name, src in SOURCES.items()}
+    return node, codes
+
+
+def test_publish_signs_and_signs_again_what_the_store_holds_unsigned(site, tmp_path: Path, monkeypatch) -> None:
+    from cuda_program_cas import publish
+
+    node, codes = _unsigned_node(tmp_path)
+    store = tmp_path / "pub"
+    publish([node], store)  # no key: unsigned, as before
+    got, counts = _lookup_all(store, site, tmp_path, str(site["public"]))
+    assert got == dict.fromkeys(SOURCES) and counts["untrusted"] == 3
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(site["store"].parent / "site.key"))
+    report = publish([node], store)
+    assert report.replaced == 3  # signed in place
+    assert publish([node], store).replaced == 0  # and then left alone
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_SIGNING_KEY")
+    got, counts = _lookup_all(store, site, tmp_path, str(site["public"]))
+    assert got == codes and counts["untrusted"] == 0
+
+
+def test_publish_refuses_a_signing_key_it_cannot_use(tmp_path: Path, monkeypatch, capsys) -> None:
+    from cuda_program_cas._cli.main import main
+
+    node, _codes = _unsigned_node(tmp_path)
+    bad = tmp_path / "bad.key"
+    bad.write_text("-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n")
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(bad))
+    assert main(["publish", str(node), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.key" in err and "Traceback" not in err
+    assert not (tmp_path / "store").exists()
+
+
+def test_over_http_a_trusting_node_takes_published_entries_and_refuses_rewritten_ones(
+    site, tmp_path: Path, monkeypatch
+) -> None:
+    from _http import nginx_or_skip
+
+    from cuda_program_cas import publish
+
+    node, codes = _unsigned_node(tmp_path)
+    with nginx_or_skip(tmp_path / "nginx") as server:
+        monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(site["store"].parent / "site.key"))
+        publish([node], server.dav_url("store"))
+        monkeypatch.delenv("CUDA_PROGRAM_CAS_SIGNING_KEY")
+        url = server.read_url("store")
+        got, counts = _lookup_all(url, site, tmp_path, str(site["public"]))  # type: ignore[arg-type]
+        assert got == codes and counts["untrusted"] == 0
+        # The server's files rewritten by someone without the key: the node misses, loads nothing else.
+        _rewrite_to_own_blob(server.root / "store", site, "saxpy")
+        got, counts = _lookup_all(url, site, tmp_path, str(site["public"]))  # type: ignore[arg-type]
+        assert got["saxpy"] is None and counts["untrusted"] == 1
+        assert {n: got[n] for n in ("scale", "neg")} == {n: codes[n] for n in ("scale", "neg")}

@@ -110,6 +110,10 @@ class Signer:
         sig = self._key.sign(_DOMAIN + line)
         return b"ed25519 %s %s\n" % (self.key_id.encode(), sig.hex().encode())
 
+    def signed(self, data: bytes) -> bool:
+        """Whether manifest file ``data`` carries this key's valid signature (publish re-signs those that do not)."""
+        return Trust({self.key_id: self._key.public_key()}).verify(data)
+
 
 def load_public_key(spec: str) -> tuple[str, Any]:
     """``(signer id, key)`` from ``ed25519:<64 hex>`` or a PEM public-key file; ``ValueError`` naming it."""

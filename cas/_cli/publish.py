@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from cuda_program_cas._base.signing import env_signer
 from cuda_program_cas._verbs.publish import check_sources, publish
 
-from .main import add_json_arg, fmt_bytes, plural, print_json
+from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
 
 __all__ = ["register", "run"]
 
@@ -55,6 +56,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # A source that is STORE or not a cache, a bad URL: bad usage, nothing written.
     check_sources(args.sources, args.dest, group_shared=args.group_shared)
+    try:
+        env_signer()  # a signing key that cannot be used: bad usage, before anything is written
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     report = publish(
         args.sources,
         args.dest,

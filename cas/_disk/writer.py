@@ -215,17 +215,18 @@ class Writer:
             return False
         return True
 
-    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None) -> bool:
+    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None, signature: bytes = b"") -> bool:
         """Commit the manifest of ``manifest.key_id``; False when it was dropped.
 
         ``used_ns``: the entry's last use, as its recency (import keeps FileStream's).
+        ``signature``: a signature line written after it (publish with a signing key).
         """
         kid = manifest.key_id
         assert kid is not None
         if self._guard is not None and not self._guard.ok(self.lay.index, kid):
             return False
         path = self.lay.manifest_path(kid)
-        if not self.write_file(path, manifest.encode()):
+        if not self.write_file(path, manifest.encode() + signature):
             return False
         if used_ns is not None:
             try:

@@ -63,6 +63,7 @@ from typing import ClassVar
 
 from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.errors import CacheError, CorruptBlobError, LayoutError
+from cuda_program_cas._base.signing import Signer, env_signer
 from cuda_program_cas._base.urls import is_store_url, join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import current_umask
 from cuda_program_cas._disk.blobs import BlobStore
@@ -243,6 +244,8 @@ class _Dest:
         self.dry_run = dry_run
         self.fsync = fsync
         self.verify_existing = verify_existing
+        #: Signs each manifest written ($CUDA_PROGRAM_CAS_SIGNING_KEY), or None.
+        self.signer: Signer | None = None
         self.writer = Writer(
             self.lay,
             file_mode=modes.file,
@@ -345,7 +348,7 @@ class _Dest:
         self.writer.freshen(self.lay.blob_path(digest), size)
 
     def put_manifest(self, manifest: Manifest) -> None:
-        self.writer.write_manifest(manifest)
+        self.writer.write_manifest(manifest, signature=_signature(self, manifest))
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         """After a manifest commit: whether its blob is still there (a collector may have taken it)."""
@@ -423,6 +426,7 @@ class _UrlDest:
     def __init__(self, url: str, *, dry_run: bool) -> None:
         self.url = url
         self.dry_run = dry_run
+        self.signer: Signer | None = None
         #: The store's layout version (from its ``layout.json``, read by :meth:`prepare`).
         self.manifest_layout: int | Callable[[], int] = LAYOUT_VERSION
         self.good: dict[str, bool] = {}
@@ -556,7 +560,8 @@ class _UrlDest:
         kid = manifest.key_id
         assert kid is not None
         # Another publisher's valid manifest of the key, renamed in at the same moment, is no lie.
-        self._put(url_path(INDEX, kid), manifest.encode(), accept=lambda held: parse_manifest(held, kid) is not None)
+        data = manifest.encode() + _signature(self, manifest)
+        self._put(url_path(INDEX, kid), data, accept=lambda held: parse_manifest(held, kid) is not None)
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         if digest in self._uploaded:
@@ -624,6 +629,12 @@ class _UrlDest:
 _Target = _Dest | _UrlDest
 
 
+def _signature(target: _Target, manifest: Manifest) -> bytes:
+    """The signature line of ``manifest`` by the run's key (``$CUDA_PROGRAM_CAS_SIGNING_KEY``), or nothing."""
+    signer = target.signer
+    return b"" if signer is None else signer.sign(manifest.encode())
+
+
 def publish(
     sources: Iterable[str | os.PathLike[str]],
     dest: str | os.PathLike[str],
@@ -648,6 +659,11 @@ def publish(
     immutable pack under ``dest/packs/`` (see :mod:`cuda_program_cas._disk.pack`) instead of loose
     files: a handful of files for any number of entries, opened once per node.
 
+    With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, every manifest written is signed
+    (:mod:`cuda_program_cas._base.signing`), and an entry the store holds unsigned,
+    or signed by another key, is signed again (counted as replaced). Packs carry no
+    signatures: nodes that trust keys read loose entries only.
+
     ``verify_existing``: hash the store's copy of every entry it already holds
     (once per blob per run), so a copy damaged in place is replaced. That reads
     the store's copies of everything the sources hold: 125 MiB more read and
@@ -665,6 +681,7 @@ def publish(
     srcs = [os.path.abspath(os.fspath(s)) for s in sources]
     if not srcs:
         raise ValueError("publish needs at least one source cache")
+    signer = env_signer()  # ValueError naming the key file: nothing is published unsigned by mistake
     target: _Target
     if is_store_url(dest):
         url = _store_url(os.fspath(dest))
@@ -677,6 +694,7 @@ def publish(
         root = os.path.abspath(os.fspath(dest))
         report = PublishReport(sources=srcs, dest=root, dry_run=dry_run)
         target = _open_dir(root, report, group_shared=group_shared, fsync=fsync, verify_existing=verify_existing)
+    target.signer = signer
     try:
         pending: list[_Item] = []
         for n, src in enumerate(srcs):
@@ -912,7 +930,10 @@ def _action(target: _Target, kid: str, manifest: Manifest) -> str:
         # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
         # would otherwise stay lost for every node until ``verify --repair``.
         good = target.blob_ok if target.verify_existing else target.blob_present
-        return "same" if good(manifest.digest, manifest.size) else "restore"
+        if not good(manifest.digest, manifest.size):
+            return "restore"
+        # Publishing with a key signs what the store holds unsigned (or signed by another key).
+        return "same" if target.signer is None or target.signer.signed(data) else "replace"
     if theirs is not None and target.blob_ok(theirs.digest, theirs.size):
         return "conflict"
     return "replace"
