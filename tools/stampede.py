@@ -11,12 +11,21 @@ its own:
 - N processes at once with ``CUDA_PROGRAM_CAS_CLAIM_WAIT=0`` (no one waits): the
   stampede every rank pays without single flight.
 
+With ``--cluster``, the same processes are *nodes*: each has a local cache of its
+own, as on separate machines, and two more runs start a real ``redis-server`` on
+loopback as the one store of the cluster:
+
+- N nodes sharing one Redis store named writable (``redis://...|write``): one node
+  compiles each kernel (its lease), the others wait for its upload and hit;
+- N nodes with no shared store: every node compiles every kernel.
+
 It prints, per run, the compiles NVRTC ran (the misses summed over the processes:
 one per compile), the waits and the hits after a wait, and the wall time from the
 word to the last process done, with the ratio against one process alone.
 
     python tools/stampede.py                  # 8 processes, 20 kernels (4 CUB)
     python tools/stampede.py -p 4 -k 10 --cub 2 --json
+    python tools/stampede.py --cluster -p 8 -k 4 --cub 2
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ def kernels(count: int, cub: int) -> list[dict[str, Any]]:
 def worker(spec: dict[str, Any]) -> None:
     """Open the cache, say ``ready``, wait for a line on stdin, compile every kernel, answer in JSON."""
     os.environ["CUDA_PROGRAM_CAS_CLAIM_WAIT"] = str(spec["claim_wait"])
+    if spec.get("store"):
+        os.environ["CUDA_PROGRAM_CAS_SHARED"] = spec["store"] + "|write"
     from cuda.core import ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache
@@ -78,9 +89,12 @@ def worker(spec: dict[str, Any]) -> None:
 
 def run(processes: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Start ``processes`` workers on ``spec``, release them together, and sum what they did."""
-    procs = [
-        spawn_worker(__file__, spec, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(processes)
+    # Nodes (``spec["nodes"]``): a local cache each, as on separate machines.
+    specs = [
+        {**spec, "cache": os.path.join(spec["cache"], f"node{n}")} if spec.get("nodes") else spec
+        for n in range(processes)
     ]
+    procs = [spawn_worker(__file__, s, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in specs]
     try:
         for p in procs:
             assert p.stdout is not None
@@ -109,6 +123,24 @@ def run(processes: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"processes": processes, "wall_s": wall, "compiles": total["misses"], **total}
 
 
+def measure_cluster(processes: int, common: dict[str, Any], base: str) -> dict[str, dict[str, Any]]:
+    """The cluster runs: ``processes`` nodes with one Redis store, and with none (each on cold caches)."""
+    from _redis import RedisServer
+
+    server = RedisServer(os.path.join(base, "redis"), maxmemory="512mb", policy="allkeys-lru").start()
+    try:
+        nodes = {**common, "nodes": True, "claim_wait": 300}
+        return {
+            "one node alone": run(1, {**nodes, "cache": os.path.join(base, "alone")}),
+            f"{processes} nodes, one Redis store": run(
+                processes, {**nodes, "cache": os.path.join(base, "redis-nodes"), "store": server.url}
+            ),
+            f"{processes} nodes, no shared store": run(processes, {**nodes, "cache": os.path.join(base, "apart")}),
+        }
+    finally:
+        server.stop()
+
+
 def measure(processes: int, common: dict[str, Any], base: str) -> dict[str, dict[str, Any]]:
     """The three runs, each on a cold cache of its own under ``base``."""
     return {
@@ -133,6 +165,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cub", type=int, default=4, help="how many of them are CUB kernels (default 4)")
     ap.add_argument("--dir", help="where the caches are created (default: a new temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument(
+        "--cluster", action="store_true", help="nodes with caches of their own and one redis-server (see above)"
+    )
     args = ap.parse_args(argv)
     if args.processes < 1 or args.kernels < 1 or not 0 <= args.cub <= args.kernels:
         ap.error("--processes and --kernels must be at least 1, --cub between 0 and --kernels")
@@ -141,11 +176,11 @@ def main(argv: list[str]) -> int:
     base = work_dir(args.dir, "stampede")
     common = {"kernels": kernels(args.kernels, cub), "include": include}
     try:
-        runs = measure(args.processes, common, base)
+        runs = (measure_cluster if args.cluster else measure)(args.processes, common, base)
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    alone = runs["one process alone"]["wall_s"]
+    alone = next(iter(runs.values()))["wall_s"]
     commit, dirty = git_state()
     out = {
         "processes": args.processes,

@@ -75,7 +75,7 @@ class Lease:
 
 
 def _name(kid: str) -> str:
-    return f"leases/{kid}"
+    return kid  # the engine keeps leases apart from objects (Redis: cpcas:lease:<key id>)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ address                        engine                                        pac
 =============================  ============================================  =====================
 a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngine`  ``packs/``, listed
 ``http://``, ``https://``      the HTTP reader (WebDAV for writes)          ``packs/list``
+``redis://``, ``rediss://``    :class:`cuda_program_cas._remote.redis.RedisEngine`  none
 =============================  ============================================  =====================
 
 Each engine is imported when a store of its scheme is opened, so a plain cache
@@ -82,10 +83,21 @@ def _http(
     return HttpStore(address, memo_get=memo_get, memo_put=memo_put, trust=trust)
 
 
+def _redis(
+    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
+) -> Tier:
+    from cuda_program_cas._remote.redis import RedisEngine
+
+    # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
+    return Tier(RedisEngine(address), writable=writable, layout_optional=True, trust=trust)
+
+
 _ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None, Trust | None], SharedTier]] = {
     "file": _directory,
     "http": _http,
     "https": _http,
+    "redis": _redis,
+    "rediss": _redis,
 }
 
 

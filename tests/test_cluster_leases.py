@@ -1,0 +1,163 @@
+"""One compile per key per cluster: node processes with caches of their own, one real redis-server, a new CUB kernel.
+
+Each node is a separate interpreter with its own local cache, pointed at the same
+Redis store named writable (``redis://...|write``). They start together (each says
+``ready``, then all get the word on stdin) and compile the same new CUB kernel with
+real NVRTC through ``cache.compile`` (the front door: a CUB kernel reads headers). Exactly one NVRTC compile may run
+cluster-wide; every other node must get the same bytes from the store. A holder
+SIGKILLed mid-compile loses its lease within its time to live, and a waiting node
+compiles instead. Timings are printed, not asserted (tools/stampede.py --cluster
+measures them; docs/cluster.md has the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _common import CUB_SOURCE, cccl_include
+from _redis import RedisServer, RedisServerError, find_redis_server
+
+NODE = textwrap.dedent(
+    r"""
+    import json, sys, time
+    from cuda.core import ProgramOptions
+    from cuda_program_cas import ContentAddressedProgramCache
+
+    source, include, local = sys.argv[1], sys.argv[2], sys.argv[3]
+    cache = ContentAddressedProgramCache(local)
+    options = ProgramOptions(arch="sm_80", include_path=[include], std="c++17")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    code = bytes(cache.compile(source, "c++", options, "cubin").code)  # headers: the front door
+    done = time.monotonic()
+    cache.close()  # the holder's upload and the lease's release before its counts are read
+    c = cache.stats()
+    print(json.dumps({"t0": t0, "done": done, "compiled": c.misses, "hits": c.hits, "shared_hits": c.shared_hits,
+                      "waits": c.claim_waits, "uploads": c.uploads, "dropped": c.uploads_dropped,
+                      "size": len(code), "code": code.hex()}), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed: apt-get install redis-server")
+    server = RedisServer(tmp_path_factory.mktemp("redis"), maxmemory="256mb", policy="allkeys-lru")
+    try:
+        server.start()
+    except RedisServerError as exc:
+        server.stop()
+        pytest.skip(f"redis-server did not start: {exc}")
+    yield server
+    server.stop()
+
+
+def _include() -> str:
+    include = cccl_include()
+    if include is None:
+        pytest.skip("no CCCL headers (cub/): pip install nvidia-cuda-cccl")
+    return include
+
+
+def _new_kernel() -> str:
+    """A CUB kernel no cache has seen: the same kernel with a token of its own in a comment."""
+    return f"// {uuid.uuid4().hex}\n" + CUB_SOURCE
+
+
+class Node:
+    def __init__(self, tmp: Path, n: int, source: str, store: str, ttl: str) -> None:
+        env = dict(os.environ)
+        env.update({"CUDA_PROGRAM_CAS_SHARED": f"{store}|write", "CUDA_PROGRAM_CAS_LEASE_TTL": ttl})
+        env.pop("CUDA_PROGRAM_CAS", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", NODE, source, _include(), str(tmp / f"node{n}")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line == "ready\n", line + (self.proc.stderr.read() if self.proc.stderr else "")
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 240) -> dict[str, Any]:
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        assert "Traceback" not in err, err
+        got: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return got
+
+
+def _run_cluster(tmp: Path, redis: RedisServer, nodes: int) -> list[dict[str, Any]]:
+    source = _new_kernel()
+    started = [Node(tmp, n, source, redis.url, "30") for n in range(nodes)]
+    for node in started:
+        node.go()
+    return [node.result() for node in started]
+
+
+@pytest.mark.parametrize("nodes", [8, pytest.param(32, marks=pytest.mark.slow)])
+def test_one_compile_cluster_wide(tmp_path: Path, redis: RedisServer, nodes: int) -> None:
+    results = _run_cluster(tmp_path, redis, nodes)
+    compiled = [r for r in results if r["compiled"]]
+    assert len(compiled) == 1, [(r["compiled"], r["shared_hits"]) for r in results]
+    assert sum(r["hits"] for r in results) == nodes - 1
+    assert len({r["code"] for r in results}) == 1  # every node has the holder's bytes
+    assert (compiled[0]["uploads"], compiled[0]["dropped"]) == (2, 0)  # the binary, then the front door's record
+    holder = compiled[0]
+    last = max(r["done"] for r in results)
+    print(
+        f"\n{nodes} nodes: 1 compile of {holder['done'] - holder['t0']:.2f} s; "
+        f"last node done {last - holder['t0']:.2f} s after the word"
+    )
+
+
+def _lease_taken(redis: RedisServer, timeout: float = 60) -> None:
+    """Until a lease key exists in the store (the first node took its lease and is compiling)."""
+    client = redis.client()
+    deadline = time.monotonic() + timeout
+    while not client.keys("cpcas:lease:*"):
+        assert time.monotonic() < deadline, "no node took a lease"
+        time.sleep(0.005)
+
+
+def test_a_holder_killed_mid_compile_loses_its_lease_and_another_node_compiles(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    source = _new_kernel()
+    ttl = 2.0
+    holder = Node(tmp_path, 0, source, redis.url, str(ttl))
+    others = [Node(tmp_path, n, source, redis.url, str(ttl)) for n in range(1, 5)]
+    holder.go()
+    _lease_taken(redis)
+    for node in others:
+        node.go()
+    killed_at = time.monotonic()
+    holder.proc.send_signal(signal.SIGKILL)
+    holder.proc.communicate(timeout=30)  # reaped, its pipes closed
+    results = [node.result() for node in others]
+    compiled = [r for r in results if r["compiled"]]
+    assert len(compiled) == 1, [(r["compiled"], r["shared_hits"], r["waits"]) for r in results]
+    assert sum(r["hits"] for r in results) == len(others) - 1
+    assert len({r["code"] for r in results}) == 1
+    last = max(r["done"] for r in results)
+    print(f"\nholder killed; every other node done {last - killed_at:.2f} s later (ttl {ttl} s, then one compile)")
