@@ -14,7 +14,7 @@ from .footprint import w_footprint
 from .hits import w_hit_first, w_hit_repeat, worker_first_hit
 from .processes import w_cold_start, w_processes
 from .report import machine_info, render, tally
-from .writes import w_cap_writes, w_store
+from .writes import w_cap_writes, w_store, w_writeback
 
 RUNNERS: dict[str, Callable[[Config, str], Result]] = {
     "hit_first": w_hit_first,
@@ -22,6 +22,7 @@ RUNNERS: dict[str, Callable[[Config, str], Result]] = {
     "compile_hit": w_compile_hit,
     "frontdoor": w_frontdoor,
     "store": w_store,
+    "writeback": w_writeback,
     "cap_writes": w_cap_writes,
     "footprint": w_footprint,
     "processes": w_processes,
