@@ -60,7 +60,7 @@ from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_on
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
 
-from . import deadline
+from .deadline import current, watch
 
 __all__ = [
     "ENV_CA_BUNDLE",
@@ -212,7 +212,7 @@ def _watched_pools() -> dict[str, Any]:
 
     def _new_conn(base: Any) -> Any:
         def new_conn(self: Any) -> Any:
-            w = deadline.current()
+            w = current()
             if w is not None and isinstance(self.timeout, (int, float)):
                 self.timeout = min(self.timeout, max(w.left(), 0.001))
             sock = base._new_conn(self)
@@ -224,7 +224,7 @@ def _watched_pools() -> dict[str, Any]:
 
     def _request(base: Any) -> Any:
         def request(self: Any, *args: Any, **kwargs: Any) -> Any:
-            w = deadline.current()
+            w = current()
             if w is not None and self.sock is not None:
                 w.add(self.sock)
             return base.request(self, *args, **kwargs)
@@ -339,7 +339,7 @@ def request(
         total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
         raise_on_redirect=True, raise_on_status=False, respect_retry_after_header=False,
     )  # fmt: skip
-    w = deadline.watch(total)
+    w = watch(total)
     try:
         try:
             resp = manager.request(
