@@ -17,12 +17,15 @@ a process of their own (the log file, laziness, fork) run a fresh interpreter.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +37,13 @@ from hypothesis import strategies as st
 
 import cuda_program_cas._store.http as http_store
 from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
-from cuda_program_cas._base.config import env_shared
+from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, env_shared
 from cuda_program_cas._base.urls import mend_split
 from cuda_program_cas._remote import client
 from cuda_program_cas._store.http import RETRY_MAX_S, HttpStore
 from cuda_program_cas._store.tier import RETRY_S
 from cuda_program_cas._store.tier import Tier as SharedStore
+from cuda_program_cas.index import LONGEST_MANIFEST, MAX_MANIFEST_BYTES, Manifest, key_id
 
 #: Kernels compiled once for the module: distinct cubins, stored under the keys "k0", "k1", ...
 ARCHES = ("sm_80", "sm_86", "sm_90", "sm_75")
@@ -220,6 +224,10 @@ OUTAGES = [
     ("stall-manifest", "loose", "index/", Fault.stall(), "timeout"),
     ("stall-body", "loose", "blobs/", Fault.stall_body(), "timeout"),
     ("trickle", "loose", "blobs/", Fault.trickle(ms=5), "timeout"),  # each byte in time, the whole body not
+    ("trickle-status", "loose", "index/", Fault.trickle_status(ms=200), "timeout"),
+    ("trickle-headers", "loose", "blobs/", Fault.trickle_headers(ms=200), "timeout"),
+    ("trickle-status-layout", "loose", "layout.json", Fault.trickle_status(ms=200), "timeout"),
+    ("many-headers", "loose", "index/", Fault.many_headers(1000), "protocol"),
     ("500-layout", "loose", "layout.json", Fault.status(500), "server error: status 500"),
     ("503-manifest", "loose", "index/", Fault.status(503), "server error: status 503"),
     ("500-blob", "loose", "blobs/", Fault.status(500), "server error: status 500"),
@@ -232,7 +240,10 @@ OUTAGES = [
     ("503-listing", "packed", "packs/list", Fault.status(503), "server error: status 503"),
     ("stall-pack", "packed", "packs/pack", Fault.stall(), "timeout"),
     ("truncated-pack", "packed", "packs/pack", Fault.truncate(), "truncated"),
+    ("trickle-headers-pack", "packed", "packs/pack", Fault.trickle_headers(ms=200), "timeout"),
 ]
+#: The faults that wait for a timeout or the deadline: the short timeouts are in force for them.
+SLOW_FAULTS = ("stall", "stall_body", "trickle", "trickle_status", "trickle_headers")
 
 
 @pytest.fixture
@@ -241,7 +252,7 @@ def outage(
 ) -> tuple[str, str, Fault, str]:
     """One row of :data:`OUTAGES` (without its id), with short timeouts where the server stalls."""
     row: tuple[str, str, Fault, str] = request.param
-    if row[2].kind in ("stall", "stall_body", "trickle"):
+    if row[2].kind in SLOW_FAULTS:
         monkeypatch.setenv(client.ENV_HTTP_TIMEOUT, SHORT_TIMEOUTS)
     return row
 
@@ -311,14 +322,24 @@ def test_a_trickling_server_is_cut_off_at_the_deadline(tmp_path: Path, published
         assert cache.counters()["errors"] == 1
 
 
-@pytest.mark.parametrize(("layout", "where"), [("loose", "blobs/"), ("packed", "packs/pack")])
+#: (layout, the file prefix, the fault) of each wrong answer: a flipped byte, or a Content-Length 100
+#: bytes short of the blob (the body as long as it says).
+WRONG = {
+    f"{layout}-{name}": (layout, where, fault)
+    for layout, where in (("loose", "blobs/"), ("packed", "packs/pack"))
+    for name, fault in (("flipped", Fault.wrong_bytes(times=1)), ("short", Fault.lie_length(-100, times=1)))
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG.values(), ids=WRONG.keys())
 def test_wrong_bytes_are_a_miss_counted_in_corrupt_and_never_kept(
-    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture, layout: str, where: str
+    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture, wrong: tuple[str, str, Fault]
 ) -> None:
+    layout, where, fault = wrong
     caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     with Site(tmp_path, getattr(published, layout)) as site, node(tmp_path, site.url) as cache:
         cache.get("k3")  # opens the store, and for packs fetches their index, before the fault is set
-        site.set(where, Fault.wrong_bytes(times=1))
+        site.set(where, fault)
         assert cache.get("k0") is None
         counts = cache.counters()
         assert (counts["corrupt"], counts["errors"]) == (1, 0)
@@ -460,12 +481,410 @@ def test_threads_meeting_one_outage_pay_once_each_and_count_as_one_failure(
         assert site.hits > asked
 
 
+# -- one deadline per request: a server decides nothing about how long a lookup waits ------------------
+
+#: (id, layout, the file prefix, the fault). Each holds part of its answer back, a piece within every
+#: per-recv timeout (0.2 s < 1 s). With only those timeouts each held a lookup for as long as the
+#: server liked: http.client reads 64 KiB a line and 100 header lines (days at these rates).
+HOLDS = [
+    ("status-line", "loose", "index/", Fault.trickle_status(ms=200)),
+    ("headers", "loose", "index/", Fault.trickle_headers(ms=200)),
+    ("body", "loose", "blobs/", Fault.trickle(ms=200)),
+    ("stalled-after-headers", "loose", "blobs/", Fault.stall_body()),
+    ("pack-range-status-line", "packed", "packs/pack", Fault.trickle_status(ms=200)),
+    ("pack-range-headers", "packed", "packs/pack", Fault.trickle_headers(ms=200)),
+]
+#: Slack over the deadline for a loaded machine (2 cores shared): the bound is still seconds, not days.
+SLACK_S = 3.0
+
+
+def timed_get(cache: ContentAddressedProgramCache, key: str) -> tuple[bytes | None, float]:
+    """``cache.get(key)`` in a thread joined with a bound, so a lookup that hangs fails here; its time."""
+    got: list[bytes | None] = []
+    start = time.monotonic()
+    worker = threading.Thread(target=lambda: got.append(cache.get(key)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), f"the lookup of {key} was still waiting after 30 s"
+    return got[0], time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("short_timeouts")
+@pytest.mark.parametrize("hold", [pytest.param(h[1:], id=h[0]) for h in HOLDS])
+def test_a_server_holding_back_any_part_of_its_answer_is_cut_off_at_the_deadline(
+    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture, hold: tuple[str, str, Fault]
+) -> None:
+    layout, where, fault = hold
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    with Site(tmp_path, getattr(published, layout)) as site, node(tmp_path, site.url) as cache:
+        site.set(where, fault)
+        data, took = timed_get(cache, "k0")
+        assert data is None
+        # No request of this lookup may take in bytes more than a manifest's bound or k0's blob.
+        bound = client.deadline_for(max(MAX_MANIFEST_BYTES, len(published.values["k0"])))
+        assert took < bound + SLACK_S, (took, bound)
+        (warning,) = warnings_about(caplog, site.url)
+        assert "timeout" in warning, warning
+        made = http_of(cache).requests
+        for key in published.values:  # paused: no request
+            assert cache.get(key) is None
+        compiles_right(cache, published)
+        assert http_of(cache).requests == made
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("short_timeouts")
+def test_a_tls_handshake_trickled_a_byte_at_a_time_is_cut_off(
+    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that starts a 16 KiB handshake record and sends a byte of it every 0.2 s: a miss, a pause."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    with Site(tmp_path, published.loose) as site:
+        site.server.trickle_handshake(ms=200)
+        url = site.url.replace("http://", "https://", 1)
+        with node(tmp_path, url) as cache:
+            data, took = timed_get(cache, "k0")
+            assert data is None
+            assert took < client.deadline_for(4096) + SLACK_S, took  # layout.json: 4 KiB at most
+            assert cache.get("k1") is None
+            assert http_of(cache).requests == 1
+            (warning,) = warnings_about(caplog, http_of(cache).root)
+            assert "timeout" in warning, warning
+
+
+def test_the_time_a_request_earns_stops_at_the_ceiling_whatever_size_a_server_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A manifest of 10**15 bytes once earned 2.4e8 s; the bytes that earn time are those the cache allows."""
+    client.close_connections()
+    ceiling = env_max_entry_size()
+    connect, read = client.timeouts()
+    assert client.deadline_for(10**15) == client.deadline_for(ceiling)
+    assert client.deadline_for(ceiling) == pytest.approx(connect + read + ceiling / (4 << 20))
+    monkeypatch.setenv(ENV_MAX_ENTRY_SIZE, "8M")
+    assert client.deadline_for(10**15) == pytest.approx(connect + read + 2)
+
+
+# -- bounds: a server decides nothing about how much a node reads -------------------------------------
+
+
+def write_manifest(store: Path, key: str, digest: str, size: int) -> None:
+    """Put a manifest for ``key`` into ``store`` that names ``digest`` and claims ``size`` bytes."""
+    kid = key_id(key)
+    path = store / "index" / kid[:2] / kid[2:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(Manifest(digest, size, kid).encode())
+
+
+def blob_url_path(site: Site, digest: str) -> str:
+    return f"/{site.name}/blobs/{digest[:2]}/{digest[2:]}"
+
+
+@pytest.mark.parametrize("how", ["claims-10**15", "over-the-ceiling", "over-the-cap"])
+def test_an_entry_larger_than_the_node_reads_is_a_miss_with_no_request_for_its_blob(
+    tmp_path: Path,
+    published: Published,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """The size is checked before the blob is asked for: a manifest's claim, the ceiling, the local cap."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    big = max(published.values, key=lambda k: len(published.values[k]))
+    small = min(published.values, key=lambda k: len(published.values[k]))
+    size, digest = len(published.values[big]), digest_of(published.values[big])
+    cap = None
+    with Site(tmp_path, published.loose) as site:
+        if how == "claims-10**15":
+            write_manifest(site.store, big, digest, 10**15)
+        elif how == "over-the-ceiling":
+            monkeypatch.setenv(ENV_MAX_ENTRY_SIZE, str(size - 1))
+        else:
+            cap = size + LONGEST_MANIFEST - 1  # the entry could never be kept under it
+        with ContentAddressedProgramCache(tmp_path / "node", shared=[site.url], max_size_bytes=cap) as cache:
+            assert cache.get(big) is None
+            assert http_of(cache).miss_reason().startswith("too large"), http_of(cache).miss_reason()
+            assert site.server.hits(blob_url_path(site, digest)) == 0
+            assert cache.get(small) == published.values[small]  # no pause, nothing counted as wrong
+            counts = cache.counters()
+            assert (counts["errors"], counts["corrupt"]) == (0, 0)
+        (warning,) = warnings_about(caplog, site.url)
+        assert "not fetched" in warning
+
+
+def test_a_packed_entry_over_the_ceiling_is_a_miss_with_no_range_request_for_it(
+    tmp_path: Path, published: Published, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    big = max(published.values, key=lambda k: len(published.values[k]))
+    monkeypatch.setenv(ENV_MAX_ENTRY_SIZE, str(len(published.values[big]) - 1))
+    with Site(tmp_path, published.packed) as site, node(tmp_path, site.url) as cache:
+        (pack,) = (site.store / "packs").glob("*.cpk")
+        assert cache.get(big) is None
+        assert site.server.hits(f"/{site.name}/packs/{pack.name}") == 2  # its trailer and index only
+        (warning,) = warnings_about(caplog, site.url)
+        assert f"{len(published.values[big])} bytes" in warning and "not fetched" in warning
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault.endless(), Fault.endless(10 * 10**9), Fault.lie_length(1000)],
+    ids=["endless", "content-length-10GB", "content-length-over"],
+)
+def test_a_body_longer_than_asked_is_cut_off_and_a_miss_not_a_pause(
+    tmp_path: Path, published: Published, fault: Fault
+) -> None:
+    with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
+        site.set("blobs/", fault)
+        assert cache.get("k0") is None
+        assert http_of(cache).miss_reason() == "bad answer: too large"
+        site.server.clear()
+        assert cache.get("k1") == published.values["k1"]  # asked at once: a bad answer is no outage
+        assert cache.counters()["errors"] == 1
+        assert list((tmp_path / "node" / "tmp").iterdir()) == []
+
+
+def _store_of_two_packs(tmp_path: Path) -> tuple[Path, dict[str, bytes], dict[str, bytes]]:
+    """A store published twice with --pack: its newer pack's entries and its older one's."""
+    store = tmp_path / "two-packs"
+    older = {f"old{i}": f"older {i} ".encode() * 40 for i in range(20)}
+    newer = {f"new{i}": f"newer {i} ".encode() * 40 for i in range(20)}
+    for name, values in (("a", older), ("b", newer)):
+        with ContentAddressedProgramCache(tmp_path / name, shared=()) as src:
+            for k, v in values.items():
+                src[k] = v
+        publish([tmp_path / name], store, pack=True)
+    assert len(list((store / "packs").glob("*.cpk"))) == 2
+    return store, newer, older
+
+
+@pytest.mark.parametrize("claim", ["2**32-entries", "just-over-the-index-bound", "not-the-file-size"])
+def test_a_pack_trailer_claiming_a_huge_index_is_refused_before_the_index_is_fetched(
+    tmp_path: Path, published: Published, claim: str
+) -> None:
+    """A real pack whose trailer claims more entries (a 412 GB index for 2**32), served as that large or not.
+
+    Only the trailer is asked for; the pack is then known bad for the process.
+    """
+    count = http_store.MAX_INDEX_BYTES // 96 if claim == "just-over-the-index-bound" else 2**32 - 1
+    consistent = claim != "not-the-file-size"
+    with Site(tmp_path, published.packed) as site, node(tmp_path, site.url) as cache:
+        (pack,) = (site.store / "packs").glob("*.cpk")
+        site.set(f"packs/{pack.name}", Fault.huge_trailer(count, consistent=consistent))
+        for key in published.values:
+            data, _took = timed_get(cache, key)
+            assert data is None
+        compiles_right(cache, published)
+        assert site.server.hits(f"/{site.name}/packs/{pack.name}") == 1
+        counts = cache.counters()
+        assert (counts["corrupt"], counts["errors"]) == (1, 0)
+
+
+def test_pack_indexes_past_the_bound_are_not_read_and_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Room for one index: the newer pack is read, the older one is not (and not fetched), one WARNING."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    store, newer, older = _store_of_two_packs(tmp_path)
+    index_size = 1024 + 96 * len(newer)
+    monkeypatch.setattr(http_store, "MAX_INDEX_BYTES", index_size + 96 * 5)
+    with Site(tmp_path, store) as site, node(tmp_path, site.url) as cache:
+        assert all(cache.get(k) == v for k, v in newer.items())
+        assert all(cache.get(k) is None for k in older)
+        old_pack = min(p.name for p in (site.store / "packs").glob("*.cpk"))
+        assert site.server.hits(f"/{site.name}/packs/{old_pack}") == 1  # its trailer: the claim, then no more
+        assert cache.counters()["corrupt"] == 0
+        (warning,) = warnings_about(caplog, site.url)
+        assert "not read" in warning
+
+
+# -- layout.json: a store that is not one is paused like an outage ----------------------------------------
+
+
+def _padded_layout(store: Path) -> bytes:
+    """The store's own layout.json, made 5 KB with spaces inside its JSON: valid, and over the 4 KB it may be."""
+    raw = (store / "layout.json").read_bytes().rstrip()
+    assert raw.endswith(b"}")
+    return raw[:-1] + b" " * 5000 + b"}"
+
+
+LAYOUTS = [
+    ("content-length-100MB", Fault.endless(100 << 20), None),
+    ("endless", Fault.endless(), None),
+    ("5KB", None, _padded_layout),
+    ("damaged", None, lambda store: b'{"layout": "cuda-program-cas", "version": '),
+    ("not-a-store", None, lambda store: b'{"layout": "something-else", "version": 1}\n'),
+]
+
+
+@pytest.mark.parametrize(("fault", "content"), [pytest.param(*row[1:], id=row[0]) for row in LAYOUTS])
+def test_a_layout_json_too_large_damaged_or_not_a_store_pauses_the_store(
+    tmp_path: Path,
+    published: Published,
+    clock: FrozenClock,
+    fault: Fault | None,
+    content: Callable[[Path], bytes] | None,
+) -> None:
+    """40 lookups cost one request, not 40; the pause's end asks once more; a mended store then reads."""
+    with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
+        good = (site.store / "layout.json").read_bytes()
+        if content is not None:
+            (site.store / "layout.json").write_bytes(content(site.store))
+        if fault is not None:
+            site.set("layout.json", fault)
+        for i in range(40):
+            assert cache.get(f"k{i % len(published.values)}") is None
+        assert (site.hits, http_of(cache).requests) == (1, 1)
+        assert http_of(cache).miss_reason().startswith("store not usable: not a store")
+        clock.advance(RETRY_S)
+        assert cache.get("k0") is None
+        assert site.hits == 2
+        (site.store / "layout.json").write_bytes(good)
+        site.server.clear()
+        clock.advance(2 * RETRY_S)
+        assert cache.get("k0") == published.values["k0"]
+
+
+# -- memory: a real process reading a hostile store ---------------------------------------------------
+
+#: A node's peak memory may grow by at most this while it reads the hostile store below (docs/http.md).
+HOSTILE_GROWTH_BOUND = 50 << 20
+#: A manifest's claim under the ceiling (256 MiB), and more than the bound: what a node that gathered
+#: the body would hold.
+CLAIM = 200 << 20
+
+_HOSTILE_NODE = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    from cuda_program_cas import CacheStore
+
+    # A node that reads whatever the server sends would take the machine: 3 GiB of address space
+    # at most, so that it fails here (MemoryError) instead.
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    def peak():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:"))
+
+    local, warm_url, url, keys = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+    warm = CacheStore(local + "-warm", shared=[warm_url])
+    assert warm.get("k0") is not None  # urllib3 imported, the deadline thread running
+    store = CacheStore(local, shared=[url])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from the memory in use now
+    start = peak()
+    missed = {}
+    for key in keys:
+        missed[key] = [store.get(key) is None, store.shared[0].miss_reason()]
+    print(json.dumps({"start": start, "grew": peak() - start, "missed": missed, "tmp": os.listdir(local + "/tmp")}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_node_reading_a_hostile_store_stays_within_its_memory_bound(tmp_path: Path, published: Published) -> None:
+    """Endless bodies, a Content-Length of 10 GB, claims of 10**15 and of 200 MiB, a trailer of 2**32 entries.
+
+    Each was a node past 1.5 GB in under 25 s. Here each lookup is a miss and the node's peak
+    memory (VmHWM, reset once the node is warm) grows by less than :data:`HOSTILE_GROWTH_BOUND`.
+    """
+    with Site(tmp_path, published.packed) as site:
+        (pack,) = (site.store / "packs").glob("*.cpk")
+        site.set(f"packs/{pack.name}", Fault.huge_trailer(2**32 - 1))
+        hostile = {  # key: (what its manifest claims, what its blob's URL answers)
+            "claims-10**15-endless": (10**15, Fault.endless()),
+            "claims-10**15-10GB": (10**15, Fault.endless(10 * 10**9)),
+            "claims-200MiB-endless": (CLAIM, Fault.endless()),
+            "claims-200MiB-10GB": (CLAIM, Fault.endless(10 * 10**9)),
+        }
+        digests = {key: digest_of(key.encode()) for key in hostile}
+        for key, (size, fault) in hostile.items():
+            write_manifest(site.store, key, digests[key], size)
+            site.server.set(blob_url_path(site, digests[key]), fault)
+        warm = f"{tmp_path.name}-warm"
+        shutil.copytree(published.loose, site.store.parent / warm)
+        keys = [*hostile, *published.values]
+        done = run_python(
+            _HOSTILE_NODE, str(tmp_path / "node"), site.server.url(warm), site.url, ",".join(keys),
+            env={client.ENV_HTTP_TIMEOUT: TIMEOUTS}, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        asked = {key: site.server.hits(blob_url_path(site, digests[key])) for key in hostile}
+        assert site.server.hits(f"/{site.name}/packs/{pack.name}") == 1  # the trailer only
+    assert all(missed for missed, _reason in out["missed"].values()), out["missed"]
+    for key, (size, _fault) in hostile.items():
+        _missed, reason = out["missed"][key]
+        if size > env_max_entry_size():  # refused before any request for it
+            assert (asked[key], reason) == (0, f"too large: {size} bytes, more than {env_max_entry_size()}")
+        else:  # asked, read up to what the manifest claims (or not at all: a Content-Length of 10 GB), cut off
+            assert (asked[key], reason) == (1, "bad answer: too large")
+    assert out["grew"] < HOSTILE_GROWTH_BOUND, out
+    assert out["tmp"] == []
+    print(f"peak memory grew by {out['grew'] / 2**20:.1f} MiB (from {out['start'] / 2**20:.1f} MiB)")
+
+
+_STARVED_NODE = textwrap.dedent(
+    """
+    import resource, sys
+    from cuda_program_cas import CacheStore
+
+    local, url, big, small, other, read_only = sys.argv[1:7]
+    store = CacheStore(local, shared=[url], read_only=read_only == "1")
+    assert store.get(small) is not None  # warm: urllib3, the deadline thread, an open connection
+
+    def vm_size():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:"))
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (32 << 20), hard))  # 32 MiB more: not the 64 MiB blob
+    try:
+        got = store.get(big)
+        reason = store.shared[0].miss_reason()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    print(got is None, reason, store.get(other) is not None, sep="|")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("read_only", [False, True], ids=["staged", "in-memory"])
+def test_running_out_of_memory_for_a_large_hit_is_a_miss(tmp_path: Path, read_only: bool) -> None:
+    """A real MemoryError: a child whose address space cannot hold a 64 MiB entry (the ceiling allows it).
+
+    Staged (a writable local cache: the body goes to tmp/, the read-back fails) or gathered in
+    memory (a read-only one): a miss, and the process reads on.
+    """
+    src = tmp_path / "src"
+    with ContentAddressedProgramCache(src, shared=()) as cache:
+        cache["big"] = os.urandom(64 << 20)
+        cache["small"], cache["other"] = b"small entry", b"another small entry"
+    publish([src], tmp_path / "www" / "store")
+    ContentAddressedProgramCache(tmp_path / "node").close()  # exists, for the read-only open
+    with FaultServer(tmp_path / "www") as server:
+        done = run_python(
+            _STARVED_NODE, str(tmp_path / "node"), server.url("store"), "big", "small", "other", str(int(read_only)),
+            env={client.ENV_HTTP_TIMEOUT: TIMEOUTS}, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True|could not take the answer in: MemoryError|True", done.stdout
+
+
 # -- TLS and tokens, against nginx -------------------------------------------------------------------
 
 
-def _nginx_store(tmp_path: Path, published: Published, *, token: str | None = None, tls: bool = False) -> Nginx:
-    """A started nginx serving a copy of the loose store under /store/ (skips where nginx cannot run)."""
-    server = nginx_or_skip(tmp_path / "nginx", token=token, tls=tls)
+def _nginx_store(
+    tmp_path: Path, published: Published, *, token: str | None = None, tls: bool = False, certificate: str = "good"
+) -> Nginx:
+    """A started nginx serving a copy of the loose store under /store/ (skips where nginx cannot run).
+
+    With ``tls``, its certificate is signed by a CA of its own (``server.cert``), which no one trusts
+    unless told to (``CUDA_PROGRAM_CAS_CA_BUNDLE``).
+    """
+    server = nginx_or_skip(tmp_path / "nginx", token=token, tls=tls, certificate=certificate)
     shutil.copytree(published.loose, server.root, dirs_exist_ok=True)
     return server
 
@@ -480,9 +899,37 @@ def test_tls_without_the_ca_is_a_miss_with_one_warning(
         assert cache.get("k1") is None
         compiles_right(cache, published)
         assert cache.counters()["errors"] == 1
+        assert http_of(cache).requests == 1  # then paused
         (warning,) = warnings_about(caplog, url)
-        assert "tls" in warning and "certificate" in warning.lower()
+        assert "tls" in warning and "unable to get local issuer certificate" in warning, warning
         assert server.requests() == []  # the handshake failed: no request was made
+
+
+#: The certificates signed by the CA that is trusted, and what the WARNING says of each.
+BAD_CERTIFICATES = {"expired": "certificate has expired", "wrong-host": "IP address mismatch"}
+
+
+@pytest.mark.parametrize("certificate", BAD_CERTIFICATES)
+def test_tls_with_an_expired_or_wrong_host_certificate_is_a_miss_with_the_ca_trusted(
+    tmp_path: Path,
+    published: Published,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    certificate: str,
+) -> None:
+    """Certificates made by openssl and signed by the trusted CA: one expired in 2020, one for wrong.example."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    with _nginx_store(tmp_path, published, tls=True, certificate=certificate) as server:
+        monkeypatch.setenv(client.ENV_CA_BUNDLE, str(server.cert))
+        with node(tmp_path, server.read_url()) as cache:
+            url = http_of(cache).root
+            assert cache.get("k0") is None
+            assert cache.get("k1") is None
+            compiles_right(cache, published)
+            assert (cache.counters()["errors"], http_of(cache).requests) == (1, 1)
+        (warning,) = warnings_about(caplog, url)
+        assert "tls" in warning and BAD_CERTIFICATES[certificate] in warning, warning
+        assert server.requests() == []
 
 
 def test_tls_with_the_ca_bundle_reads(tmp_path: Path, published: Published, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -579,6 +1026,79 @@ def test_a_token_is_never_logged_at_any_level(tmp_path: Path, published: Publish
     for output in (text, done.stdout, done.stderr):
         assert right not in output
         assert wrong not in output
+
+
+def test_a_netrc_in_home_gives_its_token_to_nginx(
+    tmp_path: Path, published: Published, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No $NETRC: ``~/.netrc`` of a temp HOME, owner-only as Python's parser wants."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text(f"machine 127.0.0.1\n  login cas\n  password {TOKEN}\n")
+    (home / ".netrc").chmod(0o600)
+    monkeypatch.delenv("NETRC")
+    monkeypatch.setenv("HOME", str(home))
+    with _nginx_store(tmp_path, published, token=TOKEN) as server, node(tmp_path, server.read_url()) as cache:
+        assert cache.get("k0") == published.values["k0"]
+        assert cache.counters()["errors"] == 0
+        assert {e.status for e in server.requests()} <= {200, 404}
+
+
+def _netrc_readable_by_all(path: Path) -> None:
+    path.write_text(f"machine 127.0.0.1 login cas password {TOKEN}\n")
+    path.chmod(0o644)
+
+
+#: A .netrc that cannot be used: (where it is: ~/.netrc or $NETRC, how it is made, what the WARNING says).
+BAD_NETRCS = {
+    "readable-by-all": ("home", _netrc_readable_by_all, "group or others may read it"),
+    "garbage-quoting-the-token": (  # Python's message would quote the token: "bad follower token '...'"
+        "env",
+        lambda path: path.write_text(f"machine 127.0.0.1 {TOKEN} login cas\n"),
+        "cannot be parsed (line 1)",
+    ),
+    "fifo": ("env", lambda path: os.mkfifo(path), "not a regular file"),
+    "directory": ("env", lambda path: path.mkdir(), "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_NETRCS.values(), ids=BAD_NETRCS.keys())
+def test_a_netrc_that_cannot_be_used_is_one_warning_and_ignored(
+    tmp_path: Path,
+    published: Published,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    bad: tuple[str, Callable[[Path], None], str],
+) -> None:
+    """Never a hang (a FIFO blocked the open), a crash or the token in a log: a WARNING, then no token (401)."""
+    where, make, says = bad
+    caplog.set_level(logging.DEBUG)  # every logger
+    home = tmp_path / "home"
+    home.mkdir()
+    path = home / ".netrc" if where == "home" else tmp_path / "netrc"
+    make(path)
+    monkeypatch.setenv("HOME", str(home))
+    if where == "home":
+        monkeypatch.delenv("NETRC")
+    else:
+        monkeypatch.setenv("NETRC", str(path))
+    try:
+        with _nginx_store(tmp_path, published, token=TOKEN) as server, node(tmp_path, server.read_url()) as cache:
+            data, _took = timed_get(cache, "k0")
+            assert data is None
+            assert cache.get("k1") is None
+            assert [e.status for e in server.requests(wait_for=1)] == [401]
+    finally:
+        if path.is_fifo():  # a reader blocked in its open() is let go (ENXIO where there is none)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and str(path) in r.getMessage()
+    ]
+    assert warning.startswith(f"cuda-program-cas: the .netrc {path} is ignored: ") and says in warning, warning
+    for record in caplog.records:
+        text = record.getMessage() + (logging.Formatter().formatException(record.exc_info) if record.exc_info else "")
+        assert TOKEN not in text
 
 
 def test_a_redirect_to_another_server_does_not_carry_the_token(

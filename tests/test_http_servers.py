@@ -179,6 +179,20 @@ def test_nginx_tls_with_the_cert_as_ca_and_not_without(tmp_path: Path) -> None:
         assert isinstance(e.value.reason, ssl.SSLCertVerificationError)
 
 
+@pytest.mark.parametrize(("certificate", "error"), [("expired", "certificate has expired"), ("wrong-host", "mismatch")])
+def test_nginx_tls_expired_and_wrong_host_certificates_fail_with_the_ca_trusted(
+    tmp_path: Path, certificate: str, error: str
+) -> None:
+    with nginx_or_skip(tmp_path / "nginx", tls=True, certificate=certificate) as server:
+        (server.root / "f").write_bytes(b"secure")
+        assert server.cert is not None
+        trusted = ssl.create_default_context(cafile=str(server.cert))
+        with pytest.raises(urllib.error.URLError) as e:
+            urllib.request.urlopen(server.read_url("f"), context=trusted, timeout=5)
+        assert isinstance(e.value.reason, ssl.SSLCertVerificationError)
+        assert error in str(e.value.reason)
+
+
 def test_nginx_stop_leaves_no_process(tmp_path: Path) -> None:
     server = nginx_or_skip(tmp_path / "nginx")
     pid = server._proc.pid if server._proc else 0
@@ -389,6 +403,117 @@ def test_faults_arrived_event_syncs_without_sleep(faults: FaultServer) -> None:
         thread.join(5)
         conn.close()
     assert not thread.is_alive()
+
+
+def _raw(server: FaultServer, path: str, headers: str = "") -> socket.socket:
+    """A socket that sent ``GET path`` and nothing more."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+    return sock
+
+
+def _recv_until(sock: socket.socket, n: int) -> bytes:
+    """At least ``n`` bytes (or what came before the end)."""
+    data = b""
+    while len(data) < n:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    return data
+
+
+def test_faults_trickle_status_sends_the_status_line_a_byte_at_a_time(faults: FaultServer) -> None:
+    faults.set("/other", Fault.trickle_status(ms=20))
+    t0 = time.monotonic()
+    with _raw(faults, "/other") as sock:
+        got = _recv_until(sock, 17)
+    assert got.startswith(b"HTTP/1.1 200 xxxx") and not got.strip(b"HTTP/1.1 200 x")  # never a line end
+    assert time.monotonic() - t0 >= 7 * 0.02 * 0.9  # 7 gaps between the pieces
+
+
+def test_faults_trickle_headers_sends_a_header_line_at_a_time_without_end(faults: FaultServer) -> None:
+    faults.set("/other", Fault.trickle_headers(ms=20))
+    t0 = time.monotonic()
+    with _raw(faults, "/other") as sock:
+        got = _recv_until(sock, 17 + 3 * 16)
+    assert got.startswith(b"HTTP/1.1 200 OK\r\nX-Trickle-0: 0\r\nX-Trickle-1: 1\r\nX-Trickle-2: 2\r\n")
+    assert b"\r\n\r\n" not in got
+    assert time.monotonic() - t0 >= 3 * 0.02 * 0.9
+
+
+def test_faults_many_headers_sends_them_all_then_the_file(faults: FaultServer) -> None:
+    faults.set("/other", Fault.many_headers(150))
+    with _raw(faults, "/other") as sock:
+        data = _recv_until(sock, 150 * 12)
+        while not data.endswith(b"other bytes"):
+            data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.count(b"X-Many-") == 150 and body == b"other bytes"
+
+
+@pytest.mark.parametrize("by", [5, -5])
+def test_faults_lie_length_says_a_wrong_content_length_then_closes(faults: FaultServer, by: int) -> None:
+    faults.set("/other", Fault.lie_length(by))
+    with _raw(faults, "/other") as sock:
+        data = _recv_until(sock, 1 << 20)  # to the close
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert f"Content-Length: {11 + by}".encode() in head and body == b"other bytes"
+
+
+@pytest.mark.parametrize("length", [None, 10 * 10**9])
+def test_faults_endless_sends_zeros_for_as_long_as_it_is_read(faults: FaultServer, length: int | None) -> None:
+    faults.set("/other", Fault.endless(length))
+    with _raw(faults, "/other") as sock:
+        data = _recv_until(sock, 3 << 20)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert (b"Content-Length: 10000000000" in head) == (length is not None)
+    assert len(body) >= (3 << 20) - len(head) - 4 and not body.strip(b"\x00")
+
+
+def test_faults_huge_trailer_serves_a_pack_as_large_as_its_trailer_claims(tmp_path: Path) -> None:
+    from cuda_program_cas._disk.pack import TRAILER_SIZE, PackIndex, pack_chunks, parse_trailer
+
+    pack = b"".join(pack_chunks([("11" * 32, "22" * 32, b"blob bytes", 7)]))
+    (tmp_path / "p.cpk").write_bytes(pack)
+    _checksum, index_offset, _count = parse_trailer(pack[-TRAILER_SIZE:], len(pack), "p")
+    claimed = index_offset + 1024 + 96 * (2**32 - 1) + TRAILER_SIZE  # 412 GB
+    with FaultServer(tmp_path) as server:
+        server.set("/p.cpk", Fault.huge_trailer())
+        conn = _fconn(server)
+        try:
+            conn.request("GET", "/p.cpk", headers={"Range": f"bytes=-{TRAILER_SIZE}"})
+            resp = conn.getresponse()
+            trailer = resp.read()
+            assert (resp.status, resp.headers["Content-Range"]) == (
+                206,
+                f"bytes {claimed - TRAILER_SIZE}-{claimed - 1}/{claimed}",
+            )
+            assert PackIndex.span(claimed, trailer, "p") == (index_offset, 1024 + 96 * (2**32 - 1))
+            assert _get(conn, "/p.cpk", {"Range": "bytes=0-17"}) == (206, pack[:18])  # the real bytes
+            assert _get(conn, "/p.cpk", {"Range": f"bytes={len(pack)}-{len(pack) + 9}"}) == (206, bytes(10))
+        finally:
+            conn.close()
+        server.set("/p.cpk", Fault.huge_trailer(2**32 - 1, consistent=False))
+        conn = _fconn(server)
+        try:
+            conn.request("GET", "/p.cpk", headers={"Range": f"bytes=-{TRAILER_SIZE}"})
+            resp = conn.getresponse()
+            assert resp.headers["Content-Range"].endswith(f"/{len(pack)}")  # the real size: no longer fits
+            with pytest.raises(ValueError, match="does not match the file's size"):
+                parse_trailer(resp.read(), len(pack), "p")
+        finally:
+            conn.close()
+
+
+def test_faults_trickle_handshake_sends_a_tls_record_a_byte_at_a_time(faults: FaultServer) -> None:
+    faults.trickle_handshake(ms=20)
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", faults.port), timeout=5) as sock:
+        got = _recv_until(sock, 8)
+    assert got.startswith(b"\x16\x03\x03\x40\x00") and not got[5:].strip(b"\x00")  # 16 KiB record, slowly
+    assert time.monotonic() - t0 >= 3 * 0.02 * 0.9
+    assert faults.log == []  # no HTTP request was ever read
 
 
 def test_nginx_or_skip_skips_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -123,6 +123,38 @@ def test_misses_cost_a_manifest_get_and_no_exception(server, tmp_path: Path) -> 
     assert out["requests"] == 4 + 2  # layout, list, the pack's index (2); a manifest GET (404) per key
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])
+def test_an_entry_larger_than_held_in_memory_is_staged_verified_and_hits(server, tmp_path: Path, packed: bool) -> None:
+    """24 MiB (over the 1 MiB a body may take in memory): staged in the node's tmp/, read back once verified."""
+    big = os.urandom(24 << 20)
+    src = CacheStore(tmp_path / "src")
+    src.put("big", big)
+    src.put("small", b"a small one")
+    publish([tmp_path / "src"], server.root, pack=packed)
+    node_store = CacheStore(tmp_path / "node", shared=[server.read_url("")])
+    assert node_store.get("big") == big
+    assert node_store.get("small") == b"a small one"
+    assert node_store.counters()["errors"] == 0
+    assert list((tmp_path / "node" / "tmp").iterdir()) == []  # the staging file went with the lookup
+    assert CacheStore(tmp_path / "node").get("big") == big  # copied in, through the write protocol
+
+
+def test_an_entry_over_the_ceiling_is_never_asked_of_nginx(
+    server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = CacheStore(tmp_path / "src")
+    src.put("big", b"b" * 5000)
+    src.put("small", b"s" * 100)
+    publish([tmp_path / "src"], server.root)
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE", "4k")
+    server.reset_log()
+    node_store = CacheStore(tmp_path / "node", shared=[server.read_url("")])
+    assert node_store.get("big") is None
+    assert node_store.get("small") == b"s" * 100
+    blobs = [e.uri for e in server.requests(wait_for=5) if "/blobs/" in e.uri]
+    assert len(blobs) == 1  # the small one's: the big one's manifest said 5,000 bytes, and that was enough
+
+
 def test_a_repack_on_the_server_keeps_every_key_readable(server, tmp_path: Path) -> None:
     # Two publishes, two packs; a reader learns them, then the store is repacked under it
     # (the old packs move to packs/retired/): its next lookups still hit, from the retired

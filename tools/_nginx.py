@@ -13,9 +13,12 @@ the same directory ``root``:
   A PUT creates missing parent folders; MKCOL makes one level (409 where the parent is missing).
 
 ``token="s3cret"`` makes both locations answer 401 to a request without
-``Authorization: Bearer s3cret``. ``tls=True`` serves HTTPS with a self-signed certificate for
-127.0.0.1 and localhost (made by the ``openssl`` command); ``cert`` is its path, for a client's
-CA bundle. Every request is logged as one JSON object a line; ``requests()`` parses them.
+``Authorization: Bearer s3cret``. ``tls=True`` serves HTTPS with a certificate signed by a CA of
+its own (both made by the ``openssl`` command); ``cert`` is the CA's certificate, for a client's
+CA bundle. ``certificate`` says which certificate: ``"good"`` (for 127.0.0.1 and localhost, valid
+from a day ago for two days), ``"expired"`` (the same names, valid only on 1 January 2020) or
+``"wrong-host"`` (valid, for ``wrong.example`` only). Every request is logged as one JSON object a
+line; ``requests()`` parses them.
 
 The tests' helper ``nginx_or_skip`` (tests/_http) skips a test, with the reason, where nginx is
 not installed or does not start.
@@ -32,11 +35,12 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from _child import ServerProcess
 
-__all__ = ["LogEntry", "Nginx", "NginxError", "find_nginx", "free_port"]
+__all__ = ["CERTIFICATES", "LogEntry", "Nginx", "NginxError", "find_nginx", "free_port"]
 
 READ_PREFIX = "/store/"
 DAV_PREFIX = "/dav/"
@@ -87,24 +91,67 @@ def free_port() -> int:
         return port
 
 
-def _make_cert(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate (its own CA) for IP:127.0.0.1 and DNS:localhost, and its key."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
+#: The certificates ``Nginx(certificate=...)`` can serve: their names and validity (None: from a
+#: day ago for two days).
+CERTIFICATES: dict[str, tuple[str, tuple[str, str] | None]] = {
+    "good": ("IP:127.0.0.1,DNS:localhost", None),
+    "expired": ("IP:127.0.0.1,DNS:localhost", ("20200101000000Z", "20200102000000Z")),
+    "wrong-host": ("DNS:wrong.example", None),
+}
+_CA_CONF = """[ ca ]
+default_ca = test_ca
+[ test_ca ]
+database = {dir}/index.txt
+new_certs_dir = {dir}
+serial = {dir}/serial
+default_md = sha256
+policy = any
+unique_subject = no
+[ any ]
+commonName = supplied
+[ leaf ]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = {names}
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+"""
+
+
+def _openssl(*args: str) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         raise NginxError("tls=True needs the openssl command, which is not on PATH")
-    done = subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-days", "2", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-         "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
-         "-keyout", str(key), "-out", str(cert)],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+    done = subprocess.run([openssl, *args], capture_output=True, text=True, timeout=30, check=False)
     if done.returncode != 0:
-        raise NginxError(f"openssl req failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return cert, key
+        raise NginxError(f"openssl {args[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+
+
+def _make_cert(directory: Path, certificate: str = "good") -> tuple[Path, Path, Path]:
+    """A CA of its own and a server certificate it signed (see :data:`CERTIFICATES`): CA, certificate, key.
+
+    ``openssl ca`` signs, because it alone sets any validity period (an expired one too).
+    """
+    names, dates = CERTIFICATES[certificate]
+    if dates is None:
+        now = datetime.now(timezone.utc)
+        dates = tuple(t.strftime("%Y%m%d%H%M%SZ") for t in (now - timedelta(days=1), now + timedelta(days=2)))
+    ca, ca_key = directory / "ca.pem", directory / "ca.key"
+    cert, key, csr = directory / "cert.pem", directory / "key.pem", directory / "cert.csr"
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-days", "2", "-subj", "/CN=cuda-program-cas test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    _openssl("req", "-new", *ec, "-subj", "/CN=cuda-program-cas test server", "-keyout", str(key), "-out", str(csr))
+    conf = directory / "ca.cnf"
+    conf.write_text(_CA_CONF.format(dir=directory, names=names))
+    (directory / "index.txt").write_text("")
+    (directory / "serial").write_text("01\n")
+    _openssl("ca", "-batch", "-config", str(conf), "-cert", str(ca), "-keyfile", str(ca_key), "-in", str(csr),
+             "-out", str(cert), "-extensions", "leaf", "-startdate", dates[0], "-enddate", dates[1],
+             "-notext")  # fmt: skip
+    return ca, cert, key
 
 
 class Nginx(ServerProcess):
@@ -121,15 +168,19 @@ class Nginx(ServerProcess):
         *,
         token: str | None = None,
         tls: bool = False,
+        certificate: str = "good",
         start_timeout: float = 10.0,
         server_block: str | None = None,
     ) -> None:
+        if certificate not in CERTIFICATES:
+            raise ValueError(f"certificate: one of {sorted(CERTIFICATES)}, not {certificate!r}")
         if token is not None and not _TOKEN_RE.fullmatch(token):
             raise ValueError("token: only [A-Za-z0-9._~+/=-] (it is written into nginx.conf)")
         self.prefix = Path(prefix).resolve()
         self.root = Path(root).resolve() if root is not None else self.prefix / "root"
         self.token = token
         self.tls = tls
+        self.certificate = certificate
         #: A whole ``server { ... }`` block to use instead of the built-in one (docs/http.md's, in a test):
         #: ``LISTEN``, ``CERT`` and ``KEY`` in it become this server's address, certificate and key.
         self.server_block = server_block
@@ -138,7 +189,8 @@ class Nginx(ServerProcess):
         self.error_log = self.prefix / "error.log"
         self.access_log = self.prefix / "access.log"
         self.pid_file = self.prefix / "nginx.pid"
-        self.cert: Path | None = None  # the certificate (and CA bundle) where tls=True
+        self.cert: Path | None = None  # the CA's certificate (a client's CA bundle) where tls=True
+        self.server_cert: Path | None = None  # the certificate nginx serves, signed by that CA
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -177,9 +229,9 @@ class Nginx(ServerProcess):
         listen = f"127.0.0.1:{self.port}" + (" ssl" if self.tls else "")
         tls = ""
         if self.tls:
-            assert self.cert is not None
+            assert self.server_cert is not None
             tls = (
-                f"        ssl_certificate {self.cert};\n"
+                f"        ssl_certificate {self.server_cert};\n"
                 f"        ssl_certificate_key {self.prefix / 'key.pem'};\n"
                 "        ssl_protocols TLSv1.2 TLSv1.3;\n"
             )
@@ -212,8 +264,8 @@ http {{
 
     def _server(self, listen: str, tls: str, auth: str, root: str) -> str:
         if self.server_block is not None:
-            key = str(self.prefix / "key.pem")
-            return self.server_block.replace("LISTEN", listen).replace("CERT", str(self.cert)).replace("KEY", key)
+            block = self.server_block.replace("LISTEN", listen).replace("CERT", str(self.server_cert))
+            return block.replace("KEY", str(self.prefix / "key.pem"))
         return f"""    server {{
         listen {listen};
         server_name localhost;
@@ -241,7 +293,7 @@ http {{
         self.prefix.mkdir(parents=True, exist_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
         if self.tls and self.cert is None:
-            self.cert, _ = _make_cert(self.prefix)
+            self.cert, self.server_cert, _ = _make_cert(self.prefix, self.certificate)
         last = ""
         for _ in range(5):  # another process may take the port between free_port() and nginx's bind
             self.port = free_port()

@@ -5,6 +5,10 @@ mode, and is renamed into place with :func:`os.replace`. A reader never sees a
 partial file, and the temp file never survives an exception. The layout, the
 settings, the lifetime counters and :class:`~cuda_program_cas._disk.writer.Writer`
 all write through :func:`atomic_write`.
+
+:func:`staging` is the same temp file without the rename: bytes that are not
+yet known to be good (a blob arriving from a server) go there, hashed as they
+come, instead of into memory; the file is removed when the caller is done.
 """
 
 from __future__ import annotations
@@ -15,18 +19,20 @@ import os
 import secrets
 import stat
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from cuda_program_cas._base.fork import after_fork_call
 
 from .files import is_sharing_violation, with_sharing_retry
 
-__all__ = ["atomic_write", "current_umask", "discard", "make_tmp_dir", "sync_filesystem"]
+__all__ = ["Staging", "atomic_write", "current_umask", "discard", "make_tmp_dir", "staging", "sync_filesystem"]
 
 _log = logging.getLogger("cuda_program_cas")
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
+_STAGING_FLAGS = (_WRITE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
 _HAVE_FCHMOD = hasattr(os, "fchmod")
 
 
@@ -75,22 +81,11 @@ def atomic_write(
     when a Windows sharing violation outlasted the retry budget: the write is
     dropped. The temp file never survives an exception.
     """
-    tmp = _tmp_name(tmp_dir)
-    try:
-        fd = os.open(tmp, _WRITE_FLAGS, 0o600)  # private while incomplete, whatever its final mode
-    except (FileNotFoundError, NotADirectoryError):
-        make_tmp_dir(tmp_dir)
-        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
-    except FileExistsError:  # a name left by a process long gone with the same pid and draw
-        tmp = os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
-        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
+    fd, tmp = _open_temp(tmp_dir)
     try:
         try:
             for chunk in (data,) if isinstance(data, (bytes, memoryview)) else data:
-                view = memoryview(chunk)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
+                _write_all(fd, chunk)
             if mode != 0o600 and _HAVE_FCHMOD:
                 # The final mode, set once the bytes are all written, just before the rename.
                 os.fchmod(fd, mode if exact_mode else mode & ~current_umask())
@@ -118,6 +113,70 @@ def atomic_write(
         discard(tmp)
         raise
     return True
+
+
+def _open_temp(tmp_dir: str, flags: int = _WRITE_FLAGS) -> tuple[int, str]:
+    """A new temp file in ``tmp_dir`` (made if missing), owner-only: its descriptor and path."""
+    tmp = _tmp_name(tmp_dir)
+    try:
+        return os.open(tmp, flags, 0o600), tmp  # private while incomplete, whatever its final mode
+    except (FileNotFoundError, NotADirectoryError):
+        make_tmp_dir(tmp_dir)
+        return os.open(tmp, flags, 0o600), tmp
+    except FileExistsError:  # a name left by a process long gone with the same pid and draw
+        tmp = os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
+        return os.open(tmp, flags, 0o600), tmp
+
+
+def _write_all(fd: int, chunk: bytes | memoryview) -> None:
+    view = memoryview(chunk)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class Staging:
+    """A temp file of :func:`staging`: bytes appended with :meth:`write`, read back whole with :meth:`read`."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+        self.size = 0
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        _write_all(self.fd, chunk)
+        self.size += len(chunk)
+
+    def read(self) -> bytes:
+        """Everything written, as one ``bytes`` (one allocation of its size)."""
+        parts = []
+        got = 0
+        while got < self.size:  # one pread for any size Linux reads at once (up to 2 GiB)
+            part = os.pread(self.fd, self.size - got, got)
+            if not part:
+                raise OSError(f"{self.path}: shorter than what was written to it")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+@contextmanager
+def staging(tmp_dir: str) -> Iterator[Staging]:
+    """A temp file in ``tmp_dir``, named and opened as :func:`atomic_write`'s are, removed on leaving.
+
+    It never becomes a file of the cache: what the caller keeps, it reads back
+    (and stores through the write protocol). On POSIX its name goes at once, so
+    not even a SIGKILL leaves it behind; elsewhere a process killed meanwhile
+    leaves an ordinary temp file, which the sweep of ``tmp/`` removes as any other.
+    """
+    fd, path = _open_temp(tmp_dir, _STAGING_FLAGS)
+    try:
+        if os.name == "posix":
+            discard(path)
+        yield Staging(fd, path)
+    finally:
+        os.close(fd)
+        discard(path)
 
 
 def make_tmp_dir(tmp_dir: str) -> None:

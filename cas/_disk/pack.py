@@ -67,6 +67,7 @@ __all__ = [
     "PackReader",
     "PackSet",
     "encode_listing",
+    "index_length",
     "list_packs",
     "open_packs",
     "pack_chunks",
@@ -375,9 +376,14 @@ def parse_trailer(raw: bytes, size: int, name: str) -> tuple[bytes, int, int]:
     checksum, index_offset, count, version, magic = _TRAILER.unpack(raw)
     if magic != _TRAILER_MAGIC or version != VERSION:
         raise PackError(f"{name}: bad trailer")
-    if index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
+    if index_offset < len(_HEADER) or index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
         raise PackError(f"{name}: the trailer does not match the file's size")
     return checksum, index_offset, count
+
+
+def index_length(count: int) -> int:
+    """Bytes of the index of a pack of ``count`` entries: the fan-out table and the entries."""
+    return _FANOUT.size + count * _ENTRY.size
 
 
 def _fanout(head: bytes, count: int, name: str) -> tuple[int, ...]:
@@ -411,7 +417,7 @@ class PackIndex:
 
     def __init__(self, name: str, size: int, trailer: bytes, index: bytes) -> None:
         checksum, index_offset, count = parse_trailer(trailer, size, name)
-        if len(index) != _FANOUT.size + count * _ENTRY.size or blake3(index).digest() != checksum:
+        if len(index) != index_length(count) or blake3(index).digest() != checksum:
             raise PackError(f"{name}: its index does not match its trailer's checksum")
         self.name = name
         self.size = size
@@ -423,17 +429,24 @@ class PackIndex:
         self._keys, self._entries = _split(index[_FANOUT.size :])
 
     @staticmethod
-    def span(size: int, trailer: bytes, name: str, *, limit: int | None = None) -> tuple[int, int]:
+    def span(size: int, trailer: bytes, name: str, *, max_index: int | None = None) -> tuple[int, int]:
         """Where the index of a pack of ``size`` bytes with this trailer lies: ``(offset, length)``.
 
-        ``limit``: the most bytes the caller will read; a trailer that claims a longer
-        index is a :class:`PackError` before a byte of it is fetched.
+        ``size`` is what the server says the file's size is: the trailer must fit
+        it exactly. With ``max_index``, an index longer than that is a
+        :class:`PackError` too, before a byte of it is fetched (a trailer may
+        claim 2**32 - 1 entries: a 412 GB index).
         """
         _checksum, index_offset, count = parse_trailer(trailer, size, name)
-        length = _FANOUT.size + count * _ENTRY.size
-        if limit is not None and length > limit:
-            raise PackError(f"{name}: its trailer claims an index of {length:,} bytes, more than the {limit:,} allowed")
+        length = index_length(count)
+        if max_index is not None and length > max_index:
+            raise PackError(f"{name}: its trailer claims {count} entries, a {length}-byte index (at most {max_index})")
         return index_offset, length
+
+    @property
+    def index_size(self) -> int:
+        """Bytes of the index this holds in memory (its fan-out table and entries)."""
+        return len(self._index)
 
     def find_key(self, key: bytes) -> PackEntry | None:
         """The entry of the key id ``key`` (32 raw bytes), or None."""

@@ -8,11 +8,26 @@ sessions and cookies the cache does not need, and brings ``certifi``'s CAs inste
 of the system's; ``httpx`` is larger and slower to import. It is imported the
 first time a request is made (about 25 ms, once per process that uses a URL).
 
-Every request is bounded: a connection must open within the connect timeout, and
-the answer with its whole body must arrive within the read timeout (a server that
-trickles a byte now and then is cut off). Nothing is retried here: a failure is
-an :class:`HttpFailure`, and the store that asked decides (a miss, and a pause
-before it asks that server again). Redirects are followed three times at most.
+Every request is bounded, in time and in bytes:
+
+- One deadline covers it all: connect, TLS handshake, status line, headers and
+  body must be done within the connect timeout plus the read timeout, plus one
+  second per 4 MiB the cache itself allows to arrive (``limit``, counted up to
+  the entry ceiling :func:`~cuda_program_cas._base.config.env_max_entry_size`:
+  at most 64 s more at its default) and per 4 MiB sent. A size a server states
+  earns no time. At the deadline the request's sockets are shut down
+  (:mod:`.deadline` says why that way), so a server that trickles any part of
+  its answer is cut off. Each ``recv`` also has the read timeout, and a connect
+  the connect timeout (never more than the time left). Name resolution is the
+  system resolver's, with its own timeouts.
+- At most ``limit`` bytes of body are read: a ``Content-Length`` over it is
+  refused before a byte of the body is read, a body that goes on past it is cut
+  off there. With ``sink`` the body is handed over chunk by chunk (64 KiB at
+  most) instead of gathered, so a caller can hash and stage it without holding it.
+
+Nothing is retried here: a failure is an :class:`HttpFailure`, and the store
+that asked decides (a miss, and a pause before it asks that server again).
+Redirects are followed three times at most.
 
 Settings, each read once per process from the environment (a bad value: one WARNING):
 
@@ -21,7 +36,10 @@ Settings, each read once per process from the environment (a bad value: one WARN
 ``CUDA_PROGRAM_CAS_HTTP_TOKEN``
     A bearer token sent to every store URL's server. Without it, a ``.netrc``
     entry for the host (``$NETRC`` or ``~/.netrc``; its ``password`` is the token).
-    A token is never logged; a redirect to another host does not carry it.
+    A token is never logged; a redirect to another host does not carry it. A
+    ``.netrc`` that cannot be used (not a regular file, over 1 MiB, not parsable,
+    a ``~/.netrc`` that others may read) is one WARNING naming the file, never
+    its contents, and is ignored.
 ``CUDA_PROGRAM_CAS_CA_BUNDLE``
     A PEM file of CAs trusted besides the system's (a site's own CA). HTTPS is
     always verified; ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace the system's CAs
@@ -30,25 +48,30 @@ Settings, each read once per process from the environment (a bad value: one WARN
 
 from __future__ import annotations
 
+import logging
 import os
-import time
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from cuda_program_cas._base.config import env_value
+from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_once
 from cuda_program_cas._base.errors import CacheError, without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
+
+from .deadline import current, watch
 
 __all__ = [
     "ENV_CA_BUNDLE",
     "ENV_HTTP_TIMEOUT",
     "ENV_HTTP_TOKEN",
+    "SLOW_LINK_S_PER_BYTE",
     "HttpFailure",
     "Reply",
     "ca_bundle",
     "close_connections",
+    "deadline_for",
     "request",
     "timeouts",
 ]
@@ -59,10 +82,13 @@ ENV_CA_BUNDLE = "CUDA_PROGRAM_CAS_CA_BUNDLE"
 #: Connect and read timeouts (s) when the environment says nothing. Three seconds
 #: covers a SYN retransmit on a lossy link; ten, a cold object store's first byte.
 DEFAULT_TIMEOUTS = (3.0, 10.0)
-#: A body this large gets more time than the read timeout: it may take this long per byte.
-_SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
+#: Bytes the cache allows to arrive, or sends, earn this much time each (4 MiB/s).
+SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
 _MAX_REDIRECTS = 3
 _CHUNK = 1 << 16
+#: A ``.netrc`` larger than this is not one (a few lines per host).
+_MAX_NETRC = 1 << 20
+_log = logging.getLogger("cuda_program_cas")
 
 
 class HttpFailure(CacheError):
@@ -169,25 +195,111 @@ def _manager(tls: bool) -> Any:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context
             _POOL.timeouts = timeouts()
-            _POOL.managers[tls] = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, **tls_kw)
+            manager = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, **tls_kw)
+            manager.pool_classes_by_scheme = _watched_pools()
+            _POOL.managers[tls] = manager
         return _POOL.managers[tls]
+
+
+_WATCHED: dict[str, Any] = {}
+
+
+def _watched_pools() -> dict[str, Any]:
+    """urllib3's pools, with connections whose sockets join the request's deadline (:mod:`.deadline`).
+
+    A new connection's socket joins once TCP is connected, before the TLS
+    handshake (which the deadline then covers); a reused one's as its request
+    is sent. The connect itself gets the time left, if less than the connect timeout.
+    """
+    if _WATCHED:
+        return _WATCHED
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    def _new_conn(base: Any) -> Any:
+        def new_conn(self: Any) -> Any:
+            w = current()
+            if w is not None and isinstance(self.timeout, (int, float)):
+                self.timeout = min(self.timeout, max(w.left(), 0.001))
+            sock = base._new_conn(self)
+            if w is not None:
+                w.add(sock)
+            return sock
+
+        return new_conn
+
+    def _request(base: Any) -> Any:
+        def request(self: Any, *args: Any, **kwargs: Any) -> Any:
+            w = current()
+            if w is not None and self.sock is not None:
+                w.add(self.sock)
+            return base.request(self, *args, **kwargs)
+
+        return request
+
+    conns = {
+        base: type(f"Watched{base.__name__}", (base,), {"_new_conn": _new_conn(base), "request": _request(base)})
+        for base in (HTTPConnection, HTTPSConnection)
+    }
+    pools = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
+    for scheme, pool, conn in pools:
+        _WATCHED[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": conns[conn]})
+    return _WATCHED
 
 
 def _token(host: str) -> str | None:
     """The bearer token for ``host``: the environment's, else ``.netrc``'s password for it, else None."""
     if host in _POOL.tokens:
         return _POOL.tokens[host]
-    token = os.environ.get(ENV_HTTP_TOKEN) or None
-    if token is None:
-        import netrc
-
-        try:
-            entry = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host)
-        except (OSError, netrc.NetrcParseError):
-            entry = None
-        token = entry[2] if entry and entry[2] else None
+    token = os.environ.get(ENV_HTTP_TOKEN) or _netrc_token(host)
     _POOL.tokens[host] = token
     return token
+
+
+def _netrc_token(host: str) -> str | None:
+    """The password of ``host``'s ``.netrc`` entry (``$NETRC``, else ``~/.netrc``); None, one WARNING where unusable.
+
+    The file is checked before it is parsed: a FIFO would hang the open, a huge
+    file is not a ``.netrc``. Python's parser refuses a ``~/.netrc`` that group or
+    others may read (as ftp does), which is said as such. Its messages may quote
+    the file, so only the file's name and the line are logged, never a token.
+    """
+    import netrc
+
+    given = os.environ.get("NETRC") or None
+    path = given or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # none: the usual case
+    why = ""
+    if not stat.S_ISREG(st.st_mode):
+        why = "it is not a regular file"
+    elif st.st_size > _MAX_NETRC:
+        why = f"it is {st.st_size} bytes, more than a .netrc holds"
+    else:
+        try:
+            entry = netrc.netrc(given).authenticators(host)
+        except netrc.NetrcParseError as exc:
+            permissive = "permissive" in exc.msg or "owner" in exc.msg
+            why = (
+                "group or others may read it, or another user owns it (chmod 600)"
+                if permissive
+                else f"it cannot be parsed (line {exc.lineno})"
+            )
+        except (OSError, ValueError) as exc:  # unreadable, or not text (UnicodeDecodeError)
+            why = f"it cannot be read ({type(exc).__name__})"
+        else:
+            return entry[2] if entry and entry[2] else None
+    warn_once(("netrc", path), "cuda-program-cas: the .netrc %s is ignored: %s", path, why)
+    return None
+
+
+def deadline_for(limit: int, sent: int = 0) -> float:
+    """Seconds a request may take in all: the timeouts, and time for the bytes the cache allows (module docstring)."""
+    connect, read = _POOL.timeouts if _POOL.managers else timeouts()  # the pool's, read when it was made
+    allowed = min(max(limit, 0), env_max_entry_size())
+    return connect + read + (allowed + sent) * SLOW_LINK_S_PER_BYTE
 
 
 def request(
@@ -197,14 +309,18 @@ def request(
     body: bytes | IO[bytes] | None = None,
     headers: Mapping[str, str] | None = None,
     limit: int = 1 << 20,
+    sink: Callable[[bytes], object] | None = None,
 ) -> Reply:
     """``method`` on ``url``; the reply whatever its status, or :class:`HttpFailure`.
 
     At most ``limit`` bytes of body are accepted: a longer one (said by its
     ``Content-Length`` or found while reading) is a failure that is not an outage.
-    ``body`` is bytes, or a binary file read from its start and sent with its
-    size as ``Content-Length`` (a large upload is never held in memory). A body
-    sent gets time for its bytes too, as a body received does.
+    With ``sink``, a 2xx answer's body is given to ``sink`` chunk by chunk (of
+    64 KiB at most) as it arrives and the reply's ``body`` is empty; an exception
+    from ``sink`` ends the request and reaches the caller. ``body`` is bytes, or a
+    binary file read from its start and sent with its size as ``Content-Length``
+    (a large upload is never held in memory). The whole request has one deadline
+    (:func:`deadline_for`).
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -224,42 +340,64 @@ def request(
         size = os.fstat(body.fileno()).st_size
         body.seek(0)
         sent["Content-Length"] = str(size)  # not chunked: object stores want the length
-    deadline = time.monotonic() + connect + read + (limit + size) * _SLOW_LINK_S_PER_BYTE
+    total = deadline_for(limit, size)
     retries = urllib3.Retry(
         total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
         raise_on_redirect=True, raise_on_status=False, respect_retry_after_header=False,
     )  # fmt: skip
+    w = watch(total)
     try:
-        resp = manager.request(
-            method,
-            url,
-            body=body,
-            headers=sent,
-            timeout=urllib3.Timeout(connect=connect, read=read),
-            retries=retries,
-            preload_content=False,
-        )
-    except _Urllib3Error as exc:
-        raise _failure(url, without_frames(exc)) from None
-    except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
-        raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
-    try:
-        return _read(resp, url, method, limit, deadline)
-    finally:
+        try:
+            resp = manager.request(
+                method,
+                url,
+                body=body,
+                headers=sent,
+                timeout=urllib3.Timeout(connect=min(connect, total), read=min(read, total)),
+                retries=retries,
+                preload_content=False,
+            )
+        except _Urllib3Error as exc:
+            raise _late(url, total) if w.done() else _failure(url, without_frames(exc)) from None
+        except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
+            if w.done():
+                raise _late(url, total) from None
+            raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
+        try:
+            reply = _read(resp, url, method, limit, sink)
+        except HttpFailure as exc:
+            raise _late(url, total) if w.done() else exc from None
+        if w.done():  # shut down meanwhile: a body that ended at the shutdown may look whole
+            resp.close()
+            raise _late(url, total)
         resp.release_conn()
+        return reply
+    finally:
+        w.done()
 
 
-def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Reply:
+def _late(url: str, total: float) -> HttpFailure:
+    return HttpFailure(
+        url, "timeout", f"the answer did not arrive in time: not whole within {total:.3g} s (connect, status line, "
+        "headers and body), a stalled or trickling server",
+    )  # fmt: skip
+
+
+def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None) -> Reply:
+    """The reply of ``resp`` with its body (or its body given to ``sink``); the response is closed on any failure."""
     from urllib3.exceptions import HTTPError as _Urllib3Error
 
     head = {k.lower(): v for k, v in resp.headers.items()}
     if method == "HEAD":
         return Reply(resp.status, b"", head)
     length = head.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    if length is not None and length.strip().isdigit() and int(length) > limit:
         resp.close()  # not read: the connection cannot be reused
-        raise HttpFailure(url, "too large", f"{length} bytes, at most {limit} expected", outage=False)
+        raise HttpFailure(url, "too large", f"{length.strip()} bytes, at most {limit} expected", outage=False)
+    if sink is not None and not 200 <= resp.status < 300:
+        sink = _drop  # another status's body is read (to reuse the connection) and dropped
     chunks: list[bytes] = []
+    keep = chunks.append if sink is None else sink
     got = 0
     # read1: what one recv gives. read(n) waits for all n bytes, so a server trickling a byte
     # within each read timeout would hold it far past the deadline (read1 is urllib3 >= 2.3).
@@ -269,21 +407,24 @@ def _read(resp: Any, url: str, method: str, limit: int, deadline: float) -> Repl
             chunk = read(min(_CHUNK, limit + 1 - got))
             if not chunk:
                 break
-            chunks.append(chunk)
             got += len(chunk)
             if got > limit:
-                resp.close()
                 raise HttpFailure(url, "too large", f"more than {limit} bytes", outage=False)
-            if time.monotonic() > deadline:
-                resp.close()
-                raise HttpFailure(url, "timeout", "the body did not arrive in time (a stalled server)")
+            keep(chunk)
     except _Urllib3Error as exc:
         resp.close()
         raise _failure(url, exc) from None
     except OSError as exc:
         resp.close()
         raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
+    except BaseException:  # too large, the sink's own failure, MemoryError: the connection is mid-body
+        resp.close()
+        raise
     return Reply(resp.status, b"".join(chunks), head)
+
+
+def _drop(chunk: bytes) -> None:
+    pass
 
 
 def _failure(url: str, exc: BaseException) -> HttpFailure:

@@ -15,6 +15,17 @@ Apache, an object store behind HTTPS. Nothing here writes to the server.
 - Every blob is verified against its blake3 digest before it is returned; the
   caller copies a hit into the local cache, as with a directory store.
 
+What a server says never decides how much is read. An entry larger than the
+ceiling (:attr:`HttpStore.max_entry`: ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``, and
+what the local cache's cap can hold) is a miss before any request for it; the
+indexes of one store's packs together hold at most :data:`MAX_INDEX_BYTES`, a
+pack's trailer is checked against that and against the size the server gives
+before its index is fetched; a body is read up to what was asked, no further
+(:mod:`cuda_program_cas._remote.client`). A blob's body is hashed as it arrives;
+past :data:`IN_MEMORY_BYTES` it goes to a staging file in the local cache's
+``tmp/`` (:func:`cuda_program_cas._disk.atomic.staging`) rather than into
+memory, and only bytes that proved to be the blob are read back.
+
 Outages cost a timeout, not a job. A refused or timed-out connection, a DNS
 failure, a TLS failure, a 5xx, a truncated body, a redirect loop, a store that
 is not there (no ``layout.json``), or access denied (401, 403): each makes the
@@ -36,13 +47,17 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from types import TracebackType
 
 from blake3 import blake3
 
+from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import join, normalize_store_url
+from cuda_program_cas._disk.atomic import Staging, staging
 from cuda_program_cas._disk.layout import BLOBS, INDEX, LAYOUT_FILE, check_layout_data, parse_layout, url_path
 from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
 from cuda_program_cas._remote.client import HttpFailure, Reply, request
@@ -51,7 +66,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, local_id, parse
 from .stats import Counters
 from .tier import RETRY_S, warn_once_for
 
-__all__ = ["RELIST_S", "RETRY_MAX_S", "HttpStore"]
+__all__ = ["IN_MEMORY_BYTES", "MAX_INDEX_BYTES", "RELIST_S", "RETRY_MAX_S", "HttpStore"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -61,6 +76,14 @@ RETRY_MAX_S = 300.0
 RELIST_S = 60.0
 #: The largest ``packs/list`` accepted (about 100,000 packs).
 _MAX_LISTING = 4 << 20
+#: The pack indexes of one store, all together, hold at most this (about 175,000 entries).
+#: Held in memory they cost about 460 bytes an entry (the index, its key ids, the map
+#: from key to pack): 80 MB at this bound. Newer packs come first; older ones past it
+#: are not read (one WARNING), nor is a trailer that claims more, before its index is fetched.
+MAX_INDEX_BYTES = 16 << 20
+#: A blob body up to this is gathered in memory; a larger one is staged in the local
+#: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
+IN_MEMORY_BYTES = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _MEMO_PREFIX = "cuda-program-cas: the index of the pack at "
 
@@ -74,13 +97,26 @@ class HttpStore:
 
     ``memo_get``/``memo_put`` reach the local cache, where pack indexes are kept
     between processes; without them every process fetches the indexes it needs.
+    ``max_entry``: the largest entry the local cache can take (its cap allows),
+    bounding :attr:`max_entry` below the ceiling. ``staging``: the local cache's
+    ``tmp/``, where a large body waits while it is verified (None: in memory).
     """
 
     def __init__(
-        self, url: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None, trust: Trust | None = None
+        self,
+        url: str,
+        *,
+        memo_get: MemoGet | None = None,
+        memo_put: MemoPut | None = None,
+        max_entry: int | None = None,
+        staging: str | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.root = normalize_store_url(url)
         self._trust = trust
+        #: The largest entry read: the ceiling (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``), or less where the cap says so.
+        self.max_entry = min(env_max_entry_size(), max_entry if max_entry is not None else 1 << 62)
+        self._staging = staging
         self.counters = Counters()
         #: Requests this instance made (for the tests and the benchmarks).
         self.requests = 0
@@ -121,6 +157,13 @@ class HttpStore:
         except HttpFailure as exc:
             self._failed(exc)
             return None
+        except (MemoryError, OSError) as exc:
+            # Out of memory for a large hit, or its staging file could not be written: this
+            # node's trouble, not the server's. A miss, and no pause.
+            self.counters.add("errors")
+            self._missed(f"could not take the answer in: {type(exc).__name__}")
+            self._once(f"local {type(exc).__name__}", logging.WARNING, f"an answer could not be taken in: {exc!r}")
+            return None
 
     def miss_reason(self) -> str:
         """Why this thread's last lookup here missed."""
@@ -131,7 +174,13 @@ class HttpStore:
         self._why.reason = reason
 
     def _open(self) -> bool:
-        reply = self._get(LAYOUT_FILE, limit=4096)
+        try:
+            reply = self._get(LAYOUT_FILE, limit=4096)
+        except HttpFailure as exc:
+            if exc.outage:
+                raise
+            # Too large (or any bad answer): not a store, so asked again only when the pause ends.
+            raise HttpFailure(exc.url, "not a store", f"its layout.json: {exc.kind}: {exc.detail}") from None
         if reply.status == 404:
             raise HttpFailure(join(self.root, LAYOUT_FILE), "not a store", "no layout.json (404)")
         if reply.status != 200:
@@ -162,28 +211,44 @@ class HttpStore:
             self._missed("untrusted (not signed by a trusted key)")
             return None
         _kid, digest, size = fields
-        reply = self._get(url_path(BLOBS, digest), limit=size)
-        if reply.status == 404:
-            self._missed("blob missing")
+        if not self._fits(size, kid):
             return None
-        if reply.status != 200 or len(reply.body) != size or blake3(reply.body).hexdigest() != digest:
-            self._damaged("blob", f"blob {digest}: status {reply.status}, {len(reply.body)} bytes that are not it")
-            return None
-        return reply.body, digest
+        with _Intake(self._staging) as body:
+            reply = self._get(url_path(BLOBS, digest), limit=size, sink=body.take)
+            if reply.status == 404:
+                self._missed("blob missing")
+                return None
+            if reply.status != 200 or body.size != size or body.hexdigest() != digest:
+                self._damaged("blob", f"blob {digest}: status {reply.status}, {body.size} bytes that are not it")
+                return None
+            return body.read(), digest
+
+    def _fits(self, size: int, kid: str) -> bool:
+        """True when an entry of ``size`` bytes may be read; else a miss, said once, with no request for it."""
+        if size <= self.max_entry:
+            return True
+        self._missed(f"too large: {size} bytes, more than {self.max_entry}")
+        self._once(
+            "too large",
+            logging.WARNING,
+            f"the entry of {kid} is {size} bytes, more than the {self.max_entry} this node reads "
+            f"({ENV_MAX_ENTRY_SIZE}, or the local cache's cap): not fetched; entries that large are misses",
+        )
+        return False
 
     def _packed(self, kid: str) -> tuple[bytes, str] | None:
         self._refresh_packs()
         for pack in self._where.get(bytes.fromhex(kid), ()):
             entry = pack.find_key(bytes.fromhex(kid))
-            if entry is None:
+            if entry is None or not self._fits(entry.size, kid):
                 continue
-            data = self._range(pack.name, entry.offset, entry.size)
-            if data is None:
-                continue
-            if blake3(data).hexdigest() != entry.digest:
-                self._damaged("pack blob", f"pack {pack.name}: the blob of {kid} does not hash to its digest")
-                continue
-            return data, entry.digest
+            with _Intake(self._staging) as body:
+                if not self._range(pack.name, entry.offset, entry.size, body):
+                    continue
+                if body.hexdigest() != entry.digest:
+                    self._damaged("pack blob", f"pack {pack.name}: the blob of {kid} does not hash to its digest")
+                    continue
+                return body.read(), entry.digest
         return None
 
     # -- packs -----------------------------------------------------------------------
@@ -211,20 +276,47 @@ class HttpStore:
 
     def _update(self, names: list[str]) -> None:
         packs = {}
+        room = self._index_bound()
         for name in names:  # newest first
             pack = self._packs.get(name)
             if pack is None and name not in self._bad_packs:
-                pack = self._index(name)
+                pack = self._index(name, room)
+            if pack is not None and pack.index_size > room:
+                self._no_room(name)
+                pack = None
             if pack is not None:
                 packs[name] = pack
+                room -= pack.index_size
         where: dict[bytes, list[PackIndex]] = {}
         for pack in packs.values():
             for key in pack.key_ids():
                 where.setdefault(key, []).append(pack)
         self._packs, self._where = packs, where
 
-    def _index(self, name: str) -> PackIndex | None:
-        """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had."""
+    def _index_bound(self) -> int:
+        """Bytes of index one store's packs may hold together (an index is kept in the local cache as an entry)."""
+        return min(MAX_INDEX_BYTES, self.max_entry)
+
+    def _no_room(self, name: str) -> None:
+        """Pack ``name`` is good but its index does not fit what is left of the bound: not read in this process."""
+        self._bad_packs.add(name)
+        self._missed("pack not read: the store's pack indexes are over the bound")
+        self._once(
+            "index room",
+            logging.WARNING,
+            f"the indexes of its packs hold more than {self._index_bound()} bytes together; pack {name} and older "
+            "ones past that are not read, their entries are misses (repack the store into fewer entries, or read "
+            "it as a directory)",
+        )
+
+    def _index(self, name: str, room: int) -> PackIndex | None:
+        """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had.
+
+        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or
+        that does not fit the size the server gives, makes the pack a damaged one before
+        its index is asked for. A good one that needs more than ``room`` (what this
+        store's newer packs left of the bound) is not fetched either.
+        """
         memo = local_id(_MEMO_PREFIX + join(self.root, f"packs/{name}"))  # never published
         kept = self._memo_get(memo) if self._memo_get is not None else None
         if kept is not None:
@@ -239,11 +331,17 @@ class HttpStore:
         if span is None:
             return None
         try:
-            offset, length = PackIndex.span(span[2], reply.body, name)
-            index = self._range(name, offset, length)
-            if index is None:
+            first, last, size = span
+            if (first, last, len(reply.body)) != (size - TRAILER_SIZE, size - 1, TRAILER_SIZE):
+                raise PackError(f"{name}: asked its last {TRAILER_SIZE} bytes, got {first}-{last}/{size}")
+            offset, length = PackIndex.span(size, reply.body, name, max_index=self._index_bound())
+            if length > room:
+                self._no_room(name)
                 return None
-            pack = PackIndex(name, span[2], reply.body, index)
+            with _Intake(None, hashed=False) as index:
+                if not self._range(name, offset, length, index):
+                    return None
+                pack = PackIndex(name, size, reply.body, index.read())
         except PackError as exc:
             self._bad_packs.add(name)
             self._damaged("pack", str(exc))
@@ -252,29 +350,31 @@ class HttpStore:
             self._memo_put(memo, pack.to_bytes())
         return pack
 
-    def _pack_get(self, name: str, headers: dict[str, str], limit: int) -> Reply:
+    def _pack_get(
+        self, name: str, headers: dict[str, str], limit: int, sink: Callable[[bytes], object] | None = None
+    ) -> Reply:
         """GET (a range of) pack ``name``: in ``packs/``, or in ``packs/retired/`` where a repack moved it."""
-        reply = self._get(f"packs/{name}", limit=limit, headers=headers)
+        reply = self._get(f"packs/{name}", limit=limit, headers=headers, sink=sink)
         if reply.status == 404:
             self._listed_at = float("-inf")  # the listing is stale: asked again at the next lookup
-            reply = self._get(f"packs/{RETIRED}/{name}", limit=limit, headers=headers)
+            reply = self._get(f"packs/{RETIRED}/{name}", limit=limit, headers=headers, sink=sink)
         return reply
 
-    def _range(self, name: str, offset: int, size: int) -> bytes | None:
-        """Bytes ``[offset, offset + size)`` of pack ``name``; None (noted) when the server gives others."""
+    def _range(self, name: str, offset: int, size: int, body: _Intake) -> bool:
+        """Bytes ``[offset, offset + size)`` of pack ``name`` into ``body``; False (noted) when they are others."""
         if size == 0:
-            return b""
+            return True
         relative = f"packs/{name}"
-        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size)
+        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size, body.take)
         if reply.status == 404:
             self._missed("pack missing")
-            return None
+            return False
         span = self._content_range(reply, relative)
-        if span is None or span[0] != offset or len(reply.body) != size:
+        if span is None or span[0] != offset or body.size != size:
             if span is not None:
-                self._damaged("range", f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{len(reply.body)}")
-            return None
-        return reply.body
+                self._damaged("range", f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{body.size}")
+            return False
+        return True
 
     def _content_range(self, reply: Reply, relative: str) -> tuple[int, int, int] | None:
         """``(first, last, size)`` of a 206 reply; None (noted once) for a server that ignores Range."""
@@ -293,11 +393,18 @@ class HttpStore:
 
     # -- requests and failures ---------------------------------------------------------
 
-    def _get(self, relative: str, *, limit: int, headers: dict[str, str] | None = None) -> Reply:
+    def _get(
+        self,
+        relative: str,
+        *,
+        limit: int,
+        headers: dict[str, str] | None = None,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> Reply:
         """GET a file of the store; a 5xx, 401 or 403 is an :class:`HttpFailure` (an outage, or denied)."""
         url = join(self.root, relative)
         self.requests += 1
-        reply = request("GET", url, headers=headers, limit=limit)
+        reply = request("GET", url, headers=headers, limit=limit, sink=sink)
         if reply.status >= 500:
             raise HttpFailure(url, "server error", f"status {reply.status}")
         if reply.status in (401, 403):
@@ -346,3 +453,59 @@ class HttpStore:
         if level >= logging.WARNING and not warn_once_for(f"{self.root} {what}"):
             level = logging.DEBUG
         _log.log(level, "cuda-program-cas: shared store %s: %s", self.root, message)
+
+
+class _Intake:
+    """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
+
+    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
+    None to hold any body in memory (it was bounded before it was asked for).
+    A staging file that cannot be made leaves the body in memory; one that
+    cannot be written fails the lookup (``OSError``: a miss). The file goes when
+    the intake is closed.
+    """
+
+    def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
+        self.size = 0
+        self._dir = staging
+        self._hash = blake3() if hashed else None
+        self._parts: list[bytes] = []
+        self._stage: Staging | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> _Intake:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._parts = []
+        self._stack.close()
+
+    def take(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._hash is not None:
+            self._hash.update(chunk)
+        if self._stage is not None:
+            self._stage.write(chunk)
+            return
+        self._parts.append(chunk)
+        if self.size > IN_MEMORY_BYTES and self._dir is not None:
+            try:
+                self._stage = self._stack.enter_context(staging(self._dir))
+            except OSError:
+                self._dir = None  # a full or read-only disk: in memory, as bounded before the request
+                return
+            for part in self._parts:
+                self._stage.write(part)
+            self._parts = []
+
+    def hexdigest(self) -> str:
+        assert self._hash is not None
+        return self._hash.hexdigest()
+
+    def read(self) -> bytes:
+        """The whole body: from memory, or read back from the staging file."""
+        if self._stage is not None:
+            return self._stage.read()
+        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)

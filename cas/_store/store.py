@@ -197,7 +197,12 @@ class CacheStore:
             if store is not None and store._writer is not None:
                 store._copy_in(kid, data, digest_of(data))
 
-        return open_tier(os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust)
+        # A hit must fit the cap to be copied in; a large body waits in this cache's tmp/ while it is verified.
+        room = None if self._max is None else self._max - LONGEST_MANIFEST
+        tmp = None if self._writer is None else self.layout.tmp
+        return open_tier(
+            os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
+        )
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing

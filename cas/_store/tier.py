@@ -104,6 +104,8 @@ class Tier:
     calls), not at the first lookup. ``trust``: the keys an entry must be signed
     by (:mod:`cuda_program_cas._base.signing`); an entry not signed by one is a
     miss counted in ``untrusted``, and the store's packs are not read.
+    ``max_entry``: a lower bound than the ceiling on what is read (what the local
+    cap can hold: a larger hit could not be kept).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class Tier:
         warn_later: bool = True,
         open_now: bool = False,
         trust: Trust | None = None,
+        max_entry: int | None = None,
     ) -> None:
         self.engine = engine
         self.root = engine.shown
@@ -125,6 +128,7 @@ class Tier:
         self.packs = packs
         self.counters = Counters()
         self._trust = trust
+        self._max_entry = max_entry
         self._layout_optional = layout_optional
         self._missing = missing
         self._recheck = bool(getattr(engine, "recheck_on_outage", False))
@@ -206,6 +210,8 @@ class Tier:
             return None
         _found, digest, size = fields
         ceiling = env_max_entry_size()
+        if self._max_entry is not None:
+            ceiling = min(ceiling, self._max_entry)
         if size > ceiling:
             self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {ceiling} allowed")
             return None

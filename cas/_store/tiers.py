@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
 
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import parse_store_entry, scheme_of
@@ -35,9 +36,22 @@ MemoPut = Callable[[str, bytes], None]
 SharedTier = Union[Tier, "HttpStore"]
 
 
-def _directory(
-    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
-) -> Tier:
+@dataclass(frozen=True)
+class Options:
+    """What the cache above gives each store it opens (every engine takes what applies to it)."""
+
+    #: The local cache's memo of pack indexes: ``memo_get(key id)`` -> bytes or None; ``memo_put(key id, bytes)``.
+    memo_get: MemoGet | None = None
+    memo_put: MemoPut | None = None
+    #: The keys entries must be signed by (:mod:`cuda_program_cas._base.signing`), or None.
+    trust: Trust | None = None
+    #: The largest entry worth reading (what the local cap can hold), besides the ceiling; None: the ceiling.
+    max_entry: int | None = None
+    #: A folder on the local cache's disk where a large body waits while it is verified (HTTP), or None.
+    staging: str | None = None
+
+
+def _directory(address: str, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._disk.direngine import DirEngine
     from cuda_program_cas._disk.pack import PackSet
 
@@ -68,31 +82,37 @@ def _directory(
         retry_max_s=RETRY_S,
         warn_later=False,
         open_now=True,
-        trust=trust,
+        trust=opts.trust,
+        max_entry=opts.max_entry,
     )
     return tier
 
 
-def _http(
-    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
-) -> HttpStore:
+def _http(address: str, writable: bool, opts: Options) -> HttpStore:
     from .http import HttpStore
 
     if writable:
         raise ValueError(f"write-back to HTTP stores is not supported yet (publish fills them): {address!r}|write")
-    return HttpStore(address, memo_get=memo_get, memo_put=memo_put, trust=trust)
+    return HttpStore(
+        address,
+        memo_get=opts.memo_get,
+        memo_put=opts.memo_put,
+        trust=opts.trust,
+        max_entry=opts.max_entry,
+        staging=opts.staging,
+    )
 
 
-def _redis(
-    address: str, writable: bool, memo_get: MemoGet | None, memo_put: MemoPut | None, trust: Trust | None
-) -> Tier:
+def _redis(address: str, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._remote.redis import RedisEngine
 
     # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
-    return Tier(RedisEngine(address), writable=writable, layout_optional=True, trust=trust)
+    return Tier(
+        RedisEngine(address), writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry
+    )
 
 
-_ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None, Trust | None], SharedTier]] = {
+_ENGINES: dict[str, Callable[[str, bool, Options], SharedTier]] = {
     "file": _directory,
     "http": _http,
     "https": _http,
@@ -101,16 +121,14 @@ _ENGINES: dict[str, Callable[[str, bool, MemoGet | None, MemoPut | None, Trust |
 }
 
 
-def open_tier(
-    entry: str, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None, trust: Trust | None = None
-) -> SharedTier:
+def open_tier(entry: str, **options: Any) -> SharedTier:
     """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one.
 
-    ``trust``: the keys its entries must be signed by (:mod:`cuda_program_cas._base.signing`), or None.
+    ``options`` are the fields of :class:`Options`.
     """
     address, writable = parse_store_entry(entry)
     scheme = scheme_of(address) or "file"
     make = _ENGINES.get(scheme)
     if make is None:
         raise ValueError(f"no engine for {scheme}:// stores yet: {address!r}")
-    return make(address, writable, memo_get, memo_put, trust)
+    return make(address, writable, Options(**options))

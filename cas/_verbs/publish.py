@@ -514,7 +514,7 @@ class _UrlDest:
         try:
             # The trailer's count and the size the server gave decide nothing: an index
             # longer than any entry may be is refused before it is fetched.
-            offset, length = PackIndex.span(size, trailer, name, limit=env_max_entry_size())
+            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size())
             raw = fetch_range(url, offset, length)
             return None if raw is None else PackIndex(name, size, trailer, raw)
         except PackError as exc:

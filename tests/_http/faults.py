@@ -16,6 +16,25 @@ with ``prefix`` misbehave (the longest matching prefix wins; ``set_default`` cov
 - ``Fault.redirect_loop()`` 302 to the same URL
 - ``Fault.redirect_to(url)``302 to ``url``
 
+Faults of a server that decides how long a client waits and how much it reads:
+
+- ``Fault.trickle_status(ms)``  send ``HTTP/1.1 2``, then one byte every ``ms``: ``00 OK`` and
+                                a reason phrase that never ends (http.client reads 64 KiB a line)
+- ``Fault.trickle_headers(ms)`` the status line, then one short header line every ``ms``, never
+                                the blank line that ends them (http.client takes 100)
+- ``Fault.many_headers(n)``     the answer with ``n`` header lines more, all at once
+- ``Fault.lie_length(by)``      the whole file, under a ``Content-Length`` ``by`` bytes off (more
+                                or fewer than it sends), then close
+- ``Fault.endless(length)``     headers (``Content-Length: length``, or none and ``Connection:
+                                close``), then zeros as fast as the client takes them, forever
+- ``Fault.huge_trailer(count)`` a pack file (``.cpk``) whose trailer is rewritten to claim
+                                ``count`` entries; the file served is as large as that trailer
+                                says (``consistent``, the default: zeros where the real file
+                                ends), or its real size; Range requests and 206 as for any file
+- ``FaultServer.trickle_handshake(ms)``: every new connection gets, instead of HTTP, the start
+  of a TLS record of 16 KiB and then one byte of it every ``ms`` (a TLS handshake that never
+  ends; the client's ClientHello is read and ignored)
+
 ``times=n`` on any fault applies it to the next n matching requests only, then ``ok``.
 Every request is recorded (``log``, ``hits(path)``, per-connection counts); ``wait_for`` blocks
 until requests arrived, so a test synchronises with the server without sleeping. ``stop()``
@@ -24,12 +43,15 @@ releases the stalls and closes every connection, so no test hangs on it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import socketserver
+import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +59,11 @@ from types import TracebackType
 __all__ = ["Fault", "FaultServer", "Request", "refused_url"]
 
 _MAX_HEADER = 65536
+_CHUNK = 65536
+#: A pack's trailer (cas/_disk/pack.py): checksum, index offset, count, version, magic.
+_TRAILER = struct.Struct("<32sQII8s")
+_FANOUT_SIZE = 256 * 4
+_ENTRY_SIZE = 96
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,8 @@ class Fault:
     url: str = ""
     interval: float = 0.0  # seconds between bytes, for trickle
     times: int | None = None  # apply to this many requests, then serve normally; None: always
+    number: int | None = None  # header lines, bytes off, Content-Length, entries: what the kind says
+    consistent: bool = True  # huge_trailer: the file's size fits the trailer's claim
 
     @classmethod
     def ok(cls) -> Fault:
@@ -89,6 +118,30 @@ class Fault:
     def redirect_to(cls, url: str, times: int | None = None) -> Fault:
         return cls("redirect_to", url=url, times=times)
 
+    @classmethod
+    def trickle_status(cls, ms: float = 200, times: int | None = None) -> Fault:
+        return cls("trickle_status", interval=ms / 1000, times=times)
+
+    @classmethod
+    def trickle_headers(cls, ms: float = 200, times: int | None = None) -> Fault:
+        return cls("trickle_headers", interval=ms / 1000, times=times)
+
+    @classmethod
+    def many_headers(cls, n: int, times: int | None = None) -> Fault:
+        return cls("many_headers", number=n, times=times)
+
+    @classmethod
+    def lie_length(cls, by: int, times: int | None = None) -> Fault:
+        return cls("lie_length", number=by, times=times)
+
+    @classmethod
+    def endless(cls, length: int | None = None, times: int | None = None) -> Fault:
+        return cls("endless", number=length, times=times)
+
+    @classmethod
+    def huge_trailer(cls, count: int = 2**32 - 1, *, consistent: bool = True, times: int | None = None) -> Fault:
+        return cls("huge_trailer", number=count, consistent=consistent, times=times)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -125,6 +178,7 @@ class _State:
     stopping: threading.Event = field(default_factory=threading.Event)
     sockets: set[socket.socket] = field(default_factory=set)
     arrived: threading.Event = field(default_factory=threading.Event)  # set at each request
+    handshake_interval: float = 0.0  # > 0: every new connection gets a TLS handshake trickled
 
 
 class _Stop(Exception):
@@ -150,6 +204,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         try:
+            if self.state.handshake_interval > 0:
+                self._trickle(b"\x16\x03\x03\x40\x00", itertools.repeat(b"\x00"), self.state.handshake_interval)
+                return
             while not self.state.stopping.is_set():
                 head = self._read_head()
                 if head is None:
@@ -190,6 +247,21 @@ class _Handler(socketserver.BaseRequestHandler):
     # -- Answering --------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
         self.sock.sendall(data)
+
+    def _trickle(self, first: bytes, then: Iterator[bytes], interval: float) -> None:
+        """Send ``first``, then each piece of ``then`` after ``interval`` s, until it ends or ``stop()``."""
+        self._send(first)
+        for piece in then:
+            if self.state.stopping.wait(interval):
+                return
+            self._send(piece)
+
+    def _stream(self, chunks: Iterator[bytes]) -> None:
+        """Send ``chunks`` as fast as the client takes them, until they end, the client goes, or ``stop()``."""
+        for chunk in chunks:
+            if self.state.stopping.is_set():
+                return
+            self._send(chunk)
 
     def _head(self, code: int, reason: str, headers: dict[str, str]) -> bytes:
         lines = [f"HTTP/1.1 {code} {reason}"] + [f"{k}: {v}" for k, v in headers.items()]
@@ -240,11 +312,28 @@ class _Handler(socketserver.BaseRequestHandler):
             host = headers.get("host", f"127.0.0.1:{self.server.server_address[1]}")
             location = fault.url if kind == "redirect_to" else f"http://{host}{target}"
             return self._simple(302, b"redirect\n", {"Location": location}, keep, method)
+        if kind == "trickle_status":
+            reason = itertools.chain(iter([b"0", b"0", b" "]), itertools.repeat(b"x"))
+            self._trickle(b"HTTP/1.1 2", reason, fault.interval)
+            return False
+        if kind == "trickle_headers":
+            lines = (f"X-Trickle-{n}: {n}\r\n".encode() for n in itertools.count())
+            self._trickle(b"HTTP/1.1 200 OK\r\n", lines, fault.interval)
+            return False
+        if kind == "endless":
+            hdrs = {"Content-Type": "application/octet-stream", "Connection": "close"}
+            if fault.number is not None:
+                hdrs["Content-Length"] = str(fault.number)
+            self._send(self._head(200, "OK", hdrs))
+            self._stream(itertools.repeat(bytes(_CHUNK)))
+            return False
         if method not in ("GET", "HEAD"):
             return self._simple(405, b"method not allowed\n", {"Allow": "GET, HEAD"}, keep, method)
         file = self._file(path)
         if file is None:
             return self._simple(404, b"not found\n", {}, keep, method)
+        if kind == "huge_trailer":
+            return self._huge_trailer(file.read_bytes(), fault, headers, keep, method)
         data = file.read_bytes()
         code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
         rng = headers.get("range")
@@ -259,6 +348,13 @@ class _Handler(socketserver.BaseRequestHandler):
         hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data)), **extra}
         if not keep:
             hdrs["Connection"] = "close"
+        if kind == "many_headers":
+            hdrs.update({f"X-Many-{n}": str(n) for n in range(fault.number or 0)})
+        if kind == "lie_length":
+            hdrs["Content-Length"] = str(max(0, len(data) + (fault.number or 0)))
+            hdrs["Connection"] = "close"
+            self._send(self._head(code, reason, hdrs) + (b"" if method == "HEAD" else data))
+            return False
         self._send(self._head(code, reason, hdrs))
         if method == "HEAD":
             return keep
@@ -279,6 +375,29 @@ class _Handler(socketserver.BaseRequestHandler):
         self._send(data)
         return keep
 
+    def _huge_trailer(self, real: bytes, fault: Fault, headers: dict[str, str], keep: bool, method: str) -> bool:
+        """Serve the pack ``real`` with its trailer claiming ``fault.number`` entries (see the module docstring)."""
+        checksum, index_offset, _count, version, magic = _TRAILER.unpack(real[-_TRAILER.size :])
+        count = fault.number or 0
+        trailer = _TRAILER.pack(checksum, index_offset, count, version, magic)
+        size = index_offset + _FANOUT_SIZE + count * _ENTRY_SIZE + _TRAILER.size if fault.consistent else len(real)
+        first, last = 0, size - 1
+        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
+        rng = headers.get("range")
+        if rng:
+            span = _parse_range(rng, size)
+            if span is None:
+                return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
+            first, last = span
+            code, reason = 206, "Partial Content"
+            extra["Content-Range"] = f"bytes {first}-{last}/{size}"
+        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(last - first + 1), **extra}
+        self._send(self._head(code, reason, hdrs))
+        if method == "HEAD":
+            return keep
+        self._stream(_virtual_pack(real[: -_TRAILER.size], trailer, size, first, last))
+        return keep
+
     def _simple(self, code: int, body: bytes, extra: dict[str, str], keep: bool, method: str) -> bool:
         reasons = {302: "Found", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
                    416: "Range Not Satisfiable", 500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
@@ -296,6 +415,22 @@ class _Handler(socketserver.BaseRequestHandler):
             return None
         file = self.state.root / rel
         return file if file.is_file() else None
+
+
+def _virtual_pack(head: bytes, trailer: bytes, size: int, first: int, last: int) -> Iterator[bytes]:
+    """Bytes ``first..last`` of a file of ``size``: ``head``, zeros, and ``trailer`` at its end; made as sent."""
+    tail = size - len(trailer)
+    pos = first
+    while pos <= last:
+        end = min(last + 1, pos + _CHUNK)
+        if pos >= tail:
+            piece = trailer[pos - tail : end - tail]
+        elif pos < len(head):
+            piece = head[pos : min(end, len(head), tail)]
+        else:
+            piece = bytes(min(end, tail) - pos)
+        yield piece
+        pos += len(piece)
 
 
 def _parse_range(value: str, size: int) -> tuple[int, int] | None:
@@ -391,6 +526,11 @@ class FaultServer:
             self._state.faults[prefix] = fault
             if fault.times is not None:
                 self._state.remaining[prefix] = fault.times
+
+    def trickle_handshake(self, ms: float = 200) -> None:
+        """Every connection accepted from now on gets a TLS handshake trickled (see the module docstring); 0: off."""
+        with self._state.lock:
+            self._state.handshake_interval = ms / 1000
 
     def set_default(self, fault: Fault) -> None:
         """Every request that no longer prefix matches gets ``fault``."""

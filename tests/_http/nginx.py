@@ -16,6 +16,7 @@ def nginx_or_skip(
     *,
     token: str | None = None,
     tls: bool = False,
+    certificate: str = "good",
 ) -> Nginx:
     """A started :class:`Nginx`, or ``pytest.skip`` with the reason (not installed, or its error log tail).
 
@@ -23,7 +24,7 @@ def nginx_or_skip(
     """
     if find_nginx() is None:
         pytest.skip("nginx is not installed (not on PATH, no /usr/sbin/nginx): apt-get install nginx-light")
-    server = Nginx(prefix, root, token=token, tls=tls)
+    server = Nginx(prefix, root, token=token, tls=tls, certificate=certificate)
     try:
         return server.start()
     except NginxError as e:
