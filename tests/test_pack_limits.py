@@ -386,3 +386,68 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
     assert wrong == [] and damaged == []
     assert cuda_program_cas._disk.pack.open_packs() <= 4
     assert all(packs.lookup(kid) == (data, blake3(data).hexdigest()) for kid, data in expected.items())
+
+
+_HOSTILE_DIR_NODE = """
+import json, resource, sys
+from cuda_program_cas import CacheStore
+
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:"))
+
+store = CacheStore(sys.argv[1], shared=[sys.argv[2]])
+assert store.get("warm") is None  # the store opened, its packs listed
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+start = peak()
+got = {key: store.get(key) for key in sys.argv[3].split(",")}
+print(json.dumps({"grew": peak() - start, "hits": [k for k, v in got.items() if v is not None],
+                  "corrupt": store.counters()["corrupt"]}))
+"""
+
+
+def _sparse_pack(store: Path, entries: dict[str, tuple[int, bytes]]) -> None:
+    """A pack file whose index maps each key to ``size`` bytes of zeros (a sparse hole), claiming ``digest``."""
+    from cuda_program_cas._disk import pack as packmod
+
+    body, offset = [], len(packmod._HEADER)
+    fanout = [0] * 256
+    rows = []
+    for kid, (size, digest) in sorted(entries.items()):
+        rows.append((bytes.fromhex(kid), digest, offset, size))
+        offset += size
+    for raw_kid, digest, off, size in rows:
+        head = packmod._ENTRY.pack(raw_kid, digest, off, size, 1, b"")[: packmod._BODY]
+        body.append(head + packmod._entry_check(head))
+        for b in range(raw_kid[0], 256):
+            fanout[b] += 1
+    index = packmod._FANOUT.pack(*fanout) + b"".join(body)
+    path = store / "packs" / packmod.pack_name()
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(packmod._HEADER)
+        f.seek(offset)  # the blobs: a hole the size of every claim
+        f.write(index)
+        f.write(packmod._TRAILER.pack(blake3(index).digest(), offset, len(body), packmod.VERSION, b"cpcasidx"))
+
+
+def test_a_node_reading_a_lying_pack_in_a_shared_directory_stays_within_its_memory_bound(tmp_path: Path) -> None:
+    """A pack's entries claim 200 MiB (under the ceiling) and 10 GiB (over it) of a sparse file.
+
+    A pread of what an entry claims would allocate it: 200 MiB held for a blob that does not
+    verify, and the 10 GiB one past the 3 GiB address space (a MemoryError). Each is a miss
+    counted corrupt, and the node's peak memory grows by less than a few MiB.
+    """
+    store = tmp_path / "store"
+    CacheStore(store).close()
+    claims = {"claims-200MiB": 200 << 20, "claims-10GiB": 10 << 30}
+    _sparse_pack(store, {key_id(k): (size, blake3(k.encode()).digest()) for k, size in claims.items()})
+    done = run_python(_HOSTILE_DIR_NODE, str(tmp_path / "node"), str(store), ",".join(claims), timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["hits"] == [] and out["corrupt"] == 2, out
+    assert out["grew"] < 8 << 20, out
+    print(f"\npeak memory grew by {out['grew'] / 2**20:.1f} MiB")

@@ -262,6 +262,8 @@ MAX_OPEN_PACKS = 32
 #: A pack index up to this size is read whole at open (a lookup then needs no descriptor
 #: until it reads a blob): about 680 entries, what one publish of a CI run writes.
 SMALL_INDEX = 64 * 1024
+#: An entry larger than this is verified in chunks of this size before it is read whole.
+STREAM_ABOVE = 1 << 20
 #: Errors that say the process is short of descriptors or memory, not that the pack is bad.
 _TRANSIENT = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
 
@@ -580,7 +582,21 @@ class PackReader:
         return _find(keys, entries, lo, hi, key, limit=self._index_offset)
 
     def read(self, entry: PackEntry) -> bytes | None:
-        """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest."""
+        """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest.
+
+        An entry over :data:`STREAM_ABOVE` is hashed in chunks first and read whole only
+        if it verifies (then hashed again: the file may change between the reads), so
+        a pack that lies about an entry costs a node a chunk of memory, not the entry.
+        """
+        if entry.size > STREAM_ABOVE:
+            hasher = blake3()
+            for at in range(0, entry.size, STREAM_ABOVE):
+                chunk = self._pread(min(STREAM_ABOVE, entry.size - at), entry.offset + at)
+                if not chunk:
+                    return None
+                hasher.update(chunk)
+            if hasher.hexdigest() != entry.digest:
+                return None
         data = self._pread(entry.size, entry.offset)
         if len(data) != entry.size or blake3(data).hexdigest() != entry.digest:
             return None
@@ -611,9 +627,14 @@ class PackSet:
     aside by ``verify``) are closed; their entries are in the pack that replaced them.
     """
 
-    def __init__(self, root: str, on_damage: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, root: str, on_damage: Callable[[str], None] | None = None, *, max_entry: Callable[[], int] | None = None
+    ) -> None:
         self.packs_dir = os.path.join(root, "packs")
         self._on_damage = on_damage
+        #: The largest entry read (the ceiling, for a store the cache does not own): an entry that claims more is
+        #: damaged, and not one byte of it is read (a sparse file may claim terabytes that a pread would allocate).
+        self._max_entry = max_entry
         self._open: dict[str, PackReader] = {}
         self._bad: set[str] = set()
         self._paths: list[str] = []
@@ -715,7 +736,7 @@ class PackSet:
                 entry = pack.find_key(key)
                 if entry is None:
                     continue
-                data = pack.read(entry)
+                data = pack.read(entry) if self._max_entry is None or entry.size <= self._max_entry() else None
             except FileNotFoundError:
                 self._listed_at = float("-inf")
                 continue

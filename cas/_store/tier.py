@@ -59,7 +59,7 @@ from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, p
 
 from .stats import Counters
 
-__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "warn_once_for"]
+__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "ceiling", "warn_once_for"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -73,6 +73,12 @@ MAX_LAYOUT_BYTES = 4096
 #: Stores this process has warned about (by their shown address).
 _warned: set[str] = set()
 _warned_lock = ForkSafeLock()
+
+
+def ceiling(max_entry: int | None) -> int:
+    """The most bytes one entry may take: the ceiling (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``), or less for the cap."""
+    limit = env_max_entry_size()
+    return limit if max_entry is None else min(limit, max_entry)
 
 
 def warn_once_for(root: str) -> bool:
@@ -209,11 +215,9 @@ class Tier:
             self._note("untrusted", f"the manifest of {kid} is not signed by a key in $CUDA_PROGRAM_CAS_TRUSTED_KEYS")
             return None
         _found, digest, size = fields
-        ceiling = env_max_entry_size()
-        if self._max_entry is not None:
-            ceiling = min(ceiling, self._max_entry)
-        if size > ceiling:
-            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {ceiling} allowed")
+        most = ceiling(self._max_entry)
+        if size > most:
+            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {most} allowed")
             return None
         blob = self.engine.get(url_path(BLOBS, digest), limit=size)
         if blob is None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Union
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import parse_store_entry, scheme_of
 
-from .tier import RETRY_S, Tier
+from .tier import RETRY_S, Tier, ceiling
 
 if TYPE_CHECKING:
     from .http import HttpStore
@@ -76,7 +76,7 @@ def _directory(address: str, writable: bool, opts: Options) -> Tier:
     # store that worked and is gone later (unmounted) is not a WARNING.
     tier = Tier(
         DirEngine(root),
-        packs=PackSet(root, on_damage=damaged),
+        packs=PackSet(root, on_damage=damaged, max_entry=lambda: ceiling(opts.max_entry)),
         writable=writable,
         missing=missing,
         retry_max_s=RETRY_S,
