@@ -78,7 +78,9 @@ class RedisServer(ServerProcess):
         self.start_timeout = start_timeout
         self.conf = self.prefix / "redis.conf"
         self.log = self.prefix / "redis.log"
+        #: The CA that signed the server's certificate: what a client trusts (``CUDA_PROGRAM_CAS_CA_BUNDLE``).
         self.cert: Path | None = None
+        self._server_cert: Path | None = None
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._client: Any = None
@@ -115,7 +117,7 @@ class RedisServer(ServerProcess):
             assert self.cert is not None
             lines += [
                 f"tls-port {self.port}",
-                f"tls-cert-file {self.cert}",
+                f"tls-cert-file {self._server_cert}",
                 f"tls-key-file {self.prefix / 'key.pem'}",
                 "tls-auth-clients no",
             ]
@@ -128,7 +130,7 @@ class RedisServer(ServerProcess):
             raise RedisServerError("redis-server is not installed (not on PATH, no /usr/bin/redis-server)")
         self.prefix.mkdir(parents=True, exist_ok=True)
         if self.tls and self.cert is None:
-            self.cert, _ = _make_cert(self.prefix)
+            self.cert, self._server_cert, _key = _make_cert(self.prefix)
         last = ""
         for _ in range(5):  # another process may take the port between free_port() and redis's bind
             self.port = port or free_port()
