@@ -199,3 +199,114 @@ def test_a_tmpfs_mounted_over_an_include_directory_is_a_miss(tree: Tree, mounts:
     subprocess.run(["umount", str(tree.first)], check=True)
     mounts.remove(tree.first)
     tree.next_call_is_fresh(old)  # the unmount shows inc/val.h again
+
+
+def test_a_forked_child_never_trusts_its_parents_watch(tree: Tree) -> None:
+    # A child shares its parent's inotify queue: what one reads, the other never sees. Here
+    # the child edits the header and the parent then reads the queue (a watched hit of
+    # another kernel): the child's next call must still be a miss.
+    import warnings
+
+    write(tree.root / "inc2" / "other.h", "#define OTHER 1\n")
+    other = '#include <other.h>\nextern "C" __global__ void k(int *out) { *out = OTHER; }\n'
+    other_opts = ProgramOptions(arch="sm_80", include_path=[str(tree.root / "inc2")])
+    old = tree.until_watched()
+    for _ in range(3):
+        cached(tree.cache, other, other_opts)  # watched too
+    to_parent, from_child = os.pipe()
+    to_child, from_parent = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork with threads
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(to_parent)
+            os.close(from_parent)
+            write(tree.inc / "val.h", body())
+            os.write(from_child, b"e")
+            if os.read(to_child, 1) == b"d":  # the parent has read the queue
+                fresh = cached(tree.cache, KERNEL, tree.opts) == uncached(KERNEL, tree.opts) != old
+                os.write(from_child, b"1" if fresh else b"0")
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(from_child)  # the child's ends: its exit is an end of file here
+    os.close(to_child)
+    try:
+        assert os.read(to_parent, 1) == b"e"
+        before = tree.watched_hits()
+        cached(tree.cache, other, other_opts)
+        assert tree.watched_hits() == before + 1  # the parent read the queue, the child's events with it
+        os.write(from_parent, b"d")
+        said = os.read(to_parent, 1)
+    finally:
+        os.close(to_parent)
+        os.close(from_parent)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and said == b"1"
+
+
+_FULL_TABLE = r"""
+import json, os, sys
+from pathlib import Path
+from cuda.core import Program, ProgramOptions
+from cuda_program_cas import ContentAddressedProgramCache
+from cuda_program_cas._cuda import watch
+watch._budget = lambda: 5  # a full watch table: this process may hold 5 watches, a variant needs about 10
+
+tmp = Path(sys.argv[1])
+kernel = '#include <val.h>\nextern "C" __global__ void k(int *out) { *out = VAL; }\n'
+opts = ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")])
+cache = ContentAddressedProgramCache(tmp / "cas")
+got = [bytes(cache.compile(kernel, "c++", opts, "cubin").code) for _ in range(4)]
+(tmp / "inc" / "val.h").write_text("#define VAL 99\n")
+edited = bytes(cache.compile(kernel, "c++", opts, "cubin").code)
+print(json.dumps({"watched": cache._front_door.watched_hits, "hits": cache.counters()["hits"],
+                  "fresh": edited == bytes(Program(kernel, "c++", options=opts).compile("cubin").code) != got[0]}))
+"""
+
+
+def test_a_variant_that_cannot_be_watched_keeps_the_stat_check(tmp_path: Path) -> None:
+    import json
+
+    from conftest import run_python
+
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    done = run_python(_FULL_TABLE, str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"watched": 0, "hits": 3, "fresh": True}
+
+
+@needs_root
+def test_an_include_directory_on_overlayfs_is_not_watched(tmp_path: Path, mounts: list[Path]) -> None:
+    # overlayfs raises no event for a change in a lower layer: the stat check stays.
+    for d in ("lower", "upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    write(tmp_path / "lower" / "val.h", body())
+    options = f"lowerdir={tmp_path / 'lower'},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'}"
+    done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(tmp_path / "merged")], check=False)
+    if done.returncode != 0:
+        pytest.skip("no overlayfs here")
+    mounts.append(tmp_path / "merged")
+    t = Tree.__new__(Tree)
+    t.root, t.cache = tmp_path, ContentAddressedProgramCache(tmp_path / "cas")
+    t.opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "merged")])
+    first = cached(t.cache, KERNEL, t.opts)
+    for _ in range(3):
+        assert cached(t.cache, KERNEL, t.opts) == first
+    assert t.watched_hits() == 0
+    write(tmp_path / "merged" / "val.h", body())
+    t.next_call_is_fresh(first)
+
+
+def test_the_watch_answers_from_the_third_hit_after_the_miss_that_stored_it(tree: Tree) -> None:
+    # The first hit stats alone, the second arms the watch before its stats, the third reads
+    # the queue. The record read back after this process stored it is another bytes object
+    # with the same bytes: what was proved of it holds.
+    first = cached(tree.cache, KERNEL, tree.opts)
+    seen = []
+    for _ in range(3):
+        assert cached(tree.cache, KERNEL, tree.opts) == first
+        seen.append(tree.watched_hits())
+    assert seen == [0, 0, 1]

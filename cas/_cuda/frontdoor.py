@@ -427,10 +427,11 @@ class FrontDoor:
         if found is None:
             return "new inputs: no record of them"
         raw, shared = found
-        # A record served from memory is the same bytes object as before: decode it once, and
-        # keep what this process proved of its variants (see _Proof) while it stays the same.
+        # Decode a record once, and keep what this process proved of its variants (see _Proof)
+        # while its bytes stay the same: compared, not only by identity, since the record read
+        # back from disk after this process stored it is another object (2 us for 42 KB).
         decoded = self._decoded.get(record_kid)
-        if decoded is None or decoded[0] is not raw:
+        if decoded is None or (decoded[0] is not raw and decoded[0] != raw):
             if len(self._decoded) >= _MAX_DECODED:
                 self._decoded.clear()
             variants = _decode_record(raw)
