@@ -282,6 +282,17 @@ class FrontDoor:
         memo = _memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
         # A C++ compile is keyed here, with NVRTC's version from its record (see
         # nvrtcver): a hit need not load NVRTC. Others go to make_program_cache_key.
+        # make_program_cache_key validates the inputs as Program would (code and target
+        # types, name expressions: bytearray is refused), loading NVRTC to key them.
+        cuda_core_key = functools.partial(
+            make_program_cache_key,
+            code=code,
+            code_type=code_type,
+            options=options,
+            target_type=target_type,
+            name_expressions=name_expressions,
+            extra_digest=extra,
+        )
         nvrtc = _nvrtc_version(self._store) if memo is not None else None
         record_key = self._record_keys.get((memo, nvrtc)) if memo is not None else None
         if record_key is None:
@@ -291,16 +302,7 @@ class FrontDoor:
                     self._record_keys.clear()
                 self._record_keys[(memo, nvrtc)] = record_key
             else:
-                # make_program_cache_key validates the rest as Program would (code and
-                # target types, name expressions: bytearray is refused).
-                record_key = make_program_cache_key(
-                    code=code,
-                    code_type=code_type,
-                    options=options,
-                    target_type=target_type,
-                    name_expressions=name_expressions,
-                    extra_digest=extra,
-                )
+                record_key = cuda_core_key()
         record_kid = grouped_id(record_key, None)
         found = self._lookup(record_kid, record_key)
         if isinstance(found, tuple):
@@ -308,16 +310,9 @@ class FrontDoor:
             self._store.note_hit(record_kid, shared, t0_ns=t0)
             return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
         if memo is not None:
-            # Keyed here: a miss has make_program_cache_key check the inputs as Program would (it loads
-            # NVRTC, which the compile does anyway), so a bad input gets the error it always got.
-            make_program_cache_key(
-                code=code,
-                code_type=code_type,
-                options=options,
-                target_type=target_type,
-                name_expressions=name_expressions,
-                extra_digest=extra,
-            )
+            # Keyed here: a miss has make_program_cache_key check the inputs (it loads NVRTC,
+            # which the compile does anyway), so a bad input gets the error it always got.
+            cuda_core_key()
         if self._store.read_only:
             # A read-only cache is never written: compile, return, count the write it drops.
             self._store.note_miss(record_kid, found, t0_ns=t0)
