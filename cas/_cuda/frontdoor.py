@@ -28,7 +28,10 @@ the one name it reads from memory.
 
 A lookup checks the variants, newest first: the guards must be unchanged, and
 each header is re-hashed only when its stat changed (a per-process stat cache
-spares even that). The variant names its *result*: the raw binary (the same blob
+spares even that). From a variant's second look in a process, inotify watches are
+armed before that check, and while they report nothing a look costs one read of
+their queue instead of a stat per header (:mod:`cuda_program_cas._cuda.watch`).
+The variant names its *result*: the raw binary (the same blob
 ``Program.compile(cache=)`` stores for equal bytes), with the ``ObjectCode``
 name and the symbol mapping of the name expressions kept in the variant. A
 record and its results share a group of key ids (:mod:`cuda_program_cas.index`), so
