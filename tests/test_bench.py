@@ -77,6 +77,10 @@ def test_quick_json_reports_every_workload_for_both_caches(tmp_path):
         "store already-stored content, new key 8 KB, median",
         "front-door hit, first call in a fresh process / uncached compile",
         "lifetime counters and records per hit, logging off (ours only)",
+        "front-door hit, repeated in that process / uncached compile",
+        "small-kernel job, hit, wall: ours (Program.compile(cache=)) / FileStream",
+        "small-kernel job, hit, wall: ours (Program.compile(cache=)) / uncached compile",
+        "small-kernel job, hit, CPU: ours (cache.compile) / FileStream",
     ):
         assert wanted in metrics, wanted
     assert any(m.startswith("repeated hit 160 KB, 20 keys") for m in metrics)  # beyond the budget in a full run

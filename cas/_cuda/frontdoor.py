@@ -28,7 +28,10 @@ the one name it reads from memory.
 
 A lookup checks the variants, newest first: the guards must be unchanged, and
 each header is re-hashed only when its stat changed (a per-process stat cache
-spares even that). The variant names its *result*: the raw binary (the same blob
+spares even that). From a variant's second look in a process, inotify watches are
+armed before that check, and while they report nothing a look costs one read of
+their queue instead of a stat per header (:mod:`cuda_program_cas._cuda.watch`).
+The variant names its *result*: the raw binary (the same blob
 ``Program.compile(cache=)`` stores for equal bytes), with the ``ObjectCode``
 name and the symbol mapping of the name expressions kept in the variant. A
 record and its results share a group of key ids (:mod:`cuda_program_cas.index`), so
@@ -49,7 +52,6 @@ not stored.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -63,7 +65,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -72,20 +74,29 @@ from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
+if TYPE_CHECKING:
+    from .watch import Token
+
 __all__ = ["FrontDoor", "may_include_quoted", "refuse_unkeyable"]
 
 _log = logging.getLogger("cuda_program_cas")
 _DEBUG = logging.DEBUG
 _perf_ns = time.perf_counter_ns
+_monotonic = time.monotonic
 
 #: Mixed into the record key: a new format of records gets new keys.
-_TAG = b"cuda-program-cas front door 3"
+_TAG = b"cuda-program-cas front door 4"
 _RECORD = b"cpcas-frontdoor/record\0"
 _RESULT = b"cpcas-frontdoor/result\0"
+_KEY = b"cpcas-frontdoor/key\0"
 #: Record keys remembered per front door (inputs met before in this process).
 _MAX_MEMO = 1024
 #: Variants kept per record (compiles of the same inputs against other headers).
 _MAX_VARIANTS = 4
+#: Records kept decoded per front door, with what this process proved of their variants.
+_MAX_DECODED = 256
+#: A variant that could not be watched (a full watch table, NFS...) is armed again after this long.
+_REARM_S = 10.0
 #: Before NVRTC 13, the include trees are fingerprinted: at most this many files.
 _MAX_TREE_FILES = 50_000
 #: Hex digits kept of a header's blake3 (128 bits) and of a stat tag (64 bits).
@@ -113,8 +124,12 @@ def _digest(data: bytes) -> str:
 
 
 def _stat_tag(values: tuple[int, ...]) -> str:
-    """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields."""
-    return blake3(struct.pack(f"<{len(values)}q", *values)).hexdigest()[:_TAG_HEX]
+    """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
+
+    blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
+    dominates at 40 bytes), and a fresh process's first hit of the CUB kernel makes 467.
+    """
+    return hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=_TAG_HEX // 2).hexdigest()
 
 
 class _HeaderCache:
@@ -172,22 +187,42 @@ def _dir_tag(path: str) -> str | None:
     return _stat_tag((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import,
+# a fifth of a fresh process's first hit.
+
+
 class _Header:
-    path: str
-    tag: str
-    digest: str
+    __slots__ = ("digest", "path", "tag")
+
+    def __init__(self, path: str, tag: str, digest: str) -> None:
+        self.path, self.tag, self.digest = path, tag, digest
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class _Variant:
     """One compile of a record's inputs, decoded for checking."""
 
-    result: str
-    name: str
-    mapping: dict[Any, bytes]
-    headers: tuple[tuple[str, str, str], ...]
-    guards: tuple[tuple[str, str | None], ...]
+    __slots__ = ("guards", "headers", "mapping", "name", "result")
+
+    def __init__(
+        self,
+        result: str,
+        name: str,
+        mapping: dict[Any, bytes],
+        headers: tuple[tuple[str, str, str], ...],
+        guards: tuple[tuple[str, str | None], ...],
+    ) -> None:
+        self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
+
+
+class _Proof:
+    """What this process proved of one variant: a stat check passed, then a watch armed before one."""
+
+    __slots__ = ("retry_at", "seen", "token")
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.token: Token | None = None
+        self.retry_at = 0.0
 
 
 class _Uncacheable(Exception):
@@ -216,8 +251,10 @@ class FrontDoor:
         self._headers = _HeaderCache()
         #: What make_program_cache_key returned for inputs met before (see _memo_key).
         self._record_keys: dict[tuple[object, ...], bytes] = {}
-        #: The last record's bytes and its decoded variants.
-        self._decoded: tuple[bytes, list[_Variant]] | None = None
+        #: Per record key id met: its bytes, its decoded variants and what this process proved of each.
+        self._decoded: dict[str, tuple[bytes, list[_Variant], list[_Proof]]] = {}
+        #: Lookups the watch answered without a stat (see cuda_program_cas._cuda.watch).
+        self.watched_hits = 0
 
     def compile(
         self,
@@ -246,28 +283,39 @@ class FrontDoor:
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
         extra = _TAG + _libdevice_fingerprint(options, code_type) + search.key_part() + _name_part(options)
         memo = _memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
-        record_key = self._record_keys.get(memo) if memo is not None else None
+        # A C++ compile is keyed here, with NVRTC's version from its record (see
+        # nvrtcver): a hit need not load NVRTC. Others go to make_program_cache_key.
+        # make_program_cache_key validates the inputs as Program would (code and target
+        # types, name expressions: bytearray is refused), loading NVRTC to key them.
+        cuda_core_key = functools.partial(
+            make_program_cache_key,
+            code=code,
+            code_type=code_type,
+            options=options,
+            target_type=target_type,
+            name_expressions=name_expressions,
+            extra_digest=extra,
+        )
+        nvrtc = _nvrtc_version(self._store) if memo is not None else None
+        record_key = self._record_keys.get((memo, nvrtc)) if memo is not None else None
         if record_key is None:
-            # make_program_cache_key validates the rest as Program would (code and
-            # target types, name expressions: bytearray is refused).
-            record_key = make_program_cache_key(
-                code=code,
-                code_type=code_type,
-                options=options,
-                target_type=target_type,
-                name_expressions=name_expressions,
-                extra_digest=extra,
-            )
             if memo is not None:
+                record_key = _own_key(memo, nvrtc)
                 if len(self._record_keys) >= _MAX_MEMO:
                     self._record_keys.clear()
-                self._record_keys[memo] = record_key
+                self._record_keys[(memo, nvrtc)] = record_key
+            else:
+                record_key = cuda_core_key()
         record_kid = grouped_id(record_key, None)
         found = self._lookup(record_kid, record_key)
         if isinstance(found, tuple):
             data, variant, shared = found
             self._store.note_hit(record_kid, shared, t0_ns=t0)
             return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
+        if memo is not None:
+            # Keyed here: a miss has make_program_cache_key check the inputs (it loads NVRTC,
+            # which the compile does anyway), so a bad input gets the error it always got.
+            cuda_core_key()
         if self._store.read_only:
             # A read-only cache is never written: compile, return, count the write it drops.
             self._store.note_miss(record_kid, found, t0_ns=t0)
@@ -293,6 +341,7 @@ class FrontDoor:
                 logs=logs,
                 search=search,
                 key=record_key,
+                nvrtc=nvrtc,
             )
 
     def _compile(
@@ -306,8 +355,13 @@ class FrontDoor:
         logs: Any,
         search: _Search,
         key: bytes,
+        nvrtc: str | None,
     ) -> Any:
-        """A miss: compile uncached, record the headers it read, store the result and the record."""
+        """A miss: compile uncached, record the headers it read, store the result and the record.
+
+        ``nvrtc``: the version the key holds, when keyed here; a compile by another
+        NVRTC (its file replaced since the key was made) is returned, not stored.
+        """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
         name_expressions, record_key = expressions, key
         record_kid = grouped_id(record_key, None)
@@ -317,7 +371,7 @@ class FrontDoor:
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
         # Traced here unless an earlier traced compile of this process failed (see _TRACES).
         here = traced and _TRACES.sound
-        compile_options = dataclasses.replace(options, fdevice_time_trace=trace) if here else options
+        compile_options = _with_trace(options, trace) if here else options
         try:
             try:
                 result = Program(code, code_type, options=compile_options).compile(target_type, name_expressions, logs)
@@ -340,6 +394,8 @@ class FrontDoor:
                     paths = _tree_files(search.dirs)
                 paths = sorted({*paths, *search.pre_includes})
                 headers = self._read_headers(paths, started_ns)
+                if nvrtc is not None and _loaded_nvrtc_version() != nvrtc:
+                    raise _Uncacheable(f"NVRTC {_loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
             except _Uncacheable as exc:
                 self._uncacheable(exc, record_kid)
                 return result
@@ -369,16 +425,18 @@ class FrontDoor:
         if found is None:
             return "new inputs: no record of them"
         raw, shared = found
-        # A record served from memory is the same bytes object as before: decode it once.
-        decoded = self._decoded
-        if decoded is not None and decoded[0] is raw:
-            variants = decoded[1]
-        else:
+        # Decode a record once, and keep what this process proved of its variants (see _Proof)
+        # while its bytes stay the same: compared, not only by identity, since the record read
+        # back from disk after this process stored it is another object (2 us for 42 KB).
+        decoded = self._decoded.get(record_kid)
+        if decoded is None or (decoded[0] is not raw and decoded[0] != raw):
+            if len(self._decoded) >= _MAX_DECODED:
+                self._decoded.clear()
             variants = _decode_record(raw)
-            self._decoded = (raw, variants)
+            decoded = self._decoded[record_kid] = (raw, variants, [_Proof() for _ in variants])
         why = None  # the newest variant's reason
-        for variant in variants:
-            changed = self._check(variant)
+        for variant, proof in zip(decoded[1], decoded[2], strict=True):
+            changed = self._proven(variant, proof)
             if changed is None:
                 data = self._store.find(grouped_id(record_key, bytes.fromhex(variant.result)))
                 if data is not None:
@@ -386,6 +444,34 @@ class FrontDoor:
                 changed = "the result of a matching variant is gone"
             why = why or changed
         return why or "the record is damaged or of another format"
+
+    def _proven(self, variant: _Variant, proof: _Proof) -> str | None:
+        """:meth:`_check`, or nothing at all while the watch proves the variant unchanged since it last held."""
+        token = proof.token
+        if token is not None:
+            if token.clean():
+                self.watched_hits += 1
+                return None
+            proof.token = None
+        if not proof.seen:
+            # The first look in this process: the stat check alone. A job looks each kernel up
+            # once, so arming (about as costly again) waits for the second look.
+            changed = self._check(variant)
+            proof.seen = changed is None
+            return changed
+        now = _monotonic()
+        if now < proof.retry_at:
+            return self._check(variant)
+        from .watch import arm
+
+        # Armed before the check: a change after it raises an event, one before it fails the check.
+        token = arm([h[0] for h in variant.headers], [g[0] for g in variant.guards])
+        changed = self._check(variant)
+        if token is None:
+            proof.retry_at = now + _REARM_S  # it could not be watched: stat, and try again later
+        elif changed is None:
+            proof.token = token
+        return changed
 
     def _check(self, variant: _Variant) -> str | None:
         """None when the variant's headers and guards still hold, else what changed."""
@@ -468,22 +554,61 @@ def _memo_key(
     names: tuple[object, ...],
     extra: bytes,
 ) -> tuple[object, ...] | None:
-    """What make_program_cache_key reads of a C++ compile, cheaply; None where no memo is kept.
+    """What a C++ compile's record key is made of, here (see :func:`_own_key`); None where cuda-core keys it.
 
-    For NVRTC its key is a hash of the code, code and target types, the options'
-    flags (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against its 25),
-    the name expressions, ``extra_digest`` and the NVRTC version, which cannot
-    change in a process; it refuses ``extra_sources``. Equal memo keys within a
-    process therefore mean equal record keys. Other code types, and inputs it
-    would refuse, always go to make_program_cache_key.
+    The code, the target, the options' flags as NVRTC gets them
+    (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against make_program_cache_key's
+    25), the name expressions with their types and ``extra``: what
+    make_program_cache_key hashes for NVRTC, less its version probe, which
+    loads NVRTC. Code that is not ``str``, ``extra_sources``, inputs whose flags
+    cannot be had and name expressions of other types go to make_program_cache_key,
+    which refuses them as Program would.
     """
     if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
         return None
-    if not isinstance(code, (str, bytes)) or getattr(options, "extra_sources", None) is not None:
+    if type(code) is not str or getattr(options, "extra_sources", None) is not None:
         return None
     if flags is None or not all(type(n) is str or type(n) is bytes for n in names):
         return None
-    return (code, target_type.lower(), flags, tuple((type(n) is bytes, n) for n in names), extra)
+    return (code, target_type.lower(), flags, tuple(sorted((type(n) is bytes, n) for n in names)), extra)
+
+
+def _own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
+    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`_memo_key`'s parts, each length-prefixed.
+
+    A key of its own (not make_program_cache_key's), so that NVRTC's version can
+    come from a record instead of from the library; its tag keeps it apart from
+    every key cuda-core makes.
+    """
+    code, target, flags, names, extra = memo
+    h = hashlib.sha256(_KEY)
+
+    def part(label: bytes, data: bytes) -> None:
+        h.update(label + len(data).to_bytes(8, "big") + data)
+
+    part(b"nvrtc", str(nvrtc).encode())
+    part(b"target", target.encode())
+    part(b"code", code.encode("utf-8", "surrogateescape"))
+    part(b"flags", len(flags).to_bytes(8, "big"))
+    for flag in flags:
+        part(b"flag", bytes(flag))
+    part(b"names", len(names).to_bytes(8, "big"))
+    for is_bytes, name in names:
+        part(b"b" if is_bytes else b"s", name if is_bytes else name.encode("utf-8", "surrogateescape"))
+    part(b"extra", extra)
+    return h.digest()
+
+
+def _nvrtc_version(store: CacheStore) -> str:
+    from .nvrtcver import version
+
+    return version(store)
+
+
+def _loaded_nvrtc_version() -> str:
+    from .nvrtcver import loaded_version
+
+    return loaded_version()
 
 
 #: ``#include`` (or ``__has_include``, ``#include_next``) not followed by ``<``: a quoted or computed name.
@@ -497,7 +622,6 @@ def _may_include_quoted(code: str | bytes) -> bool:
     return _QUOTED_INCLUDE.search(data) is not None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class _Search:
     """Where NVRTC looks for this compile's files, in its order, and the working directory they depend on.
 
@@ -507,9 +631,10 @@ class _Search:
     directory (debug information, line tables). It is then part of the record key.
     """
 
-    cwd: str | None
-    dirs: tuple[str, ...]
-    pre_includes: tuple[str, ...]
+    __slots__ = ("cwd", "dirs", "pre_includes")
+
+    def __init__(self, cwd: str | None, dirs: tuple[str, ...], pre_includes: tuple[str, ...]) -> None:
+        self.cwd, self.dirs, self.pre_includes = cwd, dirs, pre_includes
 
     @staticmethod
     def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> _Search:
@@ -703,7 +828,7 @@ def _trace_in_child(
     import subprocess
     import sys
 
-    spec = pickle.dumps((code, code_type, dataclasses.replace(options, fdevice_time_trace=trace), target_type, names))
+    spec = pickle.dumps((code, code_type, _with_trace(options, trace), target_type, names))
     try:
         done = subprocess.run(
             [sys.executable, "-c", _TRACE_CHILD],
@@ -716,6 +841,13 @@ def _trace_in_child(
     except (OSError, subprocess.SubprocessError):
         return None
     return _traced_names(trace + ".json") if done.returncode == 0 else None
+
+
+def _with_trace(options: Any, trace: str) -> Any:
+    """``options`` with NVRTC's time trace written to ``trace`` (a ProgramOptions is a dataclass)."""
+    import dataclasses
+
+    return dataclasses.replace(options, fdevice_time_trace=trace)
 
 
 def _traced_names(trace_path: str) -> list[str] | None:
@@ -837,7 +969,7 @@ def _decode_record(raw: bytes) -> list[_Variant]:
             for kind, text, value in v["symbols"]:
                 mapping[bytes.fromhex(text) if kind == "b" else str(text)] = bytes.fromhex(value)
             headers = tuple(
-                (os.path.join(directory, base), str(tag), str(digest))
+                (_join(directory, base), str(tag), str(digest))
                 for directory, entries in v["headers"].items()
                 for base, tag, digest in entries
             )
@@ -847,6 +979,13 @@ def _decode_record(raw: bytes) -> list[_Variant]:
         except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return variants
+
+
+def _join(directory: str, base: str) -> str:
+    """``os.path.join`` of what ``os.path.split`` gave at encoding (a third of its cost: 410 a CUB record)."""
+    if not isinstance(directory, str) or not isinstance(base, str):
+        raise TypeError(directory)
+    return f"{directory}{base}" if directory.endswith(os.sep) or not directory else f"{directory}{os.sep}{base}"
 
 
 def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:

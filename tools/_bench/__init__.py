@@ -12,7 +12,7 @@ from .common import Config, Result
 from .compiles import w_compile_hit, w_frontdoor
 from .footprint import w_footprint
 from .hits import w_hit_first, w_hit_repeat, worker_first_hit
-from .processes import w_cold_start, w_processes
+from .processes import w_cold_start, w_processes, w_small_job
 from .report import machine_info, render, tally
 from .writes import w_cap_writes, w_store, w_writeback
 
@@ -27,6 +27,7 @@ RUNNERS: dict[str, Callable[[Config, str], Result]] = {
     "footprint": w_footprint,
     "processes": w_processes,
     "cold_start": w_cold_start,
+    "small_job": w_small_job,
 }
 #: The workloads, in the order a run takes them.
 WORKLOADS = tuple(RUNNERS)

@@ -228,8 +228,8 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
             "ms",
             first,
             compile_ms,
-            target="hit < 5 ms",
-            verdict=first < 5.0,
+            target="hit ≤ 5 ms",
+            verdict=first <= 5.0,
         )
     )
     res.add(
@@ -238,8 +238,8 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
             "ms",
             second,
             compile_ms,
-            target="hit < 0.3 ms",
-            verdict=second < 0.3,
+            target="hit ≤ 0.1 ms",
+            verdict=second <= 0.1,
         )
     )
     res.add(Row("the same through the switch (no cache=), first call in a process", "ms", sw_first, compile_ms))
@@ -247,7 +247,9 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
     res.notes.append(
         f"{what}; the filestream column is the uncached compile (Program.compile(cache=) refuses include_path "
         f"without a hand-made extra_digest); tracing adds {median(misses) - compile_ms:+.0f} ms to a miss "
-        f"(medians of {rounds}); the first call in a process includes loading NVRTC to key the compile; a repeated "
-        f"hit is the median of 11 in one process; the switch adds {sw_second - second:+.2f} ms to a repeated hit"
+        f"(medians of {rounds}); the first call in a process keys the compile with NVRTC's version from its record "
+        f"(NVRTC not loaded) and stats every header; a repeated hit is the median of 11 in one process, from the "
+        f"third on answered by the header watch (one read of an inotify queue); the switch adds "
+        f"{sw_second - second:+.2f} ms to a repeated hit"
     )
     return res

@@ -1,0 +1,67 @@
+"""Which file systems are local enough to trust: ``statfs`` ``f_type`` against an allowlist.
+
+Two questions rest on it. The header watch (:mod:`cuda_program_cas._cuda.watch`)
+needs a file system whose every change raises an inotify event; the NVRTC
+version record (:mod:`cuda_program_cas._cuda.nvrtcver`) needs one whose stat data
+(inode, size, mtime, ctime) prove a file unchanged.
+
+- Local disk and memory file systems (ext2/3/4, xfs, btrfs, f2fs, tmpfs, ramfs)
+  answer both: every change goes through this kernel's VFS, which raises the
+  event and sets the times.
+- overlayfs raises events for changes made through it, but not for changes made
+  to its lower layers beneath it (the case of an image layer shared by
+  containers): no watch. Its stat data still change on every change made through
+  it (a write copies the file up: a new inode), and changing a lower layer while
+  it is mounted is undefined in overlayfs itself: the stat question is answered.
+- Everything else is not trusted: NFS, CIFS/SMB, FUSE, 9p, Lustre, GPFS, CephFS
+  and the like change on another machine (no event here; attributes come from a
+  cache that may be seconds old), and a kind not named here is unknown.
+
+Linux only (``statfs`` through libc); elsewhere nothing is trusted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+__all__ = ["STAT_RELIABLE", "WATCHABLE", "fs_type"]
+
+#: ``f_type`` of the local file systems whose every change raises an inotify event here.
+WATCHABLE = frozenset(
+    {
+        0xEF53,  # ext2, ext3, ext4
+        0x58465342,  # xfs
+        0x9123683E,  # btrfs
+        0xF2F52010,  # f2fs
+        0x01021994,  # tmpfs
+        0x858458F6,  # ramfs
+    }
+)
+_OVERLAYFS = 0x794C7630
+#: ``f_type`` of the file systems whose stat data prove a file unchanged.
+STAT_RELIABLE = WATCHABLE | {_OVERLAYFS}
+
+# struct statfs starts with f_type (a long on every 64-bit Linux ABI); 120 bytes on
+# x86-64 and aarch64: the buffer leaves room.
+_STATFS_SIZE = 256
+_statfs = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _statfs = _libc.statfs
+        _statfs.argtypes = (ctypes.c_char_p, ctypes.c_void_p)
+        _statfs.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _statfs = None
+
+
+def fs_type(path: str) -> int | None:
+    """The ``f_type`` of the file system holding ``path`` (followed); None when it cannot be had."""
+    if _statfs is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATFS_SIZE)
+    if _statfs(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF

@@ -1,0 +1,197 @@
+"""NVRTC's version without loading NVRTC, from a record keyed by the library file that would load.
+
+The front door's keys hold NVRTC's version, and asking ``nvrtcVersion`` loads
+``libnvrtc`` first: 11 to 17 ms of a fresh process's first front-door hit (a
+141 MB library), spent only to learn two numbers. :func:`version` learns them
+instead from a record in the cache, keyed by the identity of the file that
+``cuda.bindings`` would load:
+
+- The file is found as ``cuda.pathfinder`` finds it for ``cuda.bindings``
+  (``load_nvidia_dynamic_lib("nvrtc")``), without loading it: if a ``libnvrtc``
+  is loaded in the process already, that one is used (ask it); else the NVIDIA
+  wheels in site-packages, then ``$CONDA_PREFIX`` (pathfinder's steps, run as
+  its loader runs them). Past those it asks the dynamic loader (which reads
+  ``LD_LIBRARY_PATH``, ``ld.so.cache``...) and then ``CUDA_HOME``: that cannot be
+  known without loading, so NVRTC is loaded as before.
+- Its identity is ``stat`` of that path, followed (device, inode, size, mtime
+  and ctime, in ns), on a file system whose stat data are reliable
+  (:mod:`cuda_program_cas._cuda.fskind`; NFS is not: its attributes are cached).
+  An upgrade in place changes the size or times (ctime cannot be set back
+  without root), another venv or a moved symlink names another inode.
+- The record's key also holds the boot id (inode numbers of another boot, or of
+  another machine sharing the cache directory, prove nothing here) and the
+  versions of cuda-bindings and cuda-pathfinder (the search this module mirrors
+  is theirs). It is a node-local entry (:func:`cuda_program_cas.index.local_id`,
+  never published) holding ``b"13.5"``, written through the cache's one write
+  protocol when a process had to load NVRTC to learn the version and
+  ``/proc/self/maps`` shows that the file it loaded is the one predicted.
+
+In a process, the answer is kept with the file's identity, which every call
+checks again with one ``stat``; once NVRTC is loaded (by a compile, or to ask),
+the loaded library's answer is final. A miss compares the version its key was
+made with against the loaded library's after compiling, and does not store a
+result made by another (the front door does that).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+import threading
+from typing import Any
+
+from cuda_program_cas._base.fork import after_fork_call
+from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas.index import local_id
+
+from .fskind import STAT_RELIABLE, fs_type
+
+__all__ = ["loaded_version", "version"]
+
+_RECORD = b"cpcas-nvrtc-version/1\0"
+_VALUE = re.compile(rb"[0-9]{1,4}\.[0-9]{1,4}")
+
+
+class _State:
+    """What this process knows of its NVRTC (a forked child knows the same: it has the same libraries)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        #: NVRTC's version once it is loaded in this process: it cannot change then.
+        self.loaded: str | None = None
+        #: The file that would load, its identity and its version, as learnt from a record.
+        self.known: tuple[str, FileId, str] | None = None
+        self.lock = threading.Lock()
+
+
+_S = _State()
+after_fork_call(_S.reset)  # keeps nothing a thread of the parent held: learnt again
+
+
+def loaded_version() -> str:
+    """``"major.minor"`` of NVRTC, asked of the library (loading it if needed); a failure's name otherwise."""
+    if _S.loaded is not None:
+        return _S.loaded
+    try:
+        from cuda.bindings import nvrtc
+
+        err, major, minor = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return f"unavailable:{err!r}"
+    except Exception as exc:  # no NVRTC: the compile that needs it raises its own error
+        return f"unavailable:{type(exc).__name__}"
+    _S.loaded = f"{int(major)}.{int(minor)}"
+    return _S.loaded
+
+
+def version(store: Any) -> str:
+    """NVRTC's ``"major.minor"`` for a key: from ``store``'s record when the file is provably the same, else asked."""
+    if _S.loaded is not None:
+        return _S.loaded
+    known = _S.known
+    if known is not None and _identity(known[0]) == known[1]:
+        return known[2]
+    with _S.lock:
+        predicted = _predict()
+        if predicted is None:
+            return loaded_version()
+        path, ident = predicted
+        kid = _record_id(path, ident)
+        found = _read(store, kid)
+        if found is not None:
+            _S.known = (path, ident, found)
+            return found
+        answer = loaded_version()
+        if _S.loaded is not None and not store.read_only and _maps_show(ident):
+            store.put_id(kid, answer.encode())
+        return answer
+
+
+def _read(store: Any, kid: str) -> str | None:
+    try:
+        found = store.find(kid)
+    except Exception:
+        return None
+    if found is None or _VALUE.fullmatch(found[0]) is None:
+        return None  # none, or not one of ours: asked again
+    return str(found[0].decode())
+
+
+def _predict() -> tuple[str, FileId] | None:
+    """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        from cuda.pathfinder._dynamic_libs.lib_descriptor import LIB_DESCRIPTORS
+        from cuda.pathfinder._dynamic_libs.platform_loader import LOADER
+        from cuda.pathfinder._dynamic_libs.search_steps import EARLY_FIND_STEPS, SearchContext, run_find_steps
+
+        desc = LIB_DESCRIPTORS["nvrtc"]
+        # Loaded already (by another library, LD_PRELOAD): pathfinder takes that one, and asking loads nothing.
+        if LOADER.check_if_already_loaded_from_elsewhere(desc) is not None:
+            return None
+        found = run_find_steps(SearchContext(desc), EARLY_FIND_STEPS)
+    except Exception:  # another pathfinder than this module knows: load as before
+        return None
+    if found is None:
+        return None  # the dynamic loader's search would decide
+    path = os.fspath(found.abs_path)
+    ident = _identity(path)
+    if ident is None or fs_type(path) not in STAT_RELIABLE:
+        return None
+    return path, ident
+
+
+def _identity(path: str) -> FileId | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return file_id(st) if stat.S_ISREG(st.st_mode) else None
+
+
+def _record_id(path: str, ident: FileId) -> str:
+    import cuda.bindings
+    import cuda.pathfinder
+
+    parts = (
+        _boot_id(),
+        path,
+        ",".join(map(str, ident)),
+        str(getattr(cuda.bindings, "__version__", "?")),
+        str(getattr(cuda.pathfinder, "__version__", "?")),
+    )
+    return local_id(_RECORD + "\0".join(parts).encode("utf-8", "surrogateescape"))
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
+            return fh.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return "?"
+
+
+def _maps_show(ident: FileId) -> bool:
+    """Whether the only ``libnvrtc`` mapped into this process is the file of identity ``ident``."""
+    dev, ino = ident[0], ident[1]
+    mine = f"{os.major(dev):02x}:{os.minor(dev):02x} {ino} "
+    seen = False
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                if "/libnvrtc.so" not in line:
+                    continue
+                fields = line.split(None, 5)
+                if len(fields) < 6:
+                    continue
+                if f"{fields[3]} {fields[4]} " != mine:
+                    return False  # another libnvrtc file: the prediction was wrong
+                seen = True
+    except OSError:
+        return False
+    return seen
