@@ -27,6 +27,7 @@ __all__ = [
     "ENV_MAX_ENTRY_SIZE",
     "ENV_MAX_SIZE",
     "ENV_SHARED",
+    "ENV_SWITCH",
     "NOT_GIVEN",
     "default_cache_dir",
     "env_claim_wait",
@@ -35,10 +36,12 @@ __all__ = [
     "env_max_entry_size",
     "env_max_size",
     "env_shared",
+    "env_switched_off",
     "env_value",
     "installed_version",
     "parse_duration",
     "parse_size",
+    "parse_switch",
     "platform_cache_dir",
     "read_env",
     "validate_max_size",
@@ -48,6 +51,11 @@ __all__ = [
 _T = TypeVar("_T")
 _log = logging.getLogger("cuda_program_cas")
 
+#: The switch: ``1`` routes every compile of a process through the cache, ``read-only`` too but
+#: writes nothing, ``0`` turns the cache off everywhere, also for code that passes ``cache=``
+#: (as ``CCACHE_DISABLE`` does). The start-up hook (``cas/_cuda/boot.py``) reads it too,
+#: with the standard library alone.
+ENV_SWITCH = "CUDA_PROGRAM_CAS"
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
 ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
@@ -137,6 +145,27 @@ def _absolute(name: str) -> Callable[[str], str]:
         return absolute
 
     return parse
+
+
+#: ``CUDA_PROGRAM_CAS`` values and the mode each names.
+_SWITCH_MODES = {"0": "off", "1": "on", "read-only": "read-only"}
+
+
+def parse_switch(text: str) -> str:
+    """The mode a ``CUDA_PROGRAM_CAS`` value names: ``"off"`` (``0``), ``"on"`` (``1``) or ``"read-only"``."""
+    mode = _SWITCH_MODES.get(text.strip())
+    if mode is None:
+        raise ValueError("it is 1, read-only or 0; compiles are not cached")
+    return mode
+
+
+def env_switched_off() -> bool:
+    """Whether ``CUDA_PROGRAM_CAS=0`` turns the cache off: no lookup, no store, every compile uncached.
+
+    Only ``0`` does. Another value the switch does not know is one WARNING (the
+    switch's, where it runs) and leaves ``cache=`` as it is.
+    """
+    return env_value(ENV_SWITCH, parse_switch) == "off"
 
 
 def env_max_size() -> int | None:
