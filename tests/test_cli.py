@@ -30,7 +30,8 @@ GC_KEYS = {
     "kept_changed", "plan", "problems", "problem_count", "entries_after", "blobs_after", "bytes_after", "packs",
 }  # fmt: skip
 STATS_KEYS = {
-    "path", "entries", "blobs", "logical_bytes", "stored_bytes", "dedup_ratio", "max_size_bytes",
+    "path", "entries", "loose_entries", "loose_also_packed", "blobs", "logical_bytes", "stored_bytes",
+    "dedup_ratio", "max_size_bytes",
     "cap_used_percent", "oldest_use", "newest_use", "files", "directories", "inodes", "disk_bytes",
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
