@@ -439,9 +439,12 @@ VAR_CA_BUNDLE: Variable[Any] = Variable(
 )
 
 #: Every variable the package reads, in the order ``config`` lists them. A new one is
-#: added here (with ``secret=True`` for a token or password) and read with its
-#: :meth:`Variable.value`; ``config`` and the test that finds every name the
-#: package spells then know it.
+#: a ``VAR_*`` above, added here (with ``secret=True`` for a token, a password or a
+#: key), and read with its :meth:`Variable.value`; ``config`` lists it, and
+#: tests/test_config_env.py fails for a name the package spells that is not here.
+#: Coming from other branches: CUDA_PROGRAM_CAS_LEASE_TTL (a duration),
+#: CUDA_PROGRAM_CAS_SIGNING_KEY and CUDA_PROGRAM_CAS_REDIS_PASSWORD (secret),
+#: CUDA_PROGRAM_CAS_TRUSTED_KEYS, CUDA_PROGRAM_CAS_REDIS_TIMEOUT.
 VARIABLES: tuple[Variable[Any], ...] = (
     VAR_SWITCH,
     VAR_DIR,
