@@ -22,6 +22,7 @@ import pytest
 from conftest import REPO, ChildLines, StartGate, is_root
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect, verify
+from cuda_program_cas._cuda.tracedirs import PREFIX, STALE_S, sweep_stale
 from cuda_program_cas._store import claims
 from cuda_program_cas.index import key_id
 
@@ -74,9 +75,17 @@ print("result " + json.dumps({{"code": bytes(obj.code).hex(), "mapping": {{k: v.
 
 
 def start(
-    root: Path, *, hold: bool, wait_s: str | None = None, stdin: int | None = None, wait_ready: bool = True
+    root: Path,
+    *,
+    hold: bool,
+    wait_s: str | None = None,
+    stdin: int | None = None,
+    wait_ready: bool = True,
+    tmp: Path | None = None,
 ) -> ChildLines:
     env = dict(os.environ)
+    if tmp is not None:  # its temp directory: what it leaves there is the test's
+        env["TMPDIR"] = str(tmp)
     env.pop("CUDA_PROGRAM_CAS_CLAIM_WAIT", None)
     if wait_s is not None:
         env["CUDA_PROGRAM_CAS_CLAIM_WAIT"] = wait_s
@@ -178,8 +187,11 @@ def test_eight_ranks_at_once_compile_once(cache_dir: Path, reference: dict[str, 
 
 def test_a_killed_claimant_frees_its_waiter_at_once(cache_dir: Path, reference: dict[str, object]) -> None:
     """SIGKILL the claimant mid-compile: the waiter (bound: 10 minutes) compiles right away."""
-    first = start(cache_dir, hold=True)
-    second = start(cache_dir, hold=True, wait_s="600")
+    # The killed claimant's trace folder stays behind: in a temp directory of the test's own, not $TMPDIR.
+    tmp = cache_dir.parent / "tmp"
+    tmp.mkdir()
+    first = start(cache_dir, hold=True, tmp=tmp)
+    second = start(cache_dir, hold=True, wait_s="600", tmp=tmp)
     try:
         say(first, "start")
         first.wait("compiling")
@@ -198,6 +210,11 @@ def test_a_killed_claimant_frees_its_waiter_at_once(cache_dir: Path, reference: 
         second.kill()
     assert taken_over_s < 30
     assert (got["code"], got["mapping"]) == (reference["code"], reference["mapping"])
+    left = [p for p in tmp.iterdir() if p.name.startswith(PREFIX)]
+    assert len(left) == 1  # the killed one's; the waiter removed its own
+    t = time.time() - STALE_S - 60
+    os.utime(left[0], (t, t))
+    assert sweep_stale(str(tmp)) == 1 and list(tmp.iterdir()) == []
     assert (got["misses"], got["hits"], got["claim_waits"], got["claim_hits"]) == (1, 0, 1, 0)
     assert claim_files(cache_dir) == []  # the dead claimant's file went with the waiter that took it over
 

@@ -24,13 +24,14 @@ SUMMARY = re.compile(
     r"freed [\d,.]+ (B|KiB|MiB|GiB) of [\d,.]+ (B|KiB|MiB|GiB)$"
 )
 GC_KEYS = {
-    "root", "dry_run", "shared", "blobs_deferred", "started_ns", "elapsed_s", "entries_before", "blobs_before",
-    "bytes_before",
+    "root", "dry_run", "shared", "exists", "blobs_deferred", "started_ns", "elapsed_s", "entries_before",
+    "blobs_before", "bytes_before",
     "entries_removed", "blobs_removed", "bytes_freed", "temp_files_removed", "temp_bytes_freed",
     "kept_changed", "plan", "problems", "problem_count", "entries_after", "blobs_after", "bytes_after", "packs",
 }  # fmt: skip
 STATS_KEYS = {
-    "path", "entries", "blobs", "logical_bytes", "stored_bytes", "dedup_ratio", "max_size_bytes",
+    "path", "entries", "loose_entries", "loose_also_packed", "blobs", "logical_bytes", "stored_bytes",
+    "dedup_ratio", "max_size_bytes",
     "cap_used_percent", "oldest_use", "newest_use", "files", "directories", "inodes", "disk_bytes",
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
@@ -38,7 +39,7 @@ STATS_KEYS = {
     "problems", "problem_count", "exists", "max_size_source", "front_door_records", "front_door_record_bytes",
 }  # fmt: skip
 VERIFY_KEYS = {
-    "root", "repair", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",
+    "root", "repair", "exists", "entries", "blobs", "blobs_checked", "bytes_checked", "orphan_blobs", "elapsed_s",
     "problems_found", "problems_fixed", "problems", "problem_count", "packs", "packed_entries", "pack_bytes",
 }  # fmt: skip
 
@@ -157,9 +158,11 @@ def test_a_damaged_layout_is_reported_and_repaired(tmp_path: Path, capsys: pytes
         (["gc", "--max-size", "12Q"], "not a size: '12Q'"),
         (["gc", "--grace", "soon"], "not a duration"),
         (["gc", "--frobnicate"], "unrecognized arguments"),
-        (["verify", "{missing}"], "no such directory"),
+        (["verify", "{missing}", "--shared"], "--shared and --no-shared"),
         (["verify", "{file}"], "is not a directory"),
         (["gc", "{foreign}"], "is not a cuda-program-cas cache"),
+        (["clear", "{foreign}"], "is not a cuda-program-cas cache"),
+        (["verify", "{file}", "--repair"], "is not a directory"),
         (["import-filestream", "{missing}"], "no FileStreamProgramCache"),
         (["import-filestream", "{foreign}", "{cache}"], "has no entries/"),
         ([], "required"),

@@ -339,12 +339,58 @@ def test_stats_on_a_path_with_no_cache_yet_reports_an_empty_cache(
     assert cli(capsys, "stats", str(tmp_path / "file"))[0] == 2
 
 
+@pytest.mark.parametrize("where", ["missing", "empty"])
+@pytest.mark.parametrize(
+    ("argv", "nothing"),
+    [
+        (["gc"], "nothing to collect"),
+        (["gc", "--dry-run", "--max-size", "1M", "--max-age", "1d", "--verify"], "nothing to collect"),
+        (["gc", "--shared", "--grace", "2h"], "nothing to collect"),
+        (["verify"], "nothing to check"),
+        (["verify", "--repair"], "nothing to check"),
+        (["clear"], "nothing to clear"),
+        (["clear", "--dry-run"], "nothing to clear"),
+    ],
+)
+def test_maintenance_on_a_path_with_no_cache_yet_reports_an_empty_cache(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    where: str,
+    argv: list[str],
+    nothing: str,
+) -> None:
+    """Issue 32: a nightly gc on a fresh node exits 0, as stats does, and creates nothing."""
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    code, out, err = cli(capsys, *argv, str(path))
+    assert (code, err) == (0, "")
+    assert out == f"no cache at {path} yet (nothing has been stored): {nothing}\n"
+    code, out, err = cli(capsys, *argv, str(path), "--json")
+    report = json.loads(out)
+    assert (code, err) == (0, "") and report["exists"] is False and report["problem_count"] == 0
+    assert report.get("entries", report.get("entries_before")) == 0
+    assert report["root"] == str(path)
+    assert os.path.exists(path) == (where == "empty") and (where == "missing" or os.listdir(path) == [])
+    # The default directory too, through $CUDA_PROGRAM_CAS_DIR.
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_DIR", str(path))
+    assert cli(capsys, *argv) == (0, f"no cache at {path} yet (nothing has been stored): {nothing}\n", "")
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_DIR")
+    # A cache that exists is reported as one: exists is true.
+    CacheStore(tmp_path / "cas").put("k", b"v")
+    code, out, _ = cli(capsys, *argv, str(tmp_path / "cas"), "--json")
+    assert code == 0 and json.loads(out)["exists"] is True
+
+
 @pytest.mark.parametrize(
     ("argv", "status", "needle"),
     [
         (["gc", "--max-age", "7", "{cache}"], 2, "a duration needs a unit"),
         (["stats", "{file}"], 2, "exists and is not a directory"),
-        (["verify", "{missing}"], 2, "no such directory"),
+        (["verify", "{file}"], 2, "exists and is not a directory"),
+        (["gc", "{file}"], 2, "exists and is not a directory"),
         (["repack", "{cache}"], 2, "is not a shared store"),
         (["clear", "{store}"], 2, "is a shared store"),
         (["stats", "--zero", "{missing}"], 2, "no such directory"),
@@ -509,9 +555,10 @@ def test_clear_refuses_a_shared_store_and_what_is_not_a_cache(
     assert code == 2 and out == ""
     assert "is a shared store (publish marked it in its layout.json)" in one_line_error(err, "clear")
     assert sorted(os.walk(tmp_path / "store")) == before
-    for name in ("missing", "file"):
-        if name == "file":
-            (tmp_path / name).write_text("x")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    for name in ("foreign", "file"):
         code, _, err = cli(capsys, "clear", str(tmp_path / name))
         assert code == 2 and "Traceback" not in err
-    assert not (tmp_path / "missing").exists()
+    assert os.listdir(tmp_path / "foreign") == ["notes.txt"]

@@ -47,9 +47,13 @@ def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(
     else:
         assert "skipped: no CCCL headers found" in out
 
-    # Nothing outside the cache directory it was given: its header directory was a temp one, removed.
+    # Nothing outside the cache directory it was given: its header directory and the cache of
+    # the kernel that reads it were temp ones, removed; so were its front door's trace folders.
     assert os.listdir(tmp_path) == ["cas"]
     assert os.listdir(scratch) == []
+    from cuda_program_cas import CacheStore
+
+    entries = len(CacheStore(path))
     assert "why the dedup ratio is not keys per blob: 'N keys -> M blobs' counts keys" in out
     assert re.search(r"the 28 variant keys: 28 keys in \d+ blobs \(\d\.\d\dx by count\)", out)
 
@@ -57,6 +61,8 @@ def test_a_fresh_cache_misses_then_a_second_run_says_why_it_hits(
     assert warm.returncode == 0, warm.stderr
     out = warm.stdout
     assert os.listdir(tmp_path) == ["cas"] and os.listdir(scratch) == []
+    # Issue 32: the run added nothing that could never hit (before: the header kernel's 3 entries a run).
+    assert len(CacheStore(path)) == entries
     assert "Pass 1 hit too: this cache already held all 28 entries" in out
     assert 'python tools/demo.py --path "$(mktemp -d)"' in out
     rows = [line for line in out.splitlines() if line.split(" ")[0] in ("saxpy", "reduce", "matmul", "stencil")]

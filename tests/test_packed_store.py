@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,78 @@ def test_two_publishers_at_once_and_a_killed_one(tmp_path: Path) -> None:
     assert publish([tmp_path / "z"], store, pack=True).published == 40  # the next run completes it
     fresh = CacheStore(tmp_path / "fresh", shared=[store], copy_shared_hits=False)
     assert all(fresh.get(f"z{i}") == value(i, "z") for i in range(40))
+
+
+# -- issue 32: stats counts packed entries, repack says what it left -------------------------------
+
+
+def test_stats_counts_packed_entries_as_entries_and_says_which_are_packed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    publish([source(tmp_path / "src", n=20)], store, pack=True)
+    assert cli(["stats", "--json", str(store)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # Before: entries 0, and the summary said "0 entries in 0 blobs" for a store that serves 20.
+    assert (report["entries"], report["packed_entries"], report["loose_entries"]) == (20, 20, 0)
+    publish([source(tmp_path / "more", "m", n=5)], store)  # loose beside the pack
+    assert cli(["stats", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "entries      25: 20 packed, 5 loose (" in out
+    assert out.splitlines()[-1].startswith("25 entries (20 packed) in 5 loose blobs and 1 pack, ")
+
+    from cuda_program_cas._verbs.repack import repack
+
+    repack(store)  # the 5 loose ones are packed too now, and stay loose until gc: each is counted once
+    assert cli(["stats", "--json", str(store)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["entries"], report["packed_entries"], report["loose_entries"]) == (25, 25, 5)
+    assert report["loose_also_packed"] == 5
+    assert cli(["stats", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "5 of the loose ones are packed too (left by a repack: gc removes them once --grace has passed" in out
+    node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
+    assert sum(node.get(k) is not None for k in [*(f"g{i}" for i in range(20)), *(f"m{i}" for i in range(5))]) == 25
+
+
+def test_repack_says_what_it_left_loose_and_when_gc_removes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    publish([source(tmp_path / "src", n=20)], store, pack=True)
+    publish([source(tmp_path / "more", "m", n=5)], store)
+    assert cli(["repack", "--json", str(store)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["loose_left"], report["loose_packed"], len(report["retired"])) == (5, 5, 1)
+    pack = Path(report["pack"])
+    after = datetime.fromisoformat(report["gc_removes_after"]).timestamp()
+    assert abs(after - (pack.stat().st_mtime + 3600)) < 2
+    # What it says is what gc does: a minute before that time nothing goes, a minute after it all does.
+    retired = Path(report["retired"][0])
+    for path in (pack, retired):
+        age(path, 3600 - 60)
+    early = collect(store, grace_s=3600)
+    assert (early.packs["loose_removed"], early.packs["retired_removed"]) == (0, 0)
+    for path in (pack, retired):
+        age(path, 3600 + 60)
+    late = collect(store, grace_s=3600)
+    assert (late.packs["loose_removed"], late.packs["retired_removed"]) == (5, 1)
+
+    publish([source(tmp_path / "more2", "x", n=2)], store)
+    assert cli(["repack", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(
+        "left 2 loose entries now also in the pack and 1 retired pack for nodes that may be reading them: gc "
+        "removes them once its --grace has passed (1h by default: from "
+    ), lines
+
+
+def test_repack_of_a_store_with_nothing_loose_leaves_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    publish([source(tmp_path / "src", n=3)], store, pack=True)
+    for _ in range(2):  # the second one: every entry packed, none loose
+        assert cli(["repack", "--json", str(store)]) == 0
+        report = json.loads(capsys.readouterr().out)
+    assert (report["loose_left"], report["loose_packed"], len(report["retired"])) == (0, 0, 1)
+    assert cli(["repack", str(store)]) == 0
+    assert "left 1 retired pack for nodes that may be reading them" in capsys.readouterr().out

@@ -15,9 +15,10 @@ also compiles a CUB kernel through ``cache.compile()`` with ``include_path``: a
 miss on a fresh cache, a hit on every later run. Then a small kernel that reads
 a header of the demo's own: a miss, an edit of the header, which misses, and the
 edited compile from a fresh process, which hits. That header lives in a temp
-directory the demo makes for the run and removes at its end, so that it leaves
-nothing outside DIR (a new include directory is a new key: that kernel misses
-once in every run).
+directory the demo makes for the run, and a new include directory is a new key:
+those entries could never hit again. So that kernel goes to a temp cache of its
+own beside the header, and both are removed at the end: a run adds to DIR only
+what a later run can hit.
 
 The cache persists: run it again and pass 1 hits too (the demo says so). Give
 ``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
@@ -166,6 +167,13 @@ def cub_compile(path: str, source: str, include: list[str]) -> dict[str, object]
     return {"hit": hit, "seconds": elapsed, "digest": digest_of(bytes(obj.code))}
 
 
+def work_dirs(work: str) -> tuple[str, str]:
+    """The run's header directory and its throwaway cache, both in the temp directory ``work``."""
+    include = os.path.join(work, "include")
+    os.makedirs(include, exist_ok=True)
+    return include, os.path.join(work, "cache")
+
+
 def write_header(directory: str, text: str) -> None:
     """Put ``text`` in the demo's header, in place: a new file in the directory would change its mtime,
     which the front door watches (a header added to an include directory may shadow another)."""
@@ -182,23 +190,28 @@ def write_header(directory: str, text: str) -> None:
     time.sleep(0.05)
 
 
-def cub_demo(path: str, include: str) -> list[tuple[str, dict[str, object], str]] | str:
-    """A miss, a hit, a header edit that misses: the rows, or why it was skipped."""
+def cub_demo(path: str, work: str) -> list[tuple[str, dict[str, object], str]] | str:
+    """A miss, a hit, a header edit that misses: the rows, or why it was skipped.
+
+    The CUB kernel goes to the cache at ``path``: its headers stay put, so a later run hits.
+    The kernel reading the demo's own header goes to the throwaway cache in ``work``.
+    """
     cccl = cccl_include()
     if cccl is None:
         return "skipped: no CCCL headers found (pip install nvidia-cuda-cccl; the test extra has it)"
     first = cub_compile(path, CUB_SOURCE, [cccl])
     again = cub_compile(path, CUB_SOURCE, [cccl])
+    include, throwaway = work_dirs(work)
     write_header(include, CUB_HEADER_TEXT)
-    tile = cub_compile(path, TILE_SOURCE, [include])
+    tile = cub_compile(throwaway, TILE_SOURCE, [include])
     write_header(include, CUB_HEADER_TEXT.replace("128", "256"))
-    edited = cub_compile(path, TILE_SOURCE, [include])
+    edited = cub_compile(throwaway, TILE_SOURCE, [include])
     first_note = "stored by an earlier run" if first["hit"] else "NVRTC ran; the headers it read are recorded"
     edit_note = "a changed header; NVRTC ran" if not edited["hit"] else "stored by an earlier compile"
     return [
         ("CUB kernel, include_path=[CCCL]", first, first_note),
         ("the same compile again", again, "every header checked: unchanged"),
-        (f"a kernel reading {CUB_HEADER}", tile, "NVRTC ran: its include directory is new in each run"),
+        (f"a kernel reading {CUB_HEADER}", tile, "NVRTC ran: a new include directory (a temp cache keeps it)"),
         (f"{CUB_HEADER} edited", edited, edit_note),
     ]
 
@@ -220,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clear", action="store_true", help="empty the cache first, to see every miss")
     parser.add_argument("--yes", action="store_true", help="with --clear on the default cache directory: empty it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--include", help=argparse.SUPPRESS)  # the child's: the parent's header directory
+    parser.add_argument("--work", help=argparse.SUPPRESS)  # the child's: the parent's header and throwaway cache
     args = parser.parse_args(argv)
 
     from cuda_program_cas import default_cache_dir
@@ -228,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.path or str(default_cache_dir())
     if args.child:
         rows, counts = compile_all(path)
-        cub = cub_compile(path, TILE_SOURCE, [args.include]) if cccl_include() and args.include else None
+        cub = None
+        if cccl_include() and args.work:
+            include, throwaway = work_dirs(args.work)
+            cub = cub_compile(throwaway, TILE_SOURCE, [include])
         print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
         return 0
 
@@ -243,25 +259,25 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         ContentAddressedProgramCache(path).clear()
-    include = tempfile.mkdtemp(prefix="program-cas-demo-include-")
+    work = tempfile.mkdtemp(prefix="program-cas-demo-")
     try:
-        return _run(path, include, args.path is None)
+        return _run(path, work, args.path is None)
     finally:
-        shutil.rmtree(include, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(path: str, include: str, default_dir: bool) -> int:
-    """The demo's two passes and its report (the header directory is the caller's to remove)."""
+def _run(path: str, work: str, default_dir: bool) -> int:
+    """The demo's two passes and its report (``work``, the header and throwaway cache, is the caller's to remove)."""
     from cuda_program_cas import ContentAddressedProgramCache
     from cuda_program_cas._cli.main import fmt_bytes
 
     where = "the default cache directory" if default_dir else "given with --path"
     print(f"cache: {path} ({where})")
     first, first_counts = compile_all(path)
-    cub = cub_demo(path, include)
+    cub = cub_demo(path, work)
     # Pass 2 in a fresh process: what the next job on this node pays.
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--path", path, "--include", include],
+        [sys.executable, __file__, "--child", "--path", path, "--work", work],
         capture_output=True,
         text=True,
         check=False,

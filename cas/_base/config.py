@@ -1,6 +1,10 @@
 """Where the cache lives and how its knobs are spelled (no CUDA needed).
 
-Every environment variable is read here, through :func:`env_value`. A value that
+Every environment variable the package reads is one :class:`Variable` of
+:data:`VARIABLES`: its name, its parser and what it means. The readers read
+through it (:meth:`Variable.value`), and ``cuda-program-cas config`` lists every
+one with what it reads (:func:`read_variables`): a variable added to the tuple
+appears there with nothing else to change. A value that
 cannot be used never fails a job: it gets one WARNING per process (per variable
 and value) on the ``cuda_program_cas`` logger and is ignored. A relative path in
 ``CUDA_PROGRAM_CAS_DIR`` or ``CUDA_PROGRAM_CAS_SHARED`` would quietly depend on
@@ -9,12 +13,15 @@ the working directory: it gets one WARNING too, and is made absolute when read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .fork import ForkSafeLock
 
@@ -29,7 +36,27 @@ __all__ = [
     "ENV_MAX_ENTRY_SIZE",
     "ENV_MAX_SIZE",
     "ENV_SHARED",
+    "ENV_SWITCH",
     "NOT_GIVEN",
+    "VARIABLES",
+    "VAR_CA_BUNDLE",
+    "VAR_CLAIM_WAIT",
+    "VAR_DIR",
+    "VAR_HTTP_TIMEOUT",
+    "VAR_HTTP_TOKEN",
+    "VAR_LEASE_TTL",
+    "VAR_LOG",
+    "VAR_MAX_ENTRY_SIZE",
+    "VAR_MAX_SIZE",
+    "VAR_REDIS_PASSWORD",
+    "VAR_REDIS_TIMEOUT",
+    "VAR_SHARED",
+    "VAR_SIGNING_KEY",
+    "VAR_SWITCH",
+    "VAR_TRUSTED_KEYS",
+    "Reading",
+    "Variable",
+    "collecting",
     "default_cache_dir",
     "env_claim_wait",
     "env_dir",
@@ -38,12 +65,15 @@ __all__ = [
     "env_max_entry_size",
     "env_max_size",
     "env_shared",
+    "env_switched_off",
     "env_value",
     "installed_version",
     "parse_duration",
     "parse_size",
+    "parse_switch",
     "platform_cache_dir",
     "read_env",
+    "read_variables",
     "validate_max_size",
     "warn_once",
 ]
@@ -51,6 +81,11 @@ __all__ = [
 _T = TypeVar("_T")
 _log = logging.getLogger("cuda_program_cas")
 
+#: The switch: ``1`` routes every compile of a process through the cache, ``read-only`` too but
+#: writes nothing, ``0`` turns the cache off everywhere, also for code that passes ``cache=``
+#: (as ``CCACHE_DISABLE`` does). The start-up hook (``cas/_cuda/boot.py``) reads it too,
+#: with the standard library alone.
+ENV_SWITCH = "CUDA_PROGRAM_CAS"
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
 ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
@@ -93,8 +128,20 @@ _seen: set[tuple[str, ...]] = set()
 _seen_lock = ForkSafeLock()
 
 
+#: Where :func:`collecting` gathers what a reader warns about, on this thread (None: nowhere).
+_collect = threading.local()
+
+
 def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
-    """Log ``message % args`` at WARNING the first time this process meets ``key``; True if it did."""
+    """Log ``message % args`` at WARNING the first time this process meets ``key``; True if it did.
+
+    Inside :func:`collecting` on this thread, ``(key, text)`` is gathered instead: not logged,
+    and not marked as said (the reader that collects says it in its own words).
+    """
+    sink: list[tuple[tuple[str, ...], str]] | None = getattr(_collect, "sink", None)
+    if sink is not None:
+        sink.append((key, message % args))
+        return False
     with _seen_lock:
         if key in _seen:
             return False
@@ -103,11 +150,23 @@ def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
     return True
 
 
-def read_env(name: str, parse: Callable[[str], _T]) -> tuple[_T | None, str | None]:
+@contextlib.contextmanager
+def collecting() -> Iterator[list[tuple[tuple[str, ...], str]]]:
+    """Gather what :func:`warn_once` is asked to say on this thread meanwhile (a store left out...), unsaid."""
+    outer = getattr(_collect, "sink", None)
+    sink: list[tuple[tuple[str, ...], str]] = []
+    _collect.sink = sink
+    try:
+        yield sink
+    finally:
+        _collect.sink = outer
+
+
+def read_env(name: str, parse: Callable[[str], _T], *, secret: bool = False) -> tuple[_T | None, str | None]:
     """The environment variable ``name`` read with ``parse``, and why it is ignored (None when it is not).
 
     Unset or empty: ``(None, None)``. A value ``parse`` refuses (``ValueError``):
-    ``(None, "NAME='value' is ignored: why")``.
+    ``(None, "NAME='value' is ignored: why")``; a ``secret`` one is not quoted.
     """
     text = os.environ.get(name)
     if not text:
@@ -115,16 +174,16 @@ def read_env(name: str, parse: Callable[[str], _T]) -> tuple[_T | None, str | No
     try:
         return parse(text), None
     except ValueError as exc:
-        return None, f"{name}={text!r} is ignored: {exc}"
+        return None, f"{name}={'(set, not shown)' if secret else repr(text)} is ignored: {exc}"
 
 
-def env_value(name: str, parse: Callable[[str], _T]) -> _T | None:
+def env_value(name: str, parse: Callable[[str], _T], *, secret: bool = False) -> _T | None:
     """The environment variable ``name`` read with ``parse``; None when it is unset or empty.
 
     A value ``parse`` refuses (``ValueError``) is one WARNING per process and None:
     a job runs on without it.
     """
-    value, why = read_env(name, parse)
+    value, why = read_env(name, parse, secret=secret)
     if why is not None:
         warn_once(("env", name, os.environ.get(name, "")), "cuda-program-cas: %s", why)
     return value
@@ -148,9 +207,30 @@ def _absolute(name: str) -> Callable[[str], str]:
     return parse
 
 
+#: ``CUDA_PROGRAM_CAS`` values and the mode each names.
+_SWITCH_MODES = {"0": "off", "1": "on", "read-only": "read-only"}
+
+
+def parse_switch(text: str) -> str:
+    """The mode a ``CUDA_PROGRAM_CAS`` value names: ``"off"`` (``0``), ``"on"`` (``1``) or ``"read-only"``."""
+    mode = _SWITCH_MODES.get(text.strip())
+    if mode is None:
+        raise ValueError("it is 1, read-only or 0; compiles are not cached")
+    return mode
+
+
+def env_switched_off() -> bool:
+    """Whether ``CUDA_PROGRAM_CAS=0`` turns the cache off: no lookup, no store, every compile uncached.
+
+    Only ``0`` does. Another value the switch does not know is one WARNING (the
+    switch's, where it runs) and leaves ``cache=`` as it is.
+    """
+    return VAR_SWITCH.value() == "off"
+
+
 def env_max_size() -> int | None:
     """``$CUDA_PROGRAM_CAS_MAX_SIZE`` in bytes; None when unset, empty or not a size (then one WARNING)."""
-    return env_value(ENV_MAX_SIZE, parse_size)
+    return VAR_MAX_SIZE.value()
 
 
 def env_shared() -> list[str] | None:
@@ -162,51 +242,52 @@ def env_shared() -> list[str] | None:
     (checked), with ``|write`` kept where the store is named writable. An entry
     that cannot be used is one WARNING and left out.
     """
+    return VAR_SHARED.value()
+
+
+def _parse_shared(text: str) -> list[str]:
+    """:func:`env_shared`'s parser: the stores of a value; each one refused is one WARNING, left out."""
     from .urls import is_store_url, normalize_store_url, parse_store_entry, shown, split_store_list
 
     parse = _absolute(ENV_SHARED)
-
-    def stores(text: str) -> list[str]:
-        out = []
-        for part in split_store_list(text):
-            try:
-                address, writable = parse_store_entry(part)
-                address = normalize_store_url(address) if is_store_url(address) else parse(address)
-            except ValueError as exc:
-                warn_once(
-                    ("env-url", ENV_SHARED, shown(part)),
-                    "cuda-program-cas: %s: a store is left out: %s",
-                    ENV_SHARED,
-                    exc,
-                )
-                continue
-            out.append(f"{address}|write" if writable else address)
-        return out
-
-    return env_value(ENV_SHARED, stores)
+    out = []
+    for part in split_store_list(text):
+        try:
+            address, writable = parse_store_entry(part)
+            address = normalize_store_url(address) if is_store_url(address) else parse(address)
+        except ValueError as exc:
+            warn_once(
+                ("env-url", ENV_SHARED, shown(part)),
+                "cuda-program-cas: %s: a store is left out: %s",
+                ENV_SHARED,
+                exc,
+            )
+            continue
+        out.append(f"{address}|write" if writable else address)
+    return out
 
 
 def env_max_entry_size() -> int:
     """``$CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` in bytes, else :data:`DEFAULT_MAX_ENTRY_BYTES` (bad: one WARNING)."""
-    value = env_value(ENV_MAX_ENTRY_SIZE, parse_size)
+    value = VAR_MAX_ENTRY_SIZE.value()
     return DEFAULT_MAX_ENTRY_BYTES if value is None else value
 
 
 def env_claim_wait() -> float:
     """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S` (a bad value: one WARNING)."""
-    value = env_value(ENV_CLAIM_WAIT, parse_duration)
+    value = VAR_CLAIM_WAIT.value()
     return DEFAULT_CLAIM_WAIT_S if value is None else value
 
 
 def env_lease_ttl() -> float:
     """``$CUDA_PROGRAM_CAS_LEASE_TTL`` in seconds (at least 0.3), else :data:`DEFAULT_LEASE_TTL_S`."""
-    value = env_value(ENV_LEASE_TTL, parse_duration)
+    value = VAR_LEASE_TTL.value()
     return DEFAULT_LEASE_TTL_S if value is None else max(0.3, value)
 
 
 def env_log_file() -> str | None:
     """``$CUDA_PROGRAM_CAS_LOG``: the file the ``cuda_program_cas`` logger's records go to; None when unset."""
-    return env_value(ENV_LOG, str)
+    return VAR_LOG.value()
 
 
 def default_cache_dir() -> Path:
@@ -221,7 +302,7 @@ def default_cache_dir() -> Path:
 
 def env_dir() -> str | None:
     """``$CUDA_PROGRAM_CAS_DIR``, absolute (a relative value: one WARNING); None when unset or empty."""
-    return env_value(ENV_DIR, _absolute(ENV_DIR))
+    return VAR_DIR.value()
 
 
 def platform_cache_dir() -> Path:
@@ -286,3 +367,209 @@ def installed_version() -> str:
         return version("cuda-program-cas")
     except PackageNotFoundError:
         return UNKNOWN_VERSION
+
+
+# -- the registry -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Variable(Generic[_T]):
+    """One environment variable the package reads: its name, its parser, and what it means."""
+
+    name: str
+    #: Reads a value that is set and not empty; ``ValueError`` refuses it (then it is ignored, one WARNING).
+    parse: Callable[[str], _T]
+    #: What it sets, in one line.
+    meaning: str
+    #: What applies when it is unset or empty, in words.
+    default: str
+    #: A token or password: never shown, only said to be ``set``.
+    secret: bool = False
+
+    def read(self) -> tuple[_T | None, str | None]:
+        """The value, and why it is ignored (see :func:`read_env`); says nothing."""
+        return read_env(self.name, self.parse, secret=self.secret)
+
+    def value(self) -> _T | None:
+        """The value the package uses; None when unset, empty or refused (then one WARNING per process)."""
+        return env_value(self.name, self.parse, secret=self.secret)
+
+
+def _elsewhere(ref: str) -> Callable[[str], Any]:
+    """The parser ``module:function`` of a floor above this one, imported when a value is read."""
+
+    def parse(text: str) -> Any:
+        import importlib
+
+        module, _, function = ref.partition(":")
+        return getattr(importlib.import_module(f"cuda_program_cas.{module}"), function)(text)
+
+    return parse
+
+
+VAR_SWITCH: Variable[str] = Variable(
+    ENV_SWITCH,
+    parse_switch,
+    "1: every compile of a process through the cache; read-only: the same, writing nothing; 0: the cache off "
+    "everywhere, also for cache= (as CCACHE_DISABLE)",
+    "the switch off; a cache= passed is used",
+)
+VAR_DIR: Variable[str] = Variable(
+    ENV_DIR, _absolute(ENV_DIR), "the cache directory", "the per-user cache directory (platformdirs)"
+)
+VAR_MAX_SIZE: Variable[int] = Variable(
+    ENV_MAX_SIZE, parse_size, "the cap on stored bytes (10G, 500M)", "the cap stored in the cache, else none"
+)
+VAR_SHARED: Variable[list[str]] = Variable(
+    ENV_SHARED, _parse_shared, "shared stores read after the local cache, in order (directories, URLs)", "none"
+)
+VAR_MAX_ENTRY_SIZE: Variable[int] = Variable(
+    ENV_MAX_ENTRY_SIZE,
+    parse_size,
+    "the largest entry read from a store the cache does not own, or stored",
+    "256 MiB",
+)
+VAR_CLAIM_WAIT: Variable[float] = Variable(
+    ENV_CLAIM_WAIT,
+    parse_duration,
+    "how long a miss waits for another process of the node compiling the same key (90s, 10m; 0: never)",
+    "5 minutes",
+)
+VAR_LOG: Variable[str] = Variable(
+    ENV_LOG, str, "a file every record of the cuda_program_cas logger is appended to", "none"
+)
+VAR_HTTP_TIMEOUT: Variable[Any] = Variable(
+    "CUDA_PROGRAM_CAS_HTTP_TIMEOUT",
+    _elsewhere("_remote.client:_parse_timeouts"),
+    "CONNECT[,READ] seconds for store servers",
+    "3,10",
+)
+VAR_HTTP_TOKEN: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_HTTP_TOKEN",
+    str,
+    "a bearer token for store servers",
+    "the host's .netrc password, else none",
+    secret=True,
+)
+VAR_CA_BUNDLE: Variable[Any] = Variable(
+    "CUDA_PROGRAM_CAS_CA_BUNDLE",
+    _elsewhere("_remote.client:_parse_file"),
+    "a PEM file of CAs trusted for https:// stores besides the system's",
+    "the system's CAs",
+)
+VAR_LEASE_TTL: Variable[float] = Variable(
+    ENV_LEASE_TTL,
+    parse_duration,
+    "how long a node's lease on a key in a Redis store lives unrenewed (a killed holder frees it within this)",
+    "30 s",
+)
+VAR_SIGNING_KEY: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_SIGNING_KEY",
+    str,
+    "an ed25519 private key (PEM) that signs each manifest write-back and publish write to a shared store",
+    "none: unsigned",
+)
+VAR_TRUSTED_KEYS: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_TRUSTED_KEYS",
+    str,
+    "public keys (PEM files or ed25519:<hex>); entries of shared stores not signed by one are ignored",
+    "none: every verified entry is used",
+)
+VAR_REDIS_PASSWORD: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_REDIS_PASSWORD",
+    str,
+    "the password of redis(s):// stores whose URL has none",
+    "none",
+    secret=True,
+)
+VAR_REDIS_TIMEOUT: Variable[Any] = Variable(
+    "CUDA_PROGRAM_CAS_REDIS_TIMEOUT",
+    _elsewhere("_remote.redis:_positive_duration"),
+    "each Redis call's deadline in seconds",
+    "5",
+)
+
+#: Every variable the package reads, in the order ``config`` lists them. A new one is
+#: a ``VAR_*`` above, added here (with ``secret=True`` for a token, a password or a
+#: key), and read with its :meth:`Variable.value`; ``config`` lists it, and
+#: tests/test_config_env.py fails for a name the package spells that is not here.
+VARIABLES: tuple[Variable[Any], ...] = (
+    VAR_SWITCH,
+    VAR_DIR,
+    VAR_MAX_SIZE,
+    VAR_SHARED,
+    VAR_MAX_ENTRY_SIZE,
+    VAR_CLAIM_WAIT,
+    VAR_LOG,
+    VAR_HTTP_TIMEOUT,
+    VAR_HTTP_TOKEN,
+    VAR_CA_BUNDLE,
+    VAR_LEASE_TTL,
+    VAR_SIGNING_KEY,
+    VAR_TRUSTED_KEYS,
+    VAR_REDIS_PASSWORD,
+    VAR_REDIS_TIMEOUT,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one variable of :data:`VARIABLES` reads in this environment (``config`` lists them)."""
+
+    name: str
+    meaning: str
+    #: ``environment`` when set and not empty, else ``default``.
+    source: str
+    #: The value as the package uses it, in words: ``set`` for a secret, the default's words when unset.
+    shown: str
+    #: False when the value, or a part of it, is refused.
+    accepted: bool
+    #: False when the whole value is refused (the package reads as if it were unset).
+    used: bool = True
+    #: Why each refused value or part is ignored, one line each.
+    problems: tuple[str, ...] = ()
+    #: What else to know about an accepted value (a relative path made absolute).
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "value": self.shown,
+            "source": self.source,
+            "accepted": self.accepted,
+            "used": self.used,
+            "meaning": self.meaning,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+
+#: Warnings a reader gives about a value it still uses: notes, not refusals.
+_NOTE_KINDS = frozenset({"env-relative"})
+
+
+def read_variables() -> list[Reading]:
+    """Every variable of :data:`VARIABLES` as this environment sets it, read by its own parser."""
+    out = []
+    for var in VARIABLES:
+        text = os.environ.get(var.name) or ""
+        if not text:
+            out.append(Reading(var.name, var.meaning, "default", f"unset: {var.default}", True))
+            continue
+        with collecting() as said:
+            value, why = var.read()
+        problems = [why] if why else []
+        said = [(key, text_.removeprefix("cuda-program-cas: ")) for key, text_ in said]
+        problems += [text_ for key, text_ in said if key[0] not in _NOTE_KINDS]
+        notes = [text_ for key, text_ in said if key[0] in _NOTE_KINDS]
+        if var.secret:
+            shown = "set"
+        elif why is not None:
+            shown = repr(text)
+        elif isinstance(value, (list, tuple)):
+            shown = " ".join(map(str, value)) or "none"
+        else:
+            shown = str(value)
+        # A list with every part refused is used as if unset.
+        accepted, used = not problems, why is None and not (isinstance(value, list) and not value and problems)
+        out.append(Reading(var.name, var.meaning, "environment", shown, accepted, used, tuple(problems), tuple(notes)))
+    return out

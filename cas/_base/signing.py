@@ -36,7 +36,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from .config import env_value, warn_once
+from .config import VAR_SIGNING_KEY, VAR_TRUSTED_KEYS, warn_once
 
 __all__ = [
     "ENV_SIGNING_KEY",
@@ -52,10 +52,10 @@ __all__ = [
 _log = logging.getLogger("cuda_program_cas")
 
 #: A private key (PEM, ed25519) that write-back and publish sign uploads with.
-ENV_SIGNING_KEY = "CUDA_PROGRAM_CAS_SIGNING_KEY"
+ENV_SIGNING_KEY = VAR_SIGNING_KEY.name
 #: Public keys (files, or ``ed25519:<hex>``), separated by whitespace or ``;``: shared entries not signed by one are
 #: ignored.
-ENV_TRUSTED_KEYS = "CUDA_PROGRAM_CAS_TRUSTED_KEYS"
+ENV_TRUSTED_KEYS = VAR_TRUSTED_KEYS.name
 
 _DOMAIN = b"cuda-program-cas manifest v1\x00"
 _SIG_RE = re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
@@ -171,7 +171,7 @@ def env_trust() -> Trust | None:
     A key that cannot be read is left out with one WARNING; if none can be read,
     nothing from a shared store is trusted (the node fails closed).
     """
-    value = env_value(ENV_TRUSTED_KEYS, str)
+    value = VAR_TRUSTED_KEYS.value()
     if value is None or not value.strip():
         return None
     keys: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def env_trust() -> Trust | None:
 
 def env_signer() -> Signer | None:
     """The key of ``$CUDA_PROGRAM_CAS_SIGNING_KEY``; None when unset. ``ValueError`` when it cannot be used."""
-    value = env_value(ENV_SIGNING_KEY, str)
+    value = VAR_SIGNING_KEY.value()
     if value is None or not value.strip():
         return None
     return Signer.from_file(os.path.expanduser(value.strip()))

@@ -188,11 +188,15 @@ def join(base: str, relative: str) -> str:
 
 
 def shown(url: str) -> str:
-    """``url`` as it may be logged: any user name and password replaced by ``***``."""
+    """``url`` as it may be logged: any user name and password, query and fragment replaced by ``***``.
+
+    A query may be a credential too (a pre-signed URL's signature).
+    """
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
+    if parts.username is None and parts.password is None and not parts.query and not parts.fragment:
         return url
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"***@{host}").geturl()
+    if parts.username is not None or parts.password is not None:
+        parts = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}")
+    return parts._replace(query="***" if parts.query else "", fragment="***" if parts.fragment else "").geturl()

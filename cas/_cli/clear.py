@@ -13,7 +13,7 @@ from typing import Any
 
 from cuda_program_cas._verbs.clear import clear
 
-from .main import add_json_arg, add_path_arg, fmt_bytes, plural, print_json
+from .main import add_json_arg, add_path_arg, fmt_bytes, not_created_line, plural, print_json
 
 __all__ = ["register"]
 
@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     report = clear(args.path, dry_run=args.dry_run)  # a shared store: LayoutError, bad usage
     if args.json:
         print_json(report.as_dict())
+        return 0
+    if not report.exists:
+        print(not_created_line(report.root, "nothing to clear"))
         return 0
     what = f"{plural(report.entries_before, 'entry', 'entries')} and {plural(report.blobs_before, 'blob')}"
     if report.dry_run:

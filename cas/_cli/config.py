@@ -1,7 +1,10 @@
 """``cuda-program-cas config [PATH] [max-size [SIZE|none]]``: the settings a cache gets, and the cap it stores.
 
 Without a setting: every effective setting (directory, cap, shared stores, log
-file) and where each came from (argument, environment, cache, default). With
+file) and where each came from (argument, environment, cache, default), then
+every environment variable the package reads, with its value (``set`` for a
+token), its source and whether it was accepted; each value refused is a problem
+line, exit 1. With
 ``max-size SIZE``: store the cap in the cache (``settings.json``), as ``ccache -M``
 does; every process that opens the cache honours it unless ``max_size_bytes=`` or
 ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise. ``max-size none`` removes it.
@@ -30,7 +33,9 @@ def register(subparsers: Any) -> None:
         usage=_USAGE,
         description=(
             "Without a setting, print every effective setting of the cache at PATH (directory, cap, shared "
-            "stores, log file) and where each comes from: argument, environment, cache or default. "
+            "stores, log file) and where each comes from: argument, environment, cache or default; then every "
+            "environment variable the package reads, its value (a token only as 'set'), its source and whether "
+            "it was accepted (a refused value is a problem: exit 1). "
             "`max-size 10G` stores the cap in the cache (settings.json), as ccache -M does: every process "
             "that opens the cache honours it unless max_size_bytes= or $CUDA_PROGRAM_CAS_MAX_SIZE says "
             "otherwise. `max-size none` removes it. The cache is created if missing."
@@ -85,6 +90,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         for s in report.settings:
             print(f"{_LABELS[s.name]:<10} {_show_value(s)} ({_show_source(s)})")
+        if report.variables:
+            print("environment:")
+            width = max(len(v.name) for v in report.variables)
+            for v in report.variables:
+                refused = "" if v.accepted else "; refused" if not v.used else "; partly refused"
+                verdict = "" if v.source == "default" else f" ({v.source}{refused})"
+                print(f"  {v.name:<{width}}  {v.shown}{verdict}")
+                for note in v.notes:
+                    print(f"  {'':<{width}}  note: {note}")
         for text in report.problems:
             print(f"problem: {text}")
     return 1 if report.problem_count else 0

@@ -16,6 +16,7 @@ from .main import (
     fmt_age,
     fmt_bytes,
     grace_arg,
+    not_created_line,
     plural,
     print_json,
     seconds_arg,
@@ -141,6 +142,9 @@ def summary_line(report: GcReport) -> str:
 
 
 def print_report(report: GcReport, args: argparse.Namespace) -> None:
+    if not report.exists:
+        print(not_created_line(report.root, "nothing to collect"))
+        return
     print(
         f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry', 'entries')}, "
         f"{plural(report.blobs_before, 'blob')}, {fmt_bytes(report.bytes_before)} stored"

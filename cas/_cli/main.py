@@ -10,7 +10,8 @@ exit status: the commands parse and print, the verbs do the work. ``main`` sets
 
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage
-(bad options, a path that does not exist or is not a cache). Expected failures
+(bad options, a path that is not a cache; where no cache has been created yet,
+``stats``, ``gc``, ``verify`` and ``clear`` report an empty one). Expected failures
 are one line on stderr, never a traceback; with ``--json`` they are also one JSON
 object on stdout (``error``, ``exit_status``, ``problems``, ``problem_count``).
 ``python -m cuda_program_cas`` is the same script. ``CUDA_PROGRAM_CAS_LOG`` is honoured as the
@@ -44,6 +45,7 @@ __all__ = [
     "fmt_bytes",
     "grace_arg",
     "main",
+    "not_created_line",
     "plural",
     "print_json",
     "seconds_arg",
@@ -152,6 +154,11 @@ def fmt_age(seconds: float) -> str:
             value = seconds / size
             return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def not_created_line(root: str, nothing: str) -> str:
+    """What ``gc``, ``verify`` and ``clear`` print where no cache has been created yet (exit 0, as ``stats``)."""
+    return f"no cache at {root} yet (nothing has been stored): {nothing}"
 
 
 def print_json(obj: object) -> None:

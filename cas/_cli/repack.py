@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from cuda_program_cas._base.errors import CollectorBusyError
-from cuda_program_cas._verbs.repack import check_shared_store, repack
+from cuda_program_cas._verbs.repack import RepackReport, check_shared_store, repack
 
 from .main import add_json_arg, fmt_bytes, plural, print_json
 
@@ -31,6 +31,24 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _left(report: RepackReport) -> str:
+    """What the repack left for gc, and when gc removes it: nodes may be reading it now."""
+    others = report.loose_left - report.loose_packed
+    kept = f"; {plural(others, 'loose entry', 'loose entries')} not in the pack stay{'s' if others == 1 else ''}"
+    if not report.loose_packed and not report.retired:
+        return f"left {plural(report.loose_left, 'loose entry', 'loose entries')}" + (kept if others else "")
+    what = []
+    if report.loose_packed:
+        what.append(f"{plural(report.loose_packed, 'loose entry', 'loose entries')} now also in the pack")
+    if report.retired:
+        what.append(f"{plural(len(report.retired), 'retired pack')}")
+    when = (report.gc_removes_after or "").replace("T", " ").replace("+00:00", " UTC")
+    return (
+        f"left {' and '.join(what)} for nodes that may be reading them: gc removes them once its --grace has "
+        f"passed (1h by default: from {when}){kept if others else ''}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     check_shared_store(args.store)  # a store URL, a node's local cache: bad usage
     root = os.path.abspath(args.store)
@@ -49,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         for text in report.problems:
             print(f"problem: {text}")
         where = report.pack or "no pack (the store is empty)"
+        if report.pack:
+            print(_left(report))
         print(
             f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
             f"({fmt_bytes(report.bytes)}) into {where}; retired {plural(len(report.retired), 'pack')}"

@@ -94,6 +94,22 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
     ]
 
 
+def _entries(info: dict[str, Any]) -> str:
+    """The entries row: on a packed store, loose and packed, and what a repack left loose for gc."""
+    if not info["packs"]:
+        return f"{info['entries']:,} ({fmt_bytes(info['logical_bytes'])} if each had its own copy)"
+    text = (
+        f"{info['entries']:,}: {info['packed_entries']:,} packed, {info['loose_entries']:,} loose "
+        f"({fmt_bytes(info['logical_bytes'])} if each loose one had its own copy)"
+    )
+    if info["loose_also_packed"]:
+        text += (
+            f"; {info['loose_also_packed']:,} of the loose ones are packed too (left by a repack: gc removes them "
+            "once --grace has passed since their pack was written)"
+        )
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     if args.zero:
         return _zero(args.path, args.json)
@@ -123,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     rows = [
         ("cache", info["path"] + ("" if info["exists"] else " (no cache here yet: nothing has been stored)")),
-        ("entries", f"{info['entries']:,} ({fmt_bytes(info['logical_bytes'])} if each had its own copy)"),
+        ("entries", _entries(info)),
         (
             "blobs",
             f"{info['blobs']:,} unique ({fmt_bytes(info['blob_bytes'])}) + manifests "
@@ -175,9 +191,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"problem: {text}")
     if info["problem_count"] > _SHOWN:
         print(f"problem: ... and {info['problem_count'] - _SHOWN:,} more")
+    packed = ""
+    if info["packs"]:
+        packed = f" ({info['packed_entries']:,} packed)"
+    where = plural(info["blobs"], "blob")
+    if info["packs"]:
+        where = f"{plural(info['blobs'], 'loose blob')} and {plural(info['packs'], 'pack')}"
+    stored = info["stored_bytes"] + info["pack_bytes"]
     print(
-        f"{plural(info['entries'], 'entry', 'entries')} in {plural(info['blobs'], 'blob')}, "
-        f"{fmt_bytes(info['stored_bytes'])} stored, dedup {info['dedup_ratio']:.2f}x"
+        f"{plural(info['entries'], 'entry', 'entries')}{packed} in {where}, "
+        f"{fmt_bytes(stored)} stored, dedup {info['dedup_ratio']:.2f}x"
         + (f", {info['cap_used_percent']}% of the cap" if cap else "")
         + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")
         + (f"; {plural(info['problem_count'], 'file')} could not be read" if info["problem_count"] else "")

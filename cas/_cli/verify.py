@@ -7,7 +7,7 @@ from typing import Any
 
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
-from .main import UsageError, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from .main import UsageError, add_json_arg, add_path_arg, cache_path, fmt_bytes, not_created_line, plural, print_json
 
 __all__ = ["register"]
 
@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     args.progress.done()
     if args.json:
         print_json(report.as_dict())
+    elif not report.exists:
+        print(not_created_line(report.root, "nothing to check"))
     else:
         for p in report.problems:
             state = " [fixed]" if p.fixed else ""

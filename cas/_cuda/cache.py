@@ -14,9 +14,11 @@ from typing import Any
 from cuda.core import LinkerOptions, ObjectCode, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
-from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared
+from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared, env_switched_off
 from cuda_program_cas._store.stats import CacheStats
 from cuda_program_cas._store.store import CacheStore
+
+from .off import SwitchedOff
 
 __all__ = ["ContentAddressedProgramCache"]
 
@@ -81,6 +83,14 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 
+    ``CUDA_PROGRAM_CAS=0`` in the environment when the cache is made turns it off,
+    as ``CCACHE_DISABLE`` turns ccache off (:mod:`cuda_program_cas._cuda.off`):
+    nothing under ``path`` or in a shared store is created, read, written or
+    locked. A lookup misses; a write, and the result of :meth:`compile` and
+    :meth:`link` (which then compile and link uncached), is dropped and counted in
+    ``dropped_writes``; ``del``, ``clear()`` and :attr:`store` raise
+    ``ReadOnlyCacheError``. :attr:`switched_off` says whether it is.
+
     ``key in cache`` raises ``TypeError``: a check followed by a read races with
     other processes; ``cache.get(key)`` answers both at once.
     """
@@ -94,6 +104,11 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         read_only: bool = False,
         copy_shared_hits: bool = True,
     ) -> None:
+        self._front_door: Any = None
+        self._store: CacheStore | SwitchedOff
+        if env_switched_off():
+            self._store = SwitchedOff(default_cache_dir() if path is None else path, max_size_bytes)
+            return
         if max_size_bytes is NOT_GIVEN:
             # The environment, else (still NOT_GIVEN) the cache's own setting.
             max_size_bytes = env_max_size() or NOT_GIVEN
@@ -108,7 +123,6 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             shared=shared,
             copy_shared_hits=copy_shared_hits,
         )
-        self._front_door: Any = None
 
     @property
     def path(self) -> str:
@@ -116,8 +130,15 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return self._store.root
 
     @property
+    def switched_off(self) -> bool:
+        """Whether ``CUDA_PROGRAM_CAS=0`` turned this cache off when it was made (see the class)."""
+        return isinstance(self._store, SwitchedOff)
+
+    @property
     def store(self) -> CacheStore:
-        """The underlying bytes-only :class:`cuda_program_cas.CacheStore`."""
+        """The underlying bytes-only :class:`cuda_program_cas.CacheStore` (an off cache has none: raises)."""
+        if isinstance(self._store, SwitchedOff):
+            raise self._store.refuse("give its store")
         return self._store
 
     def __getitem__(self, key: bytes | str) -> bytes:
@@ -179,6 +200,13 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``
         naming the option, before anything runs.
         """
+        if isinstance(self._store, SwitchedOff):
+            from cuda.core import Program
+
+            program = getattr(Program, "cpcas_original", Program)(code, code_type, options)
+            result: ObjectCode = program.compile(target_type, tuple(name_expressions), logs)
+            self._store.note_dropped()
+            return result
         if self._front_door is None:
             from .frontdoor import FrontDoor
 
@@ -203,8 +231,12 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         one WARNING logged. A cache that cannot be written or read returns the
         uncached link's result.
         """
-        from .link import link
+        from .link import link, link_uncached
 
+        if isinstance(self._store, SwitchedOff):
+            result: ObjectCode = link_uncached(tuple(object_codes), options, target_type)[0]
+            self._store.note_dropped()
+            return result
         obj: ObjectCode = link(self._store, object_codes, options, target_type)
         return obj
 
@@ -230,7 +262,9 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
 
     def __repr__(self) -> str:
         extra = f", max_size_bytes={self._store.max_size_bytes}" if self._store.max_size_bytes else ""
-        if self._store.read_only:
+        if self.switched_off:
+            extra += ", switched off by CUDA_PROGRAM_CAS=0"
+        elif self._store.read_only:
             extra += ", read_only=True"
         if self._store.shared:
             extra += f", shared={list(self._store.shared_paths())!r}"

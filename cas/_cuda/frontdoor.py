@@ -61,7 +61,6 @@ import re
 import shutil
 import stat
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -73,6 +72,8 @@ from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
+
+from .tracedirs import new_trace_dir  # a SIGKILLed miss leaves its folder: the next process's sweeps it
 
 if TYPE_CHECKING:
     from .watch import Token
@@ -367,7 +368,7 @@ class FrontDoor:
         record_kid = grouped_id(record_key, None)
         started_ns = _fs_clock(self._store.layout.tmp)
         traced = code_type == "c++" and _nvrtc_major() >= 13
-        trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-") if traced else None
+        trace_dir = new_trace_dir() if traced else None
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
         # Traced here unless an earlier traced compile of this process failed (see _TRACES).
         here = traced and _TRACES.sound
@@ -810,7 +811,7 @@ def _end_nvrtc_tracing(program: Any, program_options: Any) -> None:
     writes ``.json`` into the working directory. One small traced compile that
     succeeds (to a temp file, removed) ends that, so the user's directory stays clean.
     """
-    trace_dir = tempfile.mkdtemp(prefix="cpcas-trace-")
+    trace_dir = new_trace_dir()
     try:
         options = program_options(arch="sm_80", fdevice_time_trace=os.path.join(trace_dir, "trace"))
         program('extern "C" __global__ void cpcas_end_trace() {}', "c++", options=options).compile("cubin")

@@ -47,7 +47,7 @@ from cuda_program_cas._base.config import warn_once
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import key_id
 
-__all__ = ["link"]
+__all__ = ["link", "link_uncached"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas link 1\0"
@@ -85,11 +85,11 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
     if options is None:
         options = LinkerOptions()
     if not _valid(objects, target_type, ObjectCode):
-        return _link_uncached(objects, options, target_type)[0]
+        return link_uncached(objects, options, target_type)[0]
     try:
         key, files = _key(objects, options, target_type, LinkerOptions)
     except _Unkeyable as exc:
-        result = _link_uncached(objects, options, target_type)[0]
+        result = link_uncached(objects, options, target_type)[0]
         _dropped(store, str(exc))
         return result
     kid = key_id(key)
@@ -103,7 +103,7 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
             found = None
         if found is not None:
             return _object_code(ObjectCode, found[0], target_type, options.name)
-        result, backend = _link_uncached(objects, options, target_type)
+        result, backend = link_uncached(objects, options, target_type)
         why = _why_not_stored(files, backend)
         if why is not None:
             _dropped(store, why)
@@ -121,7 +121,7 @@ def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> b
     return bool(objects) and all(isinstance(o, object_code) for o in objects) and target_type in _TARGETS
 
 
-def _link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> tuple[Any, str | None]:
+def link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> tuple[Any, str | None]:
     """The link as cuda.core runs it, and the backend the linker says it used (None if it cannot say)."""
     linker = _cuda_core()[2].Linker(*objects, options=options)
     try:

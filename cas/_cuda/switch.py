@@ -38,15 +38,12 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
 from cuda_program_cas._base.fork import ForkSafeLock
 
 __all__ = ["activate", "install", "installed", "routed", "uninstall"]
 
 _log = logging.getLogger("cuda_program_cas")
-
-#: ``CUDA_PROGRAM_CAS`` values and the mode each names (None: off).
-_MODES = {"": None, "0": None, "1": "on", "read-only": "read-only"}
 
 _lock = ForkSafeLock()
 
@@ -102,16 +99,12 @@ def uninstall() -> None:
 
 def activate(value: str) -> None:
     """Install the switch in the mode ``value`` names (a ``CUDA_PROGRAM_CAS`` value); ``cuda.core`` is imported."""
-    value = value.strip()
-    if value not in _MODES:
-        warn_once(
-            ("switch-value", value),
-            "cuda-program-cas: CUDA_PROGRAM_CAS=%r is ignored: it is 1, read-only or 0; compiles are not cached",
-            value,
-        )
+    try:
+        mode = parse_switch(value) if value.strip() else "off"
+    except ValueError as exc:  # as config's reader words it, and said once for both
+        warn_once(("env", ENV_SWITCH, value), "cuda-program-cas: %s=%r is ignored: %s", ENV_SWITCH, value, exc)
         return
-    mode = _MODES[value]
-    if mode is None:
+    if mode == "off":
         uninstall()
         return
     # From sys.modules: inside the import hook, cuda.core has run but is not yet an attribute of cuda.
@@ -202,6 +195,8 @@ def _process_cache() -> Any:
     cache = _S.cache
     if cache is not None or _S.cache_failed:
         return cache
+    if env_switched_off():  # CUDA_PROGRAM_CAS=0 wins over install(): off everywhere, no cache opened
+        return None
     with _lock:
         if _S.cache is None and not _S.cache_failed:
             read_only = _S.mode == "read-only"

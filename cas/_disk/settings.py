@@ -25,12 +25,11 @@ from cuda_program_cas._base.config import (
     ENV_LOG,
     ENV_MAX_SIZE,
     ENV_SHARED,
+    VAR_MAX_SIZE,
     env_dir,
     env_log_file,
     env_shared,
-    parse_size,
     platform_cache_dir,
-    read_env,
     warn_once,
 )
 
@@ -175,7 +174,7 @@ def effective_settings(path: str | None) -> list[Setting]:
     stored, stored_problem = load_settings(root) if state is not LayoutState.MISSING else ({}, None)
     stored_cap = stored.get(MAX_SIZE)
     where = settings_path(root)
-    env_cap, env_problem = read_env(ENV_MAX_SIZE, parse_size)
+    env_cap, env_problem = VAR_MAX_SIZE.read()
     problem = "; ".join(p for p in (env_problem, stored_problem and f"{where} is ignored: {stored_problem}") if p)
     if env_cap is not None:
         note = f"overrides the cache's {stored_cap:,} bytes" if isinstance(stored_cap, int) else ""

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from cuda_program_cas._base.config import env_max_entry_size, env_value, parse_duration
+from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 
@@ -76,9 +76,9 @@ __all__ = [
 ]
 
 #: The password, when the URL has none (a URL in a job script or a log is easier to leak).
-ENV_REDIS_PASSWORD = "CUDA_PROGRAM_CAS_REDIS_PASSWORD"  # noqa: S105 - the variable's name
+ENV_REDIS_PASSWORD = VAR_REDIS_PASSWORD.name
 #: Each call's deadline in seconds (``2``, ``2s``, ``0.5``; no form in milliseconds).
-ENV_REDIS_TIMEOUT = "CUDA_PROGRAM_CAS_REDIS_TIMEOUT"
+ENV_REDIS_TIMEOUT = VAR_REDIS_TIMEOUT.name
 #: Five seconds: Redis answers in a millisecond; five covers a SYN retransmit (1 s, then 3 s)
 #: and a server paused by a fork or another client's slow command.
 DEFAULT_TIMEOUT_S = 5.0
@@ -179,9 +179,9 @@ class RedisEngine:
     ) -> None:
         address = _Address(url)
         if address.password is None:
-            address.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+            address.password = VAR_REDIS_PASSWORD.value() or None
         if timeout is None:
-            timeout = env_value(ENV_REDIS_TIMEOUT, _positive_duration) or DEFAULT_TIMEOUT_S
+            timeout = VAR_REDIS_TIMEOUT.value() or DEFAULT_TIMEOUT_S
         elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         if max_value is None:

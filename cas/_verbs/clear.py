@@ -21,7 +21,7 @@ from cuda_program_cas._disk.layout import is_shared_store
 from cuda_program_cas._disk.scan import take_snapshot
 from cuda_program_cas._store.store import CacheStore
 
-from .common import Report, cache_root, open_cache
+from .common import Report, cache_root, not_created, open_cache
 
 __all__ = ["ClearReport", "clear"]
 
@@ -32,6 +32,8 @@ class ClearReport(Report):
 
     root: str
     dry_run: bool
+    #: False where no cache has been created yet: nothing to remove, nothing created.
+    exists: bool = True
     entries_before: int = 0
     blobs_before: int = 0
     bytes_before: int = 0
@@ -52,7 +54,10 @@ def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) 
     cannot be written (not for ``dry_run``).
     """
     t0 = time.monotonic()
-    lay = open_cache(cache_root(path), write=not dry_run, purpose="clear").lay
+    root = cache_root(path)
+    if not_created(root):  # an empty cache, as stats reports it
+        return ClearReport(root, dry_run, exists=False)
+    lay = open_cache(root, write=not dry_run, purpose="clear").lay
     if is_shared_store(lay.root):
         raise LayoutError(
             f"{lay.root!r} is a shared store (publish marked it in its layout.json): clear empties a node's local "

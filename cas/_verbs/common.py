@@ -28,6 +28,7 @@ __all__ = [
     "cache_root",
     "check_blobs",
     "check_writable",
+    "not_created",
     "open_cache",
     "refuse_url",
 ]
@@ -72,6 +73,18 @@ def refuse_url(path: object) -> None:
             f"{shown(path)} is a store URL: maintenance runs where the store's files are; "
             "run it there, on the directory the web server serves (docs/cluster.md)"
         )
+
+
+def not_created(root: str | os.PathLike[str]) -> bool:
+    """Whether no cache has been created at ``root`` yet: nothing there, or an empty directory.
+
+    ``stats``, ``gc``, ``verify`` and ``clear`` report such a path as an empty
+    cache, exit 0: a nightly ``gc`` on a fresh node is not bad usage. A file, a
+    dangling symlink or a foreign directory raises :class:`LayoutError` as
+    :func:`open_cache` does.
+    """
+    refuse_url(root)
+    return check_layout(os.path.abspath(os.fspath(root))) is LayoutState.MISSING
 
 
 def open_cache(

@@ -6,6 +6,11 @@ default. With ``max_size`` it first stores the cap in the cache
 (``settings.json``): every process that opens the cache honours it unless
 ``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise; None
 removes it. The settings themselves are :mod:`cuda_program_cas._disk.settings`'s.
+
+It also lists every environment variable the package reads
+(:data:`cuda_program_cas._base.config.VARIABLES`, the switch included): its
+value (a token or password only as ``set``), its source, and whether it was
+accepted. Each value or part of one that the package ignores is a problem.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
+from cuda_program_cas._base.config import Reading, read_variables
 from cuda_program_cas._disk.layout import Layout, create_layout
 from cuda_program_cas._disk.settings import (
     MAX_SIZE,
@@ -50,6 +56,8 @@ class ConfigReport(Report):
     settings: list[Setting] = field(default_factory=list)
     #: What this call stored in the cache (name -> value, None: removed), or None.
     stored: dict[str, int | None] | None = None
+    #: Every environment variable the package reads, as read here (none when one setting was asked for).
+    variables: list[Reading] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
 
@@ -58,6 +66,7 @@ class ConfigReport(Report):
         if self.stored is not None:
             out["stored"] = dict(self.stored)
         out["settings"] = {s.name: s.as_dict() for s in self.settings}
+        out["variables"] = {v.name: v.as_dict() for v in self.variables}
         out["problems"] = list(self.problems)
         out["problem_count"] = self.problem_count
         return out
@@ -71,7 +80,8 @@ def config(
 ) -> ConfigReport:
     """The settings a cache opened at ``path`` (None: the default directory) gets with no arguments.
 
-    ``name``: only that setting (``"max_size_bytes"``, ``"directory"``, ``"shared"``, ``"log_file"``).
+    ``name``: only that setting (``"max_size_bytes"``, ``"directory"``, ``"shared"``, ``"log_file"``), and
+    no variables. Without it, ``variables`` reads every environment variable the package reads.
     ``max_size``: first store that cap in the cache (None removes it), creating
     the cache if missing; raises :class:`cuda_program_cas.ReadOnlyCacheError`
     when it cannot be written. Raises :class:`cuda_program_cas.LayoutError` when
@@ -88,9 +98,13 @@ def config(
     settings = effective_settings(given)
     if name is not None:
         settings = [s for s in settings if s.name == name]
-    report = ConfigReport(root, settings, stored)
+    report = ConfigReport(root, settings, stored, [] if name is not None else read_variables())
     if stored is None:  # a store that succeeded is not failed by a bad variable elsewhere
         for s in settings:
             if s.problem:
                 report.problem(s.problem)
+        for v in report.variables:
+            for text in v.problems:
+                if not any(text in said for said in report.problems):  # the cap's is said with its setting
+                    report.problem(text)
     return report

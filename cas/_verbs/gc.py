@@ -45,7 +45,7 @@ from cuda_program_cas._store.cap import plan_lru
 from cuda_program_cas._store.touch import apply_pending
 from cuda_program_cas.index import lru_units, partners_of
 
-from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, Report, check_blobs, open_cache
+from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, Report, check_blobs, not_created, open_cache
 from .packs import collect_packs
 
 __all__ = ["CATEGORIES", "SHARED_MIN_GRACE_S", "GcReport", "collect", "collected_as_shared"]
@@ -87,6 +87,8 @@ class GcReport(Report):
     dry_run: bool
     #: Collected as a shared store (see :func:`collect`).
     shared: bool = False
+    #: False where no cache has been created yet: nothing was collected, nothing created.
+    exists: bool = True
     started_ns: int = 0
     elapsed_s: float = 0.0
     entries_before: int = 0
@@ -135,6 +137,8 @@ def collected_as_shared(root: str | os.PathLike[str], shared: bool | None = None
     None: as its ``layout.json`` says (publish marks the stores it writes).
     Raises :class:`cuda_program_cas.LayoutError` for a path that is not a cache.
     """
+    if not_created(root):
+        return bool(shared)
     cache = open_cache(root, write=False, allow_damaged=True)
     return is_shared_store(cache.lay.root) if shared is None else shared
 
@@ -181,6 +185,10 @@ def collect(
     if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0):
         raise ValueError(f"max_size must be a non-negative int or None, got {max_size!r}")
     t0 = time.monotonic()
+    if not_created(root):  # an empty cache, as stats reports it: nothing to collect, nothing created
+        report = GcReport(os.path.abspath(os.fspath(root)), dry_run, shared=bool(shared), exists=False)
+        report.plan = {name: {"count": 0, "bytes": 0} for name in CATEGORIES}
+        return report
     cache = open_cache(root, write=not dry_run, purpose="collect garbage")
     lay = cache.lay
     if shared is None:

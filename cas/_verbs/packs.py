@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import ClassVar
 
 from cuda_program_cas._base.errors import CorruptBlobError
@@ -58,7 +59,7 @@ from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
 from cuda_program_cas._disk.writer import Writer
 from cuda_program_cas.index import lru_units
 
-from .common import Report
+from .common import SHARED_MIN_GRACE_S, Report
 
 __all__ = [
     "RETIRED",
@@ -89,6 +90,13 @@ class RepackReport(Report):
     dropped: int = 0
     #: Packs moved to ``packs/retired/``.
     retired: list[str] = field(default_factory=list)
+    #: Loose entries left in ``index/`` (nodes may be reading them: a repack removes nothing).
+    loose_left: int = 0
+    #: Of those, the ones the new pack holds with the same blob: ``gc`` removes them, and the
+    #: retired packs, once its grace period has passed since this repack.
+    loose_packed: int = 0
+    #: When that is with ``gc``'s default (and shortest, for a shared store) grace: ISO 8601, UTC.
+    gc_removes_after: str | None = None
     elapsed_s: float = 0.0
     #: Entries left out because their blob could not be read or was corrupt, and packs that could not be read.
     problems: list[str] = field(default_factory=list)
@@ -157,8 +165,32 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
         report.retired = [retire(lay, reader.path) for reader in old]
         PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
         save_listing(lay.root, writer.write_file)  # what HTTP readers list
+        _left_loose(lay, report)
     report.elapsed_s = time.monotonic() - t0
     return report
+
+
+def _left_loose(lay: Layout, report: RepackReport) -> None:
+    """Count the loose entries a repack left, and say when ``gc`` removes those its pack holds."""
+    assert report.pack is not None
+    try:
+        reader = PackReader(report.pack)
+    except (OSError, PackError) as exc:
+        report.problem(f"{report.pack}: cannot be read back: {exc}")
+        return
+    try:
+        packed = {e.key_id: e.digest for e in reader.entries()}
+        written = reader.mtime
+    finally:
+        reader.close()
+    loose = loose_entries(lay)
+    report.loose_left = len(loose)
+    report.loose_packed = sum(1 for m in loose if m.manifest is not None and packed.get(m.key_id) == m.manifest.digest)
+    if report.loose_packed or report.retired:
+        # collect_packs: covered loose entries once the pack is older than the grace; retired packs
+        # once they are (retire() set their mtime to now, just after the pack was written).
+        when = max(written, time.time()) + SHARED_MIN_GRACE_S
+        report.gc_removes_after = datetime.fromtimestamp(when, tz=timezone.utc).isoformat(timespec="seconds")
 
 
 def _from_pack(reader: PackReader, entry: PackEntry, report: RepackReport) -> bytes | None:
@@ -330,16 +362,25 @@ def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool
     return problems
 
 
-def pack_stats(lay: Layout) -> dict[str, int]:
-    """Packs, packed entries and their bytes, and retired packs."""
+def pack_stats(lay: Layout, keys: dict[str, str] | None = None) -> dict[str, int]:
+    """Packs, packed entries and their bytes, and retired packs.
+
+    ``keys``: filled with each packed key id and the digest the store serves for it
+    (the newest pack's), so ``stats`` counts a key loose and packed once.
+    """
     packs = entries = size = 0
-    for path in list_packs(_packs_dir(lay)):
+    for path in list_packs(_packs_dir(lay)):  # newest first
         try:
             reader = PackReader(path)
         except (OSError, PackError):
             continue
-        packs += 1
-        entries += reader.count
-        size += reader.size
-        reader.close()
+        try:
+            packs += 1
+            entries += reader.count
+            size += reader.size
+            if keys is not None:
+                for entry in reader.entries():
+                    keys.setdefault(entry.key_id, entry.digest)
+        finally:
+            reader.close()
     return {"packs": packs, "packed_entries": entries, "pack_bytes": size, "retired_packs": len(_retired(lay))}

@@ -48,9 +48,16 @@ class StatsReport(Report):
     path: str
     #: False where no cache has been created yet: then every figure is zero.
     exists: bool = True
+    #: Keys the store holds, loose or packed, each once (a key both loose and packed counts once).
     entries: int = 0
+    #: Of ``entries``, those a manifest in ``index/`` holds (the figures below in bytes are theirs).
+    loose_entries: int = 0
+    #: Loose manifests that a live pack holds too, with the same blob: what a repack left for ``gc``,
+    #: which removes them once its grace period has passed since the pack was written.
+    loose_also_packed: int = 0
     blobs: int = 0
-    #: Sum of the sizes of all entries, as if each key had its own copy.
+    #: Sum of the sizes of the loose entries, as if each key had its own copy (the byte figures
+    #: up to ``manifest_bytes`` are the loose ones'; ``pack_bytes`` the packs').
     logical_bytes: int = 0
     stored_bytes: int = 0
     blob_bytes: int = 0
@@ -81,6 +88,7 @@ class StatsReport(Report):
     stale_temp_files: int = 0
     quarantined_files: int = 0
     packs: int = 0
+    #: Keys the live packs hold, each once.
     packed_entries: int = 0
     pack_bytes: int = 0
     retired_packs: int = 0
@@ -191,7 +199,14 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     except OSError as exc:
         life = None
         report.problem(f"{lay.counters}: cannot be read ({exc.strerror or exc}): the lifetime counters are unknown")
-    report.entries = len(snap.manifests)
+    packed: dict[str, str] = {}
+    packs = pack_stats(lay, packed)
+    loose = {m.key_id: m for m in snap.manifests}
+    report.entries = len(loose.keys() | packed.keys())
+    report.loose_entries = len(loose)
+    report.loose_also_packed = sum(
+        1 for kid, m in loose.items() if m.manifest is not None and packed.get(kid) == m.manifest.digest
+    )
     report.blobs = len(snap.blobs)
     report.logical_bytes = snap.logical_bytes
     report.stored_bytes = stored = snap.stored_bytes
@@ -214,8 +229,7 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     report.size_mismatch_manifests = sum(c is Condition.SIZE_MISMATCH for c in conditions)
     report.stale_temp_files = len(stale_temp_files(lay.tmp))
     report.quarantined_files = quarantined
-    packs = pack_stats(lay)
-    report.packs, report.packed_entries = packs["packs"], packs["packed_entries"]
+    report.packs, report.packed_entries = packs["packs"], len(packed)
     report.pack_bytes, report.retired_packs = packs["pack_bytes"], packs["retired_packs"]
     if life is not None:
         report.counters = life.counters

@@ -28,7 +28,7 @@ from cuda_program_cas._disk.files import READ_FLAGS
 from cuda_program_cas._disk.layout import LAYOUT_FILE, LayoutState, create_layout, mark_shared_store, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 
-from .common import ProgressFn, Report, check_blobs, open_cache
+from .common import ProgressFn, Report, check_blobs, not_created, open_cache
 from .packs import pack_stats, verify_packs
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -112,6 +112,8 @@ class VerifyReport(Report):
 
     root: str
     repair: bool
+    #: False where no cache has been created yet: nothing to check, nothing created.
+    exists: bool = True
     entries: int = 0
     blobs: int = 0
     blobs_checked: int = 0
@@ -133,6 +135,7 @@ class VerifyReport(Report):
         return {
             "root": self.root,
             "repair": self.repair,
+            "exists": self.exists,
             "entries": self.entries,
             "blobs": self.blobs,
             "blobs_checked": self.blobs_checked,
@@ -163,6 +166,8 @@ def verify(
     file still says; where it says nothing, unmarked, and the problem says so.
     """
     t0 = time.monotonic()
+    if not_created(root):  # an empty cache, as stats reports it
+        return VerifyReport(os.path.abspath(os.fspath(root)), repair, exists=False)
     cache = open_cache(root, write=repair, allow_damaged=True, purpose="repair")
     lay, blobs, remover = cache.lay, cache.blobs, cache.remover
     report = VerifyReport(lay.root, repair)

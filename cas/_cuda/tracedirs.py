@@ -1,0 +1,71 @@
+"""The front door's trace folders: one ``cpcas-trace-*`` in the temp directory per traced miss.
+
+A miss removes its own folder when its compile ends (:mod:`cuda_program_cas._cuda.frontdoor`).
+A process killed with SIGKILL in the middle of a header compile cannot: its folder stays,
+empty or with a partial trace. So the first trace folder a process makes sweeps the
+stale ones first: directories named ``cpcas-trace-*`` directly in the temp directory,
+owned by this user, unchanged for over an hour. A traced compile that runs longer than
+that loses its trace to a sweep and is not cached (its trace cannot be read): never a
+wrong result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+
+__all__ = ["PREFIX", "STALE_S", "new_trace_dir", "sweep_stale"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+PREFIX = "cpcas-trace-"
+#: A folder unchanged for this long is stale. The trace is written as the compile ends,
+#: so a live folder is as old as its compile: seconds for CUB, minutes for the largest.
+STALE_S = 3600.0
+
+
+class _Swept:
+    done = False  # once per process; a forked child has its parent's temp directory, swept
+
+
+def new_trace_dir() -> str:
+    """A new trace folder (``tempfile.mkdtemp``); the process's first sweeps the stale ones before."""
+    if not _Swept.done:
+        _Swept.done = True
+        removed = sweep_stale()
+        if removed:
+            _log.debug("cuda-program-cas: front door: removed %d stale %s* folders", removed, PREFIX)
+    return tempfile.mkdtemp(prefix=PREFIX)
+
+
+def sweep_stale(directory: str | None = None, *, older_than_s: float = STALE_S) -> int:
+    """Remove this user's ``cpcas-trace-*`` folders in ``directory`` (the temp dir) unchanged for ``older_than_s``.
+
+    Returns how many went. Never raises: a folder that cannot be read or removed stays.
+    """
+    directory = directory or tempfile.gettempdir()
+    uid = os.getuid() if hasattr(os, "getuid") else None  # Windows: the temp directory is the user's own
+    cutoff = time.time() - older_than_s
+    removed = 0
+    try:
+        with os.scandir(directory) as it:
+            stale = []
+            for entry in it:
+                if not entry.name.startswith(PREFIX):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and st.st_mtime < cutoff:
+                    stale.append(entry.path)
+    except OSError:
+        return 0
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.lexists(path)
+    return removed

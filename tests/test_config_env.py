@@ -1,0 +1,170 @@
+"""``cuda-program-cas config`` lists every environment variable the package reads, from one registry.
+
+Each variable is :data:`cuda_program_cas._base.config.VARIABLES`'s, read by the
+parser its readers use: what ``config`` says accepted is what a job uses, and
+anything refused (a bad size, a store URL with credentials or a query, a bad
+duration) is a problem line and exit 1. Tokens are never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import cuda_program_cas
+from cuda_program_cas._base import config as cfg
+from cuda_program_cas._cli.main import main
+
+PACKAGE = Path(cuda_program_cas.__file__).resolve().parent
+TOKEN = "tok-3f9a1c-never-printed"  # noqa: S105 - a made-up token the test looks for in the output
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def bare_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No variable of the registry set, whatever the operator's environment holds."""
+    for var in cfg.VARIABLES:
+        monkeypatch.delenv(var.name, raising=False)
+    return monkeypatch
+
+
+def test_every_name_the_package_spells_is_in_the_registry() -> None:
+    """A reader added without its registry entry fails here: config would not list it."""
+    spelled: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        spelled |= set(re.findall(r"[\"'](CUDA_PROGRAM_CAS(?:_[A-Z]+)*)[\"'=]", path.read_text()))
+    names = [v.name for v in cfg.VARIABLES]
+    assert len(names) == len(set(names))
+    assert spelled and spelled <= set(names), sorted(spelled - set(names))
+    from cuda_program_cas._remote import client
+
+    assert {client.ENV_HTTP_TIMEOUT, client.ENV_HTTP_TOKEN, client.ENV_CA_BUNDLE} <= set(names)
+    # The readers read through the registry's parsers: the verdict config gives is the job's.
+    assert cfg.env_max_size.__code__.co_names.count("VAR_MAX_SIZE") == 1
+    assert cfg.env_shared.__code__.co_names.count("VAR_SHARED") == 1
+
+
+def test_config_lists_every_variable_with_its_value_source_and_verdict(
+    tmp_path: Path, bare_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    good = {
+        "CUDA_PROGRAM_CAS": "0",
+        "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"),
+        "CUDA_PROGRAM_CAS_MAX_SIZE": "10G",
+        "CUDA_PROGRAM_CAS_SHARED": f"{tmp_path / 'store'} https://cache.example/store",
+        "CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE": "64M",
+        "CUDA_PROGRAM_CAS_CLAIM_WAIT": "90s",
+        "CUDA_PROGRAM_CAS_LOG": str(tmp_path / "cas.log"),
+        "CUDA_PROGRAM_CAS_HTTP_TIMEOUT": "2,5",
+        "CUDA_PROGRAM_CAS_HTTP_TOKEN": TOKEN,
+        "CUDA_PROGRAM_CAS_CA_BUNDLE": str(bundle),
+        "CUDA_PROGRAM_CAS_LEASE_TTL": "20s",
+        "CUDA_PROGRAM_CAS_SIGNING_KEY": str(tmp_path / "site.key"),
+        "CUDA_PROGRAM_CAS_TRUSTED_KEYS": str(tmp_path / "site.pub"),
+        "CUDA_PROGRAM_CAS_REDIS_PASSWORD": TOKEN,
+        "CUDA_PROGRAM_CAS_REDIS_TIMEOUT": "2",
+    }
+    assert set(good) == {v.name for v in cfg.VARIABLES}  # a new variable: give it a good value here
+    for name, value in good.items():
+        bare_env.setenv(name, value)
+    code, out, err = cli(capsys, "config", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["problem_count"] == 0, report["problems"]
+    assert sorted(report["variables"]) == sorted(v.name for v in cfg.VARIABLES)
+    for name, reading in report["variables"].items():
+        assert reading["source"] == "environment" and reading["accepted"] and reading["used"], name
+    values = {name: reading["value"] for name, reading in report["variables"].items()}
+    assert values["CUDA_PROGRAM_CAS"] == "off" and values["CUDA_PROGRAM_CAS_MAX_SIZE"] == str(10 << 30)
+    assert values["CUDA_PROGRAM_CAS_SHARED"] == f"{tmp_path / 'store'} https://cache.example/store"
+    assert values["CUDA_PROGRAM_CAS_CLAIM_WAIT"] == "90.0" and values["CUDA_PROGRAM_CAS_HTTP_TOKEN"] == "set"
+    code, text, err = cli(capsys, "config")
+    listed = [line.split()[0] for line in text.splitlines() if line.startswith("  CUDA_PROGRAM_CAS")]
+    assert code == 0 and listed == [v.name for v in cfg.VARIABLES]  # in the registry's order
+    assert "  CUDA_PROGRAM_CAS_HTTP_TOKEN      set (environment)" in text.splitlines()
+    assert TOKEN not in out + text + err
+
+    for name in good:
+        bare_env.delenv(name)
+    code, out, _ = cli(capsys, "config", str(tmp_path / "cas"), "--json")
+    report = json.loads(out)
+    assert code == 0 and {r["source"] for r in report["variables"].values()} == {"default"}
+    assert report["variables"]["CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE"]["value"] == "unset: 256 MiB"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle", "used"),
+    [
+        ("CUDA_PROGRAM_CAS_MAX_SIZE", "12Q", "not a size: '12Q'", False),
+        ("CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE", "0", "size must be positive", False),
+        ("CUDA_PROGRAM_CAS_SHARED", "https://ann:pw-77@cache.example/s", "carries credentials", False),
+        ("CUDA_PROGRAM_CAS_SHARED", "/kept https://cache.example/s?sig=pw-77", "has a query or fragment", True),
+        ("CUDA_PROGRAM_CAS_CLAIM_WAIT", "soon", "not a duration: 'soon'", False),
+        ("CUDA_PROGRAM_CAS_HTTP_TIMEOUT", "0,5", "timeouts must be positive", False),
+        ("CUDA_PROGRAM_CAS_CA_BUNDLE", "/nowhere/ca.pem", "no such file", False),
+        ("CUDA_PROGRAM_CAS", "yes", "it is 1, read-only or 0", False),
+    ],
+)
+def test_a_refused_value_is_a_problem_line_and_exit_1(
+    tmp_path: Path,
+    bare_env: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *,
+    name: str,
+    value: str,
+    needle: str,
+    used: bool,
+) -> None:
+    bare_env.setenv(name, value)
+    code, out, err = cli(capsys, "config", str(tmp_path / "cas"))
+    assert code == 1, out
+    problems = [line for line in out.splitlines() if line.startswith("problem: ")]
+    assert len(problems) == 1 and name in problems[0] and needle in problems[0], out
+    line = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+    assert line.endswith("(environment; partly refused)" if used else "(environment; refused)"), line
+    assert "pw-77" not in out + err  # a URL's credentials or query are never printed
+    code, out, _ = cli(capsys, "config", str(tmp_path / "cas"), "--json")
+    report = json.loads(out)
+    reading = report["variables"][name]
+    assert code == 1 and report["problem_count"] == 1 and needle in report["problems"][0]
+    assert (reading["accepted"], reading["used"]) == (False, used)
+    if used:
+        assert reading["value"] == "/kept"  # the store the package keeps, as it keeps it
+
+
+def test_a_secret_is_never_shown_even_when_refused(
+    tmp_path: Path, bare_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The registry's ``secret`` flag, as CUDA_PROGRAM_CAS_REDIS_PASSWORD will have it."""
+
+    def refuse(text: str) -> str:
+        raise ValueError("too short")
+
+    password = cfg.Variable("CUDA_PROGRAM_CAS_TEST_PASSWORD", refuse, "a test's password", "none", secret=True)
+    bare_env.setattr(cfg, "VARIABLES", (*cfg.VARIABLES, password))
+    bare_env.setenv(password.name, "hunter2-secret")
+    code, out, err = cli(capsys, "config", str(tmp_path / "cas"))
+    assert code == 1 and "hunter2" not in out + err
+    assert f"problem: {password.name}=(set, not shown) is ignored: too short" in out.splitlines()
+    line = next(line for line in out.splitlines() if line.startswith(f"  {password.name} "))
+    assert line.split() == [password.name, "set", "(environment;", "refused)"]
+
+
+def test_a_variable_added_to_the_registry_is_listed_with_nothing_else_to_change(
+    tmp_path: Path, bare_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lease = cfg.Variable("CUDA_PROGRAM_CAS_LEASE_TTL", cfg.parse_duration, "a lease's lifetime", "30 s")
+    bare_env.setattr(cfg, "VARIABLES", (*cfg.VARIABLES, lease))
+    bare_env.setenv(lease.name, "2m")
+    code, out, _ = cli(capsys, "config", str(tmp_path / "cas"), "--json")
+    assert code == 0 and json.loads(out)["variables"][lease.name]["value"] == "120.0"
+    assert lease.value() == 120.0
