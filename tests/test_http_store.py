@@ -194,7 +194,7 @@ _READER = textwrap.dedent(
     seen = wrong = rounds = 0
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-    os.kill(os.getppid(), signal.SIGUSR1)  # ready
+    print("ready", flush=True)
     while not stop or rounds < 2:
         node = CacheStore(spec["local"] + str(rounds), shared=[spec["url"]], copy_shared_hits=False)
         for k, v in want.items():
@@ -218,27 +218,20 @@ def test_nodes_reading_while_a_publish_runs_see_only_whole_entries(server, tmp_p
     src = fill(tmp_path / "src", n=N)
     want = {f"g{i}": value(i).hex() for i in range(N)}
     url = server.read_url("")
-    ready = []
-    old = signal.signal(signal.SIGUSR1, lambda *a: ready.append(1))
-    try:
-        readers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _READER,
-                    json.dumps({"local": str(tmp_path / f"r{j}-"), "url": url, "want": want}),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for j in range(3)
-        ]
-        while len(ready) < len(readers):
-            signal.pause()
-    finally:
-        signal.signal(signal.SIGUSR1, old)
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, json.dumps({"local": str(tmp_path / f"r{j}-"), "url": url, "want": want})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for j in range(3)
+    ]
+    # Each says it is ready on its pipe (signals from several children can merge into one: a wait on
+    # a count of them could wait forever).
+    for r in readers:
+        assert r.stdout is not None
+        assert r.stdout.readline() == "ready\n", r.communicate()[1]
     publish([src], server.root)
     publish([fill(tmp_path / "more", "h")], server.root, pack=True)
     for r in readers:
