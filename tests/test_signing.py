@@ -130,16 +130,20 @@ def test_an_unsigned_store_is_untrusted_and_without_keys_nothing_changes(tmp_pat
 # -- the attacker ---------------------------------------------------------------------------------------------------
 
 
-def _rewrite_to_own_blob(store: Path, site, name: str) -> None:
-    """Point the key at a blob of the attacker's (correctly hashed), keeping the site's signature line."""
-    evil = b"\x7fELF evil" * 100
+def _plant(store: Path, site, name: str, evil: bytes) -> bytes:
+    """The attacker's blob stored under its (correct) digest; the manifest line mapping the key to it."""
     digest = digest_of(evil)
     blob = store / url_path("blobs", digest)
     blob.parent.mkdir(parents=True, exist_ok=True)
     blob.write_bytes(evil)
+    return Manifest(digest, len(evil), site["kids"][name]).encode()
+
+
+def _rewrite_to_own_blob(store: Path, site, name: str) -> None:
+    """Point the key at a blob of the attacker's (correctly hashed), keeping the site's signature line."""
     path = _manifest_path(store, site["kids"][name])
     sig = path.read_bytes().split(b"\n")[1] + b"\n"
-    path.write_bytes(Manifest(digest, len(evil), site["kids"][name]).encode() + sig)
+    path.write_bytes(_plant(store, site, name, b"\x7fELF evil" * 100) + sig)
 
 
 def _strip_signature(store: Path, site, name: str) -> None:
@@ -148,12 +152,7 @@ def _strip_signature(store: Path, site, name: str) -> None:
 
 
 def _sign_with_own_key(store: Path, site, name: str) -> None:
-    evil = b"\x7fELF signed by someone else" * 50
-    digest = digest_of(evil)
-    blob = store / url_path("blobs", digest)
-    blob.parent.mkdir(parents=True, exist_ok=True)
-    blob.write_bytes(evil)
-    line = Manifest(digest, len(evil), site["kids"][name]).encode()
+    line = _plant(store, site, name, b"\x7fELF signed by someone else" * 50)
     _manifest_path(store, site["kids"][name]).write_bytes(line + Signer.from_file(str(site["attacker"])).sign(line))
 
 
