@@ -422,6 +422,25 @@ def test_a_success_resets_the_pause(tmp_path: Path, published: Published, clock:
         assert site.hits > before
 
 
+def test_a_store_that_answers_manifests_and_fails_blobs_is_paused_for_the_first_pause_each_time(
+    tmp_path: Path, published: Published, clock: FrozenClock
+) -> None:
+    """Each manifest is an answer, so the count of failures starts again: 5 s, 5 s, 5 s, never 10 s."""
+
+    def blobs_asked() -> int:
+        return sum(n for path, n in site.server.hits_by_path().items() if "/blobs/" in path)
+
+    with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
+        site.set("blobs/", Fault.status(503))
+        for failures in range(1, 5):
+            assert cache.get("k0") is None
+            assert blobs_asked() == failures, f"not asked {RETRY_S} s after failure {failures - 1}"
+            assert cache.get("k1") is None  # paused: not asked
+            assert blobs_asked() == failures
+            clock.advance(RETRY_S)
+        assert cache.counters()["errors"] == 4
+
+
 @pytest.mark.usefixtures("short_timeouts")
 def test_one_warning_per_process_however_many_failures_and_caches(
     tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture, clock: FrozenClock

@@ -18,8 +18,10 @@ web server, a Redis server. What it does, written once here:
 - **Failures.** An outage (the engine says ``outage``) pauses the store:
   :data:`RETRY_S` after the first failure, doubling with each failure in a row up to
   :data:`RETRY_MAX_S` (threads that meet one outage together are one failure); any
-  answer resets it. While paused, lookups miss at once, so a dead server costs a
-  process about one timeout, not one per lookup. On a directory one bad file is not
+  answer resets it (``layout.json``, the packs, a manifest), so a store that
+  answers manifests and fails each blob is paused for :data:`RETRY_S` each time.
+  While paused, lookups miss at once, so a dead server costs a process about one
+  timeout, not one per lookup. On a directory one bad file is not
   yet an outage: the layout is checked once, and only if that fails too is the store
   paused. A store that cannot be used (missing, not a store, a newer or damaged
   layout) is paused the same way, and asked again when the pause ends.
@@ -177,7 +179,10 @@ class Tier:
             if not self._version and not self._open():
                 return None
             # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
-            found = self.packs.lookup(kid) if self.packs is not None and self._trust is None else None
+            found = None
+            if self.packs is not None and self._trust is None:
+                found = self.packs.lookup(kid)
+                self._failures = 0  # they were answered (after a pause they list again)
             if found is None:
                 found = self._loose(kid)
         except StoreFailure as exc:
@@ -244,6 +249,7 @@ class Tier:
 
     def _loose(self, kid: str) -> tuple[bytes, str] | None:
         data = self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES)
+        self._failures = 0  # an answer, whatever the blob's: a store that keeps answering is paused for RETRY_S
         if data is None:
             self._why.reason = "no entry"
             return None
@@ -297,6 +303,7 @@ class Tier:
         except LayoutError as exc:
             return self._unusable(str(exc))
         self._looked = True
+        self._failures = 0
         return True
 
     def _layout_now(self) -> int:
