@@ -13,20 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _http.faults import refused_url
 from _http.nginx import Nginx, nginx_or_skip
 from conftest import SAXPY, compile_program
-from test_http_publish import settled
+from test_http_publish import _no_token, settled  # noqa: F401 - _no_token: its autouse fixture, here too
 from test_writeback import _entries
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
+from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._disk.layout import BLOBS, url_path
-
-
-@pytest.fixture(autouse=True)
-def _no_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No token from this machine's environment or ``~/.netrc``: nginx here asks for none."""
-    monkeypatch.delenv("CUDA_PROGRAM_CAS_HTTP_TOKEN", raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+from cuda_program_cas._remote.http import HttpEngine
 
 
 @pytest.fixture
@@ -97,3 +93,48 @@ def test_a_server_that_refuses_writes_drops_the_upload_and_the_compile_goes_on(
     assert (counts.uploads, counts.uploads_dropped) == (0, 1)
     assert [status for _, status in _paths(settled(nginx), "PUT")] == [405]  # the blob's; the manifest never sent
     assert list((nginx.root / "cas" / "index").iterdir()) == []
+
+
+def test_the_engine_puts_gets_sizes_and_removes_by_webdav(nginx: Nginx) -> None:
+    """HttpEngine against nginx's WebDAV location: each call one request, as the Engine protocol says."""
+    engine = HttpEngine(nginx.dav_url("cas") + "/")
+    data = b"a blob" * 1000
+    digest = digest_of(data)
+    name = url_path(BLOBS, digest)
+    assert (engine.shown, engine.can_lease) == (nginx.dav_url("cas"), False)
+    assert engine.get(name, limit=len(data)) is None and engine.size(name) is None
+    engine.put(name, data)
+    assert (nginx.root / "cas" / name).read_bytes() == data
+    assert engine.size(name) == len(data)
+    assert engine.get(name, limit=len(data), digest=digest) == data
+    with pytest.raises(StoreFailure) as wrong:
+        engine.get(name, limit=len(data), digest=digest_of(b"other bytes"))
+    assert (wrong.value.kind, wrong.value.outage) == ("damaged", False)
+    with pytest.raises(StoreFailure) as large:
+        engine.get(name, limit=len(data) - 1)
+    assert (large.value.kind, large.value.outage) == ("too large", False)
+    engine.remove(name)
+    engine.remove(name)  # gone already: nothing
+    assert not (nginx.root / "cas" / name).exists() and engine.get(name, limit=len(data)) is None
+    assert engine.requests == 10
+    assert [e.method for e in settled(nginx)] == [
+        "GET",
+        "HEAD",
+        "PUT",
+        "HEAD",
+        "GET",
+        "GET",
+        "GET",
+        "DELETE",
+        "DELETE",
+        "GET",
+    ]
+
+
+def test_an_engine_that_cannot_reach_its_server_fails_as_an_outage() -> None:
+    engine = HttpEngine(refused_url())
+    for call in (lambda: engine.get("layout.json", limit=10), lambda: engine.put("index/ab/cd", b"x")):
+        with pytest.raises(StoreFailure) as failed:
+            call()
+        assert (failed.value.kind, failed.value.outage) == ("refused", True)
+    assert engine.outages == 2
