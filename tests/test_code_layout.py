@@ -24,7 +24,8 @@ INDEX = f"{NAME}.index"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("index",),  # the index's format: keys, key ids, manifests (no I/O)
     ("_base",),  # exceptions, the fork registry, environment knobs, the logger
-    ("_disk", "_remote"),  # the cache's files (atomic write, layout, blobs, writer, pack format); HTTP
+    ("_disk",),  # the cache's files (atomic write, layout, blobs, writer, pack format)
+    ("_remote",),  # stores over the network (HTTP, Redis): an HTTP store's packs are _disk's pack format
     ("_store",),  # the cache at run time: reader, shared stores, cap, counters, CacheStore
     ("_cuda", "_verbs"),  # cuda.core's side; the maintenance verbs
     ("_cli",),  # the console script: parse and print

@@ -6,7 +6,7 @@ returns None and ``Program.compile(cache=)`` still compiles and returns the righ
 an exception, never wrong bytes. An outage pauses the store (5 s, doubling to 300 s), so N
 lookups cost one request, not N: the tests count the server's requests and connections,
 never time them. The pause's clock is a frozen stand-in for the ``time`` module, patched
-into the store's module only and moved by hand, so no test sleeps through a pause.
+into the store's module and its packs' only and moved by hand, so no test sleeps through a pause.
 
 The client reads its settings (timeouts, CA bundle, tokens) once per process, when it makes
 its pool. The autouse fixture ``_fresh_client`` sets the timeouts (long; short where a server
@@ -35,13 +35,15 @@ from conftest import compile_program, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cuda_program_cas._store.http as http_store
+import cuda_program_cas._remote.httppacks as http_store
+import cuda_program_cas._store.tier as tier_module
 from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, env_shared
 from cuda_program_cas._base.urls import mend_split
+from cuda_program_cas._disk.direngine import DirEngine
 from cuda_program_cas._remote import client
-from cuda_program_cas._store.http import RETRY_MAX_S, HttpStore
-from cuda_program_cas._store.tier import RETRY_S
+from cuda_program_cas._remote.http import HttpEngine
+from cuda_program_cas._store.tier import RETRY_MAX_S, RETRY_S
 from cuda_program_cas._store.tier import Tier as SharedStore
 from cuda_program_cas.index import LONGEST_MANIFEST, MAX_MANIFEST_BYTES, Manifest, key_id
 
@@ -121,6 +123,7 @@ class FrozenClock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> FrozenClock:
     frozen = FrozenClock()
     monkeypatch.setattr(http_store, "time", frozen)
+    monkeypatch.setattr(tier_module, "time", frozen)
     return frozen
 
 
@@ -171,8 +174,8 @@ def warnings_about(caplog: pytest.LogCaptureFixture, url: str) -> list[str]:
     ]
 
 
-def http_of(cache: ContentAddressedProgramCache) -> HttpStore:
-    (store,) = (s for s in cache.store.shared if isinstance(s, HttpStore))
+def http_of(cache: ContentAddressedProgramCache) -> SharedStore:
+    (store,) = (s for s in cache.store.shared if isinstance(s.engine, HttpEngine))
     return store
 
 
@@ -417,6 +420,25 @@ def test_a_success_resets_the_pause(tmp_path: Path, published: Published, clock:
         clock.advance(RETRY_S)
         assert cache.get("k1") == published.values["k1"]
         assert site.hits > before
+
+
+def test_a_store_that_answers_manifests_and_fails_blobs_is_paused_for_the_first_pause_each_time(
+    tmp_path: Path, published: Published, clock: FrozenClock
+) -> None:
+    """Each manifest is an answer, so the count of failures starts again: 5 s, 5 s, 5 s, never 10 s."""
+
+    def blobs_asked() -> int:
+        return sum(n for path, n in site.server.hits_by_path().items() if "/blobs/" in path)
+
+    with Site(tmp_path, published.loose) as site, node(tmp_path, site.url) as cache:
+        site.set("blobs/", Fault.status(503))
+        for failures in range(1, 5):
+            assert cache.get("k0") is None
+            assert blobs_asked() == failures, f"not asked {RETRY_S} s after failure {failures - 1}"
+            assert cache.get("k1") is None  # paused: not asked
+            assert blobs_asked() == failures
+            clock.advance(RETRY_S)
+        assert cache.counters()["errors"] == 4
 
 
 @pytest.mark.usefixtures("short_timeouts")
@@ -1138,7 +1160,7 @@ def test_the_environment_keeps_a_url_whole_between_directories(
         assert env_shared() == [str(a), url, str(b)]
         with ContentAddressedProgramCache(tmp_path / "node", copy_shared_hits=False) as cache:
             stores = cache.store.shared
-            assert [type(s) for s in stores] == [SharedStore, HttpStore, SharedStore]
+            assert [type(s.engine) for s in stores] == [DirEngine, HttpEngine, DirEngine]
             assert [s.root for s in stores] == [str(a), url, str(b)]
             shutil.rmtree(a)  # the first store gone: the URL answers next
             assert cache.get("k0") == published.values["k0"]

@@ -16,6 +16,11 @@ Rules every engine keeps:
 - ``limit`` is the cache's own bound: an object larger than it is refused
   (``StoreFailure`` with ``outage=False``, kind ``too large``) before more than
   ``limit + 1`` bytes of it are read, whatever the server claims.
+- ``digest``: with one, ``get`` returns the object only when it hashes (blake3)
+  to it, and raises ``StoreFailure`` kind ``damaged`` (``outage=False``) when it
+  does not; an engine may hash a large object as it arrives and hold it on disk
+  meanwhile (HTTP), rather than gather it in memory first. :func:`check_digest`
+  is the check for an engine that has the whole object in hand.
 - Every call has one overall deadline (the engine's timeout), covering connect
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
@@ -27,9 +32,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import IO, Protocol
 
+from blake3 import blake3
+
 from .errors import CacheError
 
-__all__ = ["Engine", "StoreFailure"]
+__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest"]
+
+#: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
+#: staging disk, for an answer. Not an outage: the store is not paused.
+LOCAL = "could not take the answer in"
 
 
 class StoreFailure(CacheError):
@@ -51,6 +62,13 @@ class StoreFailure(CacheError):
         return f"{self.where}: {self.kind}: {self.detail}"
 
 
+def check_digest(where: str, data: bytes, digest: str | None) -> bytes:
+    """``data``, when ``digest`` is None or ``data`` hashes to it; else ``StoreFailure`` kind ``damaged``."""
+    if digest is not None and blake3(data).hexdigest() != digest:
+        raise StoreFailure(where, "damaged", f"{len(data)} bytes that do not hash to {digest}", outage=False)
+    return data
+
+
 class Engine(Protocol):
     """One store's objects (see the module docstring for the rules)."""
 
@@ -59,8 +77,8 @@ class Engine(Protocol):
     #: Whether this engine can take leases (:meth:`lease`); False: per-node claims only.
     can_lease: bool
 
-    def get(self, name: str, *, limit: int) -> bytes | None:
-        """The whole object ``name``, or None when there is none."""
+    def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
+        """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""
         ...
 
     def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:

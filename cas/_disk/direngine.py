@@ -30,7 +30,7 @@ import stat
 from collections.abc import Sequence
 from typing import IO
 
-from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.engine import StoreFailure, check_digest
 
 from .files import READ_FLAGS, ShardGuard
 
@@ -71,7 +71,7 @@ class DirEngine:
 
     # -- reads -------------------------------------------------------------------------
 
-    def get(self, name: str, *, limit: int) -> bytes | None:
+    def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         path = self._vetted(name)
         try:
             fd = os.open(path, READ_FLAGS)
@@ -96,7 +96,7 @@ class DirEngine:
             os.close(fd)
         if len(data) > limit:
             raise StoreFailure(path, "too large", f"more than {limit} bytes", outage=False)
-        return data
+        return check_digest(path, data, digest)
 
     def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
         return [self.get(name, limit=limit) for name in names]

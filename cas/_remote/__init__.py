@@ -4,8 +4,12 @@ The client is urllib3's, imported the first time a store URL is used: a plain lo
 cache, or one over NFS, never imports it. :mod:`.client` says how a request is
 made, authenticated, bounded in time and failed; how a store URL is named (and
 survives ``CUDA_PROGRAM_CAS_SHARED``'s ``os.pathsep`` split) is
-:mod:`cuda_program_cas._base.urls`. :mod:`.redis` keeps a store in a Redis
-database through redis-py, imported only when a Redis URL is used.
+:mod:`cuda_program_cas._base.urls`. :mod:`.http` is the HTTP engine of a store
+(GET, HEAD, WebDAV ``PUT`` through :mod:`.dav`, ``DELETE``) and :mod:`.httppacks`
+its packs; :mod:`.redis` keeps a store in a Redis database through redis-py,
+imported only when a Redis URL is used. Each engine is an
+:class:`cuda_program_cas._base.engine.Engine`, served by the one store class
+:class:`cuda_program_cas._store.tier.Tier`.
 """
 
 __all__: list[str] = []

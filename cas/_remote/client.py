@@ -57,7 +57,8 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_once
-from cuda_program_cas._base.errors import CacheError, without_frames
+from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.errors import without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
 
 from .deadline import current, watch
@@ -91,22 +92,18 @@ _MAX_NETRC = 1 << 20
 _log = logging.getLogger("cuda_program_cas")
 
 
-class HttpFailure(CacheError):
+class HttpFailure(StoreFailure):
     """A request that got no usable answer: ``kind`` says what (``refused``, ``timeout``, ``tls``...).
 
     ``outage`` is True when the server (or the way to it) may be down, so asking it
     again at once would cost another timeout; False when only this answer was bad.
+    A :class:`~cuda_program_cas._base.engine.StoreFailure`, so the store above an
+    HTTP engine takes it as any engine's; ``url`` is its ``where``.
     """
 
     def __init__(self, url: str, kind: str, detail: str, *, outage: bool = True) -> None:
-        super().__init__(url, kind, detail, outage)
+        super().__init__(url, kind, detail, outage=outage)
         self.url = url
-        self.kind = kind
-        self.detail = detail
-        self.outage = outage
-
-    def __str__(self) -> str:
-        return f"{self.url}: {self.kind}: {self.detail}"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The store's remote side: WebDAV writes (PUT, MKCOL) and the reads a publisher needs (HEAD, GET).
+"""The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and the reads a publisher needs (HEAD, GET).
 
 Every request goes through the one client (:func:`.client.request`). Each call
 either returns what the server said or raises :class:`.client.HttpFailure`, with
@@ -36,6 +36,7 @@ __all__ = [
     "check_bytes",
     "check_size",
     "check_tail",
+    "delete",
     "fetch",
     "fetch_range",
     "fetch_tail",
@@ -146,6 +147,13 @@ def put(url: str, data: bytes | IO[bytes], *, root: str, headers: Mapping[str, s
     if reply.status in _PUT_OK or reply.status == 412:
         return reply.status
     raise _refused(url, reply, "PUT")
+
+
+def delete(url: str) -> None:
+    """Remove the file at ``url``; nothing when there is none (404, 410)."""
+    reply = request("DELETE", url)
+    if reply.status not in _PUT_OK and reply.status not in _ABSENT:
+        raise _refused(url, reply, "DELETE")
 
 
 def mkcol(url: str, *, root: str) -> None:

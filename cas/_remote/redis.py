@@ -58,7 +58,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
-from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.engine import Engine, StoreFailure, check_digest
 from cuda_program_cas._base.fork import after_fork
 
 from .client import ENV_CA_BUNDLE, ca_bundle
@@ -211,8 +211,9 @@ class RedisEngine:
 
     # -- the interface ----------------------------------------------------------------------
 
-    def get(self, name: str, *, limit: int) -> bytes | None:
-        return self.get_many([name], limit=limit)[0]
+    def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
+        data = self.get_many([name], limit=limit)[0]
+        return data if data is None else check_digest(self._where(name), data, digest)
 
     def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:

@@ -60,7 +60,7 @@ from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .stats import CacheStats, Counters
 from .tier import Tier
-from .tiers import SharedTier, open_tier
+from .tiers import open_tier
 from .touch import apply_pending, ensure_thread
 from .writeback import EXIT_FLUSH_S, WriteBack
 
@@ -161,10 +161,10 @@ class CacheStore:
         after_fork(self)
         #: The keys shared entries must be signed by ($CUDA_PROGRAM_CAS_TRUSTED_KEYS), or None: any verified entry.
         self._trust = env_trust() if shared else None
-        self.shared: tuple[SharedTier, ...] = tuple(self._shared_store(p) for p in shared)
+        self.shared: tuple[Tier, ...] = tuple(self._shared_store(p) for p in shared)
         #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self._writeback: WriteBack | None = None
-        targets = [s for s in self.shared if isinstance(s, Tier) and s.writable]
+        targets = [s for s in self.shared if s.writable]
         #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
@@ -184,7 +184,7 @@ class CacheStore:
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
 
-    def _shared_store(self, where: str | os.PathLike[str]) -> SharedTier:
+    def _shared_store(self, where: str | os.PathLike[str]) -> Tier:
         """The reader of one shared store (:mod:`cuda_program_cas._store.tiers`); pack indexes kept in this cache."""
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
 

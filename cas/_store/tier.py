@@ -18,11 +18,21 @@ web server, a Redis server. What it does, written once here:
 - **Failures.** An outage (the engine says ``outage``) pauses the store:
   :data:`RETRY_S` after the first failure, doubling with each failure in a row up to
   :data:`RETRY_MAX_S` (threads that meet one outage together are one failure); any
-  answer resets it. While paused, lookups miss at once, so a dead server costs a
-  process about one timeout, not one per lookup. On a directory one bad file is not
+  answer resets it (``layout.json``, the packs, a manifest), so a store that
+  answers manifests and fails each blob is paused for :data:`RETRY_S` each time.
+  While paused, lookups miss at once, so a dead server costs a process about one
+  timeout, not one per lookup. On a directory one bad file is not
   yet an outage: the layout is checked once, and only if that fails too is the store
   paused. A store that cannot be used (missing, not a store, a newer or damaged
   layout) is paused the same way, and asked again when the pause ends.
+- **A server's answers** (``server=True``: HTTP). A body longer than asked, or a
+  status that is not an answer, is a bad answer counted in ``errors`` (a file too
+  large on a disk is damage, in ``corrupt``); an entry whose manifest names more
+  than this node reads is a miss said once as a WARNING, with no request for its
+  blob. ``layout_once``: ``layout.json`` is read once per process (each read is a
+  request), not again after an outage nor for each layout-1 manifest.
+- **This node's trouble.** No memory (or no staging disk) for an answer is a miss
+  counted in ``errors``, said once, and no pause.
 - **Saying so.** The first time this process finds a store unusable, down or
   denied gets one WARNING naming it and why; everything after, and every bad answer
   about one object, is DEBUG, once per kind.
@@ -39,10 +49,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from blake3 import blake3
-
-from cuda_program_cas._base.config import env_max_entry_size
-from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
+from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork
 from cuda_program_cas._base.signing import Trust
@@ -111,7 +119,11 @@ class Tier:
     by (:mod:`cuda_program_cas._base.signing`); an entry not signed by one is a
     miss counted in ``untrusted``, and the store's packs are not read.
     ``max_entry``: a lower bound than the ceiling on what is read (what the local
-    cap can hold: a larger hit could not be kept).
+    cap can hold: a larger hit could not be kept). ``server``, ``layout_once``: a
+    server's answers (module docstring).
+
+    ``damaged``, ``missed``, ``say_once``, ``fits`` and ``ceiling`` are for the
+    store's packs too (:class:`cuda_program_cas._remote.httppacks.Report`).
     """
 
     def __init__(
@@ -127,6 +139,8 @@ class Tier:
         open_now: bool = False,
         trust: Trust | None = None,
         max_entry: int | None = None,
+        server: bool = False,
+        layout_once: bool = False,
     ) -> None:
         self.engine = engine
         self.root = engine.shown
@@ -148,6 +162,8 @@ class Tier:
         self._retry_max_s = retry_max_s
         self._warn_later = warn_later
         self._looked = False
+        self._server = server
+        self._layout_once = layout_once
         after_fork(self)
         if open_now:
             try:
@@ -169,14 +185,17 @@ class Tier:
             if not self._version and not self._open():
                 return None
             # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
-            found = self.packs.lookup(kid) if self.packs is not None and self._trust is None else None
+            found = None
+            if self.packs is not None and self._trust is None:
+                found = self.packs.lookup(kid)
+                self._failures = 0  # they were answered (after a pause they list again)
             if found is None:
                 found = self._loose(kid)
         except StoreFailure as exc:
             self._failed(exc)
             return None
         except MemoryError:
-            self._failed(StoreFailure(self.root, "out of memory", "a lookup ran out of memory", outage=False))
+            self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
             return None
         self._failures = 0  # an answer: the next outage pauses for RETRY_S again
         self._looked = True
@@ -199,8 +218,43 @@ class Tier:
         reason: str = getattr(self._why, "reason", "unknown")
         return reason
 
+    @property
+    def requests(self) -> int:
+        """Requests the engine has made, where it counts them (HTTP); else 0."""
+        count: int = getattr(self.engine, "requests", 0)
+        return count
+
+    def ceiling(self) -> int:
+        """The largest entry read here: the ceiling, or less where the local cap says so."""
+        return ceiling(self._max_entry)
+
+    def fits(self, size: int, kid: str) -> bool:
+        """True when an entry of ``size`` bytes may be read; else a miss, with no request for its blob."""
+        most = self.ceiling()
+        if size <= most:
+            return True
+        if not self._server:
+            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {most} allowed")
+            return False
+        self._why.reason = f"too large: {size} bytes, more than {most}"
+        self.say_once(
+            "too large",
+            f"the entry of {kid} is {size} bytes, more than the {most} this node reads "
+            f"({ENV_MAX_ENTRY_SIZE}, or the local cache's cap): not fetched; entries that large are misses",
+        )
+        return False
+
+    def missed(self, reason: str) -> None:
+        """Say why this thread's lookup missed."""
+        self._why.reason = reason
+
+    def damaged(self, why: str, message: str) -> None:
+        """A bad answer about one object: a miss counted in ``corrupt``, noted once (DEBUG) per ``why``."""
+        self._damaged(why, message)
+
     def _loose(self, kid: str) -> tuple[bytes, str] | None:
         data = self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES)
+        self._failures = 0  # an answer, whatever the blob's: a store that keeps answering is paused for RETRY_S
         if data is None:
             self._why.reason = "no entry"
             return None
@@ -215,16 +269,18 @@ class Tier:
             self._note("untrusted", f"the manifest of {kid} is not signed by a key in $CUDA_PROGRAM_CAS_TRUSTED_KEYS")
             return None
         _found, digest, size = fields
-        most = ceiling(self._max_entry)
-        if size > most:
-            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {most} allowed")
+        if not self.fits(size, kid):
             return None
-        blob = self.engine.get(url_path(BLOBS, digest), limit=size)
+        try:
+            # The engine verifies (it may hash a large blob as it arrives); a shorter one does not hash to it.
+            blob = self.engine.get(url_path(BLOBS, digest), limit=size, digest=digest)
+        except StoreFailure as exc:
+            if exc.kind != "damaged":
+                raise
+            self._damaged("damaged blob", f"blob {digest}: {exc}")
+            return None
         if blob is None:
             self._why.reason = "blob missing"
-            return None
-        if len(blob) != size or blake3(blob).hexdigest() != digest:
-            self._damaged("damaged blob", f"blob {digest}: {len(blob)} bytes that do not hash to it")
             return None
         return blob, digest
 
@@ -235,27 +291,29 @@ class Tier:
         try:
             raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
         except StoreFailure as exc:
-            if exc.kind != "too large":
+            if exc.outage or exc.kind not in ("too large", "damaged"):
                 raise
-            raw = b""  # hundreds of MB of "layout": not a store
+            # Hundreds of MB of "layout", or a status that is not an answer: not a store.
+            return self._unusable(f"not a store: its layout.json: {exc.kind}: {exc.detail}")
         if raw is None:
             if self._layout_optional:
                 self._version = LAYOUT_VERSION
                 return True
-            return self._unusable(self._missing() if self._missing is not None else "not a store (no layout.json)")
+            return self._unusable(self._missing() if self._missing is not None else "not a store: no layout.json")
         data = parse_layout(raw)
         if data is None:
-            return self._unusable("damaged (its layout.json)")
+            return self._unusable("not a store: its layout.json is damaged")
         try:
             self._version = check_layout_data(self.root, data)
         except LayoutError as exc:
             return self._unusable(str(exc))
         self._looked = True
+        self._failures = 0
         return True
 
     def _layout_now(self) -> int:
         """The layout version to judge a layout-1 manifest just read by (asked again: an upgrade in place)."""
-        if self._version >= KEYED_LAYOUT:
+        if self._version >= KEYED_LAYOUT or self._layout_once:
             return self._version
         raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
         data = parse_layout(raw) if raw is not None else None
@@ -276,11 +334,20 @@ class Tier:
 
     def _failed(self, exc: StoreFailure) -> None:
         if not exc.outage:
-            if exc.kind in ("too large", "not a regular file", "not a directory"):
+            if exc.kind == LOCAL:
+                self.counters.add("errors")
+                self._why.reason = f"{LOCAL}: {exc.detail}"
+                self.say_once(f"local {exc.detail}", f"an answer could not be taken in: {exc}")
+                return
+            damage = ("damaged", "not a regular file", "not a directory") + (() if self._server else ("too large",))
+            if exc.kind in damage:
                 self._damaged(exc.kind, str(exc))
                 return
             self.counters.add("errors")
-            self._why.reason = f"cannot read ({exc.kind})" if exc.kind != "denied" else "access denied"
+            if self._server:
+                self._why.reason = f"bad answer: {exc.kind}"
+            else:
+                self._why.reason = f"cannot read ({exc.kind})" if exc.kind != "denied" else "access denied"
             if exc.kind == "denied" and warn_once_for(self.root):
                 _log.warning(
                     "cuda-program-cas: shared store %s cannot be read: %s; such lookups are misses (said once per "
@@ -315,7 +382,8 @@ class Tier:
             pause = min(self._retry_max_s, RETRY_S * 2 ** (self._failures - 1))
             self._paused_until = time.monotonic() + pause
             self._why_not = f"{exc.kind}: {exc.detail}" if exc.kind != "unusable" else exc.detail
-            self._version = 0  # asked again when the pause ends
+            if not self._layout_once or exc.kind == "unusable":
+                self._version = 0  # asked again when the pause ends
         self._why.reason = f"store not usable: {self._why_not}"
         first_look, self._looked = not self._looked, True
         if (first_look or self._warn_later) and warn_once_for(self.root):
@@ -340,3 +408,11 @@ class Tier:
             return
         self._noted.add(what)
         _log.debug("cuda-program-cas: shared store %s (%s): %s", self.root, what, message)
+
+    def say_once(self, what: str, message: str) -> None:
+        """A WARNING the first time this process meets ``what`` at this store; DEBUG once per instance after."""
+        if what in self._noted:
+            return
+        self._noted.add(what)
+        level = logging.WARNING if warn_once_for(f"{self.root} {what}") else logging.DEBUG
+        _log.log(level, "cuda-program-cas: shared store %s: %s", self.root, message)

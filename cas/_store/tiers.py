@@ -4,7 +4,7 @@
 address                        engine                                        packs
 =============================  ============================================  =====================
 a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngine`  ``packs/``, listed
-``http://``, ``https://``      the HTTP reader (WebDAV for writes)          ``packs/list``
+``http://``, ``https://``      :class:`cuda_program_cas._remote.http.HttpEngine` (WebDAV writes)  ``packs/list``
 ``redis://``, ``rediss://``    :class:`cuda_program_cas._remote.redis.RedisEngine`  none
 =============================  ============================================  =====================
 
@@ -18,22 +18,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import parse_store_entry, scheme_of
 
 from .tier import RETRY_S, Tier, ceiling
 
-if TYPE_CHECKING:
-    from .http import HttpStore
-
-__all__ = ["SharedTier", "open_tier"]
+__all__ = ["open_tier"]
 
 #: ``memo_get(key id)`` -> bytes the local cache keeps, or None; ``memo_put(key id, bytes)``: keep them.
 MemoGet = Callable[[str], "bytes | None"]
 MemoPut = Callable[[str, bytes], None]
-SharedTier = Union[Tier, "HttpStore"]
 
 
 @dataclass(frozen=True)
@@ -88,19 +84,27 @@ def _directory(address: str, writable: bool, opts: Options) -> Tier:
     return tier
 
 
-def _http(address: str, writable: bool, opts: Options) -> HttpStore:
-    from .http import HttpStore
+def _http(address: str, writable: bool, opts: Options) -> Tier:
+    from cuda_program_cas._remote.http import HttpEngine
+    from cuda_program_cas._remote.httppacks import HttpPacks
 
-    if writable:
-        raise ValueError(f"write-back to HTTP stores is not supported yet (publish fills them): {address!r}|write")
-    return HttpStore(
-        address,
-        memo_get=opts.memo_get,
-        memo_put=opts.memo_put,
+    engine = HttpEngine(address, staging=opts.staging)
+    packs = HttpPacks(engine, memo_get=opts.memo_get, memo_put=opts.memo_put)
+    # Each check is a request: made at the first lookup, not at open; a dead server is paused from RETRY_S
+    # doubling to RETRY_MAX_S, and said once whenever it first fails.
+    tier = Tier(
+        engine,
+        packs=packs,
+        writable=writable,
+        missing=lambda: "not a store: no layout.json (404)",
+        warn_later=True,
         trust=opts.trust,
         max_entry=opts.max_entry,
-        staging=opts.staging,
+        server=True,
+        layout_once=True,
     )
+    packs.report = tier
+    return tier
 
 
 def _redis(address: str, writable: bool, opts: Options) -> Tier:
@@ -112,7 +116,7 @@ def _redis(address: str, writable: bool, opts: Options) -> Tier:
     )
 
 
-_ENGINES: dict[str, Callable[[str, bool, Options], SharedTier]] = {
+_ENGINES: dict[str, Callable[[str, bool, Options], Tier]] = {
     "file": _directory,
     "http": _http,
     "https": _http,
@@ -121,7 +125,7 @@ _ENGINES: dict[str, Callable[[str, bool, Options], SharedTier]] = {
 }
 
 
-def open_tier(entry: str, **options: Any) -> SharedTier:
+def open_tier(entry: str, **options: Any) -> Tier:
     """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one.
 
     ``options`` are the fields of :class:`Options`.

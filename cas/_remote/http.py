@@ -1,0 +1,226 @@
+"""The HTTP engine of a shared store: its objects are files behind a web server, read by GET, written by WebDAV.
+
+The store is static files in the directory layout (``layout.json``, ``index/``,
+``blobs/``, ``packs/``), so any server that serves files can serve it: nginx,
+Apache, an object store behind HTTPS. It implements
+:class:`cuda_program_cas._base.engine.Engine`; the lookup over it (the layout,
+the loose entry, the pause after an outage) is :class:`cuda_program_cas._store.tier.Tier`'s,
+and its packs are :class:`.httppacks.HttpPacks`.
+
+- ``get``: one GET through the one client (:func:`.client.request`), which bounds
+  it in time and in bytes. 200 is the object, 404 none. A 5xx is an outage; 401
+  and 403 are ``denied`` and an outage too (the token is wrong for every object,
+  not only this one). Any other status is a ``damaged`` answer.
+- ``get`` with a ``digest`` (a blob): the body is hashed as it arrives; past
+  :data:`IN_MEMORY_BYTES` it goes to a staging file in the local cache's ``tmp/``
+  (:func:`cuda_program_cas._disk.atomic.staging`) rather than into memory, and
+  only bytes that proved to be the blob are read back. Running out of memory or
+  of staging disk meanwhile is this node's trouble: a StoreFailure of kind
+  :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
+- ``size``: HEAD. ``put``/``put_many``: WebDAV PUTs (:func:`.dav.put`: the server
+  renames a PUT's body onto its target once whole, so a reader never sees a
+  part), in order: a blob before the manifest that names it. ``remove``: DELETE.
+- No leases: nginx's WebDAV ignores conditional PUTs, so per-node claims remain.
+
+:attr:`HttpEngine.requests` counts the requests made (the tests and
+``tools/http_bench.py`` read it); :attr:`HttpEngine.outages` the outages met
+(the packs list again after one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from types import TracebackType
+from typing import IO, TypeVar
+
+from blake3 import blake3
+
+from cuda_program_cas._base.engine import LOCAL, StoreFailure
+from cuda_program_cas._base.urls import join, normalize_store_url, shown
+from cuda_program_cas._disk.atomic import Staging, staging
+
+from .client import HttpFailure, Reply, request
+
+__all__ = ["IN_MEMORY_BYTES", "HttpEngine", "Intake"]
+
+#: A blob body up to this is gathered in memory; a larger one is staged in the local
+#: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
+IN_MEMORY_BYTES = 1 << 20
+
+_T = TypeVar("_T")
+
+
+class HttpEngine:
+    """The objects of the store at ``url`` (``http(s)://host[:port]/path``); see the module docstring.
+
+    ``staging``: the local cache's ``tmp/``, where a large body waits while it is
+    verified (None: in memory). A bad URL is a ``ValueError``; nothing is asked
+    before the first call.
+    """
+
+    can_lease = False
+
+    def __init__(self, url: str, *, staging: str | None = None) -> None:
+        self.root = normalize_store_url(url)
+        #: The store's address as it may be logged (a store URL has no credentials in it).
+        self.shown = shown(self.root)
+        self.staging = staging
+        #: Requests this engine made (for the tests and the benchmarks).
+        self.requests = 0
+        #: Outages met: a 5xx, denied, or no answer at all.
+        self.outages = 0
+
+    def __repr__(self) -> str:
+        return f"HttpEngine({self.shown!r})"
+
+    # -- reads -------------------------------------------------------------------------
+
+    def fetch(
+        self,
+        name: str,
+        *,
+        limit: int,
+        headers: Mapping[str, str] | None = None,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> Reply:
+        """GET object ``name`` (or a range of it); any status but a 5xx, 401 or 403, which are outages."""
+        url = join(self.root, name)
+        self.requests += 1
+        try:
+            reply = request("GET", url, headers=headers, limit=limit, sink=sink)
+            if reply.status >= 500:
+                raise HttpFailure(url, "server error", f"status {reply.status}")
+            if reply.status in (401, 403):
+                detail = f"status {reply.status} (is CUDA_PROGRAM_CAS_HTTP_TOKEN or .netrc right?)"
+                raise HttpFailure(url, "denied", detail)
+        except HttpFailure as exc:
+            if exc.outage:
+                self.outages += 1
+            raise
+        return reply
+
+    def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
+        if digest is None:
+            reply = self.fetch(name, limit=limit)
+            if reply.status == 404:
+                return None
+            if reply.status != 200:
+                raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
+            return reply.body
+        try:
+            with Intake(self.staging) as body:
+                reply = self.fetch(name, limit=limit, sink=body.take)
+                if reply.status == 404:
+                    return None
+                if reply.status != 200 or body.hexdigest() != digest:
+                    detail = f"status {reply.status}, {body.size} bytes that do not hash to {digest}"
+                    raise StoreFailure(join(self.root, name), "damaged", detail, outage=False)
+                return body.read()
+        except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
+            raise StoreFailure(join(self.root, name), LOCAL, type(exc).__name__, outage=False) from None
+
+    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
+        return [self.get(name, limit=limit) for name in names]
+
+    def size(self, name: str) -> int | None:
+        from .dav import size_of
+
+        self.requests += 1
+        return self._counted(lambda: size_of(join(self.root, name)))
+
+    # -- writes (a store named writable, and publish) ------------------------------------
+
+    def put(self, name: str, data: bytes | IO[bytes]) -> None:
+        from .dav import put
+
+        self.requests += 1
+        self._counted(lambda: put(join(self.root, name), data, root=self.root))
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for name, data in items:  # one at a time, in order: a manifest never lands before its blob
+            self.put(name, data)
+
+    def remove(self, name: str) -> None:
+        from .dav import delete
+
+        self.requests += 1
+        self._counted(lambda: delete(join(self.root, name)))
+
+    def _counted(self, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except HttpFailure as exc:
+            if exc.outage:
+                self.outages += 1
+            raise
+
+    # -- leases: none here ----------------------------------------------------------------
+
+    def lease(self, name: str, ttl_s: float) -> str | None:
+        raise StoreFailure(self.shown, "no leases", "a WebDAV server gives no leases", outage=False)
+
+    def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        return False
+
+    def release(self, name: str, token: str) -> None:
+        return
+
+    def close(self) -> None:
+        """Nothing: the connections are the process's pool's (:func:`.client.close_connections`), shared by stores."""
+
+
+class Intake:
+    """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
+
+    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
+    None to hold any body in memory (it was bounded before it was asked for).
+    A staging file that cannot be made leaves the body in memory; one that
+    cannot be written fails the read (``OSError``). The file goes when the
+    intake is closed.
+    """
+
+    def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
+        self.size = 0
+        self._dir = staging
+        self._hash = blake3() if hashed else None
+        self._parts: list[bytes] = []
+        self._stage: Staging | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Intake:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._parts = []
+        self._stack.close()
+
+    def take(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._hash is not None:
+            self._hash.update(chunk)
+        if self._stage is not None:
+            self._stage.write(chunk)
+            return
+        self._parts.append(chunk)
+        if self.size > IN_MEMORY_BYTES and self._dir is not None:
+            try:
+                self._stage = self._stack.enter_context(staging(self._dir))
+            except OSError:
+                self._dir = None  # a full or read-only disk: in memory, as bounded before the request
+                return
+            for part in self._parts:
+                self._stage.write(part)
+            self._parts = []
+
+    def hexdigest(self) -> str:
+        assert self._hash is not None
+        return self._hash.hexdigest()
+
+    def read(self) -> bytes:
+        """The whole body: from memory, or read back from the staging file."""
+        if self._stage is not None:
+            return self._stage.read()
+        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)

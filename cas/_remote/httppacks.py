@@ -1,0 +1,279 @@
+"""The packs of a store served over HTTP, as one process sees them: a :class:`~cuda_program_cas._store.tier.PackSource`.
+
+- Packs are listed by ``packs/list`` (publish and repack write it), fetched at the
+  first lookup and again, conditionally (``If-None-Match``), every :data:`RELIST_S`,
+  and at the first lookup after an outage.
+- Each pack's trailer and index are fetched once per node by two Range requests and
+  kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
+  are immutable by name, so later processes of the node need no request for them.
+  A packed hit then costs one Range request for the blob, hashed as it arrives
+  (:class:`.http.Intake`) and returned only when it is the entry's.
+- A pack a repack retired is read from ``packs/retired/`` until the next listing.
+
+What a server says never decides how much is read: the indexes of one store's
+packs together hold at most :data:`MAX_INDEX_BYTES` (and never more than the
+largest entry this node reads), newer packs first; a pack's trailer is checked
+against that and against the size the server gives before its index is fetched.
+
+Every request is the engine's (:meth:`.http.HttpEngine.fetch`), so an outage is
+a :class:`~cuda_program_cas._base.engine.StoreFailure` that the store above
+pauses on. A bad answer about one pack is damage, counted and noted through
+:attr:`HttpPacks.report` (the store), and the pack is a miss.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from cuda_program_cas._base.engine import LOCAL, StoreFailure
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.urls import join
+from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
+from cuda_program_cas.index import local_id
+
+from .client import Reply
+from .http import HttpEngine, Intake
+
+__all__ = ["MAX_INDEX_BYTES", "RELIST_S", "HttpPacks", "Report"]
+
+#: How long a process trusts its copy of ``packs/list`` before asking again (a 304 when unchanged).
+RELIST_S = 60.0
+#: The largest ``packs/list`` accepted (about 100,000 packs).
+_MAX_LISTING = 4 << 20
+#: The pack indexes of one store, all together, hold at most this (about 175,000 entries).
+#: Held in memory they cost about 460 bytes an entry (the index, its key ids, the map
+#: from key to pack): 80 MB at this bound. Newer packs come first; older ones past it
+#: are not read (one WARNING), nor is a trailer that claims more, before its index is fetched.
+MAX_INDEX_BYTES = 16 << 20
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_MEMO_PREFIX = "cuda-program-cas: the index of the pack at "
+
+#: ``memo_get(key id)`` -> bytes kept locally, or None; ``memo_put(key id, bytes)``: keep them.
+MemoGet = Callable[[str], "bytes | None"]
+MemoPut = Callable[[str, bytes], None]
+
+
+class Report(Protocol):
+    """What the packs tell the store above them (:class:`~cuda_program_cas._store.tier.Tier` is one)."""
+
+    def damaged(self, why: str, message: str) -> None:
+        """A bad answer about one object: counted in ``corrupt``, noted once per ``why``."""
+        ...
+
+    def missed(self, reason: str) -> None:
+        """Why this thread's lookup missed."""
+        ...
+
+    def say_once(self, what: str, message: str) -> None:
+        """A WARNING the first time this process meets ``what`` here, DEBUG after."""
+        ...
+
+    def fits(self, size: int, kid: str) -> bool:
+        """Whether an entry of ``size`` bytes may be read; else a miss, said once, with no request for it."""
+        ...
+
+    def ceiling(self) -> int:
+        """The largest entry this node reads."""
+        ...
+
+
+class HttpPacks:
+    """The packs of the store ``engine`` serves (module docstring); ``report`` is set by the store that asks.
+
+    ``memo_get``/``memo_put`` reach the local cache, where pack indexes are kept
+    between processes; without them every process fetches the indexes it needs.
+    """
+
+    def __init__(self, engine: HttpEngine, *, memo_get: MemoGet | None = None, memo_put: MemoPut | None = None) -> None:
+        self.engine = engine
+        self.report: Report | None = None
+        self._memo_get = memo_get
+        self._memo_put = memo_put
+        self._lock = threading.Lock()
+        self._listed_at = float("-inf")
+        self._outages = 0
+        self._etag: str | None = None
+        self._packs: dict[str, PackIndex] = {}
+        self._bad_packs: set[str] = set()
+        #: Key id (raw) -> the packs holding it, newest first.
+        self._where: dict[bytes, list[PackIndex]] = {}
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the indexes stay: immutable, and verified
+
+    def _told(self) -> Report:
+        assert self.report is not None, "HttpPacks.report is set by the store that asks"
+        return self.report
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None:
+        """The verified bytes of ``kid`` in one of the packs and their digest, or None."""
+        report = self._told()
+        try:
+            self._refresh()
+            for pack in self._where.get(bytes.fromhex(kid), ()):
+                entry = pack.find_key(bytes.fromhex(kid))
+                if entry is None or not report.fits(entry.size, kid):
+                    continue
+                with Intake(self.engine.staging) as body:
+                    if not self._range(pack.name, entry.offset, entry.size, body):
+                        continue
+                    if body.hexdigest() != entry.digest:
+                        message = f"pack {pack.name}: the blob of {kid} does not hash to its digest"
+                        report.damaged("damaged pack blob", message)
+                        continue
+                    return body.read(), entry.digest
+        except (MemoryError, OSError) as exc:  # this node's trouble (memory, the staging disk), not the server's
+            raise StoreFailure(self.engine.shown, LOCAL, type(exc).__name__, outage=False) from None
+        return None
+
+    # -- the listing ---------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        if self.engine.outages != self._outages:
+            self._outages = self.engine.outages
+            self._listed_at = float("-inf")  # asked again after an outage (the pause has ended)
+        if time.monotonic() - self._listed_at < RELIST_S:
+            return
+        with self._lock:
+            if time.monotonic() - self._listed_at < RELIST_S:
+                return
+            headers = {"If-None-Match": self._etag} if self._etag else None
+            reply = self.engine.fetch(f"packs/{LISTING}", limit=_MAX_LISTING, headers=headers)
+            self._listed_at = time.monotonic()
+            if reply.status == 304:
+                return
+            if reply.status == 404:
+                names: list[str] | None = []
+            else:
+                names = parse_listing(reply.body) if reply.status == 200 else None
+            if names is None:
+                message = f"packs/{LISTING}: status {reply.status}, not a listing; the packs known stay"
+                self._told().damaged("damaged listing", message)
+                return
+            self._etag = reply.headers.get("etag")
+            self._update(names)
+
+    def _update(self, names: list[str]) -> None:
+        packs = {}
+        room = self._index_bound()
+        for name in names:  # newest first
+            pack = self._packs.get(name)
+            if pack is None and name not in self._bad_packs:
+                pack = self._index(name, room)
+            if pack is not None and pack.index_size > room:
+                self._no_room(name)
+                pack = None
+            if pack is not None:
+                packs[name] = pack
+                room -= pack.index_size
+        where: dict[bytes, list[PackIndex]] = {}
+        for pack in packs.values():
+            for key in pack.key_ids():
+                where.setdefault(key, []).append(pack)
+        self._packs, self._where = packs, where
+
+    def _index_bound(self) -> int:
+        """Bytes of index one store's packs may hold together (an index is kept in the local cache as an entry)."""
+        return min(MAX_INDEX_BYTES, self._told().ceiling())
+
+    def _no_room(self, name: str) -> None:
+        """Pack ``name`` is good but its index does not fit what is left of the bound: not read in this process."""
+        self._bad_packs.add(name)
+        report = self._told()
+        report.missed("pack not read: the store's pack indexes are over the bound")
+        report.say_once(
+            "index room",
+            f"the indexes of its packs hold more than {self._index_bound()} bytes together; pack {name} and older "
+            "ones past that are not read, their entries are misses (repack the store into fewer entries, or read "
+            "it as a directory)",
+        )
+
+    # -- one pack ------------------------------------------------------------------------
+
+    def _index(self, name: str, room: int) -> PackIndex | None:
+        """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had.
+
+        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or
+        that does not fit the size the server gives, makes the pack a damaged one before
+        its index is asked for. A good one that needs more than ``room`` (what this
+        store's newer packs left of the bound) is not fetched either.
+        """
+        memo = local_id(_MEMO_PREFIX + join(self.engine.root, f"packs/{name}"))  # never published
+        kept = self._memo_get(memo) if self._memo_get is not None else None
+        if kept is not None:
+            try:
+                return PackIndex.from_bytes(name, kept)
+            except PackError:
+                pass  # verified by the local cache, yet not this pack's: fetched again
+        reply = self._pack_get(name, {"Range": f"bytes=-{TRAILER_SIZE}"}, TRAILER_SIZE)
+        if reply.status == 404:
+            return None  # gone (not retired): its entries are in the pack that replaced it
+        span = self._content_range(reply, f"packs/{name}")
+        if span is None:
+            return None
+        try:
+            first, last, size = span
+            if (first, last, len(reply.body)) != (size - TRAILER_SIZE, size - 1, TRAILER_SIZE):
+                raise PackError(f"{name}: asked its last {TRAILER_SIZE} bytes, got {first}-{last}/{size}")
+            offset, length = PackIndex.span(size, reply.body, name, max_index=self._index_bound())
+            if length > room:
+                self._no_room(name)
+                return None
+            with Intake(None, hashed=False) as index:
+                if not self._range(name, offset, length, index):
+                    return None
+                pack = PackIndex(name, size, reply.body, index.read())
+        except PackError as exc:
+            self._bad_packs.add(name)
+            self._told().damaged("damaged pack", str(exc))
+            return None
+        if self._memo_put is not None:
+            self._memo_put(memo, pack.to_bytes())
+        return pack
+
+    def _pack_get(
+        self, name: str, headers: dict[str, str], limit: int, sink: Callable[[bytes], object] | None = None
+    ) -> Reply:
+        """GET (a range of) pack ``name``: in ``packs/``, or in ``packs/retired/`` where a repack moved it."""
+        reply = self.engine.fetch(f"packs/{name}", limit=limit, headers=headers, sink=sink)
+        if reply.status == 404:
+            self._listed_at = float("-inf")  # the listing is stale: asked again at the next lookup
+            reply = self.engine.fetch(f"packs/{RETIRED}/{name}", limit=limit, headers=headers, sink=sink)
+        return reply
+
+    def _range(self, name: str, offset: int, size: int, body: Intake) -> bool:
+        """Bytes ``[offset, offset + size)`` of pack ``name`` into ``body``; False (noted) when they are others."""
+        if size == 0:
+            return True
+        relative = f"packs/{name}"
+        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size, body.take)
+        if reply.status == 404:
+            self._told().missed("pack missing")
+            return False
+        span = self._content_range(reply, relative)
+        if span is None or span[0] != offset or body.size != size:
+            if span is not None:
+                message = f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{body.size}"
+                self._told().damaged("damaged range", message)
+            return False
+        return True
+
+    def _content_range(self, reply: Reply, relative: str) -> tuple[int, int, int] | None:
+        """``(first, last, size)`` of a 206 reply; None (said once) for a server that ignores Range."""
+        m = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
+        if reply.status == 206 and m is not None:
+            first, last, size = (int(g) for g in m.groups())
+            return first, last, size
+        report = self._told()
+        report.missed("pack not readable")
+        report.say_once(
+            "range",
+            f"{relative}: status {reply.status} to a Range request; packs need a server that honours Range "
+            "(their entries are misses)",
+        )
+        return None
