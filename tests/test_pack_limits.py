@@ -451,3 +451,32 @@ def test_a_node_reading_a_lying_pack_in_a_shared_directory_stays_within_its_memo
     assert out["hits"] == [] and out["corrupt"] == 2, out
     assert out["grew"] < 8 << 20, out
     print(f"\npeak memory grew by {out['grew'] / 2**20:.1f} MiB")
+
+
+def test_a_node_reading_a_lying_loose_entry_in_a_shared_directory_stays_within_its_memory_bound(
+    tmp_path: Path,
+) -> None:
+    """A manifest naming 200 MiB (under the ceiling) over a sparse blob file of 200 MiB that is not those bytes.
+
+    Read whole before it was hashed, the node held the 200 MiB; hashed in chunks first, a miss counted
+    corrupt, and the node's peak memory grows by a few MiB.
+    """
+    from conftest import write_manifest
+
+    from cuda_program_cas._disk.layout import url_path
+
+    store = tmp_path / "store"
+    CacheStore(store).close()
+    size = 200 << 20
+    digest = blake3(b"what the manifest claims").hexdigest()
+    write_manifest(store, "claims-200MiB", digest, size)
+    blob = store / url_path("blobs", digest)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with open(blob, "wb") as f:
+        f.truncate(size)  # a hole: 200 MiB of zeros that take no disk
+    done = run_python(_HOSTILE_DIR_NODE, str(tmp_path / "node"), str(store), "claims-200MiB", timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["hits"] == [] and out["corrupt"] == 1, out
+    assert out["grew"] < 8 << 20, out
+    print(f"\npeak memory grew by {out['grew'] / 2**20:.1f} MiB")
