@@ -34,13 +34,15 @@ NODE = textwrap.dedent(
     from cuda.core import ProgramOptions
     from cuda_program_cas import ContentAddressedProgramCache
 
-    source, include, local = sys.argv[1], sys.argv[2], sys.argv[3]
+    sources, include, local = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     cache = ContentAddressedProgramCache(local)
     options = ProgramOptions(arch="sm_80", include_path=[include], std="c++17")
     print("ready", flush=True)
     sys.stdin.readline()
     t0 = time.monotonic()
-    code = bytes(cache.compile(source, "c++", options, "cubin").code)  # headers: the front door
+    # Headers: the front door. Each source in turn; the last one's bytes are reported.
+    codes = [bytes(cache.compile(source, "c++", options, "cubin").code) for source in sources]
+    code = codes[-1]
     done = time.monotonic()
     cache.close()  # the holder's upload and the lease's release before its counts are read
     c = cache.stats()
@@ -78,12 +80,20 @@ def _new_kernel() -> str:
 
 
 class Node:
-    def __init__(self, tmp: Path, n: int, source: str, store: str, ttl: str) -> None:
+    def __init__(self, tmp: Path, n: int, source: str | list[str], store: str, ttl: str, *, also: str = "") -> None:
         env = dict(os.environ)
-        env.update({"CUDA_PROGRAM_CAS_SHARED": f"{store}|write", "CUDA_PROGRAM_CAS_LEASE_TTL": ttl})
+        shared = f"{store}|write {also}".strip()  # the Redis store, then (also) read-only stores
+        env.update({"CUDA_PROGRAM_CAS_SHARED": shared, "CUDA_PROGRAM_CAS_LEASE_TTL": ttl})
         env.pop("CUDA_PROGRAM_CAS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", NODE, source, _include(), str(tmp / f"node{n}")],
+            [
+                sys.executable,
+                "-c",
+                NODE,
+                json.dumps([source] if isinstance(source, str) else source),
+                _include(),
+                str(tmp / f"node{n}"),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -161,3 +171,32 @@ def test_a_holder_killed_mid_compile_loses_its_lease_and_another_node_compiles(
     assert len({r["code"] for r in results}) == 1
     last = max(r["done"] for r in results)
     print(f"\nholder killed; every other node done {last - killed_at:.2f} s later (ttl {ttl} s, then one compile)")
+
+
+def test_with_an_nginx_store_too_published_kernels_are_hits_and_a_new_one_is_compiled_once(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """8 nodes read a published store on nginx besides the Redis store they write: an old kernel is a hit
+    from nginx on every node (no compile, nothing sent to Redis), the new one is 1 compile cluster-wide."""
+    from _http import nginx_or_skip
+    from cuda.core import ProgramOptions
+
+    from cuda_program_cas import ContentAddressedProgramCache, publish
+
+    old, new = _new_kernel(), _new_kernel()
+    with nginx_or_skip(tmp_path / "nginx") as server:
+        with ContentAddressedProgramCache(tmp_path / "seed") as seed:
+            options = ProgramOptions(arch="sm_80", include_path=[_include()], std="c++17")
+            seed.compile(old, "c++", options, "cubin")
+        publish([tmp_path / "seed"], server.dav_url("store"))
+        server.reset_log()
+        nodes = [Node(tmp_path, n, [old, new], redis.url, "30", also=server.read_url("store")) for n in range(8)]
+        for node in nodes:
+            node.go()
+        results = [node.result() for node in nodes]
+        blob_gets = [e for e in server.requests() if e.method == "GET" and "/blobs/" in e.uri and e.status == 200]
+    assert sum(r["compiled"] for r in results) == 1, [(r["compiled"], r["hits"]) for r in results]
+    assert sum(r["hits"] for r in results) == 2 * len(nodes) - 1
+    assert all(r["shared_hits"] >= 1 for r in results)  # the old kernel, from nginx
+    assert sum(r["uploads"] for r in results) == 2  # the new kernel's binary and record, once
+    assert len(blob_gets) >= len(nodes)  # every node read the old kernel's blob from nginx
