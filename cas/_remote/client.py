@@ -357,6 +357,7 @@ def request(
         except _Urllib3Error as exc:
             raise _late(url, total) if w.done() else _failure(url, without_frames(exc)) from None
         except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
+            without_frames(exc)  # its traceback would keep the callers' frames (Program's) alive: see errors.py
             if w.done():
                 raise _late(url, total) from None
             raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
@@ -410,9 +411,10 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
             keep(chunk)
     except _Urllib3Error as exc:
         resp.close()
-        raise _failure(url, exc) from None
+        raise _failure(url, without_frames(exc)) from None
     except OSError as exc:
         resp.close()
+        without_frames(exc)
         raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
     except BaseException:  # too large, the sink's own failure, MemoryError: the connection is mid-body
         resp.close()
