@@ -14,6 +14,7 @@ import errno
 import fcntl
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +52,17 @@ class Seam:
                 self.block.clear()
                 assert self.unblock.wait(60), "the test never let the try return"
         fcntl.flock(fd, how)
+
+
+@pytest.fixture(autouse=True)
+def no_try_left_out() -> Iterator[None]:
+    """After each test, every abandoned try has come back: a try still out on this file system would
+    make the next test's first claim give up at once (one stuck try per file system, by design)."""
+    yield
+    deadline = time.monotonic() + 30
+    while flocks._STUCK.devs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not flocks._STUCK.devs, "a try the test abandoned never came back"
 
 
 @pytest.fixture
