@@ -59,6 +59,7 @@ __all__ = [
     "MAX_LISTING_BYTES",
     "PACK_SUFFIX",
     "RETIRED",
+    "STREAM_ABOVE",
     "TRAILER_SIZE",
     "PackEntry",
     "PackError",
