@@ -30,12 +30,9 @@ import stat
 from collections.abc import Sequence
 from typing import IO
 
-from blake3 import blake3
-
 from cuda_program_cas._base.engine import StoreFailure, check_digest
 
-from .files import READ_FLAGS, ShardGuard
-from .pack import STREAM_ABOVE
+from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, hashes_to, read_rest
 
 __all__ = ["OUTAGE_ERRNOS", "DirEngine"]
 
@@ -83,19 +80,13 @@ class DirEngine:
                 return None
             raise _failure(path, exc) from None
         try:
-            if digest is not None and limit > STREAM_ABOVE and not _hashes_to(fd, digest, limit):
+            if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, digest, limit):
                 # Hashed in chunks first: a file that lies about its bytes costs a chunk of memory, not its size.
                 raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
             data = os.read(fd, limit + 1)
             if len(data) <= limit:
                 # A short read ends a regular file only at its end; read on until then (or past the limit).
-                chunks = [data]
-                got = len(data)
-                while data and got <= limit:
-                    data = os.read(fd, min(_CHUNK, limit + 1 - got))
-                    chunks.append(data)
-                    got += len(data)
-                data = b"".join(chunks)
+                data = read_rest(fd, data, limit + 1)
         except OSError as exc:  # a directory (EISDIR), a FIFO (EAGAIN), EIO, ESTALE
             raise _failure(path, exc) from None
         finally:
@@ -161,17 +152,10 @@ class DirEngine:
 
 
 def _hashes_to(fd: int, digest: str, limit: int) -> bool:
-    """Whether the file's first ``limit`` bytes (and no more) hash to ``digest``, read in chunks; at its start again."""
-    hasher = blake3()
-    got = 0
-    while got <= limit:
-        chunk = os.read(fd, min(STREAM_ABOVE, limit + 1 - got))
-        if not chunk:
-            break
-        hasher.update(chunk)
-        got += len(chunk)
+    """Whether the file holds ``limit`` bytes, no more, that hash to ``digest`` (read in chunks); at its start again."""
+    whole = hashes_to(lambda n: os.read(fd, n), digest, limit) and not os.read(fd, 1)
     os.lseek(fd, 0, os.SEEK_SET)
-    return got == limit and hasher.hexdigest() == digest
+    return whole
 
 
 def _failure(path: str, exc: OSError) -> StoreFailure:

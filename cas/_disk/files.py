@@ -20,8 +20,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from blake3 import blake3
+
 __all__ = [
     "FUTURE_MTIME_NS",
+    "HASH_CHUNK",
     "IS_WINDOWS",
     "READ_FLAGS",
     "FileId",
@@ -30,8 +33,10 @@ __all__ = [
     "SizeMismatch",
     "file_id",
     "fs_now",
+    "hashes_to",
     "is_sharing_violation",
     "read_regular",
+    "read_rest",
     "same_file",
     "scan_sharded",
     "shard_path",
@@ -290,3 +295,38 @@ class ShardGuard:
             return False
         names.add(head)
         return True
+
+
+#: Bytes hashed without being kept are read this many at a time.
+HASH_CHUNK = 1 << 20
+
+
+def hashes_to(read: Callable[[int], bytes], digest: str, size: int | None = None) -> bool:
+    """Whether the bytes ``read(n)`` gives, call after call, hash to blake3 ``digest``; read in chunks, kept by none.
+
+    With ``size``: the first ``size`` of them (False when there are fewer); without: all, to the end.
+    """
+    hasher = blake3()
+    got = 0
+    while size is None or got < size:
+        chunk = read(HASH_CHUNK if size is None else min(HASH_CHUNK, size - got))
+        if not chunk:
+            if size is not None:
+                return False
+            break
+        hasher.update(chunk)
+        got += len(chunk)
+    return hasher.hexdigest() == digest
+
+
+def read_rest(fd: int, head: bytes, limit: int) -> bytes:
+    """Keep reading after a short read, up to ``limit`` bytes or end of file."""
+    chunks = [head]
+    got = len(head)
+    while got < limit:
+        more = os.read(fd, limit - got)
+        if not more:
+            break
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)

@@ -51,7 +51,7 @@ from blake3 import blake3
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork, after_fork_call
 
-from .files import READ_FLAGS
+from .files import HASH_CHUNK, READ_FLAGS, hashes_to
 from .layout import Layout
 
 __all__ = [
@@ -263,8 +263,8 @@ MAX_OPEN_PACKS = 32
 #: A pack index up to this size is read whole at open (a lookup then needs no descriptor
 #: until it reads a blob): about 680 entries, what one publish of a CI run writes.
 SMALL_INDEX = 64 * 1024
-#: An entry larger than this is verified in chunks of this size before it is read whole.
-STREAM_ABOVE = 1 << 20
+#: An entry larger than this is verified in chunks (:func:`.files.hashes_to`) before it is read whole.
+STREAM_ABOVE = HASH_CHUNK
 #: Errors that say the process is short of descriptors or memory, not that the pack is bad.
 _TRANSIENT = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
 
@@ -590,13 +590,15 @@ class PackReader:
         a pack that lies about an entry costs a node a chunk of memory, not the entry.
         """
         if entry.size > STREAM_ABOVE:
-            hasher = blake3()
-            for at in range(0, entry.size, STREAM_ABOVE):
-                chunk = self._pread(min(STREAM_ABOVE, entry.size - at), entry.offset + at)
-                if not chunk:
-                    return None
-                hasher.update(chunk)
-            if hasher.hexdigest() != entry.digest:
+            at = entry.offset
+
+            def read(n: int) -> bytes:
+                nonlocal at
+                chunk = self._pread(n, at)
+                at += len(chunk)
+                return chunk
+
+            if not hashes_to(read, entry.digest, entry.size):
                 return None
         data = self._pread(entry.size, entry.offset)
         if len(data) != entry.size or blake3(data).hexdigest() != entry.digest:

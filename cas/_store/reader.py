@@ -30,8 +30,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from stat import S_ISREG
 
-from blake3 import blake3
-
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.blobs import digest_of as _hexdigest
 from cuda_program_cas._disk.files import (
@@ -40,7 +38,9 @@ from cuda_program_cas._disk.files import (
     NotRegularFile,
     ShardGuard,
     file_id,
+    hashes_to,
     is_sharing_violation,
+    read_rest,
     shard_path,
     with_sharing_retry,
 )
@@ -327,7 +327,7 @@ class Reader:
             try:
                 data = os.read(bfd, size + 1)
                 if len(data) < size:  # a short read: only at EOF on a regular file
-                    data = _read_rest(bfd, data, size + 1)
+                    data = read_rest(bfd, data, size + 1)
             except OSError as exc:
                 self._read_failed(exc, bpath)
                 return None
@@ -493,22 +493,6 @@ def _hashes_to(fd: int, digest: str) -> bool:
         if not S_ISREG(os.fstat(fd).st_mode):
             return False
         os.lseek(fd, 0, os.SEEK_SET)
-        hasher = blake3()
-        while chunk := os.read(fd, 1 << 20):
-            hasher.update(chunk)
+        return hashes_to(lambda n: os.read(fd, n), digest)
     except OSError:
         return False
-    return hasher.hexdigest() == digest
-
-
-def _read_rest(fd: int, head: bytes, limit: int) -> bytes:
-    """Keep reading after a short read, up to ``limit`` bytes or end of file."""
-    chunks = [head]
-    got = len(head)
-    while got < limit:
-        more = os.read(fd, limit - got)
-        if not more:
-            break
-        chunks.append(more)
-        got += len(more)
-    return b"".join(chunks)
