@@ -21,6 +21,7 @@ from ._manifest import (
     manifest_length,
     parse_fields,
     parse_manifest,
+    split_signed,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "parse_fields",
     "parse_manifest",
     "partners_of",
+    "split_signed",
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "manifest_length",
     "parse_fields",
     "parse_manifest",
+    "split_signed",
 ]
 
 MANIFEST_TAG = b"cpcas2"
@@ -68,7 +69,19 @@ def manifest_length(size: int) -> int:
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 #: The form of a signature line (its meaning: :mod:`cuda_program_cas._base.signing`).
-_SIGNATURE_RE = re.compile(rb"ed25519 [0-9a-f]{16} [0-9a-f]{128}\n")
+_SIGNATURE_RE = re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
+
+
+def split_signed(data: bytes) -> tuple[bytes, str, str] | None:
+    """``(the manifest line, signer id, signature hex)`` of a signed manifest, or None when ``data`` is not
+    a line followed by one well-formed signature line (whether the line is a manifest is not asked here)."""
+    cut = data.find(b"\n") + 1
+    m = _SIGNATURE_RE.fullmatch(data, cut) if cut > 0 else None
+    if m is None:
+        return None
+    return data[:cut], m.group(1).decode("ascii"), m.group(2).decode("ascii")
+
+
 _LINE_RE = re.compile(
     rb"cpcas2 ([0-9a-f]{64}) ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"
     rb"|cpcas1 ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"  # layout 1: no key id
@@ -120,10 +133,11 @@ def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
     n = len(data)
     if n > LONGEST_MANIFEST:
         # A signed manifest: the line, then one signature line (checked by a node that trusts keys).
-        cut = data.find(b"\n") + 1
-        if cut <= 0 or _SIGNATURE_RE.fullmatch(data, cut) is None:
+        signed = split_signed(data)
+        if signed is None:
             return None
-        data, n = data[:cut], cut
+        data = signed[0]
+        n = len(data)
     if _MIN_V2 <= n <= LONGEST_MANIFEST and data[:7] == b"cpcas2 " and data[71] == 32 and data[136] == 32:
         kid, digest, size = data[7:71], data[72:136], data[137:-1]
         # strip() of every hex digit leaves nothing only if the field is all lowercase hex.

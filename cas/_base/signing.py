@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from blake3 import blake3
+
+from cuda_program_cas.index import split_signed
 
 from .config import VAR_SIGNING_KEY, VAR_TRUSTED_KEYS, warn_once
 
 __all__ = [
     "ENV_SIGNING_KEY",
     "ENV_TRUSTED_KEYS",
-    "SIG_LINE_BYTES",
     "Signer",
     "Trust",
     "env_signer",
@@ -58,9 +58,6 @@ ENV_SIGNING_KEY = VAR_SIGNING_KEY.name
 ENV_TRUSTED_KEYS = VAR_TRUSTED_KEYS.name
 
 _DOMAIN = b"cuda-program-cas manifest v1\x00"
-_SIG_RE = re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
-#: The length of a signature line.
-SIG_LINE_BYTES = len(b"ed25519 ") + 16 + 1 + 128 + 1
 _MAX_KEY_FILE = 16 << 10
 
 
@@ -143,19 +140,17 @@ class Trust:
 
     def verify(self, data: bytes) -> bool:
         """Whether manifest file ``data`` (its line, then a signature line) is signed by a trusted key."""
-        cut = data.find(b"\n") + 1
-        if cut <= 0:
+        signed = split_signed(data)
+        if signed is None:
             return False
-        m = _SIG_RE.fullmatch(data, cut)
-        if m is None:
-            return False
-        key = self.keys.get(m.group(1).decode())
+        line, signer, signature = signed
+        key = self.keys.get(signer)
         if key is None:
             return False
         from cryptography.exceptions import InvalidSignature
 
         try:
-            key.verify(bytes.fromhex(m.group(2).decode()), _DOMAIN + data[:cut])
+            key.verify(bytes.fromhex(signature), _DOMAIN + line)
         except InvalidSignature:
             return False
         return True
