@@ -46,7 +46,7 @@ NEVER = (
     "cuda_program_cas._cuda.link",
     "cuda_program_cas._cuda.watch",
 )
-FRONT_DOOR = ("cuda_program_cas._cuda.frontdoor", "cuda_program_cas._cuda.nvrtcver", "cuda_program_cas._cuda.fskind")
+FRONT_DOOR = ("cuda_program_cas._cuda.frontdoor", "cuda_program_cas._cuda.nvrtcver", "cuda_program_cas._disk.fskind")
 #: Imported today by cas/_store/store.py and shared.py at module level (the writer, eviction,
 #: the scan and packs): those files belong to the store work; moving their imports is theirs.
 STORE_IMPORTS = (

@@ -31,6 +31,7 @@ from .files import READ_FLAGS, FileId, file_id, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
+    "BOOT_RECORD_FILE",
     "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
     "INDEX",
@@ -72,6 +73,8 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: Blobs verified in this boot (see :mod:`cuda_program_cas._disk.bootrecord`).
+BOOT_RECORD_FILE = "verified"
 #: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
@@ -90,6 +93,7 @@ _OWN_NAMES = frozenset(
         "gc.lock",
         COUNTERS_FILE,
         COUNTERS_LOCK,
+        BOOT_RECORD_FILE,
         SETTINGS_FILE,
         "packs",
     }

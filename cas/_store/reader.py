@@ -32,6 +32,7 @@ from stat import S_ISREG
 
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.blobs import digest_of as _hexdigest
+from cuda_program_cas._disk.bootrecord import BootRecord
 from cuda_program_cas._disk.files import (
     READ_FLAGS,
     FileId,
@@ -115,6 +116,8 @@ class Reader:
         self._reads: dict[str, int] = {}
         self._holds_since_aging = 0
         self._why = threading.local()
+        #: Blobs verified in this boot by any process (a writable local cache only; see bootrecord).
+        self._boot = BootRecord(lay.root, lay.blobs, lay.tmp, writable=True) if remover is not None else None
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
@@ -335,11 +338,16 @@ class Reader:
                 self._corrupt_blob(kid, mfd, digest, bfd)
                 return None
             # A blob already verified and provably unchanged (ctime cannot be set
-            # back without root) need not be hashed again.
+            # back without root) need not be hashed again: by this process, or
+            # by any process of this boot (its record).
             if identity is None or self._verified.get(digest) != identity:
-                if _hexdigest(data) != digest:
-                    self._corrupt_blob(kid, mfd, digest, bfd)
-                    return None
+                boot = self._boot
+                if identity is None or boot is None or not boot.vouches(digest, identity):
+                    if _hexdigest(data) != digest:
+                        self._corrupt_blob(kid, mfd, digest, bfd)
+                        return None
+                    if identity is not None and boot is not None:
+                        boot.enter(digest, identity, _time_ns())
                 if identity is not None:
                     if len(self._verified) >= _VERIFIED_MAX:
                         self._verified.clear()

@@ -1,9 +1,11 @@
 """Which file systems are local enough to trust: ``statfs`` ``f_type`` against an allowlist.
 
-Two questions rest on it. The header watch (:mod:`cuda_program_cas._cuda.watch`)
+Three questions rest on it. The header watch (:mod:`cuda_program_cas._cuda.watch`)
 needs a file system whose every change raises an inotify event; the NVRTC
 version record (:mod:`cuda_program_cas._cuda.nvrtcver`) needs one whose stat data
-(inode, size, mtime, ctime) prove a file unchanged.
+(inode, size, mtime, ctime) prove a file unchanged; the record of blobs verified
+in this boot (:mod:`cuda_program_cas._disk.bootrecord`) needs one that sets a
+file's ctime from this kernel's clock on every change.
 
 - Local disk and memory file systems (ext2/3/4, xfs, btrfs, f2fs, tmpfs, ramfs)
   answer both: every change goes through this kernel's VFS, which raises the
@@ -26,7 +28,7 @@ import ctypes
 import os
 import sys
 
-__all__ = ["STAT_RELIABLE", "WATCHABLE", "fs_type"]
+__all__ = ["CTIME_RELIABLE", "STAT_RELIABLE", "WATCHABLE", "fs_type"]
 
 #: ``f_type`` of the local file systems whose every change raises an inotify event here.
 WATCHABLE = frozenset(
@@ -42,6 +44,9 @@ WATCHABLE = frozenset(
 _OVERLAYFS = 0x794C7630
 #: ``f_type`` of the file systems whose stat data prove a file unchanged.
 STAT_RELIABLE = WATCHABLE | {_OVERLAYFS}
+#: ``f_type`` of the file systems where this kernel sets a file's ctime on every change to it,
+#: changes beneath included: the local ones. Not overlayfs (a lower layer can change beneath it).
+CTIME_RELIABLE = WATCHABLE
 
 # struct statfs starts with f_type (a long on every 64-bit Linux ABI); 120 bytes on
 # x86-64 and aarch64: the buffer leaves room.
