@@ -16,8 +16,8 @@ ccache's inode cache does for source files, provided three things hold:
 
 The record is one file, ``<root>/verified``: a header (magic, boot id, slot count)
 and a fixed table of open-addressed slots, each the blob's digest, its identity and
-a check (8 bytes of blake3 of the two), mapped read-only by each reader and written
-with one ``pwrite`` per entry. A slot torn by two writers, or damaged, fails its
+a check (8 bytes of blake3 of the two), read with one ``pread`` per lookup and
+written with one ``pwrite`` per entry. A slot torn by two writers, or damaged, fails its
 check; a record of the wrong size, magic or boot, or one that another user owns or
 may write, is not consulted. Anything not vouched for is hashed as before.
 See ``docs/guarantees.md``.
@@ -83,7 +83,7 @@ class BootRecord:
         self._tmp = tmp_dir
         self._writable = writable
         self._lock = threading.Lock()
-        #: None: not opened yet; False: not to be used in this process; else (fd, map, device of blobs/).
+        #: None: not opened yet; False: not to be used in this process; else (descriptor, device of blobs/).
         self._state: Any = None
 
     def vouches(self, digest: str, identity: FileId) -> bool:
@@ -91,19 +91,18 @@ class BootRecord:
         state = self._state
         if state is None:
             state = self._open()
-        if state is False or identity[0] != state[2]:
+        if state is False or identity[0] != state[1]:
             return False
         try:
             body = _BODY.pack(bytes.fromhex(digest), *identity)
-        except (ValueError, struct.error):
+            window = self._window(state[0], body)
+        except (ValueError, struct.error, OSError):
             return False
-        mapped = state[1]
-        first = int.from_bytes(body[:4], "little") % _SLOTS
-        for i in range(_PROBES):
-            at = _HEADER_BYTES + ((first + i) % _SLOTS) * _SLOT_BYTES
-            if mapped[at : at + 32] == body[:32]:
-                slot = mapped[at : at + _SLOT_BYTES]
-                return bool(slot[: _BODY.size] == body and slot[_BODY.size :] == _check(body))
+        head = body[:32]
+        for at in range(0, len(window), _SLOT_BYTES):
+            if window[at : at + 32] == head:
+                slot = window[at : at + _SLOT_BYTES]
+                return slot[: _BODY.size] == body and slot[_BODY.size :] == _check(body)
         return False
 
     def enter(self, digest: str, identity: FileId, now_ns: int) -> None:
@@ -113,27 +112,27 @@ class BootRecord:
         state = self._state
         if state is None:
             state = self._open()
-        if state is False or identity[0] != state[2]:
+        if state is False or identity[0] != state[1]:
             return
         try:
             body = _BODY.pack(bytes.fromhex(digest), *identity)
-        except (ValueError, struct.error):
-            return
-        mapped = state[1]
-        first = int.from_bytes(body[:4], "little") % _SLOTS
-        where = first
-        for i in range(_PROBES):
-            slot = (first + i) % _SLOTS
-            at = _HEADER_BYTES + slot * _SLOT_BYTES
-            head = mapped[at : at + 32]
-            if head == body[:32] or head == bytes(32):
-                where = slot
-                break
-        # Full probe window: the first slot gives way (a record, not the truth: the blob is hashed again).
-        try:
+            window = self._window(state[0], body)
+            first = _first_slot(body)
+            where = first
+            for i in range(_PROBES):
+                head = window[i * _SLOT_BYTES : i * _SLOT_BYTES + 32]
+                if head == body[:32] or head == bytes(32):
+                    where = (first + i) % _SLOTS
+                    break
+            # A full probe window: its first slot gives way (a record, not the truth: a blob left out is hashed).
             os.pwrite(state[0], body + _check(body), _HEADER_BYTES + where * _SLOT_BYTES)
-        except OSError:
+        except (ValueError, struct.error, OSError):
             pass
+
+    @staticmethod
+    def _window(fd: int, body: bytes) -> bytes:
+        """The slots a digest may use, in probe order (one read: the table is laid out so that they are adjacent)."""
+        return os.pread(fd, _PROBES * _SLOT_BYTES, _HEADER_BYTES + _first_slot(body) * _SLOT_BYTES)
 
     def _open(self) -> Any:
         with self._lock:
@@ -142,14 +141,16 @@ class BootRecord:
             return self._state
 
     def _try_open(self) -> Any:
-        from .fskind import CTIME_RELIABLE, fs_type
+        from .fskind import ctime_reliable_device
 
         boot = boot_id()
-        if boot is None or fs_type(self._blobs) not in CTIME_RELIABLE:
+        if boot is None:
             return False
         try:
             device = os.stat(self._blobs).st_dev
         except OSError:
+            return False
+        if not ctime_reliable_device(device):
             return False
         opened = self._map(boot)
         if opened is None and self._writable:
@@ -159,36 +160,34 @@ class BootRecord:
             except OSError:
                 return False
             opened = self._map(boot)
-        return False if opened is None else (*opened, device)
+        return False if opened is None else (opened, device)
 
-    def _map(self, boot: str) -> tuple[int, Any] | None:
-        """The record's descriptor and read-only map, if it is this boot's, well formed and this user's alone."""
-        import mmap
-
+    def _map(self, boot: str) -> int | None:
+        """A descriptor of the record, if it is this boot's, well formed and this user's alone."""
         try:
             fd = os.open(self._path, (os.O_RDWR if self._writable else os.O_RDONLY) | _O_NOFOLLOW)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
+            want = _HEADER.pack(_MAGIC, boot.encode("ascii"), _SLOTS, _SLOT_BYTES)
             if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_size != _RECORD_BYTES
-                or st.st_uid != os.geteuid()
-                or st.st_mode & 0o022
+                stat.S_ISREG(st.st_mode)
+                and st.st_size == _RECORD_BYTES
+                and st.st_uid == os.geteuid()
+                and not st.st_mode & 0o022
+                and os.pread(fd, _HEADER.size, 0) == want
             ):
-                os.close(fd)
-                return None
-            mapped = mmap.mmap(fd, _RECORD_BYTES, prot=mmap.PROT_READ)
-        except (OSError, ValueError):
-            os.close(fd)
-            return None
-        want = _HEADER.pack(_MAGIC, boot.encode("ascii"), _SLOTS, _SLOT_BYTES)
-        if mapped[: _HEADER.size] != want:
-            mapped.close()
-            os.close(fd)
-            return None
-        return fd, mapped
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+
+def _first_slot(body: bytes) -> int:
+    """Where a digest's probe window starts: its first bytes, kept clear of the table's end."""
+    return int.from_bytes(body[:4], "little") % (_SLOTS - _PROBES + 1)
 
 
 def _check(body: bytes) -> bytes:

@@ -342,7 +342,9 @@ class Reader:
             # by any process of this boot (its record).
             if identity is None or self._verified.get(digest) != identity:
                 boot = self._boot
-                if identity is None or boot is None or not boot.vouches(digest, identity):
+                # The record vouches for the file as it was before this read; a second fstat, after it,
+                # proves no change since (a change would have moved the ctime past the recorded one).
+                if identity is None or boot is None or not (boot.vouches(digest, identity) and _same(bfd, identity)):
                     if _hexdigest(data) != digest:
                         self._corrupt_blob(kid, mfd, digest, bfd)
                         return None
@@ -493,6 +495,14 @@ class Uncached(Reader):
 
     def current_digest(self, kid: str) -> str | None:
         return None
+
+
+def _same(fd: int, identity: FileId) -> bool:
+    """True when the file open as ``fd`` still has ``identity``."""
+    try:
+        return file_id(os.fstat(fd)) == identity
+    except OSError:
+        return False
 
 
 def _hashes_to(fd: int, digest: str) -> bool:
