@@ -33,6 +33,8 @@ from typing import Any
 
 from blake3 import blake3
 
+from cuda_program_cas._base.fork import after_fork
+
 from .atomic import atomic_write
 from .files import FileId
 from .layout import BOOT_RECORD_FILE
@@ -85,6 +87,10 @@ class BootRecord:
         self._lock = threading.Lock()
         #: None: not opened yet; False: not to be used in this process; else (descriptor, device of blobs/).
         self._state: Any = None
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have been opening the record
 
     def vouches(self, digest: str, identity: FileId) -> bool:
         """True when this boot's record says blob ``digest`` was verified as the file ``identity`` describes."""

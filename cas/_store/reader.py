@@ -29,9 +29,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from stat import S_ISREG
+from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._disk.blobs import digest_of as _hexdigest
 from cuda_program_cas._disk.bootrecord import BootRecord
 from cuda_program_cas._disk.files import (
     READ_FLAGS,
@@ -45,12 +45,17 @@ from cuda_program_cas._disk.files import (
     shard_path,
     with_sharing_retry,
 )
+from cuda_program_cas._disk.files import (
+    digest_of as _hexdigest,
+)
 from cuda_program_cas._disk.layout import Layout, LayoutVersion
-from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, parse_fields
 
 from .stats import Counters
 from .touch import TOUCH_INTERVAL_NS, Touches
+
+if TYPE_CHECKING:
+    from cuda_program_cas._disk.remove import Remover
 
 __all__ = ["Reader", "Uncached"]
 
@@ -75,6 +80,9 @@ ErrorHook = Callable[[OSError, str], None]
 class Reader:
     """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes).
 
+    ``remover`` gives the store's remover when called: it is made when something is first to be
+    removed, not for a hit.
+
     ``version`` is the root's layout version, which decides whether a layout-1
     manifest (naming no key) is believed (:func:`cuda_program_cas.index.fits_key`).
     """
@@ -84,7 +92,7 @@ class Reader:
         lay: Layout,
         counters: Counters,
         guard: ShardGuard,
-        remover: Remover | None,
+        remover: Callable[[], Remover] | None,
         *,
         version: LayoutVersion,
         note: Callable[[str, int, str], None],
@@ -416,7 +424,7 @@ class Reader:
             return
         try:
             st = os.fstat(mfd)
-            self._remover.manifest(kid, st)
+            self._remover().manifest(kid, st)
         except OSError as exc:
             # A read-only remount, permissions: the lookup is a miss all the same.
             self._counters.add("errors")
@@ -450,7 +458,7 @@ class Reader:
             return
         try:
             bst = os.fstat(bfd)
-            where = self._remover.quarantine(digest, bst)
+            where = self._remover().quarantine(digest, bst)
         except OSError as exc:
             self._set_aside_failed(digest, bfd, exc)
         else:
@@ -466,7 +474,7 @@ class Reader:
         """
         assert self._remover is not None
         try:
-            removed = self._remover.blob(digest, seen=file_id(os.fstat(bfd)))
+            removed = self._remover().blob(digest, seen=file_id(os.fstat(bfd)))
         except OSError as again:
             self._counters.add("errors")
             self._note(
