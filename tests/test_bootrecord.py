@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,14 +159,6 @@ def test_a_file_younger_than_the_minimum_age_is_not_entered(tmp_path: Path, boot
     # Still within one tick of its last change it could change again unseen: hashed, never entered.
     assert lookup(root, boots[0], min_age_ns=bootrecord.MIN_AGE_NS) == (DATA, False)
     assert time.time_ns() - blob(root).stat().st_ctime_ns < bootrecord.MIN_AGE_NS  # it was young throughout
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for target in reversed(made):
-        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 @pytest.mark.skipif(not is_root(), reason="mounts need root")
