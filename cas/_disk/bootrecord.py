@@ -158,17 +158,17 @@ class BootRecord:
             return False
         if not ctime_reliable_device(device):
             return False
-        opened = self._map(boot)
+        opened = self._opened(boot)
         if opened is None and self._writable:
             header = _HEADER.pack(_MAGIC, boot.encode("ascii"), _SLOTS, _SLOT_BYTES).ljust(_HEADER_BYTES, b"\0")
             try:
                 atomic_write(self._path, [header, bytes(_SLOTS * _SLOT_BYTES)], self._tmp)
             except OSError:
                 return False
-            opened = self._map(boot)
+            opened = self._opened(boot)
         return False if opened is None else (opened, device)
 
-    def _map(self, boot: str) -> int | None:
+    def _opened(self, boot: str) -> int | None:
         """A descriptor of the record, if it is this boot's, well formed and this user's alone."""
         try:
             fd = os.open(self._path, (os.O_RDWR if self._writable else os.O_RDONLY) | _O_NOFOLLOW)

@@ -173,7 +173,7 @@ class CacheStore:
         #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
-        if targets and self._writer is not None:
+        if targets and not self.read_only:
             from cuda_program_cas._base.signing import env_signer
 
             from .writeback import WriteBack
@@ -251,7 +251,7 @@ class CacheStore:
         # A hit must fit the cap to be copied in; a large body waits in this cache's tmp/ while it is verified.
         cap = self.max_size_bytes
         room = None if cap is None else cap - LONGEST_MANIFEST
-        tmp = None if self._writer is None else self.layout.tmp
+        tmp = None if self.read_only else self.layout.tmp
         return open_tier(
             os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
         )
@@ -323,7 +323,7 @@ class CacheStore:
             found = store.lookup(kid)
             if found is not None:
                 data, digest = found
-                if self._copy_shared and self._writer is not None:
+                if self._copy_shared and not self.read_only:
                     self._copy_in(kid, data, digest)
                 return data, store.root
             if reasons is not None:
@@ -388,7 +388,7 @@ class CacheStore:
 
         from .claims import Claim, claim
 
-        if self._writer is None:
+        if self.read_only:
             return nullcontext(Claim())
         bound = env_claim_wait() if wait_s is None else wait_s
         if self._lease_tier is None:
@@ -491,7 +491,7 @@ class CacheStore:
 
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
         why: str | None
-        if self._writer is None:
+        if self.read_only:
             # As ccache and sccache in their read-only modes: the caller keeps its program.
             self._counters.add("dropped_writes")
             result, why = WriteResult.DROPPED, "read-only cache"
@@ -586,15 +586,16 @@ class CacheStore:
 
     def delete_id(self, kid: str) -> bool:
         """:meth:`delete` by key id; False when there was no such entry."""
-        if self._remover is None:
+        if self.read_only:
             raise self._refuse("delete a key")
         if not self._guard.ok(self.layout.index, kid):
             return False
+        remover = self._parts.remover()
         before = self._reader.current_digest(kid)
-        if not self._remover.manifest(kid):
+        if not remover.manifest(kid):
             return False
         if before is not None:
-            self._remover.retire(before)
+            remover.retire(before)
         return True
 
     def clear(self) -> None:
@@ -604,8 +605,9 @@ class CacheStore:
 
         from .cap import ORPHAN_GRACE_S
 
-        if self._remover is None:
+        if self.read_only:
             raise self._refuse("clear")
+        remover = self._parts.remover()
         with self._clear_lock:
             retired: dict[str, FileId] = {}
             # Two passes of one plan: the second takes the blobs the first retired
@@ -617,10 +619,10 @@ class CacheStore:
                     manifests=list(snap.manifests),
                     orphans=removable_orphans(snap, int(ORPHAN_GRACE_S * 1e9), retired),
                 )
-                retired = self._remover.execute(plan).retired
+                retired = remover.execute(plan).retired
                 if not retired:
                     break
-            self._remover.sweep_temp()
+            remover.sweep_temp()
             self._reader.forget()
             if self._cap is not None:
                 self._cap.reset()
