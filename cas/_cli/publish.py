@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # A source that is STORE or not a cache, a bad URL: bad usage, nothing written.
-    check_sources(args.sources, args.dest, group_shared=args.group_shared)
+    check_sources(args.sources, args.dest, group_shared=args.group_shared, pack=args.pack)
     try:
         env_signer()  # a signing key that cannot be used: bad usage, before anything is written
     except ValueError as exc:
