@@ -71,10 +71,10 @@ def check_digest(where: str, data: bytes, digest: str | None) -> bytes:
     return data
 
 
-def not_stored(where: str, answer: str, size: int, held: int | None, *, what: str, other: bool = False) -> StoreFailure:
-    """The failure of a put of ``size`` bytes answered ``answer``, where the store (a ``what``) holds ``held`` bytes.
+def not_stored(where: str, answer: str, size: int, held: int | None, *, hint: str, other: bool = False) -> StoreFailure:
+    """The failure of a put of ``size`` bytes answered ``answer``, where the store holds ``held`` bytes.
 
-    ``held``: None for no object at all, -1 for more than ``size`` (a read that
+    ``hint``: what to ask of such a store. ``held``: None for no object at all, -1 for more than ``size`` (a read that
     stopped there). ``other``: as many bytes, but not those. Not an outage: the
     store answers, it only does not keep what it says it took.
     """
@@ -86,7 +86,7 @@ def not_stored(where: str, answer: str, size: int, held: int | None, *, what: st
         holds = f"{held:,} bytes, not the {size:,} it was sent"
     else:
         holds = f"{held or 0:,} of its {size:,} bytes"
-    detail = f"the server answered {answer} but holds {holds}: is it a real {what}?"
+    detail = f"the server answered {answer} but holds {holds}: {hint}"
     return StoreFailure(where, "not stored", detail, outage=False)
 
 
@@ -100,8 +100,8 @@ class Engine(Protocol):
     #: Whether :meth:`put_many` is one transaction, all or none (Redis): then a reader never
     #: sees a manifest sent with its blob before the blob, whatever was read back.
     atomic_batch: bool
-    #: What the store is, for a message about one that did not keep what it took ("WebDAV store").
-    what: str
+    #: What to ask of a store that did not keep what it took, for the message ("is it a real WebDAV store?").
+    lost_hint: str
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""

@@ -96,8 +96,8 @@ class DirEngine:
     recheck_on_outage = True
     #: A put is renamed in whole; ``put_many`` is one put after another, not a transaction.
     atomic_batch = False
-    #: What a store that does not keep what it was given is not (for a message).
-    what = "file system"
+    #: What to ask of a directory that did not keep what it was given (for a message).
+    lost_hint = "is another writer at work, or the file system not a real one?"
 
     def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:
         self.root = root

@@ -175,7 +175,7 @@ class DavPacks:
 
 
 def _lost(url: str, status: int, size: int, held: int | None, *, other: bool = False) -> StoreFailure:
-    return not_stored(shown(url), f"{status} to PUT", size, held, what=HttpEngine.what, other=other)
+    return not_stored(shown(url), f"{status} to PUT", size, held, hint=HttpEngine.lost_hint, other=other)
 
 
 def _check_tail(url: str, data: IO[bytes], size: int, status: int) -> None:

@@ -61,7 +61,7 @@ class HttpEngine:
 
     can_lease = False
     atomic_batch = False
-    what = "WebDAV store"
+    lost_hint = "is it a real WebDAV store?"
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)

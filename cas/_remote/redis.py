@@ -174,7 +174,10 @@ class RedisEngine:
 
     can_lease = True
     atomic_batch = True
-    what = "Redis server"
+    #: Redis evicts on its own: under allkeys-random or -lfu a key just set may be the next to go.
+    lost_hint = (
+        "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"
+    )
 
     def __init__(
         self, url: str, *, timeout: float | None = None, max_value: int | None = None, prefix: str = KEY_PREFIX

@@ -44,7 +44,7 @@ def put_checked(
     answer = engine.put(name, data)
 
     def lost(held: int | None, *, other: bool = False) -> StoreFailure:
-        return not_stored(where(engine, name), answer, len(data), held, what=engine.what, other=other)
+        return not_stored(where(engine, name), answer, len(data), held, hint=engine.lost_hint, other=other)
 
     if not whole:
         held_size = engine.size(name)
