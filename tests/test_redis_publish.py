@@ -8,12 +8,11 @@ its command counts); what it means is checked by a node whose only shared tier i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _redis import RedisServer, RedisServerError, find_redis_server
-from conftest import SAXPY, compile_program
+from _redis import RedisServer
+from conftest import SAXPY, compile_program, redis_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache
 from cuda_program_cas._cli.main import main as cli_main
@@ -21,22 +20,7 @@ from cuda_program_cas._cli.main import main as cli_main
 N_KERNELS = 4
 
 
-def _server(prefix: Path, **options: object) -> RedisServer:
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed: apt-get install redis-server")
-    server = RedisServer(prefix, **options)  # type: ignore[arg-type]
-    try:
-        return server.start()
-    except RedisServerError as exc:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {exc}")
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = _server(tmp_path / "redis")
-    yield server
-    server.stop()
+_server = redis_or_skip
 
 
 def kernel(i: int) -> str:
