@@ -102,6 +102,9 @@ class Engine(Protocol):
     atomic_batch: bool
     #: What to ask of a store that did not keep what it took, for the message ("is it a real WebDAV store?").
     lost_hint: str
+    #: Whether a put that returns is itself the proof (a directory: this process wrote and renamed the
+    #: file): nothing is read back, since a concurrent collector, not a lie, is all a read could meet.
+    puts_proven: bool
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""

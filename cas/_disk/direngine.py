@@ -98,6 +98,9 @@ class DirEngine:
     atomic_batch = False
     #: What to ask of a directory that did not keep what it was given (for a message).
     lost_hint = "is another writer at work, or the file system not a real one?"
+    #: The write protocol wrote, synced when asked, and renamed the file itself: a read-back could only
+    #: meet a collector that took it since (publish re-checks blobs after their manifests for that).
+    puts_proven = True
 
     def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:
         self.root = root

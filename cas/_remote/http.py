@@ -62,6 +62,7 @@ class HttpEngine:
     can_lease = False
     atomic_batch = False
     lost_hint = "is it a real WebDAV store?"
+    puts_proven = False
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)

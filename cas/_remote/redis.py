@@ -175,6 +175,7 @@ class RedisEngine:
     can_lease = True
     atomic_batch = True
     #: Redis evicts on its own: under allkeys-random or -lfu a key just set may be the next to go.
+    puts_proven = False
     lost_hint = (
         "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"
     )

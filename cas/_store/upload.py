@@ -3,7 +3,10 @@
 Publish and write-back both send through here, to any engine
 (:mod:`cuda_program_cas._base.engine`: a directory, WebDAV, Redis):
 
-- :func:`put_checked` stores one object and reads it back at once. An engine's
+- :func:`put_checked` stores one object and reads it back at once (not on a
+  directory, where the write protocol itself wrote and renamed the file: a read
+  could only meet a collector that took it since, which publish's re-check after
+  each manifest handles). An engine's
   answer (``201 to PUT``, ``OK to SET``) is a claim, not a proof: a server may
   answer 201 and keep nothing or a part (a stub, a proxy that drops bodies, a full
   disk behind a cache). A blob is read back by its size (HEAD, ``STRLEN``, a
@@ -42,6 +45,8 @@ def put_checked(
     ``accept``: what else the object may hold (another writer's valid object, stored at the same moment).
     """
     answer = engine.put(name, data)
+    if engine.puts_proven:
+        return
 
     def lost(held: int | None, *, other: bool = False) -> StoreFailure:
         return not_stored(where(engine, name), answer, len(data), held, hint=engine.lost_hint, other=other)

@@ -337,8 +337,8 @@ class _Store:
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         """After a manifest commit: whether its blob is still there (a collector may have taken it)."""
-        if digest in self._uploaded:
-            return True
+        if digest in self._uploaded and self.dir is None:
+            return True  # no mtimes elsewhere: what this run stored is new; a directory's stat costs nothing
         return self.blob_present(digest, size)
 
     def restore_blob(self, digest: str, blob: bytes) -> None:
