@@ -46,7 +46,9 @@ in the store: a rename on a disk and in nginx's dav module, a ``SET`` in Redis.
 
 An answer is not taken for a proof. Each upload is read back at once, before
 anything names it (:func:`cuda_program_cas._store.upload.put_checked`, the one
-write-back sends through): a blob's size (HEAD, ``STRLEN``, a stat), a pack's
+write-back sends through; not on a directory, whose write protocol is the proof,
+and whose blobs are re-checked after their manifests): a blob's size (HEAD,
+``STRLEN``), a pack's
 size and last bytes (a Range GET), a manifest's, ``layout.json``'s and
 ``CACHEDIR.TAG``'s every byte, ``packs/list`` by the read that looks for the
 pack's name in it anyway. A store that holds less, or other bytes, stops the
