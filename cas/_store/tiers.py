@@ -18,6 +18,7 @@ it writes by the same table (:func:`open_engine`), with the packs the engine has
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,9 +83,20 @@ class PackTarget(Protocol):
 
 
 def _dir_engine(address: str, opts: Options) -> Engine:
-    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._disk.direngine import DirEngine, DirModes
 
-    return DirEngine(os.path.abspath(address), modes=opts.modes)
+    root = os.path.abspath(address)
+    modes = opts.modes
+    if modes is None:
+        # Write-back into a store that other users' nodes read: the files as publish writes them by
+        # default (0644 less the umask; group-shared where the store's top directory is setgid), not the
+        # private modes of a local cache.
+        try:
+            setgid = bool(os.stat(root).st_mode & stat.S_ISGID)
+        except OSError:
+            setgid = False
+        modes = DirModes.for_process(setgid, fsync=False)
+    return DirEngine(root, modes=modes)
 
 
 def _dir_packs(engine: Any) -> PackTarget:
