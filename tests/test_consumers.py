@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._store.lifetime import read_counters
@@ -45,11 +43,9 @@ print(json.dumps({"digest": hashlib.sha256(bytes(result.code)).hexdigest(), "typ
 
 
 def compile_in_child(cache: Path, headers: Path, *, switch: str = "1") -> dict[str, str]:
-    env = dict(os.environ, CUDA_PROGRAM_CAS=switch, CUDA_PROGRAM_CAS_DIR=str(cache))
+    env = {"CUDA_PROGRAM_CAS": switch, "CUDA_PROGRAM_CAS_DIR": str(cache)}
     env["NUMBA_CUDA_NVRTC_EXTRA_SEARCH_PATHS"] = str(headers)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, SOURCE], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+    proc = run_python(CHILD, SOURCE, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -103,17 +99,10 @@ print(json.dumps({"ptx": len(ptx), "codes": len(codes)}))
 def test_a_python_kernel_s_nvvm_compile_is_not_cached_only_the_cuda_cpp_it_links(tmp_path: Path) -> None:
     linked, cache = tmp_path / "scaled.cu", tmp_path / "cache"
     linked.write_text('extern "C" __device__ int scaled(int *out, int x) { *out = 3 * x; return 0; }\n')
-    env = dict(os.environ, CUDA_PROGRAM_CAS="1", CUDA_PROGRAM_CAS_DIR=str(cache))
+    env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(cache)}
     seen = []
     for _ in range(2):  # two fresh processes on one cache
-        proc = subprocess.run(
-            [sys.executable, "-c", KERNELS, str(linked)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-            check=False,
-        )
+        proc = run_python(KERNELS, str(linked), env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["ptx"] > 0 and out["codes"] == 2  # the kernel's LTO-IR and the linked file's
