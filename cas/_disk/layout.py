@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import stat
 import time
 
@@ -33,6 +34,7 @@ __all__ = [
     "BLOBS",
     "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
+    "FILES",
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
@@ -45,6 +47,7 @@ __all__ = [
     "check_layout_data",
     "create_layout",
     "damaged_layout_error",
+    "file_kind",
     "is_shared_store",
     "layout_bytes",
     "layout_version",
@@ -78,22 +81,72 @@ SETTINGS_FILE = "settings.json"
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
 _log = logging.getLogger("cuda_program_cas")
-_OWN_NAMES = frozenset(
-    {
-        LAYOUT_FILE,
-        "CACHEDIR.TAG",
-        BLOBS,
-        INDEX,
-        TMP,
-        QUARANTINE,
-        LOCK_FILE,
-        "gc.lock",
-        COUNTERS_FILE,
-        COUNTERS_LOCK,
-        SETTINGS_FILE,
-        "packs",
-    }
+
+#: Every path the package makes under a cache root (a local cache or a shared store), each
+#: with what it is: the one list of them. A pattern is relative to the root; a directory
+#: ends in ``/``; ``<N hex>`` is N lowercase hex digits, ``<digits>`` a decimal number,
+#: ``*`` any characters within one name. docs/design.md's layout specification names
+#: exactly these patterns, and tests/test_layout_spec.py checks that every path real
+#: compiles, links, publishes, repacks, collections and write-back leave matches one.
+#: A file of a new kind is one more line here (and in that specification); its top-level
+#: name is then one the cache opens without taking the directory for a foreign one.
+FILES: tuple[tuple[str, str], ...] = (
+    ("CACHEDIR.TAG", "tells backup tools to skip the cache (bford.info/cachedir)"),
+    (LAYOUT_FILE, "the layout's name, version and hashes; `shared` in a store publish made"),
+    (SETTINGS_FILE, "settings stored in the cache (`cuda-program-cas config PATH max-size 10G`)"),
+    (f"{BLOBS}/", "the binaries, in 256 shards"),
+    (f"{BLOBS}/<2 hex>/", "a shard"),
+    (f"{BLOBS}/<2 hex>/<62 hex>", "a compiled binary, verbatim, named by its blake3 digest"),
+    (f"{INDEX}/", "the manifests, in 256 shards"),
+    (f"{INDEX}/<2 hex>/", "a shard"),
+    (f"{INDEX}/<2 hex>/<62 hex>", "a key's one-line manifest, named by sha256 of the key"),
+    (f"{TMP}/", "staging for atomic writes, claims, large downloads (owner-only)"),
+    (f"{TMP}/<digits>-<16 hex>.tmp", "a file being written, or a staged download (pid, then a unique draw)"),
+    (f"{TMP}/<64 hex>{CLAIM_SUFFIX}", "empty; locked by the one process of the node compiling that key id"),
+    (f"{QUARANTINE}/", "what failed verification, kept for inspection"),
+    (f"{QUARANTINE}/<64 hex>.<digits>.<digits>", "a blob that failed its digest (digest, ns, pid)"),
+    (f"{QUARANTINE}/pack-<16 hex>-<8 hex>.cpk.<digits>", "a pack that failed verification (name, ns)"),
+    (LOCK_FILE, "taken without waiting by the one evictor, collector or repack at a time"),
+    (COUNTERS_FILE, "the lifetime counters: one self-checking line per flush"),
+    (COUNTERS_LOCK, "taken briefly by whoever appends to or rewrites the counters"),
+    ("packs/", "a shared store's pack files (`publish --pack`, `repack`)"),
+    ("packs/pack-<16 hex>-<8 hex>.cpk", "an immutable pack: entries, then their index (time-ordered name)"),
+    ("packs/list", "the pack names, for readers that cannot list a directory (HTTP)"),
+    ("packs/summary", "every pack's index in one file, so that publish need not read every pack"),
+    ("packs/retired/", "packs a repack replaced, kept a grace period for readers that opened them"),
+    ("packs/retired/pack-<16 hex>-<8 hex>.cpk", "a replaced pack"),
 )
+#: Top-level names a cache may hold besides those of :data:`FILES`: ``gc.lock``, which the
+#: first versions took.
+_OLD_NAMES = frozenset({"gc.lock"})
+_OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES) | _OLD_NAMES
+
+
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    parts = re.split(r"(<\d+ hex>|<digits>|\*)", pattern)
+    out = []
+    for part in parts:
+        if part == "<digits>":
+            out.append("[0-9]+")
+        elif part == "*":
+            out.append("[^/]*")
+        elif (m := re.fullmatch(r"<(\d+) hex>", part)) is not None:
+            out.append(f"[0-9a-f]{{{m.group(1)}}}")
+        else:
+            out.append(re.escape(part))
+    return re.compile("".join(out))
+
+
+_FILE_RES = tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
+
+
+def file_kind(relpath: str) -> str | None:
+    """The pattern of :data:`FILES` that ``relpath`` (``/`` separated, a directory ending in ``/``) matches, or None."""
+    for regex, pattern in _FILE_RES:
+        if regex.fullmatch(relpath):
+            return pattern
+    return None
+
 
 #: ``CACHEDIR.TAG``'s bytes.
 CACHEDIR_TAG = (
