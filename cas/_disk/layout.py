@@ -36,8 +36,11 @@ __all__ = [
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
+    "MISSES_FILE",
+    "MISSES_OLD",
     "SETTINGS_FILE",
     "STALE_TMP_S",
+    "USAGE_FILE",
     "Layout",
     "LayoutState",
     "LayoutVersion",
@@ -72,6 +75,12 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: The miss journal (see :mod:`cuda_program_cas._store.journal`): recent misses' inputs, for ``explain``;
+#: the current file and the one it replaced when it grew past its bound.
+MISSES_FILE = "misses"
+MISSES_OLD = "misses.1"
+#: The usage ledger (see :mod:`cuda_program_cas._store.usage`): each entry's compile time and the time its hits saved.
+USAGE_FILE = "usage"
 #: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
@@ -90,6 +99,9 @@ _OWN_NAMES = frozenset(
         "gc.lock",
         COUNTERS_FILE,
         COUNTERS_LOCK,
+        MISSES_FILE,
+        MISSES_OLD,
+        USAGE_FILE,
         SETTINGS_FILE,
         "packs",
     }
@@ -114,7 +126,19 @@ class LayoutState(enum.Enum):
 class Layout:
     """Paths of one cache root (as ``str`` for the hot path)."""
 
-    __slots__ = ("blobs", "counters", "counters_lock", "index", "lock", "quarantine", "root", "tmp")
+    __slots__ = (
+        "blobs",
+        "counters",
+        "counters_lock",
+        "index",
+        "lock",
+        "misses",
+        "misses_old",
+        "quarantine",
+        "root",
+        "tmp",
+        "usage",
+    )
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -125,6 +149,9 @@ class Layout:
         self.lock = os.path.join(root, LOCK_FILE)
         self.counters = os.path.join(root, COUNTERS_FILE)
         self.counters_lock = os.path.join(root, COUNTERS_LOCK)
+        self.misses = os.path.join(root, MISSES_FILE)
+        self.misses_old = os.path.join(root, MISSES_OLD)
+        self.usage = os.path.join(root, USAGE_FILE)
 
     def blob_path(self, digest: str) -> str:
         """Where the blob ``digest`` (validated) lives."""
