@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         print(not_created_line(report.path, "no misses recorded"))
         return 0
     for miss in report.misses:
-        print(f"{miss.time.replace('T', ' ').replace('+00:00', ' UTC')}  {miss.key_id[:16]}  {miss.via:5}  "
-              f"compiled in {miss.compile_seconds:.3f} s: {miss.summary}")
+        print(
+            f"{miss.time.replace('T', ' ').replace('+00:00', ' UTC')}  {miss.key_id[:16]}  {miss.via:5}  "
+            f"compiled in {miss.compile_seconds:.3f} s: {miss.summary}"
+        )
     print(f"explained {plural(len(report.misses), 'miss', 'misses')} of {report.recorded:,} recorded in {report.path}")
     return 0

@@ -162,7 +162,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         data = as_bytes(value)
         made = taken_for(kb)  # a Program.compile(cache=) miss of this thread: its inputs and compile time
         result = self._store.put(kb, data)
-        if made is not None and result:
+        if made is not None and result and isinstance(self._store, CacheStore):
             from cuda_program_cas.index import key_id
 
             self._store.note_compiled(key_id(kb), made[0], "plain", made[1])

@@ -37,8 +37,8 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        import cuda.core.utils as utils
         import cuda.core.utils._program_cache as program_cache
+        from cuda.core import utils
 
         original = program_cache.make_program_cache_key
         original = getattr(original, "cpcas_original", original)
@@ -113,7 +113,7 @@ def describe(
     """The journal's inputs of one compile (see :mod:`cuda_program_cas._store.journal`)."""
     kind = _text(code_type).lower()
     target = _text(target_type).lower()
-    data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)  # type: ignore[arg-type]
+    data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)  # type: ignore[call-overload]
     described: dict[str, Any] = {
         "code": blake3(data).hexdigest()[:32],
         "code_type": kind,
@@ -136,12 +136,12 @@ def _options(options: Any, kind: str, target: str) -> list[str]:
     """The options as the compiler gets them (NVRTC's flags); for other code types, each field set."""
     if options is None:
         return []
-    if kind == "c++":
-        try:
-            return [_text(f) for f in options.as_bytes("nvrtc", target)]
-        except Exception:
-            pass
+    import contextlib
     import dataclasses
+
+    if kind == "c++":
+        with contextlib.suppress(Exception):  # options NVRTC refuses: described field by field below
+            return [_text(f) for f in options.as_bytes("nvrtc", target)]
 
     if dataclasses.is_dataclass(options):
         return [

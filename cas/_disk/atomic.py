@@ -33,7 +33,8 @@ from .files import NotRegularFile, is_sharing_violation, with_sharing_retry
 __all__ = [
     "Staging",
     "append_line",
-    "atomic_write",     "current_umask",
+    "atomic_write",
+    "current_umask",
     "discard",
     "make_tmp_dir",
     "staging",

@@ -121,9 +121,7 @@ def _parse(data: bytes) -> list[MissRecord]:
                 continue
             body = json.loads(text[len(_TAG) :])
             found.append(
-                MissRecord(
-                    str(body["k"]), float(body["t"]), float(body["s"]), str(body["via"]), dict(body["in"])
-                )
+                MissRecord(str(body["k"]), float(body["t"]), float(body["s"]), str(body["via"]), dict(body["in"]))
             )
         except (ValueError, KeyError, TypeError):
             continue

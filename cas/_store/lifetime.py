@@ -87,9 +87,9 @@ __all__ = [
     "Recorder",
     "counters_locked",
     "encode_line",
-    "split_lines",
-    "read_log",
     "read_counters",
+    "read_log",
+    "split_lines",
     "zero_counters",
 ]
 
@@ -207,7 +207,7 @@ def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
 
 
 def read_log(path: str) -> bytes:
-    """The bytes of a log file of this floor (the counters, the usage ledger, the miss journal); empty when there is none.
+    """The bytes of a log file of this floor (counters, usage ledger, miss journal); empty when there is none.
 
     At most 16 MiB are read: a larger file is read up to there (its later lines are lost to the sums).
     """

@@ -55,8 +55,8 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
-from .lease import Lease, lease
 from .journal import record_miss
+from .lease import Lease, lease
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .stats import CacheStats, Counters
