@@ -261,6 +261,12 @@ def test_the_journal_is_bounded_and_kept_by_the_maintenance_verbs(
         assert done.returncode == 0, (verb, done.stdout, done.stderr)
         assert "misses" not in json.dumps(json.loads(done.stdout).get("problems", [])), verb
     assert (root / "misses.1").is_file()
+    # The journal is one of the cache's own names: a cache whose layout.json was damaged
+    # is repaired by a writable open, not refused as another program's directory.
+    (root / "layout.json").write_text("{garbled")
+    ContentAddressedProgramCache(root).close()
+    assert json.loads((root / "layout.json").read_text())
+    assert explain(root, last=100).recorded == report.recorded
 
 
 def test_the_command_line_prints_each_miss_and_json(tmp_path: Path) -> None:
@@ -282,3 +288,20 @@ def test_the_command_line_prints_each_miss_and_json(tmp_path: Path) -> None:
         ).stdout
     )
     assert [m["inputs"] for m in out["misses"]] == [["option"]]
+
+
+def test_a_compile_the_switch_sends_through_the_cache_is_explained(tmp_path: Path) -> None:
+    job = (
+        "import sys\n"
+        "from cuda.core import Program, ProgramOptions\n"
+        "Program(sys.argv[1], 'c++', options=ProgramOptions(arch=sys.argv[2])).compile('cubin')\n"
+    )
+    env = {**os.environ, "CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "c")}
+    for arch in ("sm_80", "sm_86"):
+        subprocess.run([sys.executable, "-c", job, KERNEL, arch], env=env, check=True, timeout=120)
+    miss = _last_of(tmp_path / "c")
+    assert (miss.via, miss.inputs, miss.summary) == ("plain", ("option",), "option -arch: sm_80 -> sm_86")
+
+
+def _last_of(root: Path) -> cuda_program_cas.MissExplanation:
+    return explain(root, last=1).misses[-1]

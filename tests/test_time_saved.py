@@ -96,3 +96,26 @@ def test_the_ledger_folds_when_it_grows(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(read.compile_us) == 200 and read.compile_us[7] == 500_000
     assert read.saved[7] == (100, 100 * 500_000)
     assert Path(lay.usage).stat().st_size < 200 * 60 + 50 * 60
+
+
+def test_hits_on_both_sides_of_a_flush_each_save_the_compile_time(tmp_path: Path) -> None:
+    store = CacheStore(tmp_path / "c")
+    store.put(b"k", b"a binary")
+    store.note_compiled(key_id(b"k"), 0.25, "plain", {"code": "c"})
+    assert store.compile_seconds(key_id(b"k")) == 0.25
+    assert store.get(b"k") is not None
+    assert store.flush()
+    assert store.counters()["saved_us"] == 250_000
+    assert store.get(b"k") is not None and store.get(b"k") is not None
+    store.close()
+    report = stats(tmp_path / "c")
+    assert report.counters is not None and report.counters["saved_us"] == 750_000
+    assert report.busiest == [{"key": key_id(b"k")[:16], "hits": 3, "saved_s": 0.75, "compile_s": 0.25}]
+
+
+def test_a_read_only_cache_records_no_compile_time_and_no_saved_time(tmp_path: Path) -> None:
+    CacheStore(tmp_path / "c").put(b"k", b"a binary")
+    reader = CacheStore(tmp_path / "c", read_only=True)
+    reader.note_compiled(key_id(b"k"), 1.0, "plain", {})
+    assert reader.compile_seconds(key_id(b"k")) is None
+    assert not (tmp_path / "c" / "usage").exists() and not (tmp_path / "c" / "misses").exists()

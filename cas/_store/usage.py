@@ -31,6 +31,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.layout import Layout
 
@@ -110,6 +111,7 @@ class _Known:
 
 
 _KNOWN: dict[str, _Known] = {}
+after_fork_call(_KNOWN.clear)  # a thread of the parent may have held one's lock: read again
 
 
 def compile_us_of(lay: Layout, numbers: list[int]) -> dict[int, int]:
