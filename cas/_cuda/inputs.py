@@ -22,12 +22,14 @@ from typing import Any
 
 from blake3 import blake3
 
+from cuda_program_cas._base.fork import ForkSafeLock
+
 __all__ = ["describe", "install", "taken_for"]
 
 _perf = time.perf_counter
 _last = threading.local()
 _installed: list[Any] = []
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def install() -> None:

@@ -87,6 +87,7 @@ __all__ = [
     "Recorder",
     "counters_locked",
     "encode_line",
+    "locked_append",
     "read_counters",
     "read_log",
     "split_lines",
@@ -315,6 +316,17 @@ def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
     return before
 
 
+def locked_append(lay: Layout, path: str, lines: bytes, wait_s: float, then: Callable[[int], None]) -> bool:
+    """Append ``lines`` to the log file ``path`` of ``lay`` under ``counters.lock``, then ``then(its size)``
+    under the lock still (a compaction, when due). False when the cache was removed; raises
+    :class:`Busy` when the lock stayed held for ``wait_s``, ``OSError`` for what the disk said."""
+    if not os.path.isdir(lay.index):
+        return False
+    with counters_locked(lay.counters_lock, wait_s):
+        then(append_line(path, lines))
+    return True
+
+
 def _compact(lay: Layout) -> None:
     """Fold every line into one (the caller holds the lock)."""
     life, unknown = _parse(read_log(lay.counters))
@@ -372,22 +384,21 @@ class Recorder:
 
     def _record(self, line: bytes, wait_s: float) -> bool:
         lay = self._lay
-        if not os.path.isdir(lay.index):
-            return False  # the cache was removed
+
+        def compact_if_due(size: int) -> None:
+            if size > COMPACT_BYTES:
+                try:
+                    _compact(lay)
+                except OSError as exc:  # the line is recorded; the next flush compacts
+                    self._failed_once(exc)
+
         try:
-            with counters_locked(lay.counters_lock, wait_s):
-                size = append_line(lay.counters, line)
-                if size > COMPACT_BYTES:
-                    try:
-                        _compact(lay)
-                    except OSError as exc:  # the line is recorded; the next flush compacts
-                        self._failed_once(exc)
+            return locked_append(lay, lay.counters, line, wait_s, compact_if_due)
         except Busy:
             return False
         except OSError as exc:
             self._failed_once(exc)
             return False
-        return True
 
     def _failed_once(self, exc: OSError) -> None:
         code = exc.errno or 0

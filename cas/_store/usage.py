@@ -32,10 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cuda_program_cas._base.fork import after_fork_call
-from cuda_program_cas._disk.atomic import append_line, atomic_write
+from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.layout import Layout
 
-from .lifetime import Busy, counters_locked, encode_line, read_log, split_lines
+from .lifetime import Busy, encode_line, locked_append, read_log, split_lines
 from .stats import Counters
 
 __all__ = [
@@ -131,19 +131,18 @@ def compile_us_of(lay: Layout, numbers: list[int]) -> dict[int, int]:
 
 def _write(lay: Layout, lines: bytes) -> bool:
     """Append ``lines`` under ``counters.lock``, compacting when due; False when it could not be done."""
-    if not os.path.isdir(lay.index):
-        return False  # the cache was removed
+
+    def compact_if_due(size: int) -> None:
+        if size > COMPACT_BYTES:
+            usage = read_usage(lay)
+            if size > 2 * usage.compacted_bytes:
+                _compact(lay, usage)
+
     try:
-        with counters_locked(lay.counters_lock, _WAIT_S):
-            size = append_line(lay.usage, lines)
-            if size > COMPACT_BYTES:
-                usage = read_usage(lay)
-                if size > 2 * usage.compacted_bytes:
-                    _compact(lay, usage)
+        return locked_append(lay, lay.usage, lines, _WAIT_S, compact_if_due)
     except (Busy, OSError) as exc:
         _log.debug("cuda-program-cas: %s: usage ledger not written: %r", lay.root, exc)
         return False
-    return True
 
 
 def _compact(lay: Layout, usage: Usage) -> None:
