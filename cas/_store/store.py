@@ -55,7 +55,6 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
 from .claims import Claim, claim
-from .journal import record_miss
 from .lease import Lease, lease
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
@@ -63,7 +62,6 @@ from .stats import CacheStats, Counters
 from .tier import Tier
 from .tiers import open_tier
 from .touch import apply_pending, ensure_thread
-from .usage import HitTally, compile_us_of, key_number, record_compile
 from .writeback import EXIT_FLUSH_S, WriteBack
 
 __all__ = ["CacheStore"]
@@ -181,16 +179,17 @@ class CacheStore:
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
         #: Hits per key id since the last flush, whose compile time the flush adds to ``saved_us``.
-        self._tally: HitTally | None = None
         self._hits_by_key: dict[str, int] | None = None
         if not self.read_only:
             local, theirs = self._counters, tuple(s.counters for s in self.shared)
-            tally = self._tally = HitTally(lay, local)
-            self._hits_by_key = tally.hits
+            tally: dict[str, int] = {}
+            self._hits_by_key = tally
 
             def source(lock: bool) -> dict[str, int]:
-                if lock:  # not in a forked child's first look, which only notes where it starts
-                    tally.settle()
+                if lock and tally:  # not in a forked child's first look, which only notes where it starts
+                    from .usage import settle_hits  # imported by the first flush with hits, not by a lookup
+
+                    settle_hits(lay, tally, local)
                 return _merged(local, theirs, lock)
 
             self._lifetime = Recorder(lay, source)
@@ -412,6 +411,9 @@ class CacheStore:
         """
         if self._writer is None:
             return
+        from .journal import record_miss
+        from .usage import record_compile
+
         record_compile(self.layout, kid, seconds)
         record_miss(self.layout, kid, seconds, via, inputs)
 
@@ -424,6 +426,8 @@ class CacheStore:
         ones copied from a shared store or imported. One ``stat`` of the ledger
         when it is unchanged since this process last read it.
         """
+        from .usage import compile_us_of, key_number
+
         us = compile_us_of(self.layout, [key_number(kid)])
         return None if not us else next(iter(us.values())) / 1e6
 

@@ -41,13 +41,13 @@ from .stats import Counters
 __all__ = [
     "COMPACT_BYTES",
     "MAX_KEYS",
-    "HitTally",
     "Usage",
     "compile_us_of",
     "key_number",
     "read_usage",
     "record_compile",
     "record_hits",
+    "settle_hits",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -178,27 +178,18 @@ def record_hits(lay: Layout, hits: Mapping[str, int]) -> tuple[int, bool]:
     return (saved, True) if _write(lay, b"".join(lines)) else (0, False)
 
 
-class HitTally:
-    """Hits per key id since the last flush; :meth:`settle` turns them into saved time.
+def settle_hits(lay: Layout, hits: dict[str, int], counters: Counters) -> None:
+    """Turn a store's tally of hits per key id into saved time: recorded in the ledger, added to ``saved_us``.
 
-    The store adds to :attr:`hits` on each hit (a dict increment: the hot path
-    does no I/O for it); its lifetime counters' flush calls :meth:`settle`, which
-    records them in the ledger and adds the time they saved to ``saved_us``.
+    ``hits`` is the store's own dict (each hit adds to it, a dict increment: the
+    hot path does no I/O for this); it is emptied, and what cannot be recorded now
+    (a busy lock, a full disk) is put back for the next flush.
     """
-
-    def __init__(self, lay: Layout, counters: Counters) -> None:
-        self._lay = lay
-        self._counters = counters
-        self.hits: dict[str, int] = {}
-
-    def settle(self) -> None:
-        if not self.hits:
-            return
-        hits = dict(self.hits)
-        self.hits.clear()  # the same dict: the store holds it
-        saved, recorded = record_hits(self._lay, hits)
-        if not recorded:
-            for kid, n in hits.items():  # kept for the next flush
-                self.hits[kid] = self.hits.get(kid, 0) + n
-        elif saved:
-            self._counters.add("saved_us", saved)
+    taken = dict(hits)
+    hits.clear()  # the same dict: the store holds it
+    saved, recorded = record_hits(lay, taken)
+    if not recorded:
+        for kid, n in taken.items():
+            hits[kid] = hits.get(kid, 0) + n
+    elif saved:
+        counters.add("saved_us", saved)
