@@ -22,6 +22,7 @@ import cuda_program_cas
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.layout import FILES, Layout, file_kind
+from cuda_program_cas._store import journal
 from cuda_program_cas.index import key_id
 
 #: Patterns of FILES that no step here makes, each with why (none today).
@@ -63,7 +64,7 @@ def ltoir(source: str) -> object:
     return Program(source, "c++", options=options).compile("ltoir")
 
 
-def test_every_file_real_operations_leave_is_in_the_list_and_every_entry_is_met(tmp_path: Path) -> None:
+def test_every_file_real_operations_leave_is_in_the_list_and_every_entry_is_met(tmp_path: Path, monkeypatch) -> None:
     seen = Seen()
     local, store, packed = tmp_path / "local", tmp_path / "store", tmp_path / "packed"
     CacheStore(store).close()  # a directory store, laid out, that nodes write back to
@@ -99,6 +100,11 @@ def test_every_file_real_operations_leave_is_in_the_list_and_every_entry_is_met(
         for _ in range(2):
             compile_program(SAXPY, cache=cache)
             compile_program(SAXPY, cache=cache, arch="sm_90")
+    # The miss journal rotating (misses.1): its bound lowered so that the next miss passes it.
+    monkeypatch.setattr(journal, "MAX_BYTES", 1)
+    with ContentAddressedProgramCache(local) as cache:
+        compile_program(SAXPY, cache=cache, arch="sm_75")
+    monkeypatch.undo()
     cuda_program_cas.config(local, max_size=10 << 30)  # settings.json
     cuda_program_cas.collect(local)
     assert list((local / "quarantine").iterdir()), "the damaged blob was not quarantined"

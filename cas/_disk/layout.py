@@ -38,8 +38,11 @@ __all__ = [
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
+    "MISSES_FILE",
+    "MISSES_OLD",
     "SETTINGS_FILE",
     "STALE_TMP_S",
+    "USAGE_FILE",
     "Layout",
     "LayoutState",
     "LayoutVersion",
@@ -75,6 +78,12 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: The miss journal (see :mod:`cuda_program_cas._store.journal`): recent misses' inputs, for ``explain``;
+#: the current file and the one it replaced when it grew past its bound.
+MISSES_FILE = "misses"
+MISSES_OLD = "misses.1"
+#: The usage ledger (see :mod:`cuda_program_cas._store.usage`): each entry's compile time and the time its hits saved.
+USAGE_FILE = "usage"
 #: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
@@ -108,7 +117,10 @@ FILES: tuple[tuple[str, str], ...] = (
     (f"{QUARANTINE}/pack-<16 hex>-<8 hex>.cpk.<digits>", "a pack that failed verification (name, ns)"),
     (LOCK_FILE, "taken without waiting by the one evictor, collector or repack at a time"),
     (COUNTERS_FILE, "the lifetime counters: one self-checking line per flush"),
-    (COUNTERS_LOCK, "taken briefly by whoever appends to or rewrites the counters"),
+    (COUNTERS_LOCK, "taken briefly by whoever appends to or rewrites the counters or the usage ledger"),
+    (USAGE_FILE, "the usage ledger: each entry's compile time and the time its hits saved"),
+    (MISSES_FILE, "the miss journal: recent misses' inputs, for `explain` (bounded)"),
+    (MISSES_OLD, "the miss journal's previous part, kept when it rotates"),
     ("packs/", "a shared store's pack files (`publish --pack`, `repack`)"),
     ("packs/pack-<16 hex>-<8 hex>.cpk", "an immutable pack: entries, then their index (time-ordered name)"),
     ("packs/list", "the pack names, for readers that cannot list a directory (HTTP)"),
@@ -167,7 +179,19 @@ class LayoutState(enum.Enum):
 class Layout:
     """Paths of one cache root (as ``str`` for the hot path)."""
 
-    __slots__ = ("blobs", "counters", "counters_lock", "index", "lock", "quarantine", "root", "tmp")
+    __slots__ = (
+        "blobs",
+        "counters",
+        "counters_lock",
+        "index",
+        "lock",
+        "misses",
+        "misses_old",
+        "quarantine",
+        "root",
+        "tmp",
+        "usage",
+    )
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -178,6 +202,9 @@ class Layout:
         self.lock = os.path.join(root, LOCK_FILE)
         self.counters = os.path.join(root, COUNTERS_FILE)
         self.counters_lock = os.path.join(root, COUNTERS_LOCK)
+        self.misses = os.path.join(root, MISSES_FILE)
+        self.misses_old = os.path.join(root, MISSES_OLD)
+        self.usage = os.path.join(root, USAGE_FILE)
 
     def blob_path(self, digest: str) -> str:
         """Where the blob ``digest`` (validated) lives."""
