@@ -133,7 +133,7 @@ def __getattr__(name: str) -> Any:
         return value
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'cas' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
     value = getattr(importlib.import_module(module, __name__), name)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import sys
 import threading
@@ -55,8 +54,9 @@ class _State:
     switched: dict[str, Any] = {}  # noqa: RUF012
     cache: Any = None
     cache_failed = False
-    #: Compiles and links sent through the cache (``next`` is one atomic step).
-    routed = itertools.count()
+    #: Compiles and links sent through the cache, counted under ``lock``.
+    routed = 0
+    lock = ForkSafeLock()
 
 
 _S = _State()
@@ -70,7 +70,12 @@ def installed() -> str | None:
 
 def routed() -> int:
     """How many compiles and links of this process the switch sent through the cache."""
-    return int(repr(_S.routed)[6:-1])  # repr is "count(N)": N counted so far
+    return _S.routed
+
+
+def _count_routed() -> None:
+    with _S.lock:
+        _S.routed += 1
 
 
 def install(*, read_only: bool = False) -> None:
@@ -302,7 +307,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         store = None
     if store is None:
         return original(program, target_type, name_expressions, logs)
-    next(_S.routed)
+    _count_routed()
     store.store.note_switched()
     if front:
         with _Inside():
@@ -403,7 +408,7 @@ def _link(linker: Any, target_type: Any) -> Any:
     if cached_link is None:
         return original(linker, target_type)
     objects, options = inputs
-    next(_S.routed)
+    _count_routed()
     store.store.note_switched()
     with _Inside():
         try:
