@@ -15,6 +15,7 @@ manifests a version admits is one rule (:func:`cuda_program_cas.index.fits_key`)
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import json
@@ -23,6 +24,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterator
 
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas.index import KEYED_LAYOUT
@@ -213,6 +215,30 @@ class Layout:
     def manifest_path(self, kid: str) -> str:
         """Where the manifest of key id ``kid`` (validated) lives."""
         return shard_path(self.index, kid)
+
+    @contextlib.contextmanager
+    def collector_lock(self, wait_s: float = 0.0, *, busy_on_error: bool = False) -> Iterator[bool]:
+        """Hold ``evict.lock``, the one lock of whoever removes or rewrites entries wholesale (gc, the
+        cap's eviction, repack, the upgrade): yields True while held, False when another holds it past
+        ``wait_s`` seconds (0: not waiting). ``busy_on_error``: a lock file that cannot be opened is
+        busy too (False), rather than the ``OSError`` raised."""
+        import filelock
+
+        lock = filelock.FileLock(self.lock, timeout=wait_s)
+        try:
+            lock.acquire(timeout=wait_s, blocking=wait_s > 0)
+        except filelock.Timeout:
+            yield False
+            return
+        except OSError:
+            if not busy_on_error:
+                raise
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
 
 
 def url_path(kind: str, name: str) -> str:
