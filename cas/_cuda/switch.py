@@ -346,10 +346,14 @@ def _uncached(run: Any, failure: Exception) -> Any:
 
 @functools.cache
 def _guarded_class() -> Any:
-    from .cache import ContentAddressedProgramCache
+    from cuda.core.utils import ProgramCacheResource
 
-    class Guarded(ContentAddressedProgramCache):
-        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss."""
+    class Guarded(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
+        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss.
+
+        It stands in front of the process's cache (``inner``): what a compile asks besides
+        a lookup and a store goes to it as it is.
+        """
 
         def __init__(self, inner: Any) -> None:
             self._inner = inner
@@ -385,6 +389,18 @@ def _guarded_class() -> Any:
             except Exception as exc:
                 _warn(exc)
 
+        def __delitem__(self, key: bytes | str) -> None:
+            del self._inner[key]
+
+        def __contains__(self, key: object) -> bool:
+            return key in self._inner
+
+        def __len__(self) -> int:
+            return len(self._inner)
+
+        def clear(self) -> None:
+            self._inner.clear()
+
     return Guarded
 
 
@@ -399,20 +415,17 @@ def _link(linker: Any, target_type: Any) -> Any:
         return original(linker, target_type)
     try:
         store = _process_cache()
-        # The seam for cached links: ``cache.link(objects, options, target)`` (cas/_cuda/link.py).
-        # Until the cache has it, links run uncached.
-        cached_link = getattr(store, "link", None)
     except Exception as exc:
         _warn(exc)
         return original(linker, target_type)
-    if cached_link is None:
+    if store is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs
     _count_routed()
     store.store.note_switched()
     with _Inside():
         try:
-            return cached_link(objects, options, target_type)
+            return store.link(objects, options, target_type)
         except Exception as exc:
             if exc is _inside.error:
                 raise
