@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._verbs.clear import ClearReport, clear
     from ._verbs.common import Report
     from ._verbs.config import ConfigReport, config
+    from ._verbs.explain import ExplainReport, MissExplanation, explain
     from ._verbs.gc import GcReport, collect
     from ._verbs.import_filestream import ImportReport, import_filestream
     from ._verbs.publish import PublishReport, publish
@@ -60,6 +61,9 @@ _LAZY = {
     "Report": "._verbs.common",
     "ConfigReport": "._verbs.config",
     "config": "._verbs.config",
+    "ExplainReport": "._verbs.explain",
+    "MissExplanation": "._verbs.explain",
+    "explain": "._verbs.explain",
     "install": "._cuda.switch",
     "uninstall": "._cuda.switch",
     "GcReport": "._verbs.gc",
@@ -87,9 +91,11 @@ __all__ = [
     "ConfigReport",
     "ContentAddressedProgramCache",
     "CorruptBlobError",
+    "ExplainReport",
     "GcReport",
     "ImportReport",
     "LayoutError",
+    "MissExplanation",
     "PackError",
     "Problem",
     "PublishReport",
@@ -105,6 +111,7 @@ __all__ = [
     "config",
     "default_cache_dir",
     "digest_of",
+    "explain",
     "import_filestream",
     "install",
     "parse_duration",
@@ -126,7 +133,7 @@ def __getattr__(name: str) -> Any:
         return value
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'cas' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
     value = getattr(importlib.import_module(module, __name__), name)

@@ -85,6 +85,30 @@ def mounts() -> Iterator[list[Path]]:
         subprocess.run(["umount", "-l", str(target)], check=False)
 
 
+def redis_or_skip(prefix: Path, **options: object):
+    """A started ``tools/_redis.RedisServer`` (stopped by the caller), or a skip naming why there is none."""
+    from _redis import RedisServer, RedisServerError, find_redis_server
+
+    if find_redis_server() is None:
+        pytest.skip(
+            "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
+        )
+    server = RedisServer(prefix, **options)  # type: ignore[arg-type]
+    try:
+        return server.start()
+    except RedisServerError as e:
+        server.stop()
+        pytest.skip(f"redis-server did not start: {e}")
+
+
+@pytest.fixture
+def redis(tmp_path: Path):
+    """A redis-server of the test's own on loopback (``tools/_redis.py``), stopped after it."""
+    server = redis_or_skip(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 

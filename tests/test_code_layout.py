@@ -37,6 +37,7 @@ VERB_SHARED = ("common", "packs")
 VERB_FUNCTIONS = {
     "clear": "clear",
     "config": "config",
+    "explain": "explain",
     "gc": "collect",
     "import_filestream": "import_filestream",
     "publish": "publish",

@@ -1,4 +1,9 @@
-"""A real consumer under the switch: numba-cuda's NVRTC compile, a library that never passes ``cache=``.
+"""A real consumer under the switch: numba-cuda, a library that never passes ``cache=``.
+
+What the switch reaches there is what goes through ``cuda.core``: the CUDA C++ a kernel links
+(NVRTC, below) and the link into a cubin (``cuda.core.Linker``). A Python kernel's own compile
+(typing, lowering, NVVM through ``cuda.bindings.nvvm``) does not go through ``cuda.core`` and is
+not cached; the last test holds the docs to that (docs/everywhere.md).
 
 ``numba.cuda.cudadrv.nvrtc.compile(src, name, cc, ltoir=...)`` builds a ``cuda.core``
 ``Program`` with its own ``include_path`` (numba's headers, the CUDA and CCCL include
@@ -11,12 +16,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._store.lifetime import read_counters
@@ -40,11 +43,9 @@ print(json.dumps({"digest": hashlib.sha256(bytes(result.code)).hexdigest(), "typ
 
 
 def compile_in_child(cache: Path, headers: Path, *, switch: str = "1") -> dict[str, str]:
-    env = dict(os.environ, CUDA_PROGRAM_CAS=switch, CUDA_PROGRAM_CAS_DIR=str(cache))
+    env = {"CUDA_PROGRAM_CAS": switch, "CUDA_PROGRAM_CAS_DIR": str(cache)}
     env["NUMBA_CUDA_NVRTC_EXTRA_SEARCH_PATHS"] = str(headers)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, SOURCE], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
+    proc = run_python(CHILD, SOURCE, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -53,7 +54,7 @@ def counters(cache: Path) -> dict[str, int]:
     return dict(read_counters(Layout(str(cache))).counters)
 
 
-def test_numba_cuda_compiles_are_cached_across_processes_and_see_a_header_edit(tmp_path: Path) -> None:
+def test_numba_cuda_s_cuda_cpp_compiles_are_cached_across_processes_and_see_a_header_edit(tmp_path: Path) -> None:
     headers, cache = tmp_path / "include", tmp_path / "cache"
     headers.mkdir()
     (headers / "scale.h").write_text("#define SCALE 3\n")
@@ -76,3 +77,37 @@ def test_numba_cuda_compiles_are_cached_across_processes_and_see_a_header_edit(t
     assert edited == compile_in_child(tmp_path / "unused", headers, switch="0")
     after_edit = counters(cache)
     assert (after_edit["misses"], after_edit["hits"]) == (2, 1)
+
+
+#: A Python kernel compiled to PTX alone (NVVM), then one calling a device function linked from a
+#: CUDA C++ file, compiled with it to LTO-IR; public numba-cuda calls, no GPU needed.
+KERNELS = """
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+from numba import cuda, types
+def plain(a):
+    a[0] = a[0] + 1
+ptx, _ = cuda.compile_ptx(plain, (types.int32[:],), cc=(8, 0))
+scaled = cuda.declare_device("scaled", "int32(int32)", link=sys.argv[1])
+def calls(a):
+    a[0] = scaled(a[0])
+codes, _ = cuda.compile_all(calls, (types.int32[:],), device=False, cc=(8, 0), abi="numba", output="ltoir")
+print(json.dumps({"ptx": len(ptx), "codes": len(codes)}))
+"""
+
+
+def test_a_python_kernel_s_nvvm_compile_is_not_cached_only_the_cuda_cpp_it_links(tmp_path: Path) -> None:
+    linked, cache = tmp_path / "scaled.cu", tmp_path / "cache"
+    linked.write_text('extern "C" __device__ int scaled(int *out, int x) { *out = 3 * x; return 0; }\n')
+    env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(cache)}
+    seen = []
+    for _ in range(2):  # two fresh processes on one cache
+        proc = run_python(KERNELS, str(linked), env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["ptx"] > 0 and out["codes"] == 2  # the kernel's LTO-IR and the linked file's
+        c = counters(cache)
+        seen.append((c["switched"], c["misses"], c["hits"]))
+    # Each process sent one compile through the cache, the linked file's: the two NVVM compiles
+    # of the Python kernels (one to PTX, one to LTO-IR) never reached it, in either process.
+    assert seen == [(1, 1, 0), (2, 1, 1)]

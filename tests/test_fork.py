@@ -206,8 +206,8 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
     store.put("k", b"v")
     assert store.get("k") == b"v"
     pause = Pause()
-    real_append = cuda_program_cas._store.lifetime._append
-    cuda_program_cas._store.lifetime._append = pause.wrap(real_append)  # type: ignore[attr-defined]
+    real_append = cuda_program_cas._store.lifetime.append_line
+    cuda_program_cas._store.lifetime.append_line = pause.wrap(real_append)  # type: ignore[attr-defined]
     try:
 
         def child() -> bool:
@@ -217,7 +217,7 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
         # The flush stops while it holds the recorder's lock and counters.lock (an flock).
         fork_while(pause, store.flush, child)
     finally:
-        cuda_program_cas._store.lifetime._append = real_append  # type: ignore[attr-defined]
+        cuda_program_cas._store.lifetime.append_line = real_append  # type: ignore[attr-defined]
     # The parent records after its child, and nothing is counted twice.
     assert store.get("k") == b"v"
     assert store.flush()

@@ -195,11 +195,11 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
 KILLED_AFTER_FIRST_BLOB = r"""
 import os, signal, sys
 from cuda_program_cas._verbs import publish as verb
-real = verb._UrlDest.put_blob
+real = verb._Store.put_blob
 def put_blob(self, digest, blob):
     real(self, digest, blob)
     os.kill(os.getpid(), signal.SIGKILL)
-verb._UrlDest.put_blob = put_blob
+verb._Store.put_blob = put_blob
 from cuda_program_cas._cli.main import main
 sys.exit(main(["publish", sys.argv[1], sys.argv[2]]))
 """
@@ -359,7 +359,7 @@ def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
     sources: Sources, nginx: Nginx, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from cuda_program_cas._disk.pack import encode_listing
-    from cuda_program_cas._verbs import publish as verb
+    from cuda_program_cas._remote import davpacks as verb
 
     url, store = nginx.dav_url("store"), nginx.root / "store"
     assert publish_json(capsys, "--pack", str(sources.a), url)[0] == 0

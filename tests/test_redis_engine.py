@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from _proxy import Proxy
-from _redis import RedisServer, RedisServerError, find_redis_server
-from conftest import run_python
+from _redis import RedisServer
+from conftest import redis_or_skip, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,20 +34,6 @@ from cuda_program_cas._remote.redis import ENV_REDIS_PASSWORD, KEY_PREFIX, Redis
 
 PASSWORD = "Pw-7f3a9c.sekr1t"  # noqa: S105 - a test's password, grepped for in every output
 MB = 1 << 20
-
-
-def redis_or_skip(prefix: Path, **options: Any) -> RedisServer:
-    """A started :class:`RedisServer`, or a skip with the reason where redis-server is not installed."""
-    if find_redis_server() is None:
-        pytest.skip(
-            "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
-        )
-    server = RedisServer(prefix, **options)
-    try:
-        return server.start()
-    except RedisServerError as e:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {e}")
 
 
 @pytest.fixture(scope="module")

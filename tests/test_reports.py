@@ -88,6 +88,8 @@ CASES: list[tuple[str, str, Callable[[Path], Report]]] = [
     ("stats", "stats", lambda t: cuda_program_cas.stats(local_cache(t / "c"))),
     ("stats-damaged", "stats", lambda t: cuda_program_cas.stats(local_cache(t / "c", damaged=True))),
     ("stats-no-cache", "stats", lambda t: cuda_program_cas.stats(t / "nothing")),
+    ("explain", "explain", lambda t: cuda_program_cas.explain(local_cache(t / "c"))),
+    ("explain-no-cache", "explain", lambda t: cuda_program_cas.explain(t / "nothing")),
     ("repack", "repack", lambda t: cuda_program_cas.repack(shared_store(t))),
     ("repack-damaged", "repack", lambda t: cuda_program_cas.repack(local_cache(t / "c", damaged=True))),
     ("clear", "clear", lambda t: cuda_program_cas.clear(local_cache(t / "c"))),

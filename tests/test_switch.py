@@ -317,6 +317,17 @@ def test_linker_is_rebound_and_links(tmp_path: Path) -> None:
     assert on["sha"] == off["sha"]
 
 
+@pytest.mark.parametrize("damage", [_break_layout, _a_file], ids=["layout.json a directory", "cache dir a file"])
+def test_a_link_with_a_cache_that_cannot_open_links_uncached(tmp_path: Path, damage: Any) -> None:
+    """The link half of the switch meets the same unopenable cache: the link's own result, one warning."""
+    cache = tmp_path / "cas"
+    damage(cache)
+    off = report(child(_LINK, env={"CUDA_PROGRAM_CAS": None}))
+    done = child(_LINK, env={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(cache)})
+    assert report(done)["sha"] == off["sha"]
+    assert len(warnings_in(done.stderr)) <= 1, done.stderr
+
+
 def test_the_log_says_it_is_on(tmp_path: Path) -> None:
     log = tmp_path / "log"
     env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"), "CUDA_PROGRAM_CAS_LOG": str(log)}

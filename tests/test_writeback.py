@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -145,3 +147,36 @@ def test_a_forked_child_uploads_its_own_entries(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     store.close()
     assert _entries(shared) == {key_id("parent"): b"p" * 10, key_id("child"): b"c" * 10}
+
+
+@pytest.mark.skipif(not is_root(), reason="reading as another user needs root to become one")
+def test_write_back_into_a_directory_leaves_files_other_users_can_read(tmp_path: Path, compiles) -> None:
+    """A shared directory is read by other users' nodes: write-back writes it as publish does (0644 less
+    the umask), not with a local cache's private modes. A real child process as ``nobody`` reads it."""
+    top = Path(tempfile.mkdtemp(prefix="cpcas-wb-"))  # pytest's own base folder is private to root
+    os.chmod(top, 0o755)
+    old = os.umask(0o022)
+    try:
+        shared = _new_store(top / "shared")
+        with ContentAddressedProgramCache(tmp_path / "a", shared=[f"{shared}|write"]) as cache:
+            compile_program(SAXPY, cache=cache)
+            cache.close()
+            assert cache.stats().uploads == 1
+        written = [p for p in (shared / "index").rglob("*") if p.is_file()]
+        written += [p for p in (shared / "blobs").rglob("*") if p.is_file()]
+        assert len(written) == 2
+        pid = os.fork()
+        if pid == 0:  # the child: another user, who must read every file uploaded
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                for p in written:
+                    p.read_bytes()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, [oct(p.stat().st_mode) for p in written]
+    finally:
+        os.umask(old)
+        shutil.rmtree(top)

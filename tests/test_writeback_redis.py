@@ -10,35 +10,18 @@ from __future__ import annotations
 
 import logging
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _proxy import Proxy
-from _redis import RedisServer, RedisServerError, find_redis_server
-from conftest import SAXPY, compile_program, run_python
+from _redis import RedisServer
+from conftest import SAXPY, compile_program, redis_or_skip, run_python
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache
 from cuda_program_cas._store import writeback
 from cuda_program_cas.index import key_id
 
-
-def _server(prefix: Path, **options: object) -> RedisServer:
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed: apt-get install redis-server")
-    server = RedisServer(prefix, **options)  # type: ignore[arg-type]
-    try:
-        return server.start()
-    except RedisServerError as exc:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {exc}")
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = _server(tmp_path / "redis")
-    yield server
-    server.stop()
+_server = redis_or_skip
 
 
 def test_an_upload_is_one_transaction_blob_then_manifest_and_another_node_hits(

@@ -24,6 +24,8 @@ Rules every engine keeps:
 - Every call has one overall deadline (the engine's timeout), covering connect
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
+  It returns what the store answered, as a message may quote it (``201 to PUT``):
+  a claim, which an uploader reads back (:mod:`cuda_program_cas._store.upload`).
 - A password or token never appears in ``shown`` or in any message.
 """
 
@@ -36,7 +38,7 @@ from blake3 import blake3
 
 from .errors import CacheError
 
-__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest"]
+__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest", "not_stored"]
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -69,6 +71,25 @@ def check_digest(where: str, data: bytes, digest: str | None) -> bytes:
     return data
 
 
+def not_stored(where: str, answer: str, size: int, held: int | None, *, hint: str, other: bool = False) -> StoreFailure:
+    """The failure of a put of ``size`` bytes answered ``answer``, where the store holds ``held`` bytes.
+
+    ``hint``: what to ask of such a store. ``held``: None for no object at all, -1 for more than ``size`` (a read that
+    stopped there). ``other``: as many bytes, but not those. Not an outage: the
+    store answers, it only does not keep what it says it took.
+    """
+    if other:
+        holds = f"other bytes than the {size:,} it was sent"
+    elif held == -1:
+        holds = f"more than the {size:,} bytes it was sent"
+    elif held is not None and held > size:
+        holds = f"{held:,} bytes, not the {size:,} it was sent"
+    else:
+        holds = f"{held or 0:,} of its {size:,} bytes"
+    detail = f"the server answered {answer} but holds {holds}: {hint}"
+    return StoreFailure(where, "not stored", detail, outage=False)
+
+
 class Engine(Protocol):
     """One store's objects (see the module docstring for the rules)."""
 
@@ -76,6 +97,14 @@ class Engine(Protocol):
     shown: str
     #: Whether this engine can take leases (:meth:`lease`); False: per-node claims only.
     can_lease: bool
+    #: Whether :meth:`put_many` is one transaction, all or none (Redis): then a reader never
+    #: sees a manifest sent with its blob before the blob, whatever was read back.
+    atomic_batch: bool
+    #: What to ask of a store that did not keep what it took, for the message ("is it a real WebDAV store?").
+    lost_hint: str
+    #: Whether a put that returns is itself the proof (a directory: this process wrote and renamed the
+    #: file): nothing is read back, since a concurrent collector, not a lie, is all a read could meet.
+    puts_proven: bool
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""
@@ -85,8 +114,8 @@ class Engine(Protocol):
         """:meth:`get` of each name, in as few round trips as the engine can (Redis: one pipeline)."""
         ...
 
-    def put(self, name: str, data: bytes | IO[bytes]) -> None:
-        """Store ``data`` (bytes, or a binary file read from its start) as ``name``, atomically."""
+    def put(self, name: str, data: bytes | IO[bytes]) -> str:
+        """Store ``data`` (bytes, or a binary file read from its start) as ``name``, atomically; the store's answer."""
         ...
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:

@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 PROG = "cuda-program-cas"
-_COMMAND_MODULES = ("gc", "stats", "verify", "import_filestream", "publish", "repack", "config", "clear")
+_COMMAND_MODULES = ("gc", "stats", "explain", "verify", "import_filestream", "publish", "repack", "config", "clear")
 
 
 class CommandFailed(Exception):

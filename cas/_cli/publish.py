@@ -24,12 +24,15 @@ def register(subparsers: Any) -> None:
             "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
             "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
             "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
+            "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
             "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
         ),
     )
     parser.add_argument("sources", nargs="+", metavar="SRC", help="a node's local cache directory (only read)")
     parser.add_argument(
-        "dest", metavar="STORE", help="the shared store: a directory or an http(s):// WebDAV URL (created if missing)"
+        "dest",
+        metavar="STORE",
+        help="the shared store: a directory (or file://), an http(s):// WebDAV URL or a redis(s):// URL",
     )
     parser.add_argument(
         "--group-shared",
@@ -55,7 +58,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # A source that is STORE or not a cache, a bad URL: bad usage, nothing written.
-    check_sources(args.sources, args.dest, group_shared=args.group_shared)
+    check_sources(args.sources, args.dest, group_shared=args.group_shared, pack=args.pack)
     try:
         env_signer()  # a signing key that cannot be used: bad usage, before anything is written
     except ValueError as exc:

@@ -90,8 +90,18 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
             "write-back",
             f"{c.get('uploads', 0):,} entries sent to writable shared stores, {c.get('uploads_dropped', 0):,} dropped",
         ),
+        ("time saved", _saved(info)),
         ("counted", f"since {when(since)}" if since else "since the cache was created (never zeroed)"),
     ]
+
+
+def _saved(info: dict[str, Any]) -> str:
+    """Compile time the hits saved, and the entries that saved the most."""
+    text = f"{info['time_saved_s'] or 0:,.2f} s of compiling"
+    top = ", ".join(
+        f"{b['key']} {b['saved_s']:,.2f} s ({b['hits']:,} hits of {b['compile_s']:.2f} s)" for b in info["busiest"]
+    )
+    return f"{text}; most by {top}" if top else text
 
 
 def _entries(info: dict[str, Any]) -> str:

@@ -18,6 +18,8 @@ from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_
 from cuda_program_cas._store.stats import CacheStats
 from cuda_program_cas._store.store import CacheStore
 
+from .inputs import install as install_key_seam
+from .inputs import taken_for
 from .off import SwitchedOff
 
 __all__ = ["ContentAddressedProgramCache"]
@@ -123,6 +125,8 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             shared=shared,
             copy_shared_hits=copy_shared_hits,
         )
+        if not self._store.read_only:
+            install_key_seam()  # so that a Program.compile(cache=) miss says what it was made of
 
     @property
     def path(self) -> str:
@@ -154,8 +158,14 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
         from cuda_program_cas.index import key_bytes
 
-        key_bytes(key)  # a bad key is reported before a path-backed value is read
-        self._store.put(key, as_bytes(value))
+        kb = key_bytes(key)  # a bad key is reported before a path-backed value is read
+        data = as_bytes(value)
+        made = taken_for(kb)  # a Program.compile(cache=) miss of this thread: its inputs and compile time
+        result = self._store.put(kb, data)
+        if made is not None and result and isinstance(self._store, CacheStore):
+            from cuda_program_cas.index import key_id
+
+            self._store.note_compiled(key_id(kb), made[0], "plain", made[1])
 
     def __delitem__(self, key: bytes | str) -> None:
         self._store.delete(key)

@@ -375,7 +375,9 @@ class FrontDoor:
         compile_options = _with_trace(options, trace) if here else options
         try:
             try:
+                compile_t0 = time.perf_counter()
                 result = Program(code, code_type, options=compile_options).compile(target_type, name_expressions, logs)
+                compile_s = time.perf_counter() - compile_t0
             except BaseException:
                 if here:
                     _TRACES.sound = False
@@ -409,6 +411,23 @@ class FrontDoor:
         stored = self._store.put_id(grouped_id(record_key, result_key), bytes(result.code))
         if stored:
             self._remember(record_key, headers, guards, result_key, name=result.name, mapping=mapping)
+            from .inputs import describe
+
+            try:  # the journal never costs a compile its result
+                inputs = describe(
+                    code,
+                    code_type,
+                    options,
+                    target_type,
+                    name_expressions,
+                    nvrtc=nvrtc or _loaded_nvrtc_version(),
+                    cwd=search.cwd,
+                    headers={h.path: h.digest[:12] for h in headers},
+                )
+            except Exception as exc:
+                _log.debug("cuda-program-cas: front door: inputs not journaled: %r", exc)
+            else:
+                self._store.note_compiled(record_kid, compile_s, "front", inputs)
         return result
 
     def _uncacheable(self, exc: _Uncacheable, record_kid: str | None) -> None:

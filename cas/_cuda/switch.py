@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import sys
 import threading
@@ -55,8 +54,9 @@ class _State:
     switched: dict[str, Any] = {}  # noqa: RUF012
     cache: Any = None
     cache_failed = False
-    #: Compiles and links sent through the cache (``next`` is one atomic step).
-    routed = itertools.count()
+    #: Compiles and links sent through the cache, counted under ``lock``.
+    routed = 0
+    lock = ForkSafeLock()
 
 
 _S = _State()
@@ -70,7 +70,12 @@ def installed() -> str | None:
 
 def routed() -> int:
     """How many compiles and links of this process the switch sent through the cache."""
-    return int(repr(_S.routed)[6:-1])  # repr is "count(N)": N counted so far
+    return _S.routed
+
+
+def _count_routed() -> None:
+    with _S.lock:
+        _S.routed += 1
 
 
 def install(*, read_only: bool = False) -> None:
@@ -302,7 +307,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         store = None
     if store is None:
         return original(program, target_type, name_expressions, logs)
-    next(_S.routed)
+    _count_routed()
     store.store.note_switched()
     if front:
         with _Inside():
@@ -341,10 +346,14 @@ def _uncached(run: Any, failure: Exception) -> Any:
 
 @functools.cache
 def _guarded_class() -> Any:
-    from .cache import ContentAddressedProgramCache
+    from cuda.core.utils import ProgramCacheResource
 
-    class Guarded(ContentAddressedProgramCache):
-        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss."""
+    class Guarded(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
+        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss.
+
+        It stands in front of the process's cache (``inner``): what a compile asks besides
+        a lookup and a store goes to it as it is.
+        """
 
         def __init__(self, inner: Any) -> None:
             self._inner = inner
@@ -380,6 +389,18 @@ def _guarded_class() -> Any:
             except Exception as exc:
                 _warn(exc)
 
+        def __delitem__(self, key: bytes | str) -> None:
+            del self._inner[key]
+
+        def __contains__(self, key: object) -> bool:
+            return key in self._inner
+
+        def __len__(self) -> int:
+            return len(self._inner)
+
+        def clear(self) -> None:
+            self._inner.clear()
+
     return Guarded
 
 
@@ -394,20 +415,17 @@ def _link(linker: Any, target_type: Any) -> Any:
         return original(linker, target_type)
     try:
         store = _process_cache()
-        # The seam for cached links: ``cache.link(objects, options, target)`` (cas/_cuda/link.py).
-        # Until the cache has it, links run uncached.
-        cached_link = getattr(store, "link", None)
     except Exception as exc:
         _warn(exc)
         return original(linker, target_type)
-    if cached_link is None:
+    if store is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs
-    next(_S.routed)
+    _count_routed()
     store.store.note_switched()
     with _Inside():
         try:
-            return cached_link(objects, options, target_type)
+            return store.link(objects, options, target_type)
         except Exception as exc:
             if exc is _inside.error:
                 raise

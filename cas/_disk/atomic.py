@@ -6,6 +6,10 @@ partial file, and the temp file never survives an exception. The layout, the
 settings, the lifetime counters and :class:`~cuda_program_cas._disk.writer.Writer`
 all write through :func:`atomic_write`.
 
+:func:`append_line` is the one write that is not atomic by rename: a line added
+to an append-only log of self-checking lines (the lifetime counters, the usage
+ledger, the miss journal), whose readers skip a torn or garbled line.
+
 :func:`staging` is the same temp file without the rename: bytes that are not
 yet known to be good (a blob arriving from a server) go there, hashed as they
 come, instead of into memory; the file is removed when the caller is done.
@@ -23,9 +27,18 @@ from contextlib import contextmanager
 
 from cuda_program_cas._base.fork import after_fork_call
 
-from .files import is_sharing_violation, with_sharing_retry
+from .files import NotRegularFile, is_sharing_violation, with_sharing_retry
 
-__all__ = ["Staging", "atomic_write", "current_umask", "discard", "make_tmp_dir", "staging", "sync_filesystem"]
+__all__ = [
+    "Staging",
+    "append_line",
+    "atomic_write",
+    "current_umask",
+    "discard",
+    "make_tmp_dir",
+    "staging",
+    "sync_filesystem",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 _O_BINARY = getattr(os, "O_BINARY", 0)
@@ -33,6 +46,15 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
 _STAGING_FLAGS = (_WRITE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
 _HAVE_FCHMOD = hasattr(os, "fchmod")
+_APPEND_FLAGS = (
+    os.O_RDWR
+    | os.O_APPEND
+    | os.O_CREAT
+    | _O_BINARY
+    | _O_NOFOLLOW
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 class _TempNames:
@@ -226,6 +248,30 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def append_line(path: str, line: bytes) -> int:
+    """Append ``line`` (ending in a newline) to the log file at ``path``; the file's size after it.
+
+    Created owner-only if missing; a symlink or anything but a regular file raises
+    :class:`~cuda_program_cas._disk.files.NotRegularFile`. When the file does not
+    end in a newline (a writer killed mid-line), the line is started on a new
+    one, so that it stays whole. With ``O_APPEND`` a line goes in one ``write``
+    on a local file system: concurrent appenders do not interleave within it.
+    """
+    fd = os.open(path, _APPEND_FLAGS, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(path)
+        if st.st_size:
+            os.lseek(fd, st.st_size - 1, os.SEEK_SET)
+            if os.read(fd, 1) != b"\n":
+                line = b"\n" + line
+        _write_all(fd, line)
+        return st.st_size + len(line)
+    finally:
+        os.close(fd)
 
 
 def discard(path: str) -> None:

@@ -15,9 +15,12 @@ the store above to check the layout once before it pauses, since on a directory
 one bad file is not yet an outage. Anything else (ESTALE, EACCES, a symlink, a
 file too large) is a bad answer for this object only.
 
-Writes (a store named writable) go through the one write protocol,
+Writes (a store named writable, and publish) go through the one write protocol,
 :class:`cuda_program_cas._disk.writer.Writer`: a private temp file in the store's
-``tmp/``, then ``os.replace``. Removals go through the one remover. A directory
+``tmp/``, then ``os.replace``, with the store's :class:`DirModes` (publish: the
+umask's or the group's modes, a ``syncfs`` per phase). Only a directory has mtimes
+to freshen (:meth:`DirEngine.freshen`) and a cache of its own to sync
+(:meth:`DirEngine.sync`). Removals go through the one remover. A directory
 gives no leases: ``flock`` over NFS is not a lease a dead node gives back within a
 bound (see docs/nfs.md), so per-node claims remain.
 """
@@ -28,13 +31,18 @@ import errno
 import os
 import stat
 from collections.abc import Sequence
-from typing import IO
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
 
 from cuda_program_cas._base.engine import StoreFailure, check_digest
 
+from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, hashes_to, read_rest
 
-__all__ = ["OUTAGE_ERRNOS", "DirEngine"]
+if TYPE_CHECKING:
+    from .writer import Writer
+
+__all__ = ["OUTAGE_ERRNOS", "DirEngine", "DirModes"]
 
 #: Read errors that may mean the whole store is unreachable.
 OUTAGE_ERRNOS = frozenset(
@@ -46,17 +54,77 @@ _SHARDED = ("index/", "blobs/")
 _CHUNK = 1 << 20
 
 
+@dataclass(frozen=True)
+class DirModes:
+    """How a store directory's files are written: modes, group sharing, durability (publish's options).
+
+    ``file``/``dir``: the modes of new files and directories (exactly);
+    ``tmp_dir``: the store's ``tmp/`` (its files stay private); ``group_shared``:
+    new directories setgid; ``fsync``: each pack fsynced, and :meth:`DirEngine.sync`
+    one ``syncfs`` per phase.
+    """
+
+    file: int
+    dir: int
+    tmp_dir: int
+    group_shared: bool
+    fsync: bool
+
+    @classmethod
+    def for_process(cls, group_shared: bool, *, fsync: bool = True) -> DirModes:
+        umask = current_umask()
+        file_mode = 0o644 & ~umask
+        dir_mode = 0o777 & ~umask
+        if group_shared:
+            # Group members read everything; new files and directories inherit
+            # the directory's group (setgid). Group write follows the umask, so a
+            # publishing team with umask 002 can publish into one store together.
+            file_mode |= 0o640
+            dir_mode |= 0o2750
+            return cls(file_mode, dir_mode, dir_mode, True, fsync)
+        return cls(file_mode, dir_mode, 0o700, False, fsync)
+
+
 class DirEngine:
-    """The objects of the store directory ``root`` (see the module docstring)."""
+    """The objects of the store directory ``root`` (see the module docstring).
+
+    ``modes``: how its files are written (None: the writer's defaults, as write-back writes).
+    """
 
     can_lease = False
     #: One file failing is not yet an outage here: the store checks its layout before it pauses.
     recheck_on_outage = True
+    #: A put is renamed in whole; ``put_many`` is one put after another, not a transaction.
+    atomic_batch = False
+    #: What to ask of a directory that did not keep what it was given (for a message).
+    lost_hint = "is another writer at work, or the file system not a real one?"
+    #: The write protocol wrote, synced when asked, and renamed the file itself: a read-back could only
+    #: meet a collector that took it since (publish re-checks blobs after their manifests for that).
+    puts_proven = True
 
-    def __init__(self, root: str, *, guard: ShardGuard | None = None) -> None:
+    def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:
         self.root = root
         self.shown = root
+        self.modes = modes
         self._guard = guard if guard is not None else ShardGuard()
+
+    def writer(self, *, fsync: bool = False) -> Writer:
+        """The one writer of this store's files, with its modes (``fsync``: each file)."""
+        from .layout import Layout
+        from .writer import Writer
+
+        m = self.modes
+        if m is None:
+            return Writer(Layout(self.root), fsync=fsync, guard=self._guard)
+        return Writer(
+            Layout(self.root),
+            file_mode=m.file,
+            exact_mode=True,
+            dir_mode=m.dir,
+            setgid=m.group_shared,
+            fsync=fsync,
+            guard=self._guard,
+        )
 
     def path(self, name: str) -> str:
         """The file of object ``name`` (``/``-separated, relative to the root)."""
@@ -110,21 +178,28 @@ class DirEngine:
 
     # -- writes (a store named writable) ---------------------------------------------------
 
-    def put(self, name: str, data: bytes | IO[bytes]) -> None:
-        from .layout import Layout
-        from .writer import Writer
-
+    def put(self, name: str, data: bytes | IO[bytes]) -> str:
         path = self._vetted(name)
         body: bytes | list[bytes] = data if isinstance(data, bytes) else list(iter(lambda: data.read(_CHUNK), b""))
         try:
-            if not Writer(Layout(self.root), guard=self._guard).write_file(path, body):
+            if not self.writer().write_file(path, body):
                 raise StoreFailure(path, "dropped", "the write was dropped (a shard is not a directory)", outage=False)
         except OSError as exc:
             raise _failure(path, exc) from None
+        return "a completed write"
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         for name, data in items:
             self.put(name, data)
+
+    def freshen(self, name: str, size: int) -> bool:
+        """Set the mtime of ``name`` to now if it is a file of ``size`` bytes (a collector then sees it young)."""
+        return self.writer().freshen(self._vetted(name), size)
+
+    def sync(self) -> None:
+        """Make what was written so far durable, with ``modes.fsync``: one ``syncfs``, not an fsync per file."""
+        if self.modes is not None and self.modes.fsync:
+            self.writer().sync()
 
     def remove(self, name: str) -> None:
         from .layout import Layout

@@ -15,13 +15,16 @@ manifests a version admits is one rule (:func:`cuda_program_cas.index.fits_key`)
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import json
 import logging
 import os
+import re
 import stat
 import time
+from collections.abc import Iterator
 
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas.index import KEYED_LAYOUT
@@ -34,11 +37,15 @@ __all__ = [
     "BOOT_RECORD_FILE",
     "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
+    "FILES",
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
+    "MISSES_FILE",
+    "MISSES_OLD",
     "SETTINGS_FILE",
     "STALE_TMP_S",
+    "USAGE_FILE",
     "Layout",
     "LayoutState",
     "LayoutVersion",
@@ -46,6 +53,7 @@ __all__ = [
     "check_layout_data",
     "create_layout",
     "damaged_layout_error",
+    "file_kind",
     "is_shared_store",
     "layout_bytes",
     "layout_version",
@@ -75,29 +83,88 @@ COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
 #: Blobs verified in this boot (see :mod:`cuda_program_cas._disk.bootrecord`).
 BOOT_RECORD_FILE = "verified"
+#: The miss journal (see :mod:`cuda_program_cas._store.journal`): recent misses' inputs, for ``explain``;
+#: the current file and the one it replaced when it grew past its bound.
+MISSES_FILE = "misses"
+MISSES_OLD = "misses.1"
+#: The usage ledger (see :mod:`cuda_program_cas._store.usage`): each entry's compile time and the time its hits saved.
+USAGE_FILE = "usage"
 #: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"
 #: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
 #: publish): no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
 _log = logging.getLogger("cuda_program_cas")
-_OWN_NAMES = frozenset(
-    {
-        LAYOUT_FILE,
-        "CACHEDIR.TAG",
-        BLOBS,
-        INDEX,
-        TMP,
-        QUARANTINE,
-        LOCK_FILE,
-        "gc.lock",
-        COUNTERS_FILE,
-        COUNTERS_LOCK,
-        BOOT_RECORD_FILE,
-        SETTINGS_FILE,
-        "packs",
-    }
+
+#: Every path the package makes under a cache root (a local cache or a shared store), each
+#: with what it is: the one list of them. A pattern is relative to the root; a directory
+#: ends in ``/``; ``<N hex>`` is N lowercase hex digits, ``<digits>`` a decimal number,
+#: ``*`` any characters within one name. docs/design.md's layout specification names
+#: exactly these patterns, and tests/test_layout_spec.py checks that every path real
+#: compiles, links, publishes, repacks, collections and write-back leave matches one.
+#: A file of a new kind is one more line here (and in that specification); its top-level
+#: name is then one the cache opens without taking the directory for a foreign one.
+FILES: tuple[tuple[str, str], ...] = (
+    ("CACHEDIR.TAG", "tells backup tools to skip the cache (bford.info/cachedir)"),
+    (LAYOUT_FILE, "the layout's name, version and hashes; `shared` in a store publish made"),
+    (SETTINGS_FILE, "settings stored in the cache (`cuda-program-cas config PATH max-size 10G`)"),
+    (f"{BLOBS}/", "the binaries, in 256 shards"),
+    (f"{BLOBS}/<2 hex>/", "a shard"),
+    (f"{BLOBS}/<2 hex>/<62 hex>", "a compiled binary, verbatim, named by its blake3 digest"),
+    (f"{INDEX}/", "the manifests, in 256 shards"),
+    (f"{INDEX}/<2 hex>/", "a shard"),
+    (f"{INDEX}/<2 hex>/<62 hex>", "a key's one-line manifest, named by sha256 of the key"),
+    (f"{TMP}/", "staging for atomic writes, claims, large downloads (owner-only)"),
+    (f"{TMP}/<digits>-<16 hex>.tmp", "a file being written, or a staged download (pid, then a unique draw)"),
+    (f"{TMP}/<64 hex>{CLAIM_SUFFIX}", "empty; locked by the one process of the node compiling that key id"),
+    (f"{QUARANTINE}/", "what failed verification, kept for inspection"),
+    (f"{QUARANTINE}/<64 hex>.<digits>.<digits>", "a blob that failed its digest (digest, ns, pid)"),
+    (f"{QUARANTINE}/pack-<16 hex>-<8 hex>.cpk.<digits>", "a pack that failed verification (name, ns)"),
+    (LOCK_FILE, "taken without waiting by the one evictor, collector or repack at a time"),
+    (COUNTERS_FILE, "the lifetime counters: one self-checking line per flush"),
+    (COUNTERS_LOCK, "taken briefly by whoever appends to or rewrites the counters or the usage ledger"),
+    (BOOT_RECORD_FILE, "blobs verified in this boot, by file identity: a fresh process need not hash them again"),
+    (USAGE_FILE, "the usage ledger: each entry's compile time and the time its hits saved"),
+    (MISSES_FILE, "the miss journal: recent misses' inputs, for `explain` (bounded)"),
+    (MISSES_OLD, "the miss journal's previous part, kept when it rotates"),
+    ("packs/", "a shared store's pack files (`publish --pack`, `repack`)"),
+    ("packs/pack-<16 hex>-<8 hex>.cpk", "an immutable pack: entries, then their index (time-ordered name)"),
+    ("packs/list", "the pack names, for readers that cannot list a directory (HTTP)"),
+    ("packs/summary", "every pack's index in one file, so that publish need not read every pack"),
+    ("packs/retired/", "packs a repack replaced, kept a grace period for readers that opened them"),
+    ("packs/retired/pack-<16 hex>-<8 hex>.cpk", "a replaced pack"),
 )
+#: Top-level names a cache may hold besides those of :data:`FILES`: ``gc.lock``, which the
+#: first versions took.
+_OLD_NAMES = frozenset({"gc.lock"})
+_OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES) | _OLD_NAMES
+
+
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    parts = re.split(r"(<\d+ hex>|<digits>|\*)", pattern)
+    out = []
+    for part in parts:
+        if part == "<digits>":
+            out.append("[0-9]+")
+        elif part == "*":
+            out.append("[^/]*")
+        elif (m := re.fullmatch(r"<(\d+) hex>", part)) is not None:
+            out.append(f"[0-9a-f]{{{m.group(1)}}}")
+        else:
+            out.append(re.escape(part))
+    return re.compile("".join(out))
+
+
+_FILE_RES = tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
+
+
+def file_kind(relpath: str) -> str | None:
+    """The pattern of :data:`FILES` that ``relpath`` (``/`` separated, a directory ending in ``/``) matches, or None."""
+    for regex, pattern in _FILE_RES:
+        if regex.fullmatch(relpath):
+            return pattern
+    return None
+
 
 #: ``CACHEDIR.TAG``'s bytes.
 CACHEDIR_TAG = (
@@ -118,7 +185,19 @@ class LayoutState(enum.Enum):
 class Layout:
     """Paths of one cache root (as ``str`` for the hot path)."""
 
-    __slots__ = ("blobs", "counters", "counters_lock", "index", "lock", "quarantine", "root", "tmp")
+    __slots__ = (
+        "blobs",
+        "counters",
+        "counters_lock",
+        "index",
+        "lock",
+        "misses",
+        "misses_old",
+        "quarantine",
+        "root",
+        "tmp",
+        "usage",
+    )
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -129,6 +208,9 @@ class Layout:
         self.lock = os.path.join(root, LOCK_FILE)
         self.counters = os.path.join(root, COUNTERS_FILE)
         self.counters_lock = os.path.join(root, COUNTERS_LOCK)
+        self.misses = os.path.join(root, MISSES_FILE)
+        self.misses_old = os.path.join(root, MISSES_OLD)
+        self.usage = os.path.join(root, USAGE_FILE)
 
     def blob_path(self, digest: str) -> str:
         """Where the blob ``digest`` (validated) lives."""
@@ -137,6 +219,30 @@ class Layout:
     def manifest_path(self, kid: str) -> str:
         """Where the manifest of key id ``kid`` (validated) lives."""
         return shard_path(self.index, kid)
+
+    @contextlib.contextmanager
+    def collector_lock(self, wait_s: float = 0.0, *, busy_on_error: bool = False) -> Iterator[bool]:
+        """Hold ``evict.lock``, the one lock of whoever removes or rewrites entries wholesale (gc, the
+        cap's eviction, repack, the upgrade): yields True while held, False when another holds it past
+        ``wait_s`` seconds (0: not waiting). ``busy_on_error``: a lock file that cannot be opened is
+        busy too (False), rather than the ``OSError`` raised."""
+        import filelock
+
+        lock = filelock.FileLock(self.lock, timeout=wait_s)
+        try:
+            lock.acquire(timeout=wait_s, blocking=wait_s > 0)
+        except filelock.Timeout:
+            yield False
+            return
+        except OSError:
+            if not busy_on_error:
+                raise
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
 
 
 def url_path(kind: str, name: str) -> str:

@@ -50,23 +50,17 @@ def upgrade_if_needed(lay: Layout, writer: Writer) -> bool:
     version = layout_version(lay.root)
     if version is None or version >= LAYOUT_VERSION:
         return False
-    import filelock
-
-    lock = filelock.FileLock(lay.lock, timeout=0)
-    try:
-        lock.acquire(blocking=False)
-    except (filelock.Timeout, OSError):
-        return False  # another process is collecting or upgrading: the next open finishes it
-    try:
-        if layout_version(lay.root) != version:
-            return False  # another process upgraded it before this one had the lock
-        rewritten = _rewrite_manifests(lay, writer)
-        write_layout(lay.root, lay.tmp, version=LAYOUT_VERSION)
-    except OSError as exc:
-        _log.warning("cuda-program-cas: cannot upgrade %s to layout %d yet: %s", lay.root, LAYOUT_VERSION, exc)
-        return False
-    finally:
-        lock.release()
+    with lay.collector_lock(busy_on_error=True) as held:
+        if not held:
+            return False  # another process is collecting or upgrading: the next open finishes it
+        try:
+            if layout_version(lay.root) != version:
+                return False  # another process upgraded it before this one had the lock
+            rewritten = _rewrite_manifests(lay, writer)
+            write_layout(lay.root, lay.tmp, version=LAYOUT_VERSION)
+        except OSError as exc:
+            _log.warning("cuda-program-cas: cannot upgrade %s to layout %d yet: %s", lay.root, LAYOUT_VERSION, exc)
+            return False
     _log.info(
         "cuda-program-cas: upgraded %s to layout %d (%d manifests rewritten)", lay.root, LAYOUT_VERSION, rewritten
     )

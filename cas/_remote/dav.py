@@ -15,36 +15,20 @@ PUT. A stricter WebDAV server answers ``409 Conflict`` instead; then the missing
 collections are made with MKCOL, top down, and the PUT is sent again.
 
 A 2xx is a claim, not a proof: a server that answers 201 may have stored nothing
-or a part (a stub, a proxy that drops bodies, a full disk behind a cache). The
-``check_*`` functions read back what a PUT sent, one request each: the size
-(HEAD), the last bytes and the size (a Range GET), or every byte (a GET, for small
-files), and raise :class:`HttpFailure` ``not stored`` when the server holds
-something else.
+or a part. What a PUT sent is read back by the uploader
+(:mod:`cuda_program_cas._store.upload`; a pack: :mod:`.davpacks`).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import IO
 
 from cuda_program_cas._base.urls import shown
 
 from .client import HttpFailure, Reply, request
 
-__all__ = [
-    "check_bytes",
-    "check_size",
-    "check_tail",
-    "delete",
-    "fetch",
-    "fetch_range",
-    "fetch_tail",
-    "mkcol",
-    "not_stored",
-    "put",
-    "size_of",
-]
+__all__ = ["delete", "fetch", "fetch_range", "fetch_tail", "mkcol", "put", "size_of"]
 
 #: Statuses of a PUT that stored the body: created, replaced (with or without a body).
 _PUT_OK = frozenset((200, 201, 204))
@@ -173,85 +157,3 @@ def _make_parents(root: str, url: str) -> None:
         reply = request("MKCOL", level + "/")
         if reply.status not in (200, 201, 204, 405):
             raise _refused(level + "/", reply, "MKCOL")
-
-
-def not_stored(url: str, status: int, size: int, held: int | None, *, other: bool = False) -> HttpFailure:
-    """The failure of a PUT of ``size`` bytes that answered ``status``, where the server holds ``held`` bytes.
-
-    ``held``: None for no file at all, -1 for more than ``size`` (a read that
-    stopped there). ``other``: as many bytes, but not those. Not an outage: the
-    server answers, it only does not keep what it says it took.
-    """
-    if other:
-        holds = f"other bytes than the {size:,} it was sent"
-    elif held == -1:
-        holds = f"more than the {size:,} bytes it was sent"
-    elif held is not None and held > size:
-        holds = f"{held:,} bytes, not the {size:,} it was sent"
-    else:
-        holds = f"{held or 0:,} of its {size:,} bytes"
-    detail = f"the server answered {status} to PUT but holds {holds}: is it a real WebDAV store?"
-    return HttpFailure(shown(url), "not stored", detail, outage=False)
-
-
-def _size(data: bytes | IO[bytes]) -> int:
-    return len(data) if isinstance(data, bytes) else os.fstat(data.fileno()).st_size
-
-
-def check_size(url: str, data: bytes | IO[bytes], status: int) -> None:
-    """Raise ``not stored`` unless the server says (HEAD) the file at ``url`` has the size of ``data``."""
-    size = _size(data)
-    held = size_of(url)
-    if held == -1:
-        detail = f"the server answered {status} to PUT but says no size on HEAD (no Content-Length): cannot check it"
-        raise HttpFailure(shown(url), "not stored", detail, outage=False)
-    if held != size:
-        raise not_stored(url, status, size, held)
-
-
-#: How many bytes from its end :func:`check_tail` compares.
-TAIL_BYTES = 64
-
-
-def check_tail(url: str, data: IO[bytes], status: int) -> None:
-    """Raise ``not stored`` unless the file at ``url`` has the size of ``data`` and ends with its last bytes.
-
-    One Range GET (for a pack: its trailer is what a node reads first).
-    """
-    size = _size(data)
-    length = min(TAIL_BYTES, size)
-    data.seek(size - length)
-    tail = data.read(length)
-    try:
-        got = fetch_tail(url, length)
-    except HttpFailure as exc:
-        if exc.kind != "HTTP 416":
-            raise
-        got = (b"", 0)  # no byte to give from its end: an empty file
-    if got is None:
-        raise not_stored(url, status, size, None)
-    held, total = got
-    if total != size:
-        raise not_stored(url, status, size, total)
-    if held != tail:
-        raise not_stored(url, status, size, total, other=True)
-
-
-def check_bytes(url: str, data: bytes, status: int, *, accept: Callable[[bytes], bool] | None = None) -> None:
-    """Raise ``not stored`` unless the file at ``url`` holds ``data`` (one GET of at most its size).
-
-    ``accept``: what else the file may hold (another publisher's valid file
-    written at the same moment).
-    """
-    try:
-        got = fetch(url, limit=len(data))
-    except HttpFailure as exc:
-        if exc.kind != "too large":
-            raise
-        raise not_stored(url, status, len(data), -1) from None
-    held = None if got is None else got[0]
-    if held == data or (held is not None and accept is not None and accept(held)):
-        return
-    if held is None or len(held) != len(data):
-        raise not_stored(url, status, len(data), None if held is None else len(held))
-    raise not_stored(url, status, len(data), len(held), other=True)

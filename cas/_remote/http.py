@@ -60,6 +60,9 @@ class HttpEngine:
     """
 
     can_lease = False
+    atomic_batch = False
+    lost_hint = "is it a real WebDAV store?"
+    puts_proven = False
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)
@@ -131,11 +134,11 @@ class HttpEngine:
 
     # -- writes (a store named writable, and publish) ------------------------------------
 
-    def put(self, name: str, data: bytes | IO[bytes]) -> None:
+    def put(self, name: str, data: bytes | IO[bytes]) -> str:
         from .dav import put
 
         self.requests += 1
-        self._counted(lambda: put(join(self.root, name), data, root=self.root))
+        return f"{self._counted(lambda: put(join(self.root, name), data, root=self.root))} to PUT"
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         for name, data in items:  # one at a time, in order: a manifest never lands before its blob

@@ -173,6 +173,12 @@ class RedisEngine:
     """
 
     can_lease = True
+    atomic_batch = True
+    #: Redis evicts on its own: under allkeys-random or -lfu a key just set may be the next to go.
+    puts_proven = False
+    lost_hint = (
+        "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"
+    )
 
     def __init__(
         self, url: str, *, timeout: float | None = None, max_value: int | None = None, prefix: str = KEY_PREFIX
@@ -237,8 +243,9 @@ class RedisEngine:
             out.append(value if value or exists else None)
         return out
 
-    def put(self, name: str, data: bytes | IO[bytes]) -> None:
+    def put(self, name: str, data: bytes | IO[bytes]) -> str:
         self.put_many([(name, self._body(name, data))])
+        return "OK to SET"
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         commands: list[tuple[Any, ...]] = []

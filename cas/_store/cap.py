@@ -173,17 +173,12 @@ class SizeCap:
             self._measure(stored)
             if stored <= max_bytes:
                 return None
-        import filelock
-
-        lock = filelock.FileLock(self._lay.lock, timeout=0)
-        try:
-            lock.acquire(blocking=False)
-        except filelock.Timeout:
-            return None
-        total = RemovalResult()
-        failure: OSError | None = None
-        stuck: set[str] = set()  # files this pass could not remove
-        try:
+        with self._lay.collector_lock() as held:
+            if not held:
+                return None
+            total = RemovalResult()
+            failure: OSError | None = None
+            stuck: set[str] = set()  # files this pass could not remove
             while True:
                 must_free = 0
                 if self._plan is None:
@@ -208,8 +203,6 @@ class SizeCap:
                 if not isinstance(name, str) or name in stuck or len(stuck) >= MAX_FAILED_REMOVALS:
                     break
                 stuck.add(name)
-        finally:
-            lock.release()
         self._measure(total.stored_bytes_after)
         if failure is not None:
             self._failed(failure)

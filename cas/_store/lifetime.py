@@ -2,11 +2,11 @@
 
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
-    c3 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
-       <switched> <uploads> <uploads_dropped> <untrusted> <crc>        (one line)
+    c4 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
+       <switched> <uploads> <uploads_dropped> <untrusted> <saved_us> <crc>        (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c3`` line holds what one process counted since its previous line (non-negative
+A ``c4`` line holds what one process counted since its previous line (non-negative
 decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
 to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
 garbled or fails its check is ignored; one that checks out but has a tag this
@@ -67,7 +67,7 @@ from stat import S_ISREG
 
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork, after_fork_call
-from cuda_program_cas._disk.atomic import atomic_write
+from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
@@ -78,13 +78,28 @@ try:
 except ImportError:  # Windows: filelock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["COMPACT_BYTES", "FLUSH_INTERVAL_S", "NAMES", "Lifetime", "Recorder", "read_counters", "zero_counters"]
+__all__ = [
+    "COMPACT_BYTES",
+    "FLUSH_INTERVAL_S",
+    "NAMES",
+    "Busy",
+    "Lifetime",
+    "Recorder",
+    "counters_locked",
+    "encode_line",
+    "locked_append",
+    "read_counters",
+    "read_log",
+    "split_lines",
+    "zero_counters",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 
-#: The counters of a ``c3`` line, in order. A new counter needs a new tag: a ``c1`` line
+#: The counters of a ``c4`` line, in order. A new counter needs a new tag: a ``c1`` line
 #: (written before ``switched`` was counted) holds the first 9, a ``c2`` line (before
-#: write-back) the first 10. An older version keeps a ``c3`` line as one it does not know.
+#: write-back) the first 10, a ``c3`` line (before time saved) the first 13. An older
+#: version keeps a ``c4`` line as one it does not know.
 NAMES = (
     "hits",
     "misses",
@@ -99,10 +114,11 @@ NAMES = (
     "uploads",
     "uploads_dropped",
     "untrusted",
+    "saved_us",
 )
-_TAG = "c3"
+_TAG = "c4"
 #: The tags of counter lines this version sums, and how many values each holds.
-_COUNTS = {b"c1": 9, b"c2": 10, b"c3": len(NAMES)}
+_COUNTS = {b"c1": 9, b"c2": 10, b"c3": 13, b"c4": len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.
@@ -112,15 +128,6 @@ COMPACT_BYTES = 4096
 _WAIT_LAST_S = 2.0
 _MAX_READ = 1 << 24
 
-_APPEND_FLAGS = (
-    os.O_RDWR
-    | os.O_APPEND
-    | os.O_CREAT
-    | getattr(os, "O_BINARY", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
 _LOCK_FLAGS = (
     os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 )
@@ -151,9 +158,30 @@ class Lifetime:
         return self.counters["hits"] / looked if looked else None
 
 
-def _encode(tag: str, values: Sequence[int]) -> bytes:
+def encode_line(tag: str, values: Sequence[int]) -> bytes:
+    """One self-checking line: ``tag``, the non-negative integers ``values``, their CRC-32."""
     body = " ".join([tag, *map(str, values)]).encode()
     return b"%s %08x\n" % (body, zlib.crc32(body))
+
+
+_encode = encode_line
+
+
+def split_lines(data: bytes) -> Iterator[tuple[bytes, list[int]] | None]:
+    """``(tag, values)`` of each line of ``data`` :func:`encode_line` wrote; None for one torn, garbled or failing
+    its check (a last line without its newline is torn)."""
+    lines = data.split(b"\n")
+    torn = lines.pop()
+    for raw in lines:
+        if not raw:
+            continue
+        m = _LINE_RE.fullmatch(raw)
+        if m is None or zlib.crc32(raw[: m.start(3) - 1]) != int(m.group(3), 16):
+            yield None
+            continue
+        yield m.group(1), [int(v) for v in m.group(2).split()]
+    if torn:
+        yield None
 
 
 def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
@@ -162,17 +190,11 @@ def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
     zeroed = None
     bad = 0
     unknown = []
-    lines = data.split(b"\n")
-    if lines.pop():  # what follows the last newline: a torn line
-        bad += 1
-    for raw in lines:
-        if not raw:
-            continue
-        m = _LINE_RE.fullmatch(raw)
-        if m is None or zlib.crc32(raw[: m.start(3) - 1]) != int(m.group(3), 16):
+    for line in split_lines(data):
+        if line is None:
             bad += 1
             continue
-        tag, values = m.group(1), [int(v) for v in m.group(2).split()]
+        tag, values = line
         if _COUNTS.get(tag) == len(values):
             for name, value in zip(NAMES, values, strict=False):
                 totals[name] += value
@@ -181,12 +203,15 @@ def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
         elif tag in _COUNTS or tag == b"z1":
             bad += 1
         else:
-            unknown.append(raw + b"\n")
+            unknown.append(encode_line(tag.decode(), values))
     return Lifetime(totals, zeroed, bad), unknown
 
 
-def _read(path: str) -> bytes:
-    """The counters file's bytes; empty when there is none."""
+def read_log(path: str) -> bytes:
+    """The bytes of a log file of this floor (counters, usage ledger, miss journal); empty when there is none.
+
+    At most 16 MiB are read: a larger file is read up to there (its later lines are lost to the sums).
+    """
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
@@ -206,16 +231,16 @@ def _read(path: str) -> bytes:
 
 def read_counters(lay: Layout) -> Lifetime:
     """The lifetime counters of the cache ``lay`` (all zero when it has none). Reads only, takes no lock."""
-    return _parse(_read(lay.counters))[0]
+    return _parse(read_log(lay.counters))[0]
 
 
-class _Busy(Exception):
+class Busy(Exception):
     """``counters.lock`` stayed held by someone else."""
 
 
 @contextlib.contextmanager
-def _locked(path: str, wait_s: float) -> Iterator[None]:
-    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`_Busy` after ``wait_s``.
+def counters_locked(path: str, wait_s: float) -> Iterator[None]:
+    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`Busy` after ``wait_s``.
 
     Never creates the cache directory (``filelock`` would, for a cache removed meanwhile).
     """
@@ -225,12 +250,12 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
 
             file_lock, timeout = filelock.FileLock, filelock.Timeout
         except AttributeError:  # half imported: a collection in its import flushes a dropped instance
-            raise _Busy from None
+            raise Busy from None
         lock = file_lock(path, timeout=wait_s)
         try:
             lock.acquire(blocking=wait_s > 0)
         except timeout:
-            raise _Busy from None
+            raise Busy from None
         try:
             yield
         finally:
@@ -250,10 +275,10 @@ def _locked(path: str, wait_s: float) -> Iterator[None]:
                     break
             except Slow:
                 owned = False
-                raise _Busy from None
+                raise Busy from None
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _Busy from None
+                raise Busy from None
             time.sleep(min(pause, left))  # holders keep it for microseconds
             pause = min(2 * pause, 0.05)
             until = max(deadline, time.monotonic() + LAST_TRY_S)
@@ -281,38 +306,30 @@ def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
     Raises :class:`cuda_program_cas.CacheError` when another process holds the lock for ``wait_s``.
     """
     try:
-        with _locked(lay.counters_lock, wait_s):
-            before = _parse(_read(lay.counters))[0]
+        with counters_locked(lay.counters_lock, wait_s):
+            before = _parse(read_log(lay.counters))[0]
             atomic_write(lay.counters, _encode("z1", [time.time_ns()]), lay.tmp)
-    except _Busy:
+    except Busy:
         raise CacheError(
             f"cannot zero the counters of {lay.root!r}: {lay.counters_lock} is held by another process"
         ) from None
     return before
 
 
-def _append(path: str, line: bytes) -> int:
-    """Append ``line`` to the counters file (the caller holds the lock); the file's size after it."""
-    fd = os.open(path, _APPEND_FLAGS, 0o600)
-    try:
-        st = os.fstat(fd)
-        if not S_ISREG(st.st_mode):
-            raise NotRegularFile(path)
-        if st.st_size:
-            os.lseek(fd, st.st_size - 1, os.SEEK_SET)
-            if os.read(fd, 1) != b"\n":
-                line = b"\n" + line  # a killed writer's torn line: end it, so that ours stays whole
-        view = memoryview(line)
-        while view:
-            view = view[os.write(fd, view) :]
-        return st.st_size + len(line)
-    finally:
-        os.close(fd)
+def locked_append(lay: Layout, path: str, lines: bytes, wait_s: float, then: Callable[[int], None]) -> bool:
+    """Append ``lines`` to the log file ``path`` of ``lay`` under ``counters.lock``, then ``then(its size)``
+    under the lock still (a compaction, when due). False when the cache was removed; raises
+    :class:`Busy` when the lock stayed held for ``wait_s``, ``OSError`` for what the disk said."""
+    if not os.path.isdir(lay.index):
+        return False
+    with counters_locked(lay.counters_lock, wait_s):
+        then(append_line(path, lines))
+    return True
 
 
 def _compact(lay: Layout) -> None:
     """Fold every line into one (the caller holds the lock)."""
-    life, unknown = _parse(_read(lay.counters))
+    life, unknown = _parse(read_log(lay.counters))
     head = b"" if life.zeroed_ns is None else _encode("z1", [life.zeroed_ns])
     atomic_write(lay.counters, head + _encode(_TAG, [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
 
@@ -367,22 +384,21 @@ class Recorder:
 
     def _record(self, line: bytes, wait_s: float) -> bool:
         lay = self._lay
-        if not os.path.isdir(lay.index):
-            return False  # the cache was removed
+
+        def compact_if_due(size: int) -> None:
+            if size > COMPACT_BYTES:
+                try:
+                    _compact(lay)
+                except OSError as exc:  # the line is recorded; the next flush compacts
+                    self._failed_once(exc)
+
         try:
-            with _locked(lay.counters_lock, wait_s):
-                size = _append(lay.counters, line)
-                if size > COMPACT_BYTES:
-                    try:
-                        _compact(lay)
-                    except OSError as exc:  # the line is recorded; the next flush compacts
-                        self._failed_once(exc)
-        except _Busy:
+            return locked_append(lay, lay.counters, line, wait_s, compact_if_due)
+        except Busy:
             return False
         except OSError as exc:
             self._failed_once(exc)
             return False
-        return True
 
     def _failed_once(self, exc: OSError) -> None:
         code = exc.errno or 0

@@ -187,9 +187,21 @@ class CacheStore:
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
+        #: Hits per key id since the last flush, whose compile time the flush adds to ``saved_us``.
+        self._hits_by_key: dict[str, int] | None = None
         if not self.read_only:
             local, theirs = self._counters, tuple(s.counters for s in self.shared)
-            self._lifetime = Recorder(lay, lambda lock: _merged(local, theirs, lock))
+            tally: dict[str, int] = {}
+            self._hits_by_key = tally
+
+            def source(lock: bool) -> dict[str, int]:
+                if lock and tally:  # not in a forked child's first look, which only notes where it starts
+                    from .usage import settle_hits  # imported by the first flush with hits, not by a lookup
+
+                    settle_hits(lay, tally, local)
+                return _merged(local, theirs, lock)
+
+            self._lifetime = Recorder(lay, source)
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
 
@@ -258,6 +270,8 @@ class CacheStore:
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+        if self._hits_by_key is not None:
+            self._hits_by_key.clear()  # the parent's hits, which the parent records
 
     def _open_writable(self, lay: Layout) -> bool:
         """Lay the cache out if needed; one this process cannot write is opened read-only instead.
@@ -296,6 +310,9 @@ class CacheStore:
         found = self._reader.lookup(kid)
         if found is not None:
             self._counters.hit()
+            tally = self._hits_by_key
+            if tally is not None:
+                tally[kid] = tally.get(kid, 0) + 1
             if t0:
                 lookup_hit(self.root, kid, "local", t0)
             if _monotonic() >= self._flush_at:
@@ -351,6 +368,9 @@ class CacheStore:
         ``waited``: found after waiting for another's :meth:`claim` (counted in ``claim_hits`` too).
         """
         self._counters.hit()
+        tally = self._hits_by_key
+        if tally is not None:
+            tally[kid] = tally.get(kid, 0) + 1
         if shared is not None:
             self._counters.add("shared_hits")
         if waited:
@@ -444,6 +464,35 @@ class CacheStore:
             return None
         self.note_hit(kid, found[1], t0_ns=t0)
         return found
+
+    def note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object]) -> None:
+        """Record that the entry ``kid`` just stored took ``seconds`` to compile, from ``inputs``.
+
+        Its compile time goes to the usage ledger (:mod:`cuda_program_cas._store.usage`: what its hits
+        will save) and its inputs to the miss journal (:mod:`cuda_program_cas._store.journal`: what
+        ``explain`` compares). Never raises; nothing is written on a read-only cache.
+        """
+        if self._writer is None:
+            return
+        from .journal import record_miss
+        from .usage import record_compile
+
+        record_compile(self.layout, kid, seconds)
+        record_miss(self.layout, kid, seconds, via, inputs)
+
+    def compile_seconds(self, kid: str) -> float | None:
+        """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown.
+
+        What a caller weighs against the cost of asking a remote store. Known for
+        entries this cache compiled and stored itself (a plain key's id is
+        ``key_id(key)``; a ``cache.compile`` entry's is its record's id), not for
+        ones copied from a shared store or imported. One ``stat`` of the ledger
+        when it is unchanged since this process last read it.
+        """
+        from .usage import compile_us_of, key_number
+
+        us = compile_us_of(self.layout, [key_number(kid)])
+        return None if not us else next(iter(us.values())) / 1e6
 
     def note_switched(self) -> None:
         """Count one compile or link that the switch sent through this cache (before its lookup)."""

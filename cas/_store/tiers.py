@@ -10,22 +10,33 @@ a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngin
 
 Each engine is imported when a store of its scheme is opened, so a plain cache
 never loads the HTTP or Redis side. ``ADDRESS|write`` names a store writable
-(:func:`cuda_program_cas._base.urls.parse_store_entry`).
+(:func:`cuda_program_cas._base.urls.parse_store_entry`). Publish opens the store
+it writes by the same table (:func:`open_engine`), with the packs the engine has
+(:func:`open_packs`: none for Redis, where loose entries are all a store holds).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from cuda_program_cas._base.engine import Engine
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import parse_store_entry, scheme_of
 
 from .tier import RETRY_S, Tier, ceiling
 
-__all__ = ["open_tier"]
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cuda_program_cas._disk.direngine import DirModes
+    from cuda_program_cas._disk.pack import PackInput
+    from cuda_program_cas._disk.packsummary import PackedEntry
+
+__all__ = ["PackTarget", "open_engine", "open_packs", "open_tier"]
 
 #: ``memo_get(key id)`` -> bytes the local cache keeps, or None; ``memo_put(key id, bytes)``: keep them.
 MemoGet = Callable[[str], "bytes | None"]
@@ -45,13 +56,59 @@ class Options:
     max_entry: int | None = None
     #: A folder on the local cache's disk where a large body waits while it is verified (HTTP), or None.
     staging: str | None = None
+    #: How a directory store's files are written (publish's modes and syncing); None: the writer's defaults.
+    modes: DirModes | None = None
 
 
-def _directory(address: str, writable: bool, opts: Options) -> Tier:
-    from cuda_program_cas._disk.direngine import DirEngine
-    from cuda_program_cas._disk.pack import PackSet
+class PackTarget(Protocol):
+    """A store's packs as a publisher sees them (:class:`cuda_program_cas._disk.packpublish.DirPacks`, ...)."""
+
+    def entries(self) -> dict[str, PackedEntry]:
+        """Every packed entry of the store, by key id."""
+        ...
+
+    def ok(self, packed: PackedEntry) -> bool:
+        """Whether the pack's copy of the entry's blob is good, as far as it is checked here."""
+        ...
+
+    def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
+        """One new pack of ``inputs``, stored and listed: where it is (None: nothing to pack)."""
+        ...
+
+    def finish(self, wrote: bool) -> None:
+        """After the run's last write (``wrote``: a pack was written)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _dir_engine(address: str, opts: Options) -> Engine:
+    from cuda_program_cas._disk.direngine import DirEngine, DirModes
 
     root = os.path.abspath(address)
+    modes = opts.modes
+    if modes is None:
+        # Write-back into a store that other users' nodes read: the files as publish writes them by
+        # default (0644 less the umask; group-shared where the store's top directory is setgid), not the
+        # private modes of a local cache.
+        try:
+            setgid = bool(os.stat(root).st_mode & stat.S_ISGID)
+        except OSError:
+            setgid = False
+        modes = DirModes.for_process(setgid, fsync=False)
+    return DirEngine(root, modes=modes)
+
+
+def _dir_packs(engine: Any) -> PackTarget:
+    from cuda_program_cas._disk.packpublish import DirPacks
+
+    return DirPacks(engine)
+
+
+def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
+    from cuda_program_cas._disk.pack import PackSet
+
+    root = engine.shown
     tier: Tier
 
     def missing() -> str:
@@ -71,7 +128,7 @@ def _directory(address: str, writable: bool, opts: Options) -> Tier:
     # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
     # store that worked and is gone later (unmounted) is not a WARNING.
     tier = Tier(
-        DirEngine(root),
+        engine,
         packs=PackSet(root, on_damage=damaged, max_entry=lambda: ceiling(opts.max_entry)),
         writable=writable,
         missing=missing,
@@ -84,11 +141,21 @@ def _directory(address: str, writable: bool, opts: Options) -> Tier:
     return tier
 
 
-def _http(address: str, writable: bool, opts: Options) -> Tier:
+def _http_engine(address: str, opts: Options) -> Engine:
     from cuda_program_cas._remote.http import HttpEngine
+
+    return HttpEngine(address, staging=opts.staging)
+
+
+def _http_packs(engine: Any) -> PackTarget:
+    from cuda_program_cas._remote.davpacks import DavPacks
+
+    return DavPacks(engine)
+
+
+def _http(engine: Any, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._remote.httppacks import HttpPacks
 
-    engine = HttpEngine(address, staging=opts.staging)
     packs = HttpPacks(engine, memo_get=opts.memo_get, memo_put=opts.memo_put)
     # Each check is a request: made at the first lookup, not at open; a dead server is paused from RETRY_S
     # doubling to RETRY_MAX_S, and said once whenever it first fails.
@@ -107,22 +174,38 @@ def _http(address: str, writable: bool, opts: Options) -> Tier:
     return tier
 
 
-def _redis(address: str, writable: bool, opts: Options) -> Tier:
+def _redis_engine(address: str, opts: Options) -> Engine:
     from cuda_program_cas._remote.redis import RedisEngine
 
+    return RedisEngine(address)
+
+
+def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
     # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
-    return Tier(
-        RedisEngine(address), writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry
-    )
+    return Tier(engine, writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry)
 
 
-_ENGINES: dict[str, Callable[[str, bool, Options], Tier]] = {
-    "file": _directory,
-    "http": _http,
-    "https": _http,
-    "redis": _redis,
-    "rediss": _redis,
-}
+@dataclass(frozen=True)
+class _Scheme:
+    engine: Callable[[str, Options], Engine]
+    tier: Callable[[Any, bool, Options], Tier]
+    #: The store's packs for a publisher; None: loose entries only (Redis: a key is as cheap as a pack's entry,
+    #: and an evicted pack would take many entries with it).
+    packs: Callable[[Any], PackTarget] | None
+
+
+_DIRECTORY = _Scheme(_dir_engine, _directory, _dir_packs)
+_HTTP = _Scheme(_http_engine, _http, _http_packs)
+_REDIS = _Scheme(_redis_engine, _redis, None)
+_ENGINES: dict[str, _Scheme] = {"file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS}
+
+
+def _scheme(address: str) -> _Scheme:
+    scheme = scheme_of(address) or "file"
+    found = _ENGINES.get(scheme)
+    if found is None:
+        raise ValueError(f"no engine for {scheme}:// stores yet: {address!r}")
+    return found
 
 
 def open_tier(entry: str, **options: Any) -> Tier:
@@ -131,8 +214,18 @@ def open_tier(entry: str, **options: Any) -> Tier:
     ``options`` are the fields of :class:`Options`.
     """
     address, writable = parse_store_entry(entry)
-    scheme = scheme_of(address) or "file"
-    make = _ENGINES.get(scheme)
-    if make is None:
-        raise ValueError(f"no engine for {scheme}:// stores yet: {address!r}")
-    return make(address, writable, Options(**options))
+    opts = Options(**options)
+    scheme = _scheme(address)
+    return scheme.tier(scheme.engine(address, opts), writable, opts)
+
+
+def open_engine(address: str, **options: Any) -> Engine:
+    """The engine of the store at ``address`` (a path, ``file://``, or a store URL); ``ValueError`` for a bad one."""
+    address = parse_store_entry(address).address if scheme_of(address) == "file" else address
+    return _scheme(address).engine(address, Options(**options))
+
+
+def open_packs(engine: Engine) -> PackTarget | None:
+    """The packs of the store behind ``engine`` for a publisher, or None where its engine has none (Redis)."""
+    make = _scheme(engine.shown).packs
+    return None if make is None else make(engine)

@@ -4,10 +4,12 @@ After an entry lands in the local cache (a compile's binary, a front-door record
 a link product), :meth:`WriteBack.submit` queues it for each writable store and
 returns at once: the caller's compile waits for a lock and a list append, never
 for a network. One worker thread per cache instance (started at the first
-upload) sends each entry as publish does, **blob first, then the manifest that
-names it** (one :meth:`~cuda_program_cas._base.engine.Engine.put_many`, in that
-order), so a reader of the store never finds a manifest whose blob is not there
-yet.
+upload) sends each entry as publish does, **blob first, read back, then the
+manifest that names it** (:func:`.upload.upload_entry`, the routine publish's
+puts are; where the engine's ``put_many`` is one transaction, as Redis's is, both
+go in it), so a reader of the store never finds a manifest whose blob is not
+there yet. The manifest is not read back: no report says it was stored, and one
+lost is a miss.
 
 What is not sent is dropped, never retried later and never an error of the caller:
 
@@ -46,11 +48,11 @@ from typing import TYPE_CHECKING
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Signer
-from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas.index import Manifest, is_local_id
 
 from .stats import Counters
 from .tier import warn_once_for
+from .upload import upload_entry
 
 if TYPE_CHECKING:
     from .tier import Tier
@@ -171,7 +173,7 @@ class WriteBack:
         if self._signer is not None:
             line += self._signer.sign(line)
         try:
-            tier.engine.put_many([(url_path(BLOBS, digest), data), (url_path(INDEX, kid), line)])
+            upload_entry(tier.engine, kid, digest, data, line)
         except StoreFailure as exc:
             tier.failed(exc)
             self._dropped(tier.root, str(exc))

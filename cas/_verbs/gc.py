@@ -206,20 +206,13 @@ def collect(
         report.elapsed_s = time.monotonic() - t0
         _record(report)
         return report
-    import filelock
-
-    lock = filelock.FileLock(lay.lock, timeout=wait_s)
-    try:
-        lock.acquire(timeout=wait_s, blocking=wait_s > 0)
-    except filelock.Timeout:
-        raise CollectorBusyError(
-            f"cache {lay.root!r} is busy: another gc or a size-cap eviction holds {lay.lock}; nothing was changed"
-            + ("" if wait_s else " (wait for it with --wait SECONDS)")
-        ) from None
-    try:
+    with lay.collector_lock(wait_s) as held:
+        if not held:
+            raise CollectorBusyError(
+                f"cache {lay.root!r} is busy: another gc or a size-cap eviction holds {lay.lock}; nothing was changed"
+                + ("" if wait_s else " (wait for it with --wait SECONDS)")
+            )
         _run(report, cache, opts)
-    finally:
-        lock.release()
     report.elapsed_s = time.monotonic() - t0
     _record(report)
     return report

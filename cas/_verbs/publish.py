@@ -29,44 +29,51 @@ blob of every entry a source also holds is hashed (once per digest per run), so
 a blob damaged in place, at its right size, is rewritten from the source
 (``blobs_repaired``).
 
-A store URL (``https://host/path/store``) is published through WebDAV PUT, in
-the same order and by the same plan; only the destination differs
-(:class:`_UrlDest` beside the directory's :class:`_Dest`). A loose publish asks
-for each manifest the sources hold (GET: absent, equal or another), asks for
-the blob of each new one (HEAD), uploads the blobs that are missing, then the
-manifests. ``--pack`` uploads one new pack, then adds its name to
-``packs/list``. Each upload is atomic on the server: nginx's dav module writes a
-PUT's body to a temp file and renames it; an object store shows an object only
-once its upload is complete.
+The store is reached through its engine (:mod:`cuda_program_cas._base.engine`),
+chosen by the address's scheme from the table that shared stores are opened by
+(:mod:`cuda_program_cas._store.tiers`): a directory (a path or ``file://``), an
+``http(s)://`` WebDAV location, or a ``redis(s)://`` database. One target,
+:class:`_Store`, runs the same plan and the same order over each; only a
+directory has modes, ``fsync`` and mtimes (options of its engine), and only a
+directory's copies are hashed (elsewhere that would download every blob: they
+are checked by their size). A loose publish asks for each manifest the sources
+hold (absent, equal or another), for the blob of each new one (its size),
+uploads the blobs that are missing, then the manifests. ``--pack`` writes one
+new pack, then lists it (:class:`~cuda_program_cas._store.tiers.PackTarget`: a
+directory's ``packs/``, a WebDAV store's ``packs/list``); a Redis store takes
+loose entries only, and ``--pack`` into one is refused. Each upload is atomic
+in the store: a rename on a disk and in nginx's dav module, a ``SET`` in Redis.
 
-A 2xx is not taken for a proof. Each upload is read back at once, before
-anything names it: a blob's size (HEAD), a pack's size and last bytes (a Range
-GET), a manifest's, ``layout.json``'s and ``CACHEDIR.TAG``'s every byte (GET),
-``packs/list`` by the read that looks for the pack's name in it anyway. A server
-that holds less, or other bytes, stops the run with a ``not stored``
-:class:`HttpFailure` naming the file. Every read is bounded by the cache's own
-limits, never by what the server says: a manifest by its longest form, the
-listing by :data:`MAX_LISTING_BYTES`, a pack's index by the ceiling for any
-entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it is fetched.
+An answer is not taken for a proof. Each upload is read back at once, before
+anything names it (:func:`cuda_program_cas._store.upload.put_checked`, the one
+write-back sends through; not on a directory, whose write protocol is the proof,
+and whose blobs are re-checked after their manifests): a blob's size (HEAD,
+``STRLEN``), a pack's
+size and last bytes (a Range GET), a manifest's, ``layout.json``'s and
+``CACHEDIR.TAG``'s every byte, ``packs/list`` by the read that looks for the
+pack's name in it anyway. A store that holds less, or other bytes, stops the
+run with a ``not stored`` :class:`~cuda_program_cas._base.engine.StoreFailure`
+naming the object. Every read is bounded by the cache's own limits, never by
+what the server says: a manifest by its longest form, the listing by
+:data:`~cuda_program_cas._disk.pack.MAX_LISTING_BYTES`, a pack's index by the
+ceiling for any entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it
+is fetched.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
 import os
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from cuda_program_cas._base.config import env_max_entry_size
-from cuda_program_cas._base.errors import CacheError, CorruptBlobError, LayoutError
+from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.errors import CorruptBlobError, LayoutError
 from cuda_program_cas._base.signing import Signer, env_signer
-from cuda_program_cas._base.urls import is_store_url, join, normalize_store_url, shown
-from cuda_program_cas._disk.atomic import current_umask
+from cuda_program_cas._base.urls import is_store_url, normalize_store_url, parse_store_entry, scheme_of, shown
 from cuda_program_cas._disk.blobs import BlobStore
+from cuda_program_cas._disk.direngine import DirEngine, DirModes
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
 from cuda_program_cas._disk.layout import (
     BLOBS,
@@ -81,47 +88,22 @@ from cuda_program_cas._disk.layout import (
     check_layout_data,
     create_layout,
     layout_bytes,
-    mark_shared_store,
     parse_layout,
     url_path,
 )
-from cuda_program_cas._disk.pack import (
-    LISTING,
-    MAX_LISTING_BYTES,
-    TRAILER_SIZE,
-    PackError,
-    PackIndex,
-    PackInput,
-    PackReader,
-    encode_listing,
-    pack_chunks,
-    pack_name,
-    parse_listing,
-    save_listing,
-    write_pack,
-)
-from cuda_program_cas._disk.packsummary import PackedEntry, PackSummary
+from cuda_program_cas._disk.pack import PackInput
+from cuda_program_cas._disk.packsummary import PackedEntry
 from cuda_program_cas._disk.remove import Remover
-from cuda_program_cas._disk.writer import BlobWrite, Writer
-from cuda_program_cas._remote.client import HttpFailure
-from cuda_program_cas._remote.dav import (
-    check_bytes,
-    check_size,
-    check_tail,
-    fetch,
-    fetch_range,
-    fetch_tail,
-    not_stored,
-    put,
-    size_of,
-)
+from cuda_program_cas._store.tiers import PackTarget, open_engine, open_packs
+from cuda_program_cas._store.upload import put_checked, where
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import Report, open_cache
 
 __all__ = ["PublishReport", "check_sources", "publish"]
 
-_log = logging.getLogger("cuda_program_cas")
+#: The name of the store's cache-directory tag.
+CACHEDIR = "CACHEDIR.TAG"
 
 
 @dataclass
@@ -192,7 +174,11 @@ class PublishReport(Report):
 
 
 def check_sources(
-    sources: Iterable[str | os.PathLike[str]], dest: str | os.PathLike[str], *, group_shared: bool = False
+    sources: Iterable[str | os.PathLike[str]],
+    dest: str | os.PathLike[str],
+    *,
+    group_shared: bool = False,
+    pack: bool = False,
 ) -> None:
     """Raise :class:`LayoutError` for a source that is the store ``dest`` itself or not a cache at all.
 
@@ -205,199 +191,197 @@ def check_sources(
         _store_url(os.fspath(dest))
         if group_shared:
             raise LayoutError(_GROUP_SHARED_URL)
+        if pack and scheme_of(os.fspath(dest)) in ("redis", "rediss"):
+            raise LayoutError(_NO_PACKS.format(where=shown(os.fspath(dest))))
     for src in sources:
         if not url and os.path.realpath(src) == os.path.realpath(dest):
             raise LayoutError(f"source {os.path.abspath(src)!r} is the store itself: give nodes' caches as sources")
         open_cache(src, write=False)  # LayoutError: missing, a file, a dangling symlink, foreign...
 
 
-@dataclass(frozen=True)
-class _Modes:
-    file: int
-    dir: int
-    tmp_dir: int
-    group_shared: bool
+class _Store:
+    """The store being published into, over its engine (a directory, WebDAV or Redis): what it holds, and writes.
 
-    @classmethod
-    def for_process(cls, group_shared: bool) -> _Modes:
-        umask = current_umask()
-        file_mode = 0o644 & ~umask
-        dir_mode = 0o777 & ~umask
-        if group_shared:
-            # Group members read everything; new files and directories inherit
-            # the directory's group (setgid). Group write follows the umask, so a
-            # publishing team with umask 002 can publish into one store together.
-            file_mode |= 0o640
-            dir_mode |= 0o2750
-            return cls(file_mode, dir_mode, dir_mode, True)
-        return cls(file_mode, dir_mode, 0o700, False)
+    One class for every engine. What differs is the engine's
+    (:mod:`cuda_program_cas._store.tiers` picks it by the address's scheme), its
+    packs (:func:`cuda_program_cas._store.tiers.open_packs`: none for Redis), and,
+    for a directory only, its modes and syncing (:class:`DirModes`, options of the
+    :class:`DirEngine`) and the few things only files have: a copy cheap enough to
+    hash, an mtime to freshen, a cache to sync.
+    """
 
-
-class _Dest:
-    """The store being published into: its layout, its writer (with the run's modes), and what it holds."""
-
-    def __init__(self, root: str, modes: _Modes, *, dry_run: bool, fsync: bool, verify_existing: bool = True) -> None:
-        self.lay = Layout(root)
-        #: The store's layout version, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
-        self.manifest_layout: int | Callable[[], int] = LayoutVersion(root).now
-        self.modes = modes
+    def __init__(self, engine: Engine, *, dry_run: bool, verify_existing: bool) -> None:
+        self.engine = engine
         self.dry_run = dry_run
-        self.fsync = fsync
-        self.verify_existing = verify_existing
+        #: The engine when the store is a directory: its copies are hashed, its blobs freshened, its phases synced.
+        self.dir = engine if isinstance(engine, DirEngine) else None
+        # A copy elsewhere is checked by its size: hashing it would download every blob the sources hold.
+        self.verify_existing = verify_existing and self.dir is not None
         #: Signs each manifest written ($CUDA_PROGRAM_CAS_SIGNING_KEY), or None.
         self.signer: Signer | None = None
-        self.writer = Writer(
-            self.lay,
-            file_mode=modes.file,
-            exact_mode=True,
-            dir_mode=modes.dir,
-            setgid=modes.group_shared,
-            verify_existing=True,
+        #: The store's layout version, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
+        self.manifest_layout: int | Callable[[], int] = (
+            LayoutVersion(self.dir.root).now if self.dir is not None else LAYOUT_VERSION
         )
         #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
         self.good: dict[str, bool] = {}
         #: Digests whose store blob failed its hash.
         self.damaged: set[str] = set()
-        #: The store's packed entries (key id -> entry), read once per run from ``packs/summary``
-        #: and the packs it does not cover, not from every pack.
-        self.summary = PackSummary.load(root)
-        self.packed = self.summary.entries()
-        self._packed_ok: dict[tuple[str, int], bool] = {}
-        self._readers: dict[str, PackReader | None] = {}
-
-    def blob_ok(self, digest: str, size: int) -> bool:
-        """Whether the store holds this blob with the right bytes (hashed once per run)."""
-        known = self.good.get(digest)
-        if known is None:
-            try:
-                BlobStore(self.lay.blobs).read(digest, size)
-                known = True
-            except CorruptBlobError:
-                known = False
-                self.damaged.add(digest)
-            except OSError:
-                known = False  # absent, wrong size, not a file: not good (yet)
-            self.good[digest] = known
-        return known
-
-    def packed_ok(self, packed: PackedEntry) -> bool:
-        """Whether the pack's copy of this entry's blob has the right bytes (hashed once per run)."""
-        where = (packed.pack, packed.entry.offset)
-        known = self._packed_ok.get(where)
-        if known is None:
-            if packed.pack not in self._readers:
-                try:
-                    self._readers[packed.pack] = PackReader(packed.pack)
-                except (OSError, PackError):
-                    self._readers[packed.pack] = None
-            reader = self._readers[packed.pack]
-            try:
-                known = reader is not None and reader.read(packed.entry) is not None
-            except OSError:
-                known = False
-            self._packed_ok[where] = known
-        return known
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            if reader is not None:
-                reader.close()
-        self._readers.clear()
-
-    def pack_writer(self) -> Writer:
-        """The writer of packs and of ``packs/summary``: the run's file mode, synced when the run is."""
-        return Writer(self.lay, file_mode=self.modes.file, exact_mode=True, dir_mode=self.modes.dir, fsync=self.fsync)
-
-    def blob_present(self, digest: str, size: int) -> bool:
-        """A cheap check (no read): a regular file of the right size."""
-        try:
-            st = os.lstat(self.lay.blob_path(digest))
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == size
-
-    # -- what the plan and the phases ask of a destination (the URL one has the same methods) --
+        #: The store's packs (None: it takes loose entries only), and their entries (key id -> entry).
+        self.packs: PackTarget | None = open_packs(engine)
+        self.packed: dict[str, PackedEntry] = {}
+        #: Blobs this run stored: new, so a collector keeps them; no re-check after their manifest.
+        self._uploaded: set[str] = set()
 
     @property
     def where(self) -> str:
-        return self.lay.root
+        return self.engine.shown
+
+    def prepare(self, report: PublishReport) -> None:
+        """Lay the store out if it has no ``layout.json``, mark it shared, and read what its packs hold.
+
+        As a directory store is laid out: ``CACHEDIR.TAG``, then ``layout.json``
+        (marked shared), each read back, before any entry.
+        """
+        # A directory found without a store (or with a damaged layout.json) is laid out before this, unless dry.
+        got = None if report.created and self.dry_run else self.engine.get(LAYOUT_FILE, limit=4096)
+        if got is None:
+            report.created = True
+            current = None
+        else:
+            current = parse_layout(got)
+            if current is None:
+                raise LayoutError(
+                    f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
+                    "(cuda-program-cas verify --repair DIR)"
+                )
+            version = check_layout_data(self.where, current)  # LayoutError: newer, or other hashes
+            if self.dir is None:
+                self.manifest_layout = version  # a directory's is asked again for each layout-1 manifest
+        if not self.dry_run:
+            if self.engine.size(CACHEDIR) is None:
+                put_checked(self.engine, CACHEDIR, CACHEDIR_TAG, whole=True)
+            raw = layout_bytes(current, shared=True)
+            if raw is not None:
+                put_checked(self.engine, LAYOUT_FILE, raw, whole=True)
+        if self.packs is not None and (self.dir is not None or not report.created):
+            self.packed = self.packs.entries()
+
+    # -- what the plan and the phases ask of the store --
 
     def manifest_bytes(self, kid: str) -> bytes | None:
-        """The store's manifest of ``kid``: None when it has none, ``b""`` for a file that is not a manifest."""
+        """The store's manifest of ``kid``: None when it has none, ``b""`` for an object that is not a manifest."""
         try:
-            data, _ = read_regular(self.lay.manifest_path(kid))
-        except FileNotFoundError:
-            return None
-        except NotRegularFile:
-            return b""
-        except OSError as exc:
-            if exc.errno == errno.ENOTDIR:
-                return None  # the store does not exist yet (dry run) or a shard is not a directory
-            raise
-        return data
+            return self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            return b""  # too large, not a regular file, a shard that is a symlink: replaced
 
-    def blob_where(self, digest: str) -> str:
-        return self.lay.blob_path(digest)
+    def blob_ok(self, digest: str, size: int) -> bool:
+        """Whether the store holds this blob with the right bytes (a directory's hashed, once per run)."""
+        known = self.good.get(digest)
+        if known is None:
+            if self.dir is None:
+                known = self.blob_present(digest, size)
+            else:
+                try:
+                    known = self.dir.get(url_path(BLOBS, digest), limit=size, digest=digest) is not None
+                except StoreFailure as exc:
+                    if exc.outage:
+                        raise
+                    known = False
+                    if exc.kind in ("damaged", "too large"):
+                        self.damaged.add(digest)
+            self.good[digest] = known
+        return known
+
+    def blob_present(self, digest: str, size: int) -> bool:
+        """A cheap check (no read): an object of the right size."""
+        try:
+            return self.engine.size(url_path(BLOBS, digest)) == size
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            return False
+
+    def packed_ok(self, packed: PackedEntry) -> bool:
+        return self.packs is None or self.packs.ok(packed)
 
     def put_blob(self, digest: str, blob: bytes) -> bool:
-        """Store a verified blob; False when the write was dropped."""
-        return self.writer.write_blob(digest, blob) is not BlobWrite.DROPPED
+        """Store a verified blob and read it back, before a manifest names it; False when the write was dropped."""
+        try:
+            put_checked(self.engine, url_path(BLOBS, digest), blob, whole=False)
+        except StoreFailure as exc:
+            if exc.kind not in _DROPPED:
+                raise
+            return False
+        self._uploaded.add(digest)
+        return True
 
     def keep_blob(self, digest: str, size: int) -> None:
-        """A good blob the store has, that a new manifest will name: freshened, so a collector keeps it."""
-        self.writer.freshen(self.lay.blob_path(digest), size)
+        """A good blob the store has, that a new manifest will name: freshened, so a collector keeps it.
+
+        Only files have an mtime to set; elsewhere :meth:`blob_still_there` asks again after the manifest.
+        """
+        if self.dir is not None:
+            self.dir.freshen(url_path(BLOBS, digest), size)
 
     def put_manifest(self, manifest: Manifest) -> None:
-        self.writer.write_manifest(manifest, signature=_signature(self, manifest))
+        """Store the manifest (signed with the run's key) and read every byte of it back."""
+        kid = manifest.key_id
+        assert kid is not None
+        signer = self.signer
+        data = manifest.encode() + (b"" if signer is None else signer.sign(manifest.encode()))
+        # Another publisher's valid manifest of the key, renamed in at the same moment, is no lie.
+        accept = lambda held: parse_manifest(held, kid) is not None  # noqa: E731
+        put_checked(self.engine, url_path(INDEX, kid), data, whole=True, accept=accept)
 
     def blob_still_there(self, digest: str, size: int) -> bool:
         """After a manifest commit: whether its blob is still there (a collector may have taken it)."""
+        if digest in self._uploaded and self.dir is None:
+            return True  # no mtimes elsewhere: what this run stored is new; a directory's stat costs nothing
         return self.blob_present(digest, size)
 
     def restore_blob(self, digest: str, blob: bytes) -> None:
-        self.writer.recheck(digest, blob)
+        self.put_blob(digest, blob)
 
     def write_pack(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """Write one new pack of ``inputs``; its path."""
-        path = write_pack(self.lay, inputs, self.pack_writer().write_file, stats)
-        self.summary.add(path)
-        return path
+        """Write one new pack of ``inputs``, stored before anything lists it; where it is."""
+        assert self.packs is not None
+        return self.packs.write(inputs, stats)
 
     def finish(self, report: PublishReport) -> None:
-        """After the last write: ``packs/summary`` for later publishers, ``packs/list`` for HTTP readers."""
-        if self.dry_run:
-            return
-        if not self.summary.current and os.path.isdir(self.summary.packs_dir):
-            self.summary.save(self.pack_writer().write_file)  # publishers after this one read one file
-        if report.packs:
-            save_listing(self.lay.root, self.pack_writer().write_file)  # what HTTP readers list
+        if self.packs is not None and not self.dry_run:
+            self.packs.finish(bool(report.packs))
 
     def sync(self) -> None:
-        """Make what was written so far durable: one ``syncfs`` per phase, not an fsync per file.
+        """Make what was written so far durable: on a directory, one ``syncfs`` per phase, not an fsync per file.
 
         Manifests are renamed into place only after the blobs they name were
         synced, so a crash of the publishing host never leaves a manifest whose
         blob is empty or absent; a blob left damaged is re-hashed and replaced by
-        the next run before a new manifest names it.
+        the next run before a new manifest names it. A server makes each upload
+        durable before it answers.
         """
-        if self.fsync and not self.dry_run:
-            self.writer.sync()
+        if self.dir is not None and not self.dry_run:
+            self.dir.sync()
 
-    def make_tmp(self) -> None:
-        """The store's ``tmp/``: owner-only, or the group's with ``group_shared`` (files in it stay private)."""
-        self.writer.make_dir(self.lay.root)
-        try:
-            os.mkdir(self.lay.tmp, self.modes.tmp_dir)
-        except FileExistsError:
-            return
-        os.chmod(self.lay.tmp, self.modes.tmp_dir)
+    def close(self) -> None:
+        if self.packs is not None:
+            self.packs.close()
+        self.engine.close()
 
 
-#: How often one publisher reads ``packs/list`` and writes it again to get its pack listed.
-_LISTING_TRIES = 5
+#: What a put that was dropped, not failed, says (a full disk, a shard that is not a directory).
+_DROPPED = ("dropped", "not a directory")
 _GROUP_SHARED_URL = (
     "--group-shared (group_shared) applies to a store directory: over HTTP the server sets the modes of what it writes "
     "(nginx: dav_access)"
+)
+_NO_PACKS = (
+    "--pack (pack) applies to a directory or an HTTP store: {where} takes loose entries only (each its own key; "
+    "Redis may evict any key, and an evicted pack would take many entries with it)"
 )
 
 
@@ -407,232 +391,6 @@ def _store_url(dest: str) -> str:
         return normalize_store_url(dest)
     except ValueError as exc:
         raise LayoutError(str(exc)) from None
-
-
-class _UrlDest:
-    """A store reached over HTTP: read with GET and HEAD, written with WebDAV PUT (see :mod:`.._remote.dav`).
-
-    It answers what :class:`_Dest` answers, from requests: there is no listing of
-    a directory, so each manifest a source holds is asked for (GET), and each blob
-    a new manifest needs (HEAD). The store's copies are checked by their size, not
-    hashed: that would download every blob the sources hold. ``verify`` where the
-    store's files are hashes them. There are no mtimes to freshen: a blob this
-    run did not upload is asked for again (HEAD) after the manifest naming it is
-    stored, and stored again if a collector took it meanwhile.
-    """
-
-    verify_existing = False
-
-    def __init__(self, url: str, *, dry_run: bool) -> None:
-        self.url = url
-        self.dry_run = dry_run
-        self.signer: Signer | None = None
-        #: The store's layout version (from its ``layout.json``, read by :meth:`prepare`).
-        self.manifest_layout: int | Callable[[], int] = LAYOUT_VERSION
-        self.good: dict[str, bool] = {}
-        self.damaged: set[str] = set()
-        #: The store's packed entries (key id -> entry): from the indexes of the packs ``packs/list`` names.
-        self.packed: dict[str, PackedEntry] = {}
-        #: Blobs this run stored: a collector keeps them (their mtime is new), so no re-check is needed.
-        self._uploaded: set[str] = set()
-
-    @property
-    def where(self) -> str:
-        return shown(self.url)
-
-    def _at(self, relative: str) -> str:
-        return join(self.url, relative)
-
-    def _put(self, relative: str, data: bytes, *, accept: Callable[[bytes], bool] | None = None) -> None:
-        """Upload a small file, then read every byte of it back (``accept``: what else it may hold)."""
-        url = self._at(relative)
-        check_bytes(url, data, put(url, data, root=self.url), accept=accept)
-
-    def prepare(self, report: PublishReport) -> None:
-        """Lay the store out if it has no ``layout.json``, mark it shared, and read what its packs hold."""
-        got = fetch(self._at(LAYOUT_FILE), limit=4096)
-        if got is None:
-            report.created = True
-            current = None
-        else:
-            current = parse_layout(got[0])
-            if current is None:
-                raise LayoutError(
-                    f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
-                    "(cuda-program-cas verify --repair DIR)"
-                )
-            self.manifest_layout = check_layout_data(self.where, current)  # LayoutError: newer, or other hashes
-        if not self.dry_run:
-            # As a directory store is laid out: the tag, then layout.json (marked shared), before any entry.
-            if size_of(self._at("CACHEDIR.TAG")) is None:
-                self._put("CACHEDIR.TAG", CACHEDIR_TAG)
-            raw = layout_bytes(current, shared=True)
-            if raw is not None:
-                self._put(LAYOUT_FILE, raw)
-        if report.created:
-            return
-        names, _etag = self._listing()
-        for name in reversed(names):  # oldest first: a newer pack's entry of a key replaces an older one's
-            index = self._pack_index(name)
-            if index is None:
-                continue
-            for key in index.key_ids():
-                entry = index.find_key(key)  # None for a damaged entry: absent
-                if entry is not None:
-                    self.packed[entry.key_id] = PackedEntry(name, entry)
-
-    def _listing(self, sent: tuple[bytes, int] | None = None) -> tuple[list[str], str | None]:
-        """The pack names ``packs/list`` holds (none when it is absent), and its ETag.
-
-        ``sent``: the bytes this run just uploaded there and the status the PUT got.
-        What is read instead must be a valid listing (another publisher's, written
-        since): nothing, or a part, is a server that did not store it.
-        """
-        url = self._at(f"packs/{LISTING}")
-        got = fetch(url, limit=MAX_LISTING_BYTES)
-        if sent is not None and (got is None or (got[0] != sent[0] and parse_listing(got[0]) is None)):
-            body, status = sent
-            held = None if got is None else len(got[0])
-            raise not_stored(url, status, len(body), held, other=held == len(body))
-        if got is None:
-            return [], None
-        names = parse_listing(got[0])
-        if names is None:
-            raise CacheError(
-                f"the store at {self.where} has a damaged packs/{LISTING}: write it again where the store's files "
-                "are (cuda-program-cas repack STORE does)"
-            )
-        return names, got[1]
-
-    def _pack_index(self, name: str) -> PackIndex | None:
-        """The index of the pack ``name``: its trailer, then its index, each one Range GET; None when it is gone."""
-        url = self._at(f"packs/{name}")
-        tail = fetch_tail(url, TRAILER_SIZE)
-        if tail is None:
-            return None  # retired since the listing was written: its entries are in a newer pack
-        trailer, size = tail
-        try:
-            # The trailer's count and the size the server gave decide nothing: an index
-            # longer than any entry may be is refused before it is fetched.
-            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size())
-            raw = fetch_range(url, offset, length)
-            return None if raw is None else PackIndex(name, size, trailer, raw)
-        except PackError as exc:
-            # A pack nodes cannot read either: its entries count as absent, and are published again.
-            _log.debug("cuda-program-cas: pack %s of %s is not usable: %s", name, self.where, exc)
-            return None
-
-    # -- what the plan and the phases ask (as of :class:`_Dest`) --
-
-    def manifest_bytes(self, kid: str) -> bytes | None:
-        try:
-            got = fetch(self._at(url_path(INDEX, kid)), limit=MAX_MANIFEST_BYTES)
-        except HttpFailure as exc:
-            if exc.kind == "too large":
-                return b""  # not a manifest: replaced
-            raise
-        return None if got is None else got[0]
-
-    def blob_ok(self, digest: str, size: int) -> bool:
-        known = self.good.get(digest)
-        if known is None:
-            known = self.good[digest] = size_of(self._at(url_path(BLOBS, digest))) == size
-        return known
-
-    blob_present = blob_ok
-
-    def packed_ok(self, packed: PackedEntry) -> bool:
-        return True  # its index entry passed its check; the blob is not downloaded to be hashed
-
-    def blob_where(self, digest: str) -> str:
-        return self._at(url_path(BLOBS, digest))
-
-    def put_blob(self, digest: str, blob: bytes) -> bool:
-        url = self._at(url_path(BLOBS, digest))
-        check_size(url, blob, put(url, blob, root=self.url))  # before a manifest names it
-        self._uploaded.add(digest)
-        return True
-
-    def keep_blob(self, digest: str, size: int) -> None:
-        return  # no mtime to set over HTTP: blob_still_there() checks again after the manifest
-
-    def put_manifest(self, manifest: Manifest) -> None:
-        kid = manifest.key_id
-        assert kid is not None
-        # Another publisher's valid manifest of the key, renamed in at the same moment, is no lie.
-        data = manifest.encode() + _signature(self, manifest)
-        self._put(url_path(INDEX, kid), data, accept=lambda held: parse_manifest(held, kid) is not None)
-
-    def blob_still_there(self, digest: str, size: int) -> bool:
-        if digest in self._uploaded:
-            return True
-        self.good.pop(digest, None)
-        return self.blob_ok(digest, size)
-
-    def restore_blob(self, digest: str, blob: bytes) -> None:
-        self.put_blob(digest, blob)
-
-    def write_pack(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """Upload one new pack of ``inputs``, then add it to ``packs/list``; its URL (None: nothing to pack).
-
-        The pack is built in a temp file (its blobs read and verified one by
-        one), so memory holds one blob at a time whatever the pack's size.
-        """
-        name = pack_name()
-        with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:
-            for chunk in pack_chunks(inputs, stats):
-                f.write(chunk)
-            if not stats.get("entries"):
-                return None
-            f.flush()
-            url = self._at(f"packs/{name}")
-            check_tail(url, f, put(url, f, root=self.url))  # before the listing names it
-        self._list_pack(name)
-        return self._at(f"packs/{name}")
-
-    def _list_pack(self, name: str) -> None:
-        """Add ``name`` to ``packs/list``, after the pack itself is stored.
-
-        Read, add, write, read again: another publisher's write of the listing
-        at the same moment may have dropped this name, so it is added again
-        until a read shows it (a few tries). The write is conditional on the
-        ETag read (``If-Match``; ``If-None-Match: *`` where there was none): a
-        server that honours it (S3 does) refuses a write over a listing that
-        changed meanwhile; nginx ignores it, and the read after catches most such races.
-        """
-        sent: tuple[bytes, int] | None = None
-        for _ in range(_LISTING_TRIES):
-            names, etag = self._listing(sent)
-            if name in names:
-                return
-            cond = {"If-None-Match": "*"} if etag is None else {} if etag.startswith("W/") else {"If-Match": etag}
-            body = encode_listing([*names, name])
-            status = put(self._at(f"packs/{LISTING}"), body, root=self.url, headers=cond)
-            sent = None if status == 412 else (body, status)  # 412: refused, another publisher's is newer
-        names, _ = self._listing(sent)
-        if name not in names:
-            raise CacheError(
-                f"{self.where}/packs/{LISTING}: other publishers kept replacing it; the pack {name} is stored but "
-                "not listed: publish again, or run repack where the store's files are"
-            )
-
-    def finish(self, report: PublishReport) -> None:
-        return  # the listing was written with the pack; no packs/summary over HTTP (it is a directory's cache)
-
-    def sync(self) -> None:
-        return  # the server makes each upload durable before it answers
-
-    def close(self) -> None:
-        return
-
-
-_Target = _Dest | _UrlDest
-
-
-def _signature(target: _Target, manifest: Manifest) -> bytes:
-    """The signature line of ``manifest`` by the run's key (``$CUDA_PROGRAM_CAS_SIGNING_KEY``), or nothing."""
-    signer = target.signer
-    return b"" if signer is None else signer.sign(manifest.encode())
 
 
 def publish(
@@ -682,25 +440,30 @@ def publish(
     if not srcs:
         raise ValueError("publish needs at least one source cache")
     signer = env_signer()  # ValueError naming the key file: nothing is published unsigned by mistake
-    target: _Target
-    if is_store_url(dest):
-        url = _store_url(os.fspath(dest))
+    url = is_store_url(dest)
+    if url:
         if group_shared:
             raise ValueError(_GROUP_SHARED_URL)
-        report = PublishReport(sources=srcs, dest=shown(url), dry_run=dry_run)
-        target = _UrlDest(url, dry_run=dry_run)
-        target.prepare(report)
+        engine = open_engine(_store_url(os.fspath(dest)))
     else:
-        root = os.path.abspath(os.fspath(dest))
-        report = PublishReport(sources=srcs, dest=root, dry_run=dry_run)
-        target = _open_dir(root, report, group_shared=group_shared, fsync=fsync, verify_existing=verify_existing)
+        root = os.path.abspath(parse_store_entry(os.fspath(dest)).address)  # a path, or file://
+        engine = open_engine(root, modes=DirModes.for_process(group_shared, fsync=fsync))
+    report = PublishReport(sources=srcs, dest=engine.shown, dry_run=dry_run)
+    target = _Store(engine, dry_run=dry_run, verify_existing=verify_existing)
     target.signer = signer
     try:
+        if pack and target.packs is None:
+            raise ValueError(_NO_PACKS.format(where=target.where))
+        if target.dir is not None:
+            _open_dir(target.dir, report)
+        target.prepare(report)
+        if target.dir is not None and not dry_run and (report.created or group_shared):
+            _fix_top_modes(target.dir)
         pending: list[_Item] = []
         for n, src in enumerate(srcs):
             if progress:
                 progress(f"publishing {src}", n, len(srcs))
-            if isinstance(target, _Dest) and os.path.realpath(src) == os.path.realpath(target.where):
+            if not url and os.path.realpath(src) == os.path.realpath(target.where):
                 report.errors.append(f"{src}: is the destination itself")
                 continue
             try:
@@ -726,41 +489,42 @@ def publish(
     return report
 
 
-def _open_dir(root: str, report: PublishReport, *, group_shared: bool, fsync: bool, verify_existing: bool) -> _Dest:
-    """The store directory at ``root``, laid out (``created``) or made ready for this run."""
-    modes = _Modes.for_process(group_shared)
-    state = check_layout(root)  # LayoutError for a file, a foreign or a newer layout
-    target = _Dest(root, modes, dry_run=report.dry_run, fsync=fsync, verify_existing=verify_existing)
+def _open_dir(engine: DirEngine, report: PublishReport) -> None:
+    """What only a store directory needs before its layout: refused if foreign, laid out, its ``tmp/`` swept.
+
+    A directory that holds no store yet (or a damaged ``layout.json`` among our
+    own names) is laid out with the run's modes (``created``); ``layout.json``
+    comes last, so nodes wait for it. The shared mark is :meth:`_Store.prepare`'s.
+    """
+    state = check_layout(engine.root)  # LayoutError for a file, a foreign or a newer layout
     if state is not LayoutState.OK:
         report.created = True
-        if not report.dry_run:
-            _lay_out(target)
-    elif not report.dry_run:
-        target.make_tmp()
-        mark_shared_store(root, target.lay.tmp, mode=modes.file)
-        if group_shared:
-            _fix_top_modes(target)
-        Remover(target.lay).sweep_temp()
-    return target
-
-
-def _lay_out(target: _Dest) -> None:
-    """Create the store with the run's modes; ``layout.json`` comes last, so nodes wait for it."""
-    lay = target.lay
+    if report.dry_run:
+        return
+    lay = Layout(engine.root)
+    writer = engine.writer()
     for path in (lay.root, lay.blobs, lay.index):
-        target.writer.make_dir(path)
-    target.make_tmp()
-    create_layout(lay.root)
-    mark_shared_store(lay.root, lay.tmp, mode=target.modes.file)
-    _fix_top_modes(target)
+        writer.make_dir(path)
+    modes = engine.modes
+    assert modes is not None
+    try:
+        os.mkdir(lay.tmp, modes.tmp_dir)  # owner-only, or the group's with group_shared (files in it stay private)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(lay.tmp, modes.tmp_dir)
+    if state is LayoutState.OK:
+        Remover(lay).sweep_temp()
+    else:
+        create_layout(lay.root)
 
 
-def _fix_top_modes(target: _Dest) -> None:
+def _fix_top_modes(engine: DirEngine) -> None:
     """Give the store's top-level files and directories the run's modes, where this user owns them."""
-    lay = target.lay
-    wanted = [(lay.root, target.modes.dir), (lay.blobs, target.modes.dir), (lay.index, target.modes.dir)]
-    wanted += [(lay.tmp, target.modes.tmp_dir)]
-    wanted += [(os.path.join(lay.root, n), target.modes.file) for n in ("layout.json", "CACHEDIR.TAG")]
+    lay, modes = Layout(engine.root), engine.modes
+    assert modes is not None
+    wanted = [(lay.root, modes.dir), (lay.blobs, modes.dir), (lay.index, modes.dir), (lay.tmp, modes.tmp_dir)]
+    wanted += [(os.path.join(lay.root, n), modes.file) for n in (LAYOUT_FILE, CACHEDIR)]
     for path, mode in wanted:
         try:
             st = os.lstat(path)
@@ -780,7 +544,7 @@ class _Item:
     source: str
 
 
-def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
+def _plan(src: str, target: _Store, report: PublishReport) -> list[_Item]:
     """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
     layout_now = LayoutVersion(src).now  # a layout-1 line of a layout-2 source may be any key's: refused
@@ -812,7 +576,7 @@ def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
     return todo
 
 
-def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
+def _publish_one(src: str, target: _Store, report: PublishReport) -> None:
     lay = Layout(src)
     # 1. Plan: what each source manifest needs in the store.
     todo = _plan(src, target, report)
@@ -830,7 +594,7 @@ def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
         if blob is None:
             continue
         if not target.dry_run and not target.put_blob(digest, blob):
-            report.errors.append(f"{target.blob_where(digest)}: the write was dropped")
+            report.errors.append(f"{where(target.engine, url_path(BLOBS, digest))}: the write was dropped")
             continue
         target.good[digest] = True
         report.blobs_published += 1
@@ -863,7 +627,7 @@ def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
         target.sync()
 
 
-def _publish_pack(todo: list[_Item], target: _Target, report: PublishReport) -> None:
+def _publish_pack(todo: list[_Item], target: _Store, report: PublishReport) -> None:
     """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
     written: set[str] = set()
 
@@ -906,7 +670,7 @@ def _publish_pack(todo: list[_Item], target: _Target, report: PublishReport) -> 
     report.bytes_published += stats.get("bytes", 0)
 
 
-def _action(target: _Target, kid: str, manifest: Manifest) -> str:
+def _action(target: _Store, kid: str, manifest: Manifest) -> str:
     """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
 
     An entry of one of the store's packs counts as the store's: equal, ``same``;

@@ -34,19 +34,12 @@ def repack(
     cache = open_cache(root, write=True, purpose="repack")
     lay = cache.lay
     check_writable(lay, "repack")
-    import filelock
-
-    lock = filelock.FileLock(lay.lock, timeout=0)
-    try:
-        lock.acquire(blocking=False)
-    except filelock.Timeout:
-        raise CollectorBusyError(
-            f"store {lay.root!r} is busy: another repack or a gc holds {lay.lock}; nothing was changed"
-        ) from None
-    try:
+    with lay.collector_lock() as held:
+        if not held:
+            raise CollectorBusyError(
+                f"store {lay.root!r} is busy: another repack or a gc holds {lay.lock}; nothing was changed"
+            )
         return repack_locked(lay, keep=keep, fsync=fsync)
-    finally:
-        lock.release()
 
 
 def check_shared_store(root: str | os.PathLike[str]) -> None:

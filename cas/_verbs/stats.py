@@ -26,6 +26,7 @@ from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 from cuda_program_cas._disk.settings import MAX_SIZE, effective_settings
 from cuda_program_cas._store.lifetime import read_counters
 from cuda_program_cas._store.lifetime import zero_counters as _zero_counters
+from cuda_program_cas._store.usage import read_usage
 from cuda_program_cas.index import is_record
 
 from .common import Report, cache_root, open_cache
@@ -96,6 +97,11 @@ class StatsReport(Report):
     counters: dict[str, int] | None = None
     hit_rate: float | None = None
     counters_zeroed_at: str | None = None
+    #: Compile time the hits of every process saved since the counters were zeroed (``saved_us``), in seconds.
+    time_saved_s: float | None = None
+    #: The entries whose hits saved the most time (at most 5): ``key`` (the first 16 hex digits of its
+    #: key id), ``hits``, ``saved_s`` and ``compile_s``, from the usage ledger (never zeroed).
+    busiest: list[dict[str, object]] = field(default_factory=list)
     #: What could not be read, one line each.
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
@@ -231,7 +237,23 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     report.quarantined_files = quarantined
     report.packs, report.packed_entries = packs["packs"], len(packed)
     report.pack_bytes, report.retired_packs = packs["pack_bytes"], packs["retired_packs"]
+    try:
+        usage = read_usage(lay)
+    except OSError as exc:
+        report.problem(f"{lay.usage}: cannot be read ({exc.strerror or exc}): the time saved per entry is unknown")
+    else:
+        top = sorted(usage.saved.items(), key=lambda item: item[1][1], reverse=True)[:5]
+        report.busiest = [
+            {
+                "key": f"{n:016x}",
+                "hits": hits,
+                "saved_s": round(us / 1e6, 3),
+                "compile_s": round(usage.compile_us.get(n, 0) / 1e6, 3),
+            }
+            for n, (hits, us) in top
+        ]
     if life is not None:
+        report.time_saved_s = round(life.counters["saved_us"] / 1e6, 3)
         report.counters = life.counters
         report.hit_rate = None if life.hit_rate is None else round(life.hit_rate, 4)
         report.counters_zeroed_at = _iso(life.zeroed_ns)

@@ -1,0 +1,60 @@
+"""``cuda-program-cas explain [PATH]``: why the recent misses of a cache missed.
+
+It prints :func:`cuda_program_cas.explain`'s report: for each of the last misses
+(``--last``, default 10), the one input that differed from the nearest earlier
+compile (an option, a header, the compiler's version, the working directory, the
+code), or that several did, or that nothing like it was compiled before. Reads
+only. A path where no cache has been created yet is reported as empty, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cuda_program_cas._verbs.explain import explain
+
+from .main import add_json_arg, add_path_arg, not_created_line, plural, print_json
+
+__all__ = ["register"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "explain",
+        help="why recent compiles missed: the input that differed from the nearest earlier compile",
+        description="For each recent miss of the cache, the one input that differed from the nearest earlier "
+        "compile: an option, a header (its path and how it changed), the compiler's version, the working "
+        "directory, the code. Reads only.",
+    )
+    add_path_arg(p)
+    p.add_argument("--last", type=_positive, default=10, metavar="N", help="explain the last N misses (default 10)")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = explain(args.path, last=args.last)
+    if args.json:
+        print_json(report.as_dict())
+        return 0
+    if not report.exists:
+        print(not_created_line(report.path, "no misses recorded"))
+        return 0
+    for miss in report.misses:
+        print(
+            f"{miss.time.replace('T', ' ').replace('+00:00', ' UTC')}  {miss.key_id[:16]}  {miss.via:5}  "
+            f"compiled in {miss.compile_seconds:.3f} s: {miss.summary}"
+        )
+    print(f"explained {plural(len(report.misses), 'miss', 'misses')} of {report.recorded:,} recorded in {report.path}")
+    return 0

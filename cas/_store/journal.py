@@ -1,0 +1,139 @@
+"""The miss journal: what each recent compile that missed was made of, for ``explain``.
+
+Each miss that stores a new entry appends one line to ``<root>/misses``::
+
+    m1 <JSON object> <crc>
+
+``<crc>`` is the CRC-32 of the line up to its last space, in 8 lowercase hex
+digits; a line that is torn or fails its check is skipped. The object holds the
+entry's key id (``k``), when (``t``, seconds since the epoch), how long its compile
+took (``s``, seconds), which way it came (``via``: ``plain`` for
+``Program.compile(cache=)``, ``front`` for ``cache.compile``) and its inputs
+(``in``), each in a compact form:
+
+- ``code``: the first 32 hex digits of the code's blake3; ``code_type``, ``target``;
+- ``options``: the options as the compiler gets them (NVRTC's flags), in order;
+- ``names``: the name expressions; ``nvrtc``: the compiler's version;
+- ``extra``: a digest of ``Program.compile``'s ``extra_digest`` (plain keys);
+- ``cwd``: the working directory, when it is part of the key (front door);
+- ``headers``: each header read, path -> the first 12 hex digits of its digest (front door).
+
+A line is one ``write`` with ``O_APPEND`` (:func:`cuda_program_cas._disk.atomic.append_line`),
+without a lock: concurrent writers on a local file system do not interleave within a
+line. A line over :data:`MAX_LINE` bytes keeps a digest of the headers instead of
+their list. Once the file passes :data:`MAX_BYTES` it is renamed to ``misses.1``
+(replacing the one before), so the journal holds between one and two times that.
+A write that fails is dropped and counted (:data:`DROPPED`), never raised: the
+journal never costs a compile. Hits write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cuda_program_cas._disk.atomic import append_line
+from cuda_program_cas._disk.layout import Layout
+
+from .lifetime import read_log
+
+__all__ = ["DROPPED", "MAX_BYTES", "MAX_LINE", "MissRecord", "read_journal", "record_miss"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: The journal file is rotated once past this size.
+MAX_BYTES = 1 << 20
+#: The longest line kept whole; a longer one lists no headers.
+MAX_LINE = 64 * 1024
+_TAG = b"m1 "
+
+
+class _Dropped:
+    """Journal lines this process could not write."""
+
+    count = 0
+
+
+DROPPED = _Dropped()
+
+
+@dataclass(frozen=True, slots=True)
+class MissRecord:
+    """One line of the journal."""
+
+    key_id: str
+    #: Seconds since the epoch.
+    time: float
+    #: How long the compile took, in seconds.
+    compile_seconds: float
+    #: ``plain`` (``Program.compile(cache=)``) or ``front`` (``cache.compile``).
+    via: str
+    #: The inputs, as the module docstring lists them.
+    inputs: dict[str, Any]
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    text = _TAG + json.dumps(body, separators=(",", ":"), ensure_ascii=True, sort_keys=True).encode()
+    return b"%s %08x\n" % (text, zlib.crc32(text))
+
+
+def record_miss(lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any]) -> bool:
+    """Append a miss of key id ``kid``; False when it was dropped (counted in :data:`DROPPED`)."""
+    try:
+        body: dict[str, Any] = {
+            "k": kid,
+            "t": round(time.time(), 3),
+            "s": round(seconds, 6),
+            "via": via,
+            "in": dict(inputs),
+        }
+        line = _encode(body)
+        if len(line) > MAX_LINE and isinstance(body["in"].get("headers"), dict):
+            headers = body["in"]["headers"]
+            listed = json.dumps(sorted(headers.items())).encode()
+            body["in"]["headers"] = {"*": f"{len(headers)} headers, digest {zlib.crc32(listed):08x}"}
+            line = _encode(body)
+        if len(line) > MAX_LINE:
+            raise ValueError(f"a journal line of {len(line)} bytes")
+        if append_line(lay.misses, line) > MAX_BYTES:
+            os.replace(lay.misses, lay.misses_old)  # two rotating at once lose one file's lines: a bound, not a bug
+    except Exception as exc:  # never a compile's failure
+        DROPPED.count += 1
+        _log.debug("cuda-program-cas: %s: miss journal not written: %r", lay.root, exc)
+        return False
+    return True
+
+
+def _parse(data: bytes) -> list[MissRecord]:
+    found = []
+    for raw in data.split(b"\n"):
+        if not raw.startswith(_TAG) or len(raw) < len(_TAG) + 10 or raw[-9:-8] != b" ":
+            continue
+        text = raw[:-9]
+        try:
+            if zlib.crc32(text) != int(raw[-8:], 16):
+                continue
+            body = json.loads(text[len(_TAG) :])
+            found.append(
+                MissRecord(str(body["k"]), float(body["t"]), float(body["s"]), str(body["via"]), dict(body["in"]))
+            )
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def read_journal(lay: Layout) -> list[MissRecord]:
+    """Every readable record of the journal of ``lay``, oldest first (empty when there is none)."""
+    records: list[MissRecord] = []
+    for path in (lay.misses_old, lay.misses):
+        try:
+            records.extend(_parse(read_log(path)))
+        except OSError:
+            continue
+    return records

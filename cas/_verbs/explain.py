@@ -1,0 +1,237 @@
+"""Why a compile missed: for each recent miss, the one input that differed from the nearest earlier compile.
+
+:func:`explain` reads the miss journal (:mod:`cuda_program_cas._store.journal`),
+reads only, and takes no lock. For each of the last ``last`` misses it looks
+through every earlier record for the nearest: the one whose inputs differ in the
+fewest places. An input is the code, its code type, the target, the compiler's
+version, the name expressions, the working directory, each option (by its name:
+``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...) and each
+header (by its file name: a header found in another directory is one change,
+moved). Then:
+
+- one place differed: that input, and how (``option -arch: sm_80 -> sm_90``,
+  ``header /inc/a.h: content changed``, ``nvrtc: 13.4 -> 13.5``, ``code changed``);
+- none: the same inputs compiled before, so their entry was removed since
+  (evicted, cleared, collected) or is another's;
+- two: both are named, ``several inputs differed``;
+- more, or nothing earlier: ``new``, no earlier compile of anything like it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
+from cuda_program_cas._store.journal import MissRecord, read_journal
+
+from .common import Report, cache_root, open_cache
+
+__all__ = ["ExplainReport", "MissExplanation", "explain"]
+
+#: Inputs compared as one value each, and how a change of each is named.
+_SCALARS = {
+    "code": "code",
+    "code_type": "code type",
+    "target": "target",
+    "nvrtc": "nvrtc",
+    "names": "name expressions",
+    "cwd": "working directory",
+    "extra": "extra digest",
+}
+#: A miss whose nearest earlier compile differs in more places than this is new.
+_NEAR = 2
+
+
+@dataclass(frozen=True, slots=True)
+class MissExplanation:
+    """Why one miss missed."""
+
+    #: The id of the entry the miss stored (``key_id(key)``; a ``cache.compile`` entry's record id).
+    key_id: str
+    #: ISO 8601, UTC.
+    time: str
+    compile_seconds: float
+    #: ``plain`` (``Program.compile(cache=)``) or ``front`` (``cache.compile``).
+    via: str
+    #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``.
+    verdict: str
+    #: What kind of input changed: ``option``, ``header``, ``nvrtc``, ``code``, ``working directory``...
+    #: (one per difference; empty for ``same`` and ``new``).
+    inputs: tuple[str, ...]
+    #: The differences, one line each (``option -arch: sm_80 -> sm_90``).
+    changes: tuple[str, ...]
+    #: The key id of the nearest earlier compile, or None.
+    nearest: str | None
+    #: One line: what ``explain`` prints.
+    summary: str
+
+
+@dataclass(slots=True)
+class ExplainReport(Report):
+    """The explained misses of one cache, oldest first; :meth:`as_dict` is what ``explain --json`` prints."""
+
+    max_listed: ClassVar[int | None] = None
+
+    path: str
+    exists: bool = True
+    #: Misses the journal holds (the ones explained are the last of them).
+    recorded: int = 0
+    misses: list[MissExplanation] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        out = Report.as_dict(self)
+        out["misses"] = [dataclasses.asdict(m) for m in self.misses]
+        return out
+
+
+def _option_groups(options: list[str]) -> dict[str, list[str]]:
+    """Options by name: ``--define-macro=N=V`` is named by N, others by what precedes ``=``."""
+    groups: dict[str, list[str]] = {}
+    for token in options:
+        name, eq, value = token.partition("=")
+        if name in ("--define-macro", "-D") and eq:
+            macro, _, value = value.partition("=")
+            name = f"{name}={macro}"
+        groups.setdefault(name, []).append(value if eq else "")
+    return groups
+
+
+def _show(values: list[str]) -> str:
+    return ", ".join(v or "(set)" for v in values) or "(none)"
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(input kind, what changed)`` for each place two journal inputs differ."""
+    found: list[tuple[str, str]] = []
+    for key, label in _SCALARS.items():
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if key == "code":
+            found.append(("code", "code changed"))
+        elif key == "cwd":
+            found.append(("working directory", f"working directory: {a or '(not keyed)'} -> {b or '(not keyed)'}"))
+        else:
+            found.append((label, f"{label}: {a} -> {b}"))
+    a_opts, b_opts = _option_groups(list(old.get("options", []))), _option_groups(list(new.get("options", [])))
+    for name in sorted(a_opts.keys() | b_opts.keys()):
+        a, b = a_opts.get(name), b_opts.get(name)
+        if a == b:
+            continue
+        kind = "search directory" if name == "--include-path" else "option"
+        if a is None:
+            found.append((kind, f"option {name} added: {_show(b or [])}"))
+        elif b is None:
+            found.append((kind, f"option {name} removed (was {_show(a)})"))
+        else:
+            found.append((kind, f"option {name}: {_show(a)} -> {_show(b)}"))
+    old_headers = old.get("headers")
+    a_cwd, b_cwd = old.get("cwd"), new.get("cwd")
+    if isinstance(old_headers, dict) and a_cwd and b_cwd and a_cwd != b_cwd:
+        # Headers found through the working directory moved with it: that is the one change.
+        prefix = a_cwd.rstrip(os.sep) + os.sep
+        moved = b_cwd.rstrip(os.sep) + os.sep
+        old_headers = {(moved + p[len(prefix) :] if p.startswith(prefix) else p): d for p, d in old_headers.items()}
+    found.extend(_header_differences(old_headers, new.get("headers")))
+    return found
+
+
+def _header_differences(old: object, new: object) -> list[tuple[str, str]]:
+    if old == new:
+        return []
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return [("header", "headers: recorded for one compile only")]
+    if "*" in old or "*" in new:
+        return [("header", "headers changed (too many to list)")]
+    found = []
+    gone = {p: d for p, d in old.items() if p not in new}
+    came = {p: d for p, d in new.items() if p not in old}
+    for path in sorted(p for p in old.keys() & new.keys() if old[p] != new[p]):
+        found.append(("header", f"header {path}: content changed"))
+    by_name: dict[str, list[str]] = {}
+    for path in gone:
+        by_name.setdefault(os.path.basename(path), []).append(path)
+    for path in sorted(came):
+        was = by_name.get(os.path.basename(path))
+        if was:
+            before = was.pop(0)
+            same = " (same content)" if gone.pop(before) == came[path] else " (other content)"
+            found.append(("header", f"header {os.path.basename(path)}: now found at {path}, was {before}{same}"))
+        else:
+            found.append(("header", f"header {path}: newly read"))
+    for path in sorted(gone):
+        found.append(("header", f"header {path}: no longer read (removed, or no longer included)"))
+    return found
+
+
+def _iso(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanation:
+    """Why ``record`` missed, given the records before it (oldest first)."""
+    best: tuple[list[tuple[str, str]], MissRecord] | None = None
+    for other in reversed(earlier):  # the latest wins a tie
+        if other.via != record.via:
+            continue
+        diffs = _differences(other.inputs, record.inputs)
+        if best is None or len(diffs) < len(best[0]):
+            best = (diffs, other)
+            if not diffs:
+                break
+    if best is None or len(best[0]) > _NEAR:
+        verdict, diffs, nearest = "new", [], None
+        summary = "new: no earlier compile of anything like it"
+        if best is not None:
+            summary += f" (the nearest differs in {len(best[0])} inputs)"
+    else:
+        diffs, nearest_record = best
+        nearest = nearest_record.key_id
+        if not diffs:
+            verdict = "same"
+            summary = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
+        elif len(diffs) == 1:
+            verdict = "changed"
+            summary = diffs[0][1]
+        else:
+            verdict = "several"
+            summary = "several inputs differed: " + "; ".join(d[1] for d in diffs)
+    return MissExplanation(
+        key_id=record.key_id,
+        time=_iso(record.time),
+        compile_seconds=record.compile_seconds,
+        via=record.via,
+        verdict=verdict,
+        inputs=tuple(d[0] for d in diffs),
+        changes=tuple(d[1] for d in diffs),
+        nearest=nearest,
+        summary=summary,
+    )
+
+
+def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> ExplainReport:
+    """Why the last ``last`` misses of the cache at ``path`` (None: the default directory) missed; reads only.
+
+    A path where no cache has been created yet is an empty report (``exists``
+    false). Raises :class:`cuda_program_cas.LayoutError` for a file or another
+    program's directory, ``ValueError`` for a ``last`` below 1.
+    """
+    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        raise ValueError(f"last must be a positive int, got {last!r}")
+    root = os.path.abspath(cache_root(path))
+    if check_layout(root) is LayoutState.MISSING:
+        return ExplainReport(root, exists=False)
+    lay: Layout = open_cache(root, write=False, allow_damaged=True).lay
+    report = ExplainReport(lay.root)
+    records = read_journal(lay)
+    report.recorded = len(records)
+    start = max(0, len(records) - last)
+    report.misses = [explain_one(records[i], records[:i]) for i in range(start, len(records))]
+    return report
