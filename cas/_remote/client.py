@@ -33,7 +33,9 @@ Requests run in parallel, bounded: at most :data:`PARALLEL` at once in a process
 (threads that look up together, and :func:`request_many`'s batches), each on a
 connection the pool keeps for the next. A request waits for its turn within its
 own deadline, so a thread behind others that hang on a dead server gives up when
-its time is up, with them, never one timeout later.
+its time is up, never one timeout later; and one whose turn comes because a
+request to the same server failed as an outage meanwhile fails at once the same
+way, so a dead server costs a burst of threads one batch of requests, not two.
 
 Settings, each read once per process from the environment (a bad value: one WARNING):
 
@@ -58,6 +60,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
@@ -165,6 +168,8 @@ class _Pool:
         #: Turns to make a request (:data:`PARALLEL`), and the threads that run :func:`request_many`'s.
         self.slots = threading.BoundedSemaphore(PARALLEL)
         self.workers: Any = None
+        #: Server (host:port) -> when a request to it last failed as an outage, and how.
+        self.down: dict[str, tuple[float, str]] = {}
 
     def reset(self) -> None:
         # A forked child must not share its parent's sockets: it opens its own (and its own threads).
@@ -172,6 +177,7 @@ class _Pool:
         self.tokens = {}
         self.slots = threading.BoundedSemaphore(PARALLEL)
         self.workers = None
+        self.down = {}
 
 
 _POOL = _Pool()
@@ -365,10 +371,16 @@ def request(
     )  # fmt: skip
     w = watch(total)
     slots = _POOL.slots
+    server = parts.netloc
+    waited_from = time.monotonic()
     if not slots.acquire(timeout=w.left()):  # behind PARALLEL others until this one's deadline
         w.done()
         raise _late(url, total)
     try:
+        down = _POOL.down.get(server)
+        if down is not None and down[0] >= waited_from:
+            # Its turn came because others to this server failed meanwhile: one outage, not a second batch of it.
+            raise HttpFailure(url, down[1], f"another request to this server failed meanwhile ({down[1]})")
         try:
             resp = manager.request(
                 method,
@@ -395,6 +407,10 @@ def request(
             raise _late(url, total)
         resp.release_conn()
         return reply
+    except HttpFailure as exc:
+        if exc.outage:
+            _POOL.down[server] = (time.monotonic(), exc.kind)  # before the turn is given back (see above)
+        raise
     finally:
         w.done()
         slots.release()
