@@ -9,6 +9,7 @@ forwarder's (tools/_proxy.py's ``exchanges``); real delays come from it too.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -19,10 +20,13 @@ import pytest
 from _http.nginx import Nginx, nginx_or_skip
 from _proxy import Proxy
 from _redis import RedisServer, RedisServerError, find_redis_server
+from coldstart_model import HTTP_WARM_REQUESTS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
-from cuda_program_cas._remote import client
+from cuda_program_cas._remote import client, multipart
 from cuda_program_cas._store import warmset
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id
 
@@ -216,6 +220,8 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
     # One request for several ranges (entries that touch in the pack asked as one), less than the pack.
     assert log[2].range.count(",") >= 2 and log[2].body_bytes < (served.root / "packs" / pack).stat().st_size
     assert node.shared[0].requests == 3
+    packed = HTTP_WARM_REQUESTS["packed"]  # the cold-start model's constants are these counts
+    assert node.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
 
 
 @pytest.mark.parametrize("refusing", ["max_ranges 1", "boundary", "unasked", "single", "bytes"])
@@ -274,6 +280,8 @@ def test_a_loose_store_gives_a_set_by_parallel_gets(served: Nginx, tmp_path: Pat
     got, node = _cold(tmp_path / "b", served.read_url(""), keys)
     assert got == {k: value(int(k[1:])) for k in keys}
     assert node.shared[0].requests == 2 + 2 * len(keys)  # layout, set, a manifest and a blob each: no lookup after
+    loose = HTTP_WARM_REQUESTS["loose"]
+    assert node.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(keys)
     log = served.requests(wait_for=node.shared[0].requests)
     assert 1 < len({e.connection for e in log}) <= client.PARALLEL
 
@@ -339,3 +347,38 @@ def test_a_dead_server_costs_32_threads_one_batch_of_requests_and_no_hang(
             assert set(again.values()) == {None} and link.connections - before <= client.PARALLEL  # paused: no request
     finally:
         client.close_connections()
+
+
+# -- several ranges from a real nginx, read by the strict parser ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Nginx, bytes]]:
+    where = tmp_path_factory.mktemp("ranged")
+    data = os.urandom(200_000)
+    (where / "served").mkdir()
+    (where / "served" / "file").write_bytes(data)
+    with nginx_or_skip(where / "nginx", where / "served") as server:
+        yield server, data
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 199_000), st.integers(1, 5000)), min_size=1, max_size=30))
+def test_nginx_answers_to_several_ranges_parse_to_exactly_the_bytes_asked(
+    ranged: tuple[Nginx, bytes], spans: list[tuple[int, int]]
+) -> None:
+    server, data = ranged
+    spans = [(a, min(n, len(data) - a)) for a, n in spans]
+    asked = multipart.coalesce(spans)
+    reply = client.request("GET", server.read_url("file"), headers={"Range": multipart.header(asked)}, limit=1 << 22)
+    assert reply.status == 206
+    if len(asked) == 1:
+        assert reply.body == data[asked[0][0] : sum(asked[0])]
+        return
+    got = multipart.parse(reply.headers["content-type"], reply.body, asked)
+    assert got == {a: data[a : a + n] for a, n in asked}
+    # The same answer judged against other ranges than were asked: never bytes, only None.
+    shifted = [(a + 1, n) if i == 0 else (a, n) for i, (a, n) in enumerate(asked)]
+    assert multipart.parse(reply.headers["content-type"], reply.body, shifted) is None
+    assert multipart.parse(reply.headers["content-type"].replace("boundary=", "boundary=x"), reply.body, asked) is None
+    assert multipart.parse(reply.headers["content-type"], reply.body[:-10], asked) is None

@@ -109,7 +109,7 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int) -> dic
                         for warm in (False, True):
                             name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
                             log(f"round {r + 1}/{repeat}: {name} ...")
-                            local = os.path.join(base, f"node-{len(runs.get(name, []))}-{len(runs)}-{r}")
+                            local = os.path.join(base, f"node-{sum(map(len, runs.values()))}")  # a fresh node each
                             with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
                                 ngx.reset_log()
                                 redis.reset_stats()
