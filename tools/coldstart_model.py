@@ -25,7 +25,8 @@ is one function that turns per-node inputs into rows: NFS (operations, measured 
 the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
 its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
 ``--server-rps`` requests a second), and HTTP with the job's warm set (a few requests
-per node for a packed store, the loose store's sent 16 at a time). Exit 0, or 2 on bad usage or a ``--measured`` file without the inputs.
+per node for a packed store, the loose store's sent 16 at a time). Exit 0, or 2 on bad
+usage or a ``--measured`` file without the inputs.
 """
 
 from __future__ import annotations
