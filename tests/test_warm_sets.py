@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from _http.nginx import Nginx, nginx_or_skip
 from _proxy import Proxy
-from _redis import RedisServer, RedisServerError, find_redis_server
+from _redis import RedisServer
 from coldstart_model import HTTP_WARM_REQUESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_writeback_redis import _server as redis_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
@@ -46,14 +47,7 @@ def job(monkeypatch: pytest.MonkeyPatch) -> str:
 
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed: apt-get install redis-server")
-    server = RedisServer(tmp_path / "redis")
-    try:
-        server.start()
-    except RedisServerError as exc:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {exc}")
+    server = redis_or_skip(tmp_path / "redis")
     yield server
     server.stop()
 

@@ -33,7 +33,7 @@ from _common import log, run_worker, work_dir, worker_spec
 from _nginx import Nginx, find_nginx
 from _proxy import Proxy
 from _redis import RedisServer, find_redis_server
-from http_bench import kernel
+from http_bench import build_stores, kernel
 
 JOB = "cluster-bench"
 
@@ -70,23 +70,9 @@ def _through(url: str, server_port: int, link: Proxy) -> str:
 
 
 def run(kernels: int, rtts: list[float], parent: str | None, repeat: int) -> dict[str, Any]:
-    from cuda.core import Program, ProgramOptions
-
-    from cuda_program_cas import ContentAddressedProgramCache, publish
-
     base = work_dir(parent, "cluster-bench")
     try:
-        builder = os.path.join(base, "builder")
-        log(f"compiling {kernels} kernels with NVRTC ...")
-        opts = ProgramOptions(arch="sm_80")
-        t0 = time.perf_counter()
-        with ContentAddressedProgramCache(builder) as cache:
-            for i in range(kernels):
-                Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache)
-        compile_s = time.perf_counter() - t0
-        served = os.path.join(base, "served")
-        publish([builder], os.path.join(served, "loose"))
-        publish([builder], os.path.join(served, "packed"), pack=True)
+        compile_s, served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
         named = {"CUDA_PROGRAM_CAS_JOB": JOB}
         with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:

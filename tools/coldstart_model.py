@@ -125,24 +125,10 @@ def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     server's time, which the floor covers). Packs: ``--packs`` in the store, all fetched by a cold node.
     """
     total_bytes = args.nodes * args.kernels * args.kernel_kib * 1024
-    rows = {}
-    for kind, cost in HTTP_REQUESTS.items():
-        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+
+    def row(per_node: float, trips: float) -> dict[str, Any]:
         requests = args.nodes * per_node
-        rows[f"http {kind}"] = {
-            "transport": "http",
-            "requests_per_node": per_node,
-            "requests_total": requests,
-            "requests_per_s_over_window": requests / args.window,
-            "bytes_total": total_bytes,
-            "node_wait_s": per_node * args.rtt_ms / 1000,
-            "server_floor_s": max(requests / args.server_rps, total_bytes / (args.server_gbps * 1e9)),
-        }
-    for kind, cost in HTTP_WARM_REQUESTS.items():
-        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
-        trips = cost["rt_fixed"] + cost["per_pack"] * max(0, args.packs - 1) + cost["rt_per_hit"] * args.kernels
-        requests = args.nodes * per_node
-        rows[f"http {kind}, warm set"] = {
+        return {
             "transport": "http",
             "requests_per_node": per_node,
             "requests_total": requests,
@@ -151,6 +137,15 @@ def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "node_wait_s": trips * args.rtt_ms / 1000,
             "server_floor_s": max(requests / args.server_rps, total_bytes / (args.server_gbps * 1e9)),
         }
+
+    rows = {}
+    for kind, cost in HTTP_REQUESTS.items():
+        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+        rows[f"http {kind}"] = row(per_node, per_node)  # one at a time: a round trip each
+    for kind, cost in HTTP_WARM_REQUESTS.items():
+        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+        trips = cost["rt_fixed"] + cost["per_pack"] * max(0, args.packs - 1) + cost["rt_per_hit"] * args.kernels
+        rows[f"http {kind}, warm set"] = row(per_node, trips)
     return rows
 
 

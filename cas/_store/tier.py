@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
@@ -70,6 +70,7 @@ from .stats import Counters
 __all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "Wanted", "ceiling", "warn_once_for"]
 
 _log = logging.getLogger("cuda_program_cas")
+_T = TypeVar("_T")
 
 #: The first pause after a store failed; it doubles with each failure in a row.
 RETRY_S = 5.0
@@ -196,25 +197,31 @@ class Tier:
         if self._paused_until and time.monotonic() < self._paused_until:
             self._why.reason = f"store not usable: {self._why_not}"
             return None
+        return self._asked(lambda: self._find(kid), None)
+
+    def _find(self, kid: str) -> tuple[bytes, str] | None:
+        # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
+        found = None
+        if self.packs is not None and self._trust is None:
+            found = self.packs.lookup(kid)
+            self._failures = 0  # they were answered (after a pause they list again)
+        return found if found is not None else self._loose(kid)
+
+    def _asked(self, call: Callable[[], _T], failed: _T) -> _T:
+        """``call()`` on the opened store; an outage or a bad answer is handled (module docstring), then ``failed``."""
         try:
             if not self._version and not self._open():
-                return None
-            # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
-            found = None
-            if self.packs is not None and self._trust is None:
-                found = self.packs.lookup(kid)
-                self._failures = 0  # they were answered (after a pause they list again)
-            if found is None:
-                found = self._loose(kid)
+                return failed
+            result = call()
         except StoreFailure as exc:
             self._failed(exc)
-            return None
+            return failed
         except MemoryError:
             self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
-            return None
+            return failed
         self._failures = 0  # an answer: the next outage pauses for RETRY_S again
         self._looked = True
-        return found
+        return result
 
     def paused(self) -> bool:
         """Whether the store is paused now (after an outage, or unusable): its lookups and uploads are skipped."""
@@ -318,18 +325,7 @@ class Tier:
         """Object ``name`` (a warm set), or None: none there, the store paused or failing (handled as a lookup's)."""
         if self.paused():
             return None
-        try:
-            if not self._version and not self._open():
-                return None
-            data = self.engine.get(name, limit=limit)
-        except StoreFailure as exc:
-            self._failed(exc)
-            return None
-        except MemoryError:
-            self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
-            return None
-        self._failures = 0
-        return data
+        return self._asked(lambda: self.engine.get(name, limit=limit), None)
 
     def fetch_entries(self, entries: Sequence[Wanted]) -> list[tuple[str, bytes, str]]:
         """``(key id, bytes, digest)`` of each of ``entries`` that could be had in a few requests, verified.
@@ -346,38 +342,31 @@ class Tier:
         if self.paused() or not entries:
             return []
         out: list[tuple[str, bytes, str]] = []
-        try:
-            if not self._version and not self._open():
-                return []
-            ranged = getattr(self.packs, "fetch_ranges", None) if self._trust is None else None
-            loose = [e for e in entries if e.pack is None or ranged is None]
-            by_pack: dict[str, list[Wanted]] = {}
-            for e in entries:
-                if e.pack is not None and ranged is not None and e.offset is not None and self.fits(e.size, e.kid):
-                    by_pack.setdefault(e.pack, []).append(e)
-            for pack, wanted in by_pack.items():
-                got = ranged(pack, [(e.offset, e.size) for e in wanted]) if ranged is not None else None
-                for e in wanted:
-                    data = None if got is None or e.offset is None else got.get(e.offset)
-                    if data is not None and self._hashes(e, data):
-                        out.append((e.kid, data, e.digest))
-            loose = [e for e in loose if self.fits(e.size, e.kid)]
-            names = [url_path(INDEX, e.kid) for e in loose] + [url_path(BLOBS, e.digest) for e in loose]
-            limits = [MAX_MANIFEST_BYTES] * len(loose) + [e.size for e in loose]
-            found = self.engine.get_many(names, limit=limits) if loose else []
-            for e, manifest, blob in zip(loose, found[: len(loose)], found[len(loose) :], strict=True):
-                if manifest is None or blob is None or self._manifest(e.kid, manifest) != (e.digest, e.size):
-                    continue  # gone, or the key names another entry now: the ordinary lookup decides
-                if self._hashes(e, blob):
-                    out.append((e.kid, blob, e.digest))
-        except StoreFailure as exc:
-            self._failed(exc)
-            return out
-        except MemoryError:
-            self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
-            return out
-        self._failures = 0
+        self._asked(lambda: self._fetch_into(entries, out), None)
         return out
+
+    def _fetch_into(self, entries: Sequence[Wanted], out: list[tuple[str, bytes, str]]) -> None:
+        ranged = getattr(self.packs, "fetch_ranges", None) if self._trust is None else None
+        loose = [e for e in entries if e.pack is None or ranged is None]
+        by_pack: dict[str, list[Wanted]] = {}
+        for e in entries:
+            if e.pack is not None and ranged is not None and e.offset is not None and self.fits(e.size, e.kid):
+                by_pack.setdefault(e.pack, []).append(e)
+        for pack, wanted in by_pack.items():
+            got = ranged(pack, [(e.offset, e.size) for e in wanted]) if ranged is not None else None
+            for e in wanted:
+                data = None if got is None or e.offset is None else got.get(e.offset)
+                if data is not None and self._hashes(e, data):
+                    out.append((e.kid, data, e.digest))
+        loose = [e for e in loose if self.fits(e.size, e.kid)]
+        names = [url_path(INDEX, e.kid) for e in loose] + [url_path(BLOBS, e.digest) for e in loose]
+        limits = [MAX_MANIFEST_BYTES] * len(loose) + [e.size for e in loose]
+        found = self.engine.get_many(names, limit=limits) if loose else []
+        for e, manifest, blob in zip(loose, found[: len(loose)], found[len(loose) :], strict=True):
+            if manifest is None or blob is None or self._manifest(e.kid, manifest) != (e.digest, e.size):
+                continue  # gone, or the key names another entry now: the ordinary lookup decides
+            if self._hashes(e, blob):
+                out.append((e.kid, blob, e.digest))
 
     def _hashes(self, e: Wanted, data: bytes) -> bool:
         try:
