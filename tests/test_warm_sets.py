@@ -23,7 +23,6 @@ from _redis import RedisServer
 from coldstart_model import HTTP_WARM_REQUESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_writeback_redis import _server as redis_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
@@ -43,13 +42,6 @@ def value(i: int, size: int = 3000) -> bytes:
 def job(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", JOB)
     return JOB
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = redis_or_skip(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 def _port(url: str) -> int:
@@ -376,3 +368,17 @@ def test_nginx_answers_to_several_ranges_parse_to_exactly_the_bytes_asked(
     assert multipart.parse(reply.headers["content-type"], reply.body, shifted) is None
     assert multipart.parse(reply.headers["content-type"].replace("boundary=", "boundary=x"), reply.body, asked) is None
     assert multipart.parse(reply.headers["content-type"], reply.body[:-10], asked) is None
+
+
+def test_a_directory_store_named_writable_keeps_the_set_as_a_file_its_tools_accept(tmp_path: Path, job: str) -> None:
+    from cuda_program_cas import verify
+
+    CacheStore(tmp_path / "store").close()
+    keys = [f"k{i}" for i in range(8)]
+    writer = _write_set(tmp_path / "a", f"{tmp_path / 'store'}|write", keys)
+    assert writer._writeback is not None and writer._writeback.sets_sent == 1
+    listed = warmset.parse((tmp_path / "store" / warmset.set_name(job)).read_bytes())
+    assert listed is not None and [e.kid for e in listed] == [key_id(k) for k in keys]
+    got, node = _cold(tmp_path / "b", str(tmp_path / "store"), keys)
+    assert got == {k: value(int(k[1:])) for k in keys} and node.warm is not None and node.warm.fetched == len(keys)
+    assert verify(tmp_path / "store").problem_count == 0  # sets/ is no problem of the store's

@@ -52,8 +52,9 @@ from cuda_program_cas.index import Manifest, is_local_id
 
 from .stats import Counters
 from .tier import warn_once_for
-from .upload import upload_entry
+from .upload import put_checked, upload_entry
 from .warmset import QUIET_S
+from .warmset import parse as parse_set
 
 if TYPE_CHECKING:
     from .tier import Tier
@@ -245,7 +246,9 @@ class WriteBack:
             try:
                 made = make(tier)
                 if made is not None:
-                    tier.engine.put(*made)
+                    name, data = made
+                    # Read back as every upload is; another node's whole set stored meanwhile is as good.
+                    put_checked(tier.engine, name, data, whole=True, accept=lambda held: parse_set(held) is not None)
                     self.sets_sent += 1
             except StoreFailure as exc:
                 tier.failed(exc)
