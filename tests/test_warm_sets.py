@@ -382,3 +382,24 @@ def test_a_directory_store_named_writable_keeps_the_set_as_a_file_its_tools_acce
     got, node = _cold(tmp_path / "b", str(tmp_path / "store"), keys)
     assert got == {k: value(int(k[1:])) for k in keys} and node.warm is not None and node.warm.fetched == len(keys)
     assert verify(tmp_path / "store").problem_count == 0  # sets/ is no problem of the store's
+
+
+def test_a_store_that_never_answers_costs_a_cold_node_one_timeout_for_its_set_and_its_lookups(
+    served: Nginx, tmp_path: Path, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(client.ENV_HTTP_TIMEOUT, "0.5,0.5")
+    client.close_connections()
+    keys = [f"k{i}" for i in range(16)]
+    publish([_packed(tmp_path, 16, 3000)], served.root, pack=True)
+    _write_set(tmp_path / "writer", f"{served.dav_url('')}|write", keys)
+    try:
+        with Proxy(("127.0.0.1", served.port)) as link:
+            link.stall = True
+            node = CacheStore(tmp_path / "b", shared=[_through(served, link)])
+            got, threads = _burst(node, keys)  # they wait for the set, which never comes; then the store is paused
+            assert not any(t.is_alive() for t in threads)
+            assert node.warm is not None and node.warm.join(10) and node.warm.fetched == 0
+            assert set(got.values()) == {None} and node.shared[0].paused()
+            assert link.connections == 1  # the set's request alone: no lookup asked the dead server again
+    finally:
+        client.close_connections()
