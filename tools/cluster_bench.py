@@ -1,6 +1,6 @@
 """Cold nodes against shared stores with real round trips: loose, packed and Redis, with and without a warm set.
 
-    .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--json] [--dir DIR]
+    .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--nodes 64] [--json]
 
 It compiles ``--kernels`` SAXPY variants with NVRTC (real cubins), publishes them
 into a loose and a packed store that a real nginx serves, and uploads them to a
@@ -15,7 +15,9 @@ tool starts and stops; this kernel has no ``netem``.
 Per case: seconds per node (from opening the cache to the last kernel) and
 requests per node: HTTP requests as nginx logged them, and for Redis the
 round trips the forwarder saw (a pipeline is one) and the commands the server
-counted (INFO commandstats).
+counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job at
+once against each store at 2 ms, checks every node got every kernel's bytes, and
+reports the requests the server answered in all and the seconds per node.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _through(url: str, server_port: int, link: Proxy) -> str:
     return url.replace(f":{server_port}/", f":{link.port}/")
 
 
-def run(kernels: int, rtts: list[float], parent: str | None, repeat: int) -> dict[str, Any]:
+def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes: int = 0) -> dict[str, Any]:
     base = work_dir(parent, "cluster-bench")
     try:
         compile_s, served = build_stores(base, kernels)
@@ -118,6 +120,12 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int) -> dic
                             if out["counters"]["hits"] != kernels:
                                 raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
                             runs.setdefault(name, []).append(out)
+            if nodes:
+                results["crowd"] = _crowd(base, stores, (ngx, redis), nodes=nodes, rtt=2.0, kernels=kernels)
+                for case in results["crowd"].values():
+                    if case["digests"] != reference:
+                        raise RuntimeError("a node of the crowd got other bytes than the single nodes")
+                    del case["digests"]
             for name, outs in runs.items():
                 results["cases"][name] = {
                     "seconds_per_node": statistics.median(o["elapsed_s"] for o in outs),
@@ -133,6 +141,50 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int) -> dic
             shutil.rmtree(base, ignore_errors=True)
 
 
+def _crowd(
+    base: str,
+    stores: list[tuple[str, str, int]],
+    servers: tuple[Nginx, RedisServer],
+    *,
+    nodes: int,
+    rtt: float,
+    kernels: int,
+) -> dict[str, Any]:
+    """``nodes`` cold nodes of the job at once against each store (through one forwarder), their warm sets on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ngx, redis = servers
+    named = {"CUDA_PROGRAM_CAS_JOB": JOB}
+    crowd: dict[str, Any] = {}
+    for store, url, port in stores:
+        log(f"{nodes} cold nodes at once against the {store} store, {rtt:g} ms ...")
+        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+            ngx.reset_log()
+            redis.reset_stats()
+            specs = [
+                {"local": os.path.join(base, f"crowd-{store.replace(' ', '-')}-{i}"), "kernels": kernels,
+                 "shared": _through(url, port, link)}
+                for i in range(nodes)
+            ]  # fmt: skip
+            with ThreadPoolExecutor(max_workers=nodes) as pool:
+                outs = list(pool.map(lambda spec: run_worker(__file__, spec, 900, settings=named), specs))
+            digests = {tuple(o["digests"]) for o in outs}
+            if len(digests) != 1 or any(o["counters"]["hits"] != kernels for o in outs):
+                raise RuntimeError(f"{store}: the crowd's nodes did not all get every kernel, the same bytes")
+            requests = sum(o["requests"] for o in outs) if store != "Redis" else link.exchanges
+            crowd[store] = {
+                "nodes": nodes,
+                "rtt_ms": rtt,
+                "requests_total": len(ngx.requests(wait_for=requests)) if store != "Redis" else requests,
+                "seconds_median": statistics.median(o["elapsed_s"] for o in outs),
+                "seconds_max": max(o["elapsed_s"] for o in outs),
+                "warm_fetched_min": min(o["warm_fetched"] for o in outs),
+                "digests": list(next(iter(digests))),
+                **({"redis_commands": sum(redis.commandstats().values()) - 1} if store == "Redis" else {}),
+            }
+    return crowd
+
+
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s; "
@@ -145,6 +197,13 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
             f"{case['connections']:>6} {case['warm_fetched']:>8}{extra}"
+        )
+    for store, case in results.get("crowd", {}).items():
+        extra = f", {case['redis_commands']} commands" if "redis_commands" in case else ""
+        lines.append(
+            f"{case['nodes']} nodes at once, {store}, {case['rtt_ms']:g} ms, warm set: "
+            f"{case['requests_total']} requests in all{extra}; "
+            f"{case['seconds_median']:.2f} s per node (median), {case['seconds_max']:.2f} s the last"
         )
     lines.append("")
     lines.append("requests: HTTP requests nginx logged; for Redis, round trips through the forwarder")
@@ -161,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", type=int, default=200, help="kernels per node (default 200)")
     parser.add_argument("--rtt", default="0,2,20", help="round trips in ms, comma-separated (default 0,2,20)")
     parser.add_argument("--repeat", type=int, default=1, help="nodes per case; the median is shown (default 1)")
+    parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--dir", help="where the caches and the served stores go (kept); default a temp dir")
     args = parser.parse_args(args_in)
@@ -172,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"cluster_bench: --rtt takes numbers of ms, not {args.rtt!r}", file=sys.stderr)
         return 2
-    results = run(args.kernels, rtts, args.dir, args.repeat)
+    results = run(args.kernels, rtts, args.dir, args.repeat, max(0, args.nodes))
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
 
