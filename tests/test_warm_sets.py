@@ -403,3 +403,26 @@ def test_a_store_that_never_answers_costs_a_cold_node_one_timeout_for_its_set_an
             assert link.connections == 1  # the set's request alone: no lookup asked the dead server again
     finally:
         client.close_connections()
+
+
+def test_the_job_is_the_variable_else_the_main_script_and_none_for_an_interactive_session(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("from cuda_program_cas._store.warmset import job_name\nprint(job_name())\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_PROGRAM_CAS_JOB"}
+
+    def job(*argv: str, **extra: str) -> str:
+        done = subprocess.run(
+            [sys.executable, *argv], env={**env, **extra}, capture_output=True, text=True, check=True, timeout=60
+        )
+        return done.stdout.strip()
+
+    by_script = job(str(script))
+    assert by_script.startswith("train.py-") and len(by_script) == len("train.py-") + 8
+    assert job(str(script)) == by_script  # stable: every node running this script is one job
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "train.py").write_text(script.read_text())
+    assert job(str(other / "train.py")) != by_script  # a script of the same name elsewhere is another job
+    assert job("-c", script.read_text().replace("\n", ";")) == "None"
+    assert job(str(script), CUDA_PROGRAM_CAS_JOB="train-llm") == "train-llm"
+    assert job(str(script), CUDA_PROGRAM_CAS_JOB="off") == "None"

@@ -8,7 +8,8 @@ it and keeps it in the store beside the entries.
 - **The job.** ``$CUDA_PROGRAM_CAS_JOB`` names it (``train-llm``); by default it
   is the main script's file name and a hash of its path (``train.py-1a2b3c4d``),
   so two scripts of one name in different places are two jobs. An interactive
-  session (no script) and ``off`` have none: nothing is recorded or fetched.
+  session (a REPL, ``python -c``, a notebook: no ``__main__`` file) and ``off``
+  have none: nothing is recorded or fetched.
 - **What is recorded.** Each entry the process used (a hit, local or shared, or
   an entry it stored), once, in order of first use: key id, digest, size, and the
   pack and offset that hold it in a store where known; at most :data:`MAX_ENTRIES`.
@@ -94,9 +95,9 @@ def job_name() -> str | None:
     given = VAR_JOB.value()
     if given is not None:
         return None if given.lower() == "off" else given
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None)
-    if not script:
+    # A script or ``python -m`` has a __main__ with a file; a REPL, ``-c`` and a notebook's kernel have none.
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(script, str) or not script:
         return None  # an interactive session: no job to name
     path = os.path.realpath(script)
     return f"{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
