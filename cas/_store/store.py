@@ -62,6 +62,10 @@ from .stats import CacheStats, Counters
 from .tier import Tier
 from .tiers import open_tier
 from .touch import apply_pending, ensure_thread
+from .warmset import MAX_SET_BYTES, Used, WarmFetch, job_name, set_name
+from .warmset import encode as encode_set
+from .warmset import merge as merge_sets
+from .warmset import parse as parse_set
 from .writeback import EXIT_FLUSH_S, WriteBack
 
 __all__ = ["CacheStore"]
@@ -175,6 +179,12 @@ class CacheStore:
                 signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
             self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable)
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
+        #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
+        self._used: Used | None = None
+        self.warm: WarmFetch | None = None
+        job = job_name() if self.shared and self._writer is not None and self._copy_shared else None
+        if job is not None:
+            self._start_warm_set(set_name(job))
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -215,6 +225,34 @@ class CacheStore:
         return open_tier(
             os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
         )
+
+    def _start_warm_set(self, name: str) -> None:
+        """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
+        reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
+        used = self._used = Used() if self._writeback is not None else None
+
+        def is_local(kid: str, digest: str) -> bool:
+            return reader.current_digest(kid) == digest
+
+        def keep(kid: str, data: bytes, digest: str) -> None:
+            store = me()
+            if store is not None:
+                store._copy_in(kid, data, digest)
+
+        warm = self.warm = WarmFetch(
+            self.shared, name, is_local=is_local, keep=keep, room=self._max, used=used, per_entry=LONGEST_MANIFEST
+        )
+        if used is not None and self._writeback is not None:
+
+            def make(tier: Tier) -> tuple[str, bytes] | None:
+                ours = used.entries(getattr(tier.packs, "where", None))
+                theirs = parse_set(tier.engine.get(name, limit=MAX_SET_BYTES)) or []
+                merged = merge_sets(ours, theirs, warm.gone if warm.source is tier else set())
+                return None if merged is None else (name, encode_set(merged))
+
+            used.changed = self._writeback.set_changed
+            self._writeback.keep_set(make)
+        warm.start()
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
@@ -259,6 +297,8 @@ class CacheStore:
             tally = self._hits_by_key
             if tally is not None:
                 tally[kid] = tally.get(kid, 0) + 1
+            if self._used is not None:
+                self._used.add(kid, found[1], len(found[0]))
             if t0:
                 lookup_hit(self.root, kid, "local", t0)
             if _monotonic() >= self._flush_at:
@@ -281,11 +321,26 @@ class CacheStore:
         return None
 
     def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
-        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None."""
+        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None.
+
+        While the job's warm set is being fetched, an entry on the way is waited for
+        (copied in by the fetch: found locally then), not asked for again.
+        """
+        warm = self.warm
+        if warm is not None:
+            came_from = warm.wait(kid)
+            if came_from is not None:
+                local = self._reader.lookup(kid)
+                if local is not None:
+                    if self._used is not None:
+                        self._used.add(kid, local[1], len(local[0]))
+                    return local[0], came_from
         for store in self.shared:
             found = store.lookup(kid)
             if found is not None:
                 data, digest = found
+                if self._used is not None:
+                    self._used.add(kid, digest, len(data))
                 if self._copy_shared and self._writer is not None:
                     self._copy_in(kid, data, digest)
                 return data, store.root
@@ -305,6 +360,8 @@ class CacheStore:
         """
         found = self._reader.lookup(kid)
         if found is not None:
+            if self._used is not None:
+                self._used.add(kid, found[1], len(found[0]))
             return found[0], None
         return self._find_shared(kid, None)
 
@@ -482,6 +539,8 @@ class CacheStore:
         else:
             digest = digest_of(data)
             result, why = self._store(kid, data, digest)
+            if result and self._used is not None:
+                self._used.add(kid, digest, len(data))
             if result and self._writeback is not None:
                 held = self._leases.pop(kid, None) if self._leases else None
                 # A lease held for this key is given back once the result is uploaded, so waiters find it.
