@@ -85,6 +85,20 @@ def test_a_cold_node_fetches_its_set_in_one_pipeline_every_entry_verified(
     assert redis.commandstats()["getrange"] == fetched["getrange"] + 2
 
 
+def test_a_warm_node_whose_lookups_all_hit_locally_never_reads_its_set(
+    redis: RedisServer, tmp_path: Path, job: str
+) -> None:
+    """The fetch starts at the first local miss: a node that has everything asks the store for nothing."""
+    keys = [f"k{i}" for i in range(30)]
+    _write_set(tmp_path / "a", f"{redis.url}|write", keys)
+    redis.reset_stats()
+    node = CacheStore(tmp_path / "a", shared=[redis.url])  # the writer's own cache: every entry local
+    assert all(node.get(k) == value(int(k[1:])) for k in keys)
+    node.close()
+    assert redis.commandstats().get("getrange", 0) <= 1  # layout.json at most: not the set, no entry
+    assert node.warm is not None and node.warm.fetched == 0 and node.warm.listed == 0
+
+
 def test_a_set_naming_entries_that_are_gone_costs_only_their_misses(
     redis: RedisServer, tmp_path: Path, job: str
 ) -> None:

@@ -252,7 +252,7 @@ class CacheStore:
 
             used.changed = self._writeback.set_changed
             self._writeback.keep_set(make)
-        warm.start()
+        # The fetch starts at the first local miss (warm.wait in _find_shared), not here.
 
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing

@@ -26,7 +26,8 @@ it and keeps it in the store beside the entries.
   line costs a lookup, a stale one nothing (its entry is not there, or names
   another digest: not fetched), and entries of an old compiler drift to the end
   and fall off.
-- **A cold node.** At open (shared stores and a job), a thread reads the set,
+- **A cold node.** At its first local miss (shared stores and a job: a warm node,
+  whose lookups all hit locally, never reads the set), a thread reads the set,
   keeps the entries not already local, in order, while they fit the local cap,
   and fetches them through :meth:`Tier.fetch_entries` (Redis: one pipeline; HTTP:
   one multi-range request per pack, else parallel GETs), every entry verified as
@@ -253,11 +254,17 @@ class WarmFetch:
         self._read.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="cuda-program-cas-warm-set", daemon=True)
+        """Begin the fetch in its thread, once: at the process's first local miss, so that a warm node
+        (every lookup a local hit) never reads the set nor checks its entries."""
+        with self._lock:
+            if self._thread is not None or self._read.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="cuda-program-cas-warm-set", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the fetch to end; True when it has."""
+        """Wait for the fetch to end (starting it now if no miss has yet); True when it has."""
+        self.start()
         if self._thread is not None:
             self._thread.join(timeout)
             return not self._thread.is_alive()
@@ -265,6 +272,7 @@ class WarmFetch:
 
     def wait(self, kid: str) -> str | None:
         """After a local miss of ``kid``: wait for the set, then for ``kid``'s fetch; the store's root if it came."""
+        self.start()
         if not self._read.wait(WAIT_S):
             return None
         with self._lock:
