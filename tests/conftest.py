@@ -37,6 +37,8 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.delenv("CUDA_PROGRAM_CAS_MAX_SIZE", raising=False)
     monkeypatch.delenv("CUDA_PROGRAM_CAS_CLAIM_WAIT", raising=False)
     monkeypatch.delenv("CUDA_PROGRAM_CAS", raising=False)  # the tests turn the switch on where they mean to
+    # No warm sets unless a test names its job: the set's requests would change every count of requests.
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", "off")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -73,6 +73,7 @@ def test_config_lists_every_variable_with_its_value_source_and_verdict(
         "CUDA_PROGRAM_CAS_TRUSTED_KEYS": str(tmp_path / "site.pub"),
         "CUDA_PROGRAM_CAS_REDIS_PASSWORD": TOKEN,
         "CUDA_PROGRAM_CAS_REDIS_TIMEOUT": "2",
+        "CUDA_PROGRAM_CAS_JOB": "train-llm",
     }
     assert set(good) == {v.name for v in cfg.VARIABLES}  # a new variable: give it a good value here
     for name, value in good.items():

@@ -24,7 +24,9 @@ sets on the start, against the time compiling would take instead. Each transport
 is one function that turns per-node inputs into rows: NFS (operations, measured by
 the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
 its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
-``--server-rps`` requests a second). Exit 0, or 2 on bad usage or a ``--measured`` file without the inputs.
+``--server-rps`` requests a second), and HTTP with the job's warm set (a few requests
+per node for a packed store, the loose store's sent 16 at a time). Exit 0, or 2 on bad
+usage or a ``--measured`` file without the inputs.
 """
 
 from __future__ import annotations
@@ -106,6 +108,16 @@ HTTP_REQUESTS: dict[str, dict[str, float]] = {
 }
 
 
+#: The same with the job's warm set (cas/_store/warmset.py; tests/test_warm_sets.py asserts these):
+#: layout.json and the set, then for a packed store one multi-range request per pack, for a loose
+#: one a manifest and a blob per entry sent PARALLEL at a time. ``round_trips``: what a node waits
+#: for, fixed plus per hit (loose: 2 requests per hit, 16 at once).
+HTTP_WARM_REQUESTS: dict[str, dict[str, float]] = {
+    "loose": {"fixed": 2.0, "per_pack": 0.0, "per_hit": 2.0, "rt_fixed": 2.0, "rt_per_hit": 2.0 / 16},
+    "packed": {"fixed": 2.0, "per_pack": 1.0, "per_hit": 0.0, "rt_fixed": 3.0, "rt_per_hit": 0.0},
+}
+
+
 def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """A shared store over HTTP, loose and packed: requests per node, the server's request rate and floor.
 
@@ -113,19 +125,27 @@ def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     server's time, which the floor covers). Packs: ``--packs`` in the store, all fetched by a cold node.
     """
     total_bytes = args.nodes * args.kernels * args.kernel_kib * 1024
-    rows = {}
-    for kind, cost in HTTP_REQUESTS.items():
-        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+
+    def row(per_node: float, trips: float) -> dict[str, Any]:
         requests = args.nodes * per_node
-        rows[f"http {kind}"] = {
+        return {
             "transport": "http",
             "requests_per_node": per_node,
             "requests_total": requests,
             "requests_per_s_over_window": requests / args.window,
             "bytes_total": total_bytes,
-            "node_wait_s": per_node * args.rtt_ms / 1000,
+            "node_wait_s": trips * args.rtt_ms / 1000,
             "server_floor_s": max(requests / args.server_rps, total_bytes / (args.server_gbps * 1e9)),
         }
+
+    rows = {}
+    for kind, cost in HTTP_REQUESTS.items():
+        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+        rows[f"http {kind}"] = row(per_node, per_node)  # one at a time: a round trip each
+    for kind, cost in HTTP_WARM_REQUESTS.items():
+        per_node = cost["fixed"] + cost["per_pack"] * args.packs + cost["per_hit"] * args.kernels
+        trips = cost["rt_fixed"] + cost["per_pack"] * max(0, args.packs - 1) + cost["rt_per_hit"] * args.kernels
+        rows[f"http {kind}, warm set"] = row(per_node, trips)
     return rows
 
 
@@ -188,12 +208,12 @@ def render(result: dict[str, Any]) -> str:
         f"{a['packs']} pack(s)"
     )
     lines.append(
-        f"{'':<12} {'requests/node':>13} {'requests':>12} {'requests/s':>12} {'node wait':>10} {'start floor':>12}"
+        f"{'':<22} {'requests/node':>13} {'requests':>12} {'requests/s':>12} {'node wait':>10} {'start floor':>12}"
     )
-    for kind in ("http loose", "http packed"):
+    for kind in ("http loose", "http packed", "http loose, warm set", "http packed, warm set"):
         r = result["rows"][kind]
         lines.append(
-            f"{kind:<12} {r['requests_per_node']:>13,.0f} {r['requests_total']:>12,.0f} "
+            f"{kind:<22} {r['requests_per_node']:>13,.0f} {r['requests_total']:>12,.0f} "
             f"{r['requests_per_s_over_window']:>12,.0f} {r['node_wait_s']:>9.2f}s {r['server_floor_s']:>11.1f}s"
         )
     loose, packed = result["rows"]["loose"], result["rows"]["packed"]

@@ -107,24 +107,34 @@ def _refused_url() -> str:
     return f"http://127.0.0.1:{port}/store"
 
 
-def run(kernels: int, parent: str | None, repeat: int = 3) -> dict[str, Any]:
+def build_stores(base: str, kernels: int) -> tuple[float, str]:
+    """``kernels`` real cubins compiled by NVRTC, published under ``base/served`` as ``loose`` and ``packed``.
+
+    Returns the seconds the compiles took and the folder that holds both stores.
+    """
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache, publish
 
+    builder = os.path.join(base, "builder")
+    log(f"compiling {kernels} kernels with NVRTC ...")
+    opts = ProgramOptions(arch="sm_80")
+    t0 = time.perf_counter()
+    with ContentAddressedProgramCache(builder) as cache:
+        for i in range(kernels):
+            Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache)
+    compile_s = time.perf_counter() - t0
+    served = os.path.join(base, "served")
+    publish([builder], os.path.join(served, "loose"))
+    publish([builder], os.path.join(served, "packed"), pack=True)
+    return compile_s, served
+
+
+def run(kernels: int, parent: str | None, repeat: int = 3) -> dict[str, Any]:
+
     base = work_dir(parent, "http-bench")
     try:
-        builder = os.path.join(base, "builder")
-        log(f"compiling {kernels} kernels with NVRTC ...")
-        opts = ProgramOptions(arch="sm_80")
-        t0 = time.perf_counter()
-        with ContentAddressedProgramCache(builder) as cache:
-            for i in range(kernels):
-                Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache)
-        compile_s = time.perf_counter() - t0
-        served = os.path.join(base, "served")
-        publish([builder], os.path.join(served, "loose"))
-        publish([builder], os.path.join(served, "packed"), pack=True)
+        compile_s, served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
         with Nginx(os.path.join(base, "nginx"), served) as server:
             cases = [

@@ -44,6 +44,7 @@ __all__ = [
     "VAR_DIR",
     "VAR_HTTP_TIMEOUT",
     "VAR_HTTP_TOKEN",
+    "VAR_JOB",
     "VAR_LEASE_TTL",
     "VAR_LOG",
     "VAR_MAX_ENTRY_SIZE",
@@ -483,6 +484,12 @@ VAR_REDIS_PASSWORD: Variable[str] = Variable(
     "none",
     secret=True,
 )
+VAR_JOB: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_JOB",
+    _elsewhere("_store.warmset:parse_job"),
+    "the job whose warm set (the entries it used) is kept in the shared stores and fetched by a cold node; off: none",
+    "the main script's name and a hash of its path; none for an interactive session",
+)
 VAR_REDIS_TIMEOUT: Variable[Any] = Variable(
     "CUDA_PROGRAM_CAS_REDIS_TIMEOUT",
     _elsewhere("_remote.redis:_positive_duration"),
@@ -510,6 +517,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     VAR_TRUSTED_KEYS,
     VAR_REDIS_PASSWORD,
     VAR_REDIS_TIMEOUT,
+    VAR_JOB,
 )
 
 

@@ -38,7 +38,7 @@ from blake3 import blake3
 
 from .errors import CacheError
 
-__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest", "not_stored"]
+__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -90,6 +90,16 @@ def not_stored(where: str, answer: str, size: int, held: int | None, *, hint: st
     return StoreFailure(where, "not stored", detail, outage=False)
 
 
+def limits_of(names: Sequence[str], limit: int | Sequence[int]) -> list[int]:
+    """The limit of each of ``names`` (:meth:`Engine.get_many`'s ``limit``: one for all, or one each)."""
+    if isinstance(limit, int):
+        return [limit] * len(names)
+    limits = list(limit)
+    if len(limits) != len(names):
+        raise ValueError(f"{len(limits)} limits for {len(names)} names")
+    return limits
+
+
 class Engine(Protocol):
     """One store's objects (see the module docstring for the rules)."""
 
@@ -110,8 +120,11 @@ class Engine(Protocol):
         """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""
         ...
 
-    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
-        """:meth:`get` of each name, in as few round trips as the engine can (Redis: one pipeline)."""
+    def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
+        """:meth:`get` of each name, in as few round trips as the engine can (Redis: one pipeline; HTTP: parallel).
+
+        ``limit``: one for every name, or one per name.
+        """
         ...
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:

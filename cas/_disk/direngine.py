@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
-from cuda_program_cas._base.engine import StoreFailure, check_digest
+from cuda_program_cas._base.engine import StoreFailure, check_digest, limits_of
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, hashes_to, read_rest
@@ -163,8 +163,8 @@ class DirEngine:
             raise StoreFailure(path, "too large", f"more than {limit} bytes", outage=False)
         return check_digest(path, data, digest)
 
-    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
-        return [self.get(name, limit=limit) for name in names]
+    def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
+        return [self.get(name, limit=n) for name, n in zip(names, limits_of(names, limit), strict=True)]
 
     def size(self, name: str) -> int | None:
         path = self._vetted(name)

@@ -69,6 +69,7 @@ __all__ = [
     "PackSet",
     "encode_listing",
     "index_length",
+    "is_pack_name",
     "list_packs",
     "open_packs",
     "pack_chunks",
@@ -132,6 +133,11 @@ LISTING = "list"
 MAX_LISTING_BYTES = 4 << 20
 _LISTING_HEAD = b"cpcas-packs 1\n"
 _NAME_RE = re.compile(r"pack-[0-9a-f]{16}-[0-9a-f]{8}\.cpk")
+
+
+def is_pack_name(name: str) -> bool:
+    """True when ``name`` is a pack's file name (``pack-<16 hex>-<8 hex>.cpk``): safe to build a path or URL from."""
+    return _NAME_RE.fullmatch(name) is not None
 
 
 def encode_listing(names: Iterable[str]) -> bytes:

@@ -29,6 +29,14 @@ Nothing is retried here: a failure is an :class:`HttpFailure`, and the store
 that asked decides (a miss, and a pause before it asks that server again).
 Redirects are followed three times at most.
 
+Requests run in parallel, bounded: at most :data:`PARALLEL` at once in a process
+(threads that look up together, and :func:`request_many`'s batches), each on a
+connection the pool keeps for the next. A request waits for its turn within its
+own deadline, so a thread behind others that hang on a dead server gives up when
+its time is up, never one timeout later; and one whose turn comes because a
+request to the same server failed as an outage meanwhile fails at once the same
+way, so a dead server costs a burst of threads one batch of requests, not two.
+
 Settings, each read once per process from the environment (a bad value: one WARNING):
 
 ``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``
@@ -51,9 +59,11 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_once
@@ -67,6 +77,7 @@ __all__ = [
     "ENV_CA_BUNDLE",
     "ENV_HTTP_TIMEOUT",
     "ENV_HTTP_TOKEN",
+    "PARALLEL",
     "SLOW_LINK_S_PER_BYTE",
     "HttpFailure",
     "Reply",
@@ -74,6 +85,7 @@ __all__ = [
     "close_connections",
     "deadline_for",
     "request",
+    "request_many",
     "timeouts",
 ]
 
@@ -85,6 +97,10 @@ ENV_CA_BUNDLE = "CUDA_PROGRAM_CAS_CA_BUNDLE"
 DEFAULT_TIMEOUTS = (3.0, 10.0)
 #: Bytes the cache allows to arrive, or sends, earn this much time each (4 MiB/s).
 SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
+#: Requests under way at once in a process, and the connections the pool keeps per server.
+#: Sixteen covers a burst of first hits at a 20 ms round trip in about a round trip per 16,
+#: while one node never holds more than a few of a server's worker connections.
+PARALLEL = 16
 _MAX_REDIRECTS = 3
 _CHUNK = 1 << 16
 #: A ``.netrc`` larger than this is not one (a few lines per host).
@@ -149,10 +165,19 @@ class _Pool:
         self.timeouts = DEFAULT_TIMEOUTS
         self.tokens: dict[str, str | None] = {}
 
+        #: Turns to make a request (:data:`PARALLEL`), and the threads that run :func:`request_many`'s.
+        self.slots = threading.BoundedSemaphore(PARALLEL)
+        self.workers: Any = None
+        #: Server (host:port) -> when a request to it last failed as an outage, and how.
+        self.down: dict[str, tuple[float, str]] = {}
+
     def reset(self) -> None:
-        # A forked child must not share its parent's sockets: it opens its own.
+        # A forked child must not share its parent's sockets: it opens its own (and its own threads).
         self.managers = {}
         self.tokens = {}
+        self.slots = threading.BoundedSemaphore(PARALLEL)
+        self.workers = None
+        self.down = {}
 
 
 _POOL = _Pool()
@@ -192,7 +217,9 @@ def _manager(tls: bool) -> Any:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context
             _POOL.timeouts = timeouts()
-            manager = urllib3.PoolManager(num_pools=16, maxsize=8, block=False, **tls_kw)
+            # block=False: a request never waits on urllib3 (whose wait has no deadline); the turns
+            # (PARALLEL) bound how many connections are open at once instead.
+            manager = urllib3.PoolManager(num_pools=16, maxsize=PARALLEL, block=False, **tls_kw)
             manager.pool_classes_by_scheme = _watched_pools()
             _POOL.managers[tls] = manager
         return _POOL.managers[tls]
@@ -343,7 +370,17 @@ def request(
         raise_on_redirect=True, raise_on_status=False, respect_retry_after_header=False,
     )  # fmt: skip
     w = watch(total)
+    slots = _POOL.slots
+    server = parts.netloc
+    waited_from = time.monotonic()
+    if not slots.acquire(timeout=w.left()):  # behind PARALLEL others until this one's deadline
+        w.done()
+        raise _late(url, total)
     try:
+        down = _POOL.down.get(server)
+        if down is not None and down[0] >= waited_from:
+            # Its turn came because others to this server failed meanwhile: one outage, not a second batch of it.
+            raise HttpFailure(url, down[1], f"another request to this server failed meanwhile ({down[1]})")
         try:
             resp = manager.request(
                 method,
@@ -370,8 +407,57 @@ def request(
             raise _late(url, total)
         resp.release_conn()
         return reply
+    except HttpFailure as exc:
+        if exc.outage:
+            _POOL.down[server] = (time.monotonic(), exc.kind)  # before the turn is given back (see above)
+        raise
     finally:
         w.done()
+        slots.release()
+
+
+_T = TypeVar("_T")
+
+
+def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Each of ``calls`` (each makes one request or a few), run in parallel, their results in order.
+
+    At most :data:`PARALLEL` run at once (the process's threads for it, made at the first
+    call). The first :class:`HttpFailure` that is an outage cancels the calls not yet
+    started and is raised once the started ones are done (each within its own deadline);
+    any other exception is raised likewise, after them.
+    """
+    if len(calls) <= 1:
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _POOL.lock:
+        if _POOL.workers is None:
+            _POOL.workers = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="cuda-program-cas-http")
+        workers = _POOL.workers
+    futures = [workers.submit(call) for call in calls]
+    failure: BaseException | None = None
+    results: list[Any] = []
+    for future in futures:
+        if future.cancelled():
+            results.append(None)
+            continue
+        try:
+            results.append(future.result())
+        except BaseException as exc:  # raised below, once every started call is done
+            results.append(None)
+            if failure is None or (isinstance(exc, HttpFailure) and exc.outage and not _is_outage(failure)):
+                failure = exc
+            if isinstance(exc, HttpFailure) and exc.outage:
+                for rest in futures:
+                    rest.cancel()  # a dead server: no more requests to it
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _is_outage(exc: BaseException) -> bool:
+    return isinstance(exc, HttpFailure) and exc.outage
 
 
 def _late(url: str, total: float) -> HttpFailure:

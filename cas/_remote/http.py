@@ -29,6 +29,7 @@ and its packs are :class:`.httppacks.HttpPacks`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from types import TracebackType
@@ -36,11 +37,11 @@ from typing import IO, TypeVar
 
 from blake3 import blake3
 
-from cuda_program_cas._base.engine import LOCAL, StoreFailure
+from cuda_program_cas._base.engine import LOCAL, StoreFailure, limits_of
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
-from .client import HttpFailure, Reply, request
+from .client import HttpFailure, Reply, request, request_many
 
 __all__ = ["IN_MEMORY_BYTES", "HttpEngine", "Intake"]
 
@@ -123,8 +124,10 @@ class HttpEngine:
         except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
             raise StoreFailure(join(self.root, name), LOCAL, type(exc).__name__, outage=False) from None
 
-    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
-        return [self.get(name, limit=limit) for name in names]
+    def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
+        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16."""
+        limits = limits_of(names, limit)
+        return request_many([functools.partial(self.get, name, limit=n) for name, n in zip(names, limits, strict=True)])
 
     def size(self, name: str) -> int | None:
         from .dav import size_of

@@ -26,13 +26,21 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from cuda_program_cas._base.engine import LOCAL, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.urls import join
-from cuda_program_cas._disk.pack import LISTING, RETIRED, TRAILER_SIZE, PackError, PackIndex, parse_listing
+from cuda_program_cas._disk.pack import (
+    LISTING,
+    RETIRED,
+    TRAILER_SIZE,
+    PackError,
+    PackIndex,
+    is_pack_name,
+    parse_listing,
+)
 from cuda_program_cas.index import local_id
 
 from .client import Reply
@@ -130,6 +138,59 @@ class HttpPacks:
         except (MemoryError, OSError) as exc:  # this node's trouble (memory, the staging disk), not the server's
             raise StoreFailure(self.engine.shown, LOCAL, type(exc).__name__, outage=False) from None
         return None
+
+    def where(self, kid: str) -> tuple[str, int] | None:
+        """``(pack, offset)`` of ``kid``'s blob in the packs this process has listed (no request); None if unknown."""
+        for pack in self._where.get(bytes.fromhex(kid), ()):
+            entry = pack.find_key(bytes.fromhex(kid))
+            if entry is not None:
+                return pack.name, entry.offset
+        return None
+
+    def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]]) -> Mapping[int, bytes] | None:
+        """Offset -> bytes of each ``(offset, size)`` span of pack ``name``, in one request; None when not had so.
+
+        One ``Range`` request for all of them (:mod:`.multipart`): a ``206``
+        ``multipart/byteranges`` answer read strictly, or for one span a ``206`` of
+        exactly it. Anything else (the whole pack, one range for several, a range not
+        asked for, another boundary, a 404) is None, said once: the caller reads those
+        entries the ordinary way. The bytes are not verified here (the caller hashes each entry).
+        """
+        from .multipart import PART_OVERHEAD, coalesce, header, parse
+
+        if not is_pack_name(name) or not spans:
+            return None
+        asked = coalesce(spans)
+        limit = sum(size for _, size in asked) + PART_OVERHEAD * (len(asked) + 1)
+        try:
+            reply = self._pack_get(name, {"Range": header(asked)}, limit)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            self._told().say_once("multi-range", f"packs/{name}: several ranges in one request: {exc.kind}")
+            return None
+        got: Mapping[int, bytes] | None = None
+        if reply.status == 206 and len(asked) == 1:
+            span = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
+            offset, size = asked[0]
+            if span is not None and int(span.group(1)) == offset and len(reply.body) == size:
+                got = {offset: reply.body}
+        elif reply.status == 206:
+            got = parse(reply.headers.get("content-type", ""), reply.body, asked)
+        if got is None:
+            self._told().say_once(
+                "multi-range",
+                f"packs/{name}: status {reply.status} ({reply.headers.get('content-type', 'no type')}) to a request "
+                f"for {len(asked)} ranges, not those ranges; its entries are read one at a time",
+            )
+            return None
+        out = {}
+        for offset, size in spans:
+            for first, data in got.items():
+                if first <= offset and offset + size <= first + len(data):
+                    out[offset] = data[offset - first : offset - first + size]
+                    break
+        return out
 
     # -- the listing ---------------------------------------------------------------------
 

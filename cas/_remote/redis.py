@@ -58,7 +58,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
-from cuda_program_cas._base.engine import Engine, StoreFailure, check_digest
+from cuda_program_cas._base.engine import Engine, StoreFailure, check_digest, limits_of
 from cuda_program_cas._base.fork import after_fork
 
 from .client import ENV_CA_BUNDLE, ca_bundle
@@ -221,25 +221,27 @@ class RedisEngine:
         data = self.get_many([name], limit=limit)[0]
         return data if data is None else check_digest(self._where(name), data, digest)
 
-    def get_many(self, names: Sequence[str], *, limit: int) -> list[bytes | None]:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a non-negative int, not {limit!r}")
+    def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
+        limits = limits_of(names, limit)
+        for n in limits:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"limit must be a non-negative int, not {n!r}")
         keys = [self._key(n) for n in names]
         if not keys:
             return []
         commands: list[tuple[Any, ...]] = []
-        for key in keys:
-            commands += [("GETRANGE", key, 0, limit), ("EXISTS", key)]
-        replies = self._call(commands, bulk=limit + 1, values=len(keys) * (limit + 1))
+        for key, n in zip(keys, limits, strict=True):
+            commands += [("GETRANGE", key, 0, n), ("EXISTS", key)]
+        replies = self._call(commands, bulk=max(limits) + 1, values=sum(limits) + len(keys))
         out: list[bytes | None] = []
-        for i, name in enumerate(names):
+        for i, (name, n) in enumerate(zip(names, limits, strict=True)):
             value, exists = replies[2 * i], replies[2 * i + 1]
             self._check(value, name)
             self._check(exists, name)
             if not isinstance(value, bytes):
                 raise StoreFailure(self._where(name), "protocol", "GETRANGE did not answer a string")
-            if len(value) > limit:
-                raise StoreFailure(self._where(name), "too large", f"more than {limit} bytes", outage=False)
+            if len(value) > n:
+                raise StoreFailure(self._where(name), "too large", f"more than {n} bytes", outage=False)
             out.append(value if value or exists else None)
         return out
 

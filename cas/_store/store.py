@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from .claims import Claim
     from .lease import Lease
     from .tier import Tier
+    from .warmset import Used, WarmFetch
     from .writeback import WriteBack
 
 # What a hit needs is imported above; the writer, the remover, the cap, scans, claims, leases, the shared
@@ -184,6 +185,15 @@ class CacheStore:
                 signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
             self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable)
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
+        #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
+        self._used: Used | None = None
+        self.warm: WarmFetch | None = None
+        if self.shared and not self.read_only and self._copy_shared:
+            from .warmset import job_name, set_name
+
+            job = job_name()
+            if job is not None:
+                self._start_warm_set(set_name(job))
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -268,6 +278,45 @@ class CacheStore:
             os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
         )
 
+    def _start_warm_set(self, name: str) -> None:
+        """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
+        from .warmset import MAX_SET_BYTES, Used, WarmFetch
+        from .warmset import encode as encode_set
+        from .warmset import merge as merge_sets
+        from .warmset import parse as parse_set
+
+        reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
+        used = self._used = Used() if self._writeback is not None else None
+
+        def is_local(kid: str, digest: str) -> bool:
+            return reader.current_digest(kid) == digest
+
+        def keep(kid: str, data: bytes, digest: str) -> None:
+            store = me()
+            if store is not None:
+                store._copy_in(kid, data, digest)
+
+        warm = self.warm = WarmFetch(
+            self.shared,
+            name,
+            is_local=is_local,
+            keep=keep,
+            room=self.max_size_bytes,
+            used=used,
+            per_entry=LONGEST_MANIFEST,
+        )
+        if used is not None and self._writeback is not None:
+
+            def make(tier: Tier) -> tuple[str, bytes] | None:
+                ours = used.entries(getattr(tier.packs, "where", None))
+                theirs = parse_set(tier.engine.get(name, limit=MAX_SET_BYTES)) or []
+                merged = merge_sets(ours, theirs, warm.gone if warm.source is tier else set())
+                return None if merged is None else (name, encode_set(merged))
+
+            used.changed = self._writeback.set_changed
+            self._writeback.keep_set(make)
+        # The fetch starts at the first local miss (warm.wait in _find_shared), not here.
+
     def _after_fork_in_child(self) -> None:
         self._clear_lock = threading.Lock()  # a thread of the parent may have been clearing
         if self._hits_by_key is not None:
@@ -313,6 +362,8 @@ class CacheStore:
             tally = self._hits_by_key
             if tally is not None:
                 tally[kid] = tally.get(kid, 0) + 1
+            if self._used is not None:
+                self._used.add(kid, found[1], len(found[0]))
             if t0:
                 lookup_hit(self.root, kid, "local", t0)
             if _monotonic() >= self._flush_at:
@@ -335,11 +386,26 @@ class CacheStore:
         return None
 
     def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
-        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None."""
+        """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None.
+
+        While the job's warm set is being fetched, an entry on the way is waited for
+        (copied in by the fetch: found locally then), not asked for again.
+        """
+        warm = self.warm
+        if warm is not None:
+            came_from = warm.wait(kid)
+            if came_from is not None:
+                local = self._reader.lookup(kid)
+                if local is not None:
+                    if self._used is not None:
+                        self._used.add(kid, local[1], len(local[0]))
+                    return local[0], came_from
         for store in self.shared:
             found = store.lookup(kid)
             if found is not None:
                 data, digest = found
+                if self._used is not None:
+                    self._used.add(kid, digest, len(data))
                 if self._copy_shared and not self.read_only:
                     self._copy_in(kid, data, digest)
                 return data, store.root
@@ -359,6 +425,8 @@ class CacheStore:
         """
         found = self._reader.lookup(kid)
         if found is not None:
+            if self._used is not None:
+                self._used.add(kid, found[1], len(found[0]))
             return found[0], None
         return self._find_shared(kid, None)
 
@@ -472,7 +540,7 @@ class CacheStore:
         will save) and its inputs to the miss journal (:mod:`cuda_program_cas._store.journal`: what
         ``explain`` compares). Never raises; nothing is written on a read-only cache.
         """
-        if self._writer is None:
+        if self.read_only:
             return
         from .journal import record_miss
         from .usage import record_compile
@@ -547,6 +615,8 @@ class CacheStore:
         else:
             digest = digest_of(data)
             result, why = self._store(kid, data, digest)
+            if result and self._used is not None:
+                self._used.add(kid, digest, len(data))
             if result and self._writeback is not None:
                 held = self._leases.pop(kid, None) if self._leases else None
                 # A lease held for this key is given back once the result is uploaded, so waiters find it.

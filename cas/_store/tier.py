@@ -46,11 +46,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
-from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
+from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork
 from cuda_program_cas._base.signing import Trust
@@ -67,9 +67,10 @@ from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, p
 
 from .stats import Counters
 
-__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "ceiling", "warn_once_for"]
+__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "Wanted", "ceiling", "warn_once_for"]
 
 _log = logging.getLogger("cuda_program_cas")
+_T = TypeVar("_T")
 
 #: The first pause after a store failed; it doubles with each failure in a row.
 RETRY_S = 5.0
@@ -102,6 +103,21 @@ class PackSource(Protocol):
     """A store's packs as one process sees them: ``lookup`` gives verified bytes and their digest, or None."""
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
+
+
+class Wanted(Protocol):
+    """An entry asked for by :meth:`Tier.fetch_entries`: its key id, digest and size, and where a pack holds it."""
+
+    @property
+    def kid(self) -> str: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def pack(self) -> str | None: ...
+    @property
+    def offset(self) -> int | None: ...
 
 
 class Tier:
@@ -181,25 +197,31 @@ class Tier:
         if self._paused_until and time.monotonic() < self._paused_until:
             self._why.reason = f"store not usable: {self._why_not}"
             return None
+        return self._asked(lambda: self._find(kid), None)
+
+    def _find(self, kid: str) -> tuple[bytes, str] | None:
+        # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
+        found = None
+        if self.packs is not None and self._trust is None:
+            found = self.packs.lookup(kid)
+            self._failures = 0  # they were answered (after a pause they list again)
+        return found if found is not None else self._loose(kid)
+
+    def _asked(self, call: Callable[[], _T], failed: _T) -> _T:
+        """``call()`` on the opened store; an outage or a bad answer is handled (module docstring), then ``failed``."""
         try:
             if not self._version and not self._open():
-                return None
-            # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
-            found = None
-            if self.packs is not None and self._trust is None:
-                found = self.packs.lookup(kid)
-                self._failures = 0  # they were answered (after a pause they list again)
-            if found is None:
-                found = self._loose(kid)
+                return failed
+            result = call()
         except StoreFailure as exc:
             self._failed(exc)
-            return None
+            return failed
         except MemoryError:
             self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
-            return None
+            return failed
         self._failures = 0  # an answer: the next outage pauses for RETRY_S again
         self._looked = True
-        return found
+        return result
 
     def paused(self) -> bool:
         """Whether the store is paused now (after an outage, or unusable): its lookups and uploads are skipped."""
@@ -258,6 +280,30 @@ class Tier:
         if data is None:
             self._why.reason = "no entry"
             return None
+        named = self._manifest(kid, data)
+        if named is None:
+            return None
+        digest, size = named
+        try:
+            # The engine verifies (it may hash a large blob as it arrives); a shorter one does not hash to it.
+            blob = self.engine.get(url_path(BLOBS, digest), limit=size, digest=digest)
+        except StoreFailure as exc:
+            if exc.kind != "damaged":
+                raise
+            self._damaged("damaged blob", f"blob {digest}: {exc}")
+            return None
+        if blob is None:
+            self._why.reason = "blob missing"
+            return None
+        return blob, digest
+
+    def _manifest(self, kid: str, data: bytes) -> tuple[str, int] | None:
+        """``(digest, size)`` that the manifest ``data`` of ``kid`` names, when it is one this node may use.
+
+        A garbled or another key's manifest is damage; one not signed by a trusted key
+        (where keys are configured) is untrusted; an entry larger than this node reads
+        is a miss: each counted and said as a lookup's.
+        """
         fields = parse_fields(data)
         if fields is None or not fits_key(fields[0], kid, self._layout_now):
             why = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
@@ -271,18 +317,64 @@ class Tier:
         _found, digest, size = fields
         if not self.fits(size, kid):
             return None
+        return digest, size
+
+    # -- many entries at once (a warm set) -------------------------------------------------
+
+    def get_object(self, name: str, limit: int) -> bytes | None:
+        """Object ``name`` (a warm set), or None: none there, the store paused or failing (handled as a lookup's)."""
+        if self.paused():
+            return None
+        return self._asked(lambda: self.engine.get(name, limit=limit), None)
+
+    def fetch_entries(self, entries: Sequence[Wanted]) -> list[tuple[str, bytes, str]]:
+        """``(key id, bytes, digest)`` of each of ``entries`` that could be had in a few requests, verified.
+
+        Entries a pack holds (``pack`` known, the store's packs readable over HTTP,
+        no trusted keys) come in one request per pack, several ranges at once, each
+        hashed against its digest. The others come as their manifest and blob
+        together (:meth:`Engine.get_many`: one Redis pipeline, parallel GETs over
+        HTTP), the manifest judged as a lookup's (:meth:`_manifest`) and naming the
+        digest the set says, the blob hashing to it. What cannot be had so is left
+        out (a stale entry, a server that refuses several ranges): the caller's
+        lookups find it the ordinary way. An outage pauses the store, as a lookup's.
+        """
+        if self.paused() or not entries:
+            return []
+        out: list[tuple[str, bytes, str]] = []
+        self._asked(lambda: self._fetch_into(entries, out), None)
+        return out
+
+    def _fetch_into(self, entries: Sequence[Wanted], out: list[tuple[str, bytes, str]]) -> None:
+        ranged = getattr(self.packs, "fetch_ranges", None) if self._trust is None else None
+        loose = [e for e in entries if e.pack is None or ranged is None]
+        by_pack: dict[str, list[Wanted]] = {}
+        for e in entries:
+            if e.pack is not None and ranged is not None and e.offset is not None and self.fits(e.size, e.kid):
+                by_pack.setdefault(e.pack, []).append(e)
+        for pack, wanted in by_pack.items():
+            got = ranged(pack, [(e.offset, e.size) for e in wanted]) if ranged is not None else None
+            for e in wanted:
+                data = None if got is None or e.offset is None else got.get(e.offset)
+                if data is not None and self._hashes(e, data):
+                    out.append((e.kid, data, e.digest))
+        loose = [e for e in loose if self.fits(e.size, e.kid)]
+        names = [url_path(INDEX, e.kid) for e in loose] + [url_path(BLOBS, e.digest) for e in loose]
+        limits = [MAX_MANIFEST_BYTES] * len(loose) + [e.size for e in loose]
+        found = self.engine.get_many(names, limit=limits) if loose else []
+        for e, manifest, blob in zip(loose, found[: len(loose)], found[len(loose) :], strict=True):
+            if manifest is None or blob is None or self._manifest(e.kid, manifest) != (e.digest, e.size):
+                continue  # gone, or the key names another entry now: the ordinary lookup decides
+            if self._hashes(e, blob):
+                out.append((e.kid, blob, e.digest))
+
+    def _hashes(self, e: Wanted, data: bytes) -> bool:
         try:
-            # The engine verifies (it may hash a large blob as it arrives); a shorter one does not hash to it.
-            blob = self.engine.get(url_path(BLOBS, digest), limit=size, digest=digest)
+            check_digest(self.root, data, e.digest)
         except StoreFailure as exc:
-            if exc.kind != "damaged":
-                raise
-            self._damaged("damaged blob", f"blob {digest}: {exc}")
-            return None
-        if blob is None:
-            self._why.reason = "blob missing"
-            return None
-        return blob, digest
+            self._damaged("damaged blob", f"the blob of {e.kid} (a warm set's): {exc}")
+            return False
+        return True
 
     # -- the layout ----------------------------------------------------------------------
 

@@ -52,7 +52,9 @@ from cuda_program_cas.index import Manifest, is_local_id
 
 from .stats import Counters
 from .tier import warn_once_for
-from .upload import upload_entry
+from .upload import put_checked, upload_entry
+from .warmset import QUIET_S
+from .warmset import parse as parse_set
 
 if TYPE_CHECKING:
     from .tier import Tier
@@ -73,6 +75,8 @@ _IDLE_S = 5.0
 
 #: ``then(sent)``: called by the worker after an entry's uploads (``sent``: it reached every store).
 Then = Callable[[bool], None]
+#: ``make(tier)``: the warm set's object name and bytes to send to ``tier``, or None (nothing new there).
+SetMaker = Callable[["Tier"], "tuple[str, bytes] | None"]
 
 
 class WriteBack:
@@ -91,6 +95,12 @@ class WriteBack:
         self._busy = 0  # entries taken by the worker and not yet sent
         self._worker: threading.Thread | None = None
         self._closed = False
+        #: The job's warm set (:mod:`.warmset`): ``make(tier)`` -> (name, bytes) to send there, or None.
+        self._set_maker: SetMaker | None = None
+        self._set_due = False  # used entries the stores' set lacks: sent once the job is quiet
+        self._set_at = 0.0  # when the set was last marked due
+        #: Warm sets sent (tests read it).
+        self.sets_sent = 0
         after_fork(self)
         _instances.add(self)
 
@@ -99,6 +109,28 @@ class WriteBack:
         self._queue = deque()
         self._queued_bytes = self._busy = 0
         self._worker = None
+        self._set_due = False  # the child's own uses make it due again
+
+    def keep_set(self, make: SetMaker) -> None:
+        """Send the job's warm set through ``make(tier)`` whenever :meth:`set_changed` says it grew."""
+        self._set_maker = make
+
+    def set_changed(self) -> None:
+        """The job used an entry its set lacks: send the set once no entry was added for :data:`.warmset.QUIET_S`."""
+        if self._set_maker is None:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._set_due = True
+            self._set_at = time.monotonic()
+            self._start_worker()
+            self._cond.notify()
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="cuda-program-cas-writeback", daemon=True)
+            self._worker.start()
 
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
         """Queue one new local entry for upload; False (counted, said once) when it is dropped at once.
@@ -128,9 +160,7 @@ class WriteBack:
                 full = False
                 self._queue.append((kid, digest, data, then))
                 self._queued_bytes += len(data)
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._run, name="cuda-program-cas-writeback", daemon=True)
-                    self._worker.start()
+                self._start_worker()
                 self._cond.notify()
         if full:
             for tier in self.tiers:
@@ -143,9 +173,30 @@ class WriteBack:
     def _run(self) -> None:
         while True:
             with self._cond:
+                if not self._queue and self._set_due:
+                    quiet = self._set_at + QUIET_S - time.monotonic()
+                    if quiet > 0:
+                        self._cond.wait(quiet)
+                        continue
+                    self._set_due = False
+                    self._busy += 1
+                    send_set = True
+                else:
+                    send_set = False
+            if send_set:
+                try:
+                    self._send_set()
+                finally:
+                    with self._cond:
+                        self._busy -= 1
+                        self._cond.notify_all()
+                continue
+            with self._cond:
                 if not self._queue:
                     self._cond.wait(_IDLE_S)
                     if not self._queue:
+                        if self._set_due:
+                            continue
                         self._worker = None  # idle: the next upload starts another
                         return
                 kid, digest, data, then = self._queue.popleft()
@@ -184,6 +235,27 @@ class WriteBack:
         self._counters.add("uploads")
         return True
 
+    def _send_set(self) -> None:
+        """The warm set to each store (after the entries queued before it: a set names entries that are there)."""
+        make = self._set_maker
+        if make is None:
+            return
+        for tier in self.tiers:
+            if tier.paused():
+                continue
+            try:
+                made = make(tier)
+                if made is not None:
+                    name, data = made
+                    # Read back as every upload is; another node's whole set stored meanwhile is as good.
+                    put_checked(tier.engine, name, data, whole=True, accept=lambda held: parse_set(held) is not None)
+                    self.sets_sent += 1
+            except StoreFailure as exc:
+                tier.failed(exc)
+                self._dropped(tier.root, f"the warm set: {exc}")
+            except Exception as exc:
+                self._dropped(tier.root, f"the warm set: {type(exc).__name__}: {exc}")
+
     def _dropped(self, root: str, why: str) -> None:
         self._counters.add("uploads_dropped")
         if warn_once_for(f"write-back {root}"):
@@ -205,7 +277,10 @@ class WriteBack:
         """Wait up to ``timeout_s`` for every queued upload to finish; True when none is left."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._busy:
+            if self._set_due:
+                self._set_at = float("-inf")  # the set goes now, not after QUIET_S
+                self._cond.notify_all()
+            while self._queue or self._busy or (self._set_due and self._worker is not None):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -213,7 +288,7 @@ class WriteBack:
         return True
 
     def close(self, timeout_s: float = EXIT_FLUSH_S) -> None:
-        """Send what can be sent within ``timeout_s``; what is left is dropped (counted)."""
+        """Send what can be sent within ``timeout_s`` (the warm set too, at once); what is left is dropped (counted)."""
         self.flush(timeout_s)
         with self._cond:
             self._closed = True

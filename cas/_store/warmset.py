@@ -1,0 +1,341 @@
+"""Warm sets: the entries a job used, kept in its shared stores, so that a cold node fetches them in a few requests.
+
+A cold node otherwise pays a round trip (or two) per kernel, one lookup after
+another: 200 kernels at a 20 ms round trip cost longer than compiling them. What a
+job looks up is nearly the same on every node and every run, so the cache records
+it and keeps it in the store beside the entries.
+
+- **The job.** ``$CUDA_PROGRAM_CAS_JOB`` names it (``train-llm``); by default it
+  is the main script's file name and a hash of its path (``train.py-1a2b3c4d``),
+  so two scripts of one name in different places are two jobs. An interactive
+  session (a REPL, ``python -c``, a notebook: no ``__main__`` file) and ``off``
+  have none: nothing is recorded or fetched.
+- **What is recorded.** Each entry the process used (a hit, local or shared, or
+  an entry it stored), once, in order of first use: key id, digest, size, and the
+  pack and offset that hold it in a store where known; at most :data:`MAX_ENTRIES`.
+- **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
+  line and one line per entry (:func:`encode`, :func:`parse`). Written through
+  write-back (a store named writable), after the job has been quiet a moment
+  (:data:`QUIET_S`) and when the process ends; only when the process used entries
+  the set lacks, so a cluster of warm runs writes nothing.
+- **The merge.** Read, modify, write, bounded: the writer reads the set now in
+  the store, puts its own entries first (in its order of use), then the store's
+  others that it did not find gone, and keeps the first :data:`MAX_ENTRIES`. Two
+  nodes that write at the same moment lose one's additions; the next run that
+  uses them adds them again. A set is a hint, never trusted for bytes: a lost
+  line costs a lookup, a stale one nothing (its entry is not there, or names
+  another digest: not fetched), and entries of an old compiler drift to the end
+  and fall off.
+- **A cold node.** At its first local miss (shared stores and a job: a warm node,
+  whose lookups all hit locally, never reads the set), a thread reads the set,
+  keeps the entries not already local, in order, while they fit the local cap,
+  and fetches them through :meth:`Tier.fetch_entries` (Redis: one pipeline; HTTP:
+  one multi-range request per pack, else parallel GETs), every entry verified as
+  a lookup's and copied in by the writer. A lookup that misses locally meanwhile
+  waits for the set to be read, then, if its entry is on the way, for that
+  fetch alone: it finds the entry local, or goes to the stores as usual.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cuda_program_cas._base.config import VAR_JOB
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._disk.pack import is_pack_name
+from cuda_program_cas.index import is_local_id
+
+from .tier import Tier
+
+__all__ = [
+    "MAX_ENTRIES",
+    "MAX_SET_BYTES",
+    "QUIET_S",
+    "SetEntry",
+    "Used",
+    "WarmFetch",
+    "encode",
+    "job_name",
+    "merge",
+    "parse",
+    "parse_job",
+    "set_name",
+]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: Entries a set holds at most (a large job uses a few hundred kernels).
+MAX_ENTRIES = 4096
+#: A set's bytes at most: a line is at most about 190 bytes.
+MAX_SET_BYTES = 1 << 20
+#: Seconds without a new entry before write-back sends the set (and when the process exits).
+QUIET_S = 2.0
+#: How long a lookup waits for the set to be read and its entry fetched, at most (each request has its deadline).
+WAIT_S = 60.0
+_HEADER = b"cuda-program-cas set 1\n"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def parse_job(text: str) -> str:
+    """A job's name: printable, at most 200 characters; ``off`` turns warm sets off."""
+    name = text.strip()
+    if len(name) > 200 or not name.isprintable():
+        raise ValueError("a job is a printable name of at most 200 characters (or off)")
+    return name
+
+
+def job_name() -> str | None:
+    """This process's job: ``$CUDA_PROGRAM_CAS_JOB``, else the main script's name and a hash of its path; or None."""
+    given = VAR_JOB.value()
+    if given is not None:
+        return None if given.lower() == "off" else given
+    # A script or ``python -m`` has a __main__ with a file; a REPL, ``-c`` and a notebook's kernel have none.
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(script, str) or not script:
+        return None  # an interactive session: no job to name
+    path = os.path.realpath(script)
+    return f"{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+def set_name(job: str) -> str:
+    """The store object that holds ``job``'s set."""
+    return "sets/" + hashlib.sha256(job.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class SetEntry:
+    """One entry of a set: key id, digest, size, and the pack and offset that hold it where known."""
+
+    kid: str
+    digest: str
+    size: int
+    pack: str | None = None
+    offset: int | None = None
+
+    def line(self) -> bytes:
+        where = f" {self.pack} {self.offset}" if self.pack is not None and self.offset is not None else ""
+        return f"{self.kid} {self.digest} {self.size}{where}\n".encode()
+
+
+def encode(entries: Sequence[SetEntry]) -> bytes:
+    """A set's bytes: the header, one line per entry, and ``end N`` (a set cut short is a bad one)."""
+    return _HEADER + b"".join(e.line() for e in entries) + b"end %d\n" % len(entries)
+
+
+def parse(data: bytes | None) -> list[SetEntry] | None:
+    """The entries of a set's bytes, in order; None when they are not a whole set (a bad line spoils it)."""
+    if data is None or not data.startswith(_HEADER) or not data.endswith(b"\n"):
+        return None
+    lines = data[len(_HEADER) : -1].decode("ascii", "replace").split("\n")
+    if lines.pop() != f"end {len(lines)}" or len(lines) > MAX_ENTRIES:
+        return None
+    out: list[SetEntry] = []
+    seen: set[str] = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) not in (3, 5) or not _HEX64.fullmatch(fields[0]) or not _HEX64.fullmatch(fields[1]):
+            return None
+        if not fields[2].isdigit() or (len(fields) == 5 and not (is_pack_name(fields[3]) and fields[4].isdigit())):
+            return None
+        if fields[0] in seen:
+            return None
+        seen.add(fields[0])
+        pack, offset = (fields[3], int(fields[4])) if len(fields) == 5 else (None, None)
+        out.append(SetEntry(fields[0], fields[1], int(fields[2]), pack, offset))
+    return out
+
+
+def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) -> list[SetEntry] | None:
+    """The set to write: ours first, then theirs not ours and not gone, at most :data:`MAX_ENTRIES`; None: nothing new.
+
+    Nothing is new when every one of ours is in theirs with the same digest.
+    """
+    known = {e.kid: e.digest for e in theirs}
+    if all(known.get(e.kid) == e.digest for e in ours):
+        return None
+    mine = {e.kid for e in ours}
+    merged = list(ours) + [e for e in theirs if e.kid not in mine and e.kid not in gone]
+    return merged[:MAX_ENTRIES]
+
+
+class Used:
+    """The entries one process used, in order of first use, at most :data:`MAX_ENTRIES` (thread-safe).
+
+    ``changed()`` runs (outside the lock) when an entry the set read at start
+    lacks is first used: write-back then sends the set once the job is quiet.
+    """
+
+    def __init__(self) -> None:
+        self._order: dict[str, tuple[str, int]] = {}
+        self._lock = threading.Lock()
+        self.known: dict[str, SetEntry] = {}  # the set as read at start (the fetch fills it)
+        self.changed: Callable[[], None] | None = None
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, kid: str, digest: str, size: int) -> None:
+        """Record one use (a dict lookup when ``kid`` was used before: this is on the hot path)."""
+        if kid in self._order or is_local_id(kid):
+            return
+        with self._lock:
+            if kid in self._order or len(self._order) >= MAX_ENTRIES:
+                return
+            self._order[kid] = (digest, size)
+        known = self.known.get(kid)
+        if (known is None or known.digest != digest) and self.changed is not None:
+            self.changed()
+
+    def entries(self, where: Callable[[str], tuple[str, int] | None] | None = None) -> list[SetEntry]:
+        """What was used, in order; with the pack and offset the set read said, or ``where(kid)`` says."""
+        with self._lock:
+            used = list(self._order.items())
+        out = []
+        for kid, (digest, size) in used:
+            known = self.known.get(kid)
+            if known is not None and known.digest == digest and known.pack is not None:
+                out.append(known)
+                continue
+            place = where(kid) if where is not None else None
+            out.append(SetEntry(kid, digest, size, *place) if place is not None else SetEntry(kid, digest, size))
+        return out
+
+
+class WarmFetch:
+    """One process's fetch of its job's set from ``tiers`` (module docstring), in a thread of its own.
+
+    ``is_local(kid, digest)``: the entry is in the local cache already (not fetched).
+    ``keep(kid, bytes, digest)``: copy a verified entry in. ``room``: bytes the
+    fetched entries may take (the local cap), or None. ``used``: what
+    :meth:`Used.add` compares with (its ``known`` is filled from the set read).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        name: str,
+        *,
+        is_local: Callable[[str, str], bool],
+        keep: Callable[[str, bytes, str], None],
+        room: int | None,
+        used: Used | None,
+        per_entry: int = 0,
+    ) -> None:
+        self.tiers = tuple(tiers)
+        self.name = name
+        self._is_local = is_local
+        self._keep = keep
+        self._room = room
+        self._per_entry = per_entry
+        self._used = used
+        self._read = threading.Event()  # the set was read (or could not be)
+        self._lock = threading.Lock()
+        self._pending: dict[str, threading.Event] = {}
+        #: The store the set came from, what it listed, and what was fetched (tests and benchmarks read these).
+        self.source: Tier | None = None
+        self.listed = 0
+        self.fetched = 0
+        self.gone: set[str] = set()
+        self._thread: threading.Thread | None = None
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The thread did not come along: nothing is on the way in the child.
+        self._lock = threading.Lock()
+        self._pending = {}
+        self._read.set()
+
+    def start(self) -> None:
+        """Begin the fetch in its thread, once: at the process's first local miss, so that a warm node
+        (every lookup a local hit) never reads the set nor checks its entries."""
+        with self._lock:
+            if self._thread is not None or self._read.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="cuda-program-cas-warm-set", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the fetch to end (starting it now if no miss has yet); True when it has."""
+        self.start()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def wait(self, kid: str) -> str | None:
+        """After a local miss of ``kid``: wait for the set, then for ``kid``'s fetch; the store's root if it came."""
+        self.start()
+        if not self._read.wait(WAIT_S):
+            return None
+        with self._lock:
+            event = self._pending.get(kid)
+        if event is None:
+            return None
+        event.wait(WAIT_S)
+        return self.source.root if self.source is not None else None
+
+    def _run(self) -> None:
+        try:
+            self._fetch()
+        except Exception:  # never into the caller: a lookup that waited goes on as usual
+            _log.debug("cuda-program-cas: the warm set %s could not be fetched", self.name, exc_info=True)
+        finally:
+            self._read.set()
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for event in pending.values():
+                event.set()
+
+    def _fetch(self) -> None:
+        entries = None
+        for tier in self.tiers:
+            entries = parse(tier.get_object(self.name, MAX_SET_BYTES))
+            if entries is not None:
+                self.source = tier
+                break
+        if entries is None or self.source is None:
+            return
+        if self._used is not None:
+            self._used.known = {e.kid: e for e in entries}
+        self.listed = len(entries)
+        wanted: list[SetEntry] = []
+        total = 0
+        for e in entries:  # in order of use, while they fit the cap
+            if self._is_local(e.kid, e.digest):
+                continue
+            cost = e.size + self._per_entry
+            if self._room is not None and total + cost > self._room:
+                break
+            total += cost
+            wanted.append(e)
+        with self._lock:
+            for e in wanted:
+                self._pending[e.kid] = threading.Event()
+        self._read.set()
+        got = self.source.fetch_entries(wanted)
+        had = set()
+        for kid, data, digest in got:
+            self._keep(kid, data, digest)
+            had.add(kid)
+            self.fetched += 1
+            with self._lock:
+                event = self._pending.pop(kid, None)
+            if event is not None:
+                event.set()
+        self.gone = {e.kid for e in wanted} - had
+        _log.debug(
+            "cuda-program-cas: warm set %s from %s: %d entries listed, %d fetched, %d not had",
+            self.name,
+            self.source.root,
+            len(entries),
+            len(had),
+            len(self.gone),
+        )

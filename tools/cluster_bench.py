@@ -1,0 +1,245 @@
+"""Cold nodes against shared stores with real round trips: loose, packed and Redis, with and without a warm set.
+
+    .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--nodes 64] [--json]
+
+It compiles ``--kernels`` SAXPY variants with NVRTC (real cubins), publishes them
+into a loose and a packed store that a real nginx serves, and uploads them to a
+real redis-server by write-back. A job (``CUDA_PROGRAM_CAS_JOB``) that used them
+all leaves its warm set in each store. Then, for each store and round trip, a
+fresh process with an empty local cache looks up every kernel through
+``Program.compile(cache=)``, once with the job named (its set is fetched) and
+once with warm sets off. The round trip is real: every connection goes through
+a delaying TCP forwarder (tools/_proxy.py, half the round trip each way) that this
+tool starts and stops; this kernel has no ``netem``.
+
+Per case: seconds per node (from opening the cache to the last kernel) and
+requests per node: HTTP requests as nginx logged them, and for Redis the
+round trips the forwarder saw (a pipeline is one) and the commands the server
+counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job at
+once against each store at 2 ms, checks every node got every kernel's bytes, and
+reports the requests the server answered in all and the seconds per node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+from _common import log, run_worker, work_dir, worker_spec
+from _nginx import Nginx, find_nginx
+from _proxy import Proxy
+from _redis import RedisServer, find_redis_server
+from http_bench import build_stores, kernel
+
+JOB = "cluster-bench"
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One node: every kernel through Program.compile(cache=), timed from the cache's opening."""
+    from cuda.core import Program, ProgramOptions
+
+    from cuda_program_cas import ContentAddressedProgramCache
+
+    opts = ProgramOptions(arch="sm_80")
+    t0 = time.perf_counter()
+    cache = ContentAddressedProgramCache(spec["local"], shared=[spec["shared"]])
+    digests = [
+        bytes(Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache).code).hex()[:32]
+        for i in range(spec["kernels"])
+    ]
+    elapsed = time.perf_counter() - t0
+    store = cache._store
+    requests = getattr(store.shared[0], "requests", 0)
+    warm = store.warm
+    cache.close()
+    return {
+        "elapsed_s": elapsed,
+        "counters": cache.counters(),
+        "requests": requests,
+        "digests": digests,
+        "warm_fetched": 0 if warm is None else warm.fetched,
+    }
+
+
+def _through(url: str, server_port: int, link: Proxy) -> str:
+    return url.replace(f":{server_port}/", f":{link.port}/")
+
+
+def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes: int = 0) -> dict[str, Any]:
+    base = work_dir(parent, "cluster-bench")
+    try:
+        compile_s, served = build_stores(base, kernels)
+        results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
+        named = {"CUDA_PROGRAM_CAS_JOB": JOB}
+        with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:
+            # The job's first run, on a node of its own each: it finds (or, for Redis, compiles and uploads)
+            # every kernel, and leaves its set behind (read through the packs: with where each entry lies).
+            for name, url in (("loose", ngx.dav_url("loose")), ("packed", ngx.dav_url("packed")), ("redis", redis.url)):
+                log(f"the job's first run against the {name} store ...")
+                local = os.path.join(base, f"first-{name}")
+                run_worker(__file__, {"local": local, "shared": f"{url}|write", "kernels": kernels}, settings=named)
+            stores = [
+                ("HTTP loose", ngx.read_url("loose"), ngx.port),
+                ("HTTP packed", ngx.read_url("packed"), ngx.port),
+                ("Redis", redis.url, int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])),
+            ]
+            runs: dict[str, list[dict[str, Any]]] = {}
+            reference: list[str] | None = None
+            for r in range(repeat):
+                for rtt in rtts:
+                    for store, url, port in stores:
+                        for warm in (False, True):
+                            name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
+                            log(f"round {r + 1}/{repeat}: {name} ...")
+                            local = os.path.join(base, f"node-{sum(map(len, runs.values()))}")  # a fresh node each
+                            with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+                                ngx.reset_log()
+                                redis.reset_stats()
+                                spec = {"local": local, "shared": _through(url, port, link), "kernels": kernels}
+                                out = run_worker(
+                                    __file__, spec, settings=named if warm else {"CUDA_PROGRAM_CAS_JOB": "off"}
+                                )
+                                out["round_trips"] = link.exchanges
+                                out["connections"] = link.connections
+                            if store == "Redis":
+                                counted = redis.commandstats()
+                                out["commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
+                                out["answered"] = out["round_trips"]
+                            else:
+                                out["answered"] = len(ngx.requests(wait_for=out["requests"]))
+                            if reference is None:
+                                reference = out["digests"]
+                            elif out["digests"] != reference:
+                                raise RuntimeError(f"{name}: other bytes than the first case")
+                            if out["counters"]["hits"] != kernels:
+                                raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
+                            runs.setdefault(name, []).append(out)
+            if nodes:
+                results["crowd"] = _crowd(base, stores, (ngx, redis), nodes=nodes, rtt=2.0, kernels=kernels)
+                for case in results["crowd"].values():
+                    if case["digests"] != reference:
+                        raise RuntimeError("a node of the crowd got other bytes than the single nodes")
+                    del case["digests"]
+            for name, outs in runs.items():
+                results["cases"][name] = {
+                    "seconds_per_node": statistics.median(o["elapsed_s"] for o in outs),
+                    "seconds_all": [o["elapsed_s"] for o in outs],
+                    "requests_per_node": outs[0]["answered"],
+                    "connections": outs[0]["connections"],
+                    "warm_fetched": outs[0]["warm_fetched"],
+                    **({"redis_commands": outs[0]["commands"]} if "commands" in outs[0] else {}),
+                }
+        return results
+    finally:
+        if parent is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _crowd(
+    base: str,
+    stores: list[tuple[str, str, int]],
+    servers: tuple[Nginx, RedisServer],
+    *,
+    nodes: int,
+    rtt: float,
+    kernels: int,
+) -> dict[str, Any]:
+    """``nodes`` cold nodes of the job at once against each store (through one forwarder), their warm sets on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ngx, redis = servers
+    named = {"CUDA_PROGRAM_CAS_JOB": JOB}
+    crowd: dict[str, Any] = {}
+    for store, url, port in stores:
+        log(f"{nodes} cold nodes at once against the {store} store, {rtt:g} ms ...")
+        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+            ngx.reset_log()
+            redis.reset_stats()
+            specs = [
+                {"local": os.path.join(base, f"crowd-{store.replace(' ', '-')}-{i}"), "kernels": kernels,
+                 "shared": _through(url, port, link)}
+                for i in range(nodes)
+            ]  # fmt: skip
+            with ThreadPoolExecutor(max_workers=nodes) as pool:
+                outs = list(pool.map(lambda spec: run_worker(__file__, spec, 900, settings=named), specs))
+            digests = {tuple(o["digests"]) for o in outs}
+            if len(digests) != 1:  # a miss compiles the same bytes: what must hold is every node's bytes right
+                raise RuntimeError(f"{store}: the crowd's nodes did not all get the same bytes for every kernel")
+            requests = sum(o["requests"] for o in outs) if store != "Redis" else link.exchanges
+            crowd[store] = {
+                "nodes": nodes,
+                "rtt_ms": rtt,
+                "requests_total": len(ngx.requests(wait_for=requests)) if store != "Redis" else requests,
+                "seconds_median": statistics.median(o["elapsed_s"] for o in outs),
+                "seconds_max": max(o["elapsed_s"] for o in outs),
+                "warm_fetched_min": min(o["warm_fetched"] for o in outs),
+                "hits": sum(o["counters"]["hits"] for o in outs),
+                "misses_compiled": sum(o["counters"]["misses"] for o in outs),
+                "errors": sum(o["counters"]["errors"] for o in outs),
+                "digests": list(next(iter(digests))),
+                **({"redis_commands": sum(redis.commandstats().values()) - 1} if store == "Redis" else {}),
+            }
+    return crowd
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s; "
+        f"each case the median of {results['repeat']} fresh nodes",
+        "",
+        f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} {'conns':>6} {'fetched':>8}",
+    ]
+    for name, case in results["cases"].items():
+        extra = f"  ({case['redis_commands']} commands)" if "redis_commands" in case else ""
+        lines.append(
+            f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
+            f"{case['connections']:>6} {case['warm_fetched']:>8}{extra}"
+        )
+    for store, case in results.get("crowd", {}).items():
+        extra = f", {case['redis_commands']} commands" if "redis_commands" in case else ""
+        lines.append(
+            f"{case['nodes']} nodes at once, {store}, {case['rtt_ms']:g} ms, warm set: "
+            f"{case['requests_total']} requests in all{extra}; "
+            f"{case['seconds_median']:.2f} s per node (median), {case['seconds_max']:.2f} s the last; "
+            f"{case['hits']} hits, {case['misses_compiled']} misses compiled, {case['errors']} store errors"
+        )
+    lines.append("")
+    lines.append("requests: HTTP requests nginx logged; for Redis, round trips through the forwarder")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    spec = worker_spec(args_in)
+    if spec is not None:
+        print(json.dumps(_worker(spec)))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernels", type=int, default=200, help="kernels per node (default 200)")
+    parser.add_argument("--rtt", default="0,2,20", help="round trips in ms, comma-separated (default 0,2,20)")
+    parser.add_argument("--repeat", type=int, default=1, help="nodes per case; the median is shown (default 1)")
+    parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--dir", help="where the caches and the served stores go (kept); default a temp dir")
+    args = parser.parse_args(args_in)
+    if find_nginx() is None or find_redis_server() is None:
+        print("cluster_bench: needs nginx and redis-server (apt-get install nginx redis-server)", file=sys.stderr)
+        return 2
+    try:
+        rtts = [float(x) for x in args.rtt.split(",")]
+    except ValueError:
+        print(f"cluster_bench: --rtt takes numbers of ms, not {args.rtt!r}", file=sys.stderr)
+        return 2
+    results = run(args.kernels, rtts, args.dir, args.repeat, max(0, args.nodes))
+    print(json.dumps(results, indent=2) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
