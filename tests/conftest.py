@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +76,15 @@ def run_python(
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=full_env, check=False
     )
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    """Mount points a test made (appended by it): unmounted (lazily) when it ends."""
+    made: list[Path] = []
+    yield made
+    for target in reversed(made):
+        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 def redis_or_skip(prefix: Path, **options: object):

@@ -68,6 +68,8 @@ def test_quick_json_reports_every_workload_for_both_caches(tmp_path):
     for wanted in (  # the first-hit issue's rows, each with its target in a full run
         "first hit 8 KB, median",
         "first hit 160 KB, median",
+        "first hit 8 KB, verified this boot, median",
+        "first hit 160 KB, verified this boot, median",
         "repeated hit 8 KB, median",
         "repeated hit 160 KB, median",
         "Program.compile hit, median",

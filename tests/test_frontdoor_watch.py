@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,14 +166,6 @@ def test_an_untouched_tree_stays_watched_across_unrelated_changes(tree: Tree) ->
     before = tree.watched_hits()
     assert cached(tree.cache, KERNEL, tree.opts) == old
     assert tree.watched_hits() == before + 1
-
-
-@pytest.fixture
-def mounts() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for target in reversed(made):
-        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 needs_root = pytest.mark.skipif(not is_root(), reason="mounts need root")

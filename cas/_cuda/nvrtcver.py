@@ -15,7 +15,7 @@ instead from a record in the cache, keyed by the identity of the file that
   known without loading, so NVRTC is loaded as before.
 - Its identity is ``stat`` of that path, followed (device, inode, size, mtime
   and ctime, in ns), on a file system whose stat data are reliable
-  (:mod:`cuda_program_cas._cuda.fskind`; NFS is not: its attributes are cached).
+  (:mod:`cuda_program_cas._disk.fskind`; NFS is not: its attributes are cached).
   An upgrade in place changes the size or times (ctime cannot be set back
   without root), another venv or a moved symlink names another inode.
 - The record's key also holds the boot id (inode numbers of another boot, or of
@@ -44,9 +44,8 @@ from typing import Any
 
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas._disk.fskind import STAT_RELIABLE, fs_type
 from cuda_program_cas.index import local_id
-
-from .fskind import STAT_RELIABLE, fs_type
 
 __all__ = ["loaded_version", "version"]
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.config import ENV_SWITCH, NOT_GIVEN, validate_max_size
 from cuda_program_cas._base.errors import ReadOnlyCacheError
-from cuda_program_cas._disk.writer import WriteResult
 from cuda_program_cas._store.stats import CacheStats, Counters
 from cuda_program_cas.index import key_id
+
+if TYPE_CHECKING:
+    from cuda_program_cas._disk.writer import WriteResult
 
 __all__ = ["SwitchedOff"]
 
@@ -44,6 +47,8 @@ class SwitchedOff:
         return None
 
     def put(self, key: object, data: bytes) -> WriteResult:
+        from cuda_program_cas._disk.writer import WriteResult
+
         key_id(key)
         if not isinstance(data, bytes):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")

@@ -29,7 +29,7 @@ its parent's queue: it never reads it, and arms its own). A variant is not
 watched at all, and keeps the stat check, when a watch cannot be added
 (``ENOSPC``, ``EACCES``; or past this process's share of the user's watches), or
 when anything it depends on is on a file system not known to raise events for
-every change (see :mod:`cuda_program_cas._cuda.fskind`: NFS, FUSE, overlayfs...).
+every change (see :mod:`cuda_program_cas._disk.fskind`: NFS, FUSE, overlayfs...).
 
 Not seen: writes through a shared ``mmap``, which raise no ``IN_MODIFY`` (on
 Linux 6.18 the writer's ``munmap`` raises ``IN_CLOSE_WRITE``: a clean variant can
@@ -55,8 +55,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from cuda_program_cas._base.fork import after_fork_call
-
-from .fskind import WATCHABLE, fs_type
+from cuda_program_cas._disk.fskind import WATCHABLE, fs_type
 
 __all__ = ["Token", "arm"]
 

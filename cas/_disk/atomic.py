@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import secrets
 import stat
 import sys
 from collections.abc import Iterable, Iterator
@@ -69,7 +68,7 @@ class _TempNames:
         self.reset()
 
     def reset(self) -> None:
-        self._prefix = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._prefix = f"{os.getpid()}-{os.urandom(4).hex()}"
         self._count = itertools.count()
 
     def next(self, tmp_dir: str) -> str:
@@ -146,7 +145,7 @@ def _open_temp(tmp_dir: str, flags: int = _WRITE_FLAGS) -> tuple[int, str]:
         make_tmp_dir(tmp_dir)
         return os.open(tmp, flags, 0o600), tmp
     except FileExistsError:  # a name left by a process long gone with the same pid and draw
-        tmp = os.path.join(tmp_dir, f"{os.getpid()}-{secrets.token_hex(8)}.tmp")
+        tmp = os.path.join(tmp_dir, f"{os.getpid()}-{os.urandom(8).hex()}.tmp")
         return os.open(tmp, flags, 0o600), tmp
 
 

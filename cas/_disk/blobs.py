@@ -13,36 +13,11 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from blake3 import blake3
-
 from cuda_program_cas._base.errors import CorruptBlobError
 
-from .files import SizeMismatch, read_regular, scan_sharded, shard_path
+from .files import SizeMismatch, digest_of, read_regular, scan_sharded, shard_path
 
 __all__ = ["BlobCheck", "BlobEntry", "BlobState", "BlobStore", "digest_of"]
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-#: From this size on, data is hashed on several cores (blake3's shared thread pool),
-#: where the process may use at least _MT_MIN_CORES; never on smaller machines, where
-#: waking the pool costs more than one core hashing (measured: docs/benchmarks.md).
-_MT_MIN_BYTES = 2 << 20
-_MT_MIN_CORES = 8
-_MT = _usable_cores() >= _MT_MIN_CORES
-_AUTO = blake3.AUTO
-
-
-def digest_of(data: bytes | bytearray | memoryview) -> str:
-    """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
-    if _MT and len(data) >= _MT_MIN_BYTES:
-        return blake3(data, max_threads=_AUTO).hexdigest()
-    return blake3(data).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

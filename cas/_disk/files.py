@@ -31,6 +31,7 @@ __all__ = [
     "NotRegularFile",
     "ShardGuard",
     "SizeMismatch",
+    "digest_of",
     "file_id",
     "fs_now",
     "hashes_to",
@@ -295,6 +296,29 @@ class ShardGuard:
             return False
         names.add(head)
         return True
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: From this size on, data is hashed on several cores (blake3's shared thread pool),
+#: where the process may use at least _MT_MIN_CORES; never on smaller machines, where
+#: waking the pool costs more than one core hashing (measured: docs/benchmarks.md).
+_MT_MIN_BYTES = 2 << 20
+_MT_MIN_CORES = 8
+_MT = _usable_cores() >= _MT_MIN_CORES
+_AUTO = blake3.AUTO
+
+
+def digest_of(data: bytes | bytearray | memoryview) -> str:
+    """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
+    if _MT and len(data) >= _MT_MIN_BYTES:
+        return blake3(data, max_threads=_AUTO).hexdigest()
+    return blake3(data).hexdigest()
 
 
 #: Bytes hashed without being kept are read this many at a time.

@@ -34,6 +34,7 @@ from .files import READ_FLAGS, FileId, file_id, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
+    "BOOT_RECORD_FILE",
     "CACHEDIR_TAG",
     "CLAIM_SUFFIX",
     "FILES",
@@ -80,6 +81,8 @@ LOCK_FILE = "evict.lock"
 #: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
+#: Blobs verified in this boot (see :mod:`cuda_program_cas._disk.bootrecord`).
+BOOT_RECORD_FILE = "verified"
 #: The miss journal (see :mod:`cuda_program_cas._store.journal`): recent misses' inputs, for ``explain``;
 #: the current file and the one it replaced when it grew past its bound.
 MISSES_FILE = "misses"
@@ -120,6 +123,7 @@ FILES: tuple[tuple[str, str], ...] = (
     (LOCK_FILE, "taken without waiting by the one evictor, collector or repack at a time"),
     (COUNTERS_FILE, "the lifetime counters: one self-checking line per flush"),
     (COUNTERS_LOCK, "taken briefly by whoever appends to or rewrites the counters or the usage ledger"),
+    (BOOT_RECORD_FILE, "blobs verified in this boot, by file identity: a fresh process need not hash them again"),
     (USAGE_FILE, "the usage ledger: each entry's compile time and the time its hits saved"),
     (MISSES_FILE, "the miss journal: recent misses' inputs, for `explain` (bounded)"),
     (MISSES_OLD, "the miss journal's previous part, kept when it rotates"),

@@ -29,9 +29,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from stat import S_ISREG
+from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._disk.blobs import digest_of as _hexdigest
+from cuda_program_cas._disk.bootrecord import BootRecord
 from cuda_program_cas._disk.files import (
     READ_FLAGS,
     FileId,
@@ -44,12 +45,17 @@ from cuda_program_cas._disk.files import (
     shard_path,
     with_sharing_retry,
 )
+from cuda_program_cas._disk.files import (
+    digest_of as _hexdigest,
+)
 from cuda_program_cas._disk.layout import Layout, LayoutVersion
-from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, parse_fields
 
 from .stats import Counters
 from .touch import TOUCH_INTERVAL_NS, Touches
+
+if TYPE_CHECKING:
+    from cuda_program_cas._disk.remove import Remover
 
 __all__ = ["Reader", "Uncached"]
 
@@ -74,6 +80,9 @@ ErrorHook = Callable[[OSError, str], None]
 class Reader:
     """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes).
 
+    ``remover`` gives the store's remover when called: it is made when something is first to be
+    removed, not for a hit.
+
     ``version`` is the root's layout version, which decides whether a layout-1
     manifest (naming no key) is believed (:func:`cuda_program_cas.index.fits_key`).
     """
@@ -83,7 +92,7 @@ class Reader:
         lay: Layout,
         counters: Counters,
         guard: ShardGuard,
-        remover: Remover | None,
+        remover: Callable[[], Remover] | None,
         *,
         version: LayoutVersion,
         note: Callable[[str, int, str], None],
@@ -115,6 +124,8 @@ class Reader:
         self._reads: dict[str, int] = {}
         self._holds_since_aging = 0
         self._why = threading.local()
+        #: Blobs verified in this boot by any process (a writable local cache only; see bootrecord).
+        self._boot = BootRecord(lay.root, lay.blobs, lay.tmp, writable=True) if remover is not None else None
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
@@ -335,11 +346,18 @@ class Reader:
                 self._corrupt_blob(kid, mfd, digest, bfd)
                 return None
             # A blob already verified and provably unchanged (ctime cannot be set
-            # back without root) need not be hashed again.
+            # back without root) need not be hashed again: by this process, or
+            # by any process of this boot (its record).
             if identity is None or self._verified.get(digest) != identity:
-                if _hexdigest(data) != digest:
-                    self._corrupt_blob(kid, mfd, digest, bfd)
-                    return None
+                boot = self._boot
+                # The record vouches for the file as it was before this read; a second fstat, after it,
+                # proves no change since (a change would have moved the ctime past the recorded one).
+                if identity is None or boot is None or not (boot.vouches(digest, identity) and _same(bfd, identity)):
+                    if _hexdigest(data) != digest:
+                        self._corrupt_blob(kid, mfd, digest, bfd)
+                        return None
+                    if identity is not None and boot is not None:
+                        boot.enter(digest, identity, _time_ns())
                 if identity is not None:
                     if len(self._verified) >= _VERIFIED_MAX:
                         self._verified.clear()
@@ -406,7 +424,7 @@ class Reader:
             return
         try:
             st = os.fstat(mfd)
-            self._remover.manifest(kid, st)
+            self._remover().manifest(kid, st)
         except OSError as exc:
             # A read-only remount, permissions: the lookup is a miss all the same.
             self._counters.add("errors")
@@ -440,7 +458,7 @@ class Reader:
             return
         try:
             bst = os.fstat(bfd)
-            where = self._remover.quarantine(digest, bst)
+            where = self._remover().quarantine(digest, bst)
         except OSError as exc:
             self._set_aside_failed(digest, bfd, exc)
         else:
@@ -456,7 +474,7 @@ class Reader:
         """
         assert self._remover is not None
         try:
-            removed = self._remover.blob(digest, seen=file_id(os.fstat(bfd)))
+            removed = self._remover().blob(digest, seen=file_id(os.fstat(bfd)))
         except OSError as again:
             self._counters.add("errors")
             self._note(
@@ -485,6 +503,14 @@ class Uncached(Reader):
 
     def current_digest(self, kid: str) -> str | None:
         return None
+
+
+def _same(fd: int, identity: FileId) -> bool:
+    """True when the file open as ``fd`` still has ``identity``."""
+    try:
+        return file_id(os.fstat(fd)) == identity
+    except OSError:
+        return False
 
 
 def _hashes_to(fd: int, digest: str) -> bool:

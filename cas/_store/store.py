@@ -20,6 +20,7 @@ logger (:mod:`cuda_program_cas._base.events`), built only when DEBUG is on.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import math
@@ -29,15 +30,15 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
-from cuda_program_cas._base.config import NOT_GIVEN, env_claim_wait, env_lease_ttl, validate_max_size, warn_once
+from cuda_program_cas._base.config import NOT_GIVEN, validate_max_size, warn_once
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.signing import env_signer, env_trust
-from cuda_program_cas._disk.blobs import BlobStore, digest_of
-from cuda_program_cas._disk.files import FileId, ShardGuard
+from cuda_program_cas._disk.files import FileId, ShardGuard, digest_of
 from cuda_program_cas._disk.layout import (
+    LAYOUT_VERSION,
     Layout,
     LayoutState,
     LayoutVersion,
@@ -46,27 +47,28 @@ from cuda_program_cas._disk.layout import (
     damaged_layout_error,
     unwritable_reason,
 )
-from cuda_program_cas._disk.remove import RemovalPlan, RemovalResult, Remover, removable_orphans
-from cuda_program_cas._disk.scan import Snapshot, take_snapshot
-from cuda_program_cas._disk.settings import stored_max_size
-from cuda_program_cas._disk.upgrade import upgrade_if_needed
-from cuda_program_cas._disk.writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, Writer, WriteResult
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
-from .cap import EVICT_STEP, ORPHAN_GRACE_S, SizeCap
-from .claims import Claim, claim
-from .lease import Lease, lease
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
 from .stats import CacheStats, Counters
-from .tier import Tier
-from .tiers import open_tier
 from .touch import apply_pending, ensure_thread
-from .warmset import MAX_SET_BYTES, Used, WarmFetch, job_name, set_name
-from .warmset import encode as encode_set
-from .warmset import merge as merge_sets
-from .warmset import parse as parse_set
-from .writeback import EXIT_FLUSH_S, WriteBack
+
+if TYPE_CHECKING:
+    from cuda_program_cas._disk.blobs import BlobStore
+    from cuda_program_cas._disk.remove import RemovalResult, Remover
+    from cuda_program_cas._disk.scan import Snapshot
+    from cuda_program_cas._disk.writer import Writer, WriteResult
+
+    from .cap import SizeCap
+    from .claims import Claim
+    from .lease import Lease
+    from .tier import Tier
+    from .warmset import Used, WarmFetch
+    from .writeback import WriteBack
+
+# What a hit needs is imported above; the writer, the remover, the cap, scans, claims, leases, the shared
+# stores and uploads are imported when first used (issue 31: a job that only hits pays for none of them).
 
 __all__ = ["CacheStore"]
 
@@ -142,29 +144,29 @@ class CacheStore:
                 raise damaged_layout_error(self.root)
         else:
             usable = self._open_writable(lay)
-        if from_cache and usable:
-            self._max = stored_max_size(self.root)
-        self._remover = None if self.read_only else Remover(lay)
-        self._writer = None if self.read_only else Writer(lay, guard=self._guard)
+        #: The cap stored in the cache, read when first needed (a write, or max_size_bytes).
+        self._max_from_cache = from_cache and usable
+        #: The writer and the remover, made when first needed (a hit needs neither); the cap likewise.
+        self._parts = _Parts(lay, self._guard)
+        self._cap_made: SizeCap | None = None
         kind = Reader if usable else Uncached
         version = LayoutVersion(self.root)  # raised by the upgrade below: it asks again
-        self._reader = kind(lay, self._counters, self._guard, self._remover, version=version, note=self._note)
+        remover = None if self.read_only else self._parts.remover
+        self._reader = kind(lay, self._counters, self._guard, remover, version=version, note=self._note)
         if self._reader.touches is not None:
             weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
-        self.blobs = BlobStore(lay.blobs)
-        self._cap: SizeCap | None = None
-        if self._remover is not None and self._writer is not None:
-            self._remover.sweep_temp()
-            upgrade_if_needed(lay, self._writer)
-            # Uncapped stores keep one too, for explicit evictions (evict_to).
-            reader = self._reader
-            self._cap = SizeCap(
-                self._max, lay, self._remover, self._counters, recency=lambda: reader.recent, note=self._note
-            )
+        if not self.read_only and version.now() < LAYOUT_VERSION:
+            from cuda_program_cas._disk.upgrade import upgrade_if_needed
+
+            upgrade_if_needed(lay, self._parts.writer())
         self._clear_lock = threading.Lock()
         after_fork(self)
         #: The keys shared entries must be signed by ($CUDA_PROGRAM_CAS_TRUSTED_KEYS), or None: any verified entry.
-        self._trust = env_trust() if shared else None
+        self._trust = None
+        if shared:
+            from cuda_program_cas._base.signing import env_trust
+
+            self._trust = env_trust()
         self.shared: tuple[Tier, ...] = tuple(self._shared_store(p) for p in shared)
         #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self._writeback: WriteBack | None = None
@@ -172,7 +174,11 @@ class CacheStore:
         #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
-        if targets and self._writer is not None:
+        if targets and not self.read_only:
+            from cuda_program_cas._base.signing import env_signer
+
+            from .writeback import WriteBack
+
             try:
                 signer, unusable = env_signer(), None
             except ValueError as exc:
@@ -182,9 +188,12 @@ class CacheStore:
         #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
         self._used: Used | None = None
         self.warm: WarmFetch | None = None
-        job = job_name() if self.shared and self._writer is not None and self._copy_shared else None
-        if job is not None:
-            self._start_warm_set(set_name(job))
+        if self.shared and not self.read_only and self._copy_shared:
+            from .warmset import job_name, set_name
+
+            job = job_name()
+            if job is not None:
+                self._start_warm_set(set_name(job))
         # Lifetime counters: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         self._flush_at = math.inf
@@ -206,8 +215,50 @@ class CacheStore:
             self._lifetime.attach(self)
             self._flush_at = _monotonic() + FLUSH_INTERVAL_S
 
+    # -- the parts a hit does not need, made on first use --------------------------------
+
+    @functools.cached_property
+    def blobs(self) -> BlobStore:
+        """The blob store of this cache: blobs by digest, read verified (made on first use)."""
+        from cuda_program_cas._disk.blobs import BlobStore
+
+        return BlobStore(self.layout.blobs)
+
+    @property
+    def _writer(self) -> Writer | None:
+        return None if self.read_only else self._parts.writer()
+
+    @property
+    def _remover(self) -> Remover | None:
+        return None if self.read_only else self._parts.remover()
+
+    @property
+    def _cap(self) -> SizeCap | None:
+        """The cap's accounting and eviction (uncapped stores keep one too, for explicit evictions: evict_to)."""
+        if self.read_only:
+            return None
+        made = self._cap_made
+        if made is None:
+            from .cap import SizeCap
+
+            with self._parts.lock:
+                if self._cap_made is None:
+                    reader = self._reader
+                    self._cap_made = SizeCap(
+                        self.max_size_bytes,
+                        self.layout,
+                        self._parts.remover(),
+                        self._counters,
+                        recency=lambda: reader.recent,
+                        note=self._note,
+                    )
+                made = self._cap_made
+        return made
+
     def _shared_store(self, where: str | os.PathLike[str]) -> Tier:
         """The reader of one shared store (:mod:`cuda_program_cas._store.tiers`); pack indexes kept in this cache."""
+        from .tiers import open_tier
+
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
 
         def memo_get(kid: str) -> bytes | None:
@@ -220,14 +271,20 @@ class CacheStore:
                 store._copy_in(kid, data, digest_of(data))
 
         # A hit must fit the cap to be copied in; a large body waits in this cache's tmp/ while it is verified.
-        room = None if self._max is None else self._max - LONGEST_MANIFEST
-        tmp = None if self._writer is None else self.layout.tmp
+        cap = self.max_size_bytes
+        room = None if cap is None else cap - LONGEST_MANIFEST
+        tmp = None if self.read_only else self.layout.tmp
         return open_tier(
             os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
         )
 
     def _start_warm_set(self, name: str) -> None:
         """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
+        from .warmset import MAX_SET_BYTES, Used, WarmFetch
+        from .warmset import encode as encode_set
+        from .warmset import merge as merge_sets
+        from .warmset import parse as parse_set
+
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
         used = self._used = Used() if self._writeback is not None else None
 
@@ -240,7 +297,13 @@ class CacheStore:
                 store._copy_in(kid, data, digest)
 
         warm = self.warm = WarmFetch(
-            self.shared, name, is_local=is_local, keep=keep, room=self._max, used=used, per_entry=LONGEST_MANIFEST
+            self.shared,
+            name,
+            is_local=is_local,
+            keep=keep,
+            room=self.max_size_bytes,
+            used=used,
+            per_entry=LONGEST_MANIFEST,
         )
         if used is not None and self._writeback is not None:
 
@@ -270,6 +333,8 @@ class CacheStore:
         try:
             create_layout(self.root)
         except OSError as exc:
+            from cuda_program_cas._disk.writer import UNWRITABLE_ERRNOS
+
             if exc.errno not in UNWRITABLE_ERRNOS and exc.errno not in _FULL_ERRNOS:
                 raise
             why = f"{exc.strerror or exc}: {exc.filename or self.root}"
@@ -341,7 +406,7 @@ class CacheStore:
                 data, digest = found
                 if self._used is not None:
                     self._used.add(kid, digest, len(data))
-                if self._copy_shared and self._writer is not None:
+                if self._copy_shared and not self.read_only:
                     self._copy_in(kid, data, digest)
                 return data, store.root
             if reasons is not None:
@@ -407,7 +472,11 @@ class CacheStore:
         for, at once: compile. Never raises for what it meets on disk. See
         :mod:`cuda_program_cas._store.claims`.
         """
-        if self._writer is None:
+        from cuda_program_cas._base.config import env_claim_wait
+
+        from .claims import Claim, claim
+
+        if self.read_only:
             return nullcontext(Claim())
         bound = env_claim_wait() if wait_s is None else wait_s
         if self._lease_tier is None:
@@ -417,6 +486,11 @@ class CacheStore:
     @contextmanager
     def _claim_in_cluster(self, kid: str, bound: float) -> Iterator[Claim]:
         """The node's claim, then the cluster's lease on ``kid`` (:mod:`cuda_program_cas._store.lease`)."""
+        from cuda_program_cas._base.config import env_lease_ttl
+
+        from .claims import Claim, claim
+        from .lease import lease
+
         tier = self._lease_tier
         assert tier is not None
         with claim(self.layout.tmp, kid, bound, self._counters) as mine:
@@ -466,7 +540,7 @@ class CacheStore:
         will save) and its inputs to the miss journal (:mod:`cuda_program_cas._store.journal`: what
         ``explain`` compares). Never raises; nothing is written on a read-only cache.
         """
-        if self._writer is None:
+        if self.read_only:
             return
         from .journal import record_miss
         from .usage import record_compile
@@ -530,9 +604,11 @@ class CacheStore:
                 f"CacheStore stores bytes, got {type(data).__name__} (other bytes-like values or ObjectCode "
                 "go through ContentAddressedProgramCache)"
             )
+        from cuda_program_cas._disk.writer import WriteResult
+
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
         why: str | None
-        if self._writer is None:
+        if self.read_only:
             # As ccache and sccache in their read-only modes: the caller keeps its program.
             self._counters.add("dropped_writes")
             result, why = WriteResult.DROPPED, "read-only cache"
@@ -553,11 +629,14 @@ class CacheStore:
 
     def _store(self, kid: str, data: bytes, digest: str) -> tuple[WriteResult, str | None]:
         """Store one entry and count it; with ``DROPPED``, why."""
-        if self._max is not None and len(data) + LONGEST_MANIFEST > self._max:
+        from cuda_program_cas._disk.writer import DROP_ERRNOS, UNWRITABLE_ERRNOS, WriteResult
+
+        most = self.max_size_bytes
+        if most is not None and len(data) + LONGEST_MANIFEST > most:
             # It could never fit: storing it would only evict everything else, then itself.
             self._counters.add("dropped_writes")
-            self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={self._max}")
-            return WriteResult.DROPPED, f"larger than max_size_bytes={self._max}"
+            self._note("value larger than the cap", 0, f"{len(data)} bytes > max_size_bytes={most}")
+            return WriteResult.DROPPED, f"larger than max_size_bytes={most}"
         try:
             result = self._commit(kid, data, digest)
         except OSError as exc:
@@ -576,31 +655,46 @@ class CacheStore:
 
     def _commit(self, kid: str, data: bytes, digest: str) -> WriteResult:
         """The write protocol for one entry, then the cap's accounting; retires the blob it replaced."""
-        assert self._writer is not None and self._remover is not None
+        from cuda_program_cas._disk.writer import WriteResult
+
+        assert not self.read_only
+        writer, remover = self._parts.writer(), self._parts.remover()
         before = self._reader.current_digest(kid)
-        result = self._writer.commit(kid, data, digest)
+        result = writer.commit(kid, data, digest)
         if not result:
             return result
         if before is not None and before != digest:
-            self._remover.retire(before)
-        if self._max is not None and self._cap is not None:
+            remover.retire(before)
+        cap = self._cap
+        if self.max_size_bytes is not None and cap is not None:
             added = manifest_length(len(data)) + (len(data) if result is WriteResult.STORED else 0)
-            self._cap.account(added, written=kid)
+            cap.account(added, written=kid)
         return result
 
     # -- the size cap --------------------------------------------------------------
 
-    def enforce_cap(self, *, budget: int | None = EVICT_STEP) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._store.cap.SizeCap.enforce`)."""
-        if self._cap is None or self._max is None:
-            return None
-        return self._cap.enforce(budget=budget)
+    def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._store.cap.SizeCap.enforce`).
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
-        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
+        ``budget`` not given: :data:`cuda_program_cas._store.cap.EVICT_STEP`.
+        """
+        from .cap import EVICT_STEP
+
+        if self._cap is None or self.max_size_bytes is None:
+            return None
+        return self._cap.enforce(budget=EVICT_STEP if budget is NOT_GIVEN else budget)
+
+    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock).
+
+        ``orphan_grace_s`` not given: :data:`cuda_program_cas._store.cap.ORPHAN_GRACE_S`.
+        """
+        from .cap import ORPHAN_GRACE_S
+
         if self._cap is None:
             raise self._refuse("evict")
-        return self._cap.evict_to(snap, target_bytes, orphan_grace_s=orphan_grace_s)
+        grace = ORPHAN_GRACE_S if orphan_grace_s is NOT_GIVEN else orphan_grace_s
+        return self._cap.evict_to(snap, target_bytes, orphan_grace_s=grace)
 
     # -- deletion ----------------------------------------------------------------
 
@@ -611,21 +705,28 @@ class CacheStore:
 
     def delete_id(self, kid: str) -> bool:
         """:meth:`delete` by key id; False when there was no such entry."""
-        if self._remover is None:
+        if self.read_only:
             raise self._refuse("delete a key")
         if not self._guard.ok(self.layout.index, kid):
             return False
+        remover = self._parts.remover()
         before = self._reader.current_digest(kid)
-        if not self._remover.manifest(kid):
+        if not remover.manifest(kid):
             return False
         if before is not None:
-            self._remover.retire(before)
+            remover.retire(before)
         return True
 
     def clear(self) -> None:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
-        if self._remover is None:
+        from cuda_program_cas._disk.remove import RemovalPlan, removable_orphans
+        from cuda_program_cas._disk.scan import take_snapshot
+
+        from .cap import ORPHAN_GRACE_S
+
+        if self.read_only:
             raise self._refuse("clear")
+        remover = self._parts.remover()
         with self._clear_lock:
             retired: dict[str, FileId] = {}
             # Two passes of one plan: the second takes the blobs the first retired
@@ -637,10 +738,10 @@ class CacheStore:
                     manifests=list(snap.manifests),
                     orphans=removable_orphans(snap, int(ORPHAN_GRACE_S * 1e9), retired),
                 )
-                retired = self._remover.execute(plan).retired
+                retired = remover.execute(plan).retired
                 if not retired:
                     break
-            self._remover.sweep_temp()
+            remover.sweep_temp()
             self._reader.forget()
             if self._cap is not None:
                 self._cap.reset()
@@ -648,14 +749,23 @@ class CacheStore:
     # -- inspection ----------------------------------------------------------------
 
     def __len__(self) -> int:
+        from cuda_program_cas._disk.scan import take_snapshot
+
         return len(take_snapshot(self.layout.index, self.layout.blobs, read_manifests=False).manifests)
 
     @property
     def max_size_bytes(self) -> int | None:
+        if self._max_from_cache:
+            from cuda_program_cas._disk.settings import stored_max_size
+
+            self._max = stored_max_size(self.root)
+            self._max_from_cache = False
         return self._max
 
     def snapshot(self) -> Snapshot:
         """A scan of the local cache, as an eviction plans from (this process's queued touches land first)."""
+        from cuda_program_cas._disk.scan import take_snapshot
+
         if not self.read_only:
             apply_pending()
         return take_snapshot(
@@ -697,11 +807,15 @@ class CacheStore:
         is dropped and counted. Nothing else is held open; the store stays usable.
         """
         if self._writeback is not None:
+            from .writeback import EXIT_FLUSH_S
+
             self._writeback.flush(EXIT_FLUSH_S)
         self.flush()
 
     def stats(self) -> CacheStats:
         """What the local cache holds now (a scan) and this instance's counters."""
+        from cuda_program_cas._disk.scan import take_snapshot
+
         snap = take_snapshot(self.layout.index, self.layout.blobs)
         return CacheStats(
             entries=len(snap.manifests),
@@ -709,12 +823,54 @@ class CacheStore:
             logical_bytes=snap.logical_bytes,
             stored_bytes=snap.stored_bytes,
             blob_bytes=snap.blob_bytes,
-            max_size_bytes=self._max,
+            max_size_bytes=self.max_size_bytes,
             **self.counters(),
         )
 
     def shared_paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.shared)
+
+
+class _Parts:
+    """The writer and the remover of a writable store, each made on first use (it refers to no store or reader).
+
+    Making the writer sweeps ``tmp/`` of stale temp files first: the leftovers of
+    crashed writers go at the next process that writes, not at every open.
+    """
+
+    def __init__(self, lay: Layout, guard: ShardGuard) -> None:
+        self._lay = lay
+        self._guard = guard
+        self._writer: Writer | None = None
+        self._remover: Remover | None = None
+        self.lock = threading.RLock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self.lock = threading.RLock()  # a thread of the parent may have been making one
+
+    def remover(self) -> Remover:
+        made = self._remover
+        if made is None:
+            from cuda_program_cas._disk.remove import Remover
+
+            with self.lock:
+                if self._remover is None:
+                    self._remover = Remover(self._lay)
+                made = self._remover
+        return made
+
+    def writer(self) -> Writer:
+        made = self._writer
+        if made is None:
+            from cuda_program_cas._disk.writer import Writer
+
+            with self.lock:
+                if self._writer is None:
+                    self.remover().sweep_temp()
+                    self._writer = Writer(self._lay, guard=self._guard)
+                made = self._writer
+        return made
 
 
 class _Problems:
