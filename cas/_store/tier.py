@@ -347,18 +347,22 @@ class Tier:
 
     def _fetch_into(self, entries: Sequence[Wanted], out: list[tuple[str, bytes, str]]) -> None:
         ranged = getattr(self.packs, "fetch_ranges", None) if self._trust is None else None
-        loose = [e for e in entries if e.pack is None or ranged is None]
-        by_pack: dict[str, list[Wanted]] = {}
+        by_pack: dict[str, list[tuple[int, Wanted]]] = {}
+        loose: list[Wanted] = []
         for e in entries:
-            if e.pack is not None and ranged is not None and e.offset is not None and self.fits(e.size, e.kid):
-                by_pack.setdefault(e.pack, []).append(e)
+            if not self.fits(e.size, e.kid):
+                continue
+            if ranged is not None and e.pack is not None and e.offset is not None:
+                by_pack.setdefault(e.pack, []).append((e.offset, e))
+            else:
+                loose.append(e)
         for pack, wanted in by_pack.items():
-            got = ranged(pack, [(e.offset, e.size) for e in wanted]) if ranged is not None else None
-            for e in wanted:
-                data = None if got is None or e.offset is None else got.get(e.offset)
+            assert ranged is not None
+            got = ranged(pack, [(offset, e.size) for offset, e in wanted])
+            for offset, e in wanted:
+                data = None if got is None else got.get(offset)
                 if data is not None and self._hashes(e, data):
                     out.append((e.kid, data, e.digest))
-        loose = [e for e in loose if self.fits(e.size, e.kid)]
         names = [url_path(INDEX, e.kid) for e in loose] + [url_path(BLOBS, e.digest) for e in loose]
         limits = [MAX_MANIFEST_BYTES] * len(loose) + [e.size for e in loose]
         found = self.engine.get_many(names, limit=limits) if loose else []
