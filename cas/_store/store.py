@@ -665,8 +665,7 @@ class CacheStore:
             return result
         if before is not None and before != digest:
             remover.retire(before)
-        cap = self._cap
-        if self.max_size_bytes is not None and cap is not None:
+        if self.max_size_bytes is not None and (cap := self._cap) is not None:  # an uncapped write makes no cap
             added = manifest_length(len(data)) + (len(data) if result is WriteResult.STORED else 0)
             cap.account(added, written=kid)
         return result
@@ -743,8 +742,8 @@ class CacheStore:
                     break
             remover.sweep_temp()
             self._reader.forget()
-            if self._cap is not None:
-                self._cap.reset()
+            if self._cap_made is not None:  # a cap not made yet has nothing to forget
+                self._cap_made.reset()
 
     # -- inspection ----------------------------------------------------------------
 
