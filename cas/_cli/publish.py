@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
     if report.conflicts:
         extras.append(f"{plural(report.conflicts, 'conflict')} kept as published")
+    if report.sets_published:
+        extras.append(plural(report.sets_published, "warm set") + (" would be merged" if report.dry_run else " merged"))
     if report.problem_count:
         extras.append(plural(report.problem_count, "problem"))
     for path in report.packs:

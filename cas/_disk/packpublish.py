@@ -6,6 +6,7 @@
   (once per entry per run), so an entry damaged in its pack is published again.
 - :meth:`DirPacks.write`: one new pack through the store's writer (its modes; each
   pack fsynced when the run is), added to the summary.
+- :meth:`DirPacks.written`: the entries of the packs this run wrote (warm sets' lines are rewritten to them).
 - :meth:`DirPacks.finish`: after the last write, ``packs/summary`` for later
   publishers, and ``packs/list`` for readers over HTTP when a pack was written.
 """
@@ -32,6 +33,7 @@ class DirPacks:
         self._summary = PackSummary.load(engine.root)
         self._ok: dict[tuple[str, int], bool] = {}
         self._readers: dict[str, PackReader | None] = {}
+        self._written: dict[str, PackedEntry] = {}
 
     def _writer(self) -> Writer:
         """The writer of packs and of ``packs/summary``: the store's modes, each file synced when the run is."""
@@ -63,7 +65,12 @@ class DirPacks:
         """Write one new pack of ``inputs``; its path."""
         path = write_pack(Layout(self._engine.root), inputs, self._writer().write_file, stats)
         self._summary.add(path)
+        self._written.update({k: e for k, e in self._summary.entries().items() if e.pack == path})
         return path
+
+    def written(self) -> dict[str, PackedEntry]:
+        """The entries of the packs this run wrote (from the summary, which read each new pack's index)."""
+        return self._written
 
     def finish(self, wrote: bool) -> None:
         """After the last write: ``packs/summary`` for later publishers, ``packs/list`` for HTTP readers."""

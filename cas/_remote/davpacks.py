@@ -8,6 +8,8 @@ over HTTP); each pack is immutable by name. Publish asks (see
   pack's trailer and index (two Range GETs a pack). A pack's index is bounded by
   the ceiling for any entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte
   of it is fetched, whatever the trailer and the server say.
+- :meth:`DavPacks.written`: the entries of the packs this run wrote, from the
+  pack built here (warm sets' lines are rewritten to them).
 - :meth:`DavPacks.write`: one new pack, built in a temp file (one blob in memory
   at a time), PUT, read back by its size and its last bytes (one Range GET: the
   trailer a node reads first), then its name added to ``packs/list``, which is
@@ -34,6 +36,7 @@ from cuda_program_cas._disk.pack import (
     LISTING,
     MAX_LISTING_BYTES,
     TRAILER_SIZE,
+    PackEntry,
     PackError,
     PackIndex,
     PackInput,
@@ -64,6 +67,7 @@ class DavPacks:
     def __init__(self, engine: HttpEngine) -> None:
         self.url = engine.root
         self.where = engine.shown
+        self._written: dict[str, PackedEntry] = {}
 
     def _at(self, relative: str) -> str:
         return join(self.url, relative)
@@ -97,8 +101,14 @@ class DavPacks:
             f.flush()
             url = self._at(f"packs/{name}")
             _check_tail(url, f, size, put(url, f, root=self.url))  # before the listing names it
+            written = _index_of(name, f, size)
         self._list_pack(name)
+        self._written.update({e.key_id: PackedEntry(name, e) for e in written})
         return self._at(f"packs/{name}")
+
+    def written(self) -> dict[str, PackedEntry]:
+        """The entries of the packs this run wrote (read from the pack built here: no request)."""
+        return self._written
 
     def finish(self, wrote: bool) -> None:
         return  # the listing was written with the pack; no packs/summary over HTTP (it is a directory's cache)
@@ -172,6 +182,16 @@ class DavPacks:
                 f"{self.where}/packs/{LISTING}: other publishers kept replacing it; the pack {name} is stored but "
                 "not listed: publish again, or run repack where the store's files are"
             )
+
+
+def _index_of(name: str, data: IO[bytes], size: int) -> list[PackEntry]:
+    """The entries of the pack ``name``, whose ``size`` bytes ``data`` holds (built here: the index uploaded)."""
+    data.seek(size - TRAILER_SIZE)
+    trailer = data.read(TRAILER_SIZE)
+    offset, length = PackIndex.span(size, trailer, name)
+    data.seek(offset)
+    index = PackIndex(name, size, trailer, data.read(length))
+    return [e for e in map(index.find_key, index.key_ids()) if e is not None]
 
 
 def _lost(url: str, status: int, size: int, held: int | None, *, other: bool = False) -> StoreFailure:

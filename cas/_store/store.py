@@ -280,10 +280,7 @@ class CacheStore:
 
     def _start_warm_set(self, name: str) -> None:
         """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
-        from .warmset import MAX_SET_BYTES, Used, WarmFetch
-        from .warmset import encode as encode_set
-        from .warmset import merge as merge_sets
-        from .warmset import parse as parse_set
+        from .warmset import MAX_SET_BYTES, Used, WarmFetch, updated
 
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
         used = self._used = Used() if self._writeback is not None else None
@@ -309,9 +306,9 @@ class CacheStore:
 
             def make(tier: Tier) -> tuple[str, bytes] | None:
                 ours = used.entries(getattr(tier.packs, "where", None))
-                theirs = parse_set(tier.engine.get(name, limit=MAX_SET_BYTES)) or []
-                merged = merge_sets(ours, theirs, warm.gone if warm.source is tier else set())
-                return None if merged is None else (name, encode_set(merged))
+                held = tier.engine.get(name, limit=MAX_SET_BYTES)
+                data = updated(held, ours, warm.gone if warm.source is tier else None)
+                return None if data is None else (name, data)
 
             used.changed = self._writeback.set_changed
             self._writeback.keep_set(make)

@@ -79,6 +79,10 @@ class PackTarget(Protocol):
         """After the run's last write (``wrote``: a pack was written)."""
         ...
 
+    def written(self) -> dict[str, PackedEntry]:
+        """The entries of the packs this run wrote, by key id (where warm sets' lines now point)."""
+        ...
+
     def close(self) -> None: ...
 
 

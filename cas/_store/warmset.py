@@ -58,15 +58,20 @@ __all__ = [
     "MAX_ENTRIES",
     "MAX_SET_BYTES",
     "QUIET_S",
+    "SETS",
     "SetEntry",
     "Used",
     "WarmFetch",
+    "Where",
     "encode",
     "job_name",
     "merge",
     "parse",
     "parse_job",
+    "placed",
     "set_name",
+    "stored_sets",
+    "updated",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -79,6 +84,8 @@ MAX_SET_BYTES = 1 << 20
 QUIET_S = 2.0
 #: How long a lookup waits for the set to be read and its entry fetched, at most (each request has its deadline).
 WAIT_S = 60.0
+#: The folder of a store that holds its sets.
+SETS = "sets"
 _HEADER = b"cuda-program-cas set 1\n"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -106,7 +113,16 @@ def job_name() -> str | None:
 
 def set_name(job: str) -> str:
     """The store object that holds ``job``'s set."""
-    return "sets/" + hashlib.sha256(job.encode()).hexdigest()
+    return f"{SETS}/" + hashlib.sha256(job.encode()).hexdigest()
+
+
+def stored_sets(root: str) -> list[str]:
+    """The sets a store directory holds (``sets/<64 hex>``), as object names (publish's sources, repack's store)."""
+    try:
+        names = os.listdir(os.path.join(root, SETS))
+    except OSError:
+        return []
+    return sorted(f"{SETS}/{n}" for n in names if _HEX64.fullmatch(n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +179,43 @@ def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) 
     mine = {e.kid for e in ours}
     merged = list(ours) + [e for e in theirs if e.kid not in mine and e.kid not in gone]
     return merged[:MAX_ENTRIES]
+
+
+#: ``where(kid, digest)``: the pack (its file name) and offset that hold this entry in a store now; None: loose there.
+Where = Callable[[str, str], "tuple[str, int] | None"]
+
+
+def placed(entries: Sequence[SetEntry], where: Where) -> list[SetEntry]:
+    """``entries`` with the pack and offset ``where`` gives each now (a line naming a pack that no longer
+    holds it, or none, then names none: its entry is fetched loose)."""
+    out = []
+    for e in entries:
+        at = where(e.kid, e.digest)
+        out.append(SetEntry(e.kid, e.digest, e.size) if at is None else SetEntry(e.kid, e.digest, e.size, *at))
+    return out
+
+
+def updated(
+    held: bytes | None, ours: Sequence[SetEntry], gone: set[str] | None = None, where: Where | None = None
+) -> bytes | None:
+    """The bytes to store for a set the store holds as ``held`` (None: none there); None when ``held`` is right.
+
+    The one read-modify-write of a set in a store: write-back's, publish's and
+    repack's. ``ours`` are merged in (:func:`merge`: ours first, then the store's
+    others not in ``gone``), then, with ``where``, every line gets the pack and
+    offset that hold its entry now (a store that packed its entries since the
+    set was written). A damaged ``held`` is replaced by ours, or left as it is
+    when ours are none (a cold node ignores it).
+    """
+    theirs = parse(held)
+    base = theirs or []
+    merged = merge(ours, base, gone or set())
+    out = base if merged is None else merged
+    if where is not None:
+        out = placed(out, where)
+    if not out or out == theirs:
+        return None
+    return encode(out)
 
 
 class Used:

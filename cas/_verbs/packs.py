@@ -31,6 +31,7 @@ Repacking needs the store's ``evict.lock``: :mod:`.repack` takes it, ``gc`` hold
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import ClassVar
 
+from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CorruptBlobError
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.classify import Condition, classify
@@ -71,6 +73,8 @@ __all__ = [
     "repack_locked",
     "verify_packs",
 ]
+
+_log = logging.getLogger("cuda_program_cas")
 
 
 @dataclass(slots=True)
@@ -166,6 +170,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
         PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
         save_listing(lay.root, writer.write_file)  # what HTTP readers list
         _left_loose(lay, report)
+        _place_sets(lay, report.pack, writer)
     report.elapsed_s = time.monotonic() - t0
     return report
 
@@ -191,6 +196,46 @@ def _left_loose(lay: Layout, report: RepackReport) -> None:
         # once they are (retire() set their mtime to now, just after the pack was written).
         when = max(written, time.time()) + SHARED_MIN_GRACE_S
         report.gc_removes_after = datetime.fromtimestamp(when, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
+    """Give each warm set's lines (``sets/*``) the pack and offset the new pack holds their entry at.
+
+    A set written against loose entries, or against the packs this repack retired,
+    would send a cold node to loose copies that ``gc`` removes and to retired packs
+    (one request per entry, then misses); rewritten, it is one multi-range request
+    again. A line whose entry the new pack lacks (dropped, unreadable) names no
+    pack; a damaged set is left (nodes ignore it). Through the one read-modify-write
+    of a set (:func:`cuda_program_cas._store.warmset.updated`).
+    """
+    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._store.warmset import MAX_SET_BYTES, stored_sets, updated
+
+    names = stored_sets(lay.root)
+    if not names:
+        return
+    try:
+        reader = PackReader(pack)
+    except (OSError, PackError):
+        return  # _left_loose said so
+    try:
+        held = {e.key_id: e for e in reader.entries()}
+    finally:
+        reader.close()
+    name_of = os.path.basename(pack)
+
+    def where(kid: str, digest: str) -> tuple[str, int] | None:
+        entry = held.get(kid)
+        return (name_of, entry.offset) if entry is not None and entry.digest == digest else None
+
+    engine = DirEngine(lay.root)
+    for name in names:
+        try:
+            data = updated(engine.get(name, limit=MAX_SET_BYTES), [], None, where)
+            if data is not None:
+                writer.write_file(engine.path(name), [data])
+        except (OSError, StoreFailure) as exc:  # a set is a hint: one left as it was costs lookups, not bytes
+            _log.debug("cuda-program-cas: the warm set %s was not rewritten: %s", engine.path(name), exc)
 
 
 def _from_pack(reader: PackReader, entry: PackEntry, report: RepackReport) -> bytes | None:

@@ -91,11 +91,15 @@ from cuda_program_cas._disk.layout import (
     parse_layout,
     url_path,
 )
-from cuda_program_cas._disk.pack import PackInput
+from cuda_program_cas._disk.pack import PackInput, is_pack_name
 from cuda_program_cas._disk.packsummary import PackedEntry
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._store.tiers import PackTarget, open_engine, open_packs
 from cuda_program_cas._store.upload import put_checked, where
+from cuda_program_cas._store.warmset import MAX_SET_BYTES, SetEntry, stored_sets
+from cuda_program_cas._store.warmset import merge as merge_sets
+from cuda_program_cas._store.warmset import parse as parse_set
+from cuda_program_cas._store.warmset import updated as updated_set
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import Report, open_cache
@@ -153,6 +157,11 @@ class PublishReport(Report):
     skipped: int = 0
     #: Packs written (``pack=True``).
     packs: list[str] = field(default_factory=list)
+    #: Warm sets (``sets/*`` of the sources) written into the store, merged with its own; and those it had already.
+    sets_published: int = 0
+    sets_unchanged: int = 0
+    #: Source warm sets that are not whole sets (cut short, garbled, too large): skipped, never copied.
+    bad_sets: list[str] = field(default_factory=list)
     #: Problems found in the sources (each left out of the store), one labelled line each.
     problems: list[str] = field(default_factory=list)
     problem_count: int = 0
@@ -167,6 +176,7 @@ class PublishReport(Report):
             ("bad blob (skipped)", self.bad_blobs),
             ("missing blob (skipped)", self.missing_blobs),
             ("invalid manifest (skipped)", self.invalid_manifests),
+            ("damaged warm set (skipped)", self.bad_sets),
             ("error", self.errors),
         ):
             for item in items:
@@ -460,6 +470,7 @@ def publish(
         if target.dir is not None and not dry_run and (report.created or group_shared):
             _fix_top_modes(target.dir)
         pending: list[_Item] = []
+        read: list[str] = []  # the sources read, whose warm sets follow their entries
         for n, src in enumerate(srcs):
             if progress:
                 progress(f"publishing {src}", n, len(srcs))
@@ -474,6 +485,7 @@ def publish(
             if src_state is not LayoutState.OK:
                 report.errors.append(f"{src}: not a cuda-program-cas cache ({src_state.value})")
                 continue
+            read.append(src)
             if pack:
                 pending.extend(_plan(src, target, report))
             else:
@@ -481,6 +493,7 @@ def publish(
         if pack and pending:
             _publish_pack(pending, target, report)
         target.finish(report)
+        _publish_sets(read, target, report)
     finally:
         target.close()
     if progress:
@@ -727,3 +740,75 @@ def _read_source_blob(
         return data
     report.skipped += len(items)
     return None
+
+
+def _publish_sets(sources: Sequence[str], target: _Store, report: PublishReport) -> None:
+    """The sources' warm sets (``sets/*``) into the store, after every entry and pack they may name.
+
+    Each source set is read bounded (:data:`~cuda_program_cas._store.warmset.MAX_SET_BYTES`)
+    and parsed whole: one that is not a whole set is a problem line, never copied.
+    Its lines are kept where the source holds that entry (its manifest names that
+    digest) and this run did not skip its blob; the sets of one job from several
+    sources are merged, the first source's first; then merged into the store's
+    own set of the job, and every line given the pack and offset that hold its
+    entry in the store now (:func:`~cuda_program_cas._store.warmset.updated`,
+    write-back's one read-modify-write), read back as write-back's are. A set the
+    store already holds so is not written again.
+    """
+    found: dict[str, list[SetEntry]] = {}
+    for src in sources:
+        engine = DirEngine(src)
+        skipped = {i.rsplit(": ", 1)[1] for i in report.bad_blobs + report.missing_blobs if i.startswith(f"{src}: ")}
+        layout_now = LayoutVersion(src).now
+        for name in stored_sets(src):
+            try:
+                entries = parse_set(engine.get(name, limit=MAX_SET_BYTES))
+            except StoreFailure as exc:  # too large, not a regular file, unreadable
+                report.bad_sets.append(f"{engine.path(name)}: {exc.kind}")
+                continue
+            if entries is None:
+                report.bad_sets.append(engine.path(name))
+                continue
+            ours = [e for e in entries if e.digest not in skipped and _source_holds(engine, layout_now, e)]
+            earlier = found.get(name)
+            found[name] = ours if earlier is None else (merge_sets(earlier, ours, set()) or ours)
+    if not found:
+        return
+    written = {} if target.packs is None else target.packs.written()
+
+    def where(kid: str, digest: str) -> tuple[str, int] | None:
+        """The pack and offset of ``kid`` in the store now: this run's pack, else an older one whose copy is good."""
+        at = written.get(kid)
+        if at is None:
+            at = target.packed.get(kid)
+            if at is not None and digest in target.damaged:
+                return None  # its copy there failed its hash: served loose, or by this run's pack
+        if at is None or at.entry.digest != digest:
+            return None
+        name = os.path.basename(at.pack)
+        return (name, at.entry.offset) if is_pack_name(name) else None
+
+    for name, ours in found.items():
+        try:
+            had = target.engine.get(name, limit=MAX_SET_BYTES)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            had = b""  # too large, not a file: replaced by a whole set
+        data = updated_set(had, ours, None, where)
+        if data is None:
+            report.sets_unchanged += 1
+            continue
+        if not target.dry_run:
+            put_checked(target.engine, name, data, whole=True, accept=lambda got: parse_set(got) is not None)
+        report.sets_published += 1
+
+
+def _source_holds(engine: DirEngine, layout_now: int | Callable[[], int], e: SetEntry) -> bool:
+    """Whether the source behind ``engine`` holds the entry of this set line (a manifest naming its digest)."""
+    try:
+        data = engine.get(url_path(INDEX, e.kid), limit=MAX_MANIFEST_BYTES)
+    except StoreFailure:
+        return False
+    manifest = None if data is None else parse_manifest(data, e.kid, layout=layout_now)
+    return manifest is not None and (manifest.digest, manifest.size) == (e.digest, e.size)
