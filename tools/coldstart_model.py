@@ -25,7 +25,9 @@ is one function that turns per-node inputs into rows: NFS (operations, measured 
 the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
 its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
 ``--server-rps`` requests a second), and HTTP with the job's warm set (a few requests
-per node for a packed store, the loose store's sent 16 at a time). Exit 0, or 2 on bad
+per node for a packed store, the loose store's sent 16 at a time), and Redis with the
+warm set (its commands in three round trips; the server serves at most ``--redis-ops``
+commands a second; the rows' ``requests`` are its commands). Exit 0, or 2 on bad
 usage or a ``--measured`` file without the inputs.
 """
 
@@ -118,6 +120,31 @@ HTTP_WARM_REQUESTS: dict[str, dict[str, float]] = {
 }
 
 
+#: A Redis store with the job's warm set (tests/test_warm_sets.py and tests/test_publish_sets.py assert
+#: these against INFO commandstats and a forwarder's count): commands per node, layout.json and the set,
+#: then a manifest and a blob per entry; round trips: the connection's first (with layout.json), the
+#: set, one pipeline of all the entries.
+REDIS_WARM_COMMANDS: dict[str, float] = {"fixed": 2.0, "per_hit": 2.0, "round_trips": 3.0}
+
+
+def redis_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """A Redis store with the job's warm set: commands per node, the server's command rate and floor."""
+    total_bytes = args.nodes * args.kernels * args.kernel_kib * 1024
+    per_node = REDIS_WARM_COMMANDS["fixed"] + REDIS_WARM_COMMANDS["per_hit"] * args.kernels
+    commands = args.nodes * per_node
+    return {
+        "redis, warm set": {
+            "transport": "redis",
+            "requests_per_node": per_node,
+            "requests_total": commands,
+            "requests_per_s_over_window": commands / args.window,
+            "bytes_total": total_bytes,
+            "node_wait_s": REDIS_WARM_COMMANDS["round_trips"] * args.rtt_ms / 1000,
+            "server_floor_s": max(commands / args.redis_ops, total_bytes / (args.server_gbps * 1e9)),
+        }
+    }
+
+
 def http_rows(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """A shared store over HTTP, loose and packed: requests per node, the server's request rate and floor.
 
@@ -176,10 +203,11 @@ def model(args: argparse.Namespace, measured: dict[str, dict[str, float]]) -> di
             "cores_per_node": args.cores,
             "http_requests_per_s": args.server_rps,
             "http_rtt_ms": args.rtt_ms,
+            "redis_commands_per_s": args.redis_ops,
             "packs": args.packs,
         },
         "measured": measured,
-        "rows": {**nfs_rows(args, measured), **http_rows(args), "compile": compile_row(args)},
+        "rows": {**nfs_rows(args, measured), **http_rows(args), **redis_rows(args), "compile": compile_row(args)},
     }
 
 
@@ -205,12 +233,12 @@ def render(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"over HTTP: server {a['http_requests_per_s']:,.0f} requests/s, {a['http_rtt_ms']:g} ms a round trip, "
-        f"{a['packs']} pack(s)"
+        f"{a['packs']} pack(s); Redis: {a['redis_commands_per_s']:,.0f} commands/s (its requests are commands)"
     )
     lines.append(
         f"{'':<22} {'requests/node':>13} {'requests':>12} {'requests/s':>12} {'node wait':>10} {'start floor':>12}"
     )
-    for kind in ("http loose", "http packed", "http loose, warm set", "http packed, warm set"):
+    for kind in ("http loose", "http packed", "http loose, warm set", "http packed, warm set", "redis, warm set"):
         r = result["rows"][kind]
         lines.append(
             f"{kind:<22} {r['requests_per_node']:>13,.0f} {r['requests_total']:>12,.0f} "
@@ -237,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=16, help="cores a node compiles on in parallel (16)")
     ap.add_argument("--server-rps", type=float, default=50_000.0, help="HTTP requests per second served (50k)")
     ap.add_argument("--rtt-ms", type=float, default=0.5, help="a node's round trip to the HTTP server, ms (0.5)")
+    ap.add_argument(
+        "--redis-ops", type=float, default=100_000.0, help="Redis commands per second served, one server (100k)"
+    )
     ap.add_argument("--packs", type=int, default=1, help="packs in the store, fetched by a cold node (1)")
     ap.add_argument("--measured", help="nfs_harness.py --json output (or loose/packed ops_fixed and ops_per_hit)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -246,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if (
         min(args.nodes, args.kernels, args.cores) <= 0
-        or min(args.window, args.server_ops, args.server_gbps, args.server_rps) <= 0
+        or min(args.window, args.server_ops, args.server_gbps, args.server_rps, args.redis_ops) <= 0
         or min(args.rtt_ms, args.packs) < 0
     ):
         print("coldstart_model.py: error: every count, rate and window must be positive", file=sys.stderr)
