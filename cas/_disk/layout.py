@@ -133,7 +133,7 @@ FILES: tuple[tuple[str, str], ...] = (
     ("packs/summary", "every pack's index in one file, so that publish need not read every pack"),
     ("packs/retired/", "packs a repack replaced, kept a grace period for readers that opened them"),
     ("packs/retired/pack-<16 hex>-<8 hex>.cpk", "a replaced pack"),
-    ("sets/", "a shared store's warm sets, one per job (written by write-back)"),
+    ("sets/", "a shared store's warm sets, one per job (write-back, publish, repack)"),
     ("sets/<64 hex>", "the entries one job used, in order of first use; named by sha256 of the job's name"),
 )
 #: Top-level names a cache may hold besides those of :data:`FILES`: ``gc.lock``, which the

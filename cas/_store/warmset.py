@@ -15,9 +15,12 @@ it and keeps it in the store beside the entries.
   pack and offset that hold it in a store where known; at most :data:`MAX_ENTRIES`.
 - **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
   line and one line per entry (:func:`encode`, :func:`parse`). Written through
-  write-back (a store named writable), after the job has been quiet a moment
+  write-back (a store named writable; a local cache keeps no copy), after the job has been quiet a moment
   (:data:`QUIET_S`) and when the process ends; only when the process used entries
   the set lacks, so a cluster of warm runs writes nothing.
+- **Publish and repack.** ``publish`` copies a source store's sets after its
+  entries, merged the same way, and it and ``repack`` give every line the pack
+  and offset that hold its entry in the store now (:func:`updated`; docs/cluster.md).
 - **The merge.** Read, modify, write, bounded: the writer reads the set now in
   the store, puts its own entries first (in its order of use), then the store's
   others that it did not find gone, and keeps the first :data:`MAX_ENTRIES`. Two

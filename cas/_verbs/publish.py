@@ -44,6 +44,17 @@ directory's ``packs/``, a WebDAV store's ``packs/list``); a Redis store takes
 loose entries only, and ``--pack`` into one is refused. Each upload is atomic
 in the store: a rename on a disk and in nginx's dav module, a ``SET`` in Redis.
 
+Warm sets (:mod:`cuda_program_cas._store.warmset`): a source that is a store
+directory the job's nodes wrote back into holds their sets (``sets/*``; a node's
+own cache keeps none). After every entry and pack, :func:`_publish_sets` copies
+them: each parsed whole (a damaged one is a problem line, never copied), its
+lines kept where the source holds that entry and the run did not skip its blob,
+merged into the store's own set by write-back's read-modify-write
+(:func:`~cuda_program_cas._store.warmset.updated`), and every line given the
+pack and offset that hold its entry in the store now (this run's pack first),
+so a cold node fetches a packed set in one request. A set the store holds so
+already is not written again.
+
 An answer is not taken for a proof. Each upload is read back at once, before
 anything names it (:func:`cuda_program_cas._store.upload.put_checked`, the one
 write-back sends through; not on a directory, whose write protocol is the proof,
