@@ -1,22 +1,18 @@
-"""This instance's operation counts (:class:`Counters`), and what ``cache.stats()`` returns (:class:`CacheStats`).
+"""This instance's operation counts (:class:`Counters`).
 
-:class:`CacheStats` lives in :mod:`cuda_program_cas._store.cachestats` and is imported from
-here on first use: a hit counts, it never makes a snapshot, and the dataclass costs a
-process about 1 ms to build (its 25 fields' generated methods).
+What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._store.cachestats`'s,
+imported by ``stats()``: a hit counts, it never makes a snapshot, and that dataclass costs a
+process about 1 ms to build (its 22 fields' generated methods).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.fork import after_fork
 
-if TYPE_CHECKING:
-    from .cachestats import CacheStats
-
-__all__ = ["COUNTER_NAMES", "CacheStats", "Counters"]
+__all__ = ["COUNTER_NAMES", "Counters"]
 
 #: The counters, in the order of :class:`CacheStats`'s fields after its six of the disk
 #: (:mod:`cuda_program_cas._store.cachestats` checks the two agree when it is imported).
@@ -84,11 +80,3 @@ class Counters:
             return {name: getattr(self, name) for name in _COUNTER_NAMES}
         with self._lock:
             return {name: getattr(self, name) for name in _COUNTER_NAMES}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CacheStats":  # on first use (see the module's docstring)
-        from .cachestats import CacheStats
-
-        return CacheStats
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
