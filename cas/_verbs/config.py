@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
-from cuda_program_cas._base.config import VARIABLES, collecting
+import cuda_program_cas._base.config as _registry
+from cuda_program_cas._base.config import collecting
 from cuda_program_cas._disk.layout import Layout, create_layout
 from cuda_program_cas._disk.settings import (
     MAX_SIZE,
@@ -84,7 +85,7 @@ _NOTE_KINDS = frozenset({"env-relative"})
 def read_variables() -> list[Reading]:
     """Every variable of :data:`VARIABLES` as this environment sets it, read by its own parser."""
     out = []
-    for var in VARIABLES:
+    for var in _registry.VARIABLES:  # read when called: the registry's tuple as it is then
         text = os.environ.get(var.name) or ""
         if not text:
             out.append(Reading(var.name, var.meaning, "default", f"unset: {var.default}", True))
