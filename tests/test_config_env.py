@@ -169,3 +169,18 @@ def test_a_variable_added_to_the_registry_is_listed_with_nothing_else_to_change(
     code, out, _ = cli(capsys, "config", str(tmp_path / "cas"), "--json")
     assert code == 0 and json.loads(out)["variables"][lease.name]["value"] == "120.0"
     assert lease.value() == 120.0
+
+
+def test_a_variable_is_immutable_and_compared_by_its_fields() -> None:
+    # Written out rather than a dataclass (issue 31: a process reads the registry at its first cache).
+    one = cfg.Variable("CUDA_PROGRAM_CAS_TEST_X", str, "a test's variable", "none")
+    assert one == cfg.Variable("CUDA_PROGRAM_CAS_TEST_X", str, "a test's variable", "none")
+    assert hash(one) == hash(cfg.Variable("CUDA_PROGRAM_CAS_TEST_X", str, "a test's variable", "none"))
+    assert one != cfg.Variable("CUDA_PROGRAM_CAS_TEST_X", str, "a test's variable", "none", secret=True)
+    assert len({one, cfg.VAR_DIR, cfg.VAR_DIR}) == 2
+    with pytest.raises(AttributeError, match="immutable"):
+        one.name = "CUDA_PROGRAM_CAS_OTHER"  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="immutable"):
+        del one.secret
+    assert one.name == "CUDA_PROGRAM_CAS_TEST_X" and one.secret is False
+    assert "CUDA_PROGRAM_CAS_TEST_X" in repr(one)

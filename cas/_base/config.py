@@ -3,7 +3,7 @@
 Every environment variable the package reads is one :class:`Variable` of
 :data:`VARIABLES`: its name, its parser and what it means. The readers read
 through it (:meth:`Variable.value`), and ``cuda-program-cas config`` lists every
-one with what it reads (:func:`read_variables`): a variable added to the tuple
+one with what it reads (:func:`cuda_program_cas._verbs.config.read_variables`): a variable added to the tuple
 appears there with nothing else to change. A value that
 cannot be used never fails a job: it gets one WARNING per process (per variable
 and value) on the ``cuda_program_cas`` logger and is ignored. A relative path in
@@ -14,16 +14,15 @@ the working directory: it gets one WARNING too, and is made absolute when read.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from .fork import ForkSafeLock
+from .log import LOGGER as _log
 
 __all__ = [
     "DEFAULT_CLAIM_WAIT_S",
@@ -55,7 +54,6 @@ __all__ = [
     "VAR_SIGNING_KEY",
     "VAR_SWITCH",
     "VAR_TRUSTED_KEYS",
-    "Reading",
     "Variable",
     "collecting",
     "default_cache_dir",
@@ -74,13 +72,11 @@ __all__ = [
     "parse_switch",
     "platform_cache_dir",
     "read_env",
-    "read_variables",
     "validate_max_size",
     "warn_once",
 ]
 
 _T = TypeVar("_T")
-_log = logging.getLogger("cuda_program_cas")
 
 #: The switch: ``1`` routes every compile of a process through the cache, ``read-only`` too but
 #: writes nothing, ``0`` turns the cache off everywhere, also for code that passes ``cache=``
@@ -374,9 +370,15 @@ def installed_version() -> str:
 # -- the registry -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
 class Variable(Generic[_T]):
-    """One environment variable the package reads: its name, its parser, and what it means."""
+    """One environment variable the package reads: its name, its parser, and what it means.
+
+    Immutable, compared and hashed by its fields. Written out rather than a dataclass: the
+    registry is read by every process at its first cache, and a dataclass costs it about
+    0.4 ms to build.
+    """
+
+    __slots__ = ("default", "meaning", "name", "parse", "secret")
 
     name: str
     #: Reads a value that is set and not empty; ``ValueError`` refuses it (then it is ignored, one WARNING).
@@ -386,7 +388,35 @@ class Variable(Generic[_T]):
     #: What applies when it is unset or empty, in words.
     default: str
     #: A token or password: never shown, only said to be ``set``.
-    secret: bool = False
+    secret: bool
+
+    def __init__(self, name: str, parse: Callable[[str], _T], meaning: str, default: str, secret: bool = False):
+        for field, value in (("name", name), ("parse", parse), ("meaning", meaning), ("default", default)):
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "secret", secret)
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.name, self.parse, self.meaning, self.default, self.secret)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}: a Variable is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}: a Variable is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"Variable(name={self.name!r}, parse={self.parse!r}, meaning={self.meaning!r}, "
+            f"default={self.default!r}, secret={self.secret!r})"
+        )
 
     def read(self) -> tuple[_T | None, str | None]:
         """The value, and why it is ignored (see :func:`read_env`); says nothing."""
@@ -519,66 +549,3 @@ VARIABLES: tuple[Variable[Any], ...] = (
     VAR_REDIS_TIMEOUT,
     VAR_JOB,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """What one variable of :data:`VARIABLES` reads in this environment (``config`` lists them)."""
-
-    name: str
-    meaning: str
-    #: ``environment`` when set and not empty, else ``default``.
-    source: str
-    #: The value as the package uses it, in words: ``set`` for a secret, the default's words when unset.
-    shown: str
-    #: False when the value, or a part of it, is refused.
-    accepted: bool
-    #: False when the whole value is refused (the package reads as if it were unset).
-    used: bool = True
-    #: Why each refused value or part is ignored, one line each.
-    problems: tuple[str, ...] = ()
-    #: What else to know about an accepted value (a relative path made absolute).
-    notes: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "value": self.shown,
-            "source": self.source,
-            "accepted": self.accepted,
-            "used": self.used,
-            "meaning": self.meaning,
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-        }
-
-
-#: Warnings a reader gives about a value it still uses: notes, not refusals.
-_NOTE_KINDS = frozenset({"env-relative"})
-
-
-def read_variables() -> list[Reading]:
-    """Every variable of :data:`VARIABLES` as this environment sets it, read by its own parser."""
-    out = []
-    for var in VARIABLES:
-        text = os.environ.get(var.name) or ""
-        if not text:
-            out.append(Reading(var.name, var.meaning, "default", f"unset: {var.default}", True))
-            continue
-        with collecting() as said:
-            value, why = var.read()
-        problems = [why] if why else []
-        said = [(key, text_.removeprefix("cuda-program-cas: ")) for key, text_ in said]
-        problems += [text_ for key, text_ in said if key[0] not in _NOTE_KINDS]
-        notes = [text_ for key, text_ in said if key[0] in _NOTE_KINDS]
-        if var.secret:
-            shown = "set"
-        elif why is not None:
-            shown = repr(text)
-        elif isinstance(value, (list, tuple)):
-            shown = " ".join(map(str, value)) or "none"
-        else:
-            shown = str(value)
-        # A list with every part refused is used as if unset.
-        accepted, used = not problems, why is None and not (isinstance(value, list) and not value and problems)
-        out.append(Reading(var.name, var.meaning, "environment", shown, accepted, used, tuple(problems), tuple(notes)))
-    return out

@@ -10,7 +10,6 @@ the arguments it was made with in ``args``.
 from __future__ import annotations
 
 import os
-import traceback
 from typing import TypeVar
 
 __all__ = [
@@ -73,6 +72,8 @@ def without_frames(exc: _E) -> _E:
     ``Exception ignored in: ...Program.__dealloc__`` and a traceback at exit. Cleared,
     the frames go when the error goes. The error's message and type are left as they are.
     """
+    import traceback  # here, not at import: a process that meets no such error does not pay for it
+
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:

@@ -3,8 +3,9 @@
 One DEBUG record per lookup (hit or miss, where, the key id's first 12 characters,
 how long it took, and for a miss why, where the cache knows), per write (stored,
 deduplicated or dropped), per eviction step and per collection. Callers check
-``LOGGER.isEnabledFor(logging.DEBUG)`` once per call and take the clock only when
-it is on, so with logging off a record costs that one check. Each record also
+``LOGGER.isEnabledFor(DEBUG)`` once per call and take the clock only when
+it is on, so with logging off a record costs that one check
+(:mod:`cuda_program_cas._base.log`: with :mod:`logging` not imported by anyone, not even the import). Each record also
 carries its fields as attributes (``cas_event``, ``cas_key``, ``cas_store``,
 ``cas_us``, ``cas_reason``, ...) for handlers that want them.
 
@@ -24,14 +25,14 @@ one WARNING each and no log (:mod:`cuda_program_cas._base.logfile` says how).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
 
 from .config import ENV_LOG, env_log_file
 from .fork import ForkSafeLock
-from .logfile import open_log
+from .log import DEBUG as _DEBUG
+from .log import LOGGER
 
 __all__ = [
     "LOGGER",
@@ -43,8 +44,6 @@ __all__ = [
     "wrote",
 ]
 
-LOGGER = logging.getLogger("cuda_program_cas")
-_DEBUG = logging.DEBUG
 _perf_ns = time.perf_counter_ns
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
 
@@ -144,7 +143,11 @@ def open_log_file() -> None:
         path = env_log_file()
         if not path:
             return
-        handler = open_log(path, ENV_LOG, LOGGER)
+        import logging
+
+        from .logfile import open_log
+
+        handler = open_log(path, ENV_LOG, LOGGER.real())
         if isinstance(handler, str):
             LOGGER.warning("cuda-program-cas: %s=%s is not used (%s); nothing is logged there", ENV_LOG, path, handler)
             return

@@ -18,12 +18,13 @@ the others still run.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Protocol
+
+from .log import LOGGER
 
 __all__ = ["ForkAware", "ForkSafeLock", "after_fork", "after_fork_call"]
 
@@ -75,7 +76,7 @@ def _in_child() -> None:
         try:
             reset()
         except Exception as exc:  # one owner's failure leaves the others' resets to run
-            logging.getLogger("cuda_program_cas").debug("cuda-program-cas: reset after fork failed: %r", exc)
+            LOGGER.debug("cuda-program-cas: reset after fork failed: %r", exc)
 
 
 if hasattr(os, "register_at_fork"):

@@ -9,18 +9,20 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cuda.core import LinkerOptions, ObjectCode, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
 from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared, env_switched_off
-from cuda_program_cas._store.stats import CacheStats
 from cuda_program_cas._store.store import CacheStore
 
 from .inputs import install as install_key_seam
 from .inputs import taken_for
 from .off import SwitchedOff
+
+if TYPE_CHECKING:
+    from cuda_program_cas._store.cachestats import CacheStats
 
 __all__ = ["ContentAddressedProgramCache"]
 

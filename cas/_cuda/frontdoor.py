@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -69,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 from blake3 import blake3
 
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
@@ -80,8 +80,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FrontDoor", "may_include_quoted", "refuse_unkeyable"]
 
-_log = logging.getLogger("cuda_program_cas")
-_DEBUG = logging.DEBUG
 _perf_ns = time.perf_counter_ns
 _monotonic = time.monotonic
 

@@ -11,16 +11,16 @@ wrong result.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import stat
 import tempfile
 import time
 
+from cuda_program_cas._base.log import LOGGER as _log
+
 __all__ = ["PREFIX", "STALE_S", "new_trace_dir", "sweep_stale"]
 
-_log = logging.getLogger("cuda_program_cas")
 
 PREFIX = "cpcas-trace-"
 #: A folder unchanged for this long is stale. The trace is written as the compile ends,

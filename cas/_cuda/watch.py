@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import select
 import stat
@@ -55,11 +54,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from cuda_program_cas._base.fork import after_fork_call
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.fskind import WATCHABLE, fs_type
 
 __all__ = ["Token", "arm"]
 
-_log = logging.getLogger("cuda_program_cas")
 
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4

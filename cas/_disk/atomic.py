@@ -18,7 +18,6 @@ come, instead of into memory; the file is removed when the caller is done.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import stat
 import sys
@@ -26,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from cuda_program_cas._base.fork import after_fork_call
+from cuda_program_cas._base.log import LOGGER as _log
 
 from .files import NotRegularFile, is_sharing_violation, with_sharing_retry
 
@@ -40,7 +40,6 @@ __all__ = [
     "sync_filesystem",
 ]
 
-_log = logging.getLogger("cuda_program_cas")
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW

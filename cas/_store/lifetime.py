@@ -54,7 +54,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import logging
 import os
 import re
 import threading
@@ -62,11 +61,12 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from stat import S_ISREG
+from typing import NamedTuple
 
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork, after_fork_call
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
@@ -94,7 +94,6 @@ __all__ = [
     "zero_counters",
 ]
 
-_log = logging.getLogger("cuda_program_cas")
 
 #: The counters of a ``c4`` line, in order. A new counter needs a new tag: a ``c1`` line
 #: (written before ``switched`` was counted) holds the first 9, a ``c2`` line (before
@@ -140,8 +139,9 @@ _LOCK_FDS: set[int] = set()
 Source = Callable[[bool], Mapping[str, int]]
 
 
-@dataclass(frozen=True, slots=True)
-class Lifetime:
+# A NamedTuple, not a dataclass: every process with a cache imports this module, and a frozen
+# dataclass costs it about 0.3 ms to build (a NamedTuple 0.04 ms).
+class Lifetime(NamedTuple):
     """The sums of a counters file."""
 
     #: Name -> total, for every name in :data:`NAMES`.

@@ -22,7 +22,6 @@ miss paths only.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import threading
 import time
@@ -32,6 +31,7 @@ from stat import S_ISREG
 from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.bootrecord import BootRecord
 from cuda_program_cas._disk.files import (
     READ_FLAGS,
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Reader", "Uncached"]
 
-_log = logging.getLogger("cuda_program_cas")
 
 #: Verified blob identities remembered per reader (each a few dozen bytes).
 _VERIFIED_MAX = 8192

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import logging
 import math
 import os
 import threading
@@ -36,6 +35,8 @@ from cuda_program_cas._base.config import NOT_GIVEN, validate_max_size, warn_onc
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.log import DEBUG as _DEBUG
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, ShardGuard, digest_of
 from cuda_program_cas._disk.layout import (
     LAYOUT_VERSION,
@@ -51,7 +52,7 @@ from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .reader import Reader, Uncached
-from .stats import CacheStats, Counters
+from .stats import Counters
 from .touch import apply_pending, ensure_thread
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from cuda_program_cas._disk.scan import Snapshot
     from cuda_program_cas._disk.writer import Writer, WriteResult
 
+    from .cachestats import CacheStats
     from .cap import SizeCap
     from .claims import Claim
     from .lease import Lease
@@ -72,8 +74,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CacheStore"]
 
-_log = logging.getLogger("cuda_program_cas")
-_DEBUG = logging.DEBUG
 _sha256 = hashlib.sha256
 _perf_ns = time.perf_counter_ns
 _monotonic = time.monotonic
@@ -811,6 +811,8 @@ class CacheStore:
     def stats(self) -> CacheStats:
         """What the local cache holds now (a scan) and this instance's counters."""
         from cuda_program_cas._disk.scan import take_snapshot
+
+        from .cachestats import CacheStats
 
         snap = take_snapshot(self.layout.index, self.layout.blobs)
         return CacheStats(

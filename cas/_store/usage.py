@@ -25,13 +25,13 @@ versions of the package never read or write it.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from cuda_program_cas._base.fork import after_fork_call
+from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.layout import Layout
 
@@ -50,7 +50,6 @@ __all__ = [
     "settle_hits",
 ]
 
-_log = logging.getLogger("cuda_program_cas")
 
 #: The ledger is compacted no sooner than this size.
 COMPACT_BYTES = 256 * 1024
@@ -65,8 +64,7 @@ def key_number(kid: str) -> int:
     return int(kid[:16], 16)
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(NamedTuple):  # not a dataclass: built at the exit of a process with hits (0.3 ms against 0.04)
     """What the ledger holds."""
 
     #: Key number -> compile time in microseconds (the latest recorded).

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
-from cuda_program_cas._base.config import Reading, read_variables
+import cuda_program_cas._base.config as _registry
+from cuda_program_cas._base.config import collecting
 from cuda_program_cas._disk.layout import Layout, create_layout
 from cuda_program_cas._disk.settings import (
     MAX_SIZE,
@@ -33,7 +34,80 @@ from cuda_program_cas._disk.settings import (
 
 from .common import Report, cache_root, check_writable
 
-__all__ = ["MAX_SIZE", "SETTING_NAMES", "UNCHANGED", "ConfigReport", "Setting", "config", "settings_path"]
+__all__ = [
+    "MAX_SIZE",
+    "SETTING_NAMES",
+    "UNCHANGED",
+    "ConfigReport",
+    "Reading",
+    "Setting",
+    "config",
+    "read_variables",
+    "settings_path",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one variable of :data:`VARIABLES` reads in this environment (``config`` lists them)."""
+
+    name: str
+    meaning: str
+    #: ``environment`` when set and not empty, else ``default``.
+    source: str
+    #: The value as the package uses it, in words: ``set`` for a secret, the default's words when unset.
+    shown: str
+    #: False when the value, or a part of it, is refused.
+    accepted: bool
+    #: False when the whole value is refused (the package reads as if it were unset).
+    used: bool = True
+    #: Why each refused value or part is ignored, one line each.
+    problems: tuple[str, ...] = ()
+    #: What else to know about an accepted value (a relative path made absolute).
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "value": self.shown,
+            "source": self.source,
+            "accepted": self.accepted,
+            "used": self.used,
+            "meaning": self.meaning,
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+        }
+
+
+#: Warnings a reader gives about a value it still uses: notes, not refusals.
+_NOTE_KINDS = frozenset({"env-relative"})
+
+
+def read_variables() -> list[Reading]:
+    """Every variable of :data:`VARIABLES` as this environment sets it, read by its own parser."""
+    out = []
+    for var in _registry.VARIABLES:  # read when called: the registry's tuple as it is then
+        text = os.environ.get(var.name) or ""
+        if not text:
+            out.append(Reading(var.name, var.meaning, "default", f"unset: {var.default}", True))
+            continue
+        with collecting() as said:
+            value, why = var.read()
+        problems = [why] if why else []
+        said = [(key, text_.removeprefix("cuda-program-cas: ")) for key, text_ in said]
+        problems += [text_ for key, text_ in said if key[0] not in _NOTE_KINDS]
+        notes = [text_ for key, text_ in said if key[0] in _NOTE_KINDS]
+        if var.secret:
+            shown = "set"
+        elif why is not None:
+            shown = repr(text)
+        elif isinstance(value, (list, tuple)):
+            shown = " ".join(map(str, value)) or "none"
+        else:
+            shown = str(value)
+        # A list with every part refused is used as if unset.
+        accepted, used = not problems, why is None and not (isinstance(value, list) and not value and problems)
+        out.append(Reading(var.name, var.meaning, "environment", shown, accepted, used, tuple(problems), tuple(notes)))
+    return out
 
 
 class _Unchanged(enum.Enum):
