@@ -53,26 +53,46 @@ not stored.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import stat
-import struct
-import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from blake3 import blake3
-
-from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas._disk.files import file_id
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
+from .frontkey import (
+    _TAG,
+    _libdevice_fingerprint,
+    _loaded_nvrtc_version,
+    _memo_key,
+    _name_part,
+    _nvrtc_flags,
+    _nvrtc_version,
+    _own_key,
+    _refuse_unkeyable,
+    _Uncacheable,
+    refuse_unkeyable,
+)
+from .record import (
+    _decode_raw,
+    _decode_record,
+    _dir_tag,
+    _encode_record,
+    _encode_variant,
+    _guards,
+    _Header,
+    _HeaderCache,
+    _result_key,
+    _stat_tag,
+    _Variant,
+)
+from .search import _Search, may_include_quoted
+from .trace import _TRACES, _end_nvrtc_tracing, _nvrtc_major, _trace_in_child, _traced_names, _tree_files, _with_trace
 from .tracedirs import new_trace_dir  # a SIGKILLed miss leaves its folder: the next process's sweeps it
 
 if TYPE_CHECKING:
@@ -85,11 +105,6 @@ _DEBUG = logging.DEBUG
 _perf_ns = time.perf_counter_ns
 _monotonic = time.monotonic
 
-#: Mixed into the record key: a new format of records gets new keys.
-_TAG = b"cuda-program-cas front door 4"
-_RECORD = b"cpcas-frontdoor/record\0"
-_RESULT = b"cpcas-frontdoor/result\0"
-_KEY = b"cpcas-frontdoor/key\0"
 #: Record keys remembered per front door (inputs met before in this process).
 _MAX_MEMO = 1024
 #: Variants kept per record (compiles of the same inputs against other headers).
@@ -98,121 +113,8 @@ _MAX_VARIANTS = 4
 _MAX_DECODED = 256
 #: A variant that could not be watched (a full watch table, NFS...) is armed again after this long.
 _REARM_S = 10.0
-#: Before NVRTC 13, the include trees are fingerprinted: at most this many files.
-_MAX_TREE_FILES = 50_000
-#: Hex digits kept of a header's blake3 (128 bits) and of a stat tag (64 bits).
-_DIGEST_HEX = 32
-_TAG_HEX = 16
-#: Headers NVRTC reads from memory: their name in the trace is no file.
-_BUILTIN_HEADERS = frozenset({"__nv_nvrtc_builtin_header.h"})
-#: Flags whose output names the working directory (debug information, line tables).
-_DEBUG_FLAG = re.compile(rb"debug|line-?info|^-G$")
-#: Options whose effect the front door cannot key soundly, and why.
-_REFUSED = {
-    "pch": "precompiled headers are written and read outside what a key can see",
-    "use_pch": "the precompiled header file is read outside what a key can see",
-    "pch_dir": "precompiled headers are read and written outside what a key can see",
-    "create_pch": "it writes a file, which a cache hit would not",
-    "time": "it writes a timing file, which a cache hit would not",
-    "fdevice_time_trace": "it writes a trace file, which a cache hit would not (the front door traces on its own)",
-}
 #: Header names already warned about as uncacheable in this process.
 _warned: set[str] = set()
-
-
-def _digest(data: bytes) -> str:
-    return blake3(data).hexdigest()[:_DIGEST_HEX]
-
-
-def _stat_tag(values: tuple[int, ...]) -> str:
-    """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
-
-    blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
-    dominates at 40 bytes), and a fresh process's first hit of the CUB kernel makes 467.
-    """
-    return hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=_TAG_HEX // 2).hexdigest()
-
-
-class _HeaderCache:
-    """Headers' identities and digests, per process: a hit re-hashes nothing it already hashed."""
-
-    def __init__(self) -> None:
-        self._known: dict[str, tuple[FileId, str]] = {}
-        self._lock = threading.Lock()
-        after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # another thread of the parent may have held it
-
-    def digest(self, path: str, st: os.stat_result, recorded: tuple[str, str] | None = None) -> str | None:
-        """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
-
-        ``recorded``: the stat tag and digest a record keeps for it; a file whose
-        stat still has that tag is not read again.
-        """
-        key = file_id(st)
-        known = self._known.get(path)
-        if known is not None and known[0] == key:
-            return known[1]
-        if recorded is not None and _stat_tag(key) == recorded[0]:
-            digest = recorded[1]
-        else:
-            hashed = _hash_file(path, key)
-            if hashed is None:
-                return None
-            digest = hashed
-        with self._lock:
-            self._known[path] = (key, digest)
-        return digest
-
-
-def _hash_file(path: str, key: FileId) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-            if file_id(os.fstat(fh.fileno())) != key:
-                return None
-    except OSError:
-        return None
-    return _digest(data)
-
-
-def _dir_tag(path: str) -> str | None:
-    """A directory's identity and entry times as a tag; None when it is missing or not a directory."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode):
-        return None
-    return _stat_tag((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
-
-
-# Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import,
-# a fifth of a fresh process's first hit.
-
-
-class _Header:
-    __slots__ = ("digest", "path", "tag")
-
-    def __init__(self, path: str, tag: str, digest: str) -> None:
-        self.path, self.tag, self.digest = path, tag, digest
-
-
-class _Variant:
-    """One compile of a record's inputs, decoded for checking."""
-
-    __slots__ = ("guards", "headers", "mapping", "name", "result")
-
-    def __init__(
-        self,
-        result: str,
-        name: str,
-        mapping: dict[Any, bytes],
-        headers: tuple[tuple[str, str, str], ...],
-        guards: tuple[tuple[str, str | None], ...],
-    ) -> None:
-        self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
 
 
 class _Proof:
@@ -224,15 +126,6 @@ class _Proof:
         self.seen = False
         self.token: Token | None = None
         self.retry_at = 0.0
-
-
-class _Uncacheable(Exception):
-    """A compile whose inputs cannot be recorded soundly: its result is returned, not stored."""
-
-    def __init__(self, reason: str, name: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.name = name
 
 
 @functools.cache
@@ -551,484 +444,12 @@ class FrontDoor:
                 pass
 
 
-# -- inputs -------------------------------------------------------------------------------
-
-
-def _nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
-    """The options as NVRTC gets them (``ProgramOptions.as_bytes``, 3 us); None when they are refused."""
-    if not isinstance(target_type, str):
-        return None
-    try:
-        return tuple(options.as_bytes("nvrtc", target_type.lower()))
-    except Exception:
-        return None  # make_program_cache_key (or Program) reports what is wrong
-
-
-def _memo_key(
-    code: object,
-    code_type: str,
-    options: Any,
-    target_type: str,
-    flags: tuple[bytes, ...] | None,
-    *,
-    names: tuple[object, ...],
-    extra: bytes,
-) -> tuple[object, ...] | None:
-    """What a C++ compile's record key is made of, here (see :func:`_own_key`); None where cuda-core keys it.
-
-    The code, the target, the options' flags as NVRTC gets them
-    (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against make_program_cache_key's
-    25), the name expressions with their types and ``extra``: what
-    make_program_cache_key hashes for NVRTC, less its version probe, which
-    loads NVRTC. Code that is not ``str``, ``extra_sources``, inputs whose flags
-    cannot be had and name expressions of other types go to make_program_cache_key,
-    which refuses them as Program would.
-    """
-    if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
-        return None
-    if type(code) is not str or getattr(options, "extra_sources", None) is not None:
-        return None
-    if flags is None or not all(type(n) is str or type(n) is bytes for n in names):
-        return None
-    return (code, target_type.lower(), flags, tuple(sorted((type(n) is bytes, n) for n in names)), extra)
-
-
-def _own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
-    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`_memo_key`'s parts, each length-prefixed.
-
-    A key of its own (not make_program_cache_key's), so that NVRTC's version can
-    come from a record instead of from the library; its tag keeps it apart from
-    every key cuda-core makes.
-    """
-    code, target, flags, names, extra = memo
-    h = hashlib.sha256(_KEY)
-
-    def part(label: bytes, data: bytes) -> None:
-        h.update(label + len(data).to_bytes(8, "big") + data)
-
-    part(b"nvrtc", str(nvrtc).encode())
-    part(b"target", target.encode())
-    part(b"code", code.encode("utf-8", "surrogateescape"))
-    part(b"flags", len(flags).to_bytes(8, "big"))
-    for flag in flags:
-        part(b"flag", bytes(flag))
-    part(b"names", len(names).to_bytes(8, "big"))
-    for is_bytes, name in names:
-        part(b"b" if is_bytes else b"s", name if is_bytes else name.encode("utf-8", "surrogateescape"))
-    part(b"extra", extra)
-    return h.digest()
-
-
-def _nvrtc_version(store: CacheStore) -> str:
-    from .nvrtcver import version
-
-    return version(store)
-
-
-def _loaded_nvrtc_version() -> str:
-    from .nvrtcver import loaded_version
-
-    return loaded_version()
-
-
-#: ``#include`` (or ``__has_include``, ``#include_next``) not followed by ``<``: a quoted or computed name.
-_QUOTED_INCLUDE = re.compile(rb"include(?:_next)?[ \t]*\(?[ \t]*(?![<\s])")
-
-
-@functools.lru_cache(maxsize=256)
-def _may_include_quoted(code: str | bytes) -> bool:
-    """Whether the main source may name a header in quotes (or by a macro): then its directory is searched."""
-    data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else code
-    return _QUOTED_INCLUDE.search(data) is not None
-
-
-class _Search:
-    """Where NVRTC looks for this compile's files, in its order, and the working directory they depend on.
-
-    ``cwd`` is set when a relative name decides which file is opened (a relative
-    include directory, ``pre_include`` or source directory, or the working
-    directory itself as the source's directory), or when the binary names the
-    directory (debug information, line tables). It is then part of the record key.
-    """
-
-    __slots__ = ("cwd", "dirs", "pre_includes")
-
-    def __init__(self, cwd: str | None, dirs: tuple[str, ...], pre_includes: tuple[str, ...]) -> None:
-        self.cwd, self.dirs, self.pre_includes = cwd, dirs, pre_includes
-
-    @staticmethod
-    def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> _Search:
-        if code_type != "c++":
-            return _NO_SEARCH
-        includes = tuple(_as_list(getattr(options, "include_path", None)))
-        pre = tuple(_as_list(getattr(options, "pre_include", None)))
-        name = getattr(options, "name", None)
-        quoted = not getattr(options, "no_source_include", None) and (
-            not isinstance(code, (str, bytes)) or _may_include_quoted(code)
-        )
-        searched, wants_cwd = _search_plan(includes, pre, name if isinstance(name, str) else None, bool(quoted), flags)
-        cwd = None
-        if wants_cwd:
-            try:
-                cwd = os.getcwd()
-            except OSError as exc:
-                raise _Uncacheable(
-                    f"the working directory cannot be read ({exc.strerror})", "the working directory"
-                ) from None
-        return _placed_search(searched, pre, cwd)
-
-    def key_part(self) -> bytes:
-        return b"" if self.cwd is None else b"\0cwd:" + self.cwd.encode("utf-8", "surrogateescape")
-
-    def resolve(self, names: list[str] | None) -> list[str]:
-        """The files NVRTC opened, from the names its trace gives; raises _Uncacheable for one it cannot be."""
-        if names is None:
-            raise _Uncacheable("NVRTC's trace of the headers it read is missing, damaged or incomplete", "the trace")
-        paths = []
-        for name in names:
-            if name in _BUILTIN_HEADERS:
-                continue
-            if os.path.isabs(name):
-                paths.append(name)
-            elif self.cwd is not None:
-                # As the kernel resolved it: no normpath, which would undo a symlink followed by "..".
-                paths.append(os.path.join(self.cwd, name))
-            else:
-                raise _Uncacheable(f"header {name!r} was found through a relative name the key does not cover", name)
-        return paths
-
-
-def _name_part(options: Any) -> bytes:
-    """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
-    ``ObjectCode.name`` must be the one this compile would give."""
-    return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
-
-
-def _strip_sep(path: str) -> str:
-    """``path`` without trailing separators (NVRTC names ``hdr/`` as ``hdr``), the root kept."""
-    stripped = path.rstrip(os.sep)
-    return stripped or path
-
-
-def _option_set(options: Any, name: str) -> bool:
-    value = getattr(options, name, None)
-    return bool(value) if name == "pch" else value is not None
-
-
-def _refuse_unkeyable(options: Any, code_type: str) -> None:
-    for name, why in _REFUSED.items():
-        if _option_set(options, name):
-            raise ValueError(f"cache.compile() does not support ProgramOptions.{name}: {why}")
-    if code_type == "nvvm" and getattr(options, "use_libdevice", None) and _libdevice_path() is None:
-        raise ValueError(
-            "cache.compile() does not support ProgramOptions.use_libdevice here: the libdevice file that "
-            "would be linked cannot be found, so it cannot be fingerprinted"
-        )
-
-
-#: What the switch asks before it routes a compile here.
-refuse_unkeyable = _refuse_unkeyable
-may_include_quoted = _may_include_quoted
-
-
-def _libdevice_path() -> str | None:
-    try:
-        from cuda.core._program import _find_libdevice_path
-    except ImportError:
-        return None
-    try:
-        path = _find_libdevice_path()
-    except Exception:
-        return None
-    return os.fspath(path) if path else None
-
-
-def _libdevice_fingerprint(options: Any, code_type: str) -> bytes:
-    """The libdevice file's blake3, for NVVM compiles that link it (its bytes change the output)."""
-    if code_type != "nvvm" or not getattr(options, "use_libdevice", None):
-        return b""
-    path = _libdevice_path()
-    assert path is not None  # refused above otherwise
-    with open(path, "rb") as fh:
-        return b"\0libdevice:" + blake3(fh.read()).hexdigest().encode()
-
-
-#: The search of a compile that is not C++ (nothing is searched); _Search objects are never changed.
-_NO_SEARCH = _Search(None, (), ())
-
-
-@functools.lru_cache(maxsize=256)
-def _search_plan(
-    includes: tuple[str, ...], pre: tuple[str, ...], name: str | None, quoted: bool, flags: tuple[bytes, ...] | None
-) -> tuple[tuple[str, ...], bool]:
-    """The directories searched, in order, as the options name them; and whether the working directory matters.
-
-    Kept per options (a hit of the same options asks again: 4.7 us of regular
-    expressions and generators otherwise, a fifth of a small kernel's hit).
-    """
-    source_dir = os.path.dirname(name) if name is not None else ""
-    flags = flags or ()
-    flag = b"--use-bundled-headers="
-    bundled = [f[len(flag) :].decode("utf-8", "surrogateescape") for f in flags if f.startswith(flag)]
-    # Quoted names from the source are looked for next to it; a relative pre_include
-    # is looked for in the working directory, then along the search path.
-    searched: list[str] = []
-    if quoted:
-        searched.append(source_dir)
-    if any(not os.path.isabs(p) for p in pre):
-        searched.extend(d for d in ("", source_dir) if d not in searched)
-    for top in bundled:
-        searched.extend((top, os.path.join(top, "cccl")))
-    searched.extend(includes)
-    relative = any(not os.path.isabs(d) for d in searched) or any(not os.path.isabs(p) for p in pre)
-    names_dir = any(_DEBUG_FLAG.search(f) for f in flags)
-    return tuple(searched), relative or names_dir
-
-
-@functools.lru_cache(maxsize=256)
-def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | None) -> _Search:
-    """The search of :func:`_search_plan`, its directories made absolute against ``cwd`` where it matters."""
-    base = cwd or ""
-    dirs = tuple(_strip_sep(os.path.join(base, d)) for d in searched)
-    # An absolute pre_include is read as named; a relative one is found along the
-    # search path, and the trace names where.
-    return _Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
-
-
-def _as_list(value: object) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        return [os.fspath(value)]
-    return [os.fspath(v) for v in value]  # type: ignore[attr-defined]
-
-
-def _nvrtc_major() -> int:
-    try:
-        from cuda.bindings import nvrtc
-
-        _err, major, _minor = nvrtc.nvrtcVersion()
-        return int(major)
-    except Exception:
-        return 0
-
-
 def _fs_clock(directory: str) -> int:
     """The file system's clock now (:func:`cuda_program_cas._disk.files.fs_now`), or the process clock less a tick."""
     from cuda_program_cas._disk.files import fs_now
 
     now = fs_now(directory)
     return now if now is not None else time.time_ns() - 50_000_000
-
-
-class _TraceHealth:
-    """Whether NVRTC's time traces of this process can be trusted.
-
-    NVRTC 13.5 breaks them for good once a traced compile fails with an error
-    inside an included file: every later trace of the process lacks its first
-    events (its builtin header, then the source's first includes). So after a
-    traced compile fails, or a trace comes back without the builtin header, the
-    front door traces in a child process instead, where NVRTC starts clean. That
-    costs the child's start (about 0.7 s here) per miss, not per hit. A forked
-    child inherits NVRTC's state, so it inherits this flag too.
-    """
-
-    sound = True
-
-
-_TRACES = _TraceHealth()
-#: The child that traces a compile: the inputs come pickled on stdin, the trace goes to a file.
-_TRACE_CHILD = (
-    "import pickle, sys\n"
-    "from cuda.core import Program\n"
-    "code, code_type, options, target_type, names = pickle.loads(sys.stdin.buffer.read())\n"
-    "Program(code, code_type, options=options).compile(target_type, names)\n"
-)
-
-
-def _end_nvrtc_tracing(program: Any, program_options: Any) -> None:
-    """Make NVRTC stop tracing after a traced compile failed.
-
-    NVRTC 13.5 then keeps tracing: its next compile in the process, traced or not,
-    writes ``.json`` into the working directory. One small traced compile that
-    succeeds (to a temp file, removed) ends that, so the user's directory stays clean.
-    """
-    trace_dir = new_trace_dir()
-    try:
-        options = program_options(arch="sm_80", fdevice_time_trace=os.path.join(trace_dir, "trace"))
-        program('extern "C" __global__ void cpcas_end_trace() {}', "c++", options=options).compile("cubin")
-    except Exception as exc:
-        _log.debug("cuda-program-cas: front door: NVRTC's tracing could not be ended: %r", exc)
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-
-
-def _trace_in_child(
-    code: object, code_type: str, options: Any, target_type: str, names: tuple[Any, ...], *, trace: str
-) -> list[str] | None:
-    """The names of the files a compile reads, from a trace made in a child process (None if it failed)."""
-    import pickle
-    import subprocess
-    import sys
-
-    spec = pickle.dumps((code, code_type, _with_trace(options, trace), target_type, names))
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _TRACE_CHILD],
-            input=spec,
-            capture_output=True,
-            timeout=3600,
-            check=False,
-            env={**os.environ, "CUDA_PROGRAM_CAS": "0"},  # the child's compile is this miss's: never the cache's
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return _traced_names(trace + ".json") if done.returncode == 0 else None
-
-
-def _with_trace(options: Any, trace: str) -> Any:
-    """``options`` with NVRTC's time trace written to ``trace`` (a ProgramOptions is a dataclass)."""
-    import dataclasses
-
-    return dataclasses.replace(options, fdevice_time_trace=trace)
-
-
-def _traced_names(trace_path: str) -> list[str] | None:
-    """The names of the files NVRTC's time trace says it processed, as it spelled them; None if unreadable."""
-    try:
-        with open(trace_path, "rb") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    events = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(events, list):
-        return None
-    names = set()
-    for event in events:
-        if isinstance(event, dict) and event.get("name") == "Processing Header File":
-            detail = (event.get("args") or {}).get("detail")
-            if not isinstance(detail, str) or not detail:
-                return None  # a header it read, named in a way we cannot follow
-            names.add(detail)
-    # NVRTC reads its builtin header before anything else. A trace without it lost its
-    # beginning, and with it the first headers of the source (see _TraceHealth).
-    if not names & _BUILTIN_HEADERS:
-        return None
-    return sorted(names)
-
-
-def _tree_files(dirs: Sequence[str]) -> list[str]:
-    """Every regular file under ``dirs`` (NVRTC before 13 cannot say what it read)."""
-    found: list[str] = []
-    for top in dirs:
-        for dirpath, _subdirs, files in os.walk(top):
-            found.extend(os.path.join(dirpath, f) for f in files)
-            if len(found) > _MAX_TREE_FILES:
-                raise _Uncacheable(f"over {_MAX_TREE_FILES} files under the include directories to fingerprint")
-    return found
-
-
-def _guards(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None]]:
-    """The directories whose entries decide where each header is found (see the module docstring).
-
-    For a header under search directory ``i`` (as spelled) at ``sub/name``, the
-    directories ``sub`` of every search directory up to ``i``; a header under
-    several (nested search directories) gets the guards of each. A header under
-    none is guarded by its own directory.
-    """
-    wanted: set[str] = set()
-    for path in paths:
-        wanted.add(os.path.dirname(path))
-        for i, top in enumerate(dirs):
-            if path.startswith(top + os.sep):
-                sub = os.path.dirname(path[len(top) + 1 :])
-                wanted.update(os.path.join(earlier, sub) if sub else earlier for earlier in dirs[: i + 1])
-    guards: dict[str, str | None] = {}
-    for path in wanted:
-        # A directory that does not exist is guarded by its deepest existing ancestor:
-        # creating it changes that ancestor's entries.
-        probe = path
-        while True:
-            tag = _dir_tag(probe)
-            if tag is not None or os.path.dirname(probe) == probe:
-                guards[probe] = tag
-                break
-            probe = os.path.dirname(probe)
-        if probe != path:
-            guards[path] = None
-    return sorted(guards.items())
-
-
-def _result_key(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
-    """The key of a compile's result: its record key and each header's ``(path, digest)``."""
-    h = hashlib.sha256(_RESULT + record_key)
-    for path, digest in sorted(headers):
-        h.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + digest.encode())
-    return h.digest()
-
-
-# -- stored forms -------------------------------------------------------------------------
-#
-# A record is compact JSON: {"v": 3, "variants": [...]}, newest variant first. A
-# variant's headers are grouped by directory, {dir: [[name, stat tag, digest], ...]},
-# so a CUB kernel's ~410 headers take about 60 bytes each.
-
-
-def _encode_variant(
-    result: str, headers: list[_Header], guards: list[tuple[str, str | None]], name: str, mapping: dict[Any, bytes]
-) -> dict[str, Any]:
-    by_dir: dict[str, list[list[str]]] = {}
-    for h in headers:
-        directory, base = os.path.split(h.path)
-        by_dir.setdefault(directory, []).append([base, h.tag, h.digest])
-    symbols = []
-    for key, lowered in mapping.items():
-        kind, text = ("b", key.hex()) if isinstance(key, bytes) else ("s", key)
-        value = lowered if isinstance(lowered, bytes) else str(lowered).encode()
-        symbols.append([kind, text, value.hex()])
-    return {"result": result, "name": name, "symbols": symbols, "headers": by_dir, "guards": guards}
-
-
-def _encode_record(variants: list[dict[str, Any]]) -> bytes:
-    return json.dumps({"v": 3, "variants": variants}, separators=(",", ":")).encode()
-
-
-def _decode_raw(raw: bytes) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return []
-    if not isinstance(data, dict) or data.get("v") != 3 or not isinstance(data.get("variants"), list):
-        return []
-    return [v for v in data["variants"] if isinstance(v, dict)]
-
-
-def _decode_record(raw: bytes) -> list[_Variant]:
-    """The variants of a record, checked for shape; a damaged variant is left out (a miss)."""
-    variants = []
-    for v in _decode_raw(raw):
-        try:
-            mapping: dict[Any, bytes] = {}
-            for kind, text, value in v["symbols"]:
-                mapping[bytes.fromhex(text) if kind == "b" else str(text)] = bytes.fromhex(value)
-            headers = tuple(
-                (_join(directory, base), str(tag), str(digest))
-                for directory, entries in v["headers"].items()
-                for base, tag, digest in entries
-            )
-            guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])
-            bytes.fromhex(v["result"])
-            variants.append(_Variant(str(v["result"]), str(v["name"]), mapping, headers, guards))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
-    return variants
-
-
-def _join(directory: str, base: str) -> str:
-    """``os.path.join`` of what ``os.path.split`` gave at encoding (a third of its cost: 410 a CUB record)."""
-    if not isinstance(directory, str) or not isinstance(base, str):
-        raise TypeError(directory)
-    return f"{directory}{base}" if directory.endswith(os.sep) or not directory else f"{directory}{os.sep}{base}"
 
 
 def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:
