@@ -66,39 +66,37 @@ from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
 from .frontkey import (
-    _TAG,
-    _libdevice_fingerprint,
-    _loaded_nvrtc_version,
-    _memo_key,
-    _name_part,
-    _nvrtc_flags,
-    _nvrtc_version,
-    _own_key,
-    _refuse_unkeyable,
-    _Uncacheable,
+    TAG,
+    Uncacheable,
+    libdevice_fingerprint,
+    loaded_nvrtc_version,
+    memo_key,
+    name_part,
+    nvrtc_flags,
+    nvrtc_version,
+    own_key,
     refuse_unkeyable,
 )
 from .record import (
-    _decode_raw,
-    _decode_record,
-    _dir_tag,
-    _encode_record,
-    _encode_variant,
-    _guards,
-    _Header,
-    _HeaderCache,
-    _result_key,
-    _stat_tag,
-    _Variant,
+    Header,
+    HeaderCache,
+    Variant,
+    decode_raw,
+    decode_record,
+    directory_tag,
+    encode_record,
+    encode_variant,
+    guard_dirs,
+    result_key_of,
+    stat_tag,
 )
-from .search import _Search, may_include_quoted
-from .trace import _TRACES, _end_nvrtc_tracing, _nvrtc_major, _trace_in_child, _traced_names, _tree_files, _with_trace
+from .search import Search
 from .tracedirs import new_trace_dir  # a SIGKILLed miss leaves its folder: the next process's sweeps it
 
 if TYPE_CHECKING:
     from .watch import Token
 
-__all__ = ["FrontDoor", "may_include_quoted", "refuse_unkeyable"]
+__all__ = ["FrontDoor"]
 
 _log = logging.getLogger("cuda_program_cas")
 _DEBUG = logging.DEBUG
@@ -142,11 +140,11 @@ class FrontDoor:
 
     def __init__(self, store: CacheStore) -> None:
         self._store = store
-        self._headers = _HeaderCache()
-        #: What make_program_cache_key returned for inputs met before (see _memo_key).
+        self._headers = HeaderCache()
+        #: What make_program_cache_key returned for inputs met before (see memo_key).
         self._record_keys: dict[tuple[object, ...], bytes] = {}
         #: Per record key id met: its bytes, its decoded variants and what this process proved of each.
-        self._decoded: dict[str, tuple[bytes, list[_Variant], list[_Proof]]] = {}
+        self._decoded: dict[str, tuple[bytes, list[Variant], list[_Proof]]] = {}
         #: Lookups the watch answered without a stat (see cuda_program_cas._cuda.watch).
         self.watched_hits = 0
 
@@ -166,17 +164,17 @@ class FrontDoor:
         if not isinstance(options, ProgramOptions):
             raise TypeError(f"options must be a cuda.core.ProgramOptions or None, got {type(options).__name__}")
         name_expressions = tuple(name_expressions)
-        _refuse_unkeyable(options, code_type)
+        refuse_unkeyable(options, code_type)
         t0 = _perf_ns()
         try:
-            flags = _nvrtc_flags(options, target_type)
-            search = _Search.of(code, code_type, options, flags)
-        except _Uncacheable as exc:
+            flags = nvrtc_flags(options, target_type)
+            search = Search.of(code, code_type, options, flags)
+        except Uncacheable as exc:
             # No working directory to resolve names against (it was removed): compile as Program would.
             self._uncacheable(exc, None)
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
-        extra = _TAG + _libdevice_fingerprint(options, code_type) + search.key_part() + _name_part(options)
-        memo = _memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
+        extra = TAG + libdevice_fingerprint(options, code_type) + search.key_part() + name_part(options)
+        memo = memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
         # A C++ compile is keyed here, with NVRTC's version from its record (see
         # nvrtcver): a hit need not load NVRTC. Others go to make_program_cache_key.
         # make_program_cache_key validates the inputs as Program would (code and target
@@ -190,11 +188,11 @@ class FrontDoor:
             name_expressions=name_expressions,
             extra_digest=extra,
         )
-        nvrtc = _nvrtc_version(self._store) if memo is not None else None
+        nvrtc = nvrtc_version(self._store) if memo is not None else None
         record_key = self._record_keys.get((memo, nvrtc)) if memo is not None else None
         if record_key is None:
             if memo is not None:
-                record_key = _own_key(memo, nvrtc)
+                record_key = own_key(memo, nvrtc)
                 if len(self._record_keys) >= _MAX_MEMO:
                     self._record_keys.clear()
                 self._record_keys[(memo, nvrtc)] = record_key
@@ -247,7 +245,7 @@ class FrontDoor:
         *,
         expressions: tuple[Any, ...],
         logs: Any,
-        search: _Search,
+        search: Search,
         key: bytes,
         nvrtc: str | None,
     ) -> Any:
@@ -257,15 +255,17 @@ class FrontDoor:
         NVRTC (its file replaced since the key was made) is returned, not stored.
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
+        from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
+
         name_expressions, record_key = expressions, key
         record_kid = grouped_id(record_key, None)
         started_ns = _fs_clock(self._store.layout.tmp)
-        traced = code_type == "c++" and _nvrtc_major() >= 13
+        traced = code_type == "c++" and nvrtc_major() >= 13
         trace_dir = new_trace_dir() if traced else None
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
-        # Traced here unless an earlier traced compile of this process failed (see _TRACES).
-        here = traced and _TRACES.sound
-        compile_options = _with_trace(options, trace) if here else options
+        # Traced here unless an earlier traced compile of this process failed (see TRACES).
+        here = traced and TRACES.sound
+        compile_options = with_trace(options, trace) if here else options
         try:
             try:
                 compile_t0 = time.perf_counter()
@@ -273,33 +273,33 @@ class FrontDoor:
                 compile_s = time.perf_counter() - compile_t0
             except BaseException:
                 if here:
-                    _TRACES.sound = False
-                    _end_nvrtc_tracing(Program, ProgramOptions)
+                    TRACES.sound = False
+                    end_nvrtc_tracing(Program, ProgramOptions)
                 raise
             try:
                 if code_type != "c++":
                     paths: list[str] = []
                 elif traced:
-                    names = _traced_names(trace + ".json") if here else None
+                    names = traced_names(trace + ".json") if here else None
                     if names is None:
                         if here:
-                            _TRACES.sound = False  # another library's traced compile may have failed
-                        names = _trace_in_child(code, code_type, options, target_type, name_expressions, trace=trace)
+                            TRACES.sound = False  # another library's traced compile may have failed
+                        names = trace_in_child(code, code_type, options, target_type, name_expressions, trace=trace)
                     paths = search.resolve(names)
                 else:
-                    paths = _tree_files(search.dirs)
+                    paths = tree_files(search.dirs)
                 paths = sorted({*paths, *search.pre_includes})
                 headers = self._read_headers(paths, started_ns)
-                if nvrtc is not None and _loaded_nvrtc_version() != nvrtc:
-                    raise _Uncacheable(f"NVRTC {_loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
-            except _Uncacheable as exc:
+                if nvrtc is not None and loaded_nvrtc_version() != nvrtc:
+                    raise Uncacheable(f"NVRTC {loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
+            except Uncacheable as exc:
                 self._uncacheable(exc, record_kid)
                 return result
         finally:
             if trace_dir is not None:
                 shutil.rmtree(trace_dir, ignore_errors=True)
-        guards = _guards([h.path for h in headers], search.dirs)
-        result_key = _result_key(record_key, [(h.path, h.digest) for h in headers])
+        guards = guard_dirs([h.path for h in headers], search.dirs)
+        result_key = result_key_of(record_key, [(h.path, h.digest) for h in headers])
         mapping = dict(result.symbol_mapping) if name_expressions else {}
         stored = self._store.put_id(grouped_id(record_key, result_key), bytes(result.code))
         if stored:
@@ -313,7 +313,7 @@ class FrontDoor:
                     options,
                     target_type,
                     name_expressions,
-                    nvrtc=nvrtc or _loaded_nvrtc_version(),
+                    nvrtc=nvrtc or loaded_nvrtc_version(),
                     cwd=search.cwd,
                     headers={h.path: h.digest[:12] for h in headers},
                 )
@@ -323,7 +323,7 @@ class FrontDoor:
                 self._store.note_compiled(record_kid, compile_s, "front", inputs)
         return result
 
-    def _uncacheable(self, exc: _Uncacheable, record_kid: str | None) -> None:
+    def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
         """Count and report a compile whose result cannot be stored soundly (one WARNING per header)."""
         self._store.note_dropped(record_kid, exc.reason)
         if exc.name is not None and exc.name not in _warned:
@@ -332,7 +332,7 @@ class FrontDoor:
 
     # -- lookups ---------------------------------------------------------------------
 
-    def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, _Variant, str | None] | str:
+    def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, Variant, str | None] | str:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""
         found = self._store.find(record_kid)
         if found is None:
@@ -345,7 +345,7 @@ class FrontDoor:
         if decoded is None or (decoded[0] is not raw and decoded[0] != raw):
             if len(self._decoded) >= _MAX_DECODED:
                 self._decoded.clear()
-            variants = _decode_record(raw)
+            variants = decode_record(raw)
             decoded = self._decoded[record_kid] = (raw, variants, [_Proof() for _ in variants])
         why = None  # the newest variant's reason
         for variant, proof in zip(decoded[1], decoded[2], strict=True):
@@ -358,7 +358,7 @@ class FrontDoor:
             why = why or changed
         return why or "the record is damaged or of another format"
 
-    def _proven(self, variant: _Variant, proof: _Proof) -> str | None:
+    def _proven(self, variant: Variant, proof: _Proof) -> str | None:
         """:meth:`_check`, or nothing at all while the watch proves the variant unchanged since it last held."""
         token = proof.token
         if token is not None:
@@ -386,7 +386,7 @@ class FrontDoor:
             proof.token = token
         return changed
 
-    def _check(self, variant: _Variant) -> str | None:
+    def _check(self, variant: Variant) -> str | None:
         """None when the variant's headers and guards still hold, else what changed."""
         header_digest = self._headers.digest
         for path, tag, digest in variant.headers:
@@ -397,33 +397,33 @@ class FrontDoor:
             if header_digest(path, st, (tag, digest)) != digest:
                 return f"header {path} changed"
         for directory, dir_tag in variant.guards:
-            if _dir_tag(directory) != dir_tag:
+            if directory_tag(directory) != dir_tag:
                 return f"directory {directory} changed (a header may now be found elsewhere)"
         return None
 
     # -- misses ----------------------------------------------------------------------
 
-    def _read_headers(self, paths: list[str], started_ns: int) -> list[_Header]:
+    def _read_headers(self, paths: list[str], started_ns: int) -> list[Header]:
         headers = []
         for path in paths:
             try:
                 st = os.stat(path)
             except OSError as exc:
-                raise _Uncacheable(f"header {path!r} NVRTC read cannot be found again ({exc.strerror})", path) from None
+                raise Uncacheable(f"header {path!r} NVRTC read cannot be found again ({exc.strerror})", path) from None
             if not stat.S_ISREG(st.st_mode):
-                raise _Uncacheable(f"header {path!r} NVRTC read is not a regular file", path)
+                raise Uncacheable(f"header {path!r} NVRTC read is not a regular file", path)
             if st.st_ctime_ns >= started_ns:
-                raise _Uncacheable(f"header {path} changed while it was compiled")
+                raise Uncacheable(f"header {path} changed while it was compiled")
             digest = self._headers.digest(path, st)
             if digest is None:
-                raise _Uncacheable(f"header {path} changed while it was read")
-            headers.append(_Header(path, _stat_tag(file_id(st)), digest))
+                raise Uncacheable(f"header {path} changed while it was read")
+            headers.append(Header(path, stat_tag(file_id(st)), digest))
         return headers
 
     def _remember(
         self,
         record_key: bytes,
-        headers: list[_Header],
+        headers: list[Header],
         guards: list[tuple[str, str | None]],
         result_key: bytes,
         *,
@@ -432,10 +432,10 @@ class FrontDoor:
     ) -> None:
         record_kid = grouped_id(record_key, None)
         found = self._store.find(record_kid)
-        old = [] if found is None else _decode_raw(found[0])
-        new = _encode_variant(result_key.hex(), headers, guards, name, mapping)
+        old = [] if found is None else decode_raw(found[0])
+        new = encode_variant(result_key.hex(), headers, guards, name, mapping)
         kept = [new, *(v for v in old if v.get("result") != new["result"])]
-        self._store.put_id(record_kid, _encode_record(kept[:_MAX_VARIANTS]))
+        self._store.put_id(record_kid, encode_record(kept[:_MAX_VARIANTS]))
         # A variant pushed out leaves a result no record reaches: it goes now.
         for variant in kept[_MAX_VARIANTS:]:
             try:

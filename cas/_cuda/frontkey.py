@@ -16,22 +16,20 @@ if TYPE_CHECKING:
     from cuda_program_cas._store.store import CacheStore
 
 __all__ = [
-    "_KEY",
-    "_TAG",
-    "_Uncacheable",
-    "_libdevice_fingerprint",
-    "_loaded_nvrtc_version",
-    "_memo_key",
-    "_name_part",
-    "_nvrtc_flags",
-    "_nvrtc_version",
-    "_own_key",
-    "_refuse_unkeyable",
+    "TAG",
+    "Uncacheable",
+    "libdevice_fingerprint",
+    "loaded_nvrtc_version",
+    "memo_key",
+    "name_part",
+    "nvrtc_flags",
+    "nvrtc_version",
+    "own_key",
     "refuse_unkeyable",
 ]
 
 #: Mixed into the record key: a new format of records gets new keys.
-_TAG = b"cuda-program-cas front door 4"
+TAG = b"cuda-program-cas front door 4"
 _KEY = b"cpcas-frontdoor/key\0"
 #: Options whose effect the front door cannot key soundly, and why.
 _REFUSED = {
@@ -44,7 +42,7 @@ _REFUSED = {
 }
 
 
-class _Uncacheable(Exception):
+class Uncacheable(Exception):
     """A compile whose inputs cannot be recorded soundly: its result is returned, not stored."""
 
     def __init__(self, reason: str, name: str | None = None) -> None:
@@ -53,7 +51,7 @@ class _Uncacheable(Exception):
         self.name = name
 
 
-def _nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
+def nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
     """The options as NVRTC gets them (``ProgramOptions.as_bytes``, 3 us); None when they are refused."""
     if not isinstance(target_type, str):
         return None
@@ -63,7 +61,7 @@ def _nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
         return None  # make_program_cache_key (or Program) reports what is wrong
 
 
-def _memo_key(
+def memo_key(
     code: object,
     code_type: str,
     options: Any,
@@ -73,7 +71,7 @@ def _memo_key(
     names: tuple[object, ...],
     extra: bytes,
 ) -> tuple[object, ...] | None:
-    """What a C++ compile's record key is made of, here (see :func:`_own_key`); None where cuda-core keys it.
+    """What a C++ compile's record key is made of, here (see :func:`own_key`); None where cuda-core keys it.
 
     The code, the target, the options' flags as NVRTC gets them
     (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against make_program_cache_key's
@@ -92,8 +90,8 @@ def _memo_key(
     return (code, target_type.lower(), flags, tuple(sorted((type(n) is bytes, n) for n in names)), extra)
 
 
-def _own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
-    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`_memo_key`'s parts, each length-prefixed.
+def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
+    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, each length-prefixed.
 
     A key of its own (not make_program_cache_key's), so that NVRTC's version can
     come from a record instead of from the library; its tag keeps it apart from
@@ -118,19 +116,19 @@ def _own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
     return h.digest()
 
 
-def _nvrtc_version(store: CacheStore) -> str:
+def nvrtc_version(store: CacheStore) -> str:
     from .nvrtcver import version
 
     return version(store)
 
 
-def _loaded_nvrtc_version() -> str:
+def loaded_nvrtc_version() -> str:
     from .nvrtcver import loaded_version
 
     return loaded_version()
 
 
-def _name_part(options: Any) -> bytes:
+def name_part(options: Any) -> bytes:
     """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
     ``ObjectCode.name`` must be the one this compile would give."""
     return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
@@ -141,7 +139,7 @@ def _option_set(options: Any, name: str) -> bool:
     return bool(value) if name == "pch" else value is not None
 
 
-def _refuse_unkeyable(options: Any, code_type: str) -> None:
+def refuse_unkeyable(options: Any, code_type: str) -> None:
     for name, why in _REFUSED.items():
         if _option_set(options, name):
             raise ValueError(f"cache.compile() does not support ProgramOptions.{name}: {why}")
@@ -150,10 +148,6 @@ def _refuse_unkeyable(options: Any, code_type: str) -> None:
             "cache.compile() does not support ProgramOptions.use_libdevice here: the libdevice file that "
             "would be linked cannot be found, so it cannot be fingerprinted"
         )
-
-
-#: What the switch asks before it routes a compile here.
-refuse_unkeyable = _refuse_unkeyable
 
 
 def _libdevice_path() -> str | None:
@@ -168,7 +162,7 @@ def _libdevice_path() -> str | None:
     return os.fspath(path) if path else None
 
 
-def _libdevice_fingerprint(options: Any, code_type: str) -> bytes:
+def libdevice_fingerprint(options: Any, code_type: str) -> bytes:
     """The libdevice file's blake3, for NVVM compiles that link it (its bytes change the output)."""
     if code_type != "nvvm" or not getattr(options, "use_libdevice", None):
         return b""

@@ -20,20 +20,19 @@ from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.files import FileId, file_id
 
 __all__ = [
-    "_Header",
-    "_HeaderCache",
-    "_Variant",
-    "_decode_raw",
-    "_decode_record",
-    "_dir_tag",
-    "_encode_record",
-    "_encode_variant",
-    "_guards",
-    "_result_key",
-    "_stat_tag",
+    "Header",
+    "HeaderCache",
+    "Variant",
+    "decode_raw",
+    "decode_record",
+    "directory_tag",
+    "encode_record",
+    "encode_variant",
+    "guard_dirs",
+    "result_key_of",
+    "stat_tag",
 ]
 
-_RECORD = b"cpcas-frontdoor/record\0"
 _RESULT = b"cpcas-frontdoor/result\0"
 #: Hex digits kept of a header's blake3 (128 bits) and of a stat tag (64 bits).
 _DIGEST_HEX = 32
@@ -44,7 +43,7 @@ def _digest(data: bytes) -> str:
     return blake3(data).hexdigest()[:_DIGEST_HEX]
 
 
-def _stat_tag(values: tuple[int, ...]) -> str:
+def stat_tag(values: tuple[int, ...]) -> str:
     """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
 
     blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
@@ -53,7 +52,7 @@ def _stat_tag(values: tuple[int, ...]) -> str:
     return hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=_TAG_HEX // 2).hexdigest()
 
 
-class _HeaderCache:
+class HeaderCache:
     """Headers' identities and digests, per process: a hit re-hashes nothing it already hashed."""
 
     def __init__(self) -> None:
@@ -74,7 +73,7 @@ class _HeaderCache:
         known = self._known.get(path)
         if known is not None and known[0] == key:
             return known[1]
-        if recorded is not None and _stat_tag(key) == recorded[0]:
+        if recorded is not None and stat_tag(key) == recorded[0]:
             digest = recorded[1]
         else:
             hashed = _hash_file(path, key)
@@ -97,7 +96,7 @@ def _hash_file(path: str, key: FileId) -> str | None:
     return _digest(data)
 
 
-def _dir_tag(path: str) -> str | None:
+def directory_tag(path: str) -> str | None:
     """A directory's identity and entry times as a tag; None when it is missing or not a directory."""
     try:
         st = os.stat(path)
@@ -105,21 +104,21 @@ def _dir_tag(path: str) -> str | None:
         return None
     if not stat.S_ISDIR(st.st_mode):
         return None
-    return _stat_tag((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+    return stat_tag((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
 
 
 # Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import,
 # a fifth of a fresh process's first hit.
 
 
-class _Header:
+class Header:
     __slots__ = ("digest", "path", "tag")
 
     def __init__(self, path: str, tag: str, digest: str) -> None:
         self.path, self.tag, self.digest = path, tag, digest
 
 
-class _Variant:
+class Variant:
     """One compile of a record's inputs, decoded for checking."""
 
     __slots__ = ("guards", "headers", "mapping", "name", "result")
@@ -135,8 +134,8 @@ class _Variant:
         self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
 
 
-def _guards(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None]]:
-    """The directories whose entries decide where each header is found (see the module docstring).
+def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None]]:
+    """The directories whose entries decide where each header is found (see :mod:`cuda_program_cas._cuda.frontdoor`).
 
     For a header under search directory ``i`` (as spelled) at ``sub/name``, the
     directories ``sub`` of every search directory up to ``i``; a header under
@@ -156,7 +155,7 @@ def _guards(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None
         # creating it changes that ancestor's entries.
         probe = path
         while True:
-            tag = _dir_tag(probe)
+            tag = directory_tag(probe)
             if tag is not None or os.path.dirname(probe) == probe:
                 guards[probe] = tag
                 break
@@ -166,7 +165,7 @@ def _guards(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None
     return sorted(guards.items())
 
 
-def _result_key(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
+def result_key_of(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
     """The key of a compile's result: its record key and each header's ``(path, digest)``."""
     h = hashlib.sha256(_RESULT + record_key)
     for path, digest in sorted(headers):
@@ -181,8 +180,8 @@ def _result_key(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
 # so a CUB kernel's ~410 headers take about 60 bytes each.
 
 
-def _encode_variant(
-    result: str, headers: list[_Header], guards: list[tuple[str, str | None]], name: str, mapping: dict[Any, bytes]
+def encode_variant(
+    result: str, headers: list[Header], guards: list[tuple[str, str | None]], name: str, mapping: dict[Any, bytes]
 ) -> dict[str, Any]:
     by_dir: dict[str, list[list[str]]] = {}
     for h in headers:
@@ -196,11 +195,11 @@ def _encode_variant(
     return {"result": result, "name": name, "symbols": symbols, "headers": by_dir, "guards": guards}
 
 
-def _encode_record(variants: list[dict[str, Any]]) -> bytes:
+def encode_record(variants: list[dict[str, Any]]) -> bytes:
     return json.dumps({"v": 3, "variants": variants}, separators=(",", ":")).encode()
 
 
-def _decode_raw(raw: bytes) -> list[dict[str, Any]]:
+def decode_raw(raw: bytes) -> list[dict[str, Any]]:
     try:
         data = json.loads(raw)
     except ValueError:
@@ -210,10 +209,10 @@ def _decode_raw(raw: bytes) -> list[dict[str, Any]]:
     return [v for v in data["variants"] if isinstance(v, dict)]
 
 
-def _decode_record(raw: bytes) -> list[_Variant]:
+def decode_record(raw: bytes) -> list[Variant]:
     """The variants of a record, checked for shape; a damaged variant is left out (a miss)."""
     variants = []
-    for v in _decode_raw(raw):
+    for v in decode_raw(raw):
         try:
             mapping: dict[Any, bytes] = {}
             for kind, text, value in v["symbols"]:
@@ -225,7 +224,7 @@ def _decode_record(raw: bytes) -> list[_Variant]:
             )
             guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])
             bytes.fromhex(v["result"])
-            variants.append(_Variant(str(v["result"]), str(v["name"]), mapping, headers, guards))
+            variants.append(Variant(str(v["result"]), str(v["name"]), mapping, headers, guards))
         except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return variants

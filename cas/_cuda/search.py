@@ -1,6 +1,6 @@
 """Where NVRTC looks for a front-door compile's headers, and the working directory they depend on.
 
-The plan of a compile's options is kept per options; :class:`_Search` places it
+The plan of a compile's options is kept per options; :class:`Search` places it
 against the working directory when a relative name can decide which file is opened.
 """
 
@@ -11,12 +11,12 @@ import os
 import re
 from typing import Any
 
-from .frontkey import _Uncacheable
+from .frontkey import Uncacheable
 
-__all__ = ["_BUILTIN_HEADERS", "_NO_SEARCH", "_Search", "_may_include_quoted", "may_include_quoted"]
+__all__ = ["BUILTIN_HEADERS", "Search", "may_include_quoted"]
 
 #: Headers NVRTC reads from memory: their name in the trace is no file.
-_BUILTIN_HEADERS = frozenset({"__nv_nvrtc_builtin_header.h"})
+BUILTIN_HEADERS = frozenset({"__nv_nvrtc_builtin_header.h"})
 #: Flags whose output names the working directory (debug information, line tables).
 _DEBUG_FLAG = re.compile(rb"debug|line-?info|^-G$")
 #: ``#include`` (or ``__has_include``, ``#include_next``) not followed by ``<``: a quoted or computed name.
@@ -24,13 +24,13 @@ _QUOTED_INCLUDE = re.compile(rb"include(?:_next)?[ \t]*\(?[ \t]*(?![<\s])")
 
 
 @functools.lru_cache(maxsize=256)
-def _may_include_quoted(code: str | bytes) -> bool:
+def may_include_quoted(code: str | bytes) -> bool:
     """Whether the main source may name a header in quotes (or by a macro): then its directory is searched."""
     data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else code
     return _QUOTED_INCLUDE.search(data) is not None
 
 
-class _Search:
+class Search:
     """Where NVRTC looks for this compile's files, in its order, and the working directory they depend on.
 
     ``cwd`` is set when a relative name decides which file is opened (a relative
@@ -45,14 +45,14 @@ class _Search:
         self.cwd, self.dirs, self.pre_includes = cwd, dirs, pre_includes
 
     @staticmethod
-    def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> _Search:
+    def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> Search:
         if code_type != "c++":
             return _NO_SEARCH
         includes = tuple(_as_list(getattr(options, "include_path", None)))
         pre = tuple(_as_list(getattr(options, "pre_include", None)))
         name = getattr(options, "name", None)
         quoted = not getattr(options, "no_source_include", None) and (
-            not isinstance(code, (str, bytes)) or _may_include_quoted(code)
+            not isinstance(code, (str, bytes)) or may_include_quoted(code)
         )
         searched, wants_cwd = _search_plan(includes, pre, name if isinstance(name, str) else None, bool(quoted), flags)
         cwd = None
@@ -60,7 +60,7 @@ class _Search:
             try:
                 cwd = os.getcwd()
             except OSError as exc:
-                raise _Uncacheable(
+                raise Uncacheable(
                     f"the working directory cannot be read ({exc.strerror})", "the working directory"
                 ) from None
         return _placed_search(searched, pre, cwd)
@@ -69,12 +69,12 @@ class _Search:
         return b"" if self.cwd is None else b"\0cwd:" + self.cwd.encode("utf-8", "surrogateescape")
 
     def resolve(self, names: list[str] | None) -> list[str]:
-        """The files NVRTC opened, from the names its trace gives; raises _Uncacheable for one it cannot be."""
+        """The files NVRTC opened, from the names its trace gives; raises Uncacheable for one it cannot be."""
         if names is None:
-            raise _Uncacheable("NVRTC's trace of the headers it read is missing, damaged or incomplete", "the trace")
+            raise Uncacheable("NVRTC's trace of the headers it read is missing, damaged or incomplete", "the trace")
         paths = []
         for name in names:
-            if name in _BUILTIN_HEADERS:
+            if name in BUILTIN_HEADERS:
                 continue
             if os.path.isabs(name):
                 paths.append(name)
@@ -82,7 +82,7 @@ class _Search:
                 # As the kernel resolved it: no normpath, which would undo a symlink followed by "..".
                 paths.append(os.path.join(self.cwd, name))
             else:
-                raise _Uncacheable(f"header {name!r} was found through a relative name the key does not cover", name)
+                raise Uncacheable(f"header {name!r} was found through a relative name the key does not cover", name)
         return paths
 
 
@@ -92,9 +92,8 @@ def _strip_sep(path: str) -> str:
     return stripped or path
 
 
-may_include_quoted = _may_include_quoted
-#: The search of a compile that is not C++ (nothing is searched); _Search objects are never changed.
-_NO_SEARCH = _Search(None, (), ())
+#: The search of a compile that is not C++ (nothing is searched); Search objects are never changed.
+_NO_SEARCH = Search(None, (), ())
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,13 +125,13 @@ def _search_plan(
 
 
 @functools.lru_cache(maxsize=256)
-def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | None) -> _Search:
+def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | None) -> Search:
     """The search of :func:`_search_plan`, its directories made absolute against ``cwd`` where it matters."""
     base = cwd or ""
     dirs = tuple(_strip_sep(os.path.join(base, d)) for d in searched)
     # An absolute pre_include is read as named; a relative one is found along the
     # search path, and the trace names where.
-    return _Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
+    return Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
 
 
 def _as_list(value: object) -> list[str]:

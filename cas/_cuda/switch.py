@@ -251,7 +251,8 @@ def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions
 @functools.cache
 def _front_door_checks() -> tuple[Any, Any]:
     """The front door's ``refuse_unkeyable`` and ``may_include_quoted``, imported once (a hit costs tens of us)."""
-    from .frontdoor import may_include_quoted, refuse_unkeyable
+    from .frontkey import refuse_unkeyable
+    from .search import may_include_quoted
 
     return refuse_unkeyable, may_include_quoted
 

@@ -13,18 +13,18 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-from .frontkey import _Uncacheable
-from .search import _BUILTIN_HEADERS
+from .frontkey import Uncacheable
+from .search import BUILTIN_HEADERS
 from .tracedirs import new_trace_dir
 
 __all__ = [
-    "_TRACES",
-    "_end_nvrtc_tracing",
-    "_nvrtc_major",
-    "_trace_in_child",
-    "_traced_names",
-    "_tree_files",
-    "_with_trace",
+    "TRACES",
+    "end_nvrtc_tracing",
+    "nvrtc_major",
+    "trace_in_child",
+    "traced_names",
+    "tree_files",
+    "with_trace",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -33,7 +33,7 @@ _log = logging.getLogger("cuda_program_cas")
 _MAX_TREE_FILES = 50_000
 
 
-def _nvrtc_major() -> int:
+def nvrtc_major() -> int:
     try:
         from cuda.bindings import nvrtc
 
@@ -58,7 +58,7 @@ class _TraceHealth:
     sound = True
 
 
-_TRACES = _TraceHealth()
+TRACES = _TraceHealth()
 #: The child that traces a compile: the inputs come pickled on stdin, the trace goes to a file.
 _TRACE_CHILD = (
     "import pickle, sys\n"
@@ -68,7 +68,7 @@ _TRACE_CHILD = (
 )
 
 
-def _end_nvrtc_tracing(program: Any, program_options: Any) -> None:
+def end_nvrtc_tracing(program: Any, program_options: Any) -> None:
     """Make NVRTC stop tracing after a traced compile failed.
 
     NVRTC 13.5 then keeps tracing: its next compile in the process, traced or not,
@@ -85,7 +85,7 @@ def _end_nvrtc_tracing(program: Any, program_options: Any) -> None:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def _trace_in_child(
+def trace_in_child(
     code: object, code_type: str, options: Any, target_type: str, names: tuple[Any, ...], *, trace: str
 ) -> list[str] | None:
     """The names of the files a compile reads, from a trace made in a child process (None if it failed)."""
@@ -93,7 +93,7 @@ def _trace_in_child(
     import subprocess
     import sys
 
-    spec = pickle.dumps((code, code_type, _with_trace(options, trace), target_type, names))
+    spec = pickle.dumps((code, code_type, with_trace(options, trace), target_type, names))
     try:
         done = subprocess.run(
             [sys.executable, "-c", _TRACE_CHILD],
@@ -105,17 +105,17 @@ def _trace_in_child(
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return _traced_names(trace + ".json") if done.returncode == 0 else None
+    return traced_names(trace + ".json") if done.returncode == 0 else None
 
 
-def _with_trace(options: Any, trace: str) -> Any:
+def with_trace(options: Any, trace: str) -> Any:
     """``options`` with NVRTC's time trace written to ``trace`` (a ProgramOptions is a dataclass)."""
     import dataclasses
 
     return dataclasses.replace(options, fdevice_time_trace=trace)
 
 
-def _traced_names(trace_path: str) -> list[str] | None:
+def traced_names(trace_path: str) -> list[str] | None:
     """The names of the files NVRTC's time trace says it processed, as it spelled them; None if unreadable."""
     try:
         with open(trace_path, "rb") as fh:
@@ -134,17 +134,17 @@ def _traced_names(trace_path: str) -> list[str] | None:
             names.add(detail)
     # NVRTC reads its builtin header before anything else. A trace without it lost its
     # beginning, and with it the first headers of the source (see _TraceHealth).
-    if not names & _BUILTIN_HEADERS:
+    if not names & BUILTIN_HEADERS:
         return None
     return sorted(names)
 
 
-def _tree_files(dirs: Sequence[str]) -> list[str]:
+def tree_files(dirs: Sequence[str]) -> list[str]:
     """Every regular file under ``dirs`` (NVRTC before 13 cannot say what it read)."""
     found: list[str] = []
     for top in dirs:
         for dirpath, _subdirs, files in os.walk(top):
             found.extend(os.path.join(dirpath, f) for f in files)
             if len(found) > _MAX_TREE_FILES:
-                raise _Uncacheable(f"over {_MAX_TREE_FILES} files under the include directories to fingerprint")
+                raise Uncacheable(f"over {_MAX_TREE_FILES} files under the include directories to fingerprint")
     return found
