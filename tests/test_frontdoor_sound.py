@@ -269,7 +269,7 @@ def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monke
     assert (fresh.counters()["hits"], fresh.counters()["misses"]) == (1, 0)
     cache.close()
     fresh.close()
-    lifetime = read_counters(CacheStore(tmp_path / "cas").layout)
+    lifetime = read_counters(CacheStore(tmp_path / "cas").inner.layout)
     assert (lifetime.counters["hits"], lifetime.counters["misses"]) == (1, 1)
 
 

@@ -38,7 +38,7 @@ record and its results share a group of key ids (:mod:`cuda_program_cas.index`),
 eviction and ``gc`` keep or remove them together. One ``compile`` counts one hit
 or one miss, whatever it looked up.
 
-A miss first takes the claim on the record key (:meth:`CacheStore.claim`): of the
+A miss first takes the claim on the record key (``store.inner.claim``): of the
 processes of a node that miss the same inputs at once, one compiles and the others
 wait, then look the record up again and hit.
 
@@ -140,6 +140,7 @@ class FrontDoor:
 
     def __init__(self, store: CacheStore) -> None:
         self._store = store
+        self._inner = store.inner  # kept: a hit makes three calls through it
         self._headers = HeaderCache()
         #: What make_program_cache_key returned for inputs met before (see memo_key).
         self._record_keys: dict[tuple[object, ...], bytes] = {}
@@ -188,7 +189,7 @@ class FrontDoor:
             name_expressions=name_expressions,
             extra_digest=extra,
         )
-        nvrtc = nvrtc_version(self._store) if memo is not None else None
+        nvrtc = nvrtc_version(self._inner) if memo is not None else None
         record_key = self._record_keys.get((memo, nvrtc)) if memo is not None else None
         if record_key is None:
             if memo is not None:
@@ -202,7 +203,7 @@ class FrontDoor:
         found = self._lookup(record_kid, record_key)
         if isinstance(found, tuple):
             data, variant, shared = found
-            self._store.note_hit(record_kid, shared, t0_ns=t0)
+            self._inner.note_hit(record_kid, shared, t0_ns=t0)
             return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
         if memo is not None:
             # Keyed here: a miss has make_program_cache_key check the inputs (it loads NVRTC,
@@ -210,20 +211,20 @@ class FrontDoor:
             cuda_core_key()
         if self._store.read_only:
             # A read-only cache is never written: compile, return, count the write it drops.
-            self._store.note_miss(record_kid, found, t0_ns=t0)
+            self._inner.note_miss(record_kid, found, t0_ns=t0)
             result = Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
-            self._store.note_dropped(record_kid, "read-only cache")
+            self._inner.note_dropped(record_kid, "read-only cache")
             return result
         # One process of the node compiles these inputs; the others wait for its record.
-        with self._store.claim(record_kid) as claim:
+        with self._inner.claim(record_kid) as claim:
             if claim.held or claim.waited:
                 # Stored meanwhile, by the claimant waited for or one that let go just before.
                 found = self._lookup(record_kid, record_key)
                 if isinstance(found, tuple):
                     data, variant, shared = found
-                    self._store.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
+                    self._inner.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
                     return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
-            self._store.note_miss(record_kid, found, t0_ns=t0)
+            self._inner.note_miss(record_kid, found, t0_ns=t0)
             return self._compile(
                 code,
                 code_type,
@@ -259,7 +260,7 @@ class FrontDoor:
 
         name_expressions, record_key = expressions, key
         record_kid = grouped_id(record_key, None)
-        started_ns = _fs_clock(self._store.layout.tmp)
+        started_ns = _fs_clock(self._inner.layout.tmp)
         traced = code_type == "c++" and nvrtc_major() >= 13
         trace_dir = new_trace_dir() if traced else None
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
@@ -301,7 +302,7 @@ class FrontDoor:
         guards = guard_dirs([h.path for h in headers], search.dirs)
         result_key = result_key_of(record_key, [(h.path, h.digest) for h in headers])
         mapping = dict(result.symbol_mapping) if name_expressions else {}
-        stored = self._store.put_id(grouped_id(record_key, result_key), bytes(result.code))
+        stored = self._inner.put_id(grouped_id(record_key, result_key), bytes(result.code))
         if stored:
             self._remember(record_key, headers, guards, result_key, name=result.name, mapping=mapping)
             from .inputs import describe
@@ -320,12 +321,12 @@ class FrontDoor:
             except Exception as exc:
                 _log.debug("cuda-program-cas: front door: inputs not journaled: %r", exc)
             else:
-                self._store.note_compiled(record_kid, compile_s, "front", inputs)
+                self._inner.note_compiled(record_kid, compile_s, "front", inputs)
         return result
 
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
         """Count and report a compile whose result cannot be stored soundly (one WARNING per header)."""
-        self._store.note_dropped(record_kid, exc.reason)
+        self._inner.note_dropped(record_kid, exc.reason)
         if exc.name is not None and exc.name not in _warned:
             _warned.add(exc.name)
             _log.warning("cuda-program-cas: front door: %s; such compiles are not cached", exc.reason)
@@ -334,7 +335,7 @@ class FrontDoor:
 
     def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, Variant, str | None] | str:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""
-        found = self._store.find(record_kid)
+        found = self._inner.find(record_kid)
         if found is None:
             return "new inputs: no record of them"
         raw, shared = found
@@ -351,7 +352,7 @@ class FrontDoor:
         for variant, proof in zip(decoded[1], decoded[2], strict=True):
             changed = self._proven(variant, proof)
             if changed is None:
-                data = self._store.find(grouped_id(record_key, bytes.fromhex(variant.result)))
+                data = self._inner.find(grouped_id(record_key, bytes.fromhex(variant.result)))
                 if data is not None:
                     return data[0], variant, data[1] if data[1] is not None else shared
                 changed = "the result of a matching variant is gone"
@@ -431,15 +432,15 @@ class FrontDoor:
         mapping: dict[Any, bytes],
     ) -> None:
         record_kid = grouped_id(record_key, None)
-        found = self._store.find(record_kid)
+        found = self._inner.find(record_kid)
         old = [] if found is None else decode_raw(found[0])
         new = encode_variant(result_key.hex(), headers, guards, name, mapping)
         kept = [new, *(v for v in old if v.get("result") != new["result"])]
-        self._store.put_id(record_kid, encode_record(kept[:_MAX_VARIANTS]))
+        self._inner.put_id(record_kid, encode_record(kept[:_MAX_VARIANTS]))
         # A variant pushed out leaves a result no record reaches: it goes now.
         for variant in kept[_MAX_VARIANTS:]:
             try:
-                self._store.delete_id(grouped_id(record_key, bytes.fromhex(str(variant.get("result")))))
+                self._inner.delete_id(grouped_id(record_key, bytes.fromhex(str(variant.get("result")))))
             except (ValueError, TypeError):
                 pass
 

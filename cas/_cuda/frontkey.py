@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from blake3 import blake3
 
 if TYPE_CHECKING:
-    from cuda_program_cas._store.store import CacheStore
+    from cuda_program_cas._store.store import Inner
 
 __all__ = [
     "TAG",
@@ -116,10 +116,10 @@ def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
     return h.digest()
 
 
-def nvrtc_version(store: CacheStore) -> str:
+def nvrtc_version(inner: Inner) -> str:
     from .nvrtcver import version
 
-    return version(store)
+    return version(inner)
 
 
 def loaded_nvrtc_version() -> str:
