@@ -970,8 +970,8 @@ class _Problems:
 def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
     """An instance's counts: its own, with its shared stores' errors, corrupt and untrusted entries."""
     counts = local.as_dict(lock=lock)
-    for store in shared:
-        theirs = store.as_dict(lock=lock)
+    for tier_counts in shared:
+        theirs = tier_counts.as_dict(lock=lock)
         counts["errors"] += theirs["errors"]
         counts["corrupt"] += theirs["corrupt"]
         counts["untrusted"] += theirs["untrusted"]
