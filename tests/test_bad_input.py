@@ -315,7 +315,11 @@ def test_a_directory_in_the_way_drops_the_write_and_the_compile_still_returns(ca
     from cuda.core.utils import make_program_cache_key
 
     key = make_program_cache_key(code=SAXPY, code_type="c++", options=ProgramOptions(arch="sm_80"), target_type="cubin")
-    blocker = store.blobs.path_for(digest_of(reference)) if where == "blob" else store.layout.manifest_path(key_id(key))
+    blocker = (
+        store.inner.blobs.path_for(digest_of(reference))
+        if where == "blob"
+        else store.inner.layout.manifest_path(key_id(key))
+    )
     os.makedirs(blocker)
     obj = compile_program(cache=cache)  # a miss whose store fails: the compile result still comes back
     assert bytes(obj.code) == reference

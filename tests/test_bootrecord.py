@@ -36,9 +36,10 @@ from cuda_program_cas._disk.files import file_id
 store = CacheStore(root)
 value = store.get(key)
 digest = sys.argv[5]
-record = bootrecord.BootRecord(store.layout.root, store.layout.blobs, store.layout.tmp, writable=False)
+lay = store.inner.layout
+record = bootrecord.BootRecord(lay.root, lay.blobs, lay.tmp, writable=False)
 try:
-    identity = file_id(os.stat(store.layout.blob_path(digest)))
+    identity = file_id(os.stat(lay.blob_path(digest)))
     vouched = record.vouches(digest, identity)
 except FileNotFoundError:
     vouched = None

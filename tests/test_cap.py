@@ -133,8 +133,8 @@ def test_a_shared_blob_goes_only_with_its_last_key(cache_dir: Path) -> None:
         age(bpath(cache_dir, data), 60)
 
     # Remove one manifest's worth: "a" goes, but "c" still names the shared blob.
-    snap = store.snapshot()
-    result = store.evict_to(snap, snap.stored_bytes - 1)
+    snap = store.inner.snapshot()
+    result = store.inner.evict_to(snap, snap.stored_bytes - 1)
     assert result.manifests_removed == 1
     assert result.blobs_removed == 0
     assert bpath(cache_dir, shared).exists()
@@ -142,8 +142,8 @@ def test_a_shared_blob_goes_only_with_its_last_key(cache_dir: Path) -> None:
     assert store.get("c") == shared
 
     age(mpath(cache_dir, "c"), 5)  # "b" is now the oldest, then "c"
-    snap = store.snapshot()
-    result = store.evict_to(snap, 0)
+    snap = store.inner.snapshot()
+    result = store.inner.evict_to(snap, 0)
     assert result.manifests_removed == 2
     assert result.blobs_removed == 2  # each blob went with its last key
     assert result.bytes_freed == snap.stored_bytes
@@ -159,14 +159,14 @@ def test_a_blob_freshened_after_the_scan_began_survives(cache_dir: Path, same_in
     store.put("gone", other)
     for path in (mpath(cache_dir, "old"), mpath(cache_dir, "gone"), bpath(cache_dir, data), bpath(cache_dir, other)):
         age(path, 60)
-    snap = store.snapshot()  # the evictor's scan: "old" is the only key naming `data`
+    snap = store.inner.snapshot()  # the evictor's scan: "old" is the only key naming `data`
     if same_instant:
         # Stamped by the file system's clock at the very instant the scan began: it
         # cannot be told from a blob a writer freshened just after, so it must stay.
         os.utime(bpath(cache_dir, other), ns=(snap.cutoff_ns, snap.cutoff_ns))
         snap.blobs[digest_of(other)] = bpath(cache_dir, other).stat()
     CacheStore(cache_dir).put("new", data)  # a writer deduplicates against it: freshened
-    result = store.evict_to(snap, 0)
+    result = store.inner.evict_to(snap, 0)
     assert result.manifests_removed == 2
     assert bpath(cache_dir, data).exists()  # freshened after the scan began: kept
     assert store.get("new") == data
@@ -179,7 +179,7 @@ def test_a_blob_freshened_after_the_scan_began_survives(cache_dir: Path, same_in
         assert bpath(cache_dir, other).exists()
         # Retired: the next pass of the same evictor takes it, still untouched,
         # without waiting out the orphan grace period.
-        again = store.evict_to(store.snapshot(), 0)
+        again = store.inner.evict_to(store.inner.snapshot(), 0)
         assert again.manifests_removed == 1  # "new"
         # `other` goes (and `data` with its last key "new", unless it was freshened
         # within a tick of this second scan, which depends on the clock).
@@ -200,8 +200,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
     age(bpath(cache_dir, young), cuda_program_cas._store.cap.ORPHAN_GRACE_S - 60)
 
     # Even a target of zero leaves a young orphan alone: its manifest may be on the way.
-    snap = store.snapshot()
-    result = store.evict_to(snap, 0)
+    snap = store.inner.snapshot()
+    result = store.inner.evict_to(snap, 0)
     assert bpath(cache_dir, young).exists()
     assert not bpath(cache_dir, old).exists()
     assert result.blobs_removed == 2  # the old orphan, and the blob of "k"
@@ -230,8 +230,8 @@ def test_garbage_manifests_go_before_live_keys(cache_dir: Path) -> None:
     bpath(cache_dir, value(2)).unlink()
     mpath(cache_dir, "garbled").write_bytes(b"not a manifest")
     age(mpath(cache_dir, "live"), 1000)  # the oldest of all, yet it is kept
-    snap = store.snapshot()
-    result = store.evict_to(snap, snap.stored_bytes - 1)
+    snap = store.inner.snapshot()
+    result = store.inner.evict_to(snap, snap.stored_bytes - 1)
     assert result.manifests_removed == 2
     assert store.get("live") == value(1)
 
@@ -350,11 +350,11 @@ def test_enforce_cap_returns_none_while_another_process_holds_the_lock(cache_dir
     with lock_held_elsewhere(cache_dir / "evict.lock"):
         for i in range(3, 10):
             store.put(f"k{i}", value(i))
-        assert store.enforce_cap() is None
+        assert store.inner.enforce_cap() is None
         assert store.stats().stored_bytes > 5000
     for blob in (cache_dir / "blobs").glob("*/*"):
         age(blob, 60)  # written a minute ago: old enough to go with their last key
-    result = store.enforce_cap()
+    result = store.inner.enforce_cap()
     assert result is not None and result.manifests_removed > 0
     assert store.stats().stored_bytes <= 5000
 
@@ -569,11 +569,11 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
     for i in range(10):
         store.put(f"k{i}", value(i))
         age(mpath(cache_dir, f"k{i}"), 60 - i)
-    snap = store.snapshot()
+    snap = store.inner.snapshot()
     plan = cuda_program_cas._store.cap.plan_lru(snap, 0, orphan_grace_ns=10**12)
     assert store.get("k0") == value(0)  # read after the scan: a touch of its manifest is queued
     store.flush()  # it lands (within a second without this, see test_touches_land_within_a_second)
-    remover = cuda_program_cas._disk.remove.Remover(store.layout)
+    remover = cuda_program_cas._disk.remove.Remover(store.inner.layout)
     remover.execute(plan, budget=3)
     assert store.get("k0") == value(0)  # planned first, kept: it was used since
     assert not mpath(cache_dir, "k1").exists() and not mpath(cache_dir, "k2").exists()
@@ -700,7 +700,7 @@ def test_a_stored_value_is_landed_when_its_eviction_fails_and_the_cap_holds(
             # and the entries after it are evicted instead, so the cache stays under its cap.
             assert store.put(key, value(n, 300)) is WriteResult.STORED, key
             assert store.get(key) == value(n, 300)
-            assert store.snapshot().stored_bytes <= 1500, (key, store.snapshot().stored_bytes)
+            assert store.inner.snapshot().stored_bytes <= 1500, (key, store.inner.snapshot().stored_bytes)
         assert store.get("stuck") == value(0, 300)
         assert store.counters()["dropped_writes"] == 0
     warned = [r.getMessage() for r in caplog.records if "eviction failed" in r.getMessage()]
@@ -708,7 +708,7 @@ def test_a_stored_value_is_landed_when_its_eviction_fails_and_the_cap_holds(
     # Writable again: it is evicted in its turn (3 entries fit; 5 newer ones come).
     for n in range(5):
         assert store.put(f"after{n}", value(100 + n, 300)) is WriteResult.STORED
-        assert store.snapshot().stored_bytes <= 1500
+        assert store.inner.snapshot().stored_bytes <= 1500
     assert not mpath(root, "stuck").exists()
 
 
@@ -728,7 +728,7 @@ def test_garbage_that_cannot_be_removed_neither_stalls_nor_overfills_the_cache(t
     def writes() -> None:
         for n, key in enumerate(keys, 1):
             results.append(store.put(key, value(n, 300)))
-            sizes.append(store.snapshot().stored_bytes)
+            sizes.append(store.inner.snapshot().stored_bytes)
 
     with read_only(junk.parent):
         # In a thread: an eviction that plans the same stuck file again and again never returns.

@@ -34,7 +34,7 @@ def test_the_cap_counts_temp_files(cache_dir: Path) -> None:
     (cache_dir / "tmp" / "4242-0123456700000000.tmp").write_bytes(b"\0" * (5 * ENTRY))
     for i in range(10):
         store.put(f"k{i}", value(i))
-    assert store.snapshot().stored_bytes + temp_bytes(cache_dir) <= cap
+    assert store.inner.snapshot().stored_bytes + temp_bytes(cache_dir) <= cap
     alive = [i for i in range(10) if store.get(f"k{i}") is not None]
     assert 3 <= len(alive) <= 5 and alive == list(range(10 - len(alive), 10))  # the oldest went
 
@@ -51,4 +51,4 @@ def test_stale_temp_files_go_when_the_cap_is_enforced(cache_dir: Path) -> None:
         store.put(f"k{i}", value(i))
     assert not stale.exists()
     assert all(store.get(f"k{i}") == value(i) for i in range(9))  # the stale file went, no entry did
-    assert store.snapshot().stored_bytes <= cap
+    assert store.inner.snapshot().stored_bytes <= cap

@@ -290,7 +290,7 @@ def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str, monkeypatc
         (cache_dir / "tmp").chmod(0o500)
     try:
         t0 = time.monotonic()
-        with store.claim(kid, wait_s=600) as claim:
+        with store.inner.claim(kid, wait_s=600) as claim:
             assert (claim.held, claim.waited, claim.timed_out) == (False, False, False)
         assert time.monotonic() - t0 < 60
         assert not (cache_dir / "elsewhere").exists()
@@ -298,7 +298,7 @@ def test_no_claim_where_none_can_be_taken(cache_dir: Path, what: str, monkeypatc
         (cache_dir / "tmp").chmod(0o700)
     assert store.put("k", b"x")
     read_only = CacheStore(cache_dir, read_only=True)
-    with read_only.claim(kid) as claim:
+    with read_only.inner.claim(kid) as claim:
         assert not claim.held and not claim.waited
 
 
@@ -310,7 +310,7 @@ def test_a_dead_claimants_file_is_taken_over_or_swept(cache_dir: Path) -> None:
         leftover = cache_dir / "tmp" / f"{key_id(name)}.claim"
         leftover.write_bytes(b"")
         os.utime(leftover, (old, old))
-    with store.claim(key_id("k"), wait_s=0) as claim:
+    with store.inner.claim(key_id("k"), wait_s=0) as claim:
         assert claim.held and not claim.waited
         assert (cache_dir / "tmp" / f"{key_id('k')}.claim").stat().st_mtime > old + 3600  # no sweep takes it now
     assert claim_files(cache_dir) == [f"{key_id('gone')}.claim"]
@@ -324,18 +324,18 @@ def test_threads_of_one_process_wait_for_each_other(cache_dir: Path) -> None:
     store = CacheStore(cache_dir)
     kid = key_id("k")
     seen: list[claims.Claim] = []
-    with store.claim(kid) as mine:
+    with store.inner.claim(kid) as mine:
         assert mine.held and not mine.waited
 
         def other_thread() -> None:
-            with store.claim(kid, wait_s=0) as theirs:
+            with store.inner.claim(kid, wait_s=0) as theirs:
                 seen.append(theirs)
 
         other = threading.Thread(target=other_thread)
         other.start()
         other.join()
         assert seen[0].timed_out and not seen[0].held
-    with store.claim(kid) as again:  # let go: free at once, and its file is gone
+    with store.inner.claim(kid) as again:  # let go: free at once, and its file is gone
         assert again.held and not again.waited
     assert claim_files(cache_dir) == []
     counts = store.counters()
@@ -349,12 +349,12 @@ from cuda_program_cas import CacheStore
 from cuda_program_cas.index import key_id
 store = CacheStore(sys.argv[1])
 kid = key_id("k")
-with store.claim(kid) as claim:
+with store.inner.claim(kid) as claim:
     assert claim.held
     print("parent holds", flush=True)
     pid = os.fork()
     if pid == 0:
-        with store.claim(kid, wait_s=0) as mine:  # the parent's claim is another's to the child
+        with store.inner.claim(kid, wait_s=0) as mine:  # the parent's claim is another's to the child
             print("child busy" if mine.timed_out and not mine.held else "child holds", flush=True)
     else:
         sys.stdin.read()  # until killed
@@ -381,13 +381,13 @@ def test_a_forked_child_does_not_hold_its_parents_claim(cache_dir: Path) -> None
         parent.wait("parent holds")
         parent.wait("child busy")
         child_pid = int(parent.wait("child-left", at_least=1).split()[1])
-        with store.claim(kid, wait_s=0) as claim:  # the child left the block: still held
+        with store.inner.claim(kid, wait_s=0) as claim:  # the child left the block: still held
             assert claim.timed_out and not claim.held
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL  # its stdin stays open: the child waits on it
         os.kill(child_pid, 0)  # the child lives on, with the copies of its parent's descriptors closed
         t0 = time.monotonic()
-        with store.claim(kid, wait_s=60) as claim:
+        with store.inner.claim(kid, wait_s=60) as claim:
             assert claim.held and not claim.timed_out, claim
         assert time.monotonic() - t0 < 30
     finally:

@@ -114,7 +114,7 @@ def test_a_try_that_does_not_return_is_given_up_at_the_bound(cache_dir: Path, se
 
     def claim_with(wait_s: float) -> tuple[claims.Claim, float]:
         t0 = time.monotonic()
-        with store.claim(kid, wait_s=wait_s) as got:
+        with store.inner.claim(kid, wait_s=wait_s) as got:
             return got, time.monotonic() - t0
 
     for wait_s, least in ((0.2, 1.0), (1.5, 1.5)):  # the first try may take 1 s (claims._FIRST_TRY_S)
@@ -128,7 +128,7 @@ def test_a_try_that_does_not_return_is_given_up_at_the_bound(cache_dir: Path, se
         assert least - 0.05 <= took < least + 1.0
         seam.unblock.set()  # the try returns now, with the lock: its thread lets go of it
         assert until(lambda: not claims._OPEN), "the given-up try's file is still open"
-        with store.claim(kid, wait_s=0) as again:
+        with store.inner.claim(kid, wait_s=0) as again:
             assert again.held and not again.waited
 
 
@@ -136,7 +136,7 @@ def test_a_try_that_outlasts_a_wait_ends_the_wait_at_its_bound(cache_dir: Path, 
     """While waiting for another's claim, a try that blocks is given up when the bound passes."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    with store.claim(kid) as mine:
+    with store.inner.claim(kid) as mine:
         assert mine.held
         real_wait = claims._wait
 
@@ -159,7 +159,7 @@ def test_a_try_that_outlasts_a_wait_ends_the_wait_at_its_bound(cache_dir: Path, 
 
 def _timed(store: CacheStore, kid: str, wait_s: float) -> tuple[claims.Claim, float]:
     t0 = time.monotonic()
-    with store.claim(kid, wait_s=wait_s) as got:
+    with store.inner.claim(kid, wait_s=wait_s) as got:
         return got, time.monotonic() - t0
 
 
@@ -169,12 +169,12 @@ def test_a_waiter_whose_claimant_let_go_takes_the_claim_afresh(cache_dir: Path, 
     compile is the node's one, and the node's other waiters wait for it."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    with store.claim(kid) as first:
+    with store.inner.claim(kid) as first:
         assert first.held
         holding, let_go = threading.Event(), threading.Event()
 
         def second() -> claims.Claim:
-            with store.claim(kid, wait_s=60) as got:
+            with store.inner.claim(kid, wait_s=60) as got:
                 holding.set()
                 assert let_go.wait(60)
                 return got
@@ -182,7 +182,7 @@ def test_a_waiter_whose_claimant_let_go_takes_the_claim_afresh(cache_dir: Path, 
         thread, got = in_thread(second)
         assert waiting.wait(60)
     assert holding.wait(60)  # the first let go: the second holds the claim now
-    with store.claim(kid, wait_s=0) as third:
+    with store.inner.claim(kid, wait_s=0) as third:
         assert third.timed_out and not third.held  # it waits for the second, as for the first
     let_go.set()
     thread.join(60)
@@ -198,7 +198,7 @@ def test_a_claim_file_the_server_removed_under_a_waiter_is_a_claimant_that_let_g
     try gets ESTALE. It takes the claim afresh, as when it finds the file gone from its name."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    with store.claim(kid) as first:
+    with store.inner.claim(kid) as first:
         assert first.held
         thread, got = in_thread(lambda: _timed(store, kid, 60))
         assert waiting.wait(60)
@@ -245,7 +245,7 @@ def test_a_flush_where_no_thread_can_start_still_records(cache_dir: Path, monkey
 
     monkeypatch.setattr(threading.Thread, "start", refused)
     assert store.flush()
-    with store.claim(key_id("k"), wait_s=0) as got:  # a claim too
+    with store.inner.claim(key_id("k"), wait_s=0) as got:  # a claim too
         assert got.held
     monkeypatch.undo()
     assert dict(lifetime.read_counters(Layout(str(cache_dir))).counters)["writes"] == 1
@@ -263,7 +263,7 @@ def test_a_long_wait_asks_for_the_lock_less_and_less_often(cache_dir: Path, seam
     second in the harness. Past its first second it asks every twentieth of the time waited."""
     store = CacheStore(cache_dir)
     kid = key_id("k")
-    with store.claim(kid) as mine:
+    with store.inner.claim(kid) as mine:
         assert mine.held
         seam.tries = 0
         claim, took = _timed(store, kid, 6.0)

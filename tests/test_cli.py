@@ -64,12 +64,12 @@ def small_cache(root: Path) -> CacheStore:
     old = time.time() - 7200
     orphan = os.urandom(500)
     write_orphan(root, orphan)
-    os.utime(store.blobs.path_for(digest_of(orphan)), (old, old))
+    os.utime(store.inner.blobs.path_for(digest_of(orphan)), (old, old))
     return store
 
 
 def corrupt_one_blob(store: CacheStore) -> str:
-    path = store.blobs.path_for(digest_of(b"same" * 1000))
+    path = store.inner.blobs.path_for(digest_of(b"same" * 1000))
     Path(path).write_bytes(b"SAME" * 1000)
     return path
 
@@ -117,8 +117,8 @@ def test_every_command_prints_one_json_object(
 def test_verify_reports_then_repairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = small_cache(tmp_path / "cas")
     bad = corrupt_one_blob(store)
-    dangling = store.layout.manifest_path(key_id("k0"))
-    os.unlink(store.blobs.path_for(digest_of(bytes([0]) * 3000)))
+    dangling = store.inner.layout.manifest_path(key_id("k0"))
+    os.unlink(store.inner.blobs.path_for(digest_of(bytes([0]) * 3000)))
     stale = tmp_path / "cas" / "tmp" / "1-x.tmp"
     stale.write_bytes(b"partial")
     os.utime(stale, (time.time() - 7200,) * 2)

@@ -74,7 +74,7 @@ def test_orphans_dated_in_the_future_do_not_hold_the_cap(cache_dir: Path) -> Non
         store.put(f"k{i}", value(i))
     live = sum(store.get(f"k{i}") == value(i) for i in range(38))
     assert live == 38
-    assert store.snapshot().stored_bytes <= cap
+    assert store.inner.snapshot().stored_bytes <= cap
 
 
 def test_max_age_expires_entries_dated_in_the_future(cache_dir: Path) -> None:

@@ -203,13 +203,13 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
     digest = digest_of(secret)
 
     def manifest(key: str, body: bytes) -> Path:
-        path = Path(store.layout.manifest_path(key_id(key)))
+        path = Path(store.inner.layout.manifest_path(key_id(key)))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(body)
         return path
 
     def blob_path(d: str) -> Path:
-        path = Path(store.blobs.path_for(d))
+        path = Path(store.inner.blobs.path_for(d))
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -219,7 +219,7 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
     blob_path(digest).symlink_to(outside)
     # A manifest that is itself a symlink to an outside copy of a valid manifest.
     (outside_dir / "manifest").write_bytes(Manifest(digest_of(b"good bytes"), 10, key_id("symlink-manifest")).encode())
-    link = Path(store.layout.manifest_path(key_id("symlink-manifest")))
+    link = Path(store.inner.layout.manifest_path(key_id("symlink-manifest")))
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(outside_dir / "manifest")
     # Garbage under a valid name, same size as what the manifest says.
@@ -236,7 +236,7 @@ def _hostile_store(tmp_path: Path) -> tuple[Path, dict[str, bytes], Path]:
     fifo_bytes = b"fifo"
     manifest("fifo", Manifest(digest_of(fifo_bytes), len(fifo_bytes), key_id("fifo")).encode())
     os.mkfifo(blob_path(digest_of(fifo_bytes)))
-    Path(store.layout.manifest_path(key_id("dir"))).mkdir(parents=True)
+    Path(store.inner.layout.manifest_path(key_id("dir"))).mkdir(parents=True)
     manifest("huge", Manifest(digest_of(b"good bytes"), 10**15, key_id("huge")).encode())
     manifest("long", b"cpcas1 " + b"a" * (4 << 20))
     # A valid manifest of another key, copied onto this key's path: it names "good".
@@ -361,7 +361,7 @@ def test_eio_is_a_miss_and_an_unreachable_store_is_skipped(
     mem = Path(f"/proc/{os.getpid()}/mem")
     caplog.set_level("DEBUG", logger="cuda_program_cas")
     cache = CacheStore(tmp_path / "local", shared=[src], copy_shared_hits=False)
-    bind_file(mounts, mem, Path(writer.layout.manifest_path(key_id("eio"))))
+    bind_file(mounts, mem, Path(writer.inner.layout.manifest_path(key_id("eio"))))
     for _ in range(3):
         assert cache.get("eio") is None
     assert cache.stats().errors == 3
@@ -420,7 +420,7 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
                 os.chmod(os.path.join(dirpath, name), 0o755)
             for name in filenames:
                 os.chmod(os.path.join(dirpath, name), 0o644)
-        os.chmod(store.layout.manifest_path(key_id("hidden")), 0o600)
+        os.chmod(store.inner.layout.manifest_path(key_id("hidden")), 0o600)
         local = base / "local"
         local.mkdir(mode=0o777)
         local.chmod(0o777)
@@ -447,11 +447,11 @@ def test_shared_from_environment_and_explicit_argument_wins(tmp_path: Path, monk
     CacheStore(store).put("k", b"from the shared store")
     monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", str(tmp_path / "absent"), str(store), ""]))
     from_env = ContentAddressedProgramCache(tmp_path / "a")
-    assert from_env.store.shared_paths() == (str(tmp_path / "absent"), str(store))
+    assert from_env.store.inner.shared_paths() == (str(tmp_path / "absent"), str(store))
     assert from_env.get("k") == b"from the shared store"
     for explicit in ([], None):
         cache = ContentAddressedProgramCache(tmp_path / "b", shared=explicit)
-        assert cache.store.shared_paths() == ()
+        assert cache.store.inner.shared_paths() == ()
         assert cache.get("k") is None
     other = tmp_path / "other"
     CacheStore(other).put("k", b"from the other store")

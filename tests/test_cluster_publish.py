@@ -354,13 +354,13 @@ def test_bad_sources_are_skipped_and_reported(tmp_path: Path) -> None:
     # A blob that is a symlink to a file outside the cache, with the right bytes: not followed.
     outside = tmp_path / "outside"
     outside.write_bytes(b"content of symlink")
-    link = Path(store.blobs.path_for(digest_of(b"content of symlink")))
+    link = Path(store.inner.blobs.path_for(digest_of(b"content of symlink")))
     link.unlink()
     link.symlink_to(outside)
-    Path(store.blobs.path_for(digest_of(b"content of garbage"))).write_bytes(b"X" * len(b"content of garbage"))
-    os.unlink(store.blobs.path_for(digest_of(b"content of missing")))
-    Path(store.layout.manifest_path("ab" * 32)).parent.mkdir(exist_ok=True)
-    Path(store.layout.manifest_path("ab" * 32)).write_bytes(b"cpcas1 garbled\n")
+    Path(store.inner.blobs.path_for(digest_of(b"content of garbage"))).write_bytes(b"X" * len(b"content of garbage"))
+    os.unlink(store.inner.blobs.path_for(digest_of(b"content of missing")))
+    Path(store.inner.layout.manifest_path("ab" * 32)).parent.mkdir(exist_ok=True)
+    Path(store.inner.layout.manifest_path("ab" * 32)).write_bytes(b"cpcas1 garbled\n")
     shared = tmp_path / "shared"
     report = publish([node, tmp_path / "absent", tmp_path], shared)
     assert sorted(b.split(": ")[1] for b in report.bad_blobs) == sorted(
@@ -375,7 +375,7 @@ def test_bad_sources_are_skipped_and_reported(tmp_path: Path) -> None:
     assert reader.get("garbage") is None and reader.get("missing") is None and reader.get("symlink") is None
     # Nothing of the bad entries reached the store; the source was not changed.
     assert len(CacheStore(shared, read_only=True)) == 2
-    assert Path(store.blobs.path_for(digest_of(b"content of garbage"))).read_bytes().startswith(b"XXX")
+    assert Path(store.inner.blobs.path_for(digest_of(b"content of garbage"))).read_bytes().startswith(b"XXX")
 
 
 def test_conflicts_keep_what_was_published_and_broken_entries_are_replaced(tmp_path: Path) -> None:
@@ -386,8 +386,8 @@ def test_conflicts_keep_what_was_published_and_broken_entries_are_replaced(tmp_p
     store = CacheStore(shared, read_only=True)
     from cuda_program_cas.index import key_id
 
-    Path(store.layout.manifest_path(key_id("broken"))).write_bytes(b"garbage")
-    os.unlink(store.blobs.path_for(digest_of(b"d1")))
+    Path(store.inner.layout.manifest_path(key_id("broken"))).write_bytes(b"garbage")
+    os.unlink(store.inner.blobs.path_for(digest_of(b"d1")))
     report = publish([second], shared)
     assert (report.conflicts, report.replaced, report.published) == (1, 2, 0)
     reader = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
@@ -403,7 +403,7 @@ def test_conflicts_keep_what_was_published_and_broken_entries_are_replaced(tmp_p
 def test_a_corrupt_blob_in_the_store_is_repaired_when_a_new_key_names_it(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     publish([node_cache(tmp_path / "a", {"k1": b"payload"})], shared)
-    blob = Path(CacheStore(shared, read_only=True).blobs.path_for(digest_of(b"payload")))
+    blob = Path(CacheStore(shared, read_only=True).inner.blobs.path_for(digest_of(b"payload")))
     blob.write_bytes(b"PAYLOAD")
     report = publish([node_cache(tmp_path / "b", {"k2": b"payload"})], shared)
     assert (report.published, report.blobs_published) == (1, 1)
@@ -417,7 +417,7 @@ def test_a_store_blob_damaged_in_place_is_repaired_by_the_next_publish(
     node = node_cache(tmp_path / "a", values)
     shared = tmp_path / "shared"
     publish([node], shared)
-    blob = Path(CacheStore(shared, read_only=True).blobs.path_for(digest_of(b"payload two")))
+    blob = Path(CacheStore(shared, read_only=True).inner.blobs.path_for(digest_of(b"payload two")))
     blob.write_bytes(b"PAYLOAD TWO")  # same size: only its hash tells
     reader = CacheStore(tmp_path / "local", shared=[shared], copy_shared_hits=False)
     assert reader.get("k2") is None
@@ -441,8 +441,8 @@ def test_resume_after_interruption_and_stale_temp_files(tmp_path: Path) -> None:
     from cuda_program_cas.index import key_id
 
     for i in range(5):
-        os.unlink(store.layout.manifest_path(key_id(f"k{i}")))
-    os.unlink(store.blobs.path_for(digest_of(values["k7"])))
+        os.unlink(store.inner.layout.manifest_path(key_id(f"k{i}")))
+    os.unlink(store.inner.blobs.path_for(digest_of(values["k7"])))
     stale = shared / "tmp" / "publish-1-deadbeef.tmp"
     stale.write_bytes(b"partial")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
@@ -497,7 +497,7 @@ def test_cli_exit_codes_json_and_summary(tmp_path: Path, capsys: pytest.CaptureF
     bad = tmp_path / "bad"
     store = CacheStore(bad)
     store.put("x", b"xxxx")
-    Path(store.blobs.path_for(digest_of(b"xxxx"))).write_bytes(b"yyyy")
+    Path(store.inner.blobs.path_for(digest_of(b"xxxx"))).write_bytes(b"yyyy")
     assert cli_main(["publish", str(bad), str(shared)]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("bad blob (skipped): ") and "1 problem" in out[-1]

@@ -86,7 +86,7 @@ def cas_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def corrupt_in_place(store: CacheStore, data: bytes) -> Path:
     """Flip the first byte of the blob of ``data`` in place (same size, same inode: no inode needed)."""
-    path = Path(store.layout.blob_path(digest_of(data)))
+    path = Path(store.inner.layout.blob_path(digest_of(data)))
     with open(path, "r+b") as fh:
         first = fh.read(1)
         fh.seek(0)
@@ -331,7 +331,7 @@ def test_damage_found_after_the_file_system_went_read_only(tmp_path: Path, caplo
         for key, data in (("good", good), ("k", bad), ("gone", gone)):
             store.put(key, data)
         blob = corrupt_in_place(store, bad)
-        os.unlink(store.layout.blob_path(digest_of(gone)))  # its manifest now dangles
+        os.unlink(store.inner.layout.blob_path(digest_of(gone)))  # its manifest now dangles
         remount_ro(mnt)
         with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
             _bad_blob_is_a_miss(store, bad, blob)

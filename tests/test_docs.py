@@ -5,6 +5,7 @@ says what each value means."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from conftest import REPO
 
@@ -50,3 +51,19 @@ def test_the_switch_s_values_are_said_as_they_are() -> None:
     line = next(line for line in readme.splitlines() if line.strip().startswith("export CUDA_PROGRAM_CAS=1"))
     assert "1: on" in line and "read-only:" in line and "0:" in line
     assert not re.search(r"=1\s+#\s*read-only", line)  # 1 is not read-only
+
+
+def test_cache_store_s_public_names_are_exactly_the_documented_ones(tmp_path: Path) -> None:
+    # The table of python-api.md is CacheStore's whole public API: a name the class grows, or one it
+    # loses, fails here until the page says so (what the CUDA layer needs goes through store.inner).
+    from cuda_program_cas import CacheStore
+
+    text = (DOCS / "python-api.md").read_text()
+    table = text.split("Its public names,\nall of them", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| `([^`]+)` \|", table, re.MULTILINE)
+    documented = {row.split("(")[0] for row in rows}
+    store = CacheStore(tmp_path / "c")
+    public = {n for n in dir(store) if not n.startswith("_")} | {"len"}
+    assert len(rows) == len(documented)
+    assert documented == public
+    assert len(store) == 0  # the one dunder the table lists

@@ -165,12 +165,12 @@ def test_a_child_forked_during_an_eviction_keeps_its_cap(cache_dir: Path) -> Non
     def child() -> bool:
         for i in range(40):
             store.put(f"child{i}", value(100 + i))
-        return store.snapshot().stored_bytes <= cap and store.get("child39") == value(139)
+        return store.inner.snapshot().stored_bytes <= cap and store.get("child39") == value(139)
 
     # The write that goes over the cap stops inside its eviction (it holds the
     # instance's evictor lock and evict.lock).
     fork_while(pause, lambda: [store.put(f"more{i}", value(50 + i)) for i in range(4)], child)
-    assert store.snapshot().stored_bytes <= cap
+    assert store.inner.snapshot().stored_bytes <= cap
 
 
 def test_a_child_forked_during_a_write_can_write(cache_dir: Path) -> None:
@@ -221,14 +221,14 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
     # The parent records after its child, and nothing is counted twice.
     assert store.get("k") == b"v"
     assert store.flush()
-    counts = read_counters(store.layout).counters
+    counts = read_counters(store.inner.layout).counters
     assert (counts["writes"], counts["hits"]) == (1, 1 + 3 + 1)
 
 
 def test_a_child_forked_during_touches_lands_its_own_reads(cache_dir: Path) -> None:
     store = CacheStore(cache_dir)
     store.put("k", b"v")
-    manifest = Path(store.layout.manifest_path(key_id("k")))
+    manifest = Path(store.inner.layout.manifest_path(key_id("k")))
     os.utime(manifest, ns=(0, 0))
     cuda_program_cas._store.touch.ensure_thread()  # the parent has its touch thread
     pause = Pause()
@@ -283,7 +283,7 @@ def _everything(tmp_path: Path) -> list[object]:
     store = CacheStore(tmp_path / "cas", max_size_bytes=1 << 20, shared=[tmp_path / "loose", tmp_path / "packed"])
     store.put("k", b"v")
     assert store.get("k") == b"v" and store.get("s") == b"shared"
-    for shared in store.shared:
+    for shared in store.inner.shared:
         assert shared.lookup(key_id("s")) is not None
     modules = [
         importlib.import_module(m.name)

@@ -269,7 +269,7 @@ def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monke
     assert (fresh.counters()["hits"], fresh.counters()["misses"]) == (1, 0)
     cache.close()
     fresh.close()
-    lifetime = read_counters(CacheStore(tmp_path / "cas").layout)
+    lifetime = read_counters(CacheStore(tmp_path / "cas").inner.layout)
     assert (lifetime.counters["hits"], lifetime.counters["misses"]) == (1, 1)
 
 
@@ -455,14 +455,14 @@ def test_a_trace_that_lost_its_beginning_is_not_trusted(tmp_path: Path) -> None:
     # in its first milliseconds (NVRTC 13.5 was seen doing so in long-running processes).
     import json
 
-    from cuda_program_cas._cuda.frontdoor import _traced_names
+    from cuda_program_cas._cuda.trace import traced_names
 
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     trace = tmp_path / "t"
     opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")], fdevice_time_trace=str(trace))
     Program(KERNEL, "c++", options=opts).compile("cubin")
     whole = tmp_path / "t.json"
-    names = _traced_names(str(whole))
+    names = traced_names(str(whole))
     assert names is not None and str(tmp_path / "inc" / "val.h") in names
     data = json.loads(whole.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -470,7 +470,7 @@ def test_a_trace_that_lost_its_beginning_is_not_trusted(tmp_path: Path) -> None:
     assert len(cut) == len(events) - 1
     cut_path = tmp_path / "cut.json"
     cut_path.write_text(json.dumps({**data, "traceEvents": cut} if isinstance(data, dict) else cut))
-    assert _traced_names(str(cut_path)) is None
+    assert traced_names(str(cut_path)) is None
 
 
 def test_a_hit_keeps_the_name_of_its_own_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

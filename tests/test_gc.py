@@ -50,7 +50,7 @@ def listing(root: str | Path) -> dict[str, tuple[int, int, int, int, int]]:
 
 def orphan(store: CacheStore, data: bytes) -> str:
     """A blob that no manifest names (a writer died between blob and manifest)."""
-    return store.blobs.path_for(write_orphan(store.root, data))
+    return store.inner.blobs.path_for(write_orphan(store.root, data))
 
 
 def garbage_cache(root: Path) -> tuple[CacheStore, dict[str, str]]:
@@ -63,14 +63,14 @@ def garbage_cache(root: Path) -> tuple[CacheStore, dict[str, str]]:
     age(paths["old_orphan"], 2 * 3600)
     paths["young_orphan"] = orphan(store, content("young orphan"))
     store.put("dangling", content("dangling"))
-    os.unlink(store.blobs.path_for(digest_of(content("dangling"))))
-    paths["dangling"] = store.layout.manifest_path(key_id("dangling"))
-    paths["garbled"] = store.layout.manifest_path(key_id("garbled"))
+    os.unlink(store.inner.blobs.path_for(digest_of(content("dangling"))))
+    paths["dangling"] = store.inner.layout.manifest_path(key_id("dangling"))
+    paths["garbled"] = store.inner.layout.manifest_path(key_id("garbled"))
     os.makedirs(os.path.dirname(paths["garbled"]), exist_ok=True)
     Path(paths["garbled"]).write_bytes(b"cpcas1 not a digest\n")
     # A manifest whose size disagrees with its (shared, good) blob.
     write_manifest(root, "mismatch", digest_of(content("live0")), 7)
-    paths["mismatch"] = store.layout.manifest_path(key_id("mismatch"))
+    paths["mismatch"] = store.inner.layout.manifest_path(key_id("mismatch"))
     paths["old_tmp"] = os.path.join(root, "tmp", "123-dead.tmp")
     Path(paths["old_tmp"]).write_bytes(b"x" * 100)
     age(paths["old_tmp"], 2 * 3600)
@@ -109,20 +109,20 @@ def test_last_manifest_takes_its_blob_unless_the_blob_was_freshened(tmp_path: Pa
     store.put("e", content("fresh"))
     age_tree(store.root, 2 * DAY)
     for key in ("b", "e"):
-        age(store.layout.manifest_path(key_id(key)), 60)  # used recently
+        age(store.inner.layout.manifest_path(key_id(key)), 60)  # used recently
     z = digest_of(content("Z"))
 
     def freshen_z_after_the_scan(phase: str, done: int, total: int) -> None:
         if phase == "removing":  # the plan is made: a writer now deduplicates against Z
-            os.utime(store.blobs.path_for(z))
+            os.utime(store.inner.blobs.path_for(z))
 
     report = collect(store.root, max_age_s=DAY, progress=freshen_z_after_the_scan)
 
     assert report.plan["expired_entries"]["count"] == 3  # a, c, d
     assert report.entries_removed == 3
     assert store.get("b") == content("X")  # X stays: b still names it
-    assert not store.blobs.exists(digest_of(content("Y")))  # Y goes at once, no grace
-    assert store.blobs.exists(z)  # Z was freshened: kept
+    assert not store.inner.blobs.exists(digest_of(content("Y")))  # Y goes at once, no grace
+    assert store.inner.blobs.exists(z)  # Z was freshened: kept
     assert report.blobs_removed == 1 and report.kept_changed == 1
     assert store.get("e") == content("fresh")
 
@@ -132,7 +132,7 @@ def test_verify_moves_corrupt_blobs_to_quarantine_and_drops_their_manifests(tmp_
     for key in ("a", "b"):
         store.put(key, content("X"))
     store.put("c", content("Y"))
-    bad = store.blobs.path_for(digest_of(content("X")))
+    bad = store.inner.blobs.path_for(digest_of(content("X")))
     data = bytearray(Path(bad).read_bytes())
     data[100] ^= 0xFF  # same size, wrong bytes
     Path(bad).write_bytes(bytes(data))
@@ -158,16 +158,16 @@ def test_max_size_evicts_least_recently_used_and_counts_shared_blobs_once(tmp_pa
     store.put("twin", content("k9"))  # shares k9's blob
     age_tree(store.root, DAY)
     for i in range(10):  # k0 least recently used ... k9 most
-        age(store.layout.manifest_path(key_id(f"k{i}")), 1000 - i * 10)
-    age(store.layout.manifest_path(key_id("twin")), 5000)  # oldest, but its blob is shared with k9
-    before = store.snapshot().stored_bytes
+        age(store.inner.layout.manifest_path(key_id(f"k{i}")), 1000 - i * 10)
+    age(store.inner.layout.manifest_path(key_id("twin")), 5000)  # oldest, but its blob is shared with k9
+    before = store.inner.snapshot().stored_bytes
     sizes = {i: len(content(f"k{i}")) for i in range(10)}
     target = before - sizes[0] - sizes[1] - 100
 
     report = collect(store.root, max_size=target)
 
     assert report.bytes_after <= target
-    assert store.snapshot().stored_bytes == report.bytes_after
+    assert store.inner.snapshot().stored_bytes == report.bytes_after
     gone = {k for k in ["twin", *(f"k{i}" for i in range(10))] if store.get(k) is None}
     # twin goes first (frees only its manifest: k9 still names its blob), then k0 and k1.
     assert gone == {"twin", "k0", "k1"}
@@ -181,7 +181,7 @@ def test_max_size_never_evicts_entries_written_after_the_scan_began(tmp_path: Pa
         store.put(f"k{i}", content(f"k{i}"))
     age_tree(store.root, DAY)
     future = time.time() + 30  # stands for "written while the collector runs"
-    os.utime(store.layout.manifest_path(key_id("k3")), (future, future))
+    os.utime(store.inner.layout.manifest_path(key_id("k3")), (future, future))
     report = collect(store.root, max_size=0)
     assert report.entries_removed == 3
     assert store.get("k3") == content("k3")
@@ -189,12 +189,12 @@ def test_max_size_never_evicts_entries_written_after_the_scan_began(tmp_path: Pa
 
 def test_dry_run_changes_nothing_and_predicts_the_real_run(tmp_path: Path) -> None:
     store, paths = garbage_cache(tmp_path / "cas")
-    bad = store.blobs.path_for(digest_of(content("live4")))
+    bad = store.inner.blobs.path_for(digest_of(content("live4")))
     Path(bad).write_bytes(b"\0" * len(content("live4")))
     # Older than the clock slack, younger than the grace: the real run then sees what the plan saw.
     age_tree(store.root, 600)
     age(paths["old_orphan"], 2 * 3600)
-    age(store.layout.manifest_path(key_id("live1")), 3 * DAY)
+    age(store.inner.layout.manifest_path(key_id("live1")), 3 * DAY)
     options = {"verify": True, "max_age_s": DAY, "max_size": 5000}
     before = listing(store.root)
 

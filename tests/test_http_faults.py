@@ -175,7 +175,7 @@ def warnings_about(caplog: pytest.LogCaptureFixture, url: str) -> list[str]:
 
 
 def http_of(cache: ContentAddressedProgramCache) -> SharedStore:
-    (store,) = (s for s in cache.store.shared if isinstance(s.engine, HttpEngine))
+    (store,) = (s for s in cache.store.inner.shared if isinstance(s.engine, HttpEngine))
     return store
 
 
@@ -798,7 +798,7 @@ _HOSTILE_NODE = textwrap.dedent(
     start = peak()
     missed = {}
     for key in keys:
-        missed[key] = [store.get(key) is None, store.shared[0].miss_reason()]
+        missed[key] = [store.get(key) is None, store.inner.shared[0].miss_reason()]
     print(json.dumps({"start": start, "grew": peak() - start, "missed": missed, "tmp": os.listdir(local + "/tmp")}))
     """
 )
@@ -864,7 +864,7 @@ _STARVED_NODE = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (32 << 20), hard))  # 32 MiB more: not the 64 MiB blob
     try:
         got = store.get(big)
-        reason = store.shared[0].miss_reason()
+        reason = store.inner.shared[0].miss_reason()
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     print(got is None, reason, store.get(other) is not None, sep="|")
@@ -1026,7 +1026,7 @@ def test_a_token_is_never_logged_at_any_level(tmp_path: Path, published: Publish
             assert store.get("k0") is not None, "the right token reads"
             assert store.get("k1") is not None
             assert store.get("missing") is None
-            for shared in store.shared:
+            for shared in store.inner.shared:
                 print("reason", shared.miss_reason())
             print(store.counters())
             """
@@ -1159,7 +1159,7 @@ def test_the_environment_keeps_a_url_whole_between_directories(
         monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join([str(a), url, str(b)]))
         assert env_shared() == [str(a), url, str(b)]
         with ContentAddressedProgramCache(tmp_path / "node", copy_shared_hits=False) as cache:
-            stores = cache.store.shared
+            stores = cache.store.inner.shared
             assert [type(s.engine) for s in stores] == [DirEngine, HttpEngine, DirEngine]
             assert [s.root for s in stores] == [str(a), url, str(b)]
             shutil.rmtree(a)  # the first store gone: the URL answers next

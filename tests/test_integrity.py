@@ -395,7 +395,7 @@ def test_blob_store_read_verifies_and_names_the_corruption(cache_dir: Path) -> N
     data = b"good bytes" * 100
     digest = digest_of(data)
     store.put("k", data)
-    blobs: BlobStore = store.blobs
+    blobs: BlobStore = store.inner.blobs
     assert blobs.read(digest, len(data))[0] == data
     path = Path(blobs.path_for(digest))
     path.write_bytes(b"evil bytes" * 100)  # same size, other bytes

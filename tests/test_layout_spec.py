@@ -94,7 +94,7 @@ def test_every_file_real_operations_leave_is_in_the_list_and_every_entry_is_met(
         assert atomic_write(os.path.join(lay.root, "counters-copy-target"), chunks(), lay.tmp)
         os.unlink(os.path.join(lay.root, "counters-copy-target"))  # the test's own file, not the cache's
         # A claim held: another process of the node compiling the key meanwhile would wait on it.
-        with cache.store.claim(key_id(b"being compiled")):
+        with cache.store.inner.claim(key_id(b"being compiled")):
             seen.look(local)
     # A blob damaged on disk: the read moves it to quarantine/.
     digest = digest_of(saxpy)

@@ -48,7 +48,10 @@ NEVER = (
     "cuda_program_cas._cuda.link",
     "cuda_program_cas._cuda.watch",
 )
-FRONT_DOOR = ("cuda_program_cas._cuda.frontdoor", "cuda_program_cas._cuda.nvrtcver", "cuda_program_cas._cuda.tracedirs")
+FRONT_DOOR = tuple(
+    f"cuda_program_cas._cuda.{m}"
+    for m in ("frontdoor", "frontkey", "record", "search", "trace", "nvrtcver", "tracedirs")
+)
 #: What a hit of the local cache does not need either (issue 31, item 4): the writer, the remover,
 #: eviction and its scans, claims and leases, packs, gc's classification, the shared stores and uploads,
 #: signatures, layout upgrades, the settings file, the blob store's scans.

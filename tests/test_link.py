@@ -25,6 +25,7 @@ from conftest import is_root, run_python
 from cuda.core import Linker, LinkerOptions, ObjectCode, Program, ProgramOptions
 
 from cuda_program_cas import ContentAddressedProgramCache
+from cuda_program_cas._cuda.cache import inner_of
 
 CALLER = r'extern "C" __device__ int f(int x); extern "C" __global__ void k(int *p) { p[0] = f(p[1]); }'
 CALLEE = r'extern "C" __device__ int f(int x) { return x * 3 + 1; }'
@@ -326,10 +327,10 @@ def test_a_store_that_raises_still_returns_the_link(
     def broken(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(cache.store, "put_id", broken)
+    monkeypatch.setattr(inner_of(cache), "put_id", broken)  # what the link writes through
     assert cached(cache, objs, options) == reference
     assert cache.counters()["dropped_writes"] == 1
-    monkeypatch.setattr(cache.store, "find", broken)
+    monkeypatch.setattr(cache.store, "_find", broken)  # under find_or_claim, what the link looks up through
     assert cached(cache, objs, options) == reference
 
 

@@ -34,7 +34,7 @@ def test_one_record_per_lookup_hit_or_miss_with_the_reason(tmp_path: Path, caplo
     store = CacheStore(tmp_path / "cas")
     for key in ("good", "damaged", "misplaced", "blob gone", "bad blob"):
         store.put(key, f"bytes of {key}".encode())
-    lay = store.layout
+    lay = store.inner.layout
     Path(lay.manifest_path(key_id("damaged"))).write_bytes(b"cpcas2 garbage\n")
     shutil.copy(lay.manifest_path(key_id("good")), lay.manifest_path(key_id("misplaced")))
     os.unlink(lay.blob_path(digest_of(b"bytes of blob gone")))

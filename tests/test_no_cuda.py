@@ -57,7 +57,7 @@ _CHILD = textwrap.dedent(
     m = Manifest(digest_of(b"abc"), 3, key_id("k"))
     assert parse_manifest(m.encode()) == m
     assert len(key_id("k")) == 64 and key_id("k") == key_id(b"k")
-    assert isinstance(store.blobs, BlobStore)
+    assert isinstance(store.inner.blobs, BlobStore)
     assert "index" not in sys.modules  # the index is cuda_program_cas.index, never a bare "index"
 
     # Every maintenance module imports, and the console script runs.

@@ -39,11 +39,11 @@ def local_cache(root: Path, *, damaged: bool = False) -> Path:
         store.put(key, value)
     store.close()
     if damaged:
-        blob = Path(store.blobs.path_for(cuda_program_cas.digest_of(KEYS["key-5"])))
+        blob = Path(store.inner.blobs.path_for(cuda_program_cas.digest_of(KEYS["key-5"])))
         blob.write_bytes(b"X" * blob.stat().st_size)
         manifest = next(p for p in (root / "index").rglob("*") if p.is_file())
         manifest.write_bytes(b"cpcas1 garbled\n")
-        counters = Path(store.layout.counters)
+        counters = Path(store.inner.layout.counters)
         counters.unlink(missing_ok=True)
         counters.mkdir()
         (root / "settings.json").write_text("{not json")

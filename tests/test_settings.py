@@ -240,7 +240,7 @@ def test_relative_shared_paths_are_made_absolute_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(2):
             cache = ContentAddressedProgramCache(tmp_path / "cas")
-            assert list(cache.store.shared_paths()) == [str(tmp_path / "store-a"), str(tmp_path / "b")]
+            assert list(cache.store.inner.shared_paths()) == [str(tmp_path / "store-a"), str(tmp_path / "b")]
     relative = [w for w in warnings_of(caplog) if "is a relative path" in w]
     assert relative == [
         f"cuda-program-cas: CUDA_PROGRAM_CAS_SHARED='store-a' is a relative path; it is taken as "

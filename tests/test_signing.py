@@ -95,7 +95,7 @@ def _lookup_all(
         node = CacheStore(tmp_path / f"node{len(list(tmp_path.iterdir()))}", shared=[store])
         got = {}
         for name, kid in site["kids"].items():  # type: ignore[attr-defined]
-            found = node.find(kid)
+            found = node.inner.find(kid)
             got[name] = None if found is None else found[0]
         return got, node.counters()
     finally:
@@ -119,12 +119,12 @@ def test_an_unsigned_store_is_untrusted_and_without_keys_nothing_changes(tmp_pat
     os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"] = str(site["public"])
     try:
         node = CacheStore(tmp_path / "n1", shared=[plain])
-        assert node.find(kid) is None
+        assert node.inner.find(kid) is None
         assert node.counters()["untrusted"] == 1
     finally:
         del os.environ["CUDA_PROGRAM_CAS_TRUSTED_KEYS"]
     node = CacheStore(tmp_path / "n2", shared=[plain])  # no keys configured: as before
-    assert node.find(kid) == (code, str(plain))
+    assert node.inner.find(kid) == (code, str(plain))
 
 
 # -- the attacker ---------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_without_keys_the_same_attacks_do_load_the_attackers_bytes(site, tmp_pat
     store = _copy(site, tmp_path)
     _rewrite_to_own_blob(store, site, "saxpy")
     node = CacheStore(tmp_path / "node", shared=[store])
-    found = node.find(site["kids"]["saxpy"])
+    found = node.inner.find(site["kids"]["saxpy"])
     assert found is not None and found[0].startswith(b"\x7fELF evil")
 
 

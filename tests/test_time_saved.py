@@ -87,7 +87,7 @@ def test_hits_of_an_entry_without_a_recorded_compile_time_save_nothing_countable
 def test_the_ledger_folds_when_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cuda_program_cas._store import usage
 
-    lay = CacheStore(tmp_path / "c").layout
+    lay = CacheStore(tmp_path / "c").inner.layout
     monkeypatch.setattr(usage, "COMPACT_BYTES", 2000)
     for i in range(200):
         usage.record_compile(lay, f"{i:016x}" + "0" * 48, 0.5)
@@ -102,7 +102,7 @@ def test_the_ledger_folds_when_it_grows(tmp_path: Path, monkeypatch: pytest.Monk
 def test_hits_on_both_sides_of_a_flush_each_save_the_compile_time(tmp_path: Path) -> None:
     store = CacheStore(tmp_path / "c")
     store.put(b"k", b"a binary")
-    store.note_compiled(key_id(b"k"), 0.25, "plain", {"code": "c"})
+    store.inner.note_compiled(key_id(b"k"), 0.25, "plain", {"code": "c"})
     assert store.compile_seconds(key_id(b"k")) == 0.25
     assert store.get(b"k") is not None
     assert store.flush()
@@ -117,6 +117,6 @@ def test_hits_on_both_sides_of_a_flush_each_save_the_compile_time(tmp_path: Path
 def test_a_read_only_cache_records_no_compile_time_and_no_saved_time(tmp_path: Path) -> None:
     CacheStore(tmp_path / "c").put(b"k", b"a binary")
     reader = CacheStore(tmp_path / "c", read_only=True)
-    reader.note_compiled(key_id(b"k"), 1.0, "plain", {})
+    reader.inner.note_compiled(key_id(b"k"), 1.0, "plain", {})
     assert reader.compile_seconds(key_id(b"k")) is None
     assert not (tmp_path / "c" / "usage").exists() and not (tmp_path / "c" / "misses").exists()

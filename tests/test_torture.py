@@ -43,13 +43,13 @@ def test_harness_detects_wrong_bytes_and_wrong_mappings(tmp_path: Path) -> None:
     for i in (1, 2):
         store.put(torture.key_name(i), torture.content(i))
     kid1, kid2 = (key_id(torture.key_name(i)) for i in (1, 2))
-    with open(store.layout.manifest_path(kid2), "rb") as fh:
+    with open(store.inner.layout.manifest_path(kid2), "rb") as fh:
         copied = fh.read()
-    with open(store.layout.manifest_path(kid1), "wb") as fh:
+    with open(store.inner.layout.manifest_path(kid1), "wb") as fh:
         fh.write(copied)
     assert CacheStore(root).get(torture.key_name(1)) is None  # misplaced: a miss
     digest2 = blake3(torture.content(2)).hexdigest()
-    with open(store.layout.manifest_path(kid1), "wb") as fh:
+    with open(store.inner.layout.manifest_path(kid1), "wb") as fh:
         fh.write(Manifest(digest2, len(torture.content(2)), kid1).encode())
     rep = torture.Report("self-test")
     torture.check_hit(1, CacheStore(root).get(torture.key_name(1)), rep, "self-test")

@@ -73,12 +73,12 @@ def test_a_cold_node_fetches_its_set_in_one_pipeline_every_entry_verified(
     with Proxy(("127.0.0.1", _port(redis.url))) as link:
         link.delay_up_ms = link.delay_down_ms = 10
         node = CacheStore(tmp_path / "b", shared=[f"redis://127.0.0.1:{link.port}/0"])
-        assert node.warm is not None and node.warm.join(30)
+        assert node.inner.warm is not None and node.inner.warm.join(30)
         fetched = redis.commandstats()
         # layout.json (none: an empty Redis store is one), the set, then a manifest and a blob per entry.
         assert fetched["getrange"] == 2 + 2 * len(keys)
         assert link.exchanges <= 3  # the connection's handshake and layout.json, the set, one pipeline
-        assert node.warm.fetched == len(keys) - 1 and node.counters()["corrupt"] == 1
+        assert node.inner.warm.fetched == len(keys) - 1 and node.counters()["corrupt"] == 1
         got = {k: node.get(k) for k in keys}
     assert got == {k: (None if k == "k7" else value(int(k[1:]))) for k in keys}
     # Only k7 was asked again (its manifest and its damaged blob): every other entry was local.
@@ -96,7 +96,7 @@ def test_a_warm_node_whose_lookups_all_hit_locally_never_reads_its_set(
     assert all(node.get(k) == value(int(k[1:])) for k in keys)
     node.close()
     assert redis.commandstats().get("getrange", 0) <= 1  # layout.json at most: not the set, no entry
-    assert node.warm is not None and node.warm.fetched == 0 and node.warm.listed == 0
+    assert node.inner.warm is not None and node.inner.warm.fetched == 0 and node.inner.warm.listed == 0
 
 
 def test_a_set_naming_entries_that_are_gone_costs_only_their_misses(
@@ -109,8 +109,8 @@ def test_a_set_naming_entries_that_are_gone_costs_only_their_misses(
         redis.client().unlink(f"cpcas:{url_path(INDEX, key_id(k))}")  # evicted by Redis, say
     redis.reset_stats()
     node = CacheStore(tmp_path / "b", shared=[redis.url])
-    assert node.warm is not None and node.warm.join(30)
-    assert node.warm.fetched == len(keys) - len(gone)
+    assert node.inner.warm is not None and node.inner.warm.join(30)
+    assert node.inner.warm.fetched == len(keys) - len(gone)
     asked = redis.commandstats()["getrange"]
     assert asked == 2 + 2 * len(keys)
     got = {k: node.get(k) for k in keys}
@@ -127,8 +127,8 @@ def test_a_set_larger_than_the_cap_is_fetched_in_order_of_use_until_the_cap(
     cap = 10 * (3000 + LONGEST_MANIFEST) + 100
     redis.reset_stats()
     node = CacheStore(tmp_path / "b", max_size_bytes=cap, shared=[redis.url])
-    assert node.warm is not None and node.warm.join(30)
-    assert node.warm.fetched == 10
+    assert node.inner.warm is not None and node.inner.warm.join(30)
+    assert node.inner.warm.fetched == 10
     assert redis.commandstats()["getrange"] == 2 + 2 * 10
     stats = node.stats()
     assert stats.entries == 10 and stats.stored_bytes <= cap
@@ -163,8 +163,8 @@ def test_a_damaged_set_is_ignored_and_lookups_go_on(redis: RedisServer, tmp_path
     name = f"cpcas:{warmset.set_name(job)}"
     redis.client().set(name, redis.client().get(name)[:-20])  # cut short
     node = CacheStore(tmp_path / "b", shared=[redis.url])
-    assert node.warm is not None and node.warm.join(30)
-    assert node.warm.fetched == 0
+    assert node.inner.warm is not None and node.inner.warm.join(30)
+    assert node.inner.warm.fetched == 0
     assert {k: node.get(k) for k in keys} == {k: value(int(k[1:])) for k in keys}
 
 
@@ -209,7 +209,7 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
     node = CacheStore(tmp_path / "b", shared=[served.read_url("")])
     got = {k: node.get(k) for k in used}
     assert got == {k: value(int(k[1:]), 8000) for k in used}
-    assert node.warm is not None and node.warm.fetched == len(used)
+    assert node.inner.warm is not None and node.inner.warm.fetched == len(used)
     log = served.requests(wait_for=3)
     pack = next((served.root / "packs").glob("pack-*.cpk")).name
     assert [(e.uri.split("/store/", 1)[1], e.status) for e in log] == [
@@ -219,9 +219,9 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
     ]
     # One request for several ranges (entries that touch in the pack asked as one), less than the pack.
     assert log[2].range.count(",") >= 2 and log[2].body_bytes < (served.root / "packs" / pack).stat().st_size
-    assert node.shared[0].requests == 3
+    assert node.inner.shared[0].requests == 3
     packed = HTTP_WARM_REQUESTS["packed"]  # the cold-start model's constants are these counts
-    assert node.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
+    assert node.inner.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
 
 
 @pytest.mark.parametrize("refusing", ["max_ranges 1", "boundary", "unasked", "single", "bytes"])
@@ -236,7 +236,7 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
         with _OneRange(tmp_path / "one", root).start() as one:
             one.reset_log()
             got, node = _cold(tmp_path / "b", one.read_url(""), used)
-            statuses = [(e.status, e.range.count(",")) for e in one.requests(wait_for=node.shared[0].requests)]
+            statuses = [(e.status, e.range.count(",")) for e in one.requests(wait_for=node.inner.shared[0].requests)]
             assert statuses[2][0] == 200 and statuses[2][1] >= 2  # the whole pack, not the ranges: refused (too long)
     else:
         proc = subprocess.Popen(
@@ -255,20 +255,20 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
         lines = (tmp_path / "lying.log").read_text().splitlines()
         assert sum("," in line for line in lines) == 1  # the one multi-range request, then entries one by one
     assert got == {k: value(int(k[1:]), 8000) for k in used}
-    assert node.warm is not None
+    assert node.inner.warm is not None
     # A part's first byte flipped damages the first entry of each part: those alone are not fetched (counted).
     damaged = node.counters()["corrupt"]
     assert damaged >= 2 if refusing == "bytes" else damaged == 0
-    assert node.warm.fetched == len(used) - damaged if refusing == "bytes" else node.warm.fetched == 0
-    not_fetched = len(used) - node.warm.fetched
+    assert node.inner.warm.fetched == len(used) - damaged if refusing == "bytes" else node.inner.warm.fetched == 0
+    not_fetched = len(used) - node.inner.warm.fetched
     assert node.counters()["shared_hits"] >= not_fetched
     # The ordinary way: the listing, the pack's trailer and index, one range per entry (after layout, set, refused).
-    assert node.shared[0].requests == 3 + 3 + not_fetched
+    assert node.inner.shared[0].requests == 3 + 3 + not_fetched
 
 
 def _cold(local: Path, url: str, keys: list[str]) -> tuple[dict[str, bytes | None], CacheStore]:
     node = CacheStore(local, shared=[url])
-    assert node.warm is not None and node.warm.join(30)
+    assert node.inner.warm is not None and node.inner.warm.join(30)
     return {k: node.get(k) for k in keys}, node
 
 
@@ -279,10 +279,12 @@ def test_a_loose_store_gives_a_set_by_parallel_gets(served: Nginx, tmp_path: Pat
     served.reset_log()
     got, node = _cold(tmp_path / "b", served.read_url(""), keys)
     assert got == {k: value(int(k[1:])) for k in keys}
-    assert node.shared[0].requests == 2 + 2 * len(keys)  # layout, set, a manifest and a blob each: no lookup after
+    assert node.inner.shared[0].requests == 2 + 2 * len(
+        keys
+    )  # layout, set, a manifest and a blob each: no lookup after
     loose = HTTP_WARM_REQUESTS["loose"]
-    assert node.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(keys)
-    log = served.requests(wait_for=node.shared[0].requests)
+    assert node.inner.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(keys)
+    log = served.requests(wait_for=node.inner.shared[0].requests)
     assert 1 < len({e.connection for e in log}) <= client.PARALLEL
 
 
@@ -341,7 +343,7 @@ def test_a_dead_server_costs_32_threads_one_batch_of_requests_and_no_hang(
             link.stall = True  # a server that takes connections and never answers
             got, threads = _burst(node, [f"k{i}" for i in range(32)])
             assert not any(t.is_alive() for t in threads)  # each gave up within its deadline
-            assert set(got.values()) == {None} and node.shared[0].paused()
+            assert set(got.values()) == {None} and node.inner.shared[0].paused()
             assert link.connections - before <= client.PARALLEL  # one batch; the others waited, then gave up
             again, _ = _burst(node, [f"k{i}" for i in range(32)])
             assert set(again.values()) == {None} and link.connections - before <= client.PARALLEL  # paused: no request
@@ -394,7 +396,11 @@ def test_a_directory_store_named_writable_keeps_the_set_as_a_file_its_tools_acce
     listed = warmset.parse((tmp_path / "store" / warmset.set_name(job)).read_bytes())
     assert listed is not None and [e.kid for e in listed] == [key_id(k) for k in keys]
     got, node = _cold(tmp_path / "b", str(tmp_path / "store"), keys)
-    assert got == {k: value(int(k[1:])) for k in keys} and node.warm is not None and node.warm.fetched == len(keys)
+    assert (
+        got == {k: value(int(k[1:])) for k in keys}
+        and node.inner.warm is not None
+        and node.inner.warm.fetched == len(keys)
+    )
     assert verify(tmp_path / "store").problem_count == 0  # sets/ is no problem of the store's
 
 
@@ -412,8 +418,8 @@ def test_a_store_that_never_answers_costs_a_cold_node_one_timeout_for_its_set_an
             node = CacheStore(tmp_path / "b", shared=[_through(served, link)])
             got, threads = _burst(node, keys)  # they wait for the set, which never comes; then the store is paused
             assert not any(t.is_alive() for t in threads)
-            assert node.warm is not None and node.warm.join(10) and node.warm.fetched == 0
-            assert set(got.values()) == {None} and node.shared[0].paused()
+            assert node.inner.warm is not None and node.inner.warm.join(10) and node.inner.warm.fetched == 0
+            assert set(got.values()) == {None} and node.inner.shared[0].paused()
             assert link.connections == 1  # the set's request alone: no lookup asked the dead server again
     finally:
         client.close_connections()

@@ -59,7 +59,7 @@ def test_a_new_entry_reaches_nginx_blob_then_manifest_and_another_node_hits_it(
     with ContentAddressedProgramCache(tmp_path / "b", shared=[nginx.read_url("cas")]) as other:
         assert bytes(compile_program(SAXPY, cache=other).code) == code
         assert other.stats().shared_hits == 1
-        assert other.store.shared[0].requests == 4
+        assert other.store.inner.shared[0].requests == 4
     assert compiles.count == 1
     read = settled(nginx)
     assert [p for p, _ in _paths(read, "GET")] == [

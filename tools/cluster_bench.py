@@ -55,8 +55,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     ]
     elapsed = time.perf_counter() - t0
     store = cache._store
-    requests = getattr(store.shared[0], "requests", 0)
-    warm = store.warm
+    requests = getattr(store.inner.shared[0], "requests", 0)
+    warm = store.inner.warm
     cache.close()
     return {
         "elapsed_s": elapsed,

@@ -61,7 +61,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if any(v is not None for v in found):
             raise RuntimeError("an outage answered")
-        return {"elapsed_s": elapsed, "counters": store.counters(), "requests": store.shared[0].requests}
+        return {"elapsed_s": elapsed, "counters": store.counters(), "requests": store.inner.shared[0].requests}
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache
@@ -75,7 +75,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         digests.append(bytes(obj.code).hex()[:32])
     elapsed = time.perf_counter() - t0
     counts = cache.counters()
-    requests = getattr(cache._store.shared[0], "requests", 0)  # an HTTP store counts its requests
+    requests = getattr(cache.store.inner.shared[0], "requests", 0)  # an HTTP store counts its requests
     cache.close()
     return {"elapsed_s": elapsed, "counters": counts, "requests": requests, "digests": digests}
 

@@ -23,8 +23,9 @@ from .off import SwitchedOff
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.cachestats import CacheStats
+    from cuda_program_cas._store.store import Inner
 
-__all__ = ["ContentAddressedProgramCache"]
+__all__ = ["ContentAddressedProgramCache", "inner_of"]
 
 
 def as_bytes(value: object) -> bytes:
@@ -109,6 +110,8 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         copy_shared_hits: bool = True,
     ) -> None:
         self._front_door: Any = None
+        #: The store's internal side (see inner_of), made on first use: a hit needs none.
+        self._inner: Inner | None = None
         self._store: CacheStore | SwitchedOff
         if env_switched_off():
             self._store = SwitchedOff(default_cache_dir() if path is None else path, max_size_bytes)
@@ -167,7 +170,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         if made is not None and result and isinstance(self._store, CacheStore):
             from cuda_program_cas.index import key_id
 
-            self._store.note_compiled(key_id(kb), made[0], "plain", made[1])
+            inner_of(self).note_compiled(key_id(kb), made[0], "plain", made[1])
 
     def __delitem__(self, key: bytes | str) -> None:
         self._store.delete(key)
@@ -249,7 +252,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             result: ObjectCode = link_uncached(tuple(object_codes), options, target_type)[0]
             self._store.note_dropped()
             return result
-        obj: ObjectCode = link(self._store, object_codes, options, target_type)
+        obj: ObjectCode = link(inner_of(self), object_codes, options, target_type)
         return obj
 
     def stats(self) -> CacheStats:
@@ -278,6 +281,18 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
             extra += ", switched off by CUDA_PROGRAM_CAS=0"
         elif self._store.read_only:
             extra += ", read_only=True"
-        if self._store.shared:
-            extra += f", shared={list(self._store.shared_paths())!r}"
+        if isinstance(self._store, CacheStore) and (paths := self._store.inner.shared_paths()):
+            extra += f", shared={list(paths)!r}"
         return f"ContentAddressedProgramCache({self.path!r}{extra})"
+
+
+def inner_of(cache: ContentAddressedProgramCache) -> Inner:
+    """The internal side of ``cache``'s store (:class:`~cuda_program_cas._store.store.Inner`), kept with the cache.
+
+    For the switch and the adapter itself, which ask on every compile. Raises as
+    ``cache.store`` does for a cache that is switched off.
+    """
+    inner = cache._inner
+    if inner is None:
+        inner = cache._inner = cache.store.inner
+    return inner

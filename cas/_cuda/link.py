@@ -44,7 +44,7 @@ from typing import Any
 from blake3 import blake3
 
 from cuda_program_cas._base.config import warn_once
-from cuda_program_cas._store.store import CacheStore
+from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
 __all__ = ["link", "link_uncached"]
@@ -73,8 +73,10 @@ def _cuda_core() -> tuple[Any, Any, Any]:
     return ObjectCode, LinkerOptions, linker_module
 
 
-def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
+def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
     """``Linker(*object_codes, options=options).link(target_type)``, from the store when it holds it.
+
+    ``inner``: the store's :class:`~cuda_program_cas._store.store.Inner`.
 
     Raises what the uncached link raises (then nothing is stored). A store that
     fails (a full disk, a read-only directory, an error reading it) never costs
@@ -90,14 +92,14 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
         key, files = _key(objects, options, target_type, LinkerOptions)
     except _Unkeyable as exc:
         result = link_uncached(objects, options, target_type)[0]
-        _dropped(store, str(exc))
+        _dropped(inner, str(exc))
         return result
     kid = key_id(key)
     with contextlib.ExitStack() as claims:
         # On a miss the node's claim on the key is held until this link is stored (or failed), so
         # processes that miss the same link at once run the linker once.
         try:
-            found = store.find_or_claim(kid, claims, reason="new inputs")
+            found = inner.find_or_claim(kid, claims, reason="new inputs")
         except Exception as exc:  # the cache must never cost the caller its link
             warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
             found = None
@@ -106,13 +108,13 @@ def link(store: CacheStore, object_codes: Iterable[Any], options: Any, target_ty
         result, backend = link_uncached(objects, options, target_type)
         why = _why_not_stored(files, backend)
         if why is not None:
-            _dropped(store, why)
+            _dropped(inner, why)
             return result
         try:
-            store.put_id(kid, bytes(result.code))
+            inner.put_id(kid, bytes(result.code))
         except Exception as exc:  # as above: the caller has its result, the cache only loses an entry
             warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
-            store.note_dropped(kid, f"write failed: {exc!r}")
+            inner.note_dropped(kid, f"write failed: {exc!r}")
         return result
 
 
@@ -134,9 +136,9 @@ def link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> t
     return result, backend if isinstance(backend, str) else None
 
 
-def _dropped(store: CacheStore, reason: str) -> None:
+def _dropped(inner: Inner, reason: str) -> None:
     warn_once(("link uncached", reason), "cuda-program-cas: link: %s; such links are not cached", reason)
-    store.note_dropped(None, reason)
+    inner.note_dropped(None, reason)
 
 
 def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:

@@ -87,8 +87,11 @@ def loaded_version() -> str:
     return _S.loaded
 
 
-def version(store: Any) -> str:
-    """NVRTC's ``"major.minor"`` for a key: from ``store``'s record when the file is provably the same, else asked."""
+def version(inner: Any) -> str:
+    """NVRTC's ``"major.minor"`` for a key: from the store's record when the file is provably the same, else asked.
+
+    ``inner``: the store's :class:`~cuda_program_cas._store.store.Inner`.
+    """
     if _S.loaded is not None:
         return _S.loaded
     known = _S.known
@@ -100,19 +103,19 @@ def version(store: Any) -> str:
             return loaded_version()
         path, ident = predicted
         kid = _record_id(path, ident)
-        found = _read(store, kid)
+        found = _read(inner, kid)
         if found is not None:
             _S.known = (path, ident, found)
             return found
         answer = loaded_version()
-        if _S.loaded is not None and not store.read_only and _maps_show(ident):
-            store.put_id(kid, answer.encode())
+        if _S.loaded is not None and not inner.store.read_only and _maps_show(ident):
+            inner.put_id(kid, answer.encode())
         return answer
 
 
-def _read(store: Any, kid: str) -> str | None:
+def _read(inner: Any, kid: str) -> str | None:
     try:
-        found = store.find(kid)
+        found = inner.find(kid)
     except Exception:
         return None
     if found is None or _VALUE.fullmatch(found[0]) is None:

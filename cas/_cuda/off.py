@@ -12,7 +12,6 @@ raise :class:`cuda_program_cas.ReadOnlyCacheError`, as on a read-only cache.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.config import ENV_SWITCH, NOT_GIVEN, validate_max_size
@@ -32,7 +31,6 @@ class SwitchedOff:
 
     read_only = True
     max_size_bytes: int | None = None
-    shared: tuple[()] = ()
 
     def __init__(self, path: str | os.PathLike[str], max_size_bytes: object) -> None:
         root = os.fspath(path)
@@ -83,6 +81,3 @@ class SwitchedOff:
 
     def close(self) -> None:
         pass
-
-    def shared_paths(self) -> Sequence[str]:
-        return ()

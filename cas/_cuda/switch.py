@@ -249,9 +249,18 @@ def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions
 
 
 @functools.cache
+def _inner_of() -> Any:
+    """The adapter's ``inner_of``, imported once (a compile through the switch asks it)."""
+    from .cache import inner_of
+
+    return inner_of
+
+
+@functools.cache
 def _front_door_checks() -> tuple[Any, Any]:
     """The front door's ``refuse_unkeyable`` and ``may_include_quoted``, imported once (a hit costs tens of us)."""
-    from .frontdoor import may_include_quoted, refuse_unkeyable
+    from .frontkey import refuse_unkeyable
+    from .search import may_include_quoted
 
     return refuse_unkeyable, may_include_quoted
 
@@ -295,24 +304,24 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
     if _S.mode is None or inputs is None:
         return original(program, target_type, name_expressions, logs)
     code, code_type, options = inputs
-    store = None
+    cache = None
     try:  # the route; every compile runs outside this try, so that its errors are never taken for the cache's
         kind = str(getattr(code_type, "value", code_type)).lower()  # a str, or cuda.core's SourceCodeType
         # PTX to cubin runs the driver's linker, which the cache does not key.
         if kind != "ptx" and _keyable(options, kind):
-            store = _process_cache()
+            cache = _process_cache()
             front = _front_door_needed(code, kind, options, name_expressions)
     except Exception as exc:
         _warn(exc)
-        store = None
-    if store is None:
+        cache = None
+    if cache is None:
         return original(program, target_type, name_expressions, logs)
     _count_routed()
-    store.store.note_switched()
+    _inner_of()(cache).note_switched()
     if front:
         with _Inside():
             try:
-                return store.compile(
+                return cache.compile(
                     code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
                 )
             except Exception as exc:
@@ -320,7 +329,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
                     raise
                 failure: Exception = exc
     else:
-        guarded = _guarded(store)
+        guarded = _guarded(cache)
         try:
             # A claim taken by the lookup's miss is held until this compile has stored, or failed.
             with contextlib.ExitStack() as guarded.claims:
@@ -351,12 +360,12 @@ def _guarded_class() -> Any:
     class Guarded(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
         """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss.
 
-        It stands in front of the process's cache (``inner``): what a compile asks besides
+        It stands in front of the process's cache (``cache``): what a compile asks besides
         a lookup and a store goes to it as it is.
         """
 
-        def __init__(self, inner: Any) -> None:
-            self._inner = inner
+        def __init__(self, cache: Any) -> None:
+            self._cache = cache
             #: Whether cuda.core made the key and looked it up (what fails after that is the compile).
             self.keyed = False
             #: Where a miss's claim is kept until the compile around this lookup ends (None: no claim).
@@ -366,11 +375,11 @@ def _guarded_class() -> Any:
             self.keyed = True
             try:
                 if self.claims is None:
-                    found = self._inner.get(key)
+                    found = self._cache.get(key)
                 else:  # a miss holds the node's claim on the key until the compile around it ends
                     from cuda_program_cas.index import key_id
 
-                    hit = self._inner.store.find_or_claim(key_id(key), self.claims)
+                    hit = _inner_of()(self._cache).find_or_claim(key_id(key), self.claims)
                     found = None if hit is None else hit[0]
             except Exception as exc:
                 _warn(exc)
@@ -385,27 +394,27 @@ def _guarded_class() -> Any:
 
         def __setitem__(self, key: bytes | str, value: Any) -> None:
             try:
-                self._inner[key] = value
+                self._cache[key] = value
             except Exception as exc:
                 _warn(exc)
 
         def __delitem__(self, key: bytes | str) -> None:
-            del self._inner[key]
+            del self._cache[key]
 
         def __contains__(self, key: object) -> bool:
-            return key in self._inner
+            return key in self._cache
 
         def __len__(self) -> int:
-            return len(self._inner)
+            return len(self._cache)
 
         def clear(self) -> None:
-            self._inner.clear()
+            self._cache.clear()
 
     return Guarded
 
 
-def _guarded(store: Any) -> Any:
-    return _guarded_class()(store)
+def _guarded(cache: Any) -> Any:
+    return _guarded_class()(cache)
 
 
 def _link(linker: Any, target_type: Any) -> Any:
@@ -414,18 +423,18 @@ def _link(linker: Any, target_type: Any) -> Any:
     if _S.mode is None or inputs is None or _depth():
         return original(linker, target_type)
     try:
-        store = _process_cache()
+        cache = _process_cache()
     except Exception as exc:
         _warn(exc)
         return original(linker, target_type)
-    if store is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
+    if cache is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs
     _count_routed()
-    store.store.note_switched()
+    _inner_of()(cache).note_switched()
     with _Inside():
         try:
-            return store.link(objects, options, target_type)
+            return cache.link(objects, options, target_type)
         except Exception as exc:
             if exc is _inside.error:
                 raise

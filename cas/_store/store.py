@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 # What a hit needs is imported above; the writer, the remover, the cap, scans, claims, leases, the shared
 # stores and uploads are imported when first used (issue 31: a job that only hits pays for none of them).
 
-__all__ = ["CacheStore"]
+__all__ = ["CacheStore", "Inner"]
 
 _sha256 = hashlib.sha256
 _perf_ns = time.perf_counter_ns
@@ -126,7 +126,7 @@ class CacheStore:
         self.read_only = bool(read_only)
         self._copy_shared = bool(copy_shared_hits)
         open_log_file()
-        self.layout = lay = Layout(self.root)
+        self._layout = lay = Layout(self.root)
         self._counters = Counters()
         # Nothing this store hands its parts refers back to it: dropping the last
         # reference frees it at once, and that flushes its lifetime counters.
@@ -167,10 +167,10 @@ class CacheStore:
             from cuda_program_cas._base.signing import env_trust
 
             self._trust = env_trust()
-        self.shared: tuple[Tier, ...] = tuple(self._shared_store(p) for p in shared)
+        self._shared: tuple[Tier, ...] = tuple(self._shared_store(p) for p in shared)
         #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self._writeback: WriteBack | None = None
-        targets = [s for s in self.shared if s.writable]
+        targets = [s for s in self._shared if s.writable]
         #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
@@ -187,8 +187,8 @@ class CacheStore:
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
         #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
         self._used: Used | None = None
-        self.warm: WarmFetch | None = None
-        if self.shared and not self.read_only and self._copy_shared:
+        self._warm: WarmFetch | None = None
+        if self._shared and not self.read_only and self._copy_shared:
             from .warmset import job_name, set_name
 
             job = job_name()
@@ -200,7 +200,7 @@ class CacheStore:
         #: Hits per key id since the last flush, whose compile time the flush adds to ``saved_us``.
         self._hits_by_key: dict[str, int] | None = None
         if not self.read_only:
-            local, theirs = self._counters, tuple(s.counters for s in self.shared)
+            local, theirs = self._counters, tuple(s.counters for s in self._shared)
             tally: dict[str, int] = {}
             self._hits_by_key = tally
 
@@ -217,12 +217,22 @@ class CacheStore:
 
     # -- the parts a hit does not need, made on first use --------------------------------
 
+    @property
+    def inner(self) -> Inner:
+        """What the CUDA layer asks of this store beyond its public API (:class:`Inner`).
+
+        A new object each time, which the store does not keep: a caller that asks on
+        every compile keeps the one it got.
+        """
+
+        return Inner(self)
+
     @functools.cached_property
-    def blobs(self) -> BlobStore:
+    def _blobs(self) -> BlobStore:
         """The blob store of this cache: blobs by digest, read verified (made on first use)."""
         from cuda_program_cas._disk.blobs import BlobStore
 
-        return BlobStore(self.layout.blobs)
+        return BlobStore(self._layout.blobs)
 
     @property
     def _writer(self) -> Writer | None:
@@ -246,7 +256,7 @@ class CacheStore:
                     reader = self._reader
                     self._cap_made = SizeCap(
                         self.max_size_bytes,
-                        self.layout,
+                        self._layout,
                         self._parts.remover(),
                         self._counters,
                         recency=lambda: reader.recent,
@@ -273,7 +283,7 @@ class CacheStore:
         # A hit must fit the cap to be copied in; a large body waits in this cache's tmp/ while it is verified.
         cap = self.max_size_bytes
         room = None if cap is None else cap - LONGEST_MANIFEST
-        tmp = None if self.read_only else self.layout.tmp
+        tmp = None if self.read_only else self._layout.tmp
         return open_tier(
             os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
         )
@@ -293,8 +303,8 @@ class CacheStore:
             if store is not None:
                 store._copy_in(kid, data, digest)
 
-        warm = self.warm = WarmFetch(
-            self.shared,
+        warm = self._warm = WarmFetch(
+            self._shared,
             name,
             is_local=is_local,
             keep=keep,
@@ -373,7 +383,7 @@ class CacheStore:
         reasons = [("local", self._reader.miss_reason())] if t0 else None
         found = self._find_shared(kid, reasons)
         if found is not None:
-            self.note_hit(kid, found[1], t0_ns=t0)
+            self._note_hit(kid, found[1], t0_ns=t0)
             return found[0]
         self._counters.add("misses")
         if reasons is not None:
@@ -388,7 +398,7 @@ class CacheStore:
         While the job's warm set is being fetched, an entry on the way is waited for
         (copied in by the fetch: found locally then), not asked for again.
         """
-        warm = self.warm
+        warm = self._warm
         if warm is not None:
             came_from = warm.wait(kid)
             if came_from is not None:
@@ -397,7 +407,7 @@ class CacheStore:
                     if self._used is not None:
                         self._used.add(kid, local[1], len(local[0]))
                     return local[0], came_from
-        for store in self.shared:
+        for store in self._shared:
             found = store.lookup(kid)
             if found is not None:
                 data, digest = found
@@ -412,13 +422,13 @@ class CacheStore:
 
     # -- lookups for callers that count their own ------------------------------------
 
-    def find(self, kid: str) -> tuple[bytes, str | None] | None:
+    def _find(self, kid: str) -> tuple[bytes, str | None] | None:
         """The verified bytes under key id ``kid``, and where: None for local, else a shared store's root.
 
         Counts neither a hit nor a miss and logs no lookup record. It serves a
         caller that answers one request from several entries (the front door's
-        record and result) and reports that request once, with :meth:`note_hit`
-        or :meth:`note_miss`.
+        record and result) and reports that request once, with :meth:`_note_hit`
+        or :meth:`_note_miss`.
         """
         found = self._reader.lookup(kid)
         if found is not None:
@@ -427,10 +437,10 @@ class CacheStore:
             return found[0], None
         return self._find_shared(kid, None)
 
-    def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
-        """Count one hit that the caller assembled with :meth:`find` (``shared``: where it came from).
+    def _note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
+        """Count one hit that the caller assembled with :meth:`_find` (``shared``: where it came from).
 
-        ``waited``: found after waiting for another's :meth:`claim` (counted in ``claim_hits`` too).
+        ``waited``: found after waiting for another's :meth:`_claim` (counted in ``claim_hits`` too).
         """
         self._counters.hit()
         tally = self._hits_by_key
@@ -445,7 +455,7 @@ class CacheStore:
         if _monotonic() >= self._flush_at:
             self._flush_on_the_way()
 
-    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
+    def _note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
         """Count one miss that the caller decided itself, and record it with ``reason``.
 
         For the front door: new inputs, or a header changed since the entry was
@@ -457,8 +467,8 @@ class CacheStore:
         if _monotonic() >= self._flush_at:
             self._flush_on_the_way()
 
-    def claim(self, kid: str, *, wait_s: float | None = None) -> AbstractContextManager[Claim]:
-        """Single flight for key id ``kid`` on this node: ``with store.claim(kid) as c:`` around a compile.
+    def _claim(self, kid: str, *, wait_s: float | None = None) -> AbstractContextManager[Claim]:
+        """Single flight for key id ``kid`` on this node: ``with store.inner.claim(kid) as c:`` around a compile.
 
         The first process (or thread) to claim a key holds it (``c.held``) until its
         block ends; the others wait for that (``c.waited``), then look the key up
@@ -477,7 +487,7 @@ class CacheStore:
             return nullcontext(Claim())
         bound = env_claim_wait() if wait_s is None else wait_s
         if self._lease_tier is None:
-            return claim(self.layout.tmp, kid, bound, self._counters)
+            return claim(self._layout.tmp, kid, bound, self._counters)
         return self._claim_in_cluster(kid, bound)
 
     @contextmanager
@@ -490,7 +500,7 @@ class CacheStore:
 
         tier = self._lease_tier
         assert tier is not None
-        with claim(self.layout.tmp, kid, bound, self._counters) as mine:
+        with claim(self._layout.tmp, kid, bound, self._counters) as mine:
             if mine.waited:
                 yield mine  # another process of this node compiled it: the caller looks again
                 return
@@ -506,31 +516,31 @@ class CacheStore:
                 finally:
                     self._leases.pop(kid, None)
 
-    def find_or_claim(
+    def _find_or_claim(
         self, kid: str, claims: ExitStack, *, reason: str = "not stored"
     ) -> tuple[bytes, str | None] | None:
-        """:meth:`find`, for a caller that compiles on a miss; one hit or one miss is counted.
+        """:meth:`_find`, for a caller that compiles on a miss; one hit or one miss is counted.
 
-        On a miss the node's :meth:`claim` on ``kid`` is entered into ``claims``, so it
+        On a miss the node's :meth:`_claim` on ``kid`` is entered into ``claims``, so it
         is held until the caller closes that stack (its compile stored, or failed); when
         another held it, ``kid`` is looked up again, and found then it is a hit (and a
         claim hit). ``reason``: what the miss's record says.
         """
         t0 = _perf_ns()
-        found = self.find(kid)
+        found = self._find(kid)
         if found is None:
-            claim = claims.enter_context(self.claim(kid))
+            claim = claims.enter_context(self._claim(kid))
             if claim.held or claim.waited:
-                found = self.find(kid)  # stored meanwhile, by the claimant waited for
+                found = self._find(kid)  # stored meanwhile, by the claimant waited for
                 if found is not None:
-                    self.note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
+                    self._note_hit(kid, found[1], t0_ns=t0, waited=claim.waited)
                     return found
-            self.note_miss(kid, reason, t0_ns=t0)
+            self._note_miss(kid, reason, t0_ns=t0)
             return None
-        self.note_hit(kid, found[1], t0_ns=t0)
+        self._note_hit(kid, found[1], t0_ns=t0)
         return found
 
-    def note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object]) -> None:
+    def _note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object]) -> None:
         """Record that the entry ``kid`` just stored took ``seconds`` to compile, from ``inputs``.
 
         Its compile time goes to the usage ledger (:mod:`cuda_program_cas._store.usage`: what its hits
@@ -542,8 +552,8 @@ class CacheStore:
         from .journal import record_miss
         from .usage import record_compile
 
-        record_compile(self.layout, kid, seconds)
-        record_miss(self.layout, kid, seconds, via, inputs)
+        record_compile(self._layout, kid, seconds)
+        record_miss(self._layout, kid, seconds, via, inputs)
 
     def compile_seconds(self, kid: str) -> float | None:
         """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown.
@@ -556,14 +566,14 @@ class CacheStore:
         """
         from .usage import compile_us_of, key_number
 
-        us = compile_us_of(self.layout, [key_number(kid)])
+        us = compile_us_of(self._layout, [key_number(kid)])
         return None if not us else next(iter(us.values())) / 1e6
 
-    def note_switched(self) -> None:
+    def _note_switched(self) -> None:
         """Count one compile or link that the switch sent through this cache (before its lookup)."""
         self._counters.add("switched")
 
-    def note_dropped(self, kid: str | None, reason: str) -> None:
+    def _note_dropped(self, kid: str | None, reason: str) -> None:
         """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
         self._counters.add("dropped_writes")
         if _log.isEnabledFor(_DEBUG):
@@ -592,9 +602,9 @@ class CacheStore:
         ``TypeError`` for a key that is not ``str``/``bytes`` or data that is not
         ``bytes``.
         """
-        return self.put_id(key_id(key), data)
+        return self._put_id(key_id(key), data)
 
-    def put_id(self, kid: str, data: bytes) -> WriteResult:
+    def _put_id(self, kid: str, data: bytes) -> WriteResult:
         """:meth:`put` under a key id the caller derived itself (the front door's grouped ids)."""
         if not isinstance(data, bytes):
             raise TypeError(
@@ -669,7 +679,7 @@ class CacheStore:
 
     # -- the size cap --------------------------------------------------------------
 
-    def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
+    def _enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
         """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._store.cap.SizeCap.enforce`).
 
         ``budget`` not given: :data:`cuda_program_cas._store.cap.EVICT_STEP`.
@@ -680,7 +690,7 @@ class CacheStore:
             return None
         return self._cap.enforce(budget=EVICT_STEP if budget is NOT_GIVEN else budget)
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
+    def _evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock).
 
         ``orphan_grace_s`` not given: :data:`cuda_program_cas._store.cap.ORPHAN_GRACE_S`.
@@ -696,14 +706,14 @@ class CacheStore:
 
     def delete(self, key: object) -> None:
         """Remove ``key``; ``KeyError`` if absent. A blob no other key names goes at the next collection."""
-        if not self.delete_id(key_id(key)):
+        if not self._delete_id(key_id(key)):
             raise KeyError(key)
 
-    def delete_id(self, kid: str) -> bool:
+    def _delete_id(self, kid: str) -> bool:
         """:meth:`delete` by key id; False when there was no such entry."""
         if self.read_only:
             raise self._refuse("delete a key")
-        if not self._guard.ok(self.layout.index, kid):
+        if not self._guard.ok(self._layout.index, kid):
             return False
         remover = self._parts.remover()
         before = self._reader.current_digest(kid)
@@ -728,7 +738,7 @@ class CacheStore:
             # Two passes of one plan: the second takes the blobs the first retired
             # (too young to remove with their last manifest) if still untouched.
             for _ in range(2):
-                snap = take_snapshot(self.layout.index, self.layout.blobs, clock_dir=self.layout.tmp)
+                snap = take_snapshot(self._layout.index, self._layout.blobs, clock_dir=self._layout.tmp)
                 plan = RemovalPlan(
                     snap,
                     manifests=list(snap.manifests),
@@ -747,7 +757,7 @@ class CacheStore:
     def __len__(self) -> int:
         from cuda_program_cas._disk.scan import take_snapshot
 
-        return len(take_snapshot(self.layout.index, self.layout.blobs, read_manifests=False).manifests)
+        return len(take_snapshot(self._layout.index, self._layout.blobs, read_manifests=False).manifests)
 
     @property
     def max_size_bytes(self) -> int | None:
@@ -758,19 +768,19 @@ class CacheStore:
             self._max_from_cache = False
         return self._max
 
-    def snapshot(self) -> Snapshot:
+    def _snapshot(self) -> Snapshot:
         """A scan of the local cache, as an eviction plans from (this process's queued touches land first)."""
         from cuda_program_cas._disk.scan import take_snapshot
 
         if not self.read_only:
             apply_pending()
         return take_snapshot(
-            self.layout.index, self.layout.blobs, clock_dir=None if self.read_only else self.layout.tmp
+            self._layout.index, self._layout.blobs, clock_dir=None if self.read_only else self._layout.tmp
         )
 
     def counters(self) -> dict[str, int]:
         """This instance's counters (and its shared stores' errors), without scanning the disk."""
-        return _merged(self._counters, tuple(s.counters for s in self.shared))
+        return _merged(self._counters, tuple(s.counters for s in self._shared))
 
     # -- lifetime counters -----------------------------------------------------------
 
@@ -814,7 +824,7 @@ class CacheStore:
 
         from .cachestats import CacheStats
 
-        snap = take_snapshot(self.layout.index, self.layout.blobs)
+        snap = take_snapshot(self._layout.index, self._layout.blobs)
         return CacheStats(
             entries=len(snap.manifests),
             blobs=len(snap.blobs),
@@ -825,8 +835,74 @@ class CacheStore:
             **self.counters(),
         )
 
-    def shared_paths(self) -> Sequence[str]:
-        return tuple(s.root for s in self.shared)
+    def _shared_paths(self) -> Sequence[str]:
+        return tuple(s.root for s in self._shared)
+
+
+class Inner:
+    """What the CUDA layer asks of a :class:`CacheStore` beyond its public API: ``store.inner`` makes one.
+
+    Lookups that count their own hit or miss
+    (the front door's record and result, a link), claims around a compile, writes and
+    removals by key id, what a compile recorded, the cap's eviction, and the store's
+    parts (its layout, its shared stores, its warm set, its blobs), which tests and tools
+    inspect. The public API is what docs/python-api.md lists; nothing here is part of it.
+
+    Its methods are the store's own, bound when it is made: a call through it is the
+    call it names, with nothing in between (the front door's hit makes three). The store
+    keeps no reference to it, so that dropping the store's last reference still frees it
+    at once (and that flushes its counters); a caller that asks on every compile keeps
+    the one it got.
+    """
+
+    __slots__ = (
+        "claim",
+        "delete_id",
+        "enforce_cap",
+        "evict_to",
+        "find",
+        "find_or_claim",
+        "layout",
+        "note_compiled",
+        "note_dropped",
+        "note_hit",
+        "note_miss",
+        "note_switched",
+        "put_id",
+        "shared",
+        "shared_paths",
+        "snapshot",
+        "store",
+        "warm",
+    )
+
+    def __init__(self, store: CacheStore) -> None:
+        #: The store itself, for its public API (``read_only``, ``root``...).
+        self.store = store
+        self.layout = store._layout
+        #: The shared stores, in the order looked up (:class:`cuda_program_cas._store.tier.Tier`).
+        self.shared = store._shared
+        #: The job's warm set fetch (:mod:`cuda_program_cas._store.warmset`), or None.
+        self.warm = store._warm
+        self.find = store._find
+        self.note_hit = store._note_hit
+        self.note_miss = store._note_miss
+        self.claim = store._claim
+        self.find_or_claim = store._find_or_claim
+        self.note_compiled = store._note_compiled
+        self.note_switched = store._note_switched
+        self.note_dropped = store._note_dropped
+        self.put_id = store._put_id
+        self.delete_id = store._delete_id
+        self.enforce_cap = store._enforce_cap
+        self.evict_to = store._evict_to
+        self.snapshot = store._snapshot
+        self.shared_paths = store._shared_paths
+
+    @property
+    def blobs(self) -> BlobStore:
+        """The blob store of the local cache (made on first use)."""
+        return self.store._blobs
 
 
 class _Parts:
@@ -893,8 +969,8 @@ class _Problems:
 def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
     """An instance's counts: its own, with its shared stores' errors, corrupt and untrusted entries."""
     counts = local.as_dict(lock=lock)
-    for store in shared:
-        theirs = store.as_dict(lock=lock)
+    for tier_counts in shared:
+        theirs = tier_counts.as_dict(lock=lock)
         counts["errors"] += theirs["errors"]
         counts["corrupt"] += theirs["corrupt"]
         counts["untrusted"] += theirs["untrusted"]

@@ -33,7 +33,7 @@ The store is reached through its engine (:mod:`cuda_program_cas._base.engine`),
 chosen by the address's scheme from the table that shared stores are opened by
 (:mod:`cuda_program_cas._store.tiers`): a directory (a path or ``file://``), an
 ``http(s)://`` WebDAV location, or a ``redis(s)://`` database. One target,
-:class:`_Store`, runs the same plan and the same order over each; only a
+:class:`_Target`, runs the same plan and the same order over each; only a
 directory has modes, ``fsync`` and mtimes (options of its engine), and only a
 directory's copies are hashed (elsewhere that would download every blob: they
 are checked by their size). A loose publish asks for each manifest the sources
@@ -220,7 +220,7 @@ def check_sources(
         open_cache(src, write=False)  # LayoutError: missing, a file, a dangling symlink, foreign...
 
 
-class _Store:
+class _Target:
     """The store being published into, over its engine (a directory, WebDAV or Redis): what it holds, and writes.
 
     One class for every engine. What differs is the engine's
@@ -470,7 +470,7 @@ def publish(
         root = os.path.abspath(parse_store_entry(os.fspath(dest)).address)  # a path, or file://
         engine = open_engine(root, modes=DirModes.for_process(group_shared, fsync=fsync))
     report = PublishReport(sources=srcs, dest=engine.shown, dry_run=dry_run)
-    target = _Store(engine, dry_run=dry_run, verify_existing=verify_existing)
+    target = _Target(engine, dry_run=dry_run, verify_existing=verify_existing)
     target.signer = signer
     try:
         if pack and target.packs is None:
@@ -518,7 +518,7 @@ def _open_dir(engine: DirEngine, report: PublishReport) -> None:
 
     A directory that holds no store yet (or a damaged ``layout.json`` among our
     own names) is laid out with the run's modes (``created``); ``layout.json``
-    comes last, so nodes wait for it. The shared mark is :meth:`_Store.prepare`'s.
+    comes last, so nodes wait for it. The shared mark is :meth:`_Target.prepare`'s.
     """
     state = check_layout(engine.root)  # LayoutError for a file, a foreign or a newer layout
     if state is not LayoutState.OK:
@@ -568,7 +568,7 @@ class _Item:
     source: str
 
 
-def _plan(src: str, target: _Store, report: PublishReport) -> list[_Item]:
+def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
     """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
     layout_now = LayoutVersion(src).now  # a layout-1 line of a layout-2 source may be any key's: refused
@@ -600,7 +600,7 @@ def _plan(src: str, target: _Store, report: PublishReport) -> list[_Item]:
     return todo
 
 
-def _publish_one(src: str, target: _Store, report: PublishReport) -> None:
+def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
     lay = Layout(src)
     # 1. Plan: what each source manifest needs in the store.
     todo = _plan(src, target, report)
@@ -651,7 +651,7 @@ def _publish_one(src: str, target: _Store, report: PublishReport) -> None:
         target.sync()
 
 
-def _publish_pack(todo: list[_Item], target: _Store, report: PublishReport) -> None:
+def _publish_pack(todo: list[_Item], target: _Target, report: PublishReport) -> None:
     """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
     written: set[str] = set()
 
@@ -694,7 +694,7 @@ def _publish_pack(todo: list[_Item], target: _Store, report: PublishReport) -> N
     report.bytes_published += stats.get("bytes", 0)
 
 
-def _action(target: _Store, kid: str, manifest: Manifest) -> str:
+def _action(target: _Target, kid: str, manifest: Manifest) -> str:
     """``same``, ``restore`` (blob missing), ``new``, ``replace`` (store entry bad) or ``conflict``.
 
     An entry of one of the store's packs counts as the store's: equal, ``same``;
@@ -753,7 +753,7 @@ def _read_source_blob(
     return None
 
 
-def _publish_sets(sources: Sequence[str], target: _Store, report: PublishReport) -> None:
+def _publish_sets(sources: Sequence[str], target: _Target, report: PublishReport) -> None:
     """The sources' warm sets (``sets/*``) into the store, after every entry and pack they may name.
 
     Each source set is read bounded (:data:`~cuda_program_cas._store.warmset.MAX_SET_BYTES`)

@@ -52,8 +52,8 @@ def _flip(path: str, rng: random.Random) -> None:
 
 def _apply_fault(kind: str, store: CacheStore, i: int, rng: random.Random) -> None:
     digest = blake3(content(i)).hexdigest()
-    bpath = store.blobs.path_for(digest)
-    mpath = store.layout.manifest_path(key_id(key_name(i)))
+    bpath = store.inner.blobs.path_for(digest)
+    mpath = store.inner.layout.manifest_path(key_id(key_name(i)))
     size = len(content(i))
     if kind == "bitflip":
         _flip(bpath, rng)
@@ -176,9 +176,9 @@ for i in keys:
     store.put(torture.key_name(i), torture.content(i))
 out = {"failures": [], "faults": 0, "operations": 0, "put_denied": 0}
 def blob(i):
-    return store.blobs.path_for(blake3(torture.content(i)).hexdigest())
+    return store.inner.blobs.path_for(blake3(torture.content(i)).hexdigest())
 def man(i):
-    return store.layout.manifest_path(key_id(torture.key_name(i)))
+    return store.inner.layout.manifest_path(key_id(torture.key_name(i)))
 locked = [blob(1), man(2), os.path.dirname(blob(3)), os.path.dirname(man(4))]
 for path in locked:
     os.chmod(path, 0)

@@ -135,7 +135,7 @@ def _young_orphan_bytes(store: CacheStore) -> int:
     """Bytes of blobs that no manifest names and that are within the eviction's grace period."""
     from cuda_program_cas._store.cap import ORPHAN_GRACE_S
 
-    snap = store.snapshot()
+    snap = store.inner.snapshot()
     cutoff = time.time_ns() - ORPHAN_GRACE_S * 1e9
     return sum(snap.blobs[d].st_size for d in snap.orphans() if snap.blobs[d].st_mtime_ns > cutoff)
 

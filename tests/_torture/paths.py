@@ -207,17 +207,17 @@ def run_hostile_paths(workdir: str) -> Report:
     for n, (name, body) in enumerate(hostile.items()):
         hk = key_name(2000 + n)
         hostile_keys[name] = hk
-        path = store.layout.manifest_path(key_id(hk))
+        path = store.inner.layout.manifest_path(key_id(hk))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as fh:
             fh.write(body)
     link_key = key_name(3000)
-    lpath = store.layout.manifest_path(key_id(link_key))
+    lpath = store.inner.layout.manifest_path(key_id(link_key))
     os.makedirs(os.path.dirname(lpath), exist_ok=True)
     os.symlink(os.path.join(sentinel, "secret"), lpath)
     blob_link_i = 5
-    os.unlink(store.blobs.path_for(blake3(content(blob_link_i)).hexdigest()))
-    os.symlink(os.path.join(sentinel, "secret"), store.blobs.path_for(blake3(content(blob_link_i)).hexdigest()))
+    os.unlink(store.inner.blobs.path_for(blake3(content(blob_link_i)).hexdigest()))
+    os.symlink(os.path.join(sentinel, "secret"), store.inner.blobs.path_for(blake3(content(blob_link_i)).hexdigest()))
     before = _listing(sentinel)
     # Now use the cache every way there is.
     rep.faults += 4 + len(hostile)
@@ -242,7 +242,7 @@ def run_hostile_paths(workdir: str) -> Report:
         ("put over a symlinked manifest", lambda: store.put(link_key, b"new bytes")),
         ("put over a symlinked blob", lambda: store.put(key_name(blob_link_i), content(blob_link_i))),
         ("stats", store.stats),
-        ("enforce_cap", lambda: CacheStore(root, max_size_bytes=4096).enforce_cap()),
+        ("enforce_cap", lambda: CacheStore(root, max_size_bytes=4096).inner.enforce_cap()),
         ("delete through a symlinked index shard", lambda: store.delete(key_name(ki))),
         ("clear", store.clear),
     ):
@@ -279,10 +279,10 @@ def _not_regular(root: str, rep: Report) -> None:
     store = CacheStore(root)
     for i in range(8):
         store.put(key_name(i), content(i))
-    blob_dir = store.blobs.path_for(blake3(content(1)).hexdigest())
+    blob_dir = store.inner.blobs.path_for(blake3(content(1)).hexdigest())
     os.unlink(blob_dir)
     os.mkdir(blob_dir)
-    man_dir = store.layout.manifest_path(key_id(key_name(2)))
+    man_dir = store.inner.layout.manifest_path(key_id(key_name(2)))
     os.unlink(man_dir)
     os.mkdir(man_dir)
     kid = key_id(key_name(3))

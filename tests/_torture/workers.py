@@ -68,7 +68,7 @@ def worker(config: dict[str, Any]) -> int:
                 rep.operations += 1
                 rep.collections += 1
                 if r < 0.94:
-                    store.enforce_cap()
+                    store.inner.enforce_cap()
                 else:
                     collect_once(root, cap, rng)
             else:

@@ -107,7 +107,7 @@ def w_footprint(cfg: Config, base: str) -> Result:
             fs_count += 1
     fs_digests = set(fs_sizes)
     st = caches["ours"].stats()
-    snap = caches["ours"].store.snapshot()
+    snap = caches["ours"].store.inner.snapshot()
     manifest_bytes = snap.manifest_bytes
     res.add(Row("entries", "count", st.entries, fs_count))
     res.add(Row("unique blobs (distinct binaries stored)", "count", st.blobs, len(fs_digests)))

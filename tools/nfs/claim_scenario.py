@@ -153,7 +153,7 @@ def worker(cfg: Result) -> Result:
     data = store.get(key)
     out.update(hit_first=data is not None, compiled=False)
     if data is None:
-        with store.claim(key_id(key), wait_s=cfg["wait_s"]) as claim:
+        with store.inner.claim(key_id(key), wait_s=cfg["wait_s"]) as claim:
             out.update(held=claim.held, waited=claim.waited, timed_out=claim.timed_out)
             out["claim_s"] = round(time.monotonic() - t0, 3)
             if claim.held or claim.waited:

@@ -185,7 +185,7 @@ def worker_sweep(cfg: Result) -> Result:
                 first_seen.setdefault(i, time.monotonic())
             elif ok is False:
                 out["misses"] += 1
-                reason = store.shared[0].miss_reason()
+                reason = store.inner.shared[0].miss_reason()
                 miss_reasons[reason] = miss_reasons.get(reason, 0) + 1
                 errors_now = store.stats().errors
                 if errors_now != errors_seen:
@@ -562,7 +562,7 @@ def scenario_collect(env: Env) -> Result:
     steps_plan = (("half, as a shared store", 2, True, 3600.0), ("all, no grace, blobs too", 0, False, 0.0))
     removing: list[float] = []  # when files began to vanish under the readers, and when that ended
     for label, fraction, shared, grace in steps_plan:
-        size = CacheStore(env.publisher).snapshot().stored_bytes // fraction if fraction else 0
+        size = CacheStore(env.publisher).inner.snapshot().stored_bytes // fraction if fraction else 0
         t0 = time.monotonic()
         removing = removing or [t0]
         report = collect(env.publisher, grace_s=grace, max_size=size, shared=shared)

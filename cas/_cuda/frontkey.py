@@ -1,0 +1,172 @@
+"""What the front door keys a compile by, and what it refuses to key (:mod:`cuda_program_cas._cuda.frontdoor`).
+
+A C++ compile's record key is made here (its memo, then its own sha256, with NVRTC's
+version from the version record); other compiles go to ``make_program_cache_key``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from blake3 import blake3
+
+if TYPE_CHECKING:
+    from cuda_program_cas._store.store import Inner
+
+__all__ = [
+    "TAG",
+    "Uncacheable",
+    "libdevice_fingerprint",
+    "loaded_nvrtc_version",
+    "memo_key",
+    "name_part",
+    "nvrtc_flags",
+    "nvrtc_version",
+    "own_key",
+    "refuse_unkeyable",
+]
+
+#: Mixed into the record key: a new format of records gets new keys.
+TAG = b"cuda-program-cas front door 4"
+_KEY = b"cpcas-frontdoor/key\0"
+#: Options whose effect the front door cannot key soundly, and why.
+_REFUSED = {
+    "pch": "precompiled headers are written and read outside what a key can see",
+    "use_pch": "the precompiled header file is read outside what a key can see",
+    "pch_dir": "precompiled headers are read and written outside what a key can see",
+    "create_pch": "it writes a file, which a cache hit would not",
+    "time": "it writes a timing file, which a cache hit would not",
+    "fdevice_time_trace": "it writes a trace file, which a cache hit would not (the front door traces on its own)",
+}
+
+
+class Uncacheable(Exception):
+    """A compile whose inputs cannot be recorded soundly: its result is returned, not stored."""
+
+    def __init__(self, reason: str, name: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.name = name
+
+
+def nvrtc_flags(options: Any, target_type: object) -> tuple[bytes, ...] | None:
+    """The options as NVRTC gets them (``ProgramOptions.as_bytes``, 3 us); None when they are refused."""
+    if not isinstance(target_type, str):
+        return None
+    try:
+        return tuple(options.as_bytes("nvrtc", target_type.lower()))
+    except Exception:
+        return None  # make_program_cache_key (or Program) reports what is wrong
+
+
+def memo_key(
+    code: object,
+    code_type: str,
+    options: Any,
+    target_type: str,
+    flags: tuple[bytes, ...] | None,
+    *,
+    names: tuple[object, ...],
+    extra: bytes,
+) -> tuple[object, ...] | None:
+    """What a C++ compile's record key is made of, here (see :func:`own_key`); None where cuda-core keys it.
+
+    The code, the target, the options' flags as NVRTC gets them
+    (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against make_program_cache_key's
+    25), the name expressions with their types and ``extra``: what
+    make_program_cache_key hashes for NVRTC, less its version probe, which
+    loads NVRTC. Code that is not ``str``, ``extra_sources``, inputs whose flags
+    cannot be had and name expressions of other types go to make_program_cache_key,
+    which refuses them as Program would.
+    """
+    if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
+        return None
+    if type(code) is not str or getattr(options, "extra_sources", None) is not None:
+        return None
+    if flags is None or not all(type(n) is str or type(n) is bytes for n in names):
+        return None
+    return (code, target_type.lower(), flags, tuple(sorted((type(n) is bytes, n) for n in names)), extra)
+
+
+def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
+    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, each length-prefixed.
+
+    A key of its own (not make_program_cache_key's), so that NVRTC's version can
+    come from a record instead of from the library; its tag keeps it apart from
+    every key cuda-core makes.
+    """
+    code, target, flags, names, extra = memo
+    h = hashlib.sha256(_KEY)
+
+    def part(label: bytes, data: bytes) -> None:
+        h.update(label + len(data).to_bytes(8, "big") + data)
+
+    part(b"nvrtc", str(nvrtc).encode())
+    part(b"target", target.encode())
+    part(b"code", code.encode("utf-8", "surrogateescape"))
+    part(b"flags", len(flags).to_bytes(8, "big"))
+    for flag in flags:
+        part(b"flag", bytes(flag))
+    part(b"names", len(names).to_bytes(8, "big"))
+    for is_bytes, name in names:
+        part(b"b" if is_bytes else b"s", name if is_bytes else name.encode("utf-8", "surrogateescape"))
+    part(b"extra", extra)
+    return h.digest()
+
+
+def nvrtc_version(inner: Inner) -> str:
+    from .nvrtcver import version
+
+    return version(inner)
+
+
+def loaded_nvrtc_version() -> str:
+    from .nvrtcver import loaded_version
+
+    return loaded_version()
+
+
+def name_part(options: Any) -> bytes:
+    """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
+    ``ObjectCode.name`` must be the one this compile would give."""
+    return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
+
+
+def _option_set(options: Any, name: str) -> bool:
+    value = getattr(options, name, None)
+    return bool(value) if name == "pch" else value is not None
+
+
+def refuse_unkeyable(options: Any, code_type: str) -> None:
+    for name, why in _REFUSED.items():
+        if _option_set(options, name):
+            raise ValueError(f"cache.compile() does not support ProgramOptions.{name}: {why}")
+    if code_type == "nvvm" and getattr(options, "use_libdevice", None) and _libdevice_path() is None:
+        raise ValueError(
+            "cache.compile() does not support ProgramOptions.use_libdevice here: the libdevice file that "
+            "would be linked cannot be found, so it cannot be fingerprinted"
+        )
+
+
+def _libdevice_path() -> str | None:
+    try:
+        from cuda.core._program import _find_libdevice_path
+    except ImportError:
+        return None
+    try:
+        path = _find_libdevice_path()
+    except Exception:
+        return None
+    return os.fspath(path) if path else None
+
+
+def libdevice_fingerprint(options: Any, code_type: str) -> bytes:
+    """The libdevice file's blake3, for NVVM compiles that link it (its bytes change the output)."""
+    if code_type != "nvvm" or not getattr(options, "use_libdevice", None):
+        return b""
+    path = _libdevice_path()
+    assert path is not None  # refused above otherwise
+    with open(path, "rb") as fh:
+        return b"\0libdevice:" + blake3(fh.read()).hexdigest().encode()

@@ -1,0 +1,237 @@
+"""A front-door record: its headers' fingerprints, its guard directories, its result's key, its stored form.
+
+What a record holds is said in :mod:`cuda_program_cas._cuda.frontdoor`'s docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from blake3 import blake3
+
+from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._disk.files import FileId, file_id
+
+__all__ = [
+    "Header",
+    "HeaderCache",
+    "Variant",
+    "decode_raw",
+    "decode_record",
+    "directory_tag",
+    "encode_record",
+    "encode_variant",
+    "guard_dirs",
+    "result_key_of",
+    "stat_tag",
+]
+
+_RESULT = b"cpcas-frontdoor/result\0"
+#: Hex digits kept of a header's blake3 (128 bits) and of a stat tag (64 bits).
+_DIGEST_HEX = 32
+_TAG_HEX = 16
+
+
+def _digest(data: bytes) -> str:
+    return blake3(data).hexdigest()[:_DIGEST_HEX]
+
+
+def stat_tag(values: tuple[int, ...]) -> str:
+    """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
+
+    blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
+    dominates at 40 bytes), and a fresh process's first hit of the CUB kernel makes 467.
+    """
+    return hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=_TAG_HEX // 2).hexdigest()
+
+
+class HeaderCache:
+    """Headers' identities and digests, per process: a hit re-hashes nothing it already hashed."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[FileId, str]] = {}
+        self._lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+
+    def digest(self, path: str, st: os.stat_result, recorded: tuple[str, str] | None = None) -> str | None:
+        """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
+
+        ``recorded``: the stat tag and digest a record keeps for it; a file whose
+        stat still has that tag is not read again.
+        """
+        key = file_id(st)
+        known = self._known.get(path)
+        if known is not None and known[0] == key:
+            return known[1]
+        if recorded is not None and stat_tag(key) == recorded[0]:
+            digest = recorded[1]
+        else:
+            hashed = _hash_file(path, key)
+            if hashed is None:
+                return None
+            digest = hashed
+        with self._lock:
+            self._known[path] = (key, digest)
+        return digest
+
+
+def _hash_file(path: str, key: FileId) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+            if file_id(os.fstat(fh.fileno())) != key:
+                return None
+    except OSError:
+        return None
+    return _digest(data)
+
+
+def directory_tag(path: str) -> str | None:
+    """A directory's identity and entry times as a tag; None when it is missing or not a directory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    return stat_tag((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+
+
+# Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import,
+# a fifth of a fresh process's first hit.
+
+
+class Header:
+    __slots__ = ("digest", "path", "tag")
+
+    def __init__(self, path: str, tag: str, digest: str) -> None:
+        self.path, self.tag, self.digest = path, tag, digest
+
+
+class Variant:
+    """One compile of a record's inputs, decoded for checking."""
+
+    __slots__ = ("guards", "headers", "mapping", "name", "result")
+
+    def __init__(
+        self,
+        result: str,
+        name: str,
+        mapping: dict[Any, bytes],
+        headers: tuple[tuple[str, str, str], ...],
+        guards: tuple[tuple[str, str | None], ...],
+    ) -> None:
+        self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
+
+
+def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, str | None]]:
+    """The directories whose entries decide where each header is found (see :mod:`cuda_program_cas._cuda.frontdoor`).
+
+    For a header under search directory ``i`` (as spelled) at ``sub/name``, the
+    directories ``sub`` of every search directory up to ``i``; a header under
+    several (nested search directories) gets the guards of each. A header under
+    none is guarded by its own directory.
+    """
+    wanted: set[str] = set()
+    for path in paths:
+        wanted.add(os.path.dirname(path))
+        for i, top in enumerate(dirs):
+            if path.startswith(top + os.sep):
+                sub = os.path.dirname(path[len(top) + 1 :])
+                wanted.update(os.path.join(earlier, sub) if sub else earlier for earlier in dirs[: i + 1])
+    guards: dict[str, str | None] = {}
+    for path in wanted:
+        # A directory that does not exist is guarded by its deepest existing ancestor:
+        # creating it changes that ancestor's entries.
+        probe = path
+        while True:
+            tag = directory_tag(probe)
+            if tag is not None or os.path.dirname(probe) == probe:
+                guards[probe] = tag
+                break
+            probe = os.path.dirname(probe)
+        if probe != path:
+            guards[path] = None
+    return sorted(guards.items())
+
+
+def result_key_of(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
+    """The key of a compile's result: its record key and each header's ``(path, digest)``."""
+    h = hashlib.sha256(_RESULT + record_key)
+    for path, digest in sorted(headers):
+        h.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0" + digest.encode())
+    return h.digest()
+
+
+# -- stored forms -------------------------------------------------------------------------
+#
+# A record is compact JSON: {"v": 3, "variants": [...]}, newest variant first. A
+# variant's headers are grouped by directory, {dir: [[name, stat tag, digest], ...]},
+# so a CUB kernel's ~410 headers take about 60 bytes each.
+
+
+def encode_variant(
+    result: str, headers: list[Header], guards: list[tuple[str, str | None]], name: str, mapping: dict[Any, bytes]
+) -> dict[str, Any]:
+    by_dir: dict[str, list[list[str]]] = {}
+    for h in headers:
+        directory, base = os.path.split(h.path)
+        by_dir.setdefault(directory, []).append([base, h.tag, h.digest])
+    symbols = []
+    for key, lowered in mapping.items():
+        kind, text = ("b", key.hex()) if isinstance(key, bytes) else ("s", key)
+        value = lowered if isinstance(lowered, bytes) else str(lowered).encode()
+        symbols.append([kind, text, value.hex()])
+    return {"result": result, "name": name, "symbols": symbols, "headers": by_dir, "guards": guards}
+
+
+def encode_record(variants: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"v": 3, "variants": variants}, separators=(",", ":")).encode()
+
+
+def decode_raw(raw: bytes) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(data, dict) or data.get("v") != 3 or not isinstance(data.get("variants"), list):
+        return []
+    return [v for v in data["variants"] if isinstance(v, dict)]
+
+
+def decode_record(raw: bytes) -> list[Variant]:
+    """The variants of a record, checked for shape; a damaged variant is left out (a miss)."""
+    variants = []
+    for v in decode_raw(raw):
+        try:
+            mapping: dict[Any, bytes] = {}
+            for kind, text, value in v["symbols"]:
+                mapping[bytes.fromhex(text) if kind == "b" else str(text)] = bytes.fromhex(value)
+            headers = tuple(
+                (_join(directory, base), str(tag), str(digest))
+                for directory, entries in v["headers"].items()
+                for base, tag, digest in entries
+            )
+            guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])
+            bytes.fromhex(v["result"])
+            variants.append(Variant(str(v["result"]), str(v["name"]), mapping, headers, guards))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return variants
+
+
+def _join(directory: str, base: str) -> str:
+    """``os.path.join`` of what ``os.path.split`` gave at encoding (a third of its cost: 410 a CUB record)."""
+    if not isinstance(directory, str) or not isinstance(base, str):
+        raise TypeError(directory)
+    return f"{directory}{base}" if directory.endswith(os.sep) or not directory else f"{directory}{os.sep}{base}"
