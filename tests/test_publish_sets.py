@@ -73,7 +73,7 @@ def served(tmp_path: Path) -> Iterator[Nginx]:
 
 def _cold(local: Path, url: str, keys: list[str]) -> tuple[dict[str, bytes | None], CacheStore]:
     node = CacheStore(local, shared=[url])
-    assert node.warm is not None and node.warm.join(30)
+    assert node.inner.warm is not None and node.inner.warm.join(30)
     return {k: node.get(k) for k in keys}, node
 
 
@@ -107,7 +107,7 @@ def test_publish_into_redis_copies_the_set_and_a_cold_node_fetches_it_in_3_round
         got, node = _cold(tmp_path / "cold", f"redis://127.0.0.1:{link.port}/0", USED)
         assert link.exchanges <= 3  # the handshake and layout.json, the set, one pipeline
         assert link.exchanges <= REDIS_WARM_COMMANDS["round_trips"]  # the cold-start model's bound
-    assert got == values(USED) and node.warm is not None and node.warm.fetched == len(USED)
+    assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
     # layout.json, the set, a manifest and a blob per entry: no lookup after, every entry local.
     assert redis.commandstats()["getrange"] == 2 + 2 * len(USED)
     redis_model = REDIS_WARM_COMMANDS
@@ -155,7 +155,7 @@ def test_publish_pack_over_webdav_names_the_pack_and_offsets_and_a_cold_node_mak
     with Proxy(("127.0.0.1", served.port)) as link:
         got, node = _cold(tmp_path / "cold", served.read_url("").replace(f":{served.port}/", f":{link.port}/"), USED)
         assert link.connections == 1 and link.exchanges == HTTP_WARM_REQUESTS["packed"]["rt_fixed"] == 3
-    assert got == values(USED) and node.warm is not None and node.warm.fetched == len(USED)
+    assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
     # The cold node reads under /store/ (publish wrote under /dav/: a late line of its own may follow the reset).
     log = [e for e in served.requests(wait_for=3) if e.uri.startswith("/store/")]
     assert [(e.uri.split("/store/", 1)[1], e.status) for e in log] == [
@@ -165,7 +165,7 @@ def test_publish_pack_over_webdav_names_the_pack_and_offsets_and_a_cold_node_mak
     ]
     assert log[2].range.count(",") >= 2  # one request, several ranges
     packed = HTTP_WARM_REQUESTS["packed"]
-    assert node.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 == 3
+    assert node.inner.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 == 3
     # Publishing again writes nothing new: no PUT, no MKCOL.
     served.reset_log()
     again = publish([staged], served.dav_url(""), pack=True)
@@ -180,9 +180,9 @@ def test_publish_over_webdav_loose_gives_a_set_of_parallel_gets_and_no_lookup_af
     assert report.sets_published == 1
     served.reset_log()
     got, node = _cold(tmp_path / "cold", served.read_url(""), USED)
-    assert got == values(USED) and node.warm is not None and node.warm.fetched == len(USED)
+    assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
     loose = HTTP_WARM_REQUESTS["loose"]
-    assert node.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(USED)
+    assert node.inner.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(USED)
 
 
 # -- what is copied, and what is refused ---------------------------------------------------------------
@@ -228,9 +228,9 @@ def test_repack_rewrites_a_set_of_loose_entries_to_the_new_pack_one_request_for_
         assert {e.pack for e in held} == {name} and all(e.offset is not None for e in held)
         server.reset_log()
         got, node = _cold(tmp_path / "cold", server.read_url(""), USED)
-        assert got == values(USED) and node.warm is not None and node.warm.fetched == len(USED)
+        assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
         assert [e.uri.split("/store/", 1)[1] for e in server.requests(wait_for=3)][-1] == f"packs/{name}"
-        assert node.shared[0].requests == 3
+        assert node.inner.shared[0].requests == 3
         # A second repack retires that pack: the set follows the entries into the newer one.
         second = repack(staged)
         assert second.pack is not None
