@@ -117,6 +117,7 @@ class WriteBack:
         self._set_due = False  # the set or the key lists are due: sent once the job is quiet
         self._set_wanted = False  # used entries the stores' set lacks
         self._set_at = 0.0  # when the set was last marked due
+        self._flushing = 0  # flushes waiting: the quiet send does not wait for quiet
         #: Per store (by position): keys uploaded there and not yet merged into its key list.
         self._unlisted: list[list[str]] = [[] for _ in self.tiers]
         #: Warm sets sent, and key-list merges that held every key sent (tests read them).
@@ -132,6 +133,7 @@ class WriteBack:
         self._worker = None
         self._set_due = self._set_wanted = False  # the child's own uses make it due again
         self._unlisted = [[] for _ in self.tiers]
+        self._flushing = 0
 
     def keep_set(self, make: SetMaker) -> None:
         """Send the job's warm set through ``make(tier)`` whenever :meth:`set_changed` says it grew."""
@@ -202,7 +204,7 @@ class WriteBack:
             with self._cond:
                 if not self._queue and self._set_due:
                     quiet = self._set_at + QUIET_S - time.monotonic()
-                    if quiet > 0:
+                    if quiet > 0 and not self._flushing:
                         self._cond.wait(quiet)
                         continue
                     self._set_due = False
@@ -331,14 +333,17 @@ class WriteBack:
         """Wait up to ``timeout_s`` for every queued upload to finish; True when none is left."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            if self._set_due:
-                self._set_at = float("-inf")  # the set goes now, not after QUIET_S
-                self._cond.notify_all()
-            while self._queue or self._busy or (self._set_due and self._worker is not None):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            # The set and the key lists go now, not after QUIET_S (uploads still queued make them due again).
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy or (self._set_due and self._worker is not None):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self, timeout_s: float = EXIT_FLUSH_S) -> None:
