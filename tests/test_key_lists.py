@@ -258,3 +258,19 @@ def test_no_listed_key_is_ever_reported_missing(listed: list[str], others: list[
             assert tier.lookup(kid) is None  # no entry: asked, a plain miss
             assert tier.miss_reason() == "no entry"
         assert tier.counters.listed_misses == 0
+
+
+def test_a_key_the_probe_finds_unlisted_makes_the_copy_lag_and_lookups_ask(redis: RedisServer, tmp_path: Path) -> None:
+    """A node that waited for another's compile finds its other entries too (the front door's result)."""
+    writer = CacheStore(tmp_path / "w", shared=[f"{redis.url}|write"])
+    writer.put("k1", value(1))
+    writer.close()
+    node = CacheStore(tmp_path / "node", shared=[f"{redis.url}|write"])
+    assert node.get("k1") == value(1)
+    engine = node.shared[0].engine
+    for k in ("k2", "k3"):  # another node's compile: two entries, neither listed yet
+        data, kid = value(int(k[1:])), key_id(k)
+        upload_entry(engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode())
+    assert node._find_shared(key_id("k2"), None, unlisted=True) is not None  # the probe
+    assert node.get("k3") == value(3)  # asked, though the copy does not list it
+    assert node.get("absent") is None and node.shared[0].miss_reason() == "no entry"

@@ -31,6 +31,8 @@ compactly, and a node reads it once (then again, conditionally, every
   merges its keys after the job has been quiet :data:`cuda_program_cas._store.warmset.QUIET_S`:
   another node's new entry may be a miss for that long. The lease probe and the
   warm-set fetch do not consult it, and a node lists what it wrote back itself at once.
+  A key the probe finds that the copy lacks shows the copy lags: until a copy lists
+  it, lookups ask as without one (the entries of that compile are found).
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ class KeyView:
         self._lock = threading.Lock()
         #: Keys this process wrote back itself: listed at once, whatever the store's copy says yet.
         self._ours: dict[int, int] = {}
+        #: Keys found in the store that the copy does not list (another node's upload, not merged yet): while
+        #: a copy lacks any of them it lags, and lookups ask as without one.
+        self._lagging: set[int] = set()
         #: Requests made for the list, and 304s (or unchanged hashes) among them (tests read these).
         self.fetches = 0
         self.unchanged = 0
@@ -206,14 +211,22 @@ class KeyView:
         for k, ms in records:
             self._ours[k] = ms
 
-    def forget(self) -> None:
-        """Ask again at the next lookup (after an outage)."""
-        self._at = float("-inf")
+    def found(self, key: int) -> None:
+        """``key`` was found in the store: where the copy lacks it, trust no absence until a copy lists it."""
+        records = self._records
+        if records is not None and key not in records and key not in self._ours:
+            self._lagging.add(key)
 
     def held(self) -> tuple[dict[int, int], dict[int, int]] | None:
         """What :meth:`records` gives, as fetched so far: no request."""
         records = self._records
-        return None if records is None else (records, self._ours)
+        if records is None:
+            return None
+        if self._lagging:
+            if not all(k in records for k in self._lagging):
+                return None  # behind another node's uploads: ask, as without a list
+            self._lagging = set()
+        return records, self._ours
 
     def records(self) -> tuple[dict[int, int], dict[int, int]] | None:
         """``(the store's records, this node's own)``, fetched or refreshed as due; None: no usable key list (ask).
@@ -228,8 +241,7 @@ class KeyView:
                         self._refresh()
                 finally:
                     self._lock.release()
-        records = self._records
-        return None if records is None else (records, self._ours)
+        return self.held()
 
     def _refresh(self) -> None:
         changed = getattr(self.engine, "get_changed", None)

@@ -510,6 +510,9 @@ class CacheStore:
             with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=self._counters) as got:
                 if got.held:
                     self._leases[kid] = got
+                    # Asked once more, past the key list: a node that let the lease go just now may have stored
+                    # it, its key list not yet merged. Found: copied in, the caller's next look is local.
+                    self._find_shared(kid, None, unlisted=True)
                 try:
                     yield Claim(held=mine.held or got.held, waited=got.waited, timed_out=got.waited and not got.held)
                 finally:
