@@ -184,7 +184,7 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
     status, report = publish_json(capsys, "--pack", str(sources.a), str(sources.b), url)
     assert (status, report["published"], report["unchanged"]) == (0, 1, N_KERNELS + 1)
     newer = report["packs"][0].rsplit("/", 1)[1]
-    assert puts(settled(nginx)) == [f"packs/{newer}", "packs/list"]
+    assert puts(settled(nginx)) == [f"packs/{newer}", "packs/list", "keys"]
     assert parse_listing((store / "packs" / "list").read_bytes()) == sorted([pack, newer], reverse=True)
     assert cli_main(["verify", str(store)]) == 0
     assert sources.read_back(store, tmp_path / "node2", sources.in_a + sources.in_b) == N_KERNELS + 2

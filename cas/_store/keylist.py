@@ -59,6 +59,7 @@ __all__ = [
     "KeyView",
     "compile_ms",
     "encode",
+    "list_published",
     "merge_into",
     "number",
     "parse",

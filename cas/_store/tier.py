@@ -63,6 +63,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from time import perf_counter as _perf
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
@@ -294,9 +295,9 @@ class Tier:
 
     def _timed(self, call: Callable[[], _T]) -> _T:
         """``call()`` (one small read), its time kept as a sample of the round trip when it was answered."""
-        t0 = time.perf_counter()
+        t0 = _perf()
         result = call()
-        self._rtts.append(time.perf_counter() - t0)
+        self._rtts.append(_perf() - t0)
         return result
 
     def rtt(self) -> float | None:
