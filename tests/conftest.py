@@ -134,6 +134,11 @@ def write_manifest(root: os.PathLike[str] | str, key: str | bytes, digest: str, 
     path = Path(root) / "index" / kid[:2] / kid[2:]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(Manifest(digest, size, kid).encode())
+    if (Path(root) / "keys").exists():  # a store's key list names it too, as a writer's would
+        from cuda_program_cas._disk.direngine import DirEngine
+        from cuda_program_cas._store.keylist import merge_into, number
+
+        merge_into(DirEngine(os.fspath(root)), {number(kid): 0})
     return path
 
 

@@ -45,7 +45,7 @@ from cuda_program_cas._remote import client
 from cuda_program_cas._remote.http import HttpEngine
 from cuda_program_cas._store.tier import RETRY_MAX_S, RETRY_S
 from cuda_program_cas._store.tier import Tier as SharedStore
-from cuda_program_cas.index import LONGEST_MANIFEST, MAX_MANIFEST_BYTES, Manifest, key_id
+from cuda_program_cas.index import LONGEST_MANIFEST, MAX_MANIFEST_BYTES
 
 #: Kernels compiled once for the module: distinct cubins, stored under the keys "k0", "k1", ...
 ARCHES = ("sm_80", "sm_86", "sm_90", "sm_75")
@@ -592,11 +592,10 @@ def test_the_time_a_request_earns_stops_at_the_ceiling_whatever_size_a_server_cl
 
 
 def write_manifest(store: Path, key: str, digest: str, size: int) -> None:
-    """Put a manifest for ``key`` into ``store`` that names ``digest`` and claims ``size`` bytes."""
-    kid = key_id(key)
-    path = store / "index" / kid[:2] / kid[2:]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(Manifest(digest, size, kid).encode())
+    """Put a manifest for ``key`` into ``store`` that names ``digest`` and claims ``size`` bytes (listed too)."""
+    import conftest
+
+    conftest.write_manifest(store, key, digest, size)
 
 
 def blob_url_path(site: Site, digest: str) -> str:
@@ -1039,10 +1038,10 @@ def test_a_token_is_never_logged_at_any_level(tmp_path: Path, published: Publish
             timeout=60,
         )
         assert done.returncode == 0, done.stdout + done.stderr
-        # The right token: layout.json, packs/list (404), two manifests and blobs, a missing manifest
-        # (404); the wrong one: layout.json, denied. Nothing more: the denied store is paused.
+        # The right token: layout.json, packs/list (404), the key list, two manifests and blobs (the missing
+        # key is not listed: no request); the wrong one: layout.json, denied. Nothing more: it is paused.
         statuses = sorted(e.status for e in server.requests(wait_for=8))
-    assert statuses == [200] * 5 + [401] + [404] * 2, statuses
+    assert statuses == [200] * 6 + [401] + [404], statuses
     text = log.read_text()
     assert "denied" in text and "401" in text and "DEBUG" in text
     for output in (text, done.stdout, done.stderr):
@@ -1270,5 +1269,6 @@ def test_a_forked_child_reads_over_its_own_connection(tmp_path: Path, published:
         assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
         log = site.server.log
     # The parent: layout.json, packs/list, k0's manifest and blob; the child: three of each on a
-    # connection of its own; the parent again, on its first connection (the child left it alone).
-    assert [r.connection for r in log] == [1] * 4 + [2] * 6 + [1] * 2, log
+    # connection of its own; the parent again, on its first connection (the child left it alone). The key
+    # list: read by the parent, its copy the child's too.
+    assert [r.connection for r in log] == [1] * 5 + [2] * 6 + [1] * 2, log

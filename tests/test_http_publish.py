@@ -143,8 +143,9 @@ def test_loose_publish_over_http_gives_a_store_that_nodes_hit(
     assert (report["blobs_published"], report["problem_count"]) == (N_KERNELS, 0)
     written = puts(settled(nginx))
     assert sorted(p.split("/")[0] for p in written) == sorted(
-        ["CACHEDIR.TAG", "layout.json"] + ["blobs"] * N_KERNELS + ["index"] * (N_KERNELS + 1)
+        ["CACHEDIR.TAG", "layout.json"] + ["blobs"] * N_KERNELS + ["index"] * (N_KERNELS + 1) + ["keys"]
     )
+    assert written[-1] == "keys"  # the key list last, after the entries it names
     check_order(store, written)
     assert json.loads((store / "layout.json").read_text())["shared"] is True
     assert cli_main(["verify", str(store)]) == 0
@@ -166,7 +167,7 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
     assert status == 0 and report["published"] == N_KERNELS + 1 and len(report["packs"]) == 1
     written = puts(settled(nginx))
     pack = report["packs"][0].rsplit("/", 1)[1]
-    assert written == ["CACHEDIR.TAG", "layout.json", f"packs/{pack}", "packs/list"]
+    assert written == ["CACHEDIR.TAG", "layout.json", f"packs/{pack}", "packs/list", "keys"]
     assert parse_listing((store / "packs" / "list").read_bytes()) == [pack]
     assert cli_main(["verify", str(store)]) == 0
     assert sources.read_back(store, tmp_path / "node1", sources.in_a) == N_KERNELS + 1
@@ -183,7 +184,7 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
     status, report = publish_json(capsys, "--pack", str(sources.a), str(sources.b), url)
     assert (status, report["published"], report["unchanged"]) == (0, 1, N_KERNELS + 1)
     newer = report["packs"][0].rsplit("/", 1)[1]
-    assert puts(settled(nginx)) == [f"packs/{newer}", "packs/list"]
+    assert puts(settled(nginx)) == [f"packs/{newer}", "packs/list", "keys"]
     assert parse_listing((store / "packs" / "list").read_bytes()) == sorted([pack, newer], reverse=True)
     assert cli_main(["verify", str(store)]) == 0
     assert sources.read_back(store, tmp_path / "node2", sources.in_a + sources.in_b) == N_KERNELS + 2
@@ -272,7 +273,7 @@ def test_the_store_keeps_what_it_has_and_gets_back_a_lost_blob(
     assert publish_json(capsys, str(first), url)[1]["published"] == 1
     status, report = publish_json(capsys, str(second), url)
     assert (status, report["conflicts"], report["published"]) == (0, 1, 0)  # the first published wins
-    assert puts(settled(nginx)) == ["CACHEDIR.TAG", "layout.json", *puts_of_one_entry(store)]
+    assert puts(settled(nginx)) == ["CACHEDIR.TAG", "layout.json", *puts_of_one_entry(store), "keys"]
     blob = next(p for p in (store / "blobs").rglob("*") if p.is_file())
     blob.unlink()  # lost on the server (a collector, an operator)
     status, report = publish_json(capsys, str(first), url)
@@ -467,14 +468,15 @@ def test_the_check_costs_one_request_per_upload(
     def counted() -> Counter[str]:
         return Counter(f"{e.method} {e.uri.split('/dav/store/', 1)[1].split('/')[0]}" for e in settled(nginx))
 
-    # Loose, 5 entries and 4 blobs into a new store: 22 requests without the check, 33 with it.
+    # Loose, 5 entries and 4 blobs into a new store: 22 requests without the check, 33 with it; then the key list:
+    # read (none), written, read back.
     assert publish_json(capsys, str(sources.a), nginx.dav_url("store"))[0] == 0
     assert counted() == {
         "GET layout.json": 2, "PUT layout.json": 1, "HEAD CACHEDIR.TAG": 1, "PUT CACHEDIR.TAG": 1,
         "GET CACHEDIR.TAG": 1,  # read back
         "GET index": 5 + 5,  # absent before, then each read back
         "HEAD blobs": 4 + 4,  # absent before, then each read back
-        "PUT blobs": 4, "PUT index": 5,
+        "PUT blobs": 4, "PUT index": 5, "GET keys": 2, "PUT keys": 1,
     }  # fmt: skip
     # Packed, into a new store: 13 requests without the check, 16 with it (the listing was read back before).
     assert publish_json(capsys, "--pack", str(sources.a), nginx.dav_url("packed"))[0] == 0
@@ -482,7 +484,7 @@ def test_the_check_costs_one_request_per_upload(
     kinds = Counter(f"{e.method} {e.uri.split('/dav/packed/', 1)[1].split('/')[0]}" for e in entries)
     assert kinds == {
         "GET layout.json": 2, "PUT layout.json": 1, "HEAD CACHEDIR.TAG": 1, "PUT CACHEDIR.TAG": 1,
-        "GET CACHEDIR.TAG": 1, "GET index": 5, "PUT packs": 2, "GET packs": 3,
+        "GET CACHEDIR.TAG": 1, "GET index": 5, "PUT packs": 2, "GET packs": 3, "GET keys": 2, "PUT keys": 1,
     }  # fmt: skip
     ranged = [e.range for e in entries if e.method == "GET" and ".cpk" in e.uri]
     assert ranged == ["bytes=-64"]  # the pack's size and its last 64 bytes, trailer included

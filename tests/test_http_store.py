@@ -82,13 +82,14 @@ def test_a_loose_store_costs_two_gets_per_first_hit_and_nothing_once_copied(serv
     first = node(tmp_path / "node", server.read_url(""), keys)
     assert first["found"] == {f"g{i}": value(i) for i in range(N)}
     assert first["counters"]["shared_hits"] == N
-    # layout.json, packs/list (404: no packs), then a manifest and a blob per key: what the cold-start model assumes.
-    assert first["requests"] == 2 + 2 * N
+    # layout.json, packs/list (404: no packs), the key list publish wrote, then a manifest and a blob per key: what
+    # the cold-start model assumes.
+    assert first["requests"] == 3 + 2 * N
     loose = HTTP_REQUESTS["loose"]
     assert first["requests"] == loose["fixed"] + loose["per_hit"] * N
     log = server.requests(wait_for=first["requests"])
     assert len(log) == first["requests"]
-    assert sorted(e.status for e in log).count(200) == 1 + 2 * N
+    assert sorted(e.status for e in log).count(200) == 2 + 2 * N
     assert len({e.connection for e in log}) == 1  # one connection, kept alive for every request
     # The hits were copied into the node's cache: a later process makes no request at all.
     again = node(tmp_path / "node", server.read_url(""), keys)
@@ -115,12 +116,13 @@ def test_a_packed_store_costs_one_range_get_per_hit_and_its_index_once_per_node(
     assert second["requests"] == 2 + len(rest)
 
 
-def test_misses_cost_a_manifest_get_and_no_exception(server, tmp_path: Path) -> None:
+def test_misses_the_key_list_answers_cost_no_request_and_no_exception(server, tmp_path: Path) -> None:
     publish([fill(tmp_path / "src", n=3)], server.root, pack=True)
     out = node(tmp_path / "node", server.read_url(""), ["absent1", "absent2"])
     assert out["found"] == {"absent1": None, "absent2": None}
     assert out["counters"]["misses"] == 2 and out["counters"]["errors"] == 0
-    assert out["requests"] == 4 + 2  # layout, list, the pack's index (2); a manifest GET (404) per key
+    # layout, list, the pack's index (2), the key list (which publish wrote); no request per key: not listed.
+    assert out["requests"] == 4 + 1 and out["counters"]["listed_misses"] == 2
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])

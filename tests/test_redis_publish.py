@@ -67,13 +67,13 @@ def test_a_compiled_cache_published_into_redis_is_read_whole_by_a_fresh_node(
     assert (report["dest"], report["created"], report["published"]) == (redis.url, True, N_KERNELS + 1)
     assert (report["blobs_published"], report["problem_count"]) == (N_KERNELS, 0)
     stored = keys(redis)
-    assert {"cpcas:layout.json", "cpcas:CACHEDIR.TAG"} <= stored
+    assert {"cpcas:layout.json", "cpcas:CACHEDIR.TAG", "cpcas:keys"} <= stored
     assert len([k for k in stored if k.startswith("cpcas:blobs/")]) == N_KERNELS
     assert len([k for k in stored if k.startswith("cpcas:index/")]) == N_KERNELS + 1
     assert json.loads(redis.client().get("cpcas:layout.json"))["shared"] is True
     # Each upload was a SET read back at once: a blob by its length, a small file by its bytes.
     calls = redis.commandstats()
-    assert calls.get("set") == 2 + N_KERNELS + (N_KERNELS + 1)
+    assert calls.get("set") == 2 + N_KERNELS + (N_KERNELS + 1) + 1  # and the key list, last
     assert calls.get("strlen", 0) >= N_KERNELS
 
     # A fresh node whose only shared tier is the server: every entry a hit, the bytes the compiler gave.

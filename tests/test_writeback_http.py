@@ -50,21 +50,24 @@ def test_a_new_entry_reaches_nginx_blob_then_manifest_and_another_node_hits_it(
     assert (counts.uploads, counts.uploads_dropped) == (1, 0)
     written = settled(nginx)
     (manifest,) = [p.relative_to(store).as_posix() for p in (store / "index").rglob("*") if p.is_file()]
-    assert _paths(written, "PUT") == [(url_path(BLOBS, digest_of(code)), 201), (manifest, 201)]
+    # Blob, manifest, then the key list that names it (after the job was quiet, or at exit).
+    assert _paths(written, "PUT") == [(url_path(BLOBS, digest_of(code)), 201), (manifest, 201), ("keys", 201)]
     assert list(_entries(store).values()) == [code]
-    # The first lookup before the compile: layout.json, packs/list (none), the manifest (none yet).
-    assert [p for p, _ in _paths(written, "GET")] == ["layout.json", "packs/list", manifest]
+    # The first lookup before the compile: layout.json, packs/list (none), the key list (none), the manifest (none
+    # yet); then the key list's read-merge-write: read (none), written, read back.
+    assert [p for p, _ in _paths(written, "GET")] == ["layout.json", "packs/list", "keys", manifest, "keys", "keys"]
 
-    # A second node, its local cache empty, reading the store only: one hit, four GETs, no write.
+    # A second node, its local cache empty, reading the store only: one hit, five GETs, no write.
     with ContentAddressedProgramCache(tmp_path / "b", shared=[nginx.read_url("cas")]) as other:
         assert bytes(compile_program(SAXPY, cache=other).code) == code
         assert other.stats().shared_hits == 1
-        assert other.store.inner.shared[0].requests == 4
+        assert other.store.inner.shared[0].requests == 5
     assert compiles.count == 1
     read = settled(nginx)
     assert [p for p, _ in _paths(read, "GET")] == [
         "layout.json",
         "packs/list",
+        "keys",
         manifest,
         url_path(BLOBS, digest_of(code)),
     ]

@@ -34,7 +34,8 @@ def test_an_upload_is_one_transaction_blob_then_manifest_and_another_node_hits(
         cache.close()
         assert (cache.stats().uploads, cache.stats().uploads_dropped) == (1, 0)
     calls = redis.commandstats()
-    assert calls.get("exec") == 1 and calls.get("set") == 2  # one MULTI/EXEC: the blob's SET, then the manifest's
+    # One MULTI/EXEC: the blob's SET, then the manifest's; then the key list's SET (its read-merge-write).
+    assert calls.get("exec") == 1 and calls.get("set") == 3
     with ContentAddressedProgramCache(tmp_path / "b", shared=[redis.url]) as other:
         assert bytes(compile_program(SAXPY, cache=other).code) == code
         assert other.stats().shared_hits == 1

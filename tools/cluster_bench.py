@@ -18,6 +18,12 @@ round trips the forwarder saw (a pipeline is one) and the commands the server
 counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job at
 once against each store at 2 ms, checks every node got every kernel's bytes, and
 reports the requests the server answered in all and the seconds per node.
+
+``--misses`` measures the key list instead (cas/_store/keylist.py): a fresh node
+looks up 200 keys of which 20 are in a loose store (over nginx, and in Redis) and
+180 are not, at each round trip, with the store's key list and with it removed:
+seconds per node and requests (nginx's log; Redis's round trips through the
+forwarder and its commands).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from _common import log, run_worker, work_dir, worker_spec
@@ -65,6 +72,95 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         "digests": digests,
         "warm_fetched": 0 if warm is None else warm.fetched,
     }
+
+
+def _miss_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One node: ``spec["keys"]`` looked up once each, timed from the cache's opening."""
+    from cuda_program_cas import CacheStore
+
+    t0 = time.perf_counter()
+    store = CacheStore(spec["local"], shared=[spec["shared"]])
+    found = sum(store.get(k) is not None for k in spec["keys"])
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "found": found, "requests": getattr(store.inner.shared[0], "requests", 0)}
+
+
+def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int = 180) -> dict[str, Any]:
+    """Lookups of ``present + absent`` keys by a fresh node, with and without the store's key list (``--misses``)."""
+    from cuda_program_cas import CacheStore, publish
+
+    base = work_dir(parent, "cluster-bench-misses")
+    keys = [f"m{i}" for i in range(present)] + [f"absent{i}" for i in range(absent)]
+    data = {k: (k.encode() * 1000)[:3400] for k in keys[:present]}  # about a small cubin each
+    try:
+        src = CacheStore(os.path.join(base, "src"))
+        for k, v in data.items():
+            src.put(k, v)
+        served = os.path.join(base, "served")
+        publish([src.root], os.path.join(served, "loose"))
+        cases: dict[str, Any] = {}
+        with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:
+            writer = CacheStore(os.path.join(base, "writer"), shared=[f"{redis.url}|write"])
+            for k, v in data.items():
+                writer.put(k, v)
+            writer.close()  # the uploads, then the key list
+            listed = {
+                "HTTP loose": (os.path.join(served, "loose", "keys"), None),
+                "Redis": (None, "cpcas:keys"),
+            }
+            kept = {name: (Path(p).read_bytes() if p else redis.client().get(key)) for name, (p, key) in listed.items()}
+            port_of = {"HTTP loose": ngx.port, "Redis": int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])}
+            url_of = {"HTTP loose": ngx.read_url("loose"), "Redis": redis.url}
+            for rtt in rtts:
+                for store in ("HTTP loose", "Redis"):
+                    for with_list in (True, False):
+                        path, key = listed[store]
+                        if with_list:
+                            if path:
+                                with open(path, "wb") as f:
+                                    f.write(kept[store])
+                            else:
+                                redis.client().set(key, kept[store])
+                        elif path:
+                            os.remove(path)
+                        else:
+                            redis.client().delete(key)
+                        name = f"{store}, {rtt:g} ms, {'key list' if with_list else 'no key list'}"
+                        log(f"{name} ...")
+                        port = port_of[store]
+                        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+                            ngx.reset_log()
+                            redis.reset_stats()
+                            local = os.path.join(base, f"node-{len(cases)}")
+                            spec = {"task": "misses", "local": local, "shared": _through(url_of[store], port, link)}
+                            out = run_worker(__file__, {**spec, "keys": keys}, settings={"CUDA_PROGRAM_CAS_JOB": "off"})
+                            trips = link.exchanges
+                        if out["found"] != present:
+                            raise RuntimeError(f"{name}: {out['found']} found, not {present}")
+                        if store == "Redis":
+                            counted = redis.commandstats()
+                            out["requests"] = trips
+                            out["commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
+                        else:
+                            out["requests"] = len(ngx.requests(wait_for=out["requests"]))
+                        cases[name] = out
+        return {"present": present, "absent": absent, "cases": cases}
+    finally:
+        if parent is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def miss_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"a fresh node looks up {results['present'] + results['absent']} keys, {results['present']} of them stored",
+        "",
+        f"{'store, round trip, key list':34} {'s per node':>11} {'requests':>9}",
+    ]
+    for name, case in results["cases"].items():
+        extra = f"  ({case['commands']} commands)" if "commands" in case else ""
+        lines.append(f"{name:34} {case['elapsed_s']:>9.2f} s {case['requests']:>9}{extra}")
+    lines += ["", "requests: HTTP requests nginx logged; for Redis, round trips through the forwarder"]
+    return "\n".join(lines)
 
 
 def _through(url: str, server_port: int, link: Proxy) -> str:
@@ -117,7 +213,8 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes:
                                 reference = out["digests"]
                             elif out["digests"] != reference:
                                 raise RuntimeError(f"{name}: other bytes than the first case")
-                            if out["counters"]["hits"] != kernels:
+                            skipped = out["counters"]["skipped_lookups"]  # compiled: the lookup would be slower
+                            if out["counters"]["hits"] + skipped != kernels:
                                 raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
                             runs.setdefault(name, []).append(out)
             if nodes:
@@ -133,6 +230,7 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes:
                     "requests_per_node": outs[0]["answered"],
                     "connections": outs[0]["connections"],
                     "warm_fetched": outs[0]["warm_fetched"],
+                    "skipped_lookups": outs[0]["counters"]["skipped_lookups"],
                     **({"redis_commands": outs[0]["commands"]} if "commands" in outs[0] else {}),
                 }
         return results
@@ -197,6 +295,8 @@ def table(results: dict[str, Any]) -> str:
     ]
     for name, case in results["cases"].items():
         extra = f"  ({case['redis_commands']} commands)" if "redis_commands" in case else ""
+        if case.get("skipped_lookups"):
+            extra += f"  ({case['skipped_lookups']} lookups skipped: compiled, faster than asking)"
         lines.append(
             f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
             f"{case['connections']:>6} {case['warm_fetched']:>8}{extra}"
@@ -218,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     spec = worker_spec(args_in)
     if spec is not None:
-        print(json.dumps(_worker(spec)))
+        print(json.dumps(_miss_worker(spec) if spec.get("task") == "misses" else _worker(spec)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", type=int, default=200, help="kernels per node (default 200)")
     parser.add_argument("--rtt", default="0,2,20", help="round trips in ms, comma-separated (default 0,2,20)")
     parser.add_argument("--repeat", type=int, default=1, help="nodes per case; the median is shown (default 1)")
     parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
+    parser.add_argument("--misses", action="store_true", help="lookups that mostly miss, with and without key lists")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--dir", help="where the caches and the served stores go (kept); default a temp dir")
     args = parser.parse_args(args_in)
@@ -236,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"cluster_bench: --rtt takes numbers of ms, not {args.rtt!r}", file=sys.stderr)
         return 2
+    if args.misses:
+        found = misses(rtts, args.dir)
+        print(json.dumps(found, indent=2) if args.json else miss_table(found))
+        return 0
     results = run(args.kernels, rtts, args.dir, args.repeat, max(0, args.nodes))
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0

@@ -27,6 +27,11 @@ Rules every engine keeps:
   It returns what the store answered, as a message may quote it (``201 to PUT``):
   a claim, which an uploader reads back (:mod:`cuda_program_cas._store.upload`).
 - A password or token never appears in ``shown`` or in any message.
+
+An engine may also answer a conditional read, ``get_changed(name, limit=, tag=)``
+(:class:`ConditionalGet`: HTTP by ``If-None-Match``, Redis by a script that compares
+a hash): None when the object is still the one ``tag`` names, else ``(bytes or None
+when there is none, its new tag)``. An engine without it is read whole each time.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from blake3 import blake3
 
 from .errors import CacheError
 
-__all__ = ["LOCAL", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
+__all__ = ["LOCAL", "ConditionalGet", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -157,4 +162,12 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Close connections; the next call opens new ones."""
+        ...
+
+
+class ConditionalGet(Protocol):
+    """What an engine that can read an object only when it changed offers besides :class:`Engine` (module docstring)."""
+
+    def get_changed(self, name: str, *, limit: int, tag: str | None) -> tuple[bytes | None, str | None] | None:
+        """None when ``name`` is still what ``tag`` names; else ``(its bytes, or None when none, its tag)``."""
         ...

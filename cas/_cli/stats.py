@@ -90,6 +90,11 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
             "write-back",
             f"{c.get('uploads', 0):,} entries sent to writable shared stores, {c.get('uploads_dropped', 0):,} dropped",
         ),
+        (
+            "shared stores",
+            f"{c.get('listed_misses', 0):,} misses answered by a store's key list (no request), "
+            f"{c.get('skipped_lookups', 0):,} lookups skipped as slower than compiling",
+        ),
         ("time saved", _saved(info)),
         ("counted", f"since {when(since)}" if since else "since the cache was created (never zeroed)"),
     ]

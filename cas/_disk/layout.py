@@ -108,6 +108,7 @@ FILES: tuple[tuple[str, str], ...] = (
     ("CACHEDIR.TAG", "tells backup tools to skip the cache (bford.info/cachedir)"),
     (LAYOUT_FILE, "the layout's name, version and hashes; `shared` in a store publish made"),
     (SETTINGS_FILE, "settings stored in the cache (`cuda-program-cas config PATH max-size 10G`)"),
+    ("keys", "a shared store's key list: the keys it holds and their compile times (publish, write-back)"),
     (f"{BLOBS}/", "the binaries, in 256 shards"),
     (f"{BLOBS}/<2 hex>/", "a shard"),
     (f"{BLOBS}/<2 hex>/<62 hex>", "a compiled binary, verbatim, named by its blake3 digest"),

@@ -17,6 +17,8 @@ and its packs are :class:`.httppacks.HttpPacks`.
   only bytes that proved to be the blob are read back. Running out of memory or
   of staging disk meanwhile is this node's trouble: a StoreFailure of kind
   :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
+- ``get_changed``: a GET with ``If-None-Match`` (the ETag of the copy in hand;
+  nginx gives one to every static file): 304 is "unchanged".
 - ``size``: HEAD. ``put``/``put_many``: WebDAV PUTs (:func:`.dav.put`: the server
   renames a PUT's body onto its target once whole, so a reader never sees a
   part), in order: a blob before the manifest that names it. ``remove``: DELETE.
@@ -123,6 +125,17 @@ class HttpEngine:
                 return body.read()
         except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
             raise StoreFailure(join(self.root, name), LOCAL, type(exc).__name__, outage=False) from None
+
+    def get_changed(self, name: str, *, limit: int, tag: str | None) -> tuple[bytes | None, str | None] | None:
+        """None when ``name`` still has the ETag ``tag`` (a 304); else its bytes (None: a 404) and ETag."""
+        reply = self.fetch(name, limit=limit, headers={"If-None-Match": tag} if tag else None)
+        if reply.status == 304 and tag:
+            return None
+        if reply.status == 404:
+            return None, None
+        if reply.status != 200:
+            raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
+        return reply.body, reply.headers.get("etag")
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16."""

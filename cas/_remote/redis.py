@@ -24,6 +24,11 @@ Each call is one round trip on one pooled connection:
   ``put_many``: ``MULTI``, the ``SET`` s in order, ``EXEC``: Redis runs one
   connection's commands in order and a transaction whole, so a reader never sees
   a manifest before its blob; an out-of-memory refusal of any of them writes none.
+- ``get_changed``: one ``EVAL`` of a script that reads the value as ``get`` does
+  and answers ``1`` instead of it when its SHA-1 is the tag given (the tag is the
+  SHA-1 of the copy in hand, computed here): an unchanged key list costs one round
+  trip and a few bytes. A server that refuses scripts (an ACL, a managed service
+  without ``EVAL``) is read by ``get`` from then on.
 - ``size``: ``STRLEN``, and ``EXISTS`` for a length of 0. ``remove``: ``UNLINK``.
 - ``lease``: ``SET k token NX PX ttl``; ``renew``/``release``: a Lua script that
   compares the token and then acts (``PEXPIRE``/``DEL``), sent by ``EVALSHA``
@@ -100,6 +105,12 @@ _MAX_IDLE = 16
 # KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# KEYS[1] the object, ARGV[1] the SHA-1 of the copy in hand ("" for none), ARGV[2] the limit. nil: no such key.
+_CHANGED = (
+    "local v = redis.call('GETRANGE', KEYS[1], 0, ARGV[2]) "
+    "if v == '' and redis.call('EXISTS', KEYS[1]) == 0 then return false end "
+    "if ARGV[1] ~= '' and redis.sha1hex(v) == ARGV[1] then return 1 end return v"
+)
 
 
 def is_redis_url(text: object) -> bool:
@@ -204,6 +215,7 @@ class RedisEngine:
         self.prefix = prefix
         self._lock = threading.Lock()
         self._idle: list[Any] = []
+        self._scripts = True  # False once the server refused a script: conditional reads are plain ones
         after_fork(self)
 
     def __repr__(self) -> str:
@@ -244,6 +256,27 @@ class RedisEngine:
                 raise StoreFailure(self._where(name), "too large", f"more than {n} bytes", outage=False)
             out.append(value if value or exists else None)
         return out
+
+    def get_changed(self, name: str, *, limit: int, tag: str | None) -> tuple[bytes | None, str | None] | None:
+        """None when ``name`` still hashes to ``tag`` (SHA-1); else its bytes (None: no such key) and their SHA-1."""
+        if self._scripts:
+            script = ("EVAL", _CHANGED, 1, self._key(name), tag or "", limit)
+            (reply,) = self._call([script], bulk=limit + 1, values=limit + 1)
+            if isinstance(reply, Exception):
+                failure = self._failure(reply, name)
+                if failure.outage:
+                    raise failure
+                self._scripts = False  # refused (NOPERM, scripts off): plain reads from now on
+            elif reply == 1 and tag:
+                return None
+            elif reply is None or isinstance(reply, bytes):
+                if reply is not None and len(reply) > limit:
+                    raise StoreFailure(self._where(name), "too large", f"more than {limit} bytes", outage=False)
+                return reply, None if reply is None else _sha1_of(reply)
+            else:
+                raise StoreFailure(self._where(name), "protocol", "the script did not answer a string or 1")
+        data = self.get(name, limit=limit)
+        return data, None if data is None else _sha1_of(data)
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:
         self.put_many([(name, self._body(name, data))])
@@ -479,6 +512,10 @@ def _ms(ttl_s: float) -> int:
 @functools.cache
 def _sha1(source: str) -> str:
     return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+
+def _sha1_of(data: bytes) -> str:
+    return hashlib.sha1(data, usedforsecurity=False).hexdigest()
 
 
 @functools.cache

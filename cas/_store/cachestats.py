@@ -60,6 +60,10 @@ class CacheStats:
     #: Compile time saved by hits, in microseconds: each hit adds its entry's recorded compile time
     #: (added when the counts are flushed; hits of entries whose compile time is unknown add nothing).
     saved_us: int = 0
+    #: Shared-store lookups answered as misses by the store's key list, with no request.
+    listed_misses: int = 0
+    #: Shared-store lookups skipped because their round trips would cost more than the entry's compile.
+    skipped_lookups: int = 0
 
     @property
     def dedup_ratio(self) -> float:

@@ -33,6 +33,8 @@ COUNTER_NAMES = (
     "uploads_dropped",
     "untrusted",
     "saved_us",
+    "listed_misses",
+    "skipped_lookups",
 )
 _COUNTER_NAMES = COUNTER_NAMES
 

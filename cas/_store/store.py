@@ -183,7 +183,10 @@ class CacheStore:
                 signer, unusable = env_signer(), None
             except ValueError as exc:
                 signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
-            self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable)
+            from .usage import compile_seconds_of
+
+            seconds = functools.partial(compile_seconds_of, lay)  # the key lists' compile times
+            self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable, seconds=seconds)
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
         #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
         self._used: Used | None = None
@@ -392,7 +395,9 @@ class CacheStore:
             self._flush_on_the_way()
         return None
 
-    def _find_shared(self, kid: str, reasons: list[tuple[str, str]] | None) -> tuple[bytes, str] | None:
+    def _find_shared(
+        self, kid: str, reasons: list[tuple[str, str]] | None, *, unlisted: bool = False
+    ) -> tuple[bytes, str] | None:
         """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None.
 
         While the job's warm set is being fetched, an entry on the way is waited for
@@ -408,7 +413,7 @@ class CacheStore:
                         self._used.add(kid, local[1], len(local[0]))
                     return local[0], came_from
         for store in self._shared:
-            found = store.lookup(kid)
+            found = store.lookup(kid, unlisted=unlisted)
             if found is not None:
                 data, digest = found
                 if self._used is not None:
@@ -506,11 +511,15 @@ class CacheStore:
                 return
 
             def probe() -> tuple[bytes, str] | None:
-                return self._find_shared(kid, None)  # copied in: the caller's next look is local
+                # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
+                return self._find_shared(kid, None, unlisted=True)
 
             with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=self._counters) as got:
                 if got.held:
                     self._leases[kid] = got
+                    # Asked once more, past the key list: a node that let the lease go just now may have stored
+                    # it, its key list not yet merged. Found: copied in, the caller's next look is local.
+                    self._find_shared(kid, None, unlisted=True)
                 try:
                     yield Claim(held=mine.held or got.held, waited=got.waited, timed_out=got.waited and not got.held)
                 finally:
@@ -967,11 +976,14 @@ class _Problems:
 
 
 def _merged(local: Counters, shared: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
-    """An instance's counts: its own, with its shared stores' errors, corrupt and untrusted entries."""
+    """An instance's counts: its own, with its shared stores' errors, corrupt and untrusted entries, and misses
+    their key lists answered or that were skipped as slower than compiling."""
     counts = local.as_dict(lock=lock)
     for tier_counts in shared:
         theirs = tier_counts.as_dict(lock=lock)
         counts["errors"] += theirs["errors"]
         counts["corrupt"] += theirs["corrupt"]
         counts["untrusted"] += theirs["untrusted"]
+        counts["listed_misses"] += theirs["listed_misses"]
+        counts["skipped_lookups"] += theirs["skipped_lookups"]
     return counts

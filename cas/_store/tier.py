@@ -33,6 +33,21 @@ web server, a Redis server. What it does, written once here:
   request), not again after an outage nor for each layout-1 manifest.
 - **This node's trouble.** No memory (or no staging disk) for an answer is a miss
   counted in ``errors``, said once, and no pause.
+- **The key list** (``key_list=True``: HTTP and Redis, where a request is
+  costly; a directory's stat is cheaper than a list). The store's ``keys``
+  (:mod:`cuda_program_cas._store.keylist`) is read at the first loose lookup, not
+  at open, and again, conditionally, every
+  :data:`~cuda_program_cas._store.keylist.REFRESH_S`: a key it does not list is a
+  miss with no request (``listed_misses``). It only ever turns a hit into a miss;
+  a store without one is asked as always. ``lookup(kid, unlisted=True)`` (the
+  lease probe: another node's upload may not be listed yet) asks regardless.
+- **Never slower than compiling.** The tier times its small reads (``layout.json``,
+  manifests, the key list) and keeps the least of the last :data:`RTT_SAMPLES` as
+  the round trip. A lookup whose requests (a packed entry whose index is in hand:
+  1; a loose one: 2, its manifest then its blob) at that round trip cost more than
+  the entry's compile time, as its key list records it, is skipped: a miss with no
+  request (``skipped_lookups``), said at DEBUG once per process per store with the
+  figures. No key list or no recorded time: never skipped.
 - **Saying so.** The first time this process finds a store unusable, down or
   denied gets one WARNING naming it and why; everything after, and every bad answer
   about one object, is DEBUG, once per kind.
@@ -46,8 +61,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from time import perf_counter as _perf
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
@@ -67,7 +84,21 @@ from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, p
 
 from .stats import Counters
 
-__all__ = ["RETRY_MAX_S", "RETRY_S", "PackSource", "Tier", "Wanted", "ceiling", "warn_once_for"]
+if TYPE_CHECKING:
+    from .keylist import KeyView
+
+__all__ = [
+    "LOOSE_REQUESTS",
+    "PACKED_REQUESTS",
+    "RETRY_MAX_S",
+    "RETRY_S",
+    "RTT_SAMPLES",
+    "PackSource",
+    "Tier",
+    "Wanted",
+    "ceiling",
+    "warn_once_for",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 _T = TypeVar("_T")
@@ -78,6 +109,13 @@ RETRY_S = 5.0
 RETRY_MAX_S = 300.0
 #: The largest ``layout.json`` read (a real one is about 100 bytes).
 MAX_LAYOUT_BYTES = 4096
+#: Small reads timed; the least of them is the round trip (a new connection's handshake, a queue behind
+#: other threads' requests, only make one longer).
+RTT_SAMPLES = 8
+#: Requests of a loose lookup (its manifest, then its blob: the second names what the first says).
+LOOSE_REQUESTS = 2
+#: Requests of a packed lookup whose pack's index is in hand (one Range request).
+PACKED_REQUESTS = 1
 
 #: Stores this process has warned about (by their shown address).
 _warned: set[str] = set()
@@ -136,7 +174,8 @@ class Tier:
     miss counted in ``untrusted``, and the store's packs are not read.
     ``max_entry``: a lower bound than the ceiling on what is read (what the local
     cap can hold: a larger hit could not be kept). ``server``, ``layout_once``: a
-    server's answers (module docstring).
+    server's answers (module docstring). ``key_list``: read the store's key list
+    (module docstring).
 
     ``damaged``, ``missed``, ``say_once``, ``fits`` and ``ceiling`` are for the
     store's packs too (:class:`cuda_program_cas._remote.httppacks.Report`).
@@ -157,6 +196,7 @@ class Tier:
         max_entry: int | None = None,
         server: bool = False,
         layout_once: bool = False,
+        key_list: bool = False,
     ) -> None:
         self.engine = engine
         self.root = engine.shown
@@ -180,6 +220,12 @@ class Tier:
         self._looked = False
         self._server = server
         self._layout_once = layout_once
+        self._rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
+        self.keys: KeyView | None = None
+        if key_list:
+            from .keylist import KeyView
+
+            self.keys = KeyView(engine, note=self._note, timed=self._timed)
         after_fork(self)
         if open_now:
             try:
@@ -192,20 +238,88 @@ class Tier:
 
     # -- lookups -------------------------------------------------------------------------
 
-    def lookup(self, kid: str) -> tuple[bytes, str] | None:
-        """The verified bytes of ``kid`` here and their digest, or None."""
+    def lookup(self, kid: str, *, unlisted: bool = False) -> tuple[bytes, str] | None:
+        """The verified bytes of ``kid`` here and their digest, or None.
+
+        ``unlisted``: ask even where the key list lacks ``kid`` or the lookup would be
+        slower than its compile (the lease probe, waiting for another node's upload).
+        """
         if self._paused_until and time.monotonic() < self._paused_until:
             self._why.reason = f"store not usable: {self._why_not}"
             return None
-        return self._asked(lambda: self._find(kid), None)
+        return self._asked(lambda: self._find(kid, unlisted), None)
 
-    def _find(self, kid: str) -> tuple[bytes, str] | None:
+    def _find(self, kid: str, unlisted: bool = False) -> tuple[bytes, str] | None:
         # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
         found = None
         if self.packs is not None and self._trust is None:
+            where = getattr(self.packs, "where", None)
+            packed = not unlisted and where is not None and where(kid) is not None
+            if packed and self._too_slow(PACKED_REQUESTS, self._listed_ms(kid, fetch=False)):
+                return None
             found = self.packs.lookup(kid)
             self._failures = 0  # they were answered (after a pause they list again)
-        return found if found is not None else self._loose(kid)
+        if found is None and (unlisted or self.keys is None):
+            found = self._loose(kid)
+            if found is not None and self.keys is not None:
+                from .keylist import number
+
+                self.keys.found(number(kid))  # another node's upload not listed yet: the copy lags behind
+            return found
+        if found is not None:
+            return found
+        if self.keys is not None:
+            ms = self._listed_ms(kid, fetch=True)
+            if ms == -1:
+                self.counters.add("listed_misses")
+                self._why.reason = "not in the store's key list"
+                return None
+            if self._too_slow(LOOSE_REQUESTS, ms):
+                return None
+        return self._loose(kid)
+
+    # -- the key list and the round trip --------------------------------------------------
+
+    def _listed_ms(self, kid: str, *, fetch: bool) -> int | None:
+        """``kid``'s compile ms in the key list (0: unknown), -1 when not listed; None: no key list (or not fetched)."""
+        if self.keys is None:
+            return None
+        got = self.keys.records() if fetch else self.keys.held()
+        if got is None:
+            return None
+        from .keylist import number
+
+        theirs, ours = got
+        n = number(kid)
+        return max(theirs.get(n, -1), ours.get(n, -1))
+
+    def _timed(self, call: Callable[[], _T]) -> _T:
+        """``call()`` (one small read), its time kept as a sample of the round trip when it was answered."""
+        t0 = _perf()
+        result = call()
+        self._rtts.append(_perf() - t0)
+        return result
+
+    def rtt(self) -> float | None:
+        """The round trip to the store in seconds as measured here (the least recent sample), or None before any."""
+        samples = tuple(self._rtts)
+        return min(samples) if samples else None
+
+    def _too_slow(self, requests: int, ms: int | None) -> bool:
+        """True (a miss, counted and said) when ``requests`` round trips cost more than a compile of ``ms``."""
+        rtt = self.rtt()
+        if not ms or ms < 0 or rtt is None or rtt * requests * 1000 <= ms:
+            return False
+        why = f"skipped: {requests} requests x {rtt * 1000:.0f} ms > {ms} ms compile"
+        self.counters.add("skipped_lookups")
+        self._why.reason = why
+        if warn_once_for(f"{self.root} skipped"):
+            _log.debug(
+                "cuda-program-cas: shared store %s: lookup %s: compiling is faster (said once per process)",
+                self.root,
+                why,
+            )
+        return True
 
     def _asked(self, call: Callable[[], _T], failed: _T) -> _T:
         """``call()`` on the opened store; an outage or a bad answer is handled (module docstring), then ``failed``."""
@@ -275,7 +389,7 @@ class Tier:
         self._damaged(why, message)
 
     def _loose(self, kid: str) -> tuple[bytes, str] | None:
-        data = self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES)
+        data = self._timed(lambda: self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES))
         self._failures = 0  # an answer, whatever the blob's: a store that keeps answering is paused for RETRY_S
         if data is None:
             self._why.reason = "no entry"
@@ -385,7 +499,7 @@ class Tier:
     def _open(self) -> bool:
         """Read and check ``layout.json``; False (the store paused) when it is not usable."""
         try:
-            raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
+            raw = self._timed(lambda: self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES))
         except StoreFailure as exc:
             if exc.outage or exc.kind not in ("too large", "damaged"):
                 raise

@@ -173,6 +173,7 @@ def _http(engine: Any, writable: bool, opts: Options) -> Tier:
         max_entry=opts.max_entry,
         server=True,
         layout_once=True,
+        key_list=True,
     )
     packs.report = tier
     return tier
@@ -186,7 +187,9 @@ def _redis_engine(address: str, opts: Options) -> Engine:
 
 def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
     # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
-    return Tier(engine, writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry)
+    return Tier(
+        engine, writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry, key_list=True
+    )
 
 
 @dataclass(frozen=True)

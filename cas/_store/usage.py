@@ -42,6 +42,7 @@ __all__ = [
     "COMPACT_BYTES",
     "MAX_KEYS",
     "Usage",
+    "compile_seconds_of",
     "compile_us_of",
     "key_number",
     "read_usage",
@@ -125,6 +126,12 @@ def compile_us_of(lay: Layout, numbers: list[int]) -> dict[int, int]:
             known.times = _parse(read_log(lay.usage)).compile_us
             known.stamp = stamp
         return {n: known.times[n] for n in numbers if n in known.times}
+
+
+def compile_seconds_of(lay: Layout, kid: str) -> float | None:
+    """The recorded compile time of key id ``kid`` in seconds, or None (:meth:`CacheStore.compile_seconds`)."""
+    us = compile_us_of(lay, [key_number(kid)])
+    return None if not us else next(iter(us.values())) / 1e6
 
 
 def _write(lay: Layout, lines: bytes) -> bool:

@@ -28,6 +28,13 @@ With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest sent carries the site'
 signature (:mod:`cuda_program_cas._base.signing`); a key that cannot be used drops
 every upload (said once) rather than send entries that trusting nodes would ignore.
 
+**The key list.** Each store's key list (:mod:`cuda_program_cas._store.keylist`)
+gets the keys uploaded to it, with their compile times from the local usage
+ledger, by the warm set's timer: once the job has been quiet
+:data:`~cuda_program_cas._store.warmset.QUIET_S` (and at exit), one bounded
+read-merge-write per store for all the keys sent since, after their uploads.
+The node's own view of the store's list has them at once.
+
 Only new local entries are sent: a hit copied in from a shared store is not
 written back (it came from one), and entries under a node-local key id
 (:func:`cuda_program_cas.index.is_local_id`: keys that name files of this node)
@@ -50,6 +57,7 @@ from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas.index import Manifest, is_local_id
 
+from .keylist import compile_ms, merge_into, number
 from .stats import Counters
 from .tier import warn_once_for
 from .upload import put_checked, upload_entry
@@ -77,15 +85,24 @@ _IDLE_S = 5.0
 Then = Callable[[bool], None]
 #: ``make(tier)``: the warm set's object name and bytes to send to ``tier``, or None (nothing new there).
 SetMaker = Callable[["Tier"], "tuple[str, bytes] | None"]
+#: ``seconds(kid)``: the compile time the local usage ledger holds for an entry, or None.
+Seconds = Callable[[str], "float | None"]
 
 
 class WriteBack:
     """The background uploads of one cache instance to ``tiers`` (its writable stores)."""
 
     def __init__(
-        self, tiers: Sequence[Tier], counters: Counters, *, signer: Signer | None = None, unusable: str | None = None
+        self,
+        tiers: Sequence[Tier],
+        counters: Counters,
+        *,
+        signer: Signer | None = None,
+        unusable: str | None = None,
+        seconds: Seconds | None = None,
     ) -> None:
         self.tiers = tuple(tiers)
+        self._seconds = seconds
         self._signer = signer
         self._unusable = unusable
         self._counters = counters
@@ -97,10 +114,15 @@ class WriteBack:
         self._closed = False
         #: The job's warm set (:mod:`.warmset`): ``make(tier)`` -> (name, bytes) to send there, or None.
         self._set_maker: SetMaker | None = None
-        self._set_due = False  # used entries the stores' set lacks: sent once the job is quiet
+        self._set_due = False  # the set or the key lists are due: sent once the job is quiet
+        self._set_wanted = False  # used entries the stores' set lacks
         self._set_at = 0.0  # when the set was last marked due
-        #: Warm sets sent (tests read it).
+        self._flushing = 0  # flushes waiting: the quiet send does not wait for quiet
+        #: Per store (by position): keys uploaded there and not yet merged into its key list.
+        self._unlisted: list[list[str]] = [[] for _ in self.tiers]
+        #: Warm sets sent, and key-list merges that held every key sent (tests read them).
         self.sets_sent = 0
+        self.keys_listed = 0
         after_fork(self)
         _instances.add(self)
 
@@ -109,7 +131,9 @@ class WriteBack:
         self._queue = deque()
         self._queued_bytes = self._busy = 0
         self._worker = None
-        self._set_due = False  # the child's own uses make it due again
+        self._set_due = self._set_wanted = False  # the child's own uses make it due again
+        self._unlisted = [[] for _ in self.tiers]
+        self._flushing = 0
 
     def keep_set(self, make: SetMaker) -> None:
         """Send the job's warm set through ``make(tier)`` whenever :meth:`set_changed` says it grew."""
@@ -122,10 +146,15 @@ class WriteBack:
         with self._cond:
             if self._closed:
                 return
-            self._set_due = True
-            self._set_at = time.monotonic()
-            self._start_worker()
-            self._cond.notify()
+            self._set_wanted = True
+            self._due()
+
+    def _due(self) -> None:
+        """The quiet send (the set, the key lists) is due :data:`.warmset.QUIET_S` from now (under the lock)."""
+        self._set_due = True
+        self._set_at = time.monotonic()
+        self._start_worker()
+        self._cond.notify()
 
     def _start_worker(self) -> None:
         if self._worker is None:
@@ -175,7 +204,7 @@ class WriteBack:
             with self._cond:
                 if not self._queue and self._set_due:
                     quiet = self._set_at + QUIET_S - time.monotonic()
-                    if quiet > 0:
+                    if quiet > 0 and not self._flushing:
                         self._cond.wait(quiet)
                         continue
                     self._set_due = False
@@ -204,8 +233,16 @@ class WriteBack:
                 self._busy += 1
             sent = True
             try:
-                for tier in self.tiers:
-                    sent = self._send(tier, kid, digest, data) and sent
+                for at, tier in enumerate(self.tiers):
+                    if self._send(tier, kid, digest, data):
+                        tier_keys = tier.keys
+                        if tier_keys is not None:
+                            tier_keys.add([(number(kid), 0)])  # this node finds it there at once
+                        with self._cond:
+                            self._unlisted[at].append(kid)
+                            self._due()
+                    else:
+                        sent = False
             finally:
                 if then is not None:
                     try:
@@ -236,9 +273,15 @@ class WriteBack:
         return True
 
     def _send_set(self) -> None:
-        """The warm set to each store (after the entries queued before it: a set names entries that are there)."""
+        """The key lists, then the warm set, to each store (after the entries queued before, which they name)."""
+        with self._cond:
+            unlisted, self._unlisted = self._unlisted, [[] for _ in self.tiers]
+            wanted, self._set_wanted = self._set_wanted, False
+        for tier, kids in zip(self.tiers, unlisted, strict=True):
+            if kids and not tier.paused():
+                self._send_keys(tier, kids)
         make = self._set_maker
-        if make is None:
+        if make is None or not wanted:
             return
         for tier in self.tiers:
             if tier.paused():
@@ -255,6 +298,19 @@ class WriteBack:
                 self._dropped(tier.root, f"the warm set: {exc}")
             except Exception as exc:
                 self._dropped(tier.root, f"the warm set: {type(exc).__name__}: {exc}")
+
+    def _send_keys(self, tier: Tier, kids: list[str]) -> None:
+        """Merge ``kids`` (uploaded to ``tier``) into its key list, each with its compile time."""
+        seconds = self._seconds
+        ours = {number(kid): compile_ms(seconds(kid) if seconds is not None else None) for kid in kids}
+        try:
+            if merge_into(tier.engine, ours):
+                self.keys_listed += 1
+        except StoreFailure as exc:
+            tier.failed(exc)
+            self._dropped(tier.root, f"the key list: {exc}")
+        except Exception as exc:
+            self._dropped(tier.root, f"the key list: {type(exc).__name__}: {exc}")
 
     def _dropped(self, root: str, why: str) -> None:
         self._counters.add("uploads_dropped")
@@ -277,14 +333,17 @@ class WriteBack:
         """Wait up to ``timeout_s`` for every queued upload to finish; True when none is left."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            if self._set_due:
-                self._set_at = float("-inf")  # the set goes now, not after QUIET_S
-                self._cond.notify_all()
-            while self._queue or self._busy or (self._set_due and self._worker is not None):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            # The set and the key lists go now, not after QUIET_S (uploads still queued make them due again).
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy or (self._set_due and self._worker is not None):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self, timeout_s: float = EXIT_FLUSH_S) -> None:

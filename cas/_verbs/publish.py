@@ -15,6 +15,11 @@ meanwhile never sees a partial file or a manifest whose blob is not there yet:
   each manifest commit the blob is checked again and restored if a collector took
   it in between.
 
+Last, the store's key list (:mod:`cuda_program_cas._store.keylist`) gets every key
+the run published or found the store holding, with the compile time its source
+recorded; a directory's whole index is listed, so a publish into the store's
+directory gives a store written by older versions a whole key list.
+
 Running it again publishes nothing new (idempotent); after an interruption it
 picks up where it stopped (resumable); two publishers at once only ever rename
 complete files over each other.
@@ -253,6 +258,8 @@ class _Target:
         self.packed: dict[str, PackedEntry] = {}
         #: Blobs this run stored: new, so a collector keeps them; no re-check after their manifest.
         self._uploaded: set[str] = set()
+        #: Source -> the keys of it the store holds after the run (for its key list).
+        self.held: dict[str, list[str]] = {}
 
     @property
     def where(self) -> str:
@@ -375,6 +382,16 @@ class _Target:
     def finish(self, report: PublishReport) -> None:
         if self.packs is not None and not self.dry_run:
             self.packs.finish(bool(report.packs))
+        if not self.dry_run:
+            from cuda_program_cas._store.keylist import KEYS, list_published
+
+            index = None if self.dir is None else Layout(self.dir.root).index
+            if not list_published(self.engine, self.held, index_dir=index):
+                report.errors.append(
+                    f"{where(self.engine, KEYS)}: damaged, or other writers kept replacing it: left as it is, the new "
+                    "keys are not in it (nodes ask for keys as without one while it is damaged; publish into the "
+                    "store's directory rebuilds it)"
+                )
 
     def sync(self) -> None:
         """Make what was written so far durable: on a directory, one ``syncfs`` per phase, not an fsync per file.
@@ -591,6 +608,8 @@ def _plan(src: str, target: _Target, report: PublishReport) -> list[_Item]:
             continue
         manifest = Manifest(manifest.digest, manifest.size, kid)  # a layout-1 source names no key
         action = _action(target, kid, manifest)
+        if action in ("same", "conflict"):
+            target.held.setdefault(src, []).append(kid)  # the store holds the key: listed
         if action == "same":
             report.unchanged += 1
         elif action == "conflict":
@@ -631,6 +650,7 @@ def _publish_one(src: str, target: _Target, report: PublishReport) -> None:
         manifest = item.manifest
         if not target.good.get(manifest.digest):
             continue
+        target.held.setdefault(src, []).append(item.kid)
         if item.action in ("new", "replace"):
             if not target.dry_run:
                 target.put_manifest(manifest)
@@ -688,6 +708,9 @@ def _publish_pack(todo: list[_Item], target: _Target, report: PublishReport) -> 
         path = target.write_pack(inputs, stats)
         if path is not None:
             report.packs.append(path)
+            for item in todo:
+                if item.manifest.digest in written:
+                    target.held.setdefault(item.source, []).append(item.kid)
     report.blobs_repaired += len(written & target.damaged)
     report.published += stats.get("entries", 0)
     report.blobs_published += stats.get("blobs", 0)

@@ -831,10 +831,11 @@ PACKED_CLAIMS: dict[str, float] = {
     "packed_ops_per_hit_max": 1.0,
     # A loose store costs every node at least this many times the operations of a packed one.
     "loose_over_packed_min": 5.0,
-    # Files in the packed store: layout.json, CACHEDIR.TAG, the pack, packs/summary, packs/list.
-    "packed_files": 5,
-    # Files in the loose store besides one manifest a key and one blob per distinct content.
-    "loose_extra_files": 2,
+    # Files in the packed store: layout.json, CACHEDIR.TAG, the pack, packs/summary, packs/list, keys.
+    "packed_files": 6,
+    # Files in the loose store besides one manifest a key and one blob per distinct content (layout.json,
+    # CACHEDIR.TAG, keys: the key list publish writes).
+    "loose_extra_files": 3,
     # Seconds until a new packed generation is visible on every node, each having missed its keys.
     "packed_visible_max_s": 10.0,
     # The same for a loose store, on a node that caches no negative lookups (lookupcache=positive).

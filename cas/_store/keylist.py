@@ -1,0 +1,308 @@
+"""A store's key list: which keys it holds and what each took to compile, so that a miss costs no request.
+
+A loose lookup in a store over HTTP or Redis costs a round trip even when the
+store has nothing: a 404, a nil. The store's ``keys`` object says what it holds,
+compactly, and a node reads it once (then again, conditionally, every
+:data:`REFRESH_S`): a key whose record is not there is a miss with no request.
+
+- **The object.** ``keys`` beside ``layout.json``: the header line :data:`HEADER`,
+  then one 12-byte record per key, sorted and unique: the key id's first 8 bytes
+  (the usage ledger's key number, :func:`cuda_program_cas._store.usage.key_number`),
+  big-endian, and the entry's compile time in milliseconds (u32; 0: unknown).
+  100,000 keys are 1.2 MB; at most :data:`MAX_BYTES`.
+- **A hint, never bytes.** A record only lets a lookup go on as before (a prefix
+  shared by two keys costs that lookup its request, nothing more); no record is
+  a miss. So the key list can only ever turn a hit into a miss (a compile), never
+  give bytes: what is found is verified as any lookup's. A key list that is not a
+  whole, sorted one (:func:`parse`) is ignored: lookups ask, as without one.
+- **Who writes it.** Publish and write-back, after the entries themselves (blob,
+  manifest, then the key list), by one bounded read-merge-write
+  (:func:`merge_into`): read it, add ours, write it, read it back; ours missing
+  from what is there (another writer's list renamed over ours) is merged again,
+  :data:`MERGE_TRIES` times at most. A key lost anyway is a false miss: one
+  compile, and that node's upload lists it again. A store with no key list is
+  given one by its first writer; a key list that cannot be read as one is left
+  alone (never replaced by a partial one), and one that would pass
+  :data:`MAX_BYTES` is removed (lookups then ask).
+- **What it cannot know.** Entries stored by a version that does not keep the key
+  list (or copied in by hand) are not in it: false misses until a node stores them
+  again or a publish into the store's directory lists its whole index.
+- **Staleness.** A reader's copy is up to :data:`REFRESH_S` old, and write-back
+  merges its keys after the job has been quiet :data:`cuda_program_cas._store.warmset.QUIET_S`:
+  another node's new entry may be a miss for that long. The lease probe and the
+  warm-set fetch do not consult it, and a node lists what it wrote back itself at once.
+  A key the probe finds that the copy lacks shows the copy lags: until a copy lists
+  it, lookups ask as without one (the entries of that compile are found).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from operator import lt
+
+from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.fork import after_fork
+
+from .upload import put_checked
+from .usage import key_number as number
+
+__all__ = [
+    "HEADER",
+    "KEYS",
+    "MAX_BYTES",
+    "MERGE_TRIES",
+    "REFRESH_S",
+    "KeyView",
+    "compile_ms",
+    "encode",
+    "list_published",
+    "merge_into",
+    "number",
+    "parse",
+]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: The store-relative name of the key list.
+KEYS = "keys"
+HEADER = b"cuda-program-cas keys 1\n"
+_RECORD = struct.Struct(">QI")
+#: The largest key list written or read: about 1.4 million keys.
+MAX_BYTES = 16 << 20
+#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged).
+REFRESH_S = 30.0
+#: Read-merge-write rounds at most, when other writers' lists replace ours meanwhile.
+MERGE_TRIES = 4
+_MS_MAX = (1 << 32) - 1
+
+
+def encode(records: Mapping[int, int]) -> bytes:
+    """The key list of ``records`` (key number -> compile ms), sorted."""
+    body = b"".join(_RECORD.pack(k, min(max(ms, 0), _MS_MAX)) for k, ms in sorted(records.items()))
+    return HEADER + body
+
+
+def parse(data: bytes | None) -> dict[int, int] | None:
+    """The records of a key list's bytes; None when they are not one (a wrong header, a torn or unsorted body)."""
+    if data is None or len(data) > MAX_BYTES or not data.startswith(HEADER):
+        return None
+    body = memoryview(data)[len(HEADER) :]
+    if len(body) % _RECORD.size:
+        return None
+    records = dict(_RECORD.iter_unpack(body))
+    keys = list(records)
+    if len(keys) != len(body) // _RECORD.size or not all(map(lt, keys, keys[1:])):
+        return None  # a repeated or an unsorted record: not a list this package wrote
+    return records
+
+
+def compile_ms(seconds: float | None) -> int:
+    """A compile time as a record holds it: milliseconds, at least 1 for a known time (0 is unknown)."""
+    if seconds is None or seconds <= 0:
+        return 0
+    return min(max(1, round(seconds * 1000)), _MS_MAX)
+
+
+def _merged(theirs: Mapping[int, int], ours: Mapping[int, int]) -> dict[int, int]:
+    out = dict(theirs)
+    for k, ms in ours.items():
+        if ms or k not in out:
+            out[k] = ms
+    return out
+
+
+def _holds(records: Mapping[int, int] | None, ours: Mapping[int, int]) -> bool:
+    return records is not None and all(k in records and (not ms or records[k] == ms) for k, ms in ours.items())
+
+
+def merge_into(engine: Engine, ours: Mapping[int, int], *, rebuild: bool = False) -> bool:
+    """Add ``ours`` (key number -> compile ms) to the store's key list; True when it holds them after.
+
+    One bounded read-merge-write (module docstring): read, merge, write through
+    :func:`.upload.put_checked` (read back whole; another writer's list holding
+    ours too is as good), and again when ours are missing from what is there.
+    ``rebuild``: ``ours`` is the store's whole index (publish into a directory):
+    a damaged key list is replaced, not left alone. A :class:`StoreFailure` that
+    is an outage reaches the caller; a key list left alone is False.
+    """
+    if not ours:
+        return True
+    for _ in range(MERGE_TRIES):
+        try:
+            raw = engine.get(KEYS, limit=MAX_BYTES)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            raw = b"" if rebuild else None  # too large, or not a file: rebuilt, or left alone
+            if raw is None:
+                _log.debug("cuda-program-cas: %s: its key list cannot be read (%s); left alone", engine.shown, exc)
+                return False
+        theirs = parse(raw) if raw is not None and raw != b"" else {}
+        if theirs is None:
+            if not rebuild:
+                # Never replaced by a partial list: readers ignore a damaged one and ask, as without one.
+                _log.debug("cuda-program-cas: %s: its key list is damaged; left alone", engine.shown)
+                return False
+            theirs = {}
+        if _holds(theirs, ours):
+            return True
+        data = encode(_merged(theirs, ours))
+        if len(data) > MAX_BYTES:
+            # A list that cannot hold every key would make the rest false misses: none at all, readers ask.
+            _log.debug("cuda-program-cas: %s: more keys than a key list holds; removed", engine.shown)
+            engine.remove(KEYS)
+            return False
+        try:
+            put_checked(engine, KEYS, data, whole=True, accept=lambda held: _holds(parse(held), ours))
+        except StoreFailure as exc:
+            if exc.outage or exc.kind != "not stored":
+                raise
+            continue  # another writer's list, without ours, renamed over it: merge again
+        if not engine.puts_proven:
+            return True
+        # A directory's put is proven, but another writer may rename its list over ours just after.
+        if _holds(parse(engine.get(KEYS, limit=MAX_BYTES)), ours):
+            return True
+    _log.debug("cuda-program-cas: %s: other writers' key lists replaced ours %d times", engine.shown, MERGE_TRIES)
+    return False
+
+
+#: ``note(what, message)``: said once at DEBUG by the store that reads the list.
+Note = Callable[[str, str], None]
+
+
+class KeyView:
+    """One process's copy of a store's key list, read through ``engine`` (thread-safe).
+
+    Nothing is asked until :meth:`records` is first called (the first loose lookup:
+    a cold node served by its warm set makes no request for it). Then the copy is
+    asked again, conditionally where the engine can (``get_changed``: an
+    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`,
+    by one thread while the others use the copy they have. ``timed(call)`` runs
+    each request (the store above measures its round trip by it).
+    """
+
+    def __init__(self, engine: Engine, *, note: Note, timed: Callable[[Callable[[], object]], object]) -> None:
+        self.engine = engine
+        self._note = note
+        self._timed = timed
+        self._records: dict[int, int] | None = None
+        self._tag: str | None = None
+        self._at = float("-inf")
+        self._lock = threading.Lock()
+        #: Keys this process wrote back itself: listed at once, whatever the store's copy says yet.
+        self._ours: dict[int, int] = {}
+        #: Keys found in the store that the copy does not list (another node's upload, not merged yet): while
+        #: a copy lacks any of them it lags, and lookups ask as without one.
+        self._lagging: set[int] = set()
+        #: Requests made for the list, and 304s (or unchanged hashes) among them (tests read these).
+        self.fetches = 0
+        self.unchanged = 0
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, records: Iterable[tuple[int, int]]) -> None:
+        """List keys this node just stored in the store (its own uploads)."""
+        for k, ms in records:
+            self._ours[k] = ms
+
+    def found(self, key: int) -> None:
+        """``key`` was found in the store: where the copy lacks it, trust no absence until a copy lists it."""
+        records = self._records
+        if records is not None and key not in records and key not in self._ours:
+            self._lagging.add(key)
+
+    def held(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """What :meth:`records` gives, as fetched so far: no request."""
+        records = self._records
+        if records is None:
+            return None
+        if self._lagging:
+            if not all(k in records for k in self._lagging):
+                return None  # behind another node's uploads: ask, as without a list
+            self._lagging = set()
+        return records, self._ours
+
+    def records(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """``(the store's records, this node's own)``, fetched or refreshed as due; None: no usable key list (ask).
+
+        A :class:`StoreFailure` that is an outage reaches the caller (the store pauses).
+        """
+        if time.monotonic() - self._at >= REFRESH_S:
+            first = self._at == float("-inf")
+            if self._lock.acquire(blocking=first):  # the first fetch is waited for; a refresh is one thread's
+                try:
+                    if time.monotonic() - self._at >= REFRESH_S:
+                        self._refresh()
+                finally:
+                    self._lock.release()
+        return self.held()
+
+    def _refresh(self) -> None:
+        changed = getattr(self.engine, "get_changed", None)
+        self.fetches += 1
+        try:
+            if changed is not None:
+                got = self._timed(lambda: changed(KEYS, limit=MAX_BYTES, tag=self._tag))
+            else:
+                got = (self._timed(lambda: self.engine.get(KEYS, limit=MAX_BYTES)), None)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            self._at = time.monotonic()
+            self._ignored(f"{exc.kind}: {exc.detail}")
+            self._records, self._tag = None, None
+            return
+        self._at = time.monotonic()
+        if got is None:
+            self.unchanged += 1
+            return
+        assert isinstance(got, tuple)
+        data, tag = got
+        if data is None:
+            self._records, self._tag = None, None  # none: ask, as always
+            return
+        records = parse(data)
+        if records is None:
+            self._ignored(f"{len(data)} bytes that are not a key list")
+            self._records, self._tag = None, None
+            return
+        self._records, self._tag = records, tag
+
+    def _ignored(self, why: str) -> None:
+        self._note("bad key list", f"{KEYS}: {why}; ignored, lookups ask as without one")
+
+
+def list_published(engine: Engine, held: Mapping[str, Iterable[str]], *, index_dir: str | None = None) -> bool:
+    """After a publish: merge the keys it found in or sent to the store (``held``: source -> key ids) into its key list.
+
+    Each key's compile time is its source's usage ledger's. ``index_dir``: the
+    store is a directory whose ``index/`` is here, so every key it holds is listed
+    (a damaged key list is rebuilt): the way to give an older store a whole list.
+    True when the key list holds them after.
+    """
+    from cuda_program_cas._disk.files import scan_sharded
+    from cuda_program_cas._disk.layout import Layout
+
+    from .usage import compile_us_of
+
+    ours: dict[int, int] = {}
+    unreadable: list[str] = []
+    if index_dir is not None:
+        for kid, _path, _st in scan_sharded(index_dir, unreadable):
+            ours.setdefault(number(kid), 0)
+    whole = index_dir is not None and not unreadable  # a shard not listed: its keys are unknown, not absent
+    for src, kids in held.items():
+        numbers = [number(kid) for kid in kids]
+        times = compile_us_of(Layout(src), numbers)
+        for n in numbers:
+            ms = compile_ms(times[n] / 1e6 if n in times else None)
+            if ms or n not in ours:
+                ours[n] = ms
+    return merge_into(engine, ours, rebuild=whole)
