@@ -195,12 +195,12 @@ def test_pack_publish_over_http_uploads_the_pack_before_its_listing(
 # The publisher, killed by a signal right after its first blob upload (as a crash or an OOM kill would).
 KILLED_AFTER_FIRST_BLOB = r"""
 import os, signal, sys
-from cuda_program_cas._verbs import publish as verb
-real = verb._Target.put_blob
+from cuda_program_cas._verbs import pubtarget as verb
+real = verb.Target.put_blob
 def put_blob(self, digest, blob):
     real(self, digest, blob)
     os.kill(os.getpid(), signal.SIGKILL)
-verb._Target.put_blob = put_blob
+verb.Target.put_blob = put_blob
 from cuda_program_cas._cli.main import main
 sys.exit(main(["publish", sys.argv[1], sys.argv[2]]))
 """
