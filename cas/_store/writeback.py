@@ -44,6 +44,7 @@ stay on the node. A read-only cache writes nothing locally and so sends nothing.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -260,14 +261,7 @@ class WriteBack:
         line = Manifest(digest, len(data), kid).encode()
         if self._signer is not None:
             line += self._signer.sign(line)
-        try:
-            upload_entry(tier.engine, kid, digest, data, line)
-        except StoreFailure as exc:
-            tier.failed(exc)
-            self._dropped(tier.root, str(exc))
-            return False
-        except Exception as exc:
-            self._dropped(tier.root, f"{type(exc).__name__}: {exc}")
+        if not self._tried(tier, "", lambda: upload_entry(tier.engine, kid, digest, data, line)):
             return False
         self._counters.add("uploads")
         return True
@@ -286,31 +280,38 @@ class WriteBack:
         for tier in self.tiers:
             if tier.paused():
                 continue
-            try:
-                made = make(tier)
-                if made is not None:
-                    name, data = made
-                    # Read back as every upload is; another node's whole set stored meanwhile is as good.
-                    put_checked(tier.engine, name, data, whole=True, accept=lambda held: parse_set(held) is not None)
-                    self.sets_sent += 1
-            except StoreFailure as exc:
-                tier.failed(exc)
-                self._dropped(tier.root, f"the warm set: {exc}")
-            except Exception as exc:
-                self._dropped(tier.root, f"the warm set: {type(exc).__name__}: {exc}")
+            self._tried(tier, "the warm set: ", functools.partial(self._put_set, tier, make))
+
+    def _put_set(self, tier: Tier, make: Callable[[Tier], tuple[str, bytes] | None]) -> None:
+        made = make(tier)
+        if made is not None:
+            name, data = made
+            # Read back as every upload is; another node's whole set stored meanwhile is as good.
+            put_checked(tier.engine, name, data, whole=True, accept=lambda held: parse_set(held) is not None)
+            self.sets_sent += 1
 
     def _send_keys(self, tier: Tier, kids: list[str]) -> None:
         """Merge ``kids`` (uploaded to ``tier``) into its key list, each with its compile time."""
         seconds = self._seconds
         ours = {number(kid): compile_ms(seconds(kid) if seconds is not None else None) for kid in kids}
+        self._tried(tier, "the key list: ", lambda: self._merge_keys(tier, ours))
+
+    def _merge_keys(self, tier: Tier, ours: dict[int, int]) -> None:
+        if merge_into(tier.engine, ours):
+            self.keys_listed += 1
+
+    def _tried(self, tier: Tier, what: str, call: Callable[[], object]) -> bool:
+        """``call()`` to ``tier``: True when it returned; False for a failure, a drop said with ``what``."""
         try:
-            if merge_into(tier.engine, ours):
-                self.keys_listed += 1
+            call()
         except StoreFailure as exc:
             tier.failed(exc)
-            self._dropped(tier.root, f"the key list: {exc}")
+            self._dropped(tier.root, f"{what}{exc}")
         except Exception as exc:
-            self._dropped(tier.root, f"the key list: {type(exc).__name__}: {exc}")
+            self._dropped(tier.root, f"{what}{type(exc).__name__}: {exc}")
+        else:
+            return True
+        return False
 
     def _dropped(self, root: str, why: str) -> None:
         self._counters.add("uploads_dropped")
