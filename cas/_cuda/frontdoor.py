@@ -409,6 +409,8 @@ class FrontDoor:
         stored = self._store.put_id(grouped_id(record_key, result_key), bytes(result.code))
         if stored:
             self._remember(record_key, headers, guards, result_key, name=result.name, mapping=mapping)
+            if nvrtc is not None:
+                _remember_nvrtc(self._store)  # a hit of the next process need not load NVRTC
             from .inputs import describe
 
             try:  # the journal never costs a compile its result
@@ -621,6 +623,12 @@ def _nvrtc_version(store: CacheStore) -> str:
     from .nvrtcver import version
 
     return version(store)
+
+
+def _remember_nvrtc(store: CacheStore) -> None:
+    from .nvrtcver import remember
+
+    remember(store)
 
 
 def _loaded_nvrtc_version() -> str:
