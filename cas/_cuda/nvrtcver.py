@@ -39,7 +39,6 @@ result made by another (the front door does that).
 from __future__ import annotations
 
 import os
-import re
 import stat
 import sys
 import threading
@@ -54,7 +53,6 @@ from cuda_program_cas.index import local_id
 __all__ = ["loaded_version", "remember", "version"]
 
 _RECORD = b"cpcas-nvrtc-version/1\0"
-_VALUE = re.compile(rb"[0-9]{1,4}\.[0-9]{1,4}")
 
 
 class _State:
@@ -148,9 +146,15 @@ def _read(store: Any, kid: str) -> str | None:
         found = store.find(kid)
     except Exception:
         return None
-    if found is None or _VALUE.fullmatch(found[0]) is None:
+    if found is None or not _is_value(found[0]):
         return None  # none, or not one of ours: asked again
     return str(found[0].decode())
+
+
+def _is_value(raw: bytes) -> bool:
+    """Whether ``raw`` reads ``major.minor``, each of 1 to 4 digits (no regular expression: 0.15 ms to compile)."""
+    major, dot, minor = raw.partition(b".")
+    return bool(dot) and all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor))
 
 
 def _predict(*, loaded_ok: bool = False) -> tuple[str, FileId] | None:
