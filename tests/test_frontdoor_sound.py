@@ -14,17 +14,12 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import Compiles
+from conftest import NVRTC_RECORD, Compiles
 from cuda.core import Program, ProgramOptions
 from test_frontdoor import CUB_SOURCE, cccl_include, settle
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect
-from cuda_program_cas._cuda import nvrtcver
 from cuda_program_cas.index import group_of, is_record
-
-#: NVRTC's version record (cuda_program_cas._cuda.nvrtcver) that a store's first front-door miss
-#: writes where the library file is known unloaded (the NVIDIA wheel): one entry, besides the compiles'.
-NVRTC_RECORD = 1 if nvrtcver._predict(loaded_ok=True) is not None else 0
 
 KERNEL = r"""
 #include "val.h"
