@@ -66,6 +66,18 @@ def compile_program(source: str = SAXPY, target: str = "cubin", cache=None, **op
     return Program(source, "c++", options=ProgramOptions(**options)).compile(target, cache=cache)
 
 
+def _nvrtc_record() -> int:
+    from cuda_program_cas._cuda import nvrtcver
+
+    return 1 if nvrtcver._predict(loaded_ok=True) is not None else 0
+
+
+#: NVRTC's version record (cuda_program_cas._cuda.nvrtcver) that a store's first front-door miss
+#: writes where the library file is known unloaded (the NVIDIA wheel): one entry and one write,
+#: besides the compiles'.
+NVRTC_RECORD = _nvrtc_record()
+
+
 def run_python(
     code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

@@ -174,7 +174,9 @@ def test_the_lease_probe_finds_a_key_the_list_lacks(redis: RedisServer, tmp_path
     # Another node's upload whose key-list merge has not come yet (it waits for its job to be quiet).
     data = value(2)
     kid = key_id("k2")
-    upload_entry(node.inner.shared[0].engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode())
+    upload_entry(
+        node.inner.shared[0].engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode()
+    )
     assert node.get("k2") is None and node.inner.shared[0].miss_reason() == "not in the store's key list"
     found = node._find_shared(kid, None, unlisted=True)  # what CacheStore._claim_in_cluster's probe asks
     assert found is not None and found[0] == data

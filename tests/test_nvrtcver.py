@@ -26,6 +26,9 @@ from cuda.core import ProgramOptions
 from cuda_program_cas import ContentAddressedProgramCache
 
 opts = ProgramOptions(arch="sm_80", include_path=[str(tmp / "inc")])
+if sys.argv[2:] == ["preload"]:  # NVRTC loaded before the cache is asked: an uncached compile first
+    from cuda.core import Program
+    Program('extern "C" __global__ void u() {}', "c++", options=ProgramOptions(arch="sm_80")).compile("cubin")
 cache = ContentAddressedProgramCache(tmp / "cas")
 cache.compile('#include "val.h"\nextern "C" __global__ void k(int *o) { *o = VAL; }\n', "c++", opts, "cubin")
 maps = [line.split()[-1] for line in open("/proc/self/maps") if "libnvrtc.so" in line]
@@ -55,8 +58,8 @@ def copied(tmp_path: Path) -> Path:
     return target
 
 
-def _child(tmp_path: Path) -> dict:
-    done = run_python(_CHILD, str(tmp_path), timeout=300)
+def _child(tmp_path: Path, *extra: str) -> dict:
+    done = run_python(_CHILD, str(tmp_path), *extra, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -82,3 +85,11 @@ def test_a_record_of_another_copy_is_not_believed(tmp_path: Path, copied: Path) 
     os.rename(lib, moved)
     shutil.copy2(moved, lib)
     assert _child(tmp_path) == {"loaded": [str(lib)], "misses": 0}
+
+
+def test_a_miss_of_a_process_that_loaded_nvrtc_first_records_its_version(tmp_path: Path, copied: Path) -> None:
+    lib = next(copied.glob("libnvrtc.so*"))
+    # The miss keys the compile with the loaded library's answer; it still records it under the file.
+    first = _child(tmp_path, "preload")
+    assert first["misses"] == 1 and first["loaded"] == [str(lib)]
+    assert _child(tmp_path) == {"loaded": [], "misses": 0}  # the next process's hit does not load NVRTC

@@ -183,3 +183,27 @@ def test_the_index_says_how_long_a_manifest_is(size: int) -> None:
     assert parse_manifest(encoded) is not None
     assert len(Manifest("a" * 64, 10**16 - 1, "b" * 64).encode()) == LONGEST_MANIFEST
     assert parse_manifest(Manifest("a" * 64, 10**16, "b" * 64).encode()) is None  # 17 digits: longer than any
+
+
+def test_a_manifest_is_immutable_and_compared_by_its_fields() -> None:
+    # Written out rather than a frozen dataclass (issue 31: a hit imports index._manifest, builds none).
+    import copy
+    import pickle
+
+    from cuda_program_cas.index import Manifest
+
+    one = Manifest("a" * 64, 5, "b" * 64)
+    assert one == Manifest("a" * 64, 5, "b" * 64) and hash(one) == hash(Manifest("a" * 64, 5, "b" * 64))
+    assert one != Manifest("a" * 64, 6, "b" * 64) and one != Manifest("a" * 64, 5)
+    assert len({one, Manifest("a" * 64, 5, "b" * 64), Manifest("c" * 64, 5)}) == 2
+    assert pickle.loads(pickle.dumps(one)) == one == copy.copy(one)  # writers hand manifests to processes
+    with pytest.raises(AttributeError, match="immutable"):
+        one.size = 6  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="immutable"):
+        del one.digest
+    assert (one.digest, one.size, one.key_id) == ("a" * 64, 5, "b" * 64)
+    assert repr(one) == f"Manifest(digest={'a' * 64!r}, size=5, key_id={'b' * 64!r})"
+    with pytest.raises(ValueError, match="digest"):
+        Manifest("A" * 64, 5)
+    with pytest.raises(ValueError, match="size"):
+        Manifest("a" * 64, True)

@@ -26,6 +26,7 @@ __all__ = [
     "nvrtc_version",
     "own_key",
     "refuse_unkeyable",
+    "remember_nvrtc",
 ]
 
 #: Mixed into the record key: a new format of records gets new keys.
@@ -120,6 +121,13 @@ def nvrtc_version(inner: Inner) -> str:
     from .nvrtcver import version
 
     return version(inner)
+
+
+def remember_nvrtc(inner: Inner) -> None:
+    """After a miss that loaded NVRTC: its version recorded for the next process (:func:`.nvrtcver.remember`)."""
+    from .nvrtcver import remember
+
+    remember(inner)
 
 
 def loaded_nvrtc_version() -> str:

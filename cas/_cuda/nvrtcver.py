@@ -24,7 +24,10 @@ instead from a record in the cache, keyed by the identity of the file that
   is theirs). It is a node-local entry (:func:`cuda_program_cas.index.local_id`,
   never published) holding ``b"13.5"``, written through the cache's one write
   protocol when a process had to load NVRTC to learn the version and
-  ``/proc/self/maps`` shows that the file it loaded is the one predicted.
+  ``/proc/self/maps`` shows that the file it loaded is the one predicted,
+  and by a front-door miss (:func:`remember`) of a process that loaded NVRTC
+  before it asked (an uncached ``Program`` first): without that, the first
+  hit of the next process loaded NVRTC to learn what the miss already knew.
 
 In a process, the answer is kept with the file's identity, which every call
 checks again with one ``stat``; once NVRTC is loaded (by a compile, or to ask),
@@ -36,10 +39,10 @@ result made by another (the front door does that).
 from __future__ import annotations
 
 import os
-import re
 import stat
 import sys
 import threading
+import weakref
 from typing import Any
 
 from cuda_program_cas._base.fork import after_fork_call
@@ -47,10 +50,9 @@ from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._disk.fskind import STAT_RELIABLE, fs_type
 from cuda_program_cas.index import local_id
 
-__all__ = ["loaded_version", "version"]
+__all__ = ["loaded_version", "remember", "version"]
 
 _RECORD = b"cpcas-nvrtc-version/1\0"
-_VALUE = re.compile(rb"[0-9]{1,4}\.[0-9]{1,4}")
 
 
 class _State:
@@ -64,6 +66,8 @@ class _State:
         self.loaded: str | None = None
         #: The file that would load, its identity and its version, as learnt from a record.
         self.known: tuple[str, FileId, str] | None = None
+        #: Stores that :func:`remember` has seen to in this process.
+        self.remembered: weakref.WeakSet[Any] = weakref.WeakSet()
         self.lock = threading.Lock()
 
 
@@ -113,18 +117,55 @@ def version(inner: Any) -> str:
         return answer
 
 
+def remember(inner: Any) -> None:
+    """After a compile loaded NVRTC: record its version for ``inner``'s store, if the file loaded is the one predicted.
+
+    A miss of a process whose NVRTC was loaded before the front door asked (an uncached
+    ``Program`` first) took the loaded answer and wrote no record; this writes it, once
+    per store and process. Nothing is written unless ``/proc/self/maps`` shows that
+    the only libnvrtc mapped is the file a fresh process would load.
+    """
+    loaded, store = _S.loaded, inner.store
+    if loaded is None or store.read_only or store in _S.remembered:
+        return
+    with _S.lock:
+        _S.remembered.add(store)
+        try:
+            predicted = _predict(loaded_ok=True)
+            if predicted is None:
+                return
+            path, ident = predicted
+            kid = _record_id(path, ident)
+            if _read(inner, kid) != loaded and _maps_show(ident):
+                inner.put_id(kid, loaded.encode())
+        except Exception as exc:  # a record left unwritten costs the next process a load of NVRTC, never this compile
+            from cuda_program_cas._base.log import LOGGER
+
+            LOGGER.debug("cuda-program-cas: NVRTC's version not recorded: %r", exc)
+
+
 def _read(inner: Any, kid: str) -> str | None:
     try:
         found = inner.find(kid)
     except Exception:
         return None
-    if found is None or _VALUE.fullmatch(found[0]) is None:
+    if found is None or not _is_value(found[0]):
         return None  # none, or not one of ours: asked again
     return str(found[0].decode())
 
 
-def _predict() -> tuple[str, FileId] | None:
-    """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded."""
+def _is_value(raw: bytes) -> bool:
+    """Whether ``raw`` reads ``major.minor``, each of 1 to 4 digits (no regular expression: 0.15 ms to compile)."""
+    major, dot, minor = raw.partition(b".")
+    return bool(dot) and all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor))
+
+
+def _predict(*, loaded_ok: bool = False) -> tuple[str, FileId] | None:
+    """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded.
+
+    ``loaded_ok``: a libnvrtc loaded in this process does not stop the search (the
+    caller compares what is mapped with the answer).
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -134,7 +175,7 @@ def _predict() -> tuple[str, FileId] | None:
 
         desc = LIB_DESCRIPTORS["nvrtc"]
         # Loaded already (by another library, LD_PRELOAD): pathfinder takes that one, and asking loads nothing.
-        if LOADER.check_if_already_loaded_from_elsewhere(desc) is not None:
+        if not loaded_ok and LOADER.check_if_already_loaded_from_elsewhere(desc) is not None:
             return None
         found = run_find_steps(SearchContext(desc), EARLY_FIND_STEPS)
     except Exception:  # another pathfinder than this module knows: load as before

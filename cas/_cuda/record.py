@@ -48,8 +48,15 @@ def stat_tag(values: tuple[int, ...]) -> str:
 
     blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
     dominates at 40 bytes), and a fresh process's first hit of the CUB kernel makes 467.
+    A copy of a prepared hasher and a prepared packing: 0.35 us against 0.84.
     """
-    return hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=_TAG_HEX // 2).hexdigest()
+    h = _TAG_HASH.copy()
+    h.update(_PACK5(*values) if len(values) == 5 else struct.pack(f"<{len(values)}q", *values))
+    return h.hexdigest()
+
+
+_TAG_HASH = hashlib.blake2b(digest_size=_TAG_HEX // 2)
+_PACK5 = struct.Struct("<5q").pack
 
 
 class HeaderCache:
@@ -62,6 +69,17 @@ class HeaderCache:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread of the parent may have held it
+
+    @property
+    def known(self) -> dict[str, tuple[FileId, str]]:
+        """What this process learnt, by path: the file's identity and its digest (read without the lock)."""
+        return self._known
+
+    def learn(self, learnt: dict[str, tuple[FileId, str]]) -> None:
+        """Enter identities and digests proved elsewhere (a record's stat tags that still hold)."""
+        if learnt:
+            with self._lock:
+                self._known.update(learnt)
 
     def digest(self, path: str, st: os.stat_result, recorded: tuple[str, str] | None = None) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.

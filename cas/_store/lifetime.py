@@ -55,6 +55,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import os
 import re
 import threading
@@ -134,7 +135,13 @@ _MAX_READ = 1 << 24
 _LOCK_FLAGS = (
     os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 )
-_LINE_RE = re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
+
+
+@functools.cache
+def _line_re() -> re.Pattern[bytes]:
+    """A counters line's form, compiled when first read (0.15 ms: a process that only hits and flushes appends)."""
+    return re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
+
 
 #: Descriptors of ``counters.lock`` open in this process (closed in a forked child).
 _LOCK_FDS: set[int] = set()
@@ -179,7 +186,7 @@ def split_lines(data: bytes) -> Iterator[tuple[bytes, list[int]] | None]:
     for raw in lines:
         if not raw:
             continue
-        m = _LINE_RE.fullmatch(raw)
+        m = _line_re().fullmatch(raw)
         if m is None or zlib.crc32(raw[: m.start(3) - 1]) != int(m.group(3), 16):
             yield None
             continue
