@@ -8,6 +8,7 @@ key ids. This package does no I/O: reading and writing the index's files is the
 store's work, and it knows nothing about content beyond a digest string.
 """
 
+from ._frozen import Frozen
 from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
 from ._keys import LOCAL_TAG, is_key_id, is_local_id, key_bytes, key_id, local_id
 from ._manifest import (
@@ -31,6 +32,7 @@ __all__ = [
     "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
     "RECORD_MEMBER",
+    "Frozen",
     "Manifest",
     "fits_key",
     "group_of",

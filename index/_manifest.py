@@ -33,6 +33,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ._frozen import Frozen
 from ._keys import is_key_id
 
 __all__ = [
@@ -106,7 +107,7 @@ def is_digest(value: object) -> bool:
     return isinstance(value, str) and _digest_re().fullmatch(value) is not None
 
 
-class Manifest:
+class Manifest(Frozen):
     """A key's target: the blob's digest and its size in bytes, and the id of the key.
 
     ``key_id`` is None only for a manifest read from a layout-1 cache. Immutable,
@@ -129,26 +130,10 @@ class Manifest:
             raise ValueError(f"manifest size must be a non-negative int, got {size!r}")
         if key_id is not None and not is_key_id(key_id):
             raise ValueError(f"manifest key id must be 64 lowercase hex characters, got {key_id!r}")
-        object.__setattr__(self, "digest", digest)
-        object.__setattr__(self, "size", size)
-        object.__setattr__(self, "key_id", key_id)
+        self._set(digest=digest, size=size, key_id=key_id)
 
     def _fields(self) -> tuple[str, int, str | None]:
         return (self.digest, self.size, self.key_id)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot assign to field {name!r}: a Manifest is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete field {name!r}: a Manifest is immutable")
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
 
     def __repr__(self) -> str:
         return f"Manifest(digest={self.digest!r}, size={self.size!r}, key_id={self.key_id!r})"

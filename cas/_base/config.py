@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from cuda_program_cas.index import Frozen
+
 from .fork import ForkSafeLock
 from .log import LOGGER as _log
 
@@ -370,7 +372,7 @@ def installed_version() -> str:
 # -- the registry -------------------------------------------------------------------
 
 
-class Variable(Generic[_T]):
+class Variable(Frozen, Generic[_T]):
     """One environment variable the package reads: its name, its parser, and what it means.
 
     Immutable, compared and hashed by its fields. Written out rather than a dataclass: the
@@ -391,26 +393,10 @@ class Variable(Generic[_T]):
     secret: bool
 
     def __init__(self, name: str, parse: Callable[[str], _T], meaning: str, default: str, secret: bool = False):
-        for field, value in (("name", name), ("parse", parse), ("meaning", meaning), ("default", default)):
-            object.__setattr__(self, field, value)
-        object.__setattr__(self, "secret", secret)
+        self._set(name=name, parse=parse, meaning=meaning, default=default, secret=secret)
 
     def _fields(self) -> tuple[object, ...]:
         return (self.name, self.parse, self.meaning, self.default, self.secret)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot assign to field {name!r}: a Variable is immutable")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete field {name!r}: a Variable is immutable")
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
 
     def __repr__(self) -> str:
         return (
