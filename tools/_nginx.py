@@ -27,11 +27,13 @@ not installed or does not start.
 from __future__ import annotations
 
 import errno
+import http.client
 import json
 import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass
@@ -349,8 +351,47 @@ http {{
             time.sleep(0.01)
 
     def reset_log(self) -> None:
-        """Forget the entries so far: ``requests()`` returns only later ones."""
+        """Forget the entries so far: ``requests()`` returns only later ones.
+
+        nginx logs a request just after its answer, so the last request of a client that has
+        just returned may not be in the log yet, and would count as a later one. So a marker
+        request of our own goes first, and the log starts after its line: nginx runs one worker
+        here, which logs each request before it serves the next. Where the marker cannot be
+        sent (nginx stopped), the log starts at its end now.
+        """
+        offset = self.access_log.stat().st_size
+        marker = f"/cpcas-log-marker-{time.monotonic_ns()}".encode()
+        try:
+            self._send_marker(marker.decode())
+        except (OSError, http.client.HTTPException):
+            self._log_offset = offset
+            return
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with open(self.access_log, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            at = data.find(marker)
+            end = data.find(b"\n", at) if at >= 0 else -1
+            if end >= 0:
+                self._log_offset = offset + end + 1
+                return
+            time.sleep(0.005)
         self._log_offset = self.access_log.stat().st_size
+
+    def _send_marker(self, path: str) -> None:
+        conn: http.client.HTTPConnection
+        if self.tls:
+            conn = http.client.HTTPSConnection(
+                "127.0.0.1", self.port, timeout=5, context=ssl._create_unverified_context()
+            )
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", path)
+            conn.getresponse().read()
+        finally:
+            conn.close()
 
     def error_log_tail(self, n: int = 3000) -> str:
         """The last ``n`` characters of nginx's error log (info level)."""
