@@ -226,6 +226,22 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
     assert node.inner.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
 
 
+def test_a_lookup_that_missed_locally_just_before_its_entry_was_kept_finds_it_local_with_no_request(
+    served: Nginx, tmp_path: Path, job: str
+) -> None:
+    # The window: a lookup misses locally, the fetch keeps its entry and is done, then the lookup asks the set.
+    used = [f"k{i}" for i in range(0, 40, 2)]
+    _packed_set(served, tmp_path, used, 8000)
+    node = CacheStore(tmp_path / "b", shared=[served.read_url("")])
+    warm = node.inner.warm
+    assert warm is not None and warm.join(30) and warm.fetched == len(used)
+    before = node.inner.shared[0].requests
+    found = node._find_shared(key_id(used[0]), None)  # what CacheStore.get does after its local miss
+    assert found is not None and found[0] == value(0, 8000)
+    assert node.inner.shared[0].requests == before  # found local, not asked of the store again
+    node.close()
+
+
 @pytest.mark.parametrize("refusing", ["max_ranges 1", "boundary", "unasked", "single", "bytes"])
 def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_wrong_bytes(
     tmp_path: Path, job: str, refusing: str

@@ -295,6 +295,7 @@ class WarmFetch:
         self._read = threading.Event()  # the set was read (or could not be)
         self._lock = threading.Lock()
         self._pending: dict[str, threading.Event] = {}
+        self._had: set[str] = set()  # fetched and kept: a lookup that missed just before is told to look again
         #: The store the set came from, what it listed, and what was fetched (tests and benchmarks read these).
         self.source: Tier | None = None
         self.listed = 0
@@ -333,8 +334,10 @@ class WarmFetch:
             return None
         with self._lock:
             event = self._pending.get(kid)
+            came = kid in self._had
         if event is None:
-            return None
+            # Not on the way: never listed, not had, or kept already (after this lookup's local miss).
+            return self.source.root if came and self.source is not None else None
         event.wait(WAIT_S)
         return self.source.root if self.source is not None else None
 
@@ -383,6 +386,7 @@ class WarmFetch:
             had.add(kid)
             self.fetched += 1
             with self._lock:
+                self._had.add(kid)
                 event = self._pending.pop(kid, None)
             if event is not None:
                 event.set()
