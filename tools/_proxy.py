@@ -186,6 +186,11 @@ class Proxy:
                 if piece == 0:
                     link.close(reset=True)
                     return
+                if not up:
+                    # The client's turn begins before it can have these bytes: set after sendall, a reply
+                    # read by the other thread first was not counted as a turn (a loaded machine did so).
+                    with self._lock:
+                        link.client_turn = True
                 try:
                     sink.sendall(data[:piece])
                 except OSError:
@@ -197,7 +202,6 @@ class Proxy:
                     else:
                         self.bytes_down += piece
                         link.down += piece
-                        link.client_turn = True
                 data = data[piece:]
                 rate = None if up else self.rate_down
                 if rate:
