@@ -259,16 +259,9 @@ class Tier:
                 return None
             found = self.packs.lookup(kid)
             self._failures = 0  # they were answered (after a pause they list again)
-        if found is None and (unlisted or self.keys is None):
-            found = self._loose(kid)
-            if found is not None and self.keys is not None:
-                from .keylist import number
-
-                self.keys.found(number(kid))  # another node's upload not listed yet: the copy lags behind
-            return found
         if found is not None:
             return found
-        if self.keys is not None:
+        if self.keys is not None and not unlisted:
             ms = self._listed_ms(kid, fetch=True)
             if ms == -1:
                 self.counters.add("listed_misses")
@@ -276,7 +269,12 @@ class Tier:
                 return None
             if self._too_slow(LOOSE_REQUESTS, ms):
                 return None
-        return self._loose(kid)
+        found = self._loose(kid)
+        if found is not None and unlisted and self.keys is not None:
+            from .keylist import number
+
+            self.keys.found(number(kid))  # another node's upload not listed yet: the copy lags behind
+        return found
 
     # -- the key list and the round trip --------------------------------------------------
 
