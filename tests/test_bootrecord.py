@@ -181,3 +181,30 @@ def test_only_a_local_file_system_keeps_a_record(tmp_path: Path, boots: tuple[Pa
     CacheStore(root).put("k", DATA)
     assert lookup(root, boots[0]) == (DATA, kind == "tmpfs")
     assert (root / "verified").exists() == (kind == "tmpfs")
+
+
+#: Three hits of one key in one process, with no memory for verified bytes; prints how many hashed the blob.
+_HASHES = r"""
+import sys
+from cuda_program_cas._disk import bootrecord
+import cuda_program_cas._store.reader as reader
+bootrecord.MIN_AGE_NS = int(sys.argv[2])
+reader._HOLD_MAX_BYTES = 0
+hashed = []
+real = reader._hexdigest
+reader._hexdigest = lambda data: hashed.append(1) or real(data)
+from cuda_program_cas import CacheStore
+store = CacheStore(sys.argv[1])
+assert all(store.get("k") is not None for _ in range(3))
+print(len(hashed))
+"""
+
+
+@pytest.mark.parametrize(("min_age_ns", "hashes"), [(bootrecord.MIN_AGE_NS, 3), (0, 1)])
+def test_a_process_remembers_only_blobs_old_when_hashed(root: Path, min_age_ns: int, hashes: int) -> None:
+    # The identity is taken after the read: a young file may have changed between the two,
+    # so its hash proves nothing of the identity, in this process's memory as in the record.
+    assert time.time_ns() - blob(root).stat().st_ctime_ns < bootrecord.MIN_AGE_NS
+    done = run_python(_HASHES, str(root), str(min_age_ns))
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip().splitlines()[-1]) == hashes

@@ -39,7 +39,7 @@ from .atomic import atomic_write
 from .files import FileId
 from .layout import BOOT_RECORD_FILE
 
-__all__ = ["BOOT_ID_FILE", "MIN_AGE_NS", "BootRecord", "boot_id"]
+__all__ = ["BOOT_ID_FILE", "MIN_AGE_NS", "BootRecord", "boot_id", "old_enough"]
 
 #: Where the kernel says which boot this is (a module attribute: tests point it elsewhere in their processes).
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -58,6 +58,16 @@ _RECORD_BYTES = _HEADER_BYTES + _SLOTS * _SLOT_BYTES
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 _boot: list[str | None] = []
+
+
+def old_enough(identity: FileId, now_ns: int) -> bool:
+    """Whether a file of ``identity`` hashed at ``now_ns`` may be remembered as verified (ctime MIN_AGE_NS old).
+
+    Any later change then sets a later ctime, even within one tick of the file
+    system's clock; and a change made between a read and the ``fstat`` after it
+    (which gave ``identity``) would have set a ctime of about now.
+    """
+    return now_ns - identity[4] >= MIN_AGE_NS
 
 
 def boot_id() -> str | None:
@@ -113,7 +123,7 @@ class BootRecord:
 
     def enter(self, digest: str, identity: FileId, now_ns: int) -> None:
         """Record that blob ``digest`` hashed right as the file ``identity``, at ``now_ns`` (when old enough)."""
-        if not self._writable or now_ns - identity[4] < MIN_AGE_NS:
+        if not self._writable or not old_enough(identity, now_ns):
             return
         state = self._state
         if state is None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.log import LOGGER as _log
-from cuda_program_cas._disk.bootrecord import BootRecord
+from cuda_program_cas._disk.bootrecord import BootRecord, old_enough
 from cuda_program_cas._disk.files import (
     READ_FLAGS,
     FileId,
@@ -167,8 +167,9 @@ class Reader:
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """The verified bytes of ``kid`` and their digest, or None on a miss.
 
-        A first hit makes six system calls (seven for a blob of 16 KiB or more):
-        open, read and close the manifest and the blob. A repeated hit of a key
+        A first hit makes six system calls: open, read and close the manifest and
+        the blob; for a blob of 16 KiB or more an ``fstat`` after its read, and a
+        ``pread`` of this boot's record where that can spare the hash. A repeated hit of a key
         whose files are unchanged makes two or three (:meth:`_lookup_known`).
         """
         known = self._known.get(kid)
@@ -284,12 +285,13 @@ class Reader:
             except OSError:
                 return None
             try:
-                identity = file_id(os.fstat(bfd))
-                if identity != verified:
-                    return None
                 size = known[2]
                 data = os.read(bfd, size + 1)
                 if len(data) != size:
+                    return None
+                # After the read: unchanged since verified, so these are the verified bytes (see _read_blob).
+                identity = file_id(os.fstat(bfd))
+                if identity != verified:
                     return None
             except OSError:
                 return None
@@ -322,6 +324,16 @@ class Reader:
                 return None
             bfd = fd
         try:
+            try:
+                data = os.read(bfd, size + 1)
+                if len(data) < size:  # a short read: only at EOF on a regular file
+                    data = read_rest(bfd, data, size + 1)
+            except OSError as exc:
+                self._read_failed(exc, bpath)
+                return None
+            if len(data) != size:  # truncated or grown: not the blob the manifest names
+                self._corrupt_blob(kid, mfd, digest, bfd)
+                return None
             identity = None
             if repeat or size >= _IDENTITY_MIN_BYTES:
                 # Hashing costs more than an fstat here: remember what was verified.
@@ -334,33 +346,27 @@ class Reader:
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
                 identity = file_id(st)
-            try:
-                data = os.read(bfd, size + 1)
-                if len(data) < size:  # a short read: only at EOF on a regular file
-                    data = read_rest(bfd, data, size + 1)
-            except OSError as exc:
-                self._read_failed(exc, bpath)
-                return None
-            if len(data) != size:  # truncated or grown: not the blob the manifest names
-                self._corrupt_blob(kid, mfd, digest, bfd)
-                return None
-            # A blob already verified and provably unchanged (ctime cannot be set
-            # back without root) need not be hashed again: by this process, or
-            # by any process of this boot (its record).
-            if identity is None or self._verified.get(digest) != identity:
-                boot = self._boot
-                # The record vouches for the file as it was before this read; a second fstat, after it,
-                # proves no change since (a change would have moved the ctime past the recorded one).
-                if identity is None or boot is None or not (boot.vouches(digest, identity) and _same(bfd, identity)):
-                    if _hexdigest(data) != digest:
-                        self._corrupt_blob(kid, mfd, digest, bfd)
-                        return None
-                    if identity is not None and boot is not None:
-                        boot.enter(digest, identity, _time_ns())
+            # The fstat comes after the read: a file that still has the identity of one verified
+            # (in this process, or in this boot's record) was not changed since it was hashed, so
+            # neither before nor during this read (a change sets the ctime, and ctime cannot be set
+            # back without root). Only files already old when hashed are remembered (MIN_AGE_NS):
+            # then a change, even within one tick of the file system's clock, sets a later ctime.
+            if identity is None or (
+                self._verified.get(digest) != identity
+                and (self._boot is None or not self._boot.vouches(digest, identity))
+            ):
+                if _hexdigest(data) != digest:
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
                 if identity is not None:
-                    if len(self._verified) >= _VERIFIED_MAX:
-                        self._verified.clear()
-                    self._verified[digest] = identity
+                    now = _time_ns()
+                    # Young, the file may have changed between the read and the fstat: not remembered.
+                    if old_enough(identity, now):
+                        if len(self._verified) >= _VERIFIED_MAX:
+                            self._verified.clear()
+                        self._verified[digest] = identity
+                        if self._boot is not None:
+                            self._boot.enter(digest, identity, now)
             if repeat and identity is not None and size <= _HOLD_MAX_BLOB:
                 self._reads[digest] = self._reads.get(digest, 0) + 1
                 self._hold(digest, identity, data)
@@ -502,14 +508,6 @@ class Uncached(Reader):
 
     def current_digest(self, kid: str) -> str | None:
         return None
-
-
-def _same(fd: int, identity: FileId) -> bool:
-    """True when the file open as ``fd`` still has ``identity``."""
-    try:
-        return file_id(os.fstat(fd)) == identity
-    except OSError:
-        return False
 
 
 def _hashes_to(fd: int, digest: str) -> bool:
