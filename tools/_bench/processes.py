@@ -244,12 +244,6 @@ def _job(how: str, path: str) -> tuple[float, float]:
 
 def w_small_job(cfg: Config, base: str) -> Result:
     """Issue 31's whole-process figure: a job whose only kernel is a small one, hit, against FileStream and no cache."""
-    import compileall
-
-    import cuda_program_cas
-
-    # Bytecode on disk, as an installed package has it (PYTHONDONTWRITEBYTECODE would leave each job compiling ours).
-    compileall.compile_dir(os.path.dirname(cuda_program_cas.__file__), quiet=1)
     res = Result()
     paths = {how: os.path.join(base, how) for how in _JOB_KINDS}
     for how in _JOB_KINDS[1:]:
