@@ -198,7 +198,12 @@ class _Bounded:
         return super()._connect()  # type: ignore[misc]
 
     def _wrap_socket_with_ssl(self, sock: Any) -> Any:
-        sock.settimeout(self._left())  # CPython's handshake keeps its socket timeout as one deadline
+        # CPython's handshake keeps its socket timeout as one deadline: what is left after the
+        # connect. redis-py 8.1 wraps with the socket's timeout as it is, 8.2 sets it to
+        # socket_connect_timeout first: both get what is left.
+        left = self._left()
+        self.socket_connect_timeout = left
+        sock.settimeout(left)
         return super()._wrap_socket_with_ssl(sock)  # type: ignore[misc]
 
     def _construct_command_packer(self, packer: Any) -> Any:
