@@ -66,6 +66,9 @@ _VERIFIED_MAX = 8192
 _TOUCHED_MAX = 65536
 #: From this size on, an fstat to prove a blob unchanged is cheaper than hashing it.
 _IDENTITY_MIN_BYTES = 16384
+#: Blobs up to this size are read before their ``fstat`` (one ``fstat``, after the read); a larger
+#: size a manifest claims is checked against the file first (then hashing dwarfs a second ``fstat``).
+_READ_BEFORE_FSTAT_MAX = 16 << 20
 #: Verified bytes of repeatedly read blobs kept in memory per reader, and the largest kept.
 _HOLD_MAX_BYTES = 32 << 20
 _HOLD_MAX_BLOB = 4 << 20
@@ -324,6 +327,17 @@ class Reader:
                 return None
             bfd = fd
         try:
+            if size > _READ_BEFORE_FSTAT_MAX:
+                # A size claimed is believed only once the file has it: a manifest claiming
+                # a petabyte must not be allocated (below this, an allocation not touched costs nothing).
+                try:
+                    st = os.fstat(bfd)
+                except OSError as exc:
+                    self._read_failed(exc, bpath)
+                    return None
+                if st.st_size != size or not S_ISREG(st.st_mode):
+                    self._corrupt_blob(kid, mfd, digest, bfd)
+                    return None
             try:
                 data = os.read(bfd, size + 1)
                 if len(data) < size:  # a short read: only at EOF on a regular file
