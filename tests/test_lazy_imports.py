@@ -38,8 +38,11 @@ print(json.dumps({"hits": hits, "modules": ours + [m for m in ("logging", "trace
 """
 
 #: Never needed by a hit: maintenance, remote stores, the switch and the linker, the header watch
-#: (armed from the second look of a variant in a process), NVRTC's version record (front door only).
+#: (armed from the second look of a variant in a process), the front door's header tracing and its
+#: folders (a miss's).
 NEVER = (
+    "cuda_program_cas._cuda.trace",
+    "cuda_program_cas._cuda.tracedirs",
     "cuda_program_cas._verbs",
     "cuda_program_cas._remote",
     "cuda_program_cas._store.http",

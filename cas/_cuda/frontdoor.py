@@ -92,7 +92,6 @@ from .record import (
     stat_tag,
 )
 from .search import Search
-from .tracedirs import new_trace_dir  # a SIGKILLed miss leaves its folder: the next process's sweeps it
 
 if TYPE_CHECKING:
     from .watch import Token
@@ -261,7 +260,11 @@ class FrontDoor:
         record_kid = grouped_id(record_key, None)
         started_ns = _fs_clock(self._inner.layout.tmp)
         traced = code_type == "c++" and nvrtc_major() >= 13
-        trace_dir = new_trace_dir() if traced else None
+        trace_dir = None
+        if traced:
+            from .tracedirs import new_trace_dir  # a miss's module, as trace: a hit imports neither
+
+            trace_dir = new_trace_dir()
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
         # Traced here unless an earlier traced compile of this process failed (see TRACES).
         here = traced and TRACES.sound
