@@ -245,20 +245,30 @@ def fs_now(directory: str) -> int | None:
         return None
 
 
+#: Shards of one directory a :class:`ShardGuard` checks one ``lstat`` each before it lists the directory.
+_LSTATS_BEFORE_LISTING = 32
+
+
 class ShardGuard:
     """Vouches that shard directories are real directories, not symlinks or files.
 
     A symlinked shard would lead reads and writes outside the cache root: its keys
     are misses and writes to it are dropped. Each shard is checked once per guard
-    (a missing one is fine: a write creates it). The first check in a directory
-    lists it once, which vouches for every shard there without a system call per
-    shard. ``on_strange(path)`` is called for each bad shard met.
+    (a missing one is fine: a write creates it). ``on_strange(path)`` is called
+    for each bad shard met.
+
+    The first shards checked in a directory get an ``lstat`` each; past
+    :data:`_LSTATS_BEFORE_LISTING` of them the directory is listed once, which
+    vouches for every shard there without a system call per shard. (A listing of
+    256 shards costs about 0.2 ms: a job that looks up a few kernels would pay it
+    for two or three shards, a process reading hundreds of keys saves it.)
     """
 
     def __init__(self, on_strange: Callable[[str], None] | None = None) -> None:
         #: directory -> the shard names (two hex characters) vouched for there.
         self._real: dict[str, set[str]] = {}
-        self._listed: set[str] = set()
+        #: directory -> shards checked there one by one (None once it is listed).
+        self._checked: dict[str, int | None] = {}
         self._on_strange = on_strange
 
     def real_names(self, directory: str) -> set[str]:
@@ -273,16 +283,20 @@ class ShardGuard:
             return True
         if names is None:
             names = self.real_names(directory)
-        if directory not in self._listed:
-            # The first check here lists the directory once: it vouches for every shard in it.
-            self._listed.add(directory)
-            try:
-                with os.scandir(directory) as it:
-                    names.update(e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
-            except OSError:
-                pass
-            if head in names:
-                return True
+        checked = self._checked.get(directory, 0)
+        if checked is not None:
+            if checked < _LSTATS_BEFORE_LISTING:
+                self._checked[directory] = checked + 1
+            else:
+                # Many shards met here: list the directory once, which vouches for every shard in it.
+                self._checked[directory] = None
+                try:
+                    with os.scandir(directory) as it:
+                        names.update(e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
+                except OSError:
+                    pass
+                if head in names:
+                    return True
         shard = f"{directory}{os.sep}{head}"
         try:
             st = os.lstat(shard)
