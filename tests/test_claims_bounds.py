@@ -73,6 +73,9 @@ def seam(monkeypatch: pytest.MonkeyPatch) -> Seam:
     # own names too, so that a version of them that tries itself meets the same lock.
     for module in (flocks, claims, lifetime):
         monkeypatch.setattr(module, "fcntl", seen)
+    # The seam stands for NFS: tries go through the bounded thread, as they do there (a local
+    # file system's try is made in the caller's thread: it cannot block).
+    monkeypatch.setattr(flocks, "_local", lambda fd: False)
     return fake
 
 
@@ -280,3 +283,42 @@ def test_the_pause_grows_and_a_release_is_seen_soon(pause: float, waited: float)
     assert after >= min(claims._PAUSE_SHARE * waited, claims._LONGEST_PAUSE_S)  # then a share of the wait
     # A release is seen within 50 ms or a twentieth of the time waited.
     assert after <= max(claims._FAST_PAUSE_S, claims._PAUSE_SHARE * waited)
+
+
+def test_a_try_on_a_local_file_system_is_made_in_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread where a try cannot block: a thread costs 1-3 ms with cuda.core loaded, and every job's
+    exit flushes its counters and ledger under two of these locks."""
+    import os
+
+    from cuda_program_cas._disk.fskind import STAT_RELIABLE, fs_type
+
+    if fs_type(str(tmp_path)) not in STAT_RELIABLE:
+        pytest.skip("the temp directory is not on a local file system")
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    path = tmp_path / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    other = os.open(path, os.O_RDWR)  # another open file description: flock tells them apart
+    try:
+        assert flocks.try_lock(fd, time.monotonic() + 1, os.close) is True
+        assert flocks.try_lock(other, time.monotonic() + 1, os.close) is False
+    finally:
+        os.close(fd)
+        os.close(other)
+    assert started == []
+    # On NFS (here: a file system taken for one) the bounded thread makes the try.
+    monkeypatch.setattr(flocks, "_local", lambda fd: False)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert flocks.try_lock(fd, time.monotonic() + 1, os.close) is True
+    finally:
+        os.close(fd)
+    assert started == ["cuda-program-cas flock"]
