@@ -114,12 +114,15 @@ class BootRecord:
             window = self._window(state[0], body)
         except (ValueError, struct.error, OSError):
             return False
-        head = body[:32]
-        for at in range(0, len(window), _SLOT_BYTES):
-            if window[at : at + 32] == head:
-                slot = window[at : at + _SLOT_BYTES]
-                return slot[: _BODY.size] == body and slot[_BODY.size :] == _check(body)
-        return False
+        # The digest's slot, if any: a search in C, not a loop over the slots (a digest's bytes
+        # found across two slots are at no slot's start, and are looked past).
+        at = window.find(body[:32])
+        while at > 0 and at % _SLOT_BYTES:
+            at = window.find(body[:32], at + 1)
+        if at < 0:
+            return False
+        slot = window[at : at + _SLOT_BYTES]
+        return slot[: _BODY.size] == body and slot[_BODY.size :] == _check(body)
 
     def enter(self, digest: str, identity: FileId, now_ns: int) -> None:
         """Record that blob ``digest`` hashed right as the file ``identity``, at ``now_ns`` (when old enough)."""

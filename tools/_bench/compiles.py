@@ -202,7 +202,7 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
         misses.append((perf_ns() - t0) / 1e6)
     path = os.path.join(base, "miss0")
     runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(2 if cfg.quick else 5):
+    for _ in range(2 if cfg.quick else 9):  # children per kind: a fresh process is the noisiest figure here
         for switch in (False, True):
             spec = json.dumps({"path": path, "include": [include], "source": source, "switch": switch})
             env = dict(child_env(), CUDA_PROGRAM_CAS_DIR=path)
@@ -247,7 +247,8 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
     res.notes.append(
         f"{what}; the filestream column is the uncached compile (Program.compile(cache=) refuses include_path "
         f"without a hand-made extra_digest); tracing adds {median(misses) - compile_ms:+.0f} ms to a miss "
-        f"(medians of {rounds}); the first call in a process keys the compile with NVRTC's version from its record "
+        f"(medians of {rounds}); the first call in a process (the median of {len(hits)} fresh processes) keys the "
+        f"compile with NVRTC's version from its record "
         f"(NVRTC not loaded) and stats every header; a repeated hit is the median of 11 in one process, from the "
         f"third on answered by the header watch (one read of an inotify queue); the switch adds "
         f"{sw_second - second:+.2f} ms to a repeated hit"
