@@ -99,7 +99,8 @@ class Proxy:
 
     def stop(self) -> None:
         """Close the listener and every connection; idempotent."""
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         try:
             self._listener.close()
         except OSError:
@@ -133,8 +134,13 @@ class Proxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = _Link(client, server)
             with self._lock:
-                self.connections += 1
-                self._links.append(link)
+                stopped = self._stopped
+                if not stopped:
+                    self.connections += 1
+                    self._links.append(link)
+            if stopped:  # stop() came while this one was being connected: it would have been missed
+                link.close()
+                return
             for up in (True, False):
                 queue: collections.deque[tuple[float, bytes]] = collections.deque()
                 ready = threading.Condition()
