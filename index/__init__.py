@@ -10,7 +10,7 @@ store's work, and it knows nothing about content beyond a digest string.
 
 from ._frozen import Frozen
 from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
-from ._keys import LOCAL_TAG, is_key_id, is_local_id, key_bytes, key_id, local_id
+from ._keys import LOCAL_TAG, is_hex, is_key_id, is_local_id, key_bytes, key_id, local_id
 from ._manifest import (
     KEYED_LAYOUT,
     LONGEST_MANIFEST,
@@ -38,6 +38,7 @@ __all__ = [
     "group_of",
     "grouped_id",
     "is_digest",
+    "is_hex",
     "is_key_id",
     "is_local_id",
     "is_record",

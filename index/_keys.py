@@ -14,11 +14,10 @@ published, never served wrongly.
 from __future__ import annotations
 
 import hashlib
-import re
 
-__all__ = ["LOCAL_TAG", "is_key_id", "is_local_id", "key_bytes", "key_id", "local_id"]
+__all__ = ["LOCAL_TAG", "is_hex", "is_key_id", "is_local_id", "key_bytes", "key_id", "local_id"]
 
-_ID_RE = re.compile(r"[0-9a-f]{64}")
+_HEX = "0123456789abcdef"
 #: The last 8 hex digits of every node-local key id.
 LOCAL_TAG = "10ca1000"
 
@@ -50,9 +49,18 @@ def key_id(key: object) -> str:
     return hashlib.sha256(key_bytes(key)).hexdigest()
 
 
+def is_hex(value: object, length: int) -> bool:
+    """True for a ``str`` of exactly ``length`` lowercase hex digits: a key id, a digest, a shard's name.
+
+    ``strip()`` of every hex digit leaves nothing only if all of it is lowercase hex; no
+    regular expression (compiling one costs a fresh process about 50 us).
+    """
+    return isinstance(value, str) and len(value) == length and not value.strip(_HEX)
+
+
 def is_key_id(value: object) -> bool:
     """True for a key id: exactly 64 lowercase hex characters."""
-    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
+    return is_hex(value, 64)
 
 
 def _short_repr(value: object, limit: int = 80) -> str:

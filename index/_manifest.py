@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._frozen import Frozen
-from ._keys import is_key_id
+from ._keys import is_hex, is_key_id
 
 __all__ = [
     "KEYED_LAYOUT",
@@ -74,11 +74,6 @@ def manifest_length(size: int) -> int:
 
 
 @functools.cache
-def _digest_re() -> re.Pattern[str]:
-    return re.compile(r"[0-9a-f]{64}")
-
-
-@functools.cache
 def _signature_re() -> re.Pattern[bytes]:
     """The form of a signature line (its meaning: :mod:`cuda_program_cas._base.signing`)."""
     return re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
@@ -104,7 +99,7 @@ def _line_re() -> re.Pattern[bytes]:
 
 def is_digest(value: object) -> bool:
     """True for a blob digest: exactly 64 lowercase hex characters."""
-    return isinstance(value, str) and _digest_re().fullmatch(value) is not None
+    return is_hex(value, 64)
 
 
 class Manifest(Frozen):

@@ -61,7 +61,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Iterator
@@ -69,6 +68,7 @@ from dataclasses import dataclass
 
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.layout import CLAIM_SUFFIX
+from cuda_program_cas.index import is_key_id
 
 from .flocks import FIRST_TRY_S, LAST_TRY_S, try_lock
 from .flocks import Slow as _Slow
@@ -82,7 +82,6 @@ except ImportError:  # Windows: no claims
 __all__ = ["Claim", "claim"]
 
 _log = logging.getLogger("cuda_program_cas")
-_KID_RE = re.compile(r"[0-9a-f]{64}")
 _FLAGS = (
     os.O_RDWR
     | os.O_CREAT
@@ -135,7 +134,7 @@ def claim(tmp_dir: str, kid: str, wait_s: float, counters: Counters | None = Non
 
     Never raises for what it meets on disk; a waited claim counts ``claim_waits``.
     """
-    if fcntl is None or not _KID_RE.fullmatch(kid):
+    if fcntl is None or not is_key_id(kid):
         yield Claim()
         return
     path = os.path.join(tmp_dir, kid + CLAIM_SUFFIX)

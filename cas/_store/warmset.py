@@ -44,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 from cuda_program_cas._base.config import VAR_JOB
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.pack import is_pack_name
-from cuda_program_cas.index import is_local_id
+from cuda_program_cas.index import is_hex, is_local_id
 
 from .tier import Tier
 
@@ -90,7 +89,6 @@ WAIT_S = 60.0
 #: The folder of a store that holds its sets.
 SETS = "sets"
 _HEADER = b"cuda-program-cas set 1\n"
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def parse_job(text: str) -> str:
@@ -125,7 +123,7 @@ def stored_sets(root: str) -> list[str]:
         names = os.listdir(os.path.join(root, SETS))
     except OSError:
         return []
-    return sorted(f"{SETS}/{n}" for n in names if _HEX64.fullmatch(n))
+    return sorted(f"{SETS}/{n}" for n in names if is_hex(n, 64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +157,7 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
     seen: set[str] = set()
     for line in lines:
         fields = line.split(" ")
-        if len(fields) not in (3, 5) or not _HEX64.fullmatch(fields[0]) or not _HEX64.fullmatch(fields[1]):
+        if len(fields) not in (3, 5) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
             return None
         if not fields[2].isdigit() or (len(fields) == 5 and not (is_pack_name(fields[3]) and fields[4].isdigit())):
             return None

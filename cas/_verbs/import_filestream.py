@@ -18,7 +18,6 @@ eviction and ``gc --max-age`` see the same history.
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -29,14 +28,11 @@ from cuda_program_cas._disk.files import ShardGuard, read_regular
 from cuda_program_cas._disk.layout import Layout, LayoutVersion, check_layout, create_layout
 from cuda_program_cas._disk.upgrade import upgrade_if_needed
 from cuda_program_cas._disk.writer import DROP_ERRNOS, Writer, WriteResult
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_manifest
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_hex, parse_manifest
 
 from .common import ProgressFn, Report, check_writable
 
 __all__ = ["ImportReport", "import_filestream"]
-
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_REST_RE = re.compile(r"[0-9a-f]{62}")
 
 
 @dataclass(slots=True)
@@ -68,12 +64,12 @@ def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:
     """``(key id, path)`` of every entry file; misnamed files are reported and skipped."""
     found = []
     with os.scandir(entries_dir) as top:
-        shards = sorted(e.name for e in top if e.is_dir(follow_symlinks=False) and _SHARD_RE.fullmatch(e.name))
+        shards = sorted(e.name for e in top if e.is_dir(follow_symlinks=False) and is_hex(e.name, 2))
     for shard in shards:
         try:
             with os.scandir(os.path.join(entries_dir, shard)) as it:
                 for e in it:
-                    if _REST_RE.fullmatch(e.name) is None:
+                    if not is_hex(e.name, 62):
                         report.problem(f"{e.path}: not a FileStream entry name; skipped")
                         continue
                     found.append((shard + e.name, e.path))

@@ -27,14 +27,13 @@ from cuda_program_cas._disk.classify import classify, describe
 from cuda_program_cas._disk.files import READ_FLAGS
 from cuda_program_cas._disk.layout import LAYOUT_FILE, LayoutState, create_layout, mark_shared_store, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
+from cuda_program_cas.index import is_hex
 
 from .common import ProgressFn, Report, check_blobs, not_created, open_cache
 from .packs import pack_stats, verify_packs
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_REST_RE = re.compile(r"[0-9a-f]{62}")
 #: The shared mark as ``layout.json`` spells it, found in what is left of a damaged one.
 _SHARED_RE = re.compile(rb'"shared"\s*:\s*(true|false)')
 
@@ -73,7 +72,7 @@ def strays(directory: str) -> list[str]:
         with os.scandir(directory) as top:
             shards = []
             for entry in top:
-                if _SHARD_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                if is_hex(entry.name, 2) and entry.is_dir(follow_symlinks=False):
                     shards.append(entry.path)
                 else:
                     found.append(entry.path)
@@ -83,7 +82,7 @@ def strays(directory: str) -> list[str]:
         try:
             with os.scandir(shard) as it:
                 for entry in it:
-                    if _REST_RE.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
+                    if not is_hex(entry.name, 62) or not entry.is_file(follow_symlinks=False):
                         found.append(entry.path)
         except OSError:
             continue
