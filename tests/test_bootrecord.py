@@ -208,3 +208,40 @@ def test_a_process_remembers_only_blobs_old_when_hashed(root: Path, min_age_ns: 
     done = run_python(_HASHES, str(root), str(min_age_ns))
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip().splitlines()[-1]) == hashes
+
+
+#: Hits of the first ``n`` of 40 small keys in one process; prints how many hashed and whether blake3 got loaded.
+_SMALL = r"""
+import json, sys
+from cuda_program_cas._disk import bootrecord
+import cuda_program_cas._store.reader as reader
+bootrecord.MIN_AGE_NS = 0
+hashed = []
+real = reader._hexdigest
+reader._hexdigest = lambda data: hashed.append(1) or real(data)
+from cuda_program_cas import CacheStore
+store = CacheStore(sys.argv[1])
+assert all(store.get(f"k{i}") == bytes([i]) * 4096 for i in range(int(sys.argv[2])))
+print(json.dumps([len(hashed), "blake3" in sys.modules]))
+"""
+
+
+def test_a_small_kernels_blob_is_vouched_for_too_so_a_small_job_loads_no_hasher(tmp_path: Path) -> None:
+    # Below 16 KB hashing is cheaper than an fstat and the record, but not than loading blake3's
+    # extension: a process asks the record for its first 32 small blobs, and enters those it hashed.
+    if fs_type(str(tmp_path)) not in CTIME_RELIABLE:
+        pytest.skip("the temp directory is not on a local file system")
+    root = tmp_path / "cache"
+    store = CacheStore(root)
+    for i in range(40):
+        store.put(f"k{i}", bytes([i]) * 4096)
+
+    def hits(n: int) -> list[object]:
+        done = run_python(_SMALL, str(root), str(n))
+        assert done.returncode == 0, done.stderr
+        return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    assert hits(5) == [5, True]  # none in the record yet: each hashed, and entered
+    assert hits(5) == [0, False]  # a job of those five: nothing hashed, no hasher loaded
+    assert hits(40) == [35, True]  # 27 more entered; past the first 32 small ones, hashed without asking
+    assert hits(40) == [8, True]

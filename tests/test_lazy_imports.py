@@ -17,6 +17,9 @@ from pathlib import Path
 from cuda.core import Program, ProgramOptions
 tmp = Path(sys.argv[1])
 how = sys.argv[2]
+if sys.argv[3:] == ["young"]:  # a blob this process hashes is remembered though just written
+    from cuda_program_cas._disk import bootrecord
+    bootrecord.MIN_AGE_NS = 0
 src = 'extern "C" __global__ void k(int *p) { *p = 1; }'
 opts = ProgramOptions(arch="sm_80")
 if how == "package":
@@ -34,7 +37,7 @@ else:
         cache.compile(src, "c++", opts, "cubin")
     hits = cache.counters()["hits"]
 ours = sorted(m for m in sys.modules if m.startswith("cuda_program_cas"))
-print(json.dumps({"hits": hits, "modules": ours + [m for m in ("logging", "traceback") if m in sys.modules]}))
+print(json.dumps({"hits": hits, "modules": ours + [m for m in ("logging", "traceback", "blake3") if m in sys.modules]}))
 """
 
 #: Never needed by a hit: maintenance, remote stores, the switch and the linker, the header watch
@@ -83,8 +86,8 @@ WRITE_SIDE = (
 UNSEEN = ("logging", "traceback", "cuda_program_cas._store.cachestats")
 
 
-def _modules(tmp_path: Path, how: str) -> list[str]:
-    done = run_python(_HIT, str(tmp_path), how, timeout=300)
+def _modules(tmp_path: Path, how: str, *young: str) -> list[str]:
+    done = run_python(_HIT, str(tmp_path), how, *young, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["hits"] == (0 if how == "package" else 1)
@@ -107,7 +110,10 @@ def filled(tmp_path: Path) -> Path:
     ContentAddressedProgramCache(tmp_path / "front").compile(src, "c++", opts, "cubin")
     CacheStore(tmp_path / "store").put("k", b"v")
     # This process had NVRTC loaded: a fresh one's first front-door call records its version (a write), once.
-    _modules(tmp_path, "front")
+    # And each first hit hashes its blob and enters it in the boot record (young as it is), as an earlier
+    # process of this boot would have.
+    for how in ("store", "program", "front"):
+        _modules(tmp_path, how, "young")
     return tmp_path
 
 
@@ -132,6 +138,16 @@ def test_a_hit_imports_no_writer_eviction_scan_or_packs(filled: Path, how: str) 
 @pytest.mark.parametrize("how", ["package", "store", "program", "front"])
 def test_a_hit_imports_no_logging_traceback_or_snapshot(filled: Path, how: str) -> None:
     assert _imported(_modules(filled, how), UNSEEN) == []
+
+
+def test_a_hit_of_a_blob_verified_this_boot_loads_no_hasher(filled: Path) -> None:
+    """blake3's extension (about 0.5 ms to load) is not loaded where a hit hashes nothing (issue 31)."""
+    from cuda_program_cas._disk.fskind import CTIME_RELIABLE, fs_type
+
+    if fs_type(str(filled)) not in CTIME_RELIABLE:
+        pytest.skip("the boot record vouches only on a local file system of known ctime; this one hashes")
+    for how in ("store", "program", "front"):
+        assert "blake3" not in _modules(filled, how), how
 
 
 #: The logger without ``logging`` imported (issue 31): a WARNING still reaches stderr (logging's last

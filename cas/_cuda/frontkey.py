@@ -10,8 +10,6 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from blake3 import blake3
-
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
 
@@ -176,5 +174,7 @@ def libdevice_fingerprint(options: Any, code_type: str) -> bytes:
         return b""
     path = _libdevice_path()
     assert path is not None  # refused above otherwise
+    from cuda_program_cas._disk.files import blake3_hasher
+
     with open(path, "rb") as fh:
-        return b"\0libdevice:" + blake3(fh.read()).hexdigest().encode()
+        return b"\0libdevice:" + blake3_hasher()(fh.read()).hexdigest().encode()

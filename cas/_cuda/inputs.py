@@ -20,8 +20,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from blake3 import blake3
-
 from cuda_program_cas._base.fork import ForkSafeLock
 
 __all__ = ["describe", "install", "taken_for"]
@@ -115,6 +113,9 @@ def describe(
     """The journal's inputs of one compile (see :mod:`cuda_program_cas._store.journal`)."""
     kind = _text(code_type).lower()
     target = _text(target_type).lower()
+    from cuda_program_cas._disk.files import blake3_hasher
+
+    blake3 = blake3_hasher()
     data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)  # type: ignore[call-overload]
     described: dict[str, Any] = {
         "code": blake3(data).hexdigest()[:32],

@@ -14,10 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from blake3 import blake3
-
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas._disk.files import FileId, blake3_hasher, file_id
 
 __all__ = [
     "Header",
@@ -40,7 +38,7 @@ _TAG_HEX = 16
 
 
 def _digest(data: bytes) -> str:
-    return blake3(data).hexdigest()[:_DIGEST_HEX]
+    return blake3_hasher()(data).hexdigest()[:_DIGEST_HEX]
 
 
 def stat_tag(values: tuple[int, ...]) -> str:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from blake3 import blake3
+from cuda_program_cas.index import is_hex
+
+if TYPE_CHECKING:
+    from blake3 import blake3 as Blake3
 
 __all__ = [
     "FUTURE_MTIME_NS",
@@ -31,6 +33,7 @@ __all__ = [
     "NotRegularFile",
     "ShardGuard",
     "SizeMismatch",
+    "blake3_hasher",
     "digest_of",
     "file_id",
     "fs_now",
@@ -193,10 +196,6 @@ class SizeMismatch(OSError):
         self.actual = actual
 
 
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_REST_RE = re.compile(r"[0-9a-f]{62}")
-
-
 def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
     """``(name, path, stat)`` of every regular file ``<directory>/<2 hex>/<62 hex>``.
 
@@ -207,7 +206,7 @@ def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterato
     """
     try:
         with os.scandir(directory) as top:
-            shards = sorted(e.name for e in top if _SHARD_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+            shards = sorted(e.name for e in top if is_hex(e.name, 2) and e.is_dir(follow_symlinks=False))
     except OSError:
         return
     for shard in shards:
@@ -215,7 +214,7 @@ def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterato
         try:
             with os.scandir(shard_path) as it:
                 for entry in it:
-                    if _REST_RE.fullmatch(entry.name) is None:
+                    if not is_hex(entry.name, 62):
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -325,11 +324,25 @@ def _usable_cores() -> int:
 _MT_MIN_BYTES = 2 << 20
 _MT_MIN_CORES = 8
 _MT = _usable_cores() >= _MT_MIN_CORES
-_AUTO = blake3.AUTO
+_AUTO = -1  # blake3.AUTO: as many threads as the pool has
+
+#: blake3's hasher, once imported: loading its extension costs about half a millisecond
+#: of a fresh process (on the 2-core VM), and a hit of a blob verified this boot hashes nothing.
+_blake3: list[Any] = []
+
+
+def blake3_hasher() -> type[Blake3]:
+    """blake3's hasher type, imported on first use (every module that hashes on a hit's path takes it here)."""
+    if not _blake3:
+        from blake3 import blake3
+
+        _blake3.append(blake3)
+    return _blake3[0]  # type: ignore[no-any-return]
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> str:
     """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
+    blake3 = _blake3[0] if _blake3 else blake3_hasher()
     if _MT and len(data) >= _MT_MIN_BYTES:
         return blake3(data, max_threads=_AUTO).hexdigest()
     return blake3(data).hexdigest()
@@ -344,7 +357,7 @@ def hashes_to(read: Callable[[int], bytes], digest: str, size: int | None = None
 
     With ``size``: the first ``size`` of them (False when there are fewer); without: all, to the end.
     """
-    hasher = blake3()
+    hasher = blake3_hasher()()
     got = 0
     while size is None or got < size:
         chunk = read(HASH_CHUNK if size is None else min(HASH_CHUNK, size - got))
