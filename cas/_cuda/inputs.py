@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cuda_program_cas._base.fork import ForkSafeLock
+from cuda_program_cas._disk.files import blake3_hasher
 
 __all__ = ["describe", "install", "taken_for"]
 
@@ -113,8 +114,6 @@ def describe(
     """The journal's inputs of one compile (see :mod:`cuda_program_cas._store.journal`)."""
     kind = _text(code_type).lower()
     target = _text(target_type).lower()
-    from cuda_program_cas._disk.files import blake3_hasher
-
     blake3 = blake3_hasher()
     data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)  # type: ignore[call-overload]
     described: dict[str, Any] = {

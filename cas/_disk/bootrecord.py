@@ -17,7 +17,7 @@ ccache's inode cache does for source files, provided three things hold:
 The record is one file, ``<root>/verified``: a header (magic, boot id, slot count)
 and a fixed table of open-addressed slots, each the blob's digest, its identity and
 a check (an 8-byte blake2b of the two: hashlib's, built in, where blake3's extension
-would cost a fresh process 1.3 ms to load for a hit that hashes nothing else), read with
+would cost a fresh process about 0.5 ms to load for a hit that hashes nothing else), read with
 one ``pread`` per lookup and written with one ``pwrite`` per entry. A slot torn by two writers, or damaged, fails its
 check; a record of the wrong size, magic or boot, or one that another user owns or
 may write, is not consulted. Anything not vouched for is hashed as before.

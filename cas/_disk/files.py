@@ -13,11 +13,12 @@ a bare ``EACCES``). Those are retried within a bounded budget; every other
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cuda_program_cas.index import is_hex
 
@@ -326,23 +327,20 @@ _MT_MIN_CORES = 8
 _MT = _usable_cores() >= _MT_MIN_CORES
 _AUTO = -1  # blake3.AUTO: as many threads as the pool has
 
-#: blake3's hasher, once imported: loading its extension costs about half a millisecond
-#: of a fresh process (on the 2-core VM), and a hit of a blob verified this boot hashes nothing.
-_blake3: list[Any] = []
 
-
+@functools.cache
 def blake3_hasher() -> type[Blake3]:
-    """blake3's hasher type, imported on first use (every module that hashes on a hit's path takes it here)."""
-    if not _blake3:
-        from blake3 import blake3
+    """blake3's hasher type, imported on first use: loading its extension costs a fresh process about
+    half a millisecond (on the 2-core VM), and a hit of a blob verified this boot hashes nothing.
+    Every module that hashes on a hit's path takes it here."""
+    from blake3 import blake3
 
-        _blake3.append(blake3)
-    return _blake3[0]  # type: ignore[no-any-return]
+    return blake3
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> str:
     """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
-    blake3 = _blake3[0] if _blake3 else blake3_hasher()
+    blake3 = blake3_hasher()
     if _MT and len(data) >= _MT_MIN_BYTES:
         return blake3(data, max_threads=_AUTO).hexdigest()
     return blake3(data).hexdigest()

@@ -177,8 +177,9 @@ class Reader:
         """The verified bytes of ``kid`` and their digest, or None on a miss.
 
         A first hit makes six system calls: open, read and close the manifest and
-        the blob; for a blob of 16 KiB or more an ``fstat`` after its read, and a
-        ``pread`` of this boot's record where that can spare the hash. A repeated hit of a key
+        the blob; for a blob of 16 KiB or more (and the first _SMALL_LOOKED_UP smaller ones) an
+        ``fstat`` after its read, and a ``pread`` of this boot's record where that can spare the
+        hash. A repeated hit of a key
         whose files are unchanged makes two or three (:meth:`_lookup_known`).
         """
         known = self._known.get(kid)
