@@ -537,3 +537,87 @@ def test_after_a_failed_traced_compile_misses_are_traced_in_a_child_and_still_ca
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["poisoned"], "NVRTC no longer loses trace events after a failed compile: the fallback is untested"
     assert report == {"poisoned": True, "littered": [], "stored": 2, "edited_ok": True, "hit": 1, "again_ok": True}
+
+
+def _rewrite_records(root: Path, change) -> int:
+    """Rewrites each front-door record at ``root`` through the store, its variants passed through ``change``."""
+    import json
+
+    store = CacheStore(root)
+    done = 0
+    for shard in (root / "index").iterdir():
+        for f in shard.iterdir():
+            kid = shard.name + f.name
+            if not is_record(kid):
+                continue
+            raw, _shared = store.inner.find(kid)
+            data = json.loads(raw)
+            data["variants"] = [change(v) for v in data["variants"]]
+            store.inner.put_id(kid, json.dumps(data, separators=(",", ":")).encode())
+            done += 1
+    store.close()
+    return done
+
+
+def test_a_variant_is_proven_by_one_tag_of_its_stat_data_which_misses_nothing(
+    tmp_path: Path, compiles: Compiles
+) -> None:
+    # A fresh process compares the recorded proof of every header's and guard's stat data
+    # first; each change below alters the stat data of one file or directory, and a fresh
+    # cache (nothing known in the process) must return what NVRTC makes of the tree now.
+    inc, early = tmp_path / "inc", tmp_path / "early"
+    early.mkdir()
+    write(inc / "val.h", "#define VAL 1\n")
+    write(inc / "sub" / "more.h", "#define MORE 10\n")
+    code = '#include "val.h"\n#include "sub/more.h"\nextern "C" __global__ void k(int *o) { *o = VAL + MORE; }\n'
+    opts = ProgramOptions(arch="sm_80", include_path=[str(early), str(inc)])
+    first = cached(ContentAddressedProgramCache(tmp_path / "cas"), code, opts)
+    assert _rewrite_records(tmp_path / "cas", lambda v: v) == 1  # rewritten as it was: the record is one
+    kept = []
+    _rewrite_records(tmp_path / "cas", lambda v: kept.append(v["proof"]) or v)
+    assert kept and all(isinstance(p, str) and len(p) == 32 for p in kept)
+
+    def fresh() -> bytes:
+        got = cached(ContentAddressedProgramCache(tmp_path / "cas"), code, opts)
+        assert got == uncached(code, opts)
+        return got
+
+    count = compiles.count
+    assert fresh() == first and compiles.count == count + 1  # a hit (the reference compiled)
+    # In place, same size, mtime put back: only the ctime tells.
+    st = (inc / "val.h").stat()
+    with open(inc / "val.h", "r+b") as fh:
+        fh.write(b"#define VAL 2\n")
+    os.utime(inc / "val.h", ns=(st.st_atime_ns, st.st_mtime_ns))
+    settle(inc / "val.h")
+    second = fresh()
+    assert second != first
+    # A header that would now be found first, in an earlier search directory (a guard).
+    write(early / "sub" / "more.h", "#define MORE 20\n")
+    third = fresh()
+    assert third not in (first, second)
+    # Touched, same bytes: the proof differs, the per-file check hashes it and hits (no
+    # settle here: its probe file would change the header's directory, a guard).
+    count = compiles.count
+    os.utime(inc / "val.h")
+    assert fresh() == third and compiles.count == count + 1
+
+
+def test_a_record_without_a_proof_or_with_a_wrong_one_is_checked_file_by_file(
+    tmp_path: Path, compiles: Compiles
+) -> None:
+    write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
+    opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
+    first = cached(ContentAddressedProgramCache(tmp_path / "cas"), KERNEL, opts)
+
+    def without(v: dict) -> dict:
+        v.pop("proof")
+        return v
+
+    for change in (without, lambda v: {**v, "proof": "0" * 32}, lambda v: {**v, "proof": 7}):
+        assert _rewrite_records(tmp_path / "cas", change) == 1
+        count = compiles.count
+        assert cached(ContentAddressedProgramCache(tmp_path / "cas"), KERNEL, opts) == first
+        assert compiles.count == count  # a hit: a record written before the proof was kept still serves
+    write(tmp_path / "inc" / "val.h", "#define VAL 2\n")  # and the per-file check still sees a change
+    assert cached(ContentAddressedProgramCache(tmp_path / "cas"), KERNEL, opts) == uncached(KERNEL, opts) != first
