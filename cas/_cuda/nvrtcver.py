@@ -46,6 +46,7 @@ import weakref
 from typing import Any
 
 from cuda_program_cas._base.fork import after_fork_call
+from cuda_program_cas._disk.bootrecord import boot_id
 from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._disk.fskind import STAT_RELIABLE, fs_type
 from cuda_program_cas.index import local_id
@@ -212,11 +213,7 @@ def _record_id(path: str, ident: FileId) -> str:
 
 
 def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
-            return fh.read(64).decode("ascii", "replace").strip()
-    except OSError:
-        return "?"
+    return boot_id() or "?"  # read once per process, for the blob record too
 
 
 def _maps_show(ident: FileId) -> bool:
