@@ -45,49 +45,58 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 #
 # pytest 9 collects garbage once more at the end of the session, and a socket found open
 # then fails the session (filterwarnings = error) without naming a test or a place. One
-# client socket on loopback was found so, in 2 of 6 full runs, and its origin was not (a
-# collection after every test found none). So every socket made in this process notes
-# where, and the session's end reports each one left open in garbage, with that place,
-# before pytest's own collection; a leak inside a test still fails that test.
+# client socket on loopback was found so in a few full runs, and its origin was not. So
+# every socket made in this process notes where, and a socket freed while open says that
+# place: inside a test as the ResourceWarning that fails the test (as before, with the
+# place added), and from the session's last collection (run here, before pytest's) as a
+# report line naming it, since no test is left to fail then.
 
 _made_at: dict[int, object] = {}
+#: Sockets freed open at the end of the session: (repr, where made).
+_freed_open: list[tuple[str, str]] = []
+_session_ending = False
 
 
 def _note_sockets() -> None:
     import socket
     import traceback
-    import weakref
+    import warnings
 
     init = socket.socket.__init__
 
     def noted(self: socket.socket, *args: object, **kwargs: object) -> None:
         init(self, *args, **kwargs)  # type: ignore[arg-type]
-        key = id(self)
-        _made_at[key] = traceback.extract_stack(limit=12)[:-1]
-        weakref.finalize(self, _made_at.pop, key, None)
+        _made_at[id(self)] = traceback.extract_stack(limit=12)[:-1]
+
+    def freed(self: socket.socket) -> None:
+        # Replaces _socket's finalizer for socket.socket and its subclasses: it warned and closed.
+        # Forgotten here, not by a weakref callback: a collection clears those before finalizers run.
+        where = _made_at.pop(id(self), None)
+        if self.fileno() == -1:
+            return
+        text = "".join(traceback.format_list(where)) if where else "  (made before the session began)\n"
+        described = repr(self)
+        self.close()
+        if _session_ending:
+            _freed_open.append((described, text))
+        else:
+            warnings.warn(f"unclosed {described}, made at:\n{text}", ResourceWarning, stacklevel=2)
 
     socket.socket.__init__ = noted  # type: ignore[method-assign]
+    socket.socket.__del__ = freed  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     import gc
-    import socket
-    import traceback
 
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-        left = [o for o in gc.garbage if isinstance(o, socket.socket) and o.fileno() != -1]
-        gc.garbage.clear()
-    finally:
-        gc.set_debug(0)
+    global _session_ending
+    _session_ending = True
+    gc.collect()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    for sock in left:
-        where = _made_at.get(id(sock))
-        text = "".join(traceback.format_list(where)) if where else "  (made before the session began)\n"
+    for described, text in _freed_open:
         if reporter is not None:
-            reporter.write_line(f"socket left open in garbage at the end of the session: {sock!r}, made at:\n{text}")
-        sock.close()
+            reporter.write_line(f"socket left open at the end of the session: {described}, made at:\n{text}")
+    _freed_open.clear()
 
 
 def pytest_configure(config: pytest.Config) -> None:
