@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas._store.journal import DAMAGED, NO_RECORD, RESULT_GONE, Why
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import grouped_id
 
@@ -238,6 +239,7 @@ class FrontDoor:
                 search=search,
                 key=record_key,
                 nvrtc=nvrtc,
+                why=found,
             )
 
     def _compile(
@@ -252,11 +254,13 @@ class FrontDoor:
         search: Search,
         key: bytes,
         nvrtc: str | None,
+        why: str,
     ) -> Any:
         """A miss: compile uncached, record the headers it read, store the result and the record.
 
         ``nvrtc``: the version the key holds, when keyed here; a compile by another
         NVRTC (its file replaced since the key was made) is returned, not stored.
+        ``why``: why the lookup missed (a :class:`Why`), for the miss journal.
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
         from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
@@ -330,7 +334,7 @@ class FrontDoor:
             except Exception as exc:
                 _log.debug("cuda-program-cas: front door: inputs not journaled: %r", exc)
             else:
-                self._inner.note_compiled(record_kid, compile_s, "front", inputs)
+                self._inner.note_compiled(record_kid, compile_s, "front", inputs, why)
         return result
 
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
@@ -346,7 +350,7 @@ class FrontDoor:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""
         found = self._inner.find(record_kid)
         if found is None:
-            return "new inputs: no record of them"
+            return Why(NO_RECORD, "new inputs: no record of them")
         raw, shared = found
         # Decode a record once, and keep what this process proved of its variants (see _Proof)
         # while its bytes stay the same: compared, not only by identity, since the record read
@@ -364,9 +368,9 @@ class FrontDoor:
                 data = self._inner.find(grouped_id(record_key, bytes.fromhex(variant.result)))
                 if data is not None:
                     return data[0], variant, data[1] if data[1] is not None else shared
-                changed = "the result of a matching variant is gone"
+                changed = Why(RESULT_GONE, "the result of a matching variant is gone")
             why = why or changed
-        return why or "the record is damaged or of another format"
+        return why or Why(DAMAGED, "the record is damaged or of another format")
 
     def _proven(self, variant: Variant, proof: _Proof) -> str | None:
         """:meth:`_check`, or nothing at all while the watch proves the variant unchanged since it last held."""
@@ -413,21 +417,21 @@ class FrontDoor:
                 try:
                     st = os.stat(path)
                 except OSError:
-                    return f"header {path} is gone"
+                    return Why.header_gone(path)
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 seen = known.get(path)
                 if seen is not None and seen[0] == key:
                     if seen[1] != digest:
-                        return f"header {path} changed"
+                        return Why.header_changed(path)
                 elif stat_tag(key) == tag:
                     learnt[path] = (key, digest)
                 elif headers.digest(path, st) != digest:
-                    return f"header {path} changed"
+                    return Why.header_changed(path)
         finally:
             headers.learn(learnt)
         for directory, dir_tag in variant.guards:
             if directory_tag(directory) != dir_tag:
-                return f"directory {directory} changed (a header may now be found elsewhere)"
+                return Why.directory_changed(directory)
         return None
 
     @staticmethod

@@ -18,6 +18,14 @@ took (``s``, seconds), which way it came (``via``: ``plain`` for
 - ``cwd``: the working directory, when it is part of the key (front door);
 - ``headers``: each header read, path -> the first 12 hex digits of its digest (front door).
 
+A front door miss also holds why its lookup missed (``why``, a :class:`Why`): its
+``kind`` (:data:`NO_RECORD`, :data:`HEADER_CHANGED`, :data:`HEADER_GONE`,
+:data:`DIRECTORY_CHANGED`, :data:`RESULT_GONE`, :data:`DAMAGED`, or another a
+later check names), the ``path`` whose check failed (the header that changed or
+went, the directory whose listing changed, or a file that appeared and now shadows
+a header; empty when no file's check failed) and its ``text``, the line the front
+door logs at DEBUG.
+
 A line is one ``write`` with ``O_APPEND`` (:func:`cuda_program_cas._disk.atomic.append_line`),
 without a lock: concurrent writers on a local file system do not interleave within a
 line. A line over :data:`MAX_LINE` bytes keeps a digest of the headers instead of
@@ -43,7 +51,21 @@ from cuda_program_cas._disk.layout import Layout
 
 from .lifetime import read_log
 
-__all__ = ["DROPPED", "MAX_BYTES", "MAX_LINE", "MissRecord", "read_journal", "record_miss"]
+__all__ = [
+    "DAMAGED",
+    "DIRECTORY_CHANGED",
+    "DROPPED",
+    "HEADER_CHANGED",
+    "HEADER_GONE",
+    "MAX_BYTES",
+    "MAX_LINE",
+    "NO_RECORD",
+    "RESULT_GONE",
+    "MissRecord",
+    "Why",
+    "read_journal",
+    "record_miss",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -62,6 +84,47 @@ class _Dropped:
 
 DROPPED = _Dropped()
 
+#: Kinds of :class:`Why`: no record of these inputs; a variant's header changed or went; a
+#: variant's guard directory changed; a variant held but its result is gone; a damaged record.
+NO_RECORD = "no record"
+HEADER_CHANGED = "header changed"
+HEADER_GONE = "header gone"
+DIRECTORY_CHANGED = "directory changed"
+RESULT_GONE = "result gone"
+DAMAGED = "damaged"
+
+
+class Why(str):
+    """Why a lookup missed: the line it logs (the ``str``), with its ``kind`` and the ``path`` whose check failed.
+
+    A ``str``, so a caller that records a miss's reason as a line takes it unchanged;
+    :meth:`as_dict` is its journal form. ``path`` is empty when no file's check failed.
+    """
+
+    kind: str
+    path: str
+
+    def __new__(cls, kind: str, text: str, path: str = "") -> Why:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        self.path = path
+        return self
+
+    @classmethod
+    def header_changed(cls, path: str) -> Why:
+        return cls(HEADER_CHANGED, f"header {path} changed", path)
+
+    @classmethod
+    def header_gone(cls, path: str) -> Why:
+        return cls(HEADER_GONE, f"header {path} is gone", path)
+
+    @classmethod
+    def directory_changed(cls, path: str) -> Why:
+        return cls(DIRECTORY_CHANGED, f"directory {path} changed (a header may now be found elsewhere)", path)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "path": self.path, "text": str(self)}
+
 
 @dataclass(frozen=True, slots=True)
 class MissRecord:
@@ -76,6 +139,8 @@ class MissRecord:
     via: str
     #: The inputs, as the module docstring lists them.
     inputs: dict[str, Any]
+    #: Why its lookup missed (``kind``, ``path``, ``text``: see :class:`Why`), when the front door knew.
+    why: dict[str, str] | None = None
 
 
 def _encode(body: dict[str, Any]) -> bytes:
@@ -83,8 +148,13 @@ def _encode(body: dict[str, Any]) -> bytes:
     return b"%s %08x\n" % (text, zlib.crc32(text))
 
 
-def record_miss(lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any]) -> bool:
-    """Append a miss of key id ``kid``; False when it was dropped (counted in :data:`DROPPED`)."""
+def record_miss(
+    lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any], why: str | None = None
+) -> bool:
+    """Append a miss of key id ``kid``, and ``why`` it missed when known (a :class:`Why`, or a line).
+
+    False when it was dropped (counted in :data:`DROPPED`).
+    """
     try:
         body: dict[str, Any] = {
             "k": kid,
@@ -93,6 +163,8 @@ def record_miss(lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping
             "via": via,
             "in": dict(inputs),
         }
+        if why is not None:
+            body["why"] = why.as_dict() if isinstance(why, Why) else {"kind": "", "path": "", "text": str(why)}
         line = _encode(body)
         if len(line) > MAX_LINE and isinstance(body["in"].get("headers"), dict):
             headers = body["in"]["headers"]
@@ -120,8 +192,16 @@ def _parse(data: bytes) -> list[MissRecord]:
             if zlib.crc32(text) != int(raw[-8:], 16):
                 continue
             body = json.loads(text[len(_TAG) :])
+            why = body.get("why")
             found.append(
-                MissRecord(str(body["k"]), float(body["t"]), float(body["s"]), str(body["via"]), dict(body["in"]))
+                MissRecord(
+                    str(body["k"]),
+                    float(body["t"]),
+                    float(body["s"]),
+                    str(body["via"]),
+                    dict(body["in"]),
+                    {str(k): str(v) for k, v in why.items()} if isinstance(why, dict) else None,
+                )
             )
         except (ValueError, KeyError, TypeError):
             continue

@@ -549,12 +549,16 @@ class CacheStore:
         self._note_hit(kid, found[1], t0_ns=t0)
         return found
 
-    def _note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object]) -> None:
+    def _note_compiled(
+        self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: str | None = None
+    ) -> None:
         """Record that the entry ``kid`` just stored took ``seconds`` to compile, from ``inputs``.
 
         Its compile time goes to the usage ledger (:mod:`cuda_program_cas._store.usage`: what its hits
-        will save) and its inputs to the miss journal (:mod:`cuda_program_cas._store.journal`: what
-        ``explain`` compares). Never raises; nothing is written on a read-only cache.
+        will save) and its inputs, with ``why`` its lookup missed when the caller knows
+        (a :class:`cuda_program_cas._store.journal.Why`), to the miss journal
+        (:mod:`cuda_program_cas._store.journal`: what ``explain`` compares). Never raises;
+        nothing is written on a read-only cache.
         """
         if self.read_only:
             return
@@ -562,7 +566,7 @@ class CacheStore:
         from .usage import record_compile
 
         record_compile(self._layout, kid, seconds)
-        record_miss(self._layout, kid, seconds, via, inputs)
+        record_miss(self._layout, kid, seconds, via, inputs, why)
 
     def compile_seconds(self, kid: str) -> float | None:
         """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown.

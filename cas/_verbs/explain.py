@@ -1,17 +1,31 @@
-"""Why a compile missed: for each recent miss, the one input that differed from the nearest earlier compile.
+"""Why a compile missed: for each recent miss, the one input that differed from its own earlier variant.
 
 :func:`explain` reads the miss journal (:mod:`cuda_program_cas._store.journal`),
-reads only, and takes no lock. For each of the last ``last`` misses it looks
-through every earlier record for the nearest: the one whose inputs differ in the
-fewest places. An input is the code, its code type, the target, the compiler's
-version, the name expressions, the working directory, each option (by its name:
-``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...) and each
-header (by its file name: a header found in another directory is one change,
-moved). Then:
+reads only, and takes no lock. An input is the code, its code type, the target,
+the compiler's version, the name expressions, the working directory, each option
+(by its name: ``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...)
+and each header (by its file name: a header found in another directory is one
+change, moved). Each of the last ``last`` misses is compared with one earlier
+record of the same way in (``plain`` or ``front``):
+
+- a front door miss whose lookup found its record but a variant's check failed (a
+  header changed or went, a guard directory's listing changed: the journal's
+  ``why``): the latest earlier record of the same key, the variant that failed;
+- else its own nearest earlier variant: of the earlier records with the same code,
+  code type and name expressions, the one whose inputs differ in the fewest places
+  (the latest wins a tie); only when that code was never compiled before, the
+  nearest of all. Another kernel's miss of the same run, with the same new option,
+  is never preferred to the kernel's own earlier compile.
+
+Then:
 
 - one place differed: that input, and how (``option -arch: sm_80 -> sm_90``,
-  ``header /inc/a.h: content changed``, ``nvrtc: 13.4 -> 13.5``, ``code changed``);
-- none: the same inputs compiled before, so their entry was removed since
+  ``header /inc/a.h: content changed``, ``header a.h: now found at /inc0/a.h, was
+  /inc1/a.h``, ``nvrtc: 13.4 -> 13.5``, ``code changed``);
+- none, and the front door's check failed: what it found, by path (``directory
+  /inc0: an entry was added, removed or renamed``, ``header /inc/a.h changed``);
+  never that an entry was removed;
+- none otherwise: the same inputs compiled before, so their entry was removed since
   (evicted, cleared, collected) or is another's;
 - two: both are named, ``several inputs differed``;
 - more, or nothing earlier: ``new``, no earlier compile of anything like it.
@@ -25,7 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
-from cuda_program_cas._store.journal import MissRecord, read_journal
+from cuda_program_cas._store.journal import (
+    DAMAGED,
+    DIRECTORY_CHANGED,
+    HEADER_CHANGED,
+    HEADER_GONE,
+    NO_RECORD,
+    RESULT_GONE,
+    MissRecord,
+    read_journal,
+)
 
 from .common import Report, cache_root, open_cache
 
@@ -43,6 +66,10 @@ _SCALARS = {
 }
 #: A miss whose nearest earlier compile differs in more places than this is new.
 _NEAR = 2
+#: The inputs that make a compile "the same source": its own earlier variants share them.
+_OWN = ("code", "code_type", "names")
+#: Kinds of the front door's reason that are not a failed check of a variant's files.
+_NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +85,8 @@ class MissExplanation:
     via: str
     #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``.
     verdict: str
-    #: What kind of input changed: ``option``, ``header``, ``nvrtc``, ``code``, ``working directory``...
-    #: (one per difference; empty for ``same`` and ``new``).
+    #: What kind of input changed: ``option``, ``header``, ``nvrtc``, ``code``, ``working directory``,
+    #: ``directory`` (a guard directory's listing)... (one per difference; empty for ``same`` and ``new``).
     inputs: tuple[str, ...]
     #: The differences, one line each (``option -arch: sm_80 -> sm_90``).
     changes: tuple[str, ...]
@@ -67,6 +94,12 @@ class MissExplanation:
     nearest: str | None
     #: One line: what ``explain`` prints.
     summary: str
+    #: Why the front door's lookup missed, as it logs it at DEBUG (None for a plain key, or a record
+    #: written before this was journaled).
+    reason: str | None = None
+    #: The path whose check failed, when the reason names one: the header that changed or went,
+    #: the directory whose listing changed, or a file that appeared and now shadows a header.
+    path: str | None = None
 
 
 @dataclass(slots=True)
@@ -175,34 +208,73 @@ def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanation:
-    """Why ``record`` missed, given the records before it (oldest first)."""
-    best: tuple[list[tuple[str, str]], MissRecord] | None = None
-    for other in reversed(earlier):  # the latest wins a tie
-        if other.via != record.via:
-            continue
+def _check_failed(record: MissRecord) -> dict[str, str] | None:
+    """The journal's ``why`` of a front door miss whose record held but a variant failed its check, else None."""
+    why = record.why
+    if why is None or why.get("kind") in _NOT_A_CHECK:
+        return None
+    return why
+
+
+def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
+    """``(input kind, what changed)`` for a failed check whose recompile read the same inputs."""
+    kind, path, text = why.get("kind", ""), why.get("path", ""), why.get("text", "")
+    if kind == DIRECTORY_CHANGED:
+        return "directory", f"directory {path}: an entry was added, removed or renamed (the headers read are the same)"
+    if kind == HEADER_CHANGED:
+        return "header", f"header {path}: its stat data changed, and the content it was compiled with differs"
+    if kind == HEADER_GONE:
+        return "header", f"header {path}: gone since it was compiled"
+    return "header" if path else "record", text or "a variant's check failed"
+
+
+def _nearest(
+    record: MissRecord, earlier: list[MissRecord], check: dict[str, str] | None
+) -> tuple[list[tuple[str, str]], MissRecord, bool] | None:
+    """The earlier record ``record`` is compared with, how they differ, and whether it is its own variant.
+
+    See the module docstring; None when nothing earlier came the same way.
+    """
+    candidates = [other for other in earlier if other.via == record.via]
+    if check is not None:
+        # The variant whose check failed: the one the same record key stored last.
+        for other in reversed(candidates):
+            if other.key_id == record.key_id:
+                return _differences(other.inputs, record.inputs), other, True
+    own = [other for other in candidates if all(other.inputs.get(k) == record.inputs.get(k) for k in _OWN)]
+    best: tuple[list[tuple[str, str]], MissRecord, bool] | None = None
+    for other in reversed(own or candidates):  # the latest wins a tie
         diffs = _differences(other.inputs, record.inputs)
         if best is None or len(diffs) < len(best[0]):
-            best = (diffs, other)
+            best = (diffs, other, bool(own))
             if not diffs:
                 break
-    if best is None or len(best[0]) > _NEAR:
-        verdict, diffs, nearest = "new", [], None
+    return best
+
+
+def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanation:
+    """Why ``record`` missed, given the records before it (oldest first)."""
+    check = _check_failed(record)
+    best = _nearest(record, earlier, check)
+    diffs = [] if best is None else best[0]
+    nearest = None if best is None else best[1].key_id
+    if check is not None and not diffs:
+        # The front door's check found the change; the compile read what it read before.
+        diffs = [_failed_check_change(check)]
+    if not diffs and check is None and best is not None:
+        verdict = "same"
+        summary = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
+    elif (best is not None and not best[2] and len(diffs) > _NEAR) or (best is None and check is None):
+        # Nothing earlier of the same code, and the nearest of others is far (or there is none).
         summary = "new: no earlier compile of anything like it"
         if best is not None:
-            summary += f" (the nearest differs in {len(best[0])} inputs)"
+            summary += f" (the nearest differs in {len(diffs)} inputs)"
+        verdict, diffs, nearest = "new", [], None
+    elif len(diffs) == 1:
+        verdict, summary = "changed", diffs[0][1]
     else:
-        diffs, nearest_record = best
-        nearest = nearest_record.key_id
-        if not diffs:
-            verdict = "same"
-            summary = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
-        elif len(diffs) == 1:
-            verdict = "changed"
-            summary = diffs[0][1]
-        else:
-            verdict = "several"
-            summary = "several inputs differed: " + "; ".join(d[1] for d in diffs)
+        verdict, summary = "several", "several inputs differed: " + "; ".join(d[1] for d in diffs)
+    why = record.why or {}
     return MissExplanation(
         key_id=record.key_id,
         time=_iso(record.time),
@@ -213,6 +285,8 @@ def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanatio
         changes=tuple(d[1] for d in diffs),
         nearest=nearest,
         summary=summary,
+        reason=why.get("text") or None,
+        path=why.get("path") or None,
     )
 
 
