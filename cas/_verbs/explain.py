@@ -148,7 +148,8 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, st
         if key == "code":
             found.append(("code", "code changed"))
         elif key == "cwd":
-            found.append(("working directory", f"working directory: {a or '(not keyed)'} -> {b or '(not keyed)'}"))
+            if a and b:  # keyed on one side only: another input (an option, the code) made it count
+                found.append(("working directory", f"working directory: {a} -> {b}"))
         else:
             found.append((label, f"{label}: {a} -> {b}"))
     a_opts, b_opts = _option_groups(list(old.get("options", []))), _option_groups(list(new.get("options", [])))
