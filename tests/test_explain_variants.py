@@ -97,13 +97,14 @@ def test_through_the_switch_the_added_option_is_named_and_a_file_in_the_include_
     run("lineinfo")
     misses = _misses(tmp_path / "c", KERNELS)
     assert sorted(m.via for m in misses) == ["front"] * 6 + ["plain"] * 6
-    assert {(m.verdict, m.inputs, m.summary) for m in misses} == {
-        ("changed", ("option",), ADDED["lineinfo"][1])
-    }, misses
+    assert {(m.verdict, m.inputs, m.summary) for m in misses} == {("changed", ("option",), ADDED["lineinfo"][1])}, (
+        misses
+    )
     (inc / "new.txt").write_text("")  # the include directory's listing changes: every front door guard fails
     run("lineinfo")  # the plain kernels hit; the front door's recompile
     misses = _misses(tmp_path / "c", 6)
-    assert [(m.via, m.verdict, m.inputs, m.path) for m in misses] == [("front", "changed", ("directory",), str(inc))] * 6
+    want = ("front", "changed", ("directory",), str(inc))
+    assert [(m.via, m.verdict, m.inputs, m.path) for m in misses] == [want] * 6
     assert all("removed since" not in m.summary and str(inc) in m.summary for m in misses), misses
 
 
@@ -139,7 +140,8 @@ def test_a_guard_miss_names_the_directory_whose_listing_changed_never_a_removed_
     miss = _misses(cache.path, 1)[0]
     directory = str(tree[where])
     assert (miss.verdict, miss.inputs, miss.path) == ("changed", ("directory",), directory), miss
-    assert miss.summary == f"directory {directory}: an entry was added, removed or renamed (the headers read are the same)"
+    listing = "an entry was added, removed or renamed (the headers read are the same)"
+    assert miss.summary == f"directory {directory}: {listing}"
     assert miss.reason == f"directory {directory} changed (a header may now be found elsewhere)"
     out = json.loads(
         subprocess.run(
@@ -204,7 +206,7 @@ _EXTRA = ["--generate-line-info", "--maxrregcount=32", "-ftz=true", "--std=c++17
 def test_property_each_kernel_is_compared_with_its_own_earlier_compile(
     arches: list[str], added: str, order: object
 ) -> None:
-    """Kernels compiled once each (any -arch mix), then again with one option added in any order: that option each time."""
+    """Kernels compiled once each (any -arch mix), then again with one option added, in any order: that option."""
     earlier = [_record(i, i, f"code{i}", [arch]) for i, arch in enumerate(arches)]
     again = [_record(100 + i, 100 + i, f"code{i}", [arch, added]) for i, arch in enumerate(arches)]
     order.shuffle(again)  # type: ignore[attr-defined]

@@ -1,9 +1,10 @@
 """``cuda-program-cas explain [PATH]``: why the recent misses of a cache missed.
 
 It prints :func:`cuda_program_cas.explain`'s report: for each of the last misses
-(``--last``, default 10), the one input that differed from the nearest earlier
-compile (an option, a header, the compiler's version, the working directory, the
-code), or that several did, or that nothing like it was compiled before. Reads
+(``--last``, default 10), the one input that differed from its own earlier variant
+(an option, a header, the compiler's version, the working directory, the code), or
+the path the front door's check found changed (a header, a directory whose listing
+changed), or that several did, or that nothing like it was compiled before. Reads
 only. A path where no cache has been created yet is reported as empty, exit 0.
 """
 
@@ -32,10 +33,10 @@ def _positive(text: str) -> int:
 def register(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "explain",
-        help="why recent compiles missed: the input that differed from the nearest earlier compile",
-        description="For each recent miss of the cache, the one input that differed from the nearest earlier "
-        "compile: an option, a header (its path and how it changed), the compiler's version, the working "
-        "directory, the code. Reads only.",
+        help="why recent compiles missed: the input that differed from its own earlier variant",
+        description="For each recent miss of the cache, the one input that differed from its own earlier "
+        "variant (the same code compiled before): an option, a header (its path and how it changed), a "
+        "directory whose listing changed, the compiler's version, the working directory, the code. Reads only.",
     )
     add_path_arg(p)
     p.add_argument("--last", type=_positive, default=10, metavar="N", help="explain the last N misses (default 10)")

@@ -149,7 +149,7 @@ def _encode(body: dict[str, Any]) -> bytes:
 
 
 def record_miss(
-    lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any], why: str | None = None
+    lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any], *, why: str | None = None
 ) -> bool:
     """Append a miss of key id ``kid``, and ``why`` it missed when known (a :class:`Why`, or a line).
 

@@ -566,7 +566,7 @@ class CacheStore:
         from .usage import record_compile
 
         record_compile(self._layout, kid, seconds)
-        record_miss(self._layout, kid, seconds, via, inputs, why)
+        record_miss(self._layout, kid, seconds, via, inputs, why=why)
 
     def compile_seconds(self, kid: str) -> float | None:
         """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown.

@@ -223,7 +223,7 @@ def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
     if kind == DIRECTORY_CHANGED:
         return "directory", f"directory {path}: an entry was added, removed or renamed (the headers read are the same)"
     if kind == HEADER_CHANGED:
-        return "header", f"header {path}: its stat data changed, and the content it was compiled with differs"
+        return "header", f"header {path}: changed since it was compiled (re-hashed: its content differed)"
     if kind == HEADER_GONE:
         return "header", f"header {path}: gone since it was compiled"
     return "header" if path else "record", text or "a variant's check failed"
