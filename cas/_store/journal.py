@@ -18,13 +18,10 @@ took (``s``, seconds), which way it came (``via``: ``plain`` for
 - ``cwd``: the working directory, when it is part of the key (front door);
 - ``headers``: each header read, path -> the first 12 hex digits of its digest (front door).
 
-A front door miss also holds why its lookup missed (``why``, a :class:`Why`): its
-``kind`` (:data:`NO_RECORD`, :data:`HEADER_CHANGED`, :data:`HEADER_GONE`,
-:data:`DIRECTORY_CHANGED`, :data:`RESULT_GONE`, :data:`DAMAGED`, or another a
-later check names), the ``path`` whose check failed (the header that changed or
-went, the directory whose listing changed, or a file that appeared and now shadows
-a header; empty when no file's check failed) and its ``text``, the line the front
-door logs at DEBUG.
+A front door miss also holds why its lookup missed (``why``: the ``kind``, ``path``
+and ``text`` of a :class:`cuda_program_cas._store.why.Why`): what kind of check
+failed, the path it failed on (empty when no file's check failed) and the line the
+front door logs at DEBUG.
 
 A line is one ``write`` with ``O_APPEND`` (:func:`cuda_program_cas._disk.atomic.append_line`),
 without a lock: concurrent writers on a local file system do not interleave within a
@@ -50,22 +47,9 @@ from cuda_program_cas._disk.atomic import append_line
 from cuda_program_cas._disk.layout import Layout
 
 from .lifetime import read_log
+from .why import Why
 
-__all__ = [
-    "DAMAGED",
-    "DIRECTORY_CHANGED",
-    "DROPPED",
-    "HEADER_CHANGED",
-    "HEADER_GONE",
-    "MAX_BYTES",
-    "MAX_LINE",
-    "NO_RECORD",
-    "RESULT_GONE",
-    "MissRecord",
-    "Why",
-    "read_journal",
-    "record_miss",
-]
+__all__ = ["DROPPED", "MAX_BYTES", "MAX_LINE", "MissRecord", "read_journal", "record_miss"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -83,47 +67,6 @@ class _Dropped:
 
 
 DROPPED = _Dropped()
-
-#: Kinds of :class:`Why`: no record of these inputs; a variant's header changed or went; a
-#: variant's guard directory changed; a variant held but its result is gone; a damaged record.
-NO_RECORD = "no record"
-HEADER_CHANGED = "header changed"
-HEADER_GONE = "header gone"
-DIRECTORY_CHANGED = "directory changed"
-RESULT_GONE = "result gone"
-DAMAGED = "damaged"
-
-
-class Why(str):
-    """Why a lookup missed: the line it logs (the ``str``), with its ``kind`` and the ``path`` whose check failed.
-
-    A ``str``, so a caller that records a miss's reason as a line takes it unchanged;
-    :meth:`as_dict` is its journal form. ``path`` is empty when no file's check failed.
-    """
-
-    kind: str
-    path: str
-
-    def __new__(cls, kind: str, text: str, path: str = "") -> Why:
-        self = super().__new__(cls, text)
-        self.kind = kind
-        self.path = path
-        return self
-
-    @classmethod
-    def header_changed(cls, path: str) -> Why:
-        return cls(HEADER_CHANGED, f"header {path} changed", path)
-
-    @classmethod
-    def header_gone(cls, path: str) -> Why:
-        return cls(HEADER_GONE, f"header {path} is gone", path)
-
-    @classmethod
-    def directory_changed(cls, path: str) -> Why:
-        return cls(DIRECTORY_CHANGED, f"directory {path} changed (a header may now be found elsewhere)", path)
-
-    def as_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "path": self.path, "text": str(self)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,16 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
-from cuda_program_cas._store.journal import (
-    DAMAGED,
-    DIRECTORY_CHANGED,
-    HEADER_CHANGED,
-    HEADER_GONE,
-    NO_RECORD,
-    RESULT_GONE,
-    MissRecord,
-    read_journal,
-)
+from cuda_program_cas._store.journal import MissRecord, read_journal
+from cuda_program_cas._store.why import DIRECTORY_CHANGED, HEADER_CHANGED, HEADER_GONE, NOT_A_CHECK
 
 from .common import Report, cache_root, open_cache
 
@@ -68,8 +60,6 @@ _SCALARS = {
 _NEAR = 2
 #: The inputs that make a compile "the same source": its own earlier variants share them.
 _OWN = ("code", "code_type", "names")
-#: Kinds of the front door's reason that are not a failed check of a variant's files.
-_NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +202,7 @@ def _iso(seconds: float) -> str:
 def _check_failed(record: MissRecord) -> dict[str, str] | None:
     """The journal's ``why`` of a front door miss whose record held but a variant failed its check, else None."""
     why = record.why
-    if why is None or why.get("kind") in _NOT_A_CHECK:
+    if why is None or why.get("kind") in NOT_A_CHECK:
         return None
     return why
 

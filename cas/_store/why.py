@@ -1,0 +1,68 @@
+"""Why a front door lookup missed: a line, with its kind and the path whose check failed.
+
+The front door's lookup returns a :class:`Why` where it returned a line before (it
+is a ``str``: the miss's DEBUG record takes it as it is), and the miss journal
+(:mod:`cuda_program_cas._store.journal`) keeps its ``kind`` and ``path``, so that
+``explain`` can say what the front door found. Imported by a hit: no imports.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DAMAGED",
+    "DIRECTORY_CHANGED",
+    "HEADER_CHANGED",
+    "HEADER_GONE",
+    "NOT_A_CHECK",
+    "NO_RECORD",
+    "RESULT_GONE",
+    "Why",
+]
+
+#: Kinds of :class:`Why`: no record of these inputs; a variant's header changed or went; a
+#: variant's guard directory changed; a variant held but its result is gone; a damaged record.
+NO_RECORD = "no record"
+HEADER_CHANGED = "header changed"
+HEADER_GONE = "header gone"
+DIRECTORY_CHANGED = "directory changed"
+RESULT_GONE = "result gone"
+DAMAGED = "damaged"
+
+
+class Why(str):
+    """Why a lookup missed: the line it logs (the ``str``), with its ``kind`` and the ``path`` whose check failed.
+
+    A ``str``, so a caller that records a miss's reason as a line takes it unchanged;
+    :meth:`as_dict` is its journal form. ``path`` is the header that changed or went,
+    the directory whose listing changed, or a file that appeared and now shadows a
+    header; empty when no file's check failed.
+    """
+
+    kind: str
+    path: str
+
+    def __new__(cls, kind: str, text: str, path: str = "") -> Why:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        self.path = path
+        return self
+
+    @classmethod
+    def header_changed(cls, path: str) -> Why:
+        return cls(HEADER_CHANGED, f"header {path} changed", path)
+
+    @classmethod
+    def header_gone(cls, path: str) -> Why:
+        return cls(HEADER_GONE, f"header {path} is gone", path)
+
+    @classmethod
+    def directory_changed(cls, path: str) -> Why:
+        return cls(DIRECTORY_CHANGED, f"directory {path} changed (a header may now be found elsewhere)", path)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "path": self.path, "text": str(self)}
+
+
+#: Kinds that are no failed check of a variant's files: any other kind is one (a check
+#: added later, such as a file that appeared and now shadows a header, is one too).
+NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED})
