@@ -27,8 +27,12 @@ Then:
   never that an entry was removed;
 - none otherwise: the same inputs compiled before, so their entry was removed since
   (evicted, cleared, collected) or is another's;
-- two: both are named, ``several inputs differed``;
-- more, or nothing earlier: ``new``, no earlier compile of anything like it.
+- two (or more, against its own variant): each is named, ``several inputs differed``;
+- more against the nearest of all, or nothing earlier: ``new``, no earlier compile of
+  anything like it.
+
+A working directory only one of the two keys holds is no difference of its own: an
+option (``lineinfo``) or a quoted include made it count, and that is the difference.
 """
 
 from __future__ import annotations
