@@ -234,3 +234,12 @@ def test_property_a_failed_check_with_the_same_inputs_is_never_a_removed_entry(
     miss = explain_one(_record(0, before, "code", ["-arch=sm_80"], why), records)
     assert miss.verdict == "changed" and miss.path == path, miss
     assert "removed since" not in miss.summary and path in miss.summary, miss
+
+
+def test_three_options_changed_on_the_same_code_are_named_not_new() -> None:
+    """Against its own earlier variant, any number of differences is named; ``new`` is for code never compiled."""
+    before = _record(0, 0, "code", ["-arch=sm_80"])
+    miss = explain_one(_record(1, 1, "code", ["-arch=sm_90", "--std=c++17", "--define-macro=FOO"]), [before])
+    assert (miss.verdict, miss.inputs, miss.nearest) == ("several", ("option",) * 3, before.key_id), miss
+    other = explain_one(_record(2, 2, "other", ["-arch=sm_90", "--std=c++17", "--define-macro=FOO"]), [before])
+    assert other.verdict == "new", other
