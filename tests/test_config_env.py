@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,11 @@ def test_config_lists_every_variable_with_its_value_source_and_verdict(
 ) -> None:
     bundle = tmp_path / "ca.pem"
     bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(tmp_path / "site.key")], check=True)
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(tmp_path / "site.key"), "-pubout", "-out", str(tmp_path / "site.pub")],
+        check=True,
+    )
     good = {
         "CUDA_PROGRAM_CAS": "0",
         "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"),

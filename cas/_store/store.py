@@ -183,6 +183,10 @@ class CacheStore:
                 signer, unusable = env_signer(), None
             except ValueError as exc:
                 signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
+            if unusable is None and self._trust is not None:
+                from cuda_program_cas._base.signing import untrusted_signer
+
+                unusable = untrusted_signer(signer, self._trust)  # what this node's peers would all refuse
             from .usage import compile_seconds_of
 
             seconds = functools.partial(compile_seconds_of, lay)  # the key lists' compile times
