@@ -641,6 +641,8 @@ class CacheStore:
                 held = self._leases.pop(kid, None) if self._leases else None
                 # A lease held for this key is given back once the result is uploaded, so waiters find it.
                 self._writeback.submit(kid, digest, data, then=None if held is None else held.pass_on())
+            elif self._writeback is not None:
+                self._writeback.not_stored(kid, why or "dropped")  # only new local entries are sent: counted
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:
