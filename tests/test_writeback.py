@@ -203,3 +203,25 @@ def test_write_back_into_a_directory_leaves_files_other_users_can_read(tmp_path:
     finally:
         os.umask(old)
         shutil.rmtree(top)
+
+
+def test_publish_init_lays_out_an_empty_directory_store_and_without_a_source_nothing(tmp_path: Path, capsys) -> None:
+    from cuda_program_cas import publish
+    from cuda_program_cas._cli.main import main
+
+    store = tmp_path / "nfs" / "store"
+    assert main(["publish", str(store)]) == 2  # a forgotten SRC is bad usage, not an empty store
+    assert "--init" in capsys.readouterr().err and not store.exists()
+    with pytest.raises(ValueError, match="init=True"):
+        publish([], store)
+    assert main(["publish", "--init", str(store)]) == 0
+    assert capsys.readouterr().out == f"created an empty store at {store}\n"
+    assert (store / "layout.json").is_file() and (store / "CACHEDIR.TAG").is_file()
+    writer = CacheStore(tmp_path / "node", shared=[f"{store}|write"])
+    assert writer.get("k") is None
+    writer.put("k", b"z" * 50)
+    writer.close()
+    assert (writer.counters()["uploads"], writer.counters()["uploads_dropped"]) == (1, 0)
+    assert list(_entries(store).values()) == [b"z" * 50]
+    report = publish([], store, init=True)
+    assert not report.created and report.problem_count == 0
