@@ -705,6 +705,14 @@ def test_a_stored_value_is_landed_when_its_eviction_fails_and_the_cap_holds(
         assert store.counters()["dropped_writes"] == 0
     warned = [r.getMessage() for r in caplog.records if "eviction failed" in r.getMessage()]
     assert len(warned) == 1 and "Read-only file system" in warned[0]
+    # Said once, counted each time: the instance's counts, and the cache's lifetime ones (stats).
+    failures = store.stats().eviction_failures
+    assert failures >= len(keys) - 2, failures  # the first writes fit under the cap; each later one met it
+    store.close()
+    from cuda_program_cas import stats as lifetime_stats
+
+    assert lifetime_stats(root).counters["eviction_failures"] == failures
+    store = CacheStore(root, max_size_bytes=1500)
     # Writable again: it is evicted in its turn (3 entries fit; 5 newer ones come).
     for n in range(5):
         assert store.put(f"after{n}", value(100 + n, 300)) is WriteResult.STORED

@@ -9,13 +9,19 @@ duration) is a problem line and exit 1. Tokens are never printed.
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuda_program_cas
 from cuda_program_cas._base import config as cfg
+from cuda_program_cas._base.urls import STORE_SCHEMES
 from cuda_program_cas._cli.main import main
 
 PACKAGE = Path(cuda_program_cas.__file__).resolve().parent
@@ -57,6 +63,11 @@ def test_config_lists_every_variable_with_its_value_source_and_verdict(
 ) -> None:
     bundle = tmp_path / "ca.pem"
     bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(tmp_path / "site.key")], check=True)
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(tmp_path / "site.key"), "-pubout", "-out", str(tmp_path / "site.pub")],
+        check=True,
+    )
     good = {
         "CUDA_PROGRAM_CAS": "0",
         "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"),
@@ -184,3 +195,79 @@ def test_a_variable_is_immutable_and_compared_by_its_fields() -> None:
         del one.secret
     assert one.name == "CUDA_PROGRAM_CAS_TEST_X" and one.secret is False
     assert "CUDA_PROGRAM_CAS_TEST_X" in repr(one)
+
+
+# -- every store address of CUDA_PROGRAM_CAS_SHARED is checked ------------------------------------------------------
+
+
+def _typos(host: str, tmp_path: Path) -> dict[str, str]:
+    """Store addresses with a typo: each would have been a relative path, or a read-only store, unsaid."""
+    return {
+        "scheme": f"htp://{host}/x",
+        "spaces": f"redis://{host}:6379/0 | write",
+        "space after": f"redis://{host}:6380/0| write",
+        "space before": f"redis://{host}:6381/0 |write",
+        "in a path": f"{tmp_path}/a://{host}",
+    }
+
+
+def test_a_malformed_store_address_is_a_problem_in_config_and_a_warning_at_open(
+    tmp_path: Path, bare_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from cuda_program_cas import ContentAddressedProgramCache
+
+    host = f"{tmp_path.name.replace('_', '-')}.example"
+    typos = _typos(host, tmp_path)
+    good = str(tmp_path / "store")
+    bare_env.setenv("CUDA_PROGRAM_CAS_SHARED", " ".join([*typos.values(), good]))
+    bare_env.setenv("CUDA_PROGRAM_CAS_DIR", str(tmp_path / "cas"))
+    code, out, _ = cli(capsys, "config")
+    problems = [line for line in out.splitlines() if line.startswith("problem:")]
+    assert code == 1 and len(problems) == len(typos), problems
+    assert any("unknown store scheme 'htp'" in p for p in problems)
+    assert sum("spaces around '|'" in p for p in problems) == 3
+    assert any("'://' in a path" in p for p in problems)
+    assert f"shared     {good} (environment" in out
+    caplog.set_level(logging.WARNING, logger="cuda_program_cas")
+    caplog.clear()  # config said them too (its settings read the variable as a job does)
+    bare_env.setenv("CUDA_PROGRAM_CAS_SHARED", " ".join([*_typos("other-" + host, tmp_path).values(), good]))
+    with ContentAddressedProgramCache(tmp_path / "node") as cache:
+        assert [s.root for s in cache.store.inner.shared] == [good]  # no relative directory, no read-only redis
+    said = [r for r in caplog.records if "CUDA_PROGRAM_CAS_SHARED" in r.getMessage()]
+    assert len(said) == len(typos) and all(r.levelno == logging.WARNING for r in said)
+
+
+_WORD = st.from_regex(r"[A-Za-z][A-Za-z0-9+.-]{0,8}", fullmatch=True)
+_NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=8)
+_GOOD = st.one_of(
+    _NAME.map(lambda n: f"/srv/{n}"),
+    st.tuples(st.sampled_from(["http", "https", "redis"]), _NAME).map(lambda t: f"{t[0]}://{t[1]}.example/0"),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(_GOOD, st.booleans()), min_size=0, max_size=4),
+    st.lists(
+        st.one_of(
+            st.tuples(_WORD.filter(lambda w: w.lower() not in STORE_SCHEMES), _NAME).map(
+                lambda t: f"{t[0]}://{t[1]}/x"
+            ),
+            st.tuples(_GOOD, st.sampled_from([" |", "| ", " | ", "  |  "])).map(lambda t: f"{t[0]}{t[1]}write"),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_a_typo_is_never_a_relative_path_or_a_read_only_store(
+    good: list[tuple[str, bool]], bad: list[str], rng: random.Random
+) -> None:
+    """Whatever else the list holds, each malformed address is left out: the good ones come back as given."""
+    entries = [f"{a}|write" if w else a for a, w in good]
+    mixed = [*entries, *bad]
+    rng.shuffle(mixed)
+    with cfg.collecting() as said:
+        got = cfg._parse_shared(rng.choice([" ", ";", "  ", " ; "]).join(mixed))
+    assert got == [e for e in mixed if e in entries]
+    assert len(said) == len(bad)

@@ -276,3 +276,55 @@ def test_a_key_the_probe_finds_unlisted_makes_the_copy_lag_and_lookups_ask(redis
     assert node._find_shared(key_id("k2"), None, unlisted=True) is not None  # the probe
     assert node.get("k3") == value(3)  # asked, though the copy does not list it
     assert node.get("absent") is None and node.inner.shared[0].miss_reason() == "no entry"
+
+
+# -- a large key list is held compactly ------------------------------------------------------------------------------
+
+_RSS = """
+import sys
+from cuda_program_cas import CacheStore
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+small, large, node = sys.argv[1:]
+warm = CacheStore(node + "-warm", shared=[small])
+assert warm.get("absent") is None  # the HTTP side imported, its pool made, a small key list read
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak is now what the process holds
+before = kib("VmRSS")
+cold = CacheStore(node, shared=[large])
+assert cold.get("absent") is None and cold.counters()["listed_misses"] == 1  # the large list read, and used
+print(kib("VmHWM") - before)
+"""
+
+
+def test_a_full_size_key_list_costs_a_reader_at_most_twice_its_size(served: Nginx, tmp_path: Path) -> None:
+    """The largest key list a store may hold (16 MiB, 1.4 million keys) peaks a node's memory at most at twice it."""
+    from conftest import run_python
+
+    for name, keys in (("small", ["k1"]), ("large", ["k2"])):
+        publish([_source(tmp_path / f"src-{name}", keys)], served.root / name)
+    count = (keylist.MAX_BYTES - len(keylist.HEADER)) // 12
+    step = (1 << 64) // count
+    records = {i * step: i % 5000 for i in range(count)}
+    data = keylist.encode(records)
+    assert len(data) <= keylist.MAX_BYTES and keylist.view(data) is not None
+    (served.root / "large" / keylist.KEYS).write_bytes(data)
+    del records
+    done = run_python(_RSS, served.read_url("small"), served.read_url("large"), str(tmp_path / "node"))
+    assert done.returncode == 0, done.stderr
+    grew_kib = int(done.stdout.split()[-1])
+    assert grew_kib * 1024 <= 2 * len(data), f"{grew_kib} KiB for a {len(data) >> 10} KiB key list"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 32) - 1), max_size=60), st.data())
+def test_the_held_list_answers_as_the_dict_of_its_records(records: dict[int, int], data: st.DataObject) -> None:
+    listed = keylist.view(keylist.encode(records))
+    assert listed is not None and len(listed) == len(records) and list(listed) == sorted(records)
+    probes = data.draw(st.lists(st.integers(-1, 1 << 64), max_size=20)) + list(records)
+    for k in probes:
+        assert (k in listed) == (k in records)
+        assert listed.get(k, -1) == records.get(k, -1)

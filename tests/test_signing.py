@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,97 @@ def test_over_http_a_trusting_node_takes_published_entries_and_refuses_rewritten
         got, counts = _lookup_all(url, site, tmp_path, str(site["public"]))  # type: ignore[arg-type]
         assert got["saxpy"] is None and counts["untrusted"] == 1
         assert {n: got[n] for n in ("scale", "neg")} == {n: codes[n] for n in ("scale", "neg")}
+
+
+# -- a signed cluster is hard to misconfigure ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signing", ["none", "attacker"])
+def test_a_trusting_writer_without_the_sites_key_writes_nothing_back_and_says_so_once(
+    site, tmp_path: Path, monkeypatch, caplog, signing: str
+) -> None:
+    """A node that trusts the site's key but cannot sign as the site would only overwrite signed entries."""
+    caplog.set_level(logging.WARNING, logger="cuda_program_cas")
+    store = _copy(site, tmp_path)
+    before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file()}
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_TRUSTED_KEYS", str(site["public"]))
+    if signing == "attacker":
+        monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(site["attacker"]))
+    writer = CacheStore(tmp_path / "writer", shared=[f"{store}|write"])
+    for i in range(3):
+        writer.put(f"k{i}", b"x" * (10 + i))
+    writer.close()
+    counts = writer.counters()
+    assert counts["uploads"] == 0 and counts["uploads_dropped"] == 3
+    assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file()} == before  # nothing overwritten
+    said = [r for r in caplog.records if "uploads to shared store" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "CUDA_PROGRAM_CAS_TRUSTED_KEYS" in said[0].getMessage()
+    assert writer.get("k1") == b"x" * 11  # the local cache has them
+
+
+def test_the_sites_own_key_writes_back_to_a_trusting_node(site, tmp_path: Path, monkeypatch) -> None:
+    store = _copy(site, tmp_path)
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_TRUSTED_KEYS", str(site["public"]))
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(site["store"].parent / "site.key"))  # type: ignore[union-attr]
+    writer = CacheStore(tmp_path / "writer", shared=[f"{store}|write"])
+    writer.put("k", b"y" * 10)
+    writer.close()
+    assert writer.counters()["uploads"] == 1 and writer.counters()["uploads_dropped"] == 0
+
+
+def test_untrusted_entries_are_said_once_per_store_at_warning_with_their_count(site, tmp_path: Path) -> None:
+    """Each process that refuses entries of a store says so once, at exit, with how many it refused."""
+    plain, other = tmp_path / "plain", tmp_path / "other"
+    s = CacheStore(plain)
+    for i in range(3):
+        s.put(f"k{i}", b"z" * (20 + i))  # unsigned, as a writer without the key leaves them
+    s.close()
+    s = CacheStore(other)
+    s.put("k0", b"w" * 20)
+    s.close()
+    script = (
+        "import sys\n"
+        "from cuda_program_cas import CacheStore\n"
+        f"node = CacheStore({str(tmp_path / 'node')!r}, shared=[{str(plain)!r}, {str(other)!r}])\n"
+        "for k in ('k0', 'k1', 'k2', 'k9'):\n"
+        "    assert node.get(k) is None\n"
+        "print(node.counters()['untrusted'], flush=True)\n"
+    )
+    env = {**os.environ, "CUDA_PROGRAM_CAS_TRUSTED_KEYS": str(site["public"])}
+    env.pop("CUDA_PROGRAM_CAS_SHARED", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["4"]  # 3 refused in plain, 1 in other (k0 of plain stops its lookup)
+    lines = [line for line in done.stderr.splitlines() if "refused in this process" in line]
+    assert len(lines) == 2, done.stderr
+    assert f"{plain}: 3 entries refused" in lines[0] or f"{plain}: 3 entries refused" in lines[1]
+    assert any(f"{other}: 1 entry refused" in line for line in lines)
+    assert all("CUDA_PROGRAM_CAS_TRUSTED_KEYS" in line for line in lines)
+
+
+def _config(monkeypatch, capsys, **env: str) -> tuple[int, list[str]]:
+    from cuda_program_cas._cli.main import main
+
+    for name in ("CUDA_PROGRAM_CAS_SIGNING_KEY", "CUDA_PROGRAM_CAS_TRUSTED_KEYS", "CUDA_PROGRAM_CAS_SHARED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(f"CUDA_PROGRAM_CAS_{name}", value)
+    rc = main(["config"])
+    return rc, [line for line in capsys.readouterr().out.splitlines() if line.startswith("problem:")]
+
+
+def test_config_checks_the_keys(site, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_DIR", str(tmp_path / "cache"))
+    private = str(site["store"].parent / "site.key")  # type: ignore[union-attr]
+    public = str(site["public"])
+    store = f"{tmp_path / 'store'}|write"
+    assert _config(monkeypatch, capsys, SIGNING_KEY=private, TRUSTED_KEYS=public, SHARED=store) == (0, [])
+    rc, problems = _config(monkeypatch, capsys, SIGNING_KEY=public, TRUSTED_KEYS=public)
+    assert rc == 1 and len(problems) == 1 and "a public key" in problems[0] and "site.pub" in problems[0]
+    rc, problems = _config(monkeypatch, capsys, TRUSTED_KEYS=f"{public} {tmp_path / 'missing.pub'}")
+    assert rc == 1 and len(problems) == 1 and "missing.pub" in problems[0]
+    rc, problems = _config(monkeypatch, capsys, SIGNING_KEY=str(site["attacker"]), TRUSTED_KEYS=public)
+    assert rc == 1 and len(problems) == 1 and "is not among $CUDA_PROGRAM_CAS_TRUSTED_KEYS" in problems[0]
+    rc, problems = _config(monkeypatch, capsys, TRUSTED_KEYS=public, SHARED=store)
+    assert rc == 1 and len(problems) == 1 and "CUDA_PROGRAM_CAS_SIGNING_KEY is not" in problems[0]
+    assert _config(monkeypatch, capsys, TRUSTED_KEYS=public, SHARED=str(tmp_path / "store")) == (0, [])

@@ -290,6 +290,27 @@ def test_a_compile_error_propagates_as_uncached(tmp_path: Path, options: dict[st
     assert not warnings_in(err), err
 
 
+@pytest.mark.parametrize(
+    "call",
+    ['compile("cubin")', 'compile("cubin", name_expressions=["k"])', 'compile("cubin")#include'],
+    ids=["plain", "name expressions", "front door"],
+)
+def test_an_uncaught_compile_error_prints_its_traceback_and_nothing_else(tmp_path: Path, call: str) -> None:
+    """The job's own error, as Python prints it: no "Error in sys.excepthook" blocks at the interpreter's end."""
+    call, _, include = call.partition("#")
+    extra = ', include_path=["."]' if include else ""
+    code = (
+        "from cuda.core import Program, ProgramOptions\n"
+        f"Program({_BAD!r}, 'c++', ProgramOptions(arch='sm_80'{extra})).{call}\n"
+    )
+    done = child(code, env={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")})
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr and "undefined_name" in done.stderr
+    assert "NVRTC_ERROR_COMPILATION" in done.stderr
+    assert "Error in sys.excepthook" not in done.stderr and "Original exception was" not in done.stderr, done.stderr
+    assert not warnings_in(done.stderr), done.stderr
+
+
 _LINK = textwrap.dedent(
     """
     import json, hashlib

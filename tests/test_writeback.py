@@ -114,6 +114,29 @@ def test_a_full_store_drops_uploads_counted_and_said_once(tmp_path: Path, caplog
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.mount
+def test_a_full_local_disk_counts_what_it_cannot_upload(tmp_path: Path, caplog, mounts) -> None:
+    """Only new local entries are sent: one the full local disk could not store is an upload dropped, said once."""
+    if not is_root():
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(disk)], check=True)
+    mounts.append(disk)
+    shared = _new_store(tmp_path / "shared")
+    store = CacheStore(disk / "local", shared=[f"{shared}|write"])
+    caplog.set_level(logging.WARNING, logger="cuda_program_cas")
+    results = [store.put(f"k{i}", os.urandom(40_000)) for i in range(6)]  # 6 x 40 KB on 128 KB: some cannot land
+    store.close()
+    counts = store.counters()
+    assert 1 <= counts["writes"] < 6 and counts["dropped_writes"] == 6 - counts["writes"]
+    assert sum(not r for r in results) == counts["dropped_writes"]
+    assert counts["uploads"] == counts["writes"]
+    assert counts["uploads_dropped"] == counts["dropped_writes"]  # every entry is either sent or counted
+    warnings = [r.getMessage() for r in caplog.records if "uploads to shared store" in r.getMessage()]
+    assert len(warnings) == 1 and "the local cache did not store it" in warnings[0], warnings
+
+
 def test_an_exiting_process_sends_what_it_queued(tmp_path: Path) -> None:
     shared = _new_store(tmp_path / "shared")
     code = textwrap.dedent(
@@ -180,3 +203,25 @@ def test_write_back_into_a_directory_leaves_files_other_users_can_read(tmp_path:
     finally:
         os.umask(old)
         shutil.rmtree(top)
+
+
+def test_publish_init_lays_out_an_empty_directory_store_and_without_a_source_nothing(tmp_path: Path, capsys) -> None:
+    from cuda_program_cas import publish
+    from cuda_program_cas._cli.main import main
+
+    store = tmp_path / "nfs" / "store"
+    assert main(["publish", str(store)]) == 2  # a forgotten SRC is bad usage, not an empty store
+    assert "--init" in capsys.readouterr().err and not store.exists()
+    with pytest.raises(ValueError, match="init=True"):
+        publish([], store)
+    assert main(["publish", "--init", str(store)]) == 0
+    assert capsys.readouterr().out == f"created an empty store at {store}\n"
+    assert (store / "layout.json").is_file() and (store / "CACHEDIR.TAG").is_file()
+    writer = CacheStore(tmp_path / "node", shared=[f"{store}|write"])
+    assert writer.get("k") is None
+    writer.put("k", b"z" * 50)
+    writer.close()
+    assert (writer.counters()["uploads"], writer.counters()["uploads_dropped"]) == (1, 0)
+    assert list(_entries(store).values()) == [b"z" * 50]
+    report = publish([], store, init=True)
+    assert not report.created and report.problem_count == 0

@@ -141,3 +141,31 @@ def test_an_engine_that_cannot_reach_its_server_fails_as_an_outage() -> None:
             call()
         assert (failed.value.kind, failed.value.outage) == ("refused", True)
     assert engine.outages == 2
+
+
+def test_publish_init_creates_an_empty_store_that_a_writing_node_uploads_into(
+    nginx: Nginx, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from cuda_program_cas._cli.main import main
+
+    url = nginx.dav_url("fresh")
+    before = CacheStore(tmp_path / "n0", shared=[f"{url}|write"])
+    assert before.get("k0") is None  # a compile's lookup first: the store has no layout.json (404)
+    before.put("k0", b"v" * 100)
+    before.close()
+    assert (before.counters()["uploads"], before.counters()["uploads_dropped"]) == (0, 1)  # no layout.json: no store
+    assert main(["publish", "--init", url]) == 0
+    assert capsys.readouterr().out.startswith("created an empty store at ")
+    assert json.loads((nginx.root / "fresh" / "layout.json").read_bytes())["shared"] is True
+    writer = CacheStore(tmp_path / "n1", shared=[f"{url}|write"])
+    assert writer.get("k1") is None
+    writer.put("k1", b"w" * 100)
+    writer.close()
+    assert (writer.counters()["uploads"], writer.counters()["uploads_dropped"]) == (1, 0)
+    reader = CacheStore(tmp_path / "n2", shared=[nginx.read_url("fresh")])
+    assert reader.get("k1") == b"w" * 100 and reader.counters()["shared_hits"] == 1
+    assert main(["publish", "--init", url]) == 0  # again: found, left as it is
+    assert capsys.readouterr().out.startswith("found the store at ")
+    assert reader.get("k1") == b"w" * 100

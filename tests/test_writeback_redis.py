@@ -106,3 +106,26 @@ def test_a_full_server_refuses_uploads_and_the_job_goes_on(tmp_path: Path) -> No
         assert key_id("k0")
     finally:
         server.stop()
+
+
+def test_publish_init_lays_out_an_empty_redis_store_that_a_writing_node_uploads_into(
+    redis: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from cuda_program_cas._cli.main import main
+    from cuda_program_cas._remote.redis import RedisEngine
+
+    assert main(["publish", "--init", redis.url]) == 0
+    assert capsys.readouterr().out.startswith("created an empty store at ")
+    layout = RedisEngine(redis.url).get("layout.json", limit=4096)
+    assert layout is not None and json.loads(layout)["shared"] is True
+    writer = CacheStore(tmp_path / "a", shared=[f"{redis.url}|write"])
+    assert writer.get("k1") is None
+    writer.put("k1", b"w" * 100)
+    writer.close()
+    assert (writer.counters()["uploads"], writer.counters()["uploads_dropped"]) == (1, 0)
+    reader = CacheStore(tmp_path / "b", shared=[redis.url])
+    assert reader.get("k1") == b"w" * 100 and reader.counters()["shared_hits"] == 1
+    assert main(["publish", "--init", redis.url]) == 0
+    assert capsys.readouterr().out.startswith("found the store at ")

@@ -46,7 +46,9 @@ __all__ = [
     "Trust",
     "env_signer",
     "env_trust",
+    "key_problems",
     "load_public_key",
+    "untrusted_signer",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -94,7 +96,10 @@ class Signer:
         from cryptography.hazmat.primitives import serialization
 
         try:
-            key = serialization.load_pem_private_key(_read_key_file(path), password=None)
+            data = _read_key_file(path)
+            if b"-----BEGIN PUBLIC KEY-----" in data:
+                raise ValueError("a public key: the signing key is the private one (openssl genpkey's file)")
+            key = serialization.load_pem_private_key(data, password=None)
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"signing key {path}: {exc}") from None
         try:
@@ -188,3 +193,55 @@ def env_signer() -> Signer | None:
     if value is None or not value.strip():
         return None
     return Signer.from_file(os.path.expanduser(value.strip()))
+
+
+def untrusted_signer(signer: Signer | None, trust: Trust) -> str | None:
+    """Why a node trusting ``trust`` must not write back with ``signer``: what it sent every trusting node refuses.
+
+    None when ``signer``'s public half is among the trusted keys.
+    """
+    if signer is None:
+        return (
+            f"${ENV_TRUSTED_KEYS} is set and ${ENV_SIGNING_KEY} is not: trusting nodes would refuse every "
+            "unsigned entry sent (set the site's private key, or drop |write)"
+        )
+    if signer.key_id not in trust.keys:
+        return (
+            f"the public half of ${ENV_SIGNING_KEY} ({signer.public}) is not among ${ENV_TRUSTED_KEYS}: trusting "
+            "nodes would refuse every entry it signs"
+        )
+    return None
+
+
+def key_problems(writable: bool) -> list[str]:
+    """What ``config`` says about the keys of this environment: one line for each that cannot be used as meant.
+
+    The signing key is an ed25519 private key; each trusted key exists and parses;
+    with both set, the signing key's public half is trusted; with trusted keys, a
+    node that names a store writable (``writable``) has a signing key.
+    """
+    problems: list[str] = []
+    signer: Signer | None = None
+    try:
+        signer = env_signer()
+    except ValueError as exc:
+        problems.append(f"{exc} (${ENV_SIGNING_KEY}): write-back drops every upload and publish refuses to run")
+        writable = False  # said already
+    value = VAR_TRUSTED_KEYS.value()
+    if value is None or not value.strip():
+        return problems
+    keys: dict[str, Any] = {}
+    for spec in _parts(value):
+        try:
+            kid, key = load_public_key(os.path.expanduser(spec))
+        except ValueError as exc:
+            problems.append(f"{exc}; it is left out of ${ENV_TRUSTED_KEYS}")
+            continue
+        keys[kid] = key
+    if not keys:
+        problems.append(f"no usable key in ${ENV_TRUSTED_KEYS}: no shared entry is trusted")
+    elif signer is not None or writable:
+        why = untrusted_signer(signer, Trust(keys))
+        if why is not None:
+            problems.append(f"{why}; write-back is off")
+    return problems

@@ -8,7 +8,10 @@ names every scheme; the table that picks an engine for each is
 A list of stores (``CUDA_PROGRAM_CAS_SHARED``) separates them with whitespace or
 ``;``: ``/nfs/store https://cache.example:8443/store redis://cache:6379/0|write``.
 ``|write`` after a store names it writable (new entries are written back to it);
-without it a store is read only.
+without it a store is read only. Spaces around ``|``, a scheme not in
+:data:`STORE_SCHEMES` (``htp://``) and ``://`` inside a path are refused
+(``ValueError`` naming the entry), never read as a read-only store or as
+relative directories.
 
 The older form, ``os.pathsep`` between stores, is still read inside each part: the
 split is made, then mended. A part that is a scheme followed by a part that
@@ -31,6 +34,7 @@ from typing import NamedTuple
 __all__ = [
     "STORE_SCHEMES",
     "StoreEntry",
+    "check_address",
     "is_store_url",
     "join",
     "mend_split",
@@ -47,6 +51,7 @@ STORE_SCHEMES = ("file", "http", "https", "redis", "rediss")
 _URL_SCHEMES = ("http", "https", "redis", "rediss")
 _PORT_PART = re.compile(r"\d+([/|].*)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_WORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: What follows ``|`` to name a store writable.
 WRITABLE = "write"
 _LIST_SEP = re.compile(r"[\s;]+")
@@ -75,9 +80,31 @@ class StoreEntry(NamedTuple):
     writable: bool = False
 
 
+def check_address(address: str) -> None:
+    """``ValueError`` naming ``address`` when it has ``://`` but no scheme of :data:`STORE_SCHEMES` (``htp://``).
+
+    Such a typo would otherwise be a relative directory (a path of three names).
+    """
+    if "://" in address and scheme_of(address) is None:
+        m = _SCHEME_RE.match(address)
+        what = f"unknown store scheme {m.group(1)!r}" if m else "'://' in a path"
+        raise ValueError(
+            f"{what} in {shown(address)!r}: a store is a directory (a path or file://), http(s):// or redis(s)://"
+        )
+
+
 def parse_store_entry(text: str) -> StoreEntry:
-    """``ADDRESS`` or ``ADDRESS|write``; ``ValueError`` for another attribute. ``file://`` gives the path."""
+    """``ADDRESS`` or ``ADDRESS|write``; ``ValueError`` for another attribute. ``file://`` gives the path.
+
+    Also ``ValueError`` for spaces around ``|`` (``redis://h | write``: a store
+    read-only and two relative directories, were it split there) and for an
+    address :func:`check_address` refuses.
+    """
     address, bar, attrs = text.partition("|")
+    if bar and (address != address.rstrip() or attrs != attrs.strip()):
+        tight = "|".join(part.strip() for part in text.split("|"))
+        raise ValueError(f"spaces around '|' in {shown(text)!r}: write it {shown(tight)!r}")
+    check_address(address)
     writable = False
     if bar:
         for attr in (a.strip() for a in attrs.split("|")):
@@ -103,9 +130,25 @@ def split_store_list(text: str) -> list[str]:
     import os
 
     out: list[str] = []
-    for part in _LIST_SEP.split(text.strip()):
-        if part:
-            out.extend(p for p in mend_split(part.split(os.pathsep)) if p)
+    for part in _bars_joined(_LIST_SEP.split(text.strip())):
+        mended = [p for p in mend_split(part.split(os.pathsep)) if p]
+        # '://' that no URL took (/nfs/a://b): kept whole, to be refused (check_address), not split into paths.
+        out.extend(mended if "://" not in part or any("://" in p for p in mended) else [part])
+    return out
+
+
+def _bars_joined(parts: list[str]) -> list[str]:
+    """The parts of a whitespace split with ``|`` attributes that spaces cut off joined back, spaces kept.
+
+    ``redis://h | write`` is one entry again, which :func:`parse_store_entry`
+    refuses, naming it whole: neither a read-only store nor directories ``|`` and ``write``.
+    """
+    out: list[str] = []
+    for part in parts:
+        if out and (part.startswith("|") or out[-1].endswith("|")):
+            out[-1] = f"{out[-1]} {part}"
+        else:
+            out.append(part)
     return out
 
 
@@ -117,7 +160,8 @@ def mend_split(parts: list[str]) -> list[str]:
     i = 0
     while i < len(parts):
         part = parts[i]
-        if part.lower() in STORE_SCHEMES and i + 1 < len(parts) and parts[i + 1].startswith("//"):
+        # A scheme this package does not know is mended too: the URL is then refused whole (check_address).
+        if _SCHEME_WORD.fullmatch(part) and i + 1 < len(parts) and parts[i + 1].startswith("//"):
             url = f"{part}:{parts[i + 1]}"
             i += 2
             # An IPv6 literal ([::1]) was cut at each of its colons: join up to its "]".

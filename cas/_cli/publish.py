@@ -25,10 +25,11 @@ def register(subparsers: Any) -> None:
             "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
             "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
             "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
+            "`publish --init STORE` with no SRC creates an empty store of any kind, ready for write-back. "
             "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
         ),
     )
-    parser.add_argument("sources", nargs="+", metavar="SRC", help="a node's local cache directory (only read)")
+    parser.add_argument("sources", nargs="*", metavar="SRC", help="a node's local cache directory (only read)")
     parser.add_argument(
         "dest",
         metavar="STORE",
@@ -40,6 +41,11 @@ def register(subparsers: Any) -> None:
         help="make files group-readable and directories group-accessible and setgid (default: follow the umask)",
     )
     parser.add_argument("--dry-run", action="store_true", help="read and verify everything, write nothing")
+    parser.add_argument(
+        "--init",
+        action="store_true",
+        help="with no SRC: create STORE empty (layout.json), ready for nodes that name it |write",
+    )
     parser.add_argument(
         "--pack",
         action="store_true",
@@ -57,6 +63,11 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.sources and not args.init:
+        raise UsageError(
+            "publish needs SRC... before STORE, or --init to create an empty store (usage: cuda-program-cas publish "
+            "[options] SRC... STORE, or cuda-program-cas publish --init STORE)"
+        )
     # A source that is STORE or not a cache, a bad URL: bad usage, nothing written.
     check_sources(args.sources, args.dest, group_shared=args.group_shared, pack=args.pack)
     try:
@@ -71,12 +82,17 @@ def run(args: argparse.Namespace) -> int:
         pack=args.pack,
         verify_existing=args.verify_existing,
         progress=getattr(args, "progress", None),
+        init=args.init,
     )
     if args.json:
         print_json(report.as_dict())
         return 1 if report.problem_count else 0
     for line in report.problems:
         print(line)
+    if not report.sources:  # --init alone
+        made = ("would create" if report.dry_run else "created") if report.created else "found"
+        print(f"{made} {'an empty' if report.created else 'the'} store at {report.dest}")
+        return 1 if report.problem_count else 0
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (

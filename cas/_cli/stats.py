@@ -82,7 +82,7 @@ def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> li
         (
             "writes",
             f"{c['writes']:,} ({c['dedup_writes']:,} deduplicated), {c['dropped_writes']:,} dropped; "
-            f"{c['evictions']:,} evicted",
+            f"{c['evictions']:,} evicted, {c.get('eviction_failures', 0):,} failed evictions",
         ),
         ("problems", f"{c['corrupt']:,} corrupt, {c['errors']:,} errors, {c.get('untrusted', 0):,} untrusted"),
         ("switch", f"{c.get('switched', 0):,} compiles and links sent here by CUDA_PROGRAM_CAS / install()"),

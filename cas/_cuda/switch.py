@@ -288,6 +288,10 @@ class _Inside:
 
     def __exit__(self, *exc: object) -> None:
         _inside.depth -= 1
+        # Not kept past the compile: a thread-local freed at the interpreter's end would take the error's
+        # traceback (cuda.core's objects in its frames) with it after sys is gone: two empty "Error in
+        # sys.excepthook" blocks on stderr.
+        _inside.error = None
 
 
 def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], logs: Any, cache: Any) -> Any:

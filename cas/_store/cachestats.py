@@ -64,6 +64,8 @@ class CacheStats:
     listed_misses: int = 0
     #: Shared-store lookups skipped because their round trips would cost more than the entry's compile.
     skipped_lookups: int = 0
+    #: Files eviction could not remove (permission denied, a read-only or failing disk), and passes that failed.
+    eviction_failures: int = 0
 
     @property
     def dedup_ratio(self) -> float:

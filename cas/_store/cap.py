@@ -160,6 +160,7 @@ class SizeCap:
         try:
             return self._enforce(max_bytes, budget, protect)
         except OSError as exc:  # listing the cache, its lock file: the next write tries again
+            self._counters.add("eviction_failures")
             self._failed(exc)
             return None
         finally:
@@ -281,6 +282,7 @@ class SizeCap:
                 result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
         except OSError as exc:
             failure = exc  # what the failed call freed before is not counted: the caller lists the cache again
+            self._counters.add("eviction_failures")
         result.stored_bytes_after = max(0, plan.snapshot.stored_bytes - plan.freed_so_far)
         self._counters.add("evictions", result.manifests_removed)
         if (result.manifests_removed or result.blobs_removed) and LOGGER.isEnabledFor(logging.DEBUG):

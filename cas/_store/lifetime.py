@@ -2,12 +2,12 @@
 
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
-    c5 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
+    c6 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
        <switched> <uploads> <uploads_dropped> <untrusted> <saved_us> <listed_misses> <skipped_lookups>
-       <crc>                                                                    (one line)
+       <eviction_failures> <crc>                                                                    (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c5`` line holds what one process counted since its previous line (non-negative
+A ``c6`` line holds what one process counted since its previous line (non-negative
 decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
 to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
 garbled or fails its check is ignored; one that checks out but has a tag this
@@ -97,11 +97,11 @@ __all__ = [
 ]
 
 
-#: The counters of a ``c5`` line, in order. A new counter needs a new tag: a ``c1`` line
+#: The counters of a ``c6`` line, in order. A new counter needs a new tag: a ``c1`` line
 #: (written before ``switched`` was counted) holds the first 9, a ``c2`` line (before
 #: write-back) the first 10, a ``c3`` line (before time saved) the first 13, a ``c4``
-#: line (before key lists) the first 14. An older version keeps a ``c5`` line as one it
-#: does not know.
+#: line (before key lists) the first 14, a ``c5`` line (before failed evictions) the first
+#: 16. An older version keeps a ``c6`` line as one it does not know.
 NAMES = (
     "hits",
     "misses",
@@ -119,10 +119,11 @@ NAMES = (
     "saved_us",
     "listed_misses",
     "skipped_lookups",
+    "eviction_failures",
 )
-_TAG = "c5"
+_TAG = "c6"
 #: The tags of counter lines this version sums, and how many values each holds.
-_COUNTS = {b"c1": 9, b"c2": 10, b"c3": 13, b"c4": 14, b"c5": len(NAMES)}
+_COUNTS = {b"c1": 9, b"c2": 10, b"c3": 13, b"c4": 14, b"c5": 16, b"c6": len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.

@@ -35,6 +35,7 @@ COUNTER_NAMES = (
     "saved_us",
     "listed_misses",
     "skipped_lookups",
+    "eviction_failures",
 )
 _COUNTER_NAMES = COUNTER_NAMES
 

@@ -183,6 +183,10 @@ class CacheStore:
                 signer, unusable = env_signer(), None
             except ValueError as exc:
                 signer, unusable = None, f"{exc} ($CUDA_PROGRAM_CAS_SIGNING_KEY)"
+            if unusable is None and self._trust is not None:
+                from cuda_program_cas._base.signing import untrusted_signer
+
+                unusable = untrusted_signer(signer, self._trust)  # what this node's peers would all refuse
             from .usage import compile_seconds_of
 
             seconds = functools.partial(compile_seconds_of, lay)  # the key lists' compile times
@@ -641,6 +645,8 @@ class CacheStore:
                 held = self._leases.pop(kid, None) if self._leases else None
                 # A lease held for this key is given back once the result is uploaded, so waiters find it.
                 self._writeback.submit(kid, digest, data, then=None if held is None else held.pass_on())
+            elif self._writeback is not None:
+                self._writeback.not_stored(kid, why or "dropped")  # only new local entries are sent: counted
         if t0:
             wrote(self.root, kid, result.value, len(data), t0, reason=why)
         if _monotonic() >= self._flush_at:

@@ -59,6 +59,7 @@ the caller.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -120,6 +121,38 @@ PACKED_REQUESTS = 1
 #: Stores this process has warned about (by their shown address).
 _warned: set[str] = set()
 _warned_lock = ForkSafeLock()
+
+
+#: Entries refused as untrusted in this process, by store (said at exit: :func:`_say_untrusted`).
+_untrusted: dict[str, int] = {}
+os.register_at_fork(after_in_child=_untrusted.clear)  # a child says what it refused, not its parent's
+
+
+def _refused_untrusted(root: str) -> None:
+    """Count one entry of ``root`` refused as untrusted; the first of the process arranges the report at exit."""
+    with _warned_lock:
+        first = not _untrusted
+        _untrusted[root] = _untrusted.get(root, 0) + 1
+    if first:
+        import atexit
+
+        atexit.register(_say_untrusted)
+
+
+def _say_untrusted() -> None:
+    """One WARNING per store whose entries this process refused as untrusted, with their number."""
+    with _warned_lock:
+        counts = dict(_untrusted)
+        _untrusted.clear()
+    for root, n in counts.items():
+        _log.warning(
+            "cuda-program-cas: shared store %s: %d %s refused in this process: not signed by a key in "
+            "$CUDA_PROGRAM_CAS_TRUSTED_KEYS (each a miss, counted in untrusted); a node writing there without the "
+            "site's signing key overwrites signed entries",
+            root,
+            n,
+            "entry" if n == 1 else "entries",
+        )
 
 
 def ceiling(max_entry: int | None) -> int:
@@ -423,6 +456,7 @@ class Tier:
             return None
         if self._trust is not None and not self._trust.verify(data):
             self.counters.add("untrusted")
+            _refused_untrusted(self.root)
             self._why.reason = "untrusted (not signed by a trusted key)"
             self._note("untrusted", f"the manifest of {kid} is not signed by a key in $CUDA_PROGRAM_CAS_TRUSTED_KEYS")
             return None

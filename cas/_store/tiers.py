@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cuda_program_cas._base.engine import Engine
 from cuda_program_cas._base.signing import Trust
-from cuda_program_cas._base.urls import parse_store_entry, scheme_of
+from cuda_program_cas._base.urls import check_address, parse_store_entry, scheme_of
 
 from .tier import RETRY_S, Tier, ceiling
 
@@ -208,6 +208,7 @@ _ENGINES: dict[str, _Scheme] = {"file": _DIRECTORY, "http": _HTTP, "https": _HTT
 
 
 def _scheme(address: str) -> _Scheme:
+    check_address(address)  # htp://host/x is no relative directory
     scheme = scheme_of(address) or "file"
     found = _ENGINES.get(scheme)
     if found is None:

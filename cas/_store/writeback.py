@@ -17,7 +17,8 @@ What is not sent is dropped, never retried later and never an error of the calle
   waiting: a store slower than the node's compiles);
 - the store is paused after an outage (:mod:`cuda_program_cas._store.tier`), or
   the upload fails (down, full, denied, too slow for its deadline);
-- the process exits with uploads still queued after :data:`EXIT_FLUSH_S`.
+- the process exits with uploads still queued after :data:`EXIT_FLUSH_S`;
+- the local cache could not store the entry (its disk full: :meth:`WriteBack.not_stored`).
 
 Each drop counts ``uploads_dropped`` (``stats``); the first in a process gets one
 WARNING naming the store and why, the rest DEBUG. Each upload counts ``uploads``.
@@ -161,6 +162,12 @@ class WriteBack:
         if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="cuda-program-cas-writeback", daemon=True)
             self._worker.start()
+
+    def not_stored(self, kid: str, why: str) -> None:
+        """A new entry the local cache could not store (a full disk): not sent either, a drop for each store."""
+        if not is_local_id(kid):
+            for tier in self.tiers:
+                self._dropped(tier.root, f"the local cache did not store it: {why}")
 
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
         """Queue one new local entry for upload; False (counted, said once) when it is dropped at once.

@@ -181,4 +181,11 @@ def config(
             for text in v.problems:
                 if not any(text in said for said in report.problems):  # the cap's is said with its setting
                     report.problem(text)
+        if name is None:
+            from cuda_program_cas._base.signing import key_problems
+
+            shared = next((s.value for s in settings if s.name == "shared"), None)
+            writable = isinstance(shared, list) and any(str(e).endswith("|write") for e in shared)
+            for text in key_problems(writable):
+                report.problem(text)
     return report

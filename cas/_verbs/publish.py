@@ -154,6 +154,7 @@ def publish(
     pack: bool = False,
     verify_existing: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
+    init: bool = False,
 ) -> PublishReport:
     """Merge the caches at ``sources`` into the shared store at ``dest`` (created if missing).
 
@@ -182,14 +183,17 @@ def publish(
     Sources are only read. ``group_shared`` makes the store's files group-readable
     and its directories setgid; otherwise files and directories follow the umask.
     Temp files are always private. ``dry_run`` reads and verifies everything but
-    writes nothing. ``progress(phase, done, total)`` is called per source. Raises
+    writes nothing. ``progress(phase, done, total)`` is called per source.
+    ``init``: ``sources`` may be empty, and then the store is only laid out
+    (``layout.json``, ``CACHEDIR.TAG``; ``created`` says whether it was new): an
+    empty store that nodes named ``|write`` upload into, of any kind. Raises
     :class:`LayoutError` when ``dest`` is not a cache, and
     ``OSError`` when it cannot be written; what was published until then is
     complete, and running again resumes.
     """
     srcs = [os.path.abspath(os.fspath(s)) for s in sources]
-    if not srcs:
-        raise ValueError("publish needs at least one source cache")
+    if not srcs and not init:
+        raise ValueError("publish needs at least one source cache (init=True lays out an empty store)")
     signer = env_signer()  # ValueError naming the key file: nothing is published unsigned by mistake
     url = is_store_url(dest)
     if url:
