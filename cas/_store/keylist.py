@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from operator import lt
 
+from cuda_program_cas._base.config import VAR_KEYS_REFRESH
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 
@@ -73,7 +74,8 @@ HEADER = b"cuda-program-cas keys 1\n"
 _RECORD = struct.Struct(">QI")
 #: The largest key list written or read: about 1.4 million keys.
 MAX_BYTES = 16 << 20
-#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged).
+#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged);
+#: ``$CUDA_PROGRAM_CAS_KEYS_REFRESH`` sets another.
 REFRESH_S = 30.0
 #: Read-merge-write rounds at most, when other writers' lists replace ours meanwhile.
 MERGE_TRIES = 4
@@ -181,7 +183,8 @@ class KeyView:
     Nothing is asked until :meth:`records` is first called (the first loose lookup:
     a cold node served by its warm set makes no request for it). Then the copy is
     asked again, conditionally where the engine can (``get_changed``: an
-    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`,
+    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`
+    (``$CUDA_PROGRAM_CAS_KEYS_REFRESH``, read when the view is made),
     by one thread while the others use the copy they have. ``timed(call)`` runs
     each request (the store above measures its round trip by it).
     """
@@ -194,6 +197,8 @@ class KeyView:
         self._tag: str | None = None
         self._at = float("-inf")
         self._lock = threading.Lock()
+        #: The variable's interval, or None: :data:`REFRESH_S`.
+        self._refresh_s: float | None = VAR_KEYS_REFRESH.value()
         #: Keys this process wrote back itself: listed at once, whatever the store's copy says yet.
         self._ours: dict[int, int] = {}
         #: Keys found in the store that the copy does not list (another node's upload, not merged yet): while
@@ -234,11 +239,12 @@ class KeyView:
 
         A :class:`StoreFailure` that is an outage reaches the caller (the store pauses).
         """
-        if time.monotonic() - self._at >= REFRESH_S:
+        every = REFRESH_S if self._refresh_s is None else self._refresh_s
+        if time.monotonic() - self._at >= every:
             first = self._at == float("-inf")
             if self._lock.acquire(blocking=first):  # the first fetch is waited for; a refresh is one thread's
                 try:
-                    if time.monotonic() - self._at >= REFRESH_S:
+                    if time.monotonic() - self._at >= every:
                         self._refresh()
                 finally:
                     self._lock.release()
