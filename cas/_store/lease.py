@@ -69,11 +69,11 @@ class Lease:
     found: tuple[bytes, str] | None = None
     _release: Callable[[bool], None] | None = field(default=None, repr=False)
 
-    def done(self) -> None:
-        """Give the lease up now with the mark, no result to come from here (idempotent)."""
+    def done(self, *, mark: bool = True) -> None:
+        """Give the lease up now (idempotent): with the mark, no result to come from here; without, one is there."""
         release, self._release = self._release, None
         if release is not None:
-            release(True)
+            release(mark)
 
     def pass_on(self) -> Callable[[bool], None] | None:
         """The release as a write-back callback, taken from this lease (its ``with`` block then releases nothing).

@@ -525,10 +525,10 @@ class CacheStore:
             ) as got:
                 if got.held:
                     self._leases[kid] = got
-                if got.held or not (can or got.waited):
+                if (got.held or not (can or got.waited)) and self._find_shared(kid, None, unlisted=True) is not None:
                     # Asked once more, past the key list: a node that let the lease go just now may have stored
                     # it, its key list not yet merged. Found: copied in, the caller's next look is local.
-                    self._find_shared(kid, None, unlisted=True)
+                    got.done(mark=False)  # there: given back plainly (others' lookups find it too)
                 # The caller's lookups too (the front door's result, not only this key): past the key list.
                 past, self._past_list.on = getattr(self._past_list, "on", False), True
                 try:
