@@ -261,5 +261,6 @@ def test_a_holder_whose_upload_fails_marks_the_lease_and_every_waiter_compiles_a
     assert len({r["code"] for r in results} | {held["code"]}) == 1
     after = max(r["done"] for r in results) - held["done"]
     print(
-        f"\nupload denied: every waiter done {after:.1f} s after the holder (one compile of {held['done'] - held['t0']:.1f} s)"
+        f"\nupload denied: every waiter done {after:.1f} s after the holder "
+        f"(one compile of {held['done'] - held['t0']:.1f} s)"
     )

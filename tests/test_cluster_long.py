@@ -167,6 +167,6 @@ def test_one_compile_per_key_holds_past_key_list_refreshes_and_lease_renewals(
     expected = _uncached(job, _include())
     assert all(r["codes"] == expected for r in results)  # every node: the bytes of an uncached compile
     print(
-        f"\n{nodes} nodes, {len(job)} kernels: {max(r['s'] for r in results):.1f} s; (compiled, hits, waits, claim hits)"
-        f" {counts}"
+        f"\n{nodes} nodes, {len(job)} kernels: {max(r['s'] for r in results):.1f} s; "
+        f"(compiled, hits, waits, claim hits) {counts}"
     )
