@@ -153,7 +153,7 @@ def _run(tmp: Path, redis: RedisServer, nodes: int, job: list[dict[str, Any]]) -
                 proc.communicate()
 
 
-@pytest.mark.parametrize("nodes", [8, pytest.param(16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nodes", [8, 16])
 def test_one_compile_per_key_holds_past_key_list_refreshes_and_lease_renewals(
     tmp_path: Path, redis: RedisServer, nodes: int
 ) -> None:
