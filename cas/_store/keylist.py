@@ -29,8 +29,9 @@ compactly, and a node reads it once (then again, conditionally, every
   again or a publish into the store's directory lists its whole index.
 - **Staleness.** A reader's copy is up to :data:`REFRESH_S` old, and write-back
   merges its keys after the job has been quiet :data:`cuda_program_cas._store.warmset.QUIET_S`:
-  another node's new entry may be a miss for that long. The lease probe and the
-  warm-set fetch do not consult it, and a node lists what it wrote back itself at once.
+  another node's new entry may be a miss for that long. The lease probe, every lookup
+  of a compile that waited for or took a lease, and the warm-set fetch do not consult
+  it, and a node lists what it wrote back itself at once.
   A key the probe finds that the copy lacks shows the copy lags: until a copy lists
   it, lookups ask as without one (the entries of that compile are found).
 """
