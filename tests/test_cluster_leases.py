@@ -264,3 +264,34 @@ def test_a_holder_whose_upload_fails_marks_the_lease_and_every_waiter_compiles_a
         f"\nupload denied: every waiter done {after:.1f} s after the holder "
         f"(one compile of {held['done'] - held['t0']:.1f} s)"
     )
+
+
+def test_a_node_whose_uploads_fail_takes_no_lease_until_one_succeeds(tmp_path: Path, redis: RedisServer) -> None:
+    """Uploads known to fail: after one is denied, this node's claims take no lease (others would wait on it in
+    vain); once an upload succeeds again, they do. A lease held without a result to give is left marked."""
+    from cuda_program_cas import CacheStore
+    from cuda_program_cas.index import key_id
+
+    client = redis.client()
+    client.execute_command("ACL", "SETUSER", "lame2", "on", ">pw", "resetkeys", "%R~cpcas:*", "~cpcas:lease:*", "+@all")
+    store = CacheStore(tmp_path / "local", shared=[redis.url.replace("://", "://lame2:pw@") + "|write"])
+    try:
+        wb = store._writeback
+        assert wb is not None
+        first, second, third = (key_id(f"lease-{uuid.uuid4().hex}-{n}") for n in range(3))
+        with store.inner.claim(first) as got:
+            assert got.held and client.get(f"cpcas:lease:{first}") is not None  # no failure known yet: taken
+        assert client.get(f"cpcas:lease:{first}") == b"compile-now"  # given up without a result: marked
+        assert store.put(f"denied-{uuid.uuid4().hex}", b"v") and wb.flush(10)
+        assert store.counters()["uploads_dropped"] >= 1
+        with store.inner.claim(second) as got:
+            assert not got.waited  # the node's own claim only
+            assert client.exists(f"cpcas:lease:{second}") == 0  # its uploads fail: no lease taken
+        client.execute_command("ACL", "SETUSER", "lame2", "~cpcas:*")  # writes allowed again
+        assert store.put(f"allowed-{uuid.uuid4().hex}", b"v") and wb.flush(10)
+        assert store.counters()["uploads"] >= 1
+        with store.inner.claim(third) as got:
+            assert got.held and client.exists(f"cpcas:lease:{third}") == 1
+    finally:
+        store.close()
+        client.execute_command("ACL", "DELUSER", "lame2")
