@@ -221,7 +221,8 @@ class KeyView:
     def found(self, key: int) -> None:
         """``key`` was found in the store: where the copy lacks it, trust no absence until a copy lists it."""
         records = self._records
-        if records is not None and key not in records and key not in self._ours:
+        # Before any copy too: one fetched later may predate this key's upload as well.
+        if (records is None or key not in records) and key not in self._ours:
             self._lagging.add(key)
 
     def held(self) -> tuple[dict[int, int], dict[int, int]] | None:
