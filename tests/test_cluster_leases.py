@@ -47,7 +47,8 @@ NODE = textwrap.dedent(
     cache.close()  # the holder's upload and the lease's release before its counts are read
     c = cache.stats()
     print(json.dumps({"t0": t0, "done": done, "compiled": c.misses, "hits": c.hits, "shared_hits": c.shared_hits,
-                      "waits": c.claim_waits, "uploads": c.uploads, "dropped": c.uploads_dropped,
+                      "waits": c.claim_waits, "claim_hits": c.claim_hits, "uploads": c.uploads,
+                      "dropped": c.uploads_dropped,
                       "size": len(code), "code": code.hex()}), flush=True)
     """
 )
@@ -80,10 +81,19 @@ def _new_kernel() -> str:
 
 
 class Node:
-    def __init__(self, tmp: Path, n: int, source: str | list[str], store: str, ttl: str, *, also: str = "") -> None:
-        env = dict(os.environ)
+    def __init__(
+        self,
+        tmp: Path,
+        n: int,
+        source: str | list[str],
+        store: str,
+        ttl: str,
+        *,
+        also: str = "",
+        env: dict[str, str] | None = None,
+    ) -> None:
         shared = f"{store}|write {also}".strip()  # the Redis store, then (also) read-only stores
-        env.update({"CUDA_PROGRAM_CAS_SHARED": shared, "CUDA_PROGRAM_CAS_LEASE_TTL": ttl})
+        env = {**os.environ, **(env or {}), "CUDA_PROGRAM_CAS_SHARED": shared, "CUDA_PROGRAM_CAS_LEASE_TTL": ttl}
         env.pop("CUDA_PROGRAM_CAS", None)
         self.proc = subprocess.Popen(
             [
@@ -200,3 +210,88 @@ def test_with_an_nginx_store_too_published_kernels_are_hits_and_a_new_one_is_com
     assert all(r["shared_hits"] >= 1 for r in results)  # the old kernel, from nginx
     assert sum(r["uploads"] for r in results) == 2  # the new kernel's binary and record, once
     assert len(blob_gets) >= len(nodes)  # every node read the old kernel's blob from nginx
+
+
+def test_nodes_that_cannot_publish_take_no_lease_and_finish_within_one_compile(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """The signing key's file is missing on every node: each upload is dropped, so no node takes the lease (that
+    others would wait on for a result that never comes); the 4 nodes compile side by side and none waits."""
+    source = _new_kernel()
+    missing = {"CUDA_PROGRAM_CAS_SIGNING_KEY": str(tmp_path / "no-such.key")}
+    nodes = [Node(tmp_path, n, source, redis.url, "30", env=missing) for n in range(4)]
+    for node in nodes:
+        node.go()
+    results = [node.result() for node in nodes]
+    counts = [(r["compiled"], r["waits"], r["uploads"], r["dropped"]) for r in results]
+    assert all(r["compiled"] == 1 and r["waits"] == 0 for r in results), counts  # no node waited for another
+    assert all(r["uploads"] == 0 and r["dropped"] >= 1 for r in results), counts
+    assert len({r["code"] for r in results}) == 1
+    assert [(k, redis.client().get(k)) for k in redis.client().keys("cpcas:lease:*")] == []
+    took = [r["done"] - r["t0"] for r in results]
+    print(f"\nuploads impossible: 4 nodes done in {', '.join(f'{t:.1f}' for t in sorted(took))} s (each compiled)")
+
+
+def test_a_holder_whose_upload_fails_marks_the_lease_and_every_waiter_compiles_at_once(
+    tmp_path: Path, redis: RedisServer
+) -> None:
+    """The holder's Redis user may write leases and nothing else: its upload is denied after its compile, so it
+    gives the lease up with the mark, and each of the 4 waiting nodes stops waiting and compiles (not one of
+    them taking the lease while the others wait for it in turn)."""
+    client = redis.client()
+    client.execute_command(
+        "ACL", "SETUSER", "lame", "on", ">lame-pw", "resetkeys", "%R~cpcas:*", "~cpcas:lease:*", "+@all"
+    )
+    try:
+        source = _new_kernel()
+        holder = Node(tmp_path, 0, source, redis.url.replace("://", "://lame:lame-pw@"), "30")
+        others = [Node(tmp_path, n, source, redis.url, "30") for n in range(1, 5)]
+        holder.go()
+        _lease_taken(redis)
+        for node in others:
+            node.go()
+        held = holder.result()
+        results = [node.result() for node in others]
+    finally:
+        client.execute_command("ACL", "DELUSER", "lame")
+    assert (held["compiled"], held["uploads"]) == (1, 0) and held["dropped"] >= 1, held
+    counts = [(r["compiled"], r["hits"], r["waits"]) for r in results]
+    assert all(r["compiled"] == 1 and r["waits"] == 1 for r in results), counts  # each waited once, then compiled
+    assert [client.get(k) for k in client.keys("cpcas:lease:*")] == [b"compile-now"]  # the mark, until its TTL
+    assert len({r["code"] for r in results} | {held["code"]}) == 1
+    after = max(r["done"] for r in results) - held["done"]
+    print(
+        f"\nupload denied: every waiter done {after:.1f} s after the holder "
+        f"(one compile of {held['done'] - held['t0']:.1f} s)"
+    )
+
+
+def test_a_node_whose_uploads_fail_takes_no_lease_until_one_succeeds(tmp_path: Path, redis: RedisServer) -> None:
+    """Uploads known to fail: after one is denied, this node's claims take no lease (others would wait on it in
+    vain); once an upload succeeds again, they do. A lease held without a result to give is left marked."""
+    from cuda_program_cas import CacheStore
+    from cuda_program_cas.index import key_id
+
+    client = redis.client()
+    client.execute_command("ACL", "SETUSER", "lame2", "on", ">pw", "resetkeys", "%R~cpcas:*", "~cpcas:lease:*", "+@all")
+    store = CacheStore(tmp_path / "local", shared=[redis.url.replace("://", "://lame2:pw@") + "|write"])
+    try:
+        wb = store._writeback
+        assert wb is not None
+        first, second, third = (key_id(f"lease-{uuid.uuid4().hex}-{n}") for n in range(3))
+        with store.inner.claim(first) as got:
+            assert got.held and client.get(f"cpcas:lease:{first}") is not None  # no failure known yet: taken
+        assert client.get(f"cpcas:lease:{first}") == b"compile-now"  # given up without a result: marked
+        assert store.put(f"denied-{uuid.uuid4().hex}", b"v") and wb.flush(10)
+        assert store.counters()["uploads_dropped"] >= 1
+        with store.inner.claim(second) as got:
+            assert not got.waited  # the node's own claim only
+            assert client.exists(f"cpcas:lease:{second}") == 0  # its uploads fail: no lease taken
+        client.execute_command("ACL", "SETUSER", "lame2", "~cpcas:*")  # writes allowed again
+        assert store.put(f"allowed-{uuid.uuid4().hex}", b"v") and wb.flush(10)
+        assert store.counters()["uploads"] >= 1
+        with store.inner.claim(third) as got:
+            assert got.held and client.exists(f"cpcas:lease:{third}") == 1
+    finally:
+        store.close()
+        client.execute_command("ACL", "DELUSER", "lame2")

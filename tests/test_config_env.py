@@ -80,6 +80,7 @@ def test_config_lists_every_variable_with_its_value_source_and_verdict(
         "CUDA_PROGRAM_CAS_HTTP_TOKEN": TOKEN,
         "CUDA_PROGRAM_CAS_CA_BUNDLE": str(bundle),
         "CUDA_PROGRAM_CAS_LEASE_TTL": "20s",
+        "CUDA_PROGRAM_CAS_KEYS_REFRESH": "1s",
         "CUDA_PROGRAM_CAS_SIGNING_KEY": str(tmp_path / "site.key"),
         "CUDA_PROGRAM_CAS_TRUSTED_KEYS": str(tmp_path / "site.pub"),
         "CUDA_PROGRAM_CAS_REDIS_PASSWORD": TOKEN,

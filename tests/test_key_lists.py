@@ -328,3 +328,23 @@ def test_the_held_list_answers_as_the_dict_of_its_records(records: dict[int, int
     for k in probes:
         assert (k in listed) == (k in records)
         assert listed.get(k, -1) == records.get(k, -1)
+
+def test_a_key_the_probe_finds_before_any_list_makes_a_later_copy_that_lacks_it_lag(
+    redis: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store has no key list when the probe finds another node's entries; the copy fetched next (another
+    writer's list, merged before that upload) lacks them, and lookups still ask: the front door's result is found."""
+    node = CacheStore(tmp_path / "node", shared=[f"{redis.url}|write"])
+    assert node.get("absent") is None  # the first fetch: no key list in the store yet
+    engine = node.inner.shared[0].engine
+    for k in ("k2", "k3"):  # another node's compile: two entries, neither listed
+        data, kid = value(int(k[1:])), key_id(k)
+        upload_entry(engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode())
+    assert node._find_shared(key_id("k2"), None, unlisted=True) is not None  # the probe, while no copy is held
+    writer = CacheStore(tmp_path / "w", shared=[f"{redis.url}|write"])
+    writer.put("k1", value(1))
+    writer.close()  # a key list now: k1 alone
+    monkeypatch.setattr(keylist, "REFRESH_S", 0.0)
+    assert node.get("k3") == value(3)  # the new copy lacks k2 and k3: it lags, and the lookup asks
+    keys = node.inner.shared[0].keys
+    assert keys is not None and keys.fetches >= 2

@@ -18,6 +18,7 @@ import socket
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from conftest import redis_or_skip, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 from cuda_program_cas._remote.redis import ENV_REDIS_PASSWORD, KEY_PREFIX, RedisEngine
 
 PASSWORD = "Pw-7f3a9c.sekr1t"  # noqa: S105 - a test's password, grepped for in every output
@@ -891,6 +892,69 @@ def test_renew_keeps_a_lease_and_only_its_holder_renews_or_releases(
     assert theirs is not None
     holder.release("compile/r", token)  # a late release of the old token leaves the new holder alone
     assert client.get(key) == theirs.encode()
+
+
+def test_a_holder_that_gives_up_leaves_the_mark_for_its_ttl_and_a_look_takes_nothing(
+    server: RedisServer, make: Any, prefix: str
+) -> None:
+    holder, other = make(server.url), make(server.url)
+    client = server.client()
+    key = f"{prefix}lease:compile/m"
+    assert other.lease("compile/m", 5, take=False) == ""  # free, and only looked at
+    assert client.exists(key) == 0
+    token = holder.lease("compile/m", 5)
+    assert token is not None and other.lease("compile/m", 5, take=False) is None
+    other.release("compile/m", "not-the-token", mark_s=5)  # only the holder marks
+    assert client.get(key) == token.encode()
+    holder.release("compile/m", token, mark_s=0.3)
+    assert client.get(key) == LEASE_MARK.encode()
+    assert other.lease("compile/m", 5) == LEASE_MARK and other.lease("compile/m", 5, take=False) == LEASE_MARK
+    while client.exists(key):  # the mark ends with its own TTL
+        time.sleep(0.01)
+    assert other.lease("compile/m", 5) not in (None, "", LEASE_MARK)  # free: taken
+
+
+_LEASE_OPS = st.lists(
+    st.tuples(st.sampled_from(["take", "look", "release", "mark"]), st.integers(min_value=0, max_value=2)),
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_LEASE_OPS)
+def test_lease_take_look_release_and_mark_follow_the_model(
+    server: RedisServer, make: Any, prefix: str, ops: list[tuple[str, int]]
+) -> None:
+    """Three holders take, look at, release and mark one lease in any order: each answer is the model's
+    (free: a take wins, a look says ""; held: None; marked: the mark, for takes and looks alike; only the
+    token that holds it releases or marks)."""
+    engines = [make(server.url) for _ in range(3)]
+    name = f"prop/{uuid.uuid4().hex}"  # not random: hypothesis seeds it alike for each example
+    state: object = None  # None: free; an int: that engine holds it; LEASE_MARK: marked
+    tokens: list[str | None] = [None, None, None]
+    for op, i in ops:
+        e = engines[i]
+        if op in ("take", "look"):
+            got = e.lease(name, 60, take=op == "take")
+            if state is None:
+                if op == "take":
+                    assert got not in (None, "", LEASE_MARK)
+                    state, tokens[i] = i, got
+                else:
+                    assert got == ""
+            else:
+                assert got == (LEASE_MARK if state == LEASE_MARK else None)
+        else:
+            token = tokens[i]
+            if token is None:
+                continue
+            e.release(name, token, mark_s=60 if op == "mark" else 0.0)
+            if state == i:
+                state = LEASE_MARK if op == "mark" else None
+            tokens[i] = None
+    holds = server.client().get(f"{prefix}lease:{name}")
+    want = None if state is None else LEASE_MARK.encode() if state == LEASE_MARK else tokens[state].encode()  # type: ignore[index]
+    assert holds == want
 
 
 def test_lease_scripts_are_sent_by_sha_and_again_in_full_where_the_server_lacks_them(

@@ -46,6 +46,7 @@ __all__ = [
     "VAR_HTTP_TIMEOUT",
     "VAR_HTTP_TOKEN",
     "VAR_JOB",
+    "VAR_KEYS_REFRESH",
     "VAR_LEASE_TTL",
     "VAR_LOG",
     "VAR_MAX_ENTRY_SIZE",
@@ -481,6 +482,12 @@ VAR_LEASE_TTL: Variable[float] = Variable(
     "how long a node's lease on a key in a Redis store lives unrenewed (a killed holder frees it within this)",
     "30 s",
 )
+VAR_KEYS_REFRESH: Variable[float] = Variable(
+    "CUDA_PROGRAM_CAS_KEYS_REFRESH",
+    parse_duration,
+    "how long a node trusts its copy of a store's key list before asking for it again",
+    "30 s",
+)
 VAR_SIGNING_KEY: Variable[str] = Variable(
     "CUDA_PROGRAM_CAS_SIGNING_KEY",
     str,
@@ -529,6 +536,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     VAR_HTTP_TOKEN,
     VAR_CA_BUNDLE,
     VAR_LEASE_TTL,
+    VAR_KEYS_REFRESH,
     VAR_SIGNING_KEY,
     VAR_TRUSTED_KEYS,
     VAR_REDIS_PASSWORD,

@@ -43,11 +43,14 @@ from blake3 import blake3
 
 from .errors import CacheError
 
-__all__ = ["LOCAL", "ConditionalGet", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
+__all__ = ["LEASE_MARK", "LOCAL", "ConditionalGet", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
 LOCAL = "could not take the answer in"
+#: What a lease holds once its holder gave it up without a result it could publish (its upload
+#: failed, or its compile): a node waiting for it compiles at once (:mod:`cuda_program_cas._store.lease`).
+LEASE_MARK = "compile-now"
 
 
 class StoreFailure(CacheError):
@@ -148,16 +151,20 @@ class Engine(Protocol):
         """The size of ``name`` in bytes without reading it, or None when there is none."""
         ...
 
-    def lease(self, name: str, ttl_s: float) -> str | None:
-        """Take the lease ``name`` for ``ttl_s`` seconds: its token, or None when another holds it."""
+    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
+        """Take the lease ``name`` for ``ttl_s`` seconds: its token, or None when another holds it.
+
+        :data:`LEASE_MARK` when its holder gave it up with that mark (:meth:`release`): compile now.
+        ``take=False``: only look (a node that cannot publish): None, the mark, or "" when free.
+        """
         ...
 
     def renew(self, name: str, token: str, ttl_s: float) -> bool:
         """Extend a lease this holder still holds; False when it was lost (expired, taken)."""
         ...
 
-    def release(self, name: str, token: str) -> None:
-        """Give a lease back, only if ``token`` still holds it."""
+    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
+        """Give a lease back, only if ``token`` still holds it; ``mark_s``: leave :data:`LEASE_MARK` that long."""
         ...
 
     def close(self) -> None:

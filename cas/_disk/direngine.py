@@ -213,13 +213,13 @@ class DirEngine:
 
     # -- leases: none here ----------------------------------------------------------------
 
-    def lease(self, name: str, ttl_s: float) -> str | None:
+    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
         raise StoreFailure(self.root, "no leases", "a directory store gives no leases", outage=False)
 
     def renew(self, name: str, token: str, ttl_s: float) -> bool:
         return False
 
-    def release(self, name: str, token: str) -> None:
+    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
         return
 
     def close(self) -> None:

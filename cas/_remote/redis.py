@@ -30,10 +30,13 @@ Each call is one round trip on one pooled connection:
   trip and a few bytes. A server that refuses scripts (an ACL, a managed service
   without ``EVAL``) is read by ``get`` from then on.
 - ``size``: ``STRLEN``, and ``EXISTS`` for a length of 0. ``remove``: ``UNLINK``.
-- ``lease``: ``SET k token NX PX ttl``; ``renew``/``release``: a Lua script that
-  compares the token and then acts (``PEXPIRE``/``DEL``), sent by ``EVALSHA``
-  with ``EVAL`` when the server does not have it yet: only the holder renews or
-  releases. A lease dies with its TTL, however its holder died.
+- ``lease``: ``SET k token NX PX ttl`` and ``GET k`` in one round trip (the
+  value tells a holder's token from the mark a holder that gave up left;
+  ``take=False``: the ``GET`` alone); ``renew``/``release``: a Lua script that
+  compares the token and then acts (``PEXPIRE``/``DEL``, or ``SET`` of the mark
+  with its own TTL), sent by ``EVALSHA`` with ``EVAL`` when the server does not
+  have it yet: only the holder renews or releases. A lease dies with its TTL,
+  however its holder died.
 
 Bounds. Every call has one deadline: :data:`DEFAULT_TIMEOUT_S` (or
 ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``), covering connect, TLS, AUTH, the request and
@@ -63,7 +66,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
-from cuda_program_cas._base.engine import Engine, StoreFailure, check_digest, limits_of
+from cuda_program_cas._base.engine import LEASE_MARK, Engine, StoreFailure, check_digest, limits_of
 from cuda_program_cas._base.fork import after_fork
 
 from .client import ENV_CA_BUNDLE, ca_bundle
@@ -105,6 +108,11 @@ _MAX_IDLE = 16
 # KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# ARGV[2] the mark's TTL in ms, ARGV[3] the mark: what a holder that gave up leaves for its waiters.
+_MARK = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2]) end "
+    "return 0"
+)
 # KEYS[1] the object, ARGV[1] the SHA-1 of the copy in hand ("" for none), ARGV[2] the limit. nil: no such key.
 _CHANGED = (
     "local v = redis.call('GETRANGE', KEYS[1], 0, ARGV[2]) "
@@ -309,17 +317,28 @@ class RedisEngine:
         self._check(exists, name)
         return int(length) if length or exists else None
 
-    def lease(self, name: str, ttl_s: float) -> str | None:
-        token = secrets.token_hex(16)
-        (reply,) = self._call([("SET", self._lease_key(name), token, "NX", "PX", _ms(ttl_s))])
-        self._check(reply, name)
-        return token if reply is not None else None
+    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
+        key, token = self._lease_key(name), secrets.token_hex(16)
+        ms = _ms(ttl_s)
+        # The holder's value read in the same round trip: a mark left by a holder that gave up says compile now.
+        replies = self._call([("SET", key, token, "NX", "PX", ms), ("GET", key)] if take else [("GET", key)])
+        for reply in replies:
+            self._check(reply, name)
+        if take and replies[0] is not None:
+            return token
+        held = replies[-1]
+        if held == LEASE_MARK.encode():
+            return LEASE_MARK
+        return "" if held is None and not take else None
 
     def renew(self, name: str, token: str, ttl_s: float) -> bool:
         return bool(self._script(_RENEW, name, token, _ms(ttl_s)) == 1)
 
-    def release(self, name: str, token: str) -> None:
-        self._script(_RELEASE, name, token)
+    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
+        if mark_s > 0:
+            self._script(_MARK, name, token, _ms(mark_s), LEASE_MARK)
+        else:
+            self._script(_RELEASE, name, token)
 
     def close(self) -> None:
         with self._lock:

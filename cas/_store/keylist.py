@@ -30,8 +30,9 @@ compactly, and a node reads it once (then again, conditionally, every
   again or a publish into the store's directory lists its whole index.
 - **Staleness.** A reader's copy is up to :data:`REFRESH_S` old, and write-back
   merges its keys after the job has been quiet :data:`cuda_program_cas._store.warmset.QUIET_S`:
-  another node's new entry may be a miss for that long. The lease probe and the
-  warm-set fetch do not consult it, and a node lists what it wrote back itself at once.
+  another node's new entry may be a miss for that long. The lease probe, every lookup
+  of a compile that waited for or took a lease, and the warm-set fetch do not consult
+  it, and a node lists what it wrote back itself at once.
   A key the probe finds that the copy lacks shows the copy lags: until a copy lists
   it, lookups ask as without one (the entries of that compile are found).
 """
@@ -46,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import tee
 from operator import lt
 
+from cuda_program_cas._base.config import VAR_KEYS_REFRESH
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 
@@ -78,7 +80,8 @@ _RECORD = struct.Struct(">QI")
 _KEY = struct.Struct(">Q")
 #: The largest key list written or read: about 1.4 million keys.
 MAX_BYTES = 16 << 20
-#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged).
+#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged);
+#: ``$CUDA_PROGRAM_CAS_KEYS_REFRESH`` sets another.
 REFRESH_S = 30.0
 #: Read-merge-write rounds at most, when other writers' lists replace ours meanwhile.
 MERGE_TRIES = 4
@@ -245,7 +248,8 @@ class KeyView:
     Nothing is asked until :meth:`records` is first called (the first loose lookup:
     a cold node served by its warm set makes no request for it). Then the copy is
     asked again, conditionally where the engine can (``get_changed``: an
-    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`,
+    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`
+    (``$CUDA_PROGRAM_CAS_KEYS_REFRESH``, read when the view is made),
     by one thread while the others use the copy they have. ``timed(call)`` runs
     each request (the store above measures its round trip by it).
     """
@@ -258,6 +262,8 @@ class KeyView:
         self._tag: str | None = None
         self._at = float("-inf")
         self._lock = threading.Lock()
+        #: The variable's interval, or None: :data:`REFRESH_S`.
+        self._refresh_s: float | None = VAR_KEYS_REFRESH.value()
         #: Keys this process wrote back itself: listed at once, whatever the store's copy says yet.
         self._ours: dict[int, int] = {}
         #: Keys found in the store that the copy does not list (another node's upload, not merged yet): while
@@ -279,7 +285,8 @@ class KeyView:
     def found(self, key: int) -> None:
         """``key`` was found in the store: where the copy lacks it, trust no absence until a copy lists it."""
         records = self._records
-        if records is not None and key not in records and key not in self._ours:
+        # Before any copy too: one fetched later may predate this key's upload as well.
+        if (records is None or key not in records) and key not in self._ours:
             self._lagging.add(key)
 
     def held(self) -> tuple[Mapping[int, int], dict[int, int]] | None:
@@ -298,11 +305,12 @@ class KeyView:
 
         A :class:`StoreFailure` that is an outage reaches the caller (the store pauses).
         """
-        if time.monotonic() - self._at >= REFRESH_S:
+        every = REFRESH_S if self._refresh_s is None else self._refresh_s
+        if time.monotonic() - self._at >= every:
             first = self._at == float("-inf")
             if self._lock.acquire(blocking=first):  # the first fetch is waited for; a refresh is one thread's
                 try:
-                    if time.monotonic() - self._at >= REFRESH_S:
+                    if time.monotonic() - self._at >= every:
                         self._refresh()
                 finally:
                     self._lock.release()

@@ -8,15 +8,22 @@ its node's claim then asks the writable store for the key's *lease*
 - **Taken**: this node compiles. A thread renews the lease every third of its
   time to live while the compile runs; the lease is given back (only if the token
   still holds it) once the result has been uploaded by write-back
-  (:mod:`cuda_program_cas._store.writeback`), or at once when the compile failed
-  or its result was not stored, so that a waiter compiles.
+  (:mod:`cuda_program_cas._store.writeback`). A holder with no result to give
+  (its compile failed, its result was not stored, its upload failed) gives the
+  lease up at once with a *mark* (:data:`~cuda_program_cas._base.engine.LEASE_MARK`,
+  living one time to live): every node waiting for it looks once more, then
+  compiles at once, rather than one after another.
+- **Not taken by a node that cannot publish** (write-back cannot send: no usable
+  signing key, the store paused, its last upload failed; ``take=False``): it
+  never holds a lease others would wait for in vain. It waits for another node's
+  lease as below, and compiles at once when none is held.
 - **Held by another node**: this one waits, looking the key up in the shared
-  stores (its manifest, then its blob: two small reads) and asking for the lease
-  again, every 20 ms at first and every 0.5 s at most. The result found is a hit
-  (and a claim hit). The lease freed without a result (its holder failed, was
-  killed and its lease expired): this node takes it and compiles. The wait is
-  bounded as a claim's (``$CUDA_PROGRAM_CAS_CLAIM_WAIT``, 5 minutes): past it,
-  this node compiles.
+  stores (its manifest, then its blob: two small reads, past the key list) and
+  asking for the lease again, every 20 ms at first and every 0.5 s at most. The
+  result found is a hit (the caller counts it, and its claim hit). The lease freed
+  without a result (its holder was killed and its lease expired): this node takes
+  it and compiles. The mark: this node compiles. The wait is bounded as a claim's
+  (``$CUDA_PROGRAM_CAS_CLAIM_WAIT``, 5 minutes): past it, this node compiles.
 - **No answer** (the store is down, paused, or gives no leases): compile, as
   without leases. Nothing here raises into the caller.
 
@@ -36,12 +43,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 
 from .stats import Counters
 from .tier import Tier
 
-__all__ = ["POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]
+__all__ = ["HELD", "POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -49,6 +56,8 @@ _log = logging.getLogger("cuda_program_cas")
 POLL_FIRST_S = 0.02
 #: The longest wait between looks.
 POLL_MAX_S = 0.5
+#: What :func:`_take` says of a lease another node holds (a token is 32 hex digits, the mark a word).
+HELD = "held"
 
 
 @dataclass
@@ -58,20 +67,23 @@ class Lease:
     held: bool = False
     waited: bool = False
     found: tuple[bytes, str] | None = None
-    _release: Callable[[], None] | None = field(default=None, repr=False)
+    _release: Callable[[bool], None] | None = field(default=None, repr=False)
 
-    def done(self) -> None:
-        """Give the lease back now (idempotent); write-back calls it after the result's upload."""
+    def done(self, *, mark: bool = True) -> None:
+        """Give the lease up now (idempotent): with the mark, no result to come from here; without, one is there."""
         release, self._release = self._release, None
         if release is not None:
-            release()
+            release(mark)
 
     def pass_on(self) -> Callable[[bool], None] | None:
-        """The release as a write-back callback, taken from this lease (its ``with`` block then releases nothing)."""
+        """The release as a write-back callback, taken from this lease (its ``with`` block then releases nothing).
+
+        Called with ``sent`` False (the upload failed), it leaves the mark: waiters compile now.
+        """
         release, self._release = self._release, None
         if release is None:
             return None
-        return lambda _sent: release()
+        return lambda sent: release(not sent)
 
 
 def _name(kid: str) -> str:
@@ -87,14 +99,15 @@ def lease(
     wait_s: float,
     probe: Callable[[], tuple[bytes, str] | None],
     counters: Counters,
+    take: bool = True,
 ) -> Iterator[Lease]:
-    """The lease on ``kid`` in ``tier`` for the ``with`` block (module docstring); ``probe()`` looks for a result."""
-    got = _take(tier, kid, ttl_s)
-    if got is None:
-        yield Lease()
-        return
+    """The lease on ``kid`` in ``tier`` for the ``with`` block (module docstring); ``probe()`` looks for a result.
+
+    ``take``: False for a node that cannot publish a result: it waits for another's lease, never holds one.
+    """
+    got = _take(tier, kid, ttl_s, take)
     state = Lease()
-    if got == "":  # another node holds it: wait for its result, or for the lease
+    if got == HELD:  # another node holds it: wait for its result, or for the lease
         counters.add("claim_waits")
         state.waited = True
         deadline = time.monotonic() + wait_s
@@ -103,21 +116,21 @@ def lease(
         while True:
             state.found = probe()
             if state.found is not None:
-                counters.add("claim_hits")
                 break
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             wake.wait(min(pause, left))
             pause = min(POLL_MAX_S, pause * 1.5)
-            got = _take(tier, kid, ttl_s)
-            if got is None:
-                break  # the store stopped answering: compile
-            if got:
-                break  # freed without a result: this node compiles
-        if not got:
-            yield state
-            return
+            got = _take(tier, kid, ttl_s, take)
+            if got == LEASE_MARK:
+                state.found = probe()  # its holder gave up: a last look (its upload may have reached this store)
+            if got != HELD:
+                break  # taken (freed without a result), free, marked, or no answer: compile
+    if not _token(got):
+        yield state
+        return
+    assert got is not None
     token = got
     state.held = True
     stop = threading.Event()
@@ -126,10 +139,10 @@ def lease(
     )
     renewer.start()
 
-    def release() -> None:
+    def release(mark: bool) -> None:
         stop.set()
         try:
-            tier.engine.release(_name(kid), token)
+            tier.engine.release(_name(kid), token, mark_s=ttl_s if mark else 0.0)
         except StoreFailure as exc:
             tier.failed(exc)  # it expires on its own
 
@@ -140,19 +153,24 @@ def lease(
         state.done()
 
 
-def _take(tier: Tier, kid: str, ttl_s: float) -> str | None:
-    """A token (taken), "" (another holds it), or None (no lease to be had: compile)."""
+def _token(got: str | None) -> bool:
+    """Whether :func:`_take`'s answer is a token (this node holds the lease)."""
+    return bool(got) and got not in (HELD, LEASE_MARK)
+
+
+def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
+    """A token (taken), :data:`HELD` (another holds it), the mark, "" (free, not taken), or None (no answer)."""
     if tier.paused():
         return None
     try:
-        token = tier.engine.lease(_name(kid), ttl_s)
+        token = tier.engine.lease(_name(kid), ttl_s, take=take)
     except StoreFailure as exc:
         tier.failed(exc)
         return None
     except Exception as exc:  # an engine's bug: no lease, never the caller's exception
         _log.debug("cuda-program-cas: lease on %s in %s failed: %r", kid, tier.root, exc)
         return None
-    return token if token is not None else ""
+    return HELD if token is None else token
 
 
 def _renew(tier: Tier, kid: str, token: str, ttl_s: float, stop: threading.Event) -> None:

@@ -174,6 +174,9 @@ class CacheStore:
         #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
         self._lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
+        #: ``on`` in a thread inside a lease's block (waited for, taken, or found free): its lookups go past the
+        #: key lists, whose copies may predate another node's uploads (the front door's result, not only the key).
+        self._past_list = threading.local()
         if targets and not self.read_only:
             from cuda_program_cas._base.signing import env_signer
 
@@ -416,6 +419,7 @@ class CacheStore:
                     if self._used is not None:
                         self._used.add(kid, local[1], len(local[0]))
                     return local[0], came_from
+        unlisted = unlisted or getattr(self._past_list, "on", False)
         for store in self._shared:
             found = store.lookup(kid, unlisted=unlisted)
             if found is not None:
@@ -518,15 +522,23 @@ class CacheStore:
                 # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
                 return self._find_shared(kid, None, unlisted=True)
 
-            with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=self._counters) as got:
+            wb = self._writeback
+            can = wb is not None and wb.can_publish(tier)  # a node that cannot publish holds no lease
+            with lease(
+                tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=self._counters, take=can
+            ) as got:
                 if got.held:
                     self._leases[kid] = got
+                if (got.held or not (can or got.waited)) and self._find_shared(kid, None, unlisted=True) is not None:
                     # Asked once more, past the key list: a node that let the lease go just now may have stored
                     # it, its key list not yet merged. Found: copied in, the caller's next look is local.
-                    self._find_shared(kid, None, unlisted=True)
+                    got.done(mark=False)  # there: given back plainly (others' lookups find it too)
+                # The caller's lookups too (the front door's result, not only this key): past the key list.
+                past, self._past_list.on = getattr(self._past_list, "on", False), True
                 try:
                     yield Claim(held=mine.held or got.held, waited=got.waited, timed_out=got.waited and not got.held)
                 finally:
+                    self._past_list.on = past
                     self._leases.pop(kid, None)
 
     def _find_or_claim(

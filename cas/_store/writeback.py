@@ -122,6 +122,8 @@ class WriteBack:
         self._flushing = 0  # flushes waiting: the quiet send does not wait for quiet
         #: Per store (by position): keys uploaded there and not yet merged into its key list.
         self._unlisted: list[list[str]] = [[] for _ in self.tiers]
+        #: Per store (by position): whether its last upload failed (a lease is not taken while it does).
+        self._failing = [False] * len(self.tiers)
         #: Warm sets sent, and key-list merges that held every key sent (tests read them).
         self.sets_sent = 0
         self.keys_listed = 0
@@ -168,6 +170,12 @@ class WriteBack:
         if not is_local_id(kid):
             for tier in self.tiers:
                 self._dropped(tier.root, f"the local cache did not store it: {why}")
+
+    def can_publish(self, tier: Tier) -> bool:
+        """Whether an entry submitted now could reach ``tier``: a usable signing key, the store not paused, its last
+        upload not failed (:mod:`.lease`: a node that cannot publish takes no lease that others would wait on)."""
+        at = self.tiers.index(tier)
+        return self._unusable is None and not tier.paused() and not self._failing[at]
 
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
         """Queue one new local entry for upload; False (counted, said once) when it is dropped at once.
@@ -242,7 +250,8 @@ class WriteBack:
             sent = True
             try:
                 for at, tier in enumerate(self.tiers):
-                    if self._send(tier, kid, digest, data):
+                    self._failing[at] = failed = not self._send(tier, kid, digest, data)
+                    if not failed:
                         tier_keys = tier.keys
                         if tier_keys is not None:
                             tier_keys.add([(number(kid), 0)])  # this node finds it there at once
