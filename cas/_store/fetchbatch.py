@@ -40,11 +40,11 @@ from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE, entry_at
 from cuda_program_cas.index import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
+    from cuda_program_cas._base.engine import Engine
+    from cuda_program_cas._base.signing import Trust
     from cuda_program_cas._remote.httppacks import Ranges
 
-    from .tier import Tier
-
-__all__ = ["BATCH_BYTES", "Keep", "Wanted", "batched", "fetch"]
+__all__ = ["BATCH_BYTES", "Keep", "Source", "Wanted", "batched", "fetch"]
 
 _T = TypeVar("_T")
 
@@ -76,6 +76,20 @@ class Wanted(Protocol):
     def at(self) -> int | None: ...
 
 
+class Source(Protocol):
+    """The store fetched from (:class:`~cuda_program_cas._store.tier.Tier`): its engine and packs, and its judgments."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def packs(self) -> object | None: ...
+    @property
+    def trust(self) -> Trust | None: ...
+    def fits(self, size: int, kid: str) -> bool: ...
+    def judge(self, kid: str, data: bytes) -> tuple[str, int] | None: ...
+    def hashes(self, e: Wanted, data: bytes | memoryview) -> bool: ...
+
+
 def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]]:
     """``units`` in order, in runs whose ``cost`` sums to at most :data:`BATCH_BYTES` (or one unit alone)."""
     batch: list[_T] = []
@@ -91,7 +105,7 @@ def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]
         yield batch
 
 
-def fetch(tier: Tier, entries: Sequence[Wanted], keep: Keep) -> None:
+def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
     """Fetch ``entries`` from ``tier`` (module docstring), calling ``keep`` for each one verified."""
     ranged: _Ranged | None = getattr(tier.packs, "fetch_ranges", None) if tier.trust is None else None
     by_pack: dict[str, list[Wanted]] = {}
@@ -108,7 +122,7 @@ def fetch(tier: Tier, entries: Sequence[Wanted], keep: Keep) -> None:
     _loose(tier, loose, keep)
 
 
-def _packed(tier: Tier, ranged: _Ranged | None, pack: str, lines: list[Wanted], keep: Keep) -> None:
+def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted], keep: Keep) -> None:
     assert ranged is not None
     spans: dict[tuple[int, int], list[Wanted]] = {}
     for e in lines:
@@ -142,7 +156,7 @@ def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
     )
 
 
-def _loose(tier: Tier, lines: list[Wanted], keep: Keep) -> None:
+def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
     blobs: dict[tuple[str, int], list[Wanted]] = {}
     for e in lines:
         blobs.setdefault((e.digest, e.size), []).append(e)
