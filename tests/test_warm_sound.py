@@ -142,37 +142,33 @@ def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         pass
 
 
-# A line: its key, and for each field the key whose field it takes (or a made-up value).
-_field = st.one_of(st.integers(0, N - 1), st.just(-1))
-_line = st.tuples(st.integers(0, N - 1), _field, _field, _field, _field, _field, st.integers(0, 1 << 20))
+# A line: its key, the key whose line it copies, which fields it makes up instead (a bit each: digest, size, pack,
+# offset, index place, no index place), and the made-up values' seed.
+_line = st.tuples(
+    st.integers(0, N - 1), st.integers(0, N - 1), st.one_of(st.just(0), st.integers(0, 63)), st.integers(0, 1 << 20)
+)
+Spec = tuple[int, int, int, int]
 
 
-def _forged(truth: dict[str, Line], spec: tuple[int, int, int, int, int, int, int]) -> Line:
-    kid = key_id(KEYS[spec[0]])
-    lines = [truth[key_id(k)] for k in KEYS]
-    noise = spec[6]
-
-    def of(i: int) -> Line | None:
-        return None if i < 0 else lines[i]
-
-    digest = of(spec[1]).digest if of(spec[1]) else digest_of(noise.to_bytes(4, "big"))
-    size = of(spec[2]).size if of(spec[2]) else noise % 9000
-    placed = of(spec[3])
-    pack = placed.pack if placed else None
-    offset_from, at_from = of(spec[4]), of(spec[5])
-    offset = (offset_from.offset if offset_from else noise) if pack else None
-    at = (at_from.at if at_from else noise + 8) if pack else None
-    if noise % 4 == 0:
+def _forged(truth: dict[str, Line], spec: Spec, older: bool) -> Line:
+    kid, copied, made_up, noise = key_id(KEYS[spec[0]]), truth[key_id(KEYS[spec[1]])], spec[2], spec[3]
+    digest = digest_of(noise.to_bytes(4, "big")) if made_up & 1 else copied.digest
+    size = noise % 9000 if made_up & 2 else copied.size
+    pack = (copied.pack or "pack-" + "0" * 16 + "-00000000.cpk") if made_up & 4 else copied.pack
+    offset = noise if made_up & 8 or copied.offset is None else copied.offset
+    at = noise + 8 if made_up & 16 or copied.at is None else copied.at
+    if made_up & 32 or older:
         at = None  # a line of an older writer: no index entry named
-    return Line(kid, digest, size, pack, offset, at)
+    return Line(kid, digest, size, pack, offset if pack else None, at if pack else None)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(_line, unique_by=lambda spec: spec[0], max_size=N))
+@given(st.lists(_line, unique_by=lambda spec: spec[0], max_size=N), st.booleans())
 def test_every_lookup_gives_the_keys_own_bytes_or_a_miss_whatever_the_set_says(
-    store: _Store, specs: list[tuple[int, int, int, int, int, int, int]]
+    store: _Store, specs: list[Spec], older: bool
 ) -> None:
-    store.put_set(encode([_forged(store.truth, spec) for spec in specs]))  # type: ignore[operator]
+    """``older``: every line as a writer before index places wrote it (a pack and offset, no index entry)."""
+    store.put_set(encode([_forged(store.truth, spec, older) for spec in specs]))  # type: ignore[operator]
     with tempfile.TemporaryDirectory() as local:
         node = _cold(Path(local) / "node", store.url)
         assert node.inner.warm is not None
@@ -219,7 +215,7 @@ COPIES = 48
 _CHILD = r"""
 import json, os, sys
 from cuda_program_cas import CacheStore
-import cuda_program_cas._remote.resp, cuda_program_cas._remote.httppacks, cuda_program_cas._store.fetchbatch
+import cuda_program_cas._remote.resp, cuda_program_cas._remote.httppacks
 import blake3, urllib3
 
 def hwm():
