@@ -12,7 +12,8 @@ it and keeps it in the store beside the entries.
   have none: nothing is recorded or fetched.
 - **What is recorded.** Each entry the process used (a hit, local or shared, or
   an entry it stored), once, in order of first use: key id, digest, size, and the
-  pack and offset that hold it in a store where known; at most :data:`MAX_ENTRIES`.
+  pack and offset that hold it in a store where known, with the place of the
+  pack's index entry for the key; at most :data:`MAX_ENTRIES`.
 - **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
   line and one line per entry (:func:`encode`, :func:`parse`). Written through
   write-back (a store named writable; a local cache keeps no copy), after the job has been quiet a moment
@@ -25,16 +26,18 @@ it and keeps it in the store beside the entries.
   the store, puts its own entries first (in its order of use), then the store's
   others that it did not find gone, and keeps the first :data:`MAX_ENTRIES`. Two
   nodes that write at the same moment lose one's additions; the next run that
-  uses them adds them again. A set is a hint, never trusted for bytes: a lost
-  line costs a lookup, a stale one nothing (its entry is not there, or names
-  another digest: not fetched), and entries of an old compiler drift to the end
-  and fall off.
+  uses them adds them again. A set is a hint, never trusted for bytes: a line
+  decides which keys are fetched, and a key gets only what its own entry in the
+  store names (:mod:`.fetchbatch`). A lost line costs a lookup, a stale or false
+  one nothing (its entry is not there, or names other bytes: not fetched), and
+  entries of an old compiler drift to the end and fall off.
 - **A cold node.** At its first local miss (shared stores and a job: a warm node,
   whose lookups all hit locally, never reads the set), a thread reads the set,
   keeps the entries not already local, in order, while they fit the local cap,
-  and fetches them through :meth:`Tier.fetch_entries` (Redis: one pipeline; HTTP:
-  one multi-range request per pack, else parallel GETs), every entry verified as
-  a lookup's and copied in by the writer. A lookup that misses locally meanwhile
+  and fetches them through :meth:`Tier.fetch_entries` in batches under a memory
+  budget (Redis: one pipeline a batch; HTTP: one multi-range request per pack and
+  batch, else parallel GETs), every entry checked against its key's own entry and
+  its digest, and copied in by the writer before the next batch. A lookup that misses locally meanwhile
   waits for the set to be read, then, if its entry is on the way, for that
   fetch alone: it finds the entry local, or goes to the stores as usual.
 """
