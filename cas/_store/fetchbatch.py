@@ -113,7 +113,7 @@ def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
     for e in entries:
         if not tier.fits(e.size, e.kid):
             continue
-        if ranged is not None and e.pack is not None and e.offset is not None and e.at is not None:
+        if ranged is not None and e.pack is not None and e.offset is not None and e.at is not None and e.size:
             by_pack.setdefault(e.pack, []).append(e)
         else:
             loose.append(e)

@@ -181,10 +181,12 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
 def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) -> list[SetEntry] | None:
     """The set to write: ours first, then theirs not ours and not gone, at most :data:`MAX_ENTRIES`; None: nothing new.
 
-    Nothing is new when every one of ours is in theirs with the same digest.
+    Nothing is new when every one of ours is in theirs with the same digest, and
+    the same place where ours names one (a line of an older writer, which names no
+    index entry, is so given one).
     """
-    known = {e.kid: e.digest for e in theirs}
-    if all(known.get(e.kid) == e.digest for e in ours):
+    known = {e.kid: e for e in theirs}
+    if all((k := known.get(e.kid)) is not None and k.digest == e.digest and (e.pack is None or k == e) for e in ours):
         return None
     mine = {e.kid for e in ours}
     merged = list(ours) + [e for e in theirs if e.kid not in mine and e.kid not in gone]
