@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
-from cuda_program_cas._store import warmset
+from cuda_program_cas._store import fetchbatch, warmset
 from cuda_program_cas.index import Manifest, key_id
 
 JOB = "sound-job"
@@ -239,46 +239,55 @@ def _measured(local: Path, url: str) -> dict[str, int]:
     return result
 
 
-def _big_lines(truth: dict[str, Line], keys: list[str]) -> bytes:
-    return encode([truth[key_id(k)] for k in keys])
-
-
-@pytest.mark.parametrize("engine", ["redis", "http"])
-def test_48_lines_of_one_32_mib_object_cost_a_node_less_than_twice_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
-) -> None:
-    monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", JOB)
-    big = os.urandom(BIG)
-    keys = [f"big{i}" for i in range(COPIES)]
-    digest = digest_of(big)
+def _served(tmp_path: Path, engine: str, values: dict[str, bytes]) -> dict[str, int]:
+    """A store over ``engine`` holding ``values`` and a set naming each of them truly, fetched by a measured node."""
     name = warmset.set_name(JOB)
     if engine == "redis":
         server = redis_or_skip(tmp_path / "redis")
         try:
-            client = server.client()  # the store as a writer leaves it: one blob, a manifest per key naming it
-            client.set(f"cpcas:{url_path(BLOBS, digest)}", big)
-            for k in keys:
-                client.set(f"cpcas:{url_path(INDEX, key_id(k))}", Manifest(digest, BIG, key_id(k)).encode())
-            lines = [Line(key_id(k), digest, BIG) for k in keys]
-            server.client().set(f"cpcas:{name}", encode(lines))
-            got = _measured(tmp_path / "node", server.url)
+            client = server.client()  # the store as a writer leaves it: each blob once, a manifest per key naming it
+            for k, v in values.items():
+                client.set(f"cpcas:{url_path(BLOBS, digest_of(v))}", v)
+                client.set(f"cpcas:{url_path(INDEX, key_id(k))}", Manifest(digest_of(v), len(v), key_id(k)).encode())
+            client.set(f"cpcas:{name}", encode([Line(key_id(k), digest_of(v), len(v)) for k, v in values.items()]))
+            return _measured(tmp_path / "node", server.url)
         finally:
             server.stop()
-    else:
-        src = CacheStore(tmp_path / "src")
-        for k in keys:
-            src.put(k, big)
-        src.close()
-        root = tmp_path / "served"
-        publish([tmp_path / "src"], root, pack=True)
-        (pack,) = (root / "packs").glob("pack-*.cpk")
-        truth = _packed(pack)
-        (root / "sets").mkdir(exist_ok=True)
-        (root / name).write_bytes(_big_lines(truth, keys))
-        with nginx_or_skip(tmp_path / "nginx", root) as server:
-            got = _measured(tmp_path / "node", server.read_url(""))
+    src = CacheStore(tmp_path / "src")
+    for k, v in values.items():
+        src.put(k, v)
+    src.close()
+    root = tmp_path / "served"
+    publish([tmp_path / "src"], root, pack=True)
+    (pack,) = (root / "packs").glob("pack-*.cpk")
+    truth = _packed(pack)
+    (root / "sets").mkdir(exist_ok=True)
+    (root / name).write_bytes(encode([truth[key_id(k)] for k in values]))
+    with nginx_or_skip(tmp_path / "nginx", root) as server:
+        return _measured(tmp_path / "node", server.read_url(""))
+
+
+@pytest.mark.parametrize("engine", ["redis", "http"])
+def test_48_lines_of_one_32_mib_object_cost_a_node_less_than_twice_it(tmp_path: Path, engine: str) -> None:
+    big = os.urandom(BIG)
+    keys = [f"big{i}" for i in range(COPIES)]
+    got = _served(tmp_path, engine, dict.fromkeys(keys, big))
     assert got["listed"] == COPIES and got["fetched"] == COPIES  # every line fetched: 1.5 GiB asked
     assert got["peak"] - got["base"] < 2 * BIG, got
     node = CacheStore(tmp_path / "node")
     assert all(node.get(k) == big for k in keys[:3])
+    node.close()
+
+
+@pytest.mark.parametrize("engine", ["redis", "http"])
+def test_many_distinct_entries_are_fetched_in_batches_under_the_budget(tmp_path: Path, engine: str) -> None:
+    """16 entries of 4 MiB (64 MiB in all) come in batches of at most BATCH_BYTES (8 MiB), each let go before the
+    next: the node holds about one batch, never the whole set."""
+    values = {f"d{i}": os.urandom(4 << 20) for i in range(16)}
+    got = _served(tmp_path, engine, values)
+    assert got["fetched"] == len(values)
+    assert got["peak"] - got["base"] < 2 * (8 << 20), got
+    assert fetchbatch.BATCH_BYTES == 8 << 20  # as docs/cluster.md says
+    node = CacheStore(tmp_path / "node")
+    assert all(node.get(k) == v for k, v in values.items())
     node.close()
