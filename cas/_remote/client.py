@@ -483,8 +483,9 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
     chunks: list[bytes] = []
     keep = chunks.append if sink is None else sink
     landing = None
-    if sink is None and length is not None and length.strip().isdigit():
-        # Its length said beforehand: taken in once, not gathered then joined (held twice at the end).
+    plain = head.get("content-encoding", "identity").strip().lower() in ("", "identity")
+    if sink is None and plain and length is not None and length.strip().isdigit():
+        # Its length said beforehand (and not decoded to another): taken in once, not gathered then joined.
         landing, said = Landing(int(length)), int(length)
 
         def keep(chunk: bytes) -> None:
