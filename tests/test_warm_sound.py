@@ -240,7 +240,8 @@ def _measured(local: Path, url: str) -> dict[str, int]:
 
 
 def _served(tmp_path: Path, engine: str, values: dict[str, bytes]) -> dict[str, int]:
-    """A store over ``engine`` (``http``: packed, ``http-loose``) holding ``values`` and a set naming each of them truly, fetched by a measured node."""
+    """A store over ``engine`` (``http``: packed; ``http-loose``) holding ``values``, and a set naming each truly,
+    fetched by a measured node."""
     name = warmset.set_name(JOB)
     if engine == "redis":
         server = redis_or_skip(tmp_path / "redis")
