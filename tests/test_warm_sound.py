@@ -293,3 +293,24 @@ def test_many_distinct_entries_are_fetched_in_batches_under_the_budget(tmp_path:
     node = CacheStore(tmp_path / "node")
     assert all(node.get(k) == v for k, v in values.items())
     node.close()
+
+
+_hex = st.text("0123456789abcdef", min_size=64, max_size=64)
+_entry = st.builds(
+    lambda kid, digest, size, placed: warmset.SetEntry(kid, digest, size, *placed),
+    _hex,
+    _hex,
+    st.integers(0, 1 << 40),
+    st.one_of(
+        st.just(()),
+        st.tuples(st.just("pack-0123456789abcdef-01234567.cpk"), st.integers(0, 1 << 40)),
+        st.tuples(st.just("pack-0123456789abcdef-01234567.cpk"), st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
+    ),
+)
+
+
+@given(st.lists(_entry, unique_by=lambda e: e.kid, max_size=20))
+def test_a_set_reads_back_as_written_with_or_without_index_places(entries: list[warmset.SetEntry]) -> None:
+    data = warmset.encode(entries)
+    assert warmset.parse(data) == entries
+    assert encode([Line(e.kid, e.digest, e.size, e.pack, e.offset, e.at) for e in entries]) == data  # the docs form
