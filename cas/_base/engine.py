@@ -36,14 +36,27 @@ when there is none, its new tag)``. An engine without it is read whole each time
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
-from typing import IO, Protocol
+from typing import IO, Protocol, TypeVar
 
 from blake3 import blake3
 
 from .errors import CacheError
 
-__all__ = ["LEASE_MARK", "LOCAL", "ConditionalGet", "Engine", "StoreFailure", "check_digest", "limits_of", "not_stored"]
+__all__ = [
+    "LEASE_MARK",
+    "LOCAL",
+    "ConditionalGet",
+    "Engine",
+    "Landing",
+    "StoreFailure",
+    "check_digest",
+    "limits_of",
+    "not_stored",
+]
+
+_Bytes = TypeVar("_Bytes", bound="bytes | memoryview")
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -72,7 +85,52 @@ class StoreFailure(CacheError):
         return f"{self.where}: {self.kind}: {self.detail}"
 
 
-def check_digest(where: str, data: bytes, digest: str | None) -> bytes:
+class Landing:
+    """Bytes of an answer of at most ``size`` bytes, taken into place as they arrive: one copy, never two.
+
+    Gathering chunks and joining them holds an answer twice at the end (a 32 MiB
+    blob: 64 MiB); a ``bytearray`` turned into ``bytes`` does too. This writes
+    into the buffer of a ``BytesIO`` made ``size`` long at once, and
+    :meth:`value` hands that buffer over as ``bytes`` (CPython's ``getvalue``
+    shares it when no view is left). ``size`` is bounded by the caller.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._io = io.BytesIO()
+        if size:
+            self._io.seek(size - 1)
+            self._io.write(b"\0")
+        self._view: memoryview | None = self._io.getbuffer()
+        self.size = 0
+
+    def room(self) -> memoryview:
+        """The part not yet filled, to receive into (then :meth:`filled`)."""
+        assert self._view is not None
+        return self._view[self.size :]
+
+    def filled(self, n: int) -> None:
+        """``n`` more bytes were received into :meth:`room`."""
+        self.size += n
+
+    def take(self, chunk: bytes) -> None:
+        """Copy ``chunk`` in after what is there (a ``ValueError`` past ``size``)."""
+        end = self.size + len(chunk)
+        assert self._view is not None
+        if end > len(self._view):
+            raise ValueError(f"more than the {len(self._view)} bytes expected")
+        self._view[self.size : end] = chunk
+        self.size = end
+
+    def value(self) -> bytes:
+        """What was taken, as ``bytes`` (the landing is spent: no view of it may be held)."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+            self._io.truncate(self.size)
+        return self._io.getvalue()
+
+
+def check_digest(where: str, data: _Bytes, digest: str | None) -> _Bytes:
     """``data``, when ``digest`` is None or ``data`` hashes to it; else ``StoreFailure`` kind ``damaged``."""
     if digest is not None and blake3(data).hexdigest() != digest:
         raise StoreFailure(where, "damaged", f"{len(data)} bytes that do not hash to {digest}", outage=False)

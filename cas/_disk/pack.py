@@ -55,6 +55,7 @@ from .files import HASH_CHUNK, READ_FLAGS, hashes_to
 from .layout import Layout
 
 __all__ = [
+    "ENTRY_SIZE",
     "LISTING",
     "MAX_LISTING_BYTES",
     "PACK_SUFFIX",
@@ -68,6 +69,7 @@ __all__ = [
     "PackReader",
     "PackSet",
     "encode_listing",
+    "entry_at",
     "index_length",
     "is_pack_name",
     "list_packs",
@@ -114,6 +116,8 @@ class PackEntry:
     size: int
     #: When the entry was published (ns since the epoch).
     time_ns: int
+    #: Where its index entry lies in the pack (a warm set's line names it, :func:`entry_at` checks it); -1: unknown.
+    at: int = -1
 
 
 def _entry_check(body: bytes) -> bytes:
@@ -402,18 +406,47 @@ def _fanout(head: bytes, count: int, name: str) -> tuple[int, ...]:
     return fanout
 
 
-def _find(keys: list[bytes], entries: list[bytes], lo: int, hi: int, key: bytes, *, limit: int) -> PackEntry | None:
-    """The entry of ``key`` among ``keys[lo:hi]`` (sorted), or None; ``limit``: where the blobs end."""
+def _find(
+    keys: list[bytes], entries: list[bytes], lo: int, hi: int, key: bytes, *, limit: int, base: int
+) -> PackEntry | None:
+    """The entry of ``key`` among ``keys[lo:hi]`` (sorted), or None; ``limit``: where the blobs end;
+    ``base``: where ``entries[0]`` lies in the pack."""
     i = bisect.bisect_left(keys, key, lo, hi)
     if i == hi or keys[i] != key:
         return None
-    raw = entries[i]
+    return _entry(entries[i], limit, base + i * _ENTRY.size)
+
+
+def _entry(raw: bytes, limit: int, at: int) -> PackEntry | None:
+    """The index entry ``raw`` (found at ``at``), or None when it is damaged or names bytes past ``limit``."""
     if _entry_check(raw[:_BODY]) != raw[_BODY:]:
         return None  # a damaged entry: a miss; the rest of the pack still reads
     kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
-    if offset + size > limit:
+    if offset < len(_HEADER) or offset + size > limit:
         return None
-    return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+    return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns, at)
+
+
+#: Bytes of one index entry (what a warm set's line asks at its ``at``).
+ENTRY_SIZE = _ENTRY.size
+
+
+def entry_at(raw: bytes, at: int, trailer: bytes, size: int, name: str) -> PackEntry | None:
+    """The index entry ``raw`` read at byte ``at`` of pack ``name`` (``size`` bytes, ending in ``trailer``).
+
+    None unless ``at`` is the place of an entry of that pack's index (the trailer
+    says where the index lies and how many it holds) and the entry is whole (its
+    check) and names bytes among the pack's blobs. A warm set's line says where
+    to look; what is found there is the pack's own word on the key.
+    """
+    try:
+        _checksum, index_offset, count = parse_trailer(trailer, size, name)
+    except PackError:
+        return None
+    first = index_offset + _FANOUT.size
+    if len(raw) != _ENTRY.size or not first <= at < first + count * _ENTRY.size or (at - first) % _ENTRY.size:
+        return None
+    return _entry(raw, index_offset, at)
 
 
 class PackIndex:
@@ -461,7 +494,8 @@ class PackIndex:
         """The entry of the key id ``key`` (32 raw bytes), or None."""
         first = key[0]
         lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
-        return _find(self._keys, self._entries, lo, hi, key, limit=self.index_offset)
+        base = self.index_offset + _FANOUT.size
+        return _find(self._keys, self._entries, lo, hi, key, limit=self.index_offset, base=base)
 
     def key_ids(self) -> list[bytes]:
         return self._keys
@@ -586,7 +620,12 @@ class PackReader:
     def find_key(self, key: bytes) -> PackEntry | None:
         """:meth:`find` for a key id given as its 32 raw bytes."""
         keys, entries, lo, hi = self._bucket(key[0])
-        return _find(keys, entries, lo, hi, key, limit=self._index_offset)
+        return _find(keys, entries, lo, hi, key, limit=self._index_offset, base=self._base(key[0]))
+
+    def _base(self, first: int) -> int:
+        """Where the first raw entry :meth:`_bucket` gives for ``first`` lies in the pack."""
+        start = self._index_offset + _FANOUT.size
+        return start if self._whole is not None else start + self._span(first)[0] * _ENTRY.size
 
     def read(self, entry: PackEntry) -> bytes | None:
         """The verified bytes of ``entry``'s blob, or None when they are short or do not hash to its digest.
@@ -615,10 +654,12 @@ class PackReader:
         """Every entry, in key order (damaged ones skipped)."""
         for first in range(256):
             _keys, raws, lo, hi = self._bucket(first)
-            for raw in raws[lo:hi]:
+            base = self._base(first)
+            for i in range(lo, hi):
+                raw = raws[i]
                 if _entry_check(raw[:_BODY]) == raw[_BODY:]:
                     kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
-                    yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns)
+                    yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns, base + i * _ENTRY.size)
 
     def index_ok(self) -> bool:
         """True when the whole index matches the trailer's checksum (reads the whole index)."""

@@ -14,11 +14,12 @@ one writer: temp file, rename); two publishers at once may each replace the
 other's, and the pack left out is read directly until the next one is written.
 Nodes never read it: their listing of ``packs/`` is what they serve.
 
-File format, version 1 (integers little-endian)::
+File format, version 2 (integers little-endian; a version 1 summary is not read, so its packs are)::
 
     header   b"cpcassum" | version u32 | pack count u32 | entry count u32
     packs    per pack: name length u16 | name (UTF-8), in the listing's order
-    entries  per entry: pack number u32 | key id (32) | digest (32) | offset u64 | size u64 | time u64
+    entries  per entry: pack number u32 | key id (32) | digest (32) | offset u64 | size u64 | time u64 |
+             where its index entry lies in the pack u64 (a warm set's line names it; 0: unknown)
     trailer  blake3 of everything before (32)
 """
 
@@ -41,10 +42,10 @@ _log = logging.getLogger("cuda_program_cas")
 #: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
 SUMMARY = "summary"
 _MAGIC = b"cpcassum"
-_VERSION = 1
+_VERSION = 2
 _HEAD = struct.Struct("<8sIII")
 _NAME = struct.Struct("<H")
-_ENTRY = struct.Struct("<I32s32sQQQ")
+_ENTRY = struct.Struct("<I32s32sQQQQ")
 #: A summary larger than this is not read (1.8 M entries): a damaged size cannot ask for all memory.
 _MAX_BYTES = 256 << 20
 
@@ -138,7 +139,7 @@ def _encode(by_pack: dict[str, list[PackEntry]]) -> bytes:
     for number, entries in enumerate(by_pack.values()):
         for e in entries:
             kid, digest = bytes.fromhex(e.key_id), bytes.fromhex(e.digest)
-            parts.append(_ENTRY.pack(number, kid, digest, e.offset, e.size, e.time_ns))
+            parts.append(_ENTRY.pack(number, kid, digest, e.offset, e.size, e.time_ns, max(e.at, 0)))
     body = b"".join(parts)
     return body + blake3(body).digest()
 
@@ -172,8 +173,8 @@ def _read_summary(path: str) -> dict[str, list[PackEntry]]:
         if len(body) - at != entry_count * _ENTRY.size:
             return {}
         out: dict[str, list[PackEntry]] = {name: [] for name in names}
-        for number, kid, digest, offset, size, time_ns in _ENTRY.iter_unpack(body[at:]):
-            out[names[number]].append(PackEntry(kid.hex(), digest.hex(), offset, size, time_ns))
+        for number, kid, digest, offset, size, time_ns, place in _ENTRY.iter_unpack(body[at:]):
+            out[names[number]].append(PackEntry(kid.hex(), digest.hex(), offset, size, time_ns, place or -1))
     except (struct.error, UnicodeDecodeError, IndexError):
         return {}
     return out

@@ -67,7 +67,7 @@ from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
 from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_once
-from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.engine import Landing, StoreFailure
 from cuda_program_cas._base.errors import without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
 
@@ -482,6 +482,18 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
         sink = _drop  # another status's body is read (to reuse the connection) and dropped
     chunks: list[bytes] = []
     keep = chunks.append if sink is None else sink
+    landing = None
+    plain = head.get("content-encoding", "identity").strip().lower() in ("", "identity")
+    if sink is None and plain and length is not None and length.strip().isdigit():
+        # Its length said beforehand (and not decoded to another): taken in once, not gathered then joined.
+        landing, said = Landing(int(length)), int(length)
+
+        def keep(chunk: bytes) -> None:
+            assert landing is not None
+            if landing.size + len(chunk) > said:
+                raise HttpFailure(url, "too large", f"more than the {said} bytes its Content-Length said", outage=False)
+            landing.take(chunk)
+
     got = 0
     # read1: what one recv gives. read(n) waits for all n bytes, so a server trickling a byte
     # within each read timeout would hold it far past the deadline (read1 is urllib3 >= 2.3).
@@ -505,7 +517,7 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
     except BaseException:  # too large, the sink's own failure, MemoryError: the connection is mid-body
         resp.close()
         raise
-    return Reply(resp.status, b"".join(chunks), head)
+    return Reply(resp.status, landing.value() if landing is not None else b"".join(chunks), head)
 
 
 def _drop(chunk: bytes) -> None:

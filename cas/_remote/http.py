@@ -39,7 +39,7 @@ from typing import IO, TypeVar
 
 from blake3 import blake3
 
-from cuda_program_cas._base.engine import LOCAL, StoreFailure, limits_of
+from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure, limits_of
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
@@ -145,9 +145,30 @@ class HttpEngine:
         return into, reply.headers.get("etag")
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
-        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16."""
+        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16.
+
+        Each answer lands in a buffer of its limit made, and handed over as ``bytes``,
+        here in the caller's thread: done by the pool's threads, the memory of one batch
+        after another stayed with each thread's allocator arena (a warm set's loose fetch
+        of 40 entries of 4 MiB peaked at 39 MB over its baseline, batches of 8 MiB); done
+        here, the next batch reuses what the last one freed (under 16 MiB).
+        """
         limits = limits_of(names, limit)
-        return request_many([functools.partial(self.get, name, limit=n) for name, n in zip(names, limits, strict=True)])
+        landings = [Landing(n) for n in limits]
+        calls = [
+            functools.partial(self._landed, name, n, at) for name, n, at in zip(names, limits, landings, strict=True)
+        ]
+        found = request_many(calls)
+        return [at.value() if ok else None for ok, at in zip(found, landings, strict=True)]
+
+    def _landed(self, name: str, limit: int, landing: Landing) -> bool:
+        """GET ``name`` into ``landing``: False for a 404."""
+        reply = self.fetch(name, limit=limit, sink=landing.take)
+        if reply.status == 404:
+            return False
+        if reply.status != 200:
+            raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
+        return True
 
     def size(self, name: str) -> int | None:
         from .dav import size_of

@@ -27,9 +27,9 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from cuda_program_cas._base.engine import LOCAL, StoreFailure
+from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.urls import join
 from cuda_program_cas._disk.pack import (
@@ -46,7 +46,7 @@ from cuda_program_cas.index import local_id
 from .client import Reply
 from .http import HttpEngine, Intake
 
-__all__ = ["MAX_INDEX_BYTES", "RELIST_S", "HttpPacks", "Report"]
+__all__ = ["MAX_INDEX_BYTES", "RELIST_S", "HttpPacks", "Ranges", "Report"]
 
 #: How long a process trusts its copy of ``packs/list`` before asking again (a 304 when unchanged).
 RELIST_S = 60.0
@@ -63,6 +63,14 @@ _MEMO_PREFIX = "cuda-program-cas: the index of the pack at "
 #: ``memo_get(key id)`` -> bytes kept locally, or None; ``memo_put(key id, bytes)``: keep them.
 MemoGet = Callable[[str], "bytes | None"]
 MemoPut = Callable[[str, bytes], None]
+
+
+class Ranges(NamedTuple):
+    """What :meth:`HttpPacks.fetch_ranges` had: each span's bytes by ``(offset, size)``, the tail, the pack's size."""
+
+    spans: Mapping[tuple[int, int], memoryview]
+    tail: memoryview | None
+    size: int
 
 
 class Report(Protocol):
@@ -139,44 +147,52 @@ class HttpPacks:
             raise StoreFailure(self.engine.shown, LOCAL, type(exc).__name__, outage=False) from None
         return None
 
-    def where(self, kid: str) -> tuple[str, int] | None:
-        """``(pack, offset)`` of ``kid``'s blob in the packs this process has listed (no request); None if unknown."""
+    def where(self, kid: str) -> tuple[str, int, int] | None:
+        """``(pack, offset, at)`` of ``kid``'s blob and index entry in the packs this process has listed (no
+        request); None if unknown."""
         for pack in self._where.get(bytes.fromhex(kid), ()):
             entry = pack.find_key(bytes.fromhex(kid))
             if entry is not None:
-                return pack.name, entry.offset
+                return pack.name, entry.offset, entry.at
         return None
 
-    def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]]) -> Mapping[int, bytes] | None:
-        """Offset -> bytes of each ``(offset, size)`` span of pack ``name``, in one request; None when not had so.
+    def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
+        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, in one request; None
+        when not had so.
 
         One ``Range`` request for all of them (:mod:`.multipart`): a ``206``
-        ``multipart/byteranges`` answer read strictly, or for one span a ``206`` of
-        exactly it. Anything else (the whole pack, one range for several, a range not
-        asked for, another boundary, a 404) is None, said once: the caller reads those
-        entries the ordinary way. The bytes are not verified here (the caller hashes each entry).
+        ``multipart/byteranges`` answer read strictly, or for one span and no tail a
+        ``206`` of exactly it. Anything else (the whole pack, one range for several, a
+        range not asked for, another boundary, a 404) is None, said once: the caller
+        reads those entries the ordinary way. The bytes are not verified here (the
+        caller hashes each entry). The answer is taken in once (:class:`Landing`) and
+        every span is a view of it: a request holds what it asked, once, whatever
+        number of spans name the same bytes; the caller bounds what it asks.
         """
         from .multipart import PART_OVERHEAD, coalesce, header, parse
 
-        if not is_pack_name(name) or not spans:
+        distinct = sorted(set(spans))
+        if not is_pack_name(name) or not distinct or any(size < 1 or offset < 0 for offset, size in distinct):
             return None
-        asked = coalesce(spans)
-        limit = sum(size for _, size in asked) + PART_OVERHEAD * (len(asked) + 1)
+        asked = coalesce(distinct)
+        limit = sum(size for _, size in asked) + tail + PART_OVERHEAD * (len(asked) + 2)
+        body = Landing(limit)
         try:
-            reply = self._pack_get(name, {"Range": header(asked)}, limit)
+            reply = self._pack_get(name, {"Range": header(asked, tail)}, limit, body.take)
         except StoreFailure as exc:
             if exc.outage:
                 raise
             self._told().say_once("multi-range", f"packs/{name}: several ranges in one request: {exc.kind}")
             return None
-        got: Mapping[int, bytes] | None = None
-        if reply.status == 206 and len(asked) == 1:
+        data = body.value()
+        got: tuple[Mapping[int, memoryview], int] | None = None
+        if reply.status == 206 and len(asked) == 1 and not tail:
             span = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
             offset, size = asked[0]
-            if span is not None and int(span.group(1)) == offset and len(reply.body) == size:
-                got = {offset: reply.body}
+            if span is not None and int(span.group(1)) == offset and len(data) == size:
+                got = {offset: memoryview(data)}, int(span.group(3))
         elif reply.status == 206:
-            got = parse(reply.headers.get("content-type", ""), reply.body, asked)
+            got = parse(reply.headers.get("content-type", ""), data, asked, tail)
         if got is None:
             self._told().say_once(
                 "multi-range",
@@ -184,13 +200,14 @@ class HttpPacks:
                 f"for {len(asked)} ranges, not those ranges; its entries are read one at a time",
             )
             return None
+        parts, total = got
         out = {}
-        for offset, size in spans:
-            for first, data in got.items():
-                if first <= offset and offset + size <= first + len(data):
-                    out[offset] = data[offset - first : offset - first + size]
+        for offset, size in distinct:
+            for first, part in parts.items():
+                if first <= offset and offset + size <= first + len(part):
+                    out[offset, size] = part[offset - first : offset - first + size]
                     break
-        return out
+        return Ranges(out, parts.get(total - tail) if tail else None, total)
 
     # -- the listing ---------------------------------------------------------------------
 

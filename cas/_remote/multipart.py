@@ -10,7 +10,9 @@ give, never by looking for the boundary inside the bytes (a blob may hold any
 bytes). Each part must be one of the ranges asked, each at most once, of one file
 size; anything else (another boundary, a range not asked for, a part cut short,
 bytes after the end) makes the whole answer unusable: :func:`parse` returns None
-and the caller reads those entries the ordinary way. A server that answers with
+and the caller reads those entries the ordinary way. A request may ask the file's
+last bytes too (a pack's trailer: ``-56``), whose offset the answer tells. The
+parts are views of the body, never copies of it. A server that answers with
 the whole file (``200``) or one range for several is the caller's to refuse.
 """
 
@@ -41,19 +43,24 @@ def coalesce(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def header(spans: Sequence[tuple[int, int]]) -> str:
-    """The ``Range`` header's value asking ``(offset, size)`` spans (each size at least 1)."""
-    return "bytes=" + ",".join(f"{offset}-{offset + size - 1}" for offset, size in spans)
+def header(spans: Sequence[tuple[int, int]], tail: int = 0) -> str:
+    """The ``Range`` value asking ``(offset, size)`` spans (each size at least 1), and the last ``tail`` bytes."""
+    asked = [f"{offset}-{offset + size - 1}" for offset, size in spans] + ([f"-{tail}"] if tail else [])
+    return "bytes=" + ",".join(asked)
 
 
-def parse(content_type: str, body: bytes, spans: Sequence[tuple[int, int]]) -> Mapping[int, bytes] | None:
-    """Offset -> bytes of each span asked, from a ``multipart/byteranges`` body; None when it is not exactly that."""
+def parse(
+    content_type: str, body: bytes, spans: Sequence[tuple[int, int]], tail: int = 0
+) -> tuple[Mapping[int, memoryview], int] | None:
+    """Offset -> bytes of each span asked (views of ``body``: no copy), from a ``multipart/byteranges`` body, and the
+    file's size; the last ``tail`` bytes, where asked, at their offset. None when it is not exactly that."""
     m = _BOUNDARY.fullmatch(content_type.strip())
     if m is None:
         return None
     delimiter = b"--" + m.group(2).encode()
     asked = dict(spans)
-    got: dict[int, bytes] = {}
+    whole = memoryview(body)
+    got: dict[int, memoryview] = {}
     total: int | None = None
     pos = 0
     if body.startswith(b"\r\n"):
@@ -75,18 +82,18 @@ def parse(content_type: str, body: bytes, spans: Sequence[tuple[int, int]]) -> M
             return None
         first, last, size = span
         length = last - first + 1
-        if asked.get(first) != length or first in got or (total is not None and size != total) or last >= size:
+        wanted = asked.get(first) == length or (tail and length == tail and last == size - 1)
+        if not wanted or first in got or (total is not None and size != total) or last >= size:
             return None  # a range not asked for, twice, or of another file
         total = size
         start = end + 4
-        data = body[start : start + length]
-        if len(data) != length or not body.startswith(b"\r\n", start + length):
+        if start + length > len(body) or not body.startswith(b"\r\n", start + length):
             return None
-        got[first] = data
+        got[first] = whole[start : start + length]
         pos = start + length + 2
-    if body[pos:] not in (b"", b"\r\n") or len(got) != len(asked):
+    if body[pos:] not in (b"", b"\r\n") or len(got) != len(asked) + (1 if tail else 0) or total is None:
         return None
-    return got
+    return got, total
 
 
 def _part_range(lines: list[bytes]) -> tuple[int, int, int] | None:

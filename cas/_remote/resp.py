@@ -34,6 +34,8 @@ from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
 from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.utils import SENTINEL
 
+from cuda_program_cas._base.engine import Landing
+
 __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
 
 #: The longest reply line (a status, an error, a header): Redis's are a few hundred bytes.
@@ -106,18 +108,20 @@ class _Buffer(SocketBuffer):
         return bytes(data[:-2])
 
     def read(self, length: int, timeout: Any = None) -> bytes:
-        # Straight into one buffer (redis-py's goes through its BytesIO and two copies), and
-        # checked to end with CRLF (redis-py's cuts two bytes off, whatever they are).
-        out = bytearray(length + 2)
-        view = memoryview(out)
-        got = self._buffer.readinto(view)
-        while got < len(out):
-            got += int(self._recv(view[got:]))
-        view.release()
-        if out[-2:] != b"\r\n":
+        # Straight into one buffer that becomes the value (redis-py's goes through its BytesIO and
+        # two copies; a bytearray made bytes is a second copy), and checked to end with CRLF
+        # (redis-py's cuts two bytes off, whatever they are).
+        out = Landing(length + 2)
+        room = out.room()
+        got = self._buffer.readinto(room)
+        while got < len(room):
+            got += int(self._recv(room[got:]))
+        end = bytes(room[length:])
+        room.release()
+        if end != b"\r\n":
             raise exceptions.InvalidResponse("a bulk reply not ended by CRLF")
-        del out[-2:]
-        return bytes(out)
+        out.filled(length)
+        return out.value()
 
 
 class _Parser(_RESP2Parser):

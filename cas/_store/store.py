@@ -308,7 +308,7 @@ class CacheStore:
         def is_local(kid: str, digest: str) -> bool:
             return reader.current_digest(kid) == digest
 
-        def keep(kid: str, data: bytes, digest: str) -> None:
+        def keep(kid: str, data: bytes | memoryview, digest: str) -> None:
             store = me()
             if store is not None:
                 store._copy_in(kid, data, digest)
@@ -608,7 +608,7 @@ class CacheStore:
         if _log.isEnabledFor(_DEBUG):
             wrote(self.root, kid or "-" * 12, "dropped", 0, _perf_ns(), reason=reason)
 
-    def _copy_in(self, kid: str, data: bytes, digest: str) -> None:
+    def _copy_in(self, kid: str, data: bytes | memoryview, digest: str) -> None:
         """Keep a verified shared hit locally, so later reads stay local. Best effort."""
         try:
             self._commit(kid, data, digest)
@@ -691,7 +691,7 @@ class CacheStore:
             self._counters.add("dedup_writes")
         return result, None
 
-    def _commit(self, kid: str, data: bytes, digest: str) -> WriteResult:
+    def _commit(self, kid: str, data: bytes | memoryview, digest: str) -> WriteResult:
         """The write protocol for one entry, then the cap's accounting; retires the blob it replaced."""
         from cuda_program_cas._disk.writer import WriteResult
 

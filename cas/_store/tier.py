@@ -86,6 +86,7 @@ from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, p
 from .stats import Counters
 
 if TYPE_CHECKING:
+    from .fetchbatch import Keep, Wanted
     from .keylist import KeyView
 
 __all__ = [
@@ -96,7 +97,6 @@ __all__ = [
     "RTT_SAMPLES",
     "PackSource",
     "Tier",
-    "Wanted",
     "ceiling",
     "warn_once_for",
 ]
@@ -174,21 +174,6 @@ class PackSource(Protocol):
     """A store's packs as one process sees them: ``lookup`` gives verified bytes and their digest, or None."""
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
-
-
-class Wanted(Protocol):
-    """An entry asked for by :meth:`Tier.fetch_entries`: its key id, digest and size, and where a pack holds it."""
-
-    @property
-    def kid(self) -> str: ...
-    @property
-    def digest(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def pack(self) -> str | None: ...
-    @property
-    def offset(self) -> int | None: ...
 
 
 class Tier:
@@ -473,52 +458,31 @@ class Tier:
             return None
         return self._asked(lambda: self.engine.get(name, limit=limit), None)
 
-    def fetch_entries(self, entries: Sequence[Wanted]) -> list[tuple[str, bytes, str]]:
-        """``(key id, bytes, digest)`` of each of ``entries`` that could be had in a few requests, verified.
+    def fetch_entries(self, entries: Sequence[Wanted], keep: Keep) -> None:
+        """Fetch ``entries`` (a warm set's lines) in batches, each verified against its key's own entry here
+        (:mod:`.fetchbatch`), calling ``keep(key id, bytes, digest)`` for each before the next batch is asked.
 
-        Entries a pack holds (``pack`` known, the store's packs readable over HTTP,
-        no trusted keys) come in one request per pack, several ranges at once, each
-        hashed against its digest. The others come as their manifest and blob
-        together (:meth:`Engine.get_many`: one Redis pipeline, parallel GETs over
-        HTTP), the manifest judged as a lookup's (:meth:`_manifest`) and naming the
-        digest the set says, the blob hashing to it. What cannot be had so is left
-        out (a stale entry, a server that refuses several ranges): the caller's
-        lookups find it the ordinary way. An outage pauses the store, as a lookup's.
+        What cannot be had so is left out (a stale or false line, a server that
+        refuses several ranges): the caller's lookups find it the ordinary way. An
+        outage pauses the store, as a lookup's.
         """
+        from .fetchbatch import fetch
+
         if self.paused() or not entries:
-            return []
-        out: list[tuple[str, bytes, str]] = []
-        self._asked(lambda: self._fetch_into(entries, out), None)
-        return out
+            return
+        self._asked(lambda: fetch(self, entries, keep), None)
 
-    def _fetch_into(self, entries: Sequence[Wanted], out: list[tuple[str, bytes, str]]) -> None:
-        ranged = getattr(self.packs, "fetch_ranges", None) if self._trust is None else None
-        by_pack: dict[str, list[tuple[int, Wanted]]] = {}
-        loose: list[Wanted] = []
-        for e in entries:
-            if not self.fits(e.size, e.kid):
-                continue
-            if ranged is not None and e.pack is not None and e.offset is not None:
-                by_pack.setdefault(e.pack, []).append((e.offset, e))
-            else:
-                loose.append(e)
-        for pack, wanted in by_pack.items():
-            assert ranged is not None
-            got = ranged(pack, [(offset, e.size) for offset, e in wanted])
-            for offset, e in wanted:
-                data = None if got is None else got.get(offset)
-                if data is not None and self._hashes(e, data):
-                    out.append((e.kid, data, e.digest))
-        names = [url_path(INDEX, e.kid) for e in loose] + [url_path(BLOBS, e.digest) for e in loose]
-        limits = [MAX_MANIFEST_BYTES] * len(loose) + [e.size for e in loose]
-        found = self.engine.get_many(names, limit=limits) if loose else []
-        for e, manifest, blob in zip(loose, found[: len(loose)], found[len(loose) :], strict=True):
-            if manifest is None or blob is None or self._manifest(e.kid, manifest) != (e.digest, e.size):
-                continue  # gone, or the key names another entry now: the ordinary lookup decides
-            if self._hashes(e, blob):
-                out.append((e.kid, blob, e.digest))
+    @property
+    def trust(self) -> Trust | None:
+        """The keys an entry must be signed by here (None: any)."""
+        return self._trust
 
-    def _hashes(self, e: Wanted, data: bytes) -> bool:
+    def judge(self, kid: str, data: bytes) -> tuple[str, int] | None:
+        """``(digest, size)`` the manifest ``data`` of ``kid`` names when this node may use it (as a lookup's)."""
+        return self._manifest(kid, data)
+
+    def hashes(self, e: Wanted, data: bytes | memoryview) -> bool:
+        """Whether ``data`` (the bytes a warm set's line ``e`` asked) hash to its digest; else damage, counted."""
         try:
             check_digest(self.root, data, e.digest)
         except StoreFailure as exc:

@@ -12,7 +12,8 @@ it and keeps it in the store beside the entries.
   have none: nothing is recorded or fetched.
 - **What is recorded.** Each entry the process used (a hit, local or shared, or
   an entry it stored), once, in order of first use: key id, digest, size, and the
-  pack and offset that hold it in a store where known; at most :data:`MAX_ENTRIES`.
+  pack and offset that hold it in a store where known, with the place of the
+  pack's index entry for the key; at most :data:`MAX_ENTRIES`.
 - **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
   line and one line per entry (:func:`encode`, :func:`parse`). Written through
   write-back (a store named writable; a local cache keeps no copy), after the job has been quiet a moment
@@ -25,16 +26,18 @@ it and keeps it in the store beside the entries.
   the store, puts its own entries first (in its order of use), then the store's
   others that it did not find gone, and keeps the first :data:`MAX_ENTRIES`. Two
   nodes that write at the same moment lose one's additions; the next run that
-  uses them adds them again. A set is a hint, never trusted for bytes: a lost
-  line costs a lookup, a stale one nothing (its entry is not there, or names
-  another digest: not fetched), and entries of an old compiler drift to the end
-  and fall off.
+  uses them adds them again. A set is a hint, never trusted for bytes: a line
+  decides which keys are fetched, and a key gets only what its own entry in the
+  store names (:mod:`.fetchbatch`). A lost line costs a lookup, a stale or false
+  one nothing (its entry is not there, or names other bytes: not fetched), and
+  entries of an old compiler drift to the end and fall off.
 - **A cold node.** At its first local miss (shared stores and a job: a warm node,
   whose lookups all hit locally, never reads the set), a thread reads the set,
   keeps the entries not already local, in order, while they fit the local cap,
-  and fetches them through :meth:`Tier.fetch_entries` (Redis: one pipeline; HTTP:
-  one multi-range request per pack, else parallel GETs), every entry verified as
-  a lookup's and copied in by the writer. A lookup that misses locally meanwhile
+  and fetches them through :meth:`Tier.fetch_entries` in batches under a memory
+  budget (Redis: one pipeline a batch; HTTP: one multi-range request per pack and
+  batch, else parallel GETs), every entry checked against its key's own entry and
+  its digest, and copied in by the writer before the next batch. A lookup that misses locally meanwhile
   waits for the set to be read, then, if its entry is on the way, for that
   fetch alone: it finds the entry local, or goes to the stores as usual.
 """
@@ -61,6 +64,7 @@ __all__ = [
     "MAX_SET_BYTES",
     "QUIET_S",
     "SETS",
+    "Place",
     "SetEntry",
     "Used",
     "WarmFetch",
@@ -128,16 +132,20 @@ def stored_sets(root: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class SetEntry:
-    """One entry of a set: key id, digest, size, and the pack and offset that hold it where known."""
+    """One entry of a set: key id, digest, size, and where known the pack and offset that hold its blob
+    and where the pack's index entry for the key lies (``at``: what a cold node checks the line against)."""
 
     kid: str
     digest: str
     size: int
     pack: str | None = None
     offset: int | None = None
+    at: int | None = None
 
     def line(self) -> bytes:
         where = f" {self.pack} {self.offset}" if self.pack is not None and self.offset is not None else ""
+        if where and self.at is not None:
+            where += f" {self.at}"
         return f"{self.kid} {self.digest} {self.size}{where}\n".encode()
 
 
@@ -157,43 +165,53 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
     seen: set[str] = set()
     for line in lines:
         fields = line.split(" ")
-        if len(fields) not in (3, 5) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
+        if len(fields) not in (3, 5, 6) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
             return None
-        if not fields[2].isdigit() or (len(fields) == 5 and not (is_pack_name(fields[3]) and fields[4].isdigit())):
+        if not all(f.isascii() and f.isdigit() for f in fields[2:3] + fields[4:]):
             return None
-        if fields[0] in seen:
+        if (len(fields) > 3 and not is_pack_name(fields[3])) or fields[0] in seen:
             return None
         seen.add(fields[0])
-        pack, offset = (fields[3], int(fields[4])) if len(fields) == 5 else (None, None)
-        out.append(SetEntry(fields[0], fields[1], int(fields[2]), pack, offset))
+        pack, offset = (fields[3], int(fields[4])) if len(fields) > 3 else (None, None)
+        at = int(fields[5]) if len(fields) == 6 else None
+        out.append(SetEntry(fields[0], fields[1], int(fields[2]), pack, offset, at))
     return out
 
 
 def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) -> list[SetEntry] | None:
     """The set to write: ours first, then theirs not ours and not gone, at most :data:`MAX_ENTRIES`; None: nothing new.
 
-    Nothing is new when every one of ours is in theirs with the same digest.
+    Nothing is new when every one of ours is in theirs with the same digest, and
+    the same place where ours names one (a line of an older writer, which names no
+    index entry, is so given one).
     """
-    known = {e.kid: e.digest for e in theirs}
-    if all(known.get(e.kid) == e.digest for e in ours):
+    known = {e.kid: e for e in theirs}
+    if all((k := known.get(e.kid)) is not None and k.digest == e.digest and (e.pack is None or k == e) for e in ours):
         return None
     mine = {e.kid for e in ours}
     merged = list(ours) + [e for e in theirs if e.kid not in mine and e.kid not in gone]
     return merged[:MAX_ENTRIES]
 
 
-#: ``where(kid, digest)``: the pack (its file name) and offset that hold this entry in a store now; None: loose there.
-Where = Callable[[str, str], "tuple[str, int] | None"]
+#: ``(pack, offset, at)``: the pack (its file name) and offset that hold an entry's blob, and where its index entry
+#: lies in that pack (-1: not known).
+Place = tuple[str, int, int]
+#: ``where(kid, digest)``: the place of this entry in a store now; None: loose there.
+Where = Callable[[str, str], "Place | None"]
+
+
+def _at(e: SetEntry, place: Place | None) -> SetEntry:
+    """``e`` naming ``place`` (None: no pack)."""
+    if place is None:
+        return SetEntry(e.kid, e.digest, e.size)
+    pack, offset, at = place
+    return SetEntry(e.kid, e.digest, e.size, pack, offset, at if at >= 0 else None)
 
 
 def placed(entries: Sequence[SetEntry], where: Where) -> list[SetEntry]:
-    """``entries`` with the pack and offset ``where`` gives each now (a line naming a pack that no longer
+    """``entries`` with the place ``where`` gives each now (a line naming a pack that no longer
     holds it, or none, then names none: its entry is fetched loose)."""
-    out = []
-    for e in entries:
-        at = where(e.kid, e.digest)
-        out.append(SetEntry(e.kid, e.digest, e.size) if at is None else SetEntry(e.kid, e.digest, e.size, *at))
-    return out
+    return [_at(e, where(e.kid, e.digest)) for e in entries]
 
 
 def updated(
@@ -248,18 +266,19 @@ class Used:
         if (known is None or known.digest != digest) and self.changed is not None:
             self.changed()
 
-    def entries(self, where: Callable[[str], tuple[str, int] | None] | None = None) -> list[SetEntry]:
-        """What was used, in order; with the pack and offset the set read said, or ``where(kid)`` says."""
+    def entries(self, where: Callable[[str], Place | None] | None = None) -> list[SetEntry]:
+        """What was used, in order; with the place ``where(kid)`` says, else the one the set read said."""
         with self._lock:
             used = list(self._order.items())
         out = []
         for kid, (digest, size) in used:
-            known = self.known.get(kid)
-            if known is not None and known.digest == digest and known.pack is not None:
-                out.append(known)
-                continue
+            e = SetEntry(kid, digest, size)
             place = where(kid) if where is not None else None
-            out.append(SetEntry(kid, digest, size, *place) if place is not None else SetEntry(kid, digest, size))
+            known = self.known.get(kid)
+            if place is None and known is not None and known.digest == digest and known.pack is not None:
+                out.append(known)  # as the set said: the store's packs not listed in this process
+            else:
+                out.append(_at(e, place))
         return out
 
 
@@ -267,8 +286,8 @@ class WarmFetch:
     """One process's fetch of its job's set from ``tiers`` (module docstring), in a thread of its own.
 
     ``is_local(kid, digest)``: the entry is in the local cache already (not fetched).
-    ``keep(kid, bytes, digest)``: copy a verified entry in. ``room``: bytes the
-    fetched entries may take (the local cap), or None. ``used``: what
+    ``keep(kid, bytes, digest)``: copy a verified entry in (the bytes may be a view
+    of a batch's answer). ``room``: bytes the fetched entries may take (the local cap), or None. ``used``: what
     :meth:`Used.add` compares with (its ``known`` is filled from the set read).
     """
 
@@ -278,7 +297,7 @@ class WarmFetch:
         name: str,
         *,
         is_local: Callable[[str, str], bool],
-        keep: Callable[[str, bytes, str], None],
+        keep: Callable[[str, bytes | memoryview, str], None],
         room: int | None,
         used: Used | None,
         per_entry: int = 0,
@@ -377,9 +396,9 @@ class WarmFetch:
             for e in wanted:
                 self._pending[e.kid] = threading.Event()
         self._read.set()
-        got = self.source.fetch_entries(wanted)
         had = set()
-        for kid, data, digest in got:
+
+        def kept(kid: str, data: bytes | memoryview, digest: str) -> None:
             self._keep(kid, data, digest)
             had.add(kid)
             self.fetched += 1
@@ -388,6 +407,8 @@ class WarmFetch:
                 event = self._pending.pop(kid, None)
             if event is not None:
                 event.set()
+
+        self.source.fetch_entries(wanted, kept)
         self.gone = {e.kid for e in wanted} - had
         _log.debug(
             "cuda-program-cas: warm set %s from %s: %d entries listed, %d fetched, %d not had",

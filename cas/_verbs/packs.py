@@ -224,9 +224,9 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
         reader.close()
     name_of = os.path.basename(pack)
 
-    def where(kid: str, digest: str) -> tuple[str, int] | None:
+    def where(kid: str, digest: str) -> tuple[str, int, int] | None:
         entry = held.get(kid)
-        return (name_of, entry.offset) if entry is not None and entry.digest == digest else None
+        return (name_of, entry.offset, entry.at) if entry is not None and entry.digest == digest else None
 
     engine = DirEngine(lay.root)
     for name in names:

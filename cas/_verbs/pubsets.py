@@ -63,8 +63,8 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
         return
     written = {} if target.packs is None else target.packs.written()
 
-    def where(kid: str, digest: str) -> tuple[str, int] | None:
-        """The pack and offset of ``kid`` in the store now: this run's pack, else an older one whose copy is good."""
+    def where(kid: str, digest: str) -> tuple[str, int, int] | None:
+        """The place of ``kid`` in the store now: this run's pack, else an older one whose copy is good."""
         at = written.get(kid)
         if at is None:
             at = target.packed.get(kid)
@@ -73,7 +73,7 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
         if at is None or at.entry.digest != digest:
             return None
         name = os.path.basename(at.pack)
-        return (name, at.entry.offset) if is_pack_name(name) else None
+        return (name, at.entry.offset, at.entry.at) if is_pack_name(name) else None
 
     for name, ours in found.items():
         try:

@@ -1,0 +1,175 @@
+"""A warm set's entries fetched from one store in batches, each kept only where the key's own entry names its bytes.
+
+A set's line is a hint: it decides which keys a cold node fetches, never which
+bytes a key gets. Its lines are written by any node of the job, so what they say
+of digests, sizes, packs and offsets is checked against what the store itself
+says of each key, in the same requests:
+
+- **A packed entry** (the line names a pack, an offset and where the pack's index
+  entry for the key lies; HTTP): one request per batch asks the blobs' ranges,
+  each line's index entry (96 bytes) and the pack's trailer
+  (:func:`cuda_program_cas._disk.pack.entry_at`: the place must be one of the
+  index's entries, whole, of this key). An entry is kept when that index entry
+  names the line's digest, size and offset and the range hashes to the digest.
+- **A loose entry** (Redis, a directory, HTTP without packs, or a line naming no
+  index entry): the key's manifest and the blob come in one batch
+  (:meth:`~cuda_program_cas._base.engine.Engine.get_many`); the manifest is judged
+  as a lookup's (signed where keys are configured) and must name the digest and
+  size, the blob must hash to it.
+
+Anything else (a line naming another key's bytes, a stale line, a refused
+request) is not fetched: the key's lookup finds it the ordinary way.
+
+**The budget.** What a fetch holds at once is bounded whatever the lines claim:
+every claimed size is at most the largest entry this node reads
+(:meth:`Tier.fits`), lines that name the same bytes ask them once (one distinct
+range, one blob name), and the distinct ranges are fetched, hashed and kept in
+batches of at most :data:`BATCH_BYTES` of claimed bytes, or of one entry larger
+than that alone. A batch is taken in as one copy (its parts are views of it), so
+a fetch holds at most ``max(BATCH_BYTES, the largest entry it keeps)`` of entries
+plus a request's framing, then lets it go before the next batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
+from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE, entry_at
+from cuda_program_cas.index import MAX_MANIFEST_BYTES
+
+if TYPE_CHECKING:
+    from cuda_program_cas._base.engine import Engine
+    from cuda_program_cas._base.signing import Trust
+    from cuda_program_cas._remote.httppacks import Ranges
+
+__all__ = ["BATCH_BYTES", "Keep", "Source", "Wanted", "batched", "fetch"]
+
+_T = TypeVar("_T")
+
+#: The claimed bytes one batch asks at most (an entry larger than this is a batch alone).
+BATCH_BYTES = 8 << 20
+#: A request's framing per range it asks (multipart headers; cf. ``multipart.PART_OVERHEAD``).
+_PER_RANGE = 256
+
+#: ``keep(key id, bytes, digest)``: copy one verified entry in (the bytes may be a view of a batch's answer).
+Keep = Callable[[str, "bytes | memoryview", str], None]
+#: ``ranged(pack, spans, tail)``: the spans and last bytes of a pack in one request (HTTP's packs).
+_Ranged = Callable[[str, Sequence[tuple[int, int]], int], "Ranges | None"]
+
+
+class Wanted(Protocol):
+    """An entry a set's line names: key id, digest, size; the pack, offset and index entry (``at``) where known."""
+
+    @property
+    def kid(self) -> str: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def pack(self) -> str | None: ...
+    @property
+    def offset(self) -> int | None: ...
+    @property
+    def at(self) -> int | None: ...
+
+
+class Source(Protocol):
+    """The store fetched from (:class:`~cuda_program_cas._store.tier.Tier`): its engine and packs, and its judgments."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def packs(self) -> object | None: ...
+    @property
+    def trust(self) -> Trust | None: ...
+    def fits(self, size: int, kid: str) -> bool: ...
+    def judge(self, kid: str, data: bytes) -> tuple[str, int] | None: ...
+    def hashes(self, e: Wanted, data: bytes | memoryview) -> bool: ...
+
+
+def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]]:
+    """``units`` in order, in runs whose ``cost`` sums to at most :data:`BATCH_BYTES` (or one unit alone)."""
+    batch: list[_T] = []
+    total = 0
+    for unit in units:
+        n = cost(unit)
+        if batch and total + n > BATCH_BYTES:
+            yield batch
+            batch, total = [], 0
+        batch.append(unit)
+        total += n
+    if batch:
+        yield batch
+
+
+def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
+    """Fetch ``entries`` from ``tier`` (module docstring), calling ``keep`` for each one verified."""
+    ranged: _Ranged | None = getattr(tier.packs, "fetch_ranges", None) if tier.trust is None else None
+    by_pack: dict[str, list[Wanted]] = {}
+    loose: list[Wanted] = []
+    for e in entries:
+        if not tier.fits(e.size, e.kid):
+            continue
+        if ranged is not None and e.pack is not None and e.offset is not None and e.at is not None and e.size:
+            by_pack.setdefault(e.pack, []).append(e)
+        else:
+            loose.append(e)
+    for pack, lines in by_pack.items():
+        _packed(tier, ranged, pack, lines, keep)
+    _loose(tier, loose, keep)
+
+
+def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted], keep: Keep) -> None:
+    assert ranged is not None
+    spans: dict[tuple[int, int], list[Wanted]] = {}
+    for e in lines:
+        assert e.offset is not None
+        spans.setdefault((e.offset, e.size), []).append(e)
+    for batch in batched(list(spans.items()), lambda unit: unit[0][1] + len(unit[1]) * (ENTRY_SIZE + _PER_RANGE)):
+        asked = [span for span, _ in batch] + [(e.at, ENTRY_SIZE) for _, named in batch for e in named if e.at]
+        got = ranged(pack, asked, TRAILER_SIZE)
+        if got is None or got.tail is None:
+            return  # refused (said once): the rest of this pack's entries are read the ordinary way
+        trailer = bytes(got.tail)
+        for span, named in batch:
+            mine = [e for e in named if _index_names(got, trailer, pack, e)]
+            blob = got.spans.get(span)
+            if mine and blob is not None and tier.hashes(mine[0], blob):
+                for e in mine:
+                    keep(e.kid, blob, e.digest)
+        del got  # the batch's answer goes before the next is asked
+
+
+def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
+    """Whether the pack's own index entry for ``e.kid`` (where the line says it lies) names the line's bytes."""
+    assert e.at is not None
+    raw = got.spans.get((e.at, ENTRY_SIZE))
+    entry = None if raw is None else entry_at(bytes(raw), e.at, trailer, got.size, pack)
+    return entry is not None and (entry.key_id, entry.digest, entry.offset, entry.size) == (
+        e.kid,
+        e.digest,
+        e.offset,
+        e.size,
+    )
+
+
+def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
+    blobs: dict[tuple[str, int], list[Wanted]] = {}
+    for e in lines:
+        blobs.setdefault((e.digest, e.size), []).append(e)
+    for batch in batched(list(blobs.items()), lambda unit: unit[0][1] + len(unit[1]) * MAX_MANIFEST_BYTES):
+        named = [e for _, es in batch for e in es]
+        names = [url_path(INDEX, e.kid) for e in named] + [url_path(BLOBS, digest) for (digest, _), _ in batch]
+        limits = [MAX_MANIFEST_BYTES] * len(named) + [size for (_, size), _ in batch]
+        found = tier.engine.get_many(names, limit=limits)
+        manifests = dict(zip((e.kid for e in named), found[: len(named)], strict=True))
+        for ((digest, size), es), blob in zip(batch, found[len(named) :], strict=True):
+            # The key's own manifest must name these bytes: else gone, or the key names another entry now.
+            mine = [e for e in es if (m := manifests[e.kid]) is not None and tier.judge(e.kid, m) == (digest, size)]
+            if mine and blob is not None and tier.hashes(mine[0], blob):
+                for e in mine:
+                    keep(e.kid, blob, digest)
+        del found
