@@ -329,6 +329,7 @@ def test_the_held_list_answers_as_the_dict_of_its_records(records: dict[int, int
         assert (k in listed) == (k in records)
         assert listed.get(k, -1) == records.get(k, -1)
 
+
 def test_a_key_the_probe_finds_before_any_list_makes_a_later_copy_that_lacks_it_lag(
     redis: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
