@@ -46,9 +46,12 @@ wait, then look the record up again and hit.
 A miss compiles uncached. With NVRTC 13 or later the compile runs with
 ``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
 the same with and without it). Before 13, every file under the search
-directories is fingerprinted instead. A header whose ctime is not older than the
-compile's start may have changed while NVRTC read it: the result is returned but
-not stored.
+directories is fingerprinted instead. A header or guard directory whose ctime is
+not a whole step of its file system's clock older than the compile's start, on that
+clock (:class:`cuda_program_cas._disk.fskind.FsClock`), may have changed while NVRTC
+read or searched it, or may change again within the same step and keep its stat data
+(a file system of one-second times): the result is returned but not stored. So a
+record holds only stat data that were old when it was made.
 """
 
 from __future__ import annotations
