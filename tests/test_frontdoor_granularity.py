@@ -245,12 +245,16 @@ def test_a_same_second_edit_after_a_hit_on_a_young_header_is_seen_by_the_memory_
     tree = Tree(one_second_fs, tmp_path / "cas")
     served: list[str] = []
 
+    door = None
+
     def prepare(attempt: int) -> None:
+        nonlocal door
         if attempt:
             tree.header.write_text("#define VAL 10\n")
             tree.wait_until_old()
         served[:] = [tree.cached()]  # stored: val.h is old
         assert tree.cached() == served[0]  # a hit; the next looks arm the header watch
+        door = tree.cache._front_door
 
     def pattern(attempt: int) -> Path:
         tree.header.write_text(tree.header.read_text())  # its own bytes: new stat data, the same digest
@@ -258,12 +262,15 @@ def test_a_same_second_edit_after_a_hit_on_a_young_header_is_seen_by_the_memory_
         served.append(tree.cached())
         assert compiles.count == count, "a header rewritten with its own bytes is a hit"
         served.append(tree.cached())  # armed again (the rewrite made the watch dirty), and a hit
+        watched = door.watched_hits
+        served.append(tree.cached())  # answered by the watch: nothing changed since it was armed
+        assert door.watched_hits == watched + 1
         tree.header.write_text(f"#define VAL {50 + attempt}\n")  # the same size, the same second
         return tree.header
 
     within_one_second(tree, pattern, prepare)
     first = served[0]
-    assert served == [first, first, first]
+    assert served == [first] * 4
     want = tree.uncached()
     assert want != first
     assert tree.cached() == want
