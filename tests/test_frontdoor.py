@@ -8,7 +8,9 @@ the ``nvidia-cuda-cccl`` wheel's headers (or the toolkit's), and skips without t
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,7 +87,9 @@ def _clock_probe(near: Path) -> Path:
         base = Path(tempfile.gettempdir())
         if base.stat().st_dev != device:
             base = near.parent if near.parent.stat().st_dev == device else near
-        probe = Path(tempfile.mkdtemp(prefix="cpcas-test-clock-", dir=base)) / "clock"
+        made = tempfile.mkdtemp(prefix="cpcas-test-clock-", dir=base)
+        atexit.register(shutil.rmtree, made, True)
+        probe = Path(made) / "clock"
         probe.write_bytes(b"")
         _PROBES[device] = probe
     return probe
