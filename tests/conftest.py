@@ -6,6 +6,7 @@ Helpers of one test file stay in that file; only what several files need lives h
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -155,6 +156,40 @@ def mounts() -> Iterator[list[Path]]:
     made: list[Path] = []
     yield made
     for target in reversed(made):
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture(scope="session")
+def one_second_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A real file system whose times are whole seconds: ext4 made with 128-byte inodes, on a loop device.
+
+    As ext2, ext3, FAT or a coarse NFS export stamp files: a change within the second of
+    the last one leaves every stat field as it was. Needs root and a loop device.
+    """
+    if not is_root():
+        pytest.skip("a one-second file system needs root (mkfs.ext4 on a loop device, mount)")
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("mkfs.ext4 (e2fsprogs) is not installed")
+    base = tmp_path_factory.mktemp("one-second-fs")
+    image, target = base / "ext4-128.img", base / "mnt"
+    target.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(128 * 2**20)
+    made = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-I", "128", "-O", "^has_journal", str(image)], capture_output=True, text=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 -I 128 failed: {made.stderr.strip()}")
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(target)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no loop device to mount a one-second file system on: {mounted.stderr.strip()}")
+    try:
+        probe = target / "probe"
+        probe.write_bytes(b"")
+        assert probe.stat().st_ctime_ns % 10**9 == 0, "ext4 with 128-byte inodes gave a time finer than a second"
+        probe.unlink()
+        yield target
+    finally:
         subprocess.run(["umount", "-l", str(target)], check=False)
 
 

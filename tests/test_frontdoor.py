@@ -8,9 +8,12 @@ the ``nvidia-cuda-cccl`` wheel's headers (or the toolkit's), and skips without t
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -54,21 +57,42 @@ def uncached(tree: dict[str, Path], names: tuple[str, ...] = NAMES, **extra: obj
 
 
 def settle(path: Path) -> None:
-    """Wait until the file system's clock is past ``path``'s ctime.
+    """Wait until the file system's clock is past the ctime of ``path`` and of its directory.
 
-    The front door does not store a result whose headers changed at or after the
-    moment its compile began (NVRTC may have read other bytes); an edit made in the
-    same clock tick as the compile is such a change. Tests that edit a header and
-    compile at once wait for the next tick (a few ms), as a person editing does.
+    The front door does not store a result whose headers or guard directories changed
+    at or after the moment its compile began (NVRTC may have read other bytes, or
+    searched before an entry came); an edit made in the same clock tick as the compile
+    is such a change. Tests that edit a header and compile at once wait for the next
+    tick (a few ms), as a person editing does. The clock is read from a probe file that
+    already exists elsewhere on the same file system (its own directory does not change):
+    a probe made next to the header would change that directory, a guard, at the last moment.
     """
-    probe = path.parent / ".clock"
-    target = path.stat().st_ctime_ns
+    target = max(path.stat().st_ctime_ns, path.parent.stat().st_ctime_ns)
+    probe = _clock_probe(path.parent)
     for _ in range(100_000):
-        probe.write_bytes(b"")
+        os.utime(probe)
         if probe.stat().st_mtime_ns > target:
-            probe.unlink()
             return
     raise AssertionError("the file system clock did not advance")
+
+
+_PROBES: dict[int, Path] = {}
+
+
+def _clock_probe(near: Path) -> Path:
+    """A file on the file system of ``near``, made once per device and process, in a directory of its own."""
+    device = near.stat().st_dev
+    probe = _PROBES.get(device)
+    if probe is None or not probe.exists():
+        base = Path(tempfile.gettempdir())
+        if base.stat().st_dev != device:
+            base = near.parent if near.parent.stat().st_dev == device else near
+        made = tempfile.mkdtemp(prefix="cpcas-test-clock-", dir=base)
+        atexit.register(shutil.rmtree, made, True)
+        probe = Path(made) / "clock"
+        probe.write_bytes(b"")
+        _PROBES[device] = probe
+    return probe
 
 
 def assert_same(obj, reference) -> None:

@@ -36,6 +36,13 @@ Every header defines one ``V_<slot>`` value; the kernel writes each slot to memo
 so other bytes in any header it reads give another cubin. Each write of a header
 takes a new value.
 
+The same machine runs on a file system whose times are whole seconds (ext4 made with
+128-byte inodes, on a loop device; root only), with the cache on one of ns times and no
+wait after a change (:class:`OneSecondMachine`): edits, touches and new headers then fall
+in the second of the compile before them, and ``edit_twice_in_one_second`` makes that
+likely. It found the stale binaries of issue 43 (item 3) before the front door measured
+how old stat data are on their file system's clock.
+
 The CI configuration is the defaults below; ten times the examples, with another seed
 (see docs/frontdoor-proof.md)::
 
@@ -49,6 +56,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -235,11 +243,15 @@ class FrontDoorMachine(RuleBasedStateMachine):
         for link, targets in LINKS.items():
             os.symlink(targets[0], self.root / link)
         os.chdir(self.root / self.cwd)
-        settle(self.root / "shared" / "one" / "leaf.h", self.clock)
+        self._settle(self.root / "shared" / "one" / "leaf.h")
 
     def teardown(self) -> None:
         os.chdir(self.home)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def _settle(self, path: Path) -> None:
+        """After a change: wait a tick of the clock (see :func:`settle`)."""
+        settle(path, self.clock)
 
     def _write(self, path: str, replace: bool = False) -> None:
         value = self.next_value
@@ -264,7 +276,7 @@ class FrontDoorMachine(RuleBasedStateMachine):
     def write_header(self, path: str, replace: bool, then: int) -> None:
         """New bytes: an edit of an existing header, or a new one (which may now be found first)."""
         self._write(path, replace)
-        settle(self.root / path, self.clock)
+        self._settle(self.root / path)
         self._compare(then)
 
     @rule(path=st.sampled_from(sorted(HEADERS)), then=THEN)
@@ -274,7 +286,7 @@ class FrontDoorMachine(RuleBasedStateMachine):
         if target.exists():
             target.write_bytes(target.read_bytes())
             os.utime(target)
-            settle(target, self.clock)
+            self._settle(target)
         self._compare(then)
 
     @rule(path=st.sampled_from(sorted(HEADERS)), then=THEN)
@@ -284,7 +296,7 @@ class FrontDoorMachine(RuleBasedStateMachine):
         if target.exists():
             target.unlink()
             self.values.pop(path, None)
-            settle(target, self.clock)
+            self._settle(target)
         self._compare(then)
 
     @rule(link=st.sampled_from(sorted(LINKS)), then=THEN)
@@ -295,7 +307,7 @@ class FrontDoorMachine(RuleBasedStateMachine):
         staged = self.root / (link + ".new")
         os.symlink(other if current == one else one, staged)
         os.replace(staged, self.root / link)
-        settle(self.root / link, self.clock)
+        self._settle(self.root / link)
         self._compare(then)
 
     @rule(project=st.sampled_from(PROJECTS), then=THEN)
@@ -347,12 +359,19 @@ class FrontDoorMachine(RuleBasedStateMachine):
             self.cache = ContentAddressedProgramCache(self.cache_dir)
         self._compare(which)
 
+    def _options_and_code(self, which: int) -> tuple[Spelling, ProgramOptions, str, tuple[str, ...]]:
+        spelling = self.spellings[which % len(self.spellings)]
+        names = NAMES if spelling.names else ()
+        return spelling, self._options(spelling), source_for(spelling.name_has_dir), names
+
+    def _cached_only(self, which: int) -> None:
+        """A compile through the cache, not compared (the next step's compile is): it may store a record."""
+        _spelling, options, code, name_expressions = self._options_and_code(which)
+        outcome(lambda: self.cache.compile(code, "c++", options, "cubin", name_expressions=name_expressions))
+
     def _compare(self, which: int) -> None:
         """``cache.compile`` gives what an uncached compile of the files as they are now gives."""
-        spelling = self.spellings[which % len(self.spellings)]
-        options = self._options(spelling)
-        code = source_for(spelling.name_has_dir)
-        name_expressions = NAMES if spelling.names else ()
+        spelling, options, code, name_expressions = self._options_and_code(which)
         cache = self.cache
         got = outcome(lambda: cache.compile(code, "c++", options, "cubin", name_expressions=name_expressions))
         want = outcome(lambda: Program(code, "c++", options=options).compile("cubin", name_expressions))
@@ -396,6 +415,78 @@ def test_cache_compile_equals_an_uncached_compile_under_generated_edits(
         return FrontDoorMachine(tmp_path)
 
     run_state_machine_as_test(seed(SEED)(machine), settings=SETTINGS)
+
+
+# -- the same property on a file system whose times are whole seconds (issue 43, item 3) ---------------------
+
+ONE_SECOND_EXAMPLES = int(os.environ.get("CPCAS_PROPERTY_ONE_SECOND_EXAMPLES", "6"))
+ONE_SECOND_STEPS = int(os.environ.get("CPCAS_PROPERTY_ONE_SECOND_STEPS", "15"))
+
+
+class OneSecondMachine(FrontDoorMachine):
+    """The tree on a file system of one-second times, the cache on one of ns times; no wait after a change.
+
+    A change and the compiles around it then mostly fall in one second: same-second edits,
+    touches, shadowing headers and directory changes, after a compile that read the file
+    or its directory, which leave every stat field as it was. ``let_time_pass`` lets the
+    tree grow old, so that compiles are stored and later same-second changes can be
+    served stale if the front door trusted those stat fields.
+    """
+
+    def __init__(self, base: Path, cache_base: Path) -> None:
+        super().__init__(base)
+        self.cache_dir = Path(tempfile.mkdtemp(prefix="cas-", dir=cache_base))
+        self.cache = ContentAddressedProgramCache(self.cache_dir)
+        self.probe = self.clock / "probe"  # its directory is searched by no compile
+
+    def _settle(self, path: Path) -> None:
+        pass  # the point: the next compile comes in the same second as the change
+
+    def _now_s(self) -> int:
+        self.probe.write_bytes(b"")
+        return self.probe.stat().st_mtime_ns // 10**9
+
+    @rule(path=st.sampled_from(sorted(HEADERS)), near=st.integers(0, 3), then=THEN)
+    def edit_twice_in_one_second(self, path: str, near: int, then: int) -> None:
+        """An edit and a compile through the cache, then at once an edit of the same header or of one in its directory.
+
+        Both edits are in place (same inode) and mostly of the same size: the second falls
+        in the second of the compile, often with every stat field of the header, or of the
+        directory a new header appears in, as the compile left it.
+        """
+        self._write(path)
+        self._cached_only(then)  # no uncached compile after it: that would take the second away
+        neighbours = sorted(p for p in HEADERS if os.path.dirname(p) == os.path.dirname(path))
+        self._write(neighbours[near % len(neighbours)])
+        self._compare(then)
+
+    @rule(which=THEN)
+    def let_time_pass(self, which: int) -> None:
+        """Three seconds of the file system's clock (past the 2 s step assumed of whole seconds), then a compile."""
+        until = self._now_s() + 3
+        while self._now_s() < until:
+            time.sleep(0.02)
+        self._compare(which)
+
+    def teardown(self) -> None:
+        super().teardown()
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.mount
+def test_cache_compile_equals_an_uncached_compile_under_same_second_edits(
+    one_second_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    def machine() -> FrontDoorMachine:
+        return OneSecondMachine(one_second_fs, tmp_path)
+
+    run_state_machine_as_test(
+        seed(SEED)(machine),
+        settings=settings(SETTINGS, max_examples=ONE_SECOND_EXAMPLES, stateful_step_count=ONE_SECOND_STEPS),
+    )
 
 
 # -- findings 1 and 2 of issue 20, as examples ---------------------------------------------------------

@@ -46,9 +46,12 @@ wait, then look the record up again and hit.
 A miss compiles uncached. With NVRTC 13 or later the compile runs with
 ``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
 the same with and without it). Before 13, every file under the search
-directories is fingerprinted instead. A header whose ctime is not older than the
-compile's start may have changed while NVRTC read it: the result is returned but
-not stored.
+directories is fingerprinted instead. A header or guard directory whose ctime is
+not a whole step of its file system's clock older than the compile's start, on that
+clock (:class:`cuda_program_cas._disk.fskind.FsClock`), may have changed while NVRTC
+read or searched it, or may change again within the same step and keep its stat data
+(a file system of one-second times): the result is returned but not stored. So a
+record holds only stat data that were old when it was made.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, file_id
+from cuda_program_cas._disk.fskind import FsClock
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas._store.why import DAMAGED, NO_RECORD, RESULT_GONE, Why
 from cuda_program_cas.index import grouped_id
@@ -267,7 +271,8 @@ class FrontDoor:
 
         name_expressions, record_key = expressions, key
         record_kid = grouped_id(record_key, None)
-        started_ns = _fs_clock(self._inner.layout.tmp)
+        # Every clock the headers' file systems keep, as the compile starts (see FsClock).
+        started = FsClock(self._inner.layout.tmp)
         traced = code_type == "c++" and nvrtc_major() >= 13
         trace_dir = None
         if traced:
@@ -301,7 +306,9 @@ class FrontDoor:
                 else:
                     paths = tree_files(search.dirs)
                 paths = sorted({*paths, *search.pre_includes})
-                headers = self._read_headers(paths, started_ns)
+                headers = self._read_headers(paths, started)
+                guards = guard_dirs([h.path for h in headers], search.dirs)
+                _guards_older_than(guards, started)
                 if nvrtc is not None and loaded_nvrtc_version() != nvrtc:
                     raise Uncacheable(f"NVRTC {loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
             except Uncacheable as exc:
@@ -310,7 +317,6 @@ class FrontDoor:
         finally:
             if trace_dir is not None:
                 shutil.rmtree(trace_dir, ignore_errors=True)
-        guards = guard_dirs([h.path for h in headers], search.dirs)
         result_key = result_key_of(record_key, [(h.path, h.digest) for h in headers])
         mapping = dict(result.symbol_mapping) if name_expressions else {}
         stored = self._inner.put_id(grouped_id(record_key, result_key), bytes(result.code))
@@ -412,6 +418,7 @@ class FrontDoor:
         headers = self._headers
         known = headers.known
         learnt: dict[str, tuple[FileId, str]] = {}  # entered at the end, in one go (a lock a header cost 0.3 ms)
+        clock: FsClock | None = None  # read once, before the first header hashed
         try:
             for path, tag, digest in variant.headers:
                 try:
@@ -425,8 +432,12 @@ class FrontDoor:
                         return Why.header_changed(path)
                 elif stat_tag(key) == tag:
                     learnt[path] = (key, digest)
-                elif headers.digest(path, st) != digest:
-                    return Why.header_changed(path)
+                else:
+                    if clock is None:
+                        clock = FsClock(self._inner.layout.tmp)
+                    # Hashed; remembered for these stat data only if they are old (see HeaderCache.digest).
+                    if headers.digest(path, st, old=clock.old(st)) != digest:
+                        return Why.header_changed(path)
         finally:
             headers.learn(learnt)
         for directory, dir_tag in variant.guards:
@@ -452,7 +463,7 @@ class FrontDoor:
 
     # -- misses ----------------------------------------------------------------------
 
-    def _read_headers(self, paths: list[str], started_ns: int) -> list[Header]:
+    def _read_headers(self, paths: list[str], started: FsClock) -> list[Header]:
         headers = []
         for path in paths:
             try:
@@ -461,9 +472,11 @@ class FrontDoor:
                 raise Uncacheable(f"header {path!r} NVRTC read cannot be found again ({exc.strerror})", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise Uncacheable(f"header {path!r} NVRTC read is not a regular file", path)
-            if st.st_ctime_ns >= started_ns:
-                raise Uncacheable(f"header {path} changed while it was compiled")
-            digest = self._headers.digest(path, st)
+            if not started.old(st):
+                # Its last change may have come after the compile read it, or in the same step of
+                # its file system's clock as a change to come: its stat data would not prove it.
+                raise Uncacheable(f"header {path} changed while it was compiled (or too shortly before)")
+            digest = self._headers.digest(path, st, old=True)
             if digest is None:
                 raise Uncacheable(f"header {path} changed while it was read")
             headers.append(Header(path, file_id(st), digest))
@@ -493,12 +506,15 @@ class FrontDoor:
                 pass
 
 
-def _fs_clock(directory: str) -> int:
-    """The file system's clock now (:func:`cuda_program_cas._disk.files.fs_now`), or the process clock less a tick."""
-    from cuda_program_cas._disk.files import fs_now
+def _guards_older_than(guards: list[tuple[str, DirKey | None]], started: FsClock) -> None:
+    """Raise :class:`Uncacheable` for a guard directory whose entries changed too late to be proven by its stat.
 
-    now = fs_now(directory)
-    return now if now is not None else time.time_ns() - 50_000_000
+    An entry added after the compile looked there, or in the same step of the directory's
+    file system clock as one added later, leaves its stat tag as recorded.
+    """
+    for path, key in guards:
+        if key is not None and not started.old_at(key[0], key[3]):
+            raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
 
 
 def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:

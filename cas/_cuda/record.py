@@ -83,25 +83,22 @@ class HeaderCache:
             with self._lock:
                 self._known.update(learnt)
 
-    def digest(self, path: str, st: os.stat_result, recorded: tuple[str, str] | None = None) -> str | None:
+    def digest(self, path: str, st: os.stat_result, *, old: bool) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
 
-        ``recorded``: the stat tag and digest a record keeps for it; a file whose
-        stat still has that tag is not read again.
+        ``old``: whether ``st`` was already old on its file system's clock before the
+        read (:meth:`cuda_program_cas._disk.fskind.FsClock.old`). Only then is the digest
+        remembered for these stat data: a young file can change again within the same
+        step of that clock and keep them, so it is read again at each look until it is old.
         """
         key = file_id(st)
         known = self._known.get(path)
         if known is not None and known[0] == key:
             return known[1]
-        if recorded is not None and stat_tag(key) == recorded[0]:
-            digest = recorded[1]
-        else:
-            hashed = _hash_file(path, key)
-            if hashed is None:
-                return None
-            digest = hashed
-        with self._lock:
-            self._known[path] = (key, digest)
+        digest = _hash_file(path, key)
+        if digest is not None and old:
+            with self._lock:
+                self._known[path] = (key, digest)
         return digest
 
 

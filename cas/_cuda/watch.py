@@ -31,6 +31,12 @@ watched at all, and keeps the stat check, when a watch cannot be added
 when anything it depends on is on a file system not known to raise events for
 every change (see :mod:`cuda_program_cas._disk.fskind`: NFS, FUSE, overlayfs...).
 
+Events do not depend on file times: a write in the same second as the last one, which
+leaves every stat field of a file on a one-second file system as it was, still raises
+one. The stat check that follows a dirty token reads such a header again: the front door
+remembers a digest for stat data only once they are old on their file system's clock
+(:class:`cuda_program_cas._disk.fskind.FsClock`).
+
 Not seen: writes through a shared ``mmap``, which raise no ``IN_MODIFY`` (on
 Linux 6.18 the writer's ``munmap`` raises ``IN_CLOSE_WRITE``: a clean variant can
 be stale from the first such write until that mapping is unmapped), and a
