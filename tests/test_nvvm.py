@@ -175,55 +175,46 @@ OPS = st.sampled_from(["+", "-", "*"])
 TERMS = st.lists(st.tuples(OPS, st.integers(1, 9)), min_size=1, max_size=4)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    terms=TERMS,
-    dtype=st.sampled_from(["float32", "float64", "int32"]),
-    fastmath=st.booleans(),
-    opt=st.booleans(),
-    lineinfo=st.booleans(),
-    output=st.sampled_from(["ptx", "ltoir"]),
-    cc=st.sampled_from([(7, 5), (8, 0), (9, 0)]),
+#: One compile: a kernel's expression, and the options numba-cuda's ``cuda.compile`` takes.
+CASES = st.fixed_dictionaries(
+    {
+        "terms": TERMS,
+        "dtype": st.sampled_from(["float32", "float64", "int32"]),
+        "fastmath": st.booleans(),
+        "opt": st.booleans(),
+        "lineinfo": st.booleans(),
+        "output": st.sampled_from(["ptx", "ltoir"]),
+        "cc": st.sampled_from([(7, 5), (8, 0), (9, 0)]),
+    }
 )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=CASES)
 def test_a_hit_is_what_the_uncached_nvvm_compile_returns(
-    switched: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    terms: list[tuple[str, int]],
-    dtype: str,
-    fastmath: bool,
-    opt: bool,
-    lineinfo: bool,
-    output: str,
-    cc: tuple[int, int],
+    switched: Path, monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
 ) -> None:
     from numba import cuda, types
     from numba.cuda.core.errors import NumbaDebugInfoWarning
     from numba.cuda.cudadrv import nvvm
 
-    expr = "y[i]" + "".join(f" {op} {n}" for op, n in terms)
+    expr = "y[i]" + "".join(f" {op} {n}" for op, n in case["terms"])
     namespace: dict[str, Any] = {"cuda": cuda}
     exec(f"def kernel(y):\n    i = cuda.grid(1)\n    if i < y.size:\n        y[i] = {expr}\n", namespace)  # noqa: S102
     with monkeypatch.context() as m, warnings.catch_warnings():
         # lineinfo on a function made by exec: numba warns that it has no source file.
         warnings.simplefilter("ignore", NumbaDebugInfoWarning)
         calls, count = recorded(m), Counted(m)
-        got, _ = cuda.compile(
-            namespace["kernel"],
-            (getattr(types, dtype)[:],),
-            cc=cc,
-            output=output,
-            fastmath=fastmath,
-            opt=opt,
-            lineinfo=lineinfo,
-        )
+        options = {k: case[k] for k in ("cc", "output", "fastmath", "opt", "lineinfo")}
+        got, _ = cuda.compile(namespace["kernel"], (getattr(types, case["dtype"])[:],), **options)
         assert count.n == len(calls) == 1  # a new kernel: a miss, compiled by NVVM
-        (llvmir, options) = calls[0]
-        hit = nvvm.compile_ir(llvmir, **options)
+        (llvmir, nvvm_options) = calls[0]
+        hit = nvvm.compile_ir(llvmir, **nvvm_options)
         assert count.n == 1  # the same IR and options again: a hit, NVVM not asked
-        reference = uncached(lambda: nvvm.compile_ir(llvmir, **options))
+        reference = uncached(lambda: nvvm.compile_ir(llvmir, **nvvm_options))
         assert count.n == 2
     assert hit == reference
-    assert got == (reference if output == "ltoir" else reference.decode().strip("\x00").strip())
+    assert got == (reference if case["output"] == "ltoir" else reference.decode().strip("\x00").strip())
 
 
 def unit_compile(ir: bytes, options: dict[str, Any], libdevice: bytes) -> bytes:
@@ -238,9 +229,7 @@ def unit_compile(ir: bytes, options: dict[str, Any], libdevice: bytes) -> bytes:
     return result
 
 
-def test_a_changed_kernel_option_or_libdevice_is_another_key(
-    switched: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_changed_kernel_option_or_libdevice_is_another_key(switched: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from numba import cuda, types
     from numba.cuda.cudadrv import nvvm
 
