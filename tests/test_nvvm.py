@@ -260,6 +260,13 @@ def test_a_changed_kernel_option_or_libdevice_is_another_key(switched: Path, mon
     c = live()
     assert again == first and count.n == 3 and (c["misses"], c["hits"]) == (4, 5)
     assert first == {name: uncached(lambda v=v: unit_compile(*v)) for name, v in variants.items()}
+    # explain names what changed, from the miss journal.
+    from cuda_program_cas import explain
+
+    changes = [m.changes for m in explain(switched).misses]
+    assert [m.via for m in explain(switched).misses] == ["nvvm"] * 4
+    assert changes[1:] == [("code changed",), ("option -opt: 3 -> 0",), changes[3]]
+    assert len(changes[3]) == 1 and changes[3][0].startswith("libdevice: ")
 
 
 def test_nvvm_s_errors_are_raised_as_without_the_switch(switched: Path) -> None:
