@@ -322,3 +322,16 @@ def test_numba_cuda_mlir_s_compilation_unit_too(switched: Path, monkeypatch: pyt
 
     first, second = compile_mlir(), compile_mlir()
     assert n[0] == 1 and first == second == uncached(compile_mlir) and n[0] == 2
+
+
+def test_a_process_that_never_imports_numba_never_loads_the_hook(tmp_path: Path) -> None:
+    code = (
+        "import json, sys\n"
+        "from cuda.core import Program, ProgramOptions\n"
+        "Program('extern \"C\" __global__ void k() {}', 'c++', options=ProgramOptions(arch='sm_80')).compile('cubin')\n"
+        "print(json.dumps({'switch': 'cuda_program_cas._cuda.switch' in sys.modules,\n"
+        "    'loaded': sorted(m for m in sys.modules if m.startswith('numba') or m.endswith('_cuda.nvvm'))}))\n"
+    )
+    proc = run_python(code, env={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"switch": True, "loaded": []}

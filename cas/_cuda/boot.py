@@ -101,9 +101,10 @@ def defer(mode: str) -> None:
 def _done(name: str) -> None:
     """``name`` has been imported: no longer waited for; the hook goes once nothing is."""
     for finder in sys.meta_path:
-        if getattr(finder, "cpcas_switch_hook", False):
-            finder.pending.discard(name)
-            if not finder.pending:
+        pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
+        if pending is not None:
+            pending.discard(name)
+            if not pending:
                 remove()
             return
 

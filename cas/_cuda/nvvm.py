@@ -117,7 +117,7 @@ def hooked() -> list[str]:
 
 
 def _subclass(original: type) -> type:
-    class CompilationUnit(original):  # type: ignore[misc,valid-type]
+    class CompilationUnit(original):  # type: ignore[misc]
         """numba-cuda's ``CompilationUnit``, its compiles through the cache (the switch)."""
 
         cpcas_original = original
