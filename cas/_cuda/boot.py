@@ -1,4 +1,4 @@
-"""The switch's start-up hook: waits for ``cuda.core`` to be imported, then routes its compiles.
+"""The switch's start-up hook: waits for ``cuda.core`` (and numba-cuda's NVVM module) to be imported, then routes.
 
 ``cuda_program_cas-switch.pth`` (in site-packages) runs this file at interpreter
 start-up when ``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is
@@ -6,11 +6,13 @@ loaded by path, not imported: importing the package would cost every process
 tens of milliseconds before it compiled anything. So it uses the standard library
 only, and imports nothing of it that ``site`` has not imported already.
 
-It puts a finder first on ``sys.meta_path`` that answers for ``cuda.core`` alone:
-it asks the other finders for the real module and wraps its loader, so that once
-``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate`` rebinds its
-``Program`` and ``Linker``, before the code that imported it reads either name.
-Nothing imports ``cuda.core`` early: a process that never compiles never pays for it.
+It puts a finder first on ``sys.meta_path`` that answers for the modules of
+:data:`_TARGETS` alone: it asks the other finders for the real module and wraps its
+loader, so that once ``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate``
+rebinds its ``Program`` and ``Linker``, before the code that imported it reads either
+name; once numba-cuda's (or numba-cuda-mlir's) NVVM module has run,
+``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit``. Nothing is
+imported early: a process that never compiles never pays for it.
 """
 
 from __future__ import annotations
@@ -23,24 +25,30 @@ if TYPE_CHECKING:  # typing is not imported at start-up: it costs milliseconds
 
 __all__ = ["defer", "remove"]
 
-_TARGET = "cuda.core"
+#: The modules waited for, and the module of this package whose ``activate(mode)`` each one's import runs.
+_TARGETS = {
+    "cuda.core": "cuda_program_cas._cuda.switch",
+    "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
+    "numba_cuda_mlir.numba_cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
+}
 
 
 class _Loader:
     """The real loader of ``cuda.core``, followed by the switch."""
 
-    def __init__(self, loader: Any, mode: str) -> None:
+    def __init__(self, loader: Any, mode: str, name: str) -> None:
         self._loader = loader
         self._mode = mode
+        self._name = name
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        remove()
+        _done(self._name)
         try:
-            _activate(self._mode)
+            _activate(self._mode, self._name)
         except Exception as exc:  # the switch never costs a job its cuda.core
             import logging
 
@@ -53,15 +61,16 @@ class _Loader:
 
 
 class _Finder:
-    """Answers for ``cuda.core`` only: the real spec, with its loader wrapped."""
+    """Answers for the modules of :data:`_TARGETS` not imported yet: the real spec, with its loader wrapped."""
 
     cpcas_switch_hook = True
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, pending: set[str]) -> None:
         self.mode = mode
+        self.pending = pending
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _TARGET:
+        if fullname not in self.pending:
             return None
         for finder in sys.meta_path:
             if getattr(finder, "cpcas_switch_hook", False):
@@ -70,7 +79,7 @@ class _Finder:
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, self.mode)
+                    spec.loader = _Loader(spec.loader, self.mode, fullname)
                 return spec
         return None
 
@@ -79,20 +88,33 @@ class _Finder:
 
 
 def defer(mode: str) -> None:
-    """Run the switch in ``mode`` when ``cuda.core`` is imported (at once when it is already)."""
+    """Run the switch in ``mode`` when each module of :data:`_TARGETS` is imported (at once for those that are)."""
     remove()
-    if _TARGET in sys.modules:
-        _activate(mode)
-    else:
-        sys.meta_path.insert(0, _Finder(mode))
+    pending = {name for name in _TARGETS if name not in sys.modules}
+    if pending:
+        sys.meta_path.insert(0, _Finder(mode, pending))
+    for name in _TARGETS:
+        if name not in pending:
+            _activate(mode, name)
 
 
-def _activate(mode: str) -> None:
+def _done(name: str) -> None:
+    """``name`` has been imported: no longer waited for; the hook goes once nothing is."""
+    for finder in sys.meta_path:
+        pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
+        if pending is not None:
+            pending.discard(name)
+            if not pending:
+                remove()
+            return
+
+
+def _activate(mode: str, name: str) -> None:
     # By name, when it is needed: this file sits below the switch (which imports it), and at
     # start-up it runs before the package may be imported at all.
     import importlib
 
-    importlib.import_module("cuda_program_cas._cuda.switch").activate(mode)
+    importlib.import_module(_TARGETS[name]).activate(mode)
 
 
 def remove() -> None:

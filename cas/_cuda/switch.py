@@ -40,7 +40,7 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
 from cuda_program_cas._base.fork import ForkSafeLock
 
-__all__ = ["activate", "install", "installed", "routed", "uninstall"]
+__all__ = ["activate", "hook_failed", "hook_inner", "install", "installed", "rebind", "routed", "uninstall"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -99,7 +99,10 @@ def uninstall() -> None:
     with _lock:
         _S.mode = None
         for name, switched in _S.switched.items():
-            _rebind(switched, _S.original[name])
+            rebind(switched, _S.original[name])
+    nvvm = sys.modules.get("cuda_program_cas._cuda.nvvm")  # numba-cuda's hook, loaded only where numba was
+    if nvvm is not None:
+        nvvm.unhook()
 
 
 def activate(value: str) -> None:
@@ -128,7 +131,7 @@ def activate(value: str) -> None:
             if name not in _S.switched:
                 _S.original[name] = original
                 _S.switched[name] = _subclass(name, original)
-            _rebind(original, _S.switched[name])
+            rebind(original, _S.switched[name])
 
 
 def _internal(modname: str) -> bool:
@@ -140,7 +143,7 @@ def _internal(modname: str) -> bool:
     return False
 
 
-def _rebind(old: type, new: type) -> None:
+def rebind(old: type, new: type) -> None:
     """Every module attribute bound to ``old`` now bound to ``new``, except in cuda.core's internals and ours."""
     for modname, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or _internal(modname):
@@ -224,6 +227,31 @@ def _process_cache() -> Any:
                 _S.cache.path,
             )
         return _S.cache
+
+
+def hook_inner() -> Any:
+    """For the switch's other hooks (numba-cuda's NVVM compiles): the process cache's ``Inner``, or None.
+
+    None while the switch is off or no cache can be opened. A compile given one is
+    counted as routed and switched. Never raises: a failure is one WARNING, and None.
+    """
+    if _S.mode is None:
+        return None
+    try:
+        cache = _process_cache()
+        inner = None if cache is None else _inner_of()(cache)
+    except Exception as exc:
+        _warn(exc)
+        return None
+    if inner is not None:
+        _count_routed()
+        inner.note_switched()
+    return inner
+
+
+def hook_failed(exc: BaseException) -> None:
+    """A hook's cache failed with ``exc`` (its compile runs uncached): the switch's one WARNING per process."""
+    _warn(exc)
 
 
 def _warn(exc: BaseException) -> None:

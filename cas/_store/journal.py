@@ -8,15 +8,18 @@ Each miss that stores a new entry appends one line to ``<root>/misses``::
 digits; a line that is torn or fails its check is skipped. The object holds the
 entry's key id (``k``), when (``t``, seconds since the epoch), how long its compile
 took (``s``, seconds), which way it came (``via``: ``plain`` for
-``Program.compile(cache=)``, ``front`` for ``cache.compile``) and its inputs
-(``in``), each in a compact form:
+``Program.compile(cache=)``, ``front`` for ``cache.compile``, ``nvvm`` for numba-cuda's
+NVVM compiles under the switch) and its inputs (``in``), each in a compact form:
 
 - ``code``: the first 32 hex digits of the code's blake3; ``code_type``, ``target``;
 - ``options``: the options as the compiler gets them (NVRTC's flags), in order;
 - ``names``: the name expressions; ``nvrtc``: the compiler's version;
 - ``extra``: a digest of ``Program.compile``'s ``extra_digest`` (plain keys);
 - ``cwd``: the working directory, when it is part of the key (front door);
-- ``headers``: each header read, path -> the first 12 hex digits of its digest (front door).
+- ``headers``: each header read, path -> the first 12 hex digits of its digest (front door);
+- ``nvvm``: NVVM's version and IR version; ``libdevice``: the first 16 hex digits of the
+  digest of the module NVVM added lazily, libdevice (``nvvm``; its ``code`` digests the
+  IR modules, ``options`` are NVVM's: ``-arch=compute_80``, ``-opt=3``).
 
 A front door miss also holds why its lookup missed (``why``: the ``kind``, ``path``
 and ``text`` of a :class:`cuda_program_cas._store.why.Why`): what kind of check
@@ -78,7 +81,7 @@ class MissRecord:
     time: float
     #: How long the compile took, in seconds.
     compile_seconds: float
-    #: ``plain`` (``Program.compile(cache=)``) or ``front`` (``cache.compile``).
+    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``) or ``nvvm`` (numba-cuda's NVVM).
     via: str
     #: The inputs, as the module docstring lists them.
     inputs: dict[str, Any]

@@ -6,7 +6,8 @@ the compiler's version, the name expressions, the working directory, each option
 (by its name: ``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...)
 and each header (by its file name: a header found in another directory is one
 change, moved). Each of the last ``last`` misses is compared with one earlier
-record of the same way in (``plain`` or ``front``):
+record of the same way in (``plain``, ``front`` or ``nvvm``: numba-cuda's NVVM compiles
+under the switch, whose inputs hold NVVM's version and libdevice's digest too):
 
 - a front door miss whose lookup found its record but a variant's check failed (a
   header changed or went, a guard directory's listing changed: the journal's
@@ -56,6 +57,8 @@ _SCALARS = {
     "code_type": "code type",
     "target": "target",
     "nvrtc": "nvrtc",
+    "nvvm": "nvvm",
+    "libdevice": "libdevice",
     "names": "name expressions",
     "cwd": "working directory",
     "extra": "extra digest",
@@ -75,7 +78,7 @@ class MissExplanation:
     #: ISO 8601, UTC.
     time: str
     compile_seconds: float
-    #: ``plain`` (``Program.compile(cache=)``) or ``front`` (``cache.compile``).
+    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``) or ``nvvm`` (numba-cuda's NVVM).
     via: str
     #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``.
     verdict: str
