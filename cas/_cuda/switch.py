@@ -100,6 +100,8 @@ def uninstall() -> None:
         _S.mode = None
         for name, switched in _S.switched.items():
             _rebind(switched, _S.original[name])
+    if "cuda_program_cas._cuda.compute" in sys.modules:
+        sys.modules["cuda_program_cas._cuda.compute"].unhook()
 
 
 def activate(value: str) -> None:
@@ -129,6 +131,9 @@ def activate(value: str) -> None:
                 _S.original[name] = original
                 _S.switched[name] = _subclass(name, original)
             _rebind(original, _S.switched[name])
+    from .compute import hook  # cuda.compute's builds: routed when cuda.compute.algorithms is imported
+
+    hook()
 
 
 def _internal(modname: str) -> bool:
