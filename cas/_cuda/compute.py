@@ -310,24 +310,20 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
 # -- the switch ------------------------------------------------------------------------
 
 
+#: What the switch lends :func:`hook`: the store's inner side for a routed build (None: build uncached),
+#: and its rebinding of module attributes (this module imports neither the switch nor the adapter).
+_route: dict[str, Any] = {}
+
+
 def _switched(name: str, original: Any) -> Any:
     """``name`` routed through the switch's cache (the original where the switch is off or has none)."""
 
     @functools.wraps(original)
     def make(*args: Any, **kwargs: Any) -> Any:
-        from . import switch
-
-        cache = switch._process_cache() if switch.installed() and not _depth() and not args else None
-        if cache is None:
+        inner_for = _route.get("inner")
+        inner = inner_for() if inner_for is not None and not args and not _depth() else None
+        if inner is None:
             return original(*args, **kwargs)
-        from .cache import inner_of
-
-        try:
-            inner = inner_of(cache)
-            inner.note_switched()
-        except Exception as exc:
-            switch._warn(exc)
-            return original(**kwargs)
         return build(inner, original, kwargs)
 
     make.cpcas_compute_original = original  # type: ignore[attr-defined]
@@ -336,10 +332,9 @@ def _switched(name: str, original: Any) -> Any:
 
 def _patch() -> None:
     """Route every factory of the imported ``cuda.compute.algorithms``, wherever a module binds it."""
-    from .switch import _rebind
-
     algorithms = sys.modules.get(_HOOKED)
-    if algorithms is None:
+    rebind = _route.get("rebind")
+    if algorithms is None or rebind is None:
         return
     with _lock:
         for name in FACTORIES:
@@ -347,18 +342,19 @@ def _patch() -> None:
             if current is None or getattr(current, "cpcas_compute_original", None) is not None:
                 continue
             _originals[name] = current
-            _rebind(current, _switched(name, current))
+            rebind(current, _switched(name, current))
 
 
 def _unpatch() -> None:
-    from .switch import _rebind
-
+    rebind = _route.get("rebind")
+    if rebind is None:
+        return
     with _lock:
         for original in list(_originals.values()):
             for module in (sys.modules.get(_HOOKED), sys.modules.get("cuda.compute")):
                 switched = getattr(module, original.__name__, None)
                 if getattr(switched, "cpcas_compute_original", None) is original:
-                    _rebind(switched, original)
+                    rebind(switched, original)
                     break
 
 
@@ -410,8 +406,13 @@ def _remove_finder() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_compute_hook", False)]
 
 
-def hook() -> None:
-    """Route cuda.compute's factories through the switch: now if imported, else when it is."""
+def hook(inner_for: Any, rebind: Any) -> None:
+    """Route cuda.compute's factories through the switch: now if imported, else when it is.
+
+    ``inner_for()``: the store's inner side for a build, or None (switched off, no cache: uncached);
+    ``rebind(old, new)``: every module attribute bound to ``old`` bound to ``new``.
+    """
+    _route.update(inner=inner_for, rebind=rebind)
     _remove_finder()
     if _HOOKED in sys.modules:
         _patch()

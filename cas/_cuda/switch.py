@@ -133,7 +133,22 @@ def activate(value: str) -> None:
             _rebind(original, _S.switched[name])
     from .compute import hook  # cuda.compute's builds: routed when cuda.compute.algorithms is imported
 
-    hook()
+    hook(_compute_inner, _rebind)
+
+
+def _compute_inner() -> Any:
+    """The store's inner side for a cuda.compute build (counted as routed); None: it builds uncached."""
+    cache = _process_cache() if _S.mode is not None else None
+    if cache is None:
+        return None
+    try:
+        inner = _inner_of()(cache)
+        inner.note_switched()
+    except Exception as exc:
+        _warn(exc)
+        return None
+    _count_routed()
+    return inner
 
 
 def _internal(modname: str) -> bool:
