@@ -142,3 +142,25 @@ def test_an_unbound_closure_cell_is_uncacheable() -> None:
     exec("def outer():\n    def op(a, b):\n        return a + later\n    if False:\n        later = 1\n    return op\n", ns)
     with pytest.raises(Uncacheable, match="'later' is not bound"):
         encode_op(ns["outer"]())  # type: ignore[operator]
+
+
+class _Base:
+    """A device array whose interface its base class defines (as cupy.ndarray inherits it)."""
+
+    def __init__(self, typestr: str, shape: tuple[int, ...]) -> None:
+        self._iface = {"typestr": typestr, "shape": shape, "data": (0, False), "version": 3}
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return self._iface
+
+
+class _DeviceArray(_Base):
+    pass
+
+
+def test_device_arrays_are_keyed_by_dtype_whichever_class_defines_their_interface() -> None:
+    small, large = _DeviceArray("<f4", (3,)), _DeviceArray("<f4", (1000,))
+    assert arg_part("d_in", small) == arg_part("d_in", large)  # shape and address: run-time state
+    assert arg_part("d_in", small) != arg_part("d_in", _DeviceArray("<i4", (3,)))
+    assert arg_part("d_in", small) != arg_part("d_in", np.zeros(3, np.float32))  # a host value is another kind

@@ -243,7 +243,8 @@ def _py_func(value: Any) -> types.FunctionType | None:
 def device_dtype(value: Any) -> tuple[Any, tuple[int, ...]] | None:
     """``(dtype, shape)`` of a device array (``__cuda_array_interface__``), else None."""
     try:
-        iface = type(value).__dict__.get("__cuda_array_interface__") and value.__cuda_array_interface__
+        # Asked of the type first: a class without it is no device array, and no property of it runs.
+        iface = hasattr(type(value), "__cuda_array_interface__") and value.__cuda_array_interface__
     except Exception:
         return None
     if not isinstance(iface, dict):
