@@ -86,7 +86,8 @@ def shape(algo):
     # What a build is, without its bytes: its class, its architectures, its cubins' sizes, its blob's size.
     results = algo.build_results
     again = cc.deserialize(cc.serialize(algo))  # a hit's algorithm serializes, and that loads again
-    return {"type": type(algo).__name__, "ccs": sorted(results), "cubins": [len(results[k]._get_cubin()) for k in sorted(results)],
+    cubins = [len(results[k]._get_cubin()) for k in sorted(results)]
+    return {"type": type(algo).__name__, "ccs": sorted(results), "cubins": cubins,
             "blob": len(cc.serialize(algo)), "again": type(again).__name__}
 
 if spec["via"] == "switch":
@@ -207,7 +208,10 @@ def test_a_fresh_node_gets_the_builds_through_a_shared_store_and_its_warm_set(tm
     )
     assert first["builds"] == 1
     cold = _run(
-        {"via": "build", "dir": str(tmp_path / "b"), "algos": ["scan"]}, driver, CUDA_PROGRAM_CAS_SHARED=str(shared), **job
+        {"via": "build", "dir": str(tmp_path / "b"), "algos": ["scan"]},
+        driver,
+        CUDA_PROGRAM_CAS_SHARED=str(shared),
+        **job,
     )
     assert cold["builds"] == 0 and cold["counters"]["shared_hits"] == 1
     assert cold["shapes"] == first["shapes"]

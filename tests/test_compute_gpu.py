@@ -57,9 +57,10 @@ if cfg["step"] == "prebuild":
 
 h = np.random.default_rng(1).integers(0, 1000, 100_000, dtype=i32)
 d_in, d_out = cp.asarray(h), cp.empty(1, i32)
-reduce = cache.build(cc.make_reduce_into, d_in=d_in, d_out=d_out, op=add, h_init=np.zeros(1, i32))
-nbytes = reduce(temp_storage=None, d_in=d_in, d_out=d_out, num_items=h.size, op=add, h_init=np.zeros(1, i32))
-reduce(temp_storage=cp.empty(nbytes, np.uint8), d_in=d_in, d_out=d_out, num_items=h.size, op=add, h_init=np.zeros(1, i32))
+init = np.zeros(1, i32)
+reduce = cache.build(cc.make_reduce_into, d_in=d_in, d_out=d_out, op=add, h_init=init)
+nbytes = reduce(temp_storage=None, d_in=d_in, d_out=d_out, num_items=h.size, op=add, h_init=init)
+reduce(temp_storage=cp.empty(nbytes, np.uint8), d_in=d_in, d_out=d_out, num_items=h.size, op=add, h_init=init)
 ok = int(d_out.get()[0]) == int(h.sum(dtype=i32))
 keys = cp.empty(h.size, i32)
 sort = cache.build(cc.make_radix_sort, d_in_keys=d_in, d_out_keys=keys, d_in_values=None, d_out_values=None,

@@ -59,9 +59,7 @@ make_key = _ns["make_op"]
 
 def _same_inputs(a: dict, b: dict) -> bool:
     # Equal as values and as types (1 and 1.0 are other constants to the compiled code).
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) and all(
-        type(a[k]) is type(b[k]) for k in a
-    )
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) and all(type(a[k]) is type(b[k]) for k in a)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -139,7 +137,10 @@ def test_what_cannot_be_encoded_is_uncacheable_and_named(value: object, named: s
 
 def test_an_unbound_closure_cell_is_uncacheable() -> None:
     ns: dict[str, object] = {"__name__": "m"}
-    exec("def outer():\n    def op(a, b):\n        return a + later\n    if False:\n        later = 1\n    return op\n", ns)
+    exec(
+        "def outer():\n    def op(a, b):\n        return a + later\n    if False:\n        later = 1\n    return op\n",
+        ns,
+    )
     with pytest.raises(Uncacheable, match="'later' is not bound"):
         encode_op(ns["outer"]())  # type: ignore[operator]
 

@@ -34,6 +34,7 @@ import time
 _T0 = time.perf_counter()
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -47,36 +48,35 @@ N = 1 << 16
 SEGMENTS = 64
 
 
-def _ops():  # noqa: ANN202
+def _ops():
     """The Python ops of the job (module-level functions: keyed by the cache, compiled by cuda.compute)."""
 
-    def add(a, b):  # noqa: ANN001, ANN202
+    def add(a, b):
         return a + b
 
-    def affine(x):  # noqa: ANN001, ANN202
+    def affine(x):
         return x * 2 + 1
 
-    def even(x):  # noqa: ANN001, ANN202
+    def even(x):
         return x % 2 == 0
 
     return add, affine, even
 
 
-def _job(aot: bool) -> dict[str, object]:  # noqa: PLR0915  # one job, step by step
+def _job(aot: bool) -> dict[str, object]:  # one job, step by step
     import cuda_program_cas
 
     cuda_program_cas.install()  # what the .pth does for CUDA_PROGRAM_CAS=1 (0: routes nothing), also from a checkout
-    import numpy as np
-
     import cuda.compute as cc
     import cuda.compute._cccl_interop as interop
+    import numpy as np
     from cuda.compute import OpKind, SortOrder
 
     builds = [0]
     for name in ("call_build", "call_compile"):
         real = getattr(interop, name)
 
-        def counted(*a, _real=real, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def counted(*a, _real=real, **k):
             builds[0] += 1
             return _real(*a, **k)
 
@@ -102,7 +102,9 @@ def _job(aot: bool) -> dict[str, object]:  # noqa: PLR0915  # one job, step by s
         result("reduce")
         cc.make_exclusive_scan(d_in=arr, d_out=arr, op=OpKind.PLUS, init_value=val, **cap)
         result("exclusive_scan")
-        cc.make_radix_sort(d_in_keys=arr, d_out_keys=arr, d_in_values=None, d_out_values=None, order=SortOrder.ASCENDING, **cap)
+        cc.make_radix_sort(
+            d_in_keys=arr, d_out_keys=arr, d_in_values=None, d_out_values=None, order=SortOrder.ASCENDING, **cap
+        )
         result("radix_sort")
         cc.make_unary_transform(d_in=arr, d_out=arr, op=affine, **cap)
         result("unary_transform")
@@ -140,10 +142,15 @@ def _job(aot: bool) -> dict[str, object]:  # noqa: PLR0915  # one job, step by s
         check("select", out.get()[:kept], h_in[h_in % 2 == 0])
         out, starts, ends = cp.empty(SEGMENTS, i32), cp.asarray(offsets[:-1]), cp.asarray(offsets[1:])
         cc.segmented_reduce(
-            d_in=d_in, d_out=out, num_segments=SEGMENTS, start_offsets_in=starts, end_offsets_in=ends,
-            op=OpKind.MAXIMUM, h_init=np.array([np.iinfo(i32).min], i32),
+            d_in=d_in,
+            d_out=out,
+            num_segments=SEGMENTS,
+            start_offsets_in=starts,
+            end_offsets_in=ends,
+            op=OpKind.MAXIMUM,
+            h_init=np.array([np.iinfo(i32).min], i32),
         )
-        want = [h_in[a:b].max() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        want = [h_in[a:b].max() for a, b in itertools.pairwise(offsets)]
         check("segmented_reduce", out.get(), want)
     counters: dict[str, int] = {}
     from cuda_program_cas._cuda import switch
@@ -194,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     on = {**base, "CUDA_PROGRAM_CAS": "1"}
     rows = {
         "uncached": _run(args, {**base, "CUDA_PROGRAM_CAS": "0"}),
-        "cold": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a"), "CUDA_PROGRAM_CAS_SHARED": f"{shared}|write"}),
+        "cold": _run(
+            args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a"), "CUDA_PROGRAM_CAS_SHARED": f"{shared}|write"}
+        ),
         "warm": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a")}),
         "node": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "b"), "CUDA_PROGRAM_CAS_SHARED": str(shared)}),
     }

@@ -54,7 +54,7 @@ from cuda_program_cas.index import key_id
 
 from .opkey import Uncacheable, arg_part
 
-__all__ = ["FACTORIES", "build", "hook", "key_of", "prebuild", "unhook", "uncacheable_count"]
+__all__ = ["FACTORIES", "build", "hook", "key_of", "prebuild", "uncacheable_count", "unhook"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas compute 1\0"
@@ -102,7 +102,7 @@ def _versions() -> bytes:
         from cuda.bindings import nvjitlink, nvrtc
 
         try:
-            from cuda.compute._build_info import USING_V2  # type: ignore[import-not-found]
+            from cuda.compute._build_info import USING_V2
         except ImportError:
             USING_V2 = False
         err, major, minor = nvrtc.nvrtcVersion()
@@ -206,7 +206,9 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     except _NoDevice:
         return original(**kwargs)  # it raises cuda.compute's own error: no device, pass compute_capability=
     except Exception as exc:  # the cache never costs a build
-        warn_once(("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc)
+        warn_once(
+            ("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc
+        )
         return original(**kwargs)
     kid = key_id(key)
     memo = _memo()
@@ -288,23 +290,25 @@ def _load(data: bytes, name: str) -> Any:
 
         return deserialize(data[len(head) :])
     except Exception as exc:
-        warn_once(("compute load", type(exc).__name__), "cuda-program-cas: compute: a stored build did not load (%r)", exc)
+        warn_once(
+            ("compute load", type(exc).__name__), "cuda-program-cas: compute: a stored build did not load (%r)", exc
+        )
         return None
 
 
 def _dropped(inner: Inner, name: str, reason: str) -> None:
     """An uncacheable build: counted (a dropped write), said once per reason, and journaled for ``explain``."""
     _uncacheable[0] += 1
-    warn_once(("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason)
+    warn_once(
+        ("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason
+    )
     inner.note_dropped(None, reason)
     if inner.store.read_only:
         return
     from cuda_program_cas._store.journal import record_miss
 
     kid = key_id(f"cuda-program-cas compute uncacheable\0{name}\0{reason}")
-    record_miss(
-        inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason)
-    )
+    record_miss(inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason))
 
 
 # -- the switch ------------------------------------------------------------------------

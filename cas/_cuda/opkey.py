@@ -89,7 +89,7 @@ class _Encoder:
         finally:
             self.depth -= 1
 
-    def _value(self, value: Any, where: str) -> None:  # noqa: C901, PLR0911, PLR0912  # one branch per kind
+    def _value(self, value: Any, where: str) -> None:  # one branch per kind
         kind = type(value)
         if value is None or value is Ellipsis:
             self.text(b"K", repr(value))
@@ -130,12 +130,12 @@ class _Encoder:
             if name.partition(".")[0] not in _FOLLOWED:
                 raise Uncacheable(f"{where}: module {name!r}, whose attributes this cache does not follow")
             self.text(b"M", f"{name}={_module_version(name)}")
-        elif kind is types.BuiltinFunctionType and getattr(builtins, value.__name__, None) is value:
-            self.text(b"b", value.__name__)
+        elif kind is types.BuiltinFunctionType and getattr(builtins, getattr(value, "__name__", ""), None) is value:
+            self.text(b"b", getattr(value, "__name__", ""))
         elif kind in (types.BuiltinFunctionType, _UFUNC) and _followed_builtin(value):
             self.text(b"b", f"{value.__module__}.{value.__name__}={_module_version(value.__module__)}")
-        elif _py_func(value) is not None:
-            self.function(_py_func(value))  # a numba dispatcher: its Python function is what compiles
+        elif (py_func := _py_func(value)) is not None:
+            self.function(py_func)  # a numba dispatcher: its Python function is what compiles
         else:
             self.other(value, where)
 
@@ -282,7 +282,7 @@ def arg_part(name: str, value: Any) -> bytes:
     return b"".join(enc.out)
 
 
-def _arg(enc: _Encoder, value: Any, where: str) -> None:  # noqa: PLR0911  # one return per kind
+def _arg(enc: _Encoder, value: Any, where: str) -> None:  # one return per kind
     kind = type(value)
     mod = getattr(kind, "__module__", "") or ""
     if kind is types.FunctionType:
