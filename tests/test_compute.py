@@ -247,3 +247,20 @@ def test_two_processes_that_miss_at_once_build_once(tmp_path: Path, driver) -> N
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert sorted(o["builds"] for o in outs) == [0, 1]
     assert sum(o["counters"]["claim_hits"] for o in outs) == 1
+
+
+def test_the_switch_costs_a_process_that_never_imports_cuda_compute_one_small_module() -> None:
+    code = (
+        "import json, sys\nimport cuda.core\n"
+        "hooks = [type(f).__module__ for f in sys.meta_path if getattr(f, 'cpcas_compute_hook', False)]\n"
+        "ours = sorted(m for m in sys.modules if m.startswith(('cuda_program_cas', 'cuda.compute')))\n"
+        "print(json.dumps({'modules': ours, 'hooks': hooks}))\n"
+    )
+    proc = run_python(code, env={"CUDA_PROGRAM_CAS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["hooks"] == ["cuda_program_cas._cuda.compute"]  # waiting for cuda.compute.algorithms
+    assert "cuda_program_cas._cuda.compute" in out["modules"]
+    # Nothing a build needs is imported before a build: not the store, not the key's encoder, not cuda.compute.
+    for module in ("cuda_program_cas._store.store", "cuda_program_cas._cuda.opkey", "cuda.compute"):
+        assert module not in out["modules"]

@@ -45,14 +45,15 @@ import hashlib
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import warn_once
-from cuda_program_cas._store.store import Inner
-from cuda_program_cas._store.why import NO_RECORD, UNCACHEABLE, Why
-from cuda_program_cas.index import key_id
 
-from .opkey import Uncacheable, arg_part
+if TYPE_CHECKING:
+    from cuda_program_cas._store.store import Inner
+
+# The rest of the package is imported when a build asks for it: the switch imports this module
+# when cuda.core is imported, and a process that never imports cuda.compute pays for nothing more.
 
 __all__ = ["FACTORIES", "build", "hook", "key_of", "prebuild", "uncacheable_count", "unhook"]
 
@@ -96,6 +97,8 @@ def uncacheable_count() -> int:
 @functools.cache
 def _versions() -> bytes:
     """What every key holds of the build's tools (raises Uncacheable when one cannot be told)."""
+    from .opkey import Uncacheable
+
     try:
         from importlib.metadata import version
 
@@ -162,6 +165,8 @@ def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
 
     Raises :class:`.opkey.Uncacheable` for what cannot be keyed soundly.
     """
+    from .opkey import Uncacheable, arg_part
+
     if name not in FACTORIES:
         raise Uncacheable(f"{name} is not a cuda.compute factory this cache knows")
     targets = _targets(kwargs)
@@ -188,6 +193,11 @@ def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
 
 def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     """``make(**kwargs)``, a cuda.compute factory, loaded from the store when it holds the build."""
+    from cuda_program_cas._store.why import NO_RECORD, Why
+    from cuda_program_cas.index import key_id
+
+    from .opkey import Uncacheable
+
     original = getattr(make, "cpcas_compute_original", make)
     name = getattr(original, "__name__", None)
     if name not in FACTORIES or not str(getattr(original, "__module__", "")).startswith("cuda.compute."):
@@ -298,6 +308,9 @@ def _load(data: bytes, name: str) -> Any:
 
 def _dropped(inner: Inner, name: str, reason: str) -> None:
     """An uncacheable build: counted (a dropped write), said once per reason, and journaled for ``explain``."""
+    from cuda_program_cas._store.why import UNCACHEABLE, Why
+    from cuda_program_cas.index import key_id
+
     _uncacheable[0] += 1
     warn_once(
         ("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason

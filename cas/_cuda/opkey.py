@@ -42,13 +42,6 @@ __all__ = ["Uncacheable", "arg_part", "encode_op", "encode_value"]
 FORMAT = b"cpcas-compute-op 1\0"
 #: Top-level packages whose modules an op may name (by name and version): their attributes are theirs.
 _FOLLOWED = frozenset({"numpy", "numba", "numba_cuda_mlir"}) | frozenset(sys.stdlib_module_names)
-_UFUNC: type = type(None)
-try:  # numpy's ufuncs (numpy.sqrt) are neither functions nor builtins
-    import numpy as _numpy
-
-    _UFUNC = _numpy.ufunc
-except ImportError:  # pragma: no cover  # cuda.compute needs numpy; the encoder does not
-    pass
 _CODE_FIELDS = ("co_argcount", "co_posonlyargcount", "co_kwonlyargcount", "co_nlocals", "co_flags")
 #: How deep values and calls nest before the op is called uncacheable (a bound, not a limit met in practice).
 _MAX_DEPTH = 64
@@ -132,7 +125,7 @@ class _Encoder:
             self.text(b"M", f"{name}={_module_version(name)}")
         elif kind is types.BuiltinFunctionType and getattr(builtins, getattr(value, "__name__", ""), None) is value:
             self.text(b"b", getattr(value, "__name__", ""))
-        elif kind in (types.BuiltinFunctionType, _UFUNC) and _followed_builtin(value):
+        elif (kind is types.BuiltinFunctionType or _is_ufunc(value)) and _followed_builtin(value):
             self.text(b"b", f"{value.__module__}.{value.__name__}={_module_version(value.__module__)}")
         elif (py_func := _py_func(value)) is not None:
             self.function(py_func)  # a numba dispatcher: its Python function is what compiles
@@ -223,9 +216,15 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def _is_ufunc(value: Any) -> bool:
+    """A NumPy ufunc (``numpy.sqrt``): neither a function nor a builtin."""
+    np = sys.modules.get("numpy")
+    return np is not None and type(value) is np.ufunc
+
+
 def _followed_builtin(value: Any) -> bool:
     """A function of a followed module (``math.sqrt``, ``numpy.sqrt``) that it names as its own."""
-    module = getattr(value, "__module__", None) or ("numpy" if type(value) is _UFUNC else None)
+    module = getattr(value, "__module__", None) or ("numpy" if _is_ufunc(value) else None)
     if not isinstance(module, str) or module.partition(".")[0] not in _FOLLOWED:
         return False
     owner = sys.modules.get(module)
