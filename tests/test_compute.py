@@ -141,6 +141,11 @@ def test_a_changed_op_or_opkind_is_another_key_and_a_build(filled: tuple[Path, d
     out = _run({"via": "build", "dir": str(root), "algos": ["reduce", "max"], "op": changed}, driver)
     assert out["builds"] == 2
     assert out["counters"]["misses"] == 2 and out["counters"]["hits"] == 0
+    from cuda_program_cas import explain
+
+    reduce, scan = explain(root).misses[-2:]  # each named by what changed against its own earlier build
+    assert reduce.summary == "code changed" and reduce.via == "compute"
+    assert scan.verdict == "changed" and scan.summary.startswith("option op: ")
 
 
 def test_the_switch_routes_cuda_computes_own_factories(tmp_path: Path, driver) -> None:

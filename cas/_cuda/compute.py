@@ -178,9 +178,10 @@ def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
             continue
         part = arg_part(arg, kwargs[arg])
         h.update(hashlib.sha256(part).digest())
-        options.append(f"{arg}={hashlib.sha256(part).hexdigest()[:12]}")
         if b"cpcas-compute-op" in part:
-            code.update(part)
+            code.update(part)  # the ops are the code: a changed op is "code changed" to explain
+        else:
+            options.append(f"{arg}={hashlib.sha256(part).hexdigest()[:12]}")
     inputs = {
         "code": code.hexdigest()[:16],
         "code_type": f"cuda.compute {name}",
