@@ -165,3 +165,16 @@ def test_device_arrays_are_keyed_by_dtype_whichever_class_defines_their_interfac
     assert arg_part("d_in", small) == arg_part("d_in", large)  # shape and address: run-time state
     assert arg_part("d_in", small) != arg_part("d_in", _DeviceArray("<i4", (3,)))
     assert arg_part("d_in", small) != arg_part("d_in", np.zeros(3, np.float32))  # a host value is another kind
+
+
+def test_build_refuses_what_is_not_a_cuda_compute_factory_naming_it(tmp_path) -> None:
+    from cuda_program_cas import ContentAddressedProgramCache
+
+    def make_reduce_into(**kwargs: object) -> None:  # the name of a factory, not one
+        raise AssertionError("never called")
+
+    with ContentAddressedProgramCache(tmp_path / "cas") as cache:
+        for fake in (len, make_reduce_into):
+            with pytest.raises(TypeError, match="not one of cuda.compute's make_\\* factories: .*"):
+                cache.build(fake, d_in=None)
+        assert cache.counters()["misses"] == 0 and len(cache) == 0  # nothing looked up, nothing stored
