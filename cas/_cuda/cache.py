@@ -255,6 +255,37 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         obj: ObjectCode = link(inner_of(self), object_codes, options, target_type)
         return obj
 
+    def build(self, make: Any, /, **kwargs: Any) -> Any:
+        """``make(**kwargs)``, a cuda.compute ``make_*`` factory, through the cache (docs/compute.md).
+
+        Keyed by cuda-cccl's and its tools' versions, the factory, the target
+        architectures (``compute_capability=``, else the current device's), the
+        arguments' dtypes and iterator kinds, and a canonical encoding of each
+        Python op (:mod:`cuda_program_cas._cuda.opkey`). A hit loads the stored
+        algorithm without compiling; a miss builds, serializes and stores it.
+        What cannot be keyed soundly is built uncached (a dropped write, named by
+        ``explain``). Raises ``TypeError`` for a ``make`` that is not one of the
+        factories, and what the factory raises.
+        """
+        from .compute import build
+
+        if isinstance(self._store, SwitchedOff):
+            self._store.note_dropped()
+            return getattr(make, "cpcas_compute_original", make)(**kwargs)
+        return build(inner_of(self), make, kwargs)
+
+    def prebuild(self, make: Any, /, *, compute_capabilities: Any, **kwargs: Any) -> dict[tuple[int, int], Any]:
+        """:meth:`build` for each architecture of ``compute_capabilities`` (``[(8, 0), (9, 0)]``): no GPU needed.
+
+        Device arrays may be ``cuda.compute.ProxyArray`` and initial values
+        ``ProxyValue``: an entry is keyed by dtypes, so a GPU of one of these
+        architectures that builds the same algorithm for itself loads it. Returns
+        the algorithm built (or loaded) for each architecture.
+        """
+        from .compute import prebuild
+
+        return prebuild(lambda each: self.build(make, **each), compute_capabilities, kwargs)
+
     def stats(self) -> CacheStats:
         """Entries, blobs, logical and stored bytes (a scan of the disk), and this instance's counters."""
         return self._store.stats()

@@ -103,6 +103,9 @@ def uninstall() -> None:
     nvvm = sys.modules.get("cuda_program_cas._cuda.nvvm")  # numba-cuda's hook, loaded only where numba was
     if nvvm is not None:
         nvvm.unhook()
+    compute = sys.modules.get("cuda_program_cas._cuda.compute")  # cuda.compute's hook, loaded only where it was
+    if compute is not None:
+        compute.unhook()
 
 
 def activate(value: str) -> None:
@@ -132,6 +135,24 @@ def activate(value: str) -> None:
                 _S.original[name] = original
                 _S.switched[name] = _subclass(name, original)
             rebind(original, _S.switched[name])
+    from .compute import hook  # cuda.compute's builds: routed when cuda.compute.algorithms is imported
+
+    hook(_compute_inner, rebind)
+
+
+def _compute_inner() -> Any:
+    """The store's inner side for a cuda.compute build (counted as routed); None: it builds uncached."""
+    cache = _process_cache() if _S.mode is not None else None
+    if cache is None:
+        return None
+    try:
+        inner = _inner_of()(cache)
+        inner.note_switched()
+    except Exception as exc:
+        _warn(exc)
+        return None
+    _count_routed()
+    return inner
 
 
 def _internal(modname: str) -> bool:

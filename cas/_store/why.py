@@ -16,6 +16,7 @@ __all__ = [
     "NOT_A_CHECK",
     "NO_RECORD",
     "RESULT_GONE",
+    "UNCACHEABLE",
     "Why",
 ]
 
@@ -27,6 +28,8 @@ HEADER_GONE = "header gone"
 DIRECTORY_CHANGED = "directory changed"
 RESULT_GONE = "result gone"
 DAMAGED = "damaged"
+#: Not a lookup's miss: a build that cannot be keyed soundly ran uncached (cuda.compute).
+UNCACHEABLE = "uncacheable"
 
 
 class Why(str):
@@ -65,4 +68,4 @@ class Why(str):
 
 #: Kinds that are no failed check of a variant's files: any other kind is one (a check
 #: added later, such as a file that appeared and now shadows a header, is one too).
-NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED})
+NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED, UNCACHEABLE})

@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
 from cuda_program_cas._store.journal import MissRecord, read_journal
-from cuda_program_cas._store.why import DIRECTORY_CHANGED, HEADER_CHANGED, HEADER_GONE, NOT_A_CHECK
+from cuda_program_cas._store.why import DIRECTORY_CHANGED, HEADER_CHANGED, HEADER_GONE, NOT_A_CHECK, UNCACHEABLE
 
 from .common import Report, cache_root, open_cache
 
@@ -78,9 +78,11 @@ class MissExplanation:
     #: ISO 8601, UTC.
     time: str
     compile_seconds: float
-    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``) or ``nvvm`` (numba-cuda's NVVM).
+    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``), ``nvvm`` (numba-cuda's NVVM)
+    #: or ``compute`` (``cache.build``).
     via: str
-    #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``.
+    #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``;
+    #: ``uncacheable``: a cuda.compute build that cannot be keyed soundly ran uncached (``reason`` says why).
     verdict: str
     #: What kind of input changed: ``option``, ``header``, ``nvrtc``, ``code``, ``working directory``,
     #: ``directory`` (a guard directory's listing)... (one per difference; empty for ``same`` and ``new``).
@@ -252,6 +254,20 @@ def _nearest(
 
 def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanation:
     """Why ``record`` missed, given the records before it (oldest first)."""
+    why = record.why or {}
+    if why.get("kind") == UNCACHEABLE:  # not a miss: a build that cannot be keyed soundly ran uncached
+        return MissExplanation(
+            key_id=record.key_id,
+            time=_iso(record.time),
+            compile_seconds=record.compile_seconds,
+            via=record.via,
+            verdict="uncacheable",
+            inputs=(),
+            changes=(),
+            nearest=None,
+            summary=f"not cached: {why.get('text', '')}",
+            reason=why.get("text") or None,
+        )
     check = _check_failed(record)
     best = _nearest(record, earlier, check)
     diffs = [] if best is None else best[0]
@@ -272,7 +288,6 @@ def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanatio
         verdict, summary = "changed", diffs[0][1]
     else:
         verdict, summary = "several", "several inputs differed: " + "; ".join(d[1] for d in diffs)
-    why = record.why or {}
     return MissExplanation(
         key_id=record.key_id,
         time=_iso(record.time),

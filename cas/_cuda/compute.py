@@ -1,0 +1,444 @@
+"""cuda.compute's algorithm builds as entries of the store: ``cache.build(make_reduce_into, d_in=...)``.
+
+cuda.compute (cuda-cccl) builds each algorithm in every process: its
+``make_*`` factories compile the algorithm and its Python ops through
+``libcccl.c.parallel``, which calls NVRTC and nvJitLink itself, not through
+``cuda.core``. A built algorithm serializes (``cuda.compute.serialize``) and
+loads back without compiling (``cuda.compute.deserialize``), so a build is an
+ordinary entry of the store: its value is the serialized algorithm, its key what
+the build depends on (:func:`key_of`):
+
+- this key format's tag, Python's version, cuda-cccl's version and backend, the
+  CUDA bindings', NVRTC's, nvJitLink's, numba-cuda-mlir's and NumPy's versions;
+- the factory's name and every argument by name (:func:`.opkey.arg_part`): arrays
+  and initial values by dtype, iterators by kind, ``OpKind`` by value, each
+  Python op by its canonical encoding (:mod:`cuda_program_cas._cuda.opkey`);
+- the target compute capabilities: ``compute_capability=`` normalized as
+  cuda.compute normalizes it (sorted, unique), or the current device's. A build
+  for the device's architecture and an ahead-of-time build for that one
+  architecture share an entry: so :func:`prebuild` on any node fills a store for
+  another node's GPUs.
+
+A lookup goes through the store's claim (``find_or_claim``): of the processes
+of a node (and of a cluster whose store gives leases) that miss a key at once,
+one builds, the others wait and load. A hit loads the stored algorithm; one that
+does not load (a damaged or foreign blob) is built again and stored over it. A
+build that cannot be keyed (:class:`.opkey.Uncacheable`), a backend that cannot
+serialize (the v2 HostJIT backend), an algorithm that fails to serialize: built
+as without the cache, a dropped write counted, and a line in the miss journal
+that ``explain`` names. A failure of the cache itself never costs the build.
+
+In a process, an algorithm is loaded once per thread and key (cuda.compute's own
+factories give each thread its objects: a loaded algorithm is not for
+concurrent use by several threads).
+
+The switch (``CUDA_PROGRAM_CAS=1``) routes every factory: :func:`hook` patches
+them when ``cuda.compute.algorithms`` is imported (a finder on ``sys.meta_path``
+waits for it), so a process that never imports cuda.compute pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from cuda_program_cas._base.config import warn_once
+
+if TYPE_CHECKING:
+    from cuda_program_cas._store.store import Inner
+
+# The rest of the package is imported when a build asks for it: the switch imports this module
+# when cuda.core is imported, and a process that never imports cuda.compute pays for nothing more.
+
+__all__ = ["FACTORIES", "build", "hook", "key_of", "prebuild", "uncacheable_count", "unhook"]
+
+#: Mixed into every key: a new key format gets new keys.
+_TAG = b"cuda-program-cas compute 1\0"
+#: Before every stored value: what the entry is, and of which factory (checked before it is loaded).
+_MAGIC = b"cpcas-compute/1\0"
+#: The factories cuda.compute 1.2 has; each is routed where the module defining it has it.
+FACTORIES = (
+    "make_binary_transform",
+    "make_exclusive_scan",
+    "make_histogram_even",
+    "make_inclusive_scan",
+    "make_lower_bound",
+    "make_merge_sort",
+    "make_radix_sort",
+    "make_reduce_into",
+    "make_segmented_reduce",
+    "make_segmented_sort",
+    "make_select",
+    "make_three_way_partition",
+    "make_unary_transform",
+    "make_unique_by_key",
+    "make_upper_bound",
+)
+_HOOKED = "cuda.compute.algorithms"
+
+_local = threading.local()
+_lock = threading.Lock()
+#: The factories as cuda.compute defines them, by name, once patched.
+_originals: dict[str, Any] = {}
+#: Builds of this process that could not be keyed (or stored): see :func:`uncacheable_count`.
+_uncacheable = [0]
+
+
+def uncacheable_count() -> int:
+    """How many cuda.compute builds of this process ran uncached because they cannot be keyed or stored."""
+    return _uncacheable[0]
+
+
+@functools.cache
+def _versions() -> bytes:
+    """What every key holds of the build's tools (raises Uncacheable when one cannot be told)."""
+    from .opkey import Uncacheable
+
+    try:
+        from importlib.metadata import version
+
+        from cuda.bindings import nvjitlink, nvrtc
+
+        try:
+            from cuda.compute._build_info import USING_V2
+        except ImportError:
+            USING_V2 = False
+        err, major, minor = nvrtc.nvrtcVersion()
+        if int(err) != 0:
+            raise RuntimeError(f"nvrtcVersion: {err}")
+        parts = {
+            "python": sys.version,
+            "cache_tag": sys.implementation.cache_tag,
+            "cuda-cccl": version("cuda-cccl"),
+            "backend": "v2" if USING_V2 else "v1",
+            "cuda-bindings": version("cuda-bindings"),
+            "nvrtc": f"{major}.{minor}",
+            "nvjitlink": ".".join(map(str, nvjitlink.version())),
+            "numba-cuda-mlir": _version_or_none("numba-cuda-mlir"),
+            "numpy": version("numpy"),
+        }
+    except Exception as exc:
+        raise Uncacheable(f"the versions of cuda.compute's tools cannot be told ({exc!r})") from None
+    return repr(sorted(parts.items())).encode()
+
+
+def _version_or_none(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "-"
+
+
+def _serializes() -> bool:
+    """Whether this cuda.compute's backend serializes builds (v1 does; v2, HostJIT, does not yet)."""
+    return b"'backend', 'v1'" in _versions()
+
+
+def _targets(kwargs: dict[str, Any]) -> list[tuple[int, int]]:
+    """The compute capabilities the build is for, as cuda.compute normalizes them (or the device's)."""
+    from cuda.compute._cccl_interop import normalize_compute_capabilities
+
+    ccs = normalize_compute_capabilities(kwargs.get("compute_capability"))
+    if ccs is None:
+        from cuda.compute._caching import _get_current_device_info
+
+        try:
+            ccs = [tuple(_get_current_device_info()[1])]
+        except Exception as exc:
+            raise _NoDevice(exc) from None
+    return [(int(a), int(b)) for a, b in ccs]
+
+
+class _NoDevice(Exception):
+    """No device to build for and no ``compute_capability=``: the uncached factory says so."""
+
+
+def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The store key of ``name(**kwargs)`` and its inputs as the miss journal keeps them.
+
+    Raises :class:`.opkey.Uncacheable` for what cannot be keyed soundly.
+    """
+    from .opkey import Uncacheable, arg_part
+
+    if name not in FACTORIES:
+        raise Uncacheable(f"{name} is not a cuda.compute factory this cache knows")
+    targets = _targets(kwargs)
+    h = hashlib.sha256(_TAG + _versions() + name.encode() + b"\0" + repr(targets).encode())
+    options = []
+    code = hashlib.sha256()
+    for arg in sorted(kwargs):
+        if arg == "compute_capability":
+            continue
+        part = arg_part(arg, kwargs[arg])
+        h.update(hashlib.sha256(part).digest())
+        if b"cpcas-compute-op" in part:
+            code.update(part)  # the ops are the code: a changed op is "code changed" to explain
+        else:
+            options.append(f"{arg}={hashlib.sha256(part).hexdigest()[:12]}")
+    inputs = {
+        "code": code.hexdigest()[:16],
+        "code_type": f"cuda.compute {name}",
+        "target": ",".join(f"sm_{a}{b}" for a, b in targets),
+        "nvrtc": hashlib.sha256(_versions()).hexdigest()[:12],
+        "options": options,
+    }
+    return h.digest(), inputs
+
+
+def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
+    """``make(**kwargs)``, a cuda.compute factory, loaded from the store when it holds the build."""
+    from cuda_program_cas._store.why import NO_RECORD, Why
+    from cuda_program_cas.index import key_id
+
+    from .opkey import Uncacheable
+
+    original = getattr(make, "cpcas_compute_original", make)
+    name = getattr(original, "__name__", None)
+    if name not in FACTORIES or not str(getattr(original, "__module__", "")).startswith("cuda.compute."):
+        raise TypeError(f"not one of cuda.compute's make_* factories: {make!r}")
+    assert isinstance(name, str)
+    if _depth():  # a factory called while this thread builds one: part of that build
+        return original(**kwargs)
+    try:
+        if not _serializes():
+            raise Uncacheable("this cuda.compute's backend (v2) cannot serialize builds")
+        key, inputs = key_of(name, kwargs)
+    except Uncacheable as exc:
+        result = _build_uncached(original, kwargs)
+        _dropped(inner, name, exc.reason)
+        return result
+    except _NoDevice:
+        return original(**kwargs)  # it raises cuda.compute's own error: no device, pass compute_capability=
+    except Exception as exc:  # the cache never costs a build
+        warn_once(
+            ("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc
+        )
+        return original(**kwargs)
+    kid = key_id(key)
+    memo = _memo()
+    if kid in memo:
+        return memo[kid]
+    with contextlib.ExitStack() as claims:
+        why = Why(NO_RECORD, "new inputs: no build of them")
+        try:
+            found = inner.find_or_claim(kid, claims, reason=why)
+        except Exception as exc:
+            warn_once(("compute lookup", type(exc).__name__), "cuda-program-cas: compute: lookup failed (%r)", exc)
+            found = None
+        if found is not None:
+            algorithm = _load(found[0], name)
+            if algorithm is not None:
+                memo[kid] = algorithm
+                return algorithm
+            why = Why(NO_RECORD, "the stored build did not load: built again")
+        t0 = time.perf_counter()
+        algorithm = _build_uncached(original, kwargs)
+        seconds = time.perf_counter() - t0
+        try:
+            from cuda.compute import serialize
+
+            blob = _MAGIC + name.encode() + b"\0" + serialize(algorithm)
+        except Exception as exc:
+            _dropped(inner, name, f"the algorithm did not serialize ({exc!r})")
+            return algorithm
+        memo[kid] = algorithm
+        try:
+            if inner.put_id(kid, blob):
+                inner.note_compiled(kid, seconds, "compute", inputs, why)
+        except Exception as exc:  # the caller has its algorithm; the cache only loses an entry
+            warn_once(("compute write", type(exc).__name__), "cuda-program-cas: compute: write failed (%r)", exc)
+            inner.note_dropped(kid, f"write failed: {exc!r}")
+        return algorithm
+
+
+def prebuild(one: Any, compute_capabilities: Any, kwargs: dict[str, Any]) -> dict[tuple[int, int], Any]:
+    """``one(kwargs)`` (a build) once per architecture of ``compute_capabilities``: each keyed as a GPU of it looks."""
+    from cuda.compute._cccl_interop import normalize_compute_capabilities
+
+    if "compute_capability" in kwargs:
+        raise TypeError("prebuild takes compute_capabilities=, not compute_capability=")
+    ccs = normalize_compute_capabilities(compute_capabilities)
+    if not ccs:
+        raise ValueError(f"compute_capabilities names no architecture: {compute_capabilities!r}")
+    return {(int(a), int(b)): one({**kwargs, "compute_capability": (a, b)}) for a, b in ccs}
+
+
+def _build_uncached(original: Any, kwargs: dict[str, Any]) -> Any:
+    """The factory as cuda.compute runs it; the factories it calls inside are part of it (not looked up)."""
+    _local.depth = _depth() + 1
+    try:
+        return original(**kwargs)
+    finally:
+        _local.depth -= 1
+
+
+def _depth() -> int:
+    depth: int = getattr(_local, "depth", 0)
+    return depth
+
+
+def _memo() -> dict[str, Any]:
+    memo: dict[str, Any] | None = getattr(_local, "memo", None)
+    if memo is None:
+        memo = _local.memo = {}
+    return memo
+
+
+def _load(data: bytes, name: str) -> Any:
+    """The stored algorithm, or None when it is not one of ``name`` or does not load."""
+    head = _MAGIC + name.encode() + b"\0"
+    if not data.startswith(head):
+        return None
+    try:
+        from cuda.compute import deserialize
+
+        return deserialize(data[len(head) :])
+    except Exception as exc:
+        warn_once(
+            ("compute load", type(exc).__name__), "cuda-program-cas: compute: a stored build did not load (%r)", exc
+        )
+        return None
+
+
+def _dropped(inner: Inner, name: str, reason: str) -> None:
+    """An uncacheable build: counted (a dropped write), said once per reason, and journaled for ``explain``."""
+    from cuda_program_cas._store.why import UNCACHEABLE, Why
+    from cuda_program_cas.index import key_id
+
+    _uncacheable[0] += 1
+    warn_once(
+        ("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason
+    )
+    inner.note_dropped(None, reason)
+    if inner.store.read_only:
+        return
+    from cuda_program_cas._store.journal import record_miss
+
+    kid = key_id(f"cuda-program-cas compute uncacheable\0{name}\0{reason}")
+    record_miss(inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason))
+
+
+# -- the switch ------------------------------------------------------------------------
+
+
+#: What the switch lends :func:`hook`: the store's inner side for a routed build (None: build uncached),
+#: and its rebinding of module attributes (this module imports neither the switch nor the adapter).
+_route: dict[str, Any] = {}
+
+
+def _switched(name: str, original: Any) -> Any:
+    """``name`` routed through the switch's cache (the original where the switch is off or has none)."""
+
+    @functools.wraps(original)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        inner_for = _route.get("inner")
+        inner = inner_for() if inner_for is not None and not args and not _depth() else None
+        if inner is None:
+            return original(*args, **kwargs)
+        return build(inner, original, kwargs)
+
+    make.cpcas_compute_original = original  # type: ignore[attr-defined]
+    return make
+
+
+def _patch() -> None:
+    """Route every factory of the imported ``cuda.compute.algorithms``, wherever a module binds it."""
+    algorithms = sys.modules.get(_HOOKED)
+    rebind = _route.get("rebind")
+    if algorithms is None or rebind is None:
+        return
+    with _lock:
+        for name in FACTORIES:
+            current = getattr(algorithms, name, None)
+            if current is None or getattr(current, "cpcas_compute_original", None) is not None:
+                continue
+            _originals[name] = current
+            rebind(current, _switched(name, current))
+
+
+def _unpatch() -> None:
+    rebind = _route.get("rebind")
+    if rebind is None:
+        return
+    with _lock:
+        for original in list(_originals.values()):
+            for module in (sys.modules.get(_HOOKED), sys.modules.get("cuda.compute")):
+                switched = getattr(module, original.__name__, None)
+                if getattr(switched, "cpcas_compute_original", None) is original:
+                    rebind(switched, original)
+                    break
+
+
+class _Loader:
+    """The real loader of ``cuda.compute.algorithms``, followed by :func:`_patch`."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _remove_finder()
+        try:
+            _patch()
+        except Exception as exc:  # the cache never costs a job its cuda.compute
+            warn_once(("compute hook", type(exc).__name__), "cuda-program-cas: compute: not routed (%r)", exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """Answers for ``cuda.compute.algorithms`` only: the real spec, with its loader wrapped."""
+
+    cpcas_compute_hook = True
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _HOOKED:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "cpcas_compute_hook", False) or getattr(finder, "cpcas_switch_hook", False):
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_compute_hook", False)]
+
+
+def hook(inner_for: Any, rebind: Any) -> None:
+    """Route cuda.compute's factories through the switch: now if imported, else when it is.
+
+    ``inner_for()``: the store's inner side for a build, or None (switched off, no cache: uncached);
+    ``rebind(old, new)``: every module attribute bound to ``old`` bound to ``new``.
+    """
+    _route.update(inner=inner_for, rebind=rebind)
+    _remove_finder()
+    if _HOOKED in sys.modules:
+        _patch()
+    else:
+        sys.meta_path.insert(0, _Finder())
+
+
+def unhook() -> None:
+    """Undo :func:`hook`: the factories as cuda.compute defines them, everywhere."""
+    _remove_finder()
+    _unpatch()
