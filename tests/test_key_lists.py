@@ -319,6 +319,30 @@ def test_a_full_size_key_list_costs_a_reader_at_most_twice_its_size(served: Ngin
     assert grew_kib * 1024 <= 2 * len(data), f"{grew_kib} KiB for a {len(data) >> 10} KiB key list"
 
 
+def test_over_redis_a_full_size_key_list_costs_a_reader_at_most_twice_its_size(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """The same over a real redis-server: the reply's one bulk string is the list a node keeps, not a copy of it."""
+    from conftest import run_python
+
+    small, large = redis.url[: -len("/0")] + "/1", redis.url
+    for url, keys in ((small, ["k1"]), (large, ["k2"])):
+        publish([_source(tmp_path / f"src-{keys[0]}", keys)], url)
+    count = (keylist.MAX_BYTES - len(keylist.HEADER)) // 12
+    step = (1 << 64) // count
+    data = keylist.encode({i * step: i % 5000 for i in range(count)})
+    assert len(data) <= keylist.MAX_BYTES and keylist.view(data) is not None
+    from cuda_program_cas._remote.redis import RedisEngine
+
+    engine = RedisEngine(large)
+    engine.put(keylist.KEYS, data)
+    engine.close()
+    done = run_python(_RSS, small, large, str(tmp_path / "node"))
+    assert done.returncode == 0, done.stderr
+    grew_kib = int(done.stdout.split()[-1])
+    assert grew_kib * 1024 <= 2 * len(data), f"{grew_kib} KiB for a {len(data) >> 10} KiB key list"
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.dictionaries(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 32) - 1), max_size=60), st.data())
 def test_the_held_list_answers_as_the_dict_of_its_records(records: dict[int, int], data: st.DataObject) -> None:
