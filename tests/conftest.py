@@ -42,6 +42,15 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", "off")
 
 
+@pytest.fixture(autouse=True)
+def _untrusted_said_in_their_test() -> Iterator[None]:
+    """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the session's end."""
+    yield
+    tier = sys.modules.get("cuda_program_cas._store.tier")
+    if tier is not None:
+        tier._say_untrusted()
+
+
 # -- sockets left open ------------------------------------------------------------------
 #
 # pytest 9 collects garbage once more at the end of the session, and a socket found open

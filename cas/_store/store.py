@@ -848,6 +848,10 @@ class CacheStore:
 
             self._writeback.flush(EXIT_FLUSH_S)
         self.flush()
+        if self._shared:
+            from .tier import say_untrusted
+
+            say_untrusted(self._shared_paths())
 
     def stats(self) -> CacheStats:
         """What the local cache holds now (a scan) and this instance's counters."""

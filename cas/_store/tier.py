@@ -125,13 +125,20 @@ _warned_lock = ForkSafeLock()
 
 #: Entries refused as untrusted in this process, by store (said at exit: :func:`_say_untrusted`).
 _untrusted: dict[str, int] = {}
+_at_exit = False  # the report at exit arranged
 os.register_at_fork(after_in_child=_untrusted.clear)  # a child says what it refused, not its parent's
+
+
+def say_untrusted(roots: Sequence[str]) -> None:
+    """Say now what this process refused as untrusted from ``roots`` (:meth:`CacheStore.close`)."""
+    _say_untrusted(roots)
 
 
 def _refused_untrusted(root: str) -> None:
     """Count one entry of ``root`` refused as untrusted; the first of the process arranges the report at exit."""
+    global _at_exit
     with _warned_lock:
-        first = not _untrusted
+        first, _at_exit = not _at_exit, True
         _untrusted[root] = _untrusted.get(root, 0) + 1
     if first:
         import atexit
@@ -139,11 +146,11 @@ def _refused_untrusted(root: str) -> None:
         atexit.register(_say_untrusted)
 
 
-def _say_untrusted() -> None:
-    """One WARNING per store whose entries this process refused as untrusted, with their number."""
+def _say_untrusted(roots: Sequence[str] | None = None) -> None:
+    """One WARNING per store (of ``roots``; None: every one) whose entries this process refused as untrusted, with
+    their number: at a store's close, and at exit for those not closed. A store refusing more later says it again."""
     with _warned_lock:
-        counts = dict(_untrusted)
-        _untrusted.clear()
+        counts = {r: _untrusted.pop(r) for r in (list(_untrusted) if roots is None else roots) if r in _untrusted}
     for root, n in counts.items():
         _log.warning(
             "cuda-program-cas: shared store %s: %d %s refused in this process: not signed by a key in "
