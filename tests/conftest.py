@@ -44,7 +44,7 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 
 @pytest.fixture(autouse=True)
 def _untrusted_said_in_their_test() -> Iterator[None]:
-    """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the session's end."""
+    """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the end."""
     yield
     tier = sys.modules.get("cuda_program_cas._store.tier")
     if tier is not None:
