@@ -144,6 +144,7 @@ def shadows_of(
     """
     out = Shadows()
     read: set[tuple[int, int]] = set()
+    read_paths = {path for path, _digest in headers}
     texts: list[tuple[str | None, bytes]] = [(None, source)]
     for path, recorded in headers:
         try:
@@ -181,7 +182,9 @@ def shadows_of(
                 else:
                     out.dirs.add(os.path.dirname(path))
                 continue
-            if state == "file" and identity in read:
+            # A header read, by the path NVRTC named (another name of the same file, such as a
+            # hard link made during the compile, is not proof that NVRTC found it there).
+            if state == "file" and identity in read and path in read_paths:
                 if kind == NEXT:
                     continue  # #include_next: later directories may have been searched too
                 break
