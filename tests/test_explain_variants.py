@@ -101,15 +101,21 @@ def test_through_the_switch_the_added_option_is_named_and_a_file_in_the_include_
     assert {(m.verdict, m.inputs, m.summary) for m in misses} == {("changed", ("option",), ADDED["lineinfo"][1])}, (
         misses
     )
-    (inc / "new.txt").write_text("")  # the include directory's listing changes: every front door guard fails
+    (inc / "new.txt").write_text("")  # a file no lookup would find: nothing NVRTC reads can change
+    run("lineinfo")  # every kernel hits, the front door's too
+    assert len(_misses(tmp_path / "c", KERNELS * 3)) == KERNELS * 2  # the first two runs' misses only
+    (inc / "v.h").write_text("#define V 4\n")  # an edit: every front variant fails on it
+    time.sleep(0.02)  # a header's ctime must be older than the compile that reads it (else not stored)
     run("lineinfo")  # the plain kernels hit; the front door's recompile
     misses = _misses(tmp_path / "c", 6)
-    want = ("front", "changed", ("directory",), str(inc))
+    want = ("front", "changed", ("header",), str(inc / "v.h"))
     assert [(m.via, m.verdict, m.inputs, m.path) for m in misses] == [want] * 6
     assert all("removed since" not in m.summary and str(inc) in m.summary for m in misses), misses
 
 
 HEADER_KERNEL = '#include "a.h"\nextern "C" __global__ void k(int* x) { *x = A; }\n'
+#: The same kernel naming its header through a macro: the record cannot see the name, so it guards directories.
+COMPUTED_KERNEL = '#define HEADER "a.h"\n#include HEADER\nextern "C" __global__ void k(int* x) { *x = A; }\n'
 
 
 @pytest.fixture
@@ -122,9 +128,9 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     return {"work": work, "inc0": inc0, "inc1": inc1, "root": tmp_path}
 
 
-def _front(cache: ContentAddressedProgramCache, tree: dict[str, Path]) -> None:
+def _front(cache: ContentAddressedProgramCache, tree: dict[str, Path], code: str = HEADER_KERNEL) -> None:
     opts = ProgramOptions(arch="sm_80", include_path=[str(tree["inc0"]), str(tree["inc1"])])
-    cache.compile(HEADER_KERNEL, "c++", opts, "cubin")
+    cache.compile(code, "c++", opts, "cubin")
 
 
 @pytest.mark.parametrize("where", ["inc0", "work"])
@@ -133,11 +139,15 @@ def test_a_guard_miss_names_the_directory_whose_listing_changed_never_a_removed_
 ) -> None:
     with ContentAddressedProgramCache(tree["root"] / "c") as cache:
         _front(cache, tree)
+        (tree[where] / "unrelated.txt").write_text("")  # a name no lookup tries: a hit
         _front(cache, tree)
         assert cache.counters()["hits"] == 1
-        (tree[where] / "unrelated.txt").write_text("")  # nothing read moves: the guard alone fails
-        _front(cache, tree)
-        assert cache.counters()["misses"] == 2
+        _front(cache, tree, COMPUTED_KERNEL)
+        _front(cache, tree, COMPUTED_KERNEL)
+        assert cache.counters()["hits"] == 2
+        (tree[where] / "unrelated2.txt").write_text("")  # nothing read moves: the directory guard alone fails
+        _front(cache, tree, COMPUTED_KERNEL)
+        assert cache.counters()["misses"] == 3
     miss = _misses(cache.path, 1)[0]
     directory = str(tree[where])
     assert (miss.verdict, miss.inputs, miss.path) == ("changed", ("directory",), directory), miss
@@ -169,8 +179,9 @@ def test_a_guard_miss_that_found_a_new_header_names_the_path_that_appeared(tree:
         _front(cache, tree)
     miss = _misses(cache.path, 1)[0]
     inc0, inc1 = tree["inc0"], tree["inc1"]
-    assert (miss.verdict, miss.inputs, miss.path) == ("changed", ("header",), str(inc0))
+    assert (miss.verdict, miss.inputs, miss.path) == ("changed", ("header",), f"{inc0}/a.h")
     assert miss.summary == f"header a.h: now found at {inc0}/a.h, was {inc1}/a.h (same content)"
+    assert miss.reason == f"{inc0}/a.h appeared, where NVRTC looks before a header it read"
 
 
 def test_a_header_changed_back_to_a_content_pushed_out_of_its_record_is_named_not_removed(

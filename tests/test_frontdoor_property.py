@@ -1,11 +1,17 @@
 """``cache.compile(...)`` against an uncached ``Program.compile``, under generated header trees and edits.
 
-The differential property: after any sequence of edits, same-bytes touches, symlink
-moves, new headers that shadow old ones, deleted headers and changes of working
-directory, ``cache.compile`` returns exactly what an uncached compile of the files
-as they are at that moment returns (bytes, ``name``, ``symbol_mapping``), or raises
-what it raises. Only the public API is used, so the test runs unchanged on any
-implementation of the front door.
+The differential property: after any sequence of edits, same-bytes touches, copies
+renamed over a header (same or other bytes), symlink moves, new headers that shadow old
+ones, deleted headers, files of other names created and removed in the working
+directory and every include directory, and changes of working directory,
+``cache.compile`` returns exactly what an uncached compile of the files as they are at
+that moment returns (bytes, ``name``, ``symbol_mapping``), or raises what it raises,
+in this process and in a child process over the same cache. A hit where the bytes
+differ is a failure of soundness. A miss where the bytes are the same as the previous
+compile of the same inputs, which was stored, is a failure of precision: the test
+allows neither (a compile whose write the age rule dropped is not stored, and the next
+one may miss). Only the public API and the cache's counters are used, so the test
+runs unchanged on any implementation of the front door.
 
 Why a ``RuleBasedStateMachine`` rather than ``@given`` over a list of steps: the bugs it
 hunts are about history (an entry stored under one state of the file system, served
@@ -54,7 +60,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -210,6 +219,31 @@ def describe(result: tuple[str, object]) -> str:
 #: Which of the example's spellings a step compiles with (modulo their number).
 THEN = st.integers(0, 2)
 
+#: Directories a job may write other files into: every working and include directory, and the tree's root.
+OTHER_DIRS = (
+    ".",
+    "first",
+    "shared/one",
+    "shared/two",
+    *(f"{p}{s}" for p in PROJECTS for s in ("", "/include", "/include/sub", "/src")),
+)
+#: Names no lookup of the kernel tries (a trailing slash: a directory).
+OTHER_NAMES = ("metrics.json", "out.log", "val.hpp", "leaf.h.orig", "build/")
+#: The child of ``compile_in_a_child``: the inputs pickled on stdin; its outcome, hit and stored on stdout.
+CHILD = """
+import pickle, sys
+from cuda_program_cas import ContentAddressedProgramCache
+path, code, options, names = pickle.loads(sys.stdin.buffer.read())
+cache = ContentAddressedProgramCache(path)
+try:
+    obj = cache.compile(code, "c++", options, "cubin", name_expressions=names)
+    got = ("ok", (bytes(obj.code), obj.name, dict(obj.symbol_mapping) if obj.symbol_mapping else {}))
+except Exception as exc:
+    got = ("error", (type(exc), str(exc)))
+counters = cache.counters()
+sys.stdout.buffer.write(pickle.dumps((got, counters["hits"] > 0, counters["dropped_writes"] == 0)))
+"""
+
 
 class FrontDoorMachine(RuleBasedStateMachine):
     """One directory tree, one cache, a sequence of file-system changes and compiles."""
@@ -225,6 +259,8 @@ class FrontDoorMachine(RuleBasedStateMachine):
         self.next_value = 1
         self.cwd = "projA"
         self.spellings: list[Spelling] = []
+        #: The previous compared compile: its inputs, its binary, and whether it was stored (or hit).
+        self.previous: tuple[object, bytes, bool] | None = None
 
     @initialize(spellings=st.lists(SPELLINGS, min_size=1, max_size=3))
     def build_tree(self, spellings: list[Spelling]) -> None:
@@ -299,6 +335,43 @@ class FrontDoorMachine(RuleBasedStateMachine):
             self._settle(target)
         self._compare(then)
 
+    @rule(path=st.sampled_from(sorted(HEADERS)), same=st.booleans(), then=THEN)
+    def copy_renamed_over(self, path: str, same: bool, then: int) -> None:
+        """``cp h.h t && mv t h.h``, as editors and checkouts do: a new inode, ``same`` bytes or new ones."""
+        target = self.root / path
+        if target.exists():
+            staged = target.with_name(target.name + ".cp")
+            if same:
+                shutil.copyfile(target, staged)
+            else:
+                value = self.next_value
+                self.next_value += 1
+                self.values[path] = value
+                staged.write_text(header_text(HEADERS[path], value, path))
+            os.replace(staged, target)
+            self._settle(target)
+        self._compare(then)
+
+    @rule(where=st.sampled_from(OTHER_DIRS), name=st.sampled_from(OTHER_NAMES), then=THEN)
+    def other_file(self, where: str, name: str, then: int) -> None:
+        """A file or directory of a name no lookup tries, created (or removed when there), as a job's outputs are."""
+        target = self.root / where / name
+        if target.is_dir():
+            target.rmdir()
+        elif target.exists():
+            target.unlink()
+        elif name.endswith("/"):
+            target.mkdir()
+        else:
+            target.write_text("{}")
+        self._settle(target)
+        self._compare(then)
+
+    @rule(which=THEN)
+    def compile_in_a_child(self, which: int) -> None:
+        """The compile in another process over the same cache and working directory (nothing in its memory)."""
+        self._compare(which, child=True)
+
     @rule(link=st.sampled_from(sorted(LINKS)), then=THEN)
     def move_link(self, link: str, then: int) -> None:
         """Point a symlinked directory at its other target (replaced whole, as ``ln -sfn`` does)."""
@@ -368,15 +441,37 @@ class FrontDoorMachine(RuleBasedStateMachine):
         """A compile through the cache, not compared (the next step's compile is): it may store a record."""
         _spelling, options, code, name_expressions = self._options_and_code(which)
         outcome(lambda: self.cache.compile(code, "c++", options, "cubin", name_expressions=name_expressions))
+        self.previous = None
 
-    def _compare(self, which: int) -> None:
-        """``cache.compile`` gives what an uncached compile of the files as they are now gives."""
+    def _cached(self, code: str, options: ProgramOptions, names: tuple[str, ...], child: bool) -> tuple:
+        """``(outcome, hit, stored)`` of ``cache.compile``: here, or in a child process over the same cache."""
+        if not child:
+            before = self.cache.counters()
+            got = outcome(lambda: self.cache.compile(code, "c++", options, "cubin", name_expressions=names))
+            after = self.cache.counters()
+            return got, after["hits"] > before["hits"], after["dropped_writes"] == before["dropped_writes"]
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD],
+            input=pickle.dumps((str(self.cache_dir), code, options, names)),
+            capture_output=True,
+            timeout=600,
+            check=True,
+        )
+        return pickle.loads(done.stdout)
+
+    def _compare(self, which: int, child: bool = False) -> None:
+        """``cache.compile`` gives what an uncached compile of the files as they are now gives; the same bytes hit."""
         spelling, options, code, name_expressions = self._options_and_code(which)
-        cache = self.cache
-        got = outcome(lambda: cache.compile(code, "c++", options, "cubin", name_expressions=name_expressions))
+        got, hit, stored = self._cached(code, options, name_expressions, child)
         want = outcome(lambda: Program(code, "c++", options=options).compile("cubin", name_expressions))
         event(f"the uncached compile: {want[0]}")
+        inputs = (spelling, self.cwd)
+        code_got = got[1][0] if got[0] == "ok" else None  # type: ignore[index]
+        previous, self.previous = self.previous, None if code_got is None else (inputs, code_got, hit or stored)
         if got == want:
+            same = previous is not None and previous[0] == inputs and previous[1] == code_got
+            if same and previous[2] and not hit:  # type: ignore[index]
+                self.precision_failure(spelling, options)
             return
         links = {k: os.readlink(self.root / k) for k in LINKS}
         detail = (
@@ -394,6 +489,12 @@ class FrontDoorMachine(RuleBasedStateMachine):
         if got[1][0] != want[1][0]:  # type: ignore[index]
             raise AssertionError("cache.compile returned other bytes (a stale binary)" + detail)
         raise AssertionError("cache.compile returned the bytes with another name or symbol mapping" + detail)
+
+    def precision_failure(self, spelling: Spelling, options: ProgramOptions) -> None:
+        raise AssertionError(
+            "cache.compile missed where the previous compile of the same inputs, stored, gave the same bytes"
+            f" (a failure of precision)\n  {spelling}, cwd {self.cwd}, include_path {options.include_path}"
+        )
 
 
 SETTINGS = settings(

@@ -259,6 +259,12 @@ def test_a_path_backed_input_is_keyed_by_its_bytes(tmp_path: Path, objects: Inpu
     first = cached(cache, objs, options)
     assert first == uncached(objs, options) and first[0] == "linked"
     assert cached(cache, objs, options) == first and cache.counters()["hits"] == 1
+    staged = tmp_path / "callee.tmp"
+    staged.write_bytes(path.read_bytes())
+    os.replace(staged, path)  # a copy renamed over it: a new inode, the same bytes: a hit
+    os.utime(path)
+    assert cached(ContentAddressedProgramCache(tmp_path / "cas"), objs, options) == first
+    assert cached(cache, objs, options) == first and cache.counters()["hits"] == 2
     path.write_bytes(bytes(objects["other"].code))  # same path, other bytes: a miss, the new result
     second = cached(cache, objs, options)
     assert second == uncached(objs, options) and second != first

@@ -490,3 +490,60 @@ def test_the_suite_itself_runs_with_the_switch_off() -> None:
 
     assert cuda.core.Program is cuda.core._program.Program
     assert not any(getattr(f, "cpcas_switch_hook", False) for f in sys.meta_path)
+
+
+#: A hit of a header compile through the switch, then what the program object still does: reports whether NVRTC loaded.
+_DEFERRED = textwrap.dedent(
+    """
+    import json, sys
+    from cuda.core import Program, ProgramOptions
+    spec = json.loads(sys.argv[1])
+    def nvrtc_mapped():
+        with open("/proc/self/maps") as fh:
+            return "libnvrtc" in fh.read()
+    p = Program(spec["src"], "c++", options=ProgramOptions(arch="sm_80", include_path=spec["include"]))
+    out = {"closed_before": p.is_closed}
+    code = bytes(p.compile("cubin").code)
+    out["nvrtc_after_hit"] = nvrtc_mapped()
+    out["backend"] = str(p.backend)  # made now, from the inputs as given
+    out["nvrtc_after_backend"] = nvrtc_mapped()
+    p.close()
+    out["closed"] = p.is_closed
+    try:
+        p.compile("cubin")
+    except Exception as exc:
+        out["after_close"] = type(exc).__name__
+    q = Program(spec["src"], "c++", options=ProgramOptions(arch="sm_80", include_path=spec["include"]))
+    q.close()
+    try:
+        q.compile("cubin")
+    except Exception as exc:
+        out["closed_unmade"] = type(exc).__name__
+    out["len"] = len(code)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_hit_through_the_switch_does_not_load_nvrtc_and_the_program_still_works(tmp_path: Path) -> None:
+    """``Program(...)`` under the switch makes NVRTC's program only when something needs it: a hit does not."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "scale.h").write_text("#define SCALE 2.0f\n")
+    src = '#include "scale.h"\nextern "C" __global__ void k(float* x) { x[0] *= SCALE; }\n'
+    env = {"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")}
+    spec = json.dumps({"src": src, "include": [str(inc)]})
+    report(child(_DEFERRED, spec, env=env))  # the miss stores (and its process loads NVRTC to compile)
+    out = report(child(_DEFERRED, spec, env=env))
+    closed_error = report(child(_DEFERRED, spec, env={"CUDA_PROGRAM_CAS": "0"}))["after_close"]
+    assert out == {
+        "closed_before": False,
+        "nvrtc_after_hit": False,
+        "backend": out["backend"],
+        "nvrtc_after_backend": True,
+        "closed": True,
+        "after_close": closed_error,
+        "closed_unmade": closed_error,
+        "len": out["len"],
+    }, out
+    assert "NVRTC" in out["backend"].upper()

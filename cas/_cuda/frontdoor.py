@@ -56,6 +56,7 @@ record holds only stat data that were old when it was made.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -93,11 +94,10 @@ from .record import (
     decode_raw,
     decode_record,
     directory_key,
-    directory_tag,
     encode_record,
     encode_variant,
-    guard_dirs,
     proof_of,
+    renewed_record,
     result_key_of,
     stat_tag,
 )
@@ -267,6 +267,7 @@ class FrontDoor:
         ``why``: why the lookup missed (a :class:`Why`), for the miss journal.
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
+        from .shadows import shadows_and_guards
         from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
 
         name_expressions, record_key = expressions, key
@@ -307,7 +308,7 @@ class FrontDoor:
                     paths = tree_files(search.dirs)
                 paths = sorted({*paths, *search.pre_includes})
                 headers = self._read_headers(paths, started)
-                guards = guard_dirs([h.path for h in headers], search.dirs)
+                absent, guards = shadows_and_guards(code, code_type, options, headers, search)
                 _guards_older_than(guards, started)
                 if nvrtc is not None and loaded_nvrtc_version() != nvrtc:
                     raise Uncacheable(f"NVRTC {loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
@@ -321,7 +322,7 @@ class FrontDoor:
         mapping = dict(result.symbol_mapping) if name_expressions else {}
         stored = self._inner.put_id(grouped_id(record_key, result_key), bytes(result.code))
         if stored:
-            self._remember(record_key, headers, guards, result_key, name=result.name, mapping=mapping)
+            self._remember(record_key, headers, guards, absent, result_key, name=result.name, mapping=mapping)
             if nvrtc is not None:
                 remember_nvrtc(self._inner)  # a hit of the next process need not load NVRTC
             from .inputs import describe
@@ -369,16 +370,19 @@ class FrontDoor:
             decoded = self._decoded[record_kid] = (raw, variants, [_Proof() for _ in variants])
         why = None  # the newest variant's reason
         for variant, proof in zip(decoded[1], decoded[2], strict=True):
-            changed = self._proven(variant, proof)
+            fresh: list[Any] = []
+            changed = self._proven(variant, proof, fresh)
             if changed is None:
                 data = self._inner.find(grouped_id(record_key, bytes.fromhex(variant.result)))
                 if data is not None:
+                    if fresh:
+                        self._refresh(record_kid, raw, variant, fresh[0])
                     return data[0], variant, data[1] if data[1] is not None else shared
                 changed = Why(RESULT_GONE, "the result of a matching variant is gone")
             why = why or changed
         return why or Why(DAMAGED, "the record is damaged or of another format")
 
-    def _proven(self, variant: Variant, proof: _Proof) -> str | None:
+    def _proven(self, variant: Variant, proof: _Proof, fresh: list[Any]) -> str | None:
         """:meth:`_check`, or nothing at all while the watch proves the variant unchanged since it last held."""
         token = proof.token
         if token is not None:
@@ -389,29 +393,32 @@ class FrontDoor:
         if not proof.seen:
             # The first look in this process: the stat check alone. A job looks each kernel up
             # once, so arming (about as costly again) waits for the second look.
-            changed = self._check(variant)
+            changed = self._check(variant, fresh)
             proof.seen = changed is None
             return changed
         now = _monotonic()
         if now < proof.retry_at:
-            return self._check(variant)
+            return self._check(variant, fresh)
         from .watch import arm
 
         # Armed before the check: a change after it raises an event, one before it fails the check.
-        token = arm([h[0] for h in variant.headers], [g[0] for g in variant.guards])
-        changed = self._check(variant)
+        token = arm([h[0] for h in variant.headers], [g[0] for g in variant.guards], variant.absent)
+        changed = self._check(variant, fresh)
         if token is None:
             proof.retry_at = now + _REARM_S  # it could not be watched: stat, and try again later
         elif changed is None:
             proof.token = token
         return changed
 
-    def _check(self, variant: Variant) -> str | None:
-        """None when the variant's headers and guards still hold, else what changed.
+    def _check(self, variant: Variant, fresh: list[Any] | None = None) -> str | None:
+        """None when the variant's headers, candidates and guards still hold, else what changed.
 
-        First the variant's whole stat data against its one proof (a stat per header and
-        guard, one hash); when that differs or is not kept, each file on its own: a header
-        whose stat changed is hashed again, and what changed is named.
+        First the variant's whole stat data against its one proof (a stat per header,
+        candidate and guard, one hash); when that differs or is not kept, each file on
+        its own: a header whose stat changed is hashed again, and what changed is named.
+        Content decides: a header with new stat data and the same bytes holds. When such
+        stat data are old on their file system's clock, ``fresh`` gets what
+        :meth:`_refresh` needs to record them (the next look is a stat again).
         """
         if variant.proof is not None and self._same_stat(variant):
             return None
@@ -419,6 +426,9 @@ class FrontDoor:
         known = headers.known
         learnt: dict[str, tuple[FileId, str]] = {}  # entered at the end, in one go (a lock a header cost 0.3 ms)
         clock: FsClock | None = None  # read once, before the first header hashed
+        keys: list[FileId] = []
+        renewed: dict[str, FileId] = {}  # headers whose stat changed, bytes the same, stat data old
+        young = False
         try:
             for path, tag, digest in variant.headers:
                 try:
@@ -426,28 +436,63 @@ class FrontDoor:
                 except OSError:
                     return Why.header_gone(path)
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                keys.append(key)
                 seen = known.get(path)
                 if seen is not None and seen[0] == key:
                     if seen[1] != digest:
                         return Why.header_changed(path)
+                    if stat_tag(key) != tag:
+                        renewed[path] = key  # remembered in this process: old when hashed
                 elif stat_tag(key) == tag:
                     learnt[path] = (key, digest)
                 else:
                     if clock is None:
                         clock = FsClock(self._inner.layout.tmp)
                     # Hashed; remembered for these stat data only if they are old (see HeaderCache.digest).
-                    if headers.digest(path, st, old=clock.old(st)) != digest:
+                    old = clock.old(st)
+                    if headers.digest(path, st, old=old) != digest:
                         return Why.header_changed(path)
+                    if old:
+                        renewed[path] = key
+                    else:
+                        young = True  # its stat data cannot be recorded: no new proof
         finally:
             headers.learn(learnt)
+        for path in variant.absent:
+            if _present(path):
+                return Why.shadowed(path)
+        guard_keys = []
         for directory, dir_tag in variant.guards:
-            if directory_tag(directory) != dir_tag:
+            dir_key = directory_key(directory)
+            if (None if dir_key is None else stat_tag(dir_key)) != dir_tag:
                 return Why.directory_changed(directory)
+            guard_keys.append(dir_key)
+        if renewed and not young and fresh is not None:
+            values = [v for key in keys for v in key]
+            for dir_key in guard_keys:
+                values.extend(NO_DIR if dir_key is None else dir_key)
+            values.append(len(variant.absent))
+            fresh.append((renewed, proof_of(values)))
         return None
+
+    def _refresh(self, record_kid: str, raw: bytes, variant: Variant, fresh: Any) -> None:
+        """Record a variant's new stat data, proven by content (see :meth:`_check`): the next look is a stat again.
+
+        Only stat data that were old when their bytes were hashed are written. Never fails
+        a hit: a record that cannot be written stays as it was.
+        """
+        renewed, proof = fresh
+        if self._store.read_only or proof is None:
+            return
+        try:
+            self._inner.put_id(record_kid, renewed_record(raw, variant, renewed, proof))
+        except Exception as exc:
+            _log.debug("cuda-program-cas: front door: new stat data not recorded: %r", exc)
 
     @staticmethod
     def _same_stat(variant: Variant) -> bool:
-        """Whether every header and guard of ``variant`` stats as recorded (its proof: see :func:`.record.proof_of`)."""
+        """Whether every header and guard of ``variant`` stats as recorded (its proof: see :func:`.record.proof_of`),
+        and every candidate is absent."""
         values: list[int] = []
         extend = values.extend
         stat_ = os.stat
@@ -459,6 +504,14 @@ class FrontDoor:
             return False
         for directory, _dir_tag in variant.guards:
             extend(directory_key(directory) or NO_DIR)
+        for path in variant.absent:
+            try:
+                stat_(path)
+            except OSError as exc:
+                if exc.errno in _ABSENT:
+                    continue
+            return False
+        values.append(len(variant.absent))
         return proof_of(values) == variant.proof
 
     # -- misses ----------------------------------------------------------------------
@@ -487,6 +540,7 @@ class FrontDoor:
         record_key: bytes,
         headers: list[Header],
         guards: list[tuple[str, DirKey | None]],
+        absent: list[str],
         result_key: bytes,
         *,
         name: str,
@@ -495,7 +549,7 @@ class FrontDoor:
         record_kid = grouped_id(record_key, None)
         found = self._inner.find(record_kid)
         old = [] if found is None else decode_raw(found[0])
-        new = encode_variant(result_key.hex(), headers, guards, name, mapping)
+        new = encode_variant(result_key.hex(), headers, guards, name, mapping, absent=absent)
         kept = [new, *(v for v in old if v.get("result") != new["result"])]
         self._inner.put_id(record_kid, encode_record(kept[:_MAX_VARIANTS]))
         # A variant pushed out leaves a result no record reaches: it goes now.
@@ -515,6 +569,21 @@ def _guards_older_than(guards: list[tuple[str, DirKey | None]], started: FsClock
     for path, key in guards:
         if key is not None and not started.old_at(key[0], key[3]):
             raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
+
+
+#: What a stat of an absent candidate fails with (shadows.ABSENT_ERRNOS, not imported by a hit).
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR})
+
+
+def _present(path: str) -> bool:
+    """Whether a candidate is there now, or cannot be shown absent (any other error)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno not in _ABSENT
+    except ValueError:
+        return True
+    return True
 
 
 def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:

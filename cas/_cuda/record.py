@@ -23,14 +23,17 @@ __all__ = [
     "Header",
     "HeaderCache",
     "Variant",
+    "content_digest",
     "decode_raw",
     "decode_record",
+    "dir_guards",
     "directory_key",
     "directory_tag",
     "encode_record",
     "encode_variant",
     "guard_dirs",
     "proof_of",
+    "renewed_record",
     "result_key_of",
     "stat_tag",
 ]
@@ -41,8 +44,12 @@ _DIGEST_HEX = 32
 _TAG_HEX = 16
 
 
-def _digest(data: bytes) -> str:
+def content_digest(data: bytes) -> str:
+    """A header's digest as a record keeps it: blake3, 128 bits in hex."""
     return blake3_hasher()(data).hexdigest()[:_DIGEST_HEX]
+
+
+_digest = content_digest
 
 
 def stat_tag(values: tuple[int, ...]) -> str:
@@ -168,7 +175,7 @@ class Header:
 class Variant:
     """One compile of a record's inputs, decoded for checking."""
 
-    __slots__ = ("guards", "headers", "mapping", "name", "proof", "result")
+    __slots__ = ("absent", "guards", "headers", "mapping", "name", "proof", "result")
 
     def __init__(
         self,
@@ -178,17 +185,21 @@ class Variant:
         headers: tuple[tuple[str, str, str], ...],
         guards: tuple[tuple[str, str | None], ...],
         *,
+        absent: tuple[str, ...] = (),
         proof: str | None = None,
     ) -> None:
         self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
+        #: The candidates: paths NVRTC tried before a header it read, which must stay absent (see .shadows).
+        self.absent = absent
         #: :func:`proof_of` the stat data recorded (None in a record written before it was kept).
         self.proof = proof
 
 
 def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, DirKey | None]]:
-    """The directories whose entries decide where each header is found (see :mod:`cuda_program_cas._cuda.frontdoor`).
+    """The directories whose entries decide where each header is found, when its candidates cannot be known.
 
-    For a header under search directory ``i`` (as spelled) at ``sub/name``, the
+    The fallback of :mod:`cuda_program_cas._cuda.shadows` for a name made by a macro:
+    for a header under search directory ``i`` (as spelled) at ``sub/name``, the
     directories ``sub`` of every search directory up to ``i``; a header under
     several (nested search directories) gets the guards of each. A header under
     none is guarded by its own directory. Each with its :func:`directory_key`.
@@ -200,6 +211,11 @@ def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, DirKey 
             if path.startswith(top + os.sep):
                 sub = os.path.dirname(path[len(top) + 1 :])
                 wanted.update(os.path.join(earlier, sub) if sub else earlier for earlier in dirs[: i + 1])
+    return dir_guards(wanted)
+
+
+def dir_guards(wanted: set[str]) -> list[tuple[str, DirKey | None]]:
+    """Each of ``wanted`` with its :func:`directory_key`, sorted; a missing one also by its deepest existing one."""
     guards: dict[str, DirKey | None] = {}
     for path in wanted:
         # A directory that does not exist is guarded by its deepest existing ancestor:
@@ -226,14 +242,25 @@ def result_key_of(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
 
 # -- stored forms -------------------------------------------------------------------------
 #
-# A record is compact JSON: {"v": 3, "variants": [...]}, newest variant first. A
+# A record is compact JSON: {"v": 4, "variants": [...]}, newest variant first (4: the
+# candidates, "absent", grouped by directory as the headers; a record of 3 has none, and
+# reads as of another format: a miss). A
 # variant's headers are grouped by directory, {dir: [[name, stat tag, digest], ...]},
 # so a CUB kernel's ~410 headers take about 60 bytes each. Its "proof" is proof_of the
-# stat data of the headers in that order (as decoded), then of the guards in theirs.
+# stat data of the headers in that order (as decoded), then of the guards in theirs,
+# then the number of candidates.
+
+_VERSION = 4
 
 
 def encode_variant(
-    result: str, headers: list[Header], guards: list[tuple[str, DirKey | None]], name: str, mapping: dict[Any, bytes]
+    result: str,
+    headers: list[Header],
+    guards: list[tuple[str, DirKey | None]],
+    name: str,
+    mapping: dict[Any, bytes],
+    *,
+    absent: Sequence[str] = (),
 ) -> dict[str, Any]:
     grouped: dict[str, list[Header]] = {}
     for h in headers:
@@ -242,6 +269,11 @@ def encode_variant(
     values = [v for hs in grouped.values() for h in hs for v in h.key]
     for _path, key in guards:
         values.extend(NO_DIR if key is None else key)
+    grouped_absent: dict[str, list[str]] = {}
+    for path in sorted(absent):
+        directory, base = os.path.split(path)
+        grouped_absent.setdefault(directory, []).append(base)
+    values.append(len(absent))  # the proof holds only with every candidate absent (checked beside it)
     symbols = []
     for key, lowered in mapping.items():
         kind, text = ("b", key.hex()) if isinstance(key, bytes) else ("s", key)
@@ -253,12 +285,13 @@ def encode_variant(
         "symbols": symbols,
         "headers": by_dir,
         "guards": [[path, None if key is None else stat_tag(key)] for path, key in guards],
+        "absent": grouped_absent,
         "proof": proof_of(values),
     }
 
 
 def encode_record(variants: list[dict[str, Any]]) -> bytes:
-    return json.dumps({"v": 3, "variants": variants}, separators=(",", ":")).encode()
+    return json.dumps({"v": _VERSION, "variants": variants}, separators=(",", ":")).encode()
 
 
 def decode_raw(raw: bytes) -> list[dict[str, Any]]:
@@ -266,7 +299,7 @@ def decode_raw(raw: bytes) -> list[dict[str, Any]]:
         data = json.loads(raw)
     except ValueError:
         return []
-    if not isinstance(data, dict) or data.get("v") != 3 or not isinstance(data.get("variants"), list):
+    if not isinstance(data, dict) or data.get("v") != _VERSION or not isinstance(data.get("variants"), list):
         return []
     return [v for v in data["variants"] if isinstance(v, dict)]
 
@@ -291,10 +324,33 @@ def decode_record(raw: bytes) -> list[Variant]:
                 found += [(prefix + base, tag, digest) for base, tag, digest in entries]
             headers = tuple(found)
             guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])
+            absent: list[str] = []
+            for directory, names in v["absent"].items():
+                prefix = directory if not directory or directory.endswith(os.sep) else directory + os.sep
+                absent += [prefix + base for base in names]
             bytes.fromhex(v["result"])
             proof = v.get("proof")
             proof = proof if isinstance(proof, str) else None
-            variants.append(Variant(str(v["result"]), str(v["name"]), mapping, headers, guards, proof=proof))
+            variants.append(
+                Variant(str(v["result"]), str(v["name"]), mapping, headers, guards, absent=tuple(absent), proof=proof)
+            )
         except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return variants
+
+
+def renewed_record(raw: bytes, variant: Variant, renewed: dict[str, FileId], proof: str) -> bytes:
+    """The record ``raw`` with ``variant``'s headers of ``renewed`` given their new stat data, and its new proof."""
+    stored = decode_raw(raw)
+    for v in stored:
+        if v.get("result") != variant.result:
+            continue
+        at = 0
+        for entries in v["headers"].values():
+            for entry in entries:
+                key = renewed.get(variant.headers[at][0])
+                if key is not None:
+                    entry[1] = stat_tag(key)
+                at += 1
+        v["proof"] = proof
+    return encode_record(stored)

@@ -12,7 +12,7 @@ from typing import Any
 
 from .frontkey import Uncacheable
 
-__all__ = ["BUILTIN_HEADERS", "Search", "may_include_quoted"]
+__all__ = ["BUILTIN_HEADERS", "Search", "as_list", "may_include_quoted"]
 
 #: Headers NVRTC reads from memory: their name in the trace is no file.
 BUILTIN_HEADERS = frozenset({"__nv_nvrtc_builtin_header.h"})
@@ -65,8 +65,8 @@ class Search:
     def of(code: object, code_type: str, options: Any, flags: tuple[bytes, ...] | None) -> Search:
         if code_type != "c++":
             return _NO_SEARCH
-        includes = tuple(_as_list(getattr(options, "include_path", None)))
-        pre = tuple(_as_list(getattr(options, "pre_include", None)))
+        includes = tuple(as_list(getattr(options, "include_path", None)))
+        pre = tuple(as_list(getattr(options, "pre_include", None)))
         name = getattr(options, "name", None)
         quoted = not getattr(options, "no_source_include", None) and (
             not isinstance(code, (str, bytes)) or may_include_quoted(code)
@@ -151,7 +151,7 @@ def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | N
     return Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
 
 
-def _as_list(value: object) -> list[str]:
+def as_list(value: object) -> list[str]:
     if value is None:
         return []
     if isinstance(value, (str, os.PathLike)):

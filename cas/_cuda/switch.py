@@ -180,6 +180,7 @@ def rebind(old: type, new: type) -> None:
 
 def _subclass(name: str, original: type) -> type:
     if name == "Program":
+        base: Any = original  # cuda.core's, its properties read as descriptors
 
         class Program(original):  # type: ignore[misc]
             """``cuda.core.Program``, its compiles routed through the cache (``cuda_program_cas.install()``)."""
@@ -187,13 +188,49 @@ def _subclass(name: str, original: type) -> type:
             cpcas_original = original
 
             def __init__(self, code: Any, code_type: Any, options: Any = None) -> None:
-                super().__init__(code, code_type, options)
-                self._cpcas_inputs = (code, code_type, options)
+                self._cpcas_inputs: Any = (code, code_type, options)
+                # A C++ program from text with its options, while the switch is on: the cache may
+                # answer its compile without NVRTC, so NVRTC's program (and loading NVRTC, 8 ms
+                # of a fresh process) waits until something needs it (see _materialize).
+                self._cpcas_deferred = (
+                    _S.mode is not None
+                    and not _depth()
+                    and isinstance(code, str)
+                    and code_type == "c++"
+                    and type(options).__name__ == "ProgramOptions"
+                    and type(options).__module__.startswith("cuda.core")
+                )
+                if not self._cpcas_deferred:
+                    super().__init__(code, code_type, options)
 
             def compile(
                 self, target_type: Any, name_expressions: Sequence[Any] = (), logs: Any = None, *, cache: Any = None
             ) -> Any:
                 return _compile(self, target_type, name_expressions, logs, cache)
+
+            @property
+            def backend(self) -> Any:
+                _materialize(self)
+                return base.backend.__get__(self, base)
+
+            @property
+            def handle(self) -> Any:
+                _materialize(self)
+                return base.handle.__get__(self, base)
+
+            @property
+            def pch_status(self) -> Any:
+                _materialize(self)
+                return base.pch_status.__get__(self, base)
+
+            @property
+            def is_closed(self) -> bool:
+                return False if self._cpcas_deferred else bool(base.is_closed.__get__(self, base))
+
+            def close(self) -> None:
+                self._cpcas_deferred = False  # closed before NVRTC's program was made: never made
+                self._cpcas_inputs = None  # a compile after close goes to the original, which refuses it
+                base.close(self)
 
         Program.__module__ = "cuda_program_cas"
         Program.__qualname__ = "Program"
@@ -343,8 +380,26 @@ class _Inside:
         _inside.error = None
 
 
+_materialize_lock = ForkSafeLock()
+
+
+def _materialize(program: Any) -> None:
+    """Make NVRTC's program of a ``Program`` whose making the switch deferred (its inputs as given)."""
+    if getattr(program, "_cpcas_deferred", False):
+        with _materialize_lock:
+            if program._cpcas_deferred:
+                code, code_type, options = program._cpcas_inputs
+                _S.original["Program"].__init__(program, code, code_type, options)
+                program._cpcas_deferred = False
+
+
 def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], logs: Any, cache: Any) -> Any:
-    original = _S.original["Program"].compile
+    compile_ = _S.original["Program"].compile
+
+    def original(program: Any, *args: Any, **kwargs: Any) -> Any:
+        _materialize(program)
+        return compile_(program, *args, **kwargs)
+
     if cache is not None:
         return original(program, target_type, name_expressions, logs, cache=cache)
     if _depth():

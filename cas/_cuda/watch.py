@@ -17,8 +17,10 @@ directory reaches it). A directory is watched before any name in it is looked
 up; so a change of an entry after its lookup raises an event.
 
 Which events count: any event on a header file; in a directory, an event naming
-an entry a lookup went through; in a guard directory (where a new file would
-shadow a header), every creation, removal or rename of any entry; and every
+an entry a lookup went through (a candidate that must stay absent is such a lookup:
+its own name counts, and the name of its first missing directory); in a guard
+directory (the fallback where a candidate cannot be named), every creation, removal
+or rename of any entry; and every
 event on a directory itself (its mode, its removal, its unmount).
 
 Everything is dirty, and the next lookups stat again, on a queue overflow
@@ -370,11 +372,12 @@ def _budget() -> int:
         return 8192 // _SHARE
 
 
-def arm(headers: Iterable[str], guards: Iterable[str]) -> Token | None:
+def arm(headers: Iterable[str], guards: Iterable[str], absent: Iterable[str] = ()) -> Token | None:
     """Watch what a variant's check depends on, before that check runs; None when it cannot be watched.
 
     ``headers``: the files the check stats; ``guards``: the directories whose every
-    new, removed or renamed entry changes what it finds. The token is clean only
+    new, removed or renamed entry changes what it finds; ``absent``: the candidates that
+    must stay absent (only their own names count, in the directories a lookup of each reaches). The token is clean only
     once the check that follows has passed; the caller keeps it then, and not otherwise.
     """
     w = _start()
@@ -391,6 +394,8 @@ def arm(headers: Iterable[str], guards: Iterable[str]) -> Token | None:
                 arming.walk(path, guard=False)
             for path in guards:
                 arming.walk(path, guard=True)
+            for path in absent:
+                arming.walk(path, guard=False)
         except (_Unwatchable, OSError) as exc:
             _log.debug("cuda-program-cas: front door: headers are stat'ed: %s", exc)
             return None

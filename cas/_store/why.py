@@ -16,6 +16,7 @@ __all__ = [
     "NOT_A_CHECK",
     "NO_RECORD",
     "RESULT_GONE",
+    "SHADOWED",
     "UNCACHEABLE",
     "Why",
 ]
@@ -26,6 +27,7 @@ NO_RECORD = "no record"
 HEADER_CHANGED = "header changed"
 HEADER_GONE = "header gone"
 DIRECTORY_CHANGED = "directory changed"
+SHADOWED = "header shadowed"
 RESULT_GONE = "result gone"
 DAMAGED = "damaged"
 #: Not a lookup's miss: a build that cannot be keyed soundly ran uncached (cuda.compute).
@@ -61,6 +63,10 @@ class Why(str):
     @classmethod
     def directory_changed(cls, path: str) -> Why:
         return cls(DIRECTORY_CHANGED, f"directory {path} changed (a header may now be found elsewhere)", path)
+
+    @classmethod
+    def shadowed(cls, path: str) -> Why:
+        return cls(SHADOWED, f"{path} appeared, where NVRTC looks before a header it read", path)
 
     def as_dict(self) -> dict[str, str]:
         return {"kind": self.kind, "path": self.path, "text": str(self)}

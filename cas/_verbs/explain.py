@@ -45,7 +45,14 @@ from typing import Any, ClassVar
 
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
 from cuda_program_cas._store.journal import MissRecord, read_journal
-from cuda_program_cas._store.why import DIRECTORY_CHANGED, HEADER_CHANGED, HEADER_GONE, NOT_A_CHECK, UNCACHEABLE
+from cuda_program_cas._store.why import (
+    DIRECTORY_CHANGED,
+    HEADER_CHANGED,
+    HEADER_GONE,
+    NOT_A_CHECK,
+    SHADOWED,
+    UNCACHEABLE,
+)
 
 from .common import Report, cache_root, open_cache
 
@@ -225,6 +232,8 @@ def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
         return "header", f"header {path}: changed since it was compiled (re-hashed: its content differed)"
     if kind == HEADER_GONE:
         return "header", f"header {path}: gone since it was compiled"
+    if kind == SHADOWED:
+        return "header", f"{path}: appeared where NVRTC looks before a header it read (it may now be found first)"
     return "header" if path else "record", text or "a variant's check failed"
 
 

@@ -1,0 +1,241 @@
+"""The paths that could shadow a front-door compile's headers: each name NVRTC would have tried first.
+
+A compile's result depends on the headers it read and on every path NVRTC tried
+before each of them and found missing: a file created at such a path is found
+first. Those paths are known from the files themselves: every ``#include`` and
+``__has_include`` of the source and of each header read names a header, and the
+search for it (:mod:`cuda_program_cas._cuda.search`) tries, in order, the
+includer's own directory (quoted names only) and each search directory, up to the
+first regular file. Every path tried before that one is a *candidate*: the record
+keeps it, and a lookup checks that it is still absent (``stat`` fails with
+``ENOENT`` or ``ENOTDIR``). A file of any other name changes nothing.
+
+The scan over-approximates, never under: a directive in a branch the preprocessor
+skipped adds candidates too, a ``#include_next`` is taken as a search of every
+directory, and an angled name is also looked for in the source's directory.
+
+Where a candidate cannot be checked precisely, its directory is guarded instead,
+by its entries' times (:func:`cuda_program_cas._cuda.record.dir_guards`):
+
+- a candidate that exists but is no regular file (a directory of that name), or
+  cannot be stat'ed for another reason (``EACCES``), or that a search stopped at
+  although NVRTC did not read it (a ``#include`` in a skipped branch, or a
+  ``__has_include`` that found it);
+- a candidate on a file system whose negative lookups may be stale
+  (anything but the local ones of :data:`cuda_program_cas._disk.fskind.STAT_RELIABLE`:
+  NFS, FUSE...);
+- a name computed by a macro (``#include MACRO``, ``__has_include(x)`` in a macro
+  that is not a wrapper of literal names): the record cannot see which name it
+  was, so every header read is guarded by the directories where an earlier search
+  location would have held it, as before candidates were kept.
+
+Only at a miss: a hit imports none of this.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from cuda_program_cas._base.log import LOGGER as _log
+from cuda_program_cas._disk.fskind import STAT_RELIABLE, fs_type
+
+from .frontkey import Uncacheable
+from .record import DirKey, Header, content_digest, dir_guards, guard_dirs
+from .search import Search, as_list
+
+__all__ = ["ABSENT_ERRNOS", "Computed", "Shadows", "directives", "shadows_and_guards", "shadows_of"]
+
+#: What a lookup of an absent candidate may fail with: nothing there, or a file where a directory would be.
+ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+
+# A directive's kinds: quoted, angled, next (#include_next, any spelling), and a name made by a macro.
+QUOTED, ANGLED, NEXT = "q", "a", "n"
+
+_INCLUDE = re.compile(rb"^[ \t]*#[ \t]*(include|include_next|import)\b[ \t]*(.?)", re.M)
+_DEFINE = re.compile(rb"^[ \t]*#[ \t]*define[ \t]+(\w+)\([^)\n]*\)(.*)$", re.M)
+_LITERAL = re.compile(rb'[ \t]*(?:<([^>\n]*)>|"([^"\n]*)")')
+
+
+class Computed(Exception):
+    """A file names a header through a macro: the record cannot see which."""
+
+
+def _wrappers(data: bytes) -> set[bytes]:
+    """Function-like macros of ``data`` whose body hands a parameter to ``__has_include`` (``_CCCL_HAS_INCLUDE``)."""
+    found = set()
+    for m in _DEFINE.finditer(data):
+        if re.search(rb"\b__has_include(_next)?\b[ \t]*\([ \t]*[A-Za-z_]", m.group(2)):
+            found.add(m.group(1))
+    return found
+
+
+def directives(data: bytes, wrappers: Iterable[bytes] = ()) -> list[tuple[str, str]]:
+    """Every header ``data`` names: ``(kind, spelling)``; raises :class:`Computed` for a name made by a macro.
+
+    ``wrappers``: macros (of any file) that hand a literal name to ``__has_include``;
+    their uses count as ``__has_include`` of that name.
+    """
+    data = data.replace(b"\\\r\n", b"").replace(b"\\\n", b"")  # continued lines, as the preprocessor joins them
+    found: list[tuple[str, str]] = []
+    for m in _INCLUDE.finditer(data):
+        opener = m.group(2)
+        if opener in (b"", b"\n", b"\r"):
+            continue  # "#include" alone: an error NVRTC reports, no name
+        literal = _LITERAL.match(data, m.start(2))
+        if literal is None:
+            raise Computed(data[m.start() : data.find(b"\n", m.start())].decode("utf-8", "replace").strip())
+        _add(found, m.group(1) == b"include_next", literal)
+    macro_lines = {m.start(): m.end() for m in _DEFINE.finditer(data)}
+    names = [rb"__has_include(?:_next)?", *(re.escape(w) for w in wrappers)]
+    for m in re.finditer(rb"\b(" + b"|".join(names) + rb")\b[ \t]*(\(?)", data):
+        if not m.group(2):
+            continue  # "defined(__has_include)", "#ifdef __has_include": no call
+        literal = _LITERAL.match(data, m.end())
+        if literal is None:
+            if any(start <= m.start() < end for start, end in macro_lines.items()):
+                continue  # a wrapper's own body: its uses are read as calls (see _wrappers)
+            raise Computed(data[m.start() : data.find(b"\n", m.start())].decode("utf-8", "replace").strip())
+        _add(found, m.group(1).endswith(b"_next"), literal)
+    return found
+
+
+def _add(found: list[tuple[str, str]], nxt: bool, literal: re.Match[bytes]) -> None:
+    angled, quoted = literal.group(1), literal.group(2)
+    raw = angled if angled is not None else quoted
+    if raw is None or b"\0" in raw or not raw.strip():
+        return
+    kind = NEXT if nxt else (ANGLED if angled is not None else QUOTED)
+    found.append((kind, os.fsdecode(raw.strip())))
+
+
+class Shadows:
+    """A compile's candidates (absent paths) and the directories guarded where a candidate cannot be."""
+
+    __slots__ = ("absent", "computed", "dirs")
+
+    def __init__(self) -> None:
+        self.absent: set[str] = set()
+        self.dirs: set[str] = set()
+        #: The first name made by a macro, when there was one.
+        self.computed: str | None = None
+
+
+def shadows_of(
+    source: bytes,
+    headers: Sequence[tuple[str, str]],
+    dirs: Sequence[str],
+    pre_includes: Sequence[str] = (),
+    *,
+    digest: Callable[[bytes], str],
+) -> Shadows:
+    """The candidates of a compile whose main source is ``source`` and which read ``headers``: ``(path, digest)``.
+
+    Each header is read again and scanned only when ``digest`` of its bytes is the one
+    recorded (else :class:`Uncacheable`: it changed since, and the record would not hold).
+
+    ``dirs``: the search directories in NVRTC's order (absolute where it matters: see
+    :class:`cuda_program_cas._cuda.search.Search`); ``pre_includes``: the relative
+    ``pre_include`` names, searched as quoted names of the source.
+    """
+    out = Shadows()
+    read: set[tuple[int, int]] = set()
+    read_paths = {path for path, _digest in headers}
+    texts: list[tuple[str | None, bytes]] = [(None, source)]
+    for path, recorded in headers:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+                st = os.fstat(fh.fileno())
+        except OSError:
+            raise Uncacheable(f"header {path} NVRTC read cannot be read again", path) from None
+        if digest(data) != recorded:
+            raise Uncacheable(f"header {path} changed while it was read")
+        read.add((st.st_dev, st.st_ino))
+        texts.append((os.path.dirname(path), data))
+    wrappers: set[bytes] = set()
+    for _d, data in texts:
+        if b"__has_include" in data:
+            wrappers |= _wrappers(data.replace(b"\\\r\n", b"").replace(b"\\\n", b""))
+    lookups: set[tuple[str | None, str, str]] = {(None, QUOTED, p) for p in pre_includes if not os.path.isabs(p)}
+    for includer, data in texts:
+        try:
+            lookups.update((includer, kind, name) for kind, name in directives(data, wrappers))
+        except Computed as exc:
+            out.computed = out.computed or str(exc)
+    local: dict[str, bool] = {}
+    for includer, kind, name in lookups:
+        if os.path.isabs(name):
+            continue
+        order = [includer] if includer is not None and kind == QUOTED else []
+        order.extend(dirs)
+        for d in order:
+            path = os.path.join(d, name)
+            state, identity = _state(path)
+            if state == "absent":
+                if _trusted(path, local):
+                    out.absent.add(path)
+                else:
+                    out.dirs.add(os.path.dirname(path))
+                continue
+            # A header read, by the path NVRTC named (another name of the same file, such as a
+            # hard link made during the compile, is not proof that NVRTC found it there).
+            if state == "file" and identity in read and path in read_paths:
+                if kind == NEXT:
+                    continue  # #include_next: later directories may have been searched too
+                break
+            # No regular file, or one NVRTC did not read there: its directory's entries decide.
+            out.dirs.add(os.path.dirname(path))
+            if state == "file" and kind != NEXT:
+                break
+    return out
+
+
+def _state(path: str) -> tuple[str, tuple[int, int] | None]:
+    """``absent``, ``file`` (a regular one, with its device and inode), ``other`` or ``unknown``."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return ("absent" if exc.errno in ABSENT_ERRNOS else "unknown"), None
+    except ValueError:
+        return "unknown", None
+    return ("file", (st.st_dev, st.st_ino)) if stat.S_ISREG(st.st_mode) else ("other", None)
+
+
+def _trusted(path: str, local: dict[str, bool]) -> bool:
+    """Whether an absence at ``path`` is seen at once here: its deepest existing directory is on a local file system."""
+    probe = os.path.dirname(path)
+    while True:
+        known = local.get(probe)
+        if known is not None:
+            return known
+        try:
+            os.stat(probe)
+        except OSError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return False
+            probe = parent
+            continue
+        trusted = local[probe] = fs_type(probe) in STAT_RELIABLE
+        return trusted
+
+
+def shadows_and_guards(
+    code: str | bytes, code_type: str, options: Any, headers: list[Header], search: Search
+) -> tuple[list[str], list[tuple[str, DirKey | None]]]:
+    """The candidates that must stay absent, and the directories guarded where one cannot be checked (see .shadows)."""
+    if code_type != "c++":
+        return [], []
+    source = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)
+    pre = [p for p in as_list(getattr(options, "pre_include", None)) if not os.path.isabs(p)]
+    found = shadows_of(source, [(h.path, h.digest) for h in headers], search.dirs, pre, digest=content_digest)
+    wanted = set(found.dirs)
+    if found.computed is not None:
+        _log.debug("cuda-program-cas: front door: %s: directories guarded instead of names", found.computed)
+        wanted.update(g for g, _key in guard_dirs([h.path for h in headers], search.dirs))
+    return sorted(found.absent), dir_guards(wanted)
