@@ -98,6 +98,7 @@ __all__ = [
     "PackSource",
     "Tier",
     "ceiling",
+    "say_untrusted",
     "warn_once_for",
 ]
 
