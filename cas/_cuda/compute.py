@@ -48,6 +48,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.fork import ForkSafeLock
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
@@ -82,7 +83,7 @@ FACTORIES = (
 _HOOKED = "cuda.compute.algorithms"
 
 _local = threading.local()
-_lock = threading.Lock()
+_lock = ForkSafeLock()  # a child forked while another thread counts gets it free
 #: The factories as cuda.compute defines them, by name, once patched.
 _originals: dict[str, Any] = {}
 #: Builds of this process that could not be keyed (or stored): see :func:`uncacheable_count`.
