@@ -202,6 +202,16 @@ def one_second_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(target)], check=False)
 
 
+def cccl_or_skip() -> str:
+    """The CCCL headers' include directory (``_common.cccl_include``), or a skip naming what to install."""
+    from _common import cccl_include
+
+    include = cccl_include()
+    if include is None:
+        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    return include
+
+
 def redis_or_skip(prefix: Path, **options: object):
     """A started ``tools/_redis.RedisServer`` (stopped by the caller), or a skip naming why there is none."""
     from _redis import RedisServer, RedisServerError, find_redis_server

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _common import CUB_SOURCE, cccl_include
-from _redis import RedisServer, RedisServerError, find_redis_server
+from _common import CUB_SOURCE
+from _redis import RedisServer
+from conftest import cccl_or_skip, redis_or_skip
 
 NODE = textwrap.dedent(
     r"""
@@ -56,23 +57,10 @@ NODE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed: apt-get install redis-server")
-    server = RedisServer(tmp_path_factory.mktemp("redis"), maxmemory="256mb", policy="allkeys-lru")
-    try:
-        server.start()
-    except RedisServerError as exc:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {exc}")
+    """One redis-server for the module's clusters, evicting the least recently used keys past 256 MB."""
+    server = redis_or_skip(tmp_path_factory.mktemp("redis"), maxmemory="256mb", policy="allkeys-lru")
     yield server
     server.stop()
-
-
-def _include() -> str:
-    include = cccl_include()
-    if include is None:
-        pytest.skip("no CCCL headers (cub/): pip install nvidia-cuda-cccl")
-    return include
 
 
 def _new_kernel() -> str:
@@ -101,7 +89,7 @@ class Node:
                 "-c",
                 NODE,
                 json.dumps([source] if isinstance(source, str) else source),
-                _include(),
+                cccl_or_skip(),
                 str(tmp / f"node{n}"),
             ],
             stdin=subprocess.PIPE,
@@ -196,7 +184,7 @@ def test_with_an_nginx_store_too_published_kernels_are_hits_and_a_new_one_is_com
     old, new = _new_kernel(), _new_kernel()
     with nginx_or_skip(tmp_path / "nginx") as server:
         with ContentAddressedProgramCache(tmp_path / "seed") as seed:
-            options = ProgramOptions(arch="sm_80", include_path=[_include()], std="c++17")
+            options = ProgramOptions(arch="sm_80", include_path=[cccl_or_skip()], std="c++17")
             seed.compile(old, "c++", options, "cubin")
         publish([tmp_path / "seed"], server.dav_url("store"))
         server.reset_log()

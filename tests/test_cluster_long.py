@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _common import CUB_SOURCE, cccl_include
-from _redis import RedisServer, RedisServerError, find_redis_server
+from _common import CUB_SOURCE
+from _redis import RedisServer
+from conftest import cccl_or_skip, redis_or_skip
 
 NODE = textwrap.dedent(
     r"""
@@ -65,23 +66,10 @@ extern "C" __global__ void scale_{n}(float *x, int count) {{
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed: apt-get install redis-server")
-    server = RedisServer(tmp_path_factory.mktemp("redis"), maxmemory="256mb", policy="allkeys-lru")
-    try:
-        server.start()
-    except RedisServerError as exc:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {exc}")
+    """One redis-server for the module's clusters, evicting the least recently used keys past 256 MB."""
+    server = redis_or_skip(tmp_path_factory.mktemp("redis"), maxmemory="256mb", policy="allkeys-lru")
     yield server
     server.stop()
-
-
-def _include() -> str:
-    include = cccl_include()
-    if include is None:
-        pytest.skip("no CCCL headers (cub/): pip install nvidia-cuda-cccl")
-    return include
 
 
 def _job(small: int, cubs: int) -> list[dict[str, Any]]:
@@ -125,7 +113,7 @@ def _run(tmp: Path, redis: RedisServer, nodes: int, job: list[dict[str, Any]]) -
         for n in range(nodes):
             env["CUDA_PROGRAM_CAS_LOG"] = str(tmp / f"node{n}.log")
             proc = subprocess.Popen(
-                [sys.executable, "-c", NODE, json.dumps(job), _include(), str(tmp / f"node{n}")],
+                [sys.executable, "-c", NODE, json.dumps(job), cccl_or_skip(), str(tmp / f"node{n}")],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -164,7 +152,7 @@ def test_one_compile_per_key_holds_past_key_list_refreshes_and_lease_renewals(
     assert all(r["compiled"] + r["hits"] == len(job) for r in results), counts
     assert all(r["claim_hits"] <= r["waits"] for r in results), counts  # hits after a wait: a subset of the waits
     assert sum(r["waits"] for r in results) >= nodes - 1  # the nodes did wait for one another's leases
-    expected = _uncached(job, _include())
+    expected = _uncached(job, cccl_or_skip())
     assert all(r["codes"] == expected for r in results)  # every node: the bytes of an uncached compile
     print(
         f"\n{nodes} nodes, {len(job)} kernels: {max(r['s'] for r in results):.1f} s; "

@@ -18,8 +18,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _common import CUB_SOURCE, cccl_include
-from conftest import Compiles
+from _common import CUB_SOURCE
+from conftest import Compiles, cccl_or_skip
 from cuda.core import Program, ProgramOptions
 
 from cuda_program_cas import ContentAddressedProgramCache
@@ -315,9 +315,7 @@ def test_entries_are_published_and_found_by_a_node(tmp_path: Path, tree: dict[st
 
 @pytest.mark.slow
 def test_a_cub_kernel_through_include_path(tmp_path: Path, compiles: Compiles) -> None:
-    inc = cccl_include()
-    if inc is None:
-        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    inc = cccl_or_skip()
     opts = ProgramOptions(arch="sm_80", std="c++17", include_path=[inc])
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     first = cache.compile(CUB_SOURCE, "c++", opts, "cubin")

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import NVRTC_RECORD, Compiles
+from conftest import NVRTC_RECORD, Compiles, cccl_or_skip
 from cuda.core import Program, ProgramOptions
-from test_frontdoor import CUB_SOURCE, cccl_include, settle
+from test_frontdoor import CUB_SOURCE, settle
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect
 from cuda_program_cas.index import group_of, is_record
@@ -357,9 +357,7 @@ def test_a_variant_pushed_out_of_its_record_takes_its_result_with_it(tmp_path: P
 
 @pytest.mark.slow
 def test_a_cub_record_is_small_against_its_binary(tmp_path: Path) -> None:
-    inc = cccl_include()
-    if inc is None:
-        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    inc = cccl_or_skip()
     opts = ProgramOptions(arch="sm_80", std="c++17", include_path=[inc])
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     binary = cached(cache, CUB_SOURCE, opts)

@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SAXPY, compile_program, is_root, run_python
+from conftest import SAXPY, cccl_or_skip, compile_program, is_root, run_python
 
 from cuda_program_cas import CacheStore, digest_of
 
@@ -297,11 +297,9 @@ _TEMPLATE = "template <class T> __global__ void twice(T *p) { p[threadIdx.x] = p
 
 
 def test_front_door_cub_and_template_launch_from_a_hit_in_a_fresh_process(tmp_path: Path, arch: str) -> None:
-    from _common import CUB_SOURCE, cccl_include
+    from _common import CUB_SOURCE
 
-    cccl = cccl_include()
-    if cccl is None:
-        pytest.skip("no CCCL headers (install nvidia-cuda-cccl, or a CUDA toolkit with include/cccl)")
+    cccl = cccl_or_skip()
     cfg = {"cache": str(tmp_path / "cas"), "arch": arch, "cccl": cccl, "cub": CUB_SOURCE, "template": _TEMPLATE}
     runs = []
     for launch_it in (False, True):
