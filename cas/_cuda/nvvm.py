@@ -290,12 +290,16 @@ def _llvm70(original: Any) -> Any:
     @functools.wraps(original)
     def _call_llvm70_capi(module: Any, target_options: Any, gen_lto: bool = False, gen_llvmir: bool = False) -> bytes:
         def call() -> bytes:
-            result: bytes = original(module, target_options, gen_lto=gen_lto, gen_llvmir=gen_llvmir)
-            return result
+            return bytes(original(module, target_options, gen_lto=gen_lto, gen_llvmir=gen_llvmir))
 
-        if gen_llvmir or _dumps(target_options):  # LLVM IR for reading, or dumps asked for: a debug path
+        try:
+            debugging = gen_llvmir or _dumps(target_options)
+        except Exception as exc:  # whether it dumps cannot be told: uncached, said once
+            hook_failed(exc)
+            debugging = True
+        if debugging:  # LLVM IR for reading, or dumps asked for: a debug path, uncached
             return call()
-        return _through(lambda: _llvm70_key(module, target_options, gen_lto), call, lambda: None, lambda: None)
+        return bytes(_through(lambda: _llvm70_key(module, target_options, gen_lto), call, lambda: None, lambda: None))
 
     _call_llvm70_capi.cpcas_original = original  # type: ignore[attr-defined]
     return _call_llvm70_capi
@@ -303,12 +307,10 @@ def _llvm70(original: Any) -> Any:
 
 def _dumps(target_options: Any) -> bool:
     """Whether the compile prints what it works on (which a hit would not): then it runs uncached."""
-    try:
-        from numba_cuda_mlir.numba_cuda import config
+    from importlib import import_module
 
-        return bool(target_options.get("dump_mlir") or target_options.get("dump") or config.CUDA_DUMP_NVVM)
-    except Exception:
-        return True
+    config: Any = import_module("numba_cuda_mlir.numba_cuda").config
+    return bool(target_options.get("dump_mlir") or target_options.get("dump") or config.CUDA_DUMP_NVVM)
 
 
 def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes, dict[str, Any]]:
@@ -320,13 +322,13 @@ def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes,
     identities of what it loads: libLLVM 7, the bridge library, libNVVM (its path, version and
     IR version), libdevice, numba-cuda-mlir's version.
     """
+    from importlib import import_module
     from importlib.metadata import version
 
-    from numba_cuda_mlir import tools
-    from numba_cuda_mlir.numba_cuda.cudadrv.libs import get_libdevice
-    from numba_cuda_mlir.numba_cuda.cudadrv.nvvm import NVVM
-
-    mo = sys.modules[LLVM70]
+    tools: Any = import_module("numba_cuda_mlir.tools")
+    libs: Any = import_module("numba_cuda_mlir.numba_cuda.cudadrv.libs")
+    driver: Any = import_module("numba_cuda_mlir.numba_cuda.cudadrv.nvvm")
+    mo: Any = sys.modules[LLVM70]
     gpu_mod = mo._get_single_gpu_module(module)
     pointees = mo.struct_pointees_attr(gpu_mod.operation)
     if pointees is not None:  # as the original sets it, before it hands the op over
@@ -337,8 +339,8 @@ def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes,
     debug_level = 2 if target_options.get("debug", False) else 1 if target_options.get("lineinfo", False) else 0
     if not isinstance(chip, str) or not isinstance(text, bytes):
         raise _Unkeyable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
-    libdevice = _file_id(get_libdevice())
-    nvvm: list[Any] = [mo._get_libnvvm_path().decode(), list(NVVM().get_version())]
+    libdevice = _file_id(libs.get_libdevice())
+    nvvm: list[Any] = [mo._get_libnvvm_path().decode(), list(driver.NVVM().get_version())]
     nvvm.append(list(mo._get_nvvm_ir_version()))
     options = [f"chip={chip}", f"opt_level={opt_level}", f"debug_level={debug_level}", f"gen_lto={int(gen_lto)}"]
     identity = [
