@@ -335,3 +335,144 @@ def test_a_process_that_never_imports_numba_never_loads_the_hook(tmp_path: Path)
     proc = run_python(code, env={"CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"switch": True, "loaded": []}
+
+
+# -- numba-cuda-mlir's LLVM 7 path (chips below sm_100: the H100s) ---------------------------
+
+#: numba-cuda-mlir compiling two device functions for sm_90 (its ``_call_llvm70_capi``), the C
+#: library's translate-and-compile calls counted; its compute capability query answered with
+#: sm_90, as there is no GPU to ask (cuda.compute's ``_target_without_a_device`` does the same).
+MLIR_JOB = r"""
+import hashlib, json, sys
+from numba_cuda_mlir import tools
+tools._cached_cc = (9, 0)
+import numba_cuda_mlir.mlir_optimization as mo
+from numba_cuda_mlir import cuda, types
+lib = mo._get_llvm70_capi()
+real, calls = lib.llvm70_translate_gpu_module_from_op, [0]
+def counted(*args):
+    calls[0] += 1
+    return real(*args)
+lib.llvm70_translate_gpu_module_from_op = counted
+def add(a, b):
+    return a + b
+def fma(a, b):
+    return a * b + 1
+ptx, _ = cuda.compile(add, (types.int32, types.int32), cc=(9, 0), output="ptx")
+lto, _ = cuda.compile(fma, (types.float32, types.float32), cc=(9, 0), output="ltoir")
+nv = sys.modules.get("cuda_program_cas._cuda.nvvm")
+print(json.dumps({
+    "ptx": hashlib.sha256(ptx.encode()).hexdigest(), "lto": hashlib.sha256(lto).hexdigest(),
+    "calls": calls[0], "hooked": nv.hooked() if nv else [],
+}))
+"""
+
+needs_mlir = pytest.mark.skipif(
+    importlib.util.find_spec("numba_cuda_mlir") is None, reason="numba-cuda-mlir is not installed"
+)
+
+
+def run_mlir_job(cache: Path, switch: str) -> dict[str, Any]:
+    proc = run_python(MLIR_JOB, env={"CUDA_PROGRAM_CAS": switch, "CUDA_PROGRAM_CAS_DIR": str(cache)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr
+    return out
+
+
+@needs_mlir
+def test_numba_cuda_mlir_s_llvm7_path_hits_in_a_fresh_process_with_the_uncached_bytes(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    uncached = run_mlir_job(tmp_path / "unused", "0")
+    assert uncached["calls"] == 2 and uncached["hooked"] == []
+    cold, warm = run_mlir_job(cache, "1"), run_mlir_job(cache, "1")
+    assert "numba_cuda_mlir.mlir_optimization" in cold["hooked"]
+    assert (cold["calls"], warm["calls"]) == (2, 0)
+    for run in (cold, warm):
+        assert (run["ptx"], run["lto"]) == (uncached["ptx"], uncached["lto"])
+    assert counters(cache)["hits"] >= 2
+
+
+@needs_mlir
+def test_numba_cuda_mlir_s_llvm7_path_with_the_cache_failing_compiles_uncached(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("not a cache")
+    uncached = run_mlir_job(tmp_path / "unused", "0")
+    out = run_mlir_job(not_a_dir, "1")
+    assert (out["ptx"], out["lto"], out["calls"]) == (uncached["ptx"], uncached["lto"], 2)
+
+
+@pytest.fixture
+def llvm70(switched: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """numba-cuda-mlir's LLVM 7 path hooked in this process for sm_90; its C calls counted (the list's one item)."""
+    if importlib.util.find_spec("numba_cuda_mlir") is None:
+        pytest.skip("numba-cuda-mlir is not installed")
+    from numba_cuda_mlir import tools
+
+    monkeypatch.setattr(tools, "_cached_cc", (9, 0))  # the GPU this machine lacks
+    import numba_cuda_mlir.mlir_optimization as mo
+
+    from cuda_program_cas._cuda import nvvm
+
+    nvvm.hook()  # imported after install(): as the start-up hook's finder does
+    assert nvvm.LLVM70 in nvvm.hooked()
+    lib = mo._get_llvm70_capi()
+    real, n = lib.llvm70_translate_gpu_module_from_op, [0]
+
+    def counted(*args: Any) -> Any:
+        n[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(lib, "llvm70_translate_gpu_module_from_op", counted)
+    yield n
+
+
+def mlir_compile(body: str, output: str = "ptx", **options: Any) -> Any:
+    """A fresh device function ``return <body>`` over two float32s, compiled by numba-cuda-mlir for sm_90."""
+    from numba_cuda_mlir import cuda, types
+    from numba_cuda_mlir.numba_cuda.core.errors import NumbaDebugInfoWarning
+
+    namespace: dict[str, Any] = {}
+    exec(f"def f(a, b):\n    return {body}\n", namespace)
+    with warnings.catch_warnings():  # line info for a function with no source file: said, not an error
+        warnings.simplefilter("ignore", NumbaDebugInfoWarning)
+        return cuda.compile(namespace["f"], (types.float32, types.float32), cc=(9, 0), output=output, **options)[0]
+
+
+def test_numba_cuda_mlir_s_llvm7_path_a_changed_body_or_option_is_another_key(llvm70: list[int]) -> None:
+    first = mlir_compile("a + b")
+    assert llvm70[0] == 1
+    assert mlir_compile("a + b") == first and llvm70[0] == 1  # the same: a hit
+    changed = [
+        ("a - b", {}),
+        ("a + b", {"lineinfo": True}),
+        ("a + b", {"opt": False}),
+        ("a + b", {"debug": True, "opt": False}),
+    ]
+    for n, (body, options) in enumerate(changed, start=2):
+        mlir_compile(body, **options)
+        assert llvm70[0] == n, (body, options)  # a miss each: another key
+    assert mlir_compile("a + b", output="ltoir") != first and llvm70[0] == len(changed) + 2
+
+
+#: One compile of numba-cuda-mlir's LLVM 7 path: a device function's expression, and options.
+MLIR_CASES = st.fixed_dictionaries(
+    {
+        "terms": TERMS,
+        "output": st.sampled_from(["ptx", "ltoir"]),
+        "lineinfo": st.booleans(),
+        "opt": st.booleans(),
+        "fastmath": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=MLIR_CASES)
+def test_numba_cuda_mlir_s_llvm7_hit_is_what_the_uncached_call_returns(llvm70: list[int], case: dict[str, Any]) -> None:
+    body = "a" + "".join(f" {op} {k}" for op, k in case["terms"]) + " + b"
+    options = {name: case[name] for name in ("lineinfo", "opt", "fastmath")}
+    first = mlir_compile(body, case["output"], **options)
+    before = llvm70[0]
+    assert mlir_compile(body, case["output"], **options) == first and llvm70[0] == before  # a hit
+    assert uncached(lambda: mlir_compile(body, case["output"], **options)) == first and llvm70[0] == before + 1

@@ -11,7 +11,8 @@ It puts a finder first on ``sys.meta_path`` that answers for the modules of
 loader, so that once ``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate``
 rebinds its ``Program`` and ``Linker``, before the code that imported it reads either
 name; once numba-cuda's (or numba-cuda-mlir's) NVVM module has run,
-``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit``. Nothing is
+``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit`` (and, once
+numba-cuda-mlir's ``mlir_optimization`` has, its ``_call_llvm70_capi``). Nothing is
 imported early: a process that never compiles never pays for it.
 """
 
@@ -30,6 +31,7 @@ _TARGETS = {
     "cuda.core": "cuda_program_cas._cuda.switch",
     "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
     "numba_cuda_mlir.numba_cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
+    "numba_cuda_mlir.mlir_optimization": "cuda_program_cas._cuda.nvvm",  # its _call_llvm70_capi
 }
 
 

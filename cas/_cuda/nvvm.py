@@ -38,10 +38,13 @@ process and hits, but a process that compiles another function first gets new ke
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cuda_program_cas._base.fork import ForkSafeLock
@@ -51,14 +54,18 @@ from cuda_program_cas.index import key_id
 from .switch import activate as switch_on
 from .switch import hook_failed, hook_inner, installed, rebind
 
-__all__ = ["MODULES", "activate", "hook", "hooked", "unhook"]
+__all__ = ["LLVM70", "MODULES", "activate", "hook", "hooked", "unhook"]
 
 #: The modules whose ``CompilationUnit`` is rebound.
 MODULES = ("numba.cuda.cudadrv.nvvm", "numba_cuda_mlir.numba_cuda.cudadrv.nvvm")
+#: numba-cuda-mlir's module whose ``_call_llvm70_capi`` (its NVVM compiles below sm_100) is wrapped.
+LLVM70 = "numba_cuda_mlir.mlir_optimization"
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas nvvm 1\0"
 #: The key's prefix in the store (the rest is a sha256): no other key of the store starts so.
 _PREFIX = b"cpcas-nvvm/1\0"
+#: Mixed into the keys of numba-cuda-mlir's LLVM 7 path.
+_TAG_LLVM70 = b"cuda-program-cas llvm70 1\0"
 
 _lock = ForkSafeLock()
 
@@ -69,6 +76,10 @@ class _State:
     switched: dict[str, type] = {}  # noqa: RUF012
     #: Per original class: NVVM's version as the key holds it.
     versions: dict[type, list[Any]] = {}  # noqa: RUF012
+    #: numba-cuda-mlir's original ``_call_llvm70_capi`` and this module's wrapper of it, once hooked.
+    llvm70: tuple[Any, Any] | None = None
+    #: Per file the LLVM 7 path reads: ``(path, size, mtime_ns)`` and its ``[path, size, blake3]``.
+    files: dict[tuple[str, int, int], list[Any]] = {}  # noqa: RUF012
 
 
 _S = _State()
@@ -98,22 +109,36 @@ def hook() -> None:
                 _S.original[name] = original
                 _S.switched[name] = _subclass(original)
             rebind(original, _S.switched[name])
+        # numba-cuda-mlir's LLVM 7 path (chips below sm_100): its callers look the name up at call time.
+        module = sys.modules.get(LLVM70)
+        current = getattr(module, "_call_llvm70_capi", None)
+        if callable(current):
+            original_call = getattr(current, "cpcas_original", current)
+            if _S.llvm70 is None or _S.llvm70[0] is not original_call:
+                _S.llvm70 = (original_call, _llvm70(original_call))
+            module._call_llvm70_capi = _S.llvm70[1]  # type: ignore[union-attr]
 
 
 def unhook() -> None:
-    """The original ``CompilationUnit`` everywhere again (what ``uninstall()`` does here)."""
+    """The original ``CompilationUnit`` and ``_call_llvm70_capi`` everywhere again (what ``uninstall()`` does)."""
     with _lock:
         for name, switched in _S.switched.items():
             rebind(switched, _S.original[name])
+        module = sys.modules.get(LLVM70)
+        if _S.llvm70 is not None and getattr(module, "_call_llvm70_capi", None) is _S.llvm70[1]:
+            module._call_llvm70_capi = _S.llvm70[0]  # type: ignore[union-attr]
 
 
 def hooked() -> list[str]:
-    """The modules of :data:`MODULES` whose ``CompilationUnit`` is the caching subclass now."""
-    return [
+    """The modules of :data:`MODULES` (and :data:`LLVM70`) whose compiles go through the cache now."""
+    found = [
         name
         for name in MODULES
         if name in _S.switched and getattr(sys.modules.get(name), "CompilationUnit", None) is _S.switched[name]
     ]
+    if _S.llvm70 is not None and getattr(sys.modules.get(LLVM70), "_call_llvm70_capi", None) is _S.llvm70[1]:
+        found.append(LLVM70)
+    return found
 
 
 def _subclass(original: type) -> type:
@@ -146,13 +171,36 @@ def _subclass(original: type) -> type:
 
 def _compile(unit: Any, original: Any) -> Any:
     calls, unit._cpcas_calls = unit._cpcas_calls, []
+
+    def hit() -> None:
+        unit.log = ""  # as a compile that stored had it
+
+    return _through(
+        lambda: _key(unit, original, calls),
+        lambda: _uncached(unit, original, calls),
+        hit,
+        lambda: "nvvm: NVVM logged warnings, which a hit would not repeat" if getattr(unit, "log", "") else None,
+    )
+
+
+def _through(
+    keyed: Callable[[], tuple[bytes, dict[str, Any]]],
+    call: Callable[[], Any],
+    hit: Callable[[], None],
+    unstorable: Callable[[], str | None],
+) -> Any:
+    """One compile through the cache: ``call()``'s result, or the stored bytes under ``keyed()``'s key.
+
+    ``hit()`` runs before a hit returns; ``unstorable()``, after a miss compiled, says why its
+    result is not stored (``None``: it is). Anything failing in the cache is ``call()`` uncached.
+    """
     inner = hook_inner()
     if inner is None:  # the switch is off, or no cache could be opened (said once)
-        return _uncached(unit, original, calls)
+        return call()
     try:
-        key, inputs = _key(unit, original, calls)
+        key, inputs = keyed()
     except Exception as exc:
-        result = _uncached(unit, original, calls)
+        result = call()
         if not isinstance(exc, _Unkeyable):
             hook_failed(exc)
         inner.note_dropped(None, f"nvvm: {exc}")
@@ -166,13 +214,14 @@ def _compile(unit: Any, original: Any) -> Any:
             hook_failed(exc)
             found = None
         if found is not None:
-            unit.log = ""
+            hit()
             return found[0]
         t0 = time.perf_counter()
-        result = _uncached(unit, original, calls)
+        result = call()
         seconds = time.perf_counter() - t0
-        if getattr(unit, "log", ""):
-            inner.note_dropped(kid, "nvvm: NVVM logged warnings, which a hit would not repeat")
+        why = unstorable()
+        if why is not None:
+            inner.note_dropped(kid, why)
             return result
         try:
             if inner.put_id(kid, bytes(result)):
@@ -229,4 +278,112 @@ def _version(unit: Any, original: type) -> list[Any]:
         except Exception as exc:
             raise _Unkeyable(f"NVVM's version cannot be told ({type(exc).__name__}: {exc})") from None
         _S.versions[original] = found
+    return found
+
+
+# -- numba-cuda-mlir's LLVM 7 path ------------------------------------------------------------
+
+
+def _llvm70(original: Any) -> Any:
+    """``original`` (numba-cuda-mlir's ``_call_llvm70_capi``), its PTX and LTO-IR through the cache."""
+
+    @functools.wraps(original)
+    def _call_llvm70_capi(module: Any, target_options: Any, gen_lto: bool = False, gen_llvmir: bool = False) -> bytes:
+        def call() -> bytes:
+            return bytes(original(module, target_options, gen_lto=gen_lto, gen_llvmir=gen_llvmir))
+
+        try:
+            debugging = gen_llvmir or _dumps(target_options)
+        except Exception as exc:  # whether it dumps cannot be told: uncached, said once
+            hook_failed(exc)
+            debugging = True
+        if debugging:  # LLVM IR for reading, or dumps asked for: a debug path, uncached
+            return call()
+        return bytes(_through(lambda: _llvm70_key(module, target_options, gen_lto), call, lambda: None, lambda: None))
+
+    _call_llvm70_capi.cpcas_original = original  # type: ignore[attr-defined]
+    return _call_llvm70_capi
+
+
+def _dumps(target_options: Any) -> bool:
+    """Whether the compile prints what it works on (which a hit would not): then it runs uncached."""
+    from importlib import import_module
+
+    config: Any = import_module("numba_cuda_mlir.numba_cuda").config
+    return bool(target_options.get("dump_mlir") or target_options.get("dump") or config.CUDA_DUMP_NVVM)
+
+
+def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes, dict[str, Any]]:
+    """The store key of one ``_call_llvm70_capi`` compile, and its inputs as the miss journal holds them.
+
+    Everything the C library is handed, as the original reads it: the gpu.module (printed
+    generic, with its locations, after the ``llvm70.struct_pointees`` attribute the original
+    sets is set), the chip, the optimisation and debug levels, whether LTO-IR; and the
+    identities of what it loads: libLLVM 7, the bridge library, libNVVM (its path, version and
+    IR version), libdevice, numba-cuda-mlir's version.
+    """
+    from importlib import import_module
+    from importlib.metadata import version
+
+    tools: Any = import_module("numba_cuda_mlir.tools")
+    libs: Any = import_module("numba_cuda_mlir.numba_cuda.cudadrv.libs")
+    driver: Any = import_module("numba_cuda_mlir.numba_cuda.cudadrv.nvvm")
+    mo: Any = sys.modules[LLVM70]
+    gpu_mod = mo._get_single_gpu_module(module)
+    pointees = mo.struct_pointees_attr(gpu_mod.operation)
+    if pointees is not None:  # as the original sets it, before it hands the op over
+        gpu_mod.operation.attributes["llvm70.struct_pointees"] = pointees
+    text = gpu_mod.operation.get_asm(binary=True, enable_debug_info=True, print_generic_op_form=True)
+    chip = target_options["chip"] if "chip" in target_options else tools.get_gpu_compute_capability()
+    opt_level = int(target_options.get("opt_level", 2))
+    debug_level = 2 if target_options.get("debug", False) else 1 if target_options.get("lineinfo", False) else 0
+    if not isinstance(chip, str) or not isinstance(text, bytes):
+        raise _Unkeyable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
+    libdevice = _file_id(libs.get_libdevice())
+    nvvm: list[Any] = [mo._get_libnvvm_path().decode(), list(driver.NVVM().get_version())]
+    nvvm.append(list(mo._get_nvvm_ir_version()))
+    options = [f"chip={chip}", f"opt_level={opt_level}", f"debug_level={debug_level}", f"gen_lto={int(gen_lto)}"]
+    identity = [
+        version("numba-cuda-mlir"),
+        _file_id(_libllvm(mo)),
+        _file_id(tools.get_llvm70_capi_path()),
+        nvvm,
+        libdevice,
+        options,
+    ]
+    code = blake3_hasher()(text).hexdigest()
+    key = hashlib.sha256(_TAG_LLVM70)
+    key.update(json.dumps(identity).encode() + b"\0" + json.dumps([len(text), code]).encode())
+    inputs = {
+        "code": code[:32],
+        "code_type": "nvvm",
+        "target": "ltoir" if gen_lto else "ptx",
+        "options": ["llvm70", *options],
+        "names": [],
+        "nvvm": "{}.{} (IR {}.{})".format(*nvvm[1][:2], *nvvm[2][:2]),
+        "libdevice": libdevice[2][:16],
+    }
+    return _PREFIX + key.digest(), inputs
+
+
+def _libllvm(mo: Any) -> str:
+    """The libLLVM 7 the original loads: ``LIBLLVM7``, else the one numba-cuda-mlir bundles."""
+    found = os.environ.get("LIBLLVM7", "")
+    if not found and os.name != "nt":
+        bundled = os.path.join(os.path.dirname(mo.__file__), "lib", "libLLVM-7.so")
+        found = os.path.realpath(bundled) if os.path.isfile(bundled) else ""
+    if not found:  # a library found by its soname (conda's), or Windows': not told apart here
+        raise _Unkeyable("the LLVM 7 library cannot be told")
+    return found
+
+
+def _file_id(path: str) -> list[Any]:
+    """``[path, size, blake3]`` of a file the compile reads, digested once per size and mtime."""
+    st = os.stat(path)
+    stamp = (path, st.st_size, st.st_mtime_ns)
+    found = _S.files.get(stamp)
+    if found is None:
+        with open(path, "rb") as f:
+            found = [path, st.st_size, blake3_hasher()(f.read()).hexdigest()]
+        _S.files[stamp] = found
     return found
