@@ -85,6 +85,20 @@ class StoreFailure(CacheError):
         return f"{self.where}: {self.kind}: {self.detail}"
 
 
+class _Kept(io.BytesIO):
+    """A ``BytesIO`` whose finalizer does not close it.
+
+    A landing given up part-filled (a failed answer) can be garbage in a cycle with a
+    view of it (a frame of the failure's traceback holds :meth:`Landing.room`'s slice).
+    The collector runs ``IOBase``'s finalizer, ``close()``, before it clears the view,
+    and ``close()`` refuses a buffer with views: Python 3.13 reports that as an
+    unraisable ``BufferError``. The memory goes with the last view either way.
+    """
+
+    def close(self) -> None:
+        pass
+
+
 class Landing:
     """Bytes of an answer of at most ``size`` bytes, taken into place as they arrive: one copy, never two.
 
@@ -96,7 +110,7 @@ class Landing:
     """
 
     def __init__(self, size: int) -> None:
-        self._io = io.BytesIO()
+        self._io = _Kept()
         if size:
             self._io.seek(size - 1)
             self._io.write(b"\0")
