@@ -140,7 +140,7 @@ def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted]
             if mine and blob is not None and tier.hashes(mine[0], blob):
                 for e in mine:
                     keep(e.kid, blob, e.digest)
-        del got  # the batch's answer goes before the next is asked
+        got = blob = None  # the batch's answer goes before the next is asked (blob: a view of its last range)
 
 
 def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
@@ -172,4 +172,4 @@ def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
             if mine and blob is not None and tier.hashes(mine[0], blob):
                 for e in mine:
                     keep(e.kid, blob, digest)
-        del found
+        del found, manifests, blob  # the batch goes before the next is asked (blob: its last entry)
