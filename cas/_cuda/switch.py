@@ -178,6 +178,16 @@ def rebind(old: type, new: type) -> None:
                 namespace[attr] = new
 
 
+def _made_first(base: Any, prop: str) -> property:
+    """A property of ``base`` read after NVRTC's program is made (see ``_materialize``)."""
+
+    def read(self: Any) -> Any:
+        _materialize(self)
+        return getattr(base, prop).__get__(self, base)
+
+    return property(read)
+
+
 def _subclass(name: str, original: type) -> type:
     if name == "Program":
         base: Any = original  # cuda.core's, its properties read as descriptors
@@ -208,30 +218,22 @@ def _subclass(name: str, original: type) -> type:
             ) -> Any:
                 return _compile(self, target_type, name_expressions, logs, cache)
 
-            @property
-            def backend(self) -> Any:
-                _materialize(self)
-                return base.backend.__get__(self, base)
-
-            @property
-            def handle(self) -> Any:
-                _materialize(self)
-                return base.handle.__get__(self, base)
-
-            @property
-            def pch_status(self) -> Any:
-                _materialize(self)
-                return base.pch_status.__get__(self, base)
-
-            @property
-            def is_closed(self) -> bool:
-                return False if self._cpcas_deferred else bool(base.is_closed.__get__(self, base))
-
             def close(self) -> None:
                 self._cpcas_deferred = False  # closed before NVRTC's program was made: never made
                 self._cpcas_inputs = None  # a compile after close goes to the original, which refuses it
                 base.close(self)
 
+        # The properties that need NVRTC's program make it first; only those this cuda-core has
+        # (1.1 has no ``is_closed`` or ``pch_status``), so the subclass never adds an attribute.
+        for prop in ("backend", "handle", "pch_status"):
+            if hasattr(base, prop):
+                setattr(Program, prop, _made_first(base, prop))
+        if hasattr(base, "is_closed"):
+            setattr(
+                Program,
+                "is_closed",
+                property(lambda self: False if self._cpcas_deferred else bool(base.is_closed.__get__(self, base))),
+            )
         Program.__module__ = "cuda_program_cas"
         Program.__qualname__ = "Program"
         return Program
