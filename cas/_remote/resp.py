@@ -42,8 +42,10 @@ __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
 MAX_LINE = 64 << 10
 #: EXEC's array of replies is the only array asked for: one deeper is a protocol error.
 _MAX_DEPTH = 1
-#: redis-py's own packer's threshold: a value larger than this is sent as its own buffer, not copied.
-_BUFFER_CUTOFF = 6000
+#: The packer's threshold: a value larger than this is sent as its own buffer, not copied; smaller
+#: commands are joined up to it, so a pipeline of small ones goes out in one write (redis-py's 6000
+#: split 100 SETs into two writes, and the server could answer the first before the second came).
+_BUFFER_CUTOFF = 64 << 10
 
 
 class TooLarge(Exception):
