@@ -7,6 +7,7 @@ what it does. Children report as JSON on their last line of stdout.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import site
@@ -536,6 +537,11 @@ def test_a_hit_through_the_switch_does_not_load_nvrtc_and_the_program_still_work
     report(child(_DEFERRED, spec, env=env))  # the miss stores (and its process loads NVRTC to compile)
     out = report(child(_DEFERRED, spec, env=env))
     closed_error = report(child(_DEFERRED, spec, env={"CUDA_PROGRAM_CAS": "0"}))["after_close"]
+    if not hasattr(importlib.import_module("cuda.core").Program, "is_closed"):
+        # cuda-core 1.1: a closed program's compile fails inside NVRTC (NVRTCError); one closed before
+        # NVRTC's was made fails before it (ValueError). Either way a closed program does not compile.
+        assert out["closed_unmade"] in ("ValueError", closed_error), out
+        out["closed_unmade"] = closed_error
     assert out == {
         "closed_before": False,
         "nvrtc_after_hit": False,
