@@ -113,13 +113,15 @@ class _Buffer(SocketBuffer):
         # Straight into one buffer that becomes the value (redis-py's goes through its BytesIO and
         # two copies; a bytearray made bytes is a second copy), and checked to end with CRLF
         # (redis-py's cuts two bytes off, whatever they are).
+        # Every view is released on the way out, a failure's too: a view left in a traceback's frames
+        # would keep the buffer exported into garbage, where CPython 3.12.1's collector crashed on it.
         out = Landing(length + 2)
-        room = out.room()
-        got = self._buffer.readinto(room)
-        while got < len(room):
-            got += int(self._recv(room[got:]))
-        end = bytes(room[length:])
-        room.release()
+        with out.room() as room:
+            got = self._buffer.readinto(room)
+            while got < len(room):
+                with room[got:] as rest:
+                    got += int(self._recv(rest))
+            end = bytes(room[length:])
         if end != b"\r\n":
             raise exceptions.InvalidResponse("a bulk reply not ended by CRLF")
         out.filled(length)
