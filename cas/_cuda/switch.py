@@ -229,11 +229,8 @@ def _subclass(name: str, original: type) -> type:
             if hasattr(base, prop):
                 setattr(Program, prop, _made_first(base, prop))
         if hasattr(base, "is_closed"):
-            setattr(
-                Program,
-                "is_closed",
-                property(lambda self: False if self._cpcas_deferred else bool(base.is_closed.__get__(self, base))),
-            )
+            closed = property(lambda self: False if self._cpcas_deferred else bool(base.is_closed.__get__(self, base)))
+            Program.is_closed = closed
         Program.__module__ = "cuda_program_cas"
         Program.__qualname__ = "Program"
         return Program
