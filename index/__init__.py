@@ -12,12 +12,10 @@ from ._frozen import Frozen
 from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
 from ._keys import LOCAL_TAG, is_hex, is_key_id, is_local_id, key_bytes, key_id, local_id
 from ._manifest import (
-    KEYED_LAYOUT,
     LONGEST_MANIFEST,
     MANIFEST_TAG,
     MAX_MANIFEST_BYTES,
     Manifest,
-    fits_key,
     is_digest,
     manifest_length,
     parse_fields,
@@ -26,7 +24,6 @@ from ._manifest import (
 )
 
 __all__ = [
-    "KEYED_LAYOUT",
     "LOCAL_TAG",
     "LONGEST_MANIFEST",
     "MANIFEST_TAG",
@@ -34,7 +31,6 @@ __all__ = [
     "RECORD_MEMBER",
     "Frozen",
     "Manifest",
-    "fits_key",
     "group_of",
     "grouped_id",
     "is_digest",

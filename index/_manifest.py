@@ -17,32 +17,25 @@ Its form is checked here, so that every reader and classifier takes a signed
 manifest as well-formed; whether the signature holds is the business of a node
 configured with trusted keys.
 
-Layout version 1 wrote ``cpcas1 <digest> <size>\n`` (no key id). Such a line fits
-any key's path, so it is believed only in a store whose layout says 1; from
-:data:`KEYED_LAYOUT` on it is refused like a manifest of another key.
-:func:`fits_key` is that rule, asked by every reader of manifests (the cache's
-reader, shared and HTTP stores, the scan behind gc, verify, stats and the cap,
-the upgrade, publish and import). A layout-1 cache opened for writing is
-upgraded: its lines are rewritten in the current format.
+Every reader of manifests (the cache's reader, shared stores, the scan behind
+gc, verify, stats and the cap, publish and import) believes a manifest only on
+the path of the key it names.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
 from typing import Any
 
 from ._frozen import Frozen
 from ._keys import is_hex, is_key_id
 
 __all__ = [
-    "KEYED_LAYOUT",
     "LONGEST_MANIFEST",
     "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
     "Manifest",
-    "fits_key",
     "is_digest",
     "manifest_length",
     "parse_fields",
@@ -51,9 +44,6 @@ __all__ = [
 ]
 
 MANIFEST_TAG = b"cpcas2"
-#: The first layout version whose manifests name their key. In a store of this
-#: layout or a later one, a line that names no key (``cpcas1``) is refused.
-KEYED_LAYOUT = 2
 #: Larger than any valid manifest, signed ones included; a bigger file is garbage, not worth reading whole.
 MAX_MANIFEST_BYTES = 512
 #: The most decimal digits a size may have.
@@ -69,8 +59,8 @@ def manifest_length(size: int) -> int:
     return _FIXED_BYTES + len(str(size))
 
 
-# The patterns are compiled when first used (0.1 to 0.2 ms each): a hit of a current,
-# unsigned manifest needs none of them (parse_fields).
+# The signature's pattern is compiled when first used (0.1 to 0.2 ms): a hit of an
+# unsigned manifest needs none (parse_fields).
 
 
 @functools.cache
@@ -89,14 +79,6 @@ def split_signed(data: bytes) -> tuple[bytes, str, str] | None:
     return data[:cut], m.group(1).decode("ascii"), m.group(2).decode("ascii")
 
 
-@functools.cache
-def _line_re() -> re.Pattern[bytes]:
-    return re.compile(
-        rb"cpcas2 ([0-9a-f]{64}) ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"
-        rb"|cpcas1 ([0-9a-f]{64}) (0|[1-9][0-9]{0,15})\n"  # layout 1: no key id
-    )
-
-
 def is_digest(value: object) -> bool:
     """True for a blob digest: exactly 64 lowercase hex characters."""
     return is_hex(value, 64)
@@ -105,10 +87,9 @@ def is_digest(value: object) -> bool:
 class Manifest(Frozen):
     """A key's target: the blob's digest and its size in bytes, and the id of the key.
 
-    ``key_id`` is None only for a manifest read from a layout-1 cache. Immutable,
-    compared and hashed by its fields. Written out rather than a frozen dataclass:
-    a hit imports this module and never builds one, and the decorator cost the
-    import 0.6 to 0.9 ms.
+    Immutable, compared and hashed by its fields. Written out rather than a frozen
+    dataclass: a hit imports this module and never builds one, and the decorator
+    cost the import 0.6 to 0.9 ms.
     """
 
     __slots__ = ("digest", "key_id", "size")
@@ -116,29 +97,27 @@ class Manifest(Frozen):
 
     digest: str
     size: int
-    key_id: str | None
+    key_id: str
 
-    def __init__(self, digest: str, size: int, key_id: str | None = None) -> None:
+    def __init__(self, digest: str, size: int, key_id: str) -> None:
         if not is_digest(digest):
             raise ValueError(f"manifest digest must be 64 lowercase hex characters, got {digest!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"manifest size must be a non-negative int, got {size!r}")
-        if key_id is not None and not is_key_id(key_id):
+        if not is_key_id(key_id):
             raise ValueError(f"manifest key id must be 64 lowercase hex characters, got {key_id!r}")
         self._set(digest=digest, size=size, key_id=key_id)
 
-    def _fields(self) -> tuple[str, int, str | None]:
+    def _fields(self) -> tuple[str, int, str]:
         return (self.digest, self.size, self.key_id)
 
     def __repr__(self) -> str:
         return f"Manifest(digest={self.digest!r}, size={self.size!r}, key_id={self.key_id!r})"
 
-    def __reduce__(self) -> tuple[Any, tuple[str, int, str | None]]:
+    def __reduce__(self) -> tuple[Any, tuple[str, int, str]]:
         return (Manifest, self._fields())
 
     def encode(self) -> bytes:
-        if self.key_id is None:
-            raise ValueError("a manifest is written with the id of its key")
         return b"%s %s %s %d\n" % (MANIFEST_TAG, self.key_id.encode("ascii"), self.digest.encode("ascii"), self.size)
 
 
@@ -147,12 +126,11 @@ _HEX_BYTES = b"0123456789abcdef"
 _MIN_V2 = _FIXED_BYTES + 1
 
 
-def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
-    """``(key id or None, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path).
+def parse_fields(data: bytes) -> tuple[str, str, int] | None:
+    """``(key id, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path).
 
-    A current manifest is checked field by field with ``bytes`` methods (a few
-    times faster than the regular expression, which it matches exactly); a
-    layout-1 one, or anything else, goes to the regular expression.
+    Checked field by field with ``bytes`` methods (a few times faster than the
+    regular expression, which it matches exactly).
     """
     n = len(data)
     if n > LONGEST_MANIFEST:
@@ -173,47 +151,19 @@ def parse_fields(data: bytes) -> tuple[str | None, str, int] | None:
             and (size[0] != 48 or len(size) == 1)
         ):
             return kid.decode("ascii"), digest.decode("ascii"), int(size)
-        return None
-    m = _line_re().fullmatch(data)
-    if m is None:
-        return None
-    if m.group(1) is not None:
-        return m.group(1).decode("ascii"), m.group(2).decode("ascii"), int(m.group(3))
-    return None, m.group(4).decode("ascii"), int(m.group(5))
+    return None
 
 
-def fits_key(found: str | None, kid: str, layout: int | Callable[[], int]) -> bool:
-    """Whether a manifest naming key ``found`` is read as ``kid``'s in a store of layout version ``layout``.
-
-    The one rule. A manifest that names its key fits that key's path only. A
-    layout-1 line (``found`` None) names no key: it would fit any path, so it is
-    believed only where the layout is older than :data:`KEYED_LAYOUT`; elsewhere it
-    may be another key's manifest copied here, and is refused.
-
-    ``layout`` may be a function giving the version now; it is called only for a
-    line that names no key, and after that line was read, so that a store
-    upgraded meanwhile is judged by its new layout
-    (:class:`cuda_program_cas._disk.layout.LayoutVersion` explains why that is sound).
-    """
-    if found is not None:
-        return found == kid
-    return (layout if isinstance(layout, int) else layout()) < KEYED_LAYOUT
-
-
-def parse_manifest(
-    data: bytes, key_id: str | None = None, *, layout: int | Callable[[], int] = KEYED_LAYOUT
-) -> Manifest | None:
+def parse_manifest(data: bytes, key_id: str | None = None) -> Manifest | None:
     """Decode a manifest, or None when ``data`` is not exactly one.
 
-    With ``key_id``, a manifest that does not fit that key's path in a store of
-    ``layout`` (:func:`fits_key`) is rejected too: one naming another key, and a
-    layout-1 line unless the layout is 1. The default layout is the strict one.
-    Without ``key_id``, only the line's form is checked (either format).
+    With ``key_id``, a manifest that names another key is rejected too (it was
+    copied or renamed onto this key's path). Without it, only the line's form is checked.
     """
     fields = parse_fields(data)
-    if fields is None or (key_id is not None and not fits_key(fields[0], key_id, layout)):
+    if fields is None or (key_id is not None and fields[0] != key_id):
         return None
-    # Skip __post_init__: the regular expression already proved every field.
+    # Skip __init__: parse_fields already proved every field.
     manifest = object.__new__(Manifest)
     object.__setattr__(manifest, "digest", fields[1])
     object.__setattr__(manifest, "size", fields[2])

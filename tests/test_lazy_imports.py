@@ -60,7 +60,7 @@ FRONT_DOOR = tuple(
 )
 #: What a hit of the local cache does not need either (issue 31, item 4): the writer, the remover,
 #: eviction and its scans, claims and leases, packs, gc's classification, the shared stores and uploads,
-#: signatures, layout upgrades, the settings file, the blob store's scans.
+#: signatures, the settings file, the blob store's scans.
 WRITE_SIDE = (
     "cuda_program_cas._disk.writer",
     "cuda_program_cas._disk.remove",
@@ -68,7 +68,6 @@ WRITE_SIDE = (
     "cuda_program_cas._disk.classify",
     "cuda_program_cas._disk.pack",
     "cuda_program_cas._disk.packsummary",
-    "cuda_program_cas._disk.upgrade",
     "cuda_program_cas._disk.settings",
     "cuda_program_cas._disk.blobs",
     "cuda_program_cas._store.cap",

@@ -194,8 +194,8 @@ def test_a_manifest_is_immutable_and_compared_by_its_fields() -> None:
 
     one = Manifest("a" * 64, 5, "b" * 64)
     assert one == Manifest("a" * 64, 5, "b" * 64) and hash(one) == hash(Manifest("a" * 64, 5, "b" * 64))
-    assert one != Manifest("a" * 64, 6, "b" * 64) and one != Manifest("a" * 64, 5)
-    assert len({one, Manifest("a" * 64, 5, "b" * 64), Manifest("c" * 64, 5)}) == 2
+    assert one != Manifest("a" * 64, 6, "b" * 64) and one != Manifest("a" * 64, 5, "c" * 64)
+    assert len({one, Manifest("a" * 64, 5, "b" * 64), Manifest("c" * 64, 5, "b" * 64)}) == 2
     assert pickle.loads(pickle.dumps(one)) == one == copy.copy(one)  # writers hand manifests to processes
     with pytest.raises(AttributeError, match="immutable"):
         one.size = 6  # type: ignore[misc]
@@ -204,6 +204,6 @@ def test_a_manifest_is_immutable_and_compared_by_its_fields() -> None:
     assert (one.digest, one.size, one.key_id) == ("a" * 64, 5, "b" * 64)
     assert repr(one) == f"Manifest(digest={'a' * 64!r}, size=5, key_id={'b' * 64!r})"
     with pytest.raises(ValueError, match="digest"):
-        Manifest("A" * 64, 5)
+        Manifest("A" * 64, 5, "b" * 64)
     with pytest.raises(ValueError, match="size"):
-        Manifest("a" * 64, True)
+        Manifest("a" * 64, True, "b" * 64)

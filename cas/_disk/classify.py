@@ -16,8 +16,7 @@ class Condition(enum.Enum):
     OK = "ok"
     #: Empty, truncated, garbled, too large, or of an unknown format.
     INVALID = "invalid_manifest"
-    #: A valid manifest of another key, copied or renamed onto this key's path; or a
-    #: layout-1 line (it names no key, so it may be any key's) where the layout is 2.
+    #: A valid manifest of another key, copied or renamed onto this key's path.
     MISPLACED = "misplaced_manifest"
     #: Names a blob that is not there.
     DANGLING = "dangling_manifest"
@@ -52,8 +51,6 @@ def describe(condition: Condition, info: ManifestInfo, snap: Snapshot) -> str:
     if condition is Condition.INVALID:
         return "empty, truncated or garbled"
     if condition is Condition.MISPLACED:
-        if info.unkeyed:
-            return "a layout-1 manifest (it names no key, so it may be another key's) in a layout-2 cache"
         return "a manifest of another key (copied or renamed here)"
     assert m is not None
     if condition is Condition.DANGLING:

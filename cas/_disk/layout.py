@@ -6,11 +6,9 @@ this code is refused. A damaged ``layout.json`` in a directory that holds only
 our own names is rewritten by a writable open (and ``verify --repair``); a
 read-only open and the maintenance verbs refuse it: nothing is read on a guess.
 
-Versions: 1 wrote manifests without their key id; 2 (this one) writes manifests
-that name their key. Version-1 caches are read as they are; opening one for
-writing upgrades it in place (see :mod:`cuda_program_cas._disk.upgrade`). Which
-manifests a version admits is one rule (:func:`cuda_program_cas.index.fits_key`);
-:class:`LayoutVersion` gives readers the version to judge by.
+An older layout version (1, written by pre-release versions) is refused too,
+with one message that names the command that empties it (:func:`older_layout_error`):
+nothing released wrote one, so nothing here reads one.
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ from collections.abc import Iterator
 
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.log import LOGGER as _log
-from cuda_program_cas.index import KEYED_LAYOUT
 
 from .atomic import atomic_write, make_tmp_dir
-from .files import READ_FLAGS, FileId, file_id, shard_path, trusted_mtime_ns
+from .files import READ_FLAGS, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
@@ -49,7 +46,6 @@ __all__ = [
     "USAGE_FILE",
     "Layout",
     "LayoutState",
-    "LayoutVersion",
     "check_layout",
     "check_layout_data",
     "create_layout",
@@ -59,6 +55,7 @@ __all__ = [
     "layout_bytes",
     "layout_version",
     "mark_shared_store",
+    "older_layout_error",
     "parse_layout",
     "stale_temp_files",
     "temp_files",
@@ -137,10 +134,7 @@ FILES: tuple[tuple[str, str], ...] = (
     ("sets/", "a shared store's warm sets, one per job (write-back, publish, repack)"),
     ("sets/<64 hex>", "the entries one job used, in order of first use; named by sha256 of the job's name"),
 )
-#: Top-level names a cache may hold besides those of :data:`FILES`: ``gc.lock``, which the
-#: first versions took.
-_OLD_NAMES = frozenset({"gc.lock"})
-_OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES) | _OLD_NAMES
+_OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES)
 
 
 def _pattern_re(pattern: str) -> re.Pattern[str]:
@@ -229,7 +223,7 @@ class Layout:
     @contextlib.contextmanager
     def collector_lock(self, wait_s: float = 0.0, *, busy_on_error: bool = False) -> Iterator[bool]:
         """Hold ``evict.lock``, the one lock of whoever removes or rewrites entries wholesale (gc, the
-        cap's eviction, repack, the upgrade): yields True while held, False when another holds it past
+        cap's eviction, repack): yields True while held, False when another holds it past
         ``wait_s`` seconds (0: not waiting). ``busy_on_error``: a lock file that cannot be opened is
         busy too (False), rather than the ``OSError`` raised."""
         import filelock
@@ -261,12 +255,7 @@ def url_path(kind: str, name: str) -> str:
 
 
 def _read_layout(path: str) -> dict[str, object] | None:
-    """The parsed layout file, or None when it is damaged (see :func:`_read_layout_file`)."""
-    return _read_layout_file(path)[0]
-
-
-def _read_layout_file(path: str) -> tuple[dict[str, object] | None, os.stat_result | None]:
-    """The parsed layout file (None when it is damaged: empty, not JSON, not ours, not a regular file), and its stat.
+    """The parsed layout file, or None when it is damaged: empty, not JSON, not ours, not a regular file.
 
     Opened without following a symlink and without blocking, so a FIFO put in its
     place never hangs an open (a FIFO or a symlink is damage, like garbled bytes).
@@ -278,7 +267,7 @@ def _read_layout_file(path: str) -> tuple[dict[str, object] | None, os.stat_resu
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
-            return None, None
+            return None
         raise
     try:
         st = os.fstat(fd)
@@ -290,11 +279,11 @@ def _read_layout_file(path: str) -> tuple[dict[str, object] | None, os.stat_resu
                 "(`rmdir` it if empty) and open the cache again"
             )
         if not stat.S_ISREG(mode):
-            return None, st
+            return None
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
-    return parse_layout(raw), st
+    return parse_layout(raw)
 
 
 def parse_layout(raw: bytes) -> dict[str, object] | None:
@@ -312,9 +301,11 @@ def parse_layout(raw: bytes) -> dict[str, object] | None:
 
 
 def check_layout_data(root: str, data: dict[str, object]) -> int:
-    """The version of a parsed layout; :class:`LayoutError` when this code cannot read it (newer, other hashes)."""
+    """The version of a parsed layout; :class:`LayoutError` when this code cannot read it (older, newer, hashes)."""
     version = data["version"]
     assert isinstance(version, int)
+    if version < LAYOUT_VERSION:
+        raise older_layout_error(root, version)
     if version > LAYOUT_VERSION:
         raise LayoutError(
             f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
@@ -338,65 +329,6 @@ def layout_version(root: str) -> int | None:
     version = data["version"]
     assert isinstance(version, int)
     return version
-
-
-class LayoutVersion:
-    """The layout version of one root, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
-
-    ``layout.json`` is read when this is made. A version of :data:`KEYED_LAYOUT` or
-    later is final: nothing writes an older one (the upgrade only raises it, and
-    every writer of this code writes manifests that name their key), so readers of
-    such a store ask nothing more, and a ``layout.json`` edited back to 1 is not
-    believed by them.
-
-    Below it, :meth:`now` is asked for each layout-1 line read, after reading it:
-    one ``lstat`` of ``layout.json``, read again when it is another file than the
-    one read before. That makes believing a layout-1 line sound across an upgrade
-    in place, which rewrites every layout-1 line and only then replaces
-    ``layout.json`` (atomically: another file). If ``now`` finds the file read
-    before, ``layout.json`` still said 1 when the line was read, so the line was
-    one the layout admits. If the upgrade came first, ``now`` sees the new file and
-    says 2: a line copied in after the upgrade, or one an older version's process
-    wrote after it, is refused.
-
-    A ``layout.json`` that is missing, damaged or unreadable gives the current
-    version (strict; nothing is believed on a guess), and is read again next time.
-    Safe to share between threads: the file's identity and its version change as one.
-    """
-
-    __slots__ = ("_path", "_state")
-
-    def __init__(self, root: str) -> None:
-        self._path = os.path.join(root, LAYOUT_FILE)
-        #: (identity of the layout.json read, or None; its version; final).
-        self._state: tuple[FileId | None, int, bool] = (None, LAYOUT_VERSION, False)
-        self._read()
-
-    def now(self) -> int:
-        """The version to judge a manifest just read by."""
-        seen, version, final = self._state
-        if final:
-            return version
-        try:
-            st = os.lstat(self._path)
-        except OSError:
-            return LAYOUT_VERSION
-        if file_id(st) != seen:
-            return self._read()
-        return version
-
-    def _read(self) -> int:
-        try:
-            data, st = _read_layout_file(self._path)
-        except (OSError, LayoutError):
-            data = None
-        if data is None or st is None:
-            self._state = (None, LAYOUT_VERSION, False)
-            return LAYOUT_VERSION
-        version = data["version"]
-        assert isinstance(version, int)
-        self._state = (file_id(st), version, version >= KEYED_LAYOUT)
-        return version
 
 
 def check_layout(root: str) -> LayoutState:
@@ -440,6 +372,14 @@ def check_layout(root: str) -> LayoutState:
             f"{', ...' if len(foreign) > 5 else ''}{hint}"
         )
     return LayoutState.DAMAGED if present else LayoutState.MISSING
+
+
+def older_layout_error(root: str, version: int) -> LayoutError:
+    """The one message for a cache or store of an older layout, which a pre-release version wrote."""
+    return LayoutError(
+        f"cache at {root!r} has layout version {version}, written by a pre-release cuda-program-cas, which this "
+        f"version does not read; empty it with `cuda-program-cas clear {root}` (or use another directory)"
+    )
 
 
 def damaged_layout_error(root: str) -> LayoutError:

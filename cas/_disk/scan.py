@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 from .files import fs_now, read_regular, scan_sharded, trusted_mtime_ns
-from .layout import LayoutVersion, temp_files
+from .layout import temp_files
 
 __all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
 
@@ -29,11 +29,8 @@ class ManifestInfo:
     stat: os.stat_result
     #: None when the file is not a valid manifest for its key.
     manifest: Manifest | None
-    #: A valid manifest of another key, copied or renamed onto this key's path;
-    #: or a layout-1 line (it names no key) where the layout is 2: it may be any key's.
+    #: A valid manifest of another key, copied or renamed onto this key's path.
     misplaced: bool = False
-    #: The misplaced manifest is such a layout-1 line.
-    unkeyed: bool = False
 
 
 @dataclass(slots=True)
@@ -98,10 +95,7 @@ def take_snapshot(
 ) -> Snapshot:
     """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``, then ``temp_dir``.
 
-    A manifest is judged by the one rule (:func:`cuda_program_cas.index.fits_key`),
-    by the layout version of the root above ``index_dir``
-    (:class:`cuda_program_cas._disk.layout.LayoutVersion`, asked only for a
-    layout-1 line, after reading it).
+    A manifest is believed only on the path of the key it names.
 
     Manifests first: a blob written after its manifest was scanned is then seen as
     referenced or young, never as an old orphan. ``clock_dir`` (the cache's
@@ -117,10 +111,9 @@ def take_snapshot(
     fs_started = fs_now(clock_dir) if clock_dir is not None else None
     started = time.time_ns()
     snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
-    layout_now = LayoutVersion(os.path.dirname(index_dir)).now if read_manifests else None
     for kid, path, st in scan_sharded(index_dir, snap.unreadable):
         manifest = None
-        misplaced = unkeyed = False
+        misplaced = False
         if read_manifests and st.st_size <= MAX_MANIFEST_BYTES:
             try:
                 data, _ = read_regular(path)
@@ -129,15 +122,12 @@ def take_snapshot(
             except OSError:
                 snap.unreadable.append(path)
                 continue
-            assert layout_now is not None
-            manifest = parse_manifest(data, kid, layout=layout_now)
+            manifest = parse_manifest(data, kid)
             if manifest is not None:
                 snap.refs[manifest.digest] += 1
             else:
-                well_formed = parse_manifest(data)
-                misplaced = well_formed is not None
-                unkeyed = well_formed is not None and well_formed.key_id is None
-        snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced, unkeyed))
+                misplaced = parse_manifest(data) is not None
+        snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced))
     for digest, _path, st in scan_sharded(blobs_dir):
         snap.blobs[digest] = st
     if temp_dir is not None:

@@ -48,8 +48,8 @@ from cuda_program_cas._disk.files import (
 from cuda_program_cas._disk.files import (
     digest_of as _hexdigest,
 )
-from cuda_program_cas._disk.layout import Layout, LayoutVersion
-from cuda_program_cas.index import MAX_MANIFEST_BYTES, fits_key, parse_fields
+from cuda_program_cas._disk.layout import Layout
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 
 from .stats import Counters
 from .touch import TOUCH_INTERVAL_NS, Touches
@@ -88,9 +88,6 @@ class Reader:
 
     ``remover`` gives the store's remover when called: it is made when something is first to be
     removed, not for a hit.
-
-    ``version`` is the root's layout version, which decides whether a layout-1
-    manifest (naming no key) is believed (:func:`cuda_program_cas.index.fits_key`).
     """
 
     def __init__(
@@ -100,12 +97,10 @@ class Reader:
         guard: ShardGuard,
         remover: Callable[[], Remover] | None,
         *,
-        version: LayoutVersion,
         note: Callable[[str, int, str], None],
         on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
-        self._layout_now = version.now
         self._counters = counters
         self._guard = guard
         self._index_real = guard.real_names(lay.index)
@@ -171,7 +166,7 @@ class Reader:
             return None
         finally:
             os.close(fd)
-        return None if fields is None or not fits_key(fields[0], kid, self._layout_now) else fields[1]
+        return None if fields is None or fields[0] != kid else fields[1]
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """The verified bytes of ``kid`` and their digest, or None on a miss.
@@ -207,17 +202,9 @@ class Reader:
             except OSError as exc:  # a directory, a FIFO, EIO, ESTALE
                 self._read_failed(exc, ipath)
                 return None
-            # A manifest naming this key is the fast test; anything else asks the one rule.
-            if fields is None or (fields[0] != kid and not fits_key(fields[0], kid, self._layout_now)):
-                # Garbled, a manifest of another key copied or renamed here, or a
-                # layout-1 line (it names no key: it may be any key's) where the layout is 2.
-                self._why.reason = (
-                    "damaged manifest"
-                    if fields is None
-                    else "misplaced manifest (names no key, in a layout-2 cache)"
-                    if fields[0] is None
-                    else "misplaced manifest (another key's)"
-                )
+            if fields is None or fields[0] != kid:
+                # Garbled, or a manifest of another key copied or renamed here.
+                self._why.reason = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
                 self._counters.add("corrupt")
                 self._remove_manifest(kid, mfd)
                 return None

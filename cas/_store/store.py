@@ -39,10 +39,8 @@ from cuda_program_cas._base.log import DEBUG as _DEBUG
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, ShardGuard, digest_of
 from cuda_program_cas._disk.layout import (
-    LAYOUT_VERSION,
     Layout,
     LayoutState,
-    LayoutVersion,
     check_layout,
     create_layout,
     damaged_layout_error,
@@ -150,15 +148,10 @@ class CacheStore:
         self._parts = _Parts(lay, self._guard)
         self._cap_made: SizeCap | None = None
         kind = Reader if usable else Uncached
-        version = LayoutVersion(self.root)  # raised by the upgrade below: it asks again
         remover = None if self.read_only else self._parts.remover
-        self._reader = kind(lay, self._counters, self._guard, remover, version=version, note=self._note)
+        self._reader = kind(lay, self._counters, self._guard, remover, note=self._note)
         if self._reader.touches is not None:
             weakref.finalize(self, self._reader.touches.apply)  # reads made, recorded when this goes
-        if not self.read_only and version.now() < LAYOUT_VERSION:
-            from cuda_program_cas._disk.upgrade import upgrade_if_needed
-
-            upgrade_if_needed(lay, self._parts.writer())
         self._clear_lock = threading.Lock()
         after_fork(self)
         #: The keys shared entries must be signed by ($CUDA_PROGRAM_CAS_TRUSTED_KEYS), or None: any verified entry.

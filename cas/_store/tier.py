@@ -4,10 +4,8 @@ One class for every engine (:mod:`cuda_program_cas._base.engine`): a directory, 
 web server, a Redis server. What it does, written once here:
 
 - **The layout.** ``layout.json`` is read at the first lookup and checked as the
-  local cache's is (a newer layout or other hashes: not usable). A layout-1 store
-  is read as one; the version is asked again for each layout-1 manifest met, so a
-  store upgraded in place meanwhile is judged by its new layout
-  (:func:`cuda_program_cas.index.fits_key`). An engine whose objects can be evicted
+  local cache's is (an older or newer layout or other hashes: not usable, said in
+  one WARNING that names the command to clear it). An engine whose objects can be evicted
   on their own (Redis) needs no ``layout.json``: an empty one is a current store.
 - **A lookup.** The store's packs first (an engine may have none), then the loose
   manifest, checked against the key, then its blob, read with the manifest's size
@@ -30,7 +28,7 @@ web server, a Redis server. What it does, written once here:
   large on a disk is damage, in ``corrupt``); an entry whose manifest names more
   than this node reads is a miss said once as a WARNING, with no request for its
   blob. ``layout_once``: ``layout.json`` is read once per process (each read is a
-  request), not again after an outage nor for each layout-1 manifest.
+  request), not again after an outage.
 - **This node's trouble.** No memory (or no staging disk) for an answer is a miss
   counted in ``errors``, said once, and no pause.
 - **The key list** (``key_list=True``: HTTP and Redis, where a request is
@@ -81,7 +79,7 @@ from cuda_program_cas._disk.layout import (
     parse_layout,
     url_path,
 )
-from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, parse_fields
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 
 from .stats import Counters
 
@@ -443,7 +441,7 @@ class Tier:
         is a miss: each counted and said as a lookup's.
         """
         fields = parse_fields(data)
-        if fields is None or not fits_key(fields[0], kid, self._layout_now):
+        if fields is None or fields[0] != kid:
             why = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
             self._damaged(why, f"the manifest of {kid}: {len(data)} bytes that are not its manifest")
             return None
@@ -524,20 +522,6 @@ class Tier:
         self._looked = True
         self._failures = 0
         return True
-
-    def _layout_now(self) -> int:
-        """The layout version to judge a layout-1 manifest just read by (asked again: an upgrade in place)."""
-        if self._version >= KEYED_LAYOUT or self._layout_once:
-            return self._version
-        raw = self.engine.get(LAYOUT_FILE, limit=MAX_LAYOUT_BYTES)
-        data = parse_layout(raw) if raw is not None else None
-        if data is None:
-            return LAYOUT_VERSION  # strict: nothing is believed on a guess
-        try:
-            self._version = check_layout_data(self.root, data)
-        except LayoutError:
-            return LAYOUT_VERSION
-        return self._version
 
     def _unusable(self, why: str) -> bool:
         self._version = 0

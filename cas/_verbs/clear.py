@@ -8,20 +8,33 @@ never wrong bytes. The lifetime counters, settings and ``quarantine/`` are kept.
 A shared store (publish marked it) is refused: emptying it empties every node's
 second level at once, and its packs are not loose entries; its owner collects
 it with ``gc`` or removes it and publishes again.
+
+A cache or store of an older layout (a pre-release version's, which nothing here
+reads) is emptied whole, shared or not: its entries, blobs, packs, sets, counters
+and journals go, and a current ``layout.json`` is written; settings stay.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._disk.layout import is_shared_store
+from cuda_program_cas._disk.layout import (
+    BLOBS,
+    INDEX,
+    LAYOUT_VERSION,
+    Layout,
+    is_shared_store,
+    layout_version,
+    write_layout,
+)
 from cuda_program_cas._disk.scan import take_snapshot
 from cuda_program_cas._store.store import CacheStore
 
-from .common import Report, cache_root, not_created, open_cache
+from .common import Report, cache_root, check_writable, not_created, open_cache
 
 __all__ = ["ClearReport", "clear"]
 
@@ -55,6 +68,9 @@ def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) 
     """
     t0 = time.monotonic()
     root = cache_root(path)
+    version = layout_version(root)
+    if version is not None and version < LAYOUT_VERSION:
+        return _clear_older(root, dry_run, t0)
     if not_created(root):  # an empty cache, as stats reports it
         return ClearReport(root, dry_run, exists=False)
     lay = open_cache(root, write=not dry_run, purpose="clear").lay
@@ -77,5 +93,38 @@ def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) 
         blobs_after=len(after.blobs),
         bytes_after=after.stored_bytes,
         bytes_freed=before.stored_bytes if dry_run else max(0, before.stored_bytes - after.stored_bytes),
+        elapsed_s=time.monotonic() - t0,
+    )
+
+
+#: What an older layout's root holds that a clear of it keeps.
+_KEPT = frozenset({"CACHEDIR.TAG", "layout.json", "settings.json", "tmp", "quarantine"})
+
+
+def _clear_older(root: str, dry_run: bool, t0: float) -> ClearReport:
+    """Empty a cache or store of an older layout: nothing of it is read, everything of it but settings goes."""
+    lay = Layout(root)
+    if not dry_run:
+        check_writable(lay, "clear")
+    before = take_snapshot(lay.index, lay.blobs, read_manifests=False)
+    if not dry_run:
+        with os.scandir(root) as it:
+            names = sorted(e.name for e in it if e.name not in _KEPT)
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        for sub in (BLOBS, INDEX):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        write_layout(root, lay.tmp, version=LAYOUT_VERSION)
+    return ClearReport(
+        root,
+        dry_run,
+        entries_before=len(before.manifests),
+        blobs_before=len(before.blobs),
+        bytes_before=before.stored_bytes,
+        bytes_freed=before.stored_bytes,
         elapsed_s=time.monotonic() - t0,
     )

@@ -25,8 +25,7 @@ from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._disk.blobs import BlobStore, digest_of
 from cuda_program_cas._disk.files import ShardGuard, read_regular
-from cuda_program_cas._disk.layout import Layout, LayoutVersion, check_layout, create_layout
-from cuda_program_cas._disk.upgrade import upgrade_if_needed
+from cuda_program_cas._disk.layout import Layout, check_layout, create_layout
 from cuda_program_cas._disk.writer import DROP_ERRNOS, Writer, WriteResult
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_hex, parse_manifest
 
@@ -110,39 +109,32 @@ def import_filestream(
     lay = Layout(target)
     check_writable(lay, "import")
     writer = Writer(lay, guard=ShardGuard())
-    upgrade_if_needed(lay, writer)
-    layout = LayoutVersion(lay.root)
     report = ImportReport(src, lay.root)
     todo = _entries(entries_dir, report)
     report.entries = len(todo)
     for n, (kid, path) in enumerate(todo):
         if progress and n % 64 == 0:
             progress("importing", n, len(todo))
-        _import_one(lay, writer, kid, path, report, layout=layout)
+        _import_one(lay, writer, kid, path, report)
     if progress:
         progress("importing", len(todo), len(todo))
     report.elapsed_s = time.monotonic() - t0
     return report
 
 
-def _current(lay: Layout, layout: LayoutVersion, kid: str) -> str | None:
-    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there.
-
-    Judged by the cache's layout as its reader judges it: a layout-1 line only while it says 1.
-    """
+def _current(lay: Layout, kid: str) -> str | None:
+    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there."""
     try:
         data, _ = read_regular(lay.manifest_path(kid))
     except OSError:
         return None  # absent, or not a regular file: replaced below
-    manifest = parse_manifest(data, kid, layout=layout.now) if len(data) <= MAX_MANIFEST_BYTES else None
+    manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
     if manifest is None or not BlobStore(lay.blobs).exists(manifest.digest):
         return None
     return manifest.digest
 
 
-def _import_one(
-    lay: Layout, writer: Writer, kid: str, path: str, report: ImportReport, *, layout: LayoutVersion
-) -> None:
+def _import_one(lay: Layout, writer: Writer, kid: str, path: str, report: ImportReport) -> None:
     try:
         data, src_st = read_regular(path)
     except FileNotFoundError:
@@ -152,7 +144,7 @@ def _import_one(
         report.problem(f"{path}: cannot be read: {exc.strerror or exc}")
         return
     digest = digest_of(data)
-    current = _current(lay, layout, kid)
+    current = _current(lay, kid)
     if current is not None:
         if current == digest:
             report.already_present += 1

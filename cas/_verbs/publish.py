@@ -92,7 +92,6 @@ from cuda_program_cas._disk.layout import (
     BLOBS,
     Layout,
     LayoutState,
-    LayoutVersion,
     check_layout,
     url_path,
 )
@@ -260,7 +259,6 @@ class _Item:
 def _plan(src: str, target: Target, report: PublishReport) -> list[_Item]:
     """What each manifest of the source ``src`` needs in the store."""
     lay = Layout(src)
-    layout_now = LayoutVersion(src).now  # a layout-1 line of a layout-2 source may be any key's: refused
     todo: list[_Item] = []
     for kid, path, _st in scan_sharded(lay.index):
         if is_local_id(kid):
@@ -274,11 +272,10 @@ def _plan(src: str, target: Target, report: PublishReport) -> list[_Item]:
         except OSError as exc:
             report.invalid_manifests.append(f"{path}: {exc.strerror or exc}")
             continue
-        manifest = parse_manifest(data, kid, layout=layout_now) if len(data) <= MAX_MANIFEST_BYTES else None
+        manifest = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
         if manifest is None:
             report.invalid_manifests.append(path)
             continue
-        manifest = Manifest(manifest.digest, manifest.size, kid)  # a layout-1 source names no key
         action = _action(target, kid, manifest)
         if action in ("same", "conflict"):
             target.held.setdefault(src, []).append(kid)  # the store holds the key: listed
@@ -408,7 +405,7 @@ def _action(target: Target, kid: str, manifest: Manifest) -> str:
     data = target.manifest_bytes(kid)
     if data is None:
         return "new"
-    theirs = parse_manifest(data, kid, layout=target.manifest_layout) if len(data) <= MAX_MANIFEST_BYTES else None
+    theirs = parse_manifest(data, kid) if len(data) <= MAX_MANIFEST_BYTES else None
     if theirs is not None and (theirs.digest, theirs.size) == (manifest.digest, manifest.size):
         # Hashed, not only stat'ed: a blob damaged in place keeps its size, and
         # would otherwise stay lost for every node until ``verify --repair``.

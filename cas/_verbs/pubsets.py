@@ -6,13 +6,12 @@ See :mod:`cuda_program_cas._verbs.publish` (its docstring says what is copied, m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._disk.direngine import DirEngine
 from cuda_program_cas._disk.layout import (
     INDEX,
-    LayoutVersion,
     url_path,
 )
 from cuda_program_cas._disk.pack import is_pack_name
@@ -46,7 +45,6 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
     for src in sources:
         engine = DirEngine(src)
         skipped = {i.rsplit(": ", 1)[1] for i in report.bad_blobs + report.missing_blobs if i.startswith(f"{src}: ")}
-        layout_now = LayoutVersion(src).now
         for name in stored_sets(src):
             try:
                 entries = parse_set(engine.get(name, limit=MAX_SET_BYTES))
@@ -56,7 +54,7 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
             if entries is None:
                 report.bad_sets.append(engine.path(name))
                 continue
-            ours = [e for e in entries if e.digest not in skipped and source_holds(engine, layout_now, e)]
+            ours = [e for e in entries if e.digest not in skipped and source_holds(engine, e)]
             earlier = found.get(name)
             found[name] = ours if earlier is None else (merge_sets(earlier, ours, set()) or ours)
     if not found:
@@ -91,11 +89,11 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
         report.sets_published += 1
 
 
-def source_holds(engine: DirEngine, layout_now: int | Callable[[], int], e: SetEntry) -> bool:
+def source_holds(engine: DirEngine, e: SetEntry) -> bool:
     """Whether the source behind ``engine`` holds the entry of this set line (a manifest naming its digest)."""
     try:
         data = engine.get(url_path(INDEX, e.kid), limit=MAX_MANIFEST_BYTES)
     except StoreFailure:
         return False
-    manifest = None if data is None else parse_manifest(data, e.kid, layout=layout_now)
+    manifest = None if data is None else parse_manifest(data, e.kid)
     return manifest is not None and (manifest.digest, manifest.size) == (e.digest, e.size)

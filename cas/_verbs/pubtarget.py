@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
@@ -20,10 +20,8 @@ from cuda_program_cas._disk.layout import (
     CACHEDIR_TAG,
     INDEX,
     LAYOUT_FILE,
-    LAYOUT_VERSION,
     Layout,
     LayoutState,
-    LayoutVersion,
     check_layout,
     check_layout_data,
     create_layout,
@@ -70,10 +68,6 @@ class Target:
         self.verify_existing = verify_existing and self.dir is not None
         #: Signs each manifest written ($CUDA_PROGRAM_CAS_SIGNING_KEY), or None.
         self.signer: Signer | None = None
-        #: The store's layout version, by which its manifests are judged (:func:`cuda_program_cas.index.fits_key`).
-        self.manifest_layout: int | Callable[[], int] = (
-            LayoutVersion(self.dir.root).now if self.dir is not None else LAYOUT_VERSION
-        )
         #: digest -> True when the store holds (or, in a dry run, would hold) a verified copy.
         self.good: dict[str, bool] = {}
         #: Digests whose store blob failed its hash.
@@ -108,9 +102,7 @@ class Target:
                     f"the store at {self.where} has a damaged {LAYOUT_FILE}: repair it where the store's files are "
                     "(cuda-program-cas verify --repair DIR)"
                 )
-            version = check_layout_data(self.where, current)  # LayoutError: newer, or other hashes
-            if self.dir is None:
-                self.manifest_layout = version  # a directory's is asked again for each layout-1 manifest
+            check_layout_data(self.where, current)  # LayoutError: older, newer, or other hashes
         if not self.dry_run:
             if self.engine.size(CACHEDIR) is None:
                 put_checked(self.engine, CACHEDIR, CACHEDIR_TAG, whole=True)

@@ -182,7 +182,7 @@ def run_hostile_paths(workdir: str) -> Report:
     good = blake3(content(0)).hexdigest()
     store.put(key_name(0), content(0))
     with open(os.path.join(sentinel, "ab", kid[2:]), "wb") as fh:
-        fh.write(b"cpcas1 %s %d\n" % (good.encode(), len(content(0))))
+        fh.write(b"cpcas2 %s %s %d\n" % (kid.encode(), good.encode(), len(content(0))))
     index_shard = os.path.join(root, "index", "ab")
     remove(index_shard)
     os.symlink(os.path.join(sentinel, "ab"), index_shard)
