@@ -74,6 +74,7 @@ from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
 from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, try_lock
+from .stats import COUNTER_NAMES
 
 try:
     import fcntl
@@ -97,33 +98,13 @@ __all__ = [
 ]
 
 
-#: The counters of a ``c6`` line, in order. A new counter needs a new tag: a ``c1`` line
-#: (written before ``switched`` was counted) holds the first 9, a ``c2`` line (before
-#: write-back) the first 10, a ``c3`` line (before time saved) the first 13, a ``c4``
-#: line (before key lists) the first 14, a ``c5`` line (before failed evictions) the first
-#: 16. An older version keeps a ``c6`` line as one it does not know.
-NAMES = (
-    "hits",
-    "misses",
-    "writes",
-    "dedup_writes",
-    "evictions",
-    "corrupt",
-    "shared_hits",
-    "dropped_writes",
-    "errors",
-    "switched",
-    "uploads",
-    "uploads_dropped",
-    "untrusted",
-    "saved_us",
-    "listed_misses",
-    "skipped_lookups",
-    "eviction_failures",
-)
+#: The counters of a ``c6`` line, in order: this instance's counters but the two of
+#: claims, which say what one process waited for. A new counter needs a new tag (lines
+#: of the tags before, which only pre-release versions wrote, are not read).
+NAMES = tuple(n for n in COUNTER_NAMES if n not in ("claim_waits", "claim_hits"))
 _TAG = "c6"
 #: The tags of counter lines this version sums, and how many values each holds.
-_COUNTS = {b"c1": 9, b"c2": 10, b"c3": 13, b"c4": 14, b"c5": 16, b"c6": len(NAMES)}
+_COUNTS = {_TAG.encode(): len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.

@@ -14,8 +14,10 @@ from cuda_program_cas._base.fork import after_fork
 
 __all__ = ["COUNTER_NAMES", "Counters"]
 
-#: The counters, in the order of :class:`CacheStats`'s fields after its six of the disk
-#: (:mod:`cuda_program_cas._store.cachestats` checks the two agree when it is imported).
+#: The counters: the one list. :class:`CacheStats`'s fields after its six of the disk are
+#: these in this order (:mod:`cuda_program_cas._store.cachestats` checks that when it is
+#: imported), and the lifetime counters' lines hold these but the claims'
+#: (:data:`cuda_program_cas._store.lifetime.NAMES`).
 COUNTER_NAMES = (
     "hits",
     "misses",
