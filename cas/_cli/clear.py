@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cuda_program_cas._verbs.clear import clear
+from cuda_program_cas._verbs.clear import ClearReport, clear
 
-from .main import add_json_arg, add_path_arg, fmt_bytes, not_created_line, plural, print_json
+from .main import add_json_arg, add_path_arg, emit, fmt_bytes, not_created_line, plural
 
 __all__ = ["register"]
 
@@ -36,18 +36,19 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = clear(args.path, dry_run=args.dry_run)  # a shared store: LayoutError, bad usage
-    if args.json:
-        print_json(report.as_dict())
-        return 0
+    return emit(args, report, lambda: _text(report))
+
+
+def _text(report: ClearReport) -> None:
     if not report.exists:
         print(not_created_line(report.root, "nothing to clear"))
-        return 0
+        return
     what = f"{plural(report.entries_before, 'entry', 'entries')} and {plural(report.blobs_before, 'blob')}"
     if report.dry_run:
         print(
             f"would remove {what}, freeing {fmt_bytes(report.bytes_before)} of {report.root} (dry run: nothing changed)"
         )
-        return 0
+        return
     kept = ""
     if report.entries_after or report.blobs_after:
         kept = (
@@ -58,4 +59,3 @@ def run(args: argparse.Namespace) -> int:
         f"cleared {report.root}: removed {what}, freed {fmt_bytes(report.bytes_freed)} of "
         f"{fmt_bytes(report.bytes_before)}{kept}"
     )
-    return 0

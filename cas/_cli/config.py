@@ -18,7 +18,7 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.config import MAX_SIZE, SETTING_NAMES, ConfigReport, Setting, config, settings_path
 
-from .main import UsageError, fmt_bytes, print_json, size_arg
+from .main import UsageError, emit, fmt_bytes, print_problems, size_arg
 
 __all__ = ["register"]
 
@@ -85,29 +85,29 @@ def run(args: argparse.Namespace) -> int:
     if len(rest) == 2:
         return _stored(args, config(path, max_size=_value(rest[1])))
     report = config(path, name=SETTING_NAMES[rest[0]] if rest else None)
-    if args.json:
-        print_json(report.as_dict())
-    else:
-        for s in report.settings:
-            print(f"{_LABELS[s.name]:<10} {_show_value(s)} ({_show_source(s)})")
-        if report.variables:
-            print("environment:")
-            width = max(len(v.name) for v in report.variables)
-            for v in report.variables:
-                refused = "" if v.accepted else "; refused" if not v.used else "; partly refused"
-                verdict = "" if v.source == "default" else f" ({v.source}{refused})"
-                print(f"  {v.name:<{width}}  {v.shown}{verdict}")
-                for note in v.notes:
-                    print(f"  {'':<{width}}  note: {note}")
-        for text in report.problems:
-            print(f"problem: {text}")
-    return 1 if report.problem_count else 0
+    return emit(args, report, lambda: _text(report))
+
+
+def _text(report: ConfigReport) -> None:
+    for s in report.settings:
+        print(f"{_LABELS[s.name]:<10} {_show_value(s)} ({_show_source(s)})")
+    if report.variables:
+        print("environment:")
+        width = max(len(v.name) for v in report.variables)
+        for v in report.variables:
+            refused = "" if v.accepted else "; refused" if not v.used else "; partly refused"
+            verdict = "" if v.source == "default" else f" ({v.source}{refused})"
+            print(f"  {v.name:<{width}}  {v.shown}{verdict}")
+            for note in v.notes:
+                print(f"  {'':<{width}}  note: {note}")
+    print_problems(report)
 
 
 def _stored(args: argparse.Namespace, report: ConfigReport) -> int:
-    if args.json:
-        print_json(report.as_dict())
-        return 0
+    return emit(args, report, lambda: _stored_text(report), status=0)
+
+
+def _stored_text(report: ConfigReport) -> None:
     root, value = report.path, (report.stored or {}).get(MAX_SIZE)
     if value is None:
         print(f"removed the cap stored in {root}: no cap unless max_size_bytes= or ${ENV_MAX_SIZE} gives one")
@@ -118,4 +118,3 @@ def _stored(args: argparse.Namespace, report: ConfigReport) -> int:
         )
     if any(s.name == MAX_SIZE and s.source == "environment" for s in report.settings):
         print(f"note: ${ENV_MAX_SIZE} is set here, and overrides it in this environment")
-    return 0

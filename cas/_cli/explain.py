@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cuda_program_cas._verbs.explain import explain
+from cuda_program_cas._verbs.explain import ExplainReport, explain
 
-from .main import add_json_arg, add_path_arg, not_created_line, plural, print_json
+from .main import add_json_arg, add_path_arg, emit, not_created_line, plural
 
 __all__ = ["register"]
 
@@ -46,16 +46,16 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = explain(args.path, last=args.last)
-    if args.json:
-        print_json(report.as_dict())
-        return 0
+    return emit(args, report, lambda: _text(report), status=0)
+
+
+def _text(report: ExplainReport) -> None:
     if not report.exists:
         print(not_created_line(report.path, "no misses recorded"))
-        return 0
+        return
     for miss in report.misses:
         print(
             f"{miss.time.replace('T', ' ').replace('+00:00', ' UTC')}  {miss.key_id[:16]}  {miss.via:5}  "
             f"compiled in {miss.compile_seconds:.3f} s: {miss.summary}"
         )
     print(f"explained {plural(len(report.misses), 'miss', 'misses')} of {report.recorded:,} recorded in {report.path}")
-    return 0

@@ -13,12 +13,13 @@ from .main import (
     add_path_arg,
     age_arg,
     cache_path,
+    emit,
     fmt_age,
     fmt_bytes,
     grace_arg,
     not_created_line,
     plural,
-    print_json,
+    print_problems,
     seconds_arg,
     size_arg,
 )
@@ -107,11 +108,7 @@ def run(args: argparse.Namespace) -> int:
         shared=args.shared,
     )
     args.progress.done()
-    if args.json:
-        print_json(report.as_dict())
-    else:
-        print_report(report, args)
-    return 1 if report.problem_count else 0
+    return emit(args, report, lambda: print_report(report, args))
 
 
 def _labels(args: argparse.Namespace) -> dict[str, str]:
@@ -159,8 +156,5 @@ def print_report(report: GcReport, args: argparse.Namespace) -> None:
         print(f"  {label:<48} {report.blobs_deferred:>9,}  (collected after --grace)")
     if report.kept_changed:
         print(f"  {'kept: changed or used since the scan':<48} {report.kept_changed:>9,}")
-    for text in report.problems:
-        print(f"problem: {text}")
-    if report.problem_count > len(report.problems):
-        print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+    print_problems(report)
     print(summary_line(report))

@@ -8,9 +8,9 @@ import os
 from typing import Any
 
 from cuda_program_cas._base.errors import ReadOnlyCacheError
-from cuda_program_cas._verbs.import_filestream import import_filestream
+from cuda_program_cas._verbs.import_filestream import ImportReport, import_filestream
 
-from .main import CommandFailed, add_json_arg, add_path_arg, cache_path, fmt_bytes, plural, print_json
+from .main import CommandFailed, add_json_arg, add_path_arg, cache_path, emit, fmt_bytes, plural, print_problems
 
 __all__ = ["register"]
 
@@ -46,17 +46,14 @@ def run(args: argparse.Namespace) -> int:
             "give a DEST this user can write"
         ) from None
     args.progress.done()
-    if args.json:
-        print_json(report.as_dict())
-    else:
-        for text in report.problems:
-            print(f"problem: {text}")
-        if report.problem_count > len(report.problems):
-            print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
-        print(
-            f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
-            f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
-            f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
-            f"{report.kept_existing:,} kept as they were"
-        )
-    return 1 if report.problem_count else 0
+    return emit(args, report, lambda: _text(report))
+
+
+def _text(report: ImportReport) -> None:
+    print_problems(report)
+    print(
+        f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
+        f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
+        f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
+        f"{report.kept_existing:,} kept as they were"
+    )

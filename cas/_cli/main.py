@@ -27,12 +27,15 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import NoReturn, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from cuda_program_cas._base.config import installed_version, parse_duration, parse_size
 from cuda_program_cas._base.errors import CacheError, LayoutError
 from cuda_program_cas._base.events import open_log_file
+
+if TYPE_CHECKING:
+    from cuda_program_cas._verbs.common import Report
 
 __all__ = [
     "CommandFailed",
@@ -41,6 +44,7 @@ __all__ = [
     "add_path_arg",
     "age_arg",
     "cache_path",
+    "emit",
     "fmt_age",
     "fmt_bytes",
     "grace_arg",
@@ -48,6 +52,7 @@ __all__ = [
     "not_created_line",
     "plural",
     "print_json",
+    "print_problems",
     "seconds_arg",
     "size_arg",
 ]
@@ -163,6 +168,26 @@ def not_created_line(root: str, nothing: str) -> str:
 
 def print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None) -> int:
+    """The one way a command prints its verb's report: one JSON object (``as_dict``) with ``--json``, else
+    ``text()``. Returns the exit status: ``status`` where given, else 1 when the report found problems."""
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        text()
+    if status is not None:
+        return status
+    return 1 if report.problem_count else 0
+
+
+def print_problems(report: Report) -> None:
+    """A report's problems, one ``problem:`` line each, and how many more were counted than listed."""
+    for item in report.problems:
+        print(f"problem: {item}")
+    if report.problem_count > len(report.problems):
+        print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
 
 
 class Progress:

@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from cuda_program_cas._base.signing import env_signer
-from cuda_program_cas._verbs.publish import check_sources, publish
+from cuda_program_cas._verbs.publish import PublishReport, check_sources, publish
 
-from .main import UsageError, add_json_arg, fmt_bytes, plural, print_json
+from .main import UsageError, add_json_arg, emit, fmt_bytes, plural
 
 __all__ = ["register", "run"]
 
@@ -84,15 +84,16 @@ def run(args: argparse.Namespace) -> int:
         progress=getattr(args, "progress", None),
         init=args.init,
     )
-    if args.json:
-        print_json(report.as_dict())
-        return 1 if report.problem_count else 0
+    return emit(args, report, lambda: _text(report))
+
+
+def _text(report: PublishReport) -> None:
     for line in report.problems:
         print(line)
     if not report.sources:  # --init alone
         made = ("would create" if report.dry_run else "created") if report.created else "found"
         print(f"{made} {'an empty' if report.created else 'the'} store at {report.dest}")
-        return 1 if report.problem_count else 0
+        return
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (
@@ -116,4 +117,3 @@ def run(args: argparse.Namespace) -> int:
     for path in report.packs:
         extras.append(f"pack {path}")
     print(f"{line}; {', '.join(extras)}")
-    return 1 if report.problem_count else 0

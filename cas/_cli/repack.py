@@ -9,7 +9,7 @@ from typing import Any
 from cuda_program_cas._base.errors import CollectorBusyError
 from cuda_program_cas._verbs.repack import RepackReport, check_shared_store, repack
 
-from .main import add_json_arg, fmt_bytes, plural, print_json
+from .main import add_json_arg, emit, fmt_bytes, plural, print_json, print_problems
 
 __all__ = ["register"]
 
@@ -61,16 +61,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(exc)
         return 0
-    if args.json:
-        print_json(report.as_dict())
-    else:
-        for text in report.problems:
-            print(f"problem: {text}")
-        where = report.pack or "no pack (the store is empty)"
-        if report.pack:
-            print(_left(report))
-        print(
-            f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
-            f"({fmt_bytes(report.bytes)}) into {where}; retired {plural(len(report.retired), 'pack')}"
-        )
-    return 1 if report.problem_count else 0
+    return emit(args, report, lambda: _text(report))
+
+
+def _text(report: RepackReport) -> None:
+    print_problems(report)
+    if report.pack:
+        print(_left(report))
+    print(
+        f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
+        f"({fmt_bytes(report.bytes)}) into {report.pack or 'no pack (the store is empty)'}; "
+        f"retired {plural(len(report.retired), 'pack')}"
+    )

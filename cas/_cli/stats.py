@@ -23,7 +23,7 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.stats import stats, zero_counters
 
-from .main import add_json_arg, add_path_arg, fmt_age, fmt_bytes, plural, print_json, size_arg
+from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, size_arg
 
 __all__ = ["register"]
 
@@ -128,12 +128,12 @@ def _entries(info: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.zero:
         return _zero(args.path, args.json)
-    info: dict[str, Any] = stats(args.path, max_size=args.max_size).as_dict()
+    report = stats(args.path, max_size=args.max_size)
+    return emit(args, report, lambda: _text(report.as_dict()))
+
+
+def _text(info: dict[str, Any]) -> None:
     cap = info["max_size_bytes"]
-    status = 1 if info["problem_count"] else 0
-    if args.json:
-        print_json(info)
-        return status
     now = time.time()
 
     def when(iso: str | None) -> str:
@@ -220,4 +220,3 @@ def run(args: argparse.Namespace) -> int:
         + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")
         + (f"; {plural(info['problem_count'], 'file')} could not be read" if info["problem_count"] else "")
     )
-    return status

@@ -7,7 +7,7 @@ from typing import Any
 
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
-from .main import UsageError, add_json_arg, add_path_arg, cache_path, fmt_bytes, not_created_line, plural, print_json
+from .main import UsageError, add_json_arg, add_path_arg, cache_path, emit, fmt_bytes, not_created_line, plural
 
 __all__ = ["register"]
 
@@ -75,9 +75,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
     report = verify(cache_path(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
     args.progress.done()
-    if args.json:
-        print_json(report.as_dict())
-    elif not report.exists:
+    return emit(args, report, lambda: _text(report, args.repair), status=1 if report.unfixed else 0)
+
+
+def _text(report: VerifyReport, repair: bool) -> None:
+    if not report.exists:
         print(not_created_line(report.root, "nothing to check"))
     else:
         for p in report.problems:
@@ -93,6 +95,5 @@ def run(args: argparse.Namespace) -> int:
             )
         print(
             f"checked {entries} and {plural(report.blobs_checked, 'blob')} ({fmt_bytes(report.bytes_checked)})"
-            f"{packed} in {report.elapsed_s:.1f} s: {_tail(report, args.repair)}"
+            f"{packed} in {report.elapsed_s:.1f} s: {_tail(report, repair)}"
         )
-    return 1 if report.unfixed else 0

@@ -191,7 +191,7 @@ class Variant:
         self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
         #: The candidates: paths NVRTC tried before a header it read, which must stay absent (see .shadows).
         self.absent = absent
-        #: :func:`proof_of` the stat data recorded (None in a record written before it was kept).
+        #: :func:`proof_of` the stat data recorded (None when they do not fit 64-bit values).
         self.proof = proof
 
 
