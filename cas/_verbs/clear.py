@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._disk.layout import (
@@ -55,8 +55,6 @@ class ClearReport(Report):
     bytes_after: int = 0
     bytes_freed: int = 0
     elapsed_s: float = 0.0
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
 
 def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> ClearReport:

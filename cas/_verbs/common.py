@@ -136,6 +136,7 @@ def check_blobs(
 MAX_LISTED = 100
 
 
+@dataclasses.dataclass(kw_only=True)
 class Report:
     """The one shape of every verb's report: a dataclass with ``problems`` (a list) and ``problem_count``.
 
@@ -146,8 +147,8 @@ class Report:
     what ``--json`` prints.
     """
 
-    problems: list[Any]
-    problem_count: int
+    problems: list[Any] = dataclasses.field(default_factory=list)
+    problem_count: int = 0
     #: How many problems :meth:`problem` lists one by one (None: every one).
     max_listed: ClassVar[int | None] = MAX_LISTED
 

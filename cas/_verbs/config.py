@@ -132,8 +132,6 @@ class ConfigReport(Report):
     stored: dict[str, int | None] | None = None
     #: Every environment variable the package reads, as read here (none when one setting was asked for).
     variables: list[Reading] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"path": self.path}

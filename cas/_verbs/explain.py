@@ -119,8 +119,6 @@ class ExplainReport(Report):
     #: Misses the journal holds (the ones explained are the last of them).
     recorded: int = 0
     misses: list[MissExplanation] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
     def as_dict(self) -> dict[str, object]:
         out = Report.as_dict(self)

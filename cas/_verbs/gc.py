@@ -106,8 +106,6 @@ class GcReport(Report):
     #: category -> {"count", "bytes"} as planned (see ``CATEGORIES``).
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Problems found that this run did not fix (each one line).
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
     #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
     packs: dict[str, object] = field(default_factory=dict)
 

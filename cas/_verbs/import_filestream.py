@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError
@@ -55,8 +55,6 @@ class ImportReport(Report):
     #: Entries not stored: a shard is a symlink or not a directory, the disk is full, a file was locked.
     dropped: int = 0
     elapsed_s: float = 0.0
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
 
 def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:

@@ -102,18 +102,10 @@ class RepackReport(Report):
     #: When that is with ``gc``'s default (and shortest, for a shared store) grace: ISO 8601, UTC.
     gc_removes_after: str | None = None
     elapsed_s: float = 0.0
-    #: Entries left out because their blob could not be read or was corrupt, and packs that could not be read.
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
-
-    @property
-    def unreadable(self) -> list[str]:
-        """``problems``, by the name this report gave them before every report shared one shape."""
-        return self.problems
 
     def as_dict(self) -> dict[str, object]:
         out = Report.as_dict(self)
-        out["unreadable"] = list(self.problems)  # the key --json has always had
+        out["unreadable"] = list(self.problems)  # what docs/cli.md names them: entries and packs that could not be read
         return out
 
 

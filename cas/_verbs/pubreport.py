@@ -63,8 +63,6 @@ class PublishReport(Report):
     #: Source warm sets that are not whole sets (cut short, garbled, too large): skipped, never copied.
     bad_sets: list[str] = field(default_factory=list)
     #: Problems found in the sources (each left out of the store), one labelled line each.
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """The same as :meth:`as_dict` (the name this report had before every report shared one shape)."""

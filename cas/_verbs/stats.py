@@ -103,8 +103,6 @@ class StatsReport(Report):
     #: key id), ``hits``, ``saved_s`` and ``compile_s``, from the usage ledger (never zeroed).
     busiest: list[dict[str, object]] = field(default_factory=list)
     #: What could not be read, one line each.
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
 
 
 def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = None) -> StatsReport:

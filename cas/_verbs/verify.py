@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from cuda_program_cas._disk.blobs import BlobState, BlobStore
@@ -123,8 +123,6 @@ class VerifyReport(Report):
     packed_entries: int = 0
     pack_bytes: int = 0
     elapsed_s: float = 0.0
-    problems: list[Problem] = field(default_factory=list)
-    problem_count: int = 0
 
     @property
     def unfixed(self) -> int:
