@@ -28,7 +28,6 @@ __all__ = [
     "decode_record",
     "dir_guards",
     "directory_key",
-    "directory_tag",
     "encode_record",
     "encode_variant",
     "guard_dirs",
@@ -133,12 +132,6 @@ def directory_key(path: str) -> DirKey | None:
     if not stat.S_ISDIR(st.st_mode):
         return None
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def directory_tag(path: str) -> str | None:
-    """:func:`directory_key` as a tag; None when it is missing or not a directory."""
-    key = directory_key(path)
-    return None if key is None else stat_tag(key)
 
 
 #: What a missing guard directory (or one that is no directory) adds to a proof: no
