@@ -445,7 +445,7 @@ def test_permission_denied_is_a_miss(tmp_path: Path) -> None:
 def test_shared_from_environment_and_explicit_argument_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "store"
     CacheStore(store).put("k", b"from the shared store")
-    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", str(tmp_path / "absent"), str(store), ""]))
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", ";".join(["", str(tmp_path / "absent"), str(store), ""]))
     from_env = ContentAddressedProgramCache(tmp_path / "a")
     assert from_env.store.inner.shared_paths() == (str(tmp_path / "absent"), str(store))
     assert from_env.get("k") == b"from the shared store"

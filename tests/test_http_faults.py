@@ -39,7 +39,7 @@ import cuda_program_cas._remote.httppacks as http_store
 import cuda_program_cas._store.tier as tier_module
 from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, env_shared
-from cuda_program_cas._base.urls import mend_split
+from cuda_program_cas._base.urls import split_store_list
 from cuda_program_cas._disk.direngine import DirEngine
 from cuda_program_cas._remote import client
 from cuda_program_cas._remote.http import HttpEngine
@@ -1155,7 +1155,7 @@ def test_the_environment_keeps_a_url_whole_between_directories(
     with Site(tmp_path, published.loose) as site:
         url = site.url
         assert url.startswith("http://127.0.0.1:")
-        monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join([str(a), url, str(b)]))
+        monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", " ".join([str(a), url, str(b)]))
         assert env_shared() == [str(a), url, str(b)]
         with ContentAddressedProgramCache(tmp_path / "node", copy_shared_hits=False) as cache:
             stores = cache.store.inner.shared
@@ -1174,7 +1174,7 @@ def test_a_url_with_credentials_or_a_query_is_left_out_with_one_warning(
     secret = "hunter2-pw"
     bad = [f"http://user:{secret}@{host}:8443/store", f"https://{host}/store?sig=abc", f"https://{host}/store#frag"]
     good = [str(tmp_path / "d"), f"https://{host}:8443/store"]
-    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join([good[0], *bad, good[1]]))
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", ";".join([good[0], *bad, good[1]]))
     assert env_shared() == good
     assert env_shared() == good  # read again: no second WARNING
     messages = [r.getMessage() for r in caplog.records if r.name == "cuda_program_cas"]
@@ -1184,7 +1184,11 @@ def test_a_url_with_credentials_or_a_query_is_left_out_with_one_warning(
     assert any("credentials" in m for m in messages) and sum("query or fragment" in m for m in messages) == 2
 
 
-_SEGMENT = st.text(st.characters(blacklist_characters=":\x00/", blacklist_categories=("Cs",)), min_size=1, max_size=8)
+_SEGMENT = st.text(
+    st.characters(blacklist_characters=";|\x00/", blacklist_categories=("Cs", "Cc", "Zs", "Zl", "Zp")),
+    min_size=1,
+    max_size=8,
+)
 _DIRS = st.lists(_SEGMENT, min_size=1, max_size=4).map(lambda s: "/" + "/".join(s))
 _LABEL = st.text("abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=10)
 _HOSTS = st.one_of(
@@ -1207,9 +1211,10 @@ _URLS = st.builds(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.one_of(_DIRS, _URLS), min_size=1, max_size=6))
-def test_mend_split_gives_back_what_was_joined(entries: list[str]) -> None:
-    """Absolute directories without ':' and URLs (with or without user, password, port) survive the split."""
-    assert mend_split(":".join(entries).split(":")) == entries
+def test_a_store_list_splits_back_into_what_was_joined(entries: list[str]) -> None:
+    """Absolute directories (':' in them too) and URLs (with or without user, password, port) survive the split."""
+    assert split_store_list(" ".join(entries)) == entries
+    assert split_store_list(" ; ".join(entries)) == entries
 
 
 # -- laziness and fork, each in a fresh interpreter --------------------------------------------------

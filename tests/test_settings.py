@@ -236,7 +236,7 @@ def test_relative_shared_paths_are_made_absolute_with_one_warning(
     from cuda_program_cas import ContentAddressedProgramCache
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", os.pathsep.join(["", "store-a", str(tmp_path / "b"), ""]))
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SHARED", " ".join(["", "store-a", str(tmp_path / "b"), ""]))
     with caplog.at_level(logging.WARNING, logger="cuda_program_cas"):
         for _ in range(2):
             cache = ContentAddressedProgramCache(tmp_path / "cas")

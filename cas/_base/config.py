@@ -237,8 +237,7 @@ def env_max_size() -> int | None:
 def env_shared() -> list[str] | None:
     """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order; empty parts skipped.
 
-    Whitespace or ``;`` between stores, and ``os.pathsep`` (the older form) inside
-    each part: see :mod:`cuda_program_cas._base.urls` for the rule. Each entry is
+    Whitespace or ``;`` between stores (:mod:`cuda_program_cas._base.urls`). Each entry is
     a directory (made absolute; ``file://`` gives its path) or a store URL
     (checked), with ``|write`` kept where the store is named writable. An entry
     that cannot be used is one WARNING and left out.

@@ -12,18 +12,6 @@ without it a store is read only. Spaces around ``|``, a scheme not in
 :data:`STORE_SCHEMES` (``htp://``) and ``://`` inside a path are refused
 (``ValueError`` naming the entry), never read as a read-only store or as
 relative directories.
-
-The older form, ``os.pathsep`` between stores, is still read inside each part: the
-split is made, then mended. A part that is a scheme followed by a part that
-starts with ``//`` opens a URL; an IPv6 literal (``[::1]``) is joined up to its
-``]``; and a next part that starts with a port number (digits, then ``/`` or
-nothing) is that URL's port when the URL has no path yet. After ``//user``, a
-part with ``@`` before any ``/`` is the password and the host: a URL with
-credentials stays whole, so it is refused whole (HTTP) or kept whole (Redis), and
-its password is never taken for a directory (and logged). So
-``/nfs/store:https://cache.example:8443/store:/scratch/store`` is three stores.
-A directory whose relative name starts with digits and a slash would be read as
-a port: write it ``./8080/store`` (relative names get a WARNING anyway).
 """
 
 from __future__ import annotations
@@ -37,7 +25,6 @@ __all__ = [
     "check_address",
     "is_store_url",
     "join",
-    "mend_split",
     "normalize_store_url",
     "parse_store_entry",
     "scheme_of",
@@ -49,9 +36,7 @@ __all__ = [
 STORE_SCHEMES = ("file", "http", "https", "redis", "rediss")
 #: The schemes of stores reached over a network.
 _URL_SCHEMES = ("http", "https", "redis", "rediss")
-_PORT_PART = re.compile(r"\d+([/|].*)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_SCHEME_WORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: What follows ``|`` to name a store writable.
 WRITABLE = "write"
 _LIST_SEP = re.compile(r"[\s;]+")
@@ -122,19 +107,8 @@ def parse_store_entry(text: str) -> StoreEntry:
 
 
 def split_store_list(text: str) -> list[str]:
-    """The entries of a store list: whitespace or ``;`` between them, and ``os.pathsep`` inside each part.
-
-    Each part is split on ``os.pathsep`` and mended (:func:`mend_split`), so the
-    older form (``/a:https://host:8443/b``) reads as it always did.
-    """
-    import os
-
-    out: list[str] = []
-    for part in _bars_joined(_LIST_SEP.split(text.strip())):
-        mended = [p for p in mend_split(part.split(os.pathsep)) if p]
-        # '://' that no URL took (/nfs/a://b): kept whole, to be refused (check_address), not split into paths.
-        out.extend(mended if "://" not in part or any("://" in p for p in mended) else [part])
-    return out
+    """The entries of a store list: whitespace or ``;`` between them, empty ones skipped."""
+    return [part for part in _bars_joined(_LIST_SEP.split(text.strip())) if part]
 
 
 def _bars_joined(parts: list[str]) -> list[str]:
@@ -150,45 +124,6 @@ def _bars_joined(parts: list[str]) -> list[str]:
         else:
             out.append(part)
     return out
-
-
-def mend_split(parts: list[str]) -> list[str]:
-    """The parts of a ``os.pathsep`` split, with the URLs the split cut put back together."""
-    from urllib.parse import urlsplit  # only where a store list is read: not on a plain cache's path
-
-    out: list[str] = []
-    i = 0
-    while i < len(parts):
-        part = parts[i]
-        # A scheme this package does not know is mended too: the URL is then refused whole (check_address).
-        if _SCHEME_WORD.fullmatch(part) and i + 1 < len(parts) and parts[i + 1].startswith("//"):
-            url = f"{part}:{parts[i + 1]}"
-            i += 2
-            # An IPv6 literal ([::1]) was cut at each of its colons: join up to its "]".
-            while i < len(parts) and "[" in _authority(url) and "]" not in _authority(url):
-                url, i = f"{url}:{parts[i]}", i + 1
-            # "//user" then "password@host...": credentials (refused later, but named whole).
-            if i < len(parts) and "/" not in url.split("//", 1)[1] and "@" in parts[i].split("/", 1)[0]:
-                url, i = f"{url}:{parts[i]}", i + 1
-            # "//host" then "8443/path": the port, when the URL has neither a path nor a port yet.
-            host = _authority(url).rpartition("@")[2]
-            if (
-                i < len(parts)
-                and _PORT_PART.fullmatch(parts[i])
-                and not urlsplit(url).path
-                and ":" not in host.rpartition("]")[2]
-            ):
-                url, i = f"{url}:{parts[i]}", i + 1
-            out.append(url)
-            continue
-        out.append(part)
-        i += 1
-    return out
-
-
-def _authority(url: str) -> str:
-    """The part of ``url`` between ``//`` and the next ``/``."""
-    return url.split("//", 1)[1].split("/", 1)[0]
 
 
 def normalize_store_url(url: str) -> str:

@@ -77,7 +77,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         is ignored.
     shared:
         Paths of read-only shared stores, looked up in order after this cache.
-        When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by ``os.pathsep``).
+        When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by whitespace or ``;``).
     read_only:
         Never write, create, touch or lock anything under ``path``. A write
         (``cache[key] = value``, so ``Program.compile`` on a miss) is dropped and

@@ -2,8 +2,7 @@
 
 The client is urllib3's, imported the first time a store URL is used: a plain local
 cache, or one over NFS, never imports it. :mod:`.client` says how a request is
-made, authenticated, bounded in time and failed; how a store URL is named (and
-survives ``CUDA_PROGRAM_CAS_SHARED``'s ``os.pathsep`` split) is
+made, authenticated, bounded in time and failed; how a store URL is named is
 :mod:`cuda_program_cas._base.urls`. :mod:`.http` is the HTTP engine of a store
 (GET, HEAD, WebDAV ``PUT`` through :mod:`.dav`, ``DELETE``) and :mod:`.httppacks`
 its packs; :mod:`.redis` keeps a store in a Redis database through redis-py,
