@@ -150,25 +150,24 @@ _line = st.tuples(
 Spec = tuple[int, int, int, int]
 
 
-def _forged(truth: dict[str, Line], spec: Spec, older: bool) -> Line:
+def _forged(truth: dict[str, Line], spec: Spec) -> Line:
     kid, copied, made_up, noise = key_id(KEYS[spec[0]]), truth[key_id(KEYS[spec[1]])], spec[2], spec[3]
     digest = digest_of(noise.to_bytes(4, "big")) if made_up & 1 else copied.digest
     size = noise % 9000 if made_up & 2 else copied.size
     pack = (copied.pack or "pack-" + "0" * 16 + "-00000000.cpk") if made_up & 4 else copied.pack
     offset = noise if made_up & 8 or copied.offset is None else copied.offset
     at = noise + 8 if made_up & 16 or copied.at is None else copied.at
-    if made_up & 32 or older:
-        at = None  # a line of an older writer: no index entry named
+    if made_up & 32:
+        at = None  # a pack without its index entry (only pre-release versions wrote one): the set is refused
     return Line(kid, digest, size, pack, offset if pack else None, at if pack else None)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(_line, unique_by=lambda spec: spec[0], max_size=N), st.booleans())
+@given(st.lists(_line, unique_by=lambda spec: spec[0], max_size=N))
 def test_every_lookup_gives_the_keys_own_bytes_or_a_miss_whatever_the_set_says(
-    store: _Store, specs: list[Spec], older: bool
+    store: _Store, specs: list[Spec]
 ) -> None:
-    """``older``: every line as a writer before index places wrote it (a pack and offset, no index entry)."""
-    store.put_set(encode([_forged(store.truth, spec, older) for spec in specs]))  # type: ignore[operator]
+    store.put_set(encode([_forged(store.truth, spec) for spec in specs]))  # type: ignore[operator]
     with tempfile.TemporaryDirectory() as local:
         node = _cold(Path(local) / "node", store.url)
         assert node.inner.warm is not None
@@ -306,14 +305,13 @@ _entry = st.builds(
     st.integers(0, 1 << 40),
     st.one_of(
         st.just(()),
-        st.tuples(st.just("pack-0123456789abcdef-01234567.cpk"), st.integers(0, 1 << 40)),
         st.tuples(st.just("pack-0123456789abcdef-01234567.cpk"), st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
     ),
 )
 
 
 @given(st.lists(_entry, unique_by=lambda e: e.kid, max_size=20))
-def test_a_set_reads_back_as_written_with_or_without_index_places(entries: list[warmset.SetEntry]) -> None:
+def test_a_set_reads_back_as_written(entries: list[warmset.SetEntry]) -> None:
     data = warmset.encode(entries)
     assert warmset.parse(data) == entries
     assert encode([Line(e.kid, e.digest, e.size, e.pack, e.offset, e.at) for e in entries]) == data  # the docs form

@@ -143,9 +143,9 @@ class SetEntry:
     at: int | None = None
 
     def line(self) -> bytes:
-        where = f" {self.pack} {self.offset}" if self.pack is not None and self.offset is not None else ""
-        if where and self.at is not None:
-            where += f" {self.at}"
+        where = ""
+        if self.pack is not None and self.offset is not None and self.at is not None:
+            where = f" {self.pack} {self.offset} {self.at}"
         return f"{self.kid} {self.digest} {self.size}{where}\n".encode()
 
 
@@ -165,16 +165,17 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
     seen: set[str] = set()
     for line in lines:
         fields = line.split(" ")
-        if len(fields) not in (3, 5, 6) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
+        if len(fields) not in (3, 6) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
             return None
         if not all(f.isascii() and f.isdigit() for f in fields[2:3] + fields[4:]):
             return None
         if (len(fields) > 3 and not is_pack_name(fields[3])) or fields[0] in seen:
             return None
         seen.add(fields[0])
-        pack, offset = (fields[3], int(fields[4])) if len(fields) > 3 else (None, None)
-        at = int(fields[5]) if len(fields) == 6 else None
-        out.append(SetEntry(fields[0], fields[1], int(fields[2]), pack, offset, at))
+        if len(fields) == 6:
+            out.append(SetEntry(fields[0], fields[1], int(fields[2]), fields[3], int(fields[4]), int(fields[5])))
+        else:
+            out.append(SetEntry(fields[0], fields[1], int(fields[2])))
     return out
 
 
@@ -182,8 +183,7 @@ def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) 
     """The set to write: ours first, then theirs not ours and not gone, at most :data:`MAX_ENTRIES`; None: nothing new.
 
     Nothing is new when every one of ours is in theirs with the same digest, and
-    the same place where ours names one (a line of an older writer, which names no
-    index entry, is so given one).
+    the same place where ours names one.
     """
     known = {e.kid: e for e in theirs}
     if all((k := known.get(e.kid)) is not None and k.digest == e.digest and (e.pack is None or k == e) for e in ours):
@@ -201,11 +201,10 @@ Where = Callable[[str, str], "Place | None"]
 
 
 def _at(e: SetEntry, place: Place | None) -> SetEntry:
-    """``e`` naming ``place`` (None: no pack)."""
-    if place is None:
+    """``e`` naming ``place`` (None, or an index place not known: no pack, fetched loose)."""
+    if place is None or place[2] < 0:
         return SetEntry(e.kid, e.digest, e.size)
-    pack, offset, at = place
-    return SetEntry(e.kid, e.digest, e.size, pack, offset, at if at >= 0 else None)
+    return SetEntry(e.kid, e.digest, e.size, *place)
 
 
 def placed(entries: Sequence[SetEntry], where: Where) -> list[SetEntry]:
