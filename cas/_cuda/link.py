@@ -41,9 +41,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from blake3 import blake3
-
 from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
@@ -145,7 +144,7 @@ def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
     """Why a successful miss must not be stored: an input file changed, or another backend linked."""
     for path, digest in files.items():
         try:
-            if _digest(_read(path)) != digest:
+            if digest_of(_read(path)) != digest:
                 return f"input file {path} changed while it was linked"
         except OSError:
             return f"input file {path} cannot be read again"
@@ -177,7 +176,7 @@ def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_option
             source = code
         else:
             raise _Unkeyable(f"an input whose code is a {type(code).__name__}")
-        digest = _digest(data)
+        digest = digest_of(data)
         if source:
             files[source] = digest
         h.update(b"\0" + json.dumps([str(code_type), f"{name}", source, len(data), digest]).encode())
@@ -244,10 +243,6 @@ def _backend() -> tuple[str, str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _digest(data: bytes) -> str:
-    return blake3(data).hexdigest()
 
 
 def _object_code(object_code: Any, data: bytes, target_type: str, name: str) -> Any:
