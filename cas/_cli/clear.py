@@ -3,7 +3,8 @@
 It prints :func:`cuda_program_cas.clear`'s report: every manifest, then every blob
 no manifest names, each removal re-checked; what a concurrent writer adds
 meanwhile stays. The lifetime counters, settings and quarantine/ are kept
-(``stats --zero`` zeroes the counters). A shared store is refused as bad usage.
+(``stats --zero`` zeroes the counters). A shared store is refused as bad usage, unless it is
+of an older layout, which is emptied whole and rewritten at the current one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Remove every entry and blob of the local cache at PATH, as ccache -C does. Safe while other "
             "processes use it: what they write meanwhile stays, and their lookups meanwhile are misses. "
-            "The lifetime counters and the stored settings are kept. A shared store is refused."
+            "The lifetime counters and the stored settings are kept. A shared store is refused, unless it is "
+            "of an older layout, which is emptied whole (every other command refuses such a cache)."
         ),
     )
     add_path_arg(p)
