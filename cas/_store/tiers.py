@@ -27,7 +27,7 @@ from cuda_program_cas._base.engine import Engine
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import check_address, parse_store_entry, scheme_of
 
-from .tier import RETRY_S, Tier, ceiling
+from .tier import Tier, ceiling
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -129,16 +129,11 @@ def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
         tier.counters.add("corrupt")
         tier._note("damaged pack", f"{path}: an entry's blob is damaged or unreadable; it is a miss")
 
-    # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
-    # store that worked and is gone later (unmounted) is not a WARNING.
     tier = Tier(
         engine,
         packs=PackSet(root, on_damage=damaged, max_entry=lambda: ceiling(opts.max_entry)),
         writable=writable,
         missing=missing,
-        retry_max_s=RETRY_S,
-        warn_later=False,
-        open_now=True,
         trust=opts.trust,
         max_entry=opts.max_entry,
     )
@@ -161,19 +156,13 @@ def _http(engine: Any, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._remote.httppacks import HttpPacks
 
     packs = HttpPacks(engine, memo_get=opts.memo_get, memo_put=opts.memo_put)
-    # Each check is a request: made at the first lookup, not at open; a dead server is paused from RETRY_S
-    # doubling to RETRY_MAX_S, and said once whenever it first fails.
     tier = Tier(
         engine,
         packs=packs,
         writable=writable,
         missing=lambda: "not a store: no layout.json (404)",
-        warn_later=True,
         trust=opts.trust,
         max_entry=opts.max_entry,
-        server=True,
-        layout_once=True,
-        key_list=True,
     )
     packs.report = tier
     return tier
@@ -186,10 +175,8 @@ def _redis_engine(address: str, opts: Options) -> Engine:
 
 
 def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
-    # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
-    return Tier(
-        engine, writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry, key_list=True
-    )
+    # Redis evicts keys on its own (allkeys-lru, docs/redis.md): its record says so (an empty store needs no layout).
+    return Tier(engine, writable=writable, trust=opts.trust, max_entry=opts.max_entry)
 
 
 @dataclass(frozen=True)
