@@ -31,7 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
@@ -227,9 +227,12 @@ class DirEngine:
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:
         path = self._vetted(name)
-        body: bytes | list[bytes] = data if isinstance(data, bytes) else list(iter(lambda: data.read(_CHUNK), b""))
+        body: bytes | Iterator[bytes] = data if isinstance(data, bytes) else iter(lambda: data.read(_CHUNK), b"")
+        # A file (a pack) is copied in chunks, and fsynced where the modes say so; bytes (loose files) are made
+        # durable once per phase (sync).
+        fsync = not isinstance(data, bytes) and self.modes is not None and self.modes.fsync
         try:
-            if not self.writer().write_file(path, body):
+            if not self.writer(fsync=fsync).write_file(path, body):
                 raise StoreFailure(path, "dropped", "the write was dropped (a shard is not a directory)", outage=False)
         except OSError as exc:
             raise _failure(path, exc) from None

@@ -36,7 +36,7 @@ from blake3 import blake3
 from .files import READ_FLAGS
 from .pack import PackEntry, PackError, PackReader, list_packs
 
-__all__ = ["SUMMARY", "PackSummary", "PackedEntry"]
+__all__ = ["MAX_SUMMARY_BYTES", "SUMMARY", "PackSummary", "PackedEntry", "encode_summary", "parse_summary"]
 
 _log = logging.getLogger("cuda_program_cas")
 #: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
@@ -47,7 +47,7 @@ _HEAD = struct.Struct("<8sIII")
 _NAME = struct.Struct("<H")
 _ENTRY = struct.Struct("<I32s32sQQQQ")
 #: A summary larger than this is not read (1.8 M entries): a damaged size cannot ask for all memory.
-_MAX_BYTES = 256 << 20
+MAX_SUMMARY_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +127,12 @@ class PackSummary:
             return
         path = os.path.join(self.packs_dir, SUMMARY)
         try:
-            self.current = write_file(path, [_encode(self._by_pack)])
+            self.current = write_file(path, [encode_summary(self._by_pack)])
         except OSError as exc:
             _log.debug("cuda-program-cas: %s not written: %s", path, exc)
 
 
-def _encode(by_pack: dict[str, list[PackEntry]]) -> bytes:
+def encode_summary(by_pack: dict[str, list[PackEntry]]) -> bytes:
     names = [os.path.basename(p).encode() for p in by_pack]
     parts = [_HEAD.pack(_MAGIC, _VERSION, len(names), sum(len(e) for e in by_pack.values()))]
     parts += [_NAME.pack(len(n)) + n for n in names]
@@ -152,11 +152,16 @@ def _read_summary(path: str) -> dict[str, list[PackEntry]]:
         return {}
     try:
         size = os.fstat(fd).st_size
-        data = os.pread(fd, size, 0) if size <= _MAX_BYTES else b""
+        data = os.pread(fd, size, 0) if size <= MAX_SUMMARY_BYTES else b""
     except OSError:
         return {}
     finally:
         os.close(fd)
+    return parse_summary(data)
+
+
+def parse_summary(data: bytes) -> dict[str, list[PackEntry]]:
+    """Pack name -> entries, from the bytes of a summary; empty when they are not one."""
     body = data[:-32]
     if len(data) < _HEAD.size + 32 or blake3(body).digest() != data[-32:]:
         return {}
