@@ -15,10 +15,11 @@ declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publi
   pack's copy of an entry's blob hashes right (once per entry per run), so an entry
   damaged in its pack is published again. A remote store's copies are not hashed
   here (that would download every pack): ``verify`` where its files are hashes them.
-- :meth:`StorePacks.write`: one new pack, built in a temp file (one blob in memory
-  at a time), put (a directory: through its writer, fsynced when the run is), read
-  back by its size and its last bytes where a put is no proof (one ranged read: the
-  trailer a node reads first), then listed: where the engine lists, ``packs/list`` is
+- :meth:`StorePacks.write`: one new pack (one blob in memory at a time): where a put
+  is its own proof (a directory), streamed into the engine as it is produced (its
+  writer: the store's ``tmp/``, fsynced when the run is, renamed) and its index read
+  back; elsewhere built in a temp file, put, and read back by its size and its last
+  bytes (one ranged read: the trailer a node reads first). Then it is listed: where the engine lists, ``packs/list`` is
   written from the listing at :meth:`StorePacks.finish`; elsewhere its name is added
   to ``packs/list`` at once, which is read again until it shows the name (another
   publisher may have written it at the same moment). A store that holds less than
@@ -31,10 +32,11 @@ declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publi
 
 from __future__ import annotations
 
+import io
 import logging
 import tempfile
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Iterable, Sequence
+from typing import IO, Any, cast
 
 from blake3 import blake3
 
@@ -129,18 +131,29 @@ class StorePacks:
     def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
         """Store one new pack of ``inputs`` and list it (module docstring); where it is (None: nothing to pack)."""
         name = pack_name()
-        with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:
-            for chunk in pack_chunks(inputs, stats):
-                f.write(chunk)
-            if not stats.get("entries"):
+        relative = f"packs/{name}"
+        if self.engine.can.puts_proven:
+            # Streamed as it is produced (a directory: into the store's tmp/, then renamed), its index read back.
+            self.engine.put(relative, cast("IO[bytes]", _Produced(pack_chunks(inputs, stats))))
+            index = self._pack_index(name, bound=False) if stats.get("entries") else None
+            if index is None:
+                self.engine.remove(relative)  # nothing packed, or not readable back: never listed
+                if stats.get("entries"):
+                    raise StoreFailure(self._at(relative), "damaged", "the pack just written reads back as none")
                 return None
-            size = f.tell()
-            f.flush()
-            f.seek(0)
-            answer = self.engine.put(f"packs/{name}", f)
-            if not self.engine.can.puts_proven:
-                self._check_tail(f"packs/{name}", f, size, answer)  # before anything lists it
-            written = _index_of(name, f, size)
+            written = [e for e in map(index.find_key, index.key_ids()) if e is not None]
+        else:
+            with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:  # its size and tail, for the read-back
+                for chunk in pack_chunks(inputs, stats):
+                    f.write(chunk)
+                if not stats.get("entries"):
+                    return None
+                size = f.tell()
+                f.flush()
+                f.seek(0)
+                answer = self.engine.put(relative, f)
+                self._check_tail(relative, f, size, answer)  # before anything lists it
+                written = _index_of(name, f, size)
         if self._lists is None:
             self._list_pack(name)
         elif self._by_pack is not None:
@@ -259,8 +272,11 @@ class StorePacks:
 
     # -- one pack ---------------------------------------------------------------------------
 
-    def _pack_index(self, name: str) -> PackIndex | None:
-        """The index of the pack ``name``: its trailer, then its index, each one ranged read; None when it is gone."""
+    def _pack_index(self, name: str, *, bound: bool = True) -> PackIndex | None:
+        """The index of the pack ``name``: its trailer, then its index, each one ranged read; None when it is gone.
+
+        ``bound=False``: a pack this run wrote, whose index is not bounded by the ceiling for an entry.
+        """
         relative = f"packs/{name}"
         tail = self._reads.get_tail(relative, TRAILER_SIZE)
         if tail is None:
@@ -269,7 +285,7 @@ class StorePacks:
         try:
             # The trailer's count and the size the store gives decide nothing: an index
             # longer than any entry may be is refused before it is read.
-            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size())
+            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size() if bound else None)
             raw = self._reads.get_range(relative, offset, length)
             return None if raw is None else PackIndex(name, size, trailer, raw)
         except (PackError, StoreFailure) as exc:
@@ -293,6 +309,28 @@ class StorePacks:
             raise not_stored(self._at(relative), answer, size, total, hint=hint)
         if held != tail:
             raise not_stored(self._at(relative), answer, size, total, hint=hint, other=True)
+
+
+class _Produced(io.RawIOBase):
+    """Chunks as they are produced, read as a file from its start (a pack streamed into a directory's writer)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = iter(chunks)
+        self._left = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(buffer), len(self._left))
+        buffer[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
 
 
 def _index_of(name: str, data: IO[bytes], size: int) -> list[PackEntry]:
