@@ -128,17 +128,20 @@ class StorePacks:
             known = self._ok[where] = data is not None and blake3(data).hexdigest() == e.digest
         return known
 
-    def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """Store one new pack of ``inputs`` and list it (module docstring); where it is (None: nothing to pack)."""
+    def write(self, inputs: Sequence[PackInput], stats: dict[str, int], *, empty: bool = False) -> str | None:
+        """Store one new pack of ``inputs`` and list it (module docstring); where it is (None: nothing to pack).
+
+        ``empty``: a pack of no entries is stored too (a repack that dropped every entry still replaces its packs).
+        """
         name = pack_name()
         relative = f"packs/{name}"
         if self.engine.can.puts_proven:
             # Streamed as it is produced (a directory: into the store's tmp/, then renamed), its index read back.
             self.engine.put(relative, cast("IO[bytes]", _Produced(pack_chunks(inputs, stats))))
-            index = self._pack_index(name, bound=False) if stats.get("entries") else None
+            index = self._pack_index(name, bound=False) if stats.get("entries") or empty else None
             if index is None:
                 self.engine.remove(relative)  # nothing packed, or not readable back: never listed
-                if stats.get("entries"):
+                if stats.get("entries") or empty:
                     raise StoreFailure(self._at(relative), "damaged", "the pack just written reads back as none")
                 return None
             written = [e for e in map(index.find_key, index.key_ids()) if e is not None]
@@ -146,7 +149,7 @@ class StorePacks:
             with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:  # its size and tail, for the read-back
                 for chunk in pack_chunks(inputs, stats):
                     f.write(chunk)
-                if not stats.get("entries"):
+                if not stats.get("entries") and not empty:
                     return None
                 size = f.tell()
                 f.flush()
