@@ -51,6 +51,7 @@ class Made:
     reads (``engine`` itself where it writes; the served folder for a read-only server).
     ``read``/``write``: the store's address for a node that reads it, and for publish and
     write-back (``write`` without ``|write``). ``packs``: whether publish packs there.
+    ``down``: stops the store's server (None: there is none, a directory).
     """
 
     engine: Engine
@@ -58,6 +59,7 @@ class Made:
     read: str
     write: str
     packs: bool = True
+    down: Callable[[], None] | None = None
 
     @property
     def writable(self) -> bool:
@@ -75,14 +77,15 @@ def _directory(tmp: Path) -> Iterator[Made]:
 @contextmanager
 def _http_read_only(tmp: Path) -> Iterator[Made]:
     with nginx_or_skip(tmp / "nginx", tmp / "served") as server:
-        yield Made(HttpEngine(server.read_url("")), DirEngine(str(server.root)), server.read_url(""), str(server.root))
+        engine, seed = HttpEngine(server.read_url("")), DirEngine(str(server.root))
+        yield Made(engine, seed, server.read_url(""), str(server.root), down=server.stop)
 
 
 @contextmanager
 def _http_dav(tmp: Path) -> Iterator[Made]:
     with nginx_or_skip(tmp / "nginx", tmp / "served") as server:
         engine = HttpEngine(server.dav_url(""))
-        yield Made(engine, engine, server.dav_url(""), server.dav_url(""))
+        yield Made(engine, engine, server.dav_url(""), server.dav_url(""), down=server.stop)
 
 
 @contextmanager
@@ -90,7 +93,8 @@ def _redis(tmp: Path) -> Iterator[Made]:
     server = redis_or_skip(tmp / "redis")
     try:
         engine = RedisEngine(server.url)
-        yield Made(engine, engine, server.url, server.url, packs=False)  # loose entries only (docs/redis.md)
+        # Loose entries only (docs/redis.md).
+        yield Made(engine, engine, server.url, server.url, packs=False, down=server.stop)
         engine.close()
     finally:
         server.stop()
@@ -182,6 +186,21 @@ def test_bytes_that_do_not_hash_to_the_digest_asked_are_damage(made: Made) -> No
     with pytest.raises(StoreFailure) as caught:
         made.engine.get("blobs/dd/liar", limit=100, digest=digest_of(b"other bytes"))
     assert (caught.value.kind, caught.value.outage) == ("damaged", False)
+
+
+def test_a_store_whose_server_is_down_is_an_outage_not_a_miss(made: Made) -> None:
+    if made.down is None:
+        pytest.skip("no server: a directory that is gone is a missing object, and its tier checks the layout")
+    made.seed.put("index/ee/there", b"x")
+    made.down()
+    for call in (
+        lambda: made.engine.get("index/ee/there", limit=10),
+        lambda: made.engine.get_many(["index/ee/there"], limit=10),
+        lambda: made.engine.size("index/ee/there"),
+    ):
+        with pytest.raises(StoreFailure) as caught:
+            call()
+        assert caught.value.outage is True
 
 
 def test_put_many_never_shows_a_later_object_before_an_earlier_one(made: Made) -> None:
@@ -313,8 +332,10 @@ def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
     warm = node.inner.warm
     assert warm is not None and warm.join(30)
     # A packed entry is fetched by the place in its pack that the set's line names, which a writer knows where it
-    # reads the packs' indexes by ranges (a remote store); elsewhere the line is a key only, and its lookup finds it.
-    fetches = not pack or (open_engine(made.write).can.remote and open_engine(made.write).can.ranges)
+    # reads the packs' indexes by ranges (a remote store), with several ranges in one request; elsewhere the line is a
+    # key only, and its lookup finds it.
+    wrote, reads = open_engine(made.write).can, made.engine.can
+    fetches = not pack or (wrote.remote and wrote.ranges and reads.multi_range)
     if fetches:
         assert warm.fetched == len(used) and node.stats().entries == len(used)  # each verified into the local cache
     assert {k: node.get(k) for k in used} == {k: value(int(k[1:])) for k in used}
