@@ -175,7 +175,8 @@ class HttpEngine:
     def get_range(self, name: str, offset: int, length: int) -> bytes | None:
         from .dav import fetch_range
 
-        self.requests += 1
+        if length:  # nothing is asked for no bytes
+            self.requests += 1
         return self._counted(lambda: fetch_range(join(self.root, name), offset, length))
 
     def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
