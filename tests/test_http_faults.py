@@ -279,13 +279,13 @@ def test_an_outage_is_a_miss_then_a_pause(
     with Site(tmp_path, getattr(published, layout)) as site, node(tmp_path, site.url) as cache:
         site.set(where, fault)
         assert cache.get("k0") is None
-        made = http_of(cache).requests
+        made = http_of(cache).engine.requests
         assert site.server.wait_for(made)  # a request the client gave up on may be logged after
         asked = site.hits
         for key in published.values:  # paused: no request at all
             assert cache.get(key) is None
         compiles_right(cache, published)
-        assert (http_of(cache).requests, site.hits) == (made, asked)
+        assert (http_of(cache).engine.requests, site.hits) == (made, asked)
         counts = cache.counters()
         assert (counts["errors"], counts["corrupt"], counts["shared_hits"]) == (1, 0, 0)
         (warning,) = warnings_about(caplog, site.url)
@@ -381,7 +381,7 @@ def test_an_outage_costs_one_connection_not_one_per_lookup(tmp_path: Path, publi
                 assert cache.get(key) is None
         for _ in range(3):
             assert bytes(compile_program(cache=cache).code) == published.saxpy
-        assert http_of(cache).requests == 1
+        assert http_of(cache).engine.requests == 1
         assert site.server.wait_for(1)  # the request the client gave up on may be logged after
         assert (site.server.connections, site.hits) == (1, 1)
         assert cache.counters()["errors"] == 1
@@ -494,7 +494,7 @@ def test_threads_meeting_one_outage_pay_once_each_and_count_as_one_failure(
         assert not any(t.is_alive() for t in threads)
         # Each thread asked once at most (the server may see fewer: its listen backlog is 5, and
         # a connection still waiting in it when the connect timeout passes never arrives).
-        assert 1 <= http_of(cache).requests <= len(threads)
+        assert 1 <= http_of(cache).engine.requests <= len(threads)
         assert site.hits <= site.server.connections <= len(threads)
         asked = site.hits
         site.server.clear()
@@ -548,11 +548,11 @@ def test_a_server_holding_back_any_part_of_its_answer_is_cut_off_at_the_deadline
         assert took < bound + SLACK_S, (took, bound)
         (warning,) = warnings_about(caplog, site.url)
         assert "timeout" in warning, warning
-        made = http_of(cache).requests
+        made = http_of(cache).engine.requests
         for key in published.values:  # paused: no request
             assert cache.get(key) is None
         compiles_right(cache, published)
-        assert http_of(cache).requests == made
+        assert http_of(cache).engine.requests == made
 
 
 @pytest.mark.slow
@@ -570,7 +570,7 @@ def test_a_tls_handshake_trickled_a_byte_at_a_time_is_cut_off(
             assert data is None
             assert took < client.deadline_for(4096) + SLACK_S, took  # layout.json: 4 KiB at most
             assert cache.get("k1") is None
-            assert http_of(cache).requests == 1
+            assert http_of(cache).engine.requests == 1
             (warning,) = warnings_about(caplog, http_of(cache).root)
             assert "timeout" in warning, warning
 
@@ -756,7 +756,7 @@ def test_a_layout_json_too_large_damaged_or_not_a_store_pauses_the_store(
             site.set("layout.json", fault)
         for i in range(40):
             assert cache.get(f"k{i % len(published.values)}") is None
-        assert (site.hits, http_of(cache).requests) == (1, 1)
+        assert (site.hits, http_of(cache).engine.requests) == (1, 1)
         assert http_of(cache).miss_reason().startswith("store not usable: not a store")
         clock.advance(RETRY_S)
         assert cache.get("k0") is None
@@ -920,7 +920,7 @@ def test_tls_without_the_ca_is_a_miss_with_one_warning(
         assert cache.get("k1") is None
         compiles_right(cache, published)
         assert cache.counters()["errors"] == 1
-        assert http_of(cache).requests == 1  # then paused
+        assert http_of(cache).engine.requests == 1  # then paused
         (warning,) = warnings_about(caplog, url)
         assert "tls" in warning and "unable to get local issuer certificate" in warning, warning
         assert server.requests() == []  # the handshake failed: no request was made
@@ -947,7 +947,7 @@ def test_tls_with_an_expired_or_wrong_host_certificate_is_a_miss_with_the_ca_tru
             assert cache.get("k0") is None
             assert cache.get("k1") is None
             compiles_right(cache, published)
-            assert (cache.counters()["errors"], http_of(cache).requests) == (1, 1)
+            assert (cache.counters()["errors"], http_of(cache).engine.requests) == (1, 1)
         (warning,) = warnings_about(caplog, url)
         assert "tls" in warning and BAD_CERTIFICATES[certificate] in warning, warning
         assert server.requests() == []

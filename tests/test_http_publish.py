@@ -360,18 +360,18 @@ def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
     sources: Sources, nginx: Nginx, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from cuda_program_cas._disk.pack import encode_listing
-    from cuda_program_cas._remote import davpacks as verb
+    from cuda_program_cas._remote.http import HttpEngine
 
     url, store = nginx.dav_url("store"), nginx.root / "store"
     assert publish_json(capsys, "--pack", str(sources.a), url)[0] == 0
     settled(nginx)
     older = parse_listing((store / "packs" / "list").read_bytes())
     assert older is not None
-    real_put = verb.put
+    real_put = HttpEngine.put
 
-    def put_then_lose_it(target: str, data: object, **kw: object) -> int:
-        status = real_put(target, data, **kw)  # type: ignore[arg-type]
-        if target.endswith("/packs/list") and not lost:
+    def put_then_lose_it(engine: HttpEngine, name: str, data: bytes) -> str:
+        status = real_put(engine, name, data)
+        if name == "packs/list" and not lost:
             # Another publisher read the listing before this PUT and writes it now, with its own pack only.
             lost.append(True)
             (store / "tmp-list").write_bytes(encode_listing([*older, "pack-0000000000000001-00000000.cpk"]))
@@ -379,7 +379,7 @@ def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
         return status
 
     lost: list[bool] = []
-    monkeypatch.setattr(verb, "put", put_then_lose_it)
+    monkeypatch.setattr(HttpEngine, "put", put_then_lose_it)
     status, report = publish_json(capsys, "--pack", str(sources.b), url)
     assert status == 0 and lost
     ours = report["packs"][0].rsplit("/", 1)[1]

@@ -53,7 +53,7 @@ _NODE = textwrap.dedent(
     got = {k: node.get(k) for k in spec["keys"]}
     print(json.dumps({
         "found": {k: None if v is None else v.hex() for k, v in got.items()},
-        "requests": node.inner.shared[0].requests,
+        "requests": node.inner.shared[0].engine.requests,
         "counters": node.counters(),
     }))
     """
@@ -172,7 +172,7 @@ def test_a_repack_on_the_server_keeps_every_key_readable(server, tmp_path: Path)
     assert all(reader.get(f"b{i}") == value(i, "b") for i in range(N))
     fresh = CacheStore(tmp_path / "node2", shared=[url])
     assert all(fresh.get(f"b{i}") == value(i, "b") for i in range(N))
-    assert fresh.inner.shared[0].requests == 4 + N  # the new listing names one pack
+    assert fresh.inner.shared[0].engine.requests == 4 + N  # the new listing names one pack
 
 
 def test_program_compile_hits_a_store_served_over_http_with_identical_bytes(server, tmp_path: Path) -> None:

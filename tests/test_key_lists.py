@@ -7,6 +7,7 @@ Redis's own INFO commandstats; real delays come from the tests' forwarder
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from collections.abc import Iterator
@@ -61,10 +62,10 @@ def test_over_http_a_key_the_list_lacks_is_a_miss_with_no_request(served: Nginx,
     node = CacheStore(tmp_path / "node", shared=[served.read_url("")])
     assert node.get("k1") == value(1)  # layout.json, packs/list, the key list, then its manifest and blob
     tier = node.inner.shared[0]
-    before = tier.requests
+    before = tier.engine.requests
     served.reset_log()
     assert all(node.get(f"absent{i}") is None for i in range(20))
-    assert tier.requests == before and served.requests() == []
+    assert tier.engine.requests == before and served.requests() == []
     assert node.counters()["listed_misses"] == 20 and tier.miss_reason() == "not in the store's key list"
     assert node.get("k2") == value(2)  # a listed key is asked as always
     assert [e.uri.rsplit("/", 3)[-3] for e in served.requests(wait_for=2)] == ["index", "blobs"]
@@ -255,7 +256,10 @@ def test_no_listed_key_is_ever_reported_missing(listed: list[str], others: list[
         engine = DirEngine(where)
         assert keylist.merge_into(engine, dict.fromkeys(map(keylist.number, others), 1))
         assert keylist.merge_into(engine, dict.fromkeys(map(keylist.number, listed), 0))
-        tier = Tier(DirEngine(where), key_list=True, open_now=True)
+        read = DirEngine(where)
+        read.can = dataclasses.replace(read.can, remote=True)  # read as a remote store is: through its key list
+        tier = Tier(read)
+        assert tier.keys is not None
         for kid in listed + others:
             assert tier.lookup(kid) is None  # no entry: asked, a plain miss
             assert tier.miss_reason() == "no entry"

@@ -50,15 +50,15 @@ def child_env() -> dict[str, str]:
 #: A repack that stops while it writes its pack (holding the lock) until the parent says go on stdin.
 _HELD_REPACK = r"""
 import sys
-import cuda_program_cas._verbs.packs as R
+from cuda_program_cas._disk.packpublish import StorePacks as R
 from cuda_program_cas._cli.main import main
-orig = R.write_pack
-def write_pack(*args, **kwargs):
+orig = R.write
+def write(*args, **kwargs):
     print("writing", flush=True)
     if sys.stdin.readline() != "go\n":
         sys.exit("the parent gave up")
     return orig(*args, **kwargs)
-R.write_pack = write_pack
+R.write = write
 sys.exit(main(["repack", sys.argv[1]]))
 """
 

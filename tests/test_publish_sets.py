@@ -165,7 +165,7 @@ def test_publish_pack_over_webdav_names_the_pack_and_offsets_and_a_cold_node_mak
     ]
     assert log[2].range.count(",") >= 2  # one request, several ranges
     packed = HTTP_WARM_REQUESTS["packed"]
-    assert node.inner.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 == 3
+    assert node.inner.shared[0].engine.requests == packed["fixed"] + packed["per_pack"] * 1 == 3
     # Publishing again writes nothing new: no PUT, no MKCOL.
     served.reset_log()
     again = publish([staged], served.dav_url(""), pack=True)
@@ -182,7 +182,7 @@ def test_publish_over_webdav_loose_gives_a_set_of_parallel_gets_and_no_lookup_af
     got, node = _cold(tmp_path / "cold", served.read_url(""), USED)
     assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
     loose = HTTP_WARM_REQUESTS["loose"]
-    assert node.inner.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(USED)
+    assert node.inner.shared[0].engine.requests == loose["fixed"] + loose["per_hit"] * len(USED)
 
 
 # -- what is copied, and what is refused ---------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_repack_rewrites_a_set_of_loose_entries_to_the_new_pack_one_request_for_
         got, node = _cold(tmp_path / "cold", server.read_url(""), USED)
         assert got == values(USED) and node.inner.warm is not None and node.inner.warm.fetched == len(USED)
         assert [e.uri.split("/store/", 1)[1] for e in server.requests(wait_for=3)][-1] == f"packs/{name}"
-        assert node.inner.shared[0].requests == 3
+        assert node.inner.shared[0].engine.requests == 3
         # A second repack retires that pack: the set follows the entries into the newer one.
         second = repack(staged)
         assert second.pack is not None

@@ -97,7 +97,7 @@ def failure_of(call: Any, *args: Any, **kw: Any) -> tuple[StoreFailure, float]:
 
 def test_every_method_over_a_real_server(server: RedisServer, make: Any, prefix: str, tmp_path: Path) -> None:
     e = make(server.url)
-    assert e.can_lease is True
+    assert e.can.leases is True
     assert e.get("index/ab/cd", limit=100) is None
     assert e.size("index/ab/cd") is None
     e.put("index/ab/cd", b"manifest\r\n$-1\r\n")  # RESP's own bytes in a value are just bytes

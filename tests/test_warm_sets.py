@@ -221,9 +221,10 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
     ]
     # One request for several ranges (entries that touch in the pack asked as one), less than the pack.
     assert log[2].range.count(",") >= 2 and log[2].body_bytes < (served.root / "packs" / pack).stat().st_size
-    assert node.inner.shared[0].requests == 3
+    assert node.inner.shared[0].engine.requests == 3
     packed = HTTP_WARM_REQUESTS["packed"]  # the cold-start model's constants are these counts
-    assert node.inner.shared[0].requests == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
+    made = node.inner.shared[0].engine.requests
+    assert made == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
 
 
 def test_a_lookup_that_missed_locally_just_before_its_entry_was_kept_finds_it_local_with_no_request(
@@ -235,10 +236,10 @@ def test_a_lookup_that_missed_locally_just_before_its_entry_was_kept_finds_it_lo
     node = CacheStore(tmp_path / "b", shared=[served.read_url("")])
     warm = node.inner.warm
     assert warm is not None and warm.join(30) and warm.fetched == len(used)
-    before = node.inner.shared[0].requests
+    before = node.inner.shared[0].engine.requests
     found = node._find_shared(key_id(used[0]), None)  # what CacheStore.get does after its local miss
     assert found is not None and found[0] == value(0, 8000)
-    assert node.inner.shared[0].requests == before  # found local, not asked of the store again
+    assert node.inner.shared[0].engine.requests == before  # found local, not asked of the store again
     node.close()
 
 
@@ -254,7 +255,8 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
         with _OneRange(tmp_path / "one", root).start() as one:
             one.reset_log()
             got, node = _cold(tmp_path / "b", one.read_url(""), used)
-            statuses = [(e.status, e.range.count(",")) for e in one.requests(wait_for=node.inner.shared[0].requests)]
+            made = node.inner.shared[0].engine.requests
+            statuses = [(e.status, e.range.count(",")) for e in one.requests(wait_for=made)]
             assert statuses[2][0] == 200 and statuses[2][1] >= 2  # the whole pack, not the ranges: refused (too long)
     else:
         proc = subprocess.Popen(
@@ -285,7 +287,7 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
     not_fetched = len(used) - node.inner.warm.fetched
     assert node.counters()["shared_hits"] >= not_fetched
     # The ordinary way: the listing, the pack's trailer and index, one range per entry (after layout, set, refused).
-    assert node.inner.shared[0].requests == 3 + 3 + not_fetched
+    assert node.inner.shared[0].engine.requests == 3 + 3 + not_fetched
 
 
 def _cold(local: Path, url: str, keys: list[str]) -> tuple[dict[str, bytes | None], CacheStore]:
@@ -301,12 +303,12 @@ def test_a_loose_store_gives_a_set_by_parallel_gets(served: Nginx, tmp_path: Pat
     served.reset_log()
     got, node = _cold(tmp_path / "b", served.read_url(""), keys)
     assert got == {k: value(int(k[1:])) for k in keys}
-    assert node.inner.shared[0].requests == 2 + 2 * len(
+    assert node.inner.shared[0].engine.requests == 2 + 2 * len(
         keys
     )  # layout, set, a manifest and a blob each: no lookup after
     loose = HTTP_WARM_REQUESTS["loose"]
-    assert node.inner.shared[0].requests == loose["fixed"] + loose["per_hit"] * len(keys)
-    log = served.requests(wait_for=node.inner.shared[0].requests)
+    assert node.inner.shared[0].engine.requests == loose["fixed"] + loose["per_hit"] * len(keys)
+    log = served.requests(wait_for=node.inner.shared[0].engine.requests)
     assert 1 < len({e.connection for e in log}) <= client.PARALLEL
 
 

@@ -61,7 +61,7 @@ def test_a_new_entry_reaches_nginx_blob_then_manifest_and_another_node_hits_it(
     with ContentAddressedProgramCache(tmp_path / "b", shared=[nginx.read_url("cas")]) as other:
         assert bytes(compile_program(SAXPY, cache=other).code) == code
         assert other.stats().shared_hits == 1
-        assert other.store.inner.shared[0].requests == 5
+        assert other.store.inner.shared[0].engine.requests == 5
     assert compiles.count == 1
     read = settled(nginx)
     assert [p for p, _ in _paths(read, "GET")] == [
@@ -104,7 +104,7 @@ def test_the_engine_puts_gets_sizes_and_removes_by_webdav(nginx: Nginx) -> None:
     data = b"a blob" * 1000
     digest = digest_of(data)
     name = url_path(BLOBS, digest)
-    assert (engine.shown, engine.can_lease) == (nginx.dav_url("cas"), False)
+    assert (engine.shown, engine.can.leases) == (nginx.dav_url("cas"), False)
     assert engine.get(name, limit=len(data)) is None and engine.size(name) is None
     engine.put(name, data)
     assert (nginx.root / "cas" / name).read_bytes() == data

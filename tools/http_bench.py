@@ -61,7 +61,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if any(v is not None for v in found):
             raise RuntimeError("an outage answered")
-        return {"elapsed_s": elapsed, "counters": store.counters(), "requests": store.inner.shared[0].requests}
+        return {"elapsed_s": elapsed, "counters": store.counters(), "requests": store.inner.shared[0].engine.requests}
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache

@@ -28,17 +28,34 @@ Rules every engine keeps:
   a claim, which an uploader reads back (:mod:`cuda_program_cas._store.upload`).
 - A password or token never appears in ``shown`` or in any message.
 
-An engine may also answer a conditional read, ``get_changed(name, limit=, tag=)``
-(:class:`ConditionalGet`: HTTP by ``If-None-Match``, Redis by a script that compares
-a hash): None when the object is still the one ``tag`` names, else ``(bytes or None
-when there is none, its new tag)``. An engine without it is read whole each time.
+What an engine can do besides is declared once, in its :class:`Abilities` record
+(``engine.can``), and nowhere else: no attribute probes. Each optional ability is a
+typed interface reached through one accessor that the record decides
+(:func:`ranged`, :func:`conditional`, :func:`creates`, :func:`listing`,
+:func:`leases`: the interface, or None where the record denies it); an engine
+implements the methods of exactly the abilities it declares.
+
+- :class:`Ranged` (``ranges``): part of an object, from an offset or its end
+  (HTTP by ``Range``, a directory by ``pread``); a pack's entry without the pack.
+- ``multi_range``: several ranges of an object in one request (a multipart answer,
+  HTTP); the store's packs use it for a warm set's batch.
+- :class:`ConditionalGet` (``conditional_get``): None when the object is still the
+  one ``tag`` names, else ``(bytes or None when there is none, its new tag)`` (HTTP
+  by ``If-None-Match``, Redis by a script that compares a hash). Without it an object
+  is read whole each time.
+- :class:`Creates` (``conditional_create``): put only where there is no such object
+  (Redis ``SET NX``); a second create of one name fails.
+- :class:`Listing` (``listing``): the names of a folder's objects (a directory).
+- :class:`Leases` (``leases``): a lease with a TTL, given back however its holder died
+  (Redis); without it, per-node claims.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import IO, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import IO, Protocol, TypeVar, cast
 
 from blake3 import blake3
 
@@ -47,13 +64,23 @@ from .errors import CacheError
 __all__ = [
     "LEASE_MARK",
     "LOCAL",
+    "Abilities",
     "ConditionalGet",
+    "Creates",
     "Engine",
     "Landing",
+    "Leases",
+    "Listing",
+    "Ranged",
     "StoreFailure",
     "check_digest",
+    "conditional",
+    "creates",
+    "leases",
     "limits_of",
+    "listing",
     "not_stored",
+    "ranged",
 ]
 
 _Bytes = TypeVar("_Bytes", bound="bytes | memoryview")
@@ -180,21 +207,54 @@ def limits_of(names: Sequence[str], limit: int | Sequence[int]) -> list[int]:
     return limits
 
 
+@dataclass(frozen=True)
+class Abilities:
+    """What one engine can do, and how the store above treats it: its ``can`` (module docstring).
+
+    The first six are optional abilities, each with its interface and accessor; the
+    rest say how the engine's answers and writes behave. Every field is False unless
+    an engine declares it.
+    """
+
+    #: :class:`Ranged`: part of an object, from an offset or from its end.
+    ranges: bool = False
+    #: Several ranges of one object in one request (HTTP's multipart answer).
+    multi_range: bool = False
+    #: :class:`ConditionalGet`: an object read only when it changed.
+    conditional_get: bool = False
+    #: :class:`Creates`: an object put only where there is none.
+    conditional_create: bool = False
+    #: :class:`Listing`: the names of a folder's objects.
+    listing: bool = False
+    #: :class:`Leases`: leases with a TTL; without them, per-node claims.
+    leases: bool = False
+    #: :meth:`Engine.put_many` is one transaction, all or none (Redis): then a reader never sees a
+    #: manifest sent with its blob before the blob, whatever was read back.
+    atomic_batch: bool = False
+    #: A put that returns is itself the proof (a directory: this process wrote and renamed the file):
+    #: nothing is read back, since a concurrent collector, not a lie, is all a read could meet.
+    puts_proven: bool = False
+    #: Each call is a request to a server (HTTP, Redis): the layout is read at the first lookup, not at
+    #: open; a failing store is paused from RETRY_S doubling, said whenever it first fails; its key list
+    #: is read. False (a directory, local or mounted): a check costs a few system calls, one bad file is
+    #: not yet an outage (the layout is checked once before the store is paused).
+    remote: bool = False
+    #: Objects may go on their own (Redis evicts): a store without ``layout.json`` is an empty current one.
+    evicts: bool = False
+    #: Answers are a web server's claims (HTTP): a body too large or a status that is no answer is a bad
+    #: answer, not damage; ``layout.json`` is read once per process.
+    server: bool = False
+
+
 class Engine(Protocol):
     """One store's objects (see the module docstring for the rules)."""
 
     #: The store's address as it may be logged (no password, no token).
     shown: str
-    #: Whether this engine can take leases (:meth:`lease`); False: per-node claims only.
-    can_lease: bool
-    #: Whether :meth:`put_many` is one transaction, all or none (Redis): then a reader never
-    #: sees a manifest sent with its blob before the blob, whatever was read back.
-    atomic_batch: bool
+    #: What this engine can do besides get, put and remove (:class:`Abilities`).
+    can: Abilities
     #: What to ask of a store that did not keep what it took, for the message ("is it a real WebDAV store?").
     lost_hint: str
-    #: Whether a put that returns is itself the proof (a directory: this process wrote and renamed the
-    #: file): nothing is read back, since a concurrent collector, not a lie, is all a read could meet.
-    puts_proven: bool
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""
@@ -223,6 +283,55 @@ class Engine(Protocol):
         """The size of ``name`` in bytes without reading it, or None when there is none."""
         ...
 
+    def close(self) -> None:
+        """Close connections; the next call opens new ones."""
+        ...
+
+
+class Ranged(Protocol):
+    """Part of an object (``ranges``)."""
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        """Exactly ``length`` bytes of ``name`` from ``offset``, or None when there is no such object.
+
+        Fewer (the object ends before) is a ``StoreFailure``, not a shorter answer.
+        """
+        ...
+
+    def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
+        """The last ``length`` bytes of ``name`` (all of it when shorter) and its whole size; None when none."""
+        ...
+
+
+class ConditionalGet(Protocol):
+    """An object read only when it changed (``conditional_get``)."""
+
+    def get_changed(
+        self, name: str, *, limit: int, tag: str | None
+    ) -> tuple[bytes | bytearray | None, str | None] | None:
+        """None when ``name`` is still what ``tag`` names; else ``(its bytes, or None when none, its tag)``."""
+        ...
+
+
+class Creates(Protocol):
+    """An object put only where there is none (``conditional_create``)."""
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Store ``data`` as ``name`` if there is no object ``name``: True; False (nothing written) when there is."""
+        ...
+
+
+class Listing(Protocol):
+    """The names of a folder's objects (``listing``)."""
+
+    def names(self, folder: str) -> list[str]:
+        """The names of the objects directly in ``folder`` (``packs``), sorted; none when there is no such folder."""
+        ...
+
+
+class Leases(Protocol):
+    """Leases with a TTL (``leases``)."""
+
     def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
         """Take the lease ``name`` for ``ttl_s`` seconds: its token, or None when another holds it.
 
@@ -239,14 +348,30 @@ class Engine(Protocol):
         """Give a lease back, only if ``token`` still holds it; ``mark_s``: leave :data:`LEASE_MARK` that long."""
         ...
 
-    def close(self) -> None:
-        """Close connections; the next call opens new ones."""
-        ...
+
+# The one accessor of each optional ability: the interface where the engine's record declares it, else None.
 
 
-class ConditionalGet(Protocol):
-    """What an engine that can read an object only when it changed offers besides :class:`Engine` (module docstring)."""
+def ranged(engine: Engine) -> Ranged | None:
+    """``engine`` as :class:`Ranged` where ``engine.can.ranges``; else None."""
+    return cast("Ranged", engine) if engine.can.ranges else None
 
-    def get_changed(self, name: str, *, limit: int, tag: str | None) -> tuple[bytes | None, str | None] | None:
-        """None when ``name`` is still what ``tag`` names; else ``(its bytes, or None when none, its tag)``."""
-        ...
+
+def conditional(engine: Engine) -> ConditionalGet | None:
+    """``engine`` as :class:`ConditionalGet` where ``engine.can.conditional_get``; else None."""
+    return cast("ConditionalGet", engine) if engine.can.conditional_get else None
+
+
+def creates(engine: Engine) -> Creates | None:
+    """``engine`` as :class:`Creates` where ``engine.can.conditional_create``; else None."""
+    return cast("Creates", engine) if engine.can.conditional_create else None
+
+
+def listing(engine: Engine) -> Listing | None:
+    """``engine`` as :class:`Listing` where ``engine.can.listing``; else None."""
+    return cast("Listing", engine) if engine.can.listing else None
+
+
+def leases(engine: Engine) -> Leases | None:
+    """``engine`` as :class:`Leases` where ``engine.can.leases``; else None."""
+    return cast("Leases", engine) if engine.can.leases else None

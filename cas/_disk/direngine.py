@@ -10,9 +10,9 @@ that is a symlink or a file is refused, as the local cache refuses it
 
 Errors: a missing file (ENOENT, ENOTDIR) is "no such object". EIO, ETIMEDOUT,
 ENOTCONN and EHOSTDOWN may mean the server is gone (a soft mount's EIO comes after
-its whole timeout): they are outages, and :attr:`DirEngine.recheck_on_outage` asks
-the store above to check the layout once before it pauses, since on a directory
-one bad file is not yet an outage. Anything else (ESTALE, EACCES, a symlink, a
+its whole timeout): they are outages, and its record (not ``remote``) asks the
+store above to check the layout once before it pauses, since on a directory one
+bad file is not yet an outage. Anything else (ESTALE, EACCES, a symlink, a
 file too large) is a bad answer for this object only.
 
 Writes (a store named writable, and publish) go through the one write protocol,
@@ -20,9 +20,10 @@ Writes (a store named writable, and publish) go through the one write protocol,
 ``tmp/``, then ``os.replace``, with the store's :class:`DirModes` (publish: the
 umask's or the group's modes, a ``syncfs`` per phase). Only a directory has mtimes
 to freshen (:meth:`DirEngine.freshen`) and a cache of its own to sync
-(:meth:`DirEngine.sync`). Removals go through the one remover. A directory
-gives no leases: ``flock`` over NFS is not a lease a dead node gives back within a
-bound (see docs/nfs.md), so per-node claims remain.
+(:meth:`DirEngine.sync`). Removals go through the one remover. Its abilities:
+ranged reads (``pread``) and listing (a folder's files). A directory gives no
+leases: ``flock`` over NFS is not a lease a dead node gives back within a bound
+(see docs/nfs.md), so per-node claims remain.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
-from cuda_program_cas._base.engine import StoreFailure, check_digest, limits_of
+from cuda_program_cas._base.engine import Abilities, StoreFailure, check_digest, limits_of
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, hashes_to, read_rest
@@ -91,16 +92,12 @@ class DirEngine:
     ``modes``: how its files are written (None: the writer's defaults, as write-back writes).
     """
 
-    can_lease = False
-    #: One file failing is not yet an outage here: the store checks its layout before it pauses.
-    recheck_on_outage = True
-    #: A put is renamed in whole; ``put_many`` is one put after another, not a transaction.
-    atomic_batch = False
+    #: A put is renamed in whole by this process (proven: publish re-checks blobs after their manifests for a
+    #: collector); ``put_many`` is one put after another, not a transaction; not remote: one file failing is
+    #: not yet an outage.
+    can = Abilities(ranges=True, listing=True, puts_proven=True)
     #: What to ask of a directory that did not keep what it was given (for a message).
     lost_hint = "is another writer at work, or the file system not a real one?"
-    #: The write protocol wrote, synced when asked, and renamed the file itself: a read-back could only
-    #: meet a collector that took it since (publish re-checks blobs after their manifests for that).
-    puts_proven = True
 
     def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:
         self.root = root
@@ -166,6 +163,56 @@ class DirEngine:
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         return [self.get(name, limit=n) for name, n in zip(names, limits_of(names, limit), strict=True)]
 
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        got = self._pread(name, lambda size: offset, length)
+        if got is None:
+            return None
+        data, size = got
+        if len(data) != length:
+            detail = f"asked {length} bytes from {offset}, the file has {size}"
+            raise StoreFailure(self.path(name), "short", detail, outage=False)
+        return data
+
+    def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
+        return self._pread(name, lambda size: max(0, size - length), length)
+
+    def _pread(self, name: str, start: Callable[[int], int], length: int) -> tuple[bytes, int] | None:
+        """``length`` bytes (fewer at the end) of ``name`` from ``start(its size)``, and its size; None: no file."""
+        path = self._vetted(name)
+        try:
+            fd = os.open(path, READ_FLAGS)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise _failure(path, exc) from None
+        try:
+            size = os.fstat(fd).st_size
+            at = start(size)
+            parts: list[bytes] = []
+            left = min(length, max(0, size - at))
+            while left > 0:
+                part = os.pread(fd, min(left, _CHUNK), at)
+                if not part:
+                    break
+                parts.append(part)
+                at += len(part)
+                left -= len(part)
+        except OSError as exc:
+            raise _failure(path, exc) from None
+        finally:
+            os.close(fd)
+        return b"".join(parts), size
+
+    def names(self, folder: str) -> list[str]:
+        path = self._vetted(folder.rstrip("/") + "/")
+        try:
+            with os.scandir(path) as it:
+                return sorted(e.name for e in it if e.is_file(follow_symlinks=False) and not e.name.startswith("."))
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return []
+            raise _failure(path, exc) from None
+
     def size(self, name: str) -> int | None:
         path = self._vetted(name)
         try:
@@ -180,9 +227,12 @@ class DirEngine:
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:
         path = self._vetted(name)
-        body: bytes | list[bytes] = data if isinstance(data, bytes) else list(iter(lambda: data.read(_CHUNK), b""))
+        body: bytes | Iterator[bytes] = data if isinstance(data, bytes) else iter(lambda: data.read(_CHUNK), b"")
+        # A file (a pack) is copied in chunks, and fsynced where the modes say so; bytes (loose files) are made
+        # durable once per phase (sync).
+        fsync = not isinstance(data, bytes) and self.modes is not None and self.modes.fsync
         try:
-            if not self.writer().write_file(path, body):
+            if not self.writer(fsync=fsync).write_file(path, body):
                 raise StoreFailure(path, "dropped", "the write was dropped (a shard is not a directory)", outage=False)
         except OSError as exc:
             raise _failure(path, exc) from None
@@ -211,17 +261,6 @@ class DirEngine:
         except OSError as exc:
             raise _failure(path, exc) from None
 
-    # -- leases: none here ----------------------------------------------------------------
-
-    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
-        raise StoreFailure(self.root, "no leases", "a directory store gives no leases", outage=False)
-
-    def renew(self, name: str, token: str, ttl_s: float) -> bool:
-        return False
-
-    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
-        return
-
     def close(self) -> None:
         return
 
@@ -239,3 +278,10 @@ def _failure(path: str, exc: OSError) -> StoreFailure:
     if code in (errno.EACCES, errno.EPERM):
         kind = "denied"
     return StoreFailure(path, kind, exc.strerror or str(exc), outage=code in OUTAGE_ERRNOS)
+
+
+if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares
+    from cuda_program_cas._base.engine import Engine, Listing, Ranged
+
+    def _is_engine(engine: DirEngine) -> tuple[Engine, Ranged, Listing]:
+        return engine, engine, engine

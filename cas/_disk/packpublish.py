@@ -1,86 +1,346 @@
-"""The packs of a store directory, as a publisher reads them and adds one.
+"""The packs of a store as a publisher reads and adds them: one class over the engine interface, every engine.
 
-- :meth:`DirPacks.entries`: every packed entry of the store, from ``packs/summary``
-  and the packs it does not cover (:mod:`.packsummary`), not from every pack.
-- :meth:`DirPacks.ok`: whether a pack's copy of an entry's blob hashes right
-  (once per entry per run), so an entry damaged in its pack is published again.
-- :meth:`DirPacks.write`: one new pack through the store's writer (its modes; each
-  pack fsynced when the run is), added to the summary.
-- :meth:`DirPacks.written`: the entries of the packs this run wrote (warm sets' lines are rewritten to them).
-- :meth:`DirPacks.finish`: after the last write, ``packs/summary`` for later
-  publishers, and ``packs/list`` for readers over HTTP when a pack was written.
+It needs an engine that reads ranges (:class:`~cuda_program_cas._base.engine.Ranged`:
+a directory by ``pread``, a web server by ``Range``); what else the engine's record
+declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publish`):
+
+- :meth:`StorePacks.entries`: every packed entry, from each pack's trailer and index
+  (two ranged reads a pack; an index is bounded by the ceiling for any entry,
+  ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``, before a byte of it is read, whatever the
+  trailer and the store say). The packs are the engine's listing of ``packs/``
+  where it lists (a directory), else ``packs/list``. Where it lists, ``packs/summary``
+  (:mod:`.packsummary`) stands for the packs it covers, so a publisher reads one
+  object, not every pack.
+- :meth:`StorePacks.ok`: where the store is not remote (a directory), whether a
+  pack's copy of an entry's blob hashes right (once per entry per run), so an entry
+  damaged in its pack is published again. A remote store's copies are not hashed
+  here (that would download every pack): ``verify`` where its files are hashes them.
+- :meth:`StorePacks.write`: one new pack (one blob in memory at a time): where a put
+  is its own proof (a directory), streamed into the engine as it is produced (its
+  writer: the store's ``tmp/``, fsynced when the run is, renamed) and its index read
+  back; elsewhere built in a temp file, put, and read back by its size and its last
+  bytes (one ranged read: the trailer a node reads first). Then it is listed: where the engine lists, ``packs/list`` is
+  written from the listing at :meth:`StorePacks.finish`; elsewhere its name is added
+  to ``packs/list`` at once, which is read again until it shows the name (another
+  publisher may have written it at the same moment). A store that holds less than
+  it was sent stops the run with a ``not stored`` failure naming the object.
+- :meth:`StorePacks.written`: the entries of the packs this run wrote, from the pack
+  built here (warm sets' lines are rewritten to them).
+- :meth:`StorePacks.finish`: after the last write, where the engine lists,
+  ``packs/summary`` for later publishers and ``packs/list`` for readers over HTTP.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+import io
+import logging
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import IO, Any, cast
 
-from .direngine import DirEngine
-from .layout import Layout
-from .pack import PackError, PackInput, PackReader, save_listing, write_pack
-from .packsummary import PackedEntry, PackSummary
-from .writer import Writer
+from blake3 import blake3
 
-__all__ = ["DirPacks"]
+from cuda_program_cas._base.config import env_max_entry_size
+from cuda_program_cas._base.engine import Engine, Ranged, StoreFailure, creates, listing, not_stored, ranged
+from cuda_program_cas._base.errors import CacheError
+
+from .pack import (
+    LISTING,
+    MAX_LISTING_BYTES,
+    TRAILER_SIZE,
+    PackEntry,
+    PackError,
+    PackIndex,
+    PackInput,
+    encode_listing,
+    is_pack_name,
+    pack_chunks,
+    pack_name,
+    parse_listing,
+)
+from .packsummary import MAX_SUMMARY_BYTES, SUMMARY, PackedEntry, encode_summary, parse_summary
+
+__all__ = ["TAIL_BYTES", "StorePacks"]
+
+_log = logging.getLogger("cuda_program_cas")
+
+#: How often one publisher reads ``packs/list`` and writes it again to get its pack listed.
+_LISTING_TRIES = 5
+#: How many bytes from a pack's end its read-back compares.
+TAIL_BYTES = 64
 
 
-class DirPacks:
-    """The packs of the store directory behind ``engine`` (module docstring)."""
+class StorePacks:
+    """The packs of the store behind ``engine``, which reads ranges, as a publisher reads and adds them (module
+    docstring)."""
 
-    def __init__(self, engine: DirEngine) -> None:
-        self._engine = engine
-        self._summary = PackSummary.load(engine.root)
-        self._ok: dict[tuple[str, int], bool] = {}
-        self._readers: dict[str, PackReader | None] = {}
+    def __init__(self, engine: Engine) -> None:
+        reads = ranged(engine)
+        if reads is None:
+            raise ValueError(f"{engine.shown}: its engine reads no ranges, so it keeps no packs")
+        self.engine = engine
+        self._reads: Ranged = reads
+        self._lists = listing(engine)
         self._written: dict[str, PackedEntry] = {}
+        self._ok: dict[tuple[str, int], bool] = {}
+        #: Pack name -> its entries, newest first (where the engine lists: what ``packs/summary`` is written from).
+        self._by_pack: dict[str, list[PackEntry]] | None = None
+        self._summary_current = False
 
-    def _writer(self) -> Writer:
-        """The writer of packs and of ``packs/summary``: the store's modes, each file synced when the run is."""
-        modes = self._engine.modes
-        return self._engine.writer(fsync=modes is not None and modes.fsync)
+    def _at(self, name: str) -> str:
+        return f"{self.engine.shown.rstrip('/')}/{name}"
 
     def entries(self) -> dict[str, PackedEntry]:
-        return self._summary.entries()
+        """The store's packed entries (key id -> the entry in the newest pack that holds it)."""
+        names = self._pack_names()
+        covered = self._summary() if self._lists is not None else {}
+        by_pack: dict[str, list[PackEntry]] = {}
+        read = 0
+        for name in names:  # newest first
+            entries = covered.pop(name, None)
+            if entries is None:
+                read += 1
+                index = self._pack_index(name)
+                if index is None:
+                    continue  # retired since the listing, or not a pack nodes can read: its entries are absent
+                entries = [e for e in map(index.find_key, index.key_ids()) if e is not None]  # None: damaged
+            by_pack[name] = entries
+        self._by_pack = by_pack
+        self._summary_current = read == 0 and not covered  # nothing left of packs gone since
+        packed: dict[str, PackedEntry] = {}
+        for name, entries in by_pack.items():
+            for entry in entries:
+                packed.setdefault(entry.key_id, PackedEntry(name, entry))
+        return packed
 
     def ok(self, packed: PackedEntry) -> bool:
-        """Whether the pack's copy of this entry's blob has the right bytes (hashed once per run)."""
+        """Whether the pack's copy of this entry's blob is good: hashed once per run where the store is not remote."""
+        if self.engine.can.remote:
+            return True  # its index entry passed its check; the blob is not downloaded to be hashed
         where = (packed.pack, packed.entry.offset)
         known = self._ok.get(where)
         if known is None:
-            if packed.pack not in self._readers:
-                try:
-                    self._readers[packed.pack] = PackReader(packed.pack)
-                except (OSError, PackError):
-                    self._readers[packed.pack] = None
-            reader = self._readers[packed.pack]
+            e = packed.entry
             try:
-                known = reader is not None and reader.read(packed.entry) is not None
-            except OSError:
-                known = False
-            self._ok[where] = known
+                data = self._reads.get_range(f"packs/{packed.pack}", e.offset, e.size)
+            except StoreFailure:
+                data = None
+            known = self._ok[where] = data is not None and blake3(data).hexdigest() == e.digest
         return known
 
-    def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """Write one new pack of ``inputs``; its path."""
-        path = write_pack(Layout(self._engine.root), inputs, self._writer().write_file, stats)
-        self._summary.add(path)
-        self._written.update({k: e for k, e in self._summary.entries().items() if e.pack == path})
-        return path
+    def write(self, inputs: Sequence[PackInput], stats: dict[str, int], *, empty: bool = False) -> str | None:
+        """Store one new pack of ``inputs`` and list it (module docstring); where it is (None: nothing to pack).
+
+        ``empty``: a pack of no entries is stored too (a repack that dropped every entry still replaces its packs).
+        """
+        name = pack_name()
+        relative = f"packs/{name}"
+        if self.engine.can.puts_proven:
+            # Streamed as it is produced (a directory: into the store's tmp/, then renamed), its index read back.
+            self.engine.put(relative, cast("IO[bytes]", _Produced(pack_chunks(inputs, stats))))
+            index = self._pack_index(name, bound=False) if stats.get("entries") or empty else None
+            if index is None:
+                self.engine.remove(relative)  # nothing packed, or not readable back: never listed
+                if stats.get("entries") or empty:
+                    raise StoreFailure(self._at(relative), "damaged", "the pack just written reads back as none")
+                return None
+            written = [e for e in map(index.find_key, index.key_ids()) if e is not None]
+        else:
+            with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:  # its size and tail, for the read-back
+                for chunk in pack_chunks(inputs, stats):
+                    f.write(chunk)
+                if not stats.get("entries") and not empty:
+                    return None
+                size = f.tell()
+                f.flush()
+                f.seek(0)
+                answer = self.engine.put(relative, f)
+                self._check_tail(relative, f, size, answer)  # before anything lists it
+                written = _index_of(name, f, size)
+        if self._lists is None:
+            self._list_pack(name)
+        elif self._by_pack is not None:
+            self._by_pack = {name: written, **self._by_pack}
+            self._summary_current = False
+        self._written.update({e.key_id: PackedEntry(name, e) for e in written})
+        return self._at(f"packs/{name}")
 
     def written(self) -> dict[str, PackedEntry]:
-        """The entries of the packs this run wrote (from the summary, which read each new pack's index)."""
+        """The entries of the packs this run wrote (read from the pack built here: no request)."""
         return self._written
 
     def finish(self, wrote: bool) -> None:
-        """After the last write: ``packs/summary`` for later publishers, ``packs/list`` for HTTP readers."""
-        if not self._summary.current and os.path.isdir(self._summary.packs_dir):
-            self._summary.save(self._writer().write_file)  # publishers after this one read one file
-        if wrote:
-            save_listing(self._engine.root, self._writer().write_file)  # what HTTP readers list
+        """After the last write, where the engine lists: ``packs/summary``, and ``packs/list`` when a pack was written.
+
+        Neither is more than a cache of the listing: one that cannot be written is said
+        at DEBUG and left (the next publisher reads the packs; the next pack change lists).
+        """
+        if self._lists is None:
+            return  # each pack was listed as it was written
+        try:
+            if self._by_pack is not None and not self._summary_current and (self._by_pack or wrote):
+                self.engine.put(f"packs/{SUMMARY}", encode_summary(self._by_pack))
+                self._summary_current = True
+            if wrote:
+                self._save_listing()
+        except StoreFailure as exc:
+            _log.debug("cuda-program-cas: %s: packs/%s or packs/%s not written: %s", self.where, SUMMARY, LISTING, exc)
+
+    @property
+    def where(self) -> str:
+        return self.engine.shown
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            if reader is not None:
-                reader.close()
-        self._readers.clear()
+        return
+
+    # -- the listing ------------------------------------------------------------------------
+
+    def _pack_names(self) -> list[str]:
+        """The store's packs, newest first: the engine's listing of ``packs/`` where it lists, else ``packs/list``."""
+        if self._lists is not None:
+            return sorted((n for n in self._lists.names("packs") if is_pack_name(n)), reverse=True)
+        return self._listing()
+
+    def _summary(self) -> dict[str, list[PackEntry]]:
+        try:
+            data = self.engine.get(f"packs/{SUMMARY}", limit=MAX_SUMMARY_BYTES)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            return {}  # too large, not a file: the packs are read
+        return {} if data is None else parse_summary(data)
+
+    def _listing(self, sent: tuple[bytes, str] | None = None) -> list[str]:
+        """The pack names ``packs/list`` holds (none when it is absent).
+
+        ``sent``: the bytes this run just put there and the store's answer. What is
+        read instead must be a valid listing (another publisher's, written since):
+        nothing, or a part, is a store that did not keep it.
+        """
+        name = f"packs/{LISTING}"
+        got = self.engine.get(name, limit=MAX_LISTING_BYTES)
+        if sent is not None and (got is None or (got != sent[0] and parse_listing(got) is None)):
+            body, answer = sent
+            held = None if got is None else len(got)
+            hint = self.engine.lost_hint
+            raise not_stored(self._at(name), answer, len(body), held, hint=hint, other=held == len(body))
+        if got is None:
+            return []
+        names = parse_listing(got)
+        if names is None:
+            raise CacheError(
+                f"the store at {self.where} has a damaged packs/{LISTING}: write it again where the store's files "
+                "are (cuda-program-cas repack STORE does)"
+            )
+        return names
+
+    def _list_pack(self, name: str) -> None:
+        """Add ``name`` to ``packs/list``, after the pack itself is stored.
+
+        Read, add, write, read again: another publisher's write of the listing at the
+        same moment may have dropped this name, so it is added again until a read
+        shows it (a few tries). Where there was none and the engine creates
+        conditionally, the first listing is created, not put: of two publishers, the
+        second reads the first's.
+        """
+        sent: tuple[bytes, str] | None = None
+        maker = creates(self.engine)
+        for _ in range(_LISTING_TRIES):
+            names = self._listing(sent)
+            if name in names:
+                return
+            body = encode_listing([*names, name])
+            if not names and maker is not None:
+                sent = (body, "created") if maker.create(f"packs/{LISTING}", body) else None
+                continue
+            sent = (body, self.engine.put(f"packs/{LISTING}", body))
+        names = self._listing(sent)
+        if name not in names:
+            raise CacheError(
+                f"{self.where}/packs/{LISTING}: other publishers kept replacing it; the pack {name} is stored but "
+                "not listed: publish again, or run repack where the store's files are"
+            )
+
+    def _save_listing(self) -> None:
+        """Write ``packs/list`` from the engine's listing of ``packs/`` (what readers over HTTP list).
+
+        Two such writers at once could each list before the other's pack landed: the
+        packs are listed again after it is written, and it is written again while they differ.
+        """
+        for _ in range(_LISTING_TRIES):
+            names = self._pack_names()
+            self.engine.put(f"packs/{LISTING}", encode_listing(names))
+            if self._pack_names() == names:
+                return
+
+    # -- one pack ---------------------------------------------------------------------------
+
+    def _pack_index(self, name: str, *, bound: bool = True) -> PackIndex | None:
+        """The index of the pack ``name``: its trailer, then its index, each one ranged read; None when it is gone.
+
+        ``bound=False``: a pack this run wrote, whose index is not bounded by the ceiling for an entry.
+        """
+        relative = f"packs/{name}"
+        tail = self._reads.get_tail(relative, TRAILER_SIZE)
+        if tail is None:
+            return None  # retired since the listing was read: its entries are in a newer pack
+        trailer, size = tail
+        try:
+            # The trailer's count and the size the store gives decide nothing: an index
+            # longer than any entry may be is refused before it is read.
+            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size() if bound else None)
+            raw = self._reads.get_range(relative, offset, length)
+            return None if raw is None else PackIndex(name, size, trailer, raw)
+        except (PackError, StoreFailure) as exc:
+            if isinstance(exc, StoreFailure) and exc.outage:
+                raise
+            # A pack nodes cannot read either: its entries count as absent, and are published again.
+            _log.debug("cuda-program-cas: pack %s of %s is not usable: %s", name, self.where, exc)
+            return None
+
+    def _check_tail(self, relative: str, data: IO[bytes], size: int, answer: str) -> None:
+        """Raise ``not stored`` unless ``relative`` has ``size`` bytes and ends with the last bytes of ``data``."""
+        length = min(TAIL_BYTES, size)
+        data.seek(size - length)
+        tail = data.read(length)
+        got = self._reads.get_tail(relative, length)
+        hint = self.engine.lost_hint
+        if got is None:
+            raise not_stored(self._at(relative), answer, size, None, hint=hint)
+        held, total = got
+        if total != size:
+            raise not_stored(self._at(relative), answer, size, total, hint=hint)
+        if held != tail:
+            raise not_stored(self._at(relative), answer, size, total, hint=hint, other=True)
+
+
+class _Produced(io.RawIOBase):
+    """Chunks as they are produced, read as a file from its start (a pack streamed into a directory's writer)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = iter(chunks)
+        self._left = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._left:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(len(buffer), len(self._left))
+        buffer[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
+def _index_of(name: str, data: IO[bytes], size: int) -> list[PackEntry]:
+    """The entries of the pack ``name``, whose ``size`` bytes ``data`` holds (built here: the index put)."""
+    data.seek(size - TRAILER_SIZE)
+    trailer = data.read(TRAILER_SIZE)
+    offset, length = PackIndex.span(size, trailer, name)
+    data.seek(offset)
+    index = PackIndex(name, size, trailer, data.read(length))
+    return [e for e in map(index.find_key, index.key_ids()) if e is not None]

@@ -9,10 +9,11 @@ cover. Entries of packs no longer listed (retired, moved aside) are dropped.
 
 It is a cache of what the packs say, never the truth: a summary that is missing,
 damaged or stale costs reading the packs it lacks, nothing else. ``publish
---pack`` and ``repack`` write a new one after each pack they write (through the
-one writer: temp file, rename); two publishers at once may each replace the
-other's, and the pack left out is read directly until the next one is written.
-Nodes never read it: their listing of ``packs/`` is what they serve.
+--pack`` and ``repack`` write a new one after each pack they write, through the one
+pack publisher (:class:`cuda_program_cas._disk.packpublish.StorePacks`, which
+reads it too); two publishers at once may each replace the other's, and the pack
+left out is read directly until the next one is written. Nodes never read it:
+their listing of ``packs/`` is what they serve.
 
 File format, version 2 (integers little-endian; a version 1 summary is not read, so its packs are)::
 
@@ -25,20 +26,15 @@ File format, version 2 (integers little-endian; a version 1 summary is not read,
 
 from __future__ import annotations
 
-import logging
-import os
 import struct
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from blake3 import blake3
 
-from .files import READ_FLAGS
-from .pack import PackEntry, PackError, PackReader, list_packs
+from .pack import PackEntry
 
-__all__ = ["SUMMARY", "PackSummary", "PackedEntry"]
+__all__ = ["MAX_SUMMARY_BYTES", "SUMMARY", "PackedEntry", "encode_summary", "parse_summary"]
 
-_log = logging.getLogger("cuda_program_cas")
 #: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
 SUMMARY = "summary"
 _MAGIC = b"cpcassum"
@@ -47,93 +43,19 @@ _HEAD = struct.Struct("<8sIII")
 _NAME = struct.Struct("<H")
 _ENTRY = struct.Struct("<I32s32sQQQQ")
 #: A summary larger than this is not read (1.8 M entries): a damaged size cannot ask for all memory.
-_MAX_BYTES = 256 << 20
+MAX_SUMMARY_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class PackedEntry:
-    """A packed entry and the pack (its path) that holds it."""
+    """A packed entry and the pack (its name) that holds it."""
 
     pack: str
     entry: PackEntry
 
 
-class PackSummary:
-    """The packed entries of one store: from ``packs/summary`` where it is current, from the packs elsewhere."""
-
-    def __init__(self, root: str) -> None:
-        self.packs_dir = os.path.join(root, "packs")
-        #: Pack path -> its entries, for every pack listed now (newest first).
-        self._by_pack: dict[str, list[PackEntry]] = {}
-        #: Packs read directly (the summary did not cover them), and whether the summary was current.
-        self.read_directly = 0
-        self.current = False
-        #: Problems met while reading packs (a pack that cannot be opened), one line each.
-        self.problems: list[str] = []
-
-    @classmethod
-    def load(cls, root: str) -> PackSummary:
-        """List ``packs/``, read the summary, and read every listed pack it does not cover."""
-        self = cls(root)
-        listed = list_packs(self.packs_dir)
-        covered = _read_summary(os.path.join(self.packs_dir, SUMMARY))
-        cut = len(self.packs_dir) + 1  # a listed path is packs_dir/name
-        for path in listed:
-            entries = covered.pop(path[cut:], None)
-            if entries is None:
-                entries = self._read_pack(path)
-                self.read_directly += 1
-            if entries is not None:
-                self._by_pack[path] = entries
-        self.current = self.read_directly == 0 and not covered  # nothing left of packs gone since
-        return self
-
-    def _read_pack(self, path: str) -> list[PackEntry] | None:
-        try:
-            reader = PackReader(path)
-        except FileNotFoundError:
-            return None  # retired between the listing and the open
-        except (OSError, PackError) as exc:
-            self.problems.append(f"pack {path} cannot be read: {exc}")
-            return None
-        try:
-            return list(reader.entries())
-        finally:
-            reader.close()
-
-    def add(self, path: str) -> None:
-        """Take in a pack just written (the newest)."""
-        entries = self._read_pack(path)
-        if entries is not None:
-            self._by_pack = {path: entries, **self._by_pack}
-            self.current = False
-
-    def entries(self) -> dict[str, PackedEntry]:
-        """Key id -> its entry in the newest pack that holds it."""
-        found: dict[str, PackedEntry] = {}
-        for path, entries in self._by_pack.items():
-            for entry in entries:
-                if entry.key_id not in found:
-                    found[entry.key_id] = PackedEntry(path, entry)
-        return found
-
-    def save(self, write_file: Callable[[str, Iterable[bytes]], bool]) -> None:
-        """Write ``packs/summary`` for the packs held now (``write_file``: the store writer's).
-
-        A summary that cannot be written (a directory in its place, a full disk) is
-        logged at DEBUG and left: it only saves the next publisher reading packs.
-        """
-        if self.current:
-            return
-        path = os.path.join(self.packs_dir, SUMMARY)
-        try:
-            self.current = write_file(path, [_encode(self._by_pack)])
-        except OSError as exc:
-            _log.debug("cuda-program-cas: %s not written: %s", path, exc)
-
-
-def _encode(by_pack: dict[str, list[PackEntry]]) -> bytes:
-    names = [os.path.basename(p).encode() for p in by_pack]
+def encode_summary(by_pack: dict[str, list[PackEntry]]) -> bytes:
+    names = [name.encode() for name in by_pack]
     parts = [_HEAD.pack(_MAGIC, _VERSION, len(names), sum(len(e) for e in by_pack.values()))]
     parts += [_NAME.pack(len(n)) + n for n in names]
     for number, entries in enumerate(by_pack.values()):
@@ -144,19 +66,8 @@ def _encode(by_pack: dict[str, list[PackEntry]]) -> bytes:
     return body + blake3(body).digest()
 
 
-def _read_summary(path: str) -> dict[str, list[PackEntry]]:
-    """Pack name -> entries, from the summary at ``path``; empty when it is missing or damaged."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except OSError:
-        return {}
-    try:
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, size, 0) if size <= _MAX_BYTES else b""
-    except OSError:
-        return {}
-    finally:
-        os.close(fd)
+def parse_summary(data: bytes) -> dict[str, list[PackEntry]]:
+    """Pack name -> entries, from the bytes of a summary; empty when they are not one."""
     body = data[:-32]
     if len(data) < _HEAD.size + 32 or blake3(body).digest() != data[-32:]:
         return {}

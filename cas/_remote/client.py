@@ -474,9 +474,16 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
     head = {k.lower(): v for k, v in resp.headers.items()}
     if method == "HEAD":
         return Reply(resp.status, b"", head)
+    absent = resp.status in (404, 410)
+    if absent:
+        # "No such object" whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
+        # connection, up to a bound of its own, and dropped.
+        limit, sink = max(limit, _ABSENT_PAGE), _drop
     length = head.get("content-length")
     if length is not None and length.strip().isdigit() and int(length) > limit:
         resp.close()  # not read: the connection cannot be reused
+        if absent:
+            return Reply(resp.status, b"", head)
         raise HttpFailure(url, "too large", f"{length.strip()} bytes, at most {limit} expected", outage=False)
     if sink is not None and not 200 <= resp.status < 300:
         sink = _drop  # another status's body is read (to reuse the connection) and dropped
@@ -505,6 +512,9 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
                 break
             got += len(chunk)
             if got > limit:
+                if absent:
+                    resp.close()
+                    return Reply(resp.status, b"", head)
                 raise HttpFailure(url, "too large", f"more than {limit} bytes", outage=False)
             keep(chunk)
     except _Urllib3Error as exc:
@@ -518,6 +528,10 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
         resp.close()
         raise
     return Reply(resp.status, landing.value() if landing is not None else b"".join(chunks), head)
+
+
+#: The most of a 404's or 410's page read (to reuse the connection); a longer one closes it.
+_ABSENT_PAGE = 4096
 
 
 def _drop(chunk: bytes) -> None:

@@ -1,4 +1,4 @@
-"""The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and the reads a publisher needs (HEAD, GET).
+"""The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and the reads of an engine beside GET (HEAD, Range).
 
 Every request goes through the one client (:func:`.client.request`). Each call
 either returns what the server said or raises :class:`.client.HttpFailure`, with
@@ -16,7 +16,7 @@ collections are made with MKCOL, top down, and the PUT is sent again.
 
 A 2xx is a claim, not a proof: a server that answers 201 may have stored nothing
 or a part. What a PUT sent is read back by the uploader
-(:mod:`cuda_program_cas._store.upload`; a pack: :mod:`.davpacks`).
+(:mod:`cuda_program_cas._store.upload`; a pack: :mod:`cuda_program_cas._disk.packpublish`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cuda_program_cas._base.urls import shown
 
 from .client import HttpFailure, Reply, request
 
-__all__ = ["delete", "fetch", "fetch_range", "fetch_tail", "mkcol", "put", "size_of"]
+__all__ = ["delete", "fetch_range", "fetch_tail", "put", "size_of"]
 
 #: Statuses of a PUT that stored the body: created, replaced (with or without a body).
 _PUT_OK = frozenset((200, 201, 204))
@@ -70,16 +70,6 @@ def size_of(url: str) -> int | None:
         raise _refused(url, reply, "HEAD")
     length = reply.headers.get("content-length", "")
     return int(length) if length.isdigit() else -1
-
-
-def fetch(url: str, *, limit: int = 1 << 20) -> tuple[bytes, str | None] | None:
-    """The bytes of the file at ``url`` and its ``ETag``, or None when there is none."""
-    reply = request("GET", url, limit=limit)
-    if reply.status in _ABSENT:
-        return None
-    if reply.status != 200:
-        raise _refused(url, reply, "GET")
-    return reply.body, reply.headers.get("etag")
 
 
 def _ranged(url: str, spec: str, length: int) -> Reply:
@@ -138,11 +128,6 @@ def delete(url: str) -> None:
     reply = request("DELETE", url)
     if reply.status not in _PUT_OK and reply.status not in _ABSENT:
         raise _refused(url, reply, "DELETE")
-
-
-def mkcol(url: str, *, root: str) -> None:
-    """Make the collection at ``url`` and the missing ones between the store URL ``root`` and it."""
-    _make_parents(root, url.rstrip("/") + "/x")
 
 
 def _make_parents(root: str, url: str) -> None:

@@ -22,7 +22,11 @@ and its packs are :class:`.httppacks.HttpPacks`.
 - ``size``: HEAD. ``put``/``put_many``: WebDAV PUTs (:func:`.dav.put`: the server
   renames a PUT's body onto its target once whole, so a reader never sees a
   part), in order: a blob before the manifest that names it. ``remove``: DELETE.
-- No leases: nginx's WebDAV ignores conditional PUTs, so per-node claims remain.
+- ``get_range``/``get_tail``: one ``Range`` GET (:func:`.dav.fetch_range`).
+- Its record (:class:`~cuda_program_cas._base.engine.Abilities`): ranges, several
+  ranges in one request (its packs' multipart reads), conditional reads; remote, a
+  server's answers. No conditional create and no leases: nginx's WebDAV ignores
+  conditional PUTs, so per-node claims remain. No listing (no index of a folder).
 
 :attr:`HttpEngine.requests` counts the requests made (the tests and
 ``tools/http_bench.py`` read it); :attr:`HttpEngine.outages` the outages met
@@ -35,11 +39,11 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from types import TracebackType
-from typing import IO, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from blake3 import blake3
 
-from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure, limits_of
+from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
@@ -62,10 +66,8 @@ class HttpEngine:
     before the first call.
     """
 
-    can_lease = False
-    atomic_batch = False
+    can = Abilities(ranges=True, multi_range=True, conditional_get=True, remote=True, server=True)
     lost_hint = "is it a real WebDAV store?"
-    puts_proven = False
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)
@@ -170,6 +172,24 @@ class HttpEngine:
             raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
         return True
 
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        from .dav import fetch_range
+
+        if length:  # nothing is asked for no bytes
+            self.requests += 1
+        return self._counted(lambda: fetch_range(join(self.root, name), offset, length))
+
+    def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
+        from .dav import fetch_tail
+
+        self.requests += 1
+        try:
+            return self._counted(lambda: fetch_tail(join(self.root, name), length))
+        except HttpFailure as exc:
+            if exc.kind != "HTTP 416" or length < 1:
+                raise
+            return b"", 0  # no byte to give from its end: an empty file
+
     def size(self, name: str) -> int | None:
         from .dav import size_of
 
@@ -201,17 +221,6 @@ class HttpEngine:
             if exc.outage:
                 self.outages += 1
             raise
-
-    # -- leases: none here ----------------------------------------------------------------
-
-    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
-        raise StoreFailure(self.shown, "no leases", "a WebDAV server gives no leases", outage=False)
-
-    def renew(self, name: str, token: str, ttl_s: float) -> bool:
-        return False
-
-    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
-        return
 
     def close(self) -> None:
         """Nothing: the connections are the process's pool's (:func:`.client.close_connections`), shared by stores."""
@@ -271,3 +280,10 @@ class Intake:
         if self._stage is not None:
             return self._stage.read()
         return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+
+
+if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares
+    from cuda_program_cas._base.engine import ConditionalGet, Engine, Ranged
+
+    def _is_engine(engine: HttpEngine) -> tuple[Engine, Ranged, ConditionalGet]:
+        return engine, engine, engine

@@ -29,6 +29,7 @@ Each call is one round trip on one pooled connection:
   SHA-1 of the copy in hand, computed here): an unchanged key list costs one round
   trip and a few bytes. A server that refuses scripts (an ACL, a managed service
   without ``EVAL``) is read by ``get`` from then on.
+- ``create``: ``SET k v NX`` (a second create of one name writes nothing).
 - ``size``: ``STRLEN``, and ``EXISTS`` for a length of 0. ``remove``: ``UNLINK``.
 - ``lease``: ``SET k token NX PX ttl`` and ``GET k`` in one round trip (the
   value tells a holder's token from the mark a holder that gave up left;
@@ -66,7 +67,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
-from cuda_program_cas._base.engine import LEASE_MARK, Engine, StoreFailure, check_digest, limits_of
+from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, check_digest, limits_of
 from cuda_program_cas._base.fork import after_fork
 
 from .client import ENV_CA_BUNDLE, ca_bundle
@@ -191,10 +192,10 @@ class RedisEngine:
     A bad URL or argument is a ``ValueError``; nothing is connected before the first call.
     """
 
-    can_lease = True
-    atomic_batch = True
-    #: Redis evicts on its own: under allkeys-random or -lfu a key just set may be the next to go.
-    puts_proven = False
+    #: Not proven: Redis evicts on its own (under allkeys-random or -lfu a key just set may be the next to go).
+    can = Abilities(
+        conditional_get=True, conditional_create=True, leases=True, atomic_batch=True, remote=True, evicts=True
+    )
     lost_hint = (
         "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"
     )
@@ -305,6 +306,12 @@ class RedisEngine:
         replies = self._call(commands, sent=sent) if len(commands) == 1 else self._transaction(commands, sent=sent)
         for reply, (name, _) in zip(replies, items, strict=True):
             self._check(reply, name)
+
+    def create(self, name: str, data: bytes) -> bool:
+        self._fits(name, len(data))
+        (reply,) = self._call([("SET", self._key(name), data, "NX")], sent=len(data))
+        self._check(reply, name)
+        return reply is not None
 
     def remove(self, name: str) -> None:
         (reply,) = self._call([("UNLINK", self._key(name))])
@@ -547,7 +554,8 @@ def _wire() -> Any:
     return SimpleNamespace(TooLarge=TooLarge, connect=connect, exceptions=exceptions)
 
 
-if TYPE_CHECKING:  # mypy checks that the class keeps the interface
+if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares
+    from cuda_program_cas._base.engine import ConditionalGet, Creates, Engine, Leases
 
-    def _is_engine(engine: RedisEngine) -> Engine:
-        return engine
+    def _is_engine(engine: RedisEngine) -> tuple[Engine, ConditionalGet, Creates, Leases]:
+        return engine, engine, engine, engine

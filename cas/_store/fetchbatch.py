@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from cuda_program_cas._base.signing import Trust
     from cuda_program_cas._remote.httppacks import Ranges
 
-__all__ = ["BATCH_BYTES", "Keep", "Source", "Wanted", "batched", "fetch"]
+__all__ = ["BATCH_BYTES", "Keep", "RangedPacks", "Source", "Wanted", "batched", "fetch"]
 
 _T = TypeVar("_T")
 
@@ -76,6 +76,20 @@ class Wanted(Protocol):
     def at(self) -> int | None: ...
 
 
+class RangedPacks(Protocol):
+    """The packs of a remote store read by ranges (:class:`cuda_program_cas._remote.httppacks.HttpPacks`)."""
+
+    def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
+
+    def where(self, kid: str) -> tuple[str, int, int] | None:
+        """``(pack, offset, at)`` of ``kid`` in the indexes this process holds (no request); None if unknown."""
+        ...
+
+    def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
+        """Spans of pack ``name`` and its last ``tail`` bytes in one request (``multi_range``); None if not so."""
+        ...
+
+
 class Source(Protocol):
     """The store fetched from (:class:`~cuda_program_cas._store.tier.Tier`): its engine and packs, and its judgments."""
 
@@ -83,6 +97,7 @@ class Source(Protocol):
     def engine(self) -> Engine: ...
     @property
     def packs(self) -> object | None: ...
+    def ranged_packs(self) -> RangedPacks | None: ...
     @property
     def trust(self) -> Trust | None: ...
     def fits(self, size: int, kid: str) -> bool: ...
@@ -107,7 +122,8 @@ def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]
 
 def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
     """Fetch ``entries`` from ``tier`` (module docstring), calling ``keep`` for each one verified."""
-    ranged: _Ranged | None = getattr(tier.packs, "fetch_ranges", None) if tier.trust is None else None
+    packs = tier.ranged_packs() if tier.trust is None and tier.engine.can.multi_range else None
+    ranged: _Ranged | None = None if packs is None else packs.fetch_ranges
     by_pack: dict[str, list[Wanted]] = {}
     loose: list[Wanted] = []
     for e in entries:

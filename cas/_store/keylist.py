@@ -48,7 +48,7 @@ from itertools import tee
 from operator import lt
 
 from cuda_program_cas._base.config import VAR_KEYS_REFRESH
-from cuda_program_cas._base.engine import Engine, StoreFailure
+from cuda_program_cas._base.engine import Engine, StoreFailure, conditional
 from cuda_program_cas._base.fork import after_fork
 
 from .upload import put_checked
@@ -229,7 +229,7 @@ def merge_into(engine: Engine, ours: Mapping[int, int], *, rebuild: bool = False
             if exc.outage or exc.kind != "not stored":
                 raise
             continue  # another writer's list, without ours, renamed over it: merge again
-        if not engine.puts_proven:
+        if not engine.can.puts_proven:
             return True
         # A directory's put is proven, but another writer may rename its list over ours just after.
         if _holds(parse(engine.get(KEYS, limit=MAX_BYTES)), ours):
@@ -317,11 +317,11 @@ class KeyView:
         return self.held()
 
     def _refresh(self) -> None:
-        changed = getattr(self.engine, "get_changed", None)
+        changed = conditional(self.engine)
         self.fetches += 1
         try:
             if changed is not None:
-                got = self._timed(lambda: changed(KEYS, limit=MAX_BYTES, tag=self._tag))
+                got = self._timed(lambda: changed.get_changed(KEYS, limit=MAX_BYTES, tag=self._tag))
             else:
                 got = (self._timed(lambda: self.engine.get(KEYS, limit=MAX_BYTES)), None)
         except StoreFailure as exc:

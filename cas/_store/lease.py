@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
+from cuda_program_cas._base.engine import LEASE_MARK, Leases, StoreFailure, leases
 
 from .stats import Counters
 from .tier import Tier
@@ -84,6 +84,14 @@ class Lease:
         if release is None:
             return None
         return lambda sent: release(not sent)
+
+
+def _leases(tier: Tier) -> Leases:
+    """The leases of ``tier``'s engine (the store chose a tier whose record has them)."""
+    got = leases(tier.engine)
+    if got is None:
+        raise StoreFailure(tier.root, "no leases", "this store's engine gives no leases", outage=False)
+    return got
 
 
 def _name(kid: str) -> str:
@@ -142,7 +150,7 @@ def lease(
     def release(mark: bool) -> None:
         stop.set()
         try:
-            tier.engine.release(_name(kid), token, mark_s=ttl_s if mark else 0.0)
+            _leases(tier).release(_name(kid), token, mark_s=ttl_s if mark else 0.0)
         except StoreFailure as exc:
             tier.failed(exc)  # it expires on its own
 
@@ -163,7 +171,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
     if tier.paused():
         return None
     try:
-        token = tier.engine.lease(_name(kid), ttl_s, take=take)
+        token = _leases(tier).lease(_name(kid), ttl_s, take=take)
     except StoreFailure as exc:
         tier.failed(exc)
         return None
@@ -176,7 +184,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
 def _renew(tier: Tier, kid: str, token: str, ttl_s: float, stop: threading.Event) -> None:
     while not stop.wait(ttl_s / 3):
         try:
-            if not tier.engine.renew(_name(kid), token, ttl_s):
+            if not _leases(tier).renew(_name(kid), token, ttl_s):
                 _log.debug("cuda-program-cas: lease on %s in %s was lost while compiling", kid, tier.root)
                 return
         except StoreFailure as exc:

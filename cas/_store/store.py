@@ -187,7 +187,7 @@ class CacheStore:
 
             seconds = functools.partial(compile_seconds_of, lay)  # the key lists' compile times
             self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable, seconds=seconds)
-            self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
+            self._lease_tier = next((t for t in targets if t.engine.can.leases), None)
         #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
         self._used: Used | None = None
         self._warm: WarmFetch | None = None
@@ -318,7 +318,8 @@ class CacheStore:
         if used is not None and self._writeback is not None:
 
             def make(tier: Tier) -> tuple[str, bytes] | None:
-                ours = used.entries(getattr(tier.packs, "where", None))
+                packs = tier.ranged_packs()
+                ours = used.entries(None if packs is None else packs.where)
                 held = tier.engine.get(name, limit=MAX_SET_BYTES)
                 data = updated(held, ours, warm.gone if warm.source is tier else None)
                 return None if data is None else (name, data)

@@ -23,15 +23,15 @@ web server, a Redis server. What it does, written once here:
   yet an outage: the layout is checked once, and only if that fails too is the store
   paused. A store that cannot be used (missing, not a store, a newer or damaged
   layout) is paused the same way, and asked again when the pause ends.
-- **A server's answers** (``server=True``: HTTP). A body longer than asked, or a
+- **A server's answers** (the record's ``server``: HTTP). A body longer than asked, or a
   status that is not an answer, is a bad answer counted in ``errors`` (a file too
   large on a disk is damage, in ``corrupt``); an entry whose manifest names more
   than this node reads is a miss said once as a WARNING, with no request for its
-  blob. ``layout_once``: ``layout.json`` is read once per process (each read is a
+  blob. ``layout.json`` is read once per process (each read is a
   request), not again after an outage.
 - **This node's trouble.** No memory (or no staging disk) for an answer is a miss
   counted in ``errors``, said once, and no pause.
-- **The key list** (``key_list=True``: HTTP and Redis, where a request is
+- **The key list** (a ``remote`` engine: HTTP and Redis, where a request is
   costly; a directory's stat is cheaper than a list). The store's ``keys``
   (:mod:`cuda_program_cas._store.keylist`) is read at the first loose lookup, not
   at open, and again, conditionally, every
@@ -63,7 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from time import perf_counter as _perf
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
@@ -84,7 +84,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 from .stats import Counters
 
 if TYPE_CHECKING:
-    from .fetchbatch import Keep, Wanted
+    from .fetchbatch import Keep, RangedPacks, Wanted
     from .keylist import KeyView
 
 __all__ = [
@@ -185,21 +185,20 @@ class PackSource(Protocol):
 class Tier:
     """Lookups in one shared store over ``engine``, read-only (module docstring).
 
+    How the store is treated follows its engine's record (``engine.can``,
+    :class:`cuda_program_cas._base.engine.Abilities`): ``evicts``, a store with no
+    ``layout.json`` is an empty current one; not ``remote`` (a directory), the
+    layout read at once, a fixed pause of :data:`RETRY_S`, a store that worked and
+    fails later not a WARNING, no key list, one failing file not yet an outage;
+    ``server``, a server's answers (module docstring).
+
     ``packs``: the store's packs, asked before its loose entries (None: it has none).
-    ``layout_optional``: a store with no ``layout.json`` is an empty current one
-    (an engine that may evict any object on its own, such as Redis).
     ``missing()``: why a store without ``layout.json`` is not one (for the WARNING).
-    ``retry_max_s``: the longest pause (:data:`RETRY_S`: a fixed pause, for a store
-    whose check costs a stat). ``warn_later``: a store that worked and fails later
-    is a WARNING too (the first in this process), not only one that fails at its
-    first look. ``open_now``: read the layout at once (a directory: a few system
-    calls), not at the first lookup. ``trust``: the keys an entry must be signed
+    ``trust``: the keys an entry must be signed
     by (:mod:`cuda_program_cas._base.signing`); an entry not signed by one is a
     miss counted in ``untrusted``, and the store's packs are not read.
     ``max_entry``: a lower bound than the ceiling on what is read (what the local
-    cap can hold: a larger hit could not be kept). ``server``, ``layout_once``: a
-    server's answers (module docstring). ``key_list``: read the store's key list
-    (module docstring).
+    cap can hold: a larger hit could not be kept).
 
     ``damaged``, ``missed``, ``say_once``, ``fits`` and ``ceiling`` are for the
     store's packs too (:class:`cuda_program_cas._remote.httppacks.Report`).
@@ -211,17 +210,11 @@ class Tier:
         *,
         packs: PackSource | None = None,
         writable: bool = False,
-        layout_optional: bool = False,
         missing: Callable[[], str] | None = None,
-        retry_max_s: float = RETRY_MAX_S,
-        warn_later: bool = True,
-        open_now: bool = False,
         trust: Trust | None = None,
         max_entry: int | None = None,
-        server: bool = False,
-        layout_once: bool = False,
-        key_list: bool = False,
     ) -> None:
+        can = engine.can
         self.engine = engine
         self.root = engine.shown
         self.writable = writable
@@ -229,9 +222,9 @@ class Tier:
         self.counters = Counters()
         self._trust = trust
         self._max_entry = max_entry
-        self._layout_optional = layout_optional
+        self._layout_optional = can.evicts
         self._missing = missing
-        self._recheck = bool(getattr(engine, "recheck_on_outage", False))
+        self._recheck = not can.remote
         self._version = 0  # 0: not opened yet
         self._fail_lock = threading.Lock()
         self._paused_until = 0.0
@@ -239,19 +232,22 @@ class Tier:
         self._why_not = ""
         self._noted: set[str] = set()
         self._why = threading.local()
-        self._retry_max_s = retry_max_s
-        self._warn_later = warn_later
+        # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
+        # store that worked and is gone later (unmounted) is not a WARNING. A remote one's each is a request:
+        # made at the first lookup, paused from RETRY_S doubling to RETRY_MAX_S, said whenever it first fails.
+        self._retry_max_s = RETRY_MAX_S if can.remote else RETRY_S
+        self._warn_later = can.remote
         self._looked = False
-        self._server = server
-        self._layout_once = layout_once
+        self._server = can.server
+        self._layout_once = can.server
         self._rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.keys: KeyView | None = None
-        if key_list:
+        if can.remote:  # a request is costly there; a directory's stat is cheaper than a list
             from .keylist import KeyView
 
             self.keys = KeyView(engine, note=self._note, timed=self._timed)
         after_fork(self)
-        if open_now:
+        if not can.remote:
             try:
                 self._open()
             except StoreFailure as exc:
@@ -277,8 +273,8 @@ class Tier:
         # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
         found = None
         if self.packs is not None and self._trust is None:
-            where = getattr(self.packs, "where", None)
-            packed = not unlisted and where is not None and where(kid) is not None
+            ranged = self.ranged_packs()
+            packed = not unlisted and ranged is not None and ranged.where(kid) is not None
             if packed and self._too_slow(PACKED_REQUESTS, self._listed_ms(kid, fetch=False)):
                 return None
             found = self.packs.lookup(kid)
@@ -376,11 +372,10 @@ class Tier:
         reason: str = getattr(self._why, "reason", "unknown")
         return reason
 
-    @property
-    def requests(self) -> int:
-        """Requests the engine has made, where it counts them (HTTP); else 0."""
-        count: int = getattr(self.engine, "requests", 0)
-        return count
+    def ranged_packs(self) -> RangedPacks | None:
+        """The store's packs, where its engine is remote and reads ranges (their indexes held here); else None."""
+        can = self.engine.can
+        return cast("RangedPacks", self.packs) if self.packs is not None and can.remote and can.ranges else None
 
     def ceiling(self) -> int:
         """The largest entry read here: the ceiling, or less where the local cap says so."""

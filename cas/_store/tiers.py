@@ -11,8 +11,9 @@ a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngin
 Each engine is imported when a store of its scheme is opened, so a plain cache
 never loads the HTTP or Redis side. ``ADDRESS|write`` names a store writable
 (:func:`cuda_program_cas._base.urls.parse_store_entry`). Publish opens the store
-it writes by the same table (:func:`open_engine`), with the packs the engine has
-(:func:`open_packs`: none for Redis, where loose entries are all a store holds).
+it writes by the same table (:func:`open_engine`), and its packs by the engine's
+record (:func:`open_packs`: one publisher for every engine that reads ranges;
+none for Redis, where loose entries are all a store holds).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cuda_program_cas._base.engine import Engine
+from cuda_program_cas._base.engine import Engine, ranged
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._base.urls import check_address, parse_store_entry, scheme_of
 
-from .tier import RETRY_S, Tier, ceiling
+from .tier import Tier, ceiling
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -61,7 +62,7 @@ class Options:
 
 
 class PackTarget(Protocol):
-    """A store's packs as a publisher sees them (:class:`cuda_program_cas._disk.packpublish.DirPacks`, ...)."""
+    """A store's packs as a publisher sees them (:class:`cuda_program_cas._disk.packpublish.StorePacks`)."""
 
     def entries(self) -> dict[str, PackedEntry]:
         """Every packed entry of the store, by key id."""
@@ -103,12 +104,6 @@ def _dir_engine(address: str, opts: Options) -> Engine:
     return DirEngine(root, modes=modes)
 
 
-def _dir_packs(engine: Any) -> PackTarget:
-    from cuda_program_cas._disk.packpublish import DirPacks
-
-    return DirPacks(engine)
-
-
 def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._disk.pack import PackSet
 
@@ -129,16 +124,11 @@ def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
         tier.counters.add("corrupt")
         tier._note("damaged pack", f"{path}: an entry's blob is damaged or unreadable; it is a miss")
 
-    # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
-    # store that worked and is gone later (unmounted) is not a WARNING.
     tier = Tier(
         engine,
         packs=PackSet(root, on_damage=damaged, max_entry=lambda: ceiling(opts.max_entry)),
         writable=writable,
         missing=missing,
-        retry_max_s=RETRY_S,
-        warn_later=False,
-        open_now=True,
         trust=opts.trust,
         max_entry=opts.max_entry,
     )
@@ -151,29 +141,17 @@ def _http_engine(address: str, opts: Options) -> Engine:
     return HttpEngine(address, staging=opts.staging)
 
 
-def _http_packs(engine: Any) -> PackTarget:
-    from cuda_program_cas._remote.davpacks import DavPacks
-
-    return DavPacks(engine)
-
-
 def _http(engine: Any, writable: bool, opts: Options) -> Tier:
     from cuda_program_cas._remote.httppacks import HttpPacks
 
     packs = HttpPacks(engine, memo_get=opts.memo_get, memo_put=opts.memo_put)
-    # Each check is a request: made at the first lookup, not at open; a dead server is paused from RETRY_S
-    # doubling to RETRY_MAX_S, and said once whenever it first fails.
     tier = Tier(
         engine,
         packs=packs,
         writable=writable,
         missing=lambda: "not a store: no layout.json (404)",
-        warn_later=True,
         trust=opts.trust,
         max_entry=opts.max_entry,
-        server=True,
-        layout_once=True,
-        key_list=True,
     )
     packs.report = tier
     return tier
@@ -186,24 +164,19 @@ def _redis_engine(address: str, opts: Options) -> Engine:
 
 
 def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
-    # Redis evicts keys on its own (allkeys-lru, docs/redis.md): a store without layout.json is an empty one.
-    return Tier(
-        engine, writable=writable, layout_optional=True, trust=opts.trust, max_entry=opts.max_entry, key_list=True
-    )
+    # Redis evicts keys on its own (allkeys-lru, docs/redis.md): its record says so (an empty store needs no layout).
+    return Tier(engine, writable=writable, trust=opts.trust, max_entry=opts.max_entry)
 
 
 @dataclass(frozen=True)
 class _Scheme:
     engine: Callable[[str, Options], Engine]
     tier: Callable[[Any, bool, Options], Tier]
-    #: The store's packs for a publisher; None: loose entries only (Redis: a key is as cheap as a pack's entry,
-    #: and an evicted pack would take many entries with it).
-    packs: Callable[[Any], PackTarget] | None
 
 
-_DIRECTORY = _Scheme(_dir_engine, _directory, _dir_packs)
-_HTTP = _Scheme(_http_engine, _http, _http_packs)
-_REDIS = _Scheme(_redis_engine, _redis, None)
+_DIRECTORY = _Scheme(_dir_engine, _directory)
+_HTTP = _Scheme(_http_engine, _http)
+_REDIS = _Scheme(_redis_engine, _redis)
 _ENGINES: dict[str, _Scheme] = {"file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS}
 
 
@@ -234,6 +207,13 @@ def open_engine(address: str, **options: Any) -> Engine:
 
 
 def open_packs(engine: Engine) -> PackTarget | None:
-    """The packs of the store behind ``engine`` for a publisher, or None where its engine has none (Redis)."""
-    make = _scheme(engine.shown).packs
-    return None if make is None else make(engine)
+    """The packs of the store behind ``engine`` for a publisher, or None where its record says it keeps none.
+
+    Packs need ranged reads; an engine whose objects may go on their own (Redis) keeps loose entries only: a key
+    is as cheap there as a pack's entry, and an evicted pack would take many entries with it.
+    """
+    if engine.can.evicts or ranged(engine) is None:
+        return None
+    from cuda_program_cas._disk.packpublish import StorePacks
+
+    return StorePacks(engine)

@@ -45,7 +45,7 @@ def put_checked(
     ``accept``: what else the object may hold (another writer's valid object, stored at the same moment).
     """
     answer = engine.put(name, data)
-    if engine.puts_proven:
+    if engine.can.puts_proven:
         return
 
     def lost(held: int | None, *, other: bool = False) -> StoreFailure:
@@ -75,7 +75,7 @@ def put_checked(
 def upload_entry(engine: Engine, kid: str, digest: str, blob: bytes, manifest: bytes) -> None:
     """One entry into the store: its blob, read back by its size, then the manifest ``manifest`` naming it."""
     blob_name, manifest_name = url_path(BLOBS, digest), url_path(INDEX, kid)
-    if engine.atomic_batch:
+    if engine.can.atomic_batch:
         engine.put_many([(blob_name, blob), (manifest_name, manifest)])
         return
     put_checked(engine, blob_name, blob, whole=False)

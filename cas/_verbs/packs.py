@@ -30,6 +30,7 @@ Repacking needs the store's ``evict.lock``: :mod:`.repack` takes it, ``gc`` hold
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -43,6 +44,7 @@ from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CorruptBlobError
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.classify import Condition, classify
+from cuda_program_cas._disk.direngine import DirEngine, DirModes
 from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._disk.pack import (
@@ -53,9 +55,8 @@ from cuda_program_cas._disk.pack import (
     PackReader,
     list_packs,
     save_listing,
-    write_pack,
 )
-from cuda_program_cas._disk.packsummary import PackSummary
+from cuda_program_cas._disk.packpublish import StorePacks
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
 from cuda_program_cas._disk.writer import Writer
@@ -149,20 +150,22 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
             continue
         inputs.append((kid, digest, functools.partial(_from_loose, blobs, digest, size, report), mtime))
     stats: dict[str, int] = {}
+    # The one pack publisher, over the store's directory engine: its files 0644 exactly, the pack fsynced with fsync.
+    engine = DirEngine(lay.root, modes=dataclasses.replace(DirModes.for_process(False, fsync=fsync), file=0o644))
+    packs = StorePacks(engine)
     try:
         if inputs or old:
-            writer = Writer(lay, file_mode=0o644, exact_mode=True, fsync=fsync)
-            report.pack = write_pack(lay, inputs, writer.write_file, stats)
+            report.pack = packs.write(inputs, stats, empty=True)
             report.entries, report.blobs, report.bytes = stats["entries"], stats["blobs"], stats["bytes"]
     finally:
         for reader in old:
             reader.close()
     if report.pack is not None:
         report.retired = [retire(lay, reader.path) for reader in old]
-        PackSummary.load(lay.root).save(writer.write_file)  # publishers read this, not every pack
-        save_listing(lay.root, writer.write_file)  # what HTTP readers list
+        packs.entries()  # the packs listed now: the new one
+        packs.finish(True)  # packs/summary for publishers, packs/list for HTTP readers
         _left_loose(lay, report)
-        _place_sets(lay, report.pack, writer)
+        _place_sets(lay, report.pack, engine.writer(fsync=fsync))
     report.elapsed_s = time.monotonic() - t0
     return report
 

@@ -1,0 +1,345 @@
+"""One contract, every engine: the same tests against each row of :data:`FACTORIES`, on real servers.
+
+Each row makes an engine over a fresh store on its real server (a directory; nginx
+read-only and with WebDAV; a redis-server of the test's own), and is skipped only
+where its server's binary is missing, as the engine's own tests are. What an engine
+can do besides get, put and remove is its record (``engine.can``): every ability
+the record declares is exercised through its accessor, and every one it denies is
+refused (the accessor gives None, and the engine has no such method).
+
+Adding an engine (S3) is adding a row: a context manager that yields a :class:`Made`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import pytest
+from _http.nginx import nginx_or_skip
+from conftest import redis_or_skip
+
+from cuda_program_cas import CacheStore, digest_of, publish
+from cuda_program_cas._base.engine import (
+    Abilities,
+    Engine,
+    StoreFailure,
+    conditional,
+    creates,
+    leases,
+    listing,
+    ranged,
+)
+from cuda_program_cas._disk.direngine import DirEngine
+from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
+from cuda_program_cas._remote.http import HttpEngine
+from cuda_program_cas._remote.redis import RedisEngine
+from cuda_program_cas._store import warmset
+from cuda_program_cas._store.tiers import open_engine
+
+JOB = "contract-job"
+
+
+@dataclasses.dataclass
+class Made:
+    """One engine over a fresh store, and how the tests reach that store otherwise.
+
+    ``engine``: the engine under test. ``seed``: an engine that writes where ``engine``
+    reads (``engine`` itself where it writes; the served folder for a read-only server).
+    ``read``/``write``: the store's address for a node that reads it, and for publish and
+    write-back (``write`` without ``|write``). ``packs``: whether publish packs there.
+    ``down``: stops the store's server (None: there is none, a directory).
+    """
+
+    engine: Engine
+    seed: Engine
+    read: str
+    write: str
+    packs: bool = True
+    down: Callable[[], None] | None = None
+
+    @property
+    def writable(self) -> bool:
+        return self.seed is self.engine
+
+
+@contextmanager
+def _directory(tmp: Path) -> Iterator[Made]:
+    root = tmp / "store"
+    root.mkdir()
+    engine = DirEngine(str(root))
+    yield Made(engine, engine, str(root), str(root))
+
+
+@contextmanager
+def _http_read_only(tmp: Path) -> Iterator[Made]:
+    with nginx_or_skip(tmp / "nginx", tmp / "served") as server:
+        engine, seed = HttpEngine(server.read_url("")), DirEngine(str(server.root))
+        yield Made(engine, seed, server.read_url(""), str(server.root), down=server.stop)
+
+
+@contextmanager
+def _http_dav(tmp: Path) -> Iterator[Made]:
+    with nginx_or_skip(tmp / "nginx", tmp / "served") as server:
+        engine = HttpEngine(server.dav_url(""))
+        yield Made(engine, engine, server.dav_url(""), server.dav_url(""), down=server.stop)
+
+
+@contextmanager
+def _redis(tmp: Path) -> Iterator[Made]:
+    server = redis_or_skip(tmp / "redis")
+    try:
+        engine = RedisEngine(server.url)
+        # Loose entries only (docs/redis.md).
+        yield Made(engine, engine, server.url, server.url, packs=False, down=server.stop)
+        engine.close()
+    finally:
+        server.stop()
+
+
+#: Every engine the contract holds for, by name: a maker of one over a fresh store on its real server.
+FACTORIES: dict[str, Callable[[Path], AbstractContextManager[Made]]] = {
+    "directory": _directory,
+    "http-read-only": _http_read_only,
+    "http-webdav": _http_dav,
+    "redis": _redis,
+}
+
+#: Each optional ability: its accessor, and the methods its interface adds to an engine.
+ABILITIES: dict[str, tuple[Callable[[Engine], object | None], tuple[str, ...]]] = {
+    "ranges": (ranged, ("get_range", "get_tail")),
+    "conditional_get": (conditional, ("get_changed",)),
+    "conditional_create": (creates, ("create",)),
+    "listing": (listing, ("names",)),
+    "leases": (leases, ("lease", "renew", "release")),
+}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def made(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Made]:
+    with FACTORIES[request.param](tmp_path) as m:
+        yield m
+
+
+def _writable(made: Made) -> Engine:
+    if not made.writable:
+        pytest.skip("a read-only engine: what it reads is written beside it")
+    return made.engine
+
+
+def value(i: int, size: int = 3000) -> bytes:
+    return (f"entry {i} ".encode() * (size // 8 + 1))[:size]
+
+
+# -- what every engine does ---------------------------------------------------------------------
+
+
+def test_the_record_is_one_frozen_abilities(made: Made) -> None:
+    can = made.engine.can
+    assert isinstance(can, Abilities)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        can.leases = not can.leases  # type: ignore[misc]
+
+
+def test_a_put_object_reads_back_whole_and_its_size_is_known(made: Made) -> None:
+    data = bytes(range(256)) * 40
+    made.seed.put("blobs/ab/cdef", data)
+    assert made.engine.get("blobs/ab/cdef", limit=len(data)) == data
+    assert made.engine.get("blobs/ab/cdef", limit=len(data), digest=digest_of(data)) == data
+    assert made.engine.size("blobs/ab/cdef") == len(data)
+    assert made.engine.get_many(["blobs/ab/cdef", "blobs/ab/none"], limit=[len(data), 10]) == [data, None]
+
+
+def test_a_put_replaces_and_a_removed_object_is_gone(made: Made) -> None:
+    engine = _writable(made)
+    engine.put("index/aa/one", b"first")
+    engine.put("index/aa/one", b"second, longer")
+    assert engine.get("index/aa/one", limit=100) == b"second, longer"
+    engine.remove("index/aa/one")
+    assert engine.get("index/aa/one", limit=100) is None
+    engine.remove("index/aa/one")  # nothing there: nothing to do
+
+
+def test_a_missing_name_is_a_miss_not_a_failure(made: Made) -> None:
+    assert made.engine.get("index/ff/missing", limit=100) is None
+    assert made.engine.size("index/ff/missing") is None
+    assert made.engine.get_many(["index/ff/missing"], limit=100) == [None]
+
+
+def test_an_object_over_the_callers_limit_is_refused_not_held(made: Made) -> None:
+    made.seed.put("blobs/cc/big", b"x" * 5000)
+    for read in (
+        lambda: made.engine.get("blobs/cc/big", limit=4999),
+        lambda: made.engine.get_many(["blobs/cc/big"], limit=4999),
+    ):
+        with pytest.raises(StoreFailure) as caught:
+            read()
+        assert (caught.value.kind, caught.value.outage) == ("too large", False)
+    assert made.engine.get("blobs/cc/big", limit=5000) == b"x" * 5000
+
+
+def test_bytes_that_do_not_hash_to_the_digest_asked_are_damage(made: Made) -> None:
+    made.seed.put("blobs/dd/liar", b"not these bytes")
+    with pytest.raises(StoreFailure) as caught:
+        made.engine.get("blobs/dd/liar", limit=100, digest=digest_of(b"other bytes"))
+    assert (caught.value.kind, caught.value.outage) == ("damaged", False)
+
+
+def test_a_store_whose_server_is_down_is_an_outage_not_a_miss(made: Made) -> None:
+    if made.down is None:
+        pytest.skip("no server: a directory that is gone is a missing object, and its tier checks the layout")
+    made.seed.put("index/ee/there", b"x")
+    made.down()
+    for call in (
+        lambda: made.engine.get("index/ee/there", limit=10),
+        lambda: made.engine.get_many(["index/ee/there"], limit=10),
+        lambda: made.engine.size("index/ee/there"),
+    ):
+        with pytest.raises(StoreFailure) as caught:
+            call()
+        assert caught.value.outage is True
+
+
+def test_put_many_never_shows_a_later_object_before_an_earlier_one(made: Made) -> None:
+    """A reader polling the manifests while blobs and manifests are put in pairs never finds a manifest first."""
+    engine = _writable(made)
+    pairs = [(url_path(BLOBS, f"{i:064x}"), url_path(INDEX, f"{i:064x}")) for i in range(30)]
+    done = threading.Event()
+    early: list[str] = []
+
+    def read() -> None:
+        while not done.is_set():
+            for blob, manifest in pairs:
+                if engine.get(manifest, limit=100) is not None and engine.get(blob, limit=100) is None:
+                    early.append(manifest)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i, (blob, manifest) in enumerate(pairs):
+            engine.put_many([(blob, f"blob {i}".encode()), (manifest, f"names blob {i}".encode())])
+    finally:
+        done.set()
+        reader.join()
+    assert early == []
+    assert all(engine.get(m, limit=100) == f"names blob {i}".encode() for i, (_, m) in enumerate(pairs))
+
+
+# -- the abilities its record declares, and those it denies ---------------------------------------
+
+
+@pytest.mark.parametrize("ability", sorted(ABILITIES))
+def test_an_ability_is_reached_only_where_the_record_declares_it(made: Made, ability: str) -> None:
+    accessor, methods = ABILITIES[ability]
+    declared = getattr(made.engine.can, ability)
+    got = accessor(made.engine)
+    if declared:
+        assert got is made.engine and all(callable(getattr(made.engine, m, None)) for m in methods)
+    else:
+        # Refused cleanly: no interface, and no stub that would answer as if it could.
+        assert got is None and not any(hasattr(made.engine, m) for m in methods)
+
+
+def test_ranged_reads_give_exactly_the_bytes_asked(made: Made) -> None:
+    engine = ranged(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no ranges")
+    data = bytes(range(256)) * 8
+    made.seed.put("packs/some.cpk", data)
+    assert engine.get_range("packs/some.cpk", 100, 50) == data[100:150]
+    assert engine.get_range("packs/some.cpk", 0, len(data)) == data
+    assert engine.get_tail("packs/some.cpk", 32) == (data[-32:], len(data))
+    assert engine.get_range("packs/none.cpk", 0, 10) is None
+    assert engine.get_tail("packs/none.cpk", 10) is None
+    with pytest.raises(StoreFailure):  # past its end: not a shorter answer
+        engine.get_range("packs/some.cpk", len(data) - 10, 20)
+
+
+def test_a_conditional_read_of_an_unchanged_object_holds_no_body(made: Made) -> None:
+    engine = conditional(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no conditional reads")
+    assert engine.get_changed("keys", limit=100, tag=None) == (None, None)
+    made.seed.put("keys", b"first list")
+    data, tag = engine.get_changed("keys", limit=100, tag=None) or (None, None)
+    assert data == b"first list" and tag
+    assert engine.get_changed("keys", limit=100, tag=tag) is None  # not modified: no bytes at all
+    made.seed.put("keys", b"second list")
+    changed = engine.get_changed("keys", limit=100, tag=tag)
+    assert changed is not None and changed[0] == b"second list" and changed[1] not in (None, tag)
+    with pytest.raises(StoreFailure) as caught:
+        engine.get_changed("keys", limit=5, tag=None)
+    assert caught.value.kind == "too large"
+
+
+def test_a_second_conditional_create_of_a_name_fails_and_writes_nothing(made: Made) -> None:
+    engine = creates(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no conditional create")
+    assert engine.create("packs/list", b"mine") is True
+    assert engine.create("packs/list", b"theirs") is False
+    assert made.engine.get("packs/list", limit=100) == b"mine"
+
+
+def test_a_listing_names_the_objects_of_a_folder(made: Made) -> None:
+    engine = listing(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no listing")
+    assert engine.names("packs") == []
+    for name in ("b.cpk", "a.cpk", "list"):
+        made.seed.put(f"packs/{name}", b"x")
+    made.seed.put("packs/retired/old.cpk", b"x")  # a folder's folder is not its object
+    assert engine.names("packs") == ["a.cpk", "b.cpk", "list"]
+
+
+def test_a_lease_is_one_holders_until_released(made: Made) -> None:
+    engine = leases(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no leases")
+    token = engine.lease("compile/k", 30)
+    assert token and engine.lease("compile/k", 30) is None
+    assert engine.renew("compile/k", token, 30) is True
+    engine.release("compile/k", token)
+    assert engine.renew("compile/k", token, 30) is False
+    assert engine.lease("compile/k", 30) not in (None, token)
+
+
+# -- the store above it ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["loose", "packed"])
+def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
+    made: Made, pack: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if pack and not made.packs:
+        pytest.skip("publish writes no packs there")
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", JOB)
+    source = CacheStore(tmp_path / "source")
+    for i in range(12):
+        source.put(f"k{i}", value(i))
+    source.close()
+    publish([tmp_path / "source"], made.write, pack=pack)
+    used = [f"k{i}" for i in range(0, 12, 2)]
+    writer = CacheStore(tmp_path / "writer", shared=[f"{made.write}|write"])
+    assert all(writer.get(k) == value(int(k[1:])) for k in used)
+    writer.close()
+    assert warmset.parse(made.engine.get(warmset.set_name(JOB), limit=1 << 20)) is not None
+    node = CacheStore(tmp_path / "cold", shared=[made.read])
+    assert node.get(used[0]) == value(0)  # the first local miss starts the set's fetch
+    warm = node.inner.warm
+    assert warm is not None and warm.join(30)
+    # A packed entry is fetched by the place in its pack that the set's line names, which a writer knows where it
+    # reads the packs' indexes by ranges (a remote store), with several ranges in one request; elsewhere the line is a
+    # key only, and its lookup finds it.
+    wrote, reads = open_engine(made.write).can, made.engine.can
+    fetches = not pack or (wrote.remote and wrote.ranges and reads.multi_range)
+    if fetches:
+        assert warm.fetched == len(used) and node.stats().entries == len(used)  # each verified into the local cache
+    assert {k: node.get(k) for k in used} == {k: value(int(k[1:])) for k in used}
+    assert node.counters()["corrupt"] == 0
+    node.close()
+    for tier in (*writer.inner.shared, *node.inner.shared):
+        tier.engine.close()  # their pooled connections (Redis)
