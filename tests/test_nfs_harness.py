@@ -83,11 +83,7 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
 
 def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:
     """The checker the nodes use: a store handing back other bytes is reported, not counted as a hit."""
-    sys.path.insert(0, str(SCENARIOS.parent))
-    try:
-        import scenarios
-    finally:
-        sys.path.remove(str(SCENARIOS.parent))
+    import scenarios
 
     class Tampered:
         def get(self, key: object) -> bytes:
@@ -107,12 +103,8 @@ COLDSTART = REPO / "tools" / "coldstart_model.py"
 
 
 def _scenarios_module(name: str = "scenarios") -> Any:
-    """``tools/nfs/<name>.py``, imported."""
-    sys.path.insert(0, str(SCENARIOS.parent))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCENARIOS.parent))
+    """``tools/nfs/<name>.py``, imported (pytest's ``pythonpath`` has ``tools/nfs``)."""
+    return importlib.import_module(name)
 
 
 def _figures(name: str) -> dict[str, Any]:

@@ -38,9 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, cccl_include
 
 KERNELS = {
     "saxpy": r"""

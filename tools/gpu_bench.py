@@ -40,11 +40,8 @@ import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from _common import cccl_include, child_env  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from testkit.common import cccl_include
+from testkit.workers import child_env
 
 HEAVY = r"""
 #include <cub/block/block_reduce.cuh>

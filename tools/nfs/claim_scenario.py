@@ -44,9 +44,7 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import scenarios  # noqa: E402  (it also makes this checkout's cuda_program_cas the one imported)
+import nfs_common  # first: it makes this checkout's cuda_program_cas the one imported
 
 Result = dict[str, Any]
 
@@ -148,7 +146,7 @@ def worker(cfg: Result) -> Result:
     print("ready", flush=True)
     if sys.stdin.readline() != "start\n":
         raise SystemExit("no start")
-    before = scenarios.mountstats(cfg["mount"])
+    before = nfs_common.mountstats(cfg["mount"])
     t0 = time.monotonic()
     data = store.get(key)
     out.update(hit_first=data is not None, compiled=False)
@@ -171,7 +169,7 @@ def worker(cfg: Result) -> Result:
                 print("stored", flush=True)
     out["total_s"] = round(time.monotonic() - t0, 3)
     print("looked up", flush=True)
-    ops = scenarios._ops_between(before, scenarios.mountstats(cfg["mount"]))
+    ops = nfs_common.ops_between(before, nfs_common.mountstats(cfg["mount"]))
     out["lock_ops"] = {k: v for k, v in ops.items() if k.startswith("LOCK")}
     if data != want:
         out["wrong"].append(f"{key}: {len(data or b'')} bytes returned")
@@ -352,7 +350,7 @@ class Mounts:
         if proc.returncode != 0:
             raise OSError(f"mount -o {opts} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
         self.made.append(path)
-        self.options[name] = scenarios.mount_options([path])[path]
+        self.options[name] = nfs_common.mount_options([path])[path]
         return path
 
     def made_or(self, name: str) -> str:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import importlib.util
 import json
 import os
 import random
@@ -53,30 +52,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-
-
-class _ThisCheckout:
-    """Import ``cuda_program_cas`` from this checkout, whatever the interpreter has installed.
-
-    An editable install names the folders of the checkout it was made from. The VM
-    sees only this checkout, and the figures must be this checkout's code's.
-    """
-
-    @classmethod
-    def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
-        folder = {"cuda_program_cas": "cas", "cuda_program_cas.index": "index"}.get(fullname)
-        if folder is None:
-            return None
-        init = os.path.join(REPO, folder, "__init__.py")
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[os.path.dirname(init)]
-        )
-
-
-if os.path.isfile(os.path.join(REPO, "cas", "__init__.py")):
-    sys.meta_path.insert(0, _ThisCheckout)
+from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
 
 Result = dict[str, Any]
 
@@ -275,41 +251,6 @@ def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: An
     return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
 
 
-def mountstats(mount: str) -> dict[str, int] | None:
-    """Operation counts of the NFS mount at ``mount`` from ``/proc/self/mountstats``; None off NFS."""
-    counts: dict[str, int] | None = None
-    try:
-        with open("/proc/self/mountstats") as fh:
-            text = fh.read()
-    except OSError:
-        return counts
-    inside = ops = False
-    for line in text.splitlines():
-        if line.startswith("device "):
-            inside = f" mounted on {mount} with fstype nfs" in line
-            ops = False
-            if inside:
-                counts = {}
-            continue
-        if not inside:
-            continue
-        if line.strip() == "per-op statistics":
-            ops = True
-            continue
-        if ops and ":" in line:
-            name, _, rest = line.strip().partition(":")
-            fields = rest.split()
-            if counts is not None and name.isupper() and fields and fields[0].isdigit():
-                counts[name] = int(fields[0])
-    return counts
-
-
-def _ops_between(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int]:
-    if before is None or after is None:
-        return {}
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-
-
 def worker_firsthits(cfg: Result) -> Result:
     """One node's cold job: the first hit of each of ``n`` keys in a fresh process; the NFS operations it cost.
 
@@ -332,9 +273,9 @@ def worker_firsthits(cfg: Result) -> Result:
             after_first = mountstats(cfg["mount"])
     out["seconds"] = round(time.perf_counter() - t0, 4)
     after = mountstats(cfg["mount"])
-    out["ops_first"] = _ops_between(before, after_first)
-    out["ops_rest"] = _ops_between(after_first, after)
-    out["ops"] = _ops_between(before, after)
+    out["ops_first"] = ops_between(before, after_first)
+    out["ops_rest"] = ops_between(after_first, after)
+    out["ops"] = ops_between(before, after)
     return out
 
 
@@ -999,7 +940,6 @@ def check_packed(figures: Result) -> list[str]:
 def scenario_claims(env: Env) -> Result:
     """Claims on a cache that sits on NFS (tools/nfs/claim_scenario.py): one mount, several, a holder
     killed, a dead node, node-local locks, no lock daemon."""
-    sys.path.insert(0, HERE)
     import claim_scenario
 
     return claim_scenario.run(env)
@@ -1013,19 +953,6 @@ SCENARIOS: dict[str, Callable[[Env], Result]] = {
     "loose against packed stores": scenario_packed,
     "claims on an NFS-mounted cache": scenario_claims,
 }
-
-
-def mount_options(paths: list[str]) -> dict[str, str]:
-    found = {}
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if parts[1] in paths:
-                    found[parts[1]] = f"{parts[2]} {parts[3]}"
-    except OSError:
-        pass
-    return {p: found.get(p, "(not a mount point)") for p in paths}
 
 
 def run_all(args: argparse.Namespace) -> Result:
@@ -1056,25 +983,6 @@ def run_all(args: argparse.Namespace) -> Result:
         result["guest_uptime_s"] = float(fh.read().split()[0])
     result["ok"] = all(s["ok"] for s in result["scenarios"]) and bool(result["scenarios"])
     return result
-
-
-def format_summary(result: Result) -> str:
-    lines = [f"NFS scenarios on Linux {result['kernel']} ({result['seconds']} s)"]
-    for path, opts in result["mounts"].items():
-        lines.append(f"  mount {path}: {opts}")
-    for sc in result["scenarios"]:
-        lines.append(f"{'ok    ' if sc['ok'] else 'FAILED'} {sc['name']} ({sc['seconds']} s)")
-        for key, value in sc["figures"].items():
-            if isinstance(value, list) and value and isinstance(value[0], dict):
-                for item in value:
-                    lines.append("         " + ", ".join(f"{k}={v}" for k, v in item.items()))
-            else:
-                lines.append(f"         {key}: {value}")
-        for failure in sc["failures"]:
-            lines.append(f"  !! {failure}")
-    lines.append(f"{'PASSED' if result['ok'] else 'FAILED'}: {sum(s['ok'] for s in result['scenarios'])} of "
-                 f"{len(result['scenarios'])} scenarios passed")  # fmt: skip
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
