@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
+from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 Result = dict[str, Any]
 
@@ -287,46 +288,39 @@ WORKERS: dict[str, Callable[[Result], Result]] = {
 }
 
 
-def worker_main(role: str, cfg_json: str) -> int:
-    cfg = json.loads(cfg_json)
+def worker_main(cfg: Result) -> int:
+    """A node's process (testkit's worker protocol): the role's work, answered as one JSON line."""
+    role = cfg["role"]
     try:
         out = WORKERS[role](cfg)
     except Exception:
         out = {"wrong": [], "exceptions": [traceback.format_exc()]}
     out["role"] = role
-    line = "RESULT " + json.dumps(out)
-    if role == "serve":
-        print(line, flush=True)
-    else:
-        sys.stdout.write(line + "\n")
+    answer(out)
     return 1 if out.get("exceptions") or out.get("wrong") else 0
 
 
 def spawn(role: str, cfg: Result, stdin: int | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--worker", role, json.dumps(cfg)],
+    return spawn_worker(
+        __file__, {**cfg, "role": role}, keep_settings=True,
         stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
 def collect_worker(proc: subprocess.Popen[str], timeout: float, failures: list[str], who: str) -> Result:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+    done = collect(proc, timeout)
+    if done.timed_out:
         failures.append(f"{who}: did not finish within {timeout:.0f} s")
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        failures.append(f"{who}: exited {proc.returncode} without a result: {stderr.strip()[-1500:]}")
+    out = done.answer
+    if out is None:
+        failures.append(f"{who}: exited {done.returncode} without a result: {done.stderr.strip()[-1500:]}")
         return {}
-    out: Result = json.loads(lines[-1][len("RESULT ") :])
     for text in out.get("wrong", [])[:5]:
         failures.append(f"{who}: WRONG BYTES {text}")
     for text in out.get("exceptions", [])[:3]:
         failures.append(f"{who}: exception: {text.strip()}")
-    if proc.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
-        failures.append(f"{who}: exit status {proc.returncode}: {stderr.strip()[-800:]}")
+    if done.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
+        failures.append(f"{who}: exit status {done.returncode}: {done.stderr.strip()[-800:]}")
     return out
 
 
@@ -987,8 +981,9 @@ def run_all(args: argparse.Namespace) -> Result:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker_main(argv[1], argv[2])
+    spec = worker_spec(argv)
+    if spec is not None:
+        return worker_main(spec)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--publisher", required=True, help="the writable mount (the store is <mount>/store)")
     parser.add_argument("--node", action="append", required=True, help="a read-only mount, one per node")
