@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from testkit.forks import ForkError, ForkServer
 from testkit.nginx import nginx_or_skip
 from testkit.proxy import Proxy
 from testkit.redis_server import redis_or_skip
@@ -83,3 +84,18 @@ def test_nginx_serves_the_root_through_the_proxy_and_stops_cleanly(tmp_path: Pat
                 assert resp.read() == b"hello"
     assert not server.running
     assert _refuses(server.port)
+
+
+def test_a_forked_call_has_the_callers_directory_and_environment_and_reports_a_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = "import os\n\ndef main(name):\n    if name == 'boom':\n        raise ValueError(name)\n"
+    source += "    return os.getcwd(), os.environ.get(name), os.getpid()\n"
+    with ForkServer("import json\n") as forks:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("TESTKIT_PROBE", "set after the server started")
+        cwd, value, pid = forks.call(source, "TESTKIT_PROBE")
+        assert (cwd, value) == (str(tmp_path), "set after the server started")
+        assert forks.call(source, "TESTKIT_PROBE")[2] != pid  # a fresh child each call
+        with pytest.raises(ForkError, match="ValueError: boom"):
+            forks.call(source, "boom")

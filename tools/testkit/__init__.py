@@ -6,7 +6,9 @@ gets it through the ``PYTHONPATH`` of :func:`testkit.workers.child_env`. Nothing
 edits ``sys.path``.
 
 - :mod:`testkit.workers`: a fresh interpreter that runs one piece of work and answers one
-  JSON line (every tool's ``_worker`` mode, torture's loads, the NFS scenarios' nodes).
+  JSON line (every tool's ``_worker`` mode, torture's loads, the NFS scenarios' nodes);
+  :mod:`testkit.forks`, the same without the start-up: children forked from a server that
+  imported once.
 - :mod:`testkit.server`: the life cycle of a server run as a child on a loopback port;
   :mod:`testkit.nginx` (static reads and WebDAV), :mod:`testkit.redis_server`,
   :mod:`testkit.proxy` (a delaying TCP forwarder) are such servers.
