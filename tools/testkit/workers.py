@@ -129,14 +129,21 @@ def collect(proc: subprocess.Popen[Any], timeout: float) -> Finished:
 
 
 def run_worker(
-    script: str, spec: dict[str, Any], timeout: float = 300, *, settings: dict[str, str] | None = None
+    script: str,
+    spec: dict[str, Any],
+    timeout: float = 300,
+    *,
+    settings: dict[str, str] | None = None,
+    keep_settings: bool = False,
 ) -> dict[str, Any]:
     """Run ``script`` as a worker for ``spec`` and wait; its answer.
 
-    ``settings``: ``CUDA_PROGRAM_CAS_*`` variables the worker gets (the operator's are dropped).
-    Raises :class:`RuntimeError` with the end of the worker's stderr when it fails.
+    ``settings``: ``CUDA_PROGRAM_CAS_*`` variables the worker gets (the operator's are dropped
+    unless ``keep_settings``). Raises :class:`RuntimeError` with the end of the worker's
+    stderr when it fails.
     """
-    proc = spawn_worker(script, spec, settings=settings, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    popen: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = spawn_worker(script, spec, keep_settings=keep_settings, settings=settings, **popen)
     done = collect(proc, timeout)
     if done.failure or done.answer is None:
         raise RuntimeError(f"worker {spec.get('task', script)} failed: {done.failure}")
