@@ -16,10 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# The tools' helpers, written once for tools and tests: the CCCL header search and the CUB kernel
-# (tools/_common.py), and bench's workloads (tools/_bench/). Last on the path: nothing is shadowed.
-if str(REPO / "tools") not in sys.path:
-    sys.path.append(str(REPO / "tools"))
 
 #: A small kernel; with NVRTC its cubin does not depend on `name`, unused macros or `std`.
 SAXPY = r"""
@@ -203,8 +199,8 @@ def one_second_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def cccl_or_skip() -> str:
-    """The CCCL headers' include directory (``_common.cccl_include``), or a skip naming what to install."""
-    from _common import cccl_include
+    """The CCCL headers' include directory (``testkit.common.cccl_include``), or a skip naming what to install."""
+    from testkit.common import cccl_include
 
     include = cccl_include()
     if include is None:
@@ -212,25 +208,11 @@ def cccl_or_skip() -> str:
     return include
 
 
-def redis_or_skip(prefix: Path, **options: object):
-    """A started ``tools/_redis.RedisServer`` (stopped by the caller), or a skip naming why there is none."""
-    from _redis import RedisServer, RedisServerError, find_redis_server
-
-    if find_redis_server() is None:
-        pytest.skip(
-            "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
-        )
-    server = RedisServer(prefix, **options)  # type: ignore[arg-type]
-    try:
-        return server.start()
-    except RedisServerError as e:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {e}")
-
-
 @pytest.fixture
 def redis(tmp_path: Path):
-    """A redis-server of the test's own on loopback (``tools/_redis.py``), stopped after it."""
+    """A redis-server of the test's own on loopback (``testkit.redis_server``), stopped after it."""
+    from testkit.redis_server import redis_or_skip
+
     server = redis_or_skip(tmp_path / "redis")
     yield server
     server.stop()

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _common import CUB_SOURCE
-from _redis import RedisServer
-from conftest import cccl_or_skip, redis_or_skip
+from conftest import cccl_or_skip
+from testkit.common import CUB_SOURCE
+from testkit.redis_server import RedisServer, redis_or_skip
 
 NODE = textwrap.dedent(
     r"""
@@ -176,8 +176,8 @@ def test_with_an_nginx_store_too_published_kernels_are_hits_and_a_new_one_is_com
 ) -> None:
     """8 nodes read a published store on nginx besides the Redis store they write: an old kernel is a hit
     from nginx on every node (no compile, nothing sent to Redis), the new one is 1 compile cluster-wide."""
-    from _http import nginx_or_skip
     from cuda.core import ProgramOptions
+    from testkit.nginx import nginx_or_skip
 
     from cuda_program_cas import ContentAddressedProgramCache, publish
 

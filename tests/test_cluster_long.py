@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _common import CUB_SOURCE
-from _redis import RedisServer
-from conftest import cccl_or_skip, redis_or_skip
+from conftest import cccl_or_skip
+from testkit.common import CUB_SOURCE
+from testkit.redis_server import RedisServer, redis_or_skip
 
 NODE = textwrap.dedent(
     r"""

@@ -2,7 +2,7 @@
 
 Every build is ahead of time (``compute_capability=``, ``ProxyArray`` arguments):
 this machine has no GPU. Where no CUDA driver loads, each worker process gets a
-stub ``libcuda.so.1`` first on ``LD_LIBRARY_PATH`` (``tools/_cudastub.py``: built
+stub ``libcuda.so.1`` first on ``LD_LIBRARY_PATH`` (``tools/testkit/cudastub.py``: built
 here with gcc from the driver symbols cuda.compute's shared object imports, each
 failing with CUDA_ERROR_NO_DEVICE), for the bindings' import only: nothing here
 launches. Builds are not byte-reproducible (NVRTC's internal names embed a
@@ -105,7 +105,7 @@ print(json.dumps({"builds": builds[0], "counters": counters, "shapes": {k: shape
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment a worker imports cuda.compute with: a stub driver first where no driver loads."""
-    from _cudastub import driver_env
+    from testkit.cudastub import driver_env
 
     return driver_env(tmp_path_factory.mktemp("cudastub"))
 

@@ -19,8 +19,8 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
-from _http.nginx import nginx_or_skip
-from conftest import redis_or_skip
+from testkit.nginx import nginx_or_skip
+from testkit.redis_server import redis_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._base.engine import (

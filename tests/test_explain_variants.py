@@ -80,18 +80,18 @@ def test_through_the_switch_the_added_option_is_named_and_a_file_in_the_include_
     job = (
         "import sys\n"
         "from cuda.core import Program, ProgramOptions\n"
-        "sys.path.insert(0, sys.argv[1])\n"
         "from test_explain_variants import KERNELS, _arch, _kernel\n"
-        "extra = {'lineinfo': True} if sys.argv[3] == 'lineinfo' else {}\n"
+        "extra = {'lineinfo': True} if sys.argv[2] == 'lineinfo' else {}\n"
         "for i in range(KERNELS):\n"
         "    front = i % 2 == 1\n"
-        "    opts = ProgramOptions(arch=_arch(i), include_path=[sys.argv[2]] if front else None, **extra)\n"
+        "    opts = ProgramOptions(arch=_arch(i), include_path=[sys.argv[1]] if front else None, **extra)\n"
         "    Program(_kernel(i, header=front), 'c++', options=opts).compile('cubin')\n"
     )
-    env = {**os.environ, "CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "c")}
+    tests = str(Path(__file__).parent)  # where the job imports this file's kernels from
+    env = {**os.environ, "CUDA_PROGRAM_CAS": "1", "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "c"), "PYTHONPATH": tests}
 
     def run(extra: str) -> None:
-        args = [sys.executable, "-c", job, str(Path(__file__).parent), str(inc), extra]
+        args = [sys.executable, "-c", job, str(inc), extra]
         subprocess.run(args, env=env, check=True, timeout=300, cwd=tmp_path)
 
     run("")

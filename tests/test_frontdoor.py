@@ -18,9 +18,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _common import CUB_SOURCE
 from conftest import Compiles, cccl_or_skip
 from cuda.core import Program, ProgramOptions
+from testkit.common import CUB_SOURCE
 
 from cuda_program_cas import ContentAddressedProgramCache
 

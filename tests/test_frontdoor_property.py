@@ -60,12 +60,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +71,7 @@ from cuda.core import Program, ProgramOptions
 from hypothesis import HealthCheck, event, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+from testkit.forks import ForkServer
 
 from cuda_program_cas import ContentAddressedProgramCache
 
@@ -229,27 +228,37 @@ OTHER_DIRS = (
 )
 #: Names no lookup of the kernel tries (a trailing slash: a directory).
 OTHER_NAMES = ("metrics.json", "out.log", "val.hpp", "leaf.h.orig", "build/")
-#: The child of ``compile_in_a_child``: the inputs pickled on stdin; its outcome, hit and stored on stdout.
+#: The compile of ``compile_in_a_child``: run in a child forked from a server that imported these
+#: (testkit.forks): a process with nothing in its memory, without an interpreter's start and
+#: imports for each (a second a call on a loaded 2-core machine).
+CHILD_PRELOAD = "import cuda.core\nfrom cuda_program_cas import ContentAddressedProgramCache\n"
 CHILD = """
-import pickle, sys
 from cuda_program_cas import ContentAddressedProgramCache
-path, code, options, names = pickle.loads(sys.stdin.buffer.read())
-cache = ContentAddressedProgramCache(path)
-try:
-    obj = cache.compile(code, "c++", options, "cubin", name_expressions=names)
-    got = ("ok", (bytes(obj.code), obj.name, dict(obj.symbol_mapping) if obj.symbol_mapping else {}))
-except Exception as exc:
-    got = ("error", (type(exc), str(exc)))
-counters = cache.counters()
-sys.stdout.buffer.write(pickle.dumps((got, counters["hits"] > 0, counters["dropped_writes"] == 0)))
+
+def main(path, code, options, names):
+    cache = ContentAddressedProgramCache(path)
+    try:
+        obj = cache.compile(code, "c++", options, "cubin", name_expressions=names)
+        got = ("ok", (bytes(obj.code), obj.name, dict(obj.symbol_mapping) if obj.symbol_mapping else {}))
+    except Exception as exc:
+        got = ("error", (type(exc), str(exc)))
+    counters = cache.counters()
+    return got, counters["hits"] > 0, counters["dropped_writes"] == 0
 """
+
+
+@pytest.fixture
+def forks() -> Iterator[ForkServer]:
+    with ForkServer(CHILD_PRELOAD) as server:
+        yield server
 
 
 class FrontDoorMachine(RuleBasedStateMachine):
     """One directory tree, one cache, a sequence of file-system changes and compiles."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, forks: ForkServer) -> None:
         super().__init__()
+        self.forks = forks
         self.root = Path(tempfile.mkdtemp(prefix="ex-", dir=base))
         self.home = os.getcwd()
         self.cache_dir = self.root / "cas"
@@ -450,14 +459,7 @@ class FrontDoorMachine(RuleBasedStateMachine):
             got = outcome(lambda: self.cache.compile(code, "c++", options, "cubin", name_expressions=names))
             after = self.cache.counters()
             return got, after["hits"] > before["hits"], after["dropped_writes"] == before["dropped_writes"]
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD],
-            input=pickle.dumps((str(self.cache_dir), code, options, names)),
-            capture_output=True,
-            timeout=600,
-            check=True,
-        )
-        return pickle.loads(done.stdout)
+        return self.forks.call(CHILD, str(self.cache_dir), code, options, names)  # type: ignore[no-any-return]
 
     def _compare(self, which: int, child: bool = False) -> None:
         """``cache.compile`` gives what an uncached compile of the files as they are now gives; the same bytes hit."""
@@ -508,12 +510,12 @@ SETTINGS = settings(
 
 @pytest.mark.slow
 def test_cache_compile_equals_an_uncached_compile_under_generated_edits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forks: ForkServer
 ) -> None:
     monkeypatch.chdir(tmp_path)  # restored after the test, whatever the machine did
 
     def machine() -> FrontDoorMachine:
-        return FrontDoorMachine(tmp_path)
+        return FrontDoorMachine(tmp_path, forks)
 
     run_state_machine_as_test(seed(SEED)(machine), settings=SETTINGS)
 
@@ -534,8 +536,8 @@ class OneSecondMachine(FrontDoorMachine):
     served stale if the front door trusted those stat fields.
     """
 
-    def __init__(self, base: Path, cache_base: Path) -> None:
-        super().__init__(base)
+    def __init__(self, base: Path, cache_base: Path, forks: ForkServer) -> None:
+        super().__init__(base, forks)
         self.cache_dir = Path(tempfile.mkdtemp(prefix="cas-", dir=cache_base))
         self.cache = ContentAddressedProgramCache(self.cache_dir)
         self.probe = self.clock / "probe"  # its directory is searched by no compile
@@ -577,12 +579,12 @@ class OneSecondMachine(FrontDoorMachine):
 @pytest.mark.slow
 @pytest.mark.mount
 def test_cache_compile_equals_an_uncached_compile_under_same_second_edits(
-    one_second_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_second_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forks: ForkServer
 ) -> None:
     monkeypatch.chdir(tmp_path)
 
     def machine() -> FrontDoorMachine:
-        return OneSecondMachine(one_second_fs, tmp_path)
+        return OneSecondMachine(one_second_fs, tmp_path, forks)
 
     run_state_machine_as_test(
         seed(SEED)(machine),

@@ -297,7 +297,7 @@ _TEMPLATE = "template <class T> __global__ void twice(T *p) { p[threadIdx.x] = p
 
 
 def test_front_door_cub_and_template_launch_from_a_hit_in_a_fresh_process(tmp_path: Path, arch: str) -> None:
-    from _common import CUB_SOURCE
+    from testkit.common import CUB_SOURCE
 
     cccl = cccl_or_skip()
     cfg = {"cache": str(tmp_path / "cas"), "arch": arch, "cccl": cccl, "cub": CUB_SOURCE, "template": _TEMPLATE}

@@ -1,7 +1,7 @@
 """The failure side of the HTTP shared store, against real servers: every fault is a miss, and an outage is cheap.
 
 A published store (real NVRTC compiles, published loose and packed) is served by the tests'
-fault server (tests/_http) or a real nginx. Each fault must make a lookup a miss: ``get()``
+fault server (tools/testkit/faults.py) or a real nginx. Each fault must make a lookup a miss: ``get()``
 returns None and ``Program.compile(cache=)`` still compiles and returns the right bytes; never
 an exception, never wrong bytes. An outage pauses the store (5 s, doubling to 300 s), so N
 lookups cost one request, not N: the tests count the server's requests and connections,
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _http import Fault, FaultServer, Nginx, nginx_or_skip, refused_url
 from conftest import compile_program, run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testkit.faults import Fault, FaultServer, refused_url
+from testkit.nginx import Nginx, nginx_or_skip
 
 import cuda_program_cas._remote.httppacks as http_store
 import cuda_program_cas._store.tier as tier_module

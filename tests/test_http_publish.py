@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.faults import refused_url
-from _http.nginx import LogEntry, Nginx, nginx_or_skip
 from conftest import SAXPY, compile_program, run_python
+from testkit.faults import refused_url
+from testkit.nginx import LogEntry, Nginx, nginx_or_skip
 
 from cuda_program_cas import ContentAddressedProgramCache, LayoutError, collect
 from cuda_program_cas._cli.main import main as cli_main
@@ -442,7 +442,7 @@ def test_a_server_that_answers_201_and_keeps_less_fails_the_publish(
 ) -> None:
     import re
 
-    from _http.lying_dav import LyingDav
+    from testkit.lying_dav import LyingDav
 
     lies, pack, said = case
     with LyingDav(tmp_path / "dav", lies=lies) as server:

@@ -1,4 +1,4 @@
-"""The HTTP test servers of tests/_http/ do what the HTTP store's tests rely on, seen by stdlib clients.
+"""The HTTP test servers of tools/testkit/ do what the HTTP store's tests rely on, seen by stdlib clients.
 
 A real nginx (skipped where none is installed or it cannot start): static reads with Range and
 keep-alive, WebDAV PUT that lands whole or not at all, the bearer token, TLS. The fault server:
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.faults import Fault, FaultServer, refused_url
-from _http.nginx import Nginx, nginx_or_skip
+from testkit.faults import Fault, FaultServer, refused_url
+from testkit.nginx import Nginx, nginx_or_skip
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes, every offset's byte known
 
@@ -517,8 +517,8 @@ def test_faults_trickle_handshake_sends_a_tls_record_a_byte_at_a_time(faults: Fa
 
 
 def test_nginx_or_skip_skips_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import _http.nginx
+    import testkit.nginx
 
-    monkeypatch.setattr(_http.nginx, "find_nginx", lambda: None)
+    monkeypatch.setattr(testkit.nginx, "find_nginx", lambda: None)
     with pytest.raises(pytest.skip.Exception, match="nginx is not installed"):
         nginx_or_skip(tmp_path / "nginx")

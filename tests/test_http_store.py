@@ -16,9 +16,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _http import nginx_or_skip
 from coldstart_model import HTTP_REQUESTS
 from conftest import SAXPY, compile_program
+from testkit.nginx import nginx_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, publish, repack
 from cuda_program_cas.index import is_local_id, key_id
@@ -289,7 +289,7 @@ _CLIENT = textwrap.dedent(
 
 
 def test_the_nginx_server_of_docs_http_md_serves_reads_and_takes_writes_only_with_the_token(tmp_path: Path) -> None:
-    from _nginx import Nginx, NginxError, find_nginx
+    from testkit.nginx import Nginx, NginxError, find_nginx
 
     if find_nginx() is None:
         pytest.skip("nginx is not installed")

@@ -2,7 +2,7 @@
 
 Against a real nginx and a real redis-server: requests are nginx's access log and
 Redis's own INFO commandstats; real delays come from the tests' forwarder
-(tools/_proxy.py). A key list can only turn a hit into a miss, never give bytes.
+(tools/testkit/proxy.py). A key list can only turn a hit into a miss, never give bytes.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.nginx import Nginx, nginx_or_skip
-from _proxy import Proxy
-from _redis import RedisServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.nginx import Nginx, nginx_or_skip
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.direngine import DirEngine

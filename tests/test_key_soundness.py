@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _http import nginx_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.nginx import nginx_or_skip
 
 from cuda_program_cas import CacheStore, collect, digest_of, publish, repack, stats, verify
 from cuda_program_cas.index import Manifest, key_id

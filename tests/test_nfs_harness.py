@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from testkit.workers import child_env
 
 HARNESS = REPO / "tools" / "nfs_harness.py"
 SCENARIOS = REPO / "tools" / "nfs" / "scenarios.py"
@@ -54,7 +55,7 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(SCENARIOS), "--publisher", str(shared), "--node", str(shared), "--node", str(shared)]
     cmd += ["--local", str(tmp_path / "local"), "--json", str(out), "--quick", "--keys", "24"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env(), check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] and len(result["scenarios"]) == 6
@@ -83,11 +84,7 @@ def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
 
 def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:
     """The checker the nodes use: a store handing back other bytes is reported, not counted as a hit."""
-    sys.path.insert(0, str(SCENARIOS.parent))
-    try:
-        import scenarios
-    finally:
-        sys.path.remove(str(SCENARIOS.parent))
+    import scenarios
 
     class Tampered:
         def get(self, key: object) -> bytes:
@@ -107,12 +104,8 @@ COLDSTART = REPO / "tools" / "coldstart_model.py"
 
 
 def _scenarios_module(name: str = "scenarios") -> Any:
-    """``tools/nfs/<name>.py``, imported."""
-    sys.path.insert(0, str(SCENARIOS.parent))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(SCENARIOS.parent))
+    """``tools/nfs/<name>.py``, imported (pytest's ``pythonpath`` has ``tools/nfs``)."""
+    return importlib.import_module(name)
 
 
 def _figures(name: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ after the entries it names, merged with the target's own; with ``--pack`` (and
 after a ``repack`` of a directory store) each line names the pack and offset that
 hold its entry now, so a cold node fetches the set in one multi-range request.
 Requests are the servers' own counts (nginx's access log, INFO commandstats) and
-round trips the forwarder's (tools/_proxy.py).
+round trips the forwarder's (tools/testkit/proxy.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.nginx import LogEntry, Nginx, nginx_or_skip
-from _proxy import Proxy
-from _redis import RedisServer
 from coldstart_model import HTTP_WARM_REQUESTS, REDIS_WARM_COMMANDS
+from testkit.nginx import LogEntry, Nginx, nginx_or_skip
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer
 
 from cuda_program_cas import CacheStore, publish, repack
 from cuda_program_cas._cli.main import main as cli_main

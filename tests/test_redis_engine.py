@@ -1,8 +1,8 @@
 """The Redis engine against a real redis-server: every Engine method, its bounds, its failures, its leases.
 
-Servers are started by the tests on loopback (tools/_redis.py) and stopped after: one plain
+Servers are started by the tests on loopback (tools/testkit/redis_server.py) and stopped after: one plain
 server for the module, and servers of their own where a test needs a password, TLS, a memory
-limit or to kill one. Faults between the engine and the server come from tools/_proxy.py (delay,
+limit or to kill one. Faults between the engine and the server come from tools/testkit/proxy.py (delay,
 trickle, reset, stall); answers no Redis gives come from a small server of the tests' own
 (``_Liar``). Each test gets engines under a prefix of its own, so tests share the server
 without seeing each other's keys. Round trips are counted by the server's own figures (INFO
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _proxy import Proxy
-from _redis import RedisServer
-from conftest import redis_or_skip, run_python
+from conftest import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer, redis_or_skip
 
 from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 from cuda_program_cas._remote.redis import ENV_REDIS_PASSWORD, KEY_PREFIX, RedisEngine
@@ -705,7 +705,7 @@ def test_a_read_only_acl_user_reads_and_its_writes_are_denied_without_an_outage(
 
 
 def test_a_server_that_is_not_redis_is_a_protocol_outage(tmp_path: Path, make: Any) -> None:
-    from _http import nginx_or_skip
+    from testkit.nginx import nginx_or_skip
 
     with nginx_or_skip(tmp_path / "nginx") as nginx:
         e = make(f"redis://127.0.0.1:{nginx.port}/0")

@@ -1,7 +1,7 @@
 """Publishing into Redis: a real compiled cache into a real redis-server, then read back by a fresh node.
 
 The source is a local cache filled by real NVRTC compiles; the store is a redis-server on
-loopback (tools/_redis.py). What publish sent is read from the server itself (its keys and
+loopback (tools/testkit/redis_server.py). What publish sent is read from the server itself (its keys and
 its command counts); what it means is checked by a node whose only shared tier is the server.
 """
 
@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from _redis import RedisServer
-from conftest import SAXPY, compile_program, redis_or_skip
+from conftest import SAXPY, compile_program
+from testkit.redis_server import RedisServer, redis_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache
 from cuda_program_cas._cli.main import main as cli_main

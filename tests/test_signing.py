@@ -296,7 +296,7 @@ def test_publish_refuses_a_signing_key_it_cannot_use(tmp_path: Path, monkeypatch
 def test_over_http_a_trusting_node_takes_published_entries_and_refuses_rewritten_ones(
     site, tmp_path: Path, monkeypatch
 ) -> None:
-    from _http import nginx_or_skip
+    from testkit.nginx import nginx_or_skip
 
     from cuda_program_cas import publish
 

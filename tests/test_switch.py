@@ -151,8 +151,7 @@ _LIBRARY = textwrap.dedent(
 _INSTALL = textwrap.dedent(
     """
     import json, sys
-    sys.path.insert(0, sys.argv[1])
-    src, own_dir = sys.argv[2], sys.argv[3]
+    src, own_dir = sys.argv[1], sys.argv[2]
     import before  # did `from cuda.core import Program` before install()
     import cuda.core
     import types
@@ -192,8 +191,8 @@ def test_install_covers_libraries_imported_before_and_after_and_uninstall_restor
     lib.mkdir()
     (lib / "before.py").write_text(_LIBRARY)
     (lib / "after.py").write_text(_LIBRARY)
-    env = {"CUDA_PROGRAM_CAS": None, "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas")}
-    out = report(child(_INSTALL, str(lib), SAXPY, str(tmp_path / "own"), env=env))
+    env = {"CUDA_PROGRAM_CAS": None, "CUDA_PROGRAM_CAS_DIR": str(tmp_path / "cas"), "PYTHONPATH": str(lib)}
+    out = report(child(_INSTALL, SAXPY, str(tmp_path / "own"), env=env))
     assert out["installed"] == "on"
     assert out["before_rebound"] and out["after_rebound"] and out["isinstance"]
     assert out["shim_rebound"] and out["internal_kept"]

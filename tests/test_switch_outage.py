@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.faults import Fault, FaultServer, refused_url
 from conftest import SAXPY
+from testkit.faults import Fault, FaultServer, refused_url
 
 from cuda_program_cas._base.errors import without_frames
 

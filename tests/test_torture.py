@@ -1,4 +1,4 @@
-"""Quick versions of the torture scenarios of tests/_torture/ (about a minute in all on 2 cores).
+"""Quick versions of the torture scenarios of tools/testkit/torture/ (about a minute in all on 2 cores).
 
 Each scenario returns a report of figures; a test fails on any wrong byte, any
 unexpected exception, or any failure the scenario records (printed in full).
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-import _torture as torture
 import pytest
 from blake3 import blake3
-from conftest import REPO, compile_program, is_root, run_python
+from conftest import REPO, compile_program, is_root
+from testkit import torture
 
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import key_id
@@ -156,13 +158,14 @@ def test_shared_store_published_and_collected_while_nodes_read(tmp_path: Path) -
 def test_command_line_summary_and_exit_status(tmp_path: Path) -> None:
     """One JSON object whose verdict matches the exit status; bad usage exits 2."""
     script = str(REPO / "tools" / "torture.py")
-    # As `python tools/torture.py ...` runs it: the script's folder first on sys.path.
-    code = "import os, runpy, sys; del sys.argv[0]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
-    code += "runpy.run_path(sys.argv[0], run_name='__main__')"
-    out = run_python(code, script, "--scenarios", "corrupt", "--corrupt-rounds", "1", "--json", "--dir", str(tmp_path))
+
+    def torture(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120, check=False)
+
+    out = torture("--scenarios", "corrupt", "--corrupt-rounds", "1", "--json", "--dir", str(tmp_path))
     summary = json.loads(out.stdout)
     assert out.returncode == (0 if summary["ok"] else 1), out.stderr
     assert summary["totals"]["faults"] >= 20 and summary["totals"]["wrong_bytes"] == 0
     assert [s["scenario"] for s in summary["scenarios"]] == ["corrupt"]
-    bad = run_python(code, script, "--scenarios", "nonsense")
+    bad = torture("--scenarios", "nonsense")
     assert bad.returncode == 2, bad.stdout + bad.stderr

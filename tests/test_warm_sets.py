@@ -4,7 +4,7 @@ A job's set (the entries it used) is written by write-back when the job ends; a
 cold node of the same job fetches the entries it lists in a few requests, each
 verified, and its own lookups then find them local. Requests are the servers'
 own counts (INFO commandstats, nginx's access log) and round trips the
-forwarder's (tools/_proxy.py's ``exchanges``); real delays come from it too.
+forwarder's (tools/testkit/proxy.py's ``exchanges``); real delays come from it too.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.nginx import Nginx, nginx_or_skip
-from _proxy import Proxy
-from _redis import RedisServer
 from coldstart_model import HTTP_WARM_REQUESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.nginx import Nginx, nginx_or_skip
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer
+from testkit.workers import child_env
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
@@ -260,7 +261,7 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
             assert statuses[2][0] == 200 and statuses[2][1] >= 2  # the whole pack, not the ranges: refused (too long)
     else:
         proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "_http" / "lying_ranges.py"), str(root), refusing],
+            [sys.executable, "-m", "testkit.lying_ranges", str(root), refusing], env=child_env(keep_settings=True),
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from _http.nginx import nginx_or_skip
-from conftest import redis_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.nginx import nginx_or_skip
+from testkit.redis_server import redis_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _http.faults import refused_url
-from _http.nginx import Nginx, nginx_or_skip
 from conftest import SAXPY, compile_program
 from test_http_publish import _no_token, settled  # noqa: F401 - _no_token: its autouse fixture, here too
 from test_writeback import _entries
+from testkit.faults import refused_url
+from testkit.nginx import Nginx, nginx_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._base.engine import StoreFailure

@@ -1,8 +1,8 @@
 """Write-back and lookups over a real redis-server: what each upload costs the server, and what an outage,
 a stalled link and a full server cost the job (nothing but counted drops).
 
-The server is started by the tests on loopback (tools/_redis.py); faults between node and
-server come from a real forwarder (tools/_proxy.py). Round trips are the server's own
+The server is started by the tests on loopback (tools/testkit/redis_server.py); faults between node and
+server come from a real forwarder (tools/testkit/proxy.py). Round trips are the server's own
 counts (INFO commandstats).
 """
 
@@ -13,9 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _proxy import Proxy
-from _redis import RedisServer
-from conftest import SAXPY, compile_program, redis_or_skip, run_python
+from conftest import SAXPY, compile_program, run_python
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer, redis_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache
 from cuda_program_cas._store import writeback

@@ -39,7 +39,8 @@ import time
 from typing import Any
 
 from _bench import RUNNERS, WORKER_TASKS, WORKLOADS, Config, machine_info, render, tally
-from _common import log, work_dir, worker_spec
+from testkit.common import log, work_dir
+from testkit.workers import worker_spec
 
 
 def main(argv: list[str] | None = None) -> int:

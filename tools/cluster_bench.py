@@ -9,7 +9,7 @@ all leaves its warm set in each store. Then, for each store and round trip, a
 fresh process with an empty local cache looks up every kernel through
 ``Program.compile(cache=)``, once with the job named (its set is fetched) and
 once with warm sets off. The round trip is real: every connection goes through
-a delaying TCP forwarder (tools/_proxy.py, half the round trip each way) that this
+a delaying TCP forwarder (tools/testkit/proxy.py, half the round trip each way) that this
 tool starts and stops; this kernel has no ``netem``.
 
 Per case: seconds per node (from opening the cache to the last kernel) and
@@ -38,11 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import log, run_worker, work_dir, worker_spec
-from _nginx import Nginx, find_nginx
-from _proxy import Proxy
-from _redis import RedisServer, find_redis_server
 from http_bench import build_stores, kernel
+from testkit.common import log, work_dir
+from testkit.nginx import Nginx, find_nginx
+from testkit.proxy import Proxy
+from testkit.redis_server import RedisServer, find_redis_server
+from testkit.workers import run_worker, worker_spec
 
 JOB = "cluster-bench"
 

@@ -17,7 +17,7 @@ On a GPU each job runs the algorithms on CuPy arrays and checks every result
 against NumPy. With ``--aot`` (no GPU needed: this machine) it builds ahead of
 time for ``compute_capability=(9, 0)`` with ``ProxyArray`` arguments and
 launches nothing; where no driver loads, a stub ``libcuda.so.1`` is put first on
-the jobs' ``LD_LIBRARY_PATH`` (``tools/_cudastub.py``) for the import only.
+the jobs' ``LD_LIBRARY_PATH`` (``tools/testkit/cudastub.py``) for the import only.
 
 Each job reports the builds cuda.compute ran (its ``call_build`` and
 ``call_compile``, counted), the time from the process's start to its first
@@ -36,11 +36,11 @@ _T0 = time.perf_counter()
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from testkit.workers import answer, run_worker, worker_spec  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -169,13 +169,10 @@ def _job(aot: bool) -> dict[str, object]:  # one job, step by step
 
 
 def _run(args: argparse.Namespace, env: dict[str, str]) -> dict[str, object]:
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child"] + (["--aot"] if args.aot else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=args.timeout, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"job failed ({env.get('CUDA_PROGRAM_CAS')}): {proc.stderr[-2000:]}")
-    out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    try:
+        return run_worker(__file__, {"aot": args.aot}, args.timeout, settings=env)
+    except RuntimeError as e:
+        raise SystemExit(f"job failed ({env.get('CUDA_PROGRAM_CAS')}): {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,15 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aot", action="store_true", help="build ahead of time for sm_90, launch nothing")
     parser.add_argument("--dir", help="working directory (default: a new temporary one)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(_job(args.aot)))
+    spec = worker_spec(sys.argv[1:] if argv is None else argv)
+    if spec is not None:
+        answer(_job(spec["aot"]))
         return 0
+    args = parser.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="compute-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
-    from _cudastub import driver_env
+    from testkit.cudastub import driver_env
 
     from cuda_program_cas import CacheStore
 

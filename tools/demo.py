@@ -29,18 +29,15 @@ asks for ``--yes`` too.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, cccl_include
+from testkit.workers import answer, run_worker, worker_spec
 
 KERNELS = {
     "saxpy": r"""
@@ -232,21 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", help="cache directory (default: the default cache directory)")
     parser.add_argument("--clear", action="store_true", help="empty the cache first, to see every miss")
     parser.add_argument("--yes", action="store_true", help="with --clear on the default cache directory: empty it")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)  # the child's: the parent's header and throwaway cache
+    spec = worker_spec(sys.argv[1:] if argv is None else argv)
+    if spec is not None:  # pass 2: the cache, and the parent's header and throwaway cache
+        rows, counts = compile_all(spec["path"])
+        cub = None
+        if cccl_include():
+            include, throwaway = work_dirs(spec["work"])
+            cub = cub_compile(throwaway, TILE_SOURCE, [include])
+        answer({"rows": rows, "counters": counts, "cub": cub})
+        return 0
     args = parser.parse_args(argv)
 
     from cuda_program_cas import default_cache_dir
 
     path = args.path or str(default_cache_dir())
-    if args.child:
-        rows, counts = compile_all(path)
-        cub = None
-        if cccl_include() and args.work:
-            include, throwaway = work_dirs(args.work)
-            cub = cub_compile(throwaway, TILE_SOURCE, [include])
-        print(json.dumps({"rows": rows, "counters": counts, "cub": cub}))
-        return 0
 
     from cuda_program_cas import ContentAddressedProgramCache
 
@@ -276,16 +272,11 @@ def _run(path: str, work: str, default_dir: bool) -> int:
     first, first_counts = compile_all(path)
     cub = cub_demo(path, work)
     # Pass 2 in a fresh process: what the next job on this node pays.
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--path", path, "--work", work],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        print(proc.stderr, file=sys.stderr)
+    try:  # the operator's settings stay: pass 2 is the next job on this node
+        child = run_worker(__file__, {"path": path, "work": work}, 3600, keep_settings=True)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 1
-    child = json.loads(proc.stdout)
     second, second_counts = child["rows"], child["counters"]
 
     print(f"\n{'kernel':9} {'variant':13} {'pass 1 (this process)':>24} {'pass 2 (fresh process)':>25} {'speedup':>8}")

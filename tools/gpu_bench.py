@@ -40,11 +40,8 @@ import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from _common import cccl_include, child_env  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from testkit.common import cccl_include
+from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 HEAVY = r"""
 #include <cub/block/block_reduce.cuh>
@@ -198,9 +195,9 @@ def run_and_check(kernel: str, obj: Any, dev: Any, stream: Any) -> bool:
 # -- the fresh process ----------------------------------------------------------------------
 
 
-def child(args: argparse.Namespace) -> int:
+def child(spec: dict[str, Any]) -> int:
     """One fresh process: everything up to the first checked result, timed from the parent's spawn."""
-    marks = {"spawn": args.t0}
+    marks = {"spawn": spec["t0"]}
     from cuda.core import Device
 
     from cuda_program_cas import ContentAddressedProgramCache
@@ -210,28 +207,29 @@ def child(args: argparse.Namespace) -> int:
     dev.set_current()
     stream = dev.create_stream()
     marks["context"] = time.monotonic()
-    cache = ContentAddressedProgramCache(args.cache, shared=(), max_size_bytes=None)
-    obj = compile_cached(args.kernel, args.mode, f"sm_{dev.arch}", cache)
+    cache = ContentAddressedProgramCache(spec["cache"], shared=(), max_size_bytes=None)
+    obj = compile_cached(spec["kernel"], spec["mode"], f"sm_{dev.arch}", cache)
     marks["compiled"] = time.monotonic()
-    obj.get_kernel("saxpy" if args.kernel == "light" else "block_sum_sort")
+    obj.get_kernel("saxpy" if spec["kernel"] == "light" else "block_sum_sort")
     marks["loaded"] = time.monotonic()
-    ok = run_and_check(args.kernel, obj, dev, stream)
+    ok = run_and_check(spec["kernel"], obj, dev, stream)
     marks["result"] = time.monotonic()
     stats = cache.stats()
     names = list(marks)
     phases = {b: marks[b] - marks[a] for a, b in itertools.pairwise(names)}
-    print(json.dumps({"ok": ok, "hit": stats.hits == 1, "total_s": marks["result"] - args.t0, **phases}))
+    answer({"ok": ok, "hit": stats.hits == 1, "total_s": marks["result"] - spec["t0"], **phases})
     return 0 if ok else 1
 
 
 def fresh_process(kernel: str, mode: str, cache: str) -> dict[str, Any]:
-    env = child_env(keep_settings=True)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--kernel", kernel, "--mode", mode, "--cache", cache]
+    """A fresh process's figures (:func:`child`); a wrong result is a figure (``ok``), not a failure."""
     t0 = time.monotonic()
-    proc = subprocess.run([*cmd, "--t0", repr(t0)], capture_output=True, text=True, env=env, timeout=300, check=False)
-    if proc.returncode not in (0, 1):
-        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = {"kernel": kernel, "mode": mode, "cache": cache, "t0": t0}
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    done = collect(spawn_worker(__file__, spec, keep_settings=True, **pipes), 300)
+    if done.answer is None or done.timed_out or done.returncode not in (0, 1):
+        raise RuntimeError(f"child failed: {done.failure}")
+    out = done.answer
     out["exit_s"] = time.monotonic() - t0
     return out
 
@@ -346,14 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json-out", metavar="FILE", help="also write every figure to FILE as one JSON object")
     parser.add_argument("--dir", help="where the caches go (default: a new temporary directory, removed after)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--kernel", choices=("heavy", "light"), default="heavy", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=("bundled", "include", "plain"), default="bundled", help=argparse.SUPPRESS)
-    parser.add_argument("--cache", help=argparse.SUPPRESS)
-    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    spec = worker_spec(sys.argv[1:] if argv is None else argv)
+    if spec is not None:
+        return child(spec)
     args = parser.parse_args(argv)
-    if args.child:
-        return child(args)
 
     from cuda.core import Device
 

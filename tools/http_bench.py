@@ -32,8 +32,9 @@ import threading
 import time
 from typing import Any
 
-from _common import log, run_worker, work_dir, worker_spec
-from _nginx import Nginx, find_nginx
+from testkit.common import log, work_dir
+from testkit.nginx import Nginx, find_nginx
+from testkit.workers import run_worker, worker_spec
 
 SAXPY = r"""
 extern "C" __global__ void KERNEL(float a, const float *x, float *y, int n) {

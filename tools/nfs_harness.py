@@ -466,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     result_file = rundir / "ctl" / "result.json"
     result: dict[str, object] = {"ok": False, "scenarios": []}
     if result_file.exists():
-        sys.path.insert(0, str(REPO / "tools" / "nfs"))
-        from scenarios import format_summary
+        from nfs.nfs_common import format_summary
 
         result = json.loads(result_file.read_text())
         print(format_summary(result), file=_progress["to"], flush=True)

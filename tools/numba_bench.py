@@ -30,7 +30,9 @@ import sys
 import time
 from typing import Any
 
-from _common import REPO, run_worker, work_dir, worker_spec
+from testkit import REPO
+from testkit.common import work_dir
+from testkit.workers import run_worker, worker_spec
 
 PHASES = ("uncached", "cold", "warm")
 

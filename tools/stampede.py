@@ -39,9 +39,9 @@ import sys
 import time
 from typing import Any
 
-from _common import CUB_SOURCE, cccl_include, git_state, spawn_worker, work_dir, worker_spec
+from testkit.common import CUB_SOURCE, cccl_include, git_state, work_dir
+from testkit.workers import spawn_worker, worker_spec
 
-#: A small kernel; ``{n}`` makes each one distinct.
 SMALL_SOURCE = r"""
 extern "C" __global__ void scale_{n}(float *x, int count) {{
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -125,7 +125,7 @@ def run(processes: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure_cluster(processes: int, common: dict[str, Any], base: str) -> dict[str, dict[str, Any]]:
     """The cluster runs: ``processes`` nodes with one Redis store, and with none (each on cold caches)."""
-    from _redis import RedisServer
+    from testkit.redis_server import RedisServer
 
     server = RedisServer(os.path.join(base, "redis"), maxmemory="512mb", policy="allkeys-lru").start()
     try:

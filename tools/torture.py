@@ -16,7 +16,7 @@ symlinked shard directories, hostile manifests; nothing outside the root is
 read or written) and ``shared`` (publish and collect a shared store while
 nodes read it; needs ``cuda_program_cas._verbs.publish``).
 
-The scenarios and the checker are test code, ``tests/_torture/``; this file is their
+The scenarios and the checker live in the testing package, ``tools/testkit/torture/``; this file is their
 command line, and ``tests/test_torture.py`` runs each scenario briefly through the same
 functions.
 """
@@ -34,11 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import REPO, worker_spec  # tools/, this script's folder, is first on sys.path
-
-sys.path.append(os.path.join(REPO, "tests"))  # the scenarios: tests/_torture/
-
-from _torture import (
+from testkit.torture import (
     DEFAULT_CAP,
     Report,
     merge_reports,
@@ -51,6 +47,7 @@ from _torture import (
     run_unreadable,
     worker,
 )
+from testkit.workers import worker_spec
 
 SCENARIOS = ("mixed", "crash", "corrupt", "fulldisk", "paths", "shared")
 

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from _common import CUB_SOURCE, cccl_include, child_env
+from testkit.common import CUB_SOURCE, cccl_include
+from testkit.workers import child_env
 
 from .common import KINDS, SAXPY, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
 

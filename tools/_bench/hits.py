@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from _common import run_worker
+from testkit.workers import run_worker
 
 from .common import (
     KB,

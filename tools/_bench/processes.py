@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from _common import child_env
+from testkit.workers import child_env
 
 from .common import (
     KB,

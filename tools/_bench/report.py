@@ -6,7 +6,7 @@ import os
 import platform
 from typing import Any
 
-from _common import git_state
+from testkit.common import git_state
 
 
 def _mount_of(path: str) -> dict[str, str]:

@@ -6,7 +6,7 @@ import os
 import shutil
 import time
 
-from _common import log
+from testkit.common import log
 
 from .common import (
     KINDS,
@@ -184,7 +184,7 @@ def w_writeback(cfg: Config, base: str) -> Result:
     res = Result()
     server = None
     try:
-        from _redis import RedisServer, find_redis_server
+        from testkit.redis_server import RedisServer, find_redis_server
 
         if find_redis_server() is not None:
             server = RedisServer(os.path.join(base, "redis"), maxmemory="512mb", policy="allkeys-lru").start()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import errno
 import faulthandler
 import hashlib
-import json
 import logging
 import os
 import re
@@ -44,9 +43,11 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import scenarios  # noqa: E402  (it also makes this checkout's cuda_program_cas the one imported)
+import nfs_common  # first: it makes this checkout's cuda_program_cas the one imported
+from testkit.workers import answer, read_answer, spawn_worker, worker_spec
+
+#: What :class:`Proc` notes as said once the worker's answer has come.
+ANSWERED = "(answered)"
 
 Result = dict[str, Any]
 
@@ -148,7 +149,7 @@ def worker(cfg: Result) -> Result:
     print("ready", flush=True)
     if sys.stdin.readline() != "start\n":
         raise SystemExit("no start")
-    before = scenarios.mountstats(cfg["mount"])
+    before = nfs_common.mountstats(cfg["mount"])
     t0 = time.monotonic()
     data = store.get(key)
     out.update(hit_first=data is not None, compiled=False)
@@ -171,7 +172,7 @@ def worker(cfg: Result) -> Result:
                 print("stored", flush=True)
     out["total_s"] = round(time.monotonic() - t0, 3)
     print("looked up", flush=True)
-    ops = scenarios._ops_between(before, scenarios.mountstats(cfg["mount"]))
+    ops = nfs_common.ops_between(before, nfs_common.mountstats(cfg["mount"]))
     out["lock_ops"] = {k: v for k, v in ops.items() if k.startswith("LOCK")}
     if data != want:
         out["wrong"].append(f"{key}: {len(data or b'')} bytes returned")
@@ -186,12 +187,12 @@ def worker(cfg: Result) -> Result:
     return out
 
 
-def worker_main(cfg_json: str) -> int:
+def worker_main(cfg: Result) -> int:
     try:
-        out = worker(json.loads(cfg_json))
+        out = worker(cfg)
     except Exception:
         out = {"wrong": [], "exceptions": [traceback.format_exc()]}
-    print("RESULT " + json.dumps(out), flush=True)
+    answer(out)
     return 1 if out["exceptions"] or out["wrong"] else 0
 
 
@@ -204,8 +205,8 @@ class Proc:
     def __init__(self, who: str, root: str, mount: str, key: str, wait_s: float, *, hang_s: float = 600.0) -> None:
         self.who = who
         cfg = {"root": root, "mount": mount, "key": key, "wait_s": wait_s, "hang_s": hang_s}
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+        self.proc = spawn_worker(
+            __file__, cfg, keep_settings=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.said: dict[str, float] = {}
@@ -220,8 +221,9 @@ class Proc:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with self._cond:
-                if line.startswith("RESULT "):
-                    self.result = json.loads(line[len("RESULT ") :])
+                if line.startswith("{"):  # the answer, the last line
+                    self.result = read_answer(line)
+                    self.said.setdefault(ANSWERED, time.monotonic())
                 else:
                     self.said.setdefault(line.strip(), time.monotonic())
                 self._cond.notify_all()
@@ -266,7 +268,7 @@ class Proc:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.wait_for("RESULT", timeout=10)  # the reader has seen the end
+        self.wait_for(ANSWERED, timeout=10)  # the reader has seen the end
         return self.result or {}
 
     def kill(self) -> None:
@@ -352,7 +354,7 @@ class Mounts:
         if proc.returncode != 0:
             raise OSError(f"mount -o {opts} failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
         self.made.append(path)
-        self.options[name] = scenarios.mount_options([path])[path]
+        self.options[name] = nfs_common.mount_options([path])[path]
         return path
 
     def made_or(self, name: str) -> str:
@@ -707,6 +709,7 @@ def check_claims(cases: list[Result]) -> list[str]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        sys.exit(worker_main(sys.argv[2]))
+    spec = worker_spec(sys.argv[1:])
+    if spec is not None:
+        sys.exit(worker_main(spec))
     sys.exit("claim_scenario.py is run by tools/nfs/scenarios.py")

@@ -58,8 +58,9 @@ done
 
 cd "$NFSH_REPO"
 set +e
+# tools/ on PYTHONPATH: the scenarios and their workers import testkit (tools/testkit/).
 # shellcheck disable=SC2086
-"$NFSH_PYTHON" tools/nfs/scenarios.py --publisher /mnt/publisher $nodes \
+PYTHONPATH=tools "$NFSH_PYTHON" tools/nfs/scenarios.py --publisher /mnt/publisher $nodes \
     --nfs-export 127.0.0.1:/srv/export --local /tmp/nodes --json /nfsh/result.json $NFSH_SCENARIO_ARGS
 rc=$?
 set -e

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import importlib.util
 import json
 import os
 import random
@@ -53,30 +52,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-
-
-class _ThisCheckout:
-    """Import ``cuda_program_cas`` from this checkout, whatever the interpreter has installed.
-
-    An editable install names the folders of the checkout it was made from. The VM
-    sees only this checkout, and the figures must be this checkout's code's.
-    """
-
-    @classmethod
-    def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
-        folder = {"cuda_program_cas": "cas", "cuda_program_cas.index": "index"}.get(fullname)
-        if folder is None:
-            return None
-        init = os.path.join(REPO, folder, "__init__.py")
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[os.path.dirname(init)]
-        )
-
-
-if os.path.isfile(os.path.join(REPO, "cas", "__init__.py")):
-    sys.meta_path.insert(0, _ThisCheckout)
+from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
+from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 Result = dict[str, Any]
 
@@ -275,41 +252,6 @@ def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: An
     return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
 
 
-def mountstats(mount: str) -> dict[str, int] | None:
-    """Operation counts of the NFS mount at ``mount`` from ``/proc/self/mountstats``; None off NFS."""
-    counts: dict[str, int] | None = None
-    try:
-        with open("/proc/self/mountstats") as fh:
-            text = fh.read()
-    except OSError:
-        return counts
-    inside = ops = False
-    for line in text.splitlines():
-        if line.startswith("device "):
-            inside = f" mounted on {mount} with fstype nfs" in line
-            ops = False
-            if inside:
-                counts = {}
-            continue
-        if not inside:
-            continue
-        if line.strip() == "per-op statistics":
-            ops = True
-            continue
-        if ops and ":" in line:
-            name, _, rest = line.strip().partition(":")
-            fields = rest.split()
-            if counts is not None and name.isupper() and fields and fields[0].isdigit():
-                counts[name] = int(fields[0])
-    return counts
-
-
-def _ops_between(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int]:
-    if before is None or after is None:
-        return {}
-    return {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
-
-
 def worker_firsthits(cfg: Result) -> Result:
     """One node's cold job: the first hit of each of ``n`` keys in a fresh process; the NFS operations it cost.
 
@@ -332,9 +274,9 @@ def worker_firsthits(cfg: Result) -> Result:
             after_first = mountstats(cfg["mount"])
     out["seconds"] = round(time.perf_counter() - t0, 4)
     after = mountstats(cfg["mount"])
-    out["ops_first"] = _ops_between(before, after_first)
-    out["ops_rest"] = _ops_between(after_first, after)
-    out["ops"] = _ops_between(before, after)
+    out["ops_first"] = ops_between(before, after_first)
+    out["ops_rest"] = ops_between(after_first, after)
+    out["ops"] = ops_between(before, after)
     return out
 
 
@@ -346,46 +288,39 @@ WORKERS: dict[str, Callable[[Result], Result]] = {
 }
 
 
-def worker_main(role: str, cfg_json: str) -> int:
-    cfg = json.loads(cfg_json)
+def worker_main(cfg: Result) -> int:
+    """A node's process (testkit's worker protocol): the role's work, answered as one JSON line."""
+    role = cfg["role"]
     try:
         out = WORKERS[role](cfg)
     except Exception:
         out = {"wrong": [], "exceptions": [traceback.format_exc()]}
     out["role"] = role
-    line = "RESULT " + json.dumps(out)
-    if role == "serve":
-        print(line, flush=True)
-    else:
-        sys.stdout.write(line + "\n")
+    answer(out)
     return 1 if out.get("exceptions") or out.get("wrong") else 0
 
 
 def spawn(role: str, cfg: Result, stdin: int | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--worker", role, json.dumps(cfg)],
+    return spawn_worker(
+        __file__, {**cfg, "role": role}, keep_settings=True,
         stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
 def collect_worker(proc: subprocess.Popen[str], timeout: float, failures: list[str], who: str) -> Result:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+    done = collect(proc, timeout)
+    if done.timed_out:
         failures.append(f"{who}: did not finish within {timeout:.0f} s")
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        failures.append(f"{who}: exited {proc.returncode} without a result: {stderr.strip()[-1500:]}")
+    out = done.answer
+    if out is None:
+        failures.append(f"{who}: exited {done.returncode} without a result: {done.stderr.strip()[-1500:]}")
         return {}
-    out: Result = json.loads(lines[-1][len("RESULT ") :])
     for text in out.get("wrong", [])[:5]:
         failures.append(f"{who}: WRONG BYTES {text}")
     for text in out.get("exceptions", [])[:3]:
         failures.append(f"{who}: exception: {text.strip()}")
-    if proc.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
-        failures.append(f"{who}: exit status {proc.returncode}: {stderr.strip()[-800:]}")
+    if done.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
+        failures.append(f"{who}: exit status {done.returncode}: {done.stderr.strip()[-800:]}")
     return out
 
 
@@ -999,7 +934,6 @@ def check_packed(figures: Result) -> list[str]:
 def scenario_claims(env: Env) -> Result:
     """Claims on a cache that sits on NFS (tools/nfs/claim_scenario.py): one mount, several, a holder
     killed, a dead node, node-local locks, no lock daemon."""
-    sys.path.insert(0, HERE)
     import claim_scenario
 
     return claim_scenario.run(env)
@@ -1013,19 +947,6 @@ SCENARIOS: dict[str, Callable[[Env], Result]] = {
     "loose against packed stores": scenario_packed,
     "claims on an NFS-mounted cache": scenario_claims,
 }
-
-
-def mount_options(paths: list[str]) -> dict[str, str]:
-    found = {}
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if parts[1] in paths:
-                    found[parts[1]] = f"{parts[2]} {parts[3]}"
-    except OSError:
-        pass
-    return {p: found.get(p, "(not a mount point)") for p in paths}
 
 
 def run_all(args: argparse.Namespace) -> Result:
@@ -1058,29 +979,11 @@ def run_all(args: argparse.Namespace) -> Result:
     return result
 
 
-def format_summary(result: Result) -> str:
-    lines = [f"NFS scenarios on Linux {result['kernel']} ({result['seconds']} s)"]
-    for path, opts in result["mounts"].items():
-        lines.append(f"  mount {path}: {opts}")
-    for sc in result["scenarios"]:
-        lines.append(f"{'ok    ' if sc['ok'] else 'FAILED'} {sc['name']} ({sc['seconds']} s)")
-        for key, value in sc["figures"].items():
-            if isinstance(value, list) and value and isinstance(value[0], dict):
-                for item in value:
-                    lines.append("         " + ", ".join(f"{k}={v}" for k, v in item.items()))
-            else:
-                lines.append(f"         {key}: {value}")
-        for failure in sc["failures"]:
-            lines.append(f"  !! {failure}")
-    lines.append(f"{'PASSED' if result['ok'] else 'FAILED'}: {sum(s['ok'] for s in result['scenarios'])} of "
-                 f"{len(result['scenarios'])} scenarios passed")  # fmt: skip
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker_main(argv[1], argv[2])
+    spec = worker_spec(argv)
+    if spec is not None:
+        return worker_main(spec)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--publisher", required=True, help="the writable mount (the store is <mount>/store)")
     parser.add_argument("--node", action="append", required=True, help="a read-only mount, one per node")

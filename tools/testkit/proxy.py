@@ -18,7 +18,7 @@ connection); a pipelined call is one exchange. ``stop()`` closes everything.
 
 Run as a script it forwards until interrupted, for benchmarks over a slow network::
 
-    python tools/_proxy.py 127.0.0.1:6379 --delay-ms 5,5   # prints: listening on 127.0.0.1:PORT
+    python tools/testkit/proxy.py 127.0.0.1:6379 --delay-ms 5,5   # prints: listening on 127.0.0.1:PORT
 """
 
 from __future__ import annotations

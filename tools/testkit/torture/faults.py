@@ -16,6 +16,7 @@ from blake3 import blake3
 
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import key_id
+from testkit.workers import child_env
 
 from .checker import PROBLEMS, describe_problems, inspect_cache, verify_and_repair
 from .common import (
@@ -160,8 +161,7 @@ def run_corruption(workdir: str, *, rounds: int = 3, seed: int = 3) -> Report:
 
 _UNREADABLE_CHILD = r"""
 import json, os, sys
-sys.path.insert(0, sys.argv[2])
-import _torture as torture
+from testkit import torture
 from blake3 import blake3
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import key_id
@@ -235,19 +235,12 @@ def run_unreadable(workdir: str) -> Report:
     try:
         if os.geteuid() == 0:
             os.chown(base, 65534, 65534)
-        env = dict(os.environ)
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _UNREADABLE_CHILD,
-                os.path.join(base, "c"),
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # tests/, where _torture is
-            ],
+            [sys.executable, "-c", _UNREADABLE_CHILD, os.path.join(base, "c")],
             capture_output=True,
             text=True,
             timeout=120,
-            env=env,
+            env=child_env(keep_settings=True),
             check=False,
         )
         rep.seconds = time.monotonic() - started

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import random
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -15,10 +14,6 @@ from blake3 import blake3
 
 from cuda_program_cas import CollectorBusyError, collect
 from cuda_program_cas.index import key_id
-
-#: The checkout: tests/_torture/ is two folders below it.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 #: Keys ``k0 .. k{N_KEYS-1}``; key ``i`` holds the content of seed ``i % N_SEEDS``,
 #: so some keys share a blob (deduplication is exercised too).

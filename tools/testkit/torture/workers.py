@@ -12,15 +12,13 @@ import time
 from typing import Any
 
 from cuda_program_cas import CacheStore, publish
+from testkit import TOOLS
+from testkit.workers import spawn_worker
 
-from .common import REPO, Report, as_key, check_hit, collect_once, content, pick, quiet, unexpected
+from .common import Report, as_key, check_hit, collect_once, content, pick, quiet, unexpected
 
 #: The front whose ``_worker`` mode runs :func:`worker` in a fresh interpreter.
-TOOL = os.path.join(REPO, "tools", "torture.py")
-if os.path.dirname(TOOL) not in sys.path:
-    sys.path.append(os.path.dirname(TOOL))  # for the tools' one worker protocol, tools/_common.py
-
-from _common import spawn_worker  # noqa: E402
+TOOL = os.path.join(TOOLS, "torture.py")
 
 # -- worker processes ----------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.sockets.discard(self.connection)
         super().finish()
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         return  # no stderr noise; the server keeps its own log
 
     def _path(self) -> Path | None:

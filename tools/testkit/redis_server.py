@@ -32,8 +32,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from _child import ServerProcess
-from _nginx import _make_cert, free_port
+from testkit.nginx import _make_cert, free_port
+from testkit.server import ServerProcess
 
 __all__ = ["RedisServer", "RedisServerError", "find_redis_server"]
 
@@ -195,3 +195,19 @@ class RedisServer(ServerProcess):
     def reset_stats(self) -> None:
         """``CONFIG RESETSTAT``: the counters start again from 0."""
         self.client().config_resetstat()
+
+
+def redis_or_skip(prefix: str | os.PathLike[str], **options: Any) -> RedisServer:
+    """A started :class:`RedisServer` (stopped by the caller), or ``pytest.skip`` naming why there is none."""
+    import pytest  # the tests' helper: the benchmarks import this module without pytest
+
+    if find_redis_server() is None:
+        pytest.skip(
+            "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
+        )
+    server = RedisServer(prefix, **options)
+    try:
+        return server.start()
+    except RedisServerError as e:
+        server.stop()
+        pytest.skip(f"redis-server did not start: {e}")

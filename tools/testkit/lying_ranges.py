@@ -1,6 +1,6 @@
 """A file server of the tests' own, run as its own process, that answers a request for several ranges falsely.
 
-``python tests/_http/lying_ranges.py ROOT LIE`` serves the files under ROOT on
+``python -m testkit.lying_ranges ROOT LIE`` serves the files under ROOT on
 127.0.0.1 (a free port, printed as ``port N`` on its first line) with
 ``http.server``, keep-alive. A GET with no Range, or one range (``bytes=a-b`` or
 ``bytes=-n``), is answered truly (200, or 206 with ``Content-Range``), so a
@@ -37,7 +37,7 @@ class _Handler(BaseHTTPRequestHandler):
     lie: str
     log_path: Path
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:
@@ -70,9 +70,9 @@ class _Handler(BaseHTTPRequestHandler):
         boundary = "0000000000000042"
         framed = "0000000000000043" if self.lie == "boundary" else boundary
         body = b""
-        for i, (a, b) in enumerate(spans):
-            if self.lie == "unasked" and i == 1:
-                a, b = a + 1, b + 1
+        for i, (first, last) in enumerate(spans):
+            shift = 1 if self.lie == "unasked" and i == 1 else 0
+            a, b = first + shift, last + shift
             chunk = data[a : b + 1]
             if self.lie == "bytes":
                 chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]

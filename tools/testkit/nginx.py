@@ -20,7 +20,7 @@ from a day ago for two days), ``"expired"`` (the same names, valid only on 1 Jan
 ``"wrong-host"`` (valid, for ``wrong.example`` only). Every request is logged as one JSON object a
 line; ``requests()`` parses them.
 
-The tests' helper ``nginx_or_skip`` (tests/_http) skips a test, with the reason, where nginx is
+:func:`nginx_or_skip` skips a test, with the reason, where nginx is
 not installed or does not start.
 """
 
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from _child import ServerProcess
+from testkit.server import ServerProcess
 
-__all__ = ["CERTIFICATES", "LogEntry", "Nginx", "NginxError", "find_nginx", "free_port"]
+__all__ = ["CERTIFICATES", "LogEntry", "Nginx", "NginxError", "find_nginx", "free_port", "nginx_or_skip"]
 
 READ_PREFIX = "/store/"
 DAV_PREFIX = "/dav/"
@@ -399,3 +399,27 @@ http {{
             return self.error_log.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+def nginx_or_skip(
+    prefix: str | os.PathLike[str],
+    root: str | os.PathLike[str] | None = None,
+    *,
+    token: str | None = None,
+    tls: bool = False,
+    certificate: str = "good",
+) -> Nginx:
+    """A started :class:`Nginx`, or ``pytest.skip`` with the reason (not installed, or its error log tail).
+
+    The caller stops it (``with nginx_or_skip(tmp_path / "ngx") as n:``, or a fixture's finaliser).
+    """
+    import pytest  # the tests' helper: the benchmarks import this module without pytest
+
+    if find_nginx() is None:
+        pytest.skip("nginx is not installed (not on PATH, no /usr/sbin/nginx): apt-get install nginx-light")
+    server = Nginx(prefix, root, token=token, tls=tls, certificate=certificate)
+    try:
+        return server.start()
+    except NginxError as e:
+        server.stop()
+        pytest.skip(f"nginx did not start: {e}")
