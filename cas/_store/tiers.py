@@ -6,10 +6,11 @@ address                        engine                                        pac
 a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngine`  ``packs/``, listed
 ``http://``, ``https://``      :class:`cuda_program_cas._remote.http.HttpEngine` (WebDAV writes)  ``packs/list``
 ``redis://``, ``rediss://``    :class:`cuda_program_cas._remote.redis.RedisEngine`  none
+``s3://``                      :class:`cuda_program_cas._remote.s3.S3Engine`  ``packs/list``
 =============================  ============================================  =====================
 
 Each engine is imported when a store of its scheme is opened, so a plain cache
-never loads the HTTP or Redis side. ``ADDRESS|write`` names a store writable
+never loads the HTTP, Redis or S3 side (botocore). ``ADDRESS|write`` names a store writable
 (:func:`cuda_program_cas._base.urls.parse_store_entry`). Publish opens the store
 it writes by the same table (:func:`open_engine`), with the packs the engine has
 (:func:`open_packs`: none for Redis, where loose entries are all a store holds).
@@ -192,6 +193,33 @@ def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
     )
 
 
+def _s3_engine(address: str, opts: Options) -> Engine:
+    from cuda_program_cas._remote.s3 import S3Engine
+
+    return S3Engine(address, staging=opts.staging)
+
+
+def _s3(engine: Any, writable: bool, opts: Options) -> Tier:
+    from cuda_program_cas._remote.s3 import S3Packs
+
+    packs = S3Packs(engine, memo_get=opts.memo_get, memo_put=opts.memo_put)
+    # As HTTP's, but a prefix with no layout.json is an empty store: a |write node fills it with no publish first.
+    tier = Tier(
+        engine,
+        packs=packs,
+        writable=writable,
+        layout_optional=True,
+        warn_later=True,
+        trust=opts.trust,
+        max_entry=opts.max_entry,
+        server=True,
+        layout_once=True,
+        key_list=True,
+    )
+    packs.report = tier
+    return tier
+
+
 @dataclass(frozen=True)
 class _Scheme:
     engine: Callable[[str, Options], Engine]
@@ -204,7 +232,10 @@ class _Scheme:
 _DIRECTORY = _Scheme(_dir_engine, _directory, _dir_packs)
 _HTTP = _Scheme(_http_engine, _http, _http_packs)
 _REDIS = _Scheme(_redis_engine, _redis, None)
-_ENGINES: dict[str, _Scheme] = {"file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS}
+_S3 = _Scheme(_s3_engine, _s3, _http_packs)
+_ENGINES: dict[str, _Scheme] = {
+    "file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS, "s3": _S3,
+}  # fmt: skip
 
 
 def _scheme(address: str) -> _Scheme:
