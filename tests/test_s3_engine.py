@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from _weed import SECRET_KEY, WeedServer
-from conftest import Compiles, compile_program, run_python, weed_or_skip
+from conftest import Compiles, compile_program, weed_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of, publish
 from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
@@ -330,18 +330,3 @@ def test_a_wrong_setup_is_a_miss_with_one_warning_and_no_secret(
     assert all(store in w for w in warnings) and len(warnings) <= 2, warnings  # the store's, and the upload dropped
     everything = caplog.text + "".join(r.getMessage() for r in caplog.records)
     assert SECRET_KEY not in everything and "wrong-secret-value" not in everything
-
-
-def test_botocore_is_imported_only_when_an_s3_store_is_opened(tmp_path: Path, aws: dict[str, str]) -> None:
-    code = textwrap.dedent(
-        """
-        import sys
-        from cuda_program_cas import CacheStore
-        CacheStore(sys.argv[1] + "/a", shared=["http://127.0.0.1:9/store"]).get("k")
-        print("botocore" in sys.modules, end=" ")
-        CacheStore(sys.argv[1] + "/b", shared=["s3://cas/lazy"])
-        print("botocore" in sys.modules)
-        """
-    )
-    out = run_python(code, str(tmp_path), env={**os.environ, **aws})
-    assert out.stdout.split() == ["False", "True"]
