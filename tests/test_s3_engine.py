@@ -330,3 +330,28 @@ def test_a_wrong_setup_is_a_miss_with_one_warning_and_no_secret(
     assert all(store in w for w in warnings) and len(warnings) <= 2, warnings  # the store's, and the upload dropped
     everything = caplog.text + "".join(r.getMessage() for r in caplog.records)
     assert SECRET_KEY not in everything and "wrong-secret-value" not in everything
+
+
+def test_a_cold_nodes_warm_set_costs_three_round_trips_in_sequence(
+    tmp_path: Path, weed: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 kernels published packed; the job's first run leaves its warm set; a cold node of the job, through a
+    forwarder of 20 ms, gets every kernel by 3 round trips in sequence (the pack's ranges sent at once)."""
+    from _proxy import Proxy
+    from http_bench import kernel
+
+    store = f"s3://cas/{prefix}"
+    with ContentAddressedProgramCache(tmp_path / "builder", shared=()) as builder:
+        codes = [bytes(compile_program(kernel(i), cache=builder).code) for i in range(12)]
+    publish([tmp_path / "builder"], store, pack=True)
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", f"s3-warm-{prefix}")
+    with ContentAddressedProgramCache(tmp_path / "first", shared=[f"{store}|write"]) as first:
+        assert [bytes(compile_program(kernel(i), cache=first).code) for i in range(12)] == codes
+        assert first.stats().shared_hits == 12
+    with Proxy(("127.0.0.1", weed.port), delay_up_ms=10, delay_down_ms=10) as link:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{link.port}")
+        with ContentAddressedProgramCache(tmp_path / "cold", shared=[store]) as cold:
+            assert [bytes(compile_program(kernel(i), cache=cold).code) for i in range(12)] == codes
+            counts = cold.stats()
+        assert (counts.hits, counts.misses) == (12, 0)
+        assert link.rounds <= 3 < link.exchanges, (link.rounds, link.exchanges)
