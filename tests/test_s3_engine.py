@@ -355,3 +355,49 @@ def test_a_cold_nodes_warm_set_costs_three_round_trips_in_sequence(
             counts = cold.stats()
         assert (counts.hits, counts.misses) == (12, 0)
         assert link.rounds <= 3 < link.exchanges, (link.rounds, link.exchanges)
+
+
+# -- stats, verify and gc on a bucket -----------------------------------------------------------
+
+
+def test_stats_verify_and_gc_on_a_bucket(
+    tmp_path: Path, weed: WeedServer, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cuda_program_cas._cli.main import main
+    from cuda_program_cas._remote.bucket import bucket_gc
+
+    store = f"s3://cas/{prefix}"
+    src = CacheStore(tmp_path / "src")
+    for i in range(4):
+        assert src.put(f"k{i}", bytes([i]) * (1000 + i))
+    src.close()
+    publish([tmp_path / "src"], store)
+    assert main(["stats", store, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["objects"]["manifests"], stats["objects"]["blobs"], stats["bytes"]["blobs"]) == (4, 4, 4006)
+    assert main(["verify", store]) == 0
+    assert "0 problems; 0 orphan blobs" in capsys.readouterr().out
+
+    sizes = weed.keys(f"{prefix}/blobs/")
+    blobs = sorted(sizes)
+    weed.put(blobs[0], b"X" * sizes[blobs[0]])  # other bytes, the same size
+    weed.delete(blobs[1])  # a manifest whose blob is gone
+    weed.put(f"{prefix}/blobs/ee/{'e' * 62}", b"orphan")  # named by no manifest
+    assert main(["verify", store, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    problems = {p["object"].split("/")[0] + ": " + p["problem"].split(":")[0] for p in report["problems"]}
+    assert problems == {"blobs: damaged", f"index: its blob {blobs[1][len(prefix) + 1 :]} is missing"}, problems
+    assert report["orphan_blobs"] == 1
+
+    assert main(["gc", store, "--grace", "30m"]) == 2  # a shared store: an hour at least
+    assert main(["gc", store, "--max-size", "1G"]) == 2  # a directory's option
+    assert main(["gc", store, "--json"]) == 0  # all written just now: nothing is old enough
+    capsys.readouterr()
+    before = set(weed.keys(f"{prefix}/"))
+    planned = bucket_gc(store, grace_s=0, dry_run=True).removed
+    assert set(weed.keys(f"{prefix}/")) == before  # a dry run changes nothing
+    done = bucket_gc(store, grace_s=0)
+    assert done.removed == planned
+    assert sorted(n.split("/")[0] for n in done.removed) == ["blobs", "index"]  # the orphan, the dangling manifest
+    assert set(weed.keys(f"{prefix}/")) == before - {f"{prefix}/{n}" for n in done.removed}
+    assert main(["stats", "s3://cas/" + prefix, "--zero"]) == 2

@@ -71,8 +71,8 @@ def refuse_url(path: object) -> None:
         assert isinstance(path, str)
         if path[:5].lower() == "s3://":
             raise LayoutError(
-                f"{shown(path)} is a bucket: maintenance runs where a store's files are; sync it to a directory "
-                "and run it there, or collect it with lifecycle rules (docs/s3.md)"
+                f"{shown(path)} is a bucket: this command needs a store's files; sync it to a directory and run "
+                "it there (stats, verify and gc take a bucket: docs/s3.md)"
             )
         raise LayoutError(
             f"{shown(path)} is a store URL: maintenance runs where the store's files are; "
