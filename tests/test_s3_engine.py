@@ -401,3 +401,32 @@ def test_stats_verify_and_gc_on_a_bucket(
     assert sorted(n.split("/")[0] for n in done.removed) == ["blobs", "index"]  # the orphan, the dangling manifest
     assert set(weed.keys(f"{prefix}/")) == before - {f"{prefix}/{n}" for n in done.removed}
     assert main(["stats", "s3://cas/" + prefix, "--zero"]) == 2
+
+
+def test_signed_write_back_is_trusted_and_a_manifest_rewritten_in_the_bucket_is_not(
+    tmp_path: Path, weed: WeedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer signs what it sends; a trusting cold node hits it. A manifest an attacker with bucket access
+    replaces by one of its own (unsigned) is a miss for that node, counted untrusted, never its bytes."""
+    from test_signing import openssl_key
+
+    private, public = openssl_key(tmp_path / "site.key")
+    store = f"s3://cas/{prefix}"
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_SIGNING_KEY", str(private))
+    with ContentAddressedProgramCache(tmp_path / "writer", shared=[f"{store}|write"]) as writer:
+        code = bytes(compile_program(cache=writer).code)
+        writer.close()
+        assert writer.stats().uploads == 1
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_SIGNING_KEY")
+    (manifest,) = list(weed.keys(f"{prefix}/index/"))
+    signed = weed.get(manifest)
+    assert signed is not None and b"\ned25519 " in signed
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_TRUSTED_KEYS", str(public))
+    with ContentAddressedProgramCache(tmp_path / "trusting", shared=[store]) as node:
+        assert bytes(compile_program(cache=node).code) == code
+        assert node.stats().shared_hits == 1
+    weed.put(manifest, signed.split(b"\n")[0] + b"\n")  # the signature stripped: what an unsigned writer sends
+    with ContentAddressedProgramCache(tmp_path / "second", shared=[store]) as node:
+        assert bytes(compile_program(cache=node).code) == code  # compiled
+        counts = node.counters()
+    assert (counts["shared_hits"], counts["untrusted"]) == (0, 1)
