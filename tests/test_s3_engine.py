@@ -302,8 +302,9 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
         ({"AWS_SECRET_ACCESS_KEY": "wrong-secret-value"}, "s3://cas/{prefix}", "denied: status 403"),
         ({"AWS_ACCESS_KEY_ID": "no-such-key-id"}, "s3://cas/{prefix}", "denied: status 403"),
         ({}, "s3://no-such-bucket/{prefix}", "no such bucket"),
+        ({"AWS_PROFILE": "no-such-profile"}, "s3://cas/{prefix}", "aws configuration: ProfileNotFound"),
     ],
-    ids=["wrong-secret", "unknown-key", "missing-bucket"],
+    ids=["wrong-secret", "unknown-key", "missing-bucket", "missing-profile"],
 )
 def test_a_wrong_setup_is_a_miss_with_one_warning_and_no_secret(
     tmp_path: Path,

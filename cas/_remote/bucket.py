@@ -87,6 +87,8 @@ def list_objects(engine: S3Engine) -> Iterator[BucketObject]:
     """Every object under the store's prefix, page by page (ListObjectsV2); a failure is a :class:`StoreFailure`."""
     prefix = f"{engine.prefix}/" if engine.prefix else ""
     token = ""
+    if engine.broken is not None:
+        raise engine.broken
     while True:
         url = f"{engine.bucket_url}?list-type=2&prefix={quote(prefix, safe='')}"
         if token:

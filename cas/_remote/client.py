@@ -196,7 +196,7 @@ def sign_below(root: str, signer: Signer) -> None:
 
 
 def _signer(url: str) -> Signer | None:
-    for root, signer in _SIGNERS.items():
+    for root, signer in list(_SIGNERS.items()):  # a copy made at once: another thread may add a signer meanwhile
         if url == root or url.startswith((root + "/", root + "?")):
             return signer
     return None

@@ -190,17 +190,25 @@ class S3Engine(HttpEngine):
         bucket, _, prefix = address[len("s3://") :].partition("/")
         if not re.fullmatch(r"[A-Za-z0-9._~/-]*", prefix):
             raise ValueError(f"an S3 store's prefix is letters, digits and . _ ~ - / only: {address!r}")
-        self.aws = _Aws.get()
         self.bucket = bucket
         self.prefix = prefix
-        self.bucket_url = self.aws.bucket_url(bucket)
+        #: What made the AWS configuration unusable (a profile that is not there...): every call fails with it.
+        self.broken: HttpFailure | None = None
+        try:
+            self.aws: _Aws | None = _Aws.get()
+            self.bucket_url = self.aws.bucket_url(bucket)
+        except Exception as exc:  # a broken configuration is this store's outage, said at its first use
+            self.aws = None
+            self.broken = HttpFailure(address, "aws configuration", _without_secrets(exc))
+            self.bucket_url = f"https://{bucket}.s3.invalid"  # never asked: each call raises ``broken`` first
         self.root = f"{self.bucket_url}/{prefix}" if prefix else self.bucket_url
         #: The store's address as it may be logged: ``s3://BUCKET/PREFIX`` (credentials are never in it).
         self.shown = address
         self.staging = staging
         self.requests = 0
         self.outages = 0
-        sign_below(self.bucket_url, self.aws.sign)
+        if self.aws is not None:
+            sign_below(self.bucket_url, self.aws.sign)
 
     def __repr__(self) -> str:
         return f"S3Engine({self.shown!r})"
@@ -218,6 +226,8 @@ class S3Engine(HttpEngine):
         url = join(self.root, name)
         self.requests += 1
         try:
+            if self.broken is not None:
+                raise self.broken
             reply = request("GET", url, headers=headers, limit=limit, sink=sink, error_limit=_ERROR_BYTES)
             self._check(url, reply)
         except HttpFailure as exc:
@@ -269,6 +279,8 @@ class S3Engine(HttpEngine):
         url = join(self.root, name)
         self.requests += 1
         try:
+            if self.broken is not None:
+                raise self.broken
             reply = request(method, url, body=body, headers=headers, limit=_ERROR_BYTES)
             if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
                 self._check(url, reply)
