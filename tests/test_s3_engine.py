@@ -29,6 +29,7 @@ from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.layout import BLOBS, url_path
+from cuda_program_cas._disk.pack import parse_listing
 from cuda_program_cas._remote import client
 from cuda_program_cas._remote.s3 import S3Engine
 
@@ -431,3 +432,43 @@ def test_signed_write_back_is_trusted_and_a_manifest_rewritten_in_the_bucket_is_
         assert bytes(compile_program(cache=node).code) == code  # compiled
         counts = node.counters()
     assert (counts["shared_hits"], counts["untrusted"]) == (0, 1)
+
+
+def test_repack_in_a_bucket_merges_packs_and_loose_entries_into_one_pack(
+    tmp_path: Path, weed: WeedServer, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cuda_program_cas._cli.main import main
+
+    store = f"s3://cas/{prefix}"
+    values = {}
+    for run in range(2):  # two publishes with --pack: two packs
+        src = CacheStore(tmp_path / f"src{run}")
+        for i in range(3):
+            values[f"p{run}-{i}"] = f"packed {run} {i} ".encode() * (100 + i)
+            assert src.put(f"p{run}-{i}", values[f"p{run}-{i}"])
+        src.close()
+        publish([tmp_path / f"src{run}"], store, pack=True)
+    src = CacheStore(tmp_path / "loose")
+    for i in range(2):
+        values[f"l{i}"] = f"loose {i} ".encode() * 50
+        assert src.put(f"l{i}", values[f"l{i}"])
+    src.close()
+    publish([tmp_path / "loose"], store)
+    before = weed.keys(f"{prefix}/packs/")
+    assert len([n for n in before if n.endswith(".cpk")]) == 2
+    reader = CacheStore(tmp_path / "reader", shared=[store])
+    assert reader.get("p0-0") == values["p0-0"]  # it listed the two packs
+
+    assert main(["repack", store]) == 0
+    assert "one new pack" in capsys.readouterr().out
+    assert reader.get("p1-2") == values["p1-2"]  # its listing is old: the pack is read in packs/retired/
+    reader.close()
+    after = weed.keys(f"{prefix}/")
+    live = [n for n in after if n.startswith(f"{prefix}/packs/") and n.endswith(".cpk") and "/retired/" not in n]
+    retired = [n for n in after if "/packs/retired/" in n]
+    assert len(live) == 1 and len(retired) == 2
+    assert not [n for n in after if n.startswith(f"{prefix}/index/")]  # the loose manifests went into the pack
+    assert parse_listing(weed.get(f"{prefix}/packs/list") or b"") == [live[0].rsplit("/", 1)[1]]
+    with closing(CacheStore(tmp_path / "cold", shared=[store])) as cold:
+        assert all(cold.get(k) == v for k, v in values.items())
+        assert cold.counters()["shared_hits"] == len(values)

@@ -1,4 +1,4 @@
-"""``stats``, ``verify`` and ``gc`` of a store in an S3 bucket (``s3://BUCKET/PREFIX``): what a bucket allows.
+"""``stats``, ``verify``, ``gc`` and ``repack`` of a store in an S3 bucket (``s3://BUCKET/PREFIX``).
 
 The commands' directory options (``stats --zero``, ``gc --max-size``, ``--max-age``,
 ``--verify``, ``--shared``, ``verify --repair``) need a store's files and are refused
@@ -24,9 +24,9 @@ def is_bucket(path: object) -> bool:
 
 
 def run(verb: str, args: argparse.Namespace) -> int:
-    """``verb`` (stats, verify, gc) on the bucket store ``args.path``: 0 done, 1 problems or no answer."""
+    """``verb`` (stats, verify, gc, repack) on the bucket store ``args.path``: 0 done, 1 problems or no answer."""
     from cuda_program_cas._base.engine import StoreFailure
-    from cuda_program_cas._verbs.bucket import bucket_gc, bucket_stats, bucket_verify
+    from cuda_program_cas._verbs.bucket import bucket_gc, bucket_repack, bucket_stats, bucket_verify
     from cuda_program_cas._verbs.common import SHARED_MIN_GRACE_S
 
     given = [name for name in _DIRECTORY_ONLY if getattr(args, name, None) not in (None, False)]
@@ -38,6 +38,8 @@ def run(verb: str, args: argparse.Namespace) -> int:
             report = bucket_stats(args.path)
         elif verb == "verify":
             report = bucket_verify(args.path)
+        elif verb == "repack":
+            report = bucket_repack(args.path)
         else:
             if args.grace < SHARED_MIN_GRACE_S:
                 raise UsageError("a bucket is a shared store: --grace must be at least 1h (write-back under way)")
@@ -55,8 +57,10 @@ def run(verb: str, args: argparse.Namespace) -> int:
         print(f"{report.store}: {kinds or 'no objects'}")
         for name, what in report.problems:
             print(f"  {name}: {what}")
-        if verb != "stats":
+        if verb in ("verify", "gc"):
             print(f"{plural(len(report.problems), 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
+        if verb == "repack":
+            print(f"one new pack; retired or removed {plural(len(report.removed), 'object')}")
         if verb == "gc":
             did = "would remove" if args.dry_run else "removed"
             print(f"{did} {plural(len(report.removed), 'object')} ({fmt_bytes(report.bytes_removed)})")

@@ -16,15 +16,23 @@ bounded requests).
   blob is gone, and leases past their expiry. A blob is sent before the manifest
   that names it, so a young orphan may be a write-back under way: the grace keeps
   it (at least an hour, as for a published directory). Packs are left alone: they
-  are listed in ``packs/list`` and repacked where a directory store's files are.
+  are listed in ``packs/list``.
+- :func:`bucket_repack`: every entry of the store (its packs' and its loose ones)
+  into one new pack, uploaded, read back and listed (:class:`.davpacks.DavPacks`);
+  then ``packs/list`` names only it (a replace conditional on its ETag), the packs
+  it replaced are copied to ``packs/retired/`` (S3's server-side copy: a node that
+  listed them before reads them there until it lists again) and removed, and the
+  loose manifests now packed are removed (their blobs are orphans for ``gc``).
+  Each blob is verified by its digest as it is read; one that is not is left out.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 from urllib.parse import quote
 from xml.etree import ElementTree
 
@@ -35,7 +43,9 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, par
 from .client import HttpFailure, request
 from .s3 import LEASES, S3Engine
 
-__all__ = ["BucketObject", "BucketReport", "bucket_gc", "bucket_stats", "bucket_verify", "list_objects"]
+__all__ = [
+    "BucketObject", "BucketReport", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
+]  # fmt: skip
 
 #: A listing page (1,000 keys of about 100 bytes, in XML) is far below this.
 _PAGE_BYTES = 4 << 20
@@ -209,3 +219,85 @@ def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketR
         if not dry_run:
             engine.remove(obj.name)
     return report
+
+
+def bucket_repack(address: str) -> BucketReport:
+    """Every entry of the store at ``address`` into one new pack; the packs and loose manifests it replaces go."""
+    from blake3 import blake3
+
+    from cuda_program_cas._disk.pack import LISTING, RETIRED, PackInput, encode_listing
+
+    from .davpacks import DavPacks
+
+    engine = S3Engine(address)
+    report = BucketReport(engine.shown)
+    objects = {obj.name: obj for obj in list_objects(engine)}
+    for obj in objects.values():
+        report.objects[obj.kind] += 1
+        report.bytes[obj.kind] += obj.size
+    packs = DavPacks(engine)
+    packed = packs.entries()
+    old_packs = sorted({e.pack for e in packed.values()})
+
+    def ranged(pack: str, offset: int, size: int, digest: str) -> bytes | None:
+        reply = engine.fetch(f"packs/{pack}", limit=size, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+        ok = reply.status == 206 and len(reply.body) == size and blake3(reply.body).hexdigest() == digest
+        if not ok:
+            report.problems.append((f"packs/{pack}", f"the blob of {digest} at {offset} is not there: left out"))
+        return reply.body if ok else None
+
+    def loose(blob: str, size: int, digest: str) -> bytes | None:
+        try:
+            return engine.get(blob, limit=size, digest=digest)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            report.problems.append((blob, f"{exc.kind}: left out"))
+            return None
+
+    inputs: list[PackInput] = []
+    manifests: list[str] = []
+    for obj in objects.values():
+        kid = obj.name[len(INDEX) + 1 :].replace("/", "")
+        if obj.kind != "manifests" or not is_key_id(kid) or obj.size > MAX_MANIFEST_BYTES:
+            continue
+        data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES)
+        fields = None if data is None else parse_fields(data)
+        if fields is None or fields[0] not in (None, kid) or not is_digest(fields[1]):
+            continue  # damaged: gc's
+        _kid, digest, size = fields
+        manifests.append(obj.name)
+        inputs.append((kid, digest, _bound(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
+    for kid, pe in packed.items():
+        e = pe.entry
+        inputs.append((kid, e.digest, _bound(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))
+    if not inputs:
+        return report
+    stats: dict[str, int] = {}
+    written = packs.write(inputs, stats)  # uploaded, read back, and listed beside the old ones
+    if written is None:
+        return report
+    new = written.rsplit("/", 1)[1]
+    for _ in range(5):  # the listing names the new pack alone; a publisher's write meanwhile: read it again
+        names, etag = packs._listing()
+        keep = [n for n in names if n not in old_packs or n == new]
+        reply = engine._send("PUT", f"packs/{LISTING}", encode_listing(keep), {"If-Match": etag} if etag else None)
+        if reply.status != 412:
+            engine._refuse(f"packs/{LISTING}", reply, "PUT")
+            break
+    for name in old_packs:
+        source = quote(f"/{engine.bucket}/{engine.prefix + '/' if engine.prefix else ''}packs/{name}")
+        copied = engine._send("PUT", f"packs/{RETIRED}/{name}", None, {"x-amz-copy-source": source})
+        engine._refuse(f"packs/{RETIRED}/{name}", copied, "PUT (copy)")
+        engine.remove(f"packs/{name}")
+        report.removed.append(f"packs/{name}")
+    for name in manifests:
+        engine.remove(name)
+        report.removed.append(name)
+    report.bytes_removed = stats.get("bytes", 0)
+    return report
+
+
+def _bound(read: Callable[..., bytes | None], *args: Any) -> Callable[[], bytes | None]:
+    """``read(*args)`` later: a pack input's bytes, asked when the pack is written (one blob in memory at a time)."""
+    return lambda: read(*args)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cuda_program_cas._remote.bucket import BucketReport
 
-__all__ = ["bucket_gc", "bucket_stats", "bucket_verify"]
+__all__ = ["bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify"]
 
 
 def bucket_stats(address: str) -> BucketReport:
@@ -33,3 +33,10 @@ def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketR
     from cuda_program_cas._remote.bucket import bucket_gc as run
 
     return run(address, grace_s=grace_s, dry_run=dry_run)
+
+
+def bucket_repack(address: str) -> BucketReport:
+    """Every entry of the store at ``address`` into one new pack; what it replaced retired or removed."""
+    from cuda_program_cas._remote.bucket import bucket_repack as run
+
+    return run(address)

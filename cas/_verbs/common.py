@@ -72,7 +72,7 @@ def refuse_url(path: object) -> None:
         if path[:5].lower() == "s3://":
             raise LayoutError(
                 f"{shown(path)} is a bucket: this command needs a store's files; sync it to a directory and run "
-                "it there (stats, verify and gc take a bucket: docs/s3.md)"
+                "it there (stats, verify, gc and repack take a bucket: docs/s3.md)"
             )
         raise LayoutError(
             f"{shown(path)} is a store URL: maintenance runs where the store's files are; "
