@@ -472,3 +472,15 @@ def test_repack_in_a_bucket_merges_packs_and_loose_entries_into_one_pack(
     with closing(CacheStore(tmp_path / "cold", shared=[store])) as cold:
         assert all(cold.get(k) == v for k, v in values.items())
         assert cold.counters()["shared_hits"] == len(values)
+
+
+def test_gc_on_a_bucket_removes_expired_leases_and_keeps_held_ones(weed: WeedServer, prefix: str) -> None:
+    from cuda_program_cas._remote.bucket import bucket_gc
+
+    e = S3Engine(f"s3://cas/{prefix}")
+    expired, held = "a" * 64, "b" * 64
+    assert e.lease(expired, 0.05) and e.lease(held, 30)
+    time.sleep(0.1)
+    done = bucket_gc(f"s3://cas/{prefix}", grace_s=0)
+    assert done.removed == [f"leases/{expired}"]
+    assert set(weed.keys(f"{prefix}/leases/")) == {f"{prefix}/leases/{held}"}
