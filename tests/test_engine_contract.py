@@ -332,10 +332,10 @@ def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
     warm = node.inner.warm
     assert warm is not None and warm.join(30)
     # A packed entry is fetched by the place in its pack that the set's line names, which a writer knows where it
-    # reads the packs' indexes by ranges (a remote store), with several ranges in one request; elsewhere the line is a
-    # key only, and its lookup finds it.
+    # reads the packs' indexes by ranges (a remote store), and a reader asks several ranges at once (one multipart
+    # request, or parallel ranged GETs); elsewhere the line is a key only, and its lookup finds it.
     wrote, reads = open_engine(made.write).can, made.engine.can
-    fetches = not pack or (wrote.remote and wrote.ranges and reads.multi_range)
+    fetches = not pack or (wrote.remote and wrote.ranges and reads.remote and reads.ranges)
     if fetches:
         assert warm.fetched == len(used) and node.stats().entries == len(used)  # each verified into the local cache
     assert {k: node.get(k) for k in used} == {k: value(int(k[1:])) for k in used}
