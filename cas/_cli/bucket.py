@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .main import UsageError, fmt_bytes, plural, print_json
+from .main import UsageError, emit, fmt_bytes, plural
 
 __all__ = ["is_bucket", "run"]
 
@@ -49,19 +49,21 @@ def run(verb: str, args: argparse.Namespace) -> int:
     except StoreFailure as exc:
         print(f"cuda-program-cas {verb}: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print_json(report.as_dict())
-    else:
+
+    def text() -> None:
         counts = [(kind, n) for kind, n in report.objects.items() if n]
         kinds = ", ".join(f"{plural(n, _ONE[kind], kind)} ({fmt_bytes(report.bytes[kind])})" for kind, n in counts)
         print(f"{report.store}: {kinds or 'no objects'}")
-        for name, what in report.problems:
-            print(f"  {name}: {what}")
+        for item in report.problems:
+            print(f"problem: {item['object']}: {item['problem']}")
+        if report.problem_count > len(report.problems):
+            print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
         if verb in ("verify", "gc"):
-            print(f"{plural(len(report.problems), 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
+            print(f"{plural(report.problem_count, 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
         if verb == "repack":
             print(f"one new pack; retired or removed {plural(len(report.removed), 'object')}")
         if verb == "gc":
             did = "would remove" if args.dry_run else "removed"
             print(f"{did} {plural(len(report.removed), 'object')} ({fmt_bytes(report.bytes_removed)})")
-    return 1 if verb == "verify" and report.problems else 0
+
+    return emit(args, report, text, status=None if verb == "verify" else 0)

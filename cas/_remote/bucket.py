@@ -44,7 +44,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, par
 from .s3 import LEASES, S3Engine
 
 __all__ = [
-    "BucketObject", "BucketReport", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
+    "BucketFound", "BucketObject", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
 ]  # fmt: skip
 
 KINDS = ("manifests", "blobs", "packs", "leases", "other")
@@ -65,8 +65,9 @@ class BucketObject:
 
 
 @dataclass
-class BucketReport:
-    """What :func:`bucket_stats`, :func:`bucket_verify` or :func:`bucket_gc` found and did."""
+class BucketFound:
+    """What :func:`bucket_stats`, :func:`bucket_verify`, :func:`bucket_gc` or :func:`bucket_repack` found and did
+    (the verbs give it the report shape: :class:`cuda_program_cas._verbs.bucket.BucketReport`)."""
 
     store: str
     objects: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -77,17 +78,6 @@ class BucketReport:
     #: Objects removed (``gc``), or that would be (``dry_run``).
     removed: list[str] = field(default_factory=list)
     bytes_removed: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "store": self.store,
-            "objects": self.objects,
-            "bytes": self.bytes,
-            "problems": [{"object": name, "problem": what} for name, what in self.problems],
-            "orphan_blobs": self.orphan_blobs,
-            "removed": self.removed,
-            "bytes_removed": self.bytes_removed,
-        }
 
 
 def list_objects(engine: S3Engine) -> Iterator[BucketObject]:
@@ -103,10 +93,10 @@ def _epoch(text: str) -> float:
         return time.time()  # unknown: as young as can be, so gc keeps it
 
 
-def bucket_stats(address: str) -> BucketReport:
+def bucket_stats(address: str) -> BucketFound:
     """Objects and bytes of the store at ``address`` (``s3://BUCKET/PREFIX``) by kind, from its listing."""
     engine = S3Engine(address)
-    report = BucketReport(engine.shown)
+    report = BucketFound(engine.shown)
     for obj in list_objects(engine):
         report.objects[obj.kind] += 1
         report.bytes[obj.kind] += obj.size
@@ -118,7 +108,7 @@ def _blob_name(digest: str) -> str:
 
 
 def _check_manifests(
-    engine: S3Engine, objects: dict[str, BucketObject], report: BucketReport, *, hash_blobs: bool
+    engine: S3Engine, objects: dict[str, BucketObject], report: BucketFound, *, hash_blobs: bool
 ) -> tuple[set[str], list[BucketObject]]:
     """The blobs the manifests name, and the manifests that are damaged or name a blob gone (problems noted)."""
     named: set[str] = set()
@@ -154,10 +144,10 @@ def _check_manifests(
     return named, bad
 
 
-def bucket_verify(address: str) -> BucketReport:
+def bucket_verify(address: str) -> BucketFound:
     """Every manifest and blob of the store at ``address`` checked (module docstring); nothing is written."""
     engine = S3Engine(address)
-    report = BucketReport(engine.shown)
+    report = BucketFound(engine.shown)
     objects = {obj.name: obj for obj in list_objects(engine)}
     for obj in objects.values():
         report.objects[obj.kind] += 1
@@ -167,10 +157,10 @@ def bucket_verify(address: str) -> BucketReport:
     return report
 
 
-def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketReport:
+def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketFound:
     """Remove the store's garbage written more than ``grace_s`` ago (module docstring); what was removed."""
     engine = S3Engine(address)
-    report = BucketReport(engine.shown)
+    report = BucketFound(engine.shown)
     objects = {obj.name: obj for obj in list_objects(engine)}
     for obj in objects.values():
         report.objects[obj.kind] += 1
@@ -194,7 +184,7 @@ def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketR
     return report
 
 
-def bucket_repack(address: str) -> BucketReport:
+def bucket_repack(address: str) -> BucketFound:
     """Every entry of the store at ``address`` into one new pack; the packs and loose manifests it replaces go."""
     from blake3 import blake3
 
@@ -202,7 +192,7 @@ def bucket_repack(address: str) -> BucketReport:
     from cuda_program_cas._disk.packpublish import StorePacks
 
     engine = S3Engine(address)
-    report = BucketReport(engine.shown)
+    report = BucketFound(engine.shown)
     objects = {obj.name: obj for obj in list_objects(engine)}
     for obj in objects.values():
         report.objects[obj.kind] += 1
