@@ -184,22 +184,16 @@ class _Pool:
 _POOL = _Pool()
 after_fork_call(_POOL.reset)
 
-#: ``signer(method, url, headers, body)`` -> the headers to send instead (an S3 request's signature).
+#: ``signer(method, url, headers, body)`` -> the headers to send instead (an S3 request's signature); a file
+#: body it reads is left at its start.
 Signer = Callable[[str, str, dict[str, str], "bytes | IO[bytes] | None"], dict[str, str]]
-#: Signers by the URL below which they sign (an S3 bucket's): :func:`sign_below`.
+#: Signers by the URL below which they sign (an S3 bucket's): :func:`sign_below`; read from a copy (threads add).
 _SIGNERS: dict[str, Signer] = {}
 
 
 def sign_below(root: str, signer: Signer) -> None:
     """Sign every request to ``root`` or below it with ``signer`` (and send no bearer token there): S3's SigV4."""
     _SIGNERS[root.rstrip("/")] = signer
-
-
-def _signer(url: str) -> Signer | None:
-    for root, signer in list(_SIGNERS.items()):  # a copy made at once: another thread may add a signer meanwhile
-        if url == root or url.startswith((root + "/", root + "?")):
-            return signer
-    return None
 
 
 def close_connections() -> None:
@@ -363,9 +357,8 @@ def request(
     from ``sink`` ends the request and reaches the caller. ``body`` is bytes, or a
     binary file read from its start and sent with its size as ``Content-Length``
     (a large upload is never held in memory). The whole request has one deadline
-    (:func:`deadline_for`). ``error_limit``: a status that is not 2xx may have a body
-    this long whatever ``limit`` is, and it is kept (not given to ``sink``): an S3
-    error's XML names what went wrong.
+    (:func:`deadline_for`). ``error_limit``: a body of another status than 2xx is kept
+    (not given to ``sink``) up to this, whatever ``limit``: an S3 error's XML names it.
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -375,7 +368,8 @@ def request(
     connect, read = _POOL.timeouts
     host = parts.hostname or ""
     sent = dict(headers or {})
-    signer = _signer(url) if _SIGNERS else None
+    signers = [s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?"))]
+    signer = signers[0] if signers else None
     token = None if signer is not None else _token(host)
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
@@ -387,9 +381,7 @@ def request(
         body.seek(0)
         sent["Content-Length"] = str(size)  # not chunked: object stores want the length
     if signer is not None:
-        sent = signer(method, url, sent, body)  # may read a file body to hash it: it is sent from its start
-        if body is not None and not isinstance(body, bytes):
-            body.seek(0)
+        sent = signer(method, url, sent, body)  # a file body it hashes is left at its start
     total = deadline_for(limit, size)
     retries = urllib3.Retry(
         total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
@@ -425,7 +417,7 @@ def request(
                 raise _late(url, total) from None
             raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
         try:
-            reply = _read(resp, url, method, limit, sink, error_limit=error_limit)
+            reply = _read(resp, url, method, limit, sink, errors=error_limit)
         except HttpFailure as exc:
             raise _late(url, total) if w.done() else exc from None
         if w.done():  # shut down meanwhile: a body that ended at the shutdown may look whole
@@ -494,7 +486,7 @@ def _late(url: str, total: float) -> HttpFailure:
 
 
 def _read(
-    resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None, *, error_limit: int = 0
+    resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None, *, errors: int
 ) -> Reply:
     """The reply of ``resp`` with its body (or its body given to ``sink``); the response is closed on any failure."""
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -503,8 +495,8 @@ def _read(
     if method == "HEAD":
         return Reply(resp.status, b"", head)
     absent = resp.status in (404, 410)
-    if error_limit and not 200 <= resp.status < 300:
-        limit, sink = max(limit, error_limit), None  # an error's body, kept to be read (request's docstring)
+    if errors and not 200 <= resp.status < 300:
+        limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
     elif absent:
         # "No such object" whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
         # connection, up to a bound of its own, and dropped.

@@ -168,6 +168,8 @@ class _Aws:
 
         signed = AWSRequest(method=method, url=url, data=b"" if body is None else body, headers=headers)
         S3SigV4Auth(credentials, "s3", self.region).add_auth(signed)
+        if body is not None and not isinstance(body, bytes):
+            body.seek(0)  # hashed for the signature: it is sent from its start
         return dict(signed.headers.items())
 
 
