@@ -32,7 +32,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("",),  # the package's own __init__ and __main__
 )
 #: Modules of _verbs that the verbs share; every other module there is a verb.
-VERB_SHARED = ("common", "packs", "pubreport", "pubsets", "pubtarget")
+VERB_SHARED = ("bucket", "common", "packs", "pubreport", "pubsets", "pubtarget")
 #: Each verb module, and the library function it is (exported by the package, returning a report).
 VERB_FUNCTIONS = {
     "clear": "clear",

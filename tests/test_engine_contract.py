@@ -1,18 +1,20 @@
 """One contract, every engine: the same tests against each row of :data:`FACTORIES`, on real servers.
 
 Each row makes an engine over a fresh store on its real server (a directory; nginx
-read-only and with WebDAV; a redis-server of the test's own), and is skipped only
+read-only and with WebDAV; a redis-server of the test's own; a prefix of its own in a
+bucket of SeaweedFS's S3 gateway, one ``weed`` with credentials for the module), and is skipped only
 where its server's binary is missing, as the engine's own tests are. What an engine
 can do besides get, put and remove is its record (``engine.can``): every ability
 the record declares is exercised through its accessor, and every one it denies is
 refused (the accessor gives None, and the engine has no such method).
 
-Adding an engine (S3) is adding a row: a context manager that yields a :class:`Made`.
+Adding an engine is adding a row: a context manager that yields a :class:`Made`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 from testkit.nginx import nginx_or_skip
 from testkit.redis_server import redis_or_skip
+from testkit.weed import WeedServer, weed_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._base.engine import (
@@ -35,6 +38,7 @@ from cuda_program_cas._base.engine import (
 )
 from cuda_program_cas._disk.direngine import DirEngine
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
+from cuda_program_cas._remote import client
 from cuda_program_cas._remote.http import HttpEngine
 from cuda_program_cas._remote.redis import RedisEngine
 from cuda_program_cas._store import warmset
@@ -100,12 +104,54 @@ def _redis(tmp: Path) -> Iterator[Made]:
         server.stop()
 
 
+#: The module's one ``weed`` (started by the first S3 row, stopped with the module, or by a row's ``down``).
+_WEED: list[WeedServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _weed_stopped() -> Iterator[None]:
+    yield
+    while _WEED:
+        _WEED.pop().stop()
+
+
+@contextmanager
+def _s3(tmp: Path) -> Iterator[Made]:
+    from cuda_program_cas._remote.s3 import S3Engine  # botocore: only where this row runs
+
+    if not _WEED:
+        _WEED.append(weed_or_skip(tmp / "weed"))
+    server = _WEED[0]
+    # The server's AWS environment (the user's AWS files ignored), and deadlines as the S3 tests' own.
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == client.ENV_HTTP_TIMEOUT}
+    for name in saved:
+        del os.environ[name]
+    os.environ.update(server.env())
+    os.environ[client.ENV_HTTP_TIMEOUT] = "2,5"
+    client.close_connections()
+
+    def down() -> None:
+        server.stop()
+        _WEED.clear()  # the next S3 row starts another
+
+    try:
+        address = f"s3://cas/{tmp.name.lower().replace('_', '-')}"
+        engine = S3Engine(address)
+        yield Made(engine, engine, address, address, down=down)
+    finally:
+        for name in [k for k in os.environ if k.startswith("AWS_") or k == client.ENV_HTTP_TIMEOUT]:
+            del os.environ[name]
+        os.environ.update(saved)
+        client.close_connections()
+
+
 #: Every engine the contract holds for, by name: a maker of one over a fresh store on its real server.
 FACTORIES: dict[str, Callable[[Path], AbstractContextManager[Made]]] = {
     "directory": _directory,
     "http-read-only": _http_read_only,
     "http-webdav": _http_dav,
     "redis": _redis,
+    "s3": _s3,
 }
 
 #: Each optional ability: its accessor, and the methods its interface adds to an engine.
@@ -332,10 +378,10 @@ def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
     warm = node.inner.warm
     assert warm is not None and warm.join(30)
     # A packed entry is fetched by the place in its pack that the set's line names, which a writer knows where it
-    # reads the packs' indexes by ranges (a remote store), with several ranges in one request; elsewhere the line is a
-    # key only, and its lookup finds it.
+    # reads the packs' indexes by ranges (a remote store), and a reader asks several ranges at once (one multipart
+    # request, or parallel ranged GETs); elsewhere the line is a key only, and its lookup finds it.
     wrote, reads = open_engine(made.write).can, made.engine.can
-    fetches = not pack or (wrote.remote and wrote.ranges and reads.multi_range)
+    fetches = not pack or (wrote.remote and wrote.ranges and reads.remote and reads.ranges)
     if fetches:
         assert warm.fetched == len(used) and node.stats().entries == len(used)  # each verified into the local cache
     assert {k: node.get(k) for k in used} == {k: value(int(k[1:])) for k in used}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,21 @@ def test_logging_configured_after_the_first_hit_gets_the_next_hits_record(filled
 
 def test_a_record_through_the_stand_in_logger_names_the_packages_caller(filled: Path) -> None:
     assert _late(filled, "caller").stdout.split()[-2:] == ["config", "warn_once"]
+
+
+def test_botocore_is_imported_only_when_an_s3_store_is_opened(tmp_path: Path) -> None:
+    """An HTTP store's lookup loads no botocore; opening an ``s3://`` store does (the AWS setup, no request)."""
+    pytest.importorskip("botocore")
+    code = textwrap.dedent(
+        """
+        import sys
+        from cuda_program_cas import CacheStore
+        CacheStore(sys.argv[1] + "/a", shared=["http://127.0.0.1:9/store"]).get("k")
+        print("botocore" in sys.modules, end=" ")
+        CacheStore(sys.argv[1] + "/b", shared=["s3://cas/lazy"])
+        print("botocore" in sys.modules)
+        """
+    )
+    aws = {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_DEFAULT_REGION": "us-east-1"}
+    out = run_python(code, str(tmp_path), env=aws)
+    assert out.stdout.split() == ["False", "True"], out.stderr

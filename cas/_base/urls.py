@@ -1,7 +1,7 @@
 """Store addresses: which entries of a store list are URLs, and how an address is checked and shown.
 
 A store is a directory (a path, or a ``file://`` URL), an ``http(s)://`` URL (a
-web server; WebDAV for writes), or a ``redis(s)://`` URL. :data:`STORE_SCHEMES`
+web server; WebDAV for writes), a ``redis(s)://`` URL, or an ``s3://BUCKET/PREFIX``. :data:`STORE_SCHEMES`
 names every scheme; the table that picks an engine for each is
 :mod:`cuda_program_cas._store.tiers`.
 
@@ -17,7 +17,10 @@ relative directories.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from urllib.parse import SplitResult
 
 __all__ = [
     "STORE_SCHEMES",
@@ -33,9 +36,12 @@ __all__ = [
 ]
 
 #: Every scheme a store address may have (``file`` names a directory).
-STORE_SCHEMES = ("file", "http", "https", "redis", "rediss")
+STORE_SCHEMES = ("file", "http", "https", "redis", "rediss", "s3")
 #: The schemes of stores reached over a network.
-_URL_SCHEMES = ("http", "https", "redis", "rediss")
+_URL_SCHEMES = ("http", "https", "redis", "rediss", "s3")
+#: An S3 bucket's name (what every S3-compatible server accepts: lowercase, 3 to 63 characters).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_PORT_PART = re.compile(r"\d+([/|].*)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 #: What follows ``|`` to name a store writable.
 WRITABLE = "write"
@@ -54,7 +60,7 @@ def scheme_of(text: object) -> str | None:
 
 
 def is_store_url(text: object) -> bool:
-    """True when ``text`` names a store reached over a network (``http(s)://``, ``redis(s)://``)."""
+    """True when ``text`` names a store reached over a network (``http(s)://``, ``redis(s)://``, ``s3://``)."""
     return scheme_of(text) in _URL_SCHEMES
 
 
@@ -74,7 +80,7 @@ def check_address(address: str) -> None:
         m = _SCHEME_RE.match(address)
         what = f"unknown store scheme {m.group(1)!r}" if m else "'://' in a path"
         raise ValueError(
-            f"{what} in {shown(address)!r}: a store is a directory (a path or file://), http(s):// or redis(s)://"
+            f"{what} in {shown(address)!r}: a store is a directory (a path or file://), http(s)://, redis(s):// or s3://"
         )
 
 
@@ -134,7 +140,9 @@ def normalize_store_url(url: str) -> str:
     ends up in logs), no query and no fragment (entries are paths below it).
     A Redis store URL is ``redis(s)://[[user]:password@]host[:port][/db]``, as
     Redis clients spell it: the password may be in it (it is never shown), and
-    the path is a database number or nothing.
+    the path is a database number or nothing. An S3 store is ``s3://BUCKET[/PREFIX]``:
+    no credentials, port, query or fragment (credentials and the endpoint come from
+    the AWS configuration, :mod:`cuda_program_cas._remote.s3`).
     """
     from urllib.parse import urlsplit
 
@@ -144,6 +152,8 @@ def normalize_store_url(url: str) -> str:
         raise ValueError(f"not a store URL (http, https, redis or rediss): {shown(url)!r}")
     if not parts.hostname:
         raise ValueError(f"store URL has no host: {shown(url)!r}")
+    if scheme == "s3":
+        return _s3_url(url, parts)
     redis = scheme in ("redis", "rediss")
     if not redis and (parts.username is not None or parts.password is not None):
         raise ValueError(
@@ -159,6 +169,21 @@ def normalize_store_url(url: str) -> str:
     if redis and path and not (path[1:].isdigit() and path.count("/") == 1):
         raise ValueError(f"a Redis store URL's path is a database number (/0 to /15 ...): {shown(url)!r}")
     return f"{scheme}://{parts.netloc}{path}"
+
+
+def _s3_url(url: str, parts: SplitResult) -> str:
+    bucket = parts.netloc
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ValueError(
+            f"an S3 store is s3://BUCKET/PREFIX with a bucket's name (lowercase letters, digits, '.', '-'; "
+            f"no credentials or port): {shown(url)!r}"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"store URL has a query or fragment: {shown(url)!r}")
+    path = parts.path.strip("/")
+    if any(part in ("", ".", "..") for part in path.split("/")) and path:
+        raise ValueError(f"an S3 store's prefix has an empty, '.' or '..' part: {shown(url)!r}")
+    return f"s3://{bucket}/{path}" if path else f"s3://{bucket}"
 
 
 def join(base: str, relative: str) -> str:

@@ -7,6 +7,8 @@ from typing import Any
 
 from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
 
+from .bucket import is_bucket
+from .bucket import run as bucket_run
 from .main import (
     UsageError,
     add_json_arg,
@@ -95,6 +97,8 @@ def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_bucket(args.path):
+        return bucket_run("gc", args)
     _check_grace(cache_path(args.path), args.shared, args.grace)
     report = collect(
         cache_path(args.path),

@@ -9,6 +9,8 @@ from typing import Any
 from cuda_program_cas._base.errors import CollectorBusyError
 from cuda_program_cas._verbs.repack import RepackReport, check_shared_store, repack
 
+from .bucket import is_bucket
+from .bucket import run as bucket_run
 from .main import add_json_arg, emit, fmt_bytes, plural, print_json, print_problems
 
 __all__ = ["register"]
@@ -50,6 +52,9 @@ def _left(report: RepackReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_bucket(args.store):
+        args.path = args.store
+        return bucket_run("repack", args)
     check_shared_store(args.store)  # a store URL, a node's local cache: bad usage
     root = os.path.abspath(args.store)
     try:

@@ -23,6 +23,8 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.stats import stats, zero_counters
 
+from .bucket import is_bucket
+from .bucket import run as bucket_run
 from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, size_arg
 
 __all__ = ["register"]
@@ -126,6 +128,8 @@ def _entries(info: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_bucket(args.path):
+        return bucket_run("stats", args)
     if args.zero:
         return _zero(args.path, args.json)
     report = stats(args.path, max_size=args.max_size)

@@ -7,6 +7,8 @@ from typing import Any
 
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
+from .bucket import is_bucket
+from .bucket import run as bucket_run
 from .main import UsageError, add_json_arg, add_path_arg, cache_path, emit, fmt_bytes, not_created_line, plural
 
 __all__ = ["register"]
@@ -71,6 +73,8 @@ def _tail(report: VerifyReport, repair: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_bucket(args.path):
+        return bucket_run("verify", args)
     if args.shared is not None and not args.repair:
         raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
     report = verify(cache_path(args.path), repair=args.repair, progress=args.progress, shared=args.shared)

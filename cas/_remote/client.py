@@ -86,6 +86,7 @@ __all__ = [
     "deadline_for",
     "request",
     "request_many",
+    "sign_below",
     "timeouts",
 ]
 
@@ -182,6 +183,17 @@ class _Pool:
 
 _POOL = _Pool()
 after_fork_call(_POOL.reset)
+
+#: ``signer(method, url, headers, body)`` -> the headers to send instead (an S3 request's signature); a file
+#: body it reads is left at its start.
+Signer = Callable[[str, str, dict[str, str], "bytes | IO[bytes] | None"], dict[str, str]]
+#: Signers by the URL below which they sign (an S3 bucket's): :func:`sign_below`; read from a copy (threads add).
+_SIGNERS: dict[str, Signer] = {}
+
+
+def sign_below(root: str, signer: Signer) -> None:
+    """Sign every request to ``root`` or below it with ``signer`` (and send no bearer token there): S3's SigV4."""
+    _SIGNERS[root.rstrip("/")] = signer
 
 
 def close_connections() -> None:
@@ -334,6 +346,7 @@ def request(
     headers: Mapping[str, str] | None = None,
     limit: int = 1 << 20,
     sink: Callable[[bytes], object] | None = None,
+    error_limit: int = 0,
 ) -> Reply:
     """``method`` on ``url``; the reply whatever its status, or :class:`HttpFailure`.
 
@@ -344,7 +357,8 @@ def request(
     from ``sink`` ends the request and reaches the caller. ``body`` is bytes, or a
     binary file read from its start and sent with its size as ``Content-Length``
     (a large upload is never held in memory). The whole request has one deadline
-    (:func:`deadline_for`).
+    (:func:`deadline_for`). ``error_limit``: a body of another status than 2xx is kept
+    (not given to ``sink``) up to this, whatever ``limit``: an S3 error's XML names it.
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -354,7 +368,9 @@ def request(
     connect, read = _POOL.timeouts
     host = parts.hostname or ""
     sent = dict(headers or {})
-    token = _token(host)
+    signers = [s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?"))]
+    signer = signers[0] if signers else None
+    token = None if signer is not None else _token(host)
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
     size = 0
@@ -364,6 +380,8 @@ def request(
         size = os.fstat(body.fileno()).st_size
         body.seek(0)
         sent["Content-Length"] = str(size)  # not chunked: object stores want the length
+    if signer is not None:
+        sent = signer(method, url, sent, body)  # a file body it hashes is left at its start
     total = deadline_for(limit, size)
     retries = urllib3.Retry(
         total=_MAX_REDIRECTS, connect=0, read=0, redirect=_MAX_REDIRECTS, status=0, other=0,
@@ -399,7 +417,7 @@ def request(
                 raise _late(url, total) from None
             raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
         try:
-            reply = _read(resp, url, method, limit, sink)
+            reply = _read(resp, url, method, limit, sink, errors=error_limit)
         except HttpFailure as exc:
             raise _late(url, total) if w.done() else exc from None
         if w.done():  # shut down meanwhile: a body that ended at the shutdown may look whole
@@ -467,7 +485,9 @@ def _late(url: str, total: float) -> HttpFailure:
     )  # fmt: skip
 
 
-def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None) -> Reply:
+def _read(
+    resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None, *, errors: int
+) -> Reply:
     """The reply of ``resp`` with its body (or its body given to ``sink``); the response is closed on any failure."""
     from urllib3.exceptions import HTTPError as _Urllib3Error
 
@@ -475,7 +495,9 @@ def _read(resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], 
     if method == "HEAD":
         return Reply(resp.status, b"", head)
     absent = resp.status in (404, 410)
-    if absent:
+    if errors and not 200 <= resp.status < 300:
+        limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
+    elif absent:
         # "No such object" whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
         # connection, up to a bound of its own, and dropped.
         limit, sink = max(limit, _ABSENT_PAGE), _drop

@@ -23,6 +23,7 @@ pauses on. A bad answer about one pack is damage, counted and noted through
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -160,7 +161,8 @@ class HttpPacks:
         """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, in one request; None
         when not had so.
 
-        One ``Range`` request for all of them (:mod:`.multipart`): a ``206``
+        Where the engine's record has no ``multi_range`` (S3), each range is its own GET,
+        all at once (:meth:`_each_range`). Else one ``Range`` request for all of them (:mod:`.multipart`): a ``206``
         ``multipart/byteranges`` answer read strictly, or for one span and no tail a
         ``206`` of exactly it. Anything else (the whole pack, one range for several, a
         range not asked for, another boundary, a 404) is None, said once: the caller
@@ -175,6 +177,8 @@ class HttpPacks:
         if not is_pack_name(name) or not distinct or any(size < 1 or offset < 0 for offset, size in distinct):
             return None
         asked = coalesce(distinct)
+        if not self.engine.can.multi_range:
+            return self._each_range(name, distinct, asked, tail)
         limit = sum(size for _, size in asked) + tail + PART_OVERHEAD * (len(asked) + 2)
         body = Landing(limit)
         try:
@@ -200,14 +204,53 @@ class HttpPacks:
                 f"for {len(asked)} ranges, not those ranges; its entries are read one at a time",
             )
             return None
-        parts, total = got
-        out = {}
-        for offset, size in distinct:
-            for first, part in parts.items():
-                if first <= offset and offset + size <= first + len(part):
-                    out[offset, size] = part[offset - first : offset - first + size]
-                    break
-        return Ranges(out, parts.get(total - tail) if tail else None, total)
+        return _spans(distinct, *got, tail)
+
+    def _each_range(
+        self, name: str, distinct: list[tuple[int, int]], asked: list[tuple[int, int]], tail: int
+    ) -> Ranges | None:
+        """:meth:`fetch_ranges` where the engine has no multi-range GET (S3): each range one GET, all at once.
+
+        The spans are coalesced as for one request; each, and the tail, is one ranged
+        GET over the pool (:func:`.client.request_many`): one round trip for up to
+        :data:`.client.PARALLEL` ranges. Any answer that is not exactly its range is None, said once.
+        """
+        from .client import request_many
+
+        wanted = [(f"bytes={offset}-{offset + size - 1}", offset, size) for offset, size in asked]
+        if tail:
+            wanted.append((f"bytes=-{tail}", -1, tail))
+        landings = [Landing(size) for _, _, size in wanted]
+        calls = [
+            functools.partial(self._one_range, name, spec, size, landing)
+            for (spec, _, size), landing in zip(wanted, landings, strict=True)
+        ]
+        try:
+            replies = request_many(calls)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            self._told().say_once("ranges", f"packs/{name}: a range: {exc.kind}: {exc.detail}")
+            return None
+        parts: dict[int, memoryview] = {}
+        total = -1
+        for (_, offset, size), landing, span in zip(wanted, landings, replies, strict=True):
+            data = landing.value()
+            if span is None or len(data) != size or (offset >= 0 and span[0] != offset) or total not in (-1, span[2]):
+                self._told().say_once("ranges", f"packs/{name}: a range answered other bytes than asked")
+                return None
+            total = span[2]
+            parts[span[0]] = memoryview(data)
+        return _spans(distinct, parts, total, tail)
+
+    def _one_range(self, name: str, spec: str, size: int, landing: Landing) -> tuple[int, int, int] | None:
+        """One ranged GET of pack ``name`` into ``landing``: its ``Content-Range``, or None for another answer."""
+        reply = self._pack_get(name, {"Range": spec}, size, landing.take)
+        m = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
+        if reply.status != 206 or m is None:
+            return None
+        first, last, total = (int(g) for g in m.groups())
+        return first, last, total
 
     # -- the listing ---------------------------------------------------------------------
 
@@ -355,3 +398,14 @@ class HttpPacks:
             "(their entries are misses)",
         )
         return None
+
+
+def _spans(distinct: list[tuple[int, int]], parts: Mapping[int, memoryview], total: int, tail: int) -> Ranges:
+    """Each span's bytes as a view of the part that holds it, the tail, and the pack's size."""
+    out = {}
+    for offset, size in distinct:
+        for first, part in parts.items():
+            if first <= offset and offset + size <= first + len(part):
+                out[offset, size] = part[offset - first : offset - first + size]
+                break
+    return Ranges(out, parts.get(total - tail) if tail else None, total)

@@ -194,7 +194,13 @@ class RedisEngine:
 
     #: Not proven: Redis evicts on its own (under allkeys-random or -lfu a key just set may be the next to go).
     can = Abilities(
-        conditional_get=True, conditional_create=True, leases=True, atomic_batch=True, remote=True, evicts=True
+        conditional_get=True,
+        conditional_create=True,
+        leases=True,
+        atomic_batch=True,
+        remote=True,
+        evicts=True,
+        layout_optional=True,
     )
     lost_hint = (
         "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"

@@ -6,8 +6,9 @@ of digests, sizes, packs and offsets is checked against what the store itself
 says of each key, in the same requests:
 
 - **A packed entry** (the line names a pack, an offset and where the pack's index
-  entry for the key lies; HTTP): one request per batch asks the blobs' ranges,
-  each line's index entry (96 bytes) and the pack's trailer
+  entry for the key lies; HTTP, S3): one request per batch asks the blobs' ranges,
+  each line's index entry (96 bytes) and the pack's trailer (S3 has no multi-range
+  GET: there each range is one GET, all of a batch at once)
   (:func:`cuda_program_cas._disk.pack.entry_at`: the place must be one of the
   index's entries, whole, of this key). An entry is kept when that index entry
   names the line's digest, size and offset and the range hashes to the digest.
@@ -86,7 +87,7 @@ class RangedPacks(Protocol):
         ...
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
-        """Spans of pack ``name`` and its last ``tail`` bytes in one request (``multi_range``); None if not so."""
+        """Spans of pack ``name`` and its last ``tail`` bytes at once (one request, or parallel); None if not so."""
         ...
 
 
@@ -122,7 +123,7 @@ def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]
 
 def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
     """Fetch ``entries`` from ``tier`` (module docstring), calling ``keep`` for each one verified."""
-    packs = tier.ranged_packs() if tier.trust is None and tier.engine.can.multi_range else None
+    packs = tier.ranged_packs() if tier.trust is None else None
     ranged: _Ranged | None = None if packs is None else packs.fetch_ranges
     by_pack: dict[str, list[Wanted]] = {}
     loose: list[Wanted] = []

@@ -1,9 +1,9 @@
-"""Leases: one compile per key per cluster, where a writable store can give them (Redis).
+"""Leases: one compile per key per cluster, where a writable store can give them (Redis, S3).
 
 Claims (:mod:`cuda_program_cas._store.claims`) make one process per node compile a
 key. On a cluster each node would still compile it once. So the process holding
 its node's claim then asks the writable store for the key's *lease*
-(``leases/<key id>``: Redis ``SET NX PX`` with a random token):
+(``leases/<key id>``: Redis ``SET NX PX`` with a random token; S3 a conditional create):
 
 - **Taken**: this node compiles. A thread renews the lease every third of its
   time to live while the compile runs; the lease is given back (only if the token

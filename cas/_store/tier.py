@@ -186,7 +186,7 @@ class Tier:
     """Lookups in one shared store over ``engine``, read-only (module docstring).
 
     How the store is treated follows its engine's record (``engine.can``,
-    :class:`cuda_program_cas._base.engine.Abilities`): ``evicts``, a store with no
+    :class:`cuda_program_cas._base.engine.Abilities`): ``layout_optional``, a store with no
     ``layout.json`` is an empty current one; not ``remote`` (a directory), the
     layout read at once, a fixed pause of :data:`RETRY_S`, a store that worked and
     fails later not a WARNING, no key list, one failing file not yet an outage;
@@ -222,7 +222,7 @@ class Tier:
         self.counters = Counters()
         self._trust = trust
         self._max_entry = max_entry
-        self._layout_optional = can.evicts
+        self._layout_optional = can.layout_optional
         self._missing = missing
         self._recheck = not can.remote
         self._version = 0  # 0: not opened yet

@@ -6,10 +6,11 @@ address                        engine                                        pac
 a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngine`  ``packs/``, listed
 ``http://``, ``https://``      :class:`cuda_program_cas._remote.http.HttpEngine` (WebDAV writes)  ``packs/list``
 ``redis://``, ``rediss://``    :class:`cuda_program_cas._remote.redis.RedisEngine`  none
+``s3://``                      :class:`cuda_program_cas._remote.s3.S3Engine`  ``packs/list``
 =============================  ============================================  =====================
 
 Each engine is imported when a store of its scheme is opened, so a plain cache
-never loads the HTTP or Redis side. ``ADDRESS|write`` names a store writable
+never loads the HTTP, Redis or S3 side (botocore). ``ADDRESS|write`` names a store writable
 (:func:`cuda_program_cas._base.urls.parse_store_entry`). Publish opens the store
 it writes by the same table (:func:`open_engine`), and its packs by the engine's
 record (:func:`open_packs`: one publisher for every engine that reads ranges;
@@ -168,6 +169,12 @@ def _redis(engine: Engine, writable: bool, opts: Options) -> Tier:
     return Tier(engine, writable=writable, trust=opts.trust, max_entry=opts.max_entry)
 
 
+def _s3_engine(address: str, opts: Options) -> Engine:
+    from cuda_program_cas._remote.s3 import S3Engine
+
+    return S3Engine(address, staging=opts.staging)
+
+
 @dataclass(frozen=True)
 class _Scheme:
     engine: Callable[[str, Options], Engine]
@@ -177,7 +184,10 @@ class _Scheme:
 _DIRECTORY = _Scheme(_dir_engine, _directory)
 _HTTP = _Scheme(_http_engine, _http)
 _REDIS = _Scheme(_redis_engine, _redis)
-_ENGINES: dict[str, _Scheme] = {"file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS}
+_S3 = _Scheme(_s3_engine, _http)  # the HTTP engine's requests, signed; its packs read as HTTP's
+_ENGINES: dict[str, _Scheme] = {
+    "file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS, "s3": _S3,
+}  # fmt: skip
 
 
 def _scheme(address: str) -> _Scheme:

@@ -64,11 +64,16 @@ def refuse_url(path: object) -> None:
     """Raise :class:`LayoutError` when ``path`` is a store URL: maintenance needs the store's files.
 
     ``gc``, ``repack`` and ``verify`` list directories, take a lock file and move
-    files aside: none of that exists over HTTP. They run on the host that holds
+    files aside: none of that exists over HTTP or in a bucket. They run on the host that holds
     the directory the web server serves (docs/cluster.md).
     """
     if is_store_url(path):
         assert isinstance(path, str)
+        if path[:5].lower() == "s3://":
+            raise LayoutError(
+                f"{shown(path)} is a bucket: this command needs a store's files; sync it to a directory and run "
+                "it there (stats, verify, gc and repack take a bucket: docs/s3.md)"
+            )
         raise LayoutError(
             f"{shown(path)} is a store URL: maintenance runs where the store's files are; "
             "run it there, on the directory the web server serves (docs/cluster.md)"

@@ -14,7 +14,10 @@ attributes, read for every chunk, so a test may change them at any time:
 
 Counters: ``connections`` (accepted), ``bytes_up``, ``bytes_down``, and ``exchanges``: the
 client's turns to speak (data from the client after data went to it, or the first on a
-connection); a pipelined call is one exchange. ``stop()`` closes everything.
+connection); a pipelined call is one exchange. ``rounds``: the exchanges in sequence, the
+round trips a client waited for one after another: an exchange that begins while no other
+connection's awaits its answer starts a round; requests sent in parallel are one round.
+``stop()`` closes everything.
 
 Run as a script it forwards until interrupted, for benchmarks over a slow network::
 
@@ -85,6 +88,7 @@ class Proxy:
         self.bytes_up = 0
         self.bytes_down = 0
         self.exchanges = 0
+        self.rounds = 0
         self._lock = threading.Lock()
         self._links: list[_Link] = []
         self._stopped = False
@@ -159,6 +163,8 @@ class Proxy:
             with self._lock:
                 if up and data and link.client_turn:
                     self.exchanges += 1
+                    if not any(not other.client_turn and not other.closed for other in self._links):
+                        self.rounds += 1  # no other exchange under way: this one starts a round
                     link.client_turn = False
             delay = (self.delay_up_ms if up else self.delay_down_ms) / 1000
             with ready:

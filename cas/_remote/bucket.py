@@ -1,0 +1,259 @@
+"""A store in an S3 bucket, maintained where it is: its objects listed, counted, checked and collected.
+
+``stats``, ``verify`` and ``gc`` of a directory store read files and take a lock
+file; a bucket has neither, so these work on what S3 gives: a listing (``GET
+?list-type=2``, 1,000 objects a page, with each object's size and when it was
+written) and the objects themselves, through :class:`.s3.S3Engine` (its signed,
+bounded requests).
+
+- :func:`bucket_stats`: objects and bytes by kind (manifests, blobs, packs,
+  leases, the rest), from the listing alone.
+- :func:`bucket_verify`: every manifest read and parsed, its blob present with the
+  size it names and hashed (one GET a blob: the whole store is downloaded once),
+  and the orphan blobs (named by no manifest) counted. It writes nothing.
+- :func:`bucket_gc`: removes what is safe to remove, each written more than
+  ``grace_s`` ago: orphan blobs, manifests that cannot be read as one or whose
+  blob is gone, and leases past their expiry. A blob is sent before the manifest
+  that names it, so a young orphan may be a write-back under way: the grace keeps
+  it (at least an hour, as for a published directory). Packs are left alone: they
+  are listed in ``packs/list``.
+- :func:`bucket_repack`: every entry of the store (its packs' and its loose ones)
+  into one new pack, uploaded and read back by the one pack publisher
+  (:class:`cuda_program_cas._disk.packpublish.StorePacks`); the packs it replaced are
+  copied to ``packs/retired/`` (S3's server-side copy: a node that listed them before
+  reads them there until it lists again) and removed; then ``packs/list`` and
+  ``packs/summary`` are written from the listing of ``packs/`` (the new pack, and any
+  a publisher added meanwhile), and the loose manifests now packed are removed (their
+  blobs are orphans for ``gc``). One repack at a time: a bucket has no lock file.
+  Each blob is verified by its digest as it is read; one that is not is left out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._disk.layout import BLOBS, INDEX
+from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, parse_fields
+
+from .s3 import LEASES, S3Engine
+
+__all__ = [
+    "BucketFound", "BucketObject", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
+]  # fmt: skip
+
+KINDS = ("manifests", "blobs", "packs", "leases", "other")
+
+
+@dataclass(frozen=True)
+class BucketObject:
+    """One object of the store: its name below the prefix, size, and when it was written (seconds since the epoch)."""
+
+    name: str
+    size: int
+    written: float
+
+    @property
+    def kind(self) -> str:
+        top = self.name.split("/", 1)[0]
+        return {INDEX: "manifests", BLOBS: "blobs", "packs": "packs", LEASES: "leases"}.get(top, "other")
+
+
+@dataclass
+class BucketFound:
+    """What :func:`bucket_stats`, :func:`bucket_verify`, :func:`bucket_gc` or :func:`bucket_repack` found and did
+    (the verbs give it the report shape: :class:`cuda_program_cas._verbs.bucket.BucketReport`)."""
+
+    store: str
+    objects: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    #: ``(object name, what is wrong)``, one per problem.
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    orphan_blobs: int = 0
+    #: Objects removed (``gc``), or that would be (``dry_run``).
+    removed: list[str] = field(default_factory=list)
+    bytes_removed: int = 0
+
+
+def list_objects(engine: S3Engine) -> Iterator[BucketObject]:
+    """Every object under the store's prefix, page by page (ListObjectsV2); a failure is a :class:`StoreFailure`."""
+    for name, size, written in engine.listed():
+        yield BucketObject(name, size, _epoch(written))
+
+
+def _epoch(text: str) -> float:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return time.time()  # unknown: as young as can be, so gc keeps it
+
+
+def bucket_stats(address: str) -> BucketFound:
+    """Objects and bytes of the store at ``address`` (``s3://BUCKET/PREFIX``) by kind, from its listing."""
+    engine = S3Engine(address)
+    report = BucketFound(engine.shown)
+    for obj in list_objects(engine):
+        report.objects[obj.kind] += 1
+        report.bytes[obj.kind] += obj.size
+    return report
+
+
+def _blob_name(digest: str) -> str:
+    return f"{BLOBS}/{digest[:2]}/{digest[2:]}"
+
+
+def _check_manifests(
+    engine: S3Engine, objects: dict[str, BucketObject], report: BucketFound, *, hash_blobs: bool
+) -> tuple[set[str], list[BucketObject]]:
+    """The blobs the manifests name, and the manifests that are damaged or name a blob gone (problems noted)."""
+    named: set[str] = set()
+    bad: list[BucketObject] = []
+    for obj in objects.values():
+        if obj.kind != "manifests":
+            continue
+        kid = obj.name[len(INDEX) + 1 :].replace("/", "")
+        data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES) if obj.size <= MAX_MANIFEST_BYTES else b""
+        if data is None:
+            continue  # removed since the listing
+        fields = parse_fields(data) if is_key_id(kid) else None
+        if fields is None or (fields[0] is not None and fields[0] != kid) or not is_digest(fields[1]):
+            report.problems.append((obj.name, "damaged manifest"))
+            bad.append(obj)
+            continue
+        _found, digest, size = fields
+        blob = _blob_name(digest)
+        named.add(blob)
+        held = objects.get(blob)
+        if held is None:
+            report.problems.append((obj.name, f"its blob {blob} is missing"))
+            bad.append(obj)
+        elif held.size != size:
+            report.problems.append((blob, f"{held.size:,} bytes, not the {size:,} its manifest names"))
+        elif hash_blobs:
+            try:
+                engine.get(blob, limit=size, digest=digest)
+            except StoreFailure as exc:
+                if exc.outage:
+                    raise
+                report.problems.append((blob, f"{exc.kind}: {exc.detail}"))
+    return named, bad
+
+
+def bucket_verify(address: str) -> BucketFound:
+    """Every manifest and blob of the store at ``address`` checked (module docstring); nothing is written."""
+    engine = S3Engine(address)
+    report = BucketFound(engine.shown)
+    objects = {obj.name: obj for obj in list_objects(engine)}
+    for obj in objects.values():
+        report.objects[obj.kind] += 1
+        report.bytes[obj.kind] += obj.size
+    named, _bad = _check_manifests(engine, objects, report, hash_blobs=True)
+    report.orphan_blobs = sum(1 for o in objects.values() if o.kind == "blobs" and o.name not in named)
+    return report
+
+
+def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketFound:
+    """Remove the store's garbage written more than ``grace_s`` ago (module docstring); what was removed."""
+    engine = S3Engine(address)
+    report = BucketFound(engine.shown)
+    objects = {obj.name: obj for obj in list_objects(engine)}
+    for obj in objects.values():
+        report.objects[obj.kind] += 1
+        report.bytes[obj.kind] += obj.size
+    named, bad = _check_manifests(engine, objects, report, hash_blobs=False)
+    old = time.time() - grace_s
+    doomed = [o for o in bad if o.written < old]
+    doomed += [o for o in objects.values() if o.kind == "blobs" and o.name not in named and o.written < old]
+    report.orphan_blobs = sum(1 for o in objects.values() if o.kind == "blobs" and o.name not in named)
+    for obj in objects.values():
+        # A live lease is rewritten every third of its time to live (30 s): one untouched for the grace is
+        # expired, whoever left it. Asked again before it goes (a node may have taken it over since the listing).
+        name = obj.name[len(LEASES) + 1 :]
+        if obj.kind == "leases" and obj.written < old and engine.lease(name, 0, take=False) == "":
+            doomed.append(obj)
+    for obj in doomed:
+        report.removed.append(obj.name)
+        report.bytes_removed += obj.size
+        if not dry_run:
+            engine.remove(obj.name)
+    return report
+
+
+def bucket_repack(address: str) -> BucketFound:
+    """Every entry of the store at ``address`` into one new pack; the packs and loose manifests it replaces go."""
+    from blake3 import blake3
+
+    from cuda_program_cas._disk.pack import RETIRED, PackInput, is_pack_name
+    from cuda_program_cas._disk.packpublish import StorePacks
+
+    engine = S3Engine(address)
+    report = BucketFound(engine.shown)
+    objects = {obj.name: obj for obj in list_objects(engine)}
+    for obj in objects.values():
+        report.objects[obj.kind] += 1
+        report.bytes[obj.kind] += obj.size
+    packs = StorePacks(engine)
+    packed = packs.entries()
+    old_packs = [name for name in engine.names("packs") if is_pack_name(name)]
+
+    def ranged(pack: str, offset: int, size: int, digest: str) -> bytes | None:
+        reply = engine.fetch(f"packs/{pack}", limit=size, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+        ok = reply.status == 206 and len(reply.body) == size and blake3(reply.body).hexdigest() == digest
+        if not ok:
+            report.problems.append((f"packs/{pack}", f"the blob of {digest} at {offset} is not there: left out"))
+        return reply.body if ok else None
+
+    def loose(blob: str, size: int, digest: str) -> bytes | None:
+        try:
+            return engine.get(blob, limit=size, digest=digest)
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            report.problems.append((blob, f"{exc.kind}: left out"))
+            return None
+
+    inputs: list[PackInput] = []
+    manifests: list[str] = []
+    for obj in objects.values():
+        kid = obj.name[len(INDEX) + 1 :].replace("/", "")
+        if obj.kind != "manifests" or not is_key_id(kid) or obj.size > MAX_MANIFEST_BYTES:
+            continue
+        data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES)
+        fields = None if data is None else parse_fields(data)
+        if fields is None or fields[0] not in (None, kid) or not is_digest(fields[1]):
+            continue  # damaged: gc's
+        _kid, digest, size = fields
+        manifests.append(obj.name)
+        inputs.append((kid, digest, _bound(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
+    for kid, pe in packed.items():
+        e = pe.entry
+        inputs.append((kid, e.digest, _bound(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))
+    if not inputs:
+        return report
+    stats: dict[str, int] = {}
+    written = packs.write(inputs, stats)  # uploaded and read back; listed below, once the old packs are retired
+    if written is None:
+        return report
+    for name in old_packs:
+        source = quote(f"/{engine.bucket}/{engine.prefix + '/' if engine.prefix else ''}packs/{name}")
+        copied = engine._send("PUT", f"packs/{RETIRED}/{name}", None, {"x-amz-copy-source": source})
+        engine._refuse(f"packs/{RETIRED}/{name}", copied, "PUT (copy)")
+        engine.remove(f"packs/{name}")
+        report.removed.append(f"packs/{name}")
+    packs.entries()  # the packs listed now: the new one (and any a publisher added meanwhile)
+    packs.finish(True)  # packs/summary for publishers, packs/list (from the listing) for nodes
+    for name in manifests:
+        engine.remove(name)
+        report.removed.append(name)
+    report.bytes_removed = stats.get("bytes", 0)
+    return report
+
+
+def _bound(read: Callable[..., bytes | None], *args: Any) -> Callable[[], bytes | None]:
+    """``read(*args)`` later: a pack input's bytes, asked when the pack is written (one blob in memory at a time)."""
+    return lambda: read(*args)

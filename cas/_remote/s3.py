@@ -1,0 +1,453 @@
+"""The S3 engine of a shared store: objects of a bucket under a prefix, signed by botocore, sent by the one HTTP client.
+
+``s3://BUCKET/PREFIX`` names the store; its objects are ``PREFIX/layout.json``,
+``PREFIX/index/...``, ``PREFIX/blobs/...``, ``PREFIX/packs/...``: the names a
+directory store's files have, so a bucket is read, copied and collected with the
+tools an operator knows (``aws s3 sync`` a store directory into it, or out).
+
+What botocore does, and only that (imported the first time an ``s3://`` store is
+opened, never by ``import cuda_program_cas``): it resolves what a user's AWS
+setup says, unchanged, by making one S3 client (no request is made by that):
+the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's
+``endpoint_url`` or its ``services`` section), the region, and, at the first
+request, the credentials by the standard chain (environment, profiles, SSO,
+container and instance roles; refreshed as they expire). It signs each request
+(SigV4, :class:`botocore.auth.S3SigV4Auth`). No credentials at all: requests go
+unsigned (a public bucket reads). Every request is then made by
+:func:`.client.request`: the deadlines, size bounds, parallel limit and failure
+handling of the HTTP engine, not botocore's (60 s timeouts and retries).
+
+Addressing: an endpoint on an IP address, on ``localhost``, or any endpoint that
+is not AWS's (SeaweedFS, MinIO, Ceph RGW, GCS's interoperable endpoint) is
+addressed path-style (``ENDPOINT/BUCKET/PREFIX/...``); AWS's own virtual-host
+style (``https://BUCKET.s3.REGION.amazonaws.com/PREFIX/...``), or path-style for
+a bucket with a dot in its name (its certificate would not match).
+
+The engine is :class:`.http.HttpEngine` over those URLs, so reads, ``get_many``,
+ranged reads, conditional reads (``If-None-Match``: a 304 costs no body) and the
+packs a node reads (:class:`.httppacks.HttpPacks`: S3 has no multi-range GET, and
+its record says so, so several ranges of a pack are that many ranged GETs at once)
+are the HTTP engine's. Publish and repack write packs through the one publisher
+(:class:`cuda_program_cas._disk.packpublish.StorePacks`): the engine lists, so
+``packs/list`` is written from the listing of ``packs/``. Its record
+(:class:`~cuda_program_cas._base.engine.Abilities`): ranges, conditional reads,
+conditional creates, listing, leases; remote, a server's answers; a prefix without
+``layout.json`` is an empty store. What differs from HTTP:
+
+- The answers: S3's error code is named (``403 SignatureDoesNotMatch``, ``503
+  SlowDown``), with what to check; a missing bucket is an outage named as such,
+  not an empty store. A ``PUT`` is a plain S3 ``PUT`` (atomic: an object is
+  visible once whole).
+- ``create``: a ``PUT`` with ``If-None-Match: *`` (412, or 409 on AWS, when there is one).
+- ``names``: ListObjectsV2 of ``PREFIX/FOLDER/`` with the delimiter ``/`` (1,000 a page).
+- **Leases** (:meth:`S3Engine.lease`): ``PREFIX/leases/<key id>``, an object
+  created only if absent (``If-None-Match: *``; 412 when another holds it),
+  holding its holder's token and its expiry (JSON). An expired lease (its holder
+  died or stopped) is taken over by a replace conditional on the ETag read
+  (``If-Match``): of two nodes that try, one gets 412. Renewal is such a replace
+  by the holder; release a delete (``If-Match`` too, where the server honours
+  it) or a replace by the mark. Expiry is judged by the reading node's clock
+  against the holder's: nodes of a cluster keep time (NTP) within far less than
+  a lease's 30 s.
+
+A layout file is optional: a ``|write`` node fills an empty prefix with no
+publish first (``layout.json`` is written by publish).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any, ClassVar
+from urllib.parse import quote, urlsplit
+from xml.etree import ElementTree
+
+from cuda_program_cas._base.engine import LEASE_MARK, Abilities
+from cuda_program_cas._base.urls import join, normalize_store_url
+
+from .client import HttpFailure, Reply, request, sign_below
+from .http import HttpEngine
+
+__all__ = ["LEASES", "S3Engine", "s3_error"]
+
+#: Where the leases are, below the prefix (one object per key id being compiled).
+LEASES = "leases"
+#: The largest lease object read (a token, a holder, an expiry).
+_LEASE_BYTES = 4096
+#: An S3 error body is read this far at most (a few hundred bytes of XML).
+_ERROR_BYTES = 64 << 10
+#: A listing page (1,000 keys of about 100 bytes, in XML) is far below this.
+_PAGE_BYTES = 4 << 20
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+_AUTH_HINT = (
+    "are the AWS credentials right? AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the role; "
+    "does it grant s3:GetObject (s3:PutObject, s3:DeleteObject to write) on the bucket?"
+)
+_THROTTLE_HINT = "the server throttles this prefix: fewer nodes at once, or ask for a higher request rate"
+
+
+def s3_error(reply: Reply) -> str:
+    """The S3 error code of ``reply``'s body (``NoSuchBucket``), or ""."""
+    m = _CODE.search(reply.body[:_ERROR_BYTES])
+    return m.group(1).decode() if m else ""
+
+
+class _Aws:
+    """What botocore resolved for this process: the endpoint, the region, the credentials (module docstring)."""
+
+    _lock = threading.Lock()
+    #: What was resolved, by the ``AWS_*`` environment it was resolved in (a test, or a process that changes it).
+    _made: ClassVar[dict[tuple[tuple[str, str], ...], _Aws]] = {}
+
+    def __init__(self) -> None:
+        import botocore.session
+        from botocore.config import Config
+
+        self._session = botocore.session.Session()
+        # A client is made only to read what the configuration resolves to; botocore never sends through it.
+        client = self._session.create_client("s3", config=Config(s3={"addressing_style": "path"}))
+        self.endpoint: str = client.meta.endpoint_url.rstrip("/")
+        self.region: str = client.meta.region_name or "us-east-1"
+        self.custom = not urlsplit(self.endpoint).hostname or not str(urlsplit(self.endpoint).hostname).endswith(
+            ".amazonaws.com"
+        )
+        self._credentials: Any = None
+        self._looked = False
+        self._creds_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> _Aws:
+        """What the configuration resolves to: made once per process (about 0.15 s) and per ``AWS_*`` environment."""
+        key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+        with cls._lock:
+            made = cls._made.get(key)
+        if made is None:
+            made = _Aws()
+            with cls._lock:
+                made = cls._made.setdefault(key, made)
+        return made
+
+    def bucket_url(self, bucket: str) -> str:
+        parts = urlsplit(self.endpoint)
+        host = parts.hostname or ""
+        if self.custom or _is_ip(host) or host == "localhost" or "." in bucket:
+            return f"{self.endpoint}/{bucket}"
+        return f"{parts.scheme}://{bucket}.{parts.netloc}"
+
+    def frozen(self, url: str) -> Any:
+        """The credentials to sign with now (refreshed as they expire), or None for none at all (unsigned)."""
+        with self._creds_lock:
+            if not self._looked:
+                try:
+                    self._credentials = self._session.get_credentials()
+                except Exception as exc:
+                    raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
+                self._looked = True
+            credentials = self._credentials
+        if credentials is None:
+            return None
+        try:
+            return credentials.get_frozen_credentials()
+        except Exception as exc:
+            raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
+
+    def sign(self, method: str, url: str, headers: dict[str, str], body: bytes | IO[bytes] | None) -> dict[str, str]:
+        """``headers`` with SigV4's (``Authorization``, ``X-Amz-Date``, ``X-Amz-Content-SHA256``...) added."""
+        credentials = self.frozen(url)
+        if credentials is None:
+            return headers
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        signed = AWSRequest(method=method, url=url, data=b"" if body is None else body, headers=headers)
+        S3SigV4Auth(credentials, "s3", self.region).add_auth(signed)
+        if body is not None and not isinstance(body, bytes):
+            body.seek(0)  # hashed for the signature: it is sent from its start
+        return dict(signed.headers.items())
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _without_secrets(exc: BaseException) -> str:
+    """A credential failure as it may be logged: its type and botocore's message, which names no secret."""
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+class S3Engine(HttpEngine):
+    """The objects of the store at ``s3://BUCKET/PREFIX`` (module docstring); ``ValueError`` for a bad address."""
+
+    can = Abilities(
+        ranges=True,
+        conditional_get=True,
+        conditional_create=True,
+        listing=True,
+        leases=True,
+        remote=True,
+        server=True,
+        layout_optional=True,
+    )
+    lost_hint = "is it a real S3 server?"
+
+    def __init__(self, url: str, *, staging: str | None = None) -> None:
+        address = normalize_store_url(url)
+        if urlsplit(address).scheme != "s3":
+            raise ValueError(f"not an S3 store address (s3://BUCKET/PREFIX): {address!r}")
+        bucket, _, prefix = address[len("s3://") :].partition("/")
+        if not re.fullmatch(r"[A-Za-z0-9._~/-]*", prefix):
+            raise ValueError(f"an S3 store's prefix is letters, digits and . _ ~ - / only: {address!r}")
+        self.bucket = bucket
+        self.prefix = prefix
+        #: What made the AWS configuration unusable (a profile that is not there...): every call fails with it.
+        self.broken: HttpFailure | None = None
+        try:
+            self.aws: _Aws | None = _Aws.get()
+            self.bucket_url = self.aws.bucket_url(bucket)
+        except Exception as exc:  # a broken configuration is this store's outage, said at its first use
+            self.aws = None
+            self.broken = HttpFailure(address, "aws configuration", _without_secrets(exc))
+            self.bucket_url = f"https://{bucket}.s3.invalid"  # never asked: each call raises ``broken`` first
+        self.root = f"{self.bucket_url}/{prefix}" if prefix else self.bucket_url
+        #: The store's address as it may be logged: ``s3://BUCKET/PREFIX`` (credentials are never in it).
+        self.shown = address
+        self.staging = staging
+        self.requests = 0
+        self.outages = 0
+        if self.aws is not None:
+            sign_below(self.bucket_url, self.aws.sign)
+
+    def __repr__(self) -> str:
+        return f"S3Engine({self.shown!r})"
+
+    # -- reads: the HTTP engine's, with S3's answers named ------------------------------
+
+    def fetch(
+        self,
+        name: str,
+        *,
+        limit: int,
+        headers: Mapping[str, str] | None = None,
+        sink: Callable[[bytes], object] | None = None,
+    ) -> Reply:
+        url = join(self.root, name)
+        self.requests += 1
+        try:
+            if self.broken is not None:
+                raise self.broken
+            reply = request("GET", url, headers=headers, limit=limit, sink=sink, error_limit=_ERROR_BYTES)
+            self._check(url, reply)
+        except HttpFailure as exc:
+            if exc.outage:
+                self.outages += 1
+            raise
+        return reply
+
+    def _check(self, url: str, reply: Reply) -> None:
+        """An outage for an answer that holds for every object: denied, throttled, down, no such bucket."""
+        status = reply.status
+        code = s3_error(reply)
+        said = f"status {status}{' ' + code if code else ''}"
+        if status >= 500:
+            hint = f" ({_THROTTLE_HINT})" if code == "SlowDown" or status == 503 else ""
+            raise HttpFailure(url, "server error", said + hint)
+        if status in (401, 403):
+            raise HttpFailure(url, "denied", f"{said} ({_AUTH_HINT})")
+        if status == 404 and code == "NoSuchBucket":
+            raise HttpFailure(
+                url, "no such bucket", f"{said}: the bucket {self.bucket!r} does not exist at this endpoint"
+            )
+        if status == 301 or code == "PermanentRedirect":
+            raise HttpFailure(url, "wrong region", f"{said}: set AWS_REGION (or the profile's region) to the bucket's")
+
+    def size(self, name: str) -> int | None:
+        reply = self._send("HEAD", name)
+        if reply.status == 404:
+            return None
+        self._refuse(name, reply, "HEAD")
+        length = reply.headers.get("content-length", "")
+        return int(length) if length.isdigit() else -1
+
+    # -- writes -------------------------------------------------------------------------
+
+    def put(self, name: str, data: bytes | IO[bytes]) -> str:
+        reply = self._send("PUT", name, data)
+        self._refuse(name, reply, "PUT")
+        return f"{reply.status} to PUT"
+
+    def remove(self, name: str) -> None:
+        reply = self._send("DELETE", name)
+        if reply.status != 404:
+            self._refuse(name, reply, "DELETE")
+
+    def _send(
+        self, method: str, name: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
+    ) -> Reply:
+        url = join(self.root, name)
+        self.requests += 1
+        try:
+            if self.broken is not None:
+                raise self.broken
+            reply = request(method, url, body=body, headers=headers, limit=_ERROR_BYTES)
+            if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
+                self._check(url, reply)
+        except HttpFailure as exc:
+            if exc.outage:
+                self.outages += 1
+            raise
+        return reply
+
+    def _refuse(self, name: str, reply: Reply, method: str) -> None:
+        """Nothing for a 2xx; else the failure of ``method`` on ``name`` (not an outage: this object's trouble)."""
+        if 200 <= reply.status < 300:
+            return
+        code = s3_error(reply)
+        detail = f"{method} answered {reply.status}{' ' + code if code else ''}"
+        raise HttpFailure(join(self.root, name), f"HTTP {reply.status}", detail, outage=False)
+
+    # -- conditional creates and listings ------------------------------------------------
+
+    def create(self, name: str, data: bytes) -> bool:
+        return self._create(name, data)
+
+    def names(self, folder: str) -> list[str]:
+        below = f"{folder.strip('/')}/"
+        return sorted(name[len(below) :] for name, _, _ in self.listed(below, delimiter=True))
+
+    def listed(self, below: str = "", *, delimiter: bool = False) -> Iterator[tuple[str, int, str]]:
+        """``(name below the prefix, size, LastModified)`` of every object whose name starts with ``below``.
+
+        Page by page (ListObjectsV2, 1,000 objects a page); ``delimiter``: only those
+        directly below ``below`` (not in a folder of it). A failure is a StoreFailure.
+        """
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        token = ""
+        while True:
+            url = f"{self.bucket_url}?list-type=2&prefix={quote(prefix + below, safe='')}"
+            if delimiter:
+                url += "&delimiter=%2F"
+            if token:
+                url += f"&continuation-token={quote(token, safe='')}"
+            self.requests += 1
+            try:
+                if self.broken is not None:
+                    raise self.broken
+                reply = request("GET", url, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
+                self._check(url, reply)
+                if reply.status != 200:
+                    raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
+            except HttpFailure as exc:
+                if exc.outage:
+                    self.outages += 1
+                raise
+            try:
+                root = ElementTree.fromstring(reply.body)  # noqa: S314 - a bounded answer from the store's own server
+            except ElementTree.ParseError as exc:
+                raise HttpFailure(url, "damaged", f"a listing that is not XML: {exc}", outage=False) from None
+            for item in root.iter(f"{_NS}Contents"):
+                key = item.findtext(f"{_NS}Key") or ""
+                size = item.findtext(f"{_NS}Size") or "0"
+                if key.startswith(prefix + below) and size.isdigit():
+                    yield key[len(prefix) :], int(size), item.findtext(f"{_NS}LastModified") or ""
+            token = root.findtext(f"{_NS}NextContinuationToken") or ""
+            if root.findtext(f"{_NS}IsTruncated") != "true" or not token:
+                return
+
+    # -- leases: conditional writes of leases/<name> ------------------------------------
+
+    def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
+        where = f"{LEASES}/{name}"
+        for _ in range(2):  # a lease released between the create refused and the read: once more
+            if take:
+                token = secrets.token_hex(16)
+                if self._create(where, _lease_body(token, ttl_s)):
+                    return token
+            held = self._read_lease(where)
+            if held is None:
+                if not take:
+                    return ""
+                continue
+            holder, expires, etag = held
+            if time.time() < expires:
+                return LEASE_MARK if holder == LEASE_MARK else None
+            if not take:
+                return ""  # expired: free (a mark past its time too)
+            token = secrets.token_hex(16)
+            return token if self._replace(where, _lease_body(token, ttl_s), etag) else None
+        return None
+
+    def renew(self, name: str, token: str, ttl_s: float) -> bool:
+        where = f"{LEASES}/{name}"
+        held = self._read_lease(where)
+        if held is None or held[0] != token:
+            return False
+        return self._replace(where, _lease_body(token, ttl_s), held[2])
+
+    def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
+        where = f"{LEASES}/{name}"
+        held = self._read_lease(where)
+        if held is None or held[0] != token:
+            return  # lost meanwhile: another's now, or gone
+        if mark_s > 0:
+            self._replace(where, _lease_body(LEASE_MARK, mark_s), held[2])
+            return
+        reply = self._send("DELETE", where, headers={"If-Match": held[2]})
+        if reply.status not in (404, 412):
+            self._refuse(where, reply, "DELETE")
+
+    def _create(self, where: str, body: bytes) -> bool:
+        """PUT ``where`` only if there is none: True when created; False when one is there (412, or 409 on AWS)."""
+        reply = self._send("PUT", where, body, {"If-None-Match": "*"})
+        if reply.status in (409, 412):
+            return False
+        self._refuse(where, reply, "PUT (If-None-Match: *)")
+        return True
+
+    def _replace(self, where: str, body: bytes, etag: str) -> bool:
+        """PUT ``where`` only if it still has ``etag``: True when replaced; False when it changed (412, 409, 404)."""
+        reply = self._send("PUT", where, body, {"If-Match": etag})
+        if reply.status in (404, 409, 412):
+            return False
+        self._refuse(where, reply, "PUT (If-Match)")
+        return True
+
+    def _read_lease(self, where: str) -> tuple[str, float, str] | None:
+        """``(token or the mark, expiry, ETag)`` of the lease at ``where``; None when there is none.
+
+        A lease that cannot be read as one (garbled, no ETag) is expired: it is taken over.
+        """
+        reply = self.fetch(where, limit=_LEASE_BYTES)
+        if reply.status == 404:
+            return None
+        if reply.status != 200:
+            self._refuse(where, reply, "GET")
+        etag = reply.headers.get("etag", "")
+        try:
+            data = json.loads(reply.body)
+            return str(data["token"]), float(data["expires"]), etag
+        except (ValueError, KeyError, TypeError):
+            return "", 0.0, etag
+
+
+def _lease_body(token: str, ttl_s: float) -> bytes:
+    """A lease's object: its token (or the mark), who holds it (for an operator), and when it expires."""
+    holder = f"{os.uname().nodename} pid {os.getpid()}" if hasattr(os, "uname") else f"pid {os.getpid()}"
+    return json.dumps({"token": token, "holder": holder, "expires": round(time.time() + ttl_s, 3)}).encode()
+
+
+if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares
+    from cuda_program_cas._base.engine import ConditionalGet, Creates, Engine, Leases, Listing, Ranged
+
+    def _is_engine(engine: S3Engine) -> tuple[Engine, Ranged, ConditionalGet, Creates, Listing, Leases]:
+        return engine, engine, engine, engine, engine, engine
