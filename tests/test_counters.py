@@ -24,7 +24,7 @@ import cuda_program_cas._store.store as store_mod
 from cuda_program_cas import CacheStore, verify
 from cuda_program_cas._cli.main import main
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._store.lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
+from cuda_program_cas._local.lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
 
 ZERO = dict.fromkeys(NAMES, 0)
 

@@ -27,10 +27,10 @@ import pytest
 
 import cuda_program_cas
 import cuda_program_cas._base.fork
-import cuda_program_cas._store.lifetime
-import cuda_program_cas._store.touch
+import cuda_program_cas._local.lifetime
+import cuda_program_cas._local.touch
 from cuda_program_cas import CacheStore, publish
-from cuda_program_cas._store.lifetime import read_counters
+from cuda_program_cas._local.lifetime import read_counters
 from cuda_program_cas.index import key_id
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -206,8 +206,8 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
     store.put("k", b"v")
     assert store.get("k") == b"v"
     pause = Pause()
-    real_append = cuda_program_cas._store.lifetime.append_line
-    cuda_program_cas._store.lifetime.append_line = pause.wrap(real_append)  # type: ignore[attr-defined]
+    real_append = cuda_program_cas._local.lifetime.append_line
+    cuda_program_cas._local.lifetime.append_line = pause.wrap(real_append)  # type: ignore[attr-defined]
     try:
 
         def child() -> bool:
@@ -217,7 +217,7 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
         # The flush stops while it holds the recorder's lock and counters.lock (an flock).
         fork_while(pause, store.flush, child)
     finally:
-        cuda_program_cas._store.lifetime.append_line = real_append  # type: ignore[attr-defined]
+        cuda_program_cas._local.lifetime.append_line = real_append  # type: ignore[attr-defined]
     # The parent records after its child, and nothing is counted twice.
     assert store.get("k") == b"v"
     assert store.flush()
@@ -230,17 +230,17 @@ def test_a_child_forked_during_touches_lands_its_own_reads(cache_dir: Path) -> N
     store.put("k", b"v")
     manifest = Path(store.inner.layout.manifest_path(key_id("k")))
     os.utime(manifest, ns=(0, 0))
-    cuda_program_cas._store.touch.ensure_thread()  # the parent has its touch thread
+    cuda_program_cas._local.touch.ensure_thread()  # the parent has its touch thread
     pause = Pause()
 
     def child() -> bool:
         other = CacheStore(cache_dir)  # registers its touch queue with the process's one thread
         ok = other.get("k") == b"v" and store.get("k") == b"v"
-        cuda_program_cas._store.touch.apply_pending()  # what an eviction does before it plans
+        cuda_program_cas._local.touch.apply_pending()  # what an eviction does before it plans
         return ok and manifest.stat().st_mtime_ns > 0
 
     # The touch thread's registry lock, as a cache opening in another thread holds it.
-    fork_while(pause, pause.hold(cuda_program_cas._store.touch._FLUSHER._lock), child)
+    fork_while(pause, pause.hold(cuda_program_cas._local.touch._FLUSHER._lock), child)
 
 
 def _locks(root: object, seen: set[int] | None = None, depth: int = 0) -> Iterator[tuple[str, Any]]:

@@ -254,7 +254,7 @@ def test_a_removed_working_directory_compiles_uncached_with_one_warning(
 
 
 def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuda_program_cas._store.lifetime import read_counters
+    from cuda_program_cas._local.lifetime import read_counters
 
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])

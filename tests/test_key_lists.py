@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.direngine import DirEngine
-from cuda_program_cas._store import keylist
-from cuda_program_cas._store.tier import Tier
-from cuda_program_cas._store.upload import upload_entry
+from cuda_program_cas._shared import keylist
+from cuda_program_cas._shared.tier import Tier
+from cuda_program_cas._shared.upload import upload_entry
 from cuda_program_cas.index import Manifest, key_id
 
 

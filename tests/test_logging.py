@@ -15,8 +15,8 @@ import pytest
 from conftest import SAXPY, MovableClock, is_root, run_python
 from test_degrade import tmpfs
 
+import cuda_program_cas._shared.tier as shared_mod
 import cuda_program_cas._store.store as store_mod
-import cuda_program_cas._store.tier as shared_mod
 from cuda_program_cas import CacheStore, collect, digest_of
 from cuda_program_cas.index import key_id
 

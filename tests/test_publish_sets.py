@@ -25,7 +25,7 @@ from cuda_program_cas._cli.main import main as cli_main
 from cuda_program_cas._disk.layout import INDEX, url_path
 from cuda_program_cas._disk.pack import PackReader
 from cuda_program_cas._remote import client
-from cuda_program_cas._store import warmset
+from cuda_program_cas._shared import warmset
 from cuda_program_cas.index import key_id
 
 JOB = "train-llm"

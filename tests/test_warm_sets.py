@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas._remote import client, multipart
-from cuda_program_cas._store import warmset
+from cuda_program_cas._shared import warmset
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id
 
 REPO = Path(__file__).resolve().parent.parent
@@ -449,7 +449,7 @@ def test_a_store_that_never_answers_costs_a_cold_node_one_timeout_for_its_set_an
 
 def test_the_job_is_the_variable_else_the_main_script_and_none_for_an_interactive_session(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text("from cuda_program_cas._store.warmset import job_name\nprint(job_name())\n")
+    script.write_text("from cuda_program_cas._shared.warmset import job_name\nprint(job_name())\n")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_PROGRAM_CAS_JOB"}
 
     def job(*argv: str, **extra: str) -> str:

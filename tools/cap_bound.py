@@ -2,7 +2,7 @@
 """The size cap with N writers at once: how far over the cap the cache is at rest, and at peak.
 
 Each ``cuda_program_cas.CacheStore`` instance counts its own writes and lists the cache again after
-writing an eighth of the cap (``cuda_program_cas._store.cap``), so N processes writing at once may take
+writing an eighth of the cap (``cuda_program_cas._local.cap``), so N processes writing at once may take
 the cache over the cap; one writer never leaves it over the cap at rest. For each N in
 ``--writers`` and each of ``--rounds`` rounds, this tool starts N worker processes
 (fresh interpreters: this file's ``_worker`` mode) on one fresh cache directory, all

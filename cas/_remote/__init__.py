@@ -9,7 +9,7 @@ survives ``CUDA_PROGRAM_CAS_SHARED``'s ``os.pathsep`` split) is
 its packs; :mod:`.redis` keeps a store in a Redis database through redis-py,
 imported only when a Redis URL is used. Each engine is an
 :class:`cuda_program_cas._base.engine.Engine`, served by the one store class
-:class:`cuda_program_cas._store.tier.Tier`.
+:class:`cuda_program_cas._shared.tier.Tier`.
 """
 
 __all__: list[str] = []

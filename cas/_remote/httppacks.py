@@ -1,4 +1,4 @@
-"""The packs of a store served over HTTP, as one process sees them: a :class:`~cuda_program_cas._store.tier.PackSource`.
+"""The packs of a store served over HTTP: a :class:`~cuda_program_cas._shared.tier.PackSource`.
 
 - Packs are listed by ``packs/list`` (publish and repack write it), fetched at the
   first lookup and again, conditionally (``If-None-Match``), every :data:`RELIST_S`,
@@ -74,7 +74,7 @@ class Ranges(NamedTuple):
 
 
 class Report(Protocol):
-    """What the packs tell the store above them (:class:`~cuda_program_cas._store.tier.Tier` is one)."""
+    """What the packs tell the store above them (:class:`~cuda_program_cas._shared.tier.Tier` is one)."""
 
     def damaged(self, why: str, message: str) -> None:
         """A bad answer about one object: counted in ``corrupt``, noted once per ``why``."""

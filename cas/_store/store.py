@@ -13,7 +13,7 @@ with one WARNING per process; ``del`` and ``clear`` there raise
 
 It counts what it does in memory (:meth:`CacheStore.counters`, no I/O) and, when
 writable, records the counts in the cache's lifetime counters
-(:mod:`cuda_program_cas._store.lifetime`); every lookup and write gets a DEBUG record on the ``cuda_program_cas``
+(:mod:`cuda_program_cas._local.lifetime`); every lookup and write gets a DEBUG record on the ``cuda_program_cas``
 logger (:mod:`cuda_program_cas._base.events`), built only when DEBUG is on.
 """
 
@@ -48,26 +48,24 @@ from cuda_program_cas._disk.layout import (
     damaged_layout_error,
     unwritable_reason,
 )
+from cuda_program_cas._local.lifetime import FLUSH_INTERVAL_S, Recorder
+from cuda_program_cas._local.reader import Reader, Uncached
+from cuda_program_cas._local.stats import Counters
+from cuda_program_cas._local.touch import apply_pending, ensure_thread
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id, manifest_length
-
-from .lifetime import FLUSH_INTERVAL_S, Recorder
-from .reader import Reader, Uncached
-from .stats import Counters
-from .touch import apply_pending, ensure_thread
 
 if TYPE_CHECKING:
     from cuda_program_cas._disk.blobs import BlobStore
     from cuda_program_cas._disk.remove import RemovalResult, Remover
     from cuda_program_cas._disk.scan import Snapshot
     from cuda_program_cas._disk.writer import Writer, WriteResult
-
-    from .cachestats import CacheStats
-    from .cap import SizeCap
-    from .claims import Claim
-    from .lease import Lease
-    from .tier import Tier
-    from .warmset import Used, WarmFetch
-    from .writeback import WriteBack
+    from cuda_program_cas._local.cachestats import CacheStats
+    from cuda_program_cas._local.cap import SizeCap
+    from cuda_program_cas._local.claims import Claim
+    from cuda_program_cas._shared.lease import Lease
+    from cuda_program_cas._shared.tier import Tier
+    from cuda_program_cas._shared.warmset import Used, WarmFetch
+    from cuda_program_cas._shared.writeback import WriteBack
 
 # What a hit needs is imported above; the writer, the remover, the cap, scans, claims, leases, the shared
 # stores and uploads are imported when first used (issue 31: a job that only hits pays for none of them).
@@ -179,8 +177,7 @@ class CacheStore:
         self._past_list = threading.local()
         if targets and not self.read_only:
             from cuda_program_cas._base.signing import env_signer
-
-            from .writeback import WriteBack
+            from cuda_program_cas._shared.writeback import WriteBack
 
             try:
                 signer, unusable = env_signer(), None
@@ -190,16 +187,16 @@ class CacheStore:
                 from cuda_program_cas._base.signing import untrusted_signer
 
                 unusable = untrusted_signer(signer, self._trust)  # what this node's peers would all refuse
-            from .usage import compile_seconds_of
+            from cuda_program_cas._local.usage import compile_seconds_of
 
             seconds = functools.partial(compile_seconds_of, lay)  # the key lists' compile times
             self._writeback = WriteBack(targets, self._counters, signer=signer, unusable=unusable, seconds=seconds)
             self._lease_tier = next((t for t in targets if t.engine.can_lease), None)
-        #: The job's warm set (:mod:`cuda_program_cas._store.warmset`): what this process used, and its fetch.
+        #: The job's warm set (:mod:`cuda_program_cas._shared.warmset`): what this process used, and its fetch.
         self._used: Used | None = None
         self._warm: WarmFetch | None = None
         if self._shared and not self.read_only and self._copy_shared:
-            from .warmset import job_name, set_name
+            from cuda_program_cas._shared.warmset import job_name, set_name
 
             job = job_name()
             if job is not None:
@@ -216,7 +213,9 @@ class CacheStore:
 
             def source(lock: bool) -> dict[str, int]:
                 if lock and tally:  # not in a forked child's first look, which only notes where it starts
-                    from .usage import settle_hits  # imported by the first flush with hits, not by a lookup
+                    from cuda_program_cas._local.usage import (
+                        settle_hits,  # imported by the first flush with hits, not by a lookup
+                    )
 
                     settle_hits(lay, tally, local)
                 return _merged(local, theirs, lock)
@@ -259,7 +258,7 @@ class CacheStore:
             return None
         made = self._cap_made
         if made is None:
-            from .cap import SizeCap
+            from cuda_program_cas._local.cap import SizeCap
 
             with self._parts.lock:
                 if self._cap_made is None:
@@ -276,8 +275,8 @@ class CacheStore:
         return made
 
     def _shared_store(self, where: str | os.PathLike[str]) -> Tier:
-        """The reader of one shared store (:mod:`cuda_program_cas._store.tiers`); pack indexes kept in this cache."""
-        from .tiers import open_tier
+        """The reader of one shared store (:mod:`cuda_program_cas._shared.tiers`); pack indexes kept in this cache."""
+        from cuda_program_cas._shared.tiers import open_tier
 
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
 
@@ -300,7 +299,7 @@ class CacheStore:
 
     def _start_warm_set(self, name: str) -> None:
         """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
-        from .warmset import MAX_SET_BYTES, Used, WarmFetch, updated
+        from cuda_program_cas._shared.warmset import MAX_SET_BYTES, Used, WarmFetch, updated
 
         reader, me = self._reader, weakref.ref(self)  # weak: the store's parts never keep it alive
         used = self._used = Used() if self._writeback is not None else None
@@ -490,11 +489,10 @@ class CacheStore:
         ``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` or 5 minutes. A read-only or uncached store,
         or one where no lock can be taken, yields a claim neither held nor waited
         for, at once: compile. Never raises for what it meets on disk. See
-        :mod:`cuda_program_cas._store.claims`.
+        :mod:`cuda_program_cas._local.claims`.
         """
         from cuda_program_cas._base.config import env_claim_wait
-
-        from .claims import Claim, claim
+        from cuda_program_cas._local.claims import Claim, claim
 
         if self.read_only:
             return nullcontext(Claim())
@@ -505,11 +503,10 @@ class CacheStore:
 
     @contextmanager
     def _claim_in_cluster(self, kid: str, bound: float) -> Iterator[Claim]:
-        """The node's claim, then the cluster's lease on ``kid`` (:mod:`cuda_program_cas._store.lease`)."""
+        """The node's claim, then the cluster's lease on ``kid`` (:mod:`cuda_program_cas._shared.lease`)."""
         from cuda_program_cas._base.config import env_lease_ttl
-
-        from .claims import Claim, claim
-        from .lease import lease
+        from cuda_program_cas._local.claims import Claim, claim
+        from cuda_program_cas._shared.lease import lease
 
         tier = self._lease_tier
         assert tier is not None
@@ -570,16 +567,16 @@ class CacheStore:
     ) -> None:
         """Record that the entry ``kid`` just stored took ``seconds`` to compile, from ``inputs``.
 
-        Its compile time goes to the usage ledger (:mod:`cuda_program_cas._store.usage`: what its hits
+        Its compile time goes to the usage ledger (:mod:`cuda_program_cas._local.usage`: what its hits
         will save) and its inputs, with ``why`` its lookup missed when the caller knows
-        (a :class:`cuda_program_cas._store.journal.Why`), to the miss journal
-        (:mod:`cuda_program_cas._store.journal`: what ``explain`` compares). Never raises;
+        (a :class:`cuda_program_cas._local.journal.Why`), to the miss journal
+        (:mod:`cuda_program_cas._local.journal`: what ``explain`` compares). Never raises;
         nothing is written on a read-only cache.
         """
         if self.read_only:
             return
-        from .journal import record_miss
-        from .usage import record_compile
+        from cuda_program_cas._local.journal import record_miss
+        from cuda_program_cas._local.usage import record_compile
 
         record_compile(self._layout, kid, seconds)
         record_miss(self._layout, kid, seconds, via, inputs, why=why)
@@ -593,7 +590,7 @@ class CacheStore:
         ones copied from a shared store or imported. One ``stat`` of the ledger
         when it is unchanged since this process last read it.
         """
-        from .usage import compile_us_of, key_number
+        from cuda_program_cas._local.usage import compile_us_of, key_number
 
         us = compile_us_of(self._layout, [key_number(kid)])
         return None if not us else next(iter(us.values())) / 1e6
@@ -711,11 +708,11 @@ class CacheStore:
     # -- the size cap --------------------------------------------------------------
 
     def _enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._store.cap.SizeCap.enforce`).
+        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._local.cap.SizeCap.enforce`).
 
-        ``budget`` not given: :data:`cuda_program_cas._store.cap.EVICT_STEP`.
+        ``budget`` not given: :data:`cuda_program_cas._local.cap.EVICT_STEP`.
         """
-        from .cap import EVICT_STEP
+        from cuda_program_cas._local.cap import EVICT_STEP
 
         if self._cap is None or self.max_size_bytes is None:
             return None
@@ -724,9 +721,9 @@ class CacheStore:
     def _evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock).
 
-        ``orphan_grace_s`` not given: :data:`cuda_program_cas._store.cap.ORPHAN_GRACE_S`.
+        ``orphan_grace_s`` not given: :data:`cuda_program_cas._local.cap.ORPHAN_GRACE_S`.
         """
-        from .cap import ORPHAN_GRACE_S
+        from cuda_program_cas._local.cap import ORPHAN_GRACE_S
 
         if self._cap is None:
             raise self._refuse("evict")
@@ -758,8 +755,7 @@ class CacheStore:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
         from cuda_program_cas._disk.remove import RemovalPlan, removable_orphans
         from cuda_program_cas._disk.scan import take_snapshot
-
-        from .cap import ORPHAN_GRACE_S
+        from cuda_program_cas._local.cap import ORPHAN_GRACE_S
 
         if self.read_only:
             raise self._refuse("clear")
@@ -830,7 +826,7 @@ class CacheStore:
 
         Returns False when the counts could not be recorded (they wait for the next
         flush). A no-op on a read-only cache. Both happen anyway: touches within
-        about a second (:mod:`cuda_program_cas._store.touch`), counts at most once a second, and both
+        about a second (:mod:`cuda_program_cas._local.touch`), counts at most once a second, and both
         at ``close()``, at garbage collection and at exit.
         """
         if self._reader.touches is not None:
@@ -840,24 +836,23 @@ class CacheStore:
     def close(self) -> None:
         """Apply touches and record counts (see :meth:`flush`), and send queued uploads to writable stores.
 
-        The uploads get at most :data:`cuda_program_cas._store.writeback.EXIT_FLUSH_S`; what is left then
+        The uploads get at most :data:`cuda_program_cas._shared.writeback.EXIT_FLUSH_S`; what is left then
         is dropped and counted. Nothing else is held open; the store stays usable.
         """
         if self._writeback is not None:
-            from .writeback import EXIT_FLUSH_S
+            from cuda_program_cas._shared.writeback import EXIT_FLUSH_S
 
             self._writeback.flush(EXIT_FLUSH_S)
         self.flush()
         if self._shared:
-            from .tier import say_untrusted
+            from cuda_program_cas._shared.tier import say_untrusted
 
             say_untrusted(self._shared_paths())
 
     def stats(self) -> CacheStats:
         """What the local cache holds now (a scan) and this instance's counters."""
         from cuda_program_cas._disk.scan import take_snapshot
-
-        from .cachestats import CacheStats
+        from cuda_program_cas._local.cachestats import CacheStats
 
         snap = take_snapshot(self._layout.index, self._layout.blobs)
         return CacheStats(
@@ -915,9 +910,9 @@ class Inner:
         #: The store itself, for its public API (``read_only``, ``root``...).
         self.store = store
         self.layout = store._layout
-        #: The shared stores, in the order looked up (:class:`cuda_program_cas._store.tier.Tier`).
+        #: The shared stores, in the order looked up (:class:`cuda_program_cas._shared.tier.Tier`).
         self.shared = store._shared
-        #: The job's warm set fetch (:mod:`cuda_program_cas._store.warmset`), or None.
+        #: The job's warm set fetch (:mod:`cuda_program_cas._shared.warmset`), or None.
         self.warm = store._warm
         self.find = store._find
         self.note_hit = store._note_hit

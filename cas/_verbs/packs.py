@@ -206,10 +206,10 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
     (one request per entry, then misses); rewritten, it is one multi-range request
     again. A line whose entry the new pack lacks (dropped, unreadable) names no
     pack; a damaged set is left (nodes ignore it). Through the one read-modify-write
-    of a set (:func:`cuda_program_cas._store.warmset.updated`).
+    of a set (:func:`cuda_program_cas._shared.warmset.updated`).
     """
     from cuda_program_cas._disk.direngine import DirEngine
-    from cuda_program_cas._store.warmset import MAX_SET_BYTES, stored_sets, updated
+    from cuda_program_cas._shared.warmset import MAX_SET_BYTES, stored_sets, updated
 
     names = stored_sets(lay.root)
     if not names:

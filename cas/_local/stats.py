@@ -1,6 +1,6 @@
 """This instance's operation counts (:class:`Counters`).
 
-What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._store.cachestats`'s,
+What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._local.cachestats`'s,
 imported by ``stats()``: a hit counts, it never makes a snapshot, and that dataclass costs a
 process about 1 ms to build (its 22 fields' generated methods).
 """
@@ -15,7 +15,7 @@ from cuda_program_cas._base.fork import after_fork
 __all__ = ["COUNTER_NAMES", "Counters"]
 
 #: The counters, in the order of :class:`CacheStats`'s fields after its six of the disk
-#: (:mod:`cuda_program_cas._store.cachestats` checks the two agree when it is imported).
+#: (:mod:`cuda_program_cas._local.cachestats` checks the two agree when it is imported).
 COUNTER_NAMES = (
     "hits",
     "misses",

@@ -35,9 +35,9 @@ web server, a Redis server. What it does, written once here:
   counted in ``errors``, said once, and no pause.
 - **The key list** (``key_list=True``: HTTP and Redis, where a request is
   costly; a directory's stat is cheaper than a list). The store's ``keys``
-  (:mod:`cuda_program_cas._store.keylist`) is read at the first loose lookup, not
+  (:mod:`cuda_program_cas._shared.keylist`) is read at the first loose lookup, not
   at open, and again, conditionally, every
-  :data:`~cuda_program_cas._store.keylist.REFRESH_S`: a key it does not list is a
+  :data:`~cuda_program_cas._shared.keylist.REFRESH_S`: a key it does not list is a
   miss with no request (``listed_misses``). It only ever turns a hit into a miss;
   a store without one is asked as always. ``lookup(kid, unlisted=True)`` (the
   lease probe: another node's upload may not be listed yet) asks regardless.
@@ -81,9 +81,8 @@ from cuda_program_cas._disk.layout import (
     parse_layout,
     url_path,
 )
+from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import KEYED_LAYOUT, MAX_MANIFEST_BYTES, fits_key, parse_fields
-
-from .stats import Counters
 
 if TYPE_CHECKING:
     from .fetchbatch import Keep, Wanted
