@@ -46,9 +46,9 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 def _untrusted_said_in_their_test() -> Iterator[None]:
     """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the end."""
     yield
-    tier = sys.modules.get("cuda_program_cas._shared.tier")
-    if tier is not None:
-        tier._say_untrusted()
+    said = sys.modules.get("cuda_program_cas._shared.said")
+    if said is not None:
+        said.say_untrusted()
 
 
 # -- sockets left open ------------------------------------------------------------------

@@ -124,6 +124,17 @@ def test_the_local_cache_knows_nothing_of_shared_stores() -> None:
     assert crossed == []
 
 
+#: The most methods ``CacheStore`` may have: it composes the local cache and the cluster layer, it is no hub.
+MOST_STORE_METHODS = 25
+
+
+def test_the_cache_store_composes_in_few_methods() -> None:
+    tree = ast.parse((folder_of("_store") / "store.py").read_text())
+    store = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheStore")
+    defs = [n.name for n in ast.walk(store) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(defs) <= MOST_STORE_METHODS, defs
+
+
 def test_no_circle_between_modules() -> None:
     graph: dict[str, set[str]] = {name: set() for name, _ in modules()}
     for name, path in modules():

@@ -141,8 +141,8 @@ def test_a_child_forked_during_clear_can_clear(cache_dir: Path) -> None:
     for i in range(5):
         store.put(f"k{i}", value(i))
     pause = Pause()
-    assert store._remover is not None
-    store._remover.execute = pause.wrap(store._remover.execute)  # type: ignore[method-assign]
+    assert store._local.remover is not None
+    store._local.remover.execute = pause.wrap(store._local.remover.execute)  # type: ignore[method-assign]
 
     def child() -> bool:
         store.put("mine", b"child")
@@ -159,8 +159,8 @@ def test_a_child_forked_during_an_eviction_keeps_its_cap(cache_dir: Path) -> Non
     for i in range(8):
         store.put(f"k{i}", value(i))
     pause = Pause()
-    assert store._remover is not None
-    store._remover.execute = pause.wrap(store._remover.execute)  # type: ignore[method-assign]
+    assert store._local.remover is not None
+    store._local.remover.execute = pause.wrap(store._local.remover.execute)  # type: ignore[method-assign]
 
     def child() -> bool:
         for i in range(40):
@@ -176,7 +176,7 @@ def test_a_child_forked_during_an_eviction_keeps_its_cap(cache_dir: Path) -> Non
 def test_a_child_forked_during_a_write_can_write(cache_dir: Path) -> None:
     store = CacheStore(cache_dir, max_size_bytes=1 << 20)
     store.put("k", b"v")
-    assert store._cap is not None
+    assert store._local.cap is not None
     pause = Pause()
 
     def child() -> bool:
@@ -184,7 +184,7 @@ def test_a_child_forked_during_a_write_can_write(cache_dir: Path) -> None:
         return all(results) and store.get("child2") == value(2) and store.counters()["writes"] == 4
 
     # A write counts itself under the cap's count lock and the counters' lock.
-    fork_while(pause, pause.hold(store._cap._count_lock, store._counters._lock), child)
+    fork_while(pause, pause.hold(store._local.cap._count_lock, store._local.counters._lock), child)
 
 
 def test_a_child_forked_during_a_lookup_can_read_and_clear(cache_dir: Path) -> None:
@@ -198,7 +198,7 @@ def test_a_child_forked_during_a_lookup_can_read_and_clear(cache_dir: Path) -> N
         store.clear()  # forgets what the reader holds
         return ok and store.get("k") is None
 
-    fork_while(pause, pause.hold(store._reader._held_lock), child)
+    fork_while(pause, pause.hold(store._local.reader._held_lock), child)
 
 
 def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Path) -> None:
@@ -334,6 +334,6 @@ def test_one_failing_reset_leaves_the_others_to_run(cache_dir: Path) -> None:
             store.clear()
             return len(store) == 0
 
-        fork_while(pause, pause.hold(store._clear_lock), child)
+        fork_while(pause, pause.hold(store._local.clear_lock), child)
     finally:
         cuda_program_cas._base.fork._calls.remove(broken._after_fork_in_child)

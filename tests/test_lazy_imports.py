@@ -73,10 +73,7 @@ WRITE_SIDE = (
     "cuda_program_cas._disk.blobs",
     "cuda_program_cas._local.cap",
     "cuda_program_cas._local.claims",
-    "cuda_program_cas._shared.lease",
-    "cuda_program_cas._shared.tier",
-    "cuda_program_cas._shared.tiers",
-    "cuda_program_cas._shared.writeback",
+    "cuda_program_cas._shared",  # the whole cluster layer: a local cache's hit imports none of it
     "cuda_program_cas._base.signing",
     "cuda_program_cas._base.engine",
     "cuda_program_cas._base.urls",

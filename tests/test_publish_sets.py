@@ -58,7 +58,8 @@ def staged(tmp_path: Path, job: str) -> Path:
     node = CacheStore(tmp_path / "job-node", shared=[f"{store}|write"])
     assert all(node.get(k) == value(int(k[1:])) for k in USED)
     node.close()
-    assert node._writeback is not None and node._writeback.sets_sent == 1
+    assert node._shared is not None and node._shared.writeback is not None
+    assert node._shared.writeback.sets_sent == 1
     listed = warmset.parse((store / warmset.set_name(job)).read_bytes())
     assert listed is not None and [e.kid for e in listed] == [key_id(k) for k in USED]
     assert all(e.pack is None for e in listed)  # loose in the store it was written to

@@ -61,7 +61,7 @@ from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import Manifest, is_local_id
 
 from .keylist import compile_ms, merge_into, number
-from .tier import warn_once_for
+from .said import warn_once_for
 from .upload import put_checked, upload_entry
 from .warmset import QUIET_S
 from .warmset import parse as parse_set
