@@ -126,6 +126,8 @@ def test_the_local_cache_knows_nothing_of_shared_stores() -> None:
 
 #: The most methods ``CacheStore`` may have: it composes the local cache and the cluster layer, it is no hub.
 MOST_STORE_METHODS = 25
+#: The most lines a module of the library may have: split by responsibility before it grows past it.
+MOST_LINES = 600
 
 
 def test_the_cache_store_composes_in_few_methods() -> None:
@@ -133,6 +135,11 @@ def test_the_cache_store_composes_in_few_methods() -> None:
     store = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheStore")
     defs = [n.name for n in ast.walk(store) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(defs) <= MOST_STORE_METHODS, defs
+
+
+def test_no_module_of_the_library_is_too_long() -> None:
+    long = {name: n for name, path in modules() if (n := len(path.read_text().splitlines())) > MOST_LINES}
+    assert long == {}
 
 
 def test_no_circle_between_modules() -> None:

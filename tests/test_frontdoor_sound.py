@@ -418,7 +418,8 @@ def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> Non
 
 def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path) -> None:
     from cuda_program_cas import publish
-    from cuda_program_cas._disk.pack import PackReader, list_packs
+    from cuda_program_cas._disk.pack import PackReader
+    from cuda_program_cas._disk.packset import list_packs
 
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     _some_front_door_entries(tmp_path, cache, 9)  # three records of three variants each

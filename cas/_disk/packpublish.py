@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 from .direngine import DirEngine
 from .layout import Layout
-from .pack import PackError, PackInput, PackReader, save_listing, write_pack
+from .pack import PackError, PackInput, PackReader, write_pack
+from .packset import save_listing
 from .packsummary import PackedEntry, PackSummary
 from .writer import Writer
 

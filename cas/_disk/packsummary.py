@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from blake3 import blake3
 
 from .files import READ_FLAGS
-from .pack import PackEntry, PackError, PackReader, list_packs
+from .pack import PackEntry, PackError, PackReader
+from .packset import list_packs
 
 __all__ = ["SUMMARY", "PackSummary", "PackedEntry"]
 

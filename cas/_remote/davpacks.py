@@ -32,19 +32,8 @@ from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import StoreFailure, not_stored
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.urls import join, shown
-from cuda_program_cas._disk.pack import (
-    LISTING,
-    MAX_LISTING_BYTES,
-    TRAILER_SIZE,
-    PackEntry,
-    PackError,
-    PackIndex,
-    PackInput,
-    encode_listing,
-    pack_chunks,
-    pack_name,
-    parse_listing,
-)
+from cuda_program_cas._disk.pack import TRAILER_SIZE, PackEntry, PackError, PackIndex, PackInput, pack_chunks, pack_name
+from cuda_program_cas._disk.packset import LISTING, MAX_LISTING_BYTES, encode_listing, parse_listing
 from cuda_program_cas._disk.packsummary import PackedEntry
 
 from .client import HttpFailure

@@ -32,15 +32,8 @@ from typing import NamedTuple, Protocol
 from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.urls import join
-from cuda_program_cas._disk.pack import (
-    LISTING,
-    RETIRED,
-    TRAILER_SIZE,
-    PackError,
-    PackIndex,
-    is_pack_name,
-    parse_listing,
-)
+from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError, PackIndex
+from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
 from .client import Reply

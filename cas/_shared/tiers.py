@@ -110,7 +110,7 @@ def _dir_packs(engine: Any) -> PackTarget:
 
 
 def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
-    from cuda_program_cas._disk.pack import PackSet
+    from cuda_program_cas._disk.packset import PackSet
 
     root = engine.shown
     tier: Tier

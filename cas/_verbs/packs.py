@@ -45,16 +45,8 @@ from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._disk.pack import (
-    RETIRED,
-    PackEntry,
-    PackError,
-    PackInput,
-    PackReader,
-    list_packs,
-    save_listing,
-    write_pack,
-)
+from cuda_program_cas._disk.pack import RETIRED, PackEntry, PackError, PackInput, PackReader, write_pack
+from cuda_program_cas._disk.packset import list_packs, save_listing
 from cuda_program_cas._disk.packsummary import PackSummary
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot

@@ -71,7 +71,7 @@ pack's name in it anyway. A store that holds less, or other bytes, stops the
 run with a ``not stored`` :class:`~cuda_program_cas._base.engine.StoreFailure`
 naming the object. Every read is bounded by the cache's own limits, never by
 what the server says: a manifest by its longest form, the listing by
-:data:`~cuda_program_cas._disk.pack.MAX_LISTING_BYTES`, a pack's index by the
+:data:`~cuda_program_cas._disk.packset.MAX_LISTING_BYTES`, a pack's index by the
 ceiling for any entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it
 is fetched.
 """

@@ -15,7 +15,7 @@ from cuda_program_cas._disk.layout import (
     LayoutVersion,
     url_path,
 )
-from cuda_program_cas._disk.pack import is_pack_name
+from cuda_program_cas._disk.packset import is_pack_name
 from cuda_program_cas._shared.upload import put_checked
 from cuda_program_cas._shared.warmset import MAX_SET_BYTES, SetEntry, stored_sets
 from cuda_program_cas._shared.warmset import merge as merge_sets
