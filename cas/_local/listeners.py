@@ -2,8 +2,10 @@
 
 A store emits events; it does not call its counters, ledgers or logger itself. Five events:
 
-- ``hit(kid)``: a hit was counted (local or shared). The hot path's event: a local hit
-  emits it and nothing else, so its listeners are cheap (the counters' is one atomic step).
+- ``hit(kid)``: a hit was counted (local or shared). Its listeners are the counters (one
+  atomic step) and, on a writable cache, the usage ledger's tally of hits per key. The one
+  hot path, ``CacheStore.get``'s local hit, does what these two do in place, with the
+  :class:`HitTally`'s dict: a call per listener cost about 770 instructions per hit.
 - ``counted(name)``: anything else counted (``misses``, ``shared_hits``, ``writes``, ...).
 - ``looked(kid, where, t0_ns, reasons)``: a lookup's record is due (``where``: ``local`` or
   ``shared <root>`` for a hit, None for a miss, with ``reasons``).

@@ -144,6 +144,9 @@ class LocalStore:
         self.flush_at = math.inf
         #: The counters of the stores this one reads through, added to its own (set by the shared layer).
         self._theirs: list[tuple[Counters, ...]] = [()]
+        #: The usage ledger's hits per key id since the last flush (None on a read-only cache), for the one
+        #: caller that does what the hit listeners do in place (:meth:`CacheStore.get`'s local hit).
+        self.tally: dict[str, int] | None = None
         if not self.read_only:
             self._listen_to_ledgers(lay, heard)
             self.flush_at = _monotonic() + FLUSH_INTERVAL_S
@@ -151,6 +154,7 @@ class LocalStore:
     def _listen_to_ledgers(self, lay: Layout, heard: Listeners) -> None:
         """The usage ledger and the miss journal hear hits and compiles; the lifetime counters record counts."""
         tally, counters, theirs = HitTally(), self.counters, self._theirs
+        self.tally = tally.by_key
 
         def ledger(kid: str, seconds: float, via: str, inputs: dict[str, object], why: object) -> None:
             from .usage import record_compile

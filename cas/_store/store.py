@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import time
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, ExitStack
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["CacheStore", "Inner"]
 
 _sha256 = hashlib.sha256
-_modules = sys.modules
 _perf_ns = time.perf_counter_ns
 _monotonic = time.monotonic
 
@@ -79,8 +77,10 @@ class CacheStore:
             from cuda_program_cas._shared.layer import SharedLayer
 
             self._shared = SharedLayer(local, shared, copy_hits=copy_shared_hits)
-        # The hot path's parts, bound once (every listener is added when the local cache opens).
-        self._lookup, self._heard, self._on_hit = local.lookup, local.heard, local.heard.hit
+        # The hot path's parts. A local hit does what the hit event's two listeners do (the counters' step and
+        # the usage ledger's tally, cas/_local/listeners.py) in place: calling them cost about 770 more
+        # instructions per hit (callgrind), 3 % of a repeated 8 KB hit.
+        self._reader, self._counters, self._tally, self._heard = local.reader, local.counters, local.tally, local.heard
         self._used = None if self._shared is None else self._shared.used
 
     @property
@@ -98,12 +98,13 @@ class CacheStore:
         """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
         # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
         kid = _sha256(key).hexdigest() if type(key) is bytes else key_id(key)
-        # The logger's own rule, asked first without a call: with logging not imported, DEBUG is off.
-        t0 = _perf_ns() if "logging" in _modules and _log.isEnabledFor(_DEBUG) else 0
-        found = self._lookup(kid)
+        t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
+        found = self._reader.lookup(kid)
         if found is not None:
-            for heard in self._on_hit:
-                heard(kid)
+            self._counters.hit()
+            tally = self._tally
+            if tally is not None:
+                tally[kid] = tally.get(kid, 0) + 1
             if self._used is not None:
                 self._used.add(kid, found[1], len(found[0]))
             if t0:
@@ -136,7 +137,7 @@ class CacheStore:
         record and result) and reports that request once, with ``note_hit`` or
         ``note_miss`` (:class:`Inner`).
         """
-        found = self._lookup(kid)
+        found = self._reader.lookup(kid)
         if found is not None:
             if self._used is not None:
                 self._used.add(kid, found[1], len(found[0]))
