@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ._disk.blobs import BlobStore, digest_of
     from ._disk.pack import PackError
     from ._disk.writer import WriteResult
-    from ._store.cachestats import CacheStats
+    from ._local.cachestats import CacheStats
     from ._store.store import CacheStore
     from ._verbs.clear import ClearReport, clear
     from ._verbs.common import Report
@@ -52,7 +52,7 @@ _LAZY = {
     "BlobStore": "._disk.blobs",
     "digest_of": "._disk.blobs",
     "WriteResult": "._disk.writer",
-    "CacheStats": "._store.cachestats",
+    "CacheStats": "._local.cachestats",
     "CacheStore": "._store.store",
     "ContentAddressedProgramCache": "._cuda.cache",
     "PackError": "._disk.pack",

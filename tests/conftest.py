@@ -42,9 +42,9 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 def _untrusted_said_in_their_test() -> Iterator[None]:
     """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the end."""
     yield
-    tier = sys.modules.get("cuda_program_cas._store.tier")
-    if tier is not None:
-        tier._say_untrusted()
+    said = sys.modules.get("cuda_program_cas._shared.said")
+    if said is not None:
+        said.say_untrusted()
 
 
 # -- sockets left open ------------------------------------------------------------------
@@ -243,7 +243,7 @@ def write_manifest(root: os.PathLike[str] | str, key: str | bytes, digest: str, 
     path.write_bytes(Manifest(digest, size, kid).encode())
     if (Path(root) / "keys").exists():  # a store's key list names it too, as a writer's would
         from cuda_program_cas._disk.direngine import DirEngine
-        from cuda_program_cas._store.keylist import merge_into, number
+        from cuda_program_cas._shared.keylist import merge_into, number
 
         merge_into(DirEngine(os.fspath(root)), {number(kid): 0})
     return path
@@ -381,7 +381,7 @@ class StartGate:
 class MovableClock:
     """A stand-in for the ``time`` module whose monotonic clock a test moves ``ahead`` (the rest is the real one).
 
-    Patched into ``cuda_program_cas._store.tier`` to step past its retry interval without sleeping.
+    Patched into ``cuda_program_cas._shared.tier`` to step past its retry interval without sleeping.
     """
 
     def __init__(self) -> None:

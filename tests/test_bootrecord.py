@@ -187,7 +187,7 @@ def test_only_a_local_file_system_keeps_a_record(tmp_path: Path, boots: tuple[Pa
 _HASHES = r"""
 import sys
 from cuda_program_cas._disk import bootrecord
-import cuda_program_cas._store.reader as reader
+import cuda_program_cas._local.reader as reader
 bootrecord.MIN_AGE_NS = int(sys.argv[2])
 reader._HOLD_MAX_BYTES = 0
 hashed = []
@@ -214,7 +214,7 @@ def test_a_process_remembers_only_blobs_old_when_hashed(root: Path, min_age_ns: 
 _SMALL = r"""
 import json, sys
 from cuda_program_cas._disk import bootrecord
-import cuda_program_cas._store.reader as reader
+import cuda_program_cas._local.reader as reader
 bootrecord.MIN_AGE_NS = 0
 hashed = []
 real = reader._hexdigest

@@ -20,8 +20,8 @@ import pytest
 from blake3 import blake3
 
 import cuda_program_cas._disk.remove
-import cuda_program_cas._store.cap
-import cuda_program_cas._store.touch
+import cuda_program_cas._local.cap
+import cuda_program_cas._local.touch
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas.index import key_id
 
@@ -196,8 +196,8 @@ def test_orphans_wait_out_the_grace_period(cache_dir: Path) -> None:
     # A writer that died between its blob and its manifest leaves an orphan.
     write_orphan(cache_dir, young)
     write_orphan(cache_dir, old)
-    age(bpath(cache_dir, old), cuda_program_cas._store.cap.ORPHAN_GRACE_S + 60)
-    age(bpath(cache_dir, young), cuda_program_cas._store.cap.ORPHAN_GRACE_S - 60)
+    age(bpath(cache_dir, old), cuda_program_cas._local.cap.ORPHAN_GRACE_S + 60)
+    age(bpath(cache_dir, young), cuda_program_cas._local.cap.ORPHAN_GRACE_S - 60)
 
     # Even a target of zero leaves a young orphan alone: its manifest may be on the way.
     snap = store.inner.snapshot()
@@ -215,7 +215,7 @@ def test_orphans_are_collected_under_the_cap_once_past_grace(cache_dir: Path) ->
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
     orphan = value(99, 3000)
     write_orphan(cache_dir, orphan)
-    age(bpath(cache_dir, orphan), cuda_program_cas._store.cap.ORPHAN_GRACE_S + 1)
+    age(bpath(cache_dir, orphan), cuda_program_cas._local.cap.ORPHAN_GRACE_S + 1)
     for i in range(8):
         cache[f"k{i}"] = value(i)
     assert not bpath(cache_dir, orphan).exists()  # an old orphan goes before any live key
@@ -245,7 +245,7 @@ class ScanCounter:
     def __init__(self) -> None:
         self.full = 0
         self.quick = 0
-        self._real = cuda_program_cas._store.cap.take_snapshot
+        self._real = cuda_program_cas._local.cap.take_snapshot
 
     def __call__(self, *args, **kwargs):
         if kwargs.get("read_manifests", True):
@@ -263,11 +263,11 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
     for i in range(100):  # fill to just under the cap
         cache[f"fill{i}"] = value(i)
     scans = ScanCounter()
-    monkeypatch.setattr(cuda_program_cas._store.cap, "take_snapshot", scans)
+    monkeypatch.setattr(cuda_program_cas._local.cap, "take_snapshot", scans)
     writes = 400
     for i in range(writes):
         cache[f"k{i}"] = value(1000 + i)
-    low = int(cap * cuda_program_cas._store.cap.LOW_WATERMARK)
+    low = int(cap * cuda_program_cas._local.cap.LOW_WATERMARK)
     # Each eviction frees at least cap - low, so 400 writes at the cap need at
     # most about writes * size / (cap - low) scans, not one per write.
     bound = writes * (1000 + MANIFEST_BYTES) // (cap - low) + 2
@@ -280,13 +280,13 @@ def test_eviction_goes_to_the_low_watermark_so_writes_do_not_scan_each_time(
 
 
 def test_one_eviction_lands_at_the_low_watermark(cache_dir: Path) -> None:
-    cap = 2 * cuda_program_cas._store.cap.MIN_ENTRIES_FOR_WATERMARK * (1000 + MANIFEST_BYTES)
+    cap = 2 * cuda_program_cas._local.cap.MIN_ENTRIES_FOR_WATERMARK * (1000 + MANIFEST_BYTES)
     store = CacheStore(cache_dir, max_size_bytes=cap)
     i = 0
     while store.stats().evictions == 0:
         store.put(f"k{i}", value(i))
         i += 1
-    low = int(cap * cuda_program_cas._store.cap.LOW_WATERMARK)
+    low = int(cap * cuda_program_cas._local.cap.LOW_WATERMARK)
     after = store.stats().stored_bytes
     assert after <= low
     assert after > low - 2 * (1000 + MANIFEST_BYTES)  # not much further than needed
@@ -468,7 +468,7 @@ def test_a_read_only_hit_never_touches(cache_dir: Path) -> None:
     reader = ContentAddressedProgramCache(cache_dir, read_only=True)
     assert reader["k"] == b"v"
     reader.close()
-    cuda_program_cas._store.touch.apply_pending()
+    cuda_program_cas._local.touch.apply_pending()
     assert manifest.stat().st_mtime_ns == stamped
 
 
@@ -522,7 +522,7 @@ def test_a_forked_child_touches_with_its_own_thread(cache_dir: Path) -> None:
     manifest = mpath(cache_dir, "k")
     age(manifest, 100)
     old = manifest.stat().st_mtime_ns
-    cuda_program_cas._store.touch.ensure_thread()  # the parent has its thread (a second into a cache's use)
+    cuda_program_cas._local.touch.ensure_thread()  # the parent has its thread (a second into a cache's use)
     pid = os.fork()
     if pid == 0:  # the child: read, then wait for its touch thread; never runs atexit
         ok = cache["k"] == b"v"
@@ -537,7 +537,7 @@ def test_a_forked_child_touches_with_its_own_thread(cache_dir: Path) -> None:
 def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No single write pays for removing a fifth of a large cache: one scan plans the
     # eviction, then each write over the cap removes at most _EVICT_STEP entries.
-    step = cuda_program_cas._store.cap.EVICT_STEP
+    step = cuda_program_cas._local.cap.EVICT_STEP
     n = 6 * step
     cap = n * (100 + MANIFEST_BYTES)
     cache = ContentAddressedProgramCache(cache_dir, max_size_bytes=cap)
@@ -548,7 +548,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
     for i in range(n):
         age(mpath(cache_dir, f"k{i}"), 60 - i / n)
     scans = ScanCounter()
-    monkeypatch.setattr(cuda_program_cas._store.cap, "take_snapshot", scans)
+    monkeypatch.setattr(cuda_program_cas._local.cap, "take_snapshot", scans)
 
     removed = []
     for i in range(12):
@@ -557,7 +557,7 @@ def test_a_large_eviction_is_carried_out_a_step_per_write(cache_dir: Path, monke
         removed.append(before + 1 - len(cache))
     assert max(removed) <= step  # never more than a step per write
     assert scans.full == 1  # one scan planned all of it
-    assert sum(removed) >= n - int(n * cuda_program_cas._store.cap.LOW_WATERMARK)  # down to the low watermark
+    assert sum(removed) >= n - int(n * cuda_program_cas._local.cap.LOW_WATERMARK)  # down to the low watermark
     assert cache.stats().stored_bytes <= cap
     alive = [i for i in range(n) if cache.get(f"k{i}") is not None]
     assert alive == list(range(n - len(alive), n))  # the least recently used went, in order
@@ -570,7 +570,7 @@ def test_a_step_of_a_plan_keeps_a_key_read_since_the_scan(cache_dir: Path) -> No
         store.put(f"k{i}", value(i))
         age(mpath(cache_dir, f"k{i}"), 60 - i)
     snap = store.inner.snapshot()
-    plan = cuda_program_cas._store.cap.plan_lru(snap, 0, orphan_grace_ns=10**12)
+    plan = cuda_program_cas._local.cap.plan_lru(snap, 0, orphan_grace_ns=10**12)
     assert store.get("k0") == value(0)  # read after the scan: a touch of its manifest is queued
     store.flush()  # it lands (within a second without this, see test_touches_land_within_a_second)
     remover = cuda_program_cas._disk.remove.Remover(store.inner.layout)

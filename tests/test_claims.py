@@ -23,7 +23,7 @@ from conftest import NVRTC_RECORD, REPO, ChildLines, StartGate, is_root
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect, verify
 from cuda_program_cas._cuda.tracedirs import PREFIX, STALE_S, sweep_stale
-from cuda_program_cas._store import claims
+from cuda_program_cas._local import claims
 from cuda_program_cas.index import key_id
 
 pytestmark = pytest.mark.skipif(claims.fcntl is None, reason="claims need flock")
@@ -42,7 +42,7 @@ import json, sys
 import cuda.core._program as program
 from cuda.core import ProgramOptions
 from cuda_program_cas import ContentAddressedProgramCache
-from cuda_program_cas._store import claims
+from cuda_program_cas._local import claims
 
 root, hold = sys.argv[1], sys.argv[2] == "hold"
 original = program._program_compile_uncached

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from cuda_program_cas import CacheStore
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._store import claims, flocks, lifetime
+from cuda_program_cas._local import claims, flocks, lifetime
 from cuda_program_cas.index import key_id
 
 pytestmark = pytest.mark.skipif(claims.fcntl is None, reason="claims need flock")

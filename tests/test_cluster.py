@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import SAXPY, Compiles, MovableClock, compile_program, is_root
 
-import cuda_program_cas._store.tier as shared_mod
+import cuda_program_cas._shared.tier as shared_mod
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, ReadOnlyCacheError, digest_of, publish
-from cuda_program_cas._store.tier import RETRY_S as _SHARED_RETRY_S
+from cuda_program_cas._shared.tier import RETRY_S as _SHARED_RETRY_S
 from cuda_program_cas.index import Manifest, key_id
 
 #: A second kernel, so the shared store holds more than one distinct binary.

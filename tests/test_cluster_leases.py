@@ -264,7 +264,7 @@ def test_a_node_whose_uploads_fail_takes_no_lease_until_one_succeeds(tmp_path: P
     client.execute_command("ACL", "SETUSER", "lame2", "on", ">pw", "resetkeys", "%R~cpcas:*", "~cpcas:lease:*", "+@all")
     store = CacheStore(tmp_path / "local", shared=[redis.url.replace("://", "://lame2:pw@") + "|write"])
     try:
-        wb = store._writeback
+        wb = store._shared.writeback if store._shared else None
         assert wb is not None
         first, second, third = (key_id(f"lease-{uuid.uuid4().hex}-{n}") for n in range(3))
         with store.inner.claim(first) as got:

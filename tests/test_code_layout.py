@@ -26,7 +26,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("_base",),  # exceptions, the fork registry, environment knobs, the logger
     ("_disk",),  # the cache's files (atomic write, layout, blobs, writer, pack format)
     ("_remote",),  # stores over the network (HTTP, Redis): an HTTP store's packs are _disk's pack format
-    ("_store",),  # the cache at run time: reader, shared stores, cap, counters, CacheStore
+    ("_local",),  # the local cache at run time: reader, cap, counters, ledgers, journal
+    ("_shared",),  # the cluster layer: shared stores (tiers), write-back, leases, warm sets, key lists
+    ("_store",),  # CacheStore, which composes the local cache and the cluster layer
     ("_cuda", "_verbs"),  # cuda.core's side; the maintenance verbs
     ("_cli",),  # the console script: parse and print
     ("",),  # the package's own __init__ and __main__
@@ -108,6 +110,36 @@ def test_packages_depend_strictly_downward() -> None:
             if floor_of(theirs) >= floor_of(mine):
                 bad.append(f"{name} imports {source}: {theirs or NAME} is not below {mine or NAME}")
     assert bad == []
+
+
+def test_the_local_cache_knows_nothing_of_shared_stores() -> None:
+    # The local store is whole without the cluster layer: not even a deferred import reaches it.
+    crossed = [
+        f"{name} imports {source}"
+        for name, path in modules()
+        if package_of(name) == "_local"
+        for source, _ in imports_of(name, path)
+        if package_of(source) in ("_shared", "_store")
+    ]
+    assert crossed == []
+
+
+#: The most methods ``CacheStore`` may have: it composes the local cache and the cluster layer, it is no hub.
+MOST_STORE_METHODS = 25
+#: The most lines a module of the library may have: split by responsibility before it grows past it.
+MOST_LINES = 600
+
+
+def test_the_cache_store_composes_in_few_methods() -> None:
+    tree = ast.parse((folder_of("_store") / "store.py").read_text())
+    store = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheStore")
+    defs = [n.name for n in ast.walk(store) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(defs) <= MOST_STORE_METHODS, defs
+
+
+def test_no_module_of_the_library_is_too_long() -> None:
+    long = {name: n for name, path in modules() if (n := len(path.read_text().splitlines())) > MOST_LINES}
+    assert long == {}
 
 
 def test_no_circle_between_modules() -> None:

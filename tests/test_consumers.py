@@ -23,7 +23,7 @@ import pytest
 from conftest import run_python
 
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._store.lifetime import read_counters
+from cuda_program_cas._local.lifetime import read_counters
 
 # Looked for, not imported: numba is imported by the children only.
 pytestmark = pytest.mark.skipif(

@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
+import cuda_program_cas._local.local as local_mod
 import cuda_program_cas._store.store as store_mod
 from cuda_program_cas import CacheStore, verify
 from cuda_program_cas._cli.main import main
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._store.lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
+from cuda_program_cas._local.lifetime import COMPACT_BYTES, FLUSH_INTERVAL_S, NAMES, read_counters
 
 ZERO = dict.fromkeys(NAMES, 0)
 
@@ -243,6 +244,7 @@ def test_counts_are_flushed_at_most_once_an_interval_on_the_way(
 ) -> None:
     clock = _Clock()
     monkeypatch.setattr(store_mod, "_monotonic", clock)
+    monkeypatch.setattr(local_mod, "_monotonic", clock)
     root = tmp_path / "cas"
     store = CacheStore(root)
     store.put("k", b"v")

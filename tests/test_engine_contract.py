@@ -41,8 +41,8 @@ from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas._remote import client
 from cuda_program_cas._remote.http import HttpEngine
 from cuda_program_cas._remote.redis import RedisEngine
-from cuda_program_cas._store import warmset
-from cuda_program_cas._store.tiers import open_engine
+from cuda_program_cas._shared import warmset
+from cuda_program_cas._shared.tiers import open_engine
 
 JOB = "contract-job"
 

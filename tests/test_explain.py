@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import cuda_program_cas
 from cuda_program_cas import ContentAddressedProgramCache, explain
-from cuda_program_cas._store.journal import DROPPED
+from cuda_program_cas._local.journal import DROPPED
 
 KERNEL = 'extern "C" __global__ void k(int* x) { *x = 1; }'
 
@@ -242,7 +242,7 @@ def test_a_journal_that_cannot_be_written_costs_no_compile(tmp_path: Path) -> No
 def test_the_journal_is_bounded_and_kept_by_the_maintenance_verbs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cuda_program_cas._store import journal
+    from cuda_program_cas._local import journal
 
     monkeypatch.setattr(journal, "MAX_BYTES", 600)
     with ContentAddressedProgramCache(tmp_path / "c") as cache:

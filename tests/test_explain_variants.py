@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuda_program_cas import ContentAddressedProgramCache, MissExplanation, explain
-from cuda_program_cas._store.journal import MissRecord
-from cuda_program_cas._store.why import DIRECTORY_CHANGED, HEADER_CHANGED
+from cuda_program_cas._local.journal import MissRecord
+from cuda_program_cas._local.why import DIRECTORY_CHANGED, HEADER_CHANGED
 from cuda_program_cas._verbs.explain import explain_one
 
 KERNELS = 12

@@ -27,10 +27,10 @@ import pytest
 
 import cuda_program_cas
 import cuda_program_cas._base.fork
-import cuda_program_cas._store.lifetime
-import cuda_program_cas._store.touch
+import cuda_program_cas._local.lifetime
+import cuda_program_cas._local.touch
 from cuda_program_cas import CacheStore, publish
-from cuda_program_cas._store.lifetime import read_counters
+from cuda_program_cas._local.lifetime import read_counters
 from cuda_program_cas.index import key_id
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -141,8 +141,8 @@ def test_a_child_forked_during_clear_can_clear(cache_dir: Path) -> None:
     for i in range(5):
         store.put(f"k{i}", value(i))
     pause = Pause()
-    assert store._remover is not None
-    store._remover.execute = pause.wrap(store._remover.execute)  # type: ignore[method-assign]
+    assert store._local.remover is not None
+    store._local.remover.execute = pause.wrap(store._local.remover.execute)  # type: ignore[method-assign]
 
     def child() -> bool:
         store.put("mine", b"child")
@@ -159,8 +159,8 @@ def test_a_child_forked_during_an_eviction_keeps_its_cap(cache_dir: Path) -> Non
     for i in range(8):
         store.put(f"k{i}", value(i))
     pause = Pause()
-    assert store._remover is not None
-    store._remover.execute = pause.wrap(store._remover.execute)  # type: ignore[method-assign]
+    assert store._local.remover is not None
+    store._local.remover.execute = pause.wrap(store._local.remover.execute)  # type: ignore[method-assign]
 
     def child() -> bool:
         for i in range(40):
@@ -176,7 +176,7 @@ def test_a_child_forked_during_an_eviction_keeps_its_cap(cache_dir: Path) -> Non
 def test_a_child_forked_during_a_write_can_write(cache_dir: Path) -> None:
     store = CacheStore(cache_dir, max_size_bytes=1 << 20)
     store.put("k", b"v")
-    assert store._cap is not None
+    assert store._local.cap is not None
     pause = Pause()
 
     def child() -> bool:
@@ -184,7 +184,7 @@ def test_a_child_forked_during_a_write_can_write(cache_dir: Path) -> None:
         return all(results) and store.get("child2") == value(2) and store.counters()["writes"] == 4
 
     # A write counts itself under the cap's count lock and the counters' lock.
-    fork_while(pause, pause.hold(store._cap._count_lock, store._counters._lock), child)
+    fork_while(pause, pause.hold(store._local.cap._count_lock, store._local.counters._lock), child)
 
 
 def test_a_child_forked_during_a_lookup_can_read_and_clear(cache_dir: Path) -> None:
@@ -198,7 +198,7 @@ def test_a_child_forked_during_a_lookup_can_read_and_clear(cache_dir: Path) -> N
         store.clear()  # forgets what the reader holds
         return ok and store.get("k") is None
 
-    fork_while(pause, pause.hold(store._reader._held_lock), child)
+    fork_while(pause, pause.hold(store._local.reader._held_lock), child)
 
 
 def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Path) -> None:
@@ -206,8 +206,8 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
     store.put("k", b"v")
     assert store.get("k") == b"v"
     pause = Pause()
-    real_append = cuda_program_cas._store.lifetime.append_line
-    cuda_program_cas._store.lifetime.append_line = pause.wrap(real_append)  # type: ignore[attr-defined]
+    real_append = cuda_program_cas._local.lifetime.append_line
+    cuda_program_cas._local.lifetime.append_line = pause.wrap(real_append)  # type: ignore[attr-defined]
     try:
 
         def child() -> bool:
@@ -217,7 +217,7 @@ def test_a_child_forked_during_a_counters_flush_records_its_counts(cache_dir: Pa
         # The flush stops while it holds the recorder's lock and counters.lock (an flock).
         fork_while(pause, store.flush, child)
     finally:
-        cuda_program_cas._store.lifetime.append_line = real_append  # type: ignore[attr-defined]
+        cuda_program_cas._local.lifetime.append_line = real_append  # type: ignore[attr-defined]
     # The parent records after its child, and nothing is counted twice.
     assert store.get("k") == b"v"
     assert store.flush()
@@ -230,17 +230,17 @@ def test_a_child_forked_during_touches_lands_its_own_reads(cache_dir: Path) -> N
     store.put("k", b"v")
     manifest = Path(store.inner.layout.manifest_path(key_id("k")))
     os.utime(manifest, ns=(0, 0))
-    cuda_program_cas._store.touch.ensure_thread()  # the parent has its touch thread
+    cuda_program_cas._local.touch.ensure_thread()  # the parent has its touch thread
     pause = Pause()
 
     def child() -> bool:
         other = CacheStore(cache_dir)  # registers its touch queue with the process's one thread
         ok = other.get("k") == b"v" and store.get("k") == b"v"
-        cuda_program_cas._store.touch.apply_pending()  # what an eviction does before it plans
+        cuda_program_cas._local.touch.apply_pending()  # what an eviction does before it plans
         return ok and manifest.stat().st_mtime_ns > 0
 
     # The touch thread's registry lock, as a cache opening in another thread holds it.
-    fork_while(pause, pause.hold(cuda_program_cas._store.touch._FLUSHER._lock), child)
+    fork_while(pause, pause.hold(cuda_program_cas._local.touch._FLUSHER._lock), child)
 
 
 def _locks(root: object, seen: set[int] | None = None, depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -334,6 +334,6 @@ def test_one_failing_reset_leaves_the_others_to_run(cache_dir: Path) -> None:
             store.clear()
             return len(store) == 0
 
-        fork_while(pause, pause.hold(store._clear_lock), child)
+        fork_while(pause, pause.hold(store._local.clear_lock), child)
     finally:
         cuda_program_cas._base.fork._calls.remove(broken._after_fork_in_child)

@@ -254,7 +254,7 @@ def test_a_removed_working_directory_compiles_uncached_with_one_warning(
 
 
 def test_one_compile_counts_one_hit_or_one_miss_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuda_program_cas._store.lifetime import read_counters
+    from cuda_program_cas._local.lifetime import read_counters
 
     write(tmp_path / "inc" / "val.h", "#define VAL 1\n")
     opts = ProgramOptions(arch="sm_80", include_path=[str(tmp_path / "inc")])
@@ -418,7 +418,8 @@ def test_stats_counts_front_door_records_as_what_they_are(tmp_path: Path) -> Non
 
 def test_gc_of_a_packed_store_keeps_records_and_results_together(tmp_path: Path) -> None:
     from cuda_program_cas import publish
-    from cuda_program_cas._disk.pack import PackReader, list_packs
+    from cuda_program_cas._disk.pack import PackReader
+    from cuda_program_cas._disk.packset import list_packs
 
     cache = ContentAddressedProgramCache(tmp_path / "cas")
     _some_front_door_entries(tmp_path, cache, 9)  # three records of three variants each

@@ -37,15 +37,15 @@ from testkit.faults import Fault, FaultServer, refused_url
 from testkit.nginx import Nginx, nginx_or_skip
 
 import cuda_program_cas._remote.httppacks as http_store
-import cuda_program_cas._store.tier as tier_module
+import cuda_program_cas._shared.tier as tier_module
 from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, env_shared
 from cuda_program_cas._base.urls import split_store_list
 from cuda_program_cas._disk.direngine import DirEngine
 from cuda_program_cas._remote import client
 from cuda_program_cas._remote.http import HttpEngine
-from cuda_program_cas._store.tier import RETRY_MAX_S, RETRY_S
-from cuda_program_cas._store.tier import Tier as SharedStore
+from cuda_program_cas._shared.tier import RETRY_MAX_S, RETRY_S
+from cuda_program_cas._shared.tier import Tier as SharedStore
 from cuda_program_cas.index import LONGEST_MANIFEST, MAX_MANIFEST_BYTES
 
 #: Kernels compiled once for the module: distinct cubins, stored under the keys "k0", "k1", ...

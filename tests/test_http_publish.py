@@ -25,7 +25,7 @@ from testkit.nginx import LogEntry, Nginx, nginx_or_skip
 
 from cuda_program_cas import ContentAddressedProgramCache, LayoutError, collect
 from cuda_program_cas._cli.main import main as cli_main
-from cuda_program_cas._disk.pack import parse_listing
+from cuda_program_cas._disk.packset import parse_listing
 
 TOKEN = "tok-3f9a1c-publish"  # noqa: S105 - a test's token, searched for in every output
 N_KERNELS = 4
@@ -359,7 +359,7 @@ def test_bad_store_urls_and_options_are_bad_usage(
 def test_a_pack_dropped_from_the_listing_by_another_publisher_is_listed_again(
     sources: Sources, nginx: Nginx, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cuda_program_cas._disk.pack import encode_listing
+    from cuda_program_cas._disk.packset import encode_listing
     from cuda_program_cas._remote.http import HttpEngine
 
     url, store = nginx.dav_url("store"), nginx.root / "store"
@@ -553,7 +553,7 @@ def test_a_pack_trailer_that_claims_a_huge_index_is_not_fetched(
     import struct
 
     from cuda_program_cas._base.config import DEFAULT_MAX_ENTRY_BYTES
-    from cuda_program_cas._disk.pack import encode_listing
+    from cuda_program_cas._disk.packset import encode_listing
 
     url, store = nginx.dav_url("store"), nginx.root / "store"
     assert publish_json(capsys, str(sources.b), url)[0] == 0

@@ -1,6 +1,6 @@
 """``store.inner``, what the CUDA layer asks of a store beyond its public API: the store's own
-methods with nothing in between, and never kept by the store (so that it still goes with its
-last reference, recording its counts)."""
+methods (or its local cache's) with nothing in between, and never kept by the store (so that it
+still goes with its last reference, recording its counts)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ from cuda_program_cas.index import key_id
 def test_its_methods_are_the_store_s_own_bound_with_nothing_in_between(tmp_path: Path) -> None:
     store = CacheStore(tmp_path / "c")
     inner = store.inner
-    methods = [n for n in Inner.__slots__ if n not in ("layout", "shared", "store", "warm")]
+    methods = [n for n in Inner.__slots__ if n not in ("layout", "shared", "shared_paths", "store", "warm")]
     assert methods
     for name in methods:
         bound = getattr(inner, name)
-        assert bound.__self__ is store, name
-        assert bound.__func__ is getattr(CacheStore, "_" + name), name
+        owner = bound.__self__  # the store (what it composes: find, claim, put) or its local cache (the rest)
+        assert owner is store or owner is store._local, name
+        assert bound.__func__ is getattr(type(owner), "_" + name if owner is store else name), name
     assert inner.store is store and inner.layout.root == store.root and inner.shared == ()
+    assert inner.shared_paths() == ()
 
 
 def test_what_it_counts_is_the_store_s(tmp_path: Path) -> None:

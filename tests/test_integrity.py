@@ -296,7 +296,7 @@ def test_dangling_manifest_replaced_meanwhile_is_kept(cache_dir: Path) -> None:
     writer = ContentAddressedProgramCache(cache_dir)
     writer["k"] = DATA
     blob_path(cache_dir).unlink()
-    remover = reader.store._remover
+    remover = reader.store._local.remover
     real_remove = remover.manifest
     raced: list[bool] = []
 

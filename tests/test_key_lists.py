@@ -22,10 +22,24 @@ from testkit.redis_server import RedisServer
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.direngine import DirEngine
-from cuda_program_cas._store import keylist
-from cuda_program_cas._store.tier import Tier
-from cuda_program_cas._store.upload import upload_entry
+from cuda_program_cas._shared import keylist
+from cuda_program_cas._shared.layer import SharedLayer
+from cuda_program_cas._shared.tier import Tier
+from cuda_program_cas._shared.upload import upload_entry
+from cuda_program_cas._shared.writeback import WriteBack
 from cuda_program_cas.index import Manifest, key_id
+
+
+def _layer(store: CacheStore) -> SharedLayer:
+    """The store's cluster layer (it names shared stores)."""
+    assert store._shared is not None
+    return store._shared
+
+
+def _writeback(store: CacheStore) -> WriteBack:
+    wb = _layer(store).writeback
+    assert wb is not None
+    return wb
 
 
 def value(i: int) -> bytes:
@@ -161,7 +175,7 @@ def test_a_node_lists_what_it_wrote_back_at_once(redis: RedisServer, tmp_path: P
     writer.put("k0", value(0))
     writer.close()  # a key list now, without k1
     node.put("k1", value(1))
-    assert node._writeback is not None and node._writeback.flush(10)
+    assert _writeback(node).flush(10)
     assert node.inner.shared[0].keys is not None
     assert keylist.number(key_id("k1")) in node.inner.shared[0].keys._ours
 
@@ -179,7 +193,7 @@ def test_the_lease_probe_finds_a_key_the_list_lacks(redis: RedisServer, tmp_path
         node.inner.shared[0].engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode()
     )
     assert node.get("k2") is None and node.inner.shared[0].miss_reason() == "not in the store's key list"
-    found = node._find_shared(kid, None, unlisted=True)  # what CacheStore._claim_in_cluster's probe asks
+    found = _layer(node).find(kid, None, unlisted=True)  # what SharedLayer._claim_in_cluster's probe asks
     assert found is not None and found[0] == data
     assert node.get("k2") == data  # copied in
 
@@ -277,7 +291,7 @@ def test_a_key_the_probe_finds_unlisted_makes_the_copy_lag_and_lookups_ask(redis
     for k in ("k2", "k3"):  # another node's compile: two entries, neither listed yet
         data, kid = value(int(k[1:])), key_id(k)
         upload_entry(engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode())
-    assert node._find_shared(key_id("k2"), None, unlisted=True) is not None  # the probe
+    assert _layer(node).find(key_id("k2"), None, unlisted=True) is not None  # the probe
     assert node.get("k3") == value(3)  # asked, though the copy does not list it
     assert node.get("absent") is None and node.inner.shared[0].miss_reason() == "no entry"
 
@@ -369,7 +383,7 @@ def test_a_key_the_probe_finds_before_any_list_makes_a_later_copy_that_lacks_it_
     for k in ("k2", "k3"):  # another node's compile: two entries, neither listed
         data, kid = value(int(k[1:])), key_id(k)
         upload_entry(engine, kid, digest_of(data), data, Manifest(digest_of(data), len(data), kid).encode())
-    assert node._find_shared(key_id("k2"), None, unlisted=True) is not None  # the probe, while no copy is held
+    assert _layer(node).find(key_id("k2"), None, unlisted=True) is not None  # the probe, while no copy is held
     writer = CacheStore(tmp_path / "w", shared=[f"{redis.url}|write"])
     writer.put("k1", value(1))
     writer.close()  # a key list now: k1 alone

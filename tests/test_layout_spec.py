@@ -23,7 +23,7 @@ import cuda_program_cas
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.layout import FILES, Layout, file_kind
-from cuda_program_cas._store import journal
+from cuda_program_cas._local import journal
 from cuda_program_cas.index import key_id
 
 #: Patterns of FILES that no step here makes, each with why (none today).

@@ -72,19 +72,16 @@ WRITE_SIDE = (
     "cuda_program_cas._disk.packsummary",
     "cuda_program_cas._disk.settings",
     "cuda_program_cas._disk.blobs",
-    "cuda_program_cas._store.cap",
-    "cuda_program_cas._store.claims",
-    "cuda_program_cas._store.lease",
-    "cuda_program_cas._store.tier",
-    "cuda_program_cas._store.tiers",
-    "cuda_program_cas._store.writeback",
+    "cuda_program_cas._local.cap",
+    "cuda_program_cas._local.claims",
+    "cuda_program_cas._shared",  # the whole cluster layer: a local cache's hit imports none of it
     "cuda_program_cas._base.signing",
     "cuda_program_cas._base.engine",
     "cuda_program_cas._base.urls",
 )
 #: Nor what only a record someone sees, an error's frames or a snapshot need: ``logging`` (about 3 ms;
 #: ``cuda.core`` does not import it), ``traceback``, ``CacheStats`` (a dataclass of 22 fields).
-UNSEEN = ("logging", "traceback", "cuda_program_cas._store.cachestats")
+UNSEEN = ("logging", "traceback", "cuda_program_cas._local.cachestats")
 
 
 def _modules(tmp_path: Path, how: str, *young: str) -> list[str]:

@@ -400,7 +400,7 @@ def test_links_of_the_same_inputs_at_once_run_the_linker_once(
     # The first thread's link is held inside the linker until the second waits on its claim.
     import cuda.core._linker as linker_module
 
-    from cuda_program_cas._store import claims
+    from cuda_program_cas._local import claims
 
     objs, options = Objects([objects["caller"], objects["callee"]]), LinkerOptions(**LTO)
     reference = uncached(objs, options)

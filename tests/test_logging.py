@@ -15,8 +15,9 @@ import pytest
 from conftest import SAXPY, MovableClock, is_root, run_python
 from test_degrade import tmpfs
 
+import cuda_program_cas._local.local as local_mod
+import cuda_program_cas._shared.tier as shared_mod
 import cuda_program_cas._store.store as store_mod
-import cuda_program_cas._store.tier as shared_mod
 from cuda_program_cas import CacheStore, collect, digest_of
 from cuda_program_cas.index import key_id
 
@@ -120,6 +121,7 @@ def test_with_logging_off_there_is_no_record_and_no_clock(
         raise AssertionError("the clock was read with DEBUG off")
 
     monkeypatch.setattr(store_mod, "_perf_ns", no_clock)
+    monkeypatch.setattr(local_mod, "_perf_ns", no_clock)
     store = CacheStore(tmp_path / "cas", shared=[tmp_path / "cas"])
     store.put("k", b"v")
     assert store.get("k") == b"v" and store.get("nothing") is None

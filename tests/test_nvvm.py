@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._store.lifetime import read_counters
+from cuda_program_cas._local.lifetime import read_counters
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("numba_cuda") is None, reason="numba-cuda is not installed (the test extra brings it)"

@@ -10,7 +10,8 @@ import pytest
 from blake3 import blake3
 
 from cuda_program_cas._disk.layout import Layout, create_layout
-from cuda_program_cas._disk.pack import PackError, PackReader, PackSet, list_packs, write_pack
+from cuda_program_cas._disk.pack import PackError, PackReader, write_pack
+from cuda_program_cas._disk.packset import PackSet, list_packs
 from cuda_program_cas._disk.writer import Writer
 from cuda_program_cas.index import key_id
 

@@ -21,6 +21,7 @@ from blake3 import blake3
 from conftest import ChildLines, run_python
 
 import cuda_program_cas._disk.pack
+import cuda_program_cas._disk.packset
 from cuda_program_cas import CacheStore, publish
 from cuda_program_cas._cli.main import main as cli
 from cuda_program_cas._disk.layout import Layout, create_layout
@@ -67,7 +68,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
     store = tmp_path / "store"
     for gen in "abc":
         publish([source(tmp_path / gen, gen)], store, pack=True)
-    before = cuda_program_cas._disk.pack.list_packs(str(store / "packs"))
+    before = cuda_program_cas._disk.packset.list_packs(str(store / "packs"))
     assert len(before) == 3
     first = ChildLines(
         subprocess.Popen(
@@ -91,7 +92,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
         )
         assert second.returncode == 0, second.stderr
         assert "another repack or a gc" in second.stdout and "nothing was changed" in second.stdout
-        assert cuda_program_cas._disk.pack.list_packs(str(store / "packs")) == before  # the second one changed nothing
+        assert cuda_program_cas._disk.packset.list_packs(str(store / "packs")) == before  # the second changed nothing
         assert first.proc.stdin is not None
         first.proc.stdin.write("go\n")
         first.proc.stdin.flush()
@@ -99,7 +100,7 @@ def test_a_second_repack_while_one_runs_changes_nothing_and_exits_0(tmp_path: Pa
     finally:
         first.kill()
     assert "retired 3 packs" in first.lines[-1]
-    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 1
+    assert len(cuda_program_cas._disk.packset.list_packs(str(store / "packs"))) == 1
     node = CacheStore(tmp_path / "node", shared=[store], copy_shared_hits=False)
     assert all(node.get(f"{g}{i}") == value(i, g) for g in "abc" for i in range(20))
 
@@ -180,11 +181,11 @@ def test_packs_retired_by_a_repack_still_read_until_relisted_then_are_closed(tmp
     store = tmp_path / "store"
     n = cuda_program_cas._disk.pack.MAX_OPEN_PACKS + 8
     many_packs(store, n)
-    packs = cuda_program_cas._disk.pack.PackSet(str(store))
+    packs = cuda_program_cas._disk.packset.PackSet(str(store))
     assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
     assert len(open_files_under(store)) <= cuda_program_cas._disk.pack.MAX_OPEN_PACKS
     repack(store)  # every pack moves to packs/retired/, most of them closed here meanwhile
-    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 1
+    assert len(cuda_program_cas._disk.packset.list_packs(str(store / "packs"))) == 1
     # Within the listing this process still trusts, every entry reads from the retired packs.
     assert all(packs.lookup(key_id(f"p{i}")) == (value(i, "p"), blake3(value(i, "p")).hexdigest()) for i in range(n))
     assert any("/retired/" in path for path in open_files_under(store))
@@ -264,7 +265,7 @@ def test_the_summary_follows_packs_added_retired_and_damaged(tmp_path: Path) -> 
 def test_publish_replaces_an_entry_whose_blob_is_damaged_in_its_pack(tmp_path: Path) -> None:
     store = tmp_path / "store"
     publish([source(tmp_path / "a", "a")], store, pack=True)
-    (pack,) = cuda_program_cas._disk.pack.list_packs(str(store / "packs"))
+    (pack,) = cuda_program_cas._disk.packset.list_packs(str(store / "packs"))
     reader = cuda_program_cas._disk.pack.PackReader(pack)
     entry = reader.find(key_id("a5"))
     reader.close()
@@ -304,7 +305,7 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
             code = 1
             try:
                 signal.alarm(30)  # a hang is the failure: SIGALRM ends the child
-                packs = cuda_program_cas._disk.pack.PackSet(str(store))
+                packs = cuda_program_cas._disk.packset.PackSet(str(store))
                 code = 0 if all(packs.lookup(key_id(f"p{i}")) is not None for i in range(3)) else 1
             finally:
                 os._exit(code)
@@ -318,7 +319,7 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
 #: A node that runs out of descriptors (for other files) while it first opens the store's packs.
 _OUT_OF_DESCRIPTORS = r"""
 import errno, os, resource, sys
-import cuda_program_cas._disk.pack
+import cuda_program_cas._disk.packset
 from cuda_program_cas import CacheStore
 store, local = sys.argv[1], sys.argv[2]
 node = CacheStore(local, shared=[store], copy_shared_hits=False)
@@ -333,7 +334,7 @@ os.close(held.pop())  # one free: enough to list packs/ and open the newer pack,
 node.get("p0")  # a hit or a miss, never an exception
 for fd in held:
     os.close(fd)
-cuda_program_cas._disk.pack.RELIST_S = 0.0
+cuda_program_cas._disk.packset.RELIST_S = 0.0
 print(node.get("p0") == (b"p:0:" * 40)[:100], node.get("p1") == (b"p:1:" * 40)[:101])
 """
 
@@ -352,9 +353,9 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
     n = 60
     many_packs(store, n)
     monkeypatch.setattr(cuda_program_cas._disk.pack, "MAX_OPEN_PACKS", 4)  # far fewer than the packs: descriptors churn
-    monkeypatch.setattr(cuda_program_cas._disk.pack, "RELIST_S", 0.0)  # every lookup lists packs/ again
+    monkeypatch.setattr(cuda_program_cas._disk.packset, "RELIST_S", 0.0)  # every lookup lists packs/ again
     damaged: list[str] = []  # no pack is damaged: a report would mean a descriptor closed under a reader
-    packs = cuda_program_cas._disk.pack.PackSet(str(store), on_damage=damaged.append)
+    packs = cuda_program_cas._disk.packset.PackSet(str(store), on_damage=damaged.append)
     expected = {key_id(f"p{i}"): value(i, "p") for i in range(n)}
     wrong: list[str] = []
     rounds = [0] * 8

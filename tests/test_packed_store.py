@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-import cuda_program_cas._disk.pack
+import cuda_program_cas._disk.packset
 from cuda_program_cas import CacheStore, collect, publish, verify
 from cuda_program_cas._cli.main import main as cli
 
@@ -104,7 +104,7 @@ def test_publish_and_repack_through_the_cli(tmp_path: Path, capsys: pytest.Captu
     assert cli(["repack", "--json", str(tmp_path / "store")]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["entries"] == N + 10 and len(rep["retired"]) == 1
-    assert len(cuda_program_cas._disk.pack.list_packs(str(tmp_path / "store" / "packs"))) == 1
+    assert len(cuda_program_cas._disk.packset.list_packs(str(tmp_path / "store" / "packs"))) == 1
     node = CacheStore(tmp_path / "node", shared=[tmp_path / "store"], copy_shared_hits=False)
     assert all(node.get(f"a{i}") == value(i, "a") for i in range(N))
     assert all(node.get(f"b{i}") == value(i, "b") for i in range(10))
@@ -120,7 +120,7 @@ def test_a_running_process_picks_up_a_new_generation(tmp_path: Path, monkeypatch
     assert node.get("two0") is None
     publish([source(tmp_path / "g2", "two", n=5)], tmp_path / "store", pack=True)
     assert node.get("two0") is None  # the listing is trusted for RELIST_S
-    monkeypatch.setattr(cuda_program_cas._disk.pack, "RELIST_S", 0.0)
+    monkeypatch.setattr(cuda_program_cas._disk.packset, "RELIST_S", 0.0)
     assert node.get("two0") == value(0, "two")
 
 
@@ -181,8 +181,8 @@ def test_verify_finds_a_bad_pack_and_repair_moves_it_aside(tmp_path: Path) -> No
 _READER = textwrap.dedent(
     """
     import json, sys
-    import cuda_program_cas._disk.pack
-    cuda_program_cas._disk.pack.RELIST_S = 0.0  # see every new pack at once: the hardest case for the reader
+    import cuda_program_cas._disk.packset
+    cuda_program_cas._disk.packset.RELIST_S = 0.0  # see every new pack at once: the hardest case for the reader
     from cuda_program_cas import CacheStore
     store, local, gens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     node = CacheStore(local, shared=[store], copy_shared_hits=False)
@@ -279,7 +279,7 @@ def test_two_publishers_at_once_and_a_killed_one(tmp_path: Path) -> None:
                           "P.pack_chunks = chunks\npublish([")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", killed, str(tmp_path / "z"), str(store)], check=False)
     assert proc.returncode == -9
-    assert len(cuda_program_cas._disk.pack.list_packs(str(store / "packs"))) == 2
+    assert len(cuda_program_cas._disk.packset.list_packs(str(store / "packs"))) == 2
     assert node.get("z0") is None
     assert verify(store).problems == []
     assert publish([tmp_path / "z"], store, pack=True).published == 40  # the next run completes it

@@ -25,7 +25,7 @@ from cuda_program_cas._cli.main import main as cli_main
 from cuda_program_cas._disk.layout import INDEX, url_path
 from cuda_program_cas._disk.pack import PackReader
 from cuda_program_cas._remote import client
-from cuda_program_cas._store import warmset
+from cuda_program_cas._shared import warmset
 from cuda_program_cas.index import key_id
 
 JOB = "train-llm"
@@ -58,7 +58,8 @@ def staged(tmp_path: Path, job: str) -> Path:
     node = CacheStore(tmp_path / "job-node", shared=[f"{store}|write"])
     assert all(node.get(k) == value(int(k[1:])) for k in USED)
     node.close()
-    assert node._writeback is not None and node._writeback.sets_sent == 1
+    assert node._shared is not None and node._shared.writeback is not None
+    assert node._shared.writeback.sets_sent == 1
     listed = warmset.parse((store / warmset.set_name(job)).read_bytes())
     assert listed is not None and [e.kid for e in listed] == [key_id(k) for k in USED]
     assert all(e.pack is None for e in listed)  # loose in the store it was written to

@@ -3,7 +3,7 @@
 A hit served from memory returns the very ``bytes`` object of the hit before (a
 read from the file builds a new one), which is how these tests see where a hit
 came from without looking inside the reader. The memory budget is set small
-(``cuda_program_cas._store.reader._HOLD_MAX_BYTES``) so that a handful of keys overflow it.
+(``cuda_program_cas._local.reader._HOLD_MAX_BYTES``) so that a handful of keys overflow it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-import cuda_program_cas._store.reader
+import cuda_program_cas._local.reader
 from cuda_program_cas import ContentAddressedProgramCache
 
 SIZE = 20_000  # over the reader's 16 KiB line: its verified identity is remembered on the first read
@@ -26,7 +26,7 @@ def value(i: int) -> bytes:
 
 @pytest.fixture
 def budget_of_ten(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_program_cas._store.reader, "_HOLD_MAX_BYTES", 10 * SIZE + SIZE // 2)
+    monkeypatch.setattr(cuda_program_cas._local.reader, "_HOLD_MAX_BYTES", 10 * SIZE + SIZE // 2)
 
 
 def served_from_memory(cache: ContentAddressedProgramCache, keys: list[str], before: dict[str, bytes]) -> int:

@@ -29,7 +29,7 @@ from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.layout import BLOBS, url_path
-from cuda_program_cas._disk.pack import parse_listing
+from cuda_program_cas._disk.packset import parse_listing
 from cuda_program_cas._remote import client
 from cuda_program_cas._remote.s3 import S3Engine
 

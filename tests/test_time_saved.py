@@ -85,7 +85,7 @@ def test_hits_of_an_entry_without_a_recorded_compile_time_save_nothing_countable
 
 
 def test_the_ledger_folds_when_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cuda_program_cas._store import usage
+    from cuda_program_cas._local import usage
 
     lay = CacheStore(tmp_path / "c").inner.layout
     monkeypatch.setattr(usage, "COMPACT_BYTES", 2000)

@@ -28,11 +28,25 @@ from testkit.workers import child_env
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas._remote import client, multipart
-from cuda_program_cas._store import warmset
+from cuda_program_cas._shared import warmset
+from cuda_program_cas._shared.layer import SharedLayer
+from cuda_program_cas._shared.writeback import WriteBack
 from cuda_program_cas.index import LONGEST_MANIFEST, key_id
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "train-llm"
+
+
+def _layer(store: CacheStore) -> SharedLayer:
+    """The store's cluster layer (it names shared stores)."""
+    assert store._shared is not None
+    return store._shared
+
+
+def _writeback(store: CacheStore) -> WriteBack:
+    wb = _layer(store).writeback
+    assert wb is not None
+    return wb
 
 
 def value(i: int, size: int = 3000) -> bytes:
@@ -67,7 +81,7 @@ def test_a_cold_node_fetches_its_set_in_one_pipeline_every_entry_verified(
 ) -> None:
     keys = [f"k{i}" for i in range(60)]
     writer = _write_set(tmp_path / "a", f"{redis.url}|write", keys)
-    assert writer._writeback is not None and writer._writeback.sets_sent == 1
+    assert _writeback(writer).sets_sent == 1
     # One blob damaged in the store: it is not fetched, and its lookup is a miss, never wrong bytes.
     redis.client().set(f"cpcas:{url_path(BLOBS, digest_of(value(7)))}", b"x" * 3000)
     redis.reset_stats()
@@ -145,14 +159,14 @@ def test_nodes_merge_their_sets_and_one_with_nothing_new_writes_none(
     store = f"{redis.url}|write"
     _write_set(tmp_path / "a", store, [f"k{i}" for i in range(10)])
     second = _write_set(tmp_path / "b", store, [f"k{i}" for i in range(10, 20)] + ["k0", "k1"])
-    assert second._writeback is not None and second._writeback.sets_sent == 1
+    assert _writeback(second).sets_sent == 1
     listed = warmset.parse(redis.client().get(f"cpcas:{warmset.set_name(job)}"))
     assert listed is not None
     order = [f"k{i}" for i in range(10, 20)] + ["k0", "k1"] + [f"k{i}" for i in range(2, 10)]
     assert [e.kid for e in listed] == [key_id(k) for k in order]
     redis.reset_stats()
     third = _write_set(tmp_path / "c", store, ["k3", "k12"])
-    assert third._writeback is not None and third._writeback.sets_sent == 0
+    assert _writeback(third).sets_sent == 0
     assert "set" not in redis.commandstats()
     # Another job's set is another object: this job's is untouched by it.
     monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", "another")
@@ -198,7 +212,7 @@ def _packed_set(server: Nginx, tmp_path: Path, used: list[str], size: int) -> No
     """A packed store of 40 entries on ``server``, and the set of a job that used ``used`` (read through the packs)."""
     publish([_packed(tmp_path, 40, size)], server.root, pack=True)
     writer = _write_set(tmp_path / "writer", f"{server.dav_url('')}|write", used, size)
-    assert writer._writeback is not None and writer._writeback.sets_sent == 1
+    assert _writeback(writer).sets_sent == 1
     listed = warmset.parse((server.root / warmset.set_name(JOB)).read_bytes())
     assert listed is not None and all(e.pack is not None for e in listed)  # where each is, from the pack index
 
@@ -238,7 +252,7 @@ def test_a_lookup_that_missed_locally_just_before_its_entry_was_kept_finds_it_lo
     warm = node.inner.warm
     assert warm is not None and warm.join(30) and warm.fetched == len(used)
     before = node.inner.shared[0].engine.requests
-    found = node._find_shared(key_id(used[0]), None)  # what CacheStore.get does after its local miss
+    found = _layer(node).find(key_id(used[0]), None)  # what CacheStore.get does after its local miss
     assert found is not None and found[0] == value(0, 8000)
     assert node.inner.shared[0].engine.requests == before  # found local, not asked of the store again
     node.close()
@@ -417,7 +431,7 @@ def test_a_directory_store_named_writable_keeps_the_set_as_a_file_its_tools_acce
     CacheStore(tmp_path / "store").close()
     keys = [f"k{i}" for i in range(8)]
     writer = _write_set(tmp_path / "a", f"{tmp_path / 'store'}|write", keys)
-    assert writer._writeback is not None and writer._writeback.sets_sent == 1
+    assert _writeback(writer).sets_sent == 1
     listed = warmset.parse((tmp_path / "store" / warmset.set_name(job)).read_bytes())
     assert listed is not None and [e.kid for e in listed] == [key_id(k) for k in keys]
     got, node = _cold(tmp_path / "b", str(tmp_path / "store"), keys)
@@ -452,7 +466,7 @@ def test_a_store_that_never_answers_costs_a_cold_node_one_timeout_for_its_set_an
 
 def test_the_job_is_the_variable_else_the_main_script_and_none_for_an_interactive_session(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text("from cuda_program_cas._store.warmset import job_name\nprint(job_name())\n")
+    script.write_text("from cuda_program_cas._shared.warmset import job_name\nprint(job_name())\n")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_PROGRAM_CAS_JOB"}
 
     def job(*argv: str, **extra: str) -> str:

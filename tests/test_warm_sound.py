@@ -28,7 +28,7 @@ from testkit.redis_server import redis_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
-from cuda_program_cas._store import fetchbatch, warmset
+from cuda_program_cas._shared import fetchbatch, warmset
 from cuda_program_cas.index import Manifest, key_id
 
 JOB = "sound-job"

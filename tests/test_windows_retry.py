@@ -21,7 +21,7 @@ import cuda_program_cas._disk.blobs
 import cuda_program_cas._disk.files
 import cuda_program_cas._disk.remove
 import cuda_program_cas._disk.writer
-import cuda_program_cas._store.reader
+import cuda_program_cas._local.reader
 import cuda_program_cas._store.store
 from cuda_program_cas import CacheStore, WriteResult
 from cuda_program_cas._disk.atomic import atomic_write
@@ -88,7 +88,7 @@ _FILE_MODULES = (
     cuda_program_cas._disk.atomic,
     cuda_program_cas._disk.writer,
     cuda_program_cas._disk.remove,
-    cuda_program_cas._store.reader,
+    cuda_program_cas._local.reader,
     cuda_program_cas._disk.blobs,
     cuda_program_cas._store.store,
 )

@@ -18,7 +18,7 @@ from testkit.proxy import Proxy
 from testkit.redis_server import RedisServer, redis_or_skip
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache
-from cuda_program_cas._store import writeback
+from cuda_program_cas._shared import writeback
 from cuda_program_cas.index import key_id
 
 _server = redis_or_skip
@@ -68,7 +68,7 @@ def test_a_stalled_link_fills_the_queue_drops_the_rest_and_exit_is_bounded(redis
             f"""
             import json, time
             from cuda_program_cas import CacheStore
-            from cuda_program_cas._store.writeback import MAX_QUEUED
+            from cuda_program_cas._shared.writeback import MAX_QUEUED
             store = CacheStore({str(tmp_path / "local")!r}, shared=["redis://127.0.0.1:{proxy.port}/0|write"])
             worst = 0.0
             for i in range(MAX_QUEUED + 50):

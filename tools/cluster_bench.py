@@ -19,7 +19,7 @@ counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job a
 once against each store at 2 ms, checks every node got every kernel's bytes, and
 reports the requests the server answered in all and the seconds per node.
 
-``--misses`` measures the key list instead (cas/_store/keylist.py): a fresh node
+``--misses`` measures the key list instead (cas/_shared/keylist.py): a fresh node
 looks up 200 keys of which 20 are in a loose store (over nginx, and in Redis) and
 180 are not, at each round trip, with the store's key list and with it removed:
 seconds per node and requests (nginx's log; Redis's round trips through the

@@ -102,7 +102,7 @@ def nfs_rows(args: argparse.Namespace, measured: dict[str, dict[str, float]]) ->
 
 #: Requests one node's process makes over HTTP (tools/http_bench.py counts them, and nginx's
 #: access log agrees; they do not vary from run to run). Fixed: layout.json and packs/list, and
-#: for a loose store its key list (cas/_store/keylist.py: read at the first loose lookup),
+#: for a loose store its key list (cas/_shared/keylist.py: read at the first loose lookup),
 #: plus, for a packed store on a cold node, each pack's trailer and index (2 per pack, once per
 #: node: kept in the local cache after). Per hit: a manifest and a blob (loose), one Range GET (packed).
 HTTP_REQUESTS: dict[str, dict[str, float]] = {
@@ -111,7 +111,7 @@ HTTP_REQUESTS: dict[str, dict[str, float]] = {
 }
 
 
-#: The same with the job's warm set (cas/_store/warmset.py; tests/test_warm_sets.py asserts these):
+#: The same with the job's warm set (cas/_shared/warmset.py; tests/test_warm_sets.py asserts these):
 #: layout.json and the set, then for a packed store one multi-range request per pack, for a loose
 #: one a manifest and a blob per entry sent PARALLEL at a time. ``round_trips``: what a node waits
 #: for, fixed plus per hit (loose: 2 requests per hit, 16 at once).

@@ -93,7 +93,7 @@ ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
 #: (see :mod:`cuda_program_cas._base.events`).
 ENV_LOG = "CUDA_PROGRAM_CAS_LOG"
 #: How long a compile waits for another process of the node compiling the same key
-#: (see :mod:`cuda_program_cas._store.claims`): a duration, ``0`` never waits.
+#: (see :mod:`cuda_program_cas._local.claims`): a duration, ``0`` never waits.
 ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
 #: The wait's default: 5 minutes. A CUB kernel compiles in seconds and the largest
 #: template-heavy kernels in a minute or two, so a waiter rarely gives up on a live
@@ -101,7 +101,7 @@ ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
 #: than this before each compiles itself (a claimant that dies frees them at once).
 DEFAULT_CLAIM_WAIT_S = 300.0
 #: How long a node's lease on a key in a writable store that gives leases lives without renewal
-#: (see :mod:`cuda_program_cas._store.lease`): a holder killed or stopped frees it within this.
+#: (see :mod:`cuda_program_cas._shared.lease`): a holder killed or stopped frees it within this.
 ENV_LEASE_TTL = "CUDA_PROGRAM_CAS_LEASE_TTL"
 #: Its default: 30 s. A holder renews every third of it (10 s), so a live one loses it only
 #: when the store stops answering for 20 s.
@@ -508,7 +508,7 @@ VAR_REDIS_PASSWORD: Variable[str] = Variable(
 )
 VAR_JOB: Variable[str] = Variable(
     "CUDA_PROGRAM_CAS_JOB",
-    _elsewhere("_store.warmset:parse_job"),
+    _elsewhere("_shared.warmset:parse_job"),
     "the job whose warm set (the entries it used) is kept in the shared stores and fetched by a cold node; off: none",
     "the main script's name and a hash of its path; none for an interactive session",
 )

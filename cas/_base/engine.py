@@ -25,7 +25,7 @@ Rules every engine keeps:
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
   It returns what the store answered, as a message may quote it (``201 to PUT``):
-  a claim, which an uploader reads back (:mod:`cuda_program_cas._store.upload`).
+  a claim, which an uploader reads back (:mod:`cuda_program_cas._shared.upload`).
 - A password or token never appears in ``shown`` or in any message.
 
 What an engine can do besides is declared once, in its :class:`Abilities` record
@@ -89,7 +89,7 @@ _Bytes = TypeVar("_Bytes", bound="bytes | memoryview")
 #: staging disk, for an answer. Not an outage: the store is not paused.
 LOCAL = "could not take the answer in"
 #: What a lease holds once its holder gave it up without a result it could publish (its upload
-#: failed, or its compile): a node waiting for it compiles at once (:mod:`cuda_program_cas._store.lease`).
+#: failed, or its compile): a node waiting for it compiles at once (:mod:`cuda_program_cas._shared.lease`).
 LEASE_MARK = "compile-now"
 
 

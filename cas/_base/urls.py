@@ -3,7 +3,7 @@
 A store is a directory (a path, or a ``file://`` URL), an ``http(s)://`` URL (a
 web server; WebDAV for writes), a ``redis(s)://`` URL, or an ``s3://BUCKET/PREFIX``. :data:`STORE_SCHEMES`
 names every scheme; the table that picks an engine for each is
-:mod:`cuda_program_cas._store.tiers`.
+:mod:`cuda_program_cas._shared.tiers`.
 
 A list of stores (``CUDA_PROGRAM_CAS_SHARED``) separates them with whitespace or
 ``;``: ``/nfs/store https://cache.example:8443/store redis://cache:6379/0|write``.

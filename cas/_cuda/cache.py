@@ -22,7 +22,7 @@ from .inputs import taken_for
 from .off import SwitchedOff
 
 if TYPE_CHECKING:
-    from cuda_program_cas._store.cachestats import CacheStats
+    from cuda_program_cas._local.cachestats import CacheStats
     from cuda_program_cas._store.store import Inner
 
 __all__ = ["ContentAddressedProgramCache", "inner_of"]

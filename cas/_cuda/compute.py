@@ -195,7 +195,7 @@ def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
 
 def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     """``make(**kwargs)``, a cuda.compute factory, loaded from the store when it holds the build."""
-    from cuda_program_cas._store.why import NO_RECORD, Why
+    from cuda_program_cas._local.why import NO_RECORD, Why
     from cuda_program_cas.index import key_id
 
     from .opkey import Uncacheable
@@ -310,7 +310,7 @@ def _load(data: bytes, name: str) -> Any:
 
 def _dropped(inner: Inner, name: str, reason: str) -> None:
     """An uncacheable build: counted (a dropped write), said once per reason, and journaled for ``explain``."""
-    from cuda_program_cas._store.why import UNCACHEABLE, Why
+    from cuda_program_cas._local.why import UNCACHEABLE, Why
     from cuda_program_cas.index import key_id
 
     _uncacheable[0] += 1
@@ -320,7 +320,7 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
     inner.note_dropped(None, reason)
     if inner.store.read_only:
         return
-    from cuda_program_cas._store.journal import record_miss
+    from cuda_program_cas._local.journal import record_miss
 
     kid = key_id(f"cuda-program-cas compute uncacheable\0{name}\0{reason}")
     record_miss(inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason))

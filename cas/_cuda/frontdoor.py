@@ -68,8 +68,8 @@ from typing import TYPE_CHECKING, Any
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._disk.fskind import FsClock
+from cuda_program_cas._local.why import DAMAGED, NO_RECORD, RESULT_GONE, Why
 from cuda_program_cas._store.store import CacheStore
-from cuda_program_cas._store.why import DAMAGED, NO_RECORD, RESULT_GONE, Why
 from cuda_program_cas.index import grouped_id
 
 from .frontkey import (

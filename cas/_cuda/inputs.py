@@ -1,4 +1,4 @@
-"""What a compile that missed was made of, in the miss journal's form (:mod:`cuda_program_cas._store.journal`).
+"""What a compile that missed was made of, in the miss journal's form (:mod:`cuda_program_cas._local.journal`).
 
 ``Program.compile(cache=)`` hands the cache a finished key: sha256 of inputs it
 never sees. To say which input made such a key new, :func:`install` wraps
@@ -111,7 +111,7 @@ def describe(
     cwd: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The journal's inputs of one compile (see :mod:`cuda_program_cas._store.journal`)."""
+    """The journal's inputs of one compile (see :mod:`cuda_program_cas._local.journal`)."""
     kind = _text(code_type).lower()
     target = _text(target_type).lower()
     blake3 = blake3_hasher()

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from cuda_program_cas._base.config import ENV_SWITCH, NOT_GIVEN, validate_max_size
 from cuda_program_cas._base.errors import ReadOnlyCacheError
-from cuda_program_cas._store.stats import Counters
+from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import key_id
 
 if TYPE_CHECKING:
     from cuda_program_cas._disk.writer import WriteResult
-    from cuda_program_cas._store.cachestats import CacheStats
+    from cuda_program_cas._local.cachestats import CacheStats
 
 __all__ = ["SwitchedOff"]
 
@@ -75,7 +75,7 @@ class SwitchedOff:
 
     def stats(self) -> CacheStats:
         """An empty cache, and the writes this instance dropped: an off cache holds nothing it would give."""
-        from cuda_program_cas._store.cachestats import CacheStats
+        from cuda_program_cas._local.cachestats import CacheStats
 
         return CacheStats(0, 0, 0, 0, 0, None, **self.counters())
 

@@ -64,7 +64,7 @@ class BlobStore:
         it does not hash to ``digest`` or (``size`` given) has another size, and
         ``OSError`` (``NotRegularFile`` among them) for what cannot be read or is
         not a regular file. The cache's own hit path does the same with fewer
-        system calls (:mod:`cuda_program_cas._store.reader`).
+        system calls (:mod:`cuda_program_cas._local.reader`).
         """
         path = self.path_for(digest)
         try:

@@ -70,22 +70,22 @@ LAYOUT_FILE = "layout.json"
 BLOBS = "blobs"
 INDEX = "index"
 TMP = "tmp"
-#: Claims (see :mod:`cuda_program_cas._store.claims`) are ``tmp/<key id>.claim``: empty
+#: Claims (see :mod:`cuda_program_cas._local.claims`) are ``tmp/<key id>.claim``: empty
 #: files, removed by their holder, and otherwise temp files like any other (a sweep
 #: takes them once stale).
 CLAIM_SUFFIX = ".claim"
 QUARANTINE = "quarantine"
 LOCK_FILE = "evict.lock"
-#: The lifetime counters (see :mod:`cuda_program_cas._store.lifetime`) and the lock their writers take.
+#: The lifetime counters (see :mod:`cuda_program_cas._local.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
 #: Blobs verified in this boot (see :mod:`cuda_program_cas._disk.bootrecord`).
 BOOT_RECORD_FILE = "verified"
-#: The miss journal (see :mod:`cuda_program_cas._store.journal`): recent misses' inputs, for ``explain``;
+#: The miss journal (see :mod:`cuda_program_cas._local.journal`): recent misses' inputs, for ``explain``;
 #: the current file and the one it replaced when it grew past its bound.
 MISSES_FILE = "misses"
 MISSES_OLD = "misses.1"
-#: The usage ledger (see :mod:`cuda_program_cas._store.usage`): each entry's compile time and the time its hits saved.
+#: The usage ledger (see :mod:`cuda_program_cas._local.usage`): each entry's compile time and the time its hits saved.
 USAGE_FILE = "usage"
 #: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"

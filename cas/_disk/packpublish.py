@@ -44,20 +44,8 @@ from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import Engine, Ranged, StoreFailure, creates, listing, not_stored, ranged
 from cuda_program_cas._base.errors import CacheError
 
-from .pack import (
-    LISTING,
-    MAX_LISTING_BYTES,
-    TRAILER_SIZE,
-    PackEntry,
-    PackError,
-    PackIndex,
-    PackInput,
-    encode_listing,
-    is_pack_name,
-    pack_chunks,
-    pack_name,
-    parse_listing,
-)
+from .pack import TRAILER_SIZE, PackEntry, PackError, PackIndex, PackInput, pack_chunks, pack_name
+from .packset import LISTING, MAX_LISTING_BYTES, encode_listing, is_pack_name, parse_listing
 from .packsummary import MAX_SUMMARY_BYTES, SUMMARY, PackedEntry, encode_summary, parse_summary
 
 __all__ = ["TAIL_BYTES", "StorePacks"]

@@ -10,7 +10,7 @@ imported only when a Redis URL is used; :mod:`.s3` keeps one in an S3 bucket (bo
 resolves the AWS configuration and signs, imported only when ``s3://`` is used), and
 :mod:`.bucket` maintains it from the bucket's listing. Each engine is an
 :class:`cuda_program_cas._base.engine.Engine`, served by the one store class
-:class:`cuda_program_cas._store.tier.Tier`.
+:class:`cuda_program_cas._shared.tier.Tier`.
 """
 
 __all__: list[str] = []

@@ -188,8 +188,9 @@ def bucket_repack(address: str) -> BucketFound:
     """Every entry of the store at ``address`` into one new pack; the packs and loose manifests it replaces go."""
     from blake3 import blake3
 
-    from cuda_program_cas._disk.pack import RETIRED, PackInput, is_pack_name
+    from cuda_program_cas._disk.pack import RETIRED, PackInput
     from cuda_program_cas._disk.packpublish import StorePacks
+    from cuda_program_cas._disk.packset import is_pack_name
 
     engine = S3Engine(address)
     report = BucketFound(engine.shown)

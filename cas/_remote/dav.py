@@ -16,7 +16,7 @@ collections are made with MKCOL, top down, and the PUT is sent again.
 
 A 2xx is a claim, not a proof: a server that answers 201 may have stored nothing
 or a part. What a PUT sent is read back by the uploader
-(:mod:`cuda_program_cas._store.upload`; a pack: :mod:`cuda_program_cas._disk.packpublish`).
+(:mod:`cuda_program_cas._shared.upload`; a pack: :mod:`cuda_program_cas._disk.packpublish`).
 """
 
 from __future__ import annotations

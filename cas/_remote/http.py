@@ -4,7 +4,7 @@ The store is static files in the directory layout (``layout.json``, ``index/``,
 ``blobs/``, ``packs/``), so any server that serves files can serve it: nginx,
 Apache, an object store behind HTTPS. It implements
 :class:`cuda_program_cas._base.engine.Engine`; the lookup over it (the layout,
-the loose entry, the pause after an outage) is :class:`cuda_program_cas._store.tier.Tier`'s,
+the loose entry, the pause after an outage) is :class:`cuda_program_cas._shared.tier.Tier`'s,
 and its packs are :class:`.httppacks.HttpPacks`.
 
 - ``get``: one GET through the one client (:func:`.client.request`), which bounds

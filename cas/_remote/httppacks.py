@@ -1,4 +1,4 @@
-"""The packs of a store served over HTTP, as one process sees them: a :class:`~cuda_program_cas._store.tier.PackSource`.
+"""The packs of a store served over HTTP: a :class:`~cuda_program_cas._shared.tier.PackSource`.
 
 - Packs are listed by ``packs/list`` (publish and repack write it), fetched at the
   first lookup and again, conditionally (``If-None-Match``), every :data:`RELIST_S`,
@@ -33,15 +33,8 @@ from typing import NamedTuple, Protocol
 from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.urls import join
-from cuda_program_cas._disk.pack import (
-    LISTING,
-    RETIRED,
-    TRAILER_SIZE,
-    PackError,
-    PackIndex,
-    is_pack_name,
-    parse_listing,
-)
+from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError, PackIndex
+from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
 from .client import Reply
@@ -75,7 +68,7 @@ class Ranges(NamedTuple):
 
 
 class Report(Protocol):
-    """What the packs tell the store above them (:class:`~cuda_program_cas._store.tier.Tier` is one)."""
+    """What the packs tell the store above them (:class:`~cuda_program_cas._shared.tier.Tier` is one)."""
 
     def damaged(self, why: str, message: str) -> None:
         """A bad answer about one object: counted in ``corrupt``, noted once per ``why``."""

@@ -1,3 +1,3 @@
-"""The cache at run time: the reader, shared stores, the cap, counters, and :class:`CacheStore`."""
+"""The cache at run time: :class:`CacheStore`, which composes the local cache and the cluster layer."""
 
 __all__: list[str] = []

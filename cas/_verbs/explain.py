@@ -1,6 +1,6 @@
 """Why a compile missed: for each recent miss, the one input that differed from its own earlier variant.
 
-:func:`explain` reads the miss journal (:mod:`cuda_program_cas._store.journal`),
+:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`),
 reads only, and takes no lock. An input is the code, its code type, the target,
 the compiler's version, the name expressions, the working directory, each option
 (by its name: ``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...)
@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
-from cuda_program_cas._store.journal import MissRecord, read_journal
-from cuda_program_cas._store.why import (
+from cuda_program_cas._local.journal import MissRecord, read_journal
+from cuda_program_cas._local.why import (
     DIRECTORY_CHANGED,
     HEADER_CHANGED,
     HEADER_GONE,

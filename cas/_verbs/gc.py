@@ -41,8 +41,8 @@ from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.layout import Layout, is_shared_store, stale_temp_files
 from cuda_program_cas._disk.remove import RemovalPlan, Remover, removable_orphans
 from cuda_program_cas._disk.scan import ManifestInfo, Snapshot, take_snapshot
-from cuda_program_cas._store.cap import plan_lru
-from cuda_program_cas._store.touch import apply_pending
+from cuda_program_cas._local.cap import plan_lru
+from cuda_program_cas._local.touch import apply_pending
 from cuda_program_cas.index import lru_units, partners_of
 
 from .common import SHARED_MIN_GRACE_S, MaintainedCache, ProgressFn, Report, check_blobs, not_created, open_cache

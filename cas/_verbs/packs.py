@@ -47,16 +47,9 @@ from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.direngine import DirEngine, DirModes
 from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
-from cuda_program_cas._disk.pack import (
-    RETIRED,
-    PackEntry,
-    PackError,
-    PackInput,
-    PackReader,
-    list_packs,
-    save_listing,
-)
+from cuda_program_cas._disk.pack import RETIRED, PackEntry, PackError, PackInput, PackReader
 from cuda_program_cas._disk.packpublish import StorePacks
+from cuda_program_cas._disk.packset import list_packs, save_listing
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
 from cuda_program_cas._disk.writer import Writer
@@ -201,10 +194,10 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
     (one request per entry, then misses); rewritten, it is one multi-range request
     again. A line whose entry the new pack lacks (dropped, unreadable) names no
     pack; a damaged set is left (nodes ignore it). Through the one read-modify-write
-    of a set (:func:`cuda_program_cas._store.warmset.updated`).
+    of a set (:func:`cuda_program_cas._shared.warmset.updated`).
     """
     from cuda_program_cas._disk.direngine import DirEngine
-    from cuda_program_cas._store.warmset import MAX_SET_BYTES, stored_sets, updated
+    from cuda_program_cas._shared.warmset import MAX_SET_BYTES, stored_sets, updated
 
     names = stored_sets(lay.root)
     if not names:

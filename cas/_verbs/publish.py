@@ -15,7 +15,7 @@ meanwhile never sees a partial file or a manifest whose blob is not there yet:
   each manifest commit the blob is checked again and restored if a collector took
   it in between.
 
-Last, the store's key list (:mod:`cuda_program_cas._store.keylist`) gets every key
+Last, the store's key list (:mod:`cuda_program_cas._shared.keylist`) gets every key
 the run published or found the store holding, with the compile time its source
 recorded; a directory's whole index is listed, so a publish into the store's
 directory gives a store written by older versions a whole key list.
@@ -36,7 +36,7 @@ a blob damaged in place, at its right size, is rewritten from the source
 
 The store is reached through its engine (:mod:`cuda_program_cas._base.engine`),
 chosen by the address's scheme from the table that shared stores are opened by
-(:mod:`cuda_program_cas._store.tiers`): a directory (a path or ``file://``), an
+(:mod:`cuda_program_cas._shared.tiers`): a directory (a path or ``file://``), an
 ``http(s)://`` WebDAV location, or a ``redis(s)://`` database. One target,
 :class:`Target`, runs the same plan and the same order over each; only a
 directory has modes, ``fsync`` and mtimes (options of its engine), and only a
@@ -44,24 +44,24 @@ directory's copies are hashed (elsewhere that would download every blob: they
 are checked by their size). A loose publish asks for each manifest the sources
 hold (absent, equal or another), for the blob of each new one (its size),
 uploads the blobs that are missing, then the manifests. ``--pack`` writes one
-new pack, then lists it (:class:`~cuda_program_cas._store.tiers.PackTarget`: a
+new pack, then lists it (:class:`~cuda_program_cas._shared.tiers.PackTarget`: a
 directory's ``packs/``, a WebDAV store's ``packs/list``); a Redis store takes
 loose entries only, and ``--pack`` into one is refused. Each upload is atomic
 in the store: a rename on a disk and in nginx's dav module, a ``SET`` in Redis.
 
-Warm sets (:mod:`cuda_program_cas._store.warmset`): a source that is a store
+Warm sets (:mod:`cuda_program_cas._shared.warmset`): a source that is a store
 directory the job's nodes wrote back into holds their sets (``sets/*``; a node's
 own cache keeps none). After every entry and pack, :func:`publish_sets` copies
 them: each parsed whole (a damaged one is a problem line, never copied), its
 lines kept where the source holds that entry and the run did not skip its blob,
 merged into the store's own set by write-back's read-modify-write
-(:func:`~cuda_program_cas._store.warmset.updated`), and every line given the
+(:func:`~cuda_program_cas._shared.warmset.updated`), and every line given the
 pack and offset that hold its entry in the store now (this run's pack first),
 so a cold node fetches a packed set in one request. A set the store holds so
 already is not written again.
 
 An answer is not taken for a proof. Each upload is read back at once, before
-anything names it (:func:`cuda_program_cas._store.upload.put_checked`, the one
+anything names it (:func:`cuda_program_cas._shared.upload.put_checked`, the one
 write-back sends through; not on a directory, whose write protocol is the proof,
 and whose blobs are re-checked after their manifests): a blob's size (HEAD,
 ``STRLEN``), a pack's
@@ -71,7 +71,7 @@ pack's name in it anyway. A store that holds less, or other bytes, stops the
 run with a ``not stored`` :class:`~cuda_program_cas._base.engine.StoreFailure`
 naming the object. Every read is bounded by the cache's own limits, never by
 what the server says: a manifest by its longest form, the listing by
-:data:`~cuda_program_cas._disk.pack.MAX_LISTING_BYTES`, a pack's index by the
+:data:`~cuda_program_cas._disk.packset.MAX_LISTING_BYTES`, a pack's index by the
 ceiling for any entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it
 is fetched.
 """
@@ -95,8 +95,8 @@ from cuda_program_cas._disk.layout import (
     check_layout,
     url_path,
 )
-from cuda_program_cas._store.tiers import open_engine
-from cuda_program_cas._store.upload import where
+from cuda_program_cas._shared.tiers import open_engine
+from cuda_program_cas._shared.upload import where
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
 
 from .common import open_cache

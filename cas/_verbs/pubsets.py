@@ -14,12 +14,12 @@ from cuda_program_cas._disk.layout import (
     INDEX,
     url_path,
 )
-from cuda_program_cas._disk.pack import is_pack_name
-from cuda_program_cas._store.upload import put_checked
-from cuda_program_cas._store.warmset import MAX_SET_BYTES, SetEntry, stored_sets
-from cuda_program_cas._store.warmset import merge as merge_sets
-from cuda_program_cas._store.warmset import parse as parse_set
-from cuda_program_cas._store.warmset import updated as updated_set
+from cuda_program_cas._disk.packset import is_pack_name
+from cuda_program_cas._shared.upload import put_checked
+from cuda_program_cas._shared.warmset import MAX_SET_BYTES, SetEntry, stored_sets
+from cuda_program_cas._shared.warmset import merge as merge_sets
+from cuda_program_cas._shared.warmset import parse as parse_set
+from cuda_program_cas._shared.warmset import updated as updated_set
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_manifest
 
 from .pubreport import PublishReport
@@ -31,13 +31,13 @@ __all__ = ["publish_sets", "source_holds"]
 def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) -> None:
     """The sources' warm sets (``sets/*``) into the store, after every entry and pack they may name.
 
-    Each source set is read bounded (:data:`~cuda_program_cas._store.warmset.MAX_SET_BYTES`)
+    Each source set is read bounded (:data:`~cuda_program_cas._shared.warmset.MAX_SET_BYTES`)
     and parsed whole: one that is not a whole set is a problem line, never copied.
     Its lines are kept where the source holds that entry (its manifest names that
     digest) and this run did not skip its blob; the sets of one job from several
     sources are merged, the first source's first; then merged into the store's
     own set of the job, and every line given the pack and offset that hold its
-    entry in the store now (:func:`~cuda_program_cas._store.warmset.updated`,
+    entry in the store now (:func:`~cuda_program_cas._shared.warmset.updated`,
     write-back's one read-modify-write), read back as write-back's are. A set the
     store already holds so is not written again.
     """

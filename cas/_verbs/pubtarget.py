@@ -32,8 +32,8 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas._disk.pack import PackInput
 from cuda_program_cas._disk.packsummary import PackedEntry
 from cuda_program_cas._disk.remove import Remover
-from cuda_program_cas._store.tiers import PackTarget, open_packs
-from cuda_program_cas._store.upload import put_checked, where
+from cuda_program_cas._shared.tiers import PackTarget, open_packs
+from cuda_program_cas._shared.upload import put_checked, where
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 from .pubreport import PublishReport
@@ -52,8 +52,8 @@ class Target:
     """The store being published into, over its engine (a directory, WebDAV or Redis): what it holds, and writes.
 
     One class for every engine. What differs is the engine's
-    (:mod:`cuda_program_cas._store.tiers` picks it by the address's scheme), its
-    packs (:func:`cuda_program_cas._store.tiers.open_packs`: none for Redis), and,
+    (:mod:`cuda_program_cas._shared.tiers` picks it by the address's scheme), its
+    packs (:func:`cuda_program_cas._shared.tiers.open_packs`: none for Redis), and,
     for a directory only, its modes and syncing (:class:`DirModes`, options of the
     :class:`DirEngine`) and the few things only files have: a copy cheap enough to
     hash, an mtime to freshen, a cache to sync.
@@ -200,7 +200,7 @@ class Target:
         if self.packs is not None and not self.dry_run:
             self.packs.finish(bool(report.packs))
         if not self.dry_run:
-            from cuda_program_cas._store.keylist import KEYS, list_published
+            from cuda_program_cas._shared.keylist import KEYS, list_published
 
             index = None if self.dir is None else Layout(self.dir.root).index
             if not list_published(self.engine, self.held, index_dir=index):

@@ -24,9 +24,9 @@ from cuda_program_cas._disk.classify import Condition, classify
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 from cuda_program_cas._disk.settings import MAX_SIZE, effective_settings
-from cuda_program_cas._store.lifetime import read_counters
-from cuda_program_cas._store.lifetime import zero_counters as _zero_counters
-from cuda_program_cas._store.usage import read_usage
+from cuda_program_cas._local.lifetime import read_counters
+from cuda_program_cas._local.lifetime import zero_counters as _zero_counters
+from cuda_program_cas._local.usage import read_usage
 from cuda_program_cas.index import is_record
 
 from .common import Report, cache_root, open_cache

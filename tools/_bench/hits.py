@@ -200,7 +200,7 @@ def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
 
     Fresh instances of both caches: nothing read before competes for ours' memory.
     """
-    from cuda_program_cas._store.reader import _HOLD_MAX_BYTES
+    from cuda_program_cas._local.reader import _HOLD_MAX_BYTES
 
     caches = {k: open_cache(k, os.path.join(base, f"{k}-beyond")) for k in KINDS}
     size = 160 * KB

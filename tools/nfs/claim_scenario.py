@@ -2,7 +2,7 @@
 """Claims on a cache that sits on NFS: processes of one mount, and of several mounts of one export.
 
 A cache directory on NFS (a home directory, ``CUDA_PROGRAM_CAS_DIR`` on a shared scratch)
-may be opened by several nodes at once; its claims (``cuda_program_cas._store.claims``,
+may be opened by several nodes at once; its claims (``cuda_program_cas._local.claims``,
 an ``flock`` on ``tmp/<key id>.claim``) then go through the NFS client's lock emulation:
 byte-range locks that the server arbitrates (NLM for NFSv3, the protocol's own for
 NFSv4), or node-local ones with ``nolock`` or ``local_lock=``. Run by
@@ -106,7 +106,7 @@ def worker(cfg: Result) -> Result:
     ``waiting`` when it first waits for another's claim.
     """
     from cuda_program_cas import CacheStore
-    from cuda_program_cas._store import claims
+    from cuda_program_cas._local import claims
     from cuda_program_cas.index import key_id
 
     out: Result = {"wrong": [], "exceptions": [], "wait_s": cfg["wait_s"], "lock_calls": 0, "lock_max_s": 0.0,

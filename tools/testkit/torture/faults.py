@@ -203,7 +203,7 @@ try:
     errors = fresh.stats().errors
 except Exception as exc:
     out["failures"].append(f"unreadable: stats() raised {type(exc).__name__}: {exc}")
-    errors = fresh._counters.as_dict()["errors"]
+    errors = fresh._local.counters.as_dict()["errors"]
 if errors < len(locked):
     out["failures"].append(f"unreadable: {len(locked)} unreadable files, errors counted: {errors}")
 capped = CacheStore(root, max_size_bytes=16384)

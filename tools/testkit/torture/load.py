@@ -133,7 +133,7 @@ def run_crashes(workdir: str, *, rounds: int = 10, processes: int = 2, cap: int 
 
 def _young_orphan_bytes(store: CacheStore) -> int:
     """Bytes of blobs that no manifest names and that are within the eviction's grace period."""
-    from cuda_program_cas._store.cap import ORPHAN_GRACE_S
+    from cuda_program_cas._local.cap import ORPHAN_GRACE_S
 
     snap = store.inner.snapshot()
     cutoff = time.time_ns() - ORPHAN_GRACE_S * 1e9

@@ -1,6 +1,6 @@
 """Leases: one compile per key per cluster, where a writable store can give them (Redis, S3).
 
-Claims (:mod:`cuda_program_cas._store.claims`) make one process per node compile a
+Claims (:mod:`cuda_program_cas._local.claims`) make one process per node compile a
 key. On a cluster each node would still compile it once. So the process holding
 its node's claim then asks the writable store for the key's *lease*
 (``leases/<key id>``: Redis ``SET NX PX`` with a random token; S3 a conditional create):
@@ -8,7 +8,7 @@ its node's claim then asks the writable store for the key's *lease*
 - **Taken**: this node compiles. A thread renews the lease every third of its
   time to live while the compile runs; the lease is given back (only if the token
   still holds it) once the result has been uploaded by write-back
-  (:mod:`cuda_program_cas._store.writeback`). A holder with no result to give
+  (:mod:`cuda_program_cas._shared.writeback`). A holder with no result to give
   (its compile failed, its result was not stored, its upload failed) gives the
   lease up at once with a *mark* (:data:`~cuda_program_cas._base.engine.LEASE_MARK`,
   living one time to live): every node waiting for it looks once more, then
@@ -44,8 +44,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from cuda_program_cas._base.engine import LEASE_MARK, Leases, StoreFailure, leases
+from cuda_program_cas._local.stats import Counters
 
-from .stats import Counters
 from .tier import Tier
 
 __all__ = ["HELD", "POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]

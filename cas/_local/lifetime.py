@@ -14,7 +14,7 @@ garbled or fails its check is ignored; one that checks out but has a tag this
 version does not know (a later version's) is left out of the sums and kept by
 compaction.
 
-How counts get there: an instance counts in memory (:class:`cuda_program_cas._store.stats.Counters`,
+How counts get there: an instance counts in memory (:class:`cuda_program_cas._local.stats.Counters`,
 an increment and no I/O per operation) and its :class:`Recorder` appends the
 difference since its last line: on the first operation a second or more after
 the last flush (so at most once a second, and only when there is something new),

@@ -7,7 +7,7 @@ compactly, and a node reads it once (then again, conditionally, every
 
 - **The object.** ``keys`` beside ``layout.json``: the header line :data:`HEADER`,
   then one 12-byte record per key, sorted and unique: the key id's first 8 bytes
-  (the usage ledger's key number, :func:`cuda_program_cas._store.usage.key_number`),
+  (the usage ledger's key number, :func:`cuda_program_cas._local.usage.key_number`),
   big-endian, and the entry's compile time in milliseconds (u32; 0: unknown).
   100,000 keys are 1.2 MB; at most :data:`MAX_BYTES`. A reader holds it as it
   came (:class:`Listed`: the bytes, binary-searched), not as a table of its keys.
@@ -29,7 +29,7 @@ compactly, and a node reads it once (then again, conditionally, every
   list (or copied in by hand) are not in it: false misses until a node stores them
   again or a publish into the store's directory lists its whole index.
 - **Staleness.** A reader's copy is up to :data:`REFRESH_S` old, and write-back
-  merges its keys after the job has been quiet :data:`cuda_program_cas._store.warmset.QUIET_S`:
+  merges its keys after the job has been quiet :data:`cuda_program_cas._shared.warmset.QUIET_S`:
   another node's new entry may be a miss for that long. The lease probe, every lookup
   of a compile that waited for or took a lease, and the warm-set fetch do not consult
   it, and a node lists what it wrote back itself at once.
@@ -50,9 +50,9 @@ from operator import lt
 from cuda_program_cas._base.config import VAR_KEYS_REFRESH
 from cuda_program_cas._base.engine import Engine, StoreFailure, conditional
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._local.usage import key_number as number
 
 from .upload import put_checked
-from .usage import key_number as number
 
 __all__ = [
     "HEADER",
@@ -361,8 +361,7 @@ def list_published(engine: Engine, held: Mapping[str, Iterable[str]], *, index_d
     """
     from cuda_program_cas._disk.files import scan_sharded
     from cuda_program_cas._disk.layout import Layout
-
-    from .usage import compile_us_of
+    from cuda_program_cas._local.usage import compile_us_of
 
     ours: dict[int, int] = {}
     unreadable: list[str] = []

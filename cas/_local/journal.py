@@ -22,7 +22,7 @@ NVVM compiles under the switch) and its inputs (``in``), each in a compact form:
   IR modules, ``options`` are NVVM's: ``-arch=compute_80``, ``-opt=3``).
 
 A front door miss also holds why its lookup missed (``why``: the ``kind``, ``path``
-and ``text`` of a :class:`cuda_program_cas._store.why.Why`): what kind of check
+and ``text`` of a :class:`cuda_program_cas._local.why.Why`): what kind of check
 failed, the path it failed on (empty when no file's check failed) and the line the
 front door logs at DEBUG.
 

@@ -106,7 +106,7 @@ def _dir_engine(address: str, opts: Options) -> Engine:
 
 
 def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
-    from cuda_program_cas._disk.pack import PackSet
+    from cuda_program_cas._disk.packset import PackSet
 
     root = engine.shown
     tier: Tier

@@ -20,7 +20,7 @@ hit. A claim can only save work, never change a result:
 Why ``flock`` on a file of our own rather than ``filelock``: ``filelock`` takes the
 same ``flock`` on POSIX, but it leaves its lock files behind, cannot tell that the
 file it locked was removed meanwhile, and knows nothing of forks; the lifetime
-counters already take their lock this way (:mod:`cuda_program_cas._store.lifetime`).
+counters already take their lock this way (:mod:`cuda_program_cas._local.lifetime`).
 ``flock``, not ``fcntl``'s record locks: those belong to the process, so two threads
 of one process would both hold the claim, and closing any descriptor of the file
 drops it. An ``flock`` belongs to the open file: threads contend like processes.
@@ -44,7 +44,7 @@ at once while its node lives; a node that dies holds its claims until the
 server's lease ends (NFSv4: 90 s by default) or, on NFSv3, until it comes back:
 the wait's bound covers both. Each try is a round trip to the server, so a
 waiter asks less and less often, and each try is bounded
-(:mod:`cuda_program_cas._store.flocks`): one on NFSv3 with no ``rpc.statd`` did
+(:mod:`cuda_program_cas._local.flocks`): one on NFSv3 with no ``rpc.statd`` did
 not return for 61 s, one whose server's lock manager is gone never returns. A try
 still out at the bound is given up (no claim: compile). A file that the server
 removed while a waiter had it open (``ESTALE``) is a claimant that let go.
@@ -229,7 +229,7 @@ class _Gone(Exception):
 
 
 def _lock(fd: int, until: float) -> bool:
-    """One non-blocking try (:func:`cuda_program_cas._store.flocks.try_lock`): True when taken,
+    """One non-blocking try (:func:`cuda_program_cas._local.flocks.try_lock`): True when taken,
     False when another holds it; :class:`_Slow` when not back by ``until`` (its thread then closes ``fd``)."""
     return try_lock(fd, until, _close)
 

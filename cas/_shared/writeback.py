@@ -15,7 +15,7 @@ What is not sent is dropped, never retried later and never an error of the calle
 
 - the queue is full (:data:`MAX_QUEUED` entries or :data:`MAX_QUEUED_BYTES` bytes
   waiting: a store slower than the node's compiles);
-- the store is paused after an outage (:mod:`cuda_program_cas._store.tier`), or
+- the store is paused after an outage (:mod:`cuda_program_cas._shared.tier`), or
   the upload fails (down, full, denied, too slow for its deadline);
 - the process exits with uploads still queued after :data:`EXIT_FLUSH_S`;
 - the local cache could not store the entry (its disk full: :meth:`WriteBack.not_stored`).
@@ -29,10 +29,10 @@ With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest sent carries the site'
 signature (:mod:`cuda_program_cas._base.signing`); a key that cannot be used drops
 every upload (said once) rather than send entries that trusting nodes would ignore.
 
-**The key list.** Each store's key list (:mod:`cuda_program_cas._store.keylist`)
+**The key list.** Each store's key list (:mod:`cuda_program_cas._shared.keylist`)
 gets the keys uploaded to it, with their compile times from the local usage
 ledger, by the warm set's timer: once the job has been quiet
-:data:`~cuda_program_cas._store.warmset.QUIET_S` (and at exit), one bounded
+:data:`~cuda_program_cas._shared.warmset.QUIET_S` (and at exit), one bounded
 read-merge-write per store for all the keys sent since, after their uploads.
 The node's own view of the store's list has them at once.
 
@@ -57,11 +57,11 @@ from typing import TYPE_CHECKING
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Signer
+from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import Manifest, is_local_id
 
 from .keylist import compile_ms, merge_into, number
-from .stats import Counters
-from .tier import warn_once_for
+from .said import warn_once_for
 from .upload import put_checked, upload_entry
 from .warmset import QUIET_S
 from .warmset import parse as parse_set

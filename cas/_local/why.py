@@ -2,7 +2,7 @@
 
 The front door's lookup returns a :class:`Why` where it returned a line before (it
 is a ``str``: the miss's DEBUG record takes it as it is), and the miss journal
-(:mod:`cuda_program_cas._store.journal`) keeps its ``kind`` and ``path``, so that
+(:mod:`cuda_program_cas._local.journal`) keeps its ``kind`` and ``path``, so that
 ``explain`` can say what the front door found. Imported by a hit: no imports.
 """
 

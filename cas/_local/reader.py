@@ -3,7 +3,7 @@
 This is the hot path, written for few system calls: open, read and close the
 manifest, then the blob; ``fstat`` only where it saves a hash (a blob of 16 KiB
 or more, or one met before). The recency touch is queued, not made
-(:mod:`cuda_program_cas._store.touch`). A repeated hit proves the manifest unchanged with one
+(:mod:`cuda_program_cas._local.touch`). A repeated hit proves the manifest unchanged with one
 ``lstat`` instead of reading it; the blob's bytes then come from memory (the
 32 MiB budget: verified bytes need no look at their file), or beyond the budget
 from the file after an ``fstat`` proves it the one verified, without hashing it

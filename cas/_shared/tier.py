@@ -33,9 +33,9 @@ web server, a Redis server. What it does, written once here:
   counted in ``errors``, said once, and no pause.
 - **The key list** (a ``remote`` engine: HTTP and Redis, where a request is
   costly; a directory's stat is cheaper than a list). The store's ``keys``
-  (:mod:`cuda_program_cas._store.keylist`) is read at the first loose lookup, not
+  (:mod:`cuda_program_cas._shared.keylist`) is read at the first loose lookup, not
   at open, and again, conditionally, every
-  :data:`~cuda_program_cas._store.keylist.REFRESH_S`: a key it does not list is a
+  :data:`~cuda_program_cas._shared.keylist.REFRESH_S`: a key it does not list is a
   miss with no request (``listed_misses``). It only ever turns a hit into a miss;
   a store without one is asked as always. ``lookup(kid, unlisted=True)`` (the
   lease probe: another node's upload may not be listed yet) asks regardless.
@@ -47,8 +47,8 @@ web server, a Redis server. What it does, written once here:
   request (``skipped_lookups``), said at DEBUG once per process per store with the
   figures. No key list or no recorded time: never skipped.
 - **Saying so.** The first time this process finds a store unusable, down or
-  denied gets one WARNING naming it and why; everything after, and every bad answer
-  about one object, is DEBUG, once per kind.
+  denied gets one WARNING naming it and why (:mod:`cuda_program_cas._shared.said`);
+  everything after, and every bad answer about one object, is DEBUG, once per kind.
 
 Nothing here writes to a store (that is write-back's and publish's) or raises into
 the caller.
@@ -57,7 +57,6 @@ the caller.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -68,7 +67,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._base.fork import ForkSafeLock, after_fork
+from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
     BLOBS,
@@ -79,9 +78,10 @@ from cuda_program_cas._disk.layout import (
     parse_layout,
     url_path,
 )
+from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 
-from .stats import Counters
+from .said import refused_untrusted, warn_once_for
 
 if TYPE_CHECKING:
     from .fetchbatch import Keep, RangedPacks, Wanted
@@ -96,8 +96,6 @@ __all__ = [
     "PackSource",
     "Tier",
     "ceiling",
-    "say_untrusted",
-    "warn_once_for",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -117,63 +115,11 @@ LOOSE_REQUESTS = 2
 #: Requests of a packed lookup whose pack's index is in hand (one Range request).
 PACKED_REQUESTS = 1
 
-#: Stores this process has warned about (by their shown address).
-_warned: set[str] = set()
-_warned_lock = ForkSafeLock()
-
-
-#: Entries refused as untrusted in this process, by store (said at exit: :func:`_say_untrusted`).
-_untrusted: dict[str, int] = {}
-_at_exit = False  # the report at exit arranged
-os.register_at_fork(after_in_child=_untrusted.clear)  # a child says what it refused, not its parent's
-
-
-def say_untrusted(roots: Sequence[str]) -> None:
-    """Say now what this process refused as untrusted from ``roots`` (:meth:`CacheStore.close`)."""
-    _say_untrusted(roots)
-
-
-def _refused_untrusted(root: str) -> None:
-    """Count one entry of ``root`` refused as untrusted; the first of the process arranges the report at exit."""
-    global _at_exit
-    with _warned_lock:
-        first, _at_exit = not _at_exit, True
-        _untrusted[root] = _untrusted.get(root, 0) + 1
-    if first:
-        import atexit
-
-        atexit.register(_say_untrusted)
-
-
-def _say_untrusted(roots: Sequence[str] | None = None) -> None:
-    """One WARNING per store (of ``roots``; None: every one) whose entries this process refused as untrusted, with
-    their number: at a store's close, and at exit for those not closed. A store refusing more later says it again."""
-    with _warned_lock:
-        counts = {r: _untrusted.pop(r) for r in (list(_untrusted) if roots is None else roots) if r in _untrusted}
-    for root, n in counts.items():
-        _log.warning(
-            "cuda-program-cas: shared store %s: %d %s refused in this process: not signed by a key in "
-            "$CUDA_PROGRAM_CAS_TRUSTED_KEYS (each a miss, counted in untrusted); a node writing there without the "
-            "site's signing key overwrites signed entries",
-            root,
-            n,
-            "entry" if n == 1 else "entries",
-        )
-
 
 def ceiling(max_entry: int | None) -> int:
     """The most bytes one entry may take: the ceiling (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``), or less for the cap."""
     limit = env_max_entry_size()
     return limit if max_entry is None else min(limit, max_entry)
-
-
-def warn_once_for(root: str) -> bool:
-    """True the first time this process is to warn about ``root``."""
-    with _warned_lock:
-        if root in _warned:
-            return False
-        _warned.add(root)
-        return True
 
 
 class PackSource(Protocol):
@@ -442,7 +388,7 @@ class Tier:
             return None
         if self._trust is not None and not self._trust.verify(data):
             self.counters.add("untrusted")
-            _refused_untrusted(self.root)
+            refused_untrusted(self.root)
             self._why.reason = "untrusted (not signed by a trusted key)"
             self._note("untrusted", f"the manifest of {kid} is not signed by a key in $CUDA_PROGRAM_CAS_TRUSTED_KEYS")
             return None

@@ -1,7 +1,7 @@
 """The usage ledger: how long each entry took to compile, and how much time its hits saved.
 
 ``<root>/usage`` holds self-checking lines in the counters file's form
-(:func:`cuda_program_cas._store.lifetime.encode_line`), each naming an entry by
+(:func:`cuda_program_cas._local.lifetime.encode_line`), each naming an entry by
 the first 16 hex digits of its key id, as a decimal integer::
 
     t1 <key> <compile microseconds> <crc>     written by the miss that stored the entry

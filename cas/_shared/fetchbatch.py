@@ -92,7 +92,7 @@ class RangedPacks(Protocol):
 
 
 class Source(Protocol):
-    """The store fetched from (:class:`~cuda_program_cas._store.tier.Tier`): its engine and packs, and its judgments."""
+    """The store fetched from (a :class:`~cuda_program_cas._shared.tier.Tier`): its engine, packs and judgments."""
 
     @property
     def engine(self) -> Engine: ...

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from cuda_program_cas._base.config import VAR_JOB
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._disk.pack import is_pack_name
+from cuda_program_cas._disk.packset import is_pack_name
 from cuda_program_cas.index import is_hex, is_local_id
 
 from .tier import Tier

@@ -79,4 +79,4 @@ class CacheStats:
 
 
 if tuple(f.name for f in fields(CacheStats))[6:] != COUNTER_NAMES:  # one list of counters, spelled twice
-    raise RuntimeError("cuda_program_cas._store.stats.COUNTER_NAMES does not match CacheStats's counter fields")
+    raise RuntimeError("cuda_program_cas._local.stats.COUNTER_NAMES does not match CacheStats's counter fields")

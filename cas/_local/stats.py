@@ -1,6 +1,6 @@
 """This instance's operation counts (:class:`Counters`).
 
-What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._store.cachestats`'s,
+What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._local.cachestats`'s,
 imported by ``stats()``: a hit counts, it never makes a snapshot, and that dataclass costs a
 process about 1 ms to build (its 22 fields' generated methods).
 """
@@ -12,12 +12,12 @@ import threading
 
 from cuda_program_cas._base.fork import after_fork
 
-__all__ = ["COUNTER_NAMES", "Counters"]
+__all__ = ["COUNTER_NAMES", "Counters", "merged"]
 
 #: The counters: the one list. :class:`CacheStats`'s fields after its six of the disk are
-#: these in this order (:mod:`cuda_program_cas._store.cachestats` checks that when it is
+#: these in this order (:mod:`cuda_program_cas._local.cachestats` checks that when it is
 #: imported), and the lifetime counters' lines hold these but the claims'
-#: (:data:`cuda_program_cas._store.lifetime.NAMES`).
+#: (:data:`cuda_program_cas._local.lifetime.NAMES`).
 COUNTER_NAMES = (
     "hits",
     "misses",
@@ -67,6 +67,10 @@ class Counters:
         # repr is "count(N)": N is the next value, the number of hits so far.
         return int(repr(self._hits)[6:-1])
 
+    def counter_of_hits(self) -> itertools.count[int]:
+        """The count every hit steps (for a listener that steps it in C: :mod:`cuda_program_cas._local.listeners`)."""
+        return self._hits
+
     def add(self, name: str, n: int = 1) -> None:
         if name == "hits":
             for _ in range(n):
@@ -85,3 +89,18 @@ class Counters:
             return {name: getattr(self, name) for name in _COUNTER_NAMES}
         with self._lock:
             return {name: getattr(self, name) for name in _COUNTER_NAMES}
+
+
+def merged(local: Counters, theirs: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
+    """An instance's counts: its own, with the errors, corrupt and untrusted entries of the stores it reads
+    through, and the misses their key lists answered or that were skipped as slower than compiling."""
+    counts = local.as_dict(lock=lock)
+    for their_counts in theirs:
+        found = their_counts.as_dict(lock=lock)
+        for name in _THEIRS:
+            counts[name] += found[name]
+    return counts
+
+
+#: What the stores an instance reads through count for it.
+_THEIRS = ("errors", "corrupt", "untrusted", "listed_misses", "skipped_lookups")

@@ -1,0 +1,110 @@
+"""What a cache does, told to whoever listens: its counters, the usage ledger, the miss journal, the log.
+
+A store emits events; it does not call its counters, ledgers or logger itself. Five events:
+
+- ``hit(kid)``: a hit was counted (local or shared). Its listeners are the counters (one
+  atomic step) and, on a writable cache, the usage ledger's tally of hits per key. The one
+  hot path, ``CacheStore.get``'s local hit, does what these two do in place, with the
+  :class:`HitTally`'s dict: a call per listener cost about 770 instructions per hit.
+- ``counted(name)``: anything else counted (``misses``, ``shared_hits``, ``writes``, ...).
+- ``looked(kid, where, t0_ns, reasons)``: a lookup's record is due (``where``: ``local`` or
+  ``shared <root>`` for a hit, None for a miss, with ``reasons``).
+- ``wrote(kid, outcome, size, t0_ns, why)``: a write's record is due (stored, deduplicated, dropped).
+- ``compiled(kid, seconds, via, inputs, why)``: an entry just stored took ``seconds`` to compile.
+
+A record is due when the ``cuda_program_cas`` logger is on at DEBUG: the store checks it once
+per call and takes the clock only then (:mod:`cuda_program_cas._base.events`, whose records
+are the log's listeners), so with logging off ``looked`` and ``wrote`` are never emitted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cuda_program_cas._base.events import lookup_hit, lookup_missed, wrote
+from cuda_program_cas._base.fork import after_fork
+
+from .stats import Counters
+
+__all__ = ["HitTally", "Listeners", "count_into", "log_into"]
+
+
+class Listeners:
+    """Who hears each event of one store (a tuple per event, in the order added)."""
+
+    __slots__ = ("compiled", "counted", "hit", "looked", "wrote")
+
+    def __init__(self) -> None:
+        self.hit: tuple[Callable[[str], object], ...] = ()
+        self.counted: tuple[Callable[[str], object], ...] = ()
+        self.looked: tuple[Callable[[str, str | None, int, Sequence[tuple[str, str]]], object], ...] = ()
+        self.wrote: tuple[Callable[[str, str, int, int, str | None], object], ...] = ()
+        self.compiled: tuple[Callable[[str, float, str, dict[str, object], Any], object], ...] = ()
+
+    def listen(self, **heard: Callable[..., object]) -> None:
+        """Add one listener per named event: ``listen(hit=f, counted=g)``."""
+        for event, listener in heard.items():
+            setattr(self, event, (*getattr(self, event), listener))
+
+    def count(self, name: str) -> None:
+        for heard in self.counted:
+            heard(name)
+
+    def hit_of(self, kid: str) -> None:
+        for heard in self.hit:
+            heard(kid)
+
+    def look(self, kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]] = ()) -> None:
+        for heard in self.looked:
+            heard(kid, where, t0_ns, reasons)
+
+    def write(self, kid: str, outcome: str, size: int, t0_ns: int, why: str | None = None) -> None:
+        for heard in self.wrote:
+            heard(kid, outcome, size, t0_ns, why)
+
+    def compile(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
+        for heard in self.compiled:
+            heard(kid, seconds, via, inputs, why)
+
+
+def count_into(listeners: Listeners, counters: Counters) -> None:
+    """Make ``counters`` hear what it counts: every hit, and every other count by name."""
+    # next(count, kid) is the count's next step (a count never runs out, so the default is never
+    # returned): a listener that takes the key id and runs in C, as the inline hit count did.
+    listeners.listen(hit=functools.partial(next, counters.counter_of_hits()), counted=counters.add)
+
+
+def log_into(listeners: Listeners, root: str) -> None:
+    """Make the ``cuda_program_cas`` logger's records (:mod:`cuda_program_cas._base.events`) hear ``root``'s store."""
+
+    def looked(kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]]) -> None:
+        if where is None:
+            lookup_missed(root, kid, t0_ns, reasons)
+        else:
+            lookup_hit(root, kid, where, t0_ns)
+
+    def wrote_one(kid: str, outcome: str, size: int, t0_ns: int, why: str | None) -> None:
+        wrote(root, kid, outcome, size, t0_ns, reason=why)
+
+    listeners.listen(looked=looked, wrote=wrote_one)
+
+
+class HitTally:
+    """Hits per key id since the last flush: what the usage ledger adds to ``saved_us`` (it listens to ``hit``)."""
+
+    __slots__ = ("__weakref__", "by_key", "heard")
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, int] = {}
+        tally, get = self.by_key, self.by_key.get
+
+        def heard(kid: str) -> None:  # a closure, not a method: a hit pays for no attribute lookup
+            tally[kid] = get(kid, 0) + 1
+
+        self.heard = heard
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self.by_key.clear()  # the parent's hits, which the parent records
