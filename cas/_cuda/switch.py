@@ -40,7 +40,17 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
 from cuda_program_cas._base.fork import ForkSafeLock
 
-__all__ = ["activate", "hook_failed", "hook_inner", "install", "installed", "rebind", "routed", "uninstall"]
+__all__ = [
+    "activate",
+    "activate_compute",
+    "hook_failed",
+    "hook_inner",
+    "install",
+    "installed",
+    "rebind",
+    "routed",
+    "uninstall",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -135,24 +145,15 @@ def activate(value: str) -> None:
                 _S.original[name] = original
                 _S.switched[name] = _subclass(name, original)
             rebind(original, _S.switched[name])
-    from .compute import hook  # cuda.compute's builds: routed when cuda.compute.algorithms is imported
-
-    hook(_compute_inner, rebind)
 
 
-def _compute_inner() -> Any:
-    """The store's inner side for a cuda.compute build (counted as routed); None: it builds uncached."""
-    cache = _process_cache() if _S.mode is not None else None
-    if cache is None:
-        return None
-    try:
-        inner = _inner_of()(cache)
-        inner.note_switched()
-    except Exception as exc:
-        _warn(exc)
-        return None
-    _count_routed()
-    return inner
+def activate_compute(mode: str) -> None:
+    """:func:`activate`, and cuda.compute's factories routed (run once ``cuda.compute.algorithms`` is imported)."""
+    activate(mode)
+    if _S.mode is not None:
+        from .compute import hook
+
+        hook(hook_inner, rebind)
 
 
 def _internal(modname: str) -> bool:
@@ -164,7 +165,7 @@ def _internal(modname: str) -> bool:
     return False
 
 
-def rebind(old: type, new: type) -> None:
+def rebind(old: object, new: object) -> None:
     """Every module attribute bound to ``old`` now bound to ``new``, except in cuda.core's internals and ours."""
     for modname, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or _internal(modname):
@@ -287,7 +288,7 @@ def _process_cache() -> Any:
 
 
 def hook_inner() -> Any:
-    """For the switch's other hooks (numba-cuda's NVVM compiles): the process cache's ``Inner``, or None.
+    """For the switch's other hooks (NVVM compiles, cuda.compute's builds): the process cache's ``Inner``, or None.
 
     None while the switch is off or no cache can be opened. A compile given one is
     counted as routed and switched. Never raises: a failure is one WARNING, and None.
