@@ -255,13 +255,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("-V", "--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"cuda_program_cas._cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"cuda_program_cas._cli.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"cuda_program_cas._cli.{name}").register(sub)
     return parser, dict(sub.choices)
 
 

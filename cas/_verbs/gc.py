@@ -105,7 +105,6 @@ class GcReport(Report):
     blobs_deferred: int = 0
     #: category -> {"count", "bytes"} as planned (see ``CATEGORIES``).
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Problems found that this run did not fix (each one line).
     #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
     packs: dict[str, object] = field(default_factory=dict)
 
