@@ -139,11 +139,11 @@ def fmt_bytes(n: float) -> str:
     """``48.2 MiB``: binary units, as ``--max-size`` reads them."""
     if n < 1024:
         return f"{int(n):,} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-        if n < 1024 or unit == "TiB":
+        if n < 1024:
             return f"{n:,.1f} {unit}"
-    raise AssertionError("unreachable")
+    return f"{n / 1024:,.1f} TiB"
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:

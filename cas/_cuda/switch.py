@@ -34,7 +34,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
@@ -83,9 +83,12 @@ def routed() -> int:
     return _S.routed
 
 
-def _count_routed() -> None:
+def _count_routed(inner: Any) -> Any:
+    """``inner`` (the process cache's), its compile or link counted as routed and switched."""
     with _S.lock:
         _S.routed += 1
+    inner.note_switched()
+    return inner
 
 
 def install(*, read_only: bool = False) -> None:
@@ -301,10 +304,7 @@ def hook_inner() -> Any:
     except Exception as exc:
         _warn(exc)
         return None
-    if inner is not None:
-        _count_routed()
-        inner.note_switched()
-    return inner
+    return None if inner is None else _count_routed(inner)
 
 
 def hook_failed(exc: BaseException) -> None:
@@ -424,32 +424,38 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         cache = None
     if cache is None:
         return original(program, target_type, name_expressions, logs)
-    _count_routed()
-    _inner_of()(cache).note_switched()
+    _count_routed(_inner_of()(cache))
+    uncached = functools.partial(original, program, target_type, name_expressions, logs)
     if front:
-        with _Inside():
-            try:
-                return cache.compile(
-                    code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
-                )
-            except Exception as exc:
-                if exc is _inside.error:
-                    raise
-                failure: Exception = exc
-    else:
-        guarded = _guarded(cache)
+        return _cached(
+            lambda: cache.compile(code, code_type, options, target_type, name_expressions=name_expressions, logs=logs),
+            uncached,
+        )
+    guarded = _guarded(cache)
+    try:
+        # A claim taken by the lookup's miss is held until this compile has stored, or failed.
+        with contextlib.ExitStack() as guarded.claims:
+            return original(program, target_type, name_expressions, logs, cache=guarded)
+    except Exception as exc:
+        if guarded.keyed:
+            raise  # the key was made and looked up: what failed is the compile
+        failure = exc  # cuda.core would not key it: compile as if uncached
+    return _uncached(uncached, failure)
+
+
+def _cached(run: Callable[[], Any], uncached: Callable[[], Any]) -> Any:
+    """``run()``, the cache's compile or link; when the cache fails (not the compiler inside it), ``uncached()``."""
+    with _Inside():
         try:
-            # A claim taken by the lookup's miss is held until this compile has stored, or failed.
-            with contextlib.ExitStack() as guarded.claims:
-                return original(program, target_type, name_expressions, logs, cache=guarded)
+            return run()
         except Exception as exc:
-            if guarded.keyed:
-                raise  # the key was made and looked up: what failed is the compile
-            failure = exc  # cuda.core would not key it: compile as if uncached
-    return _uncached(lambda: original(program, target_type, name_expressions, logs), failure)
+            if exc is _inside.error:
+                raise
+            failure = exc
+    return _uncached(uncached, failure)
 
 
-def _uncached(run: Any, failure: Exception) -> Any:
+def _uncached(run: Callable[[], Any], failure: Exception) -> Any:
     """The uncached compile or link after the cached one failed with ``failure``.
 
     When it fails too, its own error is raised (the compiler's: the cache is not
@@ -538,13 +544,5 @@ def _link(linker: Any, target_type: Any) -> Any:
     if cache is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs
-    _count_routed()
-    _inner_of()(cache).note_switched()
-    with _Inside():
-        try:
-            return cache.link(objects, options, target_type)
-        except Exception as exc:
-            if exc is _inside.error:
-                raise
-            failure = exc
-    return _uncached(lambda: original(linker, target_type), failure)
+    _count_routed(_inner_of()(cache))
+    return _cached(lambda: cache.link(objects, options, target_type), lambda: original(linker, target_type))
