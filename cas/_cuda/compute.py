@@ -32,10 +32,9 @@ In a process, an algorithm is loaded once per thread and key (cuda.compute's own
 factories give each thread its objects: a loaded algorithm is not for
 concurrent use by several threads).
 
-The switch (``CUDA_PROGRAM_CAS=1``) routes every factory: :func:`hook` patches
-them when ``cuda.compute.algorithms`` is imported (the start-up hook,
-:mod:`cuda_program_cas._cuda.boot`, waits for it, as for ``cuda.core``), so a process
-that never imports cuda.compute pays nothing.
+The switch (``CUDA_PROGRAM_CAS=1``) routes every factory (:func:`switched`) when
+``cuda.compute.algorithms`` is imported (the start-up hook, :mod:`cuda_program_cas._cuda.boot`,
+waits for it, as for ``cuda.core``), so a process that never imports cuda.compute pays nothing.
 """
 
 from __future__ import annotations
@@ -46,10 +45,10 @@ import hashlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import warn_once
-from cuda_program_cas._base.fork import ForkSafeLock
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
 # The rest of the package is imported when a build asks for it: a program that builds one
 # algorithm through ``cache.build`` pays for nothing more.
 
-__all__ = ["FACTORIES", "HOOKED", "build", "hook", "key_of", "prebuild", "uncacheable_count", "unhook"]
+__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "prebuild", "switched", "uncacheable_count"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas compute 1\0"
@@ -81,13 +80,10 @@ FACTORIES = (
     "make_unique_by_key",
     "make_upper_bound",
 )
-#: The module whose import routes the factories (see :func:`hook`).
+#: The module whose import routes the factories (see :func:`switched`).
 HOOKED = "cuda.compute.algorithms"
 
 _local = threading.local()
-_lock = ForkSafeLock()  # a child forked while another thread counts gets it free
-#: The factories as cuda.compute defines them, by name, once patched.
-_originals: dict[str, Any] = {}
 #: Builds of this process that could not be keyed (or stored): see :func:`uncacheable_count`.
 _uncacheable = [0]
 
@@ -202,7 +198,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
 
     from .opkey import Uncacheable
 
-    original = getattr(make, "cpcas_compute_original", make)
+    original = getattr(make, "cpcas_original", make)
     name = getattr(original, "__name__", None)
     if name not in FACTORIES or not str(getattr(original, "__module__", "")).startswith("cuda.compute."):
         raise TypeError(f"not one of cuda.compute's make_* factories: {make!r}")
@@ -331,51 +327,19 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
 # -- the switch ------------------------------------------------------------------------
 
 
-#: What the switch lends :func:`hook`: its ``hook_inner`` (the store's inner side for a routed build,
-#: None: build uncached) and its ``rebind`` (this module imports neither the switch nor the adapter).
-_route: dict[str, Any] = {}
+def switched(original: Any, inner_for: Callable[[], Inner | None]) -> Any:
+    """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: as cuda.compute builds it).
 
-
-def _switched(original: Any) -> Any:
-    """``original`` routed through the switch's cache (the original where the switch is off or has none)."""
+    The switch binds it wherever a module binds the factory, once ``cuda.compute.algorithms`` is imported
+    (:func:`cuda_program_cas._cuda.switch.activate_compute`): this module imports neither the switch nor the adapter.
+    """
 
     @functools.wraps(original)
     def make(*args: Any, **kwargs: Any) -> Any:
-        inner = _route["inner"]() if not args and not _depth() else None
+        inner = inner_for() if not args and not _depth() else None
         if inner is None:
             return original(*args, **kwargs)
         return build(inner, original, kwargs)
 
-    make.cpcas_compute_original = original  # type: ignore[attr-defined]
+    make.cpcas_original = original  # type: ignore[attr-defined]
     return make
-
-
-def hook(inner_for: Any, rebind: Any) -> None:
-    """Route every factory of the imported ``cuda.compute.algorithms``, wherever a module binds it.
-
-    ``inner_for()``: the store's inner side for a build, or None (switched off, no cache: uncached);
-    ``rebind(old, new)``: every module attribute bound to ``old`` bound to ``new``.
-    """
-    _route.update(inner=inner_for, rebind=rebind)
-    algorithms = sys.modules[HOOKED]
-    with _lock:
-        for name in FACTORIES:
-            current = getattr(algorithms, name, None)
-            if current is None or getattr(current, "cpcas_compute_original", None) is not None:
-                continue
-            _originals[name] = current
-            rebind(current, _switched(current))
-
-
-def unhook() -> None:
-    """Undo :func:`hook`: the factories as cuda.compute defines them, everywhere."""
-    rebind = _route.get("rebind")
-    if rebind is None:
-        return
-    with _lock:
-        for original in list(_originals.values()):
-            for module in (sys.modules.get(HOOKED), sys.modules.get("cuda.compute")):
-                switched = getattr(module, original.__name__, None)
-                if getattr(switched, "cpcas_compute_original", None) is original:
-                    rebind(switched, original)
-                    break

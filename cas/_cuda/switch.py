@@ -49,7 +49,9 @@ __all__ = [
     "installed",
     "rebind",
     "routed",
+    "swap",
     "uninstall",
+    "unswap",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -111,14 +113,10 @@ def uninstall() -> None:
     remove()
     with _lock:
         _S.mode = None
-        for name, switched in _S.switched.items():
-            rebind(switched, _S.original[name])
+        unswap(_S.original, _S.switched)  # cuda.core's classes and cuda.compute's factories
     nvvm = sys.modules.get("cuda_program_cas._cuda.nvvm")  # numba-cuda's hook, loaded only where numba was
     if nvvm is not None:
         nvvm.unhook()
-    compute = sys.modules.get("cuda_program_cas._cuda.compute")  # cuda.compute's hook, loaded only where it was
-    if compute is not None:
-        compute.unhook()
 
 
 def activate(value: str) -> None:
@@ -142,21 +140,41 @@ def activate(value: str) -> None:
             _S.cache = None  # another mode: another instance (read-only or not)
         _S.mode = mode
         for name in ("Program", "Linker"):
-            original = getattr(core, name)
-            original = getattr(original, "cpcas_original", original)
-            if name not in _S.switched:
-                _S.original[name] = original
-                _S.switched[name] = _subclass(name, original)
-            rebind(original, _S.switched[name])
+            swap(_S.original, _S.switched, name, getattr(core, name), functools.partial(_subclass, name))
 
 
 def activate_compute(mode: str) -> None:
     """:func:`activate`, and cuda.compute's factories routed (run once ``cuda.compute.algorithms`` is imported)."""
     activate(mode)
-    if _S.mode is not None:
-        from .compute import hook
+    if _S.mode is None:
+        return
+    from .compute import FACTORIES, HOOKED, switched
 
-        hook(hook_inner, rebind)
+    algorithms = sys.modules[HOOKED]
+    make = functools.partial(switched, inner_for=hook_inner)
+    with _lock:
+        for name in FACTORIES:
+            current = getattr(algorithms, name, None)
+            if current is not None:
+                swap(_S.original, _S.switched, name, current, make)
+
+
+def swap(
+    originals: dict[str, Any], switched: dict[str, Any], name: str, current: Any, make: Callable[[Any], Any]
+) -> None:
+    """Route ``name``: every module attribute bound to its original (``current``, or the one it routes) bound to
+    its routed form, made once by ``make(original)``; ``originals`` and ``switched`` keep both by name."""
+    original = getattr(current, "cpcas_original", current)
+    if name not in switched:
+        originals[name] = original
+        switched[name] = make(original)
+    rebind(original, switched[name])
+
+
+def unswap(originals: dict[str, Any], switched: dict[str, Any]) -> None:
+    """Undo :func:`swap`: every name's original bound again wherever its routed form is."""
+    for name, routed_form in switched.items():
+        rebind(routed_form, originals[name])
 
 
 def _internal(modname: str) -> bool:
