@@ -449,7 +449,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
             lambda: cache.compile(code, code_type, options, target_type, name_expressions=name_expressions, logs=logs),
             uncached,
         )
-    guarded = _guarded(cache)
+    guarded = _guarded_class()(cache)
     try:
         # A claim taken by the lookup's miss is held until this compile has stored, or failed.
         with contextlib.ExitStack() as guarded.claims:
@@ -543,10 +543,6 @@ def _guarded_class() -> Any:
             self._cache.clear()
 
     return Guarded
-
-
-def _guarded(cache: Any) -> Any:
-    return _guarded_class()(cache)
 
 
 def _link(linker: Any, target_type: Any) -> Any:
