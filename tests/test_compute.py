@@ -254,18 +254,18 @@ def test_two_processes_that_miss_at_once_build_once(tmp_path: Path, driver) -> N
     assert sum(o["counters"]["claim_hits"] for o in outs) == 1
 
 
-def test_the_switch_costs_a_process_that_never_imports_cuda_compute_one_small_module() -> None:
+def test_the_switch_costs_a_process_that_never_imports_cuda_compute_nothing() -> None:
     code = (
         "import json, sys\nimport cuda.core\n"
-        "hooks = [type(f).__module__ for f in sys.meta_path if getattr(f, 'cpcas_compute_hook', False)]\n"
+        "pending = [sorted(f.pending) for f in sys.meta_path if getattr(f, 'cpcas_switch_hook', False)]\n"
         "ours = sorted(m for m in sys.modules if m.startswith(('cuda_program_cas', 'cuda.compute')))\n"
-        "print(json.dumps({'modules': ours, 'hooks': hooks}))\n"
+        "print(json.dumps({'modules': ours, 'pending': pending}))\n"
     )
     proc = run_python(code, env={"CUDA_PROGRAM_CAS": "1", "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["hooks"] == ["cuda_program_cas._cuda.compute"]  # waiting for cuda.compute.algorithms
-    assert "cuda_program_cas._cuda.compute" in out["modules"]
-    # Nothing a build needs is imported before a build: not the store, not the key's encoder, not cuda.compute.
-    for module in ("cuda_program_cas._store.store", "cuda_program_cas._cuda.opkey", "cuda.compute"):
+    assert len(out["pending"]) == 1 and "cuda.compute.algorithms" in out["pending"][0]  # the start-up hook waits
+    assert "cuda_program_cas._cuda.switch" in out["modules"]  # the switch is on
+    # Nothing of cuda.compute's routing is imported before cuda.compute is: not its module, not the store.
+    for module in ("cuda_program_cas._cuda.compute", "cuda_program_cas._store.store", "cuda.compute"):
         assert module not in out["modules"]

@@ -133,7 +133,7 @@ def _edit(path: Path, text: str) -> None:
 def test_front_door_misses_name_each_header_option_and_version_change(
     tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cuda_program_cas._cuda import nvrtcver
+    from cuda_program_cas._cuda import frontdoor, nvrtcver
 
     inc0, inc1, extra = str(tree["inc0"]), str(tree["inc1"]), str(tree["extra"])
     includes = [inc0, inc1]
@@ -179,8 +179,8 @@ def test_front_door_misses_name_each_header_option_and_version_change(
         loaded = nvrtcver.loaded_version()
         major, minor = loaded.split(".")
         other = f"{major}.{int(minor) + 1}"
-        monkeypatch.setattr(nvrtcver, "version", lambda store: other)  # what the front door keys with
-        monkeypatch.setattr(nvrtcver, "loaded_version", lambda: other)  # and checks after compiling
+        monkeypatch.setattr(frontdoor, "nvrtc_version", lambda store: other)  # what the front door keys with
+        monkeypatch.setattr(frontdoor, "loaded_nvrtc_version", lambda: other)  # and checks after compiling
         _front(cache, includes)
         miss = step()
         assert (miss.inputs, miss.summary) == (("nvrtc",), f"nvrtc: {loaded} -> {other}")

@@ -3,8 +3,8 @@
 Every environment variable the package reads is one :class:`Variable` of
 :data:`VARIABLES`: its name, its parser and what it means. The readers read
 through it (:meth:`Variable.value`), and ``cuda-program-cas config`` lists every
-one with what it reads (:func:`cuda_program_cas._verbs.config.read_variables`): a variable added to the tuple
-appears there with nothing else to change. A value that
+one with what it reads (:func:`cuda_program_cas._verbs.config.read_variables`): a
+``VAR_*`` defined here appears there with nothing else to change. A value that
 cannot be used never fails a job: it gets one WARNING per process (per variable
 and value) on the ``cuda_program_cas`` logger and is ignored. A relative path in
 ``CUDA_PROGRAM_CAS_DIR`` or ``CUDA_PROGRAM_CAS_SHARED`` would quietly depend on
@@ -506,39 +506,21 @@ VAR_REDIS_PASSWORD: Variable[str] = Variable(
     "none",
     secret=True,
 )
-VAR_JOB: Variable[str] = Variable(
-    "CUDA_PROGRAM_CAS_JOB",
-    _elsewhere("_shared.warmset:parse_job"),
-    "the job whose warm set (the entries it used) is kept in the shared stores and fetched by a cold node; off: none",
-    "the main script's name and a hash of its path; none for an interactive session",
-)
 VAR_REDIS_TIMEOUT: Variable[Any] = Variable(
     "CUDA_PROGRAM_CAS_REDIS_TIMEOUT",
     _elsewhere("_remote.redis:_positive_duration"),
     "each Redis call's deadline in seconds",
     "5",
 )
-
-#: Every variable the package reads, in the order ``config`` lists them. A new one is
-#: a ``VAR_*`` above, added here (with ``secret=True`` for a token, a password or a
-#: key), and read with its :meth:`Variable.value`; ``config`` lists it, and
-#: tests/test_config_env.py fails for a name the package spells that is not here.
-VARIABLES: tuple[Variable[Any], ...] = (
-    VAR_SWITCH,
-    VAR_DIR,
-    VAR_MAX_SIZE,
-    VAR_SHARED,
-    VAR_MAX_ENTRY_SIZE,
-    VAR_CLAIM_WAIT,
-    VAR_LOG,
-    VAR_HTTP_TIMEOUT,
-    VAR_HTTP_TOKEN,
-    VAR_CA_BUNDLE,
-    VAR_LEASE_TTL,
-    VAR_KEYS_REFRESH,
-    VAR_SIGNING_KEY,
-    VAR_TRUSTED_KEYS,
-    VAR_REDIS_PASSWORD,
-    VAR_REDIS_TIMEOUT,
-    VAR_JOB,
+VAR_JOB: Variable[str] = Variable(
+    "CUDA_PROGRAM_CAS_JOB",
+    _elsewhere("_shared.warmset:parse_job"),
+    "the job whose warm set (the entries it used) is kept in the shared stores and fetched by a cold node; off: none",
+    "the main script's name and a hash of its path; none for an interactive session",
 )
+
+#: Every variable the package reads: each ``VAR_*`` above, in the order ``config`` lists them.
+#: A new one is a ``VAR_*`` (with ``secret=True`` for a token, a password or a key), read
+#: with its :meth:`Variable.value`; ``config`` lists it, and tests/test_config_env.py fails
+#: for a name the package spells that is not one.
+VARIABLES: tuple[Variable[Any], ...] = tuple(v for v in tuple(globals().values()) if isinstance(v, Variable))

@@ -171,20 +171,32 @@ def env_trust() -> Trust | None:
     A key that cannot be read is left out with one WARNING; if none can be read,
     nothing from a shared store is trusted (the node fails closed).
     """
+    found = _trusted_keys()
+    if found is None:
+        return None
+    keys, problems = found
+    for problem in problems:
+        warn_once(("trust", problem), "cuda-program-cas: %s", problem)
+    return Trust(keys)
+
+
+def _trusted_keys() -> tuple[dict[str, Any], list[str]] | None:
+    """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS`` that can be read, and a line for each problem; None when unset."""
     value = VAR_TRUSTED_KEYS.value()
     if value is None or not value.strip():
         return None
     keys: dict[str, Any] = {}
+    problems = []
     for spec in _parts(value):
         try:
             kid, key = load_public_key(os.path.expanduser(spec))
         except ValueError as exc:
-            warn_once(("trust", spec), "cuda-program-cas: %s; it is left out of %s", exc, ENV_TRUSTED_KEYS)
+            problems.append(f"{exc}; it is left out of ${ENV_TRUSTED_KEYS}")
             continue
         keys[kid] = key
     if not keys:
-        warn_once(("trust",), "cuda-program-cas: no usable key in %s: no shared entry is trusted", ENV_TRUSTED_KEYS)
-    return Trust(keys)
+        problems.append(f"no usable key in ${ENV_TRUSTED_KEYS}: no shared entry is trusted")
+    return keys, problems
 
 
 def env_signer() -> Signer | None:
@@ -227,20 +239,12 @@ def key_problems(writable: bool) -> list[str]:
     except ValueError as exc:
         problems.append(f"{exc} (${ENV_SIGNING_KEY}): write-back drops every upload and publish refuses to run")
         writable = False  # said already
-    value = VAR_TRUSTED_KEYS.value()
-    if value is None or not value.strip():
+    found = _trusted_keys()
+    if found is None:
         return problems
-    keys: dict[str, Any] = {}
-    for spec in _parts(value):
-        try:
-            kid, key = load_public_key(os.path.expanduser(spec))
-        except ValueError as exc:
-            problems.append(f"{exc}; it is left out of ${ENV_TRUSTED_KEYS}")
-            continue
-        keys[kid] = key
-    if not keys:
-        problems.append(f"no usable key in ${ENV_TRUSTED_KEYS}: no shared entry is trusted")
-    elif signer is not None or writable:
+    keys, trust_problems = found
+    problems += trust_problems
+    if keys and (signer is not None or writable):
         why = untrusted_signer(signer, Trust(keys))
         if why is not None:
             problems.append(f"{why}; write-back is off")

@@ -18,7 +18,7 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.config import MAX_SIZE, SETTING_NAMES, ConfigReport, Setting, config, settings_path
 
-from .main import UsageError, emit, fmt_bytes, print_problems, size_arg
+from .main import UsageError, add_json_arg, emit, fmt_bytes, print_problems, size_arg
 
 __all__ = ["register"]
 
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     p.add_argument("words", nargs="*", metavar="ARG", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_json_arg(p)
     p.set_defaults(func=run)
 
 
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if len(rest) > 2:
         raise UsageError(f"too many arguments: {' '.join(rest[2:])!r} (usage: {_USAGE})")
     if len(rest) == 2:
-        return _stored(args, config(path, max_size=_value(rest[1])))
+        stored = config(path, max_size=_value(rest[1]))
+        return emit(args, stored, lambda: _stored_text(stored), status=0)
     report = config(path, name=SETTING_NAMES[rest[0]] if rest else None)
     return emit(args, report, lambda: _text(report))
 
@@ -101,10 +102,6 @@ def _text(report: ConfigReport) -> None:
             for note in v.notes:
                 print(f"  {'':<{width}}  note: {note}")
     print_problems(report)
-
-
-def _stored(args: argparse.Namespace, report: ConfigReport) -> int:
-    return emit(args, report, lambda: _stored_text(report), status=0)
 
 
 def _stored_text(report: ConfigReport) -> None:

@@ -1,4 +1,4 @@
-"""The switch's start-up hook: waits for ``cuda.core`` (and numba-cuda's NVVM module) to be imported, then routes.
+"""The switch's start-up hook: waits for ``cuda.core`` (numba-cuda's NVVM, cuda.compute) to be imported, then routes.
 
 ``cuda_program_cas-switch.pth`` (in site-packages) runs this file at interpreter
 start-up when ``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is
@@ -12,8 +12,9 @@ loader, so that once ``cuda.core`` has run, ``cuda_program_cas._cuda.switch.acti
 rebinds its ``Program`` and ``Linker``, before the code that imported it reads either
 name; once numba-cuda's (or numba-cuda-mlir's) NVVM module has run,
 ``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit`` (and, once
-numba-cuda-mlir's ``mlir_optimization`` has, its ``_call_llvm70_capi``). Nothing is
-imported early: a process that never compiles never pays for it.
+numba-cuda-mlir's ``mlir_optimization`` has, its ``_call_llvm70_capi``); once
+``cuda.compute.algorithms`` has, ``cuda_program_cas._cuda.switch.activate_compute`` routes
+its ``make_*`` factories. Nothing is imported early: a process that never compiles never pays for it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ if TYPE_CHECKING:  # typing is not imported at start-up: it costs milliseconds
 
 __all__ = ["defer", "remove"]
 
-#: The modules waited for, and the module of this package whose ``activate(mode)`` each one's import runs.
+#: The modules waited for, and the function of this package (``module:function``) that each one's
+#: import runs with the mode.
 _TARGETS = {
-    "cuda.core": "cuda_program_cas._cuda.switch",
-    "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
-    "numba_cuda_mlir.numba_cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm",
-    "numba_cuda_mlir.mlir_optimization": "cuda_program_cas._cuda.nvvm",  # its _call_llvm70_capi
+    "cuda.core": "cuda_program_cas._cuda.switch:activate",
+    "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm:activate",
+    "numba_cuda_mlir.numba_cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm:activate",
+    "numba_cuda_mlir.mlir_optimization": "cuda_program_cas._cuda.nvvm:activate",  # its _call_llvm70_capi
+    "cuda.compute.algorithms": "cuda_program_cas._cuda.switch:activate_compute",  # its make_* factories
 }
 
 
@@ -116,7 +119,8 @@ def _activate(mode: str, name: str) -> None:
     # start-up it runs before the package may be imported at all.
     import importlib
 
-    importlib.import_module(_TARGETS[name]).activate(mode)
+    module, _, function = _TARGETS[name].partition(":")
+    getattr(importlib.import_module(module), function)(mode)
 
 
 def remove() -> None:

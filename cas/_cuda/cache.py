@@ -271,7 +271,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
 
         if isinstance(self._store, SwitchedOff):
             self._store.note_dropped()
-            return getattr(make, "cpcas_compute_original", make)(**kwargs)
+            return getattr(make, "cpcas_original", make)(**kwargs)
         return build(inner_of(self), make, kwargs)
 
     def prebuild(self, make: Any, /, *, compute_capabilities: Any, **kwargs: Any) -> dict[tuple[int, int], Any]:

@@ -32,9 +32,9 @@ In a process, an algorithm is loaded once per thread and key (cuda.compute's own
 factories give each thread its objects: a loaded algorithm is not for
 concurrent use by several threads).
 
-The switch (``CUDA_PROGRAM_CAS=1``) routes every factory: :func:`hook` patches
-them when ``cuda.compute.algorithms`` is imported (a finder on ``sys.meta_path``
-waits for it), so a process that never imports cuda.compute pays nothing.
+The switch (``CUDA_PROGRAM_CAS=1``) routes every factory (:func:`switched`) when
+``cuda.compute.algorithms`` is imported (the start-up hook, :mod:`cuda_program_cas._cuda.boot`,
+waits for it, as for ``cuda.core``), so a process that never imports cuda.compute pays nothing.
 """
 
 from __future__ import annotations
@@ -45,18 +45,18 @@ import hashlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import warn_once
-from cuda_program_cas._base.fork import ForkSafeLock
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
 
-# The rest of the package is imported when a build asks for it: the switch imports this module
-# when cuda.core is imported, and a process that never imports cuda.compute pays for nothing more.
+# The rest of the package is imported when a build asks for it: a program that builds one
+# algorithm through ``cache.build`` pays for nothing more.
 
-__all__ = ["FACTORIES", "build", "hook", "key_of", "prebuild", "uncacheable_count", "unhook"]
+__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "prebuild", "switched", "uncacheable_count"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas compute 1\0"
@@ -80,12 +80,10 @@ FACTORIES = (
     "make_unique_by_key",
     "make_upper_bound",
 )
-_HOOKED = "cuda.compute.algorithms"
+#: The module whose import routes the factories (see :func:`switched`).
+HOOKED = "cuda.compute.algorithms"
 
 _local = threading.local()
-_lock = ForkSafeLock()  # a child forked while another thread counts gets it free
-#: The factories as cuda.compute defines them, by name, once patched.
-_originals: dict[str, Any] = {}
 #: Builds of this process that could not be keyed (or stored): see :func:`uncacheable_count`.
 _uncacheable = [0]
 
@@ -200,7 +198,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
 
     from .opkey import Uncacheable
 
-    original = getattr(make, "cpcas_compute_original", make)
+    original = getattr(make, "cpcas_original", make)
     name = getattr(original, "__name__", None)
     if name not in FACTORIES or not str(getattr(original, "__module__", "")).startswith("cuda.compute."):
         raise TypeError(f"not one of cuda.compute's make_* factories: {make!r}")
@@ -329,117 +327,19 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
 # -- the switch ------------------------------------------------------------------------
 
 
-#: What the switch lends :func:`hook`: the store's inner side for a routed build (None: build uncached),
-#: and its rebinding of module attributes (this module imports neither the switch nor the adapter).
-_route: dict[str, Any] = {}
+def switched(original: Any, inner_for: Callable[[], Inner | None]) -> Any:
+    """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: as cuda.compute builds it).
 
-
-def _switched(name: str, original: Any) -> Any:
-    """``name`` routed through the switch's cache (the original where the switch is off or has none)."""
+    The switch binds it wherever a module binds the factory, once ``cuda.compute.algorithms`` is imported
+    (:func:`cuda_program_cas._cuda.switch.activate_compute`): this module imports neither the switch nor the adapter.
+    """
 
     @functools.wraps(original)
     def make(*args: Any, **kwargs: Any) -> Any:
-        inner_for = _route.get("inner")
-        inner = inner_for() if inner_for is not None and not args and not _depth() else None
+        inner = inner_for() if not args and not _depth() else None
         if inner is None:
             return original(*args, **kwargs)
         return build(inner, original, kwargs)
 
-    make.cpcas_compute_original = original  # type: ignore[attr-defined]
+    make.cpcas_original = original  # type: ignore[attr-defined]
     return make
-
-
-def _patch() -> None:
-    """Route every factory of the imported ``cuda.compute.algorithms``, wherever a module binds it."""
-    algorithms = sys.modules.get(_HOOKED)
-    rebind = _route.get("rebind")
-    if algorithms is None or rebind is None:
-        return
-    with _lock:
-        for name in FACTORIES:
-            current = getattr(algorithms, name, None)
-            if current is None or getattr(current, "cpcas_compute_original", None) is not None:
-                continue
-            _originals[name] = current
-            rebind(current, _switched(name, current))
-
-
-def _unpatch() -> None:
-    rebind = _route.get("rebind")
-    if rebind is None:
-        return
-    with _lock:
-        for original in list(_originals.values()):
-            for module in (sys.modules.get(_HOOKED), sys.modules.get("cuda.compute")):
-                switched = getattr(module, original.__name__, None)
-                if getattr(switched, "cpcas_compute_original", None) is original:
-                    rebind(switched, original)
-                    break
-
-
-class _Loader:
-    """The real loader of ``cuda.compute.algorithms``, followed by :func:`_patch`."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _remove_finder()
-        try:
-            _patch()
-        except Exception as exc:  # the cache never costs a job its cuda.compute
-            warn_once(("compute hook", type(exc).__name__), "cuda-program-cas: compute: not routed (%r)", exc)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-class _Finder:
-    """Answers for ``cuda.compute.algorithms`` only: the real spec, with its loader wrapped."""
-
-    cpcas_compute_hook = True
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _HOOKED:
-            return None
-        for finder in sys.meta_path:
-            if getattr(finder, "cpcas_compute_hook", False) or getattr(finder, "cpcas_switch_hook", False):
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-    def invalidate_caches(self) -> None:
-        pass
-
-
-def _remove_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_compute_hook", False)]
-
-
-def hook(inner_for: Any, rebind: Any) -> None:
-    """Route cuda.compute's factories through the switch: now if imported, else when it is.
-
-    ``inner_for()``: the store's inner side for a build, or None (switched off, no cache: uncached);
-    ``rebind(old, new)``: every module attribute bound to ``old`` bound to ``new``.
-    """
-    _route.update(inner=inner_for, rebind=rebind)
-    _remove_finder()
-    if _HOOKED in sys.modules:
-        _patch()
-    else:
-        sys.meta_path.insert(0, _Finder())
-
-
-def unhook() -> None:
-    """Undo :func:`hook`: the factories as cuda.compute defines them, everywhere."""
-    _remove_finder()
-    _unpatch()

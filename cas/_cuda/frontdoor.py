@@ -76,15 +76,15 @@ from .frontkey import (
     TAG,
     Uncacheable,
     libdevice_fingerprint,
-    loaded_nvrtc_version,
     memo_key,
     name_part,
     nvrtc_flags,
-    nvrtc_version,
     own_key,
     refuse_unkeyable,
-    remember_nvrtc,
 )
+from .nvrtcver import loaded_version as loaded_nvrtc_version
+from .nvrtcver import remember as remember_nvrtc
+from .nvrtcver import version as nvrtc_version
 from .record import (
     NO_DIR,
     DirKey,

@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from cuda_program_cas._store.store import Inner
+from typing import Any
 
 __all__ = [
     "TAG",
     "Uncacheable",
     "libdevice_fingerprint",
-    "loaded_nvrtc_version",
     "memo_key",
     "name_part",
     "nvrtc_flags",
-    "nvrtc_version",
     "own_key",
     "refuse_unkeyable",
-    "remember_nvrtc",
 ]
 
 #: Mixed into the record key: a new format of records gets new keys.
@@ -113,25 +107,6 @@ def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
         part(b"b" if is_bytes else b"s", name if is_bytes else name.encode("utf-8", "surrogateescape"))
     part(b"extra", extra)
     return h.digest()
-
-
-def nvrtc_version(inner: Inner) -> str:
-    from .nvrtcver import version
-
-    return version(inner)
-
-
-def remember_nvrtc(inner: Inner) -> None:
-    """After a miss that loaded NVRTC: its version recorded for the next process (:func:`.nvrtcver.remember`)."""
-    from .nvrtcver import remember
-
-    remember(inner)
-
-
-def loaded_nvrtc_version() -> str:
-    from .nvrtcver import loaded_version
-
-    return loaded_version()
 
 
 def name_part(options: Any) -> bytes:

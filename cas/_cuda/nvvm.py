@@ -52,7 +52,7 @@ from cuda_program_cas._disk.files import blake3_hasher
 from cuda_program_cas.index import key_id
 
 from .switch import activate as switch_on
-from .switch import hook_failed, hook_inner, installed, rebind
+from .switch import hook_failed, hook_inner, installed, swap, unswap
 
 __all__ = ["LLVM70", "MODULES", "activate", "hook", "hooked", "unhook"]
 
@@ -104,11 +104,7 @@ def hook() -> None:
             current = getattr(module, "CompilationUnit", None)
             if not isinstance(current, type):
                 continue
-            original: type = getattr(current, "cpcas_original", current)
-            if name not in _S.switched:
-                _S.original[name] = original
-                _S.switched[name] = _subclass(original)
-            rebind(original, _S.switched[name])
+            swap(_S.original, _S.switched, name, current, _subclass)
         # numba-cuda-mlir's LLVM 7 path (chips below sm_100): its callers look the name up at call time.
         module = sys.modules.get(LLVM70)
         current = getattr(module, "_call_llvm70_capi", None)
@@ -122,8 +118,7 @@ def hook() -> None:
 def unhook() -> None:
     """The original ``CompilationUnit`` and ``_call_llvm70_capi`` everywhere again (what ``uninstall()`` does)."""
     with _lock:
-        for name, switched in _S.switched.items():
-            rebind(switched, _S.original[name])
+        unswap(_S.original, _S.switched)
         module = sys.modules.get(LLVM70)
         if _S.llvm70 is not None and getattr(module, "_call_llvm70_capi", None) is _S.llvm70[1]:
             module._call_llvm70_capi = _S.llvm70[0]  # type: ignore[union-attr]

@@ -34,13 +34,25 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
 from cuda_program_cas._base.fork import ForkSafeLock
 
-__all__ = ["activate", "hook_failed", "hook_inner", "install", "installed", "rebind", "routed", "uninstall"]
+__all__ = [
+    "activate",
+    "activate_compute",
+    "hook_failed",
+    "hook_inner",
+    "install",
+    "installed",
+    "rebind",
+    "routed",
+    "swap",
+    "uninstall",
+    "unswap",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -73,9 +85,12 @@ def routed() -> int:
     return _S.routed
 
 
-def _count_routed() -> None:
+def _count_routed(inner: Any) -> Any:
+    """``inner`` (the process cache's), its compile or link counted as routed and switched."""
     with _S.lock:
         _S.routed += 1
+    inner.note_switched()
+    return inner
 
 
 def install(*, read_only: bool = False) -> None:
@@ -98,14 +113,10 @@ def uninstall() -> None:
     remove()
     with _lock:
         _S.mode = None
-        for name, switched in _S.switched.items():
-            rebind(switched, _S.original[name])
+        unswap(_S.original, _S.switched)  # cuda.core's classes and cuda.compute's factories
     nvvm = sys.modules.get("cuda_program_cas._cuda.nvvm")  # numba-cuda's hook, loaded only where numba was
     if nvvm is not None:
         nvvm.unhook()
-    compute = sys.modules.get("cuda_program_cas._cuda.compute")  # cuda.compute's hook, loaded only where it was
-    if compute is not None:
-        compute.unhook()
 
 
 def activate(value: str) -> None:
@@ -129,30 +140,41 @@ def activate(value: str) -> None:
             _S.cache = None  # another mode: another instance (read-only or not)
         _S.mode = mode
         for name in ("Program", "Linker"):
-            original = getattr(core, name)
-            original = getattr(original, "cpcas_original", original)
-            if name not in _S.switched:
-                _S.original[name] = original
-                _S.switched[name] = _subclass(name, original)
-            rebind(original, _S.switched[name])
-    from .compute import hook  # cuda.compute's builds: routed when cuda.compute.algorithms is imported
-
-    hook(_compute_inner, rebind)
+            swap(_S.original, _S.switched, name, getattr(core, name), functools.partial(_subclass, name))
 
 
-def _compute_inner() -> Any:
-    """The store's inner side for a cuda.compute build (counted as routed); None: it builds uncached."""
-    cache = _process_cache() if _S.mode is not None else None
-    if cache is None:
-        return None
-    try:
-        inner = _inner_of()(cache)
-        inner.note_switched()
-    except Exception as exc:
-        _warn(exc)
-        return None
-    _count_routed()
-    return inner
+def activate_compute(mode: str) -> None:
+    """:func:`activate`, and cuda.compute's factories routed (run once ``cuda.compute.algorithms`` is imported)."""
+    activate(mode)
+    if _S.mode is None:
+        return
+    from .compute import FACTORIES, HOOKED, switched
+
+    algorithms = sys.modules[HOOKED]
+    make = functools.partial(switched, inner_for=hook_inner)
+    with _lock:
+        for name in FACTORIES:
+            current = getattr(algorithms, name, None)
+            if current is not None:
+                swap(_S.original, _S.switched, name, current, make)
+
+
+def swap(
+    originals: dict[str, Any], switched: dict[str, Any], name: str, current: Any, make: Callable[[Any], Any]
+) -> None:
+    """Route ``name``: every module attribute bound to its original (``current``, or the one it routes) bound to
+    its routed form, made once by ``make(original)``; ``originals`` and ``switched`` keep both by name."""
+    original = getattr(current, "cpcas_original", current)
+    if name not in switched:
+        originals[name] = original
+        switched[name] = make(original)
+    rebind(original, switched[name])
+
+
+def unswap(originals: dict[str, Any], switched: dict[str, Any]) -> None:
+    """Undo :func:`swap`: every name's original bound again wherever its routed form is."""
+    for name, routed_form in switched.items():
+        rebind(routed_form, originals[name])
 
 
 def _internal(modname: str) -> bool:
@@ -164,7 +186,7 @@ def _internal(modname: str) -> bool:
     return False
 
 
-def rebind(old: type, new: type) -> None:
+def rebind(old: object, new: object) -> None:
     """Every module attribute bound to ``old`` now bound to ``new``, except in cuda.core's internals and ours."""
     for modname, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or _internal(modname):
@@ -287,7 +309,7 @@ def _process_cache() -> Any:
 
 
 def hook_inner() -> Any:
-    """For the switch's other hooks (numba-cuda's NVVM compiles): the process cache's ``Inner``, or None.
+    """For the switch's other hooks (NVVM compiles, cuda.compute's builds): the process cache's ``Inner``, or None.
 
     None while the switch is off or no cache can be opened. A compile given one is
     counted as routed and switched. Never raises: a failure is one WARNING, and None.
@@ -300,10 +322,7 @@ def hook_inner() -> Any:
     except Exception as exc:
         _warn(exc)
         return None
-    if inner is not None:
-        _count_routed()
-        inner.note_switched()
-    return inner
+    return None if inner is None else _count_routed(inner)
 
 
 def hook_failed(exc: BaseException) -> None:
@@ -423,32 +442,38 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         cache = None
     if cache is None:
         return original(program, target_type, name_expressions, logs)
-    _count_routed()
-    _inner_of()(cache).note_switched()
+    _count_routed(_inner_of()(cache))
+    uncached = functools.partial(original, program, target_type, name_expressions, logs)
     if front:
-        with _Inside():
-            try:
-                return cache.compile(
-                    code, code_type, options, target_type, name_expressions=name_expressions, logs=logs
-                )
-            except Exception as exc:
-                if exc is _inside.error:
-                    raise
-                failure: Exception = exc
-    else:
-        guarded = _guarded(cache)
+        return _cached(
+            lambda: cache.compile(code, code_type, options, target_type, name_expressions=name_expressions, logs=logs),
+            uncached,
+        )
+    guarded = _guarded_class()(cache)
+    try:
+        # A claim taken by the lookup's miss is held until this compile has stored, or failed.
+        with contextlib.ExitStack() as guarded.claims:
+            return original(program, target_type, name_expressions, logs, cache=guarded)
+    except Exception as exc:
+        if guarded.keyed:
+            raise  # the key was made and looked up: what failed is the compile
+        failure = exc  # cuda.core would not key it: compile as if uncached
+    return _uncached(uncached, failure)
+
+
+def _cached(run: Callable[[], Any], uncached: Callable[[], Any]) -> Any:
+    """``run()``, the cache's compile or link; when the cache fails (not the compiler inside it), ``uncached()``."""
+    with _Inside():
         try:
-            # A claim taken by the lookup's miss is held until this compile has stored, or failed.
-            with contextlib.ExitStack() as guarded.claims:
-                return original(program, target_type, name_expressions, logs, cache=guarded)
+            return run()
         except Exception as exc:
-            if guarded.keyed:
-                raise  # the key was made and looked up: what failed is the compile
-            failure = exc  # cuda.core would not key it: compile as if uncached
-    return _uncached(lambda: original(program, target_type, name_expressions, logs), failure)
+            if exc is _inside.error:
+                raise
+            failure = exc
+    return _uncached(uncached, failure)
 
 
-def _uncached(run: Any, failure: Exception) -> Any:
+def _uncached(run: Callable[[], Any], failure: Exception) -> Any:
     """The uncached compile or link after the cached one failed with ``failure``.
 
     When it fails too, its own error is raised (the compiler's: the cache is not
@@ -520,10 +545,6 @@ def _guarded_class() -> Any:
     return Guarded
 
 
-def _guarded(cache: Any) -> Any:
-    return _guarded_class()(cache)
-
-
 def _link(linker: Any, target_type: Any) -> Any:
     original = _S.original["Linker"].link
     inputs = getattr(linker, "_cpcas_inputs", None)
@@ -537,13 +558,5 @@ def _link(linker: Any, target_type: Any) -> Any:
     if cache is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs
-    _count_routed()
-    _inner_of()(cache).note_switched()
-    with _Inside():
-        try:
-            return cache.link(objects, options, target_type)
-        except Exception as exc:
-            if exc is _inside.error:
-                raise
-            failure = exc
-    return _uncached(lambda: original(linker, target_type), failure)
+    _count_routed(_inner_of()(cache))
+    return _cached(lambda: cache.link(objects, options, target_type), lambda: original(linker, target_type))

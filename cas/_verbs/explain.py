@@ -262,39 +262,7 @@ def _nearest(
 def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanation:
     """Why ``record`` missed, given the records before it (oldest first)."""
     why = record.why or {}
-    if why.get("kind") == UNCACHEABLE:  # not a miss: a build that cannot be keyed soundly ran uncached
-        return MissExplanation(
-            key_id=record.key_id,
-            time=_iso(record.time),
-            compile_seconds=record.compile_seconds,
-            via=record.via,
-            verdict="uncacheable",
-            inputs=(),
-            changes=(),
-            nearest=None,
-            summary=f"not cached: {why.get('text', '')}",
-            reason=why.get("text") or None,
-        )
-    check = _check_failed(record)
-    best = _nearest(record, earlier, check)
-    diffs = [] if best is None else best[0]
-    nearest = None if best is None else best[1].key_id
-    if check is not None and not diffs:
-        # The front door's check found the change; the compile read what it read before.
-        diffs = [_failed_check_change(check)]
-    if not diffs and check is None and best is not None:
-        verdict = "same"
-        summary = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
-    elif (best is not None and not best[2] and len(diffs) > _NEAR) or (best is None and check is None):
-        # Nothing earlier of the same code, and the nearest of others is far (or there is none).
-        summary = "new: no earlier compile of anything like it"
-        if best is not None:
-            summary += f" (the nearest differs in {len(diffs)} inputs)"
-        verdict, diffs, nearest = "new", [], None
-    elif len(diffs) == 1:
-        verdict, summary = "changed", diffs[0][1]
-    else:
-        verdict, summary = "several", "several inputs differed: " + "; ".join(d[1] for d in diffs)
+    verdict, summary, diffs, nearest = _verdict(record, earlier, why)
     return MissExplanation(
         key_id=record.key_id,
         time=_iso(record.time),
@@ -308,6 +276,36 @@ def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanatio
         reason=why.get("text") or None,
         path=why.get("path") or None,
     )
+
+
+def _verdict(
+    record: MissRecord, earlier: list[MissRecord], why: dict[str, Any]
+) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    """``explain_one``'s verdict, summary, differences and nearest earlier key id."""
+    if why.get("kind") == UNCACHEABLE:  # not a miss: a build that cannot be keyed soundly ran uncached
+        return "uncacheable", f"not cached: {why.get('text', '')}", [], None
+    check = _check_failed(record)
+    best = _nearest(record, earlier, check)
+    diffs = [] if best is None else best[0]
+    nearest = None if best is None else best[1].key_id
+    if check is not None and not diffs:
+        # The front door's check found the change; the compile read what it read before.
+        diffs = [_failed_check_change(check)]
+    if not diffs and check is None and best is not None:
+        return "same", _SAME, diffs, nearest
+    if (best is not None and not best[2] and len(diffs) > _NEAR) or (best is None and check is None):
+        # Nothing earlier of the same code, and the nearest of others is far (or there is none).
+        summary = "new: no earlier compile of anything like it"
+        if best is not None:
+            summary += f" (the nearest differs in {len(diffs)} inputs)"
+        return "new", summary, [], None
+    if len(diffs) == 1:
+        return "changed", diffs[0][1], diffs, nearest
+    return "several", "several inputs differed: " + "; ".join(d[1] for d in diffs), diffs, nearest
+
+
+#: The summary of a miss whose inputs compiled before.
+_SAME = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
 
 
 def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> ExplainReport:

@@ -29,6 +29,7 @@ each manifest is judged by :func:`cuda_program_cas._disk.classify.classify`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -105,7 +106,6 @@ class GcReport(Report):
     blobs_deferred: int = 0
     #: category -> {"count", "bytes"} as planned (see ``CATEGORIES``).
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Problems found that this run did not fix (each one line).
     #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
     packs: dict[str, object] = field(default_factory=dict)
 
@@ -198,13 +198,8 @@ def collect(
         )
     report = GcReport(lay.root, dry_run, shared=shared)
     opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress, shared)
-    if dry_run:
-        # Nothing is written, not even the lock file.
-        _run(report, cache, opts)
-        report.elapsed_s = time.monotonic() - t0
-        _record(report)
-        return report
-    with lay.collector_lock(wait_s) as held:
+    # A dry run writes nothing, not even the lock file.
+    with contextlib.nullcontext(True) if dry_run else lay.collector_lock(wait_s) as held:
         if not held:
             raise CollectorBusyError(
                 f"cache {lay.root!r} is busy: another gc or a size-cap eviction holds {lay.lock}; nothing was changed"

@@ -62,11 +62,6 @@ class PublishReport(Report):
     sets_unchanged: int = 0
     #: Source warm sets that are not whole sets (cut short, garbled, too large): skipped, never copied.
     bad_sets: list[str] = field(default_factory=list)
-    #: Problems found in the sources (each left out of the store), one labelled line each.
-
-    def to_dict(self) -> dict[str, object]:
-        """The same as :meth:`as_dict` (the name this report had before every report shared one shape)."""
-        return self.as_dict()
 
     def _settle(self) -> None:
         """List the problems the run met, by kind (what ``problems`` and ``problem_count`` say)."""

@@ -102,7 +102,6 @@ class StatsReport(Report):
     #: The entries whose hits saved the most time (at most 5): ``key`` (the first 16 hex digits of its
     #: key id), ``hits``, ``saved_s`` and ``compile_s``, from the usage ledger (never zeroed).
     busiest: list[dict[str, object]] = field(default_factory=list)
-    #: What could not be read, one line each.
 
 
 def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = None) -> StatsReport:

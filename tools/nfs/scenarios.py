@@ -431,7 +431,7 @@ def scenario_publish(env: Env) -> Result:
         published_at.append(time.monotonic())
         published += report.published
         if report.problems:
-            failures.append(f"publish reported problems: {report.to_dict()}")
+            failures.append(f"publish reported problems: {report.as_dict()}")
         time.sleep(0.3)
     publish_s = time.monotonic() - t0
     if published != env.n:
