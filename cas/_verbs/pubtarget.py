@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
+from cuda_program_cas._base.frame import for_store
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.direngine import DirEngine
@@ -150,9 +151,10 @@ class Target:
         return known
 
     def blob_present(self, digest: str, size: int) -> bool:
-        """A cheap check (no read): an object of the right size."""
+        """A cheap check (no read): an object of the right size (where blobs are compressed: at most that size)."""
         try:
-            return self.engine.size(url_path(BLOBS, digest)) == size
+            held = self.engine.size(url_path(BLOBS, digest))
+            return held == size or (held is not None and 0 < held < size and getattr(self.engine, "compresses", True))
         except StoreFailure as exc:
             if exc.outage:
                 raise
@@ -164,7 +166,7 @@ class Target:
     def put_blob(self, digest: str, blob: bytes) -> bool:
         """Store a verified blob and read it back, before a manifest names it; False when the write was dropped."""
         try:
-            put_checked(self.engine, url_path(BLOBS, digest), blob, whole=False)
+            put_checked(self.engine, url_path(BLOBS, digest), for_store(self.engine, blob), whole=False)
         except StoreFailure as exc:
             if exc.kind not in _DROPPED:
                 raise
