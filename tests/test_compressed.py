@@ -1,4 +1,4 @@
-"""Shared stores hold compressed blobs (issue 48): the frame's bounds, and round trips over every engine.
+"""Shared stores hold compressed blobs: the frame's bounds, and round trips over every engine.
 
 A writer (write-back, publish) compresses a blob once into a frame
 (``cas/_base/frame.py``); a reader decodes it, bounded, before it verifies the raw
