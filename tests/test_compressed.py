@@ -274,3 +274,65 @@ def test_publish_into_redis_stores_blobs_compressed_and_a_rerun_sends_nothing(
     node = CacheStore(tmp_path / "node", shared=[redis.url])
     assert {k: node.get(k) for k in entries} == entries
     node.close()
+
+
+# -- a store directory's maintenance: gc, verify, stats, repack and publish judge framed blobs by their raw bytes
+
+
+def _framed_store(tmp_path: Path, entries: dict[str, bytes]) -> Path:
+    """A store ``publish`` made, every blob then framed in place (as a store holding compressed blobs is)."""
+    src = _store_with(tmp_path, entries)
+    store = tmp_path / "published"
+    assert not publish([src], store).errors
+    for v in entries.values():
+        path = _blob(store, v)
+        path.write_bytes(frame.encode(path.read_bytes()))
+        assert path.stat().st_size < len(v)
+    return store
+
+
+def test_verify_gc_and_stats_find_nothing_wrong_in_a_store_of_framed_blobs(tmp_path: Path) -> None:
+    from cuda_program_cas import collect, stats, verify
+
+    entries = {f"k{i}": value(i) for i in range(6)}
+    store = _framed_store(tmp_path, entries)
+    checked = verify(store)
+    assert checked.problems == [] and checked.blobs_checked == 6
+    assert stats(store).size_mismatch_manifests == 0
+    report = collect(store)  # a damaged manifest goes whatever the grace: none here
+    assert report.entries_removed == 0 and report.blobs_removed == 0 and report.problems == []
+    assert {k: CacheStore(tmp_path / "node", shared=[str(store)]).get(k) for k in entries} == entries
+
+
+def test_a_framed_blob_stating_another_size_is_damage_that_verify_reports(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    entries = {"k": value(1)}
+    store = _framed_store(tmp_path, entries)
+    _blob(store, value(1)).write_bytes(wrong_size())
+    kinds = {p.kind for p in verify(store).problems}
+    assert kinds == {"size_mismatch", "corrupt_blob"}, kinds  # the manifest and the frame: each wrong
+
+
+def test_a_local_blob_that_starts_like_a_frame_is_a_good_raw_blob_to_verify(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    raw = frame.MAGIC + value(1)
+    local = _store_with(tmp_path, {"k": raw})
+    assert _blob(local, raw).read_bytes() == raw  # the local cache keeps it raw
+    assert verify(local).problems == []
+    assert CacheStore(local).get("k") == raw
+
+
+def test_repack_packs_framed_blobs_raw_and_publish_finds_them_there(tmp_path: Path) -> None:
+    from cuda_program_cas import repack
+
+    entries = {f"k{i}": value(i) for i in range(6)}
+    store = _framed_store(tmp_path, entries)
+    assert repack(store).problems == []
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
+    node.close()
+    store2 = _framed_store(tmp_path / "again", entries)
+    again = publish([tmp_path / "again" / "store"], store2)
+    assert again.blobs_published == 0 and not again.errors  # the framed blobs there are the right ones

@@ -30,12 +30,27 @@ than the limit the reader allows an entry anyway.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
-import zstandard
+from blake3 import blake3
 
 from .engine import StoreFailure, check_digest
 
-__all__ = ["HEADER_SIZE", "LEVEL", "MAGIC", "decode", "encode", "for_store", "is_framed", "verified"]
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "HEADER_SIZE",
+    "LEVEL",
+    "MAGIC",
+    "decode",
+    "encode",
+    "for_store",
+    "get_verified",
+    "is_framed",
+    "stated_size",
+    "verified",
+]
 
 #: The first bytes of a framed object (PNG's trick: a high byte, then a name, then CR LF, ^Z, LF).
 MAGIC = b"\x89cpz\r\n\x1a\n"
@@ -56,6 +71,8 @@ def is_framed(stored: bytes | memoryview) -> bool:
 
 def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
     """``raw`` as a shared store is to hold it: framed and compressed, or ``raw`` itself when that is not larger."""
+    import zstandard  # only where a shared store's blob is written or read
+
     framed = _HEADER.pack(MAGIC, len(raw)) + zstandard.ZstdCompressor(level=level).compress(raw)
     if len(framed) < len(raw) or is_framed(raw):
         return framed
@@ -91,6 +108,8 @@ def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | m
     _magic, size = _HEADER.unpack_from(stored)
     if size > limit:
         raise refused(f"states {size:,} raw bytes, more than the {limit:,} allowed: not decompressed")
+    import zstandard
+
     body = memoryview(stored)[HEADER_SIZE:]
     try:
         stated = zstandard.frame_content_size(body)
@@ -108,6 +127,47 @@ def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | m
     return raw
 
 
+def stated_size(head: bytes | memoryview) -> int | None:
+    """The raw size the header ``head`` (a blob's first :data:`HEADER_SIZE` bytes or more) states; None: not framed."""
+    if len(head) < HEADER_SIZE or not is_framed(head):
+        return None
+    size: int = _HEADER.unpack_from(head)[1]
+    return size
+
+
+def get_verified(engine: Engine, name: str, digest: str, size: int) -> bytes | None:
+    """The raw bytes of blob ``name`` of ``engine``, verified against ``digest``, or None when there is none.
+
+    Stored compressed or raw, never larger than the raw ``size``. Where writers keep blobs raw
+    (``compresses = False``: a directory, a web server) the engine verifies as the bytes arrive
+    (staged on disk above 1 MiB over HTTP); only an object that failed that is read again, to be
+    decoded if it is framed. Elsewhere (Redis) it is read whole, then decoded and verified. A
+    :class:`StoreFailure` of kind ``damaged`` for what is neither.
+    """
+    where = f"{engine.shown.rstrip('/')}/{name}"
+    if getattr(engine, "compresses", True):
+        stored = engine.get(name, limit=size)
+    else:
+        try:
+            return engine.get(name, limit=size, digest=digest)
+        except StoreFailure as exc:
+            if exc.kind != "damaged":
+                raise
+            stored = engine.get(name, limit=size)
+            if stored is not None and not is_framed(stored):
+                raise
+    return None if stored is None else bytes(verified(where, stored, digest, size))
+
+
 def verified(where: str, stored: bytes | memoryview, digest: str, limit: int) -> bytes | memoryview:
-    """The raw bytes of ``stored`` when they hash to ``digest``; else a :class:`StoreFailure` kind ``damaged``."""
-    return check_digest(where, decode(stored, limit, where), digest)
+    """The raw bytes of ``stored`` when they hash to ``digest``; else a :class:`StoreFailure` kind ``damaged``.
+
+    A framed-looking object that does not decode to them may be a raw blob that starts with
+    :data:`MAGIC` in a store written before blobs were compressed: its own digest decides.
+    """
+    try:
+        return check_digest(where, decode(stored, limit, where), digest)
+    except StoreFailure:
+        if not is_framed(stored) or len(stored) > limit or blake3(stored).hexdigest() != digest:
+            raise
+        return stored

@@ -71,7 +71,7 @@ from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork
-from cuda_program_cas._base.frame import is_framed, verified
+from cuda_program_cas._base.frame import get_verified, verified
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
     BLOBS,
@@ -424,7 +424,7 @@ class Tier:
             return None
         digest, size = named
         try:
-            blob = self._blob(digest, size)
+            blob = get_verified(self.engine, url_path(BLOBS, digest), digest, size)
         except StoreFailure as exc:
             if exc.kind != "damaged":
                 raise
@@ -434,29 +434,6 @@ class Tier:
             self._why.reason = "blob missing"
             return None
         return blob, digest
-
-    def _blob(self, digest: str, size: int) -> bytes | None:
-        """The raw bytes of blob ``digest``, verified, or None when there is none; else ``StoreFailure``.
-
-        Stored compressed or raw (:mod:`cuda_program_cas._base.frame`), never larger than the raw ``size``.
-        Where writers keep blobs raw (a directory, a web server) the engine verifies as the bytes arrive
-        (staged on disk above 1 MiB over HTTP); only an object that failed that is read again, to be
-        decoded if it is framed. Elsewhere (Redis) it is read whole, then decoded and verified.
-        """
-        name = url_path(BLOBS, digest)
-        where = f"{self.root.rstrip('/')}/{name}"
-        if getattr(self.engine, "compresses", True):
-            stored = self.engine.get(name, limit=size)
-        else:
-            try:
-                return self.engine.get(name, limit=size, digest=digest)
-            except StoreFailure as exc:
-                if exc.kind != "damaged":
-                    raise
-                stored = self.engine.get(name, limit=size)
-                if stored is not None and not is_framed(stored):
-                    raise
-        return None if stored is None else bytes(verified(where, stored, digest, size))
 
     def _manifest(self, kid: str, data: bytes) -> tuple[str, int] | None:
         """``(digest, size)`` that the manifest ``data`` of ``kid`` names, when it is one this node may use.

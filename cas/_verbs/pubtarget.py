@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._base.frame import for_store
+from cuda_program_cas._base.frame import for_store, get_verified
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.direngine import DirEngine
@@ -140,7 +140,7 @@ class Target:
                 known = self.blob_present(digest, size)
             else:
                 try:
-                    known = self.dir.get(url_path(BLOBS, digest), limit=size, digest=digest) is not None
+                    known = get_verified(self.dir, url_path(BLOBS, digest), digest, size) is not None
                 except StoreFailure as exc:
                     if exc.outage:
                         raise
@@ -180,7 +180,9 @@ class Target:
         Only files have an mtime to set; elsewhere :meth:`blob_still_there` asks again after the manifest.
         """
         if self.dir is not None:
-            self.dir.freshen(url_path(BLOBS, digest), size)
+            name = url_path(BLOBS, digest)
+            held = self.dir.size(name)  # a compressed blob is smaller than the raw size (verified by blob_ok)
+            self.dir.freshen(name, size if held is None or held > size else held)
 
     def put_manifest(self, manifest: Manifest) -> None:
         """Store the manifest (signed with the run's key) and read every byte of it back."""
