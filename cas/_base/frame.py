@@ -83,8 +83,8 @@ def for_store(engine: object, raw: bytes) -> bytes:
     """``raw`` as ``engine``'s store is to hold it: :func:`encode` d, unless the engine keeps blobs raw.
 
     A directory store, and a web server's (a directory there), keep them raw (``compresses = False``):
-    gc, verify, stats and repack judge a store directory's blobs by the raw size its manifests name,
-    and do not decode frames yet. Redis's objects are only ever read through its engine.
+    such a directory may be opened as a cache, whose local reader takes raw blobs only (gc, verify,
+    stats, repack and publish judge framed ones right). Redis's objects are only read through its engine.
     """
     return encode(raw) if getattr(engine, "compresses", True) else raw
 
