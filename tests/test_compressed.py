@@ -336,3 +336,17 @@ def test_repack_packs_framed_blobs_raw_and_publish_finds_them_there(tmp_path: Pa
     store2 = _framed_store(tmp_path / "again", entries)
     again = publish([tmp_path / "again" / "store"], store2)
     assert again.blobs_published == 0 and not again.errors  # the framed blobs there are the right ones
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_store_directory_of_framed_blobs_opened_as_a_cache_reads_them_raw(tmp_path: Path, read_only: bool) -> None:
+    from cuda_program_cas import verify
+
+    entries = {f"k{i}": value(i) for i in range(4)}
+    store = _framed_store(tmp_path, entries)
+    opened = CacheStore(store, read_only=read_only)
+    assert {k: opened.get(k) for k in entries} == entries and opened.counters()["corrupt"] == 0
+    opened.close()
+    assert verify(store).problems == []
+    quarantine = store / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage

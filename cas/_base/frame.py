@@ -82,9 +82,10 @@ def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
 def for_store(engine: object, raw: bytes) -> bytes:
     """``raw`` as ``engine``'s store is to hold it: :func:`encode` d, unless the engine keeps blobs raw.
 
-    A directory store, and a web server's (a directory there), keep them raw (``compresses = False``):
-    such a directory may be opened as a cache, whose local reader takes raw blobs only (gc, verify,
-    stats, repack and publish judge framed ones right). Redis's objects are only read through its engine.
+    A directory store, and a web server's, keep them raw (``compresses = False``): their engines verify
+    a blob as it arrives (hashed in chunks before a large one is read whole; staged on disk over HTTP),
+    which a framed one fails, to be read again (:func:`get_verified`). Every reader, gc, verify, stats,
+    repack and publish take framed ones there all the same. Redis reads an object whole anyway.
     """
     return encode(raw) if getattr(engine, "compresses", True) else raw
 
@@ -153,8 +154,14 @@ def get_verified(engine: Engine, name: str, digest: str, size: int) -> bytes | N
         except StoreFailure as exc:
             if exc.kind != "damaged":
                 raise
-            stored = engine.get(name, limit=size)
-            if stored is not None and not is_framed(stored):
+            # A framed object is smaller than the raw size: only such a one is read again (a lying manifest
+            # over a large file is never read whole), and any trouble on the way is the damage first found.
+            try:
+                held = engine.size(name)
+                stored = engine.get(name, limit=held) if held is not None and 0 < held < size else None
+            except StoreFailure:
+                stored = None
+            if stored is None or not is_framed(stored):
                 raise
     return None if stored is None else bytes(verified(where, stored, digest, size))
 

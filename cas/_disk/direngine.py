@@ -101,8 +101,8 @@ class DirEngine:
     #: The write protocol wrote, synced when asked, and renamed the file itself: a read-back could only
     #: meet a collector that took it since (publish re-checks blobs after their manifests for that).
     puts_proven = True
-    #: Blobs are kept raw here (:func:`cuda_program_cas._base.frame.for_store`): a store directory opened as a cache
-    #: (``CacheStore(store)``) reads blobs with the local reader, which takes raw ones only. Framed ones are read here.
+    #: Blobs are kept raw here (:func:`cuda_program_cas._base.frame.for_store`): ``get`` with a digest hashes a large
+    #: blob in chunks before reading it whole, which a framed one fails and is then read again. Framed ones are read.
     compresses = False
 
     def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:

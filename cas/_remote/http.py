@@ -66,8 +66,8 @@ class HttpEngine:
     atomic_batch = False
     lost_hint = "is it a real WebDAV store?"
     puts_proven = False
-    #: Blobs are kept raw (:func:`cuda_program_cas._base.frame.for_store`): a web server's store is a directory there,
-    #: which may be opened as a cache (the local reader takes raw blobs only). Framed ones are read.
+    #: Blobs are kept raw (:func:`cuda_program_cas._base.frame.for_store`): ``get`` with a digest hashes a body as it
+    #: arrives, which a framed one fails and is then asked again (a HEAD and a GET more). Framed ones are read.
     compresses = False
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
