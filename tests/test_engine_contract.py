@@ -415,6 +415,8 @@ def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
     source.close()
     publish([tmp_path / "source"], made.write)  # loose: its blob is then replaced by the one under test
     name, digest = url_path(BLOBS, digest_of(raw)), digest_of(raw)
+    published = made.engine.get(name, limit=len(raw))
+    assert published is not None and frame.is_framed(published) == made.engine.can.compresses  # as its record says
     made.seed.put(name, make())
     if stored == "framed":
         assert frame.get_verified(made.engine, name, digest, len(raw)) == raw
