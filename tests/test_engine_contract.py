@@ -21,11 +21,14 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
+from test_compressed import bomb_lying_frame, truncated, wrong_size
+from test_compressed import value as compressible
 from testkit.nginx import nginx_or_skip
 from testkit.redis_server import redis_or_skip
 from testkit.weed import WeedServer, weed_or_skip
 
 from cuda_program_cas import CacheStore, digest_of, publish
+from cuda_program_cas._base import frame
 from cuda_program_cas._base.engine import (
     Abilities,
     Engine,
@@ -389,3 +392,43 @@ def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
     node.close()
     for tier in (*writer.inner.shared, *node.inner.shared):
         tier.engine.close()  # their pooled connections (Redis)
+
+
+#: A blob as a writer may have put it into a shared store, and the raw bytes its manifest names: a frame that
+#: decodes to them, and frames that must be refused (a bomb within the entry limit, one cut short, one stating
+#: another size) where they reach any engine.
+COMPRESSED: dict[str, tuple[Callable[[], bytes], bytes]] = {
+    "framed": (lambda: frame.encode(compressible(1)), compressible(1)),
+    "bomb": (bomb_lying_frame, bytes(1000)),
+    "truncated": (truncated, compressible(1)),
+    "wrong stated size": (wrong_size, compressible(1)),
+}
+
+
+@pytest.mark.parametrize("stored", sorted(COMPRESSED))
+def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
+    made: Made, stored: str, tmp_path: Path
+) -> None:
+    make, raw = COMPRESSED[stored]
+    source = CacheStore(tmp_path / "source")
+    source.put("k", raw)
+    source.close()
+    publish([tmp_path / "source"], made.write)  # loose: its blob is then replaced by the one under test
+    name, digest = url_path(BLOBS, digest_of(raw)), digest_of(raw)
+    published = made.engine.get(name, limit=len(raw))
+    assert published is not None and frame.is_framed(published) == made.engine.can.compresses  # as its record says
+    made.seed.put(name, make())
+    if stored == "framed":
+        assert frame.get_verified(made.engine, name, digest, len(raw)) == raw
+    else:
+        with pytest.raises(StoreFailure) as caught:
+            frame.get_verified(made.engine, name, digest, len(raw))
+        assert (caught.value.kind, caught.value.outage) == ("damaged", False)
+    node = CacheStore(tmp_path / "node", shared=[made.read])
+    try:
+        got, corrupt = node.get("k"), node.counters()["corrupt"]
+    finally:
+        node.close()
+        for tier in node.inner.shared:
+            tier.engine.close()
+    assert (got, corrupt) == ((raw, 0) if stored == "framed" else (None, 1))

@@ -8,6 +8,7 @@ its command counts); what it means is checked by a node whose only shared tier i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,7 @@ def test_pack_into_redis_is_bad_usage_before_anything_is_written(
 def _big_source(root: Path, n: int, size: int) -> Path:
     store = CacheStore(root)
     for i in range(n):
-        store.put(f"k{i}", bytes([i]) * size)
+        store.put(f"k{i}", os.urandom(size))  # noise: stored raw, as large in the store (it does not compress)
     return root
 
 

@@ -9,6 +9,7 @@ counts (INFO commandstats).
 from __future__ import annotations
 
 import logging
+import os
 import textwrap
 from pathlib import Path
 
@@ -94,15 +95,17 @@ def test_a_full_server_refuses_uploads_and_the_job_goes_on(tmp_path: Path) -> No
     server = _server(tmp_path / "redis", maxmemory="2mb", policy="noeviction")
     try:
         store = CacheStore(tmp_path / "local", shared=[f"{server.url}|write"])
+        # 4.8 MB of noise (stored raw: it does not compress): Redis refuses writes past its 2 MB (OOM).
+        values = [os.urandom(600_000) for _ in range(8)]
         for i in range(8):
-            store.put(f"k{i}", bytes([i]) * 600_000)  # 4.8 MB: Redis refuses writes past its 2 MB (OOM)
+            store.put(f"k{i}", values[i])
         store.close()
         counts = store.counters()
         assert counts["writes"] == 8
         assert counts["uploads_dropped"] >= 1 and counts["uploads"] + counts["uploads_dropped"] == 8
         reader = CacheStore(tmp_path / "reader", shared=[server.url])
         for i in range(8):  # whatever was stored is whole; the rest is a miss
-            assert reader.get(f"k{i}") in (None, bytes([i]) * 600_000)
+            assert reader.get(f"k{i}") in (None, values[i])
         assert key_id("k0")
     finally:
         server.stop()

@@ -31,6 +31,12 @@ there, then for each round trip a fresh node with the job named (its set fetched
 with warm sets off, through the forwarder: seconds per node, requests (the forwarder's
 exchanges) and round trips in sequence (its ``rounds``: requests sent in parallel, as the
 packs' ranged GETs are, count as one).
+
+``--compression`` measures compressed blobs in shared stores over two mixes (the demo's,
+and eight CUB kernels): each written back to a Redis store raw (compression off,
+as before) and compressed, the store's bytes, a cold node's warm set at 20 ms and
+at 20 ms and 10 Mbit/s (the forwarder's rate), and a hit's decode of the largest
+blob against its blake3.
 """
 
 from __future__ import annotations
@@ -394,6 +400,153 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# -- compressed blobs in shared stores ---------------------------------------------------------
+
+#: The links a cold node's warm set is fetched over in ``--compression``: (round trip ms, bytes/s down or None).
+LINKS = ((20.0, None), (20.0, 1.25e6))
+
+
+def _mixes() -> dict[str, list[bytes]]:
+    """The blobs of the demo's mix (its kernels' variants, its CUB kernel and the records the front door keeps)
+    and of a CUB-heavy one (BlockReduce at four block sizes for sm_80 and sm_90), compiled by NVRTC now."""
+    import tempfile
+
+    import demo
+    from _common import CUB_SOURCE, cccl_include
+    from cuda.core import Program, ProgramOptions
+
+    include = cccl_include()
+    with tempfile.TemporaryDirectory() as tmp:
+        demo.compile_all(tmp)
+        if include is not None:
+            demo.cub_compile(tmp, CUB_SOURCE, [include])
+        mixes = {"demo": [p.read_bytes() for p in sorted(Path(tmp, "blobs").glob("*/*"))]}
+    if include is not None:
+        cub = []
+        for arch in ("sm_80", "sm_90"):
+            for block in (64, 128, 256, 512):
+                options = ProgramOptions(arch=arch, std="c++17", include_path=[include])
+                source = CUB_SOURCE.replace("128", str(block))
+                cub.append(bytes(Program(source, "c++", options=options).compile("cubin").code))
+        mixes["CUB-heavy"] = cub
+    return mixes
+
+
+def _store_bytes(redis: RedisServer) -> tuple[int, int]:
+    """(blob bytes, manifest bytes) the Redis store holds."""
+    client = redis.client()
+    sizes = {"blobs": 0, "index": 0}
+    for name in client.scan_iter(match="cpcas:*", count=1000):
+        top = name.decode().split(":", 1)[1].split("/", 1)[0]
+        if top in sizes:
+            sizes[top] += client.strlen(name)
+    return sizes["blobs"], sizes["index"]
+
+
+def _least(call: Any, *args: Any) -> float:
+    """Seconds ``call(*args)`` takes: the least of 50."""
+    best = float("inf")
+    for _ in range(50):
+        t0 = time.perf_counter()
+        call(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compression(parent: str | None) -> dict[str, Any]:
+    """Each mix written back to a Redis store raw (compression off: the writer as it was) and compressed:
+    the store's bytes, a cold node's warm set over each of :data:`LINKS`, and what a decode costs a hit."""
+    from blake3 import blake3
+
+    from cuda_program_cas import CacheStore
+    from cuda_program_cas._base import frame
+    from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
+
+    base = work_dir(parent, "compress-bench")
+    results: dict[str, Any] = {"level": frame.LEVEL, "mixes": {}}
+    encode = frame.encode
+    os.environ["CUDA_PROGRAM_CAS_JOB"] = JOB
+    try:
+        for mix, blobs in _mixes().items():
+            raw = sum(map(len, blobs))
+            stored = [frame.encode(b) for b in blobs]
+            pack_overhead = len(blobs) * ENTRY_SIZE + TRAILER_SIZE
+            largest = max(range(len(blobs)), key=lambda i: len(blobs[i]))
+            out: dict[str, Any] = {
+                "blobs": len(blobs),
+                "raw_bytes": raw,
+                # Not built (packs are not compressed yet): each entry compressed alone, then the pack's index.
+                "packed_ratio_computed": (sum(map(len, stored)) + pack_overhead) / (raw + pack_overhead),
+                "largest_blob": len(blobs[largest]),
+                "largest_stored": len(stored[largest]),
+                "decode_us": _least(frame.decode, stored[largest], len(blobs[largest])) * 1e6,
+                "hash_us": _least(lambda b: blake3(b).hexdigest(), blobs[largest]) * 1e6,
+                "cases": {},
+            }
+            for mode in ("raw", "compressed"):
+                redis = RedisServer(os.path.join(base, f"redis-{mix}-{mode}")).start()
+                try:
+                    frame.encode = encode if mode == "compressed" else (lambda b, level=frame.LEVEL: b)  # type: ignore[misc]
+                    writer = CacheStore(os.path.join(base, f"writer-{mix}-{mode}"), shared=[f"{redis.url}|write"])
+                    for i, b in enumerate(blobs):
+                        writer.put(f"{mix}-{i}", b)
+                    writer.close()
+                    blob_bytes, manifest_bytes = _store_bytes(redis)
+                    case: dict[str, Any] = {"blob_bytes": blob_bytes, "manifest_bytes": manifest_bytes}
+                    port = int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])
+                    for rtt, rate in LINKS:
+                        with Proxy(
+                            ("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2, rate_down=rate
+                        ) as link:
+                            local = os.path.join(base, f"node-{mix}-{mode}-{rtt:g}-{rate}")
+                            t0 = time.perf_counter()
+                            node = CacheStore(local, shared=[_through(redis.url, port, link)])
+                            warm = node.inner.warm
+                            assert warm is not None and warm.join(120)
+                            got = [node.get(f"{mix}-{i}") for i in range(len(blobs))]
+                            elapsed = time.perf_counter() - t0
+                            node.close()
+                        if got != blobs or warm.fetched != len(blobs):
+                            raise RuntimeError(f"{mix}, {mode}: the cold node got {warm.fetched} of {len(blobs)}")
+                        link_name = f"{rtt:g} ms" + ("" if rate is None else f", {rate * 8 / 1e6:g} Mbit/s")
+                        case[link_name] = elapsed
+                        case[f"{link_name}: round trips"] = link.exchanges
+                    out["cases"][mode] = case
+                finally:
+                    frame.encode = encode  # type: ignore[misc]
+                    redis.stop()
+            results["mixes"][mix] = out
+        return results
+    finally:
+        os.environ.pop("CUDA_PROGRAM_CAS_JOB", None)
+        if parent is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def compression_table(results: dict[str, Any]) -> str:
+    lines = [f"zstd level {results['level']}; store bytes are a Redis store's values after write-back", ""]
+    for mix, out in results["mixes"].items():
+        raw, after = out["cases"]["raw"], out["cases"]["compressed"]
+        total_raw = raw["blob_bytes"] + raw["manifest_bytes"]
+        lines.append(f"{mix}: {out['blobs']} blobs, {out['raw_bytes']:,} raw bytes")
+        lines.append(
+            f"  loose (Redis): blobs {after['blob_bytes'] / raw['blob_bytes']:.3f}x, with manifests "
+            f"{(after['blob_bytes'] + after['manifest_bytes']) / total_raw:.3f}x; packed (computed, each entry "
+            f"alone): {out['packed_ratio_computed']:.3f}x"
+        )
+        lines.append(
+            f"  a hit's decode of the largest blob ({out['largest_blob']:,} B, stored {out['largest_stored']:,} B): "
+            f"{out['decode_us']:.0f} us (its blake3: {out['hash_us']:.0f} us)"
+        )
+        for link in (k for k in raw if "ms" in k and "round trips" not in k):
+            trips = f"{link}: round trips"
+            lines.append(
+                f"  cold node, warm set, {link}: {raw[link]:.3f} s raw ({raw[trips]} round trips), "
+                f"{after[link]:.3f} s compressed ({after[trips]})"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     spec = worker_spec(args_in)
@@ -407,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
     parser.add_argument("--misses", action="store_true", help="lookups that mostly miss, with and without key lists")
     parser.add_argument("--s3", action="store_true", help="a packed store in an S3 bucket (weed), cold nodes")
+    parser.add_argument("--compression", action="store_true", help="store bytes, warm sets, decode: raw, compressed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--dir", help="where the caches and the served stores go (kept); default a temp dir")
     args = parser.parse_args(args_in)
@@ -425,9 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"cluster_bench: --rtt takes numbers of ms, not {args.rtt!r}", file=sys.stderr)
         return 2
-    if args.misses:
-        found = misses(rtts, args.dir)
-        print(json.dumps(found, indent=2) if args.json else miss_table(found))
+    if args.compression or args.misses:
+        found = compression(args.dir) if args.compression else misses(rtts, args.dir)
+        shown = compression_table if args.compression else miss_table
+        print(json.dumps(found, indent=2) if args.json else shown(found))
         return 0
     results = run(args.kernels, rtts, args.dir, args.repeat, max(0, args.nodes))
     print(json.dumps(results, indent=2) if args.json else table(results))

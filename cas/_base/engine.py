@@ -247,6 +247,10 @@ class Abilities:
     #: Answers are a web server's claims (HTTP): a body too large or a status that is no answer is a bad
     #: answer, not damage; ``layout.json`` is read once per process.
     server: bool = False
+    #: Writers keep blobs here zstd-compressed in a frame (:func:`cuda_program_cas._base.frame.for_store`), and
+    #: readers get a blob whole, then decode and verify it (Redis, which reads a value whole anyway). Without it
+    #: blobs are written raw and verified by the engine as they arrive; framed ones are read all the same.
+    compresses: bool = False
 
 
 class Engine(Protocol):

@@ -13,7 +13,10 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from cuda_program_cas._base.config import env_max_entry_size
+from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CorruptBlobError
+from cuda_program_cas._base.frame import decode, is_framed
 
 from .files import SizeMismatch, digest_of, read_regular, scan_sharded, shard_path
 
@@ -58,7 +61,7 @@ class BlobStore:
         return shard_path(self.directory, digest)
 
     def read(self, digest: str, size: int | None = None) -> tuple[bytes, os.stat_result]:
-        """The verified bytes of a blob, and the stat of its file.
+        """The verified bytes of a blob, and the stat of its file (a shared store's compressed blob: its raw bytes).
 
         Raises ``FileNotFoundError`` when absent, :class:`cuda_program_cas.CorruptBlobError` when
         it does not hash to ``digest`` or (``size`` given) has another size, and
@@ -70,8 +73,18 @@ class BlobStore:
         try:
             data, st = read_regular(path, size)
         except SizeMismatch as exc:
-            raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}") from None
+            if not 0 < exc.actual < exc.expected:
+                raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}") from None
+            data, st = read_regular(path, exc.actual)  # smaller: a shared store's compressed blob, or cut short
+            if not is_framed(data):
+                raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}", st) from None
         actual = digest_of(data)
+        if actual != digest and is_framed(data):  # a raw blob may start like a frame: its own digest says which
+            try:
+                data = bytes(decode(data, env_max_entry_size() if size is None else size, path))
+            except StoreFailure as failed:
+                raise CorruptBlobError(path, digest, failed.detail, st) from None
+            actual = digest_of(data)
         if actual != digest:
             raise CorruptBlobError(path, digest, actual, st)
         return data, st

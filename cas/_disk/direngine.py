@@ -94,7 +94,8 @@ class DirEngine:
 
     #: A put is renamed in whole by this process (proven: publish re-checks blobs after their manifests for a
     #: collector); ``put_many`` is one put after another, not a transaction; not remote: one file failing is
-    #: not yet an outage.
+    #: not yet an outage. Blobs are kept raw (no ``compresses``): ``get`` with a digest hashes a large blob in
+    #: chunks before reading it whole, which a framed one fails and is then read again. Framed ones are read.
     can = Abilities(ranges=True, listing=True, puts_proven=True)
     #: What to ask of a directory that did not keep what it was given (for a message).
     lost_hint = "is another writer at work, or the file system not a real one?"

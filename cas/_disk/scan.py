@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-from .files import fs_now, read_regular, scan_sharded, trusted_mtime_ns
+from .files import READ_FLAGS, fs_now, read_regular, scan_sharded, trusted_mtime_ns
 from .layout import temp_files
 
 __all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
@@ -53,6 +53,9 @@ class Snapshot:
     #: was last written or touched before the scan. Without a clock reading (a
     #: read-only cache), the process clock less :data:`CLOCK_SLACK_NS`.
     cutoff_ns: int = 0
+    #: digest -> the raw size a compressed blob's frame states (:mod:`cuda_program_cas._base.frame`), for the
+    #: blobs smaller than a manifest naming them says (a shared store's); its stat's size is what it takes.
+    framed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.cutoff_ns:
@@ -128,8 +131,33 @@ def take_snapshot(
             else:
                 misplaced = parse_manifest(data) is not None
         snap.manifests.append(ManifestInfo(kid, st, manifest, misplaced))
-    for digest, _path, st in scan_sharded(blobs_dir):
+    paths = {}
+    for digest, path, st in scan_sharded(blobs_dir):
         snap.blobs[digest] = st
+        paths[digest] = path
+    for info in snap.manifests:
+        m = info.manifest
+        held = snap.blobs.get(m.digest) if m is not None else None
+        if m is not None and held is not None and 0 < held.st_size < m.size and m.digest not in snap.framed:
+            stated = _stated_size(paths[m.digest])
+            if stated is not None:
+                snap.framed[m.digest] = stated
     if temp_dir is not None:
         snap.temp_bytes = sum(st.st_size for _, st in temp_files(temp_dir))
     return snap
+
+
+def _stated_size(path: str) -> int | None:
+    """The raw size the blob file at ``path`` states as a compressed one, or None (not one, or not readable)."""
+    from cuda_program_cas._base.frame import HEADER_SIZE, stated_size
+
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        return stated_size(os.read(fd, HEADER_SIZE))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

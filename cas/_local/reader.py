@@ -330,6 +330,8 @@ class Reader:
                     self._read_failed(exc, bpath)
                     return None
                 if st.st_size != size or not S_ISREG(st.st_mode):
+                    if 0 < st.st_size < size and S_ISREG(st.st_mode):  # a store's compressed blob?
+                        return self._unframed(kid, mfd, digest, size, bfd=bfd, data=b"", held=st.st_size)
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
             try:
@@ -340,6 +342,8 @@ class Reader:
                 self._read_failed(exc, bpath)
                 return None
             if len(data) != size:  # truncated or grown: not the blob the manifest names
+                if 0 < len(data) < size:  # or a store's compressed blob (a store directory opened as a cache)
+                    return self._unframed(kid, mfd, digest, size, bfd=bfd, data=data, held=len(data))
                 self._corrupt_blob(kid, mfd, digest, bfd)
                 return None
             identity = None
@@ -458,6 +462,28 @@ class Reader:
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
         if self._on_error is not None:
             self._on_error(exc, path)
+
+    def _unframed(
+        self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int
+    ) -> tuple[bytes, str] | None:
+        """The raw bytes of a shared store's compressed blob, verified; else damage.
+
+        ``data``: what was read of it; ``held``: its file's size, less than ``size`` (what is read at most).
+
+        A store directory opened as a cache holds them (:mod:`cuda_program_cas._base.frame`); a local
+        cache never does, and pays nothing for this: only a blob shorter than its manifest comes here.
+        """
+        from cuda_program_cas._base.engine import StoreFailure
+        from cuda_program_cas._base.frame import is_framed, verified
+
+        try:
+            data = read_rest(bfd, data, held + 1)
+            if len(data) < size and is_framed(data):
+                return bytes(verified(digest, data, digest, size)), digest
+        except (OSError, StoreFailure):
+            pass
+        self._corrupt_blob(kid, mfd, digest, bfd)
+        return None
 
     def _corrupt_blob(self, kid: str, mfd: int, digest: str, bfd: int) -> None:
         """A blob that is not what its name says: never returned; moved aside, its manifest removed."""

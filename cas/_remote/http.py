@@ -66,6 +66,8 @@ class HttpEngine:
     before the first call.
     """
 
+    #: Blobs are kept raw (no ``compresses``): ``get`` with a digest hashes a body as it arrives, which a framed
+    #: one fails and is then asked again (a HEAD and a GET more). Framed ones are read.
     can = Abilities(ranges=True, multi_range=True, conditional_get=True, remote=True, server=True)
     lost_hint = "is it a real WebDAV store?"
 

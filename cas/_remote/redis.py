@@ -201,6 +201,7 @@ class RedisEngine:
         remote=True,
         evicts=True,
         layout_optional=True,
+        compresses=True,
     )
     lost_hint = (
         "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"

@@ -18,6 +18,10 @@ says of each key, in the same requests:
   as a lookup's (signed where keys are configured) and must name the digest and
   size, the blob must hash to it.
 
+A blob may be stored compressed (:mod:`cuda_program_cas._base.frame`): it is
+decoded, bounded by the largest entry this node reads, before it is hashed; a
+line's size bounds the stored bytes asked.
+
 Anything else (a line naming another key's bytes, a stale line, a refused
 request) is not fetched: the key's lookup finds it the ordinary way.
 
@@ -103,7 +107,7 @@ class Source(Protocol):
     def trust(self) -> Trust | None: ...
     def fits(self, size: int, kid: str) -> bool: ...
     def judge(self, kid: str, data: bytes) -> tuple[str, int] | None: ...
-    def hashes(self, e: Wanted, data: bytes | memoryview) -> bool: ...
+    def raw_of(self, e: Wanted, data: bytes | memoryview) -> bytes | memoryview | None: ...
 
 
 def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]]:
@@ -154,10 +158,11 @@ def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted]
         for span, named in batch:
             mine = [e for e in named if _index_names(got, trailer, pack, e)]
             blob = got.spans.get(span)
-            if mine and blob is not None and tier.hashes(mine[0], blob):
+            raw = tier.raw_of(mine[0], blob) if mine and blob is not None else None
+            if raw is not None:
                 for e in mine:
-                    keep(e.kid, blob, e.digest)
-        got = blob = None  # the batch's answer goes before the next is asked (blob: a view of its last range)
+                    keep(e.kid, raw, e.digest)
+        got = blob = raw = None  # the batch's answer goes before the next is asked (blob: a view of its last range)
 
 
 def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
@@ -186,7 +191,8 @@ def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
         for ((digest, size), es), blob in zip(batch, found[len(named) :], strict=True):
             # The key's own manifest must name these bytes: else gone, or the key names another entry now.
             mine = [e for e in es if (m := manifests[e.kid]) is not None and tier.judge(e.kid, m) == (digest, size)]
-            if mine and blob is not None and tier.hashes(mine[0], blob):
+            raw = tier.raw_of(mine[0], blob) if mine and blob is not None else None
+            if raw is not None:
                 for e in mine:
-                    keep(e.kid, blob, digest)
-        del found, manifests, blob  # the batch goes before the next is asked (blob: its last entry)
+                    keep(e.kid, raw, digest)
+        del found, manifests, blob, raw  # the batch goes before the next is asked (blob: its last entry)

@@ -65,9 +65,10 @@ from time import perf_counter as _perf
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
-from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure, check_digest
+from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.frame import get_verified, verified
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
     BLOBS,
@@ -362,8 +363,7 @@ class Tier:
             return None
         digest, size = named
         try:
-            # The engine verifies (it may hash a large blob as it arrives); a shorter one does not hash to it.
-            blob = self.engine.get(url_path(BLOBS, digest), limit=size, digest=digest)
+            blob = get_verified(self.engine, url_path(BLOBS, digest), digest, size)
         except StoreFailure as exc:
             if exc.kind != "damaged":
                 raise
@@ -428,14 +428,14 @@ class Tier:
         """``(digest, size)`` the manifest ``data`` of ``kid`` names when this node may use it (as a lookup's)."""
         return self._manifest(kid, data)
 
-    def hashes(self, e: Wanted, data: bytes | memoryview) -> bool:
-        """Whether ``data`` (the bytes a warm set's line ``e`` asked) hash to its digest; else damage, counted."""
+    def raw_of(self, e: Wanted, data: bytes | memoryview) -> bytes | memoryview | None:
+        """The raw bytes of ``data`` (what a warm set's line ``e`` asked, stored compressed or raw) when they hash
+        to its digest; else None, damage counted (a bomb, a cut frame, wrong bytes)."""
         try:
-            check_digest(self.root, data, e.digest)
+            return verified(self.root, data, e.digest, self.ceiling())
         except StoreFailure as exc:
             self._damaged("damaged blob", f"the blob of {e.kid} (a warm set's): {exc}")
-            return False
-        return True
+            return None
 
     # -- the layout ----------------------------------------------------------------------
 

@@ -340,7 +340,7 @@ def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, 
         protect = {m.key_id for m in live if snap.mtime_ns(m.stat) >= snap.cutoff_ns}
         for digest in [d for d in kept_blobs if refs[d] == 0 and snap.refs[d]]:
             kept_blobs.pop(digest)  # named only by manifests that go anyway
-        rest = Snapshot(snap.started_ns, live, kept_blobs, refs, cutoff_ns=snap.cutoff_ns)
+        rest = Snapshot(snap.started_ns, live, kept_blobs, refs, cutoff_ns=snap.cutoff_ns, framed=snap.framed)
         grace_ns = int(grace_s * 1e9) if removal.blobs_removable else 1 << 62
         lru = plan_lru(rest, max_size, orphan_grace_ns=grace_ns, protect=protect)
         groups["evicted_entries"] = [m for m in lru.manifests if m.manifest is not None]

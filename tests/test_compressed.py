@@ -1,0 +1,352 @@
+"""Shared stores hold compressed blobs: the frame's bounds, and round trips over every engine.
+
+A writer (write-back, publish) compresses a blob once into a frame
+(``cas/_base/frame.py``); a reader decodes it, bounded, before it verifies the raw
+bytes' blake3 digest; a store may mix framed and raw objects; a node's local cache
+keeps raw blobs. Servers are real (nginx, redis-server on loopback, started here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zstandard
+from conftest import SAXPY, compile_program
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testkit.nginx import Nginx, nginx_or_skip
+from testkit.redis_server import RedisServer
+
+from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of, publish
+from cuda_program_cas._base import frame
+from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._disk.layout import BLOBS, url_path
+
+LIMIT = 10_000
+
+
+def value(i: int, size: int = 6000) -> bytes:
+    return (f"entry {i} ".encode() * (size // 8 + 1))[:size]
+
+
+def _patched_content_size(body: bytes, size: int) -> bytes:
+    """A zstd frame like ``body`` whose header states ``size`` as its content size (a 4-byte field)."""
+    fhd = body[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    assert fcs_flag == 2, "a 4-byte content size field"
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    return body[:at] + struct.pack("<I", size) + body[at + 4 :]
+
+
+def bomb_lying_frame() -> bytes:
+    """10 MB of zeros in 300-odd bytes, the header and the zstd frame both stating 1,000 bytes."""
+    body = zstandard.ZstdCompressor().compress(bytes(10_000_000))
+    return frame.MAGIC + struct.pack("<Q", 1000) + _patched_content_size(body, 1000)
+
+
+def bomb_no_size() -> bytes:
+    """The header states 1,000 bytes; its zstd frame states no size and holds 10 MB."""
+    body = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(10_000_000))
+    return frame.MAGIC + struct.pack("<Q", 1000) + body
+
+
+def bomb_over_limit() -> bytes:
+    """A frame that says so: 10 MB, over the limit."""
+    return frame.encode(bytes(10_000_000))
+
+
+def second_frame() -> bytes:
+    """A frame whose first zstd frame is the stated 1,000 bytes, followed by another of 10 MB."""
+    return frame.encode(bytes(1000)) + zstandard.ZstdCompressor().compress(bytes(10_000_000))
+
+
+def truncated() -> bytes:
+    return frame.encode(value(1))[:-5]
+
+
+def cut_header() -> bytes:
+    return frame.encode(value(1))[:12]
+
+
+def wrong_size() -> bytes:
+    good = frame.encode(value(1))
+    return frame.MAGIC + struct.pack("<Q", len(value(1)) + 1) + good[frame.HEADER_SIZE :]
+
+
+BAD = {
+    "bomb: frame lies about its size": (bomb_lying_frame, "does not decompress"),
+    "bomb: frame states no size": (bomb_no_size, "its zstd frame no size"),
+    "bomb: over the limit": (bomb_over_limit, "more than the 10,000 allowed"),
+    "another frame after it": (second_frame, "does not decompress"),
+    "truncated": (truncated, "does not decompress"),
+    "header cut": (cut_header, "cut short"),
+    "wrong stated size": (wrong_size, "but its zstd frame"),
+}
+
+
+# -- the frame -------------------------------------------------------------------------------
+
+
+def test_a_blob_is_framed_smaller_and_decodes_to_itself() -> None:
+    raw = value(3)
+    stored = frame.encode(raw)
+    assert stored.startswith(frame.MAGIC) and len(stored) < len(raw) // 10
+    assert frame.decode(stored, len(raw)) == raw
+
+
+def test_raw_objects_pass_through_and_incompressible_ones_stay_raw() -> None:
+    noise = os.urandom(4096)
+    assert frame.encode(noise) == noise  # compression would not make it smaller
+    assert frame.decode(noise, 4096) is noise
+    for raw in (b"\x7fELF" + bytes(60), b"// PTX\n.version 8.0\n", b"cpcas2 x"):
+        assert frame.decode(raw, len(raw)) == raw
+
+
+def test_a_raw_blob_that_starts_like_a_frame_is_framed_so_it_reads_back_whole() -> None:
+    raw = frame.MAGIC + os.urandom(100)
+    stored = frame.encode(raw)
+    assert stored != raw and len(stored) > len(raw)
+    assert frame.decode(stored, len(raw)) == raw
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_frame_is_refused_with_one_clear_reason_holding_no_more_than_the_limit(case: str) -> None:
+    make, why = BAD[case]
+    stored = make()
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreFailure) as caught:
+            frame.decode(stored, LIMIT, "store/blobs/ab/cd")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.kind == "damaged" and not caught.value.outage
+    assert why in str(caught.value) and str(caught.value).startswith("store/blobs/ab/cd: damaged: a compressed")
+    assert "\n" not in str(caught.value)
+    assert peak < 64 * 1024, peak  # never the 10 MB: at most the stated 1,000 bytes and the frame
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=20_000), st.integers(min_value=1, max_value=22))
+def test_decode_of_encode_is_the_blob(raw: bytes, level: int) -> None:
+    assert frame.decode(frame.encode(raw, level=level), len(raw)) == raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=1 << 40), st.binary(max_size=300), st.integers(min_value=0, max_value=2000))
+def test_decode_never_returns_more_than_its_limit_nor_raises_another_error(size: int, body: bytes, limit: int) -> None:
+    for stored in (frame.MAGIC + struct.pack("<Q", size) + body, body):
+        try:
+            got = frame.decode(stored, limit)
+        except StoreFailure as exc:
+            assert exc.kind == "damaged"
+        else:
+            assert len(got) <= limit
+
+
+# -- a directory store: mixed objects, and each bad one a miss -----------------------------------
+
+
+def _store_with(tmp_path: Path, entries: dict[str, bytes]) -> Path:
+    store = tmp_path / "store"
+    writer = CacheStore(store)
+    for k, v in entries.items():
+        assert writer.put(k, v)
+    writer.close()
+    return store
+
+
+def _blob(root: Path, data: bytes) -> Path:
+    return root / url_path(BLOBS, digest_of(data))
+
+
+def test_a_directory_store_mixing_raw_and_framed_blobs_is_read_by_one_node_kept_raw(tmp_path: Path) -> None:
+    entries = {f"k{i}": value(i) for i in range(6)}
+    store = _store_with(tmp_path, entries)
+    for i in range(0, 6, 2):  # half of them framed, as a writer to another engine leaves them
+        path = _blob(store, entries[f"k{i}"])
+        path.write_bytes(frame.encode(path.read_bytes()))
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert {k: node.get(k) for k in entries} == entries
+    assert node.counters()["shared_hits"] == 6 and node.counters()["corrupt"] == 0
+    node.close()
+    for v in entries.values():  # the local cache keeps the raw binary (cuobjdump reads it)
+        assert _blob(tmp_path / "node", v).read_bytes() == v
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_frame_in_a_store_is_a_miss_counted_and_said_once(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    make, why = BAD[case]
+    raw = value(1) if case in ("truncated", "header cut", "wrong stated size") else bytes(1000)
+    store = _store_with(tmp_path, {"k": raw})
+    _blob(store, raw).write_bytes(make())
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert node.get("k") is None and node.get("k") is None
+    assert node.counters()["corrupt"] == 2
+    said = [r.getMessage() for r in caplog.records if "a compressed object" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    node.close()
+
+
+# -- HTTP/WebDAV on nginx ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def nginx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nginx]:
+    monkeypatch.delenv("CUDA_PROGRAM_CAS_HTTP_TOKEN", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with nginx_or_skip(tmp_path / "nginx") as server:
+        CacheStore(server.root / "cas").close()  # laid out: layout.json, index/, blobs/
+        yield server
+
+
+def test_a_web_server_store_mixing_raw_and_framed_blobs_is_read_over_http_kept_raw(
+    nginx: Nginx, tmp_path: Path
+) -> None:
+    # Write-back and publish over WebDAV keep blobs raw (the store is a directory there that gc and verify
+    # judge); a store holding framed ones (copied from another engine, or a later writer) reads all the same.
+    with ContentAddressedProgramCache(tmp_path / "a", shared=[f"{nginx.dav_url('cas')}|write"]) as cache:
+        code = bytes(compile_program(SAXPY, cache=cache).code)
+        cache.close()
+        assert cache.stats().uploads == 1
+    path = _blob(nginx.root / "cas", code)
+    assert path.read_bytes() == code
+    path.write_bytes(frame.encode(code))
+    assert path.stat().st_size < 0.3 * len(code)
+    with ContentAddressedProgramCache(tmp_path / "b", shared=[nginx.dav_url("cas")]) as other:
+        assert bytes(compile_program(SAXPY, cache=other).code) == code
+        assert other.stats().shared_hits == 1
+    assert _blob(tmp_path / "b", code).read_bytes() == code
+    path.write_bytes(bomb_lying_frame())
+    with ContentAddressedProgramCache(tmp_path / "c", shared=[nginx.dav_url("cas")]) as third:
+        assert bytes(compile_program(SAXPY, cache=third).code) == code  # a miss, compiled
+        assert third.stats().shared_hits == 0 and third.counters()["corrupt"] == 1
+
+
+# -- Redis -------------------------------------------------------------------------------------
+
+
+def test_write_back_to_redis_stores_framed_blobs_and_a_cold_nodes_warm_set_fetch_decodes_them(
+    redis: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_JOB", "compressed")
+    entries = {f"k{i}": value(i) for i in range(20)}
+    writer = CacheStore(tmp_path / "a", shared=[f"{redis.url}|write"])
+    for k, v in entries.items():
+        assert writer.put(k, v) and writer.get(k) == v
+    writer.close()
+    client = redis.client()
+    held = {k: client.get(f"cpcas:{url_path(BLOBS, digest_of(v))}") for k, v in entries.items()}
+    assert all(h.startswith(frame.MAGIC) for h in held.values())
+    assert sum(map(len, held.values())) < 0.3 * sum(map(len, entries.values()))
+    # One blob a bomb within the entry limit: not fetched, counted, its lookup a miss.
+    client.set(f"cpcas:{url_path(BLOBS, digest_of(entries['k3']))}", bomb_lying_frame())
+    node = CacheStore(tmp_path / "b", shared=[redis.url])
+    assert node.inner.warm is not None and node.inner.warm.join(30)
+    assert node.inner.warm.fetched == len(entries) - 1 and node.counters()["corrupt"] == 1
+    got = {k: node.get(k) for k in entries}
+    assert got == {k: (None if k == "k3" else v) for k, v in entries.items()}
+    node.close()
+    assert _blob(tmp_path / "b", entries["k0"]).read_bytes() == entries["k0"]
+
+
+def test_publish_into_redis_stores_blobs_compressed_and_a_rerun_sends_nothing(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    entries = {f"k{i}": value(i) for i in range(5)}
+    src = _store_with(tmp_path, entries)
+    report = publish([src], redis.url)
+    assert report.blobs_published == 5 and not report.errors
+    client = redis.client()
+    held = [client.get(f"cpcas:{url_path(BLOBS, digest_of(v))}") for v in entries.values()]
+    assert all(h.startswith(frame.MAGIC) for h in held)
+    assert sum(map(len, held)) < 0.3 * sum(map(len, entries.values()))
+    assert publish([src], redis.url).blobs_published == 0  # a compressed blob there is one there
+    node = CacheStore(tmp_path / "node", shared=[redis.url])
+    assert {k: node.get(k) for k in entries} == entries
+    node.close()
+
+
+# -- a store directory's maintenance: gc, verify, stats, repack and publish judge framed blobs by their raw bytes
+
+
+def _framed_store(tmp_path: Path, entries: dict[str, bytes]) -> Path:
+    """A store ``publish`` made, every blob then framed in place (as a store holding compressed blobs is)."""
+    src = _store_with(tmp_path, entries)
+    store = tmp_path / "published"
+    assert not publish([src], store).errors
+    for v in entries.values():
+        path = _blob(store, v)
+        path.write_bytes(frame.encode(path.read_bytes()))
+        assert path.stat().st_size < len(v)
+    return store
+
+
+def test_verify_gc_and_stats_find_nothing_wrong_in_a_store_of_framed_blobs(tmp_path: Path) -> None:
+    from cuda_program_cas import collect, stats, verify
+
+    entries = {f"k{i}": value(i) for i in range(6)}
+    store = _framed_store(tmp_path, entries)
+    checked = verify(store)
+    assert checked.problems == [] and checked.blobs_checked == 6
+    assert stats(store).size_mismatch_manifests == 0
+    report = collect(store)  # a damaged manifest goes whatever the grace: none here
+    assert report.entries_removed == 0 and report.blobs_removed == 0 and report.problems == []
+    assert {k: CacheStore(tmp_path / "node", shared=[str(store)]).get(k) for k in entries} == entries
+
+
+def test_a_framed_blob_stating_another_size_is_damage_that_verify_reports(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    entries = {"k": value(1)}
+    store = _framed_store(tmp_path, entries)
+    _blob(store, value(1)).write_bytes(wrong_size())
+    kinds = {p.kind for p in verify(store).problems}
+    assert kinds == {"size_mismatch", "corrupt_blob"}, kinds  # the manifest and the frame: each wrong
+
+
+def test_a_local_blob_that_starts_like_a_frame_is_a_good_raw_blob_to_verify(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    raw = frame.MAGIC + value(1)
+    local = _store_with(tmp_path, {"k": raw})
+    assert _blob(local, raw).read_bytes() == raw  # the local cache keeps it raw
+    assert verify(local).problems == []
+    assert CacheStore(local).get("k") == raw
+
+
+def test_repack_packs_framed_blobs_raw_and_publish_finds_them_there(tmp_path: Path) -> None:
+    from cuda_program_cas import repack
+
+    entries = {f"k{i}": value(i) for i in range(6)}
+    store = _framed_store(tmp_path, entries)
+    assert repack(store).problems == []
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
+    node.close()
+    store2 = _framed_store(tmp_path / "again", entries)
+    again = publish([tmp_path / "again" / "store"], store2)
+    assert again.blobs_published == 0 and not again.errors  # the framed blobs there are the right ones
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_store_directory_of_framed_blobs_opened_as_a_cache_reads_them_raw(tmp_path: Path, read_only: bool) -> None:
+    from cuda_program_cas import verify
+
+    entries = {f"k{i}": value(i) for i in range(4)}
+    store = _framed_store(tmp_path, entries)
+    opened = CacheStore(store, read_only=read_only)
+    assert {k: opened.get(k) for k in entries} == entries and opened.counters()["corrupt"] == 0
+    opened.close()
+    assert verify(store).problems == []
+    quarantine = store / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage
