@@ -9,8 +9,7 @@ bounded requests).
 - :func:`bucket_stats`: objects and bytes by kind (manifests, blobs, packs,
   leases, the rest), from the listing alone.
 - :func:`bucket_verify`: every manifest read and parsed, its blob present with the
-  size it names (at most that size: blobs are kept compressed, :mod:`cuda_program_cas._base.frame`)
-  and hashed after it is decoded (one GET a blob: the whole store is downloaded once),
+  size it names and hashed (one GET a blob: the whole store is downloaded once),
   and the orphan blobs (named by no manifest) counted. It writes nothing.
 - :func:`bucket_gc`: removes what is safe to remove, each written more than
   ``grace_s`` ago: orphan blobs, manifests that cannot be read as one or whose
@@ -39,7 +38,6 @@ from typing import Any
 from urllib.parse import quote
 
 from cuda_program_cas._base.engine import StoreFailure
-from cuda_program_cas._base.frame import get_verified
 from cuda_program_cas._disk.layout import BLOBS, INDEX
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, parse_fields
 
@@ -134,11 +132,11 @@ def _check_manifests(
         if held is None:
             report.problems.append((obj.name, f"its blob {blob} is missing"))
             bad.append(obj)
-        elif held.size > size or (held.size < size and not engine.can.compresses):  # smaller: compressed
+        elif held.size != size:
             report.problems.append((blob, f"{held.size:,} bytes, not the {size:,} its manifest names"))
         elif hash_blobs:
             try:
-                get_verified(engine, blob, digest, size)
+                engine.get(blob, limit=size, digest=digest)
             except StoreFailure as exc:
                 if exc.outage:
                     raise
@@ -213,7 +211,7 @@ def bucket_repack(address: str) -> BucketFound:
 
     def loose(blob: str, size: int, digest: str) -> bytes | None:
         try:
-            return get_verified(engine, blob, digest, size)
+            return engine.get(blob, limit=size, digest=digest)
         except StoreFailure as exc:
             if exc.outage:
                 raise

@@ -198,7 +198,6 @@ class S3Engine(HttpEngine):
         remote=True,
         server=True,
         layout_optional=True,
-        compresses=True,
     )
     lost_hint = "is it a real S3 server?"
 
