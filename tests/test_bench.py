@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from _bench import WORKLOADS
 from conftest import REPO
 
@@ -27,6 +28,7 @@ def _run_bench(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[
     )
 
 
+@pytest.mark.slow  # the whole quick bench (20 s): its work does not depend on the interpreter
 def test_quick_json_reports_every_workload_for_both_caches(tmp_path):
     proc = _run_bench("--quick", "--json", "--dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -141,6 +141,7 @@ def _run(tmp: Path, redis: RedisServer, nodes: int, job: list[dict[str, Any]]) -
                 proc.communicate()
 
 
+@pytest.mark.slow  # 16 and 8 node processes (22 s); the short cluster tests run on every Python
 @pytest.mark.parametrize("nodes", [8, 16])
 def test_one_compile_per_key_holds_past_key_list_refreshes_and_lease_renewals(
     tmp_path: Path, redis: RedisServer, nodes: int

@@ -48,6 +48,7 @@ def test_skips_cleanly_without_qemu(tmp_path: Path) -> None:
     assert proc.stdout.startswith("skipped: ") and "qemu-system-x86_64" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # every NFS scenario on plain directories (11 s)
 def test_scenarios_pass_on_plain_directories(tmp_path: Path) -> None:
     """Every scenario runs (no NFS here: one directory is every mount) and reports its figures."""
     shared = tmp_path / "export"
