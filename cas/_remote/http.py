@@ -70,6 +70,10 @@ class HttpEngine:
     #: one fails and is then asked again (a HEAD and a GET more). Framed ones are read.
     can = Abilities(ranges=True, multi_range=True, conditional_get=True, remote=True, server=True)
     lost_hint = "is it a real WebDAV store?"
+    #: How much of an error answer's body :meth:`fetch` keeps (S3 reads its error code there).
+    error_limit = 0
+    #: Why every request fails before it is sent (S3: an AWS configuration that cannot be used), or None.
+    broken: HttpFailure | None = None
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)
@@ -94,21 +98,26 @@ class HttpEngine:
         headers: Mapping[str, str] | None = None,
         sink: Callable[[bytes], object] | None = None,
     ) -> Reply:
-        """GET object ``name`` (or a range of it); any status but a 5xx, 401 or 403, which are outages."""
+        """GET object ``name`` (or a range of it); any status but those :meth:`_check` takes for outages."""
         url = join(self.root, name)
         self.requests += 1
         try:
-            reply = request("GET", url, headers=headers, limit=limit, sink=sink)
-            if reply.status >= 500:
-                raise HttpFailure(url, "server error", f"status {reply.status}")
-            if reply.status in (401, 403):
-                detail = f"status {reply.status} (is CUDA_PROGRAM_CAS_HTTP_TOKEN or .netrc right?)"
-                raise HttpFailure(url, "denied", detail)
+            if self.broken is not None:
+                raise self.broken
+            reply = request("GET", url, headers=headers, limit=limit, sink=sink, error_limit=self.error_limit)
+            self._check(url, reply)
         except HttpFailure as exc:
             if exc.outage:
                 self.outages += 1
             raise
         return reply
+
+    def _check(self, url: str, reply: Reply) -> None:
+        """An outage for an answer that holds for every object: a 5xx, or denied."""
+        if reply.status >= 500:
+            raise HttpFailure(url, "server error", f"status {reply.status}")
+        if reply.status in (401, 403):
+            raise HttpFailure(url, "denied", f"status {reply.status} (is CUDA_PROGRAM_CAS_HTTP_TOKEN or .netrc right?)")
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         if digest is None:

@@ -63,7 +63,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
@@ -200,6 +200,7 @@ class S3Engine(HttpEngine):
         layout_optional=True,
     )
     lost_hint = "is it a real S3 server?"
+    error_limit = _ERROR_BYTES  # an error's body names its code (NoSuchBucket, SlowDown...)
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         address = normalize_store_url(url)
@@ -211,7 +212,7 @@ class S3Engine(HttpEngine):
         self.bucket = bucket
         self.prefix = prefix
         #: What made the AWS configuration unusable (a profile that is not there...): every call fails with it.
-        self.broken: HttpFailure | None = None
+        self.broken = None
         try:
             self.aws: _Aws | None = _Aws.get()
             self.bucket_url = self.aws.bucket_url(bucket)
@@ -231,28 +232,7 @@ class S3Engine(HttpEngine):
     def __repr__(self) -> str:
         return f"S3Engine({self.shown!r})"
 
-    # -- reads: the HTTP engine's, with S3's answers named ------------------------------
-
-    def fetch(
-        self,
-        name: str,
-        *,
-        limit: int,
-        headers: Mapping[str, str] | None = None,
-        sink: Callable[[bytes], object] | None = None,
-    ) -> Reply:
-        url = join(self.root, name)
-        self.requests += 1
-        try:
-            if self.broken is not None:
-                raise self.broken
-            reply = request("GET", url, headers=headers, limit=limit, sink=sink, error_limit=_ERROR_BYTES)
-            self._check(url, reply)
-        except HttpFailure as exc:
-            if exc.outage:
-                self.outages += 1
-            raise
-        return reply
+    # -- reads: the HTTP engine's (its fetch), with S3's answers named ------------------
 
     def _check(self, url: str, reply: Reply) -> None:
         """An outage for an answer that holds for every object: denied, throttled, down, no such bucket."""
