@@ -95,12 +95,18 @@ def _epoch(text: str) -> float:
 
 def bucket_stats(address: str) -> BucketFound:
     """Objects and bytes of the store at ``address`` (``s3://BUCKET/PREFIX``) by kind, from its listing."""
+    return _survey(address)[1]
+
+
+def _survey(address: str) -> tuple[S3Engine, BucketFound, dict[str, BucketObject]]:
+    """The engine of the store at ``address``, a report of its objects and bytes by kind, and its listing by name."""
     engine = S3Engine(address)
     report = BucketFound(engine.shown)
-    for obj in list_objects(engine):
+    objects = {obj.name: obj for obj in list_objects(engine)}
+    for obj in objects.values():
         report.objects[obj.kind] += 1
         report.bytes[obj.kind] += obj.size
-    return report
+    return engine, report, objects
 
 
 def _blob_name(digest: str) -> str:
@@ -110,7 +116,8 @@ def _blob_name(digest: str) -> str:
 def _check_manifests(
     engine: S3Engine, objects: dict[str, BucketObject], report: BucketFound, *, hash_blobs: bool
 ) -> tuple[set[str], list[BucketObject]]:
-    """The blobs the manifests name, and the manifests that are damaged or name a blob gone (problems noted)."""
+    """The blobs the manifests name, and the manifests that are damaged or name a blob gone (problems and orphan
+    blobs noted)."""
     named: set[str] = set()
     bad: list[BucketObject] = []
     for obj in objects.values():
@@ -141,35 +148,24 @@ def _check_manifests(
                 if exc.outage:
                     raise
                 report.problems.append((blob, f"{exc.kind}: {exc.detail}"))
+    report.orphan_blobs = sum(1 for o in objects.values() if o.kind == "blobs" and o.name not in named)
     return named, bad
 
 
 def bucket_verify(address: str) -> BucketFound:
     """Every manifest and blob of the store at ``address`` checked (module docstring); nothing is written."""
-    engine = S3Engine(address)
-    report = BucketFound(engine.shown)
-    objects = {obj.name: obj for obj in list_objects(engine)}
-    for obj in objects.values():
-        report.objects[obj.kind] += 1
-        report.bytes[obj.kind] += obj.size
-    named, _bad = _check_manifests(engine, objects, report, hash_blobs=True)
-    report.orphan_blobs = sum(1 for o in objects.values() if o.kind == "blobs" and o.name not in named)
+    engine, report, objects = _survey(address)
+    _check_manifests(engine, objects, report, hash_blobs=True)
     return report
 
 
 def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketFound:
     """Remove the store's garbage written more than ``grace_s`` ago (module docstring); what was removed."""
-    engine = S3Engine(address)
-    report = BucketFound(engine.shown)
-    objects = {obj.name: obj for obj in list_objects(engine)}
-    for obj in objects.values():
-        report.objects[obj.kind] += 1
-        report.bytes[obj.kind] += obj.size
+    engine, report, objects = _survey(address)
     named, bad = _check_manifests(engine, objects, report, hash_blobs=False)
     old = time.time() - grace_s
     doomed = [o for o in bad if o.written < old]
     doomed += [o for o in objects.values() if o.kind == "blobs" and o.name not in named and o.written < old]
-    report.orphan_blobs = sum(1 for o in objects.values() if o.kind == "blobs" and o.name not in named)
     for obj in objects.values():
         # A live lease is rewritten every third of its time to live (30 s): one untouched for the grace is
         # expired, whoever left it. Asked again before it goes (a node may have taken it over since the listing).
@@ -192,12 +188,7 @@ def bucket_repack(address: str) -> BucketFound:
     from cuda_program_cas._disk.packpublish import StorePacks
     from cuda_program_cas._disk.packset import is_pack_name
 
-    engine = S3Engine(address)
-    report = BucketFound(engine.shown)
-    objects = {obj.name: obj for obj in list_objects(engine)}
-    for obj in objects.values():
-        report.objects[obj.kind] += 1
-        report.bytes[obj.kind] += obj.size
+    engine, report, objects = _survey(address)
     packs = StorePacks(engine)
     packed = packs.entries()
     old_packs = [name for name in engine.names("packs") if is_pack_name(name)]
