@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .main import UsageError, emit, fmt_bytes, plural
+from .main import UsageError, emit, fmt_bytes, plural, print_problems
 
 __all__ = ["is_bucket", "run"]
 
@@ -26,7 +26,7 @@ def is_bucket(path: object) -> bool:
 def run(verb: str, args: argparse.Namespace) -> int:
     """``verb`` (stats, verify, gc, repack) on the bucket store ``args.path``: 0 done, 1 problems or no answer."""
     from cuda_program_cas._base.engine import StoreFailure
-    from cuda_program_cas._verbs.bucket import bucket_gc, bucket_repack, bucket_stats, bucket_verify
+    from cuda_program_cas._verbs.bucket import bucket_verb
     from cuda_program_cas._verbs.common import SHARED_MIN_GRACE_S
 
     given = [name for name in _DIRECTORY_ONLY if getattr(args, name, None) not in (None, False)]
@@ -34,16 +34,10 @@ def run(verb: str, args: argparse.Namespace) -> int:
         options = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsageError(f"{options}: not for a bucket (a directory store's); see docs/s3.md")
     try:
-        if verb == "stats":
-            report = bucket_stats(args.path)
-        elif verb == "verify":
-            report = bucket_verify(args.path)
-        elif verb == "repack":
-            report = bucket_repack(args.path)
-        else:
-            if args.grace < SHARED_MIN_GRACE_S:
-                raise UsageError("a bucket is a shared store: --grace must be at least 1h (write-back under way)")
-            report = bucket_gc(args.path, grace_s=args.grace, dry_run=args.dry_run)
+        if verb == "gc" and args.grace < SHARED_MIN_GRACE_S:
+            raise UsageError("a bucket is a shared store: --grace must be at least 1h (write-back under way)")
+        gc = {"grace_s": args.grace, "dry_run": args.dry_run} if verb == "gc" else {}
+        report = bucket_verb(verb, args.path, **gc)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     except StoreFailure as exc:
@@ -54,10 +48,7 @@ def run(verb: str, args: argparse.Namespace) -> int:
         counts = [(kind, n) for kind, n in report.objects.items() if n]
         kinds = ", ".join(f"{plural(n, _ONE[kind], kind)} ({fmt_bytes(report.bytes[kind])})" for kind, n in counts)
         print(f"{report.store}: {kinds or 'no objects'}")
-        for item in report.problems:
-            print(f"problem: {item['object']}: {item['problem']}")
-        if report.problem_count > len(report.problems):
-            print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+        print_problems(report, lambda item: f"{item['object']}: {item['problem']}")
         if verb in ("verify", "gc"):
             print(f"{plural(report.problem_count, 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
         if verb == "repack":

@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from cuda_program_cas._base.config import installed_version, parse_duration, parse_size
 from cuda_program_cas._base.errors import CacheError, LayoutError
@@ -182,10 +182,10 @@ def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, 
     return 1 if report.problem_count else 0
 
 
-def print_problems(report: Report) -> None:
+def print_problems(report: Report, show: Callable[[Any], str] = str) -> None:
     """A report's problems, one ``problem:`` line each, and how many more were counted than listed."""
     for item in report.problems:
-        print(f"problem: {item}")
+        print(f"problem: {show(item)}")
     if report.problem_count > len(report.problems):
         print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
 

@@ -164,10 +164,9 @@ class Report:
             self.problems.append(item)
 
     def as_dict(self) -> dict[str, object]:
-        """Every field, for ``--json`` (an elapsed time rounded to milliseconds)."""
+        """Every field, nested dataclasses as dicts, for ``--json`` (an elapsed time rounded to milliseconds)."""
         assert dataclasses.is_dataclass(self)
-        out: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        elapsed = out.get("elapsed_s")
-        if isinstance(elapsed, float):
-            out["elapsed_s"] = round(elapsed, 3)
+        out = dataclasses.asdict(self)
+        if isinstance(out.get("elapsed_s"), float):
+            out["elapsed_s"] = round(out["elapsed_s"], 3)
         return out

@@ -134,13 +134,11 @@ class ConfigReport(Report):
     variables: list[Reading] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
-        out: dict[str, object] = {"path": self.path}
-        if self.stored is not None:
-            out["stored"] = dict(self.stored)
+        out = Report.as_dict(self)
+        if self.stored is None:
+            del out["stored"]
         out["settings"] = {s.name: s.as_dict() for s in self.settings}
         out["variables"] = {v.name: v.as_dict() for v in self.variables}
-        out["problems"] = list(self.problems)
-        out["problem_count"] = self.problem_count
         return out
 
 

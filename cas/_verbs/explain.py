@@ -38,7 +38,6 @@ option (``lineinfo``) or a quoted include made it count, and that is the differe
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -119,11 +118,6 @@ class ExplainReport(Report):
     #: Misses the journal holds (the ones explained are the last of them).
     recorded: int = 0
     misses: list[MissExplanation] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, object]:
-        out = Report.as_dict(self)
-        out["misses"] = [dataclasses.asdict(m) for m in self.misses]
-        return out
 
 
 def _option_groups(options: list[str]) -> dict[str, list[str]]:

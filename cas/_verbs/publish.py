@@ -1,79 +1,35 @@
 """Publishing: merge nodes' local caches into a shared store that a cluster reads.
 
-A shared store is an ordinary cache directory that nodes open read-only. Only
-the publisher writes it, and only through this module, so that a node reading it
-meanwhile never sees a partial file or a manifest whose blob is not there yet:
+Only the publisher writes a shared store, so a node reading it meanwhile never
+sees a partial file or a manifest whose blob is not there yet: per source, first
+every blob the new manifests need (read from the source and verified; a bad one
+is skipped and reported with every manifest naming it), then the manifests. A
+blob the store already has is verified and freshened, and after each manifest
+commit checked again and restored if a collector took it in between. Last, the
+store's key list gets every key the run published or found the store holding.
+Running again publishes nothing new (idempotent) and resumes after an
+interruption; two publishers at once only rename complete files over each other.
 
-- per source, first every blob the new manifests need, read from the source,
-  verified against its digest (a bad one is skipped and reported, and so is
-  every manifest naming it), then the manifests;
-- every file is written by the one write protocol (:class:`cuda_program_cas._disk.writer.Writer`,
-  with the store's modes): a private temp file in the store's own ``tmp/``, its
-  final mode, then :func:`os.replace`;
-- a blob already in the store that a new manifest will name is verified and
-  freshened (its mtime set to now, so a concurrent collector sees it young); after
-  each manifest commit the blob is checked again and restored if a collector took
-  it in between.
+Where the store maps a key to another valid blob, the store keeps what it has:
+the first published entry wins (among the sources of one run, the first listed),
+so nodes stay consistent and repeated publishes never flip an entry. A store
+entry whose manifest is garbage or whose blob is missing or corrupt is replaced;
+with ``verify_existing`` the store's blob of every entry a source also holds is
+hashed (once per digest per run), so one damaged in place is rewritten.
 
-Last, the store's key list (:mod:`cuda_program_cas._shared.keylist`) gets every key
-the run published or found the store holding, with the compile time its source
-recorded; a directory's whole index is listed, so a publish into the store's
-directory gives a store written by older versions a whole key list.
+The store is reached through its engine, chosen by the address's scheme (a
+directory, ``http(s)://`` WebDAV or ``redis(s)://``); :class:`Target` runs the
+same plan and order over each. Only a directory has modes, ``fsync`` and mtimes,
+and only a directory's copies are hashed (elsewhere they are checked by size).
+``--pack`` writes one new pack and lists it; Redis takes loose entries only.
+Each upload is atomic in the store and read back before anything names it
+(:func:`cuda_program_cas._shared.upload.put_checked`); a store that holds less or
+other bytes stops the run with a ``not stored``
+:class:`~cuda_program_cas._base.engine.StoreFailure`. Every read is bounded by the
+cache's own limits, never by what the server says.
 
-Running it again publishes nothing new (idempotent); after an interruption it
-picks up where it stopped (resumable); two publishers at once only ever rename
-complete files over each other.
-
-When the store already maps a key to another valid blob (the compiler produced
-different bytes for the same inputs on two nodes), the store keeps what it has:
-the first published entry wins, so nodes that already copied it stay consistent
-and repeated publishes never flip an entry back and forth. Among the sources of
-one run, the first listed wins for the same reason. An entry of the store whose
-manifest is garbage or whose blob is missing or corrupt is replaced: the store's
-blob of every entry a source also holds is hashed (once per digest per run), so
-a blob damaged in place, at its right size, is rewritten from the source
-(``blobs_repaired``).
-
-The store is reached through its engine (:mod:`cuda_program_cas._base.engine`),
-chosen by the address's scheme from the table that shared stores are opened by
-(:mod:`cuda_program_cas._shared.tiers`): a directory (a path or ``file://``), an
-``http(s)://`` WebDAV location, or a ``redis(s)://`` database. One target,
-:class:`Target`, runs the same plan and the same order over each; only a
-directory has modes, ``fsync`` and mtimes (options of its engine), and only a
-directory's copies are hashed (elsewhere that would download every blob: they
-are checked by their size). A loose publish asks for each manifest the sources
-hold (absent, equal or another), for the blob of each new one (its size),
-uploads the blobs that are missing, then the manifests. ``--pack`` writes one
-new pack, then lists it (:class:`~cuda_program_cas._shared.tiers.PackTarget`: a
-directory's ``packs/``, a WebDAV store's ``packs/list``); a Redis store takes
-loose entries only, and ``--pack`` into one is refused. Each upload is atomic
-in the store: a rename on a disk and in nginx's dav module, a ``SET`` in Redis.
-
-Warm sets (:mod:`cuda_program_cas._shared.warmset`): a source that is a store
-directory the job's nodes wrote back into holds their sets (``sets/*``; a node's
-own cache keeps none). After every entry and pack, :func:`publish_sets` copies
-them: each parsed whole (a damaged one is a problem line, never copied), its
-lines kept where the source holds that entry and the run did not skip its blob,
-merged into the store's own set by write-back's read-modify-write
-(:func:`~cuda_program_cas._shared.warmset.updated`), and every line given the
-pack and offset that hold its entry in the store now (this run's pack first),
-so a cold node fetches a packed set in one request. A set the store holds so
-already is not written again.
-
-An answer is not taken for a proof. Each upload is read back at once, before
-anything names it (:func:`cuda_program_cas._shared.upload.put_checked`, the one
-write-back sends through; not on a directory, whose write protocol is the proof,
-and whose blobs are re-checked after their manifests): a blob's size (HEAD,
-``STRLEN``), a pack's
-size and last bytes (a Range GET), a manifest's, ``layout.json``'s and
-``CACHEDIR.TAG``'s every byte, ``packs/list`` by the read that looks for the
-pack's name in it anyway. A store that holds less, or other bytes, stops the
-run with a ``not stored`` :class:`~cuda_program_cas._base.engine.StoreFailure`
-naming the object. Every read is bounded by the cache's own limits, never by
-what the server says: a manifest by its longest form, the listing by
-:data:`~cuda_program_cas._disk.packset.MAX_LISTING_BYTES`, a pack's index by the
-ceiling for any entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte of it
-is fetched.
+Warm sets (``sets/*`` of a source that nodes wrote back into) follow every entry
+and pack: see :func:`cuda_program_cas._verbs.pubsets.publish_sets`.
 """
 
 from __future__ import annotations
@@ -88,13 +44,7 @@ from cuda_program_cas._base.urls import is_store_url, parse_store_entry, scheme_
 from cuda_program_cas._disk.blobs import BlobStore
 from cuda_program_cas._disk.direngine import DirModes
 from cuda_program_cas._disk.files import NotRegularFile, file_id, read_regular, same_file, scan_sharded
-from cuda_program_cas._disk.layout import (
-    BLOBS,
-    Layout,
-    LayoutState,
-    check_layout,
-    url_path,
-)
+from cuda_program_cas._disk.layout import BLOBS, Layout, LayoutState, check_layout, url_path
 from cuda_program_cas._shared.tiers import open_engine
 from cuda_program_cas._shared.upload import where
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, is_local_id, parse_manifest
@@ -157,38 +107,26 @@ def publish(
 ) -> PublishReport:
     """Merge the caches at ``sources`` into the shared store at ``dest`` (created if missing).
 
-    ``dest`` is a directory, or the ``http(s)://`` URL of a WebDAV location that
-    serves one (token and CAs: :mod:`cuda_program_cas._remote.client`). Over HTTP the store's
-    copies are checked by their size, not hashed, ``fsync`` is the server's
-    business, and ``group_shared`` is refused (the server sets the modes).
-    A failed request raises a :class:`cuda_program_cas.CacheError` (an HTTP failure): what was
-    uploaded until then is complete, and running again resumes.
+    ``dest`` is a directory or a store URL (``http(s)://``, ``redis(s)://``); over
+    a URL the store's copies are checked by size, ``fsync`` is the server's
+    business and ``group_shared`` is refused. ``pack``: write what the store lacks
+    into one new immutable pack instead of loose files. With
+    ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set every manifest written is signed, and an
+    entry the store holds unsigned or signed by another key is signed again
+    (counted as replaced); packs carry no signatures.
 
-    ``pack``: write what the sources hold and the store lacks into one new,
-    immutable pack under ``dest/packs/`` (see :mod:`cuda_program_cas._disk.pack`) instead of loose
-    files: a handful of files for any number of entries, opened once per node.
+    ``verify_existing``: hash the store's copy of every entry it already holds, so
+    one damaged in place is replaced (docs/cluster.md has the cost); False trusts
+    a copy of the right size. ``group_shared`` makes the store's files
+    group-readable and its directories setgid. ``dry_run`` reads and verifies
+    everything but writes nothing. ``progress(phase, done, total)`` is called per
+    source. ``init``: ``sources`` may be empty, and then the store is only laid
+    out (``created`` says whether it was new). Sources are only read.
 
-    With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, every manifest written is signed
-    (:mod:`cuda_program_cas._base.signing`), and an entry the store holds unsigned,
-    or signed by another key, is signed again (counted as replaced). Packs carry no
-    signatures: nodes that trust keys read loose entries only.
-
-    ``verify_existing``: hash the store's copy of every entry it already holds
-    (once per blob per run), so a copy damaged in place is replaced. That reads
-    the store's copies of everything the sources hold: 125 MiB more read and
-    hashed cost 0.16 s on a local disk (docs/cluster.md). False trusts a copy of
-    the right size; one damaged in place then stays until ``verify --repair``.
-
-    Sources are only read. ``group_shared`` makes the store's files group-readable
-    and its directories setgid; otherwise files and directories follow the umask.
-    Temp files are always private. ``dry_run`` reads and verifies everything but
-    writes nothing. ``progress(phase, done, total)`` is called per source.
-    ``init``: ``sources`` may be empty, and then the store is only laid out
-    (``layout.json``, ``CACHEDIR.TAG``; ``created`` says whether it was new): an
-    empty store that nodes named ``|write`` upload into, of any kind. Raises
-    :class:`LayoutError` when ``dest`` is not a cache, and
-    ``OSError`` when it cannot be written; what was published until then is
-    complete, and running again resumes.
+    Raises :class:`LayoutError` when ``dest`` is not a cache, a
+    :class:`cuda_program_cas.CacheError` for a failed request and ``OSError``
+    when it cannot be written; what was published until then is complete, and
+    running again resumes.
     """
     srcs = [os.path.abspath(os.fspath(s)) for s in sources]
     if not srcs and not init:

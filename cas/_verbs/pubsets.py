@@ -1,7 +1,4 @@
-"""Publish's warm sets: the sources' ``sets/*`` copied into the store after every entry they name.
-
-See :mod:`cuda_program_cas._verbs.publish` (its docstring says what is copied, merged and refused).
-"""
+"""Publish's warm sets: the sources' ``sets/*`` copied into the store after every entry they name."""
 
 from __future__ import annotations
 
@@ -10,10 +7,7 @@ from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._disk.direngine import DirEngine
-from cuda_program_cas._disk.layout import (
-    INDEX,
-    url_path,
-)
+from cuda_program_cas._disk.layout import INDEX, url_path
 from cuda_program_cas._disk.packset import is_pack_name
 from cuda_program_cas._shared.upload import put_checked
 from cuda_program_cas._shared.warmset import MAX_SET_BYTES, SetEntry, stored_sets
@@ -31,15 +25,13 @@ __all__ = ["publish_sets", "source_holds"]
 def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) -> None:
     """The sources' warm sets (``sets/*``) into the store, after every entry and pack they may name.
 
-    Each source set is read bounded (:data:`~cuda_program_cas._shared.warmset.MAX_SET_BYTES`)
-    and parsed whole: one that is not a whole set is a problem line, never copied.
-    Its lines are kept where the source holds that entry (its manifest names that
-    digest) and this run did not skip its blob; the sets of one job from several
-    sources are merged, the first source's first; then merged into the store's
-    own set of the job, and every line given the pack and offset that hold its
-    entry in the store now (:func:`~cuda_program_cas._shared.warmset.updated`,
-    write-back's one read-modify-write), read back as write-back's are. A set the
-    store already holds so is not written again.
+    Each source set is read bounded and parsed whole (one that is not is a
+    problem line, never copied). Its lines are kept where the source holds that
+    entry and this run did not skip its blob; the sets of one job from several
+    sources are merged (the first source's first), then merged into the store's
+    own set by write-back's read-modify-write, each line given the pack and offset
+    that hold its entry in the store now. A set the store already holds so is not
+    written again.
     """
     found: dict[str, list[SetEntry]] = {}
     for src in sources:
@@ -62,7 +54,6 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
     written = {} if target.packs is None else target.packs.written()
 
     def where(kid: str, digest: str) -> tuple[str, int, int] | None:
-        """The place of ``kid`` in the store now: this run's pack, else an older one whose copy is good."""
         at = written.get(kid)
         if at is None:
             at = target.packed.get(kid)

@@ -98,9 +98,6 @@ class Problem:
     detail: str = ""
     fixed: bool = False
 
-    def as_dict(self) -> dict[str, object]:
-        return {"kind": self.kind, "path": self.path, "detail": self.detail, "fixed": self.fixed}
-
 
 @dataclass(slots=True)
 class VerifyReport(Report):
@@ -129,24 +126,10 @@ class VerifyReport(Report):
         return sum(1 for p in self.problems if not p.fixed)
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "root": self.root,
-            "repair": self.repair,
-            "exists": self.exists,
-            "entries": self.entries,
-            "blobs": self.blobs,
-            "blobs_checked": self.blobs_checked,
-            "bytes_checked": self.bytes_checked,
-            "orphan_blobs": self.orphan_blobs,
-            "packs": self.packs,
-            "packed_entries": self.packed_entries,
-            "pack_bytes": self.pack_bytes,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "problems_found": len(self.problems),
-            "problems_fixed": len(self.problems) - self.unfixed,
-            "problems": [p.as_dict() for p in self.problems],
-            "problem_count": self.problem_count,
-        }
+        out = Report.as_dict(self)
+        out["problems_found"] = len(self.problems)
+        out["problems_fixed"] = len(self.problems) - self.unfixed
+        return out
 
 
 def verify(
