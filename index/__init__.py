@@ -1,11 +1,6 @@
-"""The index's format: cache keys, their ids, grouped ids, and manifests.
+"""The index's format: cache keys, their ids, grouped ids, and manifests (``cuda_program_cas.index``).
 
-Installed as ``cuda_program_cas.index`` (the folder is ``index/``). Each key
-(``str`` or ``bytes``; ``"k"`` and ``b"k"`` are the same key) has one manifest
-naming the digest and size of its content and the key's own id. Entries that
-live and die together (a front-door record and its results) share a group of
-key ids. This package does no I/O: reading and writing the index's files is the
-store's work, and it knows nothing about content beyond a digest string.
+It does no I/O, and knows nothing about content beyond a digest string.
 """
 
 from ._frozen import Frozen

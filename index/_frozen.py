@@ -1,10 +1,6 @@
-"""Immutable values written out by hand: what a frozen dataclass gives, without its cost at import.
-
-A frozen dataclass's decorator costs 0.3 to 0.9 ms a class when its module is imported, and a
-hit imports the modules that define :class:`~cuda_program_cas.index.Manifest` and the
-environment's registry. A subclass lists its fields in ``__slots__``, sets them once in its
-``__init__`` with :meth:`Frozen._set`, and says in :meth:`Frozen._fields` what it is compared
-and hashed by.
+"""Immutable values written out by hand: what a frozen dataclass gives, without its cost at import (0.3 to 0.9 ms
+a class, on the hit path). A subclass lists its fields in ``__slots__``, sets them once with :meth:`Frozen._set`,
+and says in :meth:`Frozen._fields` what it is compared and hashed by.
 """
 
 from __future__ import annotations

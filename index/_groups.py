@@ -1,19 +1,13 @@
 """Entries that live and die together: a front-door record and the results it names.
 
-A front-door compile stores two kinds of entry: a *record* (which headers its
-variants read) and one *result* per variant (the raw binary). A result without
-its record can never be reached, and a record without its results only misses.
-So every planner that removes live entries (the cap's LRU, ``gc --max-age`` and
-``--max-size``, and the clean-up of damaged entries) treats the members of one
-group as one unit: they are chosen together, and a group's last use is its most
-recent member's.
+A result without its record can never be reached, and a record without its
+results only misses; so every planner that removes live entries treats a group
+as one unit, whose last use is its most recent member's.
 
-Membership is read from the key id alone, so planning needs no extra I/O. A
-grouped key id is ``group (24 hex) + member (32 hex) + tag (8 hex)``. Every
-other key id is a sha256, which ends in the tag once in 2**32 keys. Such a key
-is grouped only with entries that share its first 24 hex digits as well, which
-has a chance of 2**-96. Even then, grouping only makes entries leave together:
-it never serves a wrong byte.
+Membership is read from the key id alone: a grouped key id is ``group (24 hex)
++ member (32 hex) + tag (8 hex)``. A sha256 key id ends in the tag once in
+2**32 keys, and shares a group's first 24 digits with a chance of 2**-96; even
+then grouping only makes entries leave together, never serves a wrong byte.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Cache keys: their bytes, and the id that names their manifest.
 
 ``str`` and ``bytes`` keys are the same key (``"k"`` is ``b"k"``), as in
-``cuda.core``. A key's id is the lowercase hex sha256 of its bytes, exactly as
-``FileStreamProgramCache`` names its entry files, so a FileStream directory can
-be imported with its keys intact.
-
-A *node-local* key id ends in :data:`LOCAL_TAG`: an entry a node keeps for
-itself (the index of a pack it read over HTTP), which ``publish`` leaves out.
-A sha256 ends in the tag once in 2**32 keys; such an entry is only not
-published, never served wrongly.
+``cuda.core``. A key's id is the lowercase hex sha256 of its bytes, as
+``FileStreamProgramCache`` names its entry files. A *node-local* key id ends in
+:data:`LOCAL_TAG`: an entry a node keeps for itself, which ``publish`` leaves
+out (a sha256 ending so is only not published, never served wrongly).
 """
 
 from __future__ import annotations
@@ -23,11 +19,7 @@ LOCAL_TAG = "10ca1000"
 
 
 def key_bytes(key: object) -> bytes:
-    """The bytes of a cache key: ``str`` is UTF-8 encoded, so ``"k"`` is ``b"k"``.
-
-    A ``str`` that UTF-8 cannot encode (a lone surrogate) raises ``TypeError``
-    naming the key, as a key of another type does.
-    """
+    """The bytes of a cache key: ``str`` is UTF-8 encoded; one UTF-8 cannot encode raises ``TypeError``."""
     if isinstance(key, bytes):
         return key
     if isinstance(key, str):
@@ -50,11 +42,8 @@ def key_id(key: object) -> str:
 
 
 def is_hex(value: object, length: int) -> bool:
-    """True for a ``str`` of exactly ``length`` lowercase hex digits: a key id, a digest, a shard's name.
-
-    ``strip()`` of every hex digit leaves nothing only if all of it is lowercase hex; no
-    regular expression (compiling one costs a fresh process about 50 us).
-    """
+    """True for a ``str`` of exactly ``length`` lowercase hex digits: a key id, a digest, a shard's name."""
+    # No regular expression: compiling one costs a fresh process about 50 us.
     return isinstance(value, str) and len(value) == length and not value.strip(_HEX)
 
 

@@ -1,25 +1,16 @@
-"""The manifest: what one key maps to, as one short line of text.
+"""The manifest: what one key maps to, as one short line of text (about 140 bytes).
 
     cpcas2 <key id: 64 hex> <digest: 64 hex> <size: decimal bytes>\n
 
-About 140 bytes. The manifest names its own key, so a manifest copied or renamed
-onto another key's path is recognised as misplaced (a miss) instead of serving
-another key's bytes. The leading tag carries the format version: a manifest of a
-future format is rejected rather than misread. Anything that is not exactly this
-line (empty, truncated, garbled, padded) is rejected.
-
-A manifest of a shared store may carry a second line, a site's signature of the
-first (:mod:`cuda_program_cas._base.signing`)::
+The manifest names its own key, so one copied or renamed onto another key's
+path is misplaced (a miss), and every reader believes a manifest only on the
+path of the key it names. The tag carries the format version. Anything that is
+not exactly this line is rejected. A shared store's manifest may carry a second
+line, a site's signature of the first (:mod:`cuda_program_cas._base.signing`)::
 
     ed25519 <signer: 16 hex> <signature: 128 hex>\n
 
-Its form is checked here, so that every reader and classifier takes a signed
-manifest as well-formed; whether the signature holds is the business of a node
-configured with trusted keys.
-
-Every reader of manifests (the cache's reader, shared stores, the scan behind
-gc, verify, stats and the cap, publish and import) believes a manifest only on
-the path of the key it names.
+Its form is checked here; whether it holds is the business of a node that trusts keys.
 """
 
 from __future__ import annotations
@@ -59,13 +50,9 @@ def manifest_length(size: int) -> int:
     return _FIXED_BYTES + len(str(size))
 
 
-# The signature's pattern is compiled when first used (0.1 to 0.2 ms): a hit of an
-# unsigned manifest needs none (parse_fields).
-
-
 @functools.cache
 def _signature_re() -> re.Pattern[bytes]:
-    """The form of a signature line (its meaning: :mod:`cuda_program_cas._base.signing`)."""
+    """Compiled when first used (0.1 to 0.2 ms): a hit of an unsigned manifest needs none."""
     return re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
 
 
@@ -85,12 +72,7 @@ def is_digest(value: object) -> bool:
 
 
 class Manifest(Frozen):
-    """A key's target: the blob's digest and its size in bytes, and the id of the key.
-
-    Immutable, compared and hashed by its fields. Written out rather than a frozen
-    dataclass: a hit imports this module and never builds one, and the decorator
-    cost the import 0.6 to 0.9 ms.
-    """
+    """A key's target: the blob's digest and its size in bytes, and the id of the key (immutable)."""
 
     __slots__ = ("digest", "key_id", "size")
     __match_args__ = ("digest", "size", "key_id")
@@ -127,11 +109,8 @@ _MIN_V2 = _FIXED_BYTES + 1
 
 
 def parse_fields(data: bytes) -> tuple[str, str, int] | None:
-    """``(key id, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path).
-
-    Checked field by field with ``bytes`` methods (a few times faster than the
-    regular expression, which it matches exactly).
-    """
+    """``(key id, digest, size)`` of a manifest, or None when ``data`` is not one (the hot path: field by field,
+    a few times faster than a regular expression)."""
     n = len(data)
     if n > LONGEST_MANIFEST:
         # A signed manifest: the line, then one signature line (checked by a node that trusts keys).

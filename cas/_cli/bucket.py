@@ -1,8 +1,6 @@
 """``stats``, ``verify``, ``gc`` and ``repack`` of a store in an S3 bucket (``s3://BUCKET/PREFIX``).
 
-The commands' directory options (``stats --zero``, ``gc --max-size``, ``--max-age``,
-``--verify``, ``--shared``, ``verify --repair``) need a store's files and are refused
-for a bucket (exit 2). A bucket's maintenance is :mod:`cuda_program_cas._remote.bucket`'s.
+The commands' directory options need a store's files and are refused for a bucket (exit 2).
 """
 
 from __future__ import annotations

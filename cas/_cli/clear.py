@@ -1,11 +1,4 @@
-"""``cuda-program-cas clear [PATH]``: empty a node's local cache (``ccache -C``), safe while others use it.
-
-It prints :func:`cuda_program_cas.clear`'s report: every manifest, then every blob
-no manifest names, each removal re-checked; what a concurrent writer adds
-meanwhile stays. The lifetime counters, settings and quarantine/ are kept
-(``stats --zero`` zeroes the counters). A shared store is refused as bad usage, unless it is
-of an older layout, which is emptied whole and rewritten at the current one.
-"""
+"""``cuda-program-cas clear [PATH]``: empty a node's local cache (``ccache -C``), safe while others use it."""
 
 from __future__ import annotations
 

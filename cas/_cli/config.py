@@ -1,14 +1,4 @@
-"""``cuda-program-cas config [PATH] [max-size [SIZE|none]]``: the settings a cache gets, and the cap it stores.
-
-Without a setting: every effective setting (directory, cap, shared stores, log
-file) and where each came from (argument, environment, cache, default), then
-every environment variable the package reads, with its value (``set`` for a
-token), its source and whether it was accepted; each value refused is a problem
-line, exit 1. With
-``max-size SIZE``: store the cap in the cache (``settings.json``), as ``ccache -M``
-does; every process that opens the cache honours it unless ``max_size_bytes=`` or
-``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise. ``max-size none`` removes it.
-"""
+"""``cuda-program-cas config [PATH] [max-size [SIZE|none]]``: the settings a cache gets, and the cap it stores."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""``cuda-program-cas explain [PATH]``: why the recent misses of a cache missed.
-
-It prints :func:`cuda_program_cas.explain`'s report: for each of the last misses
-(``--last``, default 10), the one input that differed from its own earlier variant
-(an option, a header, the compiler's version, the working directory, the code), or
-the path the front door's check found changed (a header, a directory whose listing
-changed), or that several did, or that nothing like it was compiled before. Reads
-only. A path where no cache has been created yet is reported as empty, exit 0.
-"""
+"""``cuda-program-cas explain [PATH]``: why the recent misses of a cache missed (:func:`cuda_program_cas.explain`)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
 
 from .bucket import is_bucket
@@ -14,7 +15,6 @@ from .main import (
     add_json_arg,
     add_path_arg,
     age_arg,
-    cache_path,
     emit,
     fmt_age,
     fmt_bytes,
@@ -99,9 +99,9 @@ def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
 def run(args: argparse.Namespace) -> int:
     if is_bucket(args.path):
         return bucket_run("gc", args)
-    _check_grace(cache_path(args.path), args.shared, args.grace)
+    _check_grace(cache_root(args.path), args.shared, args.grace)
     report = collect(
-        cache_path(args.path),
+        cache_root(args.path),
         grace_s=args.grace,
         max_size=args.max_size,
         max_age_s=args.max_age,

@@ -8,9 +8,10 @@ import os
 from typing import Any
 
 from cuda_program_cas._base.errors import ReadOnlyCacheError
+from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.import_filestream import ImportReport, import_filestream
 
-from .main import CommandFailed, add_json_arg, add_path_arg, cache_path, emit, fmt_bytes, plural, print_problems
+from .main import CommandFailed, add_json_arg, add_path_arg, emit, fmt_bytes, plural, print_problems
 
 __all__ = ["register"]
 
@@ -33,7 +34,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    source, dest = os.path.abspath(args.source), cache_path(args.dest)
+    source, dest = os.path.abspath(args.source), cache_root(args.dest)
     try:
         report = import_filestream(source, dest, progress=args.progress)
     except ReadOnlyCacheError as exc:

@@ -1,21 +1,15 @@
-"""The ``cuda-program-cas`` console script: one subcommand per maintenance verb.
+"""The ``cuda-program-cas`` console script (also ``python -m cuda_program_cas``): one subcommand per verb.
 
-Each subcommand lives in its own module ``cuda_program_cas._cli.<name>`` exposing
-``register(subparsers) -> None``; ``register`` adds a parser whose default
-``func`` takes the parsed arguments, calls the verb of the same name (a function
-of the package, :mod:`cuda_program_cas._verbs`), prints its report and returns the
-exit status: the commands parse and print, the verbs do the work. ``main`` sets
-``args.progress`` (a :class:`Progress`, silent unless stderr is a terminal and
-``--json`` is off) for commands that report progress.
+Each subcommand's module ``cuda_program_cas._cli.<name>`` has ``register(subparsers)``,
+which adds a parser whose ``func`` calls the verb of the same name
+(:mod:`cuda_program_cas._verbs`), prints its report and returns the exit status:
+the commands parse and print, the verbs do the work.
 
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
-not do its work: permission denied, read-only cache, lock busy), 2 bad usage
-(bad options, a path that is not a cache; where no cache has been created yet,
-``stats``, ``gc``, ``verify`` and ``clear`` report an empty one). Expected failures
-are one line on stderr, never a traceback; with ``--json`` they are also one JSON
-object on stdout (``error``, ``exit_status``, ``problems``, ``problem_count``).
-``python -m cuda_program_cas`` is the same script. ``CUDA_PROGRAM_CAS_LOG`` is honoured as the
-library honours it: the records of what a command did are appended to that file.
+not do its work: permission denied, read-only cache, lock busy), 2 bad usage.
+Expected failures are one line on stderr, never a traceback; with ``--json``
+also one JSON object on stdout. ``CUDA_PROGRAM_CAS_LOG`` gets the records of
+what a command did, as the library's.
 """
 
 from __future__ import annotations
@@ -43,7 +37,6 @@ __all__ = [
     "add_json_arg",
     "add_path_arg",
     "age_arg",
-    "cache_path",
     "emit",
     "fmt_age",
     "fmt_bytes",
@@ -125,13 +118,6 @@ def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def cache_path(value: str | None) -> str:
-    """The verbs' :func:`cache_root`: a store URL is refused (LayoutError, exit 2), as the commands need files."""
-    from cuda_program_cas._verbs.common import cache_root
-
-    return cache_root(value)
-
-
 # -- output ---------------------------------------------------------------------------
 
 
@@ -191,11 +177,7 @@ def print_problems(report: Report, show: Callable[[Any], str] = str) -> None:
 
 
 class Progress:
-    """``progress(phase, done, total)`` for the library calls: a status line on stderr.
-
-    Shown only when stderr is a terminal, never with ``--json``, and only once the
-    run has lasted a second (short runs stay quiet).
-    """
+    """``progress(phase, done, total)`` for the library calls: a status line on stderr, once a run lasts a second."""
 
     def __init__(self, enabled: bool, stream: TextIO | None = None, delay_s: float = 1.0) -> None:
         self._stream = stream or sys.stderr
@@ -204,10 +186,6 @@ class Progress:
         self._delay = delay_s
         self._last = 0.0
         self._shown = False
-
-    @classmethod
-    def for_args(cls, args: argparse.Namespace) -> Progress:
-        return cls(not getattr(args, "json", False) and sys.stderr.isatty())
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         if not self._enabled:
@@ -231,10 +209,6 @@ class Progress:
 # -- the script -----------------------------------------------------------------------
 
 
-def _version() -> str:
-    return f"{PROG} {installed_version()}"
-
-
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that remembers its last usage error, so ``--json`` can report it too."""
 
@@ -252,7 +226,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Inspect and maintain a cuda-program-cas cache directory.",
         epilog="Exit status: 0 done, 1 problems found that were not fixed, 2 bad usage.",
     )
-    parser.add_argument("-V", "--version", action="version", version=_version())
+    parser.add_argument("-V", "--version", action="version", version=f"{PROG} {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
         importlib.import_module(f"cuda_program_cas._cli.{name}").register(sub)
@@ -295,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     # As a cache opened by the library does: CUDA_PROGRAM_CAS_LOG gets this command's records.
     open_log_file()
-    progress = args.progress = Progress.for_args(args)
+    progress = args.progress = Progress(not getattr(args, "json", False) and sys.stderr.isatty())
     try:
         return int(args.func(args))
     except BrokenPipeError:

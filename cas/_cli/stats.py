@@ -1,15 +1,7 @@
-"""``cuda-program-cas stats``: what the cache holds, how well it deduplicates, how full it is,
-and its lifetime counters (every process's hits, misses, writes... since they were zeroed).
+"""``cuda-program-cas stats``: :func:`cuda_program_cas.stats`'s report, or ``--zero`` of the lifetime counters.
 
-It prints :func:`cuda_program_cas.stats`'s report: reads only, works on a read-only
-cache or mount, takes no lock, touches nothing. ``--zero`` sets the lifetime
-counters to zero (it writes, under ``counters.lock``). Files it cannot read are
-listed as problems, the figures are then lower bounds, and the exit status is 1.
-
-A path where no cache has been created yet (missing, or an empty directory) is
-reported as an empty cache, exit 0, and said so (``exists`` false in the JSON):
-a job that has not stored anything yet is not bad usage. A file or a directory
-holding something else is still bad usage (exit 2).
+Files it cannot read are problems, and the exit status is 1; where no cache has
+been created yet, an empty cache is reported, exit 0.
 """
 
 from __future__ import annotations

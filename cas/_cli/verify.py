@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
 from .bucket import is_bucket
 from .bucket import run as bucket_run
-from .main import UsageError, add_json_arg, add_path_arg, cache_path, emit, fmt_bytes, not_created_line, plural
+from .main import UsageError, add_json_arg, add_path_arg, emit, fmt_bytes, not_created_line, plural
 
 __all__ = ["register"]
 
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         return bucket_run("verify", args)
     if args.shared is not None and not args.repair:
         raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
-    report = verify(cache_path(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
+    report = verify(cache_root(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
     args.progress.done()
     return emit(args, report, lambda: _text(report, args.repair), status=1 if report.unfixed else 0)
 

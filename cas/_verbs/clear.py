@@ -1,17 +1,11 @@
 """Empty a node's local cache (``ccache -C``), safe while others use it.
 
-It is :meth:`cuda_program_cas.CacheStore.clear`: every manifest, then every blob no
-manifest names, each removal re-checked against the file the scan saw; what a
-concurrent writer adds meanwhile stays, and a reader meanwhile gets misses,
-never wrong bytes. The lifetime counters, settings and ``quarantine/`` are kept.
-
-A shared store (publish marked it) is refused: emptying it empties every node's
-second level at once, and its packs are not loose entries; its owner collects
-it with ``gc`` or removes it and publishes again.
-
-A cache or store of an older layout (a pre-release version's, which nothing here
-reads) is emptied whole, shared or not: its entries, blobs, packs, sets, counters
-and journals go, and a current ``layout.json`` is written; settings stay.
+It is :meth:`cuda_program_cas.CacheStore.clear`: every manifest, then every blob
+no manifest names, each removal re-checked; what a concurrent writer adds
+meanwhile stays, and a reader meanwhile gets misses, never wrong bytes. The
+counters, settings and ``quarantine/`` are kept. A shared store is refused (its
+owner collects it with ``gc``). A cache or store of an older layout is emptied
+whole, shared or not, settings kept, and a current ``layout.json`` written.
 """
 
 from __future__ import annotations

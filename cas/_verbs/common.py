@@ -1,8 +1,4 @@
-"""What the maintenance verbs share: opening an existing cache for maintenance, progress, the report base.
-
-``collect``, ``verify``, ``publish``, ``import_filestream``, ``stats``,
-``repack``, ``clear`` and ``config`` each import this module, never each other.
-"""
+"""What the maintenance verbs share: opening an existing cache for maintenance, progress, the report base."""
 
 from __future__ import annotations
 
@@ -36,11 +32,9 @@ __all__ = [
 #: ``progress(phase, done, total)``: called now and then during long runs.
 ProgressFn = Callable[[str, int, int], None]
 
-#: The shortest grace period a shared store is collected with. Nodes never touch a
-#: shared store, so its mtimes only say when something was published or freshened;
-#: a publish keeps its blobs as orphans until its manifests land, and an NFS client
-#: may serve a removed manifest from its attribute cache for ``actimeo`` seconds
-#: (60 s by default) and then open the blob it names. An hour covers both widely.
+#: The shortest grace period a shared store is collected with: a publish keeps its blobs as orphans
+#: until its manifests land, and an NFS client may serve a removed manifest from its attribute cache
+#: for ``actimeo`` seconds (60 s by default) and then open the blob it names. An hour covers both.
 SHARED_MIN_GRACE_S = 3600.0
 
 
@@ -61,12 +55,7 @@ def cache_root(path: str | os.PathLike[str] | None) -> str:
 
 
 def refuse_url(path: object) -> None:
-    """Raise :class:`LayoutError` when ``path`` is a store URL: maintenance needs the store's files.
-
-    ``gc``, ``repack`` and ``verify`` list directories, take a lock file and move
-    files aside: none of that exists over HTTP or in a bucket. They run on the host that holds
-    the directory the web server serves (docs/cluster.md).
-    """
+    """Raise :class:`LayoutError` when ``path`` is a store URL: maintenance needs the store's files."""
     if is_store_url(path):
         assert isinstance(path, str)
         if path[:5].lower() == "s3://":
@@ -83,10 +72,8 @@ def refuse_url(path: object) -> None:
 def not_created(root: str | os.PathLike[str]) -> bool:
     """Whether no cache has been created at ``root`` yet: nothing there, or an empty directory.
 
-    ``stats``, ``gc``, ``verify`` and ``clear`` report such a path as an empty
-    cache, exit 0: a nightly ``gc`` on a fresh node is not bad usage. A file, a
-    dangling symlink or a foreign directory raises :class:`LayoutError` as
-    :func:`open_cache` does.
+    The verbs report such a path as an empty cache (a nightly ``gc`` on a fresh
+    node is not bad usage); a file or a foreign directory raises :class:`LayoutError`.
     """
     refuse_url(root)
     return check_layout(os.path.abspath(os.fspath(root))) is LayoutState.MISSING
@@ -145,11 +132,10 @@ MAX_LISTED = 100
 class Report:
     """The one shape of every verb's report: a dataclass with ``problems`` (a list) and ``problem_count``.
 
-    ``problems`` lists what the run found wrong, one item each: a line of text,
-    or for ``verify`` a :class:`~cuda_program_cas.Problem` that says whether it was fixed.
-    ``problem_count`` counts them all, also those past :attr:`max_listed`, so it
-    is at least ``len(problems)``. :meth:`as_dict` is every field, JSON-ready:
-    what ``--json`` prints.
+    ``problems`` lists what the run found wrong, one item each (a line of text,
+    or for ``verify`` a :class:`~cuda_program_cas.Problem`); ``problem_count``
+    counts them all, also those past :attr:`max_listed`. :meth:`as_dict` is what
+    ``--json`` prints.
     """
 
     problems: list[Any] = dataclasses.field(default_factory=list)

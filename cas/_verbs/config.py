@@ -1,16 +1,10 @@
 """The settings a cache gets, and the cap it stores (``ccache -M``).
 
-:func:`config` says every effective setting of a cache (directory, cap, shared
-stores, log file) and where each came from: argument, environment, cache or
-default. With ``max_size`` it first stores the cap in the cache
-(``settings.json``): every process that opens the cache honours it unless
-``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise; None
-removes it. The settings themselves are :mod:`cuda_program_cas._disk.settings`'s.
-
-It also lists every environment variable the package reads
-(:data:`cuda_program_cas._base.config.VARIABLES`, the switch included): its
-value (a token or password only as ``set``), its source, and whether it was
-accepted. Each value or part of one that the package ignores is a problem.
+:func:`config` says every effective setting of a cache and where it came from
+(argument, environment, cache or default), and every environment variable the
+package reads (:data:`cuda_program_cas._base.config.VARIABLES`): its value (a
+secret only as ``set``), its source, and whether it was accepted. Each value or
+part of one that the package ignores is a problem.
 """
 
 from __future__ import annotations
@@ -151,11 +145,11 @@ def config(
     """The settings a cache opened at ``path`` (None: the default directory) gets with no arguments.
 
     ``name``: only that setting (``"max_size_bytes"``, ``"directory"``, ``"shared"``, ``"log_file"``), and
-    no variables. Without it, ``variables`` reads every environment variable the package reads.
-    ``max_size``: first store that cap in the cache (None removes it), creating
-    the cache if missing; raises :class:`cuda_program_cas.ReadOnlyCacheError`
-    when it cannot be written. Raises :class:`cuda_program_cas.LayoutError` when
-    ``path`` is a file or not a cache.
+    no variables. ``max_size``: first store that cap in the cache's ``settings.json`` (None removes
+    it), creating the cache if missing: every process that opens it honours it unless
+    ``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise. Raises
+    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written, and
+    :class:`cuda_program_cas.LayoutError` when ``path`` is a file or not a cache.
     """
     given = os.path.abspath(path) if path else None
     root = cache_root(path)

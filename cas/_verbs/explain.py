@@ -1,39 +1,25 @@
 """Why a compile missed: for each recent miss, the one input that differed from its own earlier variant.
 
-:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`),
-reads only, and takes no lock. An input is the code, its code type, the target,
-the compiler's version, the name expressions, the working directory, each option
-(by its name: ``-arch``, ``--std``, ``--define-macro=NAME``, ``--include-path``...)
-and each header (by its file name: a header found in another directory is one
-change, moved). Each of the last ``last`` misses is compared with one earlier
-record of the same way in (``plain``, ``front`` or ``nvvm``: numba-cuda's NVVM compiles
-under the switch, whose inputs hold NVVM's version and libdevice's digest too):
+:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`)
+and nothing else; it takes no lock. An input is the code, its code type, the
+target, the compiler's version, the name expressions, the working directory,
+each option (by its name: ``-arch``, ``--define-macro=NAME``...) and each header
+(by its file name: a header found in another directory is one change, moved).
+Each miss is compared with one earlier record of the same way in (``plain``,
+``front``, ``nvvm``, ``compute``):
 
-- a front door miss whose lookup found its record but a variant's check failed (a
-  header changed or went, a guard directory's listing changed: the journal's
-  ``why``): the latest earlier record of the same key, the variant that failed;
-- else its own nearest earlier variant: of the earlier records with the same code,
-  code type and name expressions, the one whose inputs differ in the fewest places
-  (the latest wins a tie); only when that code was never compiled before, the
-  nearest of all. Another kernel's miss of the same run, with the same new option,
-  is never preferred to the kernel's own earlier compile.
+- a front door miss whose record held but a variant's check failed: the latest
+  earlier record of the same key;
+- else its own nearest earlier variant (same code, code type and name
+  expressions; fewest differences, the latest winning a tie), and only when that
+  code was never compiled before, the nearest of all.
 
-Then:
-
-- one place differed: that input, and how (``option -arch: sm_80 -> sm_90``,
-  ``header /inc/a.h: content changed``, ``header a.h: now found at /inc0/a.h, was
-  /inc1/a.h``, ``nvrtc: 13.4 -> 13.5``, ``code changed``);
-- none, and the front door's check failed: what it found, by path (``directory
-  /inc0: an entry was added, removed or renamed``, ``header /inc/a.h changed``);
-  never that an entry was removed;
-- none otherwise: the same inputs compiled before, so their entry was removed since
-  (evicted, cleared, collected) or is another's;
-- two (or more, against its own variant): each is named, ``several inputs differed``;
-- more against the nearest of all, or nothing earlier: ``new``, no earlier compile of
-  anything like it.
-
-A working directory only one of the two keys holds is no difference of its own: an
-option (``lineinfo``) or a quoted include made it count, and that is the difference.
+The verdict: ``changed`` (one input differed: ``option -arch: sm_80 -> sm_90``),
+``several``, ``same`` (the same inputs compiled before, so their entry was
+removed since), or ``new`` (nothing earlier like it, or the nearest of all
+differs in more than two places). Where the front door's check failed and the
+inputs are the same, what the check found is the change. A working directory
+that only one of the two keys holds is no difference of its own.
 """
 
 from __future__ import annotations
@@ -232,10 +218,7 @@ def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
 def _nearest(
     record: MissRecord, earlier: list[MissRecord], check: dict[str, str] | None
 ) -> tuple[list[tuple[str, str]], MissRecord, bool] | None:
-    """The earlier record ``record`` is compared with, how they differ, and whether it is its own variant.
-
-    See the module docstring; None when nothing earlier came the same way.
-    """
+    """The earlier record ``record`` is compared with, how they differ, and whether it is its own variant."""
     candidates = [other for other in earlier if other.via == record.via]
     if check is not None:
         # The variant whose check failed: the one the same record key stored last.
@@ -286,7 +269,12 @@ def _verdict(
         # The front door's check found the change; the compile read what it read before.
         diffs = [_failed_check_change(check)]
     if not diffs and check is None and best is not None:
-        return "same", _SAME, diffs, nearest
+        return (
+            "same",
+            "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)",
+            diffs,
+            nearest,
+        )
     if (best is not None and not best[2] and len(diffs) > _NEAR) or (best is None and check is None):
         # Nothing earlier of the same code, and the nearest of others is far (or there is none).
         summary = "new: no earlier compile of anything like it"
@@ -296,10 +284,6 @@ def _verdict(
     if len(diffs) == 1:
         return "changed", diffs[0][1], diffs, nearest
     return "several", "several inputs differed: " + "; ".join(d[1] for d in diffs), diffs, nearest
-
-
-#: The summary of a miss whose inputs compiled before.
-_SAME = "the same inputs compiled before: their entry was removed since (evicted, cleared or collected)"
 
 
 def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> ExplainReport:

@@ -1,30 +1,20 @@
 """The garbage collector: scan, plan, then execute (or only report the plan).
 
-What goes, in the order it is carried out:
+What goes, in the order it is carried out: stale temp files (older than an
+hour); invalid, dangling and size-mismatched manifests (with ``verify``, also
+those of blobs that fail their hash) and their group partners (a front-door
+record goes with its results, see :mod:`cuda_program_cas.index`); with
+``max_age_s`` entries unused for longer; with ``max_size`` least recently used
+entries until the stored bytes fit; blobs whose last manifest went, unless
+written or freshened after the scan began; orphan blobs older than ``grace_s``;
+with ``verify``, corrupt blobs, moved to ``quarantine/``.
 
-- stale temp files (older than an hour: a crashed writer's);
-- invalid manifests (empty, truncated, garbled), dangling ones (blob missing) and
-  ones whose size disagrees with their blob's; with ``verify``, the manifests of
-  blobs that fail their hash;
-- the live partners of those: a front-door record goes with its results, and
-  results with their record (see :mod:`cuda_program_cas.index`);
-- with ``max_age_s``, entries not used for longer than that (a record and its
-  results when the latest of them was not);
-- with ``max_size``, least recently used entries until the stored bytes are at
-  most ``max_size`` (reference-aware: a blob goes with its last manifest);
-- blobs whose last manifest this run removed, unless written or freshened after
-  the scan began (a writer that just deduplicated against one keeps it);
-- orphan blobs (named by no manifest at scan time) older than ``grace_s``;
-- with ``verify``, blobs that fail their hash, moved to ``quarantine/``.
-
-Manifests go before blobs; every removal re-checks that the file is still the
-one the scan saw (a blob: not written or freshened since the scan began), so
-entries written, replaced or used while the collector runs are kept. Manifests
-written after the scan began are never chosen. One collector at a time: the
-cache's ``evict.lock`` (shared with size-cap eviction) is taken without
-blocking; a busy lock raises :class:`CollectorBusyError`. Removal is
-:class:`cuda_program_cas._disk.remove.Remover`'s, under the same rules as eviction and ``clear``;
-each manifest is judged by :func:`cuda_program_cas._disk.classify.classify`.
+Manifests go before blobs, and every removal re-checks that the file is still
+the one the scan saw, so entries written, replaced or used meanwhile are kept.
+One collector at a time: the cache's ``evict.lock`` (shared with size-cap
+eviction) is taken without blocking; a busy lock raises
+:class:`CollectorBusyError`. Removal is :class:`cuda_program_cas._disk.remove.Remover`'s;
+manifests are judged by :func:`cuda_program_cas._disk.classify.classify`.
 """
 
 from __future__ import annotations
@@ -166,12 +156,10 @@ def collect(
 ) -> GcReport:
     """Collect garbage in the cache at ``root`` and report what went.
 
-    ``shared``: collect it as a shared store that nodes read over NFS (default:
-    when its ``layout.json`` says so, as ``publish`` marks it). Then the grace
-    period must be at least :data:`SHARED_MIN_GRACE_S`, and a blob whose last
-    manifest this run removes is not removed with it but freshened, so it waits
-    out a whole grace period as an orphan: a node that read the manifest just
-    before it went still finds the blob.
+    ``shared``: collect it as a shared store (default: as its ``layout.json``
+    says). Then the grace period must be at least :data:`SHARED_MIN_GRACE_S`, and
+    a blob whose last manifest goes is freshened instead, to wait out a grace
+    period as an orphan: a node that read the manifest just before still finds it.
 
     ``wait_s``: how long to wait for the lock when another collector or evictor
     holds it (0: not at all; :class:`CollectorBusyError` is raised).
@@ -207,11 +195,6 @@ def collect(
             )
         _run(report, cache, opts)
     report.elapsed_s = time.monotonic() - t0
-    _record(report)
-    return report
-
-
-def _record(report: GcReport) -> None:
     collected(
         report.root,
         dry_run=report.dry_run,
@@ -220,6 +203,7 @@ def _record(report: GcReport) -> None:
         freed=report.bytes_freed,
         elapsed_s=report.elapsed_s,
     )
+    return report
 
 
 @dataclass(frozen=True, slots=True)

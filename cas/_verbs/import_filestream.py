@@ -1,18 +1,12 @@
 """Import a ``FileStreamProgramCache`` directory, keeping its keys.
 
 FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``,
-named by sha256 of the key bytes: exactly how ``index/`` names manifests here, so
-an entry's file name *is* its key id, and ``Program.compile(cache=ours)`` hits
-for every kernel FileStream had cached without knowing the keys themselves.
-
-Each entry is committed by the one write protocol, as ``put`` commits it (blob
-first, then manifest, each atomically, shards vetted), so the import can be
-killed at any point and run again: entries
-already present with the same content are skipped, identical binaries are
-stored once. An entry this cache already holds with other content is kept as
-it is (this cache wins). The source is only read. Each imported manifest takes
-the entry's last use (FileStream records it in the atime) as its own, so LRU
-eviction and ``gc --max-age`` see the same history.
+named by sha256 of the key bytes, as ``index/`` names manifests here: so
+``Program.compile(cache=ours)`` hits for every kernel FileStream had cached.
+Each entry is committed by the one write protocol, as ``put`` commits it, so an
+import can be killed and run again. An entry this cache already holds with
+other content is kept (this cache wins). The source is only read. Each
+manifest takes the entry's last use (FileStream's atime) as its own.
 """
 
 from __future__ import annotations

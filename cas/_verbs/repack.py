@@ -1,9 +1,8 @@
 """``repack``: merge a shared store's loose entries and packs into one new pack (see :mod:`.packs`).
 
-One repack at a time: it takes the store's ``evict.lock`` without blocking, the
-lock ``gc`` holds. Two repacks at once would each retire the packs the other is
-reading (one then failed with ENOENT and two full packs stayed); a second one
-finds the lock taken and does nothing (:class:`cuda_program_cas.CollectorBusyError`).
+One repack at a time: two at once would each retire the packs the other is
+reading, so it takes the store's ``evict.lock`` (the lock ``gc`` holds) without
+blocking, and a second one does nothing (:class:`cuda_program_cas.CollectorBusyError`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from collections.abc import Callable
 from cuda_program_cas._base.errors import CollectorBusyError, LayoutError
 from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
 
-from .common import check_writable, open_cache, refuse_url
+from .common import open_cache, refuse_url
 from .packs import RepackReport, repack_locked
 
 __all__ = ["RepackReport", "check_shared_store", "repack"]
@@ -31,9 +30,7 @@ def repack(
     Raises :class:`cuda_program_cas.CollectorBusyError` when another repack or a ``gc`` holds
     the store's lock (nothing was changed).
     """
-    cache = open_cache(root, write=True, purpose="repack")
-    lay = cache.lay
-    check_writable(lay, "repack")
+    lay = open_cache(root, write=True, purpose="repack").lay
     with lay.collector_lock() as held:
         if not held:
             raise CollectorBusyError(
@@ -45,9 +42,8 @@ def repack(
 def check_shared_store(root: str | os.PathLike[str]) -> None:
     """Raise :class:`cuda_program_cas.LayoutError` when ``root`` is a cache that publish did not mark as shared.
 
-    Nodes read the loose entries of their own cache: a repack there would keep
-    each entry twice, loose and packed, until a ``gc``. :func:`repack` itself
-    does not ask (``gc`` repacks what it drops from any store); the command does.
+    A repack there would keep each entry twice, loose and packed, until a ``gc``.
+    :func:`repack` itself does not ask; the command does.
     """
     refuse_url(root)
     path = os.path.abspath(os.fspath(root))

@@ -1,15 +1,11 @@
 """What a cache holds, how well it deduplicates, how full it is, and its lifetime counters.
 
-:func:`stats` reads only: it works on a read-only cache or mount, takes no lock
-and touches nothing. Files it cannot read (another user's cache, a damaged disk)
-are its ``problems``; the figures then count only what could be read. A path
-where no cache has been created yet (missing, or an empty directory) is an
-empty cache, with ``exists`` false: a job that has not stored anything yet. A
-file, or a directory holding something else, raises :class:`cuda_program_cas.LayoutError`.
-
-:func:`zero_counters` sets the lifetime counters to zero (it writes, under
-``counters.lock``). Manifests are judged by :func:`cuda_program_cas._disk.classify.classify`,
-as ``gc`` and ``verify`` judge them.
+:func:`stats` reads only (a read-only cache or mount works; no lock, nothing
+touched). Files it cannot read are its ``problems``, and the figures then count
+only the rest. A path where no cache has been created yet is an empty cache
+(``exists`` false); a file or a foreign directory raises
+:class:`cuda_program_cas.LayoutError`. :func:`zero_counters` writes, under
+``counters.lock``.
 """
 
 from __future__ import annotations

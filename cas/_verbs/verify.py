@@ -1,15 +1,13 @@
 """Check every manifest and blob of a cache; with ``repair``, fix what can be fixed.
 
-Problems found: a damaged ``layout.json``, manifests that are not valid (empty,
-truncated, garbled), that name a missing blob or a blob of another size, blobs
-whose bytes do not hash to their name, stale temp files, files that cannot be
-read, and stray files where only cache files belong. Repair moves bad blobs to
-``quarantine/``, removes bad manifests (only if still the file that was checked)
-and stale temp files, and rewrites a damaged ``layout.json`` (keeping the shared
-mark a published store's carries, as far as the damaged file still shows it). Stray and
-unreadable files are reported, never touched. Without ``repair`` nothing is
-written: a read-only cache or mount can be verified. Manifests are judged by
-:func:`cuda_program_cas._disk.classify.classify`, the same as ``gc`` and ``stats`` judge them.
+Problems found: a damaged ``layout.json``; manifests invalid, dangling or of the
+wrong size (judged by :func:`cuda_program_cas._disk.classify.classify`, as
+``gc`` and ``stats`` judge them); blobs that fail their hash; stale temp files;
+unreadable files; stray files where only cache files belong. Repair moves bad
+blobs to ``quarantine/``, removes bad manifests (only if still the file that
+was checked) and stale temp files, and rewrites a damaged ``layout.json``
+(keeping a shared mark as far as the damaged file still shows it). Stray and
+unreadable files are never touched. Without ``repair`` nothing is written.
 """
 
 from __future__ import annotations
@@ -41,9 +39,8 @@ _SHARED_RE = re.compile(rb'"shared"\s*:\s*(true|false)')
 def said_shared(path: str) -> bool | None:
     """What a damaged ``layout.json`` still says of the shared mark: True, False, or None (nothing).
 
-    Its first 4 KiB are read (the file is a few lines), without following a
-    symlink or blocking on a FIFO: valid JSON whose other fields are wrong, or a
-    file cut short after the mark, still says it.
+    Its first 4 KiB are read without following a symlink or blocking on a FIFO;
+    a file cut short after the mark still says it.
     """
     try:
         fd = os.open(path, READ_FLAGS)
