@@ -202,11 +202,9 @@ def _text(info: dict[str, Any]) -> None:
         print(f"problem: {text}")
     if info["problem_count"] > _SHOWN:
         print(f"problem: ... and {info['problem_count'] - _SHOWN:,} more")
-    packed = ""
+    packed, where = "", plural(info["blobs"], "blob")
     if info["packs"]:
         packed = f" ({info['packed_entries']:,} packed)"
-    where = plural(info["blobs"], "blob")
-    if info["packs"]:
         where = f"{plural(info['blobs'], 'loose blob')} and {plural(info['packs'], 'pack')}"
     stored = info["stored_bytes"] + info["pack_bytes"]
     print(

@@ -61,30 +61,35 @@ def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) 
     t0 = time.monotonic()
     root = cache_root(path)
     version = layout_version(root)
-    if version is not None and version < LAYOUT_VERSION:
-        return _clear_older(root, dry_run, t0)
-    if not_created(root):  # an empty cache, as stats reports it
+    older = version is not None and version < LAYOUT_VERSION
+    if not older and not_created(root):  # an empty cache, as stats reports it
         return ClearReport(root, dry_run, exists=False)
-    lay = open_cache(root, write=not dry_run, purpose="clear").lay
-    if is_shared_store(lay.root):
+    lay = Layout(root) if older else open_cache(root, write=not dry_run, purpose="clear").lay
+    if older and not dry_run:
+        check_writable(lay, "clear")
+    if not older and is_shared_store(lay.root):
         raise LayoutError(
             f"{lay.root!r} is a shared store (publish marked it in its layout.json): clear empties a node's local "
             "cache; collect a shared store with `gc`, or remove it and publish again"
         )
     before = take_snapshot(lay.index, lay.blobs, read_manifests=False)
-    if not dry_run:
+    after = None if older else before
+    if not dry_run and older:
+        _clear_older(lay)
+    elif not dry_run:
         CacheStore(lay.root, max_size_bytes=None).clear()
-    after = before if dry_run else take_snapshot(lay.index, lay.blobs, read_manifests=False)
+        after = take_snapshot(lay.index, lay.blobs, read_manifests=False)
+    left = (0, 0, 0) if after is None else (len(after.manifests), len(after.blobs), after.stored_bytes)
     return ClearReport(
         lay.root,
         dry_run,
         entries_before=len(before.manifests),
         blobs_before=len(before.blobs),
         bytes_before=before.stored_bytes,
-        entries_after=len(after.manifests),
-        blobs_after=len(after.blobs),
-        bytes_after=after.stored_bytes,
-        bytes_freed=before.stored_bytes if dry_run else max(0, before.stored_bytes - after.stored_bytes),
+        entries_after=left[0],
+        blobs_after=left[1],
+        bytes_after=left[2],
+        bytes_freed=before.stored_bytes if dry_run else max(0, before.stored_bytes - left[2]),
         elapsed_s=time.monotonic() - t0,
     )
 
@@ -93,30 +98,16 @@ def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) 
 _KEPT = frozenset({"CACHEDIR.TAG", "layout.json", "settings.json", "tmp", "quarantine"})
 
 
-def _clear_older(root: str, dry_run: bool, t0: float) -> ClearReport:
+def _clear_older(lay: Layout) -> None:
     """Empty a cache or store of an older layout: nothing of it is read, everything of it but settings goes."""
-    lay = Layout(root)
-    if not dry_run:
-        check_writable(lay, "clear")
-    before = take_snapshot(lay.index, lay.blobs, read_manifests=False)
-    if not dry_run:
-        with os.scandir(root) as it:
-            names = sorted(e.name for e in it if e.name not in _KEPT)
-        for name in names:
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        for sub in (BLOBS, INDEX):
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
-        write_layout(root, lay.tmp, version=LAYOUT_VERSION)
-    return ClearReport(
-        root,
-        dry_run,
-        entries_before=len(before.manifests),
-        blobs_before=len(before.blobs),
-        bytes_before=before.stored_bytes,
-        bytes_freed=before.stored_bytes,
-        elapsed_s=time.monotonic() - t0,
-    )
+    with os.scandir(lay.root) as it:
+        names = sorted(e.name for e in it if e.name not in _KEPT)
+    for name in names:
+        path = os.path.join(lay.root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    for sub in (BLOBS, INDEX):
+        os.makedirs(os.path.join(lay.root, sub), exist_ok=True)
+    write_layout(lay.root, lay.tmp, version=LAYOUT_VERSION)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 from cuda_program_cas._base.config import default_cache_dir
@@ -24,6 +25,7 @@ __all__ = [
     "cache_root",
     "check_blobs",
     "check_writable",
+    "iso_utc",
     "not_created",
     "open_cache",
     "refuse_url",
@@ -109,6 +111,11 @@ def check_writable(lay: Layout, purpose: str) -> None:
     why = unwritable_reason(lay)
     if why is not None:
         raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why})")
+
+
+def iso_utc(seconds: float) -> str:
+    """``2026-12-07T15:38:28+00:00``: how reports give a time."""
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
 
 
 def check_blobs(

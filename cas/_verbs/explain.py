@@ -39,7 +39,7 @@ from cuda_program_cas._local.why import (
     UNCACHEABLE,
 )
 
-from .common import Report, cache_root, open_cache
+from .common import Report, cache_root, iso_utc, open_cache
 
 __all__ = ["ExplainReport", "MissExplanation", "explain"]
 
@@ -187,12 +187,6 @@ def _header_differences(old: object, new: object) -> list[tuple[str, str]]:
     return found
 
 
-def _iso(seconds: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
-
-
 def _check_failed(record: MissRecord) -> dict[str, str] | None:
     """The journal's ``why`` of a front door miss whose record held but a variant failed its check, else None."""
     why = record.why
@@ -242,7 +236,7 @@ def explain_one(record: MissRecord, earlier: list[MissRecord]) -> MissExplanatio
     verdict, summary, diffs, nearest = _verdict(record, earlier, why)
     return MissExplanation(
         key_id=record.key_id,
-        time=_iso(record.time),
+        time=iso_utc(record.time),
         compile_seconds=record.compile_seconds,
         via=record.via,
         verdict=verdict,

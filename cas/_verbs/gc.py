@@ -20,6 +20,7 @@ manifests are judged by :func:`cuda_program_cas._disk.classify.classify`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections import Counter
@@ -231,13 +232,7 @@ def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
         max_age_s=opts.max_age_s,
         max_size=opts.max_size,
     )
-    report.packs = {
-        "retired_removed": packed.retired_removed,
-        "retired_bytes": packed.retired_bytes,
-        "loose_removed": packed.loose_removed,
-        "entries_dropped": packed.entries_dropped,
-        "repacked_into": packed.repacked_into,
-    }
+    report.packs = {k: v for k, v in dataclasses.asdict(packed).items() if k != "problems"}
     for text in packed.problems:
         report.problem(text)
     if not opts.dry_run:

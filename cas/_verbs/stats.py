@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import ClassVar
 
 from cuda_program_cas._disk.classify import Condition, classify
@@ -25,7 +24,7 @@ from cuda_program_cas._local.lifetime import zero_counters as _zero_counters
 from cuda_program_cas._local.usage import read_usage
 from cuda_program_cas.index import is_record
 
-from .common import Report, cache_root, open_cache
+from .common import Report, cache_root, iso_utc, open_cache
 from .packs import pack_stats
 
 __all__ = ["StatsReport", "stats", "zero_counters"]
@@ -129,12 +128,6 @@ def zero_counters(path: str | os.PathLike[str] | None = None) -> tuple[str, dict
     return lay.root, _zero_counters(lay).counters
 
 
-def _iso(ns: int | None) -> str | None:
-    if ns is None:
-        return None
-    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat(timespec="seconds")
-
-
 def _walk(root: str) -> tuple[int, int, int]:
     """Files, directories and bytes on disk (allocated blocks) under ``root``, itself included."""
     files, dirs, disk = 0, 1, 0
@@ -215,8 +208,8 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     report.max_size_bytes = cap
     report.max_size_source = cap_source if cap else None
     report.cap_used_percent = round(100.0 * stored / cap, 1) if cap else None
-    report.oldest_use = _iso(min(uses)) if uses else None
-    report.newest_use = _iso(max(uses)) if uses else None
+    report.oldest_use = iso_utc(min(uses) / 1e9) if uses else None
+    report.newest_use = iso_utc(max(uses) / 1e9) if uses else None
     report.files, report.directories, report.inodes, report.disk_bytes = files, dirs, files + dirs, disk
     report.front_door_records = len(records)
     report.front_door_record_bytes = sum(snap.blobs[r.digest].st_size for r in records if r.digest in snap.blobs)
@@ -249,5 +242,5 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
         report.time_saved_s = round(life.counters["saved_us"] / 1e6, 3)
         report.counters = life.counters
         report.hit_rate = None if life.hit_rate is None else round(life.hit_rate, 4)
-        report.counters_zeroed_at = _iso(life.zeroed_ns)
+        report.counters_zeroed_at = None if life.zeroed_ns is None else iso_utc(life.zeroed_ns / 1e9)
     return report
