@@ -1,35 +1,25 @@
 """Publishing: merge nodes' local caches into a shared store that a cluster reads.
 
 Only the publisher writes a shared store, so a node reading it meanwhile never
-sees a partial file or a manifest whose blob is not there yet: per source, first
-every blob the new manifests need (read from the source and verified; a bad one
-is skipped and reported with every manifest naming it), then the manifests. A
-blob the store already has is verified and freshened, and after each manifest
-commit checked again and restored if a collector took it in between. Last, the
-store's key list gets every key the run published or found the store holding.
-Running again publishes nothing new (idempotent) and resumes after an
-interruption; two publishers at once only rename complete files over each other.
+sees a partial file or a manifest whose blob is not there yet: per source, every
+blob the new manifests need (read and verified; a bad one is skipped with every
+manifest naming it), then the manifests. A blob the store already has is
+freshened, and after each manifest commit checked again and restored if a
+collector took it meanwhile. Last, the store's key list gets every key the run
+published or found the store holding. Running again publishes nothing new and
+resumes after an interruption; two publishers at once only rename complete
+files over each other. Where the store maps a key to another valid blob, what it
+has wins (so nodes stay consistent and publishes never flip an entry); among
+the sources of one run, the first listed wins.
 
-Where the store maps a key to another valid blob, the store keeps what it has:
-the first published entry wins (among the sources of one run, the first listed),
-so nodes stay consistent and repeated publishes never flip an entry. A store
-entry whose manifest is garbage or whose blob is missing or corrupt is replaced;
-with ``verify_existing`` the store's blob of every entry a source also holds is
-hashed (once per digest per run), so one damaged in place is rewritten.
-
-The store is reached through its engine, chosen by the address's scheme (a
-directory, ``http(s)://`` WebDAV or ``redis(s)://``); :class:`Target` runs the
-same plan and order over each. Only a directory has modes, ``fsync`` and mtimes,
-and only a directory's copies are hashed (elsewhere they are checked by size).
-``--pack`` writes one new pack and lists it; Redis takes loose entries only.
-Each upload is atomic in the store and read back before anything names it
-(:func:`cuda_program_cas._shared.upload.put_checked`); a store that holds less or
+The store is reached through its engine (a directory, ``http(s)://`` WebDAV or
+``redis(s)://``); :class:`Target` runs the same plan and order over each. Each
+upload is atomic in the store and read back before anything names it
+(:func:`cuda_program_cas._shared.upload.put_checked`): a store that holds less or
 other bytes stops the run with a ``not stored``
 :class:`~cuda_program_cas._base.engine.StoreFailure`. Every read is bounded by the
-cache's own limits, never by what the server says.
-
-Warm sets (``sets/*`` of a source that nodes wrote back into) follow every entry
-and pack: see :func:`cuda_program_cas._verbs.pubsets.publish_sets`.
+cache's own limits, never by what the server says. Warm sets follow every entry
+and pack (:func:`cuda_program_cas._verbs.pubsets.publish_sets`).
 """
 
 from __future__ import annotations

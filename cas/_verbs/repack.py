@@ -8,7 +8,6 @@ blocking, and a second one does nothing (:class:`cuda_program_cas.CollectorBusyE
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from cuda_program_cas._base.errors import CollectorBusyError, LayoutError
 from cuda_program_cas._disk.layout import LayoutState, check_layout, is_shared_store
@@ -19,12 +18,7 @@ from .packs import RepackReport, repack_locked
 __all__ = ["RepackReport", "check_shared_store", "repack"]
 
 
-def repack(
-    root: str | os.PathLike[str],
-    *,
-    keep: Callable[[str, int], bool] | None = None,
-    fsync: bool = True,
-) -> RepackReport:
+def repack(root: str | os.PathLike[str]) -> RepackReport:
     """Merge the store at ``root`` into one new pack and retire the packs it replaced.
 
     Raises :class:`cuda_program_cas.CollectorBusyError` when another repack or a ``gc`` holds
@@ -36,7 +30,7 @@ def repack(
             raise CollectorBusyError(
                 f"store {lay.root!r} is busy: another repack or a gc holds {lay.lock}; nothing was changed"
             )
-        return repack_locked(lay, keep=keep, fsync=fsync)
+        return repack_locked(lay)
 
 
 def check_shared_store(root: str | os.PathLike[str]) -> None:
