@@ -175,6 +175,8 @@ def test_zero_sets_every_counter_to_zero_and_counting_goes_on(
         "path": str(root),
         "zeroed": True,
         "counters_before": {**ZERO, "hits": 1, "misses": 1, "writes": 1},
+        "problems": [],
+        "problem_count": 0,
     }
     info = lifetime(root, capsys)
     assert info["counters"] == ZERO and info["hit_rate"] is None

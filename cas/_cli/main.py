@@ -152,8 +152,9 @@ def not_created_line(root: str, nothing: str) -> str:
     return f"no cache at {root} yet (nothing has been stored): {nothing}"
 
 
-def print_json(obj: object) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True))
+def print_json(obj: dict[str, object]) -> None:
+    """One JSON object on stdout; one that is not a report's gets an empty ``problems`` and ``problem_count``."""
+    print(json.dumps({"problems": [], "problem_count": 0, **obj}, indent=2, sort_keys=True))
 
 
 def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None) -> int:

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except CollectorBusyError as exc:
         # Not a failure: the running one does the work this one was asked to do.
         if args.json:
-            print_json({"root": root, "busy": True, "message": str(exc), "problems": [], "problem_count": 0})
+            print_json({"root": root, "busy": True, "message": str(exc)})
         else:
             print(exc)
         return 0
