@@ -4,11 +4,10 @@ It does no I/O, and knows nothing about content beyond a digest string.
 """
 
 from ._frozen import Frozen
-from ._groups import RECORD_MEMBER, group_of, grouped_id, is_record, lru_units, partners_of
-from ._keys import LOCAL_TAG, is_hex, is_key_id, is_local_id, key_bytes, key_id, local_id
+from ._groups import group_of, grouped_id, is_record, lru_units, partners_of
+from ._keys import is_hex, is_key_id, is_local_id, key_bytes, key_id, local_id
 from ._manifest import (
     LONGEST_MANIFEST,
-    MANIFEST_TAG,
     MAX_MANIFEST_BYTES,
     Manifest,
     is_digest,
@@ -19,11 +18,8 @@ from ._manifest import (
 )
 
 __all__ = [
-    "LOCAL_TAG",
     "LONGEST_MANIFEST",
-    "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
-    "RECORD_MEMBER",
     "Frozen",
     "Manifest",
     "group_of",

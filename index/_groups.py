@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
-__all__ = ["RECORD_MEMBER", "group_of", "grouped_id", "is_record", "lru_units", "partners_of"]
+__all__ = ["group_of", "grouped_id", "is_record", "lru_units", "partners_of"]
 
 #: The last 8 hex digits of every grouped key id.
 GROUP_TAG = "fd0c6a1e"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["LOCAL_TAG", "is_hex", "is_key_id", "is_local_id", "key_bytes", "key_id", "local_id"]
+__all__ = ["is_hex", "is_key_id", "is_local_id", "key_bytes", "key_id", "local_id"]
 
 _HEX = "0123456789abcdef"
 #: The last 8 hex digits of every node-local key id.

@@ -24,7 +24,6 @@ from ._keys import is_hex, is_key_id
 
 __all__ = [
     "LONGEST_MANIFEST",
-    "MANIFEST_TAG",
     "MAX_MANIFEST_BYTES",
     "Manifest",
     "is_digest",

@@ -116,7 +116,6 @@ UNCHANGED: Final = _Unchanged.UNCHANGED
 class ConfigReport(Report):
     """The effective settings of a cache; ``problems``: values the library ignores, and why."""
 
-    #: Every problem is listed.
     max_listed: ClassVar[int | None] = None
 
     path: str

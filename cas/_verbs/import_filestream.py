@@ -32,9 +32,7 @@ __all__ = ["ImportReport", "import_filestream"]
 class ImportReport(Report):
     source: str
     dest: str
-    #: Entry files found under ``entries/``.
     entries: int = 0
-    #: Entries committed by this run.
     imported: int = 0
     #: Entries already here with the same content (an earlier or concurrent import).
     already_present: int = 0
@@ -42,9 +40,7 @@ class ImportReport(Report):
     kept_existing: int = 0
     #: Imported entries whose binary was already stored (under another key or digest).
     deduplicated: int = 0
-    #: Bytes of the imported entries, as FileStream stored them.
     bytes_imported: int = 0
-    #: New blob bytes this run stored.
     blob_bytes_added: int = 0
     #: Entries not stored: a shard is a symlink or not a directory, the disk is full, a file was locked.
     dropped: int = 0

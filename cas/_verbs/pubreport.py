@@ -19,7 +19,6 @@ class PublishReport(Report):
     ``invalid_manifests`` and ``errors``, in that order, each labelled.
     """
 
-    #: Every problem is listed.
     max_listed: ClassVar[int | None] = None
 
     sources: list[str]
@@ -27,7 +26,6 @@ class PublishReport(Report):
     dry_run: bool = False
     #: The store did not exist (or had no layout) and was laid out by this run.
     created: bool = False
-    #: Manifests read from the sources.
     scanned: int = 0
     #: Keys the store did not have, now published.
     published: int = 0
@@ -41,7 +39,6 @@ class PublishReport(Report):
     blobs_published: int = 0
     #: Of those, blobs the store held damaged (bytes that fail their hash, or the wrong size), now rewritten.
     blobs_repaired: int = 0
-    #: Bytes of those blobs.
     bytes_published: int = 0
     #: Source entries that vanished while being read (evicted by their node meanwhile).
     vanished: int = 0
@@ -51,11 +48,9 @@ class PublishReport(Report):
     missing_blobs: list[str] = field(default_factory=list)
     #: Source manifest files that are not valid manifests.
     invalid_manifests: list[str] = field(default_factory=list)
-    #: Sources that could not be read, one message each.
     errors: list[str] = field(default_factory=list)
     #: Manifests not published because of the problems above.
     skipped: int = 0
-    #: Packs written (``pack=True``).
     packs: list[str] = field(default_factory=list)
     #: Warm sets (``sets/*`` of the sources) written into the store, merged with its own; and those it had already.
     sets_published: int = 0

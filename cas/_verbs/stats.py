@@ -38,7 +38,6 @@ class StatsReport(Report):
     manifests) unless named otherwise; times are ISO 8601 in UTC.
     """
 
-    #: Every problem is listed.
     max_listed: ClassVar[int | None] = None
 
     path: str

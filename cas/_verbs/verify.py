@@ -100,7 +100,6 @@ class Problem:
 class VerifyReport(Report):
     """What a check found (``problems``: every one, a :class:`Problem` each) and, with ``repair``, fixed."""
 
-    #: Every problem is listed (``--repair`` reports each one fixed or not).
     max_listed: ClassVar[int | None] = None
 
     root: str
@@ -203,11 +202,8 @@ def verify(
                 problem.detail += f"; cannot remove: {exc.strerror}"
         report.problem(problem)
     packs = pack_stats(lay)  # before verify_packs: what it checks, also a pack it moves aside
-    report.packs, report.packed_entries, report.pack_bytes = (
-        packs["packs"],
-        packs["packed_entries"],
-        packs["pack_bytes"],
-    )
+    report.packs, report.packed_entries = packs["packs"], packs["packed_entries"]
+    report.pack_bytes = packs["pack_bytes"]
     for kind, path, detail, fixed in verify_packs(lay, repair=remover is not None):
         report.problem(Problem(kind, path, detail, fixed))
     report.orphan_blobs = len(snap.orphans())
