@@ -111,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
         wait_s=args.wait,
         shared=args.shared,
     )
-    args.progress.done()
     return emit(args, report, lambda: print_report(report, args))
 
 

@@ -46,7 +46,6 @@ def run(args: argparse.Namespace) -> int:
             f"cannot import into {dest!r}: {exc.strerror.lower() if exc.strerror else exc} ({exc.filename}); "
             "give a DEST this user can write"
         ) from None
-    args.progress.done()
     return emit(args, report, lambda: _text(report))
 
 

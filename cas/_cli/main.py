@@ -159,7 +159,9 @@ def print_json(obj: dict[str, object]) -> None:
 
 def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None) -> int:
     """The one way a command prints its verb's report: one JSON object (``as_dict``) with ``--json``, else
-    ``text()``. Returns the exit status: ``status`` where given, else 1 when the report found problems."""
+    ``text()``, after clearing the progress line. Returns the exit status: ``status`` where given, else 1
+    when the report found problems."""
+    args.progress.done()
     if args.json:
         print_json(report.as_dict())
     else:
@@ -169,12 +171,13 @@ def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, 
     return 1 if report.problem_count else 0
 
 
-def print_problems(report: Report, show: Callable[[Any], str] = str) -> None:
-    """A report's problems, one ``problem:`` line each, and how many more were counted than listed."""
-    for item in report.problems:
+def print_problems(report: Report, show: Callable[[Any], str] = str, most: int | None = None) -> None:
+    """A report's problems (``most`` of them), one ``problem:`` line each, and how many more were counted."""
+    listed = report.problems[:most]
+    for item in listed:
         print(f"problem: {show(item)}")
-    if report.problem_count > len(report.problems):
-        print(f"problem: ... and {report.problem_count - len(report.problems):,} more")
+    if report.problem_count > len(listed):
+        print(f"problem: ... and {report.problem_count - len(listed):,} more")
 
 
 class Progress:

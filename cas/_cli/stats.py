@@ -13,11 +13,11 @@ from datetime import datetime
 from typing import Any
 
 from cuda_program_cas._base.config import ENV_MAX_SIZE
-from cuda_program_cas._verbs.stats import stats, zero_counters
+from cuda_program_cas._verbs.stats import StatsReport, stats, zero_counters
 
 from .bucket import is_bucket
 from .bucket import run as bucket_run
-from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, size_arg
+from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, print_problems, size_arg
 
 __all__ = ["register"]
 
@@ -125,10 +125,11 @@ def run(args: argparse.Namespace) -> int:
     if args.zero:
         return _zero(args.path, args.json)
     report = stats(args.path, max_size=args.max_size)
-    return emit(args, report, lambda: _text(report.as_dict()))
+    return emit(args, report, lambda: _text(report))
 
 
-def _text(info: dict[str, Any]) -> None:
+def _text(report: StatsReport) -> None:
+    info: dict[str, Any] = report.as_dict()
     cap = info["max_size_bytes"]
     now = time.time()
 
@@ -198,10 +199,7 @@ def _text(info: dict[str, Any]) -> None:
         ))  # fmt: skip
     for label, value in rows:
         print(f"{label:<12} {value}")
-    for text in info["problems"][:_SHOWN]:
-        print(f"problem: {text}")
-    if info["problem_count"] > _SHOWN:
-        print(f"problem: ... and {info['problem_count'] - _SHOWN:,} more")
+    print_problems(report, most=_SHOWN)
     packed, where = "", plural(info["blobs"], "blob")
     if info["packs"]:
         packed = f" ({info['packed_entries']:,} packed)"

@@ -79,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
     if args.shared is not None and not args.repair:
         raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
     report = verify(cache_root(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
-    args.progress.done()
     return emit(args, report, lambda: _text(report, args.repair), status=1 if report.unfixed else 0)
 
 

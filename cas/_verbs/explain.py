@@ -70,14 +70,11 @@ class MissExplanation:
     #: ISO 8601, UTC.
     time: str
     compile_seconds: float
-    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``), ``nvvm`` (numba-cuda's NVVM)
-    #: or ``compute`` (``cache.build``).
+    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``), ``nvvm`` or ``compute``.
     via: str
-    #: ``changed`` (one input), ``several``, ``same`` (the same inputs compiled before) or ``new``;
-    #: ``uncacheable``: a cuda.compute build that cannot be keyed soundly ran uncached (``reason`` says why).
+    #: ``changed``, ``several``, ``same``, ``new``, or ``uncacheable`` (a build ran uncached: ``reason``).
     verdict: str
-    #: What kind of input changed: ``option``, ``header``, ``nvrtc``, ``code``, ``working directory``,
-    #: ``directory`` (a guard directory's listing)... (one per difference; empty for ``same`` and ``new``).
+    #: What kind of input changed (``option``, ``header``, ``nvrtc``, ``code``, ``directory``...), one per difference.
     inputs: tuple[str, ...]
     #: The differences, one line each (``option -arch: sm_80 -> sm_90``).
     changes: tuple[str, ...]
@@ -85,11 +82,9 @@ class MissExplanation:
     nearest: str | None
     #: One line: what ``explain`` prints.
     summary: str
-    #: Why the front door's lookup missed, as it logs it at DEBUG (None for a plain key, or a record
-    #: written before this was journaled).
+    #: Why the front door's lookup missed, as it logs it at DEBUG (None for a plain key).
     reason: str | None = None
-    #: The path whose check failed, when the reason names one: the header that changed or went,
-    #: the directory whose listing changed, or a file that appeared and now shadows a header.
+    #: The path whose check failed (a header changed or gone, a directory's listing, a shadowing file).
     path: str | None = None
 
 

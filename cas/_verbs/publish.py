@@ -24,6 +24,7 @@ and pack (:func:`cuda_program_cas._verbs.pubsets.publish_sets`).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -217,7 +218,6 @@ def _plan(src: str, target: Target, report: PublishReport) -> list[_Item]:
 
 
 def _publish_one(src: str, target: Target, report: PublishReport) -> None:
-    lay = Layout(src)
     # 1. Plan: what each source manifest needs in the store.
     todo = _plan(src, target, report)
     # 2. Blobs: every blob the plan needs, verified, before any manifest naming it.
@@ -230,7 +230,7 @@ def _publish_one(src: str, target: Target, report: PublishReport) -> None:
             if not target.dry_run:
                 target.keep_blob(digest, size)
             continue
-        blob = _read_source_blob(src, lay, digest=digest, size=size, items=items, report=report)
+        blob = _read_source_blob(src, digest, size, items, report)
         if blob is None:
             continue
         if not target.dry_run and not target.put_blob(digest, blob):
@@ -253,9 +253,7 @@ def _publish_one(src: str, target: Target, report: PublishReport) -> None:
                 target.put_manifest(manifest)
                 if not target.blob_still_there(manifest.digest, manifest.size):
                     # A collector removed it after the blob phase: store it again.
-                    blob = _read_source_blob(
-                        src, lay, digest=manifest.digest, size=manifest.size, items=[], report=report
-                    )
+                    blob = _read_source_blob(src, manifest.digest, manifest.size, [], report)
                     if blob is not None:
                         target.restore_blob(manifest.digest, blob)
             if item.action == "new":
@@ -272,29 +270,16 @@ def _publish_pack(todo: list[_Item], target: Target, report: PublishReport) -> N
     """One new pack of every planned entry (first source wins per key), its blobs verified as they are read."""
     written: set[str] = set()
 
-    def loader(item: _Item) -> Callable[[], bytes | None]:
-        def load() -> bytes | None:
-            blob = _read_source_blob(
-                item.source,
-                Layout(item.source),
-                digest=item.manifest.digest,
-                size=item.manifest.size,
-                items=[item],
-                report=report,
-            )
-            if blob is not None:
-                written.add(item.manifest.digest)
-            return blob
+    def load(item: _Item) -> bytes | None:
+        blob = _read_source_blob(item.source, item.manifest.digest, item.manifest.size, [item], report)
+        if blob is not None:
+            written.add(item.manifest.digest)
+        return blob
 
-        return load
-
-    seen: set[str] = set()
-    inputs = []
+    first: dict[str, _Item] = {}
     for item in todo:
-        if item.kid in seen:
-            continue
-        seen.add(item.kid)
-        inputs.append((item.kid, item.manifest.digest, loader(item), item.stat.st_mtime_ns))
+        first.setdefault(item.kid, item)  # the first source wins
+    inputs = [(i.kid, i.manifest.digest, functools.partial(load, i), i.stat.st_mtime_ns) for i in first.values()]
     stats: dict[str, int] = {}
     if target.dry_run:
         for _kid, digest, load, _t in inputs:
@@ -347,11 +332,9 @@ def _action(target: Target, kid: str, manifest: Manifest) -> str:
     return "replace"
 
 
-def _read_source_blob(
-    src: str, lay: Layout, *, digest: str, size: int, items: list[_Item], report: PublishReport
-) -> bytes | None:
+def _read_source_blob(src: str, digest: str, size: int, items: list[_Item], report: PublishReport) -> bytes | None:
     """The verified bytes of a source blob, or None (reported) when it is missing or bad."""
-    source = BlobStore(lay.blobs)
+    source = BlobStore(Layout(src).blobs)
     path = source.path_for(digest)
     try:
         data, _st = source.read(digest, size)

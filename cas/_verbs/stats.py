@@ -47,12 +47,10 @@ class StatsReport(Report):
     entries: int = 0
     #: Of ``entries``, those a manifest in ``index/`` holds (the figures below in bytes are theirs).
     loose_entries: int = 0
-    #: Loose manifests that a live pack holds too, with the same blob: what a repack left for ``gc``,
-    #: which removes them once its grace period has passed since the pack was written.
+    #: Loose manifests that a live pack holds too, with the same blob: what a repack left for ``gc``.
     loose_also_packed: int = 0
     blobs: int = 0
-    #: Sum of the sizes of the loose entries, as if each key had its own copy (the byte figures
-    #: up to ``manifest_bytes`` are the loose ones'; ``pack_bytes`` the packs').
+    #: Sum of the sizes of the loose entries, as if each key had its own copy (up to ``manifest_bytes``: loose).
     logical_bytes: int = 0
     stored_bytes: int = 0
     blob_bytes: int = 0
@@ -93,8 +91,7 @@ class StatsReport(Report):
     counters_zeroed_at: str | None = None
     #: Compile time the hits of every process saved since the counters were zeroed (``saved_us``), in seconds.
     time_saved_s: float | None = None
-    #: The entries whose hits saved the most time (at most 5): ``key`` (the first 16 hex digits of its
-    #: key id), ``hits``, ``saved_s`` and ``compile_s``, from the usage ledger (never zeroed).
+    #: The (at most 5) entries whose hits saved the most: ``key`` (16 hex), ``hits``, ``saved_s``, ``compile_s``.
     busiest: list[dict[str, object]] = field(default_factory=list)
 
 
