@@ -39,14 +39,7 @@ def bucket_verb(verb: str, address: str, *, grace_s: float = 0.0, dry_run: bool 
         found = bucket_gc(address, grace_s=grace_s, dry_run=dry_run)
     else:
         found = {"stats": bucket_stats, "verify": bucket_verify, "repack": bucket_repack}[verb](address)
-    report = BucketReport(
-        store=found.store,
-        objects=found.objects,
-        bytes=found.bytes,
-        orphan_blobs=found.orphan_blobs,
-        removed=found.removed,
-        bytes_removed=found.bytes_removed,
-    )
+    report = BucketReport(**{k: v for k, v in dataclasses.asdict(found).items() if k != "problems"})
     for name, what in found.problems:
         report.problem({"object": name, "problem": what})
     return report
