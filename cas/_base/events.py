@@ -1,26 +1,15 @@
 """The ``cuda_program_cas`` logger's records of what a cache does, and ``CUDA_PROGRAM_CAS_LOG``.
 
-One DEBUG record per lookup (hit or miss, where, the key id's first 12 characters,
-how long it took, and for a miss why, where the cache knows), per write (stored,
-deduplicated or dropped), per eviction step and per collection. Callers check
-``LOGGER.isEnabledFor(DEBUG)`` once per call and take the clock only when
-it is on, so with logging off a record costs that one check
-(:mod:`cuda_program_cas._base.log`: with :mod:`logging` not imported by anyone, not even the import). Each record also
-carries its fields as attributes (``cas_event``, ``cas_key``, ``cas_store``,
-``cas_us``, ``cas_reason``, ...) for handlers that want them.
+One DEBUG record per lookup (hit or miss, where, the key id's first 12 characters, how long,
+and for a miss why), per write, per eviction step and per collection. Callers check
+``LOGGER.isEnabledFor(DEBUG)`` once and take the clock only when it is on. Each record also
+carries its fields as attributes (``cas_event``, ``cas_key``, ``cas_store``, ``cas_us``,
+``cas_reason``, ...) for handlers.
 
-Miss reasons: ``no entry``, ``damaged manifest``, ``misplaced manifest`` (another
-key's), ``blob missing``, ``damaged blob``, ``not a regular file``, ``cannot read
-(EIO)``, ``store not usable: ...`` (a shared store skipped); callers that decide
-a miss themselves (a header that changed) pass their own reason to
-:func:`lookup_missed`.
-
-``CUDA_PROGRAM_CAS_LOG=PATH``: a handler appending every record of the
-``cuda_program_cas`` logger, DEBUG and up, to PATH, added once per process when the first cache
-is opened (the logger's level is lowered to DEBUG for it), for jobs that do not
-configure logging, as ccache's ``log_file``. A PATH that is not a regular file, or
-is reached through another user's entry in ``/tmp``, and a write that fails, are
-one WARNING each and no log (:mod:`cuda_program_cas._base.logfile` says how).
+``CUDA_PROGRAM_CAS_LOG=PATH`` (as ccache's ``log_file``): a handler appending every record,
+DEBUG and up, to PATH, added once per process when the first cache is opened. A PATH that
+cannot be used, and a write that fails, are one WARNING each and no log
+(:mod:`cuda_program_cas._base.logfile`).
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .config import ENV_LOG, env_log_file
+from .config import ENV_LOG, VAR_LOG
 from .fork import ForkSafeLock
 from .log import DEBUG as _DEBUG
 from .log import LOGGER
@@ -140,7 +129,7 @@ def open_log_file() -> None:
         if _opened.is_set():
             return
         _opened.set()
-        path = env_log_file()
+        path = VAR_LOG.value()
         if not path:
             return
         import logging
