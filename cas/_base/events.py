@@ -47,78 +47,42 @@ def _us(t0_ns: int) -> int:
 def lookup_hit(root: str, kid: str, store: str, t0_ns: int) -> None:
     """A hit of key id ``kid`` in ``store`` (``local``, or ``shared <path>``), started at ``t0_ns``."""
     us = _us(t0_ns)
-    LOGGER.debug(
-        "cuda-program-cas: %s: hit %s key %s in %d us",
-        root,
-        store,
-        kid[:12],
-        us,
-        extra={"cas_event": "hit", "cas_store": store, "cas_key": kid[:12], "cas_us": us, "cas_reason": None},
-    )
+    extra = {"cas_event": "hit", "cas_store": store, "cas_key": kid[:12], "cas_us": us, "cas_reason": None}
+    LOGGER.debug("cuda-program-cas: %s: hit %s key %s in %d us", root, store, kid[:12], us, extra=extra)
 
 
 def lookup_missed(root: str, kid: str, t0_ns: int, reasons: Sequence[tuple[str, str]]) -> None:
     """A miss of key id ``kid``; ``reasons``: ``(store, why)`` for each store looked in, local first."""
     us = _us(t0_ns)
     why = "; ".join(f"{store}: {reason}" for store, reason in reasons)
-    LOGGER.debug(
-        "cuda-program-cas: %s: miss key %s in %d us (%s)",
-        root,
-        kid[:12],
-        us,
-        why,
-        extra={"cas_event": "miss", "cas_store": None, "cas_key": kid[:12], "cas_us": us, "cas_reason": why},
-    )
+    extra = {"cas_event": "miss", "cas_store": None, "cas_key": kid[:12], "cas_us": us, "cas_reason": why}
+    LOGGER.debug("cuda-program-cas: %s: miss key %s in %d us (%s)", root, kid[:12], us, why, extra=extra)
 
 
 def wrote(root: str, kid: str, outcome: str, size: int, t0_ns: int, *, reason: str | None = None) -> None:
     """A write of ``size`` bytes under ``kid``: ``outcome`` is ``stored``, ``deduplicated`` or ``dropped``."""
     us = _us(t0_ns)
+    extra = {"cas_event": outcome, "cas_key": kid[:12], "cas_us": us, "cas_bytes": size, "cas_reason": reason}
+    said = f" ({reason})" if reason else ""
     LOGGER.debug(
-        "cuda-program-cas: %s: %s key %s, %d bytes in %d us%s",
-        root,
-        outcome,
-        kid[:12],
-        size,
-        us,
-        f" ({reason})" if reason else "",
-        extra={"cas_event": outcome, "cas_key": kid[:12], "cas_us": us, "cas_bytes": size, "cas_reason": reason},
+        "cuda-program-cas: %s: %s key %s, %d bytes in %d us%s", root, outcome, kid[:12], size, us, said, extra=extra
     )
 
 
 def evicted(root: str, entries: int, blobs: int, freed: int, t0_ns: int) -> None:
     """An eviction step of the size cap."""
     us = _us(t0_ns)
-    LOGGER.debug(
-        "cuda-program-cas: %s: evicted %d entries and %d blobs, freed %d bytes in %d us",
-        root,
-        entries,
-        blobs,
-        freed,
-        us,
-        extra={"cas_event": "evict", "cas_entries": entries, "cas_blobs": blobs, "cas_bytes": freed, "cas_us": us},
-    )
+    extra = {"cas_event": "evict", "cas_entries": entries, "cas_blobs": blobs, "cas_bytes": freed, "cas_us": us}
+    message = "cuda-program-cas: %s: evicted %d entries and %d blobs, freed %d bytes in %d us"
+    LOGGER.debug(message, root, entries, blobs, freed, us, extra=extra)
 
 
 def collected(root: str, *, dry_run: bool, entries: int, blobs: int, freed: int, elapsed_s: float) -> None:
     """A garbage collection (``dry_run``: what it would have removed)."""
-    LOGGER.debug(
-        "cuda-program-cas: %s: gc %s %d entries and %d blobs, %s %d bytes in %.3f s",
-        root,
-        "would remove" if dry_run else "removed",
-        entries,
-        blobs,
-        "freeing" if dry_run else "freed",
-        freed,
-        elapsed_s,
-        extra={
-            "cas_event": "gc",
-            "cas_entries": entries,
-            "cas_blobs": blobs,
-            "cas_bytes": freed,
-            "cas_dry_run": dry_run,
-        },
-    )
+    extra = {"cas_event": "gc", "cas_entries": entries, "cas_blobs": blobs, "cas_bytes": freed, "cas_dry_run": dry_run}
+    verbs = ("would remove", "freeing") if dry_run else ("removed", "freed")
+    message = "cuda-program-cas: %s: gc %s %d entries and %d blobs, %s %d bytes in %.3f s"
+    LOGGER.debug(message, root, verbs[0], entries, blobs, verbs[1], freed, elapsed_s, extra=extra)
 
 
 def open_log_file() -> None:

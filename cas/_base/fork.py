@@ -19,7 +19,7 @@ from typing import Protocol
 
 from .log import LOGGER
 
-__all__ = ["ForkAware", "ForkSafeLock", "after_fork", "after_fork_call"]
+__all__ = ["ForkSafeLock", "after_fork", "after_fork_call"]
 
 
 class ForkAware(Protocol):

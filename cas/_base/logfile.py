@@ -21,7 +21,7 @@ import logging
 import os
 import stat
 
-__all__ = ["LogFile", "open_log"]
+__all__ = ["open_log"]
 
 _FLAGS = (
     os.O_WRONLY

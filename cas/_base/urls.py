@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STORE_SCHEMES",
-    "StoreEntry",
     "check_address",
     "is_store_url",
     "join",

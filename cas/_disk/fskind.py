@@ -24,7 +24,6 @@ __all__ = [
     "CLOCK_LAG_NS",
     "CTIME_RELIABLE",
     "STAT_RELIABLE",
-    "UNKNOWN_STEP_NS",
     "WATCHABLE",
     "FsClock",
     "ctime_reliable_device",

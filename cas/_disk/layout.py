@@ -35,10 +35,8 @@ __all__ = [
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
-    "MISSES_FILE",
     "SETTINGS_FILE",
     "STALE_TMP_S",
-    "USAGE_FILE",
     "Layout",
     "LayoutState",
     "check_layout",
@@ -385,11 +383,11 @@ def layout_bytes(current: dict[str, object] | None, **changes: object) -> bytes 
     return (json.dumps(new, indent=2, sort_keys=True) + "\n").encode()
 
 
-def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
+def mark_shared_store(root: str, tmp_dir: str) -> None:
     """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful."""
     if layout_version(root) is None:
         raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
-    write_layout(root, tmp_dir, mode=mode, shared=True)
+    write_layout(root, tmp_dir, shared=True)
 
 
 def create_layout(root: str) -> None:

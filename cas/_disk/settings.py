@@ -36,8 +36,6 @@ __all__ = [
     "SETTING_NAMES",
     "Setting",
     "effective_settings",
-    "load_settings",
-    "read_settings",
     "settings_path",
     "store_setting",
     "stored_max_size",

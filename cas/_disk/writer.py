@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DROP_ERRNOS",
     "UNWRITABLE_ERRNOS",
-    "BlobWrite",
     "WriteResult",
     "Writer",
 ]
@@ -106,14 +105,14 @@ class Writer:
         self._guard = guard
         self._made: set[str] = set()
 
-    def write_file(self, target: str, data: bytes | memoryview | Iterable[bytes], *, mode: int | None = None) -> bool:
+    def write_file(self, target: str, data: bytes | memoryview | Iterable[bytes]) -> bool:
         """Write one file atomically (see :func:`atomic_write`); False when a sharing violation dropped it."""
         make_dir = self.make_dir if self._dir_mode is not None else None
         return atomic_write(
             target,
             data,
             self.lay.tmp,
-            mode=self._file_mode if mode is None else mode,
+            mode=self._file_mode,
             exact_mode=self._exact_mode,
             fsync=self._fsync,
             make_dir=make_dir,
@@ -164,8 +163,8 @@ class Writer:
             return False
         return True
 
-    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None, signature: bytes = b"") -> bool:
-        """Commit the manifest of ``manifest.key_id`` (then ``signature``, a line); False when it was dropped.
+    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None) -> bool:
+        """Commit the manifest of ``manifest.key_id``; False when it was dropped.
 
         ``used_ns``: the entry's last use, as its recency (import keeps FileStream's).
         """
@@ -174,7 +173,7 @@ class Writer:
         if self._guard is not None and not self._guard.ok(self.lay.index, kid):
             return False
         path = self.lay.manifest_path(kid)
-        if not self.write_file(path, manifest.encode() + signature):
+        if not self.write_file(path, manifest.encode()):
             return False
         if used_ns is not None:
             try:

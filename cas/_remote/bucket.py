@@ -18,7 +18,6 @@ size and when it was written) and its objects, through :class:`.s3.S3Engine`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -30,9 +29,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, par
 
 from .s3 import LEASES, S3Engine
 
-__all__ = [
-    "BucketFound", "BucketObject", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
-]  # fmt: skip
+__all__ = ["BucketFound", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify"]
 
 KINDS = ("manifests", "blobs", "packs", "leases", "other")
 
@@ -71,12 +68,6 @@ class BucketFound:
     bytes_removed: int = 0
 
 
-def list_objects(engine: S3Engine) -> Iterator[BucketObject]:
-    """Every object under the store's prefix, page by page (ListObjectsV2); a failure is a :class:`StoreFailure`."""
-    for name, size, written in engine.listed():
-        yield BucketObject(name, size, _epoch(written))
-
-
 def _epoch(text: str) -> float:
     try:
         return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
@@ -93,7 +84,7 @@ def _survey(address: str) -> tuple[S3Engine, BucketFound, dict[str, BucketObject
     """The engine of the store at ``address``, a report of its objects and bytes by kind, and its listing by name."""
     engine = S3Engine(address)
     report = BucketFound(engine.shown)
-    objects = {obj.name: obj for obj in list_objects(engine)}
+    objects = {name: BucketObject(name, size, _epoch(written)) for name, size, written in engine.listed()}
     for obj in objects.values():
         report.objects[obj.kind] += 1
         report.bytes[obj.kind] += obj.size

@@ -9,7 +9,6 @@ claim, not a proof: the uploader reads back what it sent (:mod:`cuda_program_cas
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import IO
 
 from cuda_program_cas._base.urls import shown
@@ -87,15 +86,12 @@ def fetch_range(url: str, offset: int, length: int) -> bytes | None:
     raise _refused(url, reply, "GET (Range)")
 
 
-def put(url: str, data: bytes | IO[bytes], *, root: str, headers: Mapping[str, str] | None = None) -> int:
-    """Store ``data`` at ``url`` (below the store URL ``root``); the status: 200, 201, 204, or 412.
-
-    ``headers`` may make the PUT conditional (``If-Match``): a 412 is returned, not raised.
-    """
-    reply = request("PUT", url, body=data, headers=headers)
+def put(url: str, data: bytes | IO[bytes], *, root: str) -> int:
+    """Store ``data`` at ``url`` (below the store URL ``root``); the status: 200, 201, 204, or 412."""
+    reply = request("PUT", url, body=data)
     if reply.status == 409:
         _make_parents(root, url)
-        reply = request("PUT", url, body=data, headers=headers)
+        reply = request("PUT", url, body=data)
     if reply.status in _PUT_OK or reply.status == 412:
         return reply.status
     raise _refused(url, reply, "PUT")
