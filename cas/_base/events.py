@@ -23,15 +23,7 @@ from .fork import ForkSafeLock
 from .log import DEBUG as _DEBUG
 from .log import LOGGER
 
-__all__ = [
-    "LOGGER",
-    "collected",
-    "evicted",
-    "lookup_hit",
-    "lookup_missed",
-    "open_log_file",
-    "wrote",
-]
+__all__ = ["LOGGER", "collected", "evicted", "lookup_hit", "lookup_missed", "open_log_file", "wrote"]
 
 _perf_ns = time.perf_counter_ns
 _FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"

@@ -287,12 +287,16 @@ def check_layout_data(root: str, data: dict[str, object]) -> int:
     return version
 
 
-def layout_version(root: str) -> int | None:
-    """The version ``layout.json`` records, or None when it is missing or damaged."""
+def _stored_layout(root: str) -> dict[str, object] | None:
     try:
-        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+        return _read_layout(os.path.join(root, LAYOUT_FILE))
     except (OSError, LayoutError):
         return None
+
+
+def layout_version(root: str) -> int | None:
+    """The version ``layout.json`` records, or None when it is missing or damaged."""
+    data = _stored_layout(root)
     if data is None:
         return None
     version = data["version"]
@@ -314,12 +318,10 @@ def check_layout(root: str) -> LayoutState:
         raise LayoutError(f"cache path {root!r} is a symlink to {target!r}, which does not exist") from None
     if not stat.S_ISDIR(st.st_mode):
         raise LayoutError(f"cache path {root!r} exists and is not a directory")
-    layout_path = os.path.join(root, LAYOUT_FILE)
     try:
-        data = _read_layout(layout_path)
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
     except FileNotFoundError:
-        data = None
-        present = False
+        data, present = None, False
     else:
         present = True
     if data is not None:
@@ -348,14 +350,11 @@ def damaged_layout_error(root: str) -> LayoutError:
 
 def is_shared_store(root: str) -> bool:
     """True when ``layout.json`` marks ``root`` as a shared store (``publish`` does)."""
-    try:
-        data = _read_layout(os.path.join(root, LAYOUT_FILE))
-    except (OSError, LayoutError):
-        return False
+    data = _stored_layout(root)
     return data is not None and data.get("shared") is True
 
 
-def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: object) -> None:
+def write_layout(root: str, tmp_dir: str, **changes: object) -> None:
     """Rewrite ``layout.json`` atomically with ``changes``, keeping what else it says (damaged: afresh)."""
     path = os.path.join(root, LAYOUT_FILE)
     try:
@@ -364,18 +363,12 @@ def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: objec
         data = None
     raw = layout_bytes(data, **changes)
     if raw is not None:
-        atomic_write(path, raw, tmp_dir, mode=mode)
+        atomic_write(path, raw, tmp_dir, mode=0o644)
 
 
 def layout_bytes(current: dict[str, object] | None, **changes: object) -> bytes | None:
     """``layout.json``'s bytes saying ``current`` (None: a new layout) with ``changes``; None: no change."""
-    base: dict[str, object] = {
-        "layout": LAYOUT_NAME,
-        "version": LAYOUT_VERSION,
-        "blob_hash": "blake3",
-        "key_hash": "sha256",
-    }
-    current = dict(current) if current is not None else None
+    base = {"layout": LAYOUT_NAME, "version": LAYOUT_VERSION, "blob_hash": "blake3", "key_hash": "sha256"}
     new = dict(current if current is not None else base)
     new.update(changes)
     if new == current:

@@ -27,12 +27,7 @@ if TYPE_CHECKING:
     from .files import ShardGuard
     from .layout import Layout
 
-__all__ = [
-    "DROP_ERRNOS",
-    "UNWRITABLE_ERRNOS",
-    "WriteResult",
-    "Writer",
-]
+__all__ = ["DROP_ERRNOS", "UNWRITABLE_ERRNOS", "WriteResult", "Writer"]
 
 #: Write failures that drop the write instead of failing the caller: a full disk, something
 #: not ours in the way, or a rename across file systems (``tmp/`` moved behind a symlink).
