@@ -73,12 +73,8 @@ class Signer:
             data = _read_key_file(path)
             if b"-----BEGIN PUBLIC KEY-----" in data:
                 raise ValueError("a public key: the signing key is the private one (openssl genpkey's file)")
-            key = serialization.load_pem_private_key(data, password=None)
+            return cls(serialization.load_pem_private_key(data, password=None))
         except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"signing key {path}: {exc}") from None
-        try:
-            return cls(key)
-        except ValueError as exc:
             raise ValueError(f"signing key {path}: {exc}") from None
 
     def sign(self, line: bytes) -> bytes:

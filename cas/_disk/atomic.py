@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._base.log import LOGGER as _log
 
-from .files import NotRegularFile, is_sharing_violation, with_sharing_retry
+from .files import READ_FLAGS, NotRegularFile, is_sharing_violation, with_sharing_retry
 
 __all__ = [
     "Staging",
@@ -37,15 +37,8 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
 _STAGING_FLAGS = (_WRITE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
 _HAVE_FCHMOD = hasattr(os, "fchmod")
-_APPEND_FLAGS = (
-    os.O_RDWR
-    | os.O_APPEND
-    | os.O_CREAT
-    | _O_BINARY
-    | _O_NOFOLLOW
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
+#: The read flags (no symlink, no FIFO wait), appending.
+_APPEND_FLAGS = READ_FLAGS | os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 
 
 class _TempNames:
@@ -198,12 +191,8 @@ def make_tmp_dir(tmp_dir: str) -> None:
             pass
         else:
             kind = "symlink" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "special file"
-            _log.warning(
-                "cuda-program-cas: %s was a %s of %d bytes, not a directory; replaced it with a directory",
-                tmp_dir,
-                kind,
-                st.st_size,
-            )
+            message = "cuda-program-cas: %s was a %s of %d bytes, not a directory; replaced it with a directory"
+            _log.warning(message, tmp_dir, kind, st.st_size)
     try:
         os.mkdir(tmp_dir, 0o700)
     except FileExistsError:
