@@ -372,10 +372,7 @@ VAR_SHARED: Variable[list[str]] = Variable(
     ENV_SHARED, _parse_shared, "shared stores read after the local cache, in order (directories, URLs)", "none"
 )
 VAR_MAX_ENTRY_SIZE: Variable[int] = Variable(
-    ENV_MAX_ENTRY_SIZE,
-    parse_size,
-    "the largest entry read from a store the cache does not own, or stored",
-    "256 MiB",
+    ENV_MAX_ENTRY_SIZE, parse_size, "the largest entry read from a store the cache does not own, or stored", "256 MiB"
 )
 VAR_CLAIM_WAIT: Variable[float] = Variable(
     ENV_CLAIM_WAIT,
@@ -430,11 +427,7 @@ VAR_TRUSTED_KEYS: Variable[str] = Variable(
     "none: every verified entry is used",
 )
 VAR_REDIS_PASSWORD: Variable[str] = Variable(
-    "CUDA_PROGRAM_CAS_REDIS_PASSWORD",
-    str,
-    "the password of redis(s):// stores whose URL has none",
-    "none",
-    secret=True,
+    "CUDA_PROGRAM_CAS_REDIS_PASSWORD", str, "the password of redis(s):// stores whose URL has none", "none", secret=True
 )
 VAR_REDIS_TIMEOUT: Variable[Any] = Variable(
     "CUDA_PROGRAM_CAS_REDIS_TIMEOUT",

@@ -51,15 +51,6 @@ def settings_path(root: str) -> str:
     return os.path.join(root, SETTINGS_FILE)
 
 
-def read_settings(root: str) -> dict[str, object]:
-    """The usable settings stored in the cache at ``root`` (a file that cannot be used: one WARNING, ``{}``)."""
-    settings, why = load_settings(root)
-    if why is not None:
-        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
-        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
-    return settings
-
-
 def load_settings(root: str) -> tuple[dict[str, object], str | None]:
     """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not)."""
     try:
@@ -94,8 +85,12 @@ def load_settings(root: str) -> tuple[dict[str, object], str | None]:
 
 
 def stored_max_size(root: str) -> int | None:
-    """The cap stored in the cache at ``root``, or None."""
-    value = read_settings(root).get(MAX_SIZE)
+    """The cap stored in the cache at ``root``, or None (a file that cannot be used: one WARNING)."""
+    settings, why = load_settings(root)
+    if why is not None:
+        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
+        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
+    value = settings.get(MAX_SIZE)
     return value if isinstance(value, int) else None
 
 
