@@ -210,10 +210,7 @@ def _parse_shared(text: str) -> list[str]:
             address = normalize_store_url(address) if is_store_url(address) else parse(address)
         except ValueError as exc:
             warn_once(
-                ("env-url", ENV_SHARED, shown(part)),
-                "cuda-program-cas: %s: a store is left out: %s",
-                ENV_SHARED,
-                exc,
+                ("env-url", ENV_SHARED, shown(part)), "cuda-program-cas: %s: a store is left out: %s", ENV_SHARED, exc
             )
             continue
         out.append(f"{address}|write" if writable else address)
