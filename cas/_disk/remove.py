@@ -60,15 +60,22 @@ class RemovalPlan:
         last: list[str] = []
         for info in self.manifests:
             freed += info.stat.st_size
-            if info.manifest is None:
-                continue
-            digest = info.manifest.digest
-            refs[digest] -= 1
-            if refs[digest] == 0 and digest in snap.blobs and digest not in self.keep_blobs and self.blobs_removable:
+            digest = self.last_named(refs, info)
+            if digest is not None:
                 last.append(digest)
                 if not self.shared:
                     freed += snap.blobs[digest].st_size
         return freed, last
+
+    def last_named(self, refs: Counter[str], info: ManifestInfo) -> str | None:
+        """The blob that ``info``'s manifest, counted off ``refs`` as it goes, was the last to name, if it may go."""
+        if info.manifest is None:
+            return None
+        digest = info.manifest.digest
+        refs[digest] -= 1
+        if refs[digest] or not self.blobs_removable or digest not in self.snapshot.blobs or digest in self.keep_blobs:
+            return None
+        return digest
 
 
 @dataclass(slots=True)
@@ -219,25 +226,22 @@ class Remover:
                 continue
             result.manifests_removed += 1
             result.bytes_freed += info.stat.st_size
-            if info.manifest is None:
-                continue
-            digest = info.manifest.digest
-            refs[digest] -= 1
-            if refs[digest] or not plan.blobs_removable or digest not in snap.blobs or digest in plan.keep_blobs:
+            last = plan.last_named(refs, info)
+            if last is None:
                 continue
             if plan.shared:
                 try:
-                    os.utime(self.lay.blob_path(digest))
+                    os.utime(self.lay.blob_path(last))
                     result.blobs_deferred += 1
                 except OSError:
                     pass
                 continue
-            freed = self.blob(digest, cutoff_ns=snap.cutoff_ns)
+            freed = self.blob(last, cutoff_ns=snap.cutoff_ns)
             if freed:
                 result.blobs_removed += 1
                 result.bytes_freed += freed
-            elif os.path.lexists(self.lay.blob_path(digest)):
-                result.retired[digest] = file_id(snap.blobs[digest])
+            elif os.path.lexists(self.lay.blob_path(last)):
+                result.retired[last] = file_id(snap.blobs[last])
         plan.freed_so_far += result.bytes_freed
         result.steps = steps
         result.stored_bytes_after = max(0, snap.stored_bytes - plan.freed_so_far)
