@@ -1,14 +1,10 @@
 """Where the cache lives and how its knobs are spelled (no CUDA needed).
 
-Every environment variable the package reads is one :class:`Variable` of
-:data:`VARIABLES`: its name, its parser and what it means. The readers read
-through it (:meth:`Variable.value`), and ``cuda-program-cas config`` lists every
-one with what it reads (:func:`cuda_program_cas._verbs.config.read_variables`): a
-``VAR_*`` defined here appears there with nothing else to change. A value that
-cannot be used never fails a job: it gets one WARNING per process (per variable
-and value) on the ``cuda_program_cas`` logger and is ignored. A relative path in
-``CUDA_PROGRAM_CAS_DIR`` or ``CUDA_PROGRAM_CAS_SHARED`` would quietly depend on
-the working directory: it gets one WARNING too, and is made absolute when read.
+Every environment variable the package reads is one :class:`Variable` of :data:`VARIABLES`,
+read through :meth:`Variable.value`; ``cuda-program-cas config`` lists them all. A value that
+cannot be used never fails a job: one WARNING per process (per variable and value), then it
+is ignored. A relative path in ``CUDA_PROGRAM_CAS_DIR`` or ``CUDA_PROGRAM_CAS_SHARED`` gets
+one WARNING too, and is made absolute when read.
 """
 
 from __future__ import annotations
@@ -30,9 +26,7 @@ __all__ = [
     "DEFAULT_CLAIM_WAIT_S",
     "DEFAULT_LEASE_TTL_S",
     "DEFAULT_MAX_ENTRY_BYTES",
-    "ENV_CLAIM_WAIT",
     "ENV_DIR",
-    "ENV_LEASE_TTL",
     "ENV_LOG",
     "ENV_MAX_ENTRY_SIZE",
     "ENV_MAX_SIZE",
@@ -40,30 +34,21 @@ __all__ = [
     "ENV_SWITCH",
     "NOT_GIVEN",
     "VARIABLES",
-    "VAR_CA_BUNDLE",
-    "VAR_CLAIM_WAIT",
     "VAR_DIR",
-    "VAR_HTTP_TIMEOUT",
-    "VAR_HTTP_TOKEN",
     "VAR_JOB",
     "VAR_KEYS_REFRESH",
-    "VAR_LEASE_TTL",
     "VAR_LOG",
-    "VAR_MAX_ENTRY_SIZE",
     "VAR_MAX_SIZE",
     "VAR_REDIS_PASSWORD",
     "VAR_REDIS_TIMEOUT",
     "VAR_SHARED",
     "VAR_SIGNING_KEY",
-    "VAR_SWITCH",
     "VAR_TRUSTED_KEYS",
     "Variable",
     "collecting",
     "default_cache_dir",
     "env_claim_wait",
-    "env_dir",
     "env_lease_ttl",
-    "env_log_file",
     "env_max_entry_size",
     "env_max_size",
     "env_shared",
@@ -74,44 +59,32 @@ __all__ = [
     "parse_size",
     "parse_switch",
     "platform_cache_dir",
-    "read_env",
     "validate_max_size",
     "warn_once",
 ]
 
 _T = TypeVar("_T")
 
-#: The switch: ``1`` routes every compile of a process through the cache, ``read-only`` too but
-#: writes nothing, ``0`` turns the cache off everywhere, also for code that passes ``cache=``
-#: (as ``CCACHE_DISABLE`` does). The start-up hook (``cas/_cuda/boot.py``) reads it too,
-#: with the standard library alone.
+#: ``1`` routes every compile of a process through the cache, ``read-only`` too but writes
+#: nothing, ``0`` turns the cache off everywhere, also for ``cache=`` (as ``CCACHE_DISABLE``).
 ENV_SWITCH = "CUDA_PROGRAM_CAS"
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
 ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
-#: A file that every record of the ``cuda_program_cas`` logger, DEBUG and up, is appended to
-#: (see :mod:`cuda_program_cas._base.events`).
 ENV_LOG = "CUDA_PROGRAM_CAS_LOG"
-#: How long a compile waits for another process of the node compiling the same key
-#: (see :mod:`cuda_program_cas._local.claims`): a duration, ``0`` never waits.
+#: How long a compile waits for another process of the node compiling the same key.
 ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
-#: The wait's default: 5 minutes. A CUB kernel compiles in seconds and the largest
-#: template-heavy kernels in a minute or two, so a waiter rarely gives up on a live
-#: compile; and a claimant that hangs without dying holds the others back no longer
-#: than this before each compiles itself (a claimant that dies frees them at once).
+#: A CUB kernel compiles in seconds, the largest in a minute or two: a waiter rarely gives up
+#: on a live compile, and a hung claimant holds the others back no longer than this.
 DEFAULT_CLAIM_WAIT_S = 300.0
-#: How long a node's lease on a key in a writable store that gives leases lives without renewal
-#: (see :mod:`cuda_program_cas._shared.lease`): a holder killed or stopped frees it within this.
+#: How long a node's lease on a key lives without renewal: a holder killed frees it within this.
 ENV_LEASE_TTL = "CUDA_PROGRAM_CAS_LEASE_TTL"
-#: Its default: 30 s. A holder renews every third of it (10 s), so a live one loses it only
-#: when the store stops answering for 20 s.
+#: A holder renews every third of it, so a live one loses it only when the store is mute 20 s.
 DEFAULT_LEASE_TTL_S = 30.0
-#: The largest entry the cache reads from a store it does not own (a shared directory, a
-#: server) or stores: a ceiling of the cache's own, checked before a byte is read, so that
-#: no manifest, ``Content-Length`` or pack trailer decides how much a node reads.
+#: The largest entry the cache reads from a store it does not own, or stores: checked before
+#: a byte is read, so that no manifest, ``Content-Length`` or pack trailer decides it.
 ENV_MAX_ENTRY_SIZE = "CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE"
-#: Its default: 256 MiB. The largest cubins and fatbins seen (CUTLASS, many architectures)
-#: are tens of MB; an LTO-IR of a big library a little more.
+#: The largest cubins and fatbins seen (CUTLASS, many architectures) are tens of MB.
 DEFAULT_MAX_ENTRY_BYTES = 256 << 20
 
 #: An argument that was not given: its value comes from the environment or the cache.
@@ -123,21 +96,17 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p
 _AGE_RE = r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*"
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
-
-#: What this process has warned about (see :func:`warn_once`).
 _seen: set[tuple[str, ...]] = set()
 _seen_lock = ForkSafeLock()
-
-
-#: Where :func:`collecting` gathers what a reader warns about, on this thread (None: nowhere).
+#: Where :func:`collecting` gathers warnings on this thread (None: nowhere).
 _collect = threading.local()
 
 
 def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
     """Log ``message % args`` at WARNING the first time this process meets ``key``; True if it did.
 
-    Inside :func:`collecting` on this thread, ``(key, text)`` is gathered instead: not logged,
-    and not marked as said (the reader that collects says it in its own words).
+    Inside :func:`collecting` on this thread, ``(key, text)`` is gathered instead, unlogged and
+    not marked as said.
     """
     sink: list[tuple[tuple[str, ...], str]] | None = getattr(_collect, "sink", None)
     if sink is not None:
@@ -153,7 +122,7 @@ def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
 
 @contextlib.contextmanager
 def collecting() -> Iterator[list[tuple[tuple[str, ...], str]]]:
-    """Gather what :func:`warn_once` is asked to say on this thread meanwhile (a store left out...), unsaid."""
+    """Gather what :func:`warn_once` is asked to say on this thread meanwhile, unsaid."""
     outer = getattr(_collect, "sink", None)
     sink: list[tuple[tuple[str, ...], str]] = []
     _collect.sink = sink
@@ -163,12 +132,8 @@ def collecting() -> Iterator[list[tuple[tuple[str, ...], str]]]:
         _collect.sink = outer
 
 
-def read_env(name: str, parse: Callable[[str], _T], *, secret: bool = False) -> tuple[_T | None, str | None]:
-    """The environment variable ``name`` read with ``parse``, and why it is ignored (None when it is not).
-
-    Unset or empty: ``(None, None)``. A value ``parse`` refuses (``ValueError``):
-    ``(None, "NAME='value' is ignored: why")``; a ``secret`` one is not quoted.
-    """
+def _read_env(name: str, parse: Callable[[str], _T], secret: bool) -> tuple[_T | None, str | None]:
+    """The value (None when unset or empty), and why it is ignored (None when it is not)."""
     text = os.environ.get(name)
     if not text:
         return None, None
@@ -179,12 +144,8 @@ def read_env(name: str, parse: Callable[[str], _T], *, secret: bool = False) -> 
 
 
 def env_value(name: str, parse: Callable[[str], _T], *, secret: bool = False) -> _T | None:
-    """The environment variable ``name`` read with ``parse``; None when it is unset or empty.
-
-    A value ``parse`` refuses (``ValueError``) is one WARNING per process and None:
-    a job runs on without it.
-    """
-    value, why = read_env(name, parse, secret=secret)
+    """``$name`` read with ``parse``; None when unset, empty or refused (then one WARNING per process)."""
+    value, why = _read_env(name, parse, secret)
     if why is not None:
         warn_once(("env", name, os.environ.get(name, "")), "cuda-program-cas: %s", why)
     return value
@@ -208,7 +169,6 @@ def _absolute(name: str) -> Callable[[str], str]:
     return parse
 
 
-#: ``CUDA_PROGRAM_CAS`` values and the mode each names.
 _SWITCH_MODES = {"0": "off", "1": "on", "read-only": "read-only"}
 
 
@@ -221,11 +181,7 @@ def parse_switch(text: str) -> str:
 
 
 def env_switched_off() -> bool:
-    """Whether ``CUDA_PROGRAM_CAS=0`` turns the cache off: no lookup, no store, every compile uncached.
-
-    Only ``0`` does. Another value the switch does not know is one WARNING (the
-    switch's, where it runs) and leaves ``cache=`` as it is.
-    """
+    """Whether ``CUDA_PROGRAM_CAS=0`` turns the cache off (only ``0`` does)."""
     return VAR_SWITCH.value() == "off"
 
 
@@ -235,18 +191,15 @@ def env_max_size() -> int | None:
 
 
 def env_shared() -> list[str] | None:
-    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order; empty parts skipped.
+    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order (see :mod:`cuda_program_cas._base.urls`).
 
-    Whitespace or ``;`` between stores (:mod:`cuda_program_cas._base.urls`). Each entry is
-    a directory (made absolute; ``file://`` gives its path) or a store URL
-    (checked), with ``|write`` kept where the store is named writable. An entry
+    Each is a directory (made absolute) or a checked store URL, with ``|write`` kept; one
     that cannot be used is one WARNING and left out.
     """
     return VAR_SHARED.value()
 
 
 def _parse_shared(text: str) -> list[str]:
-    """:func:`env_shared`'s parser: the stores of a value; each one refused is one WARNING, left out."""
     from .urls import is_store_url, normalize_store_url, parse_store_entry, shown, split_store_list
 
     parse = _absolute(ENV_SHARED)
@@ -257,10 +210,7 @@ def _parse_shared(text: str) -> list[str]:
             address = normalize_store_url(address) if is_store_url(address) else parse(address)
         except ValueError as exc:
             warn_once(
-                ("env-url", ENV_SHARED, shown(part)),
-                "cuda-program-cas: %s: a store is left out: %s",
-                ENV_SHARED,
-                exc,
+                ("env-url", ENV_SHARED, shown(part)), "cuda-program-cas: %s: a store is left out: %s", ENV_SHARED, exc
             )
             continue
         out.append(f"{address}|write" if writable else address)
@@ -268,13 +218,13 @@ def _parse_shared(text: str) -> list[str]:
 
 
 def env_max_entry_size() -> int:
-    """``$CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` in bytes, else :data:`DEFAULT_MAX_ENTRY_BYTES` (bad: one WARNING)."""
+    """``$CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` in bytes, else :data:`DEFAULT_MAX_ENTRY_BYTES`."""
     value = VAR_MAX_ENTRY_SIZE.value()
     return DEFAULT_MAX_ENTRY_BYTES if value is None else value
 
 
 def env_claim_wait() -> float:
-    """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S` (a bad value: one WARNING)."""
+    """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S`."""
     value = VAR_CLAIM_WAIT.value()
     return DEFAULT_CLAIM_WAIT_S if value is None else value
 
@@ -285,28 +235,14 @@ def env_lease_ttl() -> float:
     return DEFAULT_LEASE_TTL_S if value is None else max(0.3, value)
 
 
-def env_log_file() -> str | None:
-    """``$CUDA_PROGRAM_CAS_LOG``: the file the ``cuda_program_cas`` logger's records go to; None when unset."""
-    return VAR_LOG.value()
-
-
 def default_cache_dir() -> Path:
-    """``$CUDA_PROGRAM_CAS_DIR`` if set and not empty (made absolute), else the per-user cache directory.
-
-    The latter is ``platformdirs.user_cache_path("cuda-python", appauthor=False,
-    opinion=False) / "program-cas"``: beside cuda-core's own ``program-cache``.
-    """
-    env = env_dir()
+    """``$CUDA_PROGRAM_CAS_DIR`` if set (made absolute), else :func:`platform_cache_dir`."""
+    env = VAR_DIR.value()
     return Path(env) if env else platform_cache_dir()
 
 
-def env_dir() -> str | None:
-    """``$CUDA_PROGRAM_CAS_DIR``, absolute (a relative value: one WARNING); None when unset or empty."""
-    return VAR_DIR.value()
-
-
 def platform_cache_dir() -> Path:
-    """The per-user cache directory, whatever the environment says."""
+    """The per-user cache directory, beside cuda-core's own ``program-cache``."""
     import platformdirs
 
     return platformdirs.user_cache_path("cuda-python", appauthor=False, opinion=False) / "program-cas"
@@ -340,8 +276,8 @@ def parse_size(text: str) -> int:
 def parse_duration(text: str, *, require_unit: bool = False) -> float:
     """Seconds from ``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"``.
 
-    A plain number (``"90"``) is taken as seconds, unless ``require_unit``: the
-    command line asks for one, since a bare ``7`` next to ``7d`` reads like days.
+    A plain number is seconds, unless ``require_unit`` (the command line: a bare ``7`` next to
+    ``7d`` reads like days).
     """
     m = re.fullmatch(_AGE_RE, text, re.IGNORECASE) if isinstance(text, str) else None
     if m is None:
@@ -355,37 +291,28 @@ def parse_duration(text: str, *, require_unit: bool = False) -> float:
     return float(m.group(1)) * _AGE_UNITS[(m.group(2) or "s").lower()]
 
 
-#: The version said when ``cuda-program-cas`` is not installed (a source tree on ``sys.path``).
-UNKNOWN_VERSION = "0+unknown"
-
-
 def installed_version() -> str:
-    """The installed distribution's version, from its metadata, or :data:`UNKNOWN_VERSION`."""
+    """The installed distribution's version, or ``0+unknown`` from a source tree."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("cuda-program-cas")
     except PackageNotFoundError:
-        return UNKNOWN_VERSION
-
-
-# -- the registry -------------------------------------------------------------------
+        return "0+unknown"
 
 
 class Variable(Frozen, Generic[_T]):
     """One environment variable the package reads: its name, its parser, and what it means.
 
-    Immutable, compared and hashed by its fields. Written out rather than a dataclass: the
-    registry is read by every process at its first cache, and a dataclass costs it about
-    0.4 ms to build.
+    Immutable, compared and hashed by its fields; not a dataclass, which costs every process
+    about 0.4 ms to build the registry.
     """
 
     __slots__ = ("default", "meaning", "name", "parse", "secret")
 
     name: str
-    #: Reads a value that is set and not empty; ``ValueError`` refuses it (then it is ignored, one WARNING).
+    #: Reads a value that is set and not empty; ``ValueError`` refuses it.
     parse: Callable[[str], _T]
-    #: What it sets, in one line.
     meaning: str
     #: What applies when it is unset or empty, in words.
     default: str
@@ -405,8 +332,8 @@ class Variable(Frozen, Generic[_T]):
         )
 
     def read(self) -> tuple[_T | None, str | None]:
-        """The value, and why it is ignored (see :func:`read_env`); says nothing."""
-        return read_env(self.name, self.parse, secret=self.secret)
+        """The value, and why it is ignored (None when it is not); says nothing."""
+        return _read_env(self.name, self.parse, self.secret)
 
     def value(self) -> _T | None:
         """The value the package uses; None when unset, empty or refused (then one WARNING per process)."""
@@ -442,10 +369,7 @@ VAR_SHARED: Variable[list[str]] = Variable(
     ENV_SHARED, _parse_shared, "shared stores read after the local cache, in order (directories, URLs)", "none"
 )
 VAR_MAX_ENTRY_SIZE: Variable[int] = Variable(
-    ENV_MAX_ENTRY_SIZE,
-    parse_size,
-    "the largest entry read from a store the cache does not own, or stored",
-    "256 MiB",
+    ENV_MAX_ENTRY_SIZE, parse_size, "the largest entry read from a store the cache does not own, or stored", "256 MiB"
 )
 VAR_CLAIM_WAIT: Variable[float] = Variable(
     ENV_CLAIM_WAIT,
@@ -500,11 +424,7 @@ VAR_TRUSTED_KEYS: Variable[str] = Variable(
     "none: every verified entry is used",
 )
 VAR_REDIS_PASSWORD: Variable[str] = Variable(
-    "CUDA_PROGRAM_CAS_REDIS_PASSWORD",
-    str,
-    "the password of redis(s):// stores whose URL has none",
-    "none",
-    secret=True,
+    "CUDA_PROGRAM_CAS_REDIS_PASSWORD", str, "the password of redis(s):// stores whose URL has none", "none", secret=True
 )
 VAR_REDIS_TIMEOUT: Variable[Any] = Variable(
     "CUDA_PROGRAM_CAS_REDIS_TIMEOUT",
@@ -519,8 +439,7 @@ VAR_JOB: Variable[str] = Variable(
     "the main script's name and a hash of its path; none for an interactive session",
 )
 
-#: Every variable the package reads: each ``VAR_*`` above, in the order ``config`` lists them.
-#: A new one is a ``VAR_*`` (with ``secret=True`` for a token, a password or a key), read
-#: with its :meth:`Variable.value`; ``config`` lists it, and tests/test_config_env.py fails
+
+#: Every ``VAR_*`` above, in the order ``config`` lists them; tests/test_config_env.py fails
 #: for a name the package spells that is not one.
 VARIABLES: tuple[Variable[Any], ...] = tuple(v for v in tuple(globals().values()) if isinstance(v, Variable))

@@ -1,10 +1,6 @@
-"""The exceptions of cuda-program-cas, all under :class:`CacheError`.
+"""The exceptions of cuda-program-cas, all under :class:`CacheError` (and ``PackError`` in ``_disk.pack``).
 
-One more lives beside the format it guards: ``PackError`` (a file that is not a
-valid pack), in :mod:`cuda_program_cas._disk.pack`, under :class:`CacheError` too.
-
-Every one pickles (a worker process can send it back to its parent): each keeps
-the arguments it was made with in ``args``.
+Every one pickles (a worker process can send it back): each keeps its arguments in ``args``.
 """
 
 from __future__ import annotations
@@ -64,15 +60,13 @@ class CorruptBlobError(CacheError):
 def without_frames(exc: _E) -> _E:
     """``exc``, the finished frames of its traceback (and of its causes and contexts) cleared of their locals.
 
-    For an error caught and turned into a miss. A library may keep the error it raises in
-    a local of a frame of that error's own traceback (urllib3's ``urlopen`` does, in
-    ``new_e``): a reference cycle that keeps every frame above it alive, with its locals,
-    until the garbage collector runs. There, the caller's ``Program`` is cleared by
-    ``tp_clear`` before ``cuda.core``'s ``__dealloc__`` reads it, which printed
-    ``Exception ignored in: ...Program.__dealloc__`` and a traceback at exit. Cleared,
-    the frames go when the error goes. The error's message and type are left as they are.
+    For an error caught and turned into a miss. urllib3's ``urlopen`` keeps the error in a
+    local of a frame of its own traceback: a cycle that keeps the caller's ``Program`` alive
+    until the garbage collector clears it before ``cuda.core``'s ``__dealloc__`` reads it
+    (``Exception ignored in: ...Program.__dealloc__`` at exit). Cleared, the frames go with
+    the error.
     """
-    import traceback  # here, not at import: a process that meets no such error does not pay for it
+    import traceback
 
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
@@ -81,6 +75,6 @@ def without_frames(exc: _E) -> _E:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)  # a frame still running is skipped
+        traceback.clear_frames(err.__traceback__)
         todo += (err.__cause__, err.__context__)
     return exc

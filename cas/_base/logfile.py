@@ -1,30 +1,17 @@
 """``CUDA_PROGRAM_CAS_LOG``'s file: opened so that it never hangs a job, never floods it, never follows a plant.
 
-The path comes from the environment, often a shared folder such as ``/tmp``, so it
-is opened as the cache opens files it does not own:
+The path is often in a shared folder such as ``/tmp``. It is opened ``O_NONBLOCK`` (a FIFO
+would block forever), ``O_NOFOLLOW``, ``O_APPEND | O_CREAT``, mode 0o600, and refused
+unless it is a regular file. On POSIX it is refused too when the way to it passes, inside
+a folder every user can write, through an entry neither this user's nor root's (a planted
+symlink or folder could redirect the log; a planted file would receive it), or through
+such a folder that is not sticky. Symlinks on the way are followed as the kernel follows
+them, each checked the same way; only an entry's owner can replace it in a sticky folder,
+so what is checked cannot change before the open. Group-writable folders are trusted.
 
-- ``O_NONBLOCK``: a FIFO there would block ``open`` until a reader came (forever);
-  ``O_NOFOLLOW``: a symlink as the last component is refused, not followed;
-  ``O_APPEND | O_CREAT``, mode 0o600 (less where the umask says so);
-- then refused unless it is a regular file: a FIFO, a directory, a device such as
-  ``/dev/full``;
-- on POSIX, refused when the way to it passes, inside a folder that every user can
-  write (``/tmp``, ``/var/tmp``), through an entry that is neither this user's nor
-  root's: a symlink or a folder another user planted there could send the log to
-  any file this user can write, or swap it at any moment; a file another user
-  planted there would receive this job's log. Where such a folder is not sticky,
-  anyone can rename anything in it, so a path through it is refused whoever owns
-  the entry. Symlinks on the way are followed as the kernel follows them, each
-  link and each entry of its target checked the same way. What is checked cannot
-  change before the open: only its owner (this user, or root) can replace an
-  entry in a sticky folder. Folders writable by a group are trusted: the group
-  is the site's to choose.
-
-Each refusal is one WARNING, and nothing is logged to a file. Each record is one
-``os.write`` (``O_APPEND``: the lines of processes appending to one file do not
-interleave). The first write that fails (a full disk, an I/O error) closes the
-file and takes the handler off the logger, with one WARNING; nothing more is
-written there in this process.
+Each refusal is one WARNING and no log. Each record is one ``os.write`` (``O_APPEND``: lines
+of processes do not interleave). The first write that fails closes the file and takes the
+handler off the logger, with one WARNING.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ import logging
 import os
 import stat
 
-__all__ = ["LogFile", "open_log"]
+__all__ = ["open_log"]
 
 _FLAGS = (
     os.O_WRONLY
@@ -56,7 +43,7 @@ class LogFile(logging.Handler):
         super().__init__()
         self._fd: int | None = fd
         self._path = path
-        self._name = name  # the variable that named the path, for the WARNING
+        self._name = name
         self._logger = logger
         #: The logger's own level before this handler lowered it (None: it did not).
         self.level_before: int | None = None
@@ -66,7 +53,7 @@ class LogFile(logging.Handler):
             return
         try:
             data = (self.format(record) + "\n").encode("utf-8", "backslashreplace")
-        except Exception:  # a record that cannot be formatted is its caller's error, not the file's
+        except Exception:  # the caller's error, not the file's
             self.handleError(record)
             return
         try:
@@ -102,7 +89,7 @@ class LogFile(logging.Handler):
 
 
 def open_log(path: str, name: str, logger: logging.Logger) -> LogFile | str:
-    """A handler appending to ``path``, or why ``path`` is refused (see the module docstring)."""
+    """A handler appending to ``path``, or why ``path`` is refused."""
     planted, shared = _walk(path)
     if planted is not None:
         return planted
@@ -145,7 +132,7 @@ def _not_regular(mode: int) -> str | None:
 
 
 def _describe(path: str) -> str | None:
-    """Why an open failed, when what is there says more than the error (ELOOP for a symlink, ENXIO for a FIFO)."""
+    """Why an open failed, when what is there says more than ELOOP or ENXIO."""
     try:
         return _not_regular(os.lstat(path).st_mode)
     except OSError:
@@ -153,7 +140,6 @@ def _describe(path: str) -> str | None:
 
 
 def _blocking(fd: int) -> None:
-    """Clear ``O_NONBLOCK`` (it has done its work: the open did not wait)."""
     try:
         import fcntl
     except ImportError:  # Windows: no FIFOs to wait on, no flag to clear
@@ -170,11 +156,8 @@ def _open_to_all(st: os.stat_result) -> bool:
 def _walk(path: str) -> tuple[str | None, bool]:
     """Why the way to ``path`` cannot be trusted (or None), and whether the file's folder is every user's.
 
-    Walks the folders of the path as the kernel resolves them, one ``lstat`` per
-    entry (a few microseconds in all, once per process): ``..`` goes up from where
-    the walk is, not from the text; a symlink's target is walked in its place. The
-    file itself is judged once it is open. A folder that does not exist ends the
-    walk (the open fails); so do other errors, which the open reports.
+    Walks the path as the kernel resolves it (``..`` from where the walk is, a symlink's
+    target in its place). An error ends the walk: the open reports it.
     """
     if not hasattr(os, "geteuid"):
         return None, False  # Windows: no such folders, no owners to compare

@@ -1,34 +1,23 @@
 """Signed entries: a site's ed25519 key says which bytes a key may map to in a shared store.
 
-Whoever can write a shared store chooses, without signatures, which verified
-blob a key gets. With them, a node configured with the site's public keys
-(``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``) uses an entry of a shared store only if its
-manifest carries a signature by one of those keys; writers holding the private key
-(``$CUDA_PROGRAM_CAS_SIGNING_KEY``: write-back, publish) sign what they upload.
-
-What is signed is the manifest line itself (``cpcas2 <key id> <digest> <size>``:
-the format, the key, the blob and its size; the key id hashes the compile's
-inputs, its options and its output format), after a domain prefix. The
-signature is a second line of the manifest file::
+A node configured with the site's public keys (``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``) uses an
+entry of a shared store only if its manifest is signed by one of them; writers holding the
+private key (``$CUDA_PROGRAM_CAS_SIGNING_KEY``) sign what they upload. What is signed is the
+manifest line (format, key id, digest, size) after a domain prefix; the signature is the
+manifest's second line::
 
     cpcas2 <key id> <digest> <size>\\n
     ed25519 <signer: 16 hex> <signature: 128 hex>\\n
 
-``signer`` is the first 8 bytes of the blake3 of the raw public key, so a node
-picks the key to check with. The blob is still verified by its blake3 digest, so
-a signed manifest pins the exact bytes. A manifest copied to another key's path
-names the other key and is refused as before; a replayed old signature can only
-give a key what the site once signed for that same key.
-
-Keys are the files ``openssl`` makes (``openssl genpkey -algorithm ed25519 -out
-site.key``; ``openssl pkey -in site.key -pubout -out site.pub``), or a public key
-given inline as ``ed25519:<64 hex>``. The library is ``cryptography``, imported
-only when a key is configured.
+``signer`` is the first 8 bytes of the blake3 of the raw public key. A manifest copied to
+another key's path names the other key and is refused; a replayed signature can only give
+a key what the site once signed for it. Keys are ``openssl genpkey -algorithm ed25519``'s
+PEM files, or a public key inline as ``ed25519:<64 hex>``; ``cryptography`` is imported only
+when a key is configured.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -39,25 +28,10 @@ from cuda_program_cas.index import split_signed
 
 from .config import VAR_SIGNING_KEY, VAR_TRUSTED_KEYS, warn_once
 
-__all__ = [
-    "ENV_SIGNING_KEY",
-    "ENV_TRUSTED_KEYS",
-    "Signer",
-    "Trust",
-    "env_signer",
-    "env_trust",
-    "key_problems",
-    "load_public_key",
-    "untrusted_signer",
-]
+__all__ = ["Signer", "Trust", "env_signer", "env_trust", "key_problems", "untrusted_signer"]
 
-_log = logging.getLogger("cuda_program_cas")
-
-#: A private key (PEM, ed25519) that write-back and publish sign uploads with.
-ENV_SIGNING_KEY = VAR_SIGNING_KEY.name
-#: Public keys (files, or ``ed25519:<hex>``), separated by whitespace or ``;``: shared entries not signed by one are
-#: ignored.
-ENV_TRUSTED_KEYS = VAR_TRUSTED_KEYS.name
+_SIGNING = VAR_SIGNING_KEY.name
+_TRUSTED = VAR_TRUSTED_KEYS.name
 
 _DOMAIN = b"cuda-program-cas manifest v1\x00"
 _MAX_KEY_FILE = 16 << 10
@@ -99,12 +73,8 @@ class Signer:
             data = _read_key_file(path)
             if b"-----BEGIN PUBLIC KEY-----" in data:
                 raise ValueError("a public key: the signing key is the private one (openssl genpkey's file)")
-            key = serialization.load_pem_private_key(data, password=None)
+            return cls(serialization.load_pem_private_key(data, password=None))
         except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"signing key {path}: {exc}") from None
-        try:
-            return cls(key)
-        except ValueError as exc:
             raise ValueError(f"signing key {path}: {exc}") from None
 
     def sign(self, line: bytes) -> bytes:
@@ -117,7 +87,7 @@ class Signer:
         return Trust({self.key_id: self._key.public_key()}).verify(data)
 
 
-def load_public_key(spec: str) -> tuple[str, Any]:
+def _load_public_key(spec: str) -> tuple[str, Any]:
     """``(signer id, key)`` from ``ed25519:<64 hex>`` or a PEM public-key file; ``ValueError`` naming it."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -161,15 +131,11 @@ class Trust:
         return True
 
 
-def _parts(value: str) -> list[str]:
-    return value.replace(";", " ").split()
-
-
 def env_trust() -> Trust | None:
-    """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``; None when unset (every verified entry is used, as before).
+    """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``; None when unset (every verified entry is used).
 
-    A key that cannot be read is left out with one WARNING; if none can be read,
-    nothing from a shared store is trusted (the node fails closed).
+    A key that cannot be read is left out with one WARNING; if none can, nothing from a
+    shared store is trusted.
     """
     found = _trusted_keys()
     if found is None:
@@ -181,21 +147,21 @@ def env_trust() -> Trust | None:
 
 
 def _trusted_keys() -> tuple[dict[str, Any], list[str]] | None:
-    """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS`` that can be read, and a line for each problem; None when unset."""
+    """The keys that can be read, and a line for each problem; None when unset."""
     value = VAR_TRUSTED_KEYS.value()
     if value is None or not value.strip():
         return None
     keys: dict[str, Any] = {}
     problems = []
-    for spec in _parts(value):
+    for spec in value.replace(";", " ").split():
         try:
-            kid, key = load_public_key(os.path.expanduser(spec))
+            kid, key = _load_public_key(os.path.expanduser(spec))
         except ValueError as exc:
-            problems.append(f"{exc}; it is left out of ${ENV_TRUSTED_KEYS}")
+            problems.append(f"{exc}; it is left out of ${_TRUSTED}")
             continue
         keys[kid] = key
     if not keys:
-        problems.append(f"no usable key in ${ENV_TRUSTED_KEYS}: no shared entry is trusted")
+        problems.append(f"no usable key in ${_TRUSTED}: no shared entry is trusted")
     return keys, problems
 
 
@@ -208,37 +174,29 @@ def env_signer() -> Signer | None:
 
 
 def untrusted_signer(signer: Signer | None, trust: Trust) -> str | None:
-    """Why a node trusting ``trust`` must not write back with ``signer``: what it sent every trusting node refuses.
-
-    None when ``signer``'s public half is among the trusted keys.
-    """
+    """Why a node trusting ``trust`` must not write back with ``signer`` (None: its public half is trusted)."""
     if signer is None:
         return (
-            f"${ENV_TRUSTED_KEYS} is set and ${ENV_SIGNING_KEY} is not: trusting nodes would refuse every "
+            f"${_TRUSTED} is set and ${_SIGNING} is not: trusting nodes would refuse every "
             "unsigned entry sent (set the site's private key, or drop |write)"
         )
     if signer.key_id not in trust.keys:
         return (
-            f"the public half of ${ENV_SIGNING_KEY} ({signer.public}) is not among ${ENV_TRUSTED_KEYS}: trusting "
+            f"the public half of ${_SIGNING} ({signer.public}) is not among ${_TRUSTED}: trusting "
             "nodes would refuse every entry it signs"
         )
     return None
 
 
 def key_problems(writable: bool) -> list[str]:
-    """What ``config`` says about the keys of this environment: one line for each that cannot be used as meant.
-
-    The signing key is an ed25519 private key; each trusted key exists and parses;
-    with both set, the signing key's public half is trusted; with trusted keys, a
-    node that names a store writable (``writable``) has a signing key.
-    """
+    """What ``config`` says about the keys of this environment: one line for each that cannot be used as meant."""
     problems: list[str] = []
     signer: Signer | None = None
     try:
         signer = env_signer()
     except ValueError as exc:
-        problems.append(f"{exc} (${ENV_SIGNING_KEY}): write-back drops every upload and publish refuses to run")
-        writable = False  # said already
+        problems.append(f"{exc} (${_SIGNING}): write-back drops every upload and publish refuses to run")
+        writable = False
     found = _trusted_keys()
     if found is None:
         return problems

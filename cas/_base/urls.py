@@ -1,17 +1,10 @@
 """Store addresses: which entries of a store list are URLs, and how an address is checked and shown.
 
-A store is a directory (a path, or a ``file://`` URL), an ``http(s)://`` URL (a
-web server; WebDAV for writes), a ``redis(s)://`` URL, or an ``s3://BUCKET/PREFIX``. :data:`STORE_SCHEMES`
-names every scheme; the table that picks an engine for each is
-:mod:`cuda_program_cas._shared.tiers`.
-
-A list of stores (``CUDA_PROGRAM_CAS_SHARED``) separates them with whitespace or
-``;``: ``/nfs/store https://cache.example:8443/store redis://cache:6379/0|write``.
-``|write`` after a store names it writable (new entries are written back to it);
-without it a store is read only. Spaces around ``|``, a scheme not in
-:data:`STORE_SCHEMES` (``htp://``) and ``://`` inside a path are refused
-(``ValueError`` naming the entry), never read as a read-only store or as
-relative directories.
+A store is a directory (a path, or a ``file://`` URL), an ``http(s)://`` URL, a
+``redis(s)://`` URL, or an ``s3://BUCKET/PREFIX``. A list of stores separates them with
+whitespace or ``;``; ``|write`` after a store names it writable. Spaces around ``|``, an
+unknown scheme (``htp://``) and ``://`` inside a path are refused (``ValueError`` naming the
+entry), never read as a read-only store or as relative directories.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STORE_SCHEMES",
-    "StoreEntry",
     "check_address",
     "is_store_url",
     "join",
@@ -37,13 +29,10 @@ __all__ = [
 
 #: Every scheme a store address may have (``file`` names a directory).
 STORE_SCHEMES = ("file", "http", "https", "redis", "rediss", "s3")
-#: The schemes of stores reached over a network.
 _URL_SCHEMES = ("http", "https", "redis", "rediss", "s3")
-#: An S3 bucket's name (what every S3-compatible server accepts: lowercase, 3 to 63 characters).
+#: An S3 bucket's name, as every S3-compatible server accepts it.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_PORT_PART = re.compile(r"\d+([/|].*)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-#: What follows ``|`` to name a store writable.
 WRITABLE = "write"
 _LIST_SEP = re.compile(r"[\s;]+")
 
@@ -72,10 +61,7 @@ class StoreEntry(NamedTuple):
 
 
 def check_address(address: str) -> None:
-    """``ValueError`` naming ``address`` when it has ``://`` but no scheme of :data:`STORE_SCHEMES` (``htp://``).
-
-    Such a typo would otherwise be a relative directory (a path of three names).
-    """
+    """``ValueError`` naming ``address`` when it has ``://`` but no scheme of :data:`STORE_SCHEMES` (``htp://``)."""
     if "://" in address and scheme_of(address) is None:
         m = _SCHEME_RE.match(address)
         what = f"unknown store scheme {m.group(1)!r}" if m else "'://' in a path"
@@ -85,12 +71,7 @@ def check_address(address: str) -> None:
 
 
 def parse_store_entry(text: str) -> StoreEntry:
-    """``ADDRESS`` or ``ADDRESS|write``; ``ValueError`` for another attribute. ``file://`` gives the path.
-
-    Also ``ValueError`` for spaces around ``|`` (``redis://h | write``: a store
-    read-only and two relative directories, were it split there) and for an
-    address :func:`check_address` refuses.
-    """
+    """``ADDRESS`` or ``ADDRESS|write`` (``file://`` gives the path); ``ValueError`` for anything else."""
     address, bar, attrs = text.partition("|")
     if bar and (address != address.rstrip() or attrs != attrs.strip()):
         tight = "|".join(part.strip() for part in text.split("|"))
@@ -118,11 +99,7 @@ def split_store_list(text: str) -> list[str]:
 
 
 def _bars_joined(parts: list[str]) -> list[str]:
-    """The parts of a whitespace split with ``|`` attributes that spaces cut off joined back, spaces kept.
-
-    ``redis://h | write`` is one entry again, which :func:`parse_store_entry`
-    refuses, naming it whole: neither a read-only store nor directories ``|`` and ``write``.
-    """
+    """``redis://h | write`` one part again, so that :func:`parse_store_entry` refuses it whole."""
     out: list[str] = []
     for part in parts:
         if out and (part.startswith("|") or out[-1].endswith("|")):
@@ -135,14 +112,9 @@ def _bars_joined(parts: list[str]) -> list[str]:
 def normalize_store_url(url: str) -> str:
     """``url`` checked and without a trailing slash; ``ValueError`` naming what is wrong.
 
-    An HTTP store URL is ``http(s)://host[:port]/path``: no user name or password
-    in it (a token comes from the environment or ``.netrc``, never from a URL that
-    ends up in logs), no query and no fragment (entries are paths below it).
-    A Redis store URL is ``redis(s)://[[user]:password@]host[:port][/db]``, as
-    Redis clients spell it: the password may be in it (it is never shown), and
-    the path is a database number or nothing. An S3 store is ``s3://BUCKET[/PREFIX]``:
-    no credentials, port, query or fragment (credentials and the endpoint come from
-    the AWS configuration, :mod:`cuda_program_cas._remote.s3`).
+    ``http(s)://host[:port]/path`` without credentials (they end up in logs), query or
+    fragment; ``redis(s)://[[user]:password@]host[:port][/db]``; ``s3://BUCKET[/PREFIX]``
+    without credentials, port, query or fragment.
     """
     from urllib.parse import urlsplit
 
@@ -192,10 +164,7 @@ def join(base: str, relative: str) -> str:
 
 
 def shown(url: str) -> str:
-    """``url`` as it may be logged: any user name and password, query and fragment replaced by ``***``.
-
-    A query may be a credential too (a pre-signed URL's signature).
-    """
+    """``url`` as it may be logged: any user name and password, query (a signature) and fragment as ``***``."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)

@@ -1,18 +1,10 @@
 """The atomic write: a file appears whole under its name, or not at all.
 
-Each file goes to a unique temp file in the cache's own ``tmp/``, gets its final
-mode, and is renamed into place with :func:`os.replace`. A reader never sees a
-partial file, and the temp file never survives an exception. The layout, the
-settings, the lifetime counters and :class:`~cuda_program_cas._disk.writer.Writer`
-all write through :func:`atomic_write`.
-
-:func:`append_line` is the one write that is not atomic by rename: a line added
-to an append-only log of self-checking lines (the lifetime counters, the usage
-ledger, the miss journal), whose readers skip a torn or garbled line.
-
-:func:`staging` is the same temp file without the rename: bytes that are not
-yet known to be good (a blob arriving from a server) go there, hashed as they
-come, instead of into memory; the file is removed when the caller is done.
+Each file goes to a unique temp file in the cache's own ``tmp/``, gets its final mode, and
+is renamed into place with :func:`os.replace`; the temp file never survives an exception.
+:func:`append_line` adds a line to an append-only log of self-checking lines, whose readers
+skip a torn one. :func:`staging` is the temp file without the rename, for bytes not yet
+known to be good.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from contextlib import contextmanager
 from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._base.log import LOGGER as _log
 
-from .files import NotRegularFile, is_sharing_violation, with_sharing_retry
+from .files import READ_FLAGS, NotRegularFile, is_sharing_violation, with_sharing_retry
 
 __all__ = [
     "Staging",
@@ -45,23 +37,12 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_NOFOLLOW
 _STAGING_FLAGS = (_WRITE_FLAGS & ~os.O_WRONLY) | os.O_RDWR
 _HAVE_FCHMOD = hasattr(os, "fchmod")
-_APPEND_FLAGS = (
-    os.O_RDWR
-    | os.O_APPEND
-    | os.O_CREAT
-    | _O_BINARY
-    | _O_NOFOLLOW
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-)
+#: The read flags (no symlink, no FIFO wait), appending.
+_APPEND_FLAGS = READ_FLAGS | os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 
 
 class _TempNames:
-    """Unique temp file names, ``<pid>-<16 hex>.tmp``: a random half per process, then a counter.
-
-    Drawing them costs no system call (a fresh random name per write cost a
-    ``getpid`` and a ``getrandom``); a child after ``fork`` draws a new half.
-    """
+    """Unique temp file names, ``<pid>-<16 hex>.tmp``: a random half per process, then a counter (no system call)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -76,10 +57,7 @@ class _TempNames:
 
 _TEMP_NAMES = _TempNames()
 after_fork_call(_TEMP_NAMES.reset)
-
-
-def _tmp_name(tmp_dir: str) -> str:
-    return _TEMP_NAMES.next(tmp_dir)
+_tmp_name = _TEMP_NAMES.next
 
 
 def atomic_write(
@@ -92,14 +70,11 @@ def atomic_write(
     fsync: bool = False,
     make_dir: object = None,
 ) -> bool:
-    """Write ``data`` to ``target`` through a unique temp file in ``tmp_dir`` and ``os.replace``.
+    """Write ``data`` (bytes, or an iterable of chunks) to ``target`` through a temp file and ``os.replace``.
 
-    ``data`` may be an iterable of chunks (a pack, written as it is produced).
-    The file gets ``mode`` less the umask, or exactly ``mode`` with ``exact_mode``.
-    Creates ``tmp_dir`` and the target's parent directory when they are missing
-    (``make_dir(path)`` when given, else :func:`os.makedirs`). Returns False only
-    when a Windows sharing violation outlasted the retry budget: the write is
-    dropped. The temp file never survives an exception.
+    The file gets ``mode`` less the umask, or exactly ``mode`` with ``exact_mode``. A missing
+    parent is made with ``make_dir(path)`` when given, else :func:`os.makedirs`. False only
+    when a Windows sharing violation outlasted the retry budget: the write is dropped.
     """
     fd, tmp = _open_temp(tmp_dir)
     try:
@@ -107,7 +82,6 @@ def atomic_write(
             for chunk in (data,) if isinstance(data, (bytes, memoryview)) else data:
                 _write_all(fd, chunk)
             if mode != 0o600 and _HAVE_FCHMOD:
-                # The final mode, set once the bytes are all written, just before the rename.
                 os.fchmod(fd, mode if exact_mode else mode & ~current_umask())
             if fsync:
                 os.fsync(fd)
@@ -116,8 +90,7 @@ def atomic_write(
         try:
             with_sharing_retry(lambda: os.replace(tmp, target))
         except FileNotFoundError:
-            # The shard directory is created on first use rather than stat-ed on
-            # every write (or a collector pruned it meanwhile).
+            # The shard directory is made on first use, not stat-ed on every write.
             parent = os.path.dirname(target)
             if callable(make_dir):
                 make_dir(parent)
@@ -136,10 +109,10 @@ def atomic_write(
 
 
 def _open_temp(tmp_dir: str, flags: int = _WRITE_FLAGS) -> tuple[int, str]:
-    """A new temp file in ``tmp_dir`` (made if missing), owner-only: its descriptor and path."""
+    """A new owner-only temp file in ``tmp_dir`` (made if missing): its descriptor and path."""
     tmp = _tmp_name(tmp_dir)
     try:
-        return os.open(tmp, flags, 0o600), tmp  # private while incomplete, whatever its final mode
+        return os.open(tmp, flags, 0o600), tmp
     except (FileNotFoundError, NotADirectoryError):
         make_tmp_dir(tmp_dir)
         return os.open(tmp, flags, 0o600), tmp
@@ -171,7 +144,7 @@ class Staging:
         """Everything written, as one ``bytes`` (one allocation of its size)."""
         parts = []
         got = 0
-        while got < self.size:  # one pread for any size Linux reads at once (up to 2 GiB)
+        while got < self.size:
             part = os.pread(self.fd, self.size - got, got)
             if not part:
                 raise OSError(f"{self.path}: shorter than what was written to it")
@@ -182,12 +155,10 @@ class Staging:
 
 @contextmanager
 def staging(tmp_dir: str) -> Iterator[Staging]:
-    """A temp file in ``tmp_dir``, named and opened as :func:`atomic_write`'s are, removed on leaving.
+    """A temp file in ``tmp_dir``, as :func:`atomic_write`'s, removed on leaving.
 
-    It never becomes a file of the cache: what the caller keeps, it reads back
-    (and stores through the write protocol). On POSIX its name goes at once, so
-    not even a SIGKILL leaves it behind; elsewhere a process killed meanwhile
-    leaves an ordinary temp file, which the sweep of ``tmp/`` removes as any other.
+    On POSIX its name goes at once, so not even a SIGKILL leaves it behind; elsewhere the
+    sweep of ``tmp/`` takes what a killed process left.
     """
     fd, path = _open_temp(tmp_dir, _STAGING_FLAGS)
     try:
@@ -202,10 +173,8 @@ def staging(tmp_dir: str) -> Iterator[Staging]:
 def make_tmp_dir(tmp_dir: str) -> None:
     """Create the staging directory ``tmp_dir`` (and its parent) unless it is one already.
 
-    Anything else in its place (a file, a FIFO, a symlink to nothing) would drop
-    every write of every process for good: it is replaced by a directory, once,
-    with a WARNING. It is unlinked, never moved: ``unlink`` cannot take a directory,
-    so a process that races here cannot remove the one another just made.
+    Anything else in its place would drop every write for good: it is replaced, with a
+    WARNING. Unlinked, never moved: ``unlink`` cannot take the directory another process made.
     """
     try:
         os.mkdir(tmp_dir, 0o700)
@@ -219,15 +188,11 @@ def make_tmp_dir(tmp_dir: str) -> None:
             st = os.lstat(tmp_dir)
             os.unlink(tmp_dir)
         except FileNotFoundError:
-            pass  # another process replaced it meanwhile
+            pass
         else:
             kind = "symlink" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "special file"
-            _log.warning(
-                "cuda-program-cas: %s was a %s of %d bytes, not a directory; replaced it with a directory",
-                tmp_dir,
-                kind,
-                st.st_size,
-            )
+            message = "cuda-program-cas: %s was a %s of %d bytes, not a directory; replaced it with a directory"
+            _log.warning(message, tmp_dir, kind, st.st_size)
     try:
         os.mkdir(tmp_dir, 0o700)
     except FileExistsError:
@@ -252,11 +217,8 @@ def current_umask() -> int:
 def append_line(path: str, line: bytes) -> int:
     """Append ``line`` (ending in a newline) to the log file at ``path``; the file's size after it.
 
-    Created owner-only if missing; a symlink or anything but a regular file raises
-    :class:`~cuda_program_cas._disk.files.NotRegularFile`. When the file does not
-    end in a newline (a writer killed mid-line), the line is started on a new
-    one, so that it stays whole. With ``O_APPEND`` a line goes in one ``write``
-    on a local file system: concurrent appenders do not interleave within it.
+    Created owner-only; anything but a regular file raises ``NotRegularFile``. After a torn
+    last line the line starts on a new one. ``O_APPEND``: concurrent appenders do not interleave.
     """
     fd = os.open(path, _APPEND_FLAGS, 0o600)
     try:

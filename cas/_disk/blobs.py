@@ -1,8 +1,7 @@
 """Content-addressed blob store: ``blobs/<2 hex>/<62 hex>``, named by blake3 of the bytes.
 
-A blob holds the compiled binary verbatim and nothing else, so ``cuobjdump`` and
-``nvdisasm`` read it directly. This module reads blobs (every read verified) and
-lists them; writing is :mod:`cuda_program_cas._disk.writer`'s, removing :mod:`cuda_program_cas._disk.remove`'s.
+A blob holds the compiled binary verbatim, so ``cuobjdump`` and ``nvdisasm`` read it
+directly. This module reads blobs, every read verified.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import enum
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cuda_program_cas._base.config import env_max_entry_size
@@ -18,18 +16,9 @@ from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CorruptBlobError
 from cuda_program_cas._base.frame import decode, is_framed
 
-from .files import SizeMismatch, digest_of, read_regular, scan_sharded, shard_path
+from .files import SizeMismatch, digest_of, read_regular, shard_path
 
-__all__ = ["BlobCheck", "BlobEntry", "BlobState", "BlobStore", "digest_of"]
-
-
-@dataclass(frozen=True, slots=True)
-class BlobEntry:
-    """One blob file met during a scan."""
-
-    digest: str
-    path: str
-    stat: os.stat_result
+__all__ = ["BlobCheck", "BlobState", "BlobStore", "digest_of"]
 
 
 class BlobState(enum.Enum):
@@ -64,10 +53,8 @@ class BlobStore:
         """The verified bytes of a blob, and the stat of its file (a shared store's compressed blob: its raw bytes).
 
         Raises ``FileNotFoundError`` when absent, :class:`cuda_program_cas.CorruptBlobError` when
-        it does not hash to ``digest`` or (``size`` given) has another size, and
-        ``OSError`` (``NotRegularFile`` among them) for what cannot be read or is
-        not a regular file. The cache's own hit path does the same with fewer
-        system calls (:mod:`cuda_program_cas._local.reader`).
+        it does not hash to ``digest`` or (``size`` given) has another size, and ``OSError``
+        for what cannot be read or is not a regular file.
         """
         path = self.path_for(digest)
         try:
@@ -106,8 +93,3 @@ class BlobStore:
             return stat.S_ISREG(os.stat(self.path_for(digest), follow_symlinks=False).st_mode)
         except OSError:
             return False
-
-    def scan(self) -> Iterator[BlobEntry]:
-        """Every blob file with its stat; names that are not digests are skipped."""
-        for digest, path, st in scan_sharded(self.directory):
-            yield BlobEntry(digest, path, st)

@@ -1,26 +1,15 @@
 """Blobs verified in this boot: a fresh process need not hash a blob whose file is provably the one verified.
 
-A blob's file identity (:data:`cuda_program_cas._disk.files.FileId`: device,
-inode, size, mtime and ctime in ns) proves it unchanged since it was hashed, as
-ccache's inode cache does for source files, provided three things hold:
+A blob's file identity (:data:`cuda_program_cas._disk.files.FileId`) proves it unchanged
+since it was hashed, as ccache's inode cache does, provided that the record is of this boot
+(it carries the boot id), that the file's ctime was at least :data:`MIN_AGE_NS` old when
+hashed (any later change sets a later ctime), and that the file system sets ctime on every
+change (a local one: :data:`cuda_program_cas._disk.fskind.CTIME_RELIABLE`).
 
-- the record is of this boot: it carries the boot id (``/proc/sys/kernel/random/boot_id``),
-  and one of another boot is ignored (a disk changed while its system was down, device
-  numbers given out again);
-- the file was already old when hashed: its ctime at least :data:`MIN_AGE_NS` before
-  the hash. Any change after the hash then sets a later ctime, so a file still being
-  written (changed twice within one tick of the file system's clock) is never entered;
-- the file system sets ctime on every change made to it, here: a local one
-  (:data:`cuda_program_cas._disk.fskind.CTIME_RELIABLE`); NFS, FUSE, overlayfs and
-  anything unknown keep hashing.
-
-The record is one file, ``<root>/verified``: a header (magic, boot id, slot count)
-and a fixed table of open-addressed slots, each the blob's digest, its identity and
-a check (an 8-byte blake2b of the two: hashlib's, built in, where blake3's extension
-would cost a fresh process about 0.5 ms to load for a hit that hashes nothing else), read with
-one ``pread`` per lookup and written with one ``pwrite`` per entry. A slot torn by two writers, or damaged, fails its
-check; a record of the wrong size, magic or boot, or one that another user owns or
-may write, is not consulted. Anything not vouched for is hashed as before.
+The record, ``<root>/verified``, is a header and a fixed table of open-addressed slots, each
+a digest, its identity and a check (8 bytes of hashlib's blake2b: no blake3 to load), read
+with one ``pread`` per lookup. A torn or damaged slot fails its check; a record of the
+wrong size, magic or boot, or that another user owns or may write, is not consulted.
 See ``docs/guarantees.md``.
 """
 
@@ -41,9 +30,8 @@ from .layout import BOOT_RECORD_FILE
 
 __all__ = ["BOOT_ID_FILE", "MIN_AGE_NS", "BootRecord", "boot_id", "old_enough"]
 
-#: Where the kernel says which boot this is (a module attribute: tests point it elsewhere in their processes).
+#: Module attributes: tests point them elsewhere in their processes.
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-#: A file is entered only when its ctime is this much older than the hash (tests lower it in their processes).
 MIN_AGE_NS = 2 * 10**9
 
 _MAGIC = b"CASBOOT2"  # 1: checks were blake3's (such a record is replaced, as a damaged one is)
@@ -61,12 +49,7 @@ _boot: list[str | None] = []
 
 
 def old_enough(identity: FileId, now_ns: int) -> bool:
-    """Whether a file of ``identity`` hashed at ``now_ns`` may be remembered as verified (ctime MIN_AGE_NS old).
-
-    Any later change then sets a later ctime, even within one tick of the file
-    system's clock; and a change made between a read and the ``fstat`` after it
-    (which gave ``identity``) would have set a ctime of about now.
-    """
+    """Whether a file of ``identity`` hashed at ``now_ns`` may be remembered as verified (ctime MIN_AGE_NS old)."""
     return now_ns - identity[4] >= MIN_AGE_NS
 
 
@@ -85,8 +68,8 @@ def boot_id() -> str | None:
 class BootRecord:
     """The record of one cache root's verified blobs (``blobs`` its blob directory); opened on first use.
 
-    ``writable``: entries may be added, and a record of another boot (or a damaged
-    one) replaced by an empty one. Safe to share between threads and across a fork.
+    ``writable``: entries may be added, and a record of another boot or damaged replaced.
+    Safe to share between threads and across a fork.
     """
 
     def __init__(self, root: str, blobs: str, tmp_dir: str, *, writable: bool) -> None:
@@ -100,22 +83,33 @@ class BootRecord:
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # a thread of the parent may have been opening the record
+        self._lock = threading.Lock()
 
-    def vouches(self, digest: str, identity: FileId) -> bool:
-        """True when this boot's record says blob ``digest`` was verified as the file ``identity`` describes."""
+    def _slots(self, digest: str, identity: FileId) -> tuple[int, bytes, bytes] | None:
+        """The record's descriptor, the slot body for ``digest`` and the slots it may use; None: no record."""
         state = self._state
         if state is None:
             state = self._open()
         if state is False or identity[0] != state[1]:
-            return False
+            return None
+        body = _BODY.pack(bytes.fromhex(digest), *identity)
+        # One read: the table is laid out so that a digest's probe slots are adjacent.
+        return (
+            state[0],
+            body,
+            os.pread(state[0], _PROBES * _SLOT_BYTES, _HEADER_BYTES + _first_slot(body) * _SLOT_BYTES),
+        )
+
+    def vouches(self, digest: str, identity: FileId) -> bool:
+        """True when this boot's record says blob ``digest`` was verified as the file ``identity`` describes."""
         try:
-            body = _BODY.pack(bytes.fromhex(digest), *identity)
-            window = self._window(state[0], body)
+            found = self._slots(digest, identity)
         except (ValueError, struct.error, OSError):
             return False
-        # The digest's slot, if any: a search in C, not a loop over the slots (a digest's bytes
-        # found across two slots are at no slot's start, and are looked past).
+        if found is None:
+            return False
+        _, body, window = found
+        # A search in C; a digest's bytes found across two slots are at no slot's start.
         at = window.find(body[:32])
         while at > 0 and at % _SLOT_BYTES:
             at = window.find(body[:32], at + 1)
@@ -128,14 +122,11 @@ class BootRecord:
         """Record that blob ``digest`` hashed right as the file ``identity``, at ``now_ns`` (when old enough)."""
         if not self._writable or not old_enough(identity, now_ns):
             return
-        state = self._state
-        if state is None:
-            state = self._open()
-        if state is False or identity[0] != state[1]:
-            return
         try:
-            body = _BODY.pack(bytes.fromhex(digest), *identity)
-            window = self._window(state[0], body)
+            found = self._slots(digest, identity)
+            if found is None:
+                return
+            fd, body, window = found
             first = _first_slot(body)
             where = first
             for i in range(_PROBES):
@@ -144,14 +135,9 @@ class BootRecord:
                     where = (first + i) % _SLOTS
                     break
             # A full probe window: its first slot gives way (a record, not the truth: a blob left out is hashed).
-            os.pwrite(state[0], body + _check(body), _HEADER_BYTES + where * _SLOT_BYTES)
+            os.pwrite(fd, body + _check(body), _HEADER_BYTES + where * _SLOT_BYTES)
         except (ValueError, struct.error, OSError):
             pass
-
-    @staticmethod
-    def _window(fd: int, body: bytes) -> bytes:
-        """The slots a digest may use, in probe order (one read: the table is laid out so that they are adjacent)."""
-        return os.pread(fd, _PROBES * _SLOT_BYTES, _HEADER_BYTES + _first_slot(body) * _SLOT_BYTES)
 
     def _open(self) -> Any:
         with self._lock:

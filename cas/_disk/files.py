@@ -1,13 +1,10 @@
 """Portable file primitives: reading cache files, naming them, proving them unchanged.
 
-One path builder (:func:`shard_path`) names every blob and manifest; one file
-identity (:func:`file_id`) proves a file unchanged between two looks. Writing
-is :mod:`cuda_program_cas._disk.writer`'s and removing :mod:`cuda_program_cas._disk.remove`'s.
-
-Windows: another process holding a file open without share-delete rights makes
-``os.replace``, ``open`` and ``unlink`` fail for a moment with winerror 5/32/33 (or
-a bare ``EACCES``). Those are retried within a bounded budget; every other
-``PermissionError`` is a real configuration problem and propagates.
+One path builder (:func:`shard_path`) names every blob and manifest; one file identity
+(:func:`file_id`) proves a file unchanged between two looks. On Windows, a file held open
+elsewhere makes ``os.replace``, ``open`` and ``unlink`` fail for a moment (winerror 5/32/33,
+or a bare ``EACCES``): those are retried within a bounded budget; any other
+``PermissionError`` propagates.
 """
 
 from __future__ import annotations
@@ -63,32 +60,24 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 #: Opening for read: never follow a final symlink, never block on a FIFO.
 READ_FLAGS = os.O_RDONLY | _O_BINARY | _O_NOFOLLOW | _O_NONBLOCK
 
-#: What proves a file is still the one looked at before: device, inode, size, mtime
-#: and ctime. A rewrite changes the inode, a touch the mtime and ctime; ctime cannot
-#: be set back without root, so an equal identity means untouched since.
+#: Device, inode, size, mtime, ctime: ctime cannot be set back without root, so an equal
+#: identity means untouched since.
 FileId = tuple[int, int, int, int, int]
 
 
 def file_id(st: os.stat_result) -> FileId:
-    """The identity of the file ``st`` describes (see :data:`FileId`)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-#: How far ahead of the file system's clock a file time is still believed (a day).
-#: Clocks of nodes and NFS servers differ by seconds, rarely minutes; a time further
-#: ahead comes from a wrong clock (a restored backup, a node years ahead, a clock set
-#: back), and believing it would keep the file "young" or "recent" until that date.
+#: How far ahead of the file system's clock a file time is still believed. Clocks differ by
+#: seconds; a time further ahead comes from a wrong clock and would keep a file young until then.
 FUTURE_MTIME_NS = 86_400 * 10**9
 
 
 def trusted_mtime_ns(mtime_ns: int, now_ns: int) -> int:
     """``mtime_ns`` as every age in the cache is computed from it; ``now_ns``: the file system's clock.
 
-    A time more than :data:`FUTURE_MTIME_NS` ahead of ``now_ns`` counts as 0, the
-    oldest there is: an orphan is past its grace period, a temp file stale, an entry
-    least recently used and expired. One within the day is taken as it is (it is
-    young for at most a day longer than it should be). A hit's touch, or a writer's
-    freshen, sets the time back to now.
+    A time more than :data:`FUTURE_MTIME_NS` ahead counts as 0, the oldest there is.
     """
     return 0 if mtime_ns > now_ns + FUTURE_MTIME_NS else mtime_ns
 
@@ -102,19 +91,12 @@ def same_file(path: str, before: FileId) -> bool:
 
 
 def shard_path(directory: str, name: str) -> str:
-    """``<directory>/<name[:2]>/<name[2:]>``: where every blob and manifest lives.
-
-    ``name`` must already be validated (a 64-character lowercase hex digest or key id).
-    """
+    """``<directory>/<name[:2]>/<name[2:]>`` for a validated digest or key id."""
     return f"{directory}{os.sep}{name[:2]}{os.sep}{name[2:]}"
 
 
 def is_sharing_violation(exc: BaseException) -> bool:
-    """True for a transient Windows sharing or lock violation, never off Windows.
-
-    A bare ``EACCES`` without ``winerror`` counts (that is how ``open`` reports a
-    pending delete); a ``winerror`` outside the sharing set does not.
-    """
+    """True for a transient Windows sharing or lock violation (or a pending delete's bare ``EACCES``)."""
     if not IS_WINDOWS or not isinstance(exc, PermissionError):
         return False
     winerror = getattr(exc, "winerror", None)
@@ -142,10 +124,9 @@ def with_sharing_retry(op: Callable[[], _T]) -> _T:
 def read_regular(path: str, expected_size: int | None = None) -> tuple[bytes, os.stat_result]:
     """Read a whole regular file without following a final symlink.
 
-    Raises ``FileNotFoundError`` when it is absent (also after an exhausted Windows
-    sharing retry), ``IsADirectoryError``/``OSError`` for something that is not a
-    regular file, and :class:`SizeMismatch` when ``expected_size`` is given and the
-    file has another size (truncated or extended), without reading it.
+    Raises ``FileNotFoundError`` when it is absent (also after an exhausted Windows sharing
+    retry), :class:`NotRegularFile` for anything else, and :class:`SizeMismatch` without
+    reading when ``expected_size`` is given and the file has another.
     """
     try:
         fd = with_sharing_retry(lambda: os.open(path, READ_FLAGS))
@@ -154,7 +135,6 @@ def read_regular(path: str, expected_size: int | None = None) -> tuple[bytes, os
             raise FileNotFoundError(errno.ENOENT, "busy", path) from exc
         raise
     except OSError as exc:
-        # O_NOFOLLOW on a symlink gives ELOOP (EMLINK on some BSDs): not a cache file.
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise NotRegularFile(path) from None
         raise
@@ -165,17 +145,10 @@ def read_regular(path: str, expected_size: int | None = None) -> tuple[bytes, os
         size = st.st_size
         if expected_size is not None and size != expected_size:
             raise SizeMismatch(path, expected_size, size)
-        data = os.read(fd, size + 1 if expected_size is None else size)
-        if len(data) < size:  # a short read: keep going (large files, odd filesystems)
-            chunks = [data]
-            got = len(data)
-            while True:
-                more = os.read(fd, max(size - got, 65536))
-                if not more:
-                    break
-                chunks.append(more)
-                got += len(more)
-            data = b"".join(chunks)
+        limit = size + 1 if expected_size is None else size
+        data = os.read(fd, limit)
+        if len(data) < size:
+            data = read_rest(fd, data, limit)
         return data, st
     finally:
         os.close(fd)
@@ -198,12 +171,9 @@ class SizeMismatch(OSError):
 
 
 def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterator[tuple[str, str, os.stat_result]]:
-    """``(name, path, stat)`` of every regular file ``<directory>/<2 hex>/<62 hex>``.
+    """``(name, path, stat)`` of every regular file ``<directory>/<2 hex>/<62 hex>``; anything else is skipped.
 
-    ``name`` is the 64 hex characters of shard and file name. Anything else (other
-    names, symlinks, a shard that is not a real directory) is skipped. A shard that
-    cannot be listed (EACCES, EIO) is skipped too and, when ``unreadable`` is given,
-    appended to it: what it holds is unknown, not absent.
+    A shard that cannot be listed is appended to ``unreadable``: what it holds is unknown, not absent.
     """
     try:
         with os.scandir(directory) as top:
@@ -231,12 +201,10 @@ def scan_sharded(directory: str, unreadable: list[str] | None = None) -> Iterato
 
 
 def fs_now(directory: str) -> int | None:
-    """The file system's own clock now, in ns: touch ``directory`` and read its mtime back.
+    """The file system's own clock now, in ns (its mtime after a touch; None when it cannot be touched).
 
-    File times come from the kernel's coarse clock (or an NFS server's clock), which
-    can lag ``time.time_ns()`` by a tick or more. Anything written or touched after
-    this call carries an mtime at least this value; compare file times against it,
-    not against the process clock. None when the directory cannot be touched.
+    File times come from the kernel's coarse clock or an NFS server's, which can lag
+    ``time.time_ns()``: compare file times against this.
     """
     try:
         os.utime(directory)
@@ -245,27 +213,19 @@ def fs_now(directory: str) -> int | None:
         return None
 
 
-#: Shards of one directory a :class:`ShardGuard` checks one ``lstat`` each before it lists the directory.
 _LSTATS_BEFORE_LISTING = 32
 
 
 class ShardGuard:
     """Vouches that shard directories are real directories, not symlinks or files.
 
-    A symlinked shard would lead reads and writes outside the cache root: its keys
-    are misses and writes to it are dropped. Each shard is checked once per guard
-    (a missing one is fine: a write creates it). ``on_strange(path)`` is called
-    for each bad shard met.
-
-    The first shards checked in a directory get an ``lstat`` each; past
-    :data:`_LSTATS_BEFORE_LISTING` of them the directory is listed once, which
-    vouches for every shard there without a system call per shard. (A listing of
-    256 shards costs about 0.2 ms: a job that looks up a few kernels would pay it
-    for two or three shards, a process reading hundreds of keys saves it.)
+    A symlinked shard would lead reads and writes outside the cache root. Each shard is
+    checked once per guard (a missing one is fine); ``on_strange(path)`` hears of each bad
+    one. The first shards get an ``lstat`` each; past :data:`_LSTATS_BEFORE_LISTING` the
+    directory is listed once (about 0.2 ms), which vouches for every shard there.
     """
 
     def __init__(self, on_strange: Callable[[str], None] | None = None) -> None:
-        #: directory -> the shard names (two hex characters) vouched for there.
         self._real: dict[str, set[str]] = {}
         #: directory -> shards checked there one by one (None once it is listed).
         self._checked: dict[str, int | None] = {}
@@ -288,7 +248,6 @@ class ShardGuard:
             if checked < _LSTATS_BEFORE_LISTING:
                 self._checked[directory] = checked + 1
             else:
-                # Many shards met here: list the directory once, which vouches for every shard in it.
                 self._checked[directory] = None
                 try:
                     with os.scandir(directory) as it:
@@ -319,9 +278,8 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-#: From this size on, data is hashed on several cores (blake3's shared thread pool),
-#: where the process may use at least _MT_MIN_CORES; never on smaller machines, where
-#: waking the pool costs more than one core hashing (measured: docs/benchmarks.md).
+#: From this size on, data is hashed on several cores where the process may use at least
+#: _MT_MIN_CORES; on smaller machines waking the pool costs more (docs/benchmarks.md).
 _MT_MIN_BYTES = 2 << 20
 _MT_MIN_CORES = 8
 _MT = _usable_cores() >= _MT_MIN_CORES
@@ -330,31 +288,25 @@ _AUTO = -1  # blake3.AUTO: as many threads as the pool has
 
 @functools.cache
 def blake3_hasher() -> type[Blake3]:
-    """blake3's hasher type, imported on first use: loading its extension costs a fresh process about
-    half a millisecond (on the 2-core VM), and a hit of a blob verified this boot hashes nothing.
-    Every module that hashes on a hit's path takes it here."""
+    """blake3's hasher type, imported on first use: about 0.5 ms that a hit of a blob verified this boot skips."""
     from blake3 import blake3
 
     return blake3
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> str:
-    """The digest that names ``data``: lowercase hex blake3 (every blob is named and verified with it)."""
+    """The digest that names ``data``: lowercase hex blake3."""
     blake3 = blake3_hasher()
     if _MT and len(data) >= _MT_MIN_BYTES:
         return blake3(data, max_threads=_AUTO).hexdigest()
     return blake3(data).hexdigest()
 
 
-#: Bytes hashed without being kept are read this many at a time.
 HASH_CHUNK = 1 << 20
 
 
 def hashes_to(read: Callable[[int], bytes], digest: str, size: int | None = None) -> bool:
-    """Whether the bytes ``read(n)`` gives, call after call, hash to blake3 ``digest``; read in chunks, kept by none.
-
-    With ``size``: the first ``size`` of them (False when there are fewer); without: all, to the end.
-    """
+    """Whether the bytes ``read(n)`` gives, in chunks, hash to ``digest``: the first ``size`` (fewer: False), or all."""
     hasher = blake3_hasher()()
     got = 0
     while size is None or got < size:

@@ -1,31 +1,16 @@
 """Which file systems are local enough to trust: ``statfs`` ``f_type`` against an allowlist.
 
-Three questions rest on it. The header watch (:mod:`cuda_program_cas._cuda.watch`)
-needs a file system whose every change raises an inotify event; the NVRTC
-version record (:mod:`cuda_program_cas._cuda.nvrtcver`) needs one whose stat data
-(inode, size, mtime, ctime) prove a file unchanged; the record of blobs verified
-in this boot (:mod:`cuda_program_cas._disk.bootrecord`) needs one that sets a
-file's ctime from this kernel's clock on every change.
+The header watch needs a file system whose every change raises an inotify event
+(:data:`WATCHABLE`); the NVRTC version record one whose stat data prove a file unchanged
+(:data:`STAT_RELIABLE`); the boot record one that sets ctime from this kernel's clock on
+every change (:data:`CTIME_RELIABLE`). Local disk and memory file systems answer all three.
+overlayfs misses events for changes to its lower layers, but its stat data still change
+(a write copies up; changing a lower layer while mounted is undefined). NFS, SMB, FUSE,
+Lustre and anything unknown are not trusted; off Linux nothing is.
 
-- Local disk and memory file systems (ext2/3/4, xfs, btrfs, f2fs, tmpfs, ramfs)
-  answer both: every change goes through this kernel's VFS, which raises the
-  event and sets the times.
-- overlayfs raises events for changes made through it, but not for changes made
-  to its lower layers beneath it (the case of an image layer shared by
-  containers): no watch. Its stat data still change on every change made through
-  it (a write copies the file up: a new inode), and changing a lower layer while
-  it is mounted is undefined in overlayfs itself: the stat question is answered.
-- Everything else is not trusted: NFS, CIFS/SMB, FUSE, 9p, Lustre, GPFS, CephFS
-  and the like change on another machine (no event here; attributes come from a
-  cache that may be seconds old), and a kind not named here is unknown.
-
-Linux only (``statfs`` through libc); elsewhere nothing is trusted.
-
-A fourth question is how old a file's stat data are on the clock that stamped them
-(:class:`FsClock`): stat data prove a file unchanged only once the clock of its file
-system has moved past its ctime by a step of that clock, since a change within the same
-step leaves every field as it was (one second on ext4 made with 128-byte inodes, ext3,
-and what FAT or a coarse NFS export gives).
+:class:`FsClock` says how old a file's stat data are on the clock that stamped them: they
+prove a file unchanged only once that clock moved a step past its ctime (one second on
+ext3, ext4 with 128-byte inodes, FAT or a coarse NFS export).
 """
 
 from __future__ import annotations
@@ -38,9 +23,7 @@ from typing import Any
 __all__ = [
     "CLOCK_LAG_NS",
     "CTIME_RELIABLE",
-    "MOUNTINFO",
     "STAT_RELIABLE",
-    "UNKNOWN_STEP_NS",
     "WATCHABLE",
     "FsClock",
     "ctime_reliable_device",
@@ -48,7 +31,6 @@ __all__ = [
     "time_step_ns",
 ]
 
-#: ``f_type`` of the local file systems whose every change raises an inotify event here.
 WATCHABLE = frozenset(
     {
         0xEF53,  # ext2, ext3, ext4
@@ -60,14 +42,10 @@ WATCHABLE = frozenset(
     }
 )
 _OVERLAYFS = 0x794C7630
-#: ``f_type`` of the file systems whose stat data prove a file unchanged.
 STAT_RELIABLE = WATCHABLE | {_OVERLAYFS}
-#: ``f_type`` of the file systems where this kernel sets a file's ctime on every change to it,
-#: changes beneath included: the local ones. Not overlayfs (a lower layer can change beneath it).
 CTIME_RELIABLE = WATCHABLE
 
-# struct statfs starts with f_type (a long on every 64-bit Linux ABI); 120 bytes on
-# x86-64 and aarch64: the buffer leaves room.
+# struct statfs starts with f_type (a long); 120 bytes on x86-64 and aarch64.
 _STATFS_SIZE = 256
 #: libc's statfs, bound on first use (ctypes costs about 2 ms to import): [] not yet, [None] none here.
 _statfs: list[Any] = []
@@ -104,19 +82,15 @@ def _bind_statfs() -> Any:
 
 #: How ``/proc/self/mountinfo`` names the file systems of :data:`CTIME_RELIABLE`.
 _CTIME_RELIABLE_NAMES = frozenset((b"ext2", b"ext3", b"ext4", b"xfs", b"btrfs", b"f2fs", b"tmpfs", b"ramfs"))
-#: Where the mounts of this process are listed (a module attribute: tests read a copy they wrote).
-MOUNTINFO = "/proc/self/mountinfo"
 
 
 def ctime_reliable_device(device: int) -> bool:
-    """Whether ``device`` (an ``st_dev``) is mounted here as a file system of :data:`CTIME_RELIABLE`.
+    """Whether ``device`` (an ``st_dev``) is mounted here, by every mount of it, as one of :data:`CTIME_RELIABLE`.
 
-    Read from :data:`MOUNTINFO`, without ``statfs`` (and ctypes): about 20 us. A
-    device listed by no mount (a btrfs subvolume's own device number), or by mounts
-    of differing kinds, is not.
+    Read from the mount table without ctypes: about 20 us.
     """
     try:
-        with open(MOUNTINFO, "rb") as f:
+        with open("/proc/self/mountinfo", "rb") as f:
             table = f.read()
     except OSError:
         return False
@@ -134,12 +108,8 @@ def ctime_reliable_device(device: int) -> bool:
     return bool(kinds) and kinds <= _CTIME_RELIABLE_NAMES
 
 
-# -- how old stat data are, on their file system's clock ----------------------------------
-
-#: The step assumed of a clock whose times are whole seconds (one or two: FAT keeps mtimes
-#: in 2 s), and the margin taken for a file system whose clock is not this kernel's and
-#: cannot be read (NFS, FUSE... when the cache is elsewhere): as the blobs' record
-#: (:data:`cuda_program_cas._disk.bootrecord.MIN_AGE_NS`).
+#: The step assumed of a clock of whole seconds (FAT keeps 2 s), and the margin for a file
+#: system whose clock is another machine's and cannot be read.
 UNKNOWN_STEP_NS = 2 * 10**9
 #: How far this kernel's file times may lag ``time.time_ns()`` (its coarse clock: a tick).
 CLOCK_LAG_NS = 50_000_000
@@ -147,12 +117,7 @@ CLOCK_LAG_NS = 50_000_000
 
 def time_step_ns(t_ns: int) -> int:
     """The coarsest step of a file system clock that could have stamped ``t_ns``: a power of ten of ns,
-    or :data:`UNKNOWN_STEP_NS` for a whole second.
-
-    Measured on the time itself: a clock of 1 s steps only gives whole seconds, one of
-    10 ms multiples of 10 ms. A clock of ns steps gives a multiple of 1000 one time in a
-    thousand; such a time is then taken as coarser than it is, and its file is thought
-    young for a microsecond longer: never the other way.
+    or :data:`UNKNOWN_STEP_NS` for a whole second (a finer time taken as coarser only errs young).
     """
     if t_ns % 1_000_000_000 == 0:
         return UNKNOWN_STEP_NS
@@ -165,12 +130,9 @@ def time_step_ns(t_ns: int) -> int:
 class FsClock:
     """Lower bounds of the clocks of file systems at one moment: when this was made.
 
-    ``own_dir``: a directory the cache may touch (its ``tmp``): the mtime it gets is its
-    file system's own clock (:func:`cuda_program_cas._disk.files.fs_now`), NFS server's
-    included. Files of any other device are measured against ``time.time_ns()``: less a
-    tick (:data:`CLOCK_LAG_NS`) where this kernel stamps them (:data:`CTIME_RELIABLE`),
-    less :data:`UNKNOWN_STEP_NS` more where another machine's clock does (an NFS server
-    that lags this host by more than that is not covered; docs/guarantees.md says so).
+    ``own_dir`` (the cache's ``tmp``) is touched to read its file system's own clock. Other
+    devices are measured against ``time.time_ns()`` less :data:`CLOCK_LAG_NS`, and less
+    :data:`UNKNOWN_STEP_NS` more where another machine stamps them (docs/guarantees.md).
     """
 
     __slots__ = ("_local", "_own", "_wall")
@@ -189,7 +151,6 @@ class FsClock:
                 if now is not None:
                     self._own = (device, now)
         self._wall = time.time_ns()
-        #: Per device met: whether this kernel stamps its files (read from the mount table once).
         self._local: dict[int, bool] = {}
 
     def now(self, device: int) -> int:
@@ -203,12 +164,7 @@ class FsClock:
         return self._wall - CLOCK_LAG_NS - (0 if local else UNKNOWN_STEP_NS)
 
     def old(self, st: os.stat_result) -> bool:
-        """Whether any change to the file of ``st`` after this moment gives it another ctime.
-
-        True once the clock of its file system has moved a whole step (:func:`time_step_ns`)
-        past its ctime: a change within the step of its last change would leave its stat
-        data as they are.
-        """
+        """Whether any change to the file of ``st`` after this moment gives it another ctime."""
         return self.old_at(st.st_dev, st.st_ctime_ns)
 
     def old_at(self, device: int, ctime_ns: int) -> bool:

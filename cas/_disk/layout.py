@@ -1,14 +1,10 @@
 """The cache root: ``layout.json``, ``CACHEDIR.TAG``, the top-level directories and their paths.
 
-Opening a directory that is empty (or absent) lays it out. A directory holding
-anything but our own names is refused, never adopted. A layout version newer than
-this code is refused. A damaged ``layout.json`` in a directory that holds only
-our own names is rewritten by a writable open (and ``verify --repair``); a
-read-only open and the maintenance verbs refuse it: nothing is read on a guess.
-
-An older layout version (1, written by pre-release versions) is refused too,
-with one message that names the command that empties it (:func:`older_layout_error`):
-nothing released wrote one, so nothing here reads one.
+Opening a directory that is empty (or absent) lays it out. A directory holding anything but
+our own names is refused, never adopted; so is a newer layout version, and an older one
+(only pre-release versions wrote one), with a message naming the command that empties it.
+A damaged ``layout.json`` among only our own names is rewritten by a writable open (and
+``verify --repair``); a read-only open and the maintenance verbs refuse it.
 """
 
 from __future__ import annotations
@@ -39,11 +35,8 @@ __all__ = [
     "INDEX",
     "LAYOUT_FILE",
     "LAYOUT_VERSION",
-    "MISSES_FILE",
-    "MISSES_OLD",
     "SETTINGS_FILE",
     "STALE_TMP_S",
-    "USAGE_FILE",
     "Layout",
     "LayoutState",
     "check_layout",
@@ -55,7 +48,6 @@ __all__ = [
     "layout_bytes",
     "layout_version",
     "mark_shared_store",
-    "older_layout_error",
     "parse_layout",
     "stale_temp_files",
     "temp_files",
@@ -70,37 +62,24 @@ LAYOUT_FILE = "layout.json"
 BLOBS = "blobs"
 INDEX = "index"
 TMP = "tmp"
-#: Claims (see :mod:`cuda_program_cas._local.claims`) are ``tmp/<key id>.claim``: empty
-#: files, removed by their holder, and otherwise temp files like any other (a sweep
-#: takes them once stale).
+#: Claims (:mod:`cuda_program_cas._local.claims`) are temp files like any other, swept once stale.
 CLAIM_SUFFIX = ".claim"
 QUARANTINE = "quarantine"
 LOCK_FILE = "evict.lock"
-#: The lifetime counters (see :mod:`cuda_program_cas._local.lifetime`) and the lock their writers take.
 COUNTERS_FILE = "counters"
 COUNTERS_LOCK = "counters.lock"
-#: Blobs verified in this boot (see :mod:`cuda_program_cas._disk.bootrecord`).
 BOOT_RECORD_FILE = "verified"
-#: The miss journal (see :mod:`cuda_program_cas._local.journal`): recent misses' inputs, for ``explain``;
-#: the current file and the one it replaced when it grew past its bound.
 MISSES_FILE = "misses"
 MISSES_OLD = "misses.1"
-#: The usage ledger (see :mod:`cuda_program_cas._local.usage`): each entry's compile time and the time its hits saved.
 USAGE_FILE = "usage"
-#: Settings stored in the cache (``cuda-program-cas config``; see :mod:`cuda_program_cas._disk.settings`).
 SETTINGS_FILE = "settings.json"
-#: Temp files this old in ``tmp/`` belong to a crashed writer (or an interrupted
-#: publish): no write takes anywhere near that long.
+#: Temp files this old belong to a crashed writer: no write takes anywhere near that long.
 STALE_TMP_S = 3600.0
 
-#: Every path the package makes under a cache root (a local cache or a shared store), each
-#: with what it is: the one list of them. A pattern is relative to the root; a directory
-#: ends in ``/``; ``<N hex>`` is N lowercase hex digits, ``<digits>`` a decimal number,
-#: ``*`` any characters within one name. docs/design.md's layout specification names
-#: exactly these patterns, and tests/test_layout_spec.py checks that every path real
-#: compiles, links, publishes, repacks, collections and write-back leave matches one.
-#: A file of a new kind is one more line here (and in that specification); its top-level
-#: name is then one the cache opens without taking the directory for a foreign one.
+#: Every path the package makes under a cache root or shared store, with what it is. A
+#: directory ends in ``/``; ``<N hex>`` is N lowercase hex digits, ``<digits>`` a decimal
+#: number, ``*`` any characters within one name. docs/design.md's layout specification
+#: names exactly these, and tests/test_layout_spec.py checks that real runs leave no other.
 FILES: tuple[tuple[str, str], ...] = (
     ("CACHEDIR.TAG", "tells backup tools to skip the cache (bford.info/cachedir)"),
     (LAYOUT_FILE, "the layout's name, version and hashes; `shared` in a store publish made"),
@@ -154,7 +133,7 @@ def _pattern_re(pattern: str) -> re.Pattern[str]:
 
 @functools.cache
 def _file_res() -> tuple[tuple[re.Pattern[str], str], ...]:
-    # Compiled at the first question, not at import: 30 patterns, about 0.9 ms, that a hit never asks.
+    # Compiled at the first question, not at import: about 0.9 ms that a hit never pays.
     return tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
 
 
@@ -166,7 +145,6 @@ def file_kind(relpath: str) -> str | None:
     return None
 
 
-#: ``CACHEDIR.TAG``'s bytes.
 CACHEDIR_TAG = (
     b"Signature: 8a477f597d28d172789f06886806bc55\n"
     b"# This file is a cache directory tag created by cuda-program-cas.\n"
@@ -221,22 +199,17 @@ class Layout:
         return shard_path(self.index, kid)
 
     @contextlib.contextmanager
-    def collector_lock(self, wait_s: float = 0.0, *, busy_on_error: bool = False) -> Iterator[bool]:
-        """Hold ``evict.lock``, the one lock of whoever removes or rewrites entries wholesale (gc, the
-        cap's eviction, repack): yields True while held, False when another holds it past
-        ``wait_s`` seconds (0: not waiting). ``busy_on_error``: a lock file that cannot be opened is
-        busy too (False), rather than the ``OSError`` raised."""
+    def collector_lock(self, wait_s: float = 0.0) -> Iterator[bool]:
+        """Hold ``evict.lock``, the one lock of gc, the cap's eviction and repack.
+
+        Yields True while held, False when another holds it past ``wait_s`` seconds.
+        """
         import filelock
 
         lock = filelock.FileLock(self.lock, timeout=wait_s)
         try:
             lock.acquire(timeout=wait_s, blocking=wait_s > 0)
         except filelock.Timeout:
-            yield False
-            return
-        except OSError:
-            if not busy_on_error:
-                raise
             yield False
             return
         try:
@@ -246,22 +219,16 @@ class Layout:
 
 
 def url_path(kind: str, name: str) -> str:
-    """Where a blob (``kind`` ``blobs``) or manifest (``index``) lies below a store's URL: ``/`` separated.
-
-    ``name`` must already be validated, as for :meth:`Layout.blob_path`.
-    """
+    """Where a validated blob (``kind`` ``blobs``) or manifest (``index``) lies below a store's URL."""
     assert kind in (BLOBS, INDEX)
     return f"{kind}/{name[:2]}/{name[2:]}"
 
 
 def _read_layout(path: str) -> dict[str, object] | None:
-    """The parsed layout file, or None when it is damaged: empty, not JSON, not ours, not a regular file.
+    """The parsed layout file, or None when it is damaged (a symlink or a FIFO is damage too).
 
-    Opened without following a symlink and without blocking, so a FIFO put in its
-    place never hangs an open (a FIFO or a symlink is damage, like garbled bytes).
-    Raises ``FileNotFoundError`` when there is none, :class:`LayoutError` when it is
-    a directory (a writable open could not replace it), ``OSError`` when it cannot
-    be read.
+    Raises ``FileNotFoundError`` when there is none, :class:`LayoutError` when it is a
+    directory (a writable open could not replace it), ``OSError`` when it cannot be read.
     """
     try:
         fd = os.open(path, READ_FLAGS)
@@ -270,8 +237,7 @@ def _read_layout(path: str) -> dict[str, object] | None:
             return None
         raise
     try:
-        st = os.fstat(fd)
-        mode = st.st_mode
+        mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             root = os.path.dirname(path)
             raise LayoutError(
@@ -305,7 +271,10 @@ def check_layout_data(root: str, data: dict[str, object]) -> int:
     version = data["version"]
     assert isinstance(version, int)
     if version < LAYOUT_VERSION:
-        raise older_layout_error(root, version)
+        raise LayoutError(
+            f"cache at {root!r} has layout version {version}, written by a pre-release cuda-program-cas, which this "
+            f"version does not read; empty it with `cuda-program-cas clear {root}` (or use another directory)"
+        )
     if version > LAYOUT_VERSION:
         raise LayoutError(
             f"cache at {root!r} has layout version {version}, newer than this cuda-program-cas "
@@ -318,12 +287,16 @@ def check_layout_data(root: str, data: dict[str, object]) -> int:
     return version
 
 
-def layout_version(root: str) -> int | None:
-    """The version ``layout.json`` records, or None when it is missing or damaged."""
+def _stored_layout(root: str) -> dict[str, object] | None:
     try:
-        data = _read_layout(os.path.join(root, LAYOUT_FILE))
+        return _read_layout(os.path.join(root, LAYOUT_FILE))
     except (OSError, LayoutError):
         return None
+
+
+def layout_version(root: str) -> int | None:
+    """The version ``layout.json`` records, or None when it is missing or damaged."""
+    data = _stored_layout(root)
     if data is None:
         return None
     version = data["version"]
@@ -332,14 +305,9 @@ def layout_version(root: str) -> int | None:
 
 
 def check_layout(root: str) -> LayoutState:
-    """Validate an existing cache root without writing.
-
-    Raises :class:`LayoutError` for a file, a dangling symlink, a foreign directory
-    or a newer layout.
-    """
-    # One stat decides: asking "a directory?" and then "anything there?" would take a
-    # directory another process made in between for a file (processes that open one
-    # new cache at once did).
+    """Validate an existing cache root without writing (:class:`LayoutError`: not one this code can use)."""
+    # One stat decides: "a directory?" then "anything there?" would take a directory
+    # another process made in between for a file.
     try:
         st = os.stat(root)
     except (FileNotFoundError, NotADirectoryError):
@@ -350,12 +318,10 @@ def check_layout(root: str) -> LayoutState:
         raise LayoutError(f"cache path {root!r} is a symlink to {target!r}, which does not exist") from None
     if not stat.S_ISDIR(st.st_mode):
         raise LayoutError(f"cache path {root!r} exists and is not a directory")
-    layout_path = os.path.join(root, LAYOUT_FILE)
     try:
-        data = _read_layout(layout_path)
+        data = _read_layout(os.path.join(root, LAYOUT_FILE))
     except FileNotFoundError:
-        data = None
-        present = False
+        data, present = None, False
     else:
         present = True
     if data is not None:
@@ -374,14 +340,6 @@ def check_layout(root: str) -> LayoutState:
     return LayoutState.DAMAGED if present else LayoutState.MISSING
 
 
-def older_layout_error(root: str, version: int) -> LayoutError:
-    """The one message for a cache or store of an older layout, which a pre-release version wrote."""
-    return LayoutError(
-        f"cache at {root!r} has layout version {version}, written by a pre-release cuda-program-cas, which this "
-        f"version does not read; empty it with `cuda-program-cas clear {root}` (or use another directory)"
-    )
-
-
 def damaged_layout_error(root: str) -> LayoutError:
     """The one message for a cache whose ``layout.json`` is damaged."""
     return LayoutError(
@@ -392,18 +350,12 @@ def damaged_layout_error(root: str) -> LayoutError:
 
 def is_shared_store(root: str) -> bool:
     """True when ``layout.json`` marks ``root`` as a shared store (``publish`` does)."""
-    try:
-        data = _read_layout(os.path.join(root, LAYOUT_FILE))
-    except (OSError, LayoutError):
-        return False
+    data = _stored_layout(root)
     return data is not None and data.get("shared") is True
 
 
-def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: object) -> None:
-    """Rewrite ``layout.json`` atomically with ``changes``, keeping what else it says.
-
-    A missing or damaged file is written afresh. A no-op when nothing changes.
-    """
+def write_layout(root: str, tmp_dir: str, **changes: object) -> None:
+    """Rewrite ``layout.json`` atomically with ``changes``, keeping what else it says (damaged: afresh)."""
     path = os.path.join(root, LAYOUT_FILE)
     try:
         data = _read_layout(path)
@@ -411,21 +363,12 @@ def write_layout(root: str, tmp_dir: str, *, mode: int = 0o644, **changes: objec
         data = None
     raw = layout_bytes(data, **changes)
     if raw is not None:
-        atomic_write(path, raw, tmp_dir, mode=mode)
+        atomic_write(path, raw, tmp_dir, mode=0o644)
 
 
 def layout_bytes(current: dict[str, object] | None, **changes: object) -> bytes | None:
-    """The bytes of ``layout.json`` saying ``current`` (None: a new layout) with ``changes``; None when nothing changes.
-
-    What :func:`write_layout` writes, for a writer that cannot write through it (publish over HTTP).
-    """
-    base: dict[str, object] = {
-        "layout": LAYOUT_NAME,
-        "version": LAYOUT_VERSION,
-        "blob_hash": "blake3",
-        "key_hash": "sha256",
-    }
-    current = dict(current) if current is not None else None
+    """``layout.json``'s bytes saying ``current`` (None: a new layout) with ``changes``; None: no change."""
+    base = {"layout": LAYOUT_NAME, "version": LAYOUT_VERSION, "blob_hash": "blake3", "key_hash": "sha256"}
     new = dict(current if current is not None else base)
     new.update(changes)
     if new == current:
@@ -433,19 +376,18 @@ def layout_bytes(current: dict[str, object] | None, **changes: object) -> bytes 
     return (json.dumps(new, indent=2, sort_keys=True) + "\n").encode()
 
 
-def mark_shared_store(root: str, tmp_dir: str, *, mode: int = 0o644) -> None:
+def mark_shared_store(root: str, tmp_dir: str) -> None:
     """Record in ``layout.json`` that ``root`` is a shared store, so its collector is careful."""
     if layout_version(root) is None:
         raise LayoutError(f"cannot mark {root!r} as a shared store: its {LAYOUT_FILE} is missing or damaged")
-    write_layout(root, tmp_dir, mode=mode, shared=True)
+    write_layout(root, tmp_dir, shared=True)
 
 
 def create_layout(root: str) -> None:
     """Lay out ``root`` if it holds no cache yet; ``layout.json`` is written last, atomically.
 
-    A damaged ``layout.json`` in a directory that holds only our own names is
-    rewritten (with a warning): every manifest carries its own format tag and key
-    id, every blob its digest, so nothing is trusted on the layout's word.
+    A damaged ``layout.json`` is rewritten (with a warning): every manifest and blob carries
+    its own identity, so nothing is trusted on the layout's word.
     """
     state = check_layout(root)
     if state is LayoutState.OK:
@@ -464,11 +406,7 @@ def create_layout(root: str) -> None:
 
 
 def unwritable_reason(lay: Layout) -> str | None:
-    """Why this process cannot write the cache at ``lay`` (naming the directory), or None when it can.
-
-    Asks ``access(2)``, which knows both permissions and read-only mounts, of the
-    root and of the directories a write goes through; ``statvfs`` says which.
-    """
+    """Why this process cannot write the cache at ``lay`` (naming the directory), or None when it can."""
     for directory in (lay.root, lay.index, lay.blobs, lay.tmp):
         if os.path.isdir(directory) and not os.access(directory, os.W_OK):
             why = "permission denied"
@@ -498,8 +436,8 @@ def temp_files(tmp_dir: str) -> list[tuple[str, os.stat_result]]:
     return found
 
 
-def stale_temp_files(tmp_dir: str, now: float | None = None) -> list[tuple[str, os.stat_result]]:
+def stale_temp_files(tmp_dir: str) -> list[tuple[str, os.stat_result]]:
     """Files in ``tmp_dir`` older than :data:`STALE_TMP_S`, with their stat."""
-    now_ns = time.time_ns() if now is None else int(now * 1e9)
+    now_ns = time.time_ns()
     cutoff = now_ns - int(STALE_TMP_S * 1e9)
     return [(path, st) for path, st in temp_files(tmp_dir) if trusted_mtime_ns(st.st_mtime_ns, now_ns) < cutoff]

@@ -1,21 +1,12 @@
 """What a store's packs hold, in one file: ``packs/summary``, so publish need not read every pack.
 
-``publish`` must know every packed entry of the store (a key already packed is
-not published again). Reading each pack's index cost a publish 15 ms at 1 pack
-and 0.65-1.06 s at 1,100 (one per CI run for three years). The summary lists the
-packs it covers and their entries; a publisher reads it (one file), lists
-``packs/`` (one directory read) and reads only the packs the summary does not
-cover. Entries of packs no longer listed (retired, moved aside) are dropped.
+A publisher reads it, lists ``packs/`` and reads only the packs it does not cover; entries
+of packs no longer listed are dropped. It is a cache of what the packs say, never the
+truth: one missing, damaged or stale costs reading the packs it lacks. ``publish --pack``
+and ``repack`` rewrite it after each pack (:class:`cuda_program_cas._disk.packpublish.StorePacks`).
+Nodes never read it.
 
-It is a cache of what the packs say, never the truth: a summary that is missing,
-damaged or stale costs reading the packs it lacks, nothing else. ``publish
---pack`` and ``repack`` write a new one after each pack they write, through the one
-pack publisher (:class:`cuda_program_cas._disk.packpublish.StorePacks`, which
-reads it too); two publishers at once may each replace the other's, and the pack
-left out is read directly until the next one is written. Nodes never read it:
-their listing of ``packs/`` is what they serve.
-
-File format, version 2 (integers little-endian; a version 1 summary is not read, so its packs are)::
+File format, version 2 (integers little-endian; another version is not read, so its packs are)::
 
     header   b"cpcassum" | version u32 | pack count u32 | entry count u32
     packs    per pack: name length u16 | name (UTF-8), in the listing's order
@@ -35,7 +26,6 @@ from .pack import PackEntry
 
 __all__ = ["MAX_SUMMARY_BYTES", "SUMMARY", "PackedEntry", "encode_summary", "parse_summary"]
 
-#: The summary's file name, under ``packs/`` (never listed as a pack: no ``pack-`` prefix).
 SUMMARY = "summary"
 _MAGIC = b"cpcassum"
 _VERSION = 2

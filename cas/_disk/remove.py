@@ -1,23 +1,18 @@
 """The remover: every file the cache removes goes through here, under one rule set.
 
-Cap eviction, ``clear`` and ``gc`` build a :class:`RemovalPlan` from a snapshot
-and hand it to :meth:`Remover.execute`; ``delete`` and the read path's clean-up
-use the single-file methods. The rules:
+Cap eviction, ``clear`` and ``gc`` hand a :class:`RemovalPlan` to :meth:`Remover.execute`;
+``delete`` and the read path use the single-file methods. The rules:
 
-- A manifest goes only if it is still the file the scan saw (same identity): one
-  used, rewritten or replaced since is kept.
-- Manifests go before blobs. A blob goes with its last manifest only if nobody
-  wrote or freshened it since the scan began (its mtime is below the scan's
-  file-system clock): a writer that just deduplicated against it keeps it, and
-  that writer's re-check after committing its manifest covers the last narrow
-  window. A younger one is *retired*: the next pass takes it if still untouched.
-- On a shared store, nodes may have read a manifest a moment ago and be about to
-  open its blob: a blob whose last manifest goes is freshened instead, and waits
-  out the grace period as an orphan.
-- An orphan (no manifest names it) is planned only past its grace period (a
-  writer stores its blob before its manifest), or when it was retired, or when
-  its last key was deleted or overwritten (:meth:`Remover.retire` marks it with
-  an mtime of 0). It goes only if unchanged since the scan.
+- A manifest goes only if it is still the file the scan saw (same identity).
+- Manifests go before blobs. A blob goes with its last manifest only if nobody wrote or
+  freshened it since the scan began (a deduplicating writer keeps it; its re-check after
+  committing its manifest covers the rest). A younger one is *retired*: the next pass
+  takes it if still untouched.
+- On a shared store a blob whose last manifest goes is freshened instead (a node may be
+  about to open it), and waits out the grace period as an orphan.
+- An orphan is planned only past its grace period (a writer stores its blob before its
+  manifest), when retired, or when :meth:`Remover.retire` marked it; it goes only if
+  unchanged since the scan.
 """
 
 from __future__ import annotations
@@ -39,9 +34,7 @@ class RemovalPlan:
     """What to remove, in order; carried out by :meth:`Remover.execute`, at once or in steps."""
 
     snapshot: Snapshot
-    #: Manifests to remove, in order (each with its stat at the scan).
     manifests: list[ManifestInfo] = field(default_factory=list)
-    #: Orphan blobs to remove.
     orphans: list[str] = field(default_factory=list)
     #: A shared store: blobs whose last manifest goes are freshened, not removed.
     shared: bool = False
@@ -67,15 +60,22 @@ class RemovalPlan:
         last: list[str] = []
         for info in self.manifests:
             freed += info.stat.st_size
-            if info.manifest is None:
-                continue
-            digest = info.manifest.digest
-            refs[digest] -= 1
-            if refs[digest] == 0 and digest in snap.blobs and digest not in self.keep_blobs and self.blobs_removable:
+            digest = self.last_named(refs, info)
+            if digest is not None:
                 last.append(digest)
                 if not self.shared:
                     freed += snap.blobs[digest].st_size
         return freed, last
+
+    def last_named(self, refs: Counter[str], info: ManifestInfo) -> str | None:
+        """The blob that ``info``'s manifest, counted off ``refs`` as it goes, was the last to name, if it may go."""
+        if info.manifest is None:
+            return None
+        digest = info.manifest.digest
+        refs[digest] -= 1
+        if refs[digest] or not self.blobs_removable or digest not in self.snapshot.blobs or digest in self.keep_blobs:
+            return None
+        return digest
 
 
 @dataclass(slots=True)
@@ -83,16 +83,13 @@ class RemovalResult:
     manifests_removed: int = 0
     blobs_removed: int = 0
     bytes_freed: int = 0
-    #: Planned but kept: changed (used, rewritten, freshened) or gone since the scan.
+    #: Planned but kept: changed or gone since the scan.
     kept_changed: int = 0
     #: Shared stores: blobs whose last manifest went, freshened to wait out the grace period.
     blobs_deferred: int = 0
-    #: Blobs whose last manifest went but which were too young to remove with it,
-    #: with their identity at the scan: the next plan takes them if still untouched.
+    #: Blobs too young to remove with their last manifest, with their identity at the scan.
     retired: dict[str, FileId] = field(default_factory=dict)
-    #: What the cache holds after this step, as far as the plan knows.
     stored_bytes_after: int = 0
-    #: Steps of the plan taken (see :meth:`Remover.execute`).
     steps: int = 0
 
     def add(self, other: RemovalResult) -> None:
@@ -107,12 +104,7 @@ class RemovalResult:
 
 
 def removable_orphans(snap: Snapshot, grace_ns: int, retired: dict[str, FileId] | None = None) -> list[str]:
-    """Orphans of ``snap`` that may go: past their grace period, marked by :meth:`Remover.retire`, or retired.
-
-    A retired blob still untouched (same identity) goes at once: a writer
-    deduplicating against it would have freshened it, and a writer between its
-    blob and its manifest would have committed that manifest long before.
-    """
+    """Orphans of ``snap`` that may go: past their grace period (a retire mark is 0), or retired and untouched."""
     cutoff = snap.started_ns - grace_ns
     retired = retired or {}
     blobs = snap.blobs
@@ -125,41 +117,31 @@ class Remover:
     def __init__(self, lay: Layout) -> None:
         self.lay = lay
 
-    # -- single files ------------------------------------------------------------------
-
-    def _unlink(self, path: str) -> bool:
+    def file(self, path: str) -> bool:
+        """Unlink one file of the root by its path; True if this call did."""
         try:
             with_sharing_retry(lambda: os.unlink(path))
         except FileNotFoundError:
             return False
         except PermissionError as exc:
             if is_sharing_violation(exc):
-                return False  # an exhausted Windows sharing retry leaves it
+                return False
             raise
         return True
-
-    def file(self, path: str) -> bool:
-        """Unlink one file of the root by its path (a store's object removed by name); True if this call did."""
-        return self._unlink(path)
 
     def manifest(self, kid: str, st: os.stat_result | None = None) -> bool:
         """Unlink the manifest of ``kid``; with ``st``, only if it is still that file. True if this call removed it.
 
-        A writer may have replaced it since it was looked at; its work is kept. The
-        window between the check and the unlink is microseconds; at worst a fresh
-        entry is lost and recompiled, never a wrong one returned.
+        The window between the check and the unlink is microseconds: at worst a fresh entry
+        is lost and recompiled, never a wrong one returned.
         """
         path = self.lay.manifest_path(kid)
         if st is not None and not same_file(path, file_id(st)):
             return False
-        return self._unlink(path)
+        return self.file(path)
 
     def blob(self, digest: str, *, cutoff_ns: int = 0, seen: FileId | None = None) -> int:
-        """Unlink a blob if its mtime is below ``cutoff_ns``, or it is still the file ``seen`` describes.
-
-        Returns the bytes freed (0 when it was kept or already gone). The check comes
-        just before the unlink.
-        """
+        """Unlink a blob if its mtime is below ``cutoff_ns``, or it is still ``seen``; the bytes freed."""
         path = self.lay.blob_path(digest)
         try:
             st = os.lstat(path)
@@ -168,26 +150,17 @@ class Remover:
         # A time more than a day past the scan's clock is no freshen since the scan: a wrong clock's.
         if trusted_mtime_ns(st.st_mtime_ns, cutoff_ns) >= cutoff_ns and (seen is None or file_id(st) != seen):
             return 0
-        return st.st_size if self._unlink(path) else 0
+        return st.st_size if self.file(path) else 0
 
     def retire(self, digest: str) -> None:
-        """Mark a blob whose last key may just have gone (deleted or overwritten): mtime 0.
-
-        It then counts as an old orphan at the next collection or eviction, instead
-        of holding live entries hostage for a grace period. A blob other keys still
-        name is unaffected (blobs are judged by references first); a writer that
-        deduplicates against it freshens it again.
-        """
+        """Mark a blob whose last key may just have gone with mtime 0: an old orphan, if it is one."""
         try:
             os.utime(self.lay.blob_path(digest), ns=(0, 0))
         except OSError:
             pass
 
     def quarantine(self, digest: str, st: os.stat_result | None = None) -> str | None:
-        """Move a bad blob aside into ``quarantine/`` (never returned again); returns where it went.
-
-        With ``st``, only if it is still that file: a writer may have replaced it with good bytes.
-        """
+        """Move a bad blob (with ``st``, only if still that file) into ``quarantine/``; where it went."""
         path = self.lay.blob_path(digest)
         if st is not None and not same_file(path, file_id(st)):
             return None
@@ -203,13 +176,10 @@ class Remover:
         """Remove a stale temp file if it is still the one listed."""
         if not same_file(path, file_id(st)):
             return False
-        return self._unlink(path)
+        return self.file(path)
 
     def sweep_temp(self) -> int:
-        """Remove the stale temp files of ``tmp/``, best effort; returns how many went.
-
-        Young ones are left alone: they may be another process's write in flight.
-        """
+        """Remove the stale temp files of ``tmp/``, best effort; how many went."""
         removed = 0
         for path, st in stale_temp_files(self.lay.tmp):
             try:
@@ -218,16 +188,12 @@ class Remover:
                 continue
         return removed
 
-    # -- plans -------------------------------------------------------------------------
-
     def execute(self, plan: RemovalPlan, *, budget: int | None = None, until_freed: int | None = None) -> RemovalResult:
         """Carry a plan out, or its next steps, tolerating files that changed or vanished.
 
-        A step is one orphan, or one manifest with its blob when it was the last to
-        name it. Orphans go first (they hold space and serve nobody), then
-        manifests, each before its blob. Stops after ``budget`` steps, once this
-        call freed ``until_freed`` bytes (both None: the whole plan). Raises
-        ``OSError`` for what stops removal altogether (permission denied).
+        A step is one orphan, or one manifest with its blob when it was the last to name it;
+        orphans go first. Stops after ``budget`` steps or once ``until_freed`` bytes went
+        (both None: the whole plan). ``OSError`` for what stops removal altogether.
         """
         snap = plan.snapshot
         result = RemovalResult()
@@ -260,27 +226,22 @@ class Remover:
                 continue
             result.manifests_removed += 1
             result.bytes_freed += info.stat.st_size
-            if info.manifest is None:
-                continue
-            digest = info.manifest.digest
-            refs[digest] -= 1
-            if refs[digest] or not plan.blobs_removable or digest not in snap.blobs or digest in plan.keep_blobs:
+            last = plan.last_named(refs, info)
+            if last is None:
                 continue
             if plan.shared:
-                # A node may have read this manifest a moment ago and be about to read
-                # the blob: restart its grace period instead.
                 try:
-                    os.utime(self.lay.blob_path(digest))
+                    os.utime(self.lay.blob_path(last))
                     result.blobs_deferred += 1
                 except OSError:
                     pass
                 continue
-            freed = self.blob(digest, cutoff_ns=snap.cutoff_ns)
+            freed = self.blob(last, cutoff_ns=snap.cutoff_ns)
             if freed:
                 result.blobs_removed += 1
                 result.bytes_freed += freed
-            elif os.path.lexists(self.lay.blob_path(digest)):
-                result.retired[digest] = file_id(snap.blobs[digest])
+            elif os.path.lexists(self.lay.blob_path(last)):
+                result.retired[last] = file_id(snap.blobs[last])
         plan.freed_so_far += result.bytes_freed
         result.steps = steps
         result.stored_bytes_after = max(0, snap.stored_bytes - plan.freed_so_far)

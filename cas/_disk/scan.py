@@ -14,13 +14,10 @@ from dataclasses import dataclass, field
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 from .files import READ_FLAGS, fs_now, read_regular, scan_sharded, trusted_mtime_ns
+from .fskind import CLOCK_LAG_NS
 from .layout import temp_files
 
-__all__ = ["CLOCK_SLACK_NS", "ManifestInfo", "Snapshot", "take_snapshot"]
-
-#: How far file times may lag the process clock (a coarse kernel clock stamps them),
-#: used only where the file system's own clock could not be read.
-CLOCK_SLACK_NS = 50_000_000
+__all__ = ["ManifestInfo", "Snapshot", "take_snapshot"]
 
 
 @dataclass(slots=True)
@@ -43,27 +40,23 @@ class Snapshot:
     blobs: dict[str, os.stat_result] = field(default_factory=dict)
     #: digest -> number of valid manifests naming it.
     refs: Counter[str] = field(default_factory=Counter)
-    #: Manifest files that exist but could not be read (EACCES, EIO): the blobs
-    #: they name are unknown, so no blob can be proven unreferenced.
+    #: Manifests that could not be read: no blob can be proven unreferenced.
     unreadable: list[str] = field(default_factory=list)
-    #: Bytes of the files in ``tmp/`` when the scan asked for them (the size cap does):
-    #: writes in flight and crashed writers' leftovers take disk too.
+    #: Bytes of the files in ``tmp/``, when the scan asked for them (the size cap does).
     temp_bytes: int = 0
-    #: The file system's clock when the scan began: a file whose mtime is below it
-    #: was last written or touched before the scan. Without a clock reading (a
-    #: read-only cache), the process clock less :data:`CLOCK_SLACK_NS`.
+    #: The file system's clock when the scan began (else the process clock less a tick): a
+    #: file whose mtime is below it was last written before the scan.
     cutoff_ns: int = 0
-    #: digest -> the raw size a compressed blob's frame states (:mod:`cuda_program_cas._base.frame`), for the
-    #: blobs smaller than a manifest naming them says (a shared store's); its stat's size is what it takes.
+    #: digest -> the raw size a compressed blob's frame states, for the blobs smaller than
+    #: a manifest naming them says.
     framed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.cutoff_ns:
-            self.cutoff_ns = self.started_ns - CLOCK_SLACK_NS
+            self.cutoff_ns = self.started_ns - CLOCK_LAG_NS
 
     def mtime_ns(self, st: os.stat_result) -> int:
-        """The mtime of ``st`` as ages are judged: more than a day ahead of the scan's clock, 0 (see
-        :func:`cuda_program_cas._disk.files.trusted_mtime_ns`)."""
+        """The mtime of ``st`` as ages are judged (:func:`cuda_program_cas._disk.files.trusted_mtime_ns`)."""
         return trusted_mtime_ns(st.st_mtime_ns, self.cutoff_ns)
 
     @property
@@ -98,19 +91,13 @@ def take_snapshot(
 ) -> Snapshot:
     """Scan the manifests under ``index_dir``, then the blobs under ``blobs_dir``, then ``temp_dir``.
 
-    A manifest is believed only on the path of the key it names.
-
-    Manifests first: a blob written after its manifest was scanned is then seen as
-    referenced or young, never as an old orphan. ``clock_dir`` (the cache's
-    ``tmp/``, when it may be written) gives the file system's clock at the start,
-    as :attr:`Snapshot.cutoff_ns`. ``temp_dir`` (the cache's ``tmp/``, for the size
-    cap) is counted in :attr:`Snapshot.temp_bytes`; last, so that a temp file renamed
-    into a blob meanwhile is counted once at most.
+    A manifest is believed only on the path of the key it names. Manifests first: a blob
+    written after its manifest was scanned is seen as referenced or young, never as an old
+    orphan. ``clock_dir`` (``tmp/``, when writable) gives :attr:`Snapshot.cutoff_ns`.
+    ``temp_dir`` last, so that a temp file renamed into a blob meanwhile counts once at most.
     """
-    # The file system's clock first: anything that starts after ``started`` (a
-    # writer's temp file, a freshen) then carries an mtime of at least the cutoff.
-    # Read the other way round, a manifest whose temp file was written between the
-    # two readings, and renamed in place after, would look older than the scan.
+    # The file system's clock first: anything that starts after it (a writer's temp file,
+    # a freshen) then carries an mtime of at least the cutoff.
     fs_started = fs_now(clock_dir) if clock_dir is not None else None
     started = time.time_ns()
     snap = Snapshot(started_ns=started, cutoff_ns=fs_started or 0)
@@ -148,7 +135,7 @@ def take_snapshot(
 
 
 def _stated_size(path: str) -> int | None:
-    """The raw size the blob file at ``path`` states as a compressed one, or None (not one, or not readable)."""
+    """The raw size the blob file at ``path`` states as a compressed one, or None."""
     from cuda_program_cas._base.frame import HEADER_SIZE, stated_size
 
     try:

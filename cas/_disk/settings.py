@@ -1,15 +1,9 @@
 """Settings stored in the cache itself: ``settings.json`` in its root (``cuda-program-cas config``).
 
-As with ``ccache -M``, a cap set once in the cache is honoured by every process
-that opens it, unless an argument or the environment says otherwise. Each
-setting comes from the first of: an argument, the environment, the cache, the
-default. :func:`effective_settings` says which, for ``config``.
-
-The file is a small JSON object (``{"max_size_bytes": 10737418240}``) written
-through the one atomic write (:func:`cuda_program_cas._disk.atomic.atomic_write`). A file that
-cannot be used (not a regular file, unreadable, not JSON, a value that is not a
-positive int) is one WARNING per process and ignored, never an exception: a
-lookup or a write does not fail for a setting.
+As with ``ccache -M``, a cap set once in the cache is honoured by every process that opens
+it. Each setting comes from the first of: an argument, the environment, the cache, the
+default. A file that cannot be used is one WARNING per process and ignored, never an
+exception: a lookup or a write does not fail for a setting.
 """
 
 from __future__ import annotations
@@ -25,9 +19,9 @@ from cuda_program_cas._base.config import (
     ENV_LOG,
     ENV_MAX_SIZE,
     ENV_SHARED,
+    VAR_DIR,
+    VAR_LOG,
     VAR_MAX_SIZE,
-    env_dir,
-    env_log_file,
     env_shared,
     platform_cache_dir,
     warn_once,
@@ -42,18 +36,14 @@ __all__ = [
     "SETTING_NAMES",
     "Setting",
     "effective_settings",
-    "load_settings",
-    "read_settings",
     "settings_path",
     "store_setting",
     "stored_max_size",
 ]
 
-#: The stored name of the cap, and the command line's names of what can be stored.
 MAX_SIZE = "max_size_bytes"
 SETTING_NAMES = {"max-size": MAX_SIZE}
 
-#: A settings file is a few dozen bytes; anything past this is not ours.
 _MAX_BYTES = 64 * 1024
 
 
@@ -61,27 +51,10 @@ def settings_path(root: str) -> str:
     return os.path.join(root, SETTINGS_FILE)
 
 
-def read_settings(root: str) -> dict[str, object]:
-    """The usable settings stored in the cache at ``root``: ``{}`` when there are none.
-
-    A file that cannot be used is one WARNING per process, and ``{}``.
-    """
-    settings, why = load_settings(root)
-    if why is not None:
-        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
-        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
-    return settings
-
-
 def load_settings(root: str) -> tuple[dict[str, object], str | None]:
-    """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not).
-
-    Never raises for what is on disk. O_NONBLOCK: a FIFO put in its place must not
-    hang the open; O_NOFOLLOW: a symlink is not the cache's file.
-    """
-    path = settings_path(root)
+    """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not)."""
     try:
-        fd = os.open(path, READ_FLAGS)  # the cache's flags for its own files: no symlink, no FIFO wait
+        fd = os.open(settings_path(root), READ_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}, None
@@ -112,18 +85,21 @@ def load_settings(root: str) -> tuple[dict[str, object], str | None]:
 
 
 def stored_max_size(root: str) -> int | None:
-    """The cap stored in the cache at ``root``, or None."""
-    value = read_settings(root).get(MAX_SIZE)
+    """The cap stored in the cache at ``root``, or None (a file that cannot be used: one WARNING)."""
+    settings, why = load_settings(root)
+    if why is not None:
+        message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
+        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
+    value = settings.get(MAX_SIZE)
     return value if isinstance(value, int) else None
 
 
 def store_setting(root: str, name: str, value: int | None) -> None:
-    """Store ``name`` (a stored name, e.g. :data:`MAX_SIZE`) in the cache at ``root``; None removes it.
+    """Store ``name`` (e.g. :data:`MAX_SIZE`) in the existing cache at ``root``; None removes it.
 
-    The cache must exist. What else the file holds is kept (a damaged file is
-    rewritten with only the new value). Two runs at once: the last one wins.
+    What else the file holds is kept (a damaged file is rewritten with only the new value).
     """
-    settings, _ = load_settings(root)  # a damaged file is replaced: no warning for what is being rewritten
+    settings, _ = load_settings(root)
     if value is None:
         settings.pop(name, None)
     else:
@@ -140,11 +116,10 @@ class Setting:
     value: object
     #: ``argument``, ``environment``, ``cache`` or ``default``.
     source: str
-    #: The variable or the file it came from ("" for an argument or the default).
+    #: The variable or the file it came from.
     origin: str = ""
-    #: What else the reader should know (a value it overrides, a cache not created yet).
     note: str = ""
-    #: A value that was ignored, and why ("" when none was).
+    #: A value that was ignored, and why.
     problem: str = ""
 
     def as_dict(self) -> dict[str, object]:
@@ -154,14 +129,12 @@ class Setting:
 def effective_settings(path: str | None) -> list[Setting]:
     """Every setting a cache opened at ``path`` (None: the default directory) gets with no arguments.
 
-    Directory, cap, shared stores and log file, in the order the library reads
-    them; a value the library would ignore is in the setting's ``problem``.
     Raises :class:`cuda_program_cas.LayoutError` when ``path`` is a file or not a cache.
     """
     env_text = os.environ.get(ENV_DIR, "")
     if path:
         directory = Setting("directory", os.path.abspath(path), "argument")
-    elif (env := env_dir()) is not None:
+    elif (env := VAR_DIR.value()) is not None:
         note = "" if os.path.isabs(env_text) else f"the relative {env_text!r} taken from the working directory"
         directory = Setting("directory", env, "environment", ENV_DIR, note)
     else:
@@ -184,7 +157,7 @@ def effective_settings(path: str | None) -> list[Setting]:
     else:
         cap = Setting(MAX_SIZE, None, "default", "", "no cap", problem)
     shared = env_shared()
-    log_file = env_log_file()
+    log_file = VAR_LOG.value()
     return [
         directory,
         cap,

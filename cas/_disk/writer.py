@@ -1,57 +1,36 @@
 """The write protocol: every file the cache creates is written here, and only here.
 
-- Each file is written whole or not at all (:mod:`.atomic`: a temp file in the
-  cache's own ``tmp/``, then a rename).
-- An entry is its blob first, then its manifest, then a re-check that the blob is
-  still there (a collector may have removed it in between): a manifest never
-  names a blob that was not stored.
-- A blob that already exists is not rewritten: its mtime is freshened, so a
-  concurrent collector sees it as young. A writer that verifies existing blobs
-  (``publish``) hashes one before trusting it and replaces it when it is bad.
+- Each file is written whole or not at all (:mod:`.atomic`).
+- An entry is its blob first, then its manifest, then a re-check that the blob is still
+  there (a collector may have removed it in between): a manifest never names a blob that
+  was not stored.
+- A blob that already exists is not rewritten: its mtime is freshened, so a concurrent
+  collector sees it as young.
 
-What differs between callers is options of one :class:`Writer`, not another
-writer: file and directory modes (a shared store's are group-readable, setgid),
-whether each file is fsynced, and a shard guard that refuses symlinked shards.
-``put``, the local copy of a shared hit, ``import-filestream`` and ``publish``
-all write through it.
+What differs between callers (modes, fsync, a shard guard) is options of one :class:`Writer`.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import logging
 import os
 import stat
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from blake3 import blake3
-
 from cuda_program_cas.index import Manifest
 
 from .atomic import atomic_write, discard, sync_filesystem
-from .files import SizeMismatch, read_regular
 
 if TYPE_CHECKING:
     from .files import ShardGuard
     from .layout import Layout
 
-__all__ = [
-    "DROP_ERRNOS",
-    "UNWRITABLE_ERRNOS",
-    "BlobWrite",
-    "WriteResult",
-    "Writer",
-]
+__all__ = ["DROP_ERRNOS", "UNWRITABLE_ERRNOS", "WriteResult", "Writer"]
 
-_log = logging.getLogger("cuda_program_cas")
-
-#: Write failures that drop the write instead of failing the caller: the disk is
-#: full, something that is not ours is in the way of a file (a directory where a
-#: blob or manifest belongs), or the rename would cross file systems (``blobs/`` or
-#: ``tmp/`` moved to another disk behind a symlink: staging elsewhere would leave
-#: temp files no sweep finds).
+#: Write failures that drop the write instead of failing the caller: a full disk, something
+#: not ours in the way, or a rename across file systems (``tmp/`` moved behind a symlink).
 DROP_ERRNOS = frozenset(
     e
     for e in (
@@ -67,21 +46,17 @@ DROP_ERRNOS = frozenset(
     )
     if e is not None
 )
-#: Write failures of a cache that cannot be written (permissions, a read-only
-#: mount, perhaps remounted read-only under an open cache). A cache drops such a
-#: write, as ccache and sccache do in their read-only modes; a maintenance verb
-#: asked to write there fails instead.
+#: Write failures of a cache that cannot be written: a cache drops such a write (as ccache
+#: does in its read-only mode); a maintenance verb fails instead.
 UNWRITABLE_ERRNOS = frozenset((errno.EACCES, errno.EPERM, errno.EROFS))
 
 
 class WriteResult(enum.Enum):
     """What storing one entry did. ``STORED`` and ``DEDUPLICATED`` are true, ``DROPPED`` false."""
 
-    #: New content: a blob and a manifest were written.
     STORED = "stored"
-    #: The content was already stored (under this or another key): only a manifest was written.
+    #: The content was already stored: only a manifest was written.
     DEDUPLICATED = "deduplicated"
-    #: Nothing was stored: the disk is full, a file was in the way or locked, a shard is not a directory.
     DROPPED = "dropped"
 
     def __bool__(self) -> bool:
@@ -99,13 +74,10 @@ class BlobWrite(enum.Enum):
 class Writer:
     """Writes the blobs and manifests of one cache root.
 
-    ``file_mode``/``dir_mode``: modes of new files (less the umask, or exactly
-    with ``exact_mode``) and directories (``dir_mode``
-    None: :func:`os.makedirs`' default under the umask; with ``setgid`` new
-    directories get the setgid bit, so they inherit the root's group).
-    ``fsync``: fsync each file (without it, :meth:`sync` makes a batch durable).
-    ``verify_existing``: hash a blob already there before trusting it.
-    ``guard``: refuse writes through a shard that is a symlink or not a directory.
+    ``file_mode``/``dir_mode``: modes of new files (less the umask, or exactly with
+    ``exact_mode``) and directories (None: the umask's; ``setgid``: they inherit the root's
+    group). ``fsync``: each file (else :meth:`sync` makes a batch durable). ``guard``:
+    refuse writes through a shard that is a symlink or not a directory.
     """
 
     def __init__(
@@ -117,7 +89,6 @@ class Writer:
         dir_mode: int | None = None,
         setgid: bool = False,
         fsync: bool = False,
-        verify_existing: bool = False,
         guard: ShardGuard | None = None,
     ) -> None:
         self.lay = lay
@@ -126,22 +97,17 @@ class Writer:
         self._dir_mode = dir_mode
         self._setgid = setgid
         self._fsync = fsync
-        self._verify_existing = verify_existing
         self._guard = guard
-        #: digest -> True once this writer proved the stored blob good (``verify_existing``).
-        self._good: dict[str, bool] = {}
         self._made: set[str] = set()
 
-    # -- files -----------------------------------------------------------------------
-
-    def write_file(self, target: str, data: bytes | memoryview | Iterable[bytes], *, mode: int | None = None) -> bool:
+    def write_file(self, target: str, data: bytes | memoryview | Iterable[bytes]) -> bool:
         """Write one file atomically (see :func:`atomic_write`); False when a sharing violation dropped it."""
         make_dir = self.make_dir if self._dir_mode is not None else None
         return atomic_write(
             target,
             data,
             self.lay.tmp,
-            mode=self._file_mode if mode is None else mode,
+            mode=self._file_mode,
             exact_mode=self._exact_mode,
             fsync=self._fsync,
             make_dir=make_dir,
@@ -167,66 +133,42 @@ class Writer:
         """Make what was written so far durable: one ``syncfs`` for a batch, not an fsync per file."""
         sync_filesystem(self.lay.root)
 
-    # -- entries ---------------------------------------------------------------------
-
     def write_blob(self, digest: str, data: bytes | memoryview) -> BlobWrite:
-        """Store a blob (``digest`` computed by the caller) unless it is already there.
-
-        An existing blob of the right size (and, with ``verify_existing``, the right
-        bytes) is freshened instead of rewritten; one of the wrong size or bytes is
-        replaced.
-        """
+        """Store a blob (``digest`` computed by the caller); one there of the right size is freshened instead."""
         if self._guard is not None and not self._guard.ok(self.lay.blobs, digest):
             return BlobWrite.DROPPED
         path = self.lay.blob_path(digest)
-        if self._existing_ok(digest, path, len(data)) and self.freshen(path, len(data)):
+        if self.freshen(path, len(data)):
             return BlobWrite.EXISTED
         if not self.write_file(path, data):
             return BlobWrite.DROPPED
-        self._good[digest] = True
         return BlobWrite.WRITTEN
-
-    def _existing_ok(self, digest: str, path: str, size: int) -> bool:
-        if not self._verify_existing:
-            return True
-        known = self._good.get(digest)
-        if known is None:
-            try:
-                data, _ = read_regular(path, size)
-            except (OSError, SizeMismatch):
-                return False  # absent, wrong size, not a file: write it
-            known = self._good[digest] = blake3(data).hexdigest() == digest
-        return known
 
     def freshen(self, path: str, size: int) -> bool:
         """Set a blob's mtime to now if it exists with ``size`` bytes; True if it did."""
         try:
             st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return False
         try:
             os.utime(path)
-        except FileNotFoundError:
-            # A collector removed it between the stat and the touch: store it again.
+        except FileNotFoundError:  # a collector took it between the stat and the touch
             return False
         return True
 
-    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None, signature: bytes = b"") -> bool:
+    def write_manifest(self, manifest: Manifest, *, used_ns: int | None = None) -> bool:
         """Commit the manifest of ``manifest.key_id``; False when it was dropped.
 
         ``used_ns``: the entry's last use, as its recency (import keeps FileStream's).
-        ``signature``: a signature line written after it (publish with a signing key).
         """
         kid = manifest.key_id
         assert kid is not None
         if self._guard is not None and not self._guard.ok(self.lay.index, kid):
             return False
         path = self.lay.manifest_path(kid)
-        if not self.write_file(path, manifest.encode() + signature):
+        if not self.write_file(path, manifest.encode()):
             return False
         if used_ns is not None:
             try:
@@ -242,18 +184,16 @@ class Writer:
                 return
         except FileNotFoundError:
             pass
-        self._good.pop(digest, None)
         self.write_blob(digest, data)
 
     def commit(self, kid: str, data: bytes | memoryview, digest: str, *, used_ns: int | None = None) -> WriteResult:
         """Store one entry: blob, then manifest, then re-check the blob.
 
-        Raises ``OSError`` for what is not a dropped write (permission denied, a
-        read-only file system); a blob this call wrote is removed again then.
+        ``OSError`` for what is not a dropped write; a blob this call wrote is removed again then.
         """
         blob = self.write_blob(digest, data)
         if blob is BlobWrite.DROPPED:
-            return WriteResult.DROPPED  # the blob was not stored: a manifest must not name it
+            return WriteResult.DROPPED
         try:
             committed = self.write_manifest(Manifest(digest, len(data), kid), used_ns=used_ns)
         except OSError:

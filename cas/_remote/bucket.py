@@ -1,40 +1,26 @@
 """A store in an S3 bucket, maintained where it is: its objects listed, counted, checked and collected.
 
-``stats``, ``verify`` and ``gc`` of a directory store read files and take a lock
-file; a bucket has neither, so these work on what S3 gives: a listing (``GET
-?list-type=2``, 1,000 objects a page, with each object's size and when it was
-written) and the objects themselves, through :class:`.s3.S3Engine` (its signed,
-bounded requests).
+A bucket has no files to read and no lock file: these work on its listing (each object's
+size and when it was written) and its objects, through :class:`.s3.S3Engine`.
 
-- :func:`bucket_stats`: objects and bytes by kind (manifests, blobs, packs,
-  leases, the rest), from the listing alone.
-- :func:`bucket_verify`: every manifest read and parsed, its blob present with the
-  size it names and hashed (one GET a blob: the whole store is downloaded once),
-  and the orphan blobs (named by no manifest) counted. It writes nothing.
-- :func:`bucket_gc`: removes what is safe to remove, each written more than
-  ``grace_s`` ago: orphan blobs, manifests that cannot be read as one or whose
-  blob is gone, and leases past their expiry. A blob is sent before the manifest
-  that names it, so a young orphan may be a write-back under way: the grace keeps
-  it (at least an hour, as for a published directory). Packs are left alone: they
-  are listed in ``packs/list``.
-- :func:`bucket_repack`: every entry of the store (its packs' and its loose ones)
-  into one new pack, uploaded and read back by the one pack publisher
-  (:class:`cuda_program_cas._disk.packpublish.StorePacks`); the packs it replaced are
-  copied to ``packs/retired/`` (S3's server-side copy: a node that listed them before
-  reads them there until it lists again) and removed; then ``packs/list`` and
-  ``packs/summary`` are written from the listing of ``packs/`` (the new pack, and any
-  a publisher added meanwhile), and the loose manifests now packed are removed (their
-  blobs are orphans for ``gc``). One repack at a time: a bucket has no lock file.
-  Each blob is verified by its digest as it is read; one that is not is left out.
+- :func:`bucket_stats`: objects and bytes by kind, from the listing alone.
+- :func:`bucket_verify`: every manifest parsed, its blob present with its size and hashed,
+  and the orphan blobs counted. It writes nothing.
+- :func:`bucket_gc`: removes, each written more than ``grace_s`` ago, orphan blobs (a young
+  one may be a write-back under way), manifests damaged or whose blob is gone, and expired
+  leases. Packs are left alone.
+- :func:`bucket_repack`: every entry (packed and loose, each verified as read) into one
+  new pack through the one pack publisher; the packs it replaced are copied to
+  ``packs/retired/`` and removed, ``packs/list`` and ``packs/summary`` written from the
+  listing, and the loose manifests now packed removed. One repack at a time.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from functools import partial
 from urllib.parse import quote
 
 from cuda_program_cas._base.engine import StoreFailure
@@ -43,9 +29,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, par
 
 from .s3 import LEASES, S3Engine
 
-__all__ = [
-    "BucketFound", "BucketObject", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify", "list_objects",
-]  # fmt: skip
+__all__ = ["BucketFound", "bucket_gc", "bucket_repack", "bucket_stats", "bucket_verify"]
 
 KINDS = ("manifests", "blobs", "packs", "leases", "other")
 
@@ -63,11 +47,15 @@ class BucketObject:
         top = self.name.split("/", 1)[0]
         return {INDEX: "manifests", BLOBS: "blobs", "packs": "packs", LEASES: "leases"}.get(top, "other")
 
+    @property
+    def key_id(self) -> str:
+        """The key id a manifest's name spells (not checked)."""
+        return self.name[len(INDEX) + 1 :].replace("/", "")
+
 
 @dataclass
 class BucketFound:
-    """What :func:`bucket_stats`, :func:`bucket_verify`, :func:`bucket_gc` or :func:`bucket_repack` found and did
-    (the verbs give it the report shape: :class:`cuda_program_cas._verbs.bucket.BucketReport`)."""
+    """What a bucket verb found and did (:class:`cuda_program_cas._verbs.bucket.BucketReport` shapes it)."""
 
     store: str
     objects: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
@@ -78,12 +66,6 @@ class BucketFound:
     #: Objects removed (``gc``), or that would be (``dry_run``).
     removed: list[str] = field(default_factory=list)
     bytes_removed: int = 0
-
-
-def list_objects(engine: S3Engine) -> Iterator[BucketObject]:
-    """Every object under the store's prefix, page by page (ListObjectsV2); a failure is a :class:`StoreFailure`."""
-    for name, size, written in engine.listed():
-        yield BucketObject(name, size, _epoch(written))
 
 
 def _epoch(text: str) -> float:
@@ -102,7 +84,7 @@ def _survey(address: str) -> tuple[S3Engine, BucketFound, dict[str, BucketObject
     """The engine of the store at ``address``, a report of its objects and bytes by kind, and its listing by name."""
     engine = S3Engine(address)
     report = BucketFound(engine.shown)
-    objects = {obj.name: obj for obj in list_objects(engine)}
+    objects = {name: BucketObject(name, size, _epoch(written)) for name, size, written in engine.listed()}
     for obj in objects.values():
         report.objects[obj.kind] += 1
         report.bytes[obj.kind] += obj.size
@@ -113,26 +95,32 @@ def _blob_name(digest: str) -> str:
     return f"{BLOBS}/{digest[:2]}/{digest[2:]}"
 
 
+def _named(kid: str, data: bytes) -> tuple[str, int] | None:
+    """The digest and size the manifest ``data`` of key id ``kid`` names; None when it is damaged."""
+    fields = parse_fields(data) if is_key_id(kid) else None
+    if fields is None or fields[0] not in (None, kid) or not is_digest(fields[1]):
+        return None
+    return fields[1], fields[2]
+
+
 def _check_manifests(
     engine: S3Engine, objects: dict[str, BucketObject], report: BucketFound, *, hash_blobs: bool
 ) -> tuple[set[str], list[BucketObject]]:
-    """The blobs the manifests name, and the manifests that are damaged or name a blob gone (problems and orphan
-    blobs noted)."""
+    """The blobs the manifests name, and the manifests damaged or naming a blob gone (problems noted)."""
     named: set[str] = set()
     bad: list[BucketObject] = []
     for obj in objects.values():
         if obj.kind != "manifests":
             continue
-        kid = obj.name[len(INDEX) + 1 :].replace("/", "")
         data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES) if obj.size <= MAX_MANIFEST_BYTES else b""
         if data is None:
             continue  # removed since the listing
-        fields = parse_fields(data) if is_key_id(kid) else None
-        if fields is None or (fields[0] is not None and fields[0] != kid) or not is_digest(fields[1]):
+        named_blob = _named(obj.key_id, data)
+        if named_blob is None:
             report.problems.append((obj.name, "damaged manifest"))
             bad.append(obj)
             continue
-        _found, digest, size = fields
+        digest, size = named_blob
         blob = _blob_name(digest)
         named.add(blob)
         held = objects.get(blob)
@@ -167,8 +155,8 @@ def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketF
     doomed = [o for o in bad if o.written < old]
     doomed += [o for o in objects.values() if o.kind == "blobs" and o.name not in named and o.written < old]
     for obj in objects.values():
-        # A live lease is rewritten every third of its time to live (30 s): one untouched for the grace is
-        # expired, whoever left it. Asked again before it goes (a node may have taken it over since the listing).
+        # A live lease is rewritten every third of its lifetime: one untouched for the grace is expired. Asked
+        # again before it goes (a node may have taken it over since the listing).
         name = obj.name[len(LEASES) + 1 :]
         if obj.kind == "leases" and obj.written < old and engine.lease(name, 0, take=False) == "":
             doomed.append(obj)
@@ -212,19 +200,19 @@ def bucket_repack(address: str) -> BucketFound:
     inputs: list[PackInput] = []
     manifests: list[str] = []
     for obj in objects.values():
-        kid = obj.name[len(INDEX) + 1 :].replace("/", "")
-        if obj.kind != "manifests" or not is_key_id(kid) or obj.size > MAX_MANIFEST_BYTES:
+        if obj.kind != "manifests" or not is_key_id(obj.key_id) or obj.size > MAX_MANIFEST_BYTES:
             continue
         data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES)
-        fields = None if data is None else parse_fields(data)
-        if fields is None or fields[0] not in (None, kid) or not is_digest(fields[1]):
+        named_blob = None if data is None else _named(obj.key_id, data)
+        if named_blob is None:
             continue  # damaged: gc's
-        _kid, digest, size = fields
+        digest, size = named_blob
         manifests.append(obj.name)
-        inputs.append((kid, digest, _bound(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
+        # Each input's bytes are asked when the pack is written: one blob in memory at a time.
+        inputs.append((obj.key_id, digest, partial(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
     for kid, pe in packed.items():
         e = pe.entry
-        inputs.append((kid, e.digest, _bound(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))
+        inputs.append((kid, e.digest, partial(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))
     if not inputs:
         return report
     stats: dict[str, int] = {}
@@ -244,8 +232,3 @@ def bucket_repack(address: str) -> BucketFound:
         report.removed.append(name)
     report.bytes_removed = stats.get("bytes", 0)
     return report
-
-
-def _bound(read: Callable[..., bytes | None], *args: Any) -> Callable[[], bytes | None]:
-    """``read(*args)`` later: a pack input's bytes, asked when the pack is written (one blob in memory at a time)."""
-    return lambda: read(*args)

@@ -1,27 +1,14 @@
 """The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and the reads of an engine beside GET (HEAD, Range).
 
-Every request goes through the one client (:func:`.client.request`). Each call
-either returns what the server said or raises :class:`.client.HttpFailure`, with
-the URL as :func:`.urls.shown` gives it; a token never appears in a message.
-
-Atomicity is the server's job. nginx's dav module receives a PUT's body into
-``client_body_temp_path`` and renames it onto the target once it is complete;
-an object store (S3, GCS, Azure Blob) makes an object visible only once its
-upload is complete. So a reader sees the old file, or none, or the whole new
-one, never a part.
-
-Parent collections: nginx with ``create_full_put_path on`` creates them for a
-PUT. A stricter WebDAV server answers ``409 Conflict`` instead; then the missing
-collections are made with MKCOL, top down, and the PUT is sent again.
-
-A 2xx is a claim, not a proof: a server that answers 201 may have stored nothing
-or a part. What a PUT sent is read back by the uploader
-(:mod:`cuda_program_cas._shared.upload`; a pack: :mod:`cuda_program_cas._disk.packpublish`).
+Each call returns what the server said or raises :class:`.client.HttpFailure`, with the
+URL as :func:`.urls.shown` gives it. Atomicity is the server's job (nginx's dav module
+renames a complete body onto the target). A server that answers ``409 Conflict`` to a PUT
+gets the missing collections made with MKCOL, top down, and the PUT again. A 2xx is a
+claim, not a proof: the uploader reads back what it sent (:mod:`cuda_program_cas._shared.upload`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import IO
 
 from cuda_program_cas._base.urls import shown
@@ -30,12 +17,9 @@ from .client import HttpFailure, Reply, request
 
 __all__ = ["delete", "fetch_range", "fetch_tail", "put", "size_of"]
 
-#: Statuses of a PUT that stored the body: created, replaced (with or without a body).
 _PUT_OK = frozenset((200, 201, 204))
-#: Statuses that say "there is nothing here".
 _ABSENT = frozenset((404, 410))
-#: Why nginx answers 500 to a PUT, each seen with nginx 1.22 (tests/test_http_publish.py); its
-#: error log says which. A client_body_temp_path on another file system is not one: nginx copies.
+#: Why nginx answers 500 to a PUT, each seen with nginx 1.22 (tests/test_http_publish.py).
 _STORE_FAILED_HINT = (
     "the server could not store it; with nginx, likely causes: the folder is not writable by nginx's worker "
     "user, create_full_put_path is off and a folder is missing, or the disk (or client_body_temp_path's) is "
@@ -45,7 +29,6 @@ _AUTH_HINT = "the server wants a token: set CUDA_PROGRAM_CAS_HTTP_TOKEN or a ~/.
 
 
 def _refused(url: str, reply: Reply, method: str) -> HttpFailure:
-    """An answer that is not one this protocol expects, as one :class:`HttpFailure`."""
     detail = f"{method} answered {reply.status}"
     if reply.status in (401, 403):
         detail += f" ({_AUTH_HINT}, with write access for a publish)"
@@ -59,10 +42,7 @@ def _refused(url: str, reply: Reply, method: str) -> HttpFailure:
 
 
 def size_of(url: str) -> int | None:
-    """The size of the file at ``url`` (its ``Content-Length``), or None when there is none.
-
-    A file whose size the server does not say counts as size -1: present, size unknown.
-    """
+    """The size of the file at ``url`` (its ``Content-Length``; unsaid: -1), or None when there is none."""
     reply = request("HEAD", url)
     if reply.status in _ABSENT:
         return None
@@ -106,18 +86,12 @@ def fetch_range(url: str, offset: int, length: int) -> bytes | None:
     raise _refused(url, reply, "GET (Range)")
 
 
-def put(url: str, data: bytes | IO[bytes], *, root: str, headers: Mapping[str, str] | None = None) -> int:
-    """Store ``data`` at ``url`` (below the store URL ``root``); the status: 200, 201, 204, or 412.
-
-    ``headers`` may make the PUT conditional (``If-Match``); a server that honours
-    it answers 412 when the file changed since it was read, which is returned,
-    not raised. On ``409 Conflict`` (a parent collection is missing) the
-    collections from ``root`` down are made and the PUT is sent again.
-    """
-    reply = request("PUT", url, body=data, headers=headers)
+def put(url: str, data: bytes | IO[bytes], *, root: str) -> int:
+    """Store ``data`` at ``url`` (below the store URL ``root``); the status: 200, 201, 204, or 412."""
+    reply = request("PUT", url, body=data)
     if reply.status == 409:
         _make_parents(root, url)
-        reply = request("PUT", url, body=data, headers=headers)
+        reply = request("PUT", url, body=data)
     if reply.status in _PUT_OK or reply.status == 412:
         return reply.status
     raise _refused(url, reply, "PUT")
@@ -131,10 +105,7 @@ def delete(url: str) -> None:
 
 
 def _make_parents(root: str, url: str) -> None:
-    """MKCOL ``root`` and every collection below it on the way to ``url``, top down.
-
-    Those that exist answer 405 (RFC 4918 9.3.1). ``root``'s own parent must exist.
-    """
+    """MKCOL ``root`` and every collection below it on the way to ``url``, top down (405: it exists)."""
     below = url[len(root) :].strip("/").split("/")[:-1] if url.startswith(root + "/") else []
     level = root
     for part in ["", *below]:

@@ -1,23 +1,11 @@
 """One deadline per request: a watchdog thread shuts a request's sockets down when its time is up.
 
-Why a watchdog. A socket timeout bounds each ``recv``, not a request: a server
-that sends ``HTTP/1.1 2`` and then a byte every half second, or a short header
-line every 0.3 s, meets every per-recv timeout while http.client waits for up
-to 64 KiB a line and 100 header lines (days). urllib3's ``Timeout(total=)`` is
-no better: it shortens the read timeout by the connect time, still per recv.
-Shrinking the timeout before each ``recv`` would need a hook into every read of
-http.client and of the ssl module. ``shutdown(SHUT_RDWR)`` from another thread
-needs none: the kernel ends the socket, so whatever blocks on it (the TLS
-handshake, the status line, a header, the body) returns at once with an EOF or
-an error, in C or Python code alike. It is a known way to abort a blocking recv.
-
-One thread per process serves every request, sleeping until the earliest
-deadline (a timer thread per request would cost a thread start each). A request
-registers with :func:`watch`, its sockets join as they are made or reused
-(:meth:`Watch.add`), and :func:`Watch.done` takes it off the list: under the
-watchdog's lock, so a request that finished is never shut down, and one that
-was shut down knows it (``fired``) and closes its connection instead of handing
-it back to the pool. A forked child starts its own thread when it needs one.
+A socket timeout bounds each ``recv``, not a request: a server trickling a byte every half
+second meets every one for days (urllib3's ``Timeout(total=)`` too). ``shutdown(SHUT_RDWR)``
+from another thread needs no hook into http.client or ssl: whatever blocks on the socket
+returns at once. One thread per process serves every request, sleeping until the earliest
+deadline. :meth:`Watch.done` runs under its lock, so a finished request is never shut down,
+and one that was knows it (``fired``) and closes its connection rather than pool it.
 """
 
 from __future__ import annotations
@@ -70,10 +58,10 @@ class Watch:
 def _shut(sock: socket.socket) -> None:
     try:
         # The plain socket's shutdown, on an SSLSocket too: ssl's own would drop its SSL object
-        # under the thread that is reading through it.
+        # under the thread reading through it.
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
-        pass  # closed already (EBADF), or never connected (ENOTCONN)
+        pass
 
 
 class _Watchdog:

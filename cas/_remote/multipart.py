@@ -1,19 +1,10 @@
 """Several ranges of one file in one request: the ``Range`` header asked, and the ``multipart/byteranges`` answer read.
 
-A server that honours a request for several ranges (RFC 9110, section 14.6; nginx
-does for static files) answers ``206`` with ``Content-Type: multipart/byteranges;
-boundary=B`` and one part per range: ``--B``, the part's headers (its
-``Content-Range``), an empty line, the bytes, then ``--B`` again, ``--B--`` at the end.
-
-The answer is read strictly, by the lengths the parts' ``Content-Range`` headers
-give, never by looking for the boundary inside the bytes (a blob may hold any
-bytes). Each part must be one of the ranges asked, each at most once, of one file
-size; anything else (another boundary, a range not asked for, a part cut short,
-bytes after the end) makes the whole answer unusable: :func:`parse` returns None
-and the caller reads those entries the ordinary way. A request may ask the file's
-last bytes too (a pack's trailer: ``-56``), whose offset the answer tells. The
-parts are views of the body, never copies of it. A server that answers with
-the whole file (``200``) or one range for several is the caller's to refuse.
+The answer (RFC 9110, 14.6) is read strictly, by the lengths the parts' ``Content-Range``
+headers give, never by looking for the boundary inside the bytes (a blob may hold any).
+Each part must be one of the ranges asked, at most once, of one file size; anything else
+makes the whole answer unusable (:func:`parse` returns None, and the caller reads those
+entries the ordinary way). The parts are views of the body, never copies.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["PART_OVERHEAD", "coalesce", "header", "parse"]
 
-#: Bytes a part's framing may take besides its data (boundary, Content-Type, Content-Range).
+#: Bytes a part's framing may take besides its data.
 PART_OVERHEAD = 256
 #: Ranges this close together are asked as one (a few KiB read for nothing beats another part).
 _GAP = 4096

@@ -1,24 +1,16 @@
 """redis-py's connection and RESP2 parser, bounded: what :mod:`.redis` talks to its server through.
 
-Importing this module imports ``redis``; :mod:`.redis` imports it the first time an
-engine talks to its server. Only redis-py's connection (connect, TLS, AUTH, SELECT)
-and its command packer are used as they are. The parser's reading of replies is
-replaced, since redis-py's reads whatever length a reply announces, and its socket
-reads give each ``recv`` the whole timeout again:
+Importing this module imports ``redis`` (:mod:`.redis` does at its first call). redis-py's
+reading of replies is replaced, since it reads whatever length a reply announces and gives
+each ``recv`` the whole timeout again:
 
-- A bulk reply longer than the call's ``limit`` is refused from its header
-  (:class:`TooLarge`), before a byte of it is read.
-- A call receives at most ``budget`` bytes in all, a reply line is at most
-  :data:`MAX_LINE` bytes, an array is at most ``items`` long and one deep (EXEC's
-  array is the only one asked for).
-- One deadline covers the call: checked before every ``recv`` and ``send``, each
-  given only what is left of it, and extended by the time of each value's bytes at
-  the call's ``rate`` (a slow link may carry a large value). A peer that trickles a
-  byte now and then is cut off at the deadline.
+- A bulk reply longer than the call's ``limit`` is refused from its header (:class:`TooLarge`).
+- A call receives at most ``budget`` bytes, a line at most :data:`MAX_LINE`, an array at
+  most ``items`` and one deep (EXEC's).
+- One deadline covers the call, connect and TLS included: each ``recv`` and ``send`` gets
+  what is left, extended by each value's bytes at the call's ``rate``.
 
-``connect(...)`` makes one unconnected connection; ``bound(...)`` sets a call's bounds
-before its commands are sent (a connection made during the call is bounded too: its
-AUTH and SELECT replies are read through the same parser).
+``bound(...)`` sets a call's bounds before its commands are sent.
 """
 
 from __future__ import annotations
@@ -38,13 +30,11 @@ from cuda_program_cas._base.engine import Landing
 
 __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
 
-#: The longest reply line (a status, an error, a header): Redis's are a few hundred bytes.
+#: The longest reply line: Redis's are a few hundred bytes.
 MAX_LINE = 64 << 10
-#: EXEC's array of replies is the only array asked for: one deeper is a protocol error.
 _MAX_DEPTH = 1
-#: The packer's threshold: a value larger than this is sent as its own buffer, not copied; smaller
-#: commands are joined up to it, so a pipeline of small ones goes out in one write (redis-py's 6000
-#: split 100 SETs into two writes, and the server could answer the first before the second came).
+#: A larger value is sent as its own buffer, not copied; smaller commands are joined up to it,
+#: so a pipeline goes out in one write (redis-py's 6000 split 100 SETs in two).
 _BUFFER_CUTOFF = 64 << 10
 
 
@@ -110,11 +100,9 @@ class _Buffer(SocketBuffer):
         return bytes(data[:-2])
 
     def read(self, length: int, timeout: Any = None) -> bytes:
-        # Straight into one buffer that becomes the value (redis-py's goes through its BytesIO and
-        # two copies; a bytearray made bytes is a second copy), and checked to end with CRLF
-        # (redis-py's cuts two bytes off, whatever they are).
-        # Every view is released on the way out, a failure's too: a view left in a traceback's frames
-        # would keep the buffer exported into garbage, where CPython 3.12.1's collector crashed on it.
+        # Straight into one buffer that becomes the value, checked to end with CRLF. Every view is
+        # released on the way out, a failure's too: one left in a traceback's frames crashed
+        # CPython 3.12.1's collector.
         out = Landing(length + 2)
         with out.room() as room:
             got = self._buffer.readinto(room)
@@ -134,8 +122,8 @@ class _Parser(_RESP2Parser):
     _buffer: _Buffer
     limit = 0
     budget = 0
-    items = 1  # the longest array a call can be answered (EXEC's: one reply per command)
-    rate = 1.0  # bytes per second a value's time is counted at
+    items = 1
+    rate = 1.0
     received = 0
     deadline = 0.0
 
@@ -200,15 +188,12 @@ class _Bounded:
         return left
 
     def _connect(self) -> Any:
-        # redis-py gives the connect its whole timeout, then the TLS handshake its whole timeout
-        # again: a slow SYN-ACK and a trickling handshake would double the deadline. Each gets what is left.
+        # redis-py gives the connect and then the TLS handshake each the whole timeout.
         self.socket_connect_timeout = self._left()
         return super()._connect()  # type: ignore[misc]
 
     def _wrap_socket_with_ssl(self, sock: Any) -> Any:
-        # CPython's handshake keeps its socket timeout as one deadline: what is left after the
-        # connect. redis-py 8.1 wraps with the socket's timeout as it is, 8.2 sets it to
-        # socket_connect_timeout first: both get what is left.
+        # redis-py 8.1 wraps with the socket's timeout, 8.2 with socket_connect_timeout: both are what is left.
         left = self._left()
         self.socket_connect_timeout = left
         sock.settimeout(left)
@@ -250,10 +235,7 @@ def connect(
     tls: bool,
     ca_bundle: str | None,
 ) -> Any:
-    """A bounded connection to one server, connected at its first call.
-
-    TLS is verified (certificate and host name) against the system's CAs and those of ``ca_bundle``.
-    """
+    """A bounded connection to one server, connected at its first call; TLS verified (system CAs, ``ca_bundle``)."""
     kwargs: dict[str, Any] = {
         "host": host,
         "port": port,
