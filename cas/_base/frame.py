@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from blake3 import blake3
 
@@ -118,7 +118,7 @@ class _Over(Exception):
 class _Bounded:
     """zstd's output, passed on to ``sink`` until it would exceed ``size`` bytes (then :class:`_Over`)."""
 
-    def __init__(self, size: int, sink: Callable[[bytes], object]) -> None:
+    def __init__(self, size: int, sink: Callable[[bytes | memoryview], object]) -> None:
         self.size = size
         self.written = 0
         self._sink = sink
@@ -144,7 +144,7 @@ class Inflow:
     digest decides. A :class:`StoreFailure` of kind ``damaged`` for what the module refuses.
     """
 
-    def __init__(self, where: str, limit: int, sink: Callable[[bytes], object]) -> None:
+    def __init__(self, where: str, limit: int, sink: Callable[[bytes | memoryview], object]) -> None:
         self.where = where
         self.limit = limit
         self.raw_size = 0
@@ -219,7 +219,7 @@ class Inflow:
         self._size = size
         self._out = _Bounded(size, self._sink)
         self._writer = zstandard.ZstdDecompressor().stream_writer(
-            self._out, write_size=min(size + 1, 1 << 17), write_return_read=True
+            cast("IO[bytes]", self._out), write_size=min(size + 1, 1 << 17), write_return_read=True
         )
         self._inflate(memoryview(head)[HEADER_SIZE:])
 
