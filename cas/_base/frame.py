@@ -102,7 +102,7 @@ def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | m
     if not is_framed(stored):
         Inflow(where, limit, _drop).take(stored[: limit + 1]).finish()  # the one "over the limit" check
         return stored
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     Inflow(where, limit, parts.append).take(stored).finish()
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
