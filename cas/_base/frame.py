@@ -1,9 +1,12 @@
 """A blob as a shared store holds it: zstd-compressed in a self-describing frame, or raw.
 
-A shared store moves and keeps compressed bytes (a cubin compresses 7 to 10 times);
-a node's local cache keeps the raw binary, which ``cuobjdump`` reads. The writer
-compresses once (:func:`encode`), each reader decodes (:func:`decode`) before it
-verifies: a blob's name stays the blake3 digest of its raw bytes.
+Every shared store (a directory, WebDAV, S3, Redis) moves and keeps compressed bytes
+(a cubin compresses 7 to 10 times); a node's local cache keeps the raw binary, which
+``cuobjdump`` reads. The writer (publish, write-back) compresses once
+(:func:`encode`); each reader decodes before it verifies, through one
+:class:`Inflow` as the bytes arrive (an engine's ``get`` with a digest) or
+:func:`decode` of an object in hand: a blob's name stays the blake3 digest of its
+raw bytes.
 
 A framed object is::
 
@@ -31,14 +34,9 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, cast
-
-from blake3 import blake3
+from typing import IO, Any, cast
 
 from .engine import StoreFailure, check_digest
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = [
     "HEADER_SIZE",
@@ -47,8 +45,6 @@ __all__ = [
     "Inflow",
     "decode",
     "encode",
-    "for_store",
-    "get_verified",
     "is_framed",
     "stated_size",
     "verified",
@@ -81,17 +77,6 @@ def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
     if len(framed) < len(raw) or is_framed(raw):
         return framed
     return raw
-
-
-def for_store(engine: Engine, raw: bytes) -> bytes:
-    """``raw`` as ``engine``'s store is to hold it: :func:`encode` d, unless the engine keeps blobs raw.
-
-    A directory store, and a web server's, keep them raw (no ``compresses`` in ``engine.can``): their engines verify
-    a blob as it arrives (hashed in chunks before a large one is read whole; staged on disk over HTTP),
-    which a framed one fails, to be read again (:func:`get_verified`). Every reader, gc, verify, stats,
-    repack and publish take framed ones there all the same. Redis reads an object whole anyway.
-    """
-    return encode(raw) if engine.can.compresses else raw
 
 
 def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | memoryview:
@@ -182,9 +167,9 @@ class Inflow:
         """The object ended: its raw size, when it was whole (a frame that produced all it states)."""
         if self._framed is None:
             head, self._head = self._head, b""
-            if is_framed(head) or (len(head) < len(MAGIC) and MAGIC.startswith(head) and head):
-                self._start(head)  # a frame cut short (or a tiny raw object that starts like one: refused)
-            else:
+            if is_framed(head):
+                self._start(head)  # a frame cut short
+            else:  # raw (shorter than MAGIC, though it starts like it: the digest decides)
                 self._framed = False
                 self.take(head)
         if self._framed:
@@ -242,45 +227,10 @@ def stated_size(head: bytes | memoryview) -> int | None:
     return size
 
 
-def get_verified(engine: Engine, name: str, digest: str, size: int) -> bytes | None:
-    """The raw bytes of blob ``name`` of ``engine``, verified against ``digest``, or None when there is none.
-
-    Stored compressed or raw, never larger than the raw ``size``. Where writers keep blobs raw
-    (no ``compresses`` in ``engine.can``: a directory, a web server) the engine verifies as the bytes arrive
-    (staged on disk above 1 MiB over HTTP); only an object that failed that is read again, to be
-    decoded if it is framed. Elsewhere (Redis) it is read whole, then decoded and verified. A
-    :class:`StoreFailure` of kind ``damaged`` for what is neither.
-    """
-    where = f"{engine.shown.rstrip('/')}/{name}"
-    if engine.can.compresses:
-        stored = engine.get(name, limit=size)
-    else:
-        try:
-            return engine.get(name, limit=size, digest=digest)
-        except StoreFailure as exc:
-            if exc.kind != "damaged":
-                raise
-            # A framed object is smaller than the raw size: only such a one is read again (a lying manifest
-            # over a large file is never read whole), and any trouble on the way is the damage first found.
-            try:
-                held = engine.size(name)
-                stored = engine.get(name, limit=held) if held is not None and 0 < held < size else None
-            except StoreFailure:
-                stored = None
-            if stored is None or not is_framed(stored):
-                raise
-    return None if stored is None else bytes(verified(where, stored, digest, size))
-
-
 def verified(where: str, stored: bytes | memoryview, digest: str, limit: int) -> bytes | memoryview:
-    """The raw bytes of ``stored`` when they hash to ``digest``; else a :class:`StoreFailure` kind ``damaged``.
+    """The raw bytes of ``stored`` (at most ``limit``) when they hash to ``digest``; else a :class:`StoreFailure`.
 
-    A framed-looking object that does not decode to them may be a raw blob that starts with
-    :data:`MAGIC` in a store written before blobs were compressed: its own digest decides.
+    Of kind ``damaged``: a frame :func:`decode` refuses, or raw bytes that are not the blob's. An engine's
+    ``get`` with a digest, for an object it has whole (Redis, a directory's file once hashed).
     """
-    try:
-        return check_digest(where, decode(stored, limit, where), digest)
-    except StoreFailure:
-        if not is_framed(stored) or len(stored) > limit or blake3(stored).hexdigest() != digest:
-            raise
-        return stored
+    return check_digest(where, decode(stored, limit, where), digest)
