@@ -251,26 +251,38 @@ def _traced_peak(call: Callable[[], object]) -> tuple[object, int]:
         tracemalloc.stop()
 
 
-def test_a_large_framed_blob_or_bomb_over_http_holds_no_more_than_a_chunk_beyond_the_verified_raw_bytes(
-    nginx: Nginx, tmp_path: Path
+@pytest.mark.parametrize("kind", ["http", "directory"])
+def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verified_raw_bytes(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
 ) -> None:
+    from cuda_program_cas._base.engine import Engine
+    from cuda_program_cas._disk.direngine import DirEngine
     from cuda_program_cas._remote.http import IN_MEMORY_BYTES, HttpEngine
 
-    raw = (os.urandom(1 << 16) * (BIG >> 16))[:BIG]  # 64 KiB of noise, repeated: zstd's window finds it
-    name = url_path(BLOBS, digest_of(raw))
-    (nginx.root / "cas" / name).parent.mkdir(parents=True, exist_ok=True)
-    (nginx.root / "cas" / name).write_bytes(frame.encode(raw, level=3))
     staging = tmp_path / "staging"
     staging.mkdir()
-    engine = HttpEngine(nginx.read_url("cas"), staging=str(staging))
+    if kind == "http":
+        server: Nginx = request.getfixturevalue("nginx")
+        root = server.root / "cas"
+        engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
+    else:
+        root = tmp_path / "store"
+        engine = DirEngine(str(root))
+    raw = (os.urandom(1 << 16) * (BIG >> 16))[:BIG]  # 64 KiB of noise, repeated: zstd's window finds it
+    name = url_path(BLOBS, digest_of(raw))
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_bytes(frame.encode(raw, level=3))
     got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
     assert got == raw
-    # The raw bytes once verified (read back from the staging file), the 1 MiB held before staging, and a chunk.
+    # The raw bytes once verified (read back from a staging file, or decoded into one buffer), and a chunk (HTTP:
+    # the 1 MiB held before a body is staged; a directory: the 1 MiB read at a time while it is hashed).
     assert peak < BIG + IN_MEMORY_BYTES + (1 << 20), peak
-    # A bomb stating the size the manifest names: decompression stops there, staged on disk, never in memory.
-    (nginx.root / "cas" / name).write_bytes(bomb_lying_frame(BIG))
+    # A bomb stating the size the manifest names: decompression stops there, and the raw bytes are staged or
+    # hashed as they come out, never gathered in memory.
+    (root / name).write_bytes(bomb_lying_frame(BIG))
     got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
     assert isinstance(got, StoreFailure) and got.kind == "damaged" and "does not decompress" in str(got), got
+    assert "\n" not in str(got)
     assert peak < IN_MEMORY_BYTES + (1 << 20), peak
     assert list(staging.iterdir()) == []  # its staging file went with the refusal
 

@@ -159,7 +159,7 @@ class Landing:
         """``n`` more bytes were received into :meth:`room`."""
         self.size += n
 
-    def take(self, chunk: bytes) -> None:
+    def take(self, chunk: bytes | memoryview) -> None:
         """Copy ``chunk`` in after what is there (a ``ValueError`` past ``size``)."""
         end = self.size + len(chunk)
         assert self._view is not None

@@ -36,7 +36,7 @@ import struct
 from collections.abc import Callable
 from typing import IO, Any, cast
 
-from .engine import StoreFailure, check_digest
+from .engine import Landing, StoreFailure, check_digest
 
 __all__ = [
     "HEADER_SIZE",
@@ -82,14 +82,16 @@ def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
 def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | memoryview:
     """The raw bytes of ``stored`` (at most ``limit`` of them), or ``stored`` itself when it is raw.
 
-    Refuses (module docstring) with a :class:`StoreFailure` naming ``where``.
+    Refuses (module docstring) with a :class:`StoreFailure` naming ``where``. The raw bytes land in one
+    buffer of the stated size (within ``limit``), not in parts joined at the end: held once, not twice.
     """
     if not is_framed(stored):
         Inflow(where, limit, _drop).take(stored[: limit + 1]).finish()  # the one "over the limit" check
         return stored
-    parts: list[bytes | memoryview] = []
-    Inflow(where, limit, parts.append).take(stored).finish()
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    size = stated_size(stored)
+    into = Landing(size if size is not None and size <= limit else 0)  # else refused before a byte comes out
+    Inflow(where, limit, into.take).take(stored).finish()
+    return into.value()
 
 
 def _drop(chunk: bytes | memoryview) -> None:
