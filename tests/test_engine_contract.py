@@ -14,6 +14,7 @@ Adding an engine is adding a row: a context manager that yields a :class:`Made`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -412,7 +413,7 @@ COMPRESSED: dict[str, tuple[Callable[[], bytes], bytes]] = {
 
 @pytest.mark.parametrize("stored", sorted(COMPRESSED))
 def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
-    made: Made, stored: str, tmp_path: Path
+    made: Made, stored: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     make, raw = COMPRESSED[stored]
     source = CacheStore(tmp_path / "source")
@@ -431,6 +432,7 @@ def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
             made.engine.get(name, limit=len(raw), digest=digest)
         assert (caught.value.kind, caught.value.outage) == ("damaged", False)
         assert "a compressed object that" in str(caught.value) and "\n" not in str(caught.value)
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     node = CacheStore(tmp_path / "node", shared=[made.read])
     try:
         got, corrupt = node.get("k"), node.counters()["corrupt"]
@@ -439,6 +441,8 @@ def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
         for tier in node.inner.shared:
             tier.engine.close()
     assert (got, corrupt) == ((raw, 0) if stored.startswith("framed") else (None, 1))
+    said = [r.getMessage() for r in caplog.records if "a compressed object" in r.getMessage()]
+    assert len(said) == (0 if stored.startswith("framed") else 1) and "\n" not in "".join(said), said
 
 
 def test_a_store_mixing_framed_and_raw_blobs_reads_both_raw(made: Made, tmp_path: Path) -> None:
