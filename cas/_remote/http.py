@@ -16,8 +16,8 @@ and its packs are :class:`.httppacks.HttpPacks`.
   bounded by its stated size, a raw one passed through) and its raw bytes hashed;
   past :data:`IN_MEMORY_BYTES` of them they go to a staging file in the local
   cache's ``tmp/`` (:func:`cuda_program_cas._disk.atomic.staging`) rather than
-  into memory, and only bytes that proved to be the blob are read back. Running out of memory or
-  of staging disk meanwhile is this node's trouble: a StoreFailure of kind
+  into memory, and only bytes that proved to be the blob are read back. Running
+  out of memory or of staging disk meanwhile is this node's trouble: a StoreFailure of kind
   :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
 - ``get_changed``: a GET with ``If-None-Match`` (the ETag of the copy in hand;
   nginx gives one to every static file): 304 is "unchanged".
