@@ -12,7 +12,7 @@ import logging
 import os
 import struct
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,10 +44,11 @@ def _patched_content_size(body: bytes, size: int) -> bytes:
     return body[:at] + struct.pack("<I", size) + body[at + 4 :]
 
 
-def bomb_lying_frame() -> bytes:
-    """10 MB of zeros in 300-odd bytes, the header and the zstd frame both stating 1,000 bytes."""
-    body = zstandard.ZstdCompressor().compress(bytes(10_000_000))
-    return frame.MAGIC + struct.pack("<Q", 1000) + _patched_content_size(body, 1000)
+def bomb_lying_frame(size: int = 1000) -> bytes:
+    """Ten times ``size`` zeros, at least 10 MB, in a few hundred bytes, the header and the zstd frame both stating
+    ``size``."""
+    body = zstandard.ZstdCompressor().compress(bytes(max(10_000_000, 10 * size)))
+    return frame.MAGIC + struct.pack("<Q", size) + _patched_content_size(body, size)
 
 
 def bomb_no_size() -> bytes:
@@ -209,27 +210,81 @@ def nginx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nginx]:
         yield server
 
 
-def test_a_web_server_store_mixing_raw_and_framed_blobs_is_read_over_http_kept_raw(
+def test_write_back_over_webdav_stores_framed_blobs_and_a_store_mixing_raw_ones_reads_kept_raw(
     nginx: Nginx, tmp_path: Path
 ) -> None:
-    # Write-back and publish over WebDAV keep blobs raw (the store is a directory there that gc and verify
-    # judge); a store holding framed ones (copied from another engine, or a later writer) reads all the same.
     with ContentAddressedProgramCache(tmp_path / "a", shared=[f"{nginx.dav_url('cas')}|write"]) as cache:
         code = bytes(compile_program(SAXPY, cache=cache).code)
         cache.close()
         assert cache.stats().uploads == 1
     path = _blob(nginx.root / "cas", code)
-    assert path.read_bytes() == code
-    path.write_bytes(frame.encode(code))
-    assert path.stat().st_size < 0.3 * len(code)
+    assert frame.is_framed(path.read_bytes()) and path.stat().st_size < 0.3 * len(code)
+    assert _blob(tmp_path / "a", code).read_bytes() == code  # the writer's local cache keeps it raw
     with ContentAddressedProgramCache(tmp_path / "b", shared=[nginx.dav_url("cas")]) as other:
         assert bytes(compile_program(SAXPY, cache=other).code) == code
         assert other.stats().shared_hits == 1
     assert _blob(tmp_path / "b", code).read_bytes() == code
-    path.write_bytes(bomb_lying_frame())
+    path.write_bytes(code)  # raw, as a store written before blobs were compressed holds it: read all the same
     with ContentAddressedProgramCache(tmp_path / "c", shared=[nginx.dav_url("cas")]) as third:
-        assert bytes(compile_program(SAXPY, cache=third).code) == code  # a miss, compiled
-        assert third.stats().shared_hits == 0 and third.counters()["corrupt"] == 1
+        assert bytes(compile_program(SAXPY, cache=third).code) == code
+        assert third.stats().shared_hits == 1
+    path.write_bytes(bomb_lying_frame())
+    with ContentAddressedProgramCache(tmp_path / "d", shared=[nginx.dav_url("cas")]) as fourth:
+        assert bytes(compile_program(SAXPY, cache=fourth).code) == code  # a miss, compiled
+        assert fourth.stats().shared_hits == 0 and fourth.counters()["corrupt"] == 1
+
+
+#: Raw bytes of a large blob that compresses (24 MiB: over the 1 MiB an HTTP body may take in memory).
+BIG = 24 << 20
+
+
+def _traced_peak(call: Callable[[], object]) -> tuple[object, int]:
+    """What ``call`` returns (or the StoreFailure it raises), and the most memory Python held meanwhile."""
+    tracemalloc.start()
+    try:
+        try:
+            got: object = call()
+        except StoreFailure as exc:
+            got = exc
+        return got, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("kind", ["http", "directory"])
+def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verified_raw_bytes(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    from cuda_program_cas._base.engine import Engine
+    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._remote.http import IN_MEMORY_BYTES, HttpEngine
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    if kind == "http":
+        server: Nginx = request.getfixturevalue("nginx")
+        root = server.root / "cas"
+        engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
+    else:
+        root = tmp_path / "store"
+        engine = DirEngine(str(root))
+    raw = (os.urandom(1 << 16) * (BIG >> 16))[:BIG]  # 64 KiB of noise, repeated: zstd's window finds it
+    name = url_path(BLOBS, digest_of(raw))
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_bytes(frame.encode(raw, level=3))
+    got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
+    assert got == raw
+    # The raw bytes once verified (read back from a staging file, or decoded into one buffer), and a chunk (HTTP:
+    # the 1 MiB held before a body is staged; a directory: the 1 MiB read at a time while it is hashed).
+    assert peak < BIG + IN_MEMORY_BYTES + (1 << 20), peak
+    # A bomb stating the size the manifest names: decompression stops there, and the raw bytes are staged or
+    # hashed as they come out, never gathered in memory.
+    (root / name).write_bytes(bomb_lying_frame(BIG))
+    got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
+    assert isinstance(got, StoreFailure) and got.kind == "damaged" and "does not decompress" in str(got), got
+    assert "\n" not in str(got)
+    assert peak < IN_MEMORY_BYTES + (1 << 20), peak
+    assert list(staging.iterdir()) == []  # its staging file went with the refusal
 
 
 # -- Redis -------------------------------------------------------------------------------------
@@ -280,14 +335,14 @@ def test_publish_into_redis_stores_blobs_compressed_and_a_rerun_sends_nothing(
 
 
 def _framed_store(tmp_path: Path, entries: dict[str, bytes]) -> Path:
-    """A store ``publish`` made, every blob then framed in place (as a store holding compressed blobs is)."""
+    """A store ``publish`` made: every blob framed (the source's local cache keeps them raw)."""
     src = _store_with(tmp_path, entries)
     store = tmp_path / "published"
     assert not publish([src], store).errors
     for v in entries.values():
         path = _blob(store, v)
-        path.write_bytes(frame.encode(path.read_bytes()))
-        assert path.stat().st_size < len(v)
+        assert frame.is_framed(path.read_bytes()) and path.stat().st_size < 0.3 * len(v)
+        assert _blob(src, v).read_bytes() == v
     return store
 
 

@@ -14,6 +14,7 @@ Adding an engine is adding a row: a context manager that yields a :class:`Made`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -394,12 +395,17 @@ def test_published_entries_reach_a_cold_node_through_its_jobs_warm_set(
         tier.engine.close()  # their pooled connections (Redis)
 
 
+LARGE = 3 << 20
+
 #: A blob as a writer may have put it into a shared store, and the raw bytes its manifest names: a frame that
 #: decodes to them, and frames that must be refused (a bomb within the entry limit, one cut short, one stating
 #: another size) where they reach any engine.
 COMPRESSED: dict[str, tuple[Callable[[], bytes], bytes]] = {
     "framed": (lambda: frame.encode(compressible(1)), compressible(1)),
+    # Over 1 MiB: a directory hashes the file in chunks before it reads it, HTTP stages the raw bytes on disk.
+    "framed, 3 MiB": (lambda: frame.encode(compressible(1, LARGE), level=3), compressible(1, LARGE)),
     "bomb": (bomb_lying_frame, bytes(1000)),
+    "bomb, 3 MiB": (lambda: bomb_lying_frame(LARGE), bytes(LARGE)),
     "truncated": (truncated, compressible(1)),
     "wrong stated size": (wrong_size, compressible(1)),
 }
@@ -407,7 +413,7 @@ COMPRESSED: dict[str, tuple[Callable[[], bytes], bytes]] = {
 
 @pytest.mark.parametrize("stored", sorted(COMPRESSED))
 def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
-    made: Made, stored: str, tmp_path: Path
+    made: Made, stored: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     make, raw = COMPRESSED[stored]
     source = CacheStore(tmp_path / "source")
@@ -416,14 +422,17 @@ def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
     publish([tmp_path / "source"], made.write)  # loose: its blob is then replaced by the one under test
     name, digest = url_path(BLOBS, digest_of(raw)), digest_of(raw)
     published = made.engine.get(name, limit=len(raw))
-    assert published is not None and frame.is_framed(published) == made.engine.can.compresses  # as its record says
+    assert published is not None and frame.is_framed(published)  # every engine's store holds it compressed
+    assert made.engine.get(name, limit=len(raw), digest=digest) == raw  # what publish wrote, decoded
     made.seed.put(name, make())
-    if stored == "framed":
-        assert frame.get_verified(made.engine, name, digest, len(raw)) == raw
+    if stored.startswith("framed"):
+        assert made.engine.get(name, limit=len(raw), digest=digest) == raw
     else:
         with pytest.raises(StoreFailure) as caught:
-            frame.get_verified(made.engine, name, digest, len(raw))
+            made.engine.get(name, limit=len(raw), digest=digest)
         assert (caught.value.kind, caught.value.outage) == ("damaged", False)
+        assert "a compressed object that" in str(caught.value) and "\n" not in str(caught.value)
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
     node = CacheStore(tmp_path / "node", shared=[made.read])
     try:
         got, corrupt = node.get("k"), node.counters()["corrupt"]
@@ -431,4 +440,29 @@ def test_a_compressed_blob_reads_back_verified_and_a_bad_frame_is_a_miss(
         node.close()
         for tier in node.inner.shared:
             tier.engine.close()
-    assert (got, corrupt) == ((raw, 0) if stored == "framed" else (None, 1))
+    assert (got, corrupt) == ((raw, 0) if stored.startswith("framed") else (None, 1))
+    said = [r.getMessage() for r in caplog.records if "a compressed object" in r.getMessage()]
+    assert len(said) == (0 if stored.startswith("framed") else 1) and "\n" not in "".join(said), said
+
+
+def test_a_store_mixing_framed_and_raw_blobs_reads_both_raw(made: Made, tmp_path: Path) -> None:
+    entries = {f"k{i}": compressible(i) for i in range(4)}
+    source = CacheStore(tmp_path / "source")
+    for k, v in entries.items():
+        source.put(k, v)
+    source.close()
+    publish([tmp_path / "source"], made.write)  # loose, every blob framed
+    for v in list(entries.values())[::2]:  # half of them raw again, as a store written before compression holds them
+        made.seed.put(url_path(BLOBS, digest_of(v)), v)
+    for v in entries.values():
+        assert made.engine.get(url_path(BLOBS, digest_of(v)), limit=len(v), digest=digest_of(v)) == v
+    node = CacheStore(tmp_path / "node", shared=[made.read])
+    try:
+        assert {k: node.get(k) for k in entries} == entries
+        assert node.counters()["shared_hits"] == len(entries) and node.counters()["corrupt"] == 0
+    finally:
+        node.close()
+        for tier in node.inner.shared:
+            tier.engine.close()
+    for v in entries.values():  # the node's local cache keeps raw blobs
+        assert (tmp_path / "node" / url_path(BLOBS, digest_of(v))).read_bytes() == v

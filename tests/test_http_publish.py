@@ -24,6 +24,7 @@ from testkit.faults import refused_url
 from testkit.nginx import LogEntry, Nginx, nginx_or_skip
 
 from cuda_program_cas import ContentAddressedProgramCache, LayoutError, collect
+from cuda_program_cas._base import frame
 from cuda_program_cas._cli.main import main as cli_main
 from cuda_program_cas._disk.packset import parse_listing
 
@@ -416,7 +417,8 @@ def publish_fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 
 def blob_sizes(source: Path) -> set[int]:
-    return {p.stat().st_size for p in (source / "blobs").rglob("*") if p.is_file()}
+    """The sizes of the blobs of ``source`` as a shared store holds them (compressed)."""
+    return {len(frame.encode(p.read_bytes())) for p in (source / "blobs").rglob("*") if p.is_file()}
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from conftest import SAXPY, compile_program, is_root, run_python
 from test_cluster import SCALE, listing
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
+from cuda_program_cas._base import frame
 from cuda_program_cas._disk.layout import url_path
 from cuda_program_cas.index import key_id, parse_manifest
 
@@ -38,7 +39,9 @@ def _entries(root: Path) -> dict[str, bytes]:
             kid = shard.name + f.name
             m = parse_manifest(f.read_bytes(), kid)
             assert m is not None, f"a damaged manifest was uploaded: {f}"
-            blob = (root / url_path("blobs", m.digest)).read_bytes()
+            stored = (root / url_path("blobs", m.digest)).read_bytes()
+            assert frame.is_framed(stored) or len(stored) == m.size  # written compressed, unless that is no smaller
+            blob = bytes(frame.decode(stored, m.size))
             assert digest_of(blob) == m.digest
             out[kid] = blob
     return out

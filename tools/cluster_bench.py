@@ -461,6 +461,7 @@ def compression(parent: str | None) -> dict[str, Any]:
     from cuda_program_cas import CacheStore
     from cuda_program_cas._base import frame
     from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
+    from cuda_program_cas._shared import upload  # write-back's writer: its encode is switched off for "raw"
 
     base = work_dir(parent, "compress-bench")
     results: dict[str, Any] = {"level": frame.LEVEL, "mixes": {}}
@@ -486,7 +487,7 @@ def compression(parent: str | None) -> dict[str, Any]:
             for mode in ("raw", "compressed"):
                 redis = RedisServer(os.path.join(base, f"redis-{mix}-{mode}")).start()
                 try:
-                    frame.encode = encode if mode == "compressed" else (lambda b, level=frame.LEVEL: b)  # type: ignore[misc]
+                    upload.encode = encode if mode == "compressed" else (lambda b, level=frame.LEVEL: b)  # type: ignore[misc]
                     writer = CacheStore(os.path.join(base, f"writer-{mix}-{mode}"), shared=[f"{redis.url}|write"])
                     for i, b in enumerate(blobs):
                         writer.put(f"{mix}-{i}", b)
@@ -513,7 +514,7 @@ def compression(parent: str | None) -> dict[str, Any]:
                         case[f"{link_name}: round trips"] = link.exchanges
                     out["cases"][mode] = case
                 finally:
-                    frame.encode = encode  # type: ignore[misc]
+                    upload.encode = encode  # type: ignore[misc]
                     redis.stop()
             results["mixes"][mix] = out
         return results

@@ -16,11 +16,17 @@ Rules every engine keeps:
 - ``limit`` is the cache's own bound: an object larger than it is refused
   (``StoreFailure`` with ``outage=False``, kind ``too large``) before more than
   ``limit + 1`` bytes of it are read, whatever the server claims.
-- ``digest``: with one, ``get`` returns the object only when it hashes (blake3)
-  to it, and raises ``StoreFailure`` kind ``damaged`` (``outage=False``) when it
-  does not; an engine may hash a large object as it arrives and hold it on disk
-  meanwhile (HTTP), rather than gather it in memory first. :func:`check_digest`
-  is the check for an engine that has the whole object in hand.
+- ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, the
+  object decoded when it is framed (:mod:`cuda_program_cas._base.frame`: a shared
+  store holds blobs zstd-compressed, or raw, mixed), ``limit`` bounding the raw
+  bytes, and only when they hash (blake3) to it; else ``StoreFailure`` kind
+  ``damaged`` (``outage=False``). The stored bytes go through one
+  :class:`~cuda_program_cas._base.frame.Inflow` as they arrive, its raw output
+  hashed and held on disk past a bound (HTTP) or hashed in chunks before the file
+  is read whole (a directory), never gathered unverified in memory first;
+  :func:`~cuda_program_cas._base.frame.verified` is the check for an engine that
+  has the whole object in hand (Redis). Without a digest, ``get`` returns the
+  stored bytes as they are.
 - Every call has one overall deadline (the engine's timeout), covering connect
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
@@ -153,7 +159,7 @@ class Landing:
         """``n`` more bytes were received into :meth:`room`."""
         self.size += n
 
-    def take(self, chunk: bytes) -> None:
+    def take(self, chunk: bytes | memoryview) -> None:
         """Copy ``chunk`` in after what is there (a ``ValueError`` past ``size``)."""
         end = self.size + len(chunk)
         assert self._view is not None
@@ -247,10 +253,6 @@ class Abilities:
     #: Answers are a web server's claims (HTTP): a body too large or a status that is no answer is a bad
     #: answer, not damage; ``layout.json`` is read once per process.
     server: bool = False
-    #: Writers keep blobs here zstd-compressed in a frame (:func:`cuda_program_cas._base.frame.for_store`), and
-    #: readers get a blob whole, then decode and verify it (Redis, which reads a value whole anyway). Without it
-    #: blobs are written raw and verified by the engine as they arrive; framed ones are read all the same.
-    compresses: bool = False
 
 
 class Engine(Protocol):
@@ -264,7 +266,7 @@ class Engine(Protocol):
     lost_hint: str
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
-        """The whole object ``name``, or None when there is none; with ``digest``, only bytes that hash to it."""
+        """The whole object ``name``, or None when there is none; with ``digest``, the raw blob that hashes to it."""
         ...
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:

@@ -1,9 +1,12 @@
 """A blob as a shared store holds it: zstd-compressed in a self-describing frame, or raw.
 
-A shared store moves and keeps compressed bytes (a cubin compresses 7 to 10 times);
-a node's local cache keeps the raw binary, which ``cuobjdump`` reads. The writer
-compresses once (:func:`encode`), each reader decodes (:func:`decode`) before it
-verifies: a blob's name stays the blake3 digest of its raw bytes.
+Every shared store (a directory, WebDAV, S3, Redis) moves and keeps compressed bytes
+(a cubin compresses 7 to 10 times); a node's local cache keeps the raw binary, which
+``cuobjdump`` reads. The writer (publish, write-back) compresses once
+(:func:`encode`); each reader decodes before it verifies, through one
+:class:`Inflow` as the bytes arrive (an engine's ``get`` with a digest) or
+:func:`decode` of an object in hand: a blob's name stays the blake3 digest of its
+raw bytes.
 
 A framed object is::
 
@@ -15,7 +18,9 @@ a cubin is ELF (``0x7f``), PTX and records are text, LTO-IR is LLVM bitcode
 ``cpcas``. A reader knows a framed object by its header, never by guessing: an
 object that does not start with ``MAGIC`` is raw and passed through, so a store
 may mix both, and the writer frames any blob that does start with it, compressed
-or not. A blob that compression would not make smaller is stored raw.
+or not (framed larger than itself, such a blob is a reader's miss, counted in
+``corrupt``: every reader bounds a blob by the raw size its manifest names; nothing
+a compiler writes starts so). A blob that compression would not make smaller is stored raw.
 
 What :func:`decode` refuses (a :class:`~cuda_program_cas._base.engine.StoreFailure`
 of kind ``damaged``, not an outage: one bad object, a miss counted in ``corrupt``):
@@ -30,23 +35,18 @@ than the limit the reader allows an entry anyway.
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import IO, Any, cast
 
-from blake3 import blake3
-
-from .engine import StoreFailure, check_digest
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .engine import Landing, StoreFailure, check_digest
 
 __all__ = [
     "HEADER_SIZE",
     "LEVEL",
     "MAGIC",
+    "Inflow",
     "decode",
     "encode",
-    "for_store",
-    "get_verified",
     "is_framed",
     "stated_size",
     "verified",
@@ -55,6 +55,8 @@ __all__ = [
 #: The first bytes of a framed object (PNG's trick: a high byte, then a name, then CR LF, ^Z, LF).
 MAGIC = b"\x89cpz\r\n\x1a\n"
 _HEADER = struct.Struct("<8sQ")
+#: The most bytes a zstd frame's header takes (RFC 8878): the first bytes of a frame that state its size.
+_ZSTD_HEAD = 18
 #: The bytes before the zstd frame.
 HEADER_SIZE = _HEADER.size
 #: zstd's level. Over the demo's 19 blobs (247 KB, each compressed alone) on the 2-core VM: 19 gave 0.217x at
@@ -79,53 +81,146 @@ def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
     return raw
 
 
-def for_store(engine: Engine, raw: bytes) -> bytes:
-    """``raw`` as ``engine``'s store is to hold it: :func:`encode` d, unless the engine keeps blobs raw.
-
-    A directory store, and a web server's, keep them raw (no ``compresses`` in ``engine.can``): their engines verify
-    a blob as it arrives (hashed in chunks before a large one is read whole; staged on disk over HTTP),
-    which a framed one fails, to be read again (:func:`get_verified`). Every reader, gc, verify, stats,
-    repack and publish take framed ones there all the same. Redis reads an object whole anyway.
-    """
-    return encode(raw) if engine.can.compresses else raw
-
-
 def decode(stored: bytes | memoryview, limit: int, where: str = "") -> bytes | memoryview:
     """The raw bytes of ``stored`` (at most ``limit`` of them), or ``stored`` itself when it is raw.
 
-    Refuses (module docstring) with a :class:`StoreFailure` naming ``where``.
+    Refuses (module docstring) with a :class:`StoreFailure` naming ``where``. The raw bytes land in one
+    buffer of the stated size (within ``limit``), not in parts joined at the end: held once, not twice.
+    """
+    if not is_framed(stored):
+        Inflow(where, limit, _drop).take(stored[: limit + 1]).finish()  # the one "over the limit" check
+        return stored
+    size = stated_size(stored)
+    into = Landing(size if size is not None and size <= limit else 0)  # else refused before a byte comes out
+    Inflow(where, limit, into.take).take(stored).finish()
+    return into.value()
+
+
+def _drop(chunk: bytes | memoryview) -> None:
+    pass
+
+
+class _Over(Exception):
+    """Decompression went past the raw size its header states (raised through zstd's writer)."""
+
+
+class _Bounded:
+    """zstd's output, passed on to ``sink`` until it would exceed ``size`` bytes (then :class:`_Over`)."""
+
+    def __init__(self, size: int, sink: Callable[[bytes | memoryview], object]) -> None:
+        self.size = size
+        self.written = 0
+        self._sink = sink
+
+    def write(self, chunk: bytes) -> int:
+        self.written += len(chunk)
+        if self.written > self.size:
+            raise _Over
+        self._sink(chunk)
+        return len(chunk)
+
+
+class Inflow:
+    """One stored object as it arrives (:meth:`take`), its raw bytes passed to ``sink`` as they come out.
+
+    The one decoder of stored objects: a raw object's chunks pass through, a framed one's
+    are decompressed, and :meth:`finish` says whether the object was whole. What comes out
+    is bounded as it comes: never more than ``limit`` raw bytes, and of a framed object never
+    more than its header states (zstd's writer hands out at most 128 KiB, its buffer, before it is
+    stopped), so a bomb costs a chunk, not its size. The sink hashes or keeps the raw bytes
+    (an engine's staging); the raw digest is the caller's check. Data after the frame that
+    decodes to nothing (an empty zstd frame) is not refused: it adds no byte to what the
+    digest decides. A :class:`StoreFailure` of kind ``damaged`` for what the module refuses.
     """
 
-    def refused(detail: str) -> StoreFailure:
-        return StoreFailure(where, "damaged", f"a compressed object that {detail}", outage=False)
+    def __init__(self, where: str, limit: int, sink: Callable[[bytes | memoryview], object]) -> None:
+        self.where = where
+        self.limit = limit
+        self.raw_size = 0
+        self._sink = sink
+        self._head = b""  # the bytes that decide, until there are enough of them
+        self._framed: bool | None = None
+        self._size = 0
+        self._out: _Bounded | None = None
+        self._writer: Any = None
 
-    if not is_framed(stored):
-        if len(stored) > limit:
-            raise StoreFailure(where, "damaged", f"{len(stored):,} bytes, over the {limit:,} allowed", outage=False)
-        return stored
+    def _refused(self, detail: str) -> StoreFailure:
+        return StoreFailure(self.where, "damaged", f"a compressed object that {detail}", outage=False)
 
-    if len(stored) < HEADER_SIZE:
-        raise refused(f"is cut short: {len(stored)} bytes, its header alone is {HEADER_SIZE}")
-    _magic, size = _HEADER.unpack_from(stored)
-    if size > limit:
-        raise refused(f"states {size:,} raw bytes, more than the {limit:,} allowed: not decompressed")
-    import zstandard
+    def take(self, chunk: bytes | memoryview) -> Inflow:
+        """The next bytes of the object (itself, so that a whole object is ``Inflow(...).take(it).finish()``)."""
+        if self._framed is None:
+            self._head += chunk
+            if len(self._head) < HEADER_SIZE + _ZSTD_HEAD and self._head.startswith(MAGIC[: len(self._head)]):
+                return self  # too few bytes yet to tell a frame, and its sizes, from a raw object
+            head, self._head = self._head, b""
+            self._start(head)
+            if self._framed:
+                return self  # _start fed zstd what came after the header
+            chunk = head
+        if self._framed:
+            self._inflate(chunk)
+        else:
+            self.raw_size += len(chunk)
+            if self.raw_size > self.limit:
+                raise StoreFailure(self.where, "damaged", f"more than the {self.limit:,} bytes allowed", outage=False)
+            self._sink(chunk)
+        return self
 
-    body = memoryview(stored)[HEADER_SIZE:]
-    try:
-        stated = zstandard.frame_content_size(body)
-    except zstandard.ZstdError:
-        raise refused("is cut short or garbled: no zstd frame header") from None
-    if stated != size:
-        said = "no size" if stated == -1 else f"{stated:,} bytes"
-        raise refused(f"states {size:,} raw bytes but its zstd frame {said}: not decompressed")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=size, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise refused(f"states {size:,} raw bytes and does not decompress to them ({exc})") from None
-    if len(raw) != size:
-        raise refused(f"states {size:,} raw bytes and decompresses to {len(raw):,}")
-    return raw
+    def finish(self) -> int:
+        """The object ended: its raw size, when it was whole (a frame that produced all it states)."""
+        if self._framed is None:
+            head, self._head = self._head, b""
+            if is_framed(head):
+                self._start(head)  # a frame cut short
+            else:  # raw (shorter than MAGIC, though it starts like it: the digest decides)
+                self._framed = False
+                self.take(head)
+        if self._framed:
+            assert self._out is not None
+            self.raw_size = self._out.written
+            if self.raw_size != self._size:
+                raise self._refused(
+                    f"states {self._size:,} raw bytes and does not decompress to them "
+                    f"(it ends after {self.raw_size:,}: cut short)"
+                )
+        return self.raw_size
+
+    def _start(self, head: bytes | memoryview) -> None:
+        """Tell a frame from a raw object by its first bytes, and check a frame's sizes before zstd sees it."""
+        self._framed = is_framed(head)
+        if not self._framed:
+            return
+        if len(head) < HEADER_SIZE:
+            raise self._refused(f"is cut short: {len(head)} bytes, its header alone is {HEADER_SIZE}")
+        _magic, size = _HEADER.unpack_from(head)
+        if size > self.limit:
+            raise self._refused(f"states {size:,} raw bytes, more than the {self.limit:,} allowed: not decompressed")
+        import zstandard  # only where a shared store's blob is written or read
+
+        try:
+            stated = zstandard.frame_content_size(bytes(head[HEADER_SIZE:]))
+        except zstandard.ZstdError:
+            raise self._refused("is cut short or garbled: no zstd frame header") from None
+        if stated != size:
+            said = "no size" if stated == -1 else f"{stated:,} bytes"
+            raise self._refused(f"states {size:,} raw bytes but its zstd frame {said}: not decompressed")
+        self._size = size
+        self._out = _Bounded(size, self._sink)
+        self._writer = zstandard.ZstdDecompressor().stream_writer(
+            cast("IO[bytes]", self._out), write_size=min(size + 1, 1 << 17), write_return_read=True
+        )
+        self._inflate(memoryview(head)[HEADER_SIZE:])
+
+    def _inflate(self, chunk: bytes | memoryview) -> None:
+        import zstandard
+
+        try:
+            self._writer.write(chunk)
+        except _Over:
+            raise self._refused(f"states {self._size:,} raw bytes and does not decompress to them (more)") from None
+        except zstandard.ZstdError as exc:
+            raise self._refused(f"states {self._size:,} raw bytes and does not decompress to them ({exc})") from None
 
 
 def stated_size(head: bytes | memoryview) -> int | None:
@@ -136,45 +231,10 @@ def stated_size(head: bytes | memoryview) -> int | None:
     return size
 
 
-def get_verified(engine: Engine, name: str, digest: str, size: int) -> bytes | None:
-    """The raw bytes of blob ``name`` of ``engine``, verified against ``digest``, or None when there is none.
-
-    Stored compressed or raw, never larger than the raw ``size``. Where writers keep blobs raw
-    (no ``compresses`` in ``engine.can``: a directory, a web server) the engine verifies as the bytes arrive
-    (staged on disk above 1 MiB over HTTP); only an object that failed that is read again, to be
-    decoded if it is framed. Elsewhere (Redis) it is read whole, then decoded and verified. A
-    :class:`StoreFailure` of kind ``damaged`` for what is neither.
-    """
-    where = f"{engine.shown.rstrip('/')}/{name}"
-    if engine.can.compresses:
-        stored = engine.get(name, limit=size)
-    else:
-        try:
-            return engine.get(name, limit=size, digest=digest)
-        except StoreFailure as exc:
-            if exc.kind != "damaged":
-                raise
-            # A framed object is smaller than the raw size: only such a one is read again (a lying manifest
-            # over a large file is never read whole), and any trouble on the way is the damage first found.
-            try:
-                held = engine.size(name)
-                stored = engine.get(name, limit=held) if held is not None and 0 < held < size else None
-            except StoreFailure:
-                stored = None
-            if stored is None or not is_framed(stored):
-                raise
-    return None if stored is None else bytes(verified(where, stored, digest, size))
-
-
 def verified(where: str, stored: bytes | memoryview, digest: str, limit: int) -> bytes | memoryview:
-    """The raw bytes of ``stored`` when they hash to ``digest``; else a :class:`StoreFailure` kind ``damaged``.
+    """The raw bytes of ``stored`` (at most ``limit``) when they hash to ``digest``; else a :class:`StoreFailure`.
 
-    A framed-looking object that does not decode to them may be a raw blob that starts with
-    :data:`MAGIC` in a store written before blobs were compressed: its own digest decides.
+    Of kind ``damaged``: a frame :func:`decode` refuses, or raw bytes that are not the blob's. An engine's
+    ``get`` with a digest, for an object it has whole (Redis, a directory's file once hashed).
     """
-    try:
-        return check_digest(where, decode(stored, limit, where), digest)
-    except StoreFailure:
-        if not is_framed(stored) or len(stored) > limit or blake3(stored).hexdigest() != digest:
-            raise
-        return stored
+    return check_digest(where, decode(stored, limit, where), digest)

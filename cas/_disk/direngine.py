@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
-from cuda_program_cas._base.engine import Abilities, StoreFailure, check_digest, limits_of
+from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
+from cuda_program_cas._base.frame import Inflow, verified
 
 from .atomic import current_umask
-from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, hashes_to, read_rest
+from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, blake3_hasher, read_rest
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -94,8 +95,7 @@ class DirEngine:
 
     #: A put is renamed in whole by this process (proven: publish re-checks blobs after their manifests for a
     #: collector); ``put_many`` is one put after another, not a transaction; not remote: one file failing is
-    #: not yet an outage. Blobs are kept raw (no ``compresses``): ``get`` with a digest hashes a large blob in
-    #: chunks before reading it whole, which a framed one fails and is then read again. Framed ones are read.
+    #: not yet an outage.
     can = Abilities(ranges=True, listing=True, puts_proven=True)
     #: What to ask of a directory that did not keep what it was given (for a message).
     lost_hint = "is another writer at work, or the file system not a real one?"
@@ -146,8 +146,9 @@ class DirEngine:
                 return None
             raise _failure(path, exc) from None
         try:
-            if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, digest, limit):
-                # Hashed in chunks first: a file that lies about its bytes costs a chunk of memory, not its size.
+            if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, path, digest, limit):
+                # Hashed in chunks first (decoded where framed): a file that lies about its bytes costs a chunk of
+                # memory, not its size.
                 raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
             data = os.read(fd, limit + 1)
             if len(data) <= limit:
@@ -159,7 +160,7 @@ class DirEngine:
             os.close(fd)
         if len(data) > limit:
             raise StoreFailure(path, "too large", f"more than {limit} bytes", outage=False)
-        return check_digest(path, data, digest)
+        return data if digest is None else bytes(verified(path, data, digest, limit))
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         return [self.get(name, limit=n) for name, n in zip(names, limits_of(names, limit), strict=True)]
@@ -266,11 +267,22 @@ class DirEngine:
         return
 
 
-def _hashes_to(fd: int, digest: str, limit: int) -> bool:
-    """Whether the file holds ``limit`` bytes, no more, that hash to ``digest`` (read in chunks); at its start again."""
-    whole = hashes_to(lambda n: os.read(fd, n), digest, limit) and not os.read(fd, 1)
+def _hashes_to(fd: int, path: str, digest: str, limit: int) -> bool:
+    """Whether the file's raw bytes (decoded where it is framed), ``limit`` at most, hash to ``digest``.
+
+    Read in chunks of :data:`HASH_CHUNK`, no more than ``limit + 1`` stored bytes; the file is at its start again.
+    """
+    hasher = blake3_hasher()()
+    flow = Inflow(path, limit, hasher.update)
+    got = 0
+    while got <= limit and (chunk := os.read(fd, min(HASH_CHUNK, limit + 1 - got))):
+        got += len(chunk)
+        flow.take(chunk)
     os.lseek(fd, 0, os.SEEK_SET)
-    return whole
+    if got > limit:
+        return False
+    flow.finish()
+    return hasher.hexdigest() == digest
 
 
 def _failure(path: str, exc: OSError) -> StoreFailure:

@@ -11,11 +11,13 @@ and its packs are :class:`.httppacks.HttpPacks`.
   it in time and in bytes. 200 is the object, 404 none. A 5xx is an outage; 401
   and 403 are ``denied`` and an outage too (the token is wrong for every object,
   not only this one). Any other status is a ``damaged`` answer.
-- ``get`` with a ``digest`` (a blob): the body is hashed as it arrives; past
-  :data:`IN_MEMORY_BYTES` it goes to a staging file in the local cache's ``tmp/``
-  (:func:`cuda_program_cas._disk.atomic.staging`) rather than into memory, and
-  only bytes that proved to be the blob are read back. Running out of memory or
-  of staging disk meanwhile is this node's trouble: a StoreFailure of kind
+- ``get`` with a ``digest`` (a blob): the body is decoded as it arrives (one
+  :class:`~cuda_program_cas._base.frame.Inflow`: a framed blob decompressed,
+  bounded by its stated size, a raw one passed through) and its raw bytes hashed;
+  past :data:`IN_MEMORY_BYTES` of them they go to a staging file in the local
+  cache's ``tmp/`` (:func:`cuda_program_cas._disk.atomic.staging`) rather than
+  into memory, and only bytes that proved to be the blob are read back. Running
+  out of memory or of staging disk meanwhile is this node's trouble: a StoreFailure of kind
   :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
 - ``get_changed``: a GET with ``If-None-Match`` (the ETag of the copy in hand;
   nginx gives one to every static file): 304 is "unchanged".
@@ -44,6 +46,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 from blake3 import blake3
 
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
+from cuda_program_cas._base.frame import Inflow
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
@@ -66,8 +69,6 @@ class HttpEngine:
     before the first call.
     """
 
-    #: Blobs are kept raw (no ``compresses``): ``get`` with a digest hashes a body as it arrives, which a framed
-    #: one fails and is then asked again (a HEAD and a GET more). Framed ones are read.
     can = Abilities(ranges=True, multi_range=True, conditional_get=True, remote=True, server=True)
     lost_hint = "is it a real WebDAV store?"
     #: How much of an error answer's body :meth:`fetch` keeps (S3 reads its error code there).
@@ -129,11 +130,14 @@ class HttpEngine:
             return reply.body
         try:
             with Intake(self.staging) as body:
-                reply = self.fetch(name, limit=limit, sink=body.take)
+                flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
+                reply = self.fetch(name, limit=limit, sink=flow.take)
                 if reply.status == 404:
                     return None
+                if reply.status == 200:
+                    flow.finish()  # a frame cut short: refused
                 if reply.status != 200 or body.hexdigest() != digest:
-                    detail = f"status {reply.status}, {body.size} bytes that do not hash to {digest}"
+                    detail = f"status {reply.status}, {body.size} raw bytes that do not hash to {digest}"
                     raise StoreFailure(join(self.root, name), "damaged", detail, outage=False)
                 return body.read()
         except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
@@ -264,7 +268,8 @@ class Intake:
         self._parts = []
         self._stack.close()
 
-    def take(self, chunk: bytes) -> None:
+    def take(self, chunk: bytes | memoryview) -> None:
+        chunk = bytes(chunk)  # bytes as they come (no copy), a view of a buffer the sender reuses copied
         self.size += len(chunk)
         if self._hash is not None:
             self._hash.update(chunk)

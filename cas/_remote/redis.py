@@ -67,8 +67,9 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
-from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, check_digest, limits_of
+from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.frame import verified
 
 from .client import ENV_CA_BUNDLE, ca_bundle
 
@@ -201,7 +202,6 @@ class RedisEngine:
         remote=True,
         evicts=True,
         layout_optional=True,
-        compresses=True,
     )
     lost_hint = (
         "was it evicted at once? (use maxmemory-policy allkeys-lru and room for what is published: docs/redis.md)"
@@ -247,7 +247,7 @@ class RedisEngine:
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         data = self.get_many([name], limit=limit)[0]
-        return data if data is None else check_digest(self._where(name), data, digest)
+        return data if data is None or digest is None else bytes(verified(self._where(name), data, digest, limit))
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         limits = limits_of(names, limit)

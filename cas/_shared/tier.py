@@ -68,7 +68,7 @@ from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import get_verified, verified
+from cuda_program_cas._base.frame import verified
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
     BLOBS,
@@ -363,7 +363,7 @@ class Tier:
             return None
         digest, size = named
         try:
-            blob = get_verified(self.engine, url_path(BLOBS, digest), digest, size)
+            blob = self.engine.get(url_path(BLOBS, digest), limit=size, digest=digest)  # decoded, verified
         except StoreFailure as exc:
             if exc.kind != "damaged":
                 raise

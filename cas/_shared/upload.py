@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cuda_program_cas._base.engine import Engine, StoreFailure, not_stored
-from cuda_program_cas._base.frame import for_store
+from cuda_program_cas._base.frame import encode
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 
 __all__ = ["put_checked", "upload_entry", "where"]
@@ -74,10 +74,10 @@ def put_checked(
 
 
 def upload_entry(engine: Engine, kid: str, digest: str, blob: bytes, manifest: bytes) -> None:
-    """One entry into the store: its blob (compressed where the store keeps it so), read back by its size, then
-    the manifest ``manifest`` naming it (the raw blob's digest and size)."""
+    """One entry into the store: its blob, compressed (:func:`~cuda_program_cas._base.frame.encode`) and read back
+    by its size, then the manifest ``manifest`` naming it (the raw blob's digest and size)."""
     blob_name, manifest_name = url_path(BLOBS, digest), url_path(INDEX, kid)
-    blob = for_store(engine, blob)  # compressed once, here, for every node that reads it
+    blob = encode(blob)  # compressed once, here, for every node that reads it
     if engine.can.atomic_batch:
         engine.put_many([(blob_name, blob), (manifest_name, manifest)])
         return

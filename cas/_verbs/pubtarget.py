@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._base.frame import for_store, get_verified
+from cuda_program_cas._base.frame import encode
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.direngine import DirEngine
@@ -132,7 +132,7 @@ class Target:
                 known = self.blob_present(digest, size)
             else:
                 try:
-                    known = get_verified(self.dir, url_path(BLOBS, digest), digest, size) is not None
+                    known = self.dir.get(url_path(BLOBS, digest), limit=size, digest=digest) is not None
                 except StoreFailure as exc:
                     if exc.outage:
                         raise
@@ -143,10 +143,10 @@ class Target:
         return known
 
     def blob_present(self, digest: str, size: int) -> bool:
-        """A cheap check (no read): an object of the right size (where blobs are compressed: at most that size)."""
+        """A cheap check (no read): an object of the right size (compressed: a smaller one)."""
         try:
             held = self.engine.size(url_path(BLOBS, digest))
-            return held == size or (held is not None and 0 < held < size and self.engine.can.compresses)
+            return held is not None and (held == size or 0 < held < size)
         except StoreFailure as exc:
             if exc.outage:
                 raise
@@ -158,7 +158,7 @@ class Target:
     def put_blob(self, digest: str, blob: bytes) -> bool:
         """Store a verified blob and read it back, before a manifest names it; False when the write was dropped."""
         try:
-            put_checked(self.engine, url_path(BLOBS, digest), for_store(self.engine, blob), whole=False)
+            put_checked(self.engine, url_path(BLOBS, digest), encode(blob), whole=False)
         except StoreFailure as exc:
             if exc.kind not in _DROPPED:
                 raise
