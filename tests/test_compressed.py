@@ -324,12 +324,17 @@ def test_a_local_blob_that_starts_like_a_frame_is_a_good_raw_blob_to_verify(tmp_
     assert CacheStore(local).get("k") == raw
 
 
-def test_repack_packs_framed_blobs_raw_and_publish_finds_them_there(tmp_path: Path) -> None:
+def test_repack_packs_framed_blobs_framed_and_publish_finds_them_there(tmp_path: Path) -> None:
     from cuda_program_cas import repack
+    from cuda_program_cas._disk.pack import PackReader
 
     entries = {f"k{i}": value(i) for i in range(6)}
     store = _framed_store(tmp_path, entries)
     assert repack(store).problems == []
+    (path,) = (store / "packs").glob("pack-*.cpk")
+    reader = PackReader(str(path))
+    assert all(frame.is_framed(reader.read_stored(e)) and e.size < len(value(0)) for e in reader.entries())
+    reader.close()
     node = CacheStore(tmp_path / "node", shared=[str(store)])
     assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
     node.close()
