@@ -232,6 +232,56 @@ def test_a_web_server_store_mixing_raw_and_framed_blobs_is_read_over_http_kept_r
         assert third.stats().shared_hits == 0 and third.counters()["corrupt"] == 1
 
 
+@pytest.mark.parametrize("bad", ["none", "truncated", "bomb: over the limit", "wrong stated size"])
+def test_a_packed_store_on_a_web_server_mixing_raw_and_framed_entries_reads_over_http(
+    nginx: Nginx, tmp_path: Path, bad: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish --pack over WebDAV frames each entry; an older pack of raw entries beside it reads too; a bad
+    frame in a pack is a miss said once, and the rest of the pack reads, over HTTP as over a directory."""
+    from cuda_program_cas._disk.pack import PackReader, Stored, pack_chunks, pack_name
+    from cuda_program_cas._disk.packset import encode_listing
+    from cuda_program_cas.index import key_id
+
+    entries = {f"k{i}": value(i) for i in range(4)}
+    assert not publish([_store_with(tmp_path, entries)], nginx.dav_url("cas"), pack=True).errors
+    packs = nginx.root / "cas" / "packs"
+    (framed,) = packs.glob("pack-*.cpk")
+    reader = PackReader(str(framed))
+    assert all(frame.is_framed(reader.read_stored(e)) for e in reader.entries())
+    assert framed.stat().st_size < sum(map(len, entries.values())) // 4
+    reader.close()
+    # An older pack, its entries raw (as version 1 wrote them), and one entry whose frame is bad.
+    older = {"raw0": value(10), "raw1": value(11)}
+    inputs: list[tuple[str, str, bytes, int]] = [
+        (key_id(k), digest_of(v), Stored(v, len(v)), 1) for k, v in older.items()
+    ]
+    if bad != "none":
+        make, _why = BAD[bad]
+        inputs.append((key_id("bad"), digest_of(value(1)), Stored(make(), len(value(1))), 1))
+    name = pack_name()
+    (packs / name).write_bytes(b"".join(pack_chunks(inputs)))
+    (packs / "list").write_bytes(encode_listing([framed.name, name]))
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE", str(1 << 20))
+    node = CacheStore(tmp_path / "node", shared=[nginx.read_url("cas")])
+    assert {k: node.get(k) for k in {**entries, **older}} == {**entries, **older}
+    if bad != "none":
+        assert node.get("bad") is None and node.get("bad") is None
+        said = [
+            r.getMessage()
+            for r in caplog.records
+            if key_id("bad") in r.getMessage() and "miss key" not in r.getMessage()
+        ]
+        assert len(said) == 1 and "\n" not in said[0], said
+        # Over this node's ceiling (10 MB stated, 1 MB read): a miss said once, not damage; else damage, one line.
+        too_large = bad == "bomb: over the limit"
+        assert ("not fetched" if too_large else "a compressed object") in said[0], said
+        assert node.counters()["corrupt"] == (0 if too_large else 2)
+    else:
+        assert node.counters()["corrupt"] == 0
+    node.close()
+
+
 # -- Redis -------------------------------------------------------------------------------------
 
 
