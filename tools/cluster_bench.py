@@ -413,8 +413,8 @@ def _mixes() -> dict[str, list[bytes]]:
     import tempfile
 
     import demo
-    from _common import CUB_SOURCE, cccl_include
     from cuda.core import Program, ProgramOptions
+    from testkit.common import CUB_SOURCE, cccl_include
 
     include = cccl_include()
     with tempfile.TemporaryDirectory() as tmp:
