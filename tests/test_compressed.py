@@ -375,7 +375,7 @@ def test_a_local_blob_that_starts_like_a_frame_is_a_good_raw_blob_to_verify(tmp_
 
 
 def test_repack_packs_framed_blobs_framed_and_publish_finds_them_there(tmp_path: Path) -> None:
-    from cuda_program_cas import repack
+    from cuda_program_cas import repack, stats
     from cuda_program_cas._disk.pack import PackReader
 
     entries = {f"k{i}": value(i) for i in range(6)}
@@ -385,6 +385,8 @@ def test_repack_packs_framed_blobs_framed_and_publish_finds_them_there(tmp_path:
     reader = PackReader(str(path))
     assert all(frame.is_framed(reader.read_stored(e)) and e.size < len(value(0)) for e in reader.entries())
     reader.close()
+    counted = stats(store)  # the packs' bytes, and the raw bytes their framed entries stand for
+    assert counted.pack_raw_bytes == sum(map(len, entries.values())) and counted.pack_bytes < counted.pack_raw_bytes / 4
     node = CacheStore(tmp_path / "node", shared=[str(store)])
     assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
     node.close()
