@@ -36,7 +36,7 @@ STATS_KEYS = {
     "orphan_blobs", "orphan_bytes", "invalid_manifests", "dangling_manifests", "stale_temp_files",
     "quarantined_files", "unreadable_manifests", "size_mismatch_manifests", "blob_bytes", "manifest_bytes",
     "counters", "hit_rate", "counters_zeroed_at", "time_saved_s", "busiest", "packs", "packed_entries", "pack_bytes",
-    "retired_packs",
+    "pack_raw_bytes", "retired_packs",
     "problems", "problem_count", "exists", "max_size_source", "front_door_records", "front_door_record_bytes",
 }  # fmt: skip
 VERIFY_KEYS = {

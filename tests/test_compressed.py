@@ -287,6 +287,56 @@ def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verif
     assert list(staging.iterdir()) == []  # its staging file went with the refusal
 
 
+@pytest.mark.parametrize("bad", ["none", "truncated", "bomb: over the limit", "wrong stated size"])
+def test_a_packed_store_on_a_web_server_mixing_raw_and_framed_entries_reads_over_http(
+    nginx: Nginx, tmp_path: Path, bad: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish --pack over WebDAV frames each entry; an older pack of raw entries beside it reads too; a bad
+    frame in a pack is a miss said once, and the rest of the pack reads, over HTTP as over a directory."""
+    from cuda_program_cas._disk.pack import PackReader, Stored, pack_chunks, pack_name
+    from cuda_program_cas._disk.packset import encode_listing
+    from cuda_program_cas.index import key_id
+
+    entries = {f"k{i}": value(i) for i in range(4)}
+    assert not publish([_store_with(tmp_path, entries)], nginx.dav_url("cas"), pack=True).errors
+    packs = nginx.root / "cas" / "packs"
+    (framed,) = packs.glob("pack-*.cpk")
+    reader = PackReader(str(framed))
+    assert all(frame.is_framed(reader.read_stored(e)) for e in reader.entries())
+    assert framed.stat().st_size < sum(map(len, entries.values())) // 4
+    reader.close()
+    # An older pack, its entries raw (as version 1 wrote them), and one entry whose frame is bad.
+    older = {"raw0": value(10), "raw1": value(11)}
+    inputs: list[tuple[str, str, bytes, int]] = [
+        (key_id(k), digest_of(v), Stored(v, len(v)), 1) for k, v in older.items()
+    ]
+    if bad != "none":
+        make, _why = BAD[bad]
+        inputs.append((key_id("bad"), digest_of(value(1)), Stored(make(), len(value(1))), 1))
+    name = pack_name()
+    (packs / name).write_bytes(b"".join(pack_chunks(inputs)))
+    (packs / "list").write_bytes(encode_listing([framed.name, name]))
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE", str(1 << 20))
+    node = CacheStore(tmp_path / "node", shared=[nginx.read_url("cas")])
+    assert {k: node.get(k) for k in {**entries, **older}} == {**entries, **older}
+    if bad != "none":
+        assert node.get("bad") is None and node.get("bad") is None
+        said = [
+            r.getMessage()
+            for r in caplog.records
+            if key_id("bad") in r.getMessage() and "miss key" not in r.getMessage()
+        ]
+        assert len(said) == 1 and "\n" not in said[0], said
+        # Over this node's ceiling (10 MB stated, 1 MB read): a miss said once, not damage; else damage, one line.
+        too_large = bad == "bomb: over the limit"
+        assert ("not fetched" if too_large else "a compressed object") in said[0], said
+        assert node.counters()["corrupt"] == (0 if too_large else 2)
+    else:
+        assert node.counters()["corrupt"] == 0
+    node.close()
+
+
 # -- Redis -------------------------------------------------------------------------------------
 
 
@@ -379,12 +429,19 @@ def test_a_local_blob_that_starts_like_a_frame_is_a_good_raw_blob_to_verify(tmp_
     assert CacheStore(local).get("k") == raw
 
 
-def test_repack_packs_framed_blobs_raw_and_publish_finds_them_there(tmp_path: Path) -> None:
-    from cuda_program_cas import repack
+def test_repack_packs_framed_blobs_framed_and_publish_finds_them_there(tmp_path: Path) -> None:
+    from cuda_program_cas import repack, stats
+    from cuda_program_cas._disk.pack import PackReader
 
     entries = {f"k{i}": value(i) for i in range(6)}
     store = _framed_store(tmp_path, entries)
     assert repack(store).problems == []
+    (path,) = (store / "packs").glob("pack-*.cpk")
+    reader = PackReader(str(path))
+    assert all(frame.is_framed(reader.read_stored(e)) and e.size < len(value(0)) for e in reader.entries())
+    reader.close()
+    counted = stats(store)  # the packs' bytes, and the raw bytes their framed entries stand for
+    assert counted.pack_raw_bytes == sum(map(len, entries.values())) and counted.pack_bytes < counted.pack_raw_bytes / 4
     node = CacheStore(tmp_path / "node", shared=[str(store)])
     assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
     node.close()

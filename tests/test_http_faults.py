@@ -635,7 +635,7 @@ def test_an_entry_larger_than_the_node_reads_is_a_miss_with_no_request_for_its_b
         assert "not fetched" in warning
 
 
-def test_a_packed_entry_over_the_ceiling_is_a_miss_with_no_range_request_for_it(
+def test_a_packed_entry_over_the_ceiling_is_a_miss_its_request_cut_at_the_frame_header(
     tmp_path: Path, published: Published, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
@@ -644,7 +644,9 @@ def test_a_packed_entry_over_the_ceiling_is_a_miss_with_no_range_request_for_it(
     with Site(tmp_path, published.packed) as site, node(tmp_path, site.url) as cache:
         (pack,) = (site.store / "packs").glob("*.cpk")
         assert cache.get(big) is None
-        assert site.server.hits(f"/{site.name}/packs/{pack.name}") == 2  # its trailer and index only
+        # Its trailer and index, then its blob's first bytes: the frame states its raw size (the index, the stored).
+        assert site.server.hits(f"/{site.name}/packs/{pack.name}") == 3
+        assert cache.counters()["corrupt"] == 0  # over this node's ceiling is a miss, not damage
         (warning,) = warnings_about(caplog, site.url)
         assert f"{len(published.values[big])} bytes" in warning and "not fetched" in warning
 

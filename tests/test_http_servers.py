@@ -472,7 +472,8 @@ def test_faults_endless_sends_zeros_for_as_long_as_it_is_read(faults: FaultServe
 
 
 def test_faults_huge_trailer_serves_a_pack_as_large_as_its_trailer_claims(tmp_path: Path) -> None:
-    from cuda_program_cas._disk.pack import TRAILER_SIZE, PackIndex, pack_chunks, parse_trailer
+    from cuda_program_cas._disk.pack import TRAILER_SIZE, pack_chunks, parse_trailer
+    from cuda_program_cas._disk.packindex import PackIndex
 
     pack = b"".join(pack_chunks([("11" * 32, "22" * 32, b"blob bytes", 7)]))
     (tmp_path / "p.cpk").write_bytes(pack)

@@ -164,7 +164,8 @@ def test_publish_pack_over_webdav_names_the_pack_and_offsets_and_a_cold_node_mak
         (warmset.set_name(job), 200),
         (f"packs/{pack.name}", 206),
     ]
-    assert log[2].range.count(",") >= 2  # one request, several ranges
+    # One request, several ranges (its entries compressed lie within a few KiB: one span, then the trailer).
+    assert log[2].range.count(",") >= 1 and log[2].body_bytes < len(USED) * len(value(0)) // 4
     packed = HTTP_WARM_REQUESTS["packed"]
     assert node.inner.shared[0].engine.requests == packed["fixed"] + packed["per_pack"] * 1 == 3
     # Publishing again writes nothing new: no PUT, no MKCOL.

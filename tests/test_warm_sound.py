@@ -56,20 +56,24 @@ class Line(NamedTuple):
     size: int
     pack: str | None = None
     offset: int | None = None
+    length: int | None = None
     at: int | None = None
 
 
 def encode(lines: list[Line]) -> bytes:
     body = b""
     for e in lines:
-        where = f" {e.pack} {e.offset}" + (f" {e.at}" if e.at is not None else "") if e.pack is not None else ""
+        where = ""
+        if e.pack is not None:
+            where = f" {e.pack} {e.offset} {e.length}" + (f" {e.at}" if e.at is not None else "")
         body += f"{e.kid} {e.digest} {e.size}{where}\n".encode()
     return b"cuda-program-cas set 1\n" + body + b"end %d\n" % len(lines)
 
 
-def _packed(pack: Path) -> dict[str, Line]:
+def _packed(pack: Path, sizes: dict[str, int]) -> dict[str, Line]:
     """Each entry of ``pack`` as its own line, read from the file by the format (docs/layout): the trailer's index
-    offset and count, then each 96-byte index entry (key id, digest, offset, size) and where it lies."""
+    offset and count, then each 96-byte index entry (key id, digest, offset, stored size) and where it lies; the raw
+    size is the key's (``sizes``)."""
     data = pack.read_bytes()
     _checksum, index_offset, count, _version, magic = struct.unpack("<32sQII8s", data[-56:])
     assert magic == b"cpcasidx"
@@ -77,7 +81,7 @@ def _packed(pack: Path) -> dict[str, Line]:
     for i in range(count):
         at = index_offset + 1024 + 96 * i
         kid, digest, offset, size = struct.unpack_from("<32s32sQQ", data, at)
-        out[kid.hex()] = Line(kid.hex(), digest.hex(), size, pack.name, offset, at)
+        out[kid.hex()] = Line(kid.hex(), digest.hex(), sizes[kid.hex()], pack.name, offset, size, at)
     return out
 
 
@@ -85,7 +89,7 @@ def _truth(store: Path) -> dict[str, Line]:
     """Each key's own line: from the store's pack where it is packed, else digest and size alone."""
     out = {key_id(k): Line(key_id(k), digest_of(value(i)), len(value(i))) for i, k in enumerate(KEYS)}
     for pack in sorted((store / "packs").glob("pack-*.cpk")):
-        out.update(_packed(pack))
+        out.update(_packed(pack, {kid: line.size for kid, line in out.items()}))
     return out
 
 
@@ -156,10 +160,11 @@ def _forged(truth: dict[str, Line], spec: Spec) -> Line:
     size = noise % 9000 if made_up & 2 else copied.size
     pack = (copied.pack or "pack-" + "0" * 16 + "-00000000.cpk") if made_up & 4 else copied.pack
     offset = noise if made_up & 8 or copied.offset is None else copied.offset
+    length = noise % 9000 if made_up & 2 or copied.length is None else copied.length
     at = noise + 8 if made_up & 16 or copied.at is None else copied.at
     if made_up & 32:
         at = None  # a pack without its index entry (only pre-release versions wrote one): the set is refused
-    return Line(kid, digest, size, pack, offset if pack else None, at if pack else None)
+    return Line(kid, digest, size, pack, offset if pack else None, length if pack else None, at if pack else None)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -193,7 +198,7 @@ def test_true_lines_are_all_fetched(store: _Store) -> None:
 def test_a_line_naming_another_keys_bytes_is_not_fetched(store: _Store) -> None:
     """The finding: X's line rewritten to name Y's digest, size, pack and offset (and index place)."""
     x, y = store.truth[key_id(KEYS[0])], store.truth[key_id(KEYS[1])]
-    lines = [Line(x.kid, y.digest, y.size, y.pack, y.offset, y.at), y]
+    lines = [Line(x.kid, y.digest, y.size, y.pack, y.offset, y.length, y.at), y]
     store.put_set(encode(lines))  # type: ignore[operator]
     with tempfile.TemporaryDirectory() as local:
         node = _cold(Path(local) / "node", store.url)
@@ -264,7 +269,7 @@ def _served(tmp_path: Path, engine: str, values: dict[str, bytes]) -> dict[str, 
     publish([tmp_path / "src"], root, pack=engine == "http")
     truth = {key_id(k): Line(key_id(k), digest_of(v), len(v)) for k, v in values.items()}
     for pack in (root / "packs").glob("pack-*.cpk"):
-        truth.update(_packed(pack))
+        truth.update(_packed(pack, {kid: line.size for kid, line in truth.items()}))
     (root / "sets").mkdir(exist_ok=True)
     (root / name).write_bytes(encode([truth[key_id(k)] for k in values]))
     with nginx_or_skip(tmp_path / "nginx", root) as server:
@@ -305,7 +310,12 @@ _entry = st.builds(
     st.integers(0, 1 << 40),
     st.one_of(
         st.just(()),
-        st.tuples(st.just("pack-0123456789abcdef-01234567.cpk"), st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
+        st.tuples(
+            st.just("pack-0123456789abcdef-01234567.cpk"),
+            st.integers(0, 1 << 40),
+            st.integers(0, 1 << 40),
+            st.integers(0, 1 << 40),
+        ),
     ),
 )
 
@@ -314,4 +324,6 @@ _entry = st.builds(
 def test_a_set_reads_back_as_written(entries: list[warmset.SetEntry]) -> None:
     data = warmset.encode(entries)
     assert warmset.parse(data) == entries
-    assert encode([Line(e.kid, e.digest, e.size, e.pack, e.offset, e.at) for e in entries]) == data  # the docs form
+    assert (
+        encode([Line(e.kid, e.digest, e.size, e.pack, e.offset, e.length, e.at) for e in entries]) == data
+    )  # the docs form

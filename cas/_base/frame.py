@@ -150,22 +150,28 @@ class Inflow:
     def take(self, chunk: bytes | memoryview) -> Inflow:
         """The next bytes of the object (itself, so that a whole object is ``Inflow(...).take(it).finish()``)."""
         if self._framed is None:
-            self._head += chunk
+            want = HEADER_SIZE + _ZSTD_HEAD - len(self._head)
+            self._head += bytes(chunk[:want])  # only the bytes that decide are copied, never a whole answer
             if len(self._head) < HEADER_SIZE + _ZSTD_HEAD and self._head.startswith(MAGIC[: len(self._head)]):
                 return self  # too few bytes yet to tell a frame, and its sizes, from a raw object
-            head, self._head = self._head, b""
-            self._start(head)
-            if self._framed:
-                return self  # _start fed zstd what came after the header
-            chunk = head
+            head, self._head, chunk = self._head, b"", memoryview(chunk)[want:]  # a view: no copy of the rest
+            self._start(head)  # a frame: zstd is fed what came after the header
+            if not self._framed:
+                self._pass(head)
+            if not chunk:
+                return self
         if self._framed:
             self._inflate(chunk)
         else:
-            self.raw_size += len(chunk)
-            if self.raw_size > self.limit:
-                raise StoreFailure(self.where, "damaged", f"more than the {self.limit:,} bytes allowed", outage=False)
-            self._sink(chunk)
+            self._pass(chunk)
         return self
+
+    def _pass(self, chunk: bytes | memoryview) -> None:
+        """A raw object's bytes, passed through within the limit."""
+        self.raw_size += len(chunk)
+        if self.raw_size > self.limit:
+            raise StoreFailure(self.where, "damaged", f"more than the {self.limit:,} bytes allowed", outage=False)
+        self._sink(chunk)
 
     def finish(self) -> int:
         """The object ended: its raw size, when it was whole (a frame that produced all it states)."""

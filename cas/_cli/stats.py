@@ -187,7 +187,8 @@ def _text(report: StatsReport) -> None:
         rows.append((
             "packs",
             f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry', 'entries')} "
-            f"({fmt_bytes(info['pack_bytes'])}), {info['retired_packs']:,} retired (gc removes them after --grace)",
+            f"({fmt_bytes(info['pack_bytes'])}, their blobs {fmt_bytes(info['pack_raw_bytes'])} raw), "
+            f"{info['retired_packs']:,} retired (gc removes them after --grace)",
         ))  # fmt: skip
     if info["quarantined_files"]:
         rows.append(("quarantine", plural(info["quarantined_files"], "bad blob") + " kept for inspection"))

@@ -12,10 +12,11 @@ declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publi
   (:mod:`.packsummary`) stands for the packs it covers, so a publisher reads one
   object, not every pack.
 - :meth:`StorePacks.ok`: where the store is not remote (a directory), whether a
-  pack's copy of an entry's blob hashes right (once per entry per run), so an entry
+  pack's copy of an entry's blob (framed or raw) decodes and hashes right (once per entry per run), so an entry
   damaged in its pack is published again. A remote store's copies are not hashed
   here (that would download every pack): ``verify`` where its files are hashes them.
-- :meth:`StorePacks.write`: one new pack (one blob in memory at a time): where a put
+- :meth:`StorePacks.write`: one new pack (one blob in memory at a time, each framed:
+  :func:`.pack.pack_chunks`): where a put
   is its own proof (a directory), streamed into the engine as it is produced (its
   writer: the store's ``tmp/``, fsynced when the run is, renamed) and its index read
   back; elsewhere built in a temp file, put, and read back by its size and its last
@@ -38,13 +39,13 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import IO, Any, cast
 
-from blake3 import blake3
-
 from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import Engine, Ranged, StoreFailure, creates, listing, not_stored, ranged
 from cuda_program_cas._base.errors import CacheError
+from cuda_program_cas._base.frame import verified
 
-from .pack import TRAILER_SIZE, PackEntry, PackError, PackIndex, PackInput, pack_chunks, pack_name
+from .pack import TRAILER_SIZE, PackEntry, PackError, PackInput, pack_chunks, pack_name
+from .packindex import PackIndex
 from .packset import LISTING, MAX_LISTING_BYTES, encode_listing, is_pack_name, parse_listing
 from .packsummary import MAX_SUMMARY_BYTES, SUMMARY, PackedEntry, encode_summary, parse_summary
 
@@ -109,11 +110,15 @@ class StorePacks:
         known = self._ok.get(where)
         if known is None:
             e = packed.entry
+            relative = f"packs/{packed.pack}"
             try:
-                data = self._reads.get_range(f"packs/{packed.pack}", e.offset, e.size)
+                data = self._reads.get_range(relative, e.offset, e.size)
+                known = data is not None
+                if data is not None:
+                    verified(self._at(relative), data, e.digest, env_max_entry_size())
             except StoreFailure:
-                data = None
-            known = self._ok[where] = data is not None and blake3(data).hexdigest() == e.digest
+                known = False  # cut short, or a frame refused (a bomb, a wrong size), or the wrong bytes
+            self._ok[where] = known
         return known
 
     def write(self, inputs: Sequence[PackInput], stats: dict[str, int], *, empty: bool = False) -> str | None:

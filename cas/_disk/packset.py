@@ -114,7 +114,11 @@ class PackSet:
     """
 
     def __init__(
-        self, root: str, on_damage: Callable[[str], None] | None = None, *, max_entry: Callable[[], int] | None = None
+        self,
+        root: str,
+        on_damage: Callable[[str, str], None] | None = None,
+        *,
+        max_entry: Callable[[], int] | None = None,
     ) -> None:
         self.packs_dir = os.path.join(root, "packs")
         self._on_damage = on_damage
@@ -211,9 +215,10 @@ class PackSet:
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """``(bytes, digest)`` from the newest pack that has a good copy; None when none has.
 
-        A pack whose copy is damaged or unreadable is reported to ``on_damage(path)``
-        and the next pack is asked; a pack that is gone (removed, not retired) makes
-        the next lookup list the directory again.
+        A pack whose copy is damaged or unreadable (a bad frame, bytes that do not hash
+        to the digest) is reported to ``on_damage(path, why)``, ``why`` one line naming
+        the pack, the key and what is wrong, and the next pack is asked; a pack that is
+        gone (removed, not retired) makes the next lookup list the directory again.
         """
         self._refresh()
         key = bytes.fromhex(kid)
@@ -222,17 +227,19 @@ class PackSet:
                 entry = pack.find_key(key)
                 if entry is None:
                     continue
-                data = pack.read(entry) if self._max_entry is None or entry.size <= self._max_entry() else None
+                limit = None if self._max_entry is None else self._max_entry()
+                if limit is not None and entry.size > limit:
+                    raise PackError(f"{pack.path}: the entry of {kid} claims {entry.size:,} bytes, over {limit:,}")
+                return pack.read(entry, limit), entry.digest
             except FileNotFoundError:
                 self._listed_at = float("-inf")
                 continue
             except OSError as exc:
                 if exc.errno in TRANSIENT:
                     continue  # out of descriptors for a moment: a miss, not a damaged pack
-                data = entry = None
-            if data is None or entry is None:
-                if self._on_damage is not None:
-                    self._on_damage(pack.path)
-                continue
-            return data, entry.digest
+                why = f"{pack.path}: unreadable: {exc.strerror or exc}"
+            except PackError as exc:
+                why = str(exc)
+            if self._on_damage is not None:
+                self._on_damage(pack.path, why)
         return None

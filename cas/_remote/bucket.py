@@ -170,9 +170,9 @@ def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketF
 
 def bucket_repack(address: str) -> BucketFound:
     """Every entry of the store at ``address`` into one new pack; the packs and loose manifests it replaces go."""
-    from blake3 import blake3
-
-    from cuda_program_cas._disk.pack import RETIRED, PackInput
+    from cuda_program_cas._base.config import env_max_entry_size
+    from cuda_program_cas._base.frame import verified
+    from cuda_program_cas._disk.pack import RETIRED, PackInput, Stored
     from cuda_program_cas._disk.packpublish import StorePacks
     from cuda_program_cas._disk.packset import is_pack_name
 
@@ -182,11 +182,17 @@ def bucket_repack(address: str) -> BucketFound:
     old_packs = [name for name in engine.names("packs") if is_pack_name(name)]
 
     def ranged(pack: str, offset: int, size: int, digest: str) -> bytes | None:
+        """The entry's bytes as the pack holds them, decoded and verified: the new pack takes them as they are."""
         reply = engine.fetch(f"packs/{pack}", limit=size, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
-        ok = reply.status == 206 and len(reply.body) == size and blake3(reply.body).hexdigest() == digest
-        if not ok:
-            report.problems.append((f"packs/{pack}", f"the blob of {digest} at {offset} is not there: left out"))
-        return reply.body if ok else None
+        why = "not there"
+        if reply.status == 206 and len(reply.body) == size:
+            try:
+                raw = verified(f"packs/{pack}", reply.body, digest, env_max_entry_size())
+                return Stored(reply.body, len(raw))
+            except StoreFailure as exc:
+                why = exc.detail
+        report.problems.append((f"packs/{pack}", f"the blob of {digest} at {offset}: {why}: left out"))
+        return None
 
     def loose(blob: str, size: int, digest: str) -> bytes | None:
         try:

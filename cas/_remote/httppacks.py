@@ -6,8 +6,12 @@
 - Each pack's trailer and index are fetched once per node by two Range requests and
   kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
   are immutable by name, so later processes of the node need no request for them.
-  A packed hit then costs one Range request for the blob, hashed as it arrives
-  (:class:`.http.Intake`) and returned only when it is the entry's.
+  A packed hit then costs one Range request for the blob's stored bytes, decoded as
+  they arrive (:class:`~cuda_program_cas._base.frame.Inflow`: a framed entry is
+  decompressed, bounded by the largest entry this node reads, a raw one passed
+  through), its raw bytes hashed and staged (:class:`.http.Intake`) and returned
+  only when they are the entry's. A bad frame (a bomb, one cut short, a wrong stated
+  size) is damage, one line, and a miss.
 - A pack a repack retired is read from ``packs/retired/`` until the next listing.
 
 What a server says never decides how much is read: the indexes of one store's
@@ -28,12 +32,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, stated_size
 from cuda_program_cas._base.urls import join
-from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError, PackIndex
+from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError
+from cuda_program_cas._disk.packindex import PackIndex
 from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
@@ -130,24 +136,34 @@ class HttpPacks:
                 if entry is None or not report.fits(entry.size, kid):
                     continue
                 with Intake(self.engine.staging) as body:
-                    if not self._range(pack.name, entry.offset, entry.size, body):
+                    where = f"pack {pack.name}: the blob of {kid}"
+                    inflow = Inflow(where, report.ceiling(), cast("Callable[[bytes | memoryview], object]", body.take))
+                    try:
+                        if not self._range(pack.name, entry.offset, entry.size, _Sized(kid, report, inflow).take):
+                            continue
+                        inflow.finish()
+                    except _NotFetched:
+                        continue  # its frame states more than this node reads: a miss, said once (report.fits)
+                    except StoreFailure as exc:
+                        if exc.kind != "damaged" or exc.outage:
+                            raise
+                        report.damaged("damaged pack blob", str(exc))
                         continue
                     if body.hexdigest() != entry.digest:
-                        message = f"pack {pack.name}: the blob of {kid} does not hash to its digest"
-                        report.damaged("damaged pack blob", message)
+                        report.damaged("damaged pack blob", f"{where} does not hash to its digest")
                         continue
                     return body.read(), entry.digest
         except (MemoryError, OSError) as exc:  # this node's trouble (memory, the staging disk), not the server's
             raise StoreFailure(self.engine.shown, LOCAL, type(exc).__name__, outage=False) from None
         return None
 
-    def where(self, kid: str) -> tuple[str, int, int] | None:
-        """``(pack, offset, at)`` of ``kid``'s blob and index entry in the packs this process has listed (no
-        request); None if unknown."""
+    def where(self, kid: str) -> tuple[str, int, int, int] | None:
+        """``(pack, offset, length, at)`` of ``kid``'s blob (its stored bytes) and index entry in the packs this
+        process has listed (no request); None if unknown."""
         for pack in self._where.get(bytes.fromhex(kid), ()):
             entry = pack.find_key(bytes.fromhex(kid))
             if entry is not None:
-                return pack.name, entry.offset, entry.at
+                return pack.name, entry.offset, entry.size, entry.at
         return None
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
@@ -339,7 +355,7 @@ class HttpPacks:
                 self._no_room(name)
                 return None
             with Intake(None, hashed=False) as index:
-                if not self._range(name, offset, length, index):
+                if not self._range(name, offset, length, index.take):
                     return None
                 pack = PackIndex(name, size, reply.body, index.read())
         except PackError as exc:
@@ -360,19 +376,26 @@ class HttpPacks:
             reply = self.engine.fetch(f"packs/{RETIRED}/{name}", limit=limit, headers=headers, sink=sink)
         return reply
 
-    def _range(self, name: str, offset: int, size: int, body: Intake) -> bool:
-        """Bytes ``[offset, offset + size)`` of pack ``name`` into ``body``; False (noted) when they are others."""
+    def _range(self, name: str, offset: int, size: int, sink: Callable[[bytes], object]) -> bool:
+        """Bytes ``[offset, offset + size)`` of pack ``name`` into ``sink``; False (noted) when they are others."""
         if size == 0:
             return True
         relative = f"packs/{name}"
-        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size, body.take)
+        got = 0
+
+        def take(chunk: bytes) -> None:
+            nonlocal got
+            got += len(chunk)
+            sink(chunk)
+
+        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size, take)
         if reply.status == 404:
             self._told().missed("pack missing")
             return False
         span = self._content_range(reply, relative)
-        if span is None or span[0] != offset or body.size != size:
+        if span is None or span[0] != offset or got != size:
             if span is not None:
-                message = f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{body.size}"
+                message = f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{got}"
                 self._told().damaged("damaged range", message)
             return False
         return True
@@ -391,6 +414,35 @@ class HttpPacks:
             "(their entries are misses)",
         )
         return None
+
+
+class _NotFetched(Exception):
+    """A packed entry's frame states more raw bytes than this node reads: its request ends there."""
+
+
+class _Sized:
+    """A packed blob's stored bytes on their way to ``inflow``, its frame's stated size judged by ``report.fits`` first.
+
+    The index says how many bytes are stored, not how many they stand for: an entry over
+    this node's ceiling is known by its frame's header (its first bytes), and is a miss
+    (``too large``, said once), not damage: the request ends there.
+    """
+
+    def __init__(self, kid: str, report: Report, inflow: Inflow) -> None:
+        self._kid = kid
+        self._report = report
+        self._inflow = inflow
+        self._head: bytes | None = b""  # None once judged
+
+    def take(self, chunk: bytes) -> None:
+        if self._head is not None:
+            self._head += chunk[: HEADER_SIZE - len(self._head)]
+            if len(self._head) >= HEADER_SIZE:
+                stated = stated_size(self._head)
+                if stated is not None and not self._report.fits(stated, self._kid):
+                    raise _NotFetched
+                self._head = None
+        self._inflow.take(chunk)
 
 
 def _spans(distinct: list[tuple[int, int]], parts: Mapping[int, memoryview], total: int, tail: int) -> Ranges:

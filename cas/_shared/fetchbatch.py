@@ -9,9 +9,10 @@ says of each key, in the same requests:
   entry for the key lies; HTTP, S3): one request per batch asks the blobs' ranges,
   each line's index entry (96 bytes) and the pack's trailer (S3 has no multi-range
   GET: there each range is one GET, all of a batch at once)
-  (:func:`cuda_program_cas._disk.pack.entry_at`: the place must be one of the
+  (:func:`cuda_program_cas._disk.packindex.entry_at`: the place must be one of the
   index's entries, whole, of this key). An entry is kept when that index entry
-  names the line's digest, size and offset and the range hashes to the digest.
+  names the line's digest, offset and stored length and the range decodes to bytes
+  that hash to the digest.
 - **A loose entry** (Redis, a directory, HTTP without packs, or a line naming no
   index entry): the key's manifest and the blob come in one batch
   (:meth:`~cuda_program_cas._base.engine.Engine.get_many`); the manifest is judged
@@ -20,7 +21,7 @@ says of each key, in the same requests:
 
 A blob may be stored compressed (:mod:`cuda_program_cas._base.frame`): it is
 decoded, bounded by the largest entry this node reads, before it is hashed; a
-line's size bounds the stored bytes asked.
+loose line's size bounds the stored bytes asked, a packed line's stored length (and its size, the raw bytes).
 
 Anything else (a line naming another key's bytes, a stale line, a refused
 request) is not fetched: the key's lookup finds it the ordinary way.
@@ -41,7 +42,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
-from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE, entry_at
+from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
+from cuda_program_cas._disk.packindex import entry_at
 from cuda_program_cas.index import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
@@ -65,7 +67,8 @@ _Ranged = Callable[[str, Sequence[tuple[int, int]], int], "Ranges | None"]
 
 
 class Wanted(Protocol):
-    """An entry a set's line names: key id, digest, size; the pack, offset and index entry (``at``) where known."""
+    """An entry a set's line names: key id, digest, size; the pack, offset, stored length and index entry (``at``)
+    where known."""
 
     @property
     def kid(self) -> str: ...
@@ -78,6 +81,8 @@ class Wanted(Protocol):
     @property
     def offset(self) -> int | None: ...
     @property
+    def length(self) -> int | None: ...
+    @property
     def at(self) -> int | None: ...
 
 
@@ -86,8 +91,8 @@ class RangedPacks(Protocol):
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
 
-    def where(self, kid: str) -> tuple[str, int, int] | None:
-        """``(pack, offset, at)`` of ``kid`` in the indexes this process holds (no request); None if unknown."""
+    def where(self, kid: str) -> tuple[str, int, int, int] | None:
+        """``(pack, offset, length, at)`` of ``kid`` in the indexes this process holds (no request); None if unknown."""
         ...
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
@@ -134,7 +139,8 @@ def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
     for e in entries:
         if not tier.fits(e.size, e.kid):
             continue
-        if ranged is not None and e.pack is not None and e.offset is not None and e.at is not None and e.size:
+        placed = e.offset is not None and e.length is not None and e.at is not None
+        if ranged is not None and e.pack is not None and placed and e.length and tier.fits(e.length, e.kid):
             by_pack.setdefault(e.pack, []).append(e)
         else:
             loose.append(e)
@@ -147,8 +153,8 @@ def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted]
     assert ranged is not None
     spans: dict[tuple[int, int], list[Wanted]] = {}
     for e in lines:
-        assert e.offset is not None
-        spans.setdefault((e.offset, e.size), []).append(e)
+        assert e.offset is not None and e.length is not None
+        spans.setdefault((e.offset, e.length), []).append(e)
     for batch in batched(list(spans.items()), lambda unit: unit[0][1] + len(unit[1]) * (ENTRY_SIZE + _PER_RANGE)):
         asked = [span for span, _ in batch] + [(e.at, ENTRY_SIZE) for _, named in batch for e in named if e.at]
         got = ranged(pack, asked, TRAILER_SIZE)
@@ -174,7 +180,7 @@ def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
         e.kid,
         e.digest,
         e.offset,
-        e.size,
+        e.length,
     )
 
 

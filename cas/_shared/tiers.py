@@ -121,9 +121,9 @@ def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
             return str(exc)
         return "not a cache (no layout.json)" if os.path.isdir(root) else "missing"
 
-    def damaged(path: str) -> None:
+    def damaged(_path: str, why: str) -> None:
         tier.counters.add("corrupt")
-        tier._note("damaged pack", f"{path}: an entry's blob is damaged or unreadable; it is a miss")
+        tier._note("damaged pack", f"{why}; it is a miss")
 
     tier = Tier(
         engine,

@@ -12,8 +12,8 @@ it and keeps it in the store beside the entries.
   have none: nothing is recorded or fetched.
 - **What is recorded.** Each entry the process used (a hit, local or shared, or
   an entry it stored), once, in order of first use: key id, digest, size, and the
-  pack and offset that hold it in a store where known, with the place of the
-  pack's index entry for the key; at most :data:`MAX_ENTRIES`.
+  pack, offset and stored length (a pack holds a blob compressed) that hold it in a store where known,
+  with the place of the pack's index entry for the key; at most :data:`MAX_ENTRIES`.
 - **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
   line and one line per entry (:func:`encode`, :func:`parse`). Written through
   write-back (a store named writable; a local cache keeps no copy), after the job has been quiet a moment
@@ -132,20 +132,22 @@ def stored_sets(root: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class SetEntry:
-    """One entry of a set: key id, digest, size, and where known the pack and offset that hold its blob
-    and where the pack's index entry for the key lies (``at``: what a cold node checks the line against)."""
+    """One entry of a set: key id, digest, (raw) size, and where known the pack, offset and stored length (its
+    framed bytes: what a cold node asks) that hold its blob and where the pack's index entry for the key lies
+    (``at``: what a cold node checks the line against)."""
 
     kid: str
     digest: str
     size: int
     pack: str | None = None
     offset: int | None = None
+    length: int | None = None
     at: int | None = None
 
     def line(self) -> bytes:
         where = ""
-        if self.pack is not None and self.offset is not None and self.at is not None:
-            where = f" {self.pack} {self.offset} {self.at}"
+        if self.pack is not None and self.offset is not None and self.length is not None and self.at is not None:
+            where = f" {self.pack} {self.offset} {self.length} {self.at}"
         return f"{self.kid} {self.digest} {self.size}{where}\n".encode()
 
 
@@ -165,15 +167,16 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
     seen: set[str] = set()
     for line in lines:
         fields = line.split(" ")
-        if len(fields) not in (3, 6) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
+        if len(fields) not in (3, 7) or not is_hex(fields[0], 64) or not is_hex(fields[1], 64):
             return None
         if not all(f.isascii() and f.isdigit() for f in fields[2:3] + fields[4:]):
             return None
         if (len(fields) > 3 and not is_pack_name(fields[3])) or fields[0] in seen:
             return None
         seen.add(fields[0])
-        if len(fields) == 6:
-            out.append(SetEntry(fields[0], fields[1], int(fields[2]), fields[3], int(fields[4]), int(fields[5])))
+        if len(fields) == 7:
+            kid, digest, size, pack, offset, length, at = fields
+            out.append(SetEntry(kid, digest, int(size), pack, int(offset), int(length), int(at)))
         else:
             out.append(SetEntry(fields[0], fields[1], int(fields[2])))
     return out
@@ -193,16 +196,16 @@ def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) 
     return merged[:MAX_ENTRIES]
 
 
-#: ``(pack, offset, at)``: the pack (its file name) and offset that hold an entry's blob, and where its index entry
-#: lies in that pack (-1: not known).
-Place = tuple[str, int, int]
+#: ``(pack, offset, length, at)``: the pack (its file name), offset and stored length that hold an entry's blob, and
+#: where its index entry lies in that pack (-1: not known).
+Place = tuple[str, int, int, int]
 #: ``where(kid, digest)``: the place of this entry in a store now; None: loose there.
 Where = Callable[[str, str], "Place | None"]
 
 
 def _at(e: SetEntry, place: Place | None) -> SetEntry:
     """``e`` naming ``place`` (None, or an index place not known: no pack, fetched loose)."""
-    if place is None or place[2] < 0:
+    if place is None or place[3] < 0:
         return SetEntry(e.kid, e.digest, e.size)
     return SetEntry(e.kid, e.digest, e.size, *place)
 

@@ -9,7 +9,7 @@
 - ``verify``: each pack's index checksum, and every entry's blob hashed; with
   ``repair``, a bad pack is moved into ``quarantine/`` (its good entries are lost
   from the store until the next publish; a repack first keeps them).
-- ``stats``: packs, their entries and bytes.
+- ``stats``: packs, their entries and bytes (stored, and the raw bytes they stand for).
 
 Repacking (``repack``, and ``gc`` over packed entries) merges a store's loose
 entries and packs into one new pack. The new pack holds every entry the store
@@ -212,9 +212,9 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
         reader.close()
     name_of = os.path.basename(pack)
 
-    def where(kid: str, digest: str) -> tuple[str, int, int] | None:
+    def where(kid: str, digest: str) -> tuple[str, int, int, int] | None:
         entry = held.get(kid)
-        return (name_of, entry.offset, entry.at) if entry is not None and entry.digest == digest else None
+        return (name_of, entry.offset, entry.size, entry.at) if entry is not None and entry.digest == digest else None
 
     engine = DirEngine(lay.root)
     for name in names:
@@ -227,10 +227,12 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
 
 
 def _from_pack(reader: PackReader, entry: PackEntry, report: RepackReport) -> bytes | None:
-    data = reader.read(entry)
-    if data is None:
-        report.problem(f"{reader.path}: the blob of {entry.key_id} is damaged")
-    return data
+    """The entry's bytes as its pack holds them, verified: the new pack takes a framed one as it is."""
+    try:
+        return reader.read_stored(entry)
+    except (OSError, PackError) as exc:
+        report.problem(f"{exc}: left out" if isinstance(exc, PackError) else f"{reader.path}: {exc}")
+        return None
 
 
 def _from_loose(blobs: BlobStore, digest: str, size: int, report: RepackReport) -> bytes | None:
@@ -372,9 +374,9 @@ def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool
                 if not reader.index_ok():
                     detail = "its index does not match its checksum"
                 else:
-                    bad = [e.key_id for e in reader.entries() if reader.read(e) is None]
+                    bad = [why for e in reader.entries() if (why := _damage(reader, e)) is not None]
                     if bad:
-                        detail = f"{len(bad)} of {reader.count} blobs fail their hash"
+                        detail = f"{len(bad)} of {reader.count} blobs fail their hash (the first: {bad[0]})"
             finally:
                 reader.close()
         if not detail:
@@ -395,13 +397,25 @@ def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool
     return problems
 
 
-def pack_stats(lay: Layout, keys: dict[str, str] | None = None) -> dict[str, int]:
-    """Packs, packed entries and their bytes, and retired packs.
+def _damage(reader: PackReader, entry: PackEntry) -> str | None:
+    """What is wrong with ``entry``'s blob in its pack (cut short, a bad frame, the wrong bytes); None: it is good."""
+    try:
+        reader.read(entry)
+    except PackError as exc:
+        return str(exc).removeprefix(f"{reader.path}: ")
+    return None
 
-    ``keys``: filled with each packed key id and the digest the store serves for it
-    (the newest pack's), so ``stats`` counts a key loose and packed once.
+
+def pack_stats(lay: Layout, keys: dict[str, str] | None = None) -> dict[str, int]:
+    """Packs, packed entries and their bytes (the packs' files), the raw bytes their blobs stand for, retired packs.
+
+    ``pack_raw_bytes``: each distinct blob's raw size as its object states it (a
+    frame's header, a raw one's own size; one small read each, not verified), so
+    ``pack_bytes / pack_raw_bytes`` is what compression saves. ``keys``: filled with
+    each packed key id and the digest the store serves for it (the newest pack's),
+    so ``stats`` counts a key loose and packed once.
     """
-    packs = entries = size = 0
+    packs = entries = size = raw = 0
     for path in list_packs(_packs_dir(lay)):  # newest first
         try:
             reader = PackReader(path)
@@ -411,9 +425,20 @@ def pack_stats(lay: Layout, keys: dict[str, str] | None = None) -> dict[str, int
             packs += 1
             entries += reader.count
             size += reader.size
-            if keys is not None:
-                for entry in reader.entries():
+            blobs: dict[int, int] = {}
+            for entry in reader.entries():
+                if entry.offset not in blobs:
+                    blobs[entry.offset] = reader.raw_size(entry)
+                if keys is not None:
                     keys.setdefault(entry.key_id, entry.digest)
+            raw += sum(blobs.values())
         finally:
             reader.close()
-    return {"packs": packs, "packed_entries": entries, "pack_bytes": size, "retired_packs": len(_retired(lay))}
+    retired = len(_retired(lay))
+    return {
+        "packs": packs,
+        "packed_entries": entries,
+        "pack_bytes": size,
+        "pack_raw_bytes": raw,
+        "retired_packs": retired,
+    }

@@ -309,7 +309,8 @@ def _action(target: Target, kid: str, manifest: Manifest) -> str:
     """
     packed = target.packed.get(kid)
     if packed is not None:
-        same = (packed.entry.digest, packed.entry.size) == (manifest.digest, manifest.size)
+        # The digest is of the raw bytes, and so names their size too; the entry's size is of its stored (framed) bytes.
+        same = packed.entry.digest == manifest.digest
         if target.verify_existing and not target.packed_ok(packed):
             if same:
                 target.damaged.add(manifest.digest)

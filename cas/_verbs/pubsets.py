@@ -53,7 +53,7 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
         return
     written = {} if target.packs is None else target.packs.written()
 
-    def where(kid: str, digest: str) -> tuple[str, int, int] | None:
+    def where(kid: str, digest: str) -> tuple[str, int, int, int] | None:
         at = written.get(kid)
         if at is None:
             at = target.packed.get(kid)
@@ -62,7 +62,7 @@ def publish_sets(sources: Sequence[str], target: Target, report: PublishReport) 
         if at is None or at.entry.digest != digest:
             return None
         name = os.path.basename(at.pack)
-        return (name, at.entry.offset, at.entry.at) if is_pack_name(name) else None
+        return (name, at.entry.offset, at.entry.size, at.entry.at) if is_pack_name(name) else None
 
     for name, ours in found.items():
         try:

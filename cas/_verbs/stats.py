@@ -84,6 +84,8 @@ class StatsReport(Report):
     #: Keys the live packs hold, each once.
     packed_entries: int = 0
     pack_bytes: int = 0
+    #: The raw bytes the packs' distinct blobs stand for (their blobs are stored compressed).
+    pack_raw_bytes: int = 0
     retired_packs: int = 0
     #: The lifetime counters of every process (name -> total), or None when they cannot be read.
     counters: dict[str, int] | None = None
@@ -219,6 +221,7 @@ def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     report.quarantined_files = quarantined
     report.packs, report.packed_entries = packs["packs"], len(packed)
     report.pack_bytes, report.retired_packs = packs["pack_bytes"], packs["retired_packs"]
+    report.pack_raw_bytes = packs["pack_raw_bytes"]
     try:
         usage = read_usage(lay)
     except OSError as exc:
