@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from http_bench import build_stores, kernel
 from testkit.common import log, work_dir
 from testkit.nginx import Nginx, find_nginx
 from testkit.proxy import Proxy
@@ -60,6 +59,39 @@ from testkit.weed import WeedServer, find_weed
 from testkit.workers import run_worker, worker_spec
 
 JOB = "cluster-bench"
+SAXPY = r"""
+extern "C" __global__ void KERNEL(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i] + SALT;
+}
+"""
+
+
+def kernel(i: int) -> str:
+    return SAXPY.replace("KERNEL", f"k{i}").replace("SALT", f"{i}.0f")
+
+
+def build_stores(base: str, kernels: int) -> tuple[float, str]:
+    """``kernels`` real cubins compiled by NVRTC, published under ``base/served`` as ``loose`` and ``packed``.
+
+    Returns the seconds the compiles took and the folder that holds both stores.
+    """
+    from cuda.core import Program, ProgramOptions
+
+    from cuda_program_cas import ContentAddressedProgramCache, publish
+
+    builder = os.path.join(base, "builder")
+    log(f"compiling {kernels} kernels with NVRTC ...")
+    opts = ProgramOptions(arch="sm_80")
+    t0 = time.perf_counter()
+    with ContentAddressedProgramCache(builder) as cache:
+        for i in range(kernels):
+            Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache)
+    compile_s = time.perf_counter() - t0
+    served = os.path.join(base, "served")
+    publish([builder], os.path.join(served, "loose"))
+    publish([builder], os.path.join(served, "packed"), pack=True)
+    return compile_s, served
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -412,8 +444,8 @@ def _mixes() -> dict[str, list[bytes]]:
     import tempfile
 
     import demo
-    from _common import CUB_SOURCE, cccl_include
     from cuda.core import Program, ProgramOptions
+    from testkit.common import CUB_SOURCE, cccl_include
 
     include = cccl_include()
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ parallel. The model does not simulate queueing: it reports the load (operations
 and bytes, and their rate over the window) and the floor the server's capacity
 sets on the start, against the time compiling would take instead. Each transport
 is one function that turns per-node inputs into rows: NFS (operations, measured by
-the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
+the harness) and HTTP (requests, counted by ``tools/cluster_bench.py``; a node's wait is
 its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
 ``--server-rps`` requests a second), and HTTP with the job's warm set (a few requests
 per node for a packed store, the loose store's sent 16 at a time), and Redis with the
@@ -100,7 +100,7 @@ def nfs_rows(args: argparse.Namespace, measured: dict[str, dict[str, float]]) ->
     return rows
 
 
-#: Requests one node's process makes over HTTP (tools/http_bench.py counts them, and nginx's
+#: Requests one node's process makes over HTTP (tools/cluster_bench.py counts them, and nginx's
 #: access log agrees; they do not vary from run to run). Fixed: layout.json and packs/list, and
 #: for a loose store its key list (cas/_shared/keylist.py: read at the first loose lookup),
 #: plus, for a packed store on a cold node, each pack's trailer and index (2 per pack, once per
