@@ -530,7 +530,7 @@ def test_nginx_that_cannot_write_the_store_names_the_likely_causes(
     os.chown(body, 65534, 65534)
     with WorkerNginx(open_dir / "nginx", root, body) as server:
         err = publish_fails(capsys, str(sources.a), server.dav_url("store"))
-        logged = server.error_log_tail()
+        logged = server.log_tail()
     assert "/store/CACHEDIR.TAG: HTTP 500: PUT answered 500" in err
     for cause in ("not writable by nginx's worker user", "create_full_put_path is off", "full", "error log"):
         assert cause in err, err

@@ -9,9 +9,10 @@ edits ``sys.path``.
   JSON line (every tool's ``_worker`` mode, torture's loads, the NFS scenarios' nodes);
   :mod:`testkit.forks`, the same without the start-up: children forked from a server that
   imported once.
-- :mod:`testkit.server`: the life cycle of a server run as a child on a loopback port;
-  :mod:`testkit.nginx` (static reads and WebDAV), :mod:`testkit.redis_server`,
-  :mod:`testkit.proxy` (a delaying TCP forwarder) are such servers.
+- :mod:`testkit.server`: the life cycle of a server run as a child on a loopback port (a free
+  port, readiness, stop, the test's skip); :mod:`testkit.nginx` (static reads and WebDAV),
+  :mod:`testkit.redis_server` and :mod:`testkit.weed` (S3) are such servers;
+  :mod:`testkit.proxy` is a delaying TCP forwarder.
 - :mod:`testkit.faults`, :mod:`testkit.lying_dav`, :mod:`testkit.lying_ranges`: HTTP servers
   in this process that answer with the faults a test asks for.
 - :mod:`testkit.cudastub`: a stand-in CUDA driver for cuda.compute's builds on the CPU.

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from testkit.server import free_port
+
 __all__ = ["Fault", "FaultServer", "Request", "refused_url"]
 
 _MAX_HEADER = 65536
@@ -160,10 +162,7 @@ def refused_url(path: str = "/") -> str:
 
     The port was free a moment ago; nothing of this suite listens on ports it did not bind itself.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/{path.lstrip('/')}"
+    return f"http://127.0.0.1:{free_port()}/{path.lstrip('/')}"
 
 
 @dataclass

