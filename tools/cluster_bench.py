@@ -2,41 +2,19 @@
 
     .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--nodes 64] [--json]
 
-It compiles ``--kernels`` SAXPY variants with NVRTC (real cubins), publishes them
-into a loose and a packed store that a real nginx serves, and uploads them to a
-real redis-server by write-back. A job (``CUDA_PROGRAM_CAS_JOB``) that used them
-all leaves its warm set in each store. Then, for each store and round trip, a
-fresh process with an empty local cache looks up every kernel through
-``Program.compile(cache=)``, once with the job named (its set is fetched) and
-once with warm sets off. The round trip is real: every connection goes through
-a delaying TCP forwarder (tools/testkit/proxy.py, half the round trip each way) that this
-tool starts and stops; this kernel has no ``netem``.
+``--kernels`` SAXPY variants compiled by NVRTC are published loose and packed under a real
+nginx and written back to a real redis-server; a job (``CUDA_PROGRAM_CAS_JOB``) that used them
+all leaves its warm set in each. Then, per store and round trip, a fresh node with an empty
+local cache looks up every kernel through ``Program.compile(cache=)``, with the job named and
+with warm sets off. Every connection goes through a delaying TCP forwarder
+(``testkit.proxy``, half the round trip each way). Per case: seconds per node and requests
+(nginx's log; for Redis the forwarder's round trips and ``INFO commandstats``). ``--nodes N``
+then starts N cold nodes at once against each store at 2 ms.
 
-Per case: seconds per node (from opening the cache to the last kernel) and
-requests per node: HTTP requests as nginx logged them, and for Redis the
-round trips the forwarder saw (a pipeline is one) and the commands the server
-counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job at
-once against each store at 2 ms, checks every node got every kernel's bytes, and
-reports the requests the server answered in all and the seconds per node.
-
-``--misses`` measures the key list instead (cas/_shared/keylist.py): a fresh node
-looks up 200 keys of which 20 are in a loose store (over nginx, and in Redis) and
-180 are not, at each round trip, with the store's key list and with it removed:
-seconds per node and requests (nginx's log; Redis's round trips through the
-forwarder and its commands).
-
-``--s3`` measures an S3 bucket instead (a real ``weed server -s3``, tools/testkit/weed.py): the
-kernels published packed into ``s3://cas/packed``, the job's first run leaves its warm set
-there, then for each round trip a fresh node with the job named (its set fetched) and one
-with warm sets off, through the forwarder: seconds per node, requests (the forwarder's
-exchanges) and round trips in sequence (its ``rounds``: requests sent in parallel, as the
-packs' ranged GETs are, count as one).
-
-``--compression`` measures compressed blobs in shared stores over two mixes (the demo's,
-and eight CUB kernels): each written back to a Redis store raw (compression off,
-as before) and compressed, the store's bytes, a cold node's warm set at 20 ms and
-at 20 ms and 10 Mbit/s (the forwarder's rate), and a hit's decode of the largest
-blob against its blake3.
+``--misses``: 200 keys of which 20 are stored, with the store's key list and without.
+``--s3``: a packed store in an S3 bucket (``weed server -s3``), round trips in sequence counted.
+``--compression``: two mixes written back raw and compressed: the store's bytes, a cold node's
+warm set at 20 ms (and 10 Mbit/s), and a hit's decode.
 """
 
 from __future__ import annotations
@@ -50,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from testkit.common import log, work_dir
 from testkit.nginx import Nginx, find_nginx
@@ -72,10 +51,7 @@ def kernel(i: int) -> str:
 
 
 def build_stores(base: str, kernels: int) -> tuple[float, str]:
-    """``kernels`` real cubins compiled by NVRTC, published under ``base/served`` as ``loose`` and ``packed``.
-
-    Returns the seconds the compiles took and the folder that holds both stores.
-    """
+    """The seconds NVRTC took for ``kernels`` cubins, and the folder they are published in (``loose``, ``packed``)."""
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache, publish
@@ -221,16 +197,8 @@ def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
         with WeedServer(os.path.join(base, "weed")).start() as weed:
             aws = weed.env()
             store = "s3://cas/packed"
-            saved = {k: os.environ.get(k) for k in aws}
-            os.environ.update(aws)
-            try:
+            with mock.patch.dict(os.environ, aws):
                 publish([os.path.join(base, "builder")], store, pack=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             log("the job's first run against the S3 store ...")
             first = {"local": os.path.join(base, "first-s3"), "shared": f"{store}|write", "kernels": kernels}
             run_worker(__file__, first, settings={**aws, "CUDA_PROGRAM_CAS_JOB": JOB})

