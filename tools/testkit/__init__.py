@@ -13,8 +13,8 @@ edits ``sys.path``.
   port, readiness, stop, the test's skip); :mod:`testkit.nginx` (static reads and WebDAV),
   :mod:`testkit.redis_server` and :mod:`testkit.weed` (S3) are such servers;
   :mod:`testkit.proxy` is a delaying TCP forwarder.
-- :mod:`testkit.faults`, :mod:`testkit.lying_dav`, :mod:`testkit.lying_ranges`: HTTP servers
-  in this process that answer with the faults a test asks for.
+- :mod:`testkit.faults`: an HTTP server in this process that answers with the faults a test
+  asks for (false ranges and WebDAV writes that keep less among them).
 - :mod:`testkit.cudastub`: a stand-in CUDA driver for cuda.compute's builds on the CPU.
 - :mod:`testkit.common`: the CUB kernel, the CCCL header search, the checkout's git state.
 - :mod:`testkit.torture`: the torture run's scenarios and the cache checker.
