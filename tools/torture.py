@@ -16,9 +16,7 @@ symlinked shard directories, hostile manifests; nothing outside the root is
 read or written) and ``shared`` (publish and collect a shared store while
 nodes read it; needs ``cuda_program_cas._verbs.publish``).
 
-The scenarios and the checker live in the testing package, ``tools/testkit/torture/``; this file is their
-command line, and ``tests/test_torture.py`` runs each scenario briefly through the same
-functions.
+The scenarios and the checker are ``testkit.torture``; this file is their command line.
 """
 
 from __future__ import annotations
