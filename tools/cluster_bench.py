@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -112,10 +111,9 @@ def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int
     """Lookups of ``present + absent`` keys by a fresh node, with and without the store's key list (``--misses``)."""
     from cuda_program_cas import CacheStore, publish
 
-    base = work_dir(parent, "cluster-bench-misses")
     keys = [f"m{i}" for i in range(present)] + [f"absent{i}" for i in range(absent)]
     data = {k: (k.encode() * 1000)[:3400] for k in keys[:present]}  # about a small cubin each
-    try:
+    with work_dir(parent, "cluster-bench-misses") as base:
         src = CacheStore(os.path.join(base, "src"))
         for k, v in data.items():
             src.put(k, v)
@@ -168,9 +166,6 @@ def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int
                             out["requests"] = len(ngx.requests(wait_for=out["requests"]))
                         cases[name] = out
         return {"present": present, "absent": absent, "cases": cases}
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def miss_table(results: dict[str, Any]) -> str:
@@ -190,8 +185,7 @@ def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
     """A cold node's lookups of every kernel from a packed store in an S3 bucket, with and without its warm set."""
     from cuda_program_cas import publish
 
-    base = work_dir(parent, "cluster-bench-s3")
-    try:
+    with work_dir(parent, "cluster-bench-s3") as base:
         compile_s, _served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
         with WeedServer(os.path.join(base, "weed")).start() as weed:
@@ -229,9 +223,6 @@ def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
                         "skipped_lookups": skipped,
                     }
         return results
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def s3_table(results: dict[str, Any]) -> str:
@@ -254,8 +245,7 @@ def _through(url: str, server_port: int, link: Proxy) -> str:
 
 
 def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes: int = 0) -> dict[str, Any]:
-    base = work_dir(parent, "cluster-bench")
-    try:
+    with work_dir(parent, "cluster-bench") as base:
         compile_s, served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
         named = {"CUDA_PROGRAM_CAS_JOB": JOB}
@@ -320,9 +310,6 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes:
                     **({"redis_commands": outs[0]["commands"]} if "commands" in outs[0] else {}),
                 }
         return results
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def _crowd(
@@ -462,11 +449,9 @@ def compression(parent: str | None) -> dict[str, Any]:
     from cuda_program_cas._base import frame
     from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
 
-    base = work_dir(parent, "compress-bench")
     results: dict[str, Any] = {"level": frame.LEVEL, "mixes": {}}
     encode = frame.encode
-    os.environ["CUDA_PROGRAM_CAS_JOB"] = JOB
-    try:
+    with work_dir(parent, "compress-bench") as base, mock.patch.dict(os.environ, {"CUDA_PROGRAM_CAS_JOB": JOB}):
         for mix, blobs in _mixes().items():
             raw = sum(map(len, blobs))
             stored = [frame.encode(b) for b in blobs]
@@ -517,10 +502,6 @@ def compression(parent: str | None) -> dict[str, Any]:
                     redis.stop()
             results["mixes"][mix] = out
         return results
-    finally:
-        os.environ.pop("CUDA_PROGRAM_CAS_JOB", None)
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def compression_table(results: dict[str, Any]) -> str:

@@ -23,15 +23,13 @@ import itertools
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
-from testkit.common import cccl_include
+from testkit.common import cccl_include, work_dir
 from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 HEAVY = r"""
@@ -353,8 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CCCL headers: neither use_bundled_headers nor an include directory", file=sys.stderr)
         return 2
     repeat, hits = (2, 10) if args.quick else (3, 50)
-    root = args.dir or tempfile.mkdtemp(prefix="gpu-bench-")
-    try:
+    with work_dir(args.dir, "gpu-bench") as root:
         for name, value in report["facts"].items():
             print(f"{name:28} {value}")
         print("\nin one process (medians)")
@@ -380,9 +377,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"load {_ms(s['loaded_s'])}, run+check {_ms(s['result_s'])}), hits {s['hits']}, ok {s['ok']}"
                 )
             print(f"  {kernel}/{mode:8} cold / warm = {r['speedup']:.2f}x")
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
     ok = all(s[state]["ok"] for s in report["fresh_process"].values() for state in ("cold", "warm"))
     if args.json_out:
         with open(args.json_out, "w") as fh:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -171,16 +170,12 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
-    base = work_dir(args.dir, "numba-bench")
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in PHASES}
-    try:
+    with work_dir(args.dir, "numba-bench") as base:
         for i in range(args.runs):
             cache = os.path.join(base, f"cache-{i}")
             for phase in PHASES:
                 rows[phase].append(run(phase, cache, args.ptx))
-    finally:
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
     summary: dict[str, Any] = {}
     for phase, got in rows.items():
         keys = ("process_s", "job_s", "import_s", "nvvm_s", "nvvm_compiles")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -160,13 +159,9 @@ def main(argv: list[str]) -> int:
         ap.error("--processes and --kernels must be at least 1, --cub between 0 and --kernels")
     include = cccl_include()
     cub = args.cub if include else 0
-    base = work_dir(args.dir, "stampede")
     common = {"kernels": kernels(args.kernels, cub), "include": include}
-    try:
+    with work_dir(args.dir, "stampede") as base:
         runs = (measure_cluster if args.cluster else measure)(args.processes, common, base)
-    finally:
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
     alone = next(iter(runs.values()))["wall_s"]
     commit, dirty = git_state()
     out = {

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 from testkit.common import CUB_SOURCE, cccl_include
 from testkit.workers import child_env
@@ -114,31 +115,26 @@ def _switched_hits(caches: dict, opts: object, blocks: int, ref: bytes | None) -
     import cuda_program_cas
     from cuda_program_cas._cuda.switch import routed
 
-    saved = os.environ.get("CUDA_PROGRAM_CAS_DIR")
-    os.environ["CUDA_PROGRAM_CAS_DIR"] = caches["ours"].path
-    cuda_program_cas.install()
-    try:
-        program = cuda.core.Program  # the switch's subclass now
+    with mock.patch.dict(os.environ, {"CUDA_PROGRAM_CAS_DIR": caches["ours"].path}):
+        cuda_program_cas.install()
+        try:
+            program = cuda.core.Program  # the switch's subclass now
 
-        def check(obj: Any) -> None:
-            if bytes(obj.code) != ref:
-                raise RuntimeError("a hit through the switch returned other bytes")
+            def check(obj: Any) -> None:
+                if bytes(obj.code) != ref:
+                    raise RuntimeError("a hit through the switch returned other bytes")
 
-        samples = _interleaved_hits(
-            blocks,
-            lambda kind: program(SAXPY, "c++", options=opts).compile(
-                "cubin", cache=None if kind == "ours" else caches["filestream"]
-            ),
-            check,
-        )
-        if routed() < len(samples["ours"]):
-            raise RuntimeError("the switch did not route the compiles")
-    finally:
-        cuda_program_cas.uninstall()
-        if saved is None:
-            os.environ.pop("CUDA_PROGRAM_CAS_DIR", None)
-        else:
-            os.environ["CUDA_PROGRAM_CAS_DIR"] = saved
+            samples = _interleaved_hits(
+                blocks,
+                lambda kind: program(SAXPY, "c++", options=opts).compile(
+                    "cubin", cache=None if kind == "ours" else caches["filestream"]
+                ),
+                check,
+            )
+            if routed() < len(samples["ours"]):
+                raise RuntimeError("the switch did not route the compiles")
+        finally:
+            cuda_program_cas.uninstall()
     return samples
 
 

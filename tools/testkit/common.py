@@ -3,11 +3,14 @@ search, a run's work directory and the checkout's git state."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from testkit import REPO
 
@@ -53,12 +56,18 @@ def cccl_include() -> str | None:
     return None
 
 
-def work_dir(parent: str | None, name: str) -> str:
-    """A new directory for a run's caches: ``name-*`` under ``parent`` (``--dir``, made if need be), else a temp dir."""
+@contextlib.contextmanager
+def work_dir(parent: str | None, name: str) -> Iterator[str]:
+    """A new directory for a run's caches: ``name-*`` under ``parent`` (``--dir``, kept), else a temp dir, removed."""
     if parent:
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
-    return tempfile.mkdtemp(prefix=f"cas-{name}-")
+        yield tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
+        return
+    base = tempfile.mkdtemp(prefix=f"cas-{name}-")
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # -- the checkout ----------------------------------------------------------------------------
