@@ -37,16 +37,7 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     samples = _interleaved_hits(
         blocks, lambda kind: Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches[kind]), check
     )
-    res.add(
-        Row(
-            "Program.compile hit, median",
-            "us",
-            median(samples["ours"]),
-            median(samples["filestream"]),
-            target_op="<=",
-            target_ratio=0.5,
-        )
-    )
+    res.medians("Program.compile hit", "us", samples, 0.5)
     res.add(Row("Program.compile hit, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
     # The front door on the same kernel: cache.compile() against FileStream's Program.compile hit.
     front = caches["ours"]
@@ -60,16 +51,7 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
         ),
         check,
     )
-    res.add(
-        Row(
-            "front-door hit (cache.compile), median",
-            "us",
-            median(door["ours"]),
-            median(door["filestream"]),
-            target_op="<=",
-            target_ratio=0.5,
-        )
-    )
+    res.medians("front-door hit (cache.compile)", "us", door, 0.5)
     # The switch (CUDA_PROGRAM_CAS=1 / install()): the same hit with no cache= at all, routed to our cache.
     switched = _switched_hits(caches, opts, blocks, ref)
     res.add(
