@@ -26,13 +26,11 @@ import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from testkit.common import work_dir  # noqa: E402
 from testkit.workers import answer, run_worker, worker_spec  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 N = 1 << 16
 SEGMENTS = 64
 
@@ -164,18 +162,8 @@ def _run(args: argparse.Namespace, env: dict[str, str]) -> dict[str, object]:
         raise SystemExit(f"job failed ({env.get('CUDA_PROGRAM_CAS')}): {e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--aot", action="store_true", help="build ahead of time for sm_90, launch nothing")
-    parser.add_argument("--dir", help="working directory (default: a new temporary one)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    spec = worker_spec(sys.argv[1:] if argv is None else argv)
-    if spec is not None:
-        answer(_job(spec["aot"]))
-        return 0
-    args = parser.parse_args(argv)
-    work = Path(args.dir or tempfile.mkdtemp(prefix="compute-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+def _jobs(args: argparse.Namespace, work: Path) -> dict[str, dict[str, object]]:
+    """The four jobs, each a fresh process, in ``work``."""
     from testkit.cudastub import driver_env
 
     from cuda_program_cas import CacheStore
@@ -184,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = work / "shared"
     CacheStore(shared).close()  # a directory store, laid out
     on = {**base, "CUDA_PROGRAM_CAS": "1"}
-    rows = {
+    return {
         "uncached": _run(args, {**base, "CUDA_PROGRAM_CAS": "0"}),
         "cold": _run(
             args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a"), "CUDA_PROGRAM_CAS_SHARED": f"{shared}|write"}
@@ -192,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         "warm": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a")}),
         "node": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "b"), "CUDA_PROGRAM_CAS_SHARED": str(shared)}),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--aot", action="store_true", help="build ahead of time for sm_90, launch nothing")
+    parser.add_argument("--dir", help="where the caches go (kept; default: a temporary directory, removed)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    spec = worker_spec(sys.argv[1:] if argv is None else argv)
+    if spec is not None:
+        answer(_job(spec["aot"]))
+        return 0
+    args = parser.parse_args(argv)
+    with work_dir(args.dir, "compute-bench") as where:
+        rows = _jobs(args, Path(where))
     for name, row in rows.items():
         print(
             f"{name:>9}: {row['builds']:>2} builds, first result {row['first_result_s']:7.3f} s,"
