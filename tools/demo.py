@@ -27,16 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from testkit.common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, SAXPY, cccl_include
 from testkit.workers import answer, run_worker, worker_spec
 
 KERNELS = {
-    "saxpy": r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-""",
+    "saxpy": SAXPY,
     "reduce": r"""
 extern "C" __global__ void block_sum(const float *in, float *out, int n) {
     __shared__ float buf[256];

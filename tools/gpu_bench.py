@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from testkit.common import cccl_include, work_dir
+from testkit.common import SAXPY, cccl_include, work_dir
 from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 HEAVY = r"""
@@ -63,12 +63,6 @@ block_sum_sort(const int *in, int *sums, int *sorted) {
 """
 HEAVY_BLOCK, HEAVY_ITEMS, HEAVY_BLOCKS = 256, 4, 4096
 
-LIGHT = r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"""
 LIGHT_N = 1 << 22
 
 
@@ -108,7 +102,7 @@ def compile_cached(kernel: str, mode: str, arch: str, cache: Any) -> Any:
 
     if kernel == "light":
         opts = ProgramOptions(arch=arch)
-        return Program(LIGHT, "c++", options=opts).compile("cubin", cache=cache)
+        return Program(SAXPY, "c++", options=opts).compile("cubin", cache=cache)
     if mode == "bundled":
         opts = ProgramOptions(arch=arch, std="c++17", use_bundled_headers=True)
         return Program(HEAVY, "c++", options=opts).compile("cubin", cache=cache)

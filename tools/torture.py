@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from testkit.common import SAXPY
 from testkit.torture import (
     DEFAULT_CAP,
     Report,
@@ -55,11 +56,9 @@ def _compiler() -> Callable[..., Any] | None:
         from cuda.core import Program, ProgramOptions
     except ImportError:
         return None
-    src = 'extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {\n'
-    src += "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = a * x[i] + y[i];\n}\n"
 
     def compile_program(cache: Any = None, **options: Any) -> Any:
-        return Program(src, "c++", options=ProgramOptions(**options)).compile("cubin", cache=cache)
+        return Program(SAXPY, "c++", options=ProgramOptions(**options)).compile("cubin", cache=cache)
 
     return compile_program
 

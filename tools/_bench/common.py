@@ -17,13 +17,6 @@ KINDS = ("ours", "filestream")
 KB = 1024
 perf_ns = time.perf_counter_ns
 
-SAXPY = r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"""
-
 
 # -- configuration ---------------------------------------------------------------------
 

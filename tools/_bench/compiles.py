@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-from testkit.common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, SAXPY, cccl_include
 from testkit.workers import child_env
 
-from .common import KINDS, SAXPY, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
+from .common import KINDS, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
 
 # -- workload 2: Program.compile(cache=...) hit ---------------------------------------
 

@@ -1,5 +1,5 @@
-"""What the tools and tests share besides servers and workers: the CUB kernel, the CCCL header
-search, a run's work directory and the checkout's git state."""
+"""What the tools and tests share besides servers and workers: the saxpy and CUB kernels, the CCCL
+header search, a run's work directory and the checkout's git state."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ from collections.abc import Iterator
 
 from testkit import REPO
 
+#: A saxpy, the small kernel of the demo, the benchmarks and the NFS scenarios.
+SAXPY = r"""
+extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
 #: A CUB kernel: a few hundred CCCL headers behind one include.
 CUB_SOURCE = r"""
 #include <cub/block/block_reduce.cuh>
