@@ -444,12 +444,14 @@ def test_a_server_that_answers_201_and_keeps_less_fails_the_publish(
 ) -> None:
     import re
 
-    from testkit.lying_dav import LyingDav
+    from testkit.faults import Fault, FaultServer
 
     lies, pack, said = case
-    with LyingDav(tmp_path / "dav", lies=lies) as server:
+    with FaultServer(tmp_path / "dav", writable=True) as server:
+        for prefix, lie in lies.items():
+            server.set(prefix, Fault.keep_nothing() if lie == "nothing" else Fault.keep_half())
         err = publish_fails(capsys, *(["--pack"] if pack else []), str(sources.a), server.url("store"))
-        log = server.log
+        log = [(r.method, r.path) for r in server.log]
     assert re.search(said, err), err
     assert err.endswith("is it a real WebDAV store?") and "other publishers" not in err
     if "/blobs/" in err:
@@ -457,7 +459,7 @@ def test_a_server_that_answers_201_and_keeps_less_fails_the_publish(
         assert found is not None
         held, whole = (int(n.replace(",", "")) for n in found.groups())
         assert whole in blob_sizes(sources.a) and held == (0 if lies["/store/blobs/"] == "nothing" else whole // 2)
-        assert not [p for m, p, _ in log if m == "PUT" and "/index/" in p]  # nothing names what it lacks
+        assert not [p for m, p in log if m == "PUT" and "/index/" in p]  # nothing names what it lacks
     # Each upload was read back once, at once: the failing one is the last request.
     assert log[-1][0] in ("GET", "HEAD") and log[-2][0] == "PUT"
 
@@ -532,7 +534,7 @@ def test_nginx_that_cannot_write_the_store_names_the_likely_causes(
     os.chown(body, 65534, 65534)
     with WorkerNginx(open_dir / "nginx", root, body) as server:
         err = publish_fails(capsys, str(sources.a), server.dav_url("store"))
-        logged = server.error_log_tail()
+        logged = server.log_tail()
     assert "/store/CACHEDIR.TAG: HTTP 500: PUT answered 500" in err
     for cause in ("not writable by nginx's worker user", "create_full_put_path is off", "full", "error log"):
         assert cause in err, err

@@ -341,7 +341,7 @@ def test_a_cold_nodes_warm_set_costs_three_round_trips_in_sequence(
 ) -> None:
     """12 kernels published packed; the job's first run leaves its warm set; a cold node of the job, through a
     forwarder of 20 ms, gets every kernel by 3 round trips in sequence (the pack's ranges sent at once)."""
-    from http_bench import kernel
+    from cluster_bench import kernel
     from testkit.proxy import Proxy
 
     store = f"s3://cas/{prefix}"

@@ -21,10 +21,10 @@ from blake3 import blake3
 from coldstart_model import HTTP_WARM_REQUESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from testkit.faults import Fault, FaultServer
 from testkit.nginx import Nginx, nginx_or_skip
 from testkit.proxy import Proxy
 from testkit.redis_server import RedisServer
-from testkit.workers import child_env
 
 from cuda_program_cas import CacheStore, digest_of, publish
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
@@ -290,21 +290,11 @@ def test_a_server_that_will_not_answer_several_ranges_truly_costs_misses_never_w
             statuses = [(e.status, e.range.count(",")) for e in one.requests(wait_for=made)]
             assert statuses[2][0] == 200 and statuses[2][1] >= 2  # the whole pack, not the ranges: refused (too long)
     else:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "testkit.lying_ranges", str(root), refusing], env=child_env(keep_settings=True),
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert proc.stdout is not None
-            port = int(proc.stdout.readline().split()[1])
-            got, node = _cold(tmp_path / "b", f"http://127.0.0.1:{port}/", used)
-        finally:
-            proc.kill()
-            proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
-        lines = (tmp_path / "lying.log").read_text().splitlines()
-        assert sum("," in line for line in lines) == 1  # the one multi-range request, then entries one by one
+        with FaultServer(root) as site:
+            site.set_default(Fault.lie_ranges(refusing))
+            got, node = _cold(tmp_path / "b", site.url(""), used)
+            asked = [r.headers.get("range", "") for r in site.log]
+        assert sum("," in r for r in asked) == 1  # the one multi-range request, then entries one by one
     assert got == {k: value(int(k[1:]), 8000) for k in used}
     assert node.inner.warm is not None
     # A part's first byte flipped damages the first blob of each part: those are not fetched (counted), nor is the

@@ -35,11 +35,12 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
 from _bench import RUNNERS, WORKER_TASKS, WORKLOADS, Config, machine_info, render, tally
-from testkit.common import log, work_dir
+from testkit.common import log
 from testkit.workers import worker_spec
 
 
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--cap-sizes must be comma-separated integers, got {args.cap_sizes!r}")
         if any(n <= 0 for n in cfg.cap_sizes):
             ap.error(f"--cap-sizes must be positive, got {args.cap_sizes!r}")
-    bench_dir = work_dir(args.dir, "bench")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    bench_dir = tempfile.mkdtemp(prefix="bench-" if args.dir else "cas-bench-", dir=args.dir)  # removed unless --keep
     if "cap_writes" in selected and not cfg.quick:
         log("cap_writes fills each cache with " + " and ".join(f"{n:,}" for n in cfg.cap_sizes) + " entries and "
             "times FileStream rescanning at the cap: expect 15-25 minutes in all on 2 cores")  # fmt: skip

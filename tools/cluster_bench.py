@@ -2,42 +2,19 @@
 
     .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--nodes 64] [--json]
 
-It compiles ``--kernels`` SAXPY variants with NVRTC (real cubins), publishes them
-into a loose and a packed store that a real nginx serves, and uploads them to a
-real redis-server by write-back. A job (``CUDA_PROGRAM_CAS_JOB``) that used them
-all leaves its warm set in each store. Then, for each store and round trip, a
-fresh process with an empty local cache looks up every kernel through
-``Program.compile(cache=)``, once with the job named (its set is fetched) and
-once with warm sets off. The round trip is real: every connection goes through
-a delaying TCP forwarder (tools/testkit/proxy.py, half the round trip each way) that this
-tool starts and stops; this kernel has no ``netem``.
+``--kernels`` SAXPY variants compiled by NVRTC are published loose and packed under a real
+nginx and written back to a real redis-server; a job (``CUDA_PROGRAM_CAS_JOB``) that used them
+all leaves its warm set in each. Then, per store and round trip, a fresh node with an empty
+local cache looks up every kernel through ``Program.compile(cache=)``, with the job named and
+with warm sets off. Every connection goes through a delaying TCP forwarder
+(``testkit.proxy``, half the round trip each way). Per case: seconds per node and requests
+(nginx's log; for Redis the forwarder's round trips and ``INFO commandstats``). ``--nodes N``
+then starts N cold nodes at once against each store at 2 ms.
 
-Per case: seconds per node (from opening the cache to the last kernel) and
-requests per node: HTTP requests as nginx logged them, and for Redis the
-round trips the forwarder saw (a pipeline is one) and the commands the server
-counted (INFO commandstats). ``--nodes N`` then starts N cold nodes of the job at
-once against each store at 2 ms, checks every node got every kernel's bytes, and
-reports the requests the server answered in all and the seconds per node.
-
-``--misses`` measures the key list instead (cas/_shared/keylist.py): a fresh node
-looks up 200 keys of which 20 are in a loose store (over nginx, and in Redis) and
-180 are not, at each round trip, with the store's key list and with it removed:
-seconds per node and requests (nginx's log; Redis's round trips through the
-forwarder and its commands).
-
-``--s3`` measures an S3 bucket instead (a real ``weed server -s3``, tools/testkit/weed.py): the
-kernels published packed into ``s3://cas/packed``, the job's first run leaves its warm set
-there, then for each round trip a fresh node with the job named (its set fetched) and one
-with warm sets off, through the forwarder: seconds per node, requests (the forwarder's
-exchanges) and round trips in sequence (its ``rounds``: requests sent in parallel, as the
-packs' ranged GETs are, count as one).
-
-``--compression`` measures compressed blobs in shared stores over two mixes (the demo's,
-and eight CUB kernels): each written back to a Redis store raw (compression off,
-as before) and compressed, the store's bytes, each published packed into a store
-directory (the pack built, its framed entries read back by a node) and its packs'
-bytes, a cold node's warm set at 20 ms and at 20 ms and 10 Mbit/s (the forwarder's
-rate), and a hit's decode of the largest blob against its blake3.
+``--misses``: 200 keys of which 20 are stored, with the store's key list and without.
+``--s3``: a packed store in an S3 bucket (``weed server -s3``), round trips in sequence counted.
+``--compression``: two mixes written back raw and compressed (the store's bytes), each published
+packed (its packs' bytes), a cold node's warm set at 20 ms (and 10 Mbit/s), and a hit's decode.
 """
 
 from __future__ import annotations
@@ -45,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
-from http_bench import build_stores, kernel
 from testkit.common import log, work_dir
 from testkit.nginx import Nginx, find_nginx
 from testkit.proxy import Proxy
@@ -61,6 +37,36 @@ from testkit.weed import WeedServer, find_weed
 from testkit.workers import run_worker, worker_spec
 
 JOB = "cluster-bench"
+SAXPY = r"""
+extern "C" __global__ void KERNEL(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i] + SALT;
+}
+"""
+
+
+def kernel(i: int) -> str:
+    return SAXPY.replace("KERNEL", f"k{i}").replace("SALT", f"{i}.0f")
+
+
+def build_stores(base: str, kernels: int) -> tuple[float, str]:
+    """The seconds NVRTC took for ``kernels`` cubins, and the folder they are published in (``loose``, ``packed``)."""
+    from cuda.core import Program, ProgramOptions
+
+    from cuda_program_cas import ContentAddressedProgramCache, publish
+
+    builder = os.path.join(base, "builder")
+    log(f"compiling {kernels} kernels with NVRTC ...")
+    opts = ProgramOptions(arch="sm_80")
+    t0 = time.perf_counter()
+    with ContentAddressedProgramCache(builder) as cache:
+        for i in range(kernels):
+            Program(kernel(i), "c++", options=opts).compile("cubin", cache=cache)
+    compile_s = time.perf_counter() - t0
+    served = os.path.join(base, "served")
+    publish([builder], os.path.join(served, "loose"))
+    publish([builder], os.path.join(served, "packed"), pack=True)
+    return compile_s, served
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +111,9 @@ def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int
     """Lookups of ``present + absent`` keys by a fresh node, with and without the store's key list (``--misses``)."""
     from cuda_program_cas import CacheStore, publish
 
-    base = work_dir(parent, "cluster-bench-misses")
     keys = [f"m{i}" for i in range(present)] + [f"absent{i}" for i in range(absent)]
     data = {k: (k.encode() * 1000)[:3400] for k in keys[:present]}  # about a small cubin each
-    try:
+    with work_dir(parent, "cluster-bench-misses") as base:
         src = CacheStore(os.path.join(base, "src"))
         for k, v in data.items():
             src.put(k, v)
@@ -161,9 +166,6 @@ def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int
                             out["requests"] = len(ngx.requests(wait_for=out["requests"]))
                         cases[name] = out
         return {"present": present, "absent": absent, "cases": cases}
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def miss_table(results: dict[str, Any]) -> str:
@@ -183,23 +185,14 @@ def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
     """A cold node's lookups of every kernel from a packed store in an S3 bucket, with and without its warm set."""
     from cuda_program_cas import publish
 
-    base = work_dir(parent, "cluster-bench-s3")
-    try:
+    with work_dir(parent, "cluster-bench-s3") as base:
         compile_s, _served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
         with WeedServer(os.path.join(base, "weed")).start() as weed:
             aws = weed.env()
             store = "s3://cas/packed"
-            saved = {k: os.environ.get(k) for k in aws}
-            os.environ.update(aws)
-            try:
+            with mock.patch.dict(os.environ, aws):
                 publish([os.path.join(base, "builder")], store, pack=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             log("the job's first run against the S3 store ...")
             first = {"local": os.path.join(base, "first-s3"), "shared": f"{store}|write", "kernels": kernels}
             run_worker(__file__, first, settings={**aws, "CUDA_PROGRAM_CAS_JOB": JOB})
@@ -230,9 +223,6 @@ def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
                         "skipped_lookups": skipped,
                     }
         return results
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def s3_table(results: dict[str, Any]) -> str:
@@ -255,8 +245,7 @@ def _through(url: str, server_port: int, link: Proxy) -> str:
 
 
 def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes: int = 0) -> dict[str, Any]:
-    base = work_dir(parent, "cluster-bench")
-    try:
+    with work_dir(parent, "cluster-bench") as base:
         compile_s, served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
         named = {"CUDA_PROGRAM_CAS_JOB": JOB}
@@ -321,9 +310,6 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes:
                     **({"redis_commands": outs[0]["commands"]} if "commands" in outs[0] else {}),
                 }
         return results
-    finally:
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def _crowd(
@@ -490,11 +476,9 @@ def compression(parent: str | None) -> dict[str, Any]:
     from cuda_program_cas._base import frame
     from cuda_program_cas._shared import upload  # write-back's writer: its encode is switched off for "raw"
 
-    base = work_dir(parent, "compress-bench")
     results: dict[str, Any] = {"level": frame.LEVEL, "mixes": {}}
     encode = frame.encode
-    os.environ["CUDA_PROGRAM_CAS_JOB"] = JOB
-    try:
+    with work_dir(parent, "compress-bench") as base, mock.patch.dict(os.environ, {"CUDA_PROGRAM_CAS_JOB": JOB}):
         for mix, blobs in _mixes().items():
             raw = sum(map(len, blobs))
             stored = [frame.encode(b) for b in blobs]
@@ -544,10 +528,6 @@ def compression(parent: str | None) -> dict[str, Any]:
                     redis.stop()
             results["mixes"][mix] = out
         return results
-    finally:
-        os.environ.pop("CUDA_PROGRAM_CAS_JOB", None)
-        if parent is None:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def compression_table(results: dict[str, Any]) -> str:

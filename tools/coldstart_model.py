@@ -6,29 +6,17 @@
     python tools/coldstart_model.py --measured nfs.json    # the per-node counts of that run
     python tools/coldstart_model.py --nodes 4000 --kernels 50 --json
 
-A model on paper, from per-node measurements: each node of a job looks each of
-its kernels up once (a first hit) in the shared store, or, with no store,
-compiles each. The inputs are the NFS operations one node's first hits cost
-(measured by ``tools/nfs_harness.py``'s ``packed`` scenario from
-``/proc/self/mountstats``: LOOKUP, GETATTR, ACCESS, OPEN, READ and the rest), the
-bytes one kernel moves, and NVRTC's seconds per kernel (from ``tools/bench.py``).
-``--measured`` reads them from the harness's output (``--json``, or the
-``result.json`` of a kept run) or from ``{"loose": {...}, "packed": {...}}``.
-
-Assumptions (each a flag): all nodes start within ``--window`` seconds; the
-server completes at most ``--server-ops`` metadata-or-data operations per second
-and ``--server-gbps`` GB/s; one node compiles its kernels on ``--cores`` cores in
-parallel. The model does not simulate queueing: it reports the load (operations
-and bytes, and their rate over the window) and the floor the server's capacity
-sets on the start, against the time compiling would take instead. Each transport
-is one function that turns per-node inputs into rows: NFS (operations, measured by
-the harness) and HTTP (requests, counted by ``tools/http_bench.py``; a node's wait is
-its requests times ``--rtt-ms``, as it asks one at a time; the server serves at most
-``--server-rps`` requests a second), and HTTP with the job's warm set (a few requests
-per node for a packed store, the loose store's sent 16 at a time), and Redis with the
-warm set (its commands in three round trips; the server serves at most ``--redis-ops``
-commands a second; the rows' ``requests`` are its commands). Exit 0, or 2 on bad
-usage or a ``--measured`` file without the inputs.
+A model on paper from per-node measurements: each node looks each kernel up once in the
+shared store or, with none, compiles it. Inputs: the NFS operations of one node's first hits
+(``tools/nfs_harness.py``'s ``packed`` scenario; ``--measured`` reads its ``--json`` output,
+a kept run's ``result.json``, or ``{"loose": {...}, "packed": {...}}``), the HTTP requests and
+Redis commands a node makes (counted by ``tools/cluster_bench.py`` and the tests), the bytes
+per kernel and NVRTC's seconds per kernel. Assumptions are flags: the start ``--window``, the
+server's ``--server-ops``, ``--server-gbps``, ``--server-rps`` and ``--redis-ops``, the round
+trip ``--rtt-ms`` (a node asks one request at a time), ``--cores`` per node. No queueing is
+simulated: it reports the load, its rate over the window and the floor the server's capacity
+sets on the start, against compiling instead. Exit 0, or 2 on bad usage or a ``--measured``
+file without the inputs.
 """
 
 from __future__ import annotations
@@ -100,7 +88,7 @@ def nfs_rows(args: argparse.Namespace, measured: dict[str, dict[str, float]]) ->
     return rows
 
 
-#: Requests one node's process makes over HTTP (tools/http_bench.py counts them, and nginx's
+#: Requests one node's process makes over HTTP (tools/cluster_bench.py counts them, and nginx's
 #: access log agrees; they do not vary from run to run). Fixed: layout.json and packs/list, and
 #: for a loose store its key list (cas/_shared/keylist.py: read at the first loose lookup),
 #: plus, for a packed store on a cold node, each pack's trailer and index (2 per pack, once per

@@ -1,30 +1,19 @@
 """cuda.compute's algorithm builds under the switch: uncached, cold, warm, and a fresh node from a shared store.
 
-A job that builds six algorithms (reduce with a Python op, exclusive scan with
-``OpKind.PLUS``, radix sort, unary transform with a Python op, select with a
-Python predicate, segmented reduce with ``OpKind.MAXIMUM``), each run as a fresh
-process:
-
-1. ``uncached``: ``CUDA_PROGRAM_CAS=0``, cuda.compute as it is;
-2. ``cold``: the switch on, an empty cache directory, writing back to a shared
-   directory store (``CUDA_PROGRAM_CAS_SHARED=<dir>|write``) with a job name, so
-   the store holds the builds and the job's warm set;
-3. ``warm``: the same cache directory again (no build expected);
-4. ``node``: another empty cache directory reading the shared store (a fresh
-   node of the same job: its warm set is fetched).
-
-On a GPU each job runs the algorithms on CuPy arrays and checks every result
-against NumPy. With ``--aot`` (no GPU needed: this machine) it builds ahead of
-time for ``compute_capability=(9, 0)`` with ``ProxyArray`` arguments and
-launches nothing; where no driver loads, a stub ``libcuda.so.1`` is put first on
-the jobs' ``LD_LIBRARY_PATH`` (``tools/testkit/cudastub.py``) for the import only.
-
-Each job reports the builds cuda.compute ran (its ``call_build`` and
-``call_compile``, counted), the time from the process's start to its first
-result, its total, and the cache's counters. One JSON object at the end:
-
     python tools/compute_bench.py            # on a GPU (cupy installed)
     python tools/compute_bench.py --aot      # anywhere: builds only
+
+A job builds six algorithms (reduce with a Python op, exclusive scan with ``OpKind.PLUS``,
+radix sort, unary transform with a Python op, select with a Python predicate, segmented
+reduce with ``OpKind.MAXIMUM``), each run a fresh process: ``uncached``
+(``CUDA_PROGRAM_CAS=0``); ``cold`` (the switch on, an empty cache, writing back to a shared
+directory store with a job name: the builds and the job's warm set); ``warm`` (the same cache
+again); ``node`` (another empty cache reading the shared store). On a GPU each algorithm runs
+on CuPy arrays, checked against NumPy; ``--aot`` builds for ``compute_capability=(9, 0)`` with
+``ProxyArray`` arguments and launches nothing, with a stub ``libcuda.so.1``
+(``testkit.cudastub``) where no driver loads. Each job reports the builds cuda.compute ran
+(``call_build`` and ``call_compile``, counted), the time to its first result, its total and
+the cache's counters; one JSON object at the end.
 """
 
 from __future__ import annotations
@@ -37,13 +26,11 @@ import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from testkit.common import work_dir  # noqa: E402
 from testkit.workers import answer, run_worker, worker_spec  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 N = 1 << 16
 SEGMENTS = 64
 
@@ -175,18 +162,8 @@ def _run(args: argparse.Namespace, env: dict[str, str]) -> dict[str, object]:
         raise SystemExit(f"job failed ({env.get('CUDA_PROGRAM_CAS')}): {e}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--aot", action="store_true", help="build ahead of time for sm_90, launch nothing")
-    parser.add_argument("--dir", help="working directory (default: a new temporary one)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    spec = worker_spec(sys.argv[1:] if argv is None else argv)
-    if spec is not None:
-        answer(_job(spec["aot"]))
-        return 0
-    args = parser.parse_args(argv)
-    work = Path(args.dir or tempfile.mkdtemp(prefix="compute-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+def _jobs(args: argparse.Namespace, work: Path) -> dict[str, dict[str, object]]:
+    """The four jobs, each a fresh process, in ``work``."""
     from testkit.cudastub import driver_env
 
     from cuda_program_cas import CacheStore
@@ -195,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = work / "shared"
     CacheStore(shared).close()  # a directory store, laid out
     on = {**base, "CUDA_PROGRAM_CAS": "1"}
-    rows = {
+    return {
         "uncached": _run(args, {**base, "CUDA_PROGRAM_CAS": "0"}),
         "cold": _run(
             args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a"), "CUDA_PROGRAM_CAS_SHARED": f"{shared}|write"}
@@ -203,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         "warm": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "a")}),
         "node": _run(args, {**on, "CUDA_PROGRAM_CAS_DIR": str(work / "b"), "CUDA_PROGRAM_CAS_SHARED": str(shared)}),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--aot", action="store_true", help="build ahead of time for sm_90, launch nothing")
+    parser.add_argument("--dir", help="where the caches go (kept; default: a temporary directory, removed)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    spec = worker_spec(sys.argv[1:] if argv is None else argv)
+    if spec is not None:
+        answer(_job(spec["aot"]))
+        return 0
+    args = parser.parse_args(argv)
+    with work_dir(args.dir, "compute-bench") as where:
+        rows = _jobs(args, Path(where))
     for name, row in rows.items():
         print(
             f"{name:>9}: {row['builds']:>2} builds, first result {row['first_result_s']:7.3f} s,"

@@ -2,28 +2,19 @@
 
     python tools/demo.py [--path DIR] [--clear [--yes]]
 
-Pass 1 compiles every (kernel, variant) through ``Program.compile(cache=...)``:
-a miss runs NVRTC and stores the binary. Pass 2 runs in a fresh process, as the
-next job on this machine would: every compile is a hit. Then it shows how many
-distinct binaries the keys share (deduplication), each pass's counters and the
-cache's ``stats()``. Hit or miss comes from ``cache.counters()``, which reads
-the instance's counters without scanning the disk (``stats()`` scans it, once,
-at the end).
+Pass 1 compiles every (kernel, variant) through ``Program.compile(cache=...)``: a miss runs
+NVRTC and stores the binary. Pass 2, in a fresh process as the next job would, hits every
+compile. Then it shows how many distinct binaries the keys share, each pass's counters
+(``cache.counters()``, no disk scan) and the cache's ``stats()``.
 
-With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra), it
-also compiles a CUB kernel through ``cache.compile()`` with ``include_path``: a
-miss on a fresh cache, a hit on every later run. Then a small kernel that reads
-a header of the demo's own: a miss, an edit of the header, which misses, and the
-edited compile from a fresh process, which hits. That header lives in a temp
-directory the demo makes for the run, and a new include directory is a new key:
-those entries could never hit again. So that kernel goes to a temp cache of its
-own beside the header, and both are removed at the end: a run adds to DIR only
-what a later run can hit.
+With the CCCL headers installed (``nvidia-cuda-cccl``, in the test extra) it also compiles a
+CUB kernel through ``cache.compile()`` with ``include_path``, then a kernel that reads a header
+of the demo's own, edited between compiles. That header's include directory is a temp one,
+and a new include directory is a new key, so that kernel goes to a temp cache beside it, both
+removed at the end: a run adds to DIR only what a later run can hit.
 
-The cache persists: run it again and pass 1 hits too (the demo says so). Give
-``--path`` a new directory to see a fresh cache's misses. ``--clear`` empties
-the cache first; on the default cache directory, which your own jobs use, it
-asks for ``--yes`` too.
+The cache persists: a second run hits in pass 1 too. ``--clear`` empties it first; on the
+default cache directory, which your own jobs use, it asks for ``--yes`` too.
 """
 
 from __future__ import annotations
@@ -36,16 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from testkit.common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, SAXPY, cccl_include
 from testkit.workers import answer, run_worker, worker_spec
 
 KERNELS = {
-    "saxpy": r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-""",
+    "saxpy": SAXPY,
     "reduce": r"""
 extern "C" __global__ void block_sum(const float *in, float *out, int n) {
     __shared__ float buf[256];

@@ -5,22 +5,13 @@
     python tools/gpu_bench.py --quick              # fewer repetitions
     python tools/gpu_bench.py --json-out r.json    # also write every figure as one JSON object
 
-Two kernels: ``heavy``, a block reduce and a block radix sort from CUB (NVRTC parses
-a few hundred CCCL headers for it), and ``light``, a saxpy. The CCCL headers come
-either from NVRTC's bundled copy (``ProgramOptions(use_bundled_headers=True)``,
-which ``Program.compile(cache=...)`` accepts as is) or from an ``include_path``;
-cuda.core refuses ``include_path`` on ``compile(cache=...)``, so that mode uses the
-manual ``make_program_cache_key(..., extra_digest=...)`` path, the digest taken over
-the CCCL version header and the directory.
-
-Measured:
-
-- in one process: an uncached compile, a miss (compile and store), a hit on the same
-  cache object, the first hit of a new cache object on the same directory, and the
-  module load (``get_kernel``) of a hit;
-- from a fresh process to the first checked kernel result (import, CUDA context,
-  compile or hit, module load, launch, copy back, check on the host), cold (an empty
-  cache) against warm (the cache the previous cold run filled).
+Two kernels: ``heavy`` (a CUB block reduce and radix sort) and ``light`` (a saxpy). CCCL's
+headers come from NVRTC's bundled copy (``use_bundled_headers=True``, which
+``compile(cache=...)`` accepts) or an ``include_path``, which it refuses: that mode keys by
+hand (``make_program_cache_key(..., extra_digest=...)`` over the CCCL version header and the
+directory). Measured in one process: an uncached compile, a miss, a hit, the first hit of a
+new cache object and the module load of a hit; and from a fresh process to the first kernel
+result checked on the host, cold (empty cache) against warm.
 
 Exit status: 0 when every kernel result was right, 1 when one was wrong, 2 on bad usage.
 """
@@ -32,15 +23,13 @@ import itertools
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
-from testkit.common import cccl_include
+from testkit.common import SAXPY, cccl_include, work_dir
 from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 HEAVY = r"""
@@ -74,12 +63,6 @@ block_sum_sort(const int *in, int *sums, int *sorted) {
 """
 HEAVY_BLOCK, HEAVY_ITEMS, HEAVY_BLOCKS = 256, 4, 4096
 
-LIGHT = r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"""
 LIGHT_N = 1 << 22
 
 
@@ -119,7 +102,7 @@ def compile_cached(kernel: str, mode: str, arch: str, cache: Any) -> Any:
 
     if kernel == "light":
         opts = ProgramOptions(arch=arch)
-        return Program(LIGHT, "c++", options=opts).compile("cubin", cache=cache)
+        return Program(SAXPY, "c++", options=opts).compile("cubin", cache=cache)
     if mode == "bundled":
         opts = ProgramOptions(arch=arch, std="c++17", use_bundled_headers=True)
         return Program(HEAVY, "c++", options=opts).compile("cubin", cache=cache)
@@ -362,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CCCL headers: neither use_bundled_headers nor an include directory", file=sys.stderr)
         return 2
     repeat, hits = (2, 10) if args.quick else (3, 50)
-    root = args.dir or tempfile.mkdtemp(prefix="gpu-bench-")
-    try:
+    with work_dir(args.dir, "gpu-bench") as root:
         for name, value in report["facts"].items():
             print(f"{name:28} {value}")
         print("\nin one process (medians)")
@@ -389,9 +371,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"load {_ms(s['loaded_s'])}, run+check {_ms(s['result_s'])}), hits {s['hits']}, ok {s['ok']}"
                 )
             print(f"  {kernel}/{mode:8} cold / warm = {r['speedup']:.2f}x")
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
     ok = all(s[state]["ok"] for s in report["fresh_process"].values() for state in ("cold", "warm"))
     if args.json_out:
         with open(args.json_out, "w") as fh:

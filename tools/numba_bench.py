@@ -1,22 +1,15 @@
 """A numba-cuda job of five kernels: uncached, then cold and warm under ``CUDA_PROGRAM_CAS=1``.
 
-Each run is a fresh interpreter. ``uncached`` runs with ``CUDA_PROGRAM_CAS=0``; ``cold``
-with the switch on and an empty cache; ``warm`` again on the cache the cold run filled.
-The job compiles five kernels (one calls libdevice, one uses atomics, one shared memory),
-launches each on the GPU and checks it against numpy; with ``--ptx`` it only compiles
-them to PTX for sm_80 (``cuda.compile_ptx``, no GPU needed). Each run reports:
-
-- ``process_s``: the interpreter's whole run, as the parent times it;
-- ``job_s``: from before ``import numba.cuda`` to the last kernel's checked result, and
-  ``import_s`` the part of it that imports numba-cuda (the rest: typing, lowering, NVVM,
-  linking, launching);
-- ``nvvm_s`` and ``nvvm_compiles``: the time in, and number of, NVVM's compiles
-  (``cuda.bindings.nvvm.compile_program``, counted in the worker);
-- ``hits``, ``misses``: the cache's counters in the worker (the switch's cache).
-
-Runs alternate (uncached, cold, warm) ``--runs`` times; medians are printed as one JSON object.
-
     python tools/numba_bench.py [--ptx] [--runs 3] [--dir DIR]
+
+Each run is a fresh interpreter: ``uncached`` (``CUDA_PROGRAM_CAS=0``), ``cold`` (an empty
+cache), ``warm`` (the cache the cold run filled), alternating ``--runs`` times. The job
+compiles five kernels (libdevice, atomics, shared memory among them), launches each and checks
+it against numpy; ``--ptx`` only compiles them to PTX for sm_80 (no GPU needed). Per run:
+``process_s`` (the interpreter, as the parent times it), ``job_s`` (from before ``import
+numba.cuda`` to the last checked result) and its ``import_s``, ``nvvm_s`` and
+``nvvm_compiles`` (NVVM's ``compile_program``, counted), and the cache's ``hits`` and
+``misses``. Medians are printed as one JSON object.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -178,16 +170,12 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be at least 1, got {args.runs}")
-    base = work_dir(args.dir, "numba-bench")
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in PHASES}
-    try:
+    with work_dir(args.dir, "numba-bench") as base:
         for i in range(args.runs):
             cache = os.path.join(base, f"cache-{i}")
             for phase in PHASES:
                 rows[phase].append(run(phase, cache, args.ptx))
-    finally:
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
     summary: dict[str, Any] = {}
     for phase, got in rows.items():
         keys = ("process_s", "job_s", "import_s", "nvvm_s", "nvvm_compiles")

@@ -1,31 +1,18 @@
 """A cold start of one node: N processes that start together and compile the same kernels.
 
-Each worker opens the same (cold) cache, says it is ready, waits for the word, then
-compiles K kernels in the same order through ``cache.compile``: small kernels and a
-few CUB kernels (a few hundred CCCL headers each). Three runs, each on a cache of
-its own:
-
-- one process alone: the time a node's cold start would take with one rank;
-- N processes at once, as the package runs them: one compiles each kernel, the
-  others wait for its claim and hit;
-- N processes at once with ``CUDA_PROGRAM_CAS_CLAIM_WAIT=0`` (no one waits): the
-  stampede every rank pays without single flight.
-
-With ``--cluster``, the same processes are *nodes*: each has a local cache of its
-own, as on separate machines, and two more runs start a real ``redis-server`` on
-loopback as the one store of the cluster:
-
-- N nodes sharing one Redis store named writable (``redis://...|write``): one node
-  compiles each kernel (its lease), the others wait for its upload and hit;
-- N nodes with no shared store: every node compiles every kernel.
-
-It prints, per run, the compiles NVRTC ran (the misses summed over the processes:
-one per compile), the waits and the hits after a wait, and the wall time from the
-word to the last process done, with the ratio against one process alone.
-
     python tools/stampede.py                  # 8 processes, 20 kernels (4 CUB)
     python tools/stampede.py -p 4 -k 10 --cub 2 --json
     python tools/stampede.py --cluster -p 8 -k 4 --cub 2
+
+Each worker opens the same cold cache, says it is ready, waits for the word, then compiles
+K kernels in one order through ``cache.compile`` (small ones and a few CUB kernels). Three
+runs, each on a cache of its own: one process alone; N at once, where one compiles each kernel
+and the others wait for its claim and hit; N at once with ``CUDA_PROGRAM_CAS_CLAIM_WAIT=0``
+(the stampede without single flight). With ``--cluster`` the processes are nodes, each with
+a local cache of its own, and two more runs: N nodes sharing one writable Redis store (one
+compiles each kernel under its lease, the others hit its upload), and N with no shared store.
+Per run: the compiles NVRTC ran, the waits and the hits after one, and the wall time from the
+word to the last process done, against one process alone.
 """
 
 from __future__ import annotations
@@ -33,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -173,13 +159,9 @@ def main(argv: list[str]) -> int:
         ap.error("--processes and --kernels must be at least 1, --cub between 0 and --kernels")
     include = cccl_include()
     cub = args.cub if include else 0
-    base = work_dir(args.dir, "stampede")
     common = {"kernels": kernels(args.kernels, cub), "include": include}
-    try:
+    with work_dir(args.dir, "stampede") as base:
         runs = (measure_cluster if args.cluster else measure)(args.processes, common, base)
-    finally:
-        if not args.dir:
-            shutil.rmtree(base, ignore_errors=True)
     alone = next(iter(runs.values()))["wall_s"]
     commit, dirty = git_state()
     out = {

@@ -16,9 +16,7 @@ symlinked shard directories, hostile manifests; nothing outside the root is
 read or written) and ``shared`` (publish and collect a shared store while
 nodes read it; needs ``cuda_program_cas._verbs.publish``).
 
-The scenarios and the checker live in the testing package, ``tools/testkit/torture/``; this file is their
-command line, and ``tests/test_torture.py`` runs each scenario briefly through the same
-functions.
+The scenarios and the checker are ``testkit.torture``; this file is their command line.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from testkit.common import SAXPY
 from testkit.torture import (
     DEFAULT_CAP,
     Report,
@@ -57,11 +56,9 @@ def _compiler() -> Callable[..., Any] | None:
         from cuda.core import Program, ProgramOptions
     except ImportError:
         return None
-    src = 'extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {\n'
-    src += "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) y[i] = a * x[i] + y[i];\n}\n"
 
     def compile_program(cache: Any = None, **options: Any) -> Any:
-        return Program(src, "c++", options=ProgramOptions(**options)).compile("cubin", cache=cache)
+        return Program(SAXPY, "c++", options=ProgramOptions(**options)).compile("cubin", cache=cache)
 
     return compile_program
 

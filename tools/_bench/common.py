@@ -17,13 +17,6 @@ KINDS = ("ours", "filestream")
 KB = 1024
 perf_ns = time.perf_counter_ns
 
-SAXPY = r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"""
-
 
 # -- configuration ---------------------------------------------------------------------
 
@@ -156,7 +149,7 @@ class Row:
     filestream: float | None
     target: str = ""
     # ratio compared with target_ratio: "<=" or ">=" ; or an explicit verdict for non-ratio targets
-    target_op: str = ""
+    target_op: str = "<="
     target_ratio: float | None = None
     verdict: bool | None = None
     ratio: float | None = None
@@ -192,3 +185,9 @@ class Result:
 
     def add(self, row: Row) -> None:
         self.rows.append(row.finish())
+
+    def medians(self, metric: str, unit: str, samples: dict[str, list[float]], ratio: float | None = None) -> None:
+        """The row ``metric, median`` of both caches' samples; ours / filestream held to at most ``ratio``."""
+        self.add(
+            Row(f"{metric}, median", unit, median(samples["ours"]), median(samples["filestream"]), target_ratio=ratio)
+        )

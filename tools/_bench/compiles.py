@@ -8,11 +8,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
-from testkit.common import CUB_SOURCE, cccl_include
+from testkit.common import CUB_SOURCE, SAXPY, cccl_include
 from testkit.workers import child_env
 
-from .common import KINDS, SAXPY, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
+from .common import KINDS, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
 
 # -- workload 2: Program.compile(cache=...) hit ---------------------------------------
 
@@ -36,16 +37,7 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     samples = _interleaved_hits(
         blocks, lambda kind: Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches[kind]), check
     )
-    res.add(
-        Row(
-            "Program.compile hit, median",
-            "us",
-            median(samples["ours"]),
-            median(samples["filestream"]),
-            target_op="<=",
-            target_ratio=0.5,
-        )
-    )
+    res.medians("Program.compile hit", "us", samples, 0.5)
     res.add(Row("Program.compile hit, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
     # The front door on the same kernel: cache.compile() against FileStream's Program.compile hit.
     front = caches["ours"]
@@ -59,16 +51,7 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
         ),
         check,
     )
-    res.add(
-        Row(
-            "front-door hit (cache.compile), median",
-            "us",
-            median(door["ours"]),
-            median(door["filestream"]),
-            target_op="<=",
-            target_ratio=0.5,
-        )
-    )
+    res.medians("front-door hit (cache.compile)", "us", door, 0.5)
     # The switch (CUDA_PROGRAM_CAS=1 / install()): the same hit with no cache= at all, routed to our cache.
     switched = _switched_hits(caches, opts, blocks, ref)
     res.add(
@@ -114,31 +97,26 @@ def _switched_hits(caches: dict, opts: object, blocks: int, ref: bytes | None) -
     import cuda_program_cas
     from cuda_program_cas._cuda.switch import routed
 
-    saved = os.environ.get("CUDA_PROGRAM_CAS_DIR")
-    os.environ["CUDA_PROGRAM_CAS_DIR"] = caches["ours"].path
-    cuda_program_cas.install()
-    try:
-        program = cuda.core.Program  # the switch's subclass now
+    with mock.patch.dict(os.environ, {"CUDA_PROGRAM_CAS_DIR": caches["ours"].path}):
+        cuda_program_cas.install()
+        try:
+            program = cuda.core.Program  # the switch's subclass now
 
-        def check(obj: Any) -> None:
-            if bytes(obj.code) != ref:
-                raise RuntimeError("a hit through the switch returned other bytes")
+            def check(obj: Any) -> None:
+                if bytes(obj.code) != ref:
+                    raise RuntimeError("a hit through the switch returned other bytes")
 
-        samples = _interleaved_hits(
-            blocks,
-            lambda kind: program(SAXPY, "c++", options=opts).compile(
-                "cubin", cache=None if kind == "ours" else caches["filestream"]
-            ),
-            check,
-        )
-        if routed() < len(samples["ours"]):
-            raise RuntimeError("the switch did not route the compiles")
-    finally:
-        cuda_program_cas.uninstall()
-        if saved is None:
-            os.environ.pop("CUDA_PROGRAM_CAS_DIR", None)
-        else:
-            os.environ["CUDA_PROGRAM_CAS_DIR"] = saved
+            samples = _interleaved_hits(
+                blocks,
+                lambda kind: program(SAXPY, "c++", options=opts).compile(
+                    "cubin", cache=None if kind == "ours" else caches["filestream"]
+                ),
+                check,
+            )
+            if routed() < len(samples["ours"]):
+                raise RuntimeError("the switch did not route the compiles")
+        finally:
+            cuda_program_cas.uninstall()
     return samples
 
 

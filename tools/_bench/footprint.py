@@ -7,7 +7,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .common import KINDS, SAXPY, Config, Result, Row, open_cache
+from testkit.common import SAXPY
+
+from .common import KINDS, Config, Result, Row, open_cache
 
 # -- workload 5: disk footprint on a real dedup workload -------------------------------
 

@@ -63,7 +63,6 @@ def w_hit_first(cfg: Config, base: str) -> Result:
                         "us",
                         of(samples["ours"][size]),
                         of(samples["filestream"][size]),
-                        target_op="<=",
                         target_ratio=target,
                     )
                 )
@@ -137,16 +136,7 @@ def w_hit_repeat(cfg: Config, base: str) -> Result:
         keys = [key_for("repeat", 0, size, i) for i in range(cfg.repeat_keys)]
         samples = _repeated_passes(caches, keys, cfg.repeat_passes, first_bytes=None)
         t = targets.get(size)
-        res.add(
-            Row(
-                f"repeated hit {fmt_size(size)}, median",
-                "us",
-                median(samples["ours"]),
-                median(samples["filestream"]),
-                target_op="<=",
-                target_ratio=t,
-            )
-        )
+        res.medians(f"repeated hit {fmt_size(size)}", "us", samples, t)
         res.add(Row(f"repeated hit {fmt_size(size)}, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
     res.notes.append(f"{cfg.repeat_keys} keys per size, {cfg.repeat_passes} timed passes after one warm-up pass")
     _repeat_beyond_budget(cfg, base, res)
@@ -211,15 +201,11 @@ def _repeat_beyond_budget(cfg: Config, base: str, res: Result) -> None:
             cache[k] = payload(size, 5_000_000 + i)
     samples = _repeated_passes(caches, keys, cfg.beyond_passes, first_bytes=[5_000_000 + i for i in range(n)])
     total = n * size
-    res.add(
-        Row(
-            f"repeated hit {fmt_size(size)}, {n} keys ({total / 1e6:.0f} MB), median",
-            "us",
-            median(samples["ours"]),
-            median(samples["filestream"]),
-            target_op="<=",
-            target_ratio=0.6 if total > _HOLD_MAX_BYTES else None,
-        )
+    res.medians(
+        f"repeated hit {fmt_size(size)}, {n} keys ({total / 1e6:.0f} MB)",
+        "us",
+        samples,
+        0.6 if total > _HOLD_MAX_BYTES else None,
     )
     res.notes.append(
         f"{n} keys of {fmt_size(size)} read in turn by fresh instances, {cfg.beyond_passes} timed passes after one "

@@ -269,7 +269,6 @@ def w_small_job(cfg: Config, base: str) -> Result:
                         "ms",
                         median(values[how]),
                         median(values[against]),
-                        target_op="<=",
                         target_ratio=target,
                     )
                 )

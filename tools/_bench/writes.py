@@ -54,16 +54,7 @@ def w_store(cfg: Config, base: str) -> Result:
                             t1 = perf_ns()
                             samples[kind].append((t1 - t0) / 1000)
             label = "new content" if mode == "new" else "already-stored content, new key"
-            res.add(
-                Row(
-                    f"store {label} {fmt_size(size)}, median",
-                    "us",
-                    median(samples["ours"]),
-                    median(samples["filestream"]),
-                    target_op="<=",
-                    target_ratio=1.0 if mode == "new" else 0.5,
-                )
-            )
+            res.medians(f"store {label} {fmt_size(size)}", "us", samples, 1.0 if mode == "new" else 0.5)
     res.notes.append(
         f"{max(2, cfg.store_writes // 10) * 10} writes per cache and case in blocks of 10, alternating, each block "
         "after an os.sync() (untimed), after one warm-up write; FileStream fsyncs each entry, ours does not "
@@ -144,7 +135,6 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
                 "ms",
                 per_write["ours"],
                 per_write["filestream"],
-                target_op="<=",
                 target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
             )
         )
@@ -154,7 +144,6 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
                 "ms",
                 amortized["ours"],
                 amortized["filestream"],
-                target_op="<=",
                 target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
             )
         )
@@ -214,16 +203,7 @@ def w_writeback(cfg: Config, base: str) -> Result:
                         samples[kind].append((perf_ns() - t0) / 1000)
         caches["ours"].close()
         counts = caches["ours"].stats()
-        res.add(
-            Row(
-                f"store new content 8 KB, write-back on ({where}), median",
-                "us",
-                median(samples["ours"]),
-                median(samples["filestream"]),
-                target_op="<=",
-                target_ratio=1.0,
-            )
-        )
+        res.medians(f"store new content 8 KB, write-back on ({where})", "us", samples, 1.0)
         added = median(samples["ours"]) - median(samples["plain"])
         res.notes.append(
             f"write-back adds {added:.1f} us to a write's median (ours without it: {median(samples['plain']):.1f} us); "

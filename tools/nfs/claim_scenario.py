@@ -287,7 +287,7 @@ def start(specs: list[tuple[str, str, str, float]], key: str, hang_s: float = 60
     return procs
 
 
-def let_compile(procs: list[Proc], until_done: bool = True, timeout: float = 300.0) -> None:
+def let_compile(procs: list[Proc], timeout: float = 300.0) -> None:
     """Answer ``go on`` to every worker that says ``compiling``, until all have finished."""
     answered: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -296,7 +296,7 @@ def let_compile(procs: list[Proc], until_done: bool = True, timeout: float = 300
             if k not in answered and "compiling" in p.said:
                 answered.add(k)
                 p.say("go on")
-        if not until_done or all(p.done() for p in procs):
+        if all(p.done() for p in procs):
             return
         time.sleep(0.02)
 

@@ -53,17 +53,13 @@ from collections.abc import Callable
 from typing import Any
 
 from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
+from testkit.common import SAXPY
 from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 Result = dict[str, Any]
 
 KERNELS = {
-    "saxpy": r"""
-extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-""",
+    "saxpy": SAXPY,
     "scale": r"""
 extern "C" __global__ void scale(float a, float *x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

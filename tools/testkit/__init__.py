@@ -1,24 +1,9 @@
 """The test servers and worker harness, one package for the tests and the tools.
 
-pytest finds it through ``pythonpath`` in pyproject.toml; a tool run as
-``python tools/X.py`` has ``tools/`` first on ``sys.path`` already; a child interpreter
-gets it through the ``PYTHONPATH`` of :func:`testkit.workers.child_env`. Nothing here
-edits ``sys.path``.
-
-- :mod:`testkit.workers`: a fresh interpreter that runs one piece of work and answers one
-  JSON line (every tool's ``_worker`` mode, torture's loads, the NFS scenarios' nodes);
-  :mod:`testkit.forks`, the same without the start-up: children forked from a server that
-  imported once.
-- :mod:`testkit.server`: the life cycle of a server run as a child on a loopback port;
-  :mod:`testkit.nginx` (static reads and WebDAV), :mod:`testkit.redis_server`,
-  :mod:`testkit.proxy` (a delaying TCP forwarder) are such servers.
-- :mod:`testkit.faults`, :mod:`testkit.lying_dav`, :mod:`testkit.lying_ranges`: HTTP servers
-  in this process that answer with the faults a test asks for.
-- :mod:`testkit.cudastub`: a stand-in CUDA driver for cuda.compute's builds on the CPU.
-- :mod:`testkit.common`: the CUB kernel, the CCCL header search, the checkout's git state.
-- :mod:`testkit.torture`: the torture run's scenarios and the cache checker.
-
-Submodules are imported by name: importing the package imports nothing else.
+docs/design.md's code map lists its modules. pytest finds it through ``pythonpath`` in
+pyproject.toml, a tool in ``tools/`` beside itself, a child interpreter through the
+``PYTHONPATH`` of :func:`testkit.workers.child_env`; nothing edits ``sys.path``. Submodules
+are imported by name: importing the package imports nothing else.
 """
 
 from __future__ import annotations

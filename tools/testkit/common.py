@@ -1,16 +1,26 @@
-"""What the tools and tests share besides servers and workers: the CUB kernel, the CCCL header
-search, a run's work directory and the checkout's git state."""
+"""What the tools and tests share besides servers and workers: the saxpy and CUB kernels, the CCCL
+header search, a run's work directory and the checkout's git state."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from testkit import REPO
 
+#: A saxpy, the small kernel of the demo, the benchmarks and the NFS scenarios.
+SAXPY = r"""
+extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
 #: A CUB kernel: a few hundred CCCL headers behind one include.
 CUB_SOURCE = r"""
 #include <cub/block/block_reduce.cuh>
@@ -53,12 +63,18 @@ def cccl_include() -> str | None:
     return None
 
 
-def work_dir(parent: str | None, name: str) -> str:
-    """A new directory for a run's caches: ``name-*`` under ``parent`` (``--dir``, made if need be), else a temp dir."""
+@contextlib.contextmanager
+def work_dir(parent: str | None, name: str) -> Iterator[str]:
+    """A new directory for a run's caches: ``name-*`` under ``parent`` (``--dir``, kept), else a temp dir, removed."""
     if parent:
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
-    return tempfile.mkdtemp(prefix=f"cas-{name}-")
+        yield tempfile.mkdtemp(prefix=f"{name}-", dir=parent)
+        return
+    base = tempfile.mkdtemp(prefix=f"cas-{name}-")
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # -- the checkout ----------------------------------------------------------------------------

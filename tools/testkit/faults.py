@@ -31,9 +31,20 @@ Faults of a server that decides how long a client waits and how much it reads:
                                 ``count`` entries; the file served is as large as that trailer
                                 says (``consistent``, the default: zeros where the real file
                                 ends), or its real size; Range requests and 206 as for any file
+- ``Fault.lie_ranges(how)``     a request for several ranges answered falsely (one range is
+                                answered truly): ``boundary`` (parts framed by another boundary
+                                than the header names), ``unasked`` (the second part a range
+                                moved by a byte, its ``Content-Range`` saying so), ``single``
+                                (a 206 of the first range alone), ``bytes`` (each part's first
+                                byte flipped)
 - ``FaultServer.trickle_handshake(ms)``: every new connection gets, instead of HTTP, the start
   of a TLS record of 16 KiB and then one byte of it every ``ms`` (a TLS handshake that never
   ends; the client's ClientHello is read and ignored)
+
+``FaultServer(root, writable=True)`` also takes PUT (its parents made, the body renamed into
+place, as nginx's WebDAV with ``create_full_put_path on``) and MKCOL (one level; 405 where it
+exists); elsewhere they get 405. Faults of a server that keeps less than it was sent, answering
+201 all the same: ``Fault.keep_nothing()`` and ``Fault.keep_half()`` (the body's first half).
 
 ``times=n`` on any fault applies it to the next n matching requests only, then ``ok``.
 Every request is recorded (``log``, ``hits(path)``, per-connection counts); ``wait_for`` blocks
@@ -48,6 +59,7 @@ import os
 import socket
 import socketserver
 import struct
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -55,6 +67,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from testkit.server import free_port
 
 __all__ = ["Fault", "FaultServer", "Request", "refused_url"]
 
@@ -77,6 +91,7 @@ class Fault:
     times: int | None = None  # apply to this many requests, then serve normally; None: always
     number: int | None = None  # header lines, bytes off, Content-Length, entries: what the kind says
     consistent: bool = True  # huge_trailer: the file's size fits the trailer's claim
+    how: str = ""  # lie_ranges: which lie
 
     @classmethod
     def ok(cls) -> Fault:
@@ -139,6 +154,20 @@ class Fault:
         return cls("endless", number=length, times=times)
 
     @classmethod
+    def lie_ranges(cls, how: str, times: int | None = None) -> Fault:
+        if how not in ("boundary", "unasked", "single", "bytes"):
+            raise ValueError(f"lie_ranges: boundary, unasked, single or bytes, not {how!r}")
+        return cls("lie_ranges", how=how, times=times)
+
+    @classmethod
+    def keep_nothing(cls, times: int | None = None) -> Fault:
+        return cls("keep_nothing", times=times)
+
+    @classmethod
+    def keep_half(cls, times: int | None = None) -> Fault:
+        return cls("keep_half", times=times)
+
+    @classmethod
     def huge_trailer(cls, count: int = 2**32 - 1, *, consistent: bool = True, times: int | None = None) -> Fault:
         return cls("huge_trailer", number=count, consistent=consistent, times=times)
 
@@ -160,15 +189,13 @@ def refused_url(path: str = "/") -> str:
 
     The port was free a moment ago; nothing of this suite listens on ports it did not bind itself.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/{path.lstrip('/')}"
+    return f"http://127.0.0.1:{free_port()}/{path.lstrip('/')}"
 
 
 @dataclass
 class _State:
     root: Path
+    writable: bool = False
     faults: dict[str, Fault] = field(default_factory=dict)
     remaining: dict[str, int] = field(default_factory=dict)  # prefix -> requests left for a times= fault
     log: list[Request] = field(default_factory=list)
@@ -223,7 +250,7 @@ class _Handler(socketserver.BaseRequestHandler):
             raise _Stop
         return data
 
-    def _read_head(self) -> tuple[str, str, dict[str, str]] | None:
+    def _read_head(self) -> tuple[str, str, dict[str, str], bytes] | None:
         while b"\r\n\r\n" not in self.buf:
             if len(self.buf) > _MAX_HEADER:
                 raise _Stop
@@ -239,10 +266,10 @@ class _Handler(socketserver.BaseRequestHandler):
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         length = int(headers.get("content-length", "0") or 0)
-        while len(self.buf) < length:  # a body (PUT...) is read and dropped, to keep the connection in step
+        while len(self.buf) < length:  # a body is read whole, to keep the connection in step
             self.buf += self._recv()
-        self.buf = self.buf[length:]
-        return method, target, headers
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return method, target, headers, body
 
     # -- Answering --------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
@@ -281,9 +308,9 @@ class _Handler(socketserver.BaseRequestHandler):
                 state.remaining[best] = left - 1
             return fault
 
-    def _answer(self, head: tuple[str, str, dict[str, str]]) -> bool:
+    def _answer(self, head: tuple[str, str, dict[str, str], bytes]) -> bool:
         """Answer one request; False where the connection must end."""
-        method, target, headers = head
+        method, target, headers, body = head
         path = target.split("?", 1)[0]
         if "://" in path:  # absolute-form target
             path = "/" + path.split("://", 1)[1].partition("/")[2]
@@ -327,6 +354,8 @@ class _Handler(socketserver.BaseRequestHandler):
             self._send(self._head(200, "OK", hdrs))
             self._stream(itertools.repeat(bytes(_CHUNK)))
             return False
+        if method in ("PUT", "MKCOL") and state.writable:
+            return self._write(method, path, body, kind, keep)
         if method not in ("GET", "HEAD"):
             return self._simple(405, b"method not allowed\n", {"Allow": "GET, HEAD"}, keep, method)
         file = self._file(path)
@@ -337,6 +366,8 @@ class _Handler(socketserver.BaseRequestHandler):
         data = file.read_bytes()
         code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
         rng = headers.get("range")
+        if kind == "lie_ranges" and rng and "," in rng:
+            return self._lie_ranges(data, rng, fault.how, keep, method)
         if rng:
             span = _parse_range(rng, len(data))
             if span is None:
@@ -398,23 +429,69 @@ class _Handler(socketserver.BaseRequestHandler):
         self._stream(_virtual_pack(real[: -_TRAILER.size], trailer, size, first, last))
         return keep
 
+    def _lie_ranges(self, data: bytes, value: str, how: str, keep: bool, method: str) -> bool:
+        asked = [_parse_range(f"bytes={part.strip()}", len(data)) for part in value.partition("=")[2].split(",")]
+        spans = [span for span in asked if span is not None]
+        size = len(data)
+        if len(spans) != len(asked):
+            return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
+        if how == "single":
+            first, last = spans[0]
+            return self._simple(206, data[first : last + 1], {"Content-Range": f"bytes {first}-{last}/{size}"},
+                                keep, method)  # fmt: skip
+        boundary = "0000000000000042"
+        framed = "0000000000000043" if how == "boundary" else boundary
+        body = b""
+        for i, (first, last) in enumerate(spans):
+            shift = 1 if how == "unasked" and i == 1 else 0
+            chunk = data[first + shift : last + shift + 1]
+            if how == "bytes":
+                chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+            part = f"--{framed}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes"
+            body += f"\r\n{part} {first + shift}-{last + shift}/{size}\r\n\r\n".encode() + chunk
+        body += f"\r\n--{framed}--\r\n".encode()
+        return self._simple(206, body, {"Content-Type": f"multipart/byteranges; boundary={boundary}"}, keep, method)
+
+    def _write(self, method: str, path: str, body: bytes, kind: str, keep: bool) -> bool:
+        target = self._target(path)
+        if target is None:
+            return self._simple(403, b"", {}, keep, method)
+        if method == "MKCOL":
+            try:
+                target.mkdir()
+            except FileExistsError:
+                return self._simple(405, b"", {}, keep, method)
+            return self._simple(201, b"", {}, keep, method)
+        if kind != "keep_nothing":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.state.root, prefix=".put-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(body[: len(body) // 2] if kind == "keep_half" else body)
+            os.replace(tmp, target)
+        return self._simple(201, b"created\n", {}, keep, method)
+
     def _simple(self, code: int, body: bytes, extra: dict[str, str], keep: bool, method: str) -> bool:
-        reasons = {302: "Found", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-                   416: "Range Not Satisfiable", 500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+        reasons = {201: "Created", 206: "Partial Content", 302: "Found", 401: "Unauthorized", 403: "Forbidden",
+                   404: "Not Found", 405: "Method Not Allowed", 416: "Range Not Satisfiable",
+                   500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
         hdrs = {"Content-Length": str(len(body)), **extra}
         if not keep:
             hdrs["Connection"] = "close"
         self._send(self._head(code, reasons.get(code, "Status"), hdrs) + (b"" if method == "HEAD" else body))
         return keep
 
-    def _file(self, path: str) -> Path | None:
+    def _target(self, path: str) -> Path | None:
+        """The file or folder under the root that ``path`` names; None for the root or a path that leaves it."""
         from urllib.parse import unquote
 
-        rel = unquote(path).lstrip("/")
+        rel = unquote(path).strip("/")
         if not rel or any(part in ("", ".", "..") for part in rel.split("/")):
             return None
-        file = self.state.root / rel
-        return file if file.is_file() else None
+        return self.state.root / rel
+
+    def _file(self, path: str) -> Path | None:
+        file = self._target(path)
+        return file if file is not None and file.is_file() else None
 
 
 def _virtual_pack(head: bytes, trailer: bytes, size: int, first: int, last: int) -> Iterator[bytes]:
@@ -465,9 +542,11 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 class FaultServer:
     """The server: ``with FaultServer(root) as s:``; ``s.url("blobs/ab/cd")``."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, writable: bool = False) -> None:
         self.root = Path(root)
-        self._state = _State(self.root)
+        if writable:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self._state = _State(self.root, writable)
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -26,13 +26,11 @@ not installed or does not start.
 
 from __future__ import annotations
 
-import errno
 import http.client
 import json
 import os
 import re
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -40,9 +38,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from testkit.server import ServerProcess
+from testkit.server import ServerProcess, start_or_skip
 
-__all__ = ["CERTIFICATES", "LogEntry", "Nginx", "NginxError", "find_nginx", "free_port", "nginx_or_skip"]
+__all__ = ["CERTIFICATES", "LogEntry", "Nginx", "NginxError", "find_nginx", "nginx_or_skip"]
 
 READ_PREFIX = "/store/"
 DAV_PREFIX = "/dav/"
@@ -83,14 +81,6 @@ def find_nginx() -> str | None:
     if os.access("/usr/sbin/nginx", os.X_OK):
         return "/usr/sbin/nginx"
     return None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (nginx cannot listen on port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 #: The certificates ``Nginx(certificate=...)`` can serve: their names and validity (None: from a
@@ -171,7 +161,6 @@ class Nginx(ServerProcess):
         token: str | None = None,
         tls: bool = False,
         certificate: str = "good",
-        start_timeout: float = 10.0,
         server_block: str | None = None,
     ) -> None:
         if certificate not in CERTIFICATES:
@@ -186,15 +175,12 @@ class Nginx(ServerProcess):
         #: A whole ``server { ... }`` block to use instead of the built-in one (docs/http.md's, in a test):
         #: ``LISTEN``, ``CERT`` and ``KEY`` in it become this server's address, certificate and key.
         self.server_block = server_block
-        self.start_timeout = start_timeout
         self.conf = self.prefix / "nginx.conf"
         self.error_log = self.prefix / "error.log"
         self.access_log = self.prefix / "access.log"
         self.pid_file = self.prefix / "nginx.pid"
         self.cert: Path | None = None  # the CA's certificate (a client's CA bundle) where tls=True
         self.server_cert: Path | None = None  # the certificate nginx serves, signed by that CA
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
 
     # -- URLs -------------------------------------------------------------------------------
@@ -296,26 +282,24 @@ http {{
         self.root.mkdir(parents=True, exist_ok=True)
         if self.tls and self.cert is None:
             self.cert, self.server_cert, _ = _make_cert(self.prefix, self.certificate)
-        last = ""
-        for _ in range(5):  # another process may take the port between free_port() and nginx's bind
-            self.port = free_port()
+
+        def spawn() -> subprocess.Popen[bytes]:
             self.conf.write_text(self._config())
             self.access_log.touch()
             self.error_log.write_text("")
             self.pid_file.unlink(missing_ok=True)
             with open(self.prefix / "stderr.log", "wb") as stderr:  # a file, not a pipe nobody drains
-                self._proc = subprocess.Popen(
+                return subprocess.Popen(
                     [binary, "-p", f"{self.prefix}/", "-c", str(self.conf), "-e", str(self.error_log),
                      "-g", f"daemon off; pid {self.pid_file};"],
                     stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
                     start_new_session=True,  # its own process group: stop() can kill master and workers together
                 )  # fmt: skip
-            if self._wait_ready():
-                return self
-            last = self._reap_failed()
-            if "Address already in use" not in last and f"({errno.EADDRINUSE}:" not in last:
-                break
-        raise NginxError(f"nginx did not start; error log tail:\n{last}")
+
+        last = self._launch(spawn)
+        if last:
+            raise NginxError(f"nginx did not start; error log tail:\n{last}")
+        return self
 
     def _started(self) -> bool:
         # nginx writes the pid file after it has bound its listening sockets.
@@ -326,11 +310,10 @@ http {{
             pid = 0
         return pid == self._proc.pid
 
-    def _reap_failed(self) -> str:
-        """Stop a child that failed to start; the tail of its error output."""
-        self._terminate()
-        stderr = (self.prefix / "stderr.log").read_text(errors="replace")
-        return (self.error_log_tail() + stderr)[-3000:]
+    def log_tail(self, n: int = 3000) -> str:
+        """The tail of nginx's error log (info level), then of its stderr."""
+        logs = (self.error_log, self.prefix / "stderr.log")
+        return "".join(p.read_text(errors="replace") for p in logs if p.exists())[-n:]
 
     # -- Logs -------------------------------------------------------------------------------
     def requests(self, wait_for: int = 0, timeout: float = 5.0) -> list[LogEntry]:
@@ -393,13 +376,6 @@ http {{
         finally:
             conn.close()
 
-    def error_log_tail(self, n: int = 3000) -> str:
-        """The last ``n`` characters of nginx's error log (info level)."""
-        try:
-            return self.error_log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
 
 def nginx_or_skip(
     prefix: str | os.PathLike[str],
@@ -413,13 +389,7 @@ def nginx_or_skip(
 
     The caller stops it (``with nginx_or_skip(tmp_path / "ngx") as n:``, or a fixture's finaliser).
     """
-    import pytest  # the tests' helper: the benchmarks import this module without pytest
-
-    if find_nginx() is None:
-        pytest.skip("nginx is not installed (not on PATH, no /usr/sbin/nginx): apt-get install nginx-light")
-    server = Nginx(prefix, root, token=token, tls=tls, certificate=certificate)
-    try:
-        return server.start()
-    except NginxError as e:
-        server.stop()
-        pytest.skip(f"nginx did not start: {e}")
+    missing = "nginx is not installed (not on PATH, no /usr/sbin/nginx): apt-get install nginx-light"
+    return start_or_skip(
+        Nginx(prefix, root, token=token, tls=tls, certificate=certificate), None if find_nginx() else missing
+    )

@@ -1,6 +1,6 @@
 """A TCP forwarder of the tests' own, with faults chosen while it runs: delay, trickle, reset, stall.
 
-``Proxy(("127.0.0.1", port))`` listens on 127.0.0.1 and a free port (``address``, ``port``)
+``Proxy(("127.0.0.1", port))`` listens on 127.0.0.1 and a free port (``port``)
 and forwards every connection to the target, each direction by two threads (one receives
 and stamps, one sends when due), so a delay is latency, not a slower link. The settings are
 attributes, read for every chunk, so a test may change them at any time:
@@ -12,21 +12,16 @@ attributes, read for every chunk, so a test may change them at any time:
   server to client on it; None: never.
 - ``stall``: nothing is forwarded while True; the connections stay open.
 
-Counters: ``connections`` (accepted), ``bytes_up``, ``bytes_down``, and ``exchanges``: the
+Counters: ``connections`` (accepted), ``bytes_down``, and ``exchanges``: the
 client's turns to speak (data from the client after data went to it, or the first on a
 connection); a pipelined call is one exchange. ``rounds``: the exchanges in sequence, the
 round trips a client waited for one after another: an exchange that begins while no other
 connection's awaits its answer starts a round; requests sent in parallel are one round.
 ``stop()`` closes everything.
-
-Run as a script it forwards until interrupted, for benchmarks over a slow network::
-
-    python tools/testkit/proxy.py 127.0.0.1:6379 --delay-ms 5,5   # prints: listening on 127.0.0.1:PORT
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import socket
 import struct
@@ -76,7 +71,6 @@ class Proxy:
         delay_down_ms: float = 0.0,
         rate_down: float | None = None,
         reset_after: int | None = None,
-        listen_port: int = 0,
     ) -> None:
         self.target = target
         self.delay_up_ms = delay_up_ms
@@ -85,16 +79,14 @@ class Proxy:
         self.reset_after = reset_after
         self.stall = False
         self.connections = 0
-        self.bytes_up = 0
         self.bytes_down = 0
         self.exchanges = 0
         self.rounds = 0
         self._lock = threading.Lock()
         self._links: list[_Link] = []
         self._stopped = False
-        self._listener = socket.create_server(("127.0.0.1", listen_port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
-        self.address = ("127.0.0.1", self.port)
         self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
 
     def start(self) -> Proxy:
@@ -208,10 +200,8 @@ class Proxy:
                 except OSError:
                     link.close()
                     return
-                with self._lock:
-                    if up:
-                        self.bytes_up += piece
-                    else:
+                if not up:
+                    with self._lock:
                         self.bytes_down += piece
                         link.down += piece
                 data = data[piece:]
@@ -229,27 +219,3 @@ class Proxy:
         if self.reset_after is not None:
             n = min(n, self.reset_after - link.down)
         return max(n, 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Forward a local port to HOST:PORT with added latency.")
-    parser.add_argument("target", help="HOST:PORT to forward to")
-    parser.add_argument("--listen", type=int, default=0, help="local port (default: a free one)")
-    parser.add_argument("--delay-ms", default="0", help="UP[,DOWN] latency in milliseconds (default 0)")
-    args = parser.parse_args(argv)
-    host, _, port = args.target.rpartition(":")
-    if not host or not port.isdigit():
-        parser.error(f"target is HOST:PORT, not {args.target!r}")
-    delays = [float(d) for d in args.delay_ms.split(",")]
-    proxy = Proxy((host, int(port)), delay_up_ms=delays[0], delay_down_ms=delays[-1], listen_port=args.listen)
-    with proxy:
-        print(f"listening on 127.0.0.1:{proxy.port}", flush=True)
-        try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

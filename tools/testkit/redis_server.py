@@ -1,25 +1,14 @@
 """A real redis-server on loopback, for the Redis engine's tests and benchmarks: one server, its own counters.
 
-``RedisServer(prefix)`` writes its own ``redis.conf`` under ``prefix`` and runs redis-server in
-the foreground as a child process on 127.0.0.1 and a free port, with no persistence
-(``save ""``, ``appendonly no``: a cache needs none, and a test no files), its working
-directory and log under ``prefix``. Options:
+``RedisServer(prefix)`` runs redis-server in the foreground on 127.0.0.1 and a free port, its
+``redis.conf``, working directory and log under ``prefix``, no persistence. Options:
+``password`` (``requirepass``); ``tls=True`` (TLS only, a certificate made as
+:mod:`testkit.nginx` makes one; ``cert`` is the CA, for a client's bundle); ``maxmemory`` and
+``policy``. ``enable-debug-command`` is on, so a test can ``DEBUG SLEEP``.
 
-- ``password="s3cret"``: ``requirepass`` (the default user's password).
-- ``tls=True``: TLS only (``port 0``, ``tls-port``), with a self-signed certificate for
-  127.0.0.1 and localhost made by openssl (the one :mod:`_nginx` makes); ``cert`` is its
-  path, for a client's CA bundle. Clients need no certificate of their own.
-- ``maxmemory="2mb"``, ``policy="noeviction"`` (or ``allkeys-lru``...): the memory limit.
-- ``debug=True``: ``enable-debug-command yes`` (Redis 7), so a test can ``DEBUG SLEEP``.
-
-``url`` is the server's URL without the password (``redis://127.0.0.1:PORT/0``);
-``url_with_password()`` with it. ``client()`` is a redis-py client of its own for setting
-up and reading the server's own figures: ``commandstats()`` (calls per command),
-``stats()`` (``INFO stats``: ``total_commands_processed``, ``keyspace_hits``...), and
-``reset_stats()`` (``CONFIG RESETSTAT``). ``kill()`` is a SIGKILL (an outage);
-``start(port=server.port)`` brings it back on the same port.
-
-The tests skip, with the reason, where redis-server is not installed.
+``url`` has no password, ``url_with_password()`` has it. ``client()`` is a redis-py client of
+its own for setting up and for the server's figures: ``commandstats()``, ``stats()`` and
+``reset_stats()``. ``kill()`` is an outage; ``start(port=server.port)`` brings it back.
 """
 
 from __future__ import annotations
@@ -27,13 +16,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from testkit.nginx import _make_cert, free_port
-from testkit.server import ServerProcess
+from testkit.nginx import _make_cert
+from testkit.server import ServerProcess, start_or_skip
 
 __all__ = ["RedisServer", "RedisServerError", "find_redis_server"]
 
@@ -63,8 +51,6 @@ class RedisServer(ServerProcess):
         tls: bool = False,
         maxmemory: str | None = None,
         policy: str = "noeviction",
-        debug: bool = True,
-        start_timeout: float = 10.0,
     ) -> None:
         for what, word in (("password", password), ("maxmemory", maxmemory), ("policy", policy)):
             if word is not None and not _WORD_RE.fullmatch(word):
@@ -74,16 +60,11 @@ class RedisServer(ServerProcess):
         self.tls = tls
         self.maxmemory = maxmemory
         self.policy = policy
-        self.debug = debug
-        self.start_timeout = start_timeout
         self.conf = self.prefix / "redis.conf"
         self.log = self.prefix / "redis.log"
         #: The CA that signed the server's certificate: what a client trusts (``CUDA_PROGRAM_CAS_CA_BUNDLE``).
         self.cert: Path | None = None
         self._server_cert: Path | None = None
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._client: Any = None
 
     @property
     def url(self) -> str:
@@ -106,13 +87,12 @@ class RedisServer(ServerProcess):
             f"logfile {self.log}",
             "databases 16",
             f"maxmemory-policy {self.policy}",
+            "enable-debug-command yes",
         ]
         if self.maxmemory:
             lines.append(f"maxmemory {self.maxmemory}")
         if self.password:
             lines.append(f"requirepass {self.password}")
-        if self.debug:
-            lines.append("enable-debug-command yes")
         if self.tls:
             assert self.cert is not None
             lines += [
@@ -131,41 +111,22 @@ class RedisServer(ServerProcess):
         self.prefix.mkdir(parents=True, exist_ok=True)
         if self.tls and self.cert is None:
             self.cert, self._server_cert, _key = _make_cert(self.prefix)
-        last = ""
-        for _ in range(5):  # another process may take the port between free_port() and redis's bind
-            self.port = port or free_port()
+
+        def spawn() -> subprocess.Popen[bytes]:
             self.conf.write_text(self._config())
             self.log.write_text("")
-            self._proc = subprocess.Popen(
+            return subprocess.Popen(
                 [binary, str(self.conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
-            if self._wait_ready():
-                return self
-            last = self.log_tail()
-            self._terminate(signal.SIGKILL)
-            if "Address already in use" not in last or port:
-                break
-        raise RedisServerError(f"redis-server did not start; log tail:\n{last}")
+
+        last = self._launch(spawn, port)
+        if last:
+            raise RedisServerError(f"redis-server did not start; log tail:\n{last}")
+        return self
 
     def _started(self) -> bool:
         return "Ready to accept connections" in self.log_tail(20000)
-
-    def _terminate(self, sig: int = signal.SIGTERM) -> None:
-        super()._terminate(sig)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies at once, its connections reset (an outage)."""
-        self._terminate(signal.SIGKILL)
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     # -- the server's own figures -------------------------------------------------------------
     def client(self) -> Any:
@@ -199,15 +160,5 @@ class RedisServer(ServerProcess):
 
 def redis_or_skip(prefix: str | os.PathLike[str], **options: Any) -> RedisServer:
     """A started :class:`RedisServer` (stopped by the caller), or ``pytest.skip`` naming why there is none."""
-    import pytest  # the tests' helper: the benchmarks import this module without pytest
-
-    if find_redis_server() is None:
-        pytest.skip(
-            "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
-        )
-    server = RedisServer(prefix, **options)
-    try:
-        return server.start()
-    except RedisServerError as e:
-        server.stop()
-        pytest.skip(f"redis-server did not start: {e}")
+    missing = "redis-server is not installed (not on PATH, no /usr/bin/redis-server): apt-get install redis-server"
+    return start_or_skip(RedisServer(prefix, **options), None if find_redis_server() else missing)

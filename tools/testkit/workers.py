@@ -29,7 +29,6 @@ __all__ = [
     "read_answer",
     "run_worker",
     "spawn_worker",
-    "worker_command",
     "worker_spec",
 ]
 
@@ -37,21 +36,15 @@ __all__ = [
 WORKER = "_worker"
 
 
-def child_env(*, keep_settings: bool = False, env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this one) for a child interpreter: the checkout and ``tools/`` first on ``PYTHONPATH``.
+def child_env(*, keep_settings: bool = False) -> dict[str, str]:
+    """This environment for a child interpreter: the checkout and ``tools/`` first on ``PYTHONPATH``.
 
     Without ``keep_settings`` the cache's ``CUDA_PROGRAM_CAS_*`` variables are dropped, so an
     operator's settings do not change what a benchmark measures.
     """
-    base = os.environ if env is None else env
-    out = {k: v for k, v in base.items() if keep_settings or not k.startswith("CUDA_PROGRAM_CAS_")}
+    out = {k: v for k, v in os.environ.items() if keep_settings or not k.startswith("CUDA_PROGRAM_CAS_")}
     out["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, TOOLS, out.get("PYTHONPATH")) if p)
     return out
-
-
-def worker_command(script: str, spec: dict[str, Any]) -> list[str]:
-    """The command line that re-runs ``script`` as a worker for ``spec``."""
-    return [sys.executable, os.path.abspath(script), WORKER, json.dumps(spec)]
 
 
 def worker_spec(argv: list[str]) -> dict[str, Any] | None:
@@ -91,7 +84,7 @@ def spawn_worker(
     """
     env = child_env(keep_settings=keep_settings)
     env.update(settings or {})
-    return subprocess.Popen(worker_command(script, spec), env=env, **popen)
+    return subprocess.Popen([sys.executable, os.path.abspath(script), WORKER, json.dumps(spec)], env=env, **popen)
 
 
 @dataclass

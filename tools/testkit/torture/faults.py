@@ -162,11 +162,12 @@ def run_corruption(workdir: str, *, rounds: int = 3, seed: int = 3) -> Report:
 _UNREADABLE_CHILD = r"""
 import json, os, sys
 from testkit import torture
+from testkit.torture.common import quiet
 from blake3 import blake3
 from cuda_program_cas import CacheStore
 from cuda_program_cas.index import key_id
 import filelock
-torture.quiet()
+quiet()
 # Everything imported first: the interpreter's own files may be unreadable to nobody.
 os.setgid(65534); os.setuid(65534)
 root = sys.argv[1]
