@@ -30,8 +30,7 @@ and its packs are :class:`.httppacks.HttpPacks`.
   server's answers. No conditional create and no leases: nginx's WebDAV ignores
   conditional PUTs, so per-node claims remain. No listing (no index of a folder).
 
-:attr:`HttpEngine.requests` counts the requests made (the tests and
-``tools/http_bench.py`` read it); :attr:`HttpEngine.outages` the outages met
+:attr:`HttpEngine.requests` counts the requests made (the tests read it); :attr:`HttpEngine.outages` the outages met
 (the packs list again after one).
 """
 
