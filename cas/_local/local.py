@@ -20,6 +20,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ from cuda_program_cas.index import LONGEST_MANIFEST, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .listeners import HitTally, Listeners, count_into, log_into
-from .reader import Reader, Uncached
+from .reader import Reader
 from .stats import Counters, merged
 from .touch import apply_pending, ensure_thread
 
@@ -122,11 +123,10 @@ class LocalStore:
         #: The writer and the remover, made when first needed (a hit needs neither); the cap likewise.
         self._parts = _Parts(lay, self.guard)
         self._cap_made: SizeCap | None = None
-        kind = Reader if usable else Uncached
         remover = None if self.read_only else self._parts.remover
-        self.reader = kind(lay, counters, self.guard, remover, note=self.note)
-        #: The hot path's lookup: ``(bytes, digest)`` of a verified local entry, or None.
-        self.lookup = self.reader.lookup
+        self.reader = reader = Reader(lay, counters, self.guard, remover, note=self.note)
+        #: The hot path's lookup: ``(bytes, digest)`` of a verified local entry, or None (always, when unusable).
+        self.lookup: Callable[[str], tuple[bytes, str] | None] = reader.lookup if usable else reader.unusable
         if self.reader.touches is not None:
             weakref.finalize(self, self.reader.touches.apply)  # reads made, recorded when this goes
         self.clear_lock = threading.Lock()

@@ -57,7 +57,7 @@ from .touch import TOUCH_INTERVAL_NS, Touches
 if TYPE_CHECKING:
     from cuda_program_cas._disk.remove import Remover
 
-__all__ = ["Reader", "Uncached"]
+__all__ = ["Reader"]
 
 
 #: Verified blob identities remembered per reader (each a few dozen bytes).
@@ -145,6 +145,10 @@ class Reader:
         """Why this thread's last lookup here missed."""
         reason: str = getattr(self._why, "reason", "unknown")
         return reason
+
+    def unusable(self, kid: str) -> None:
+        """The lookup of a cache that could not be created or laid out: a miss, and nothing is read on a guess."""
+        self._why.reason = "cache not usable (it could not be created or laid out)"
 
     def forget(self) -> None:
         """Drop what this reader remembers of files (after many were removed)."""
@@ -531,21 +535,6 @@ class Reader:
         _log.warning(
             "cuda-program-cas: blob %s failed verification; quarantine/ cannot take it (%s), so %s", digest, exc, done
         )
-
-
-class Uncached(Reader):
-    """The reader of a cache that could not be created or laid out: every lookup is a miss, nothing is read.
-
-    Nothing is read on a guess: a directory without a valid ``layout.json`` is not
-    known to be a cache.
-    """
-
-    def lookup(self, kid: str) -> tuple[bytes, str] | None:
-        self._why.reason = "cache not usable (it could not be created or laid out)"
-        return None
-
-    def current_digest(self, kid: str) -> str | None:
-        return None
 
 
 def _hashes_to(fd: int, digest: str) -> bool:

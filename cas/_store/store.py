@@ -80,7 +80,7 @@ class CacheStore:
         # The hot path's parts. A local hit does what the hit event's two listeners do (the counters' step and
         # the usage ledger's tally, cas/_local/listeners.py) in place: calling them cost about 770 more
         # instructions per hit (callgrind), 3 % of a repeated 8 KB hit.
-        self._reader, self._counters, self._tally, self._heard = local.reader, local.counters, local.tally, local.heard
+        self._lookup, self._counters, self._tally, self._heard = local.lookup, local.counters, local.tally, local.heard
         self._used = None if self._shared is None else self._shared.used
 
     @property
@@ -99,7 +99,7 @@ class CacheStore:
         # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
         kid = _sha256(key).hexdigest() if type(key) is bytes else key_id(key)
         t0 = _perf_ns() if _log.isEnabledFor(_DEBUG) else 0
-        found = self._reader.lookup(kid)
+        found = self._lookup(kid)
         if found is not None:
             self._counters.hit()
             tally = self._tally
@@ -137,7 +137,7 @@ class CacheStore:
         record and result) and reports that request once, with ``note_hit`` or
         ``note_miss`` (:class:`Inner`).
         """
-        found = self._reader.lookup(kid)
+        found = self._lookup(kid)
         if found is not None:
             if self._used is not None:
                 self._used.add(kid, found[1], len(found[0]))
