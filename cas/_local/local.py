@@ -273,10 +273,9 @@ class LocalStore:
             self.heard.write(kid or "-" * 12, "dropped", 0, _perf_ns(), reason)
 
     def compile_seconds(self, kid: str) -> float | None:
-        from .usage import compile_us_of, key_number
+        from .usage import compile_seconds_of
 
-        us = compile_us_of(self.layout, [key_number(kid)])
-        return None if not us else next(iter(us.values())) / 1e6
+        return compile_seconds_of(self.layout, kid)
 
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
         """Single flight for ``kid`` on this node, waiting at most ``bound`` s."""
