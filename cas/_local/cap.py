@@ -31,15 +31,7 @@ from cuda_program_cas.index import lru_units, partners_of
 from .stats import Counters
 from .touch import apply_pending
 
-__all__ = [
-    "EVICT_STEP",
-    "LOW_WATERMARK",
-    "MAX_FAILED_REMOVALS",
-    "MIN_ENTRIES_FOR_WATERMARK",
-    "ORPHAN_GRACE_S",
-    "SizeCap",
-    "plan_lru",
-]
+__all__ = ["EVICT_STEP", "ORPHAN_GRACE_S", "SizeCap", "plan_lru"]
 
 #: Eviction brings the stored bytes down to this fraction of the cap.
 LOW_WATERMARK = 0.8

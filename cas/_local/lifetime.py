@@ -55,11 +55,8 @@ except ImportError:  # Windows: filelock
 __all__ = [
     "COMPACT_BYTES",
     "FLUSH_INTERVAL_S",
-    "NAMES",
     "Busy",
-    "Lifetime",
     "Recorder",
-    "counters_locked",
     "encode_line",
     "locked_append",
     "read_counters",

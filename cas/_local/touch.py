@@ -21,7 +21,7 @@ from collections import deque
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.files import trusted_mtime_ns
 
-__all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
+__all__ = ["TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
 TOUCH_DELAY_S = 1.0

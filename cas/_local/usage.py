@@ -31,14 +31,11 @@ from .stats import Counters
 
 __all__ = [
     "COMPACT_BYTES",
-    "MAX_KEYS",
-    "Usage",
     "compile_seconds_of",
     "compile_us_of",
     "key_number",
     "read_usage",
     "record_compile",
-    "record_hits",
     "settle_hits",
 ]
 

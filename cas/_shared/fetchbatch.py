@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from cuda_program_cas._base.signing import Trust
     from cuda_program_cas._remote.httppacks import Ranges
 
-__all__ = ["BATCH_BYTES", "Keep", "RangedPacks", "Source", "Wanted", "batched", "fetch"]
+__all__ = ["Keep", "RangedPacks", "Source", "Wanted", "fetch"]
 
 _T = TypeVar("_T")
 

@@ -35,13 +35,10 @@ from cuda_program_cas._local.usage import key_number as number
 from .upload import put_checked
 
 __all__ = [
-    "HEADER",
     "KEYS",
     "MAX_BYTES",
-    "MERGE_TRIES",
     "REFRESH_S",
     "KeyView",
-    "Listed",
     "compile_ms",
     "encode",
     "list_published",

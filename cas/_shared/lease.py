@@ -31,7 +31,7 @@ from cuda_program_cas._local.stats import Counters
 
 from .tier import Tier
 
-__all__ = ["HELD", "POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]
+__all__ = ["Lease", "lease"]
 
 _log = logging.getLogger("cuda_program_cas")
 

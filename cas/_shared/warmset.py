@@ -33,11 +33,8 @@ from cuda_program_cas.index import is_hex, is_local_id
 from .tier import Tier
 
 __all__ = [
-    "MAX_ENTRIES",
     "MAX_SET_BYTES",
     "QUIET_S",
-    "SETS",
-    "Place",
     "SetEntry",
     "Used",
     "WarmFetch",

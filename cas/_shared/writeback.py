@@ -42,7 +42,7 @@ from .warmset import parse as parse_set
 if TYPE_CHECKING:
     from .tier import Tier
 
-__all__ = ["EXIT_FLUSH_S", "MAX_QUEUED", "MAX_QUEUED_BYTES", "WriteBack"]
+__all__ = ["EXIT_FLUSH_S", "WriteBack"]
 
 _log = logging.getLogger("cuda_program_cas")
 
