@@ -165,8 +165,6 @@ class LocalStore:
     def counts(self) -> dict[str, int]:
         return merged(self.counters, self._theirs[0])
 
-    # -- the parts a hit does not need, made on first use --------------------------------
-
     @functools.cached_property
     def blobs(self) -> BlobStore:
         from cuda_program_cas._disk.blobs import BlobStore
@@ -233,8 +231,6 @@ class LocalStore:
             _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
         return True
 
-    # -- what callers that count their own report ------------------------------------
-
     def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
         """Count a hit the caller assembled (``shared``: its store, None for local; ``waited``: a claim hit too)."""
         heard = self.heard
@@ -284,8 +280,6 @@ class LocalStore:
         if self.read_only:
             return nullcontext(Claim())
         return claim(self.layout.tmp, kid, bound, self.counters)
-
-    # -- writes ------------------------------------------------------------------
 
     def refuse(self, what: str) -> ReadOnlyCacheError:
         how = self.why_read_only or "was opened read-only"
@@ -348,8 +342,6 @@ class LocalStore:
             self.heard.count("dropped_writes")
             self.note("copy from shared store failed", exc.errno or 0, str(exc))
 
-    # -- the size cap --------------------------------------------------------------
-
     def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
         """Bring the stored bytes under the cap if over it; ``budget`` not given: ``EVICT_STEP``."""
         from .cap import EVICT_STEP
@@ -366,8 +358,6 @@ class LocalStore:
             raise self.refuse("evict")
         grace = ORPHAN_GRACE_S if orphan_grace_s is NOT_GIVEN else orphan_grace_s
         return self.cap.evict_to(snap, target_bytes, orphan_grace_s=grace)
-
-    # -- deletion ----------------------------------------------------------------
 
     def delete_id(self, kid: str) -> bool:
         """Remove the entry under key id ``kid``; False when there was no such entry."""
@@ -410,8 +400,6 @@ class LocalStore:
             if self._cap_made is not None:
                 self._cap_made.reset()
 
-    # -- inspection ----------------------------------------------------------------
-
     def snapshot(self, *, read_manifests: bool = True) -> Snapshot:
         """A scan of the local cache (this process's queued touches land first)."""
         from cuda_program_cas._disk.scan import take_snapshot
@@ -439,8 +427,6 @@ class LocalStore:
             max_size_bytes=self.max_size_bytes,
             **counts,
         )
-
-    # -- lifetime counters -----------------------------------------------------------
 
     def flush_on_the_way(self) -> None:
         """Record the counts in the lifetime counters (a lookup or write found it due)."""

@@ -142,8 +142,6 @@ class SharedLayer:
             self.writeback.keep_set(make)
         # The fetch starts at the first local miss (warm.wait in find), not here.
 
-    # -- lookups -----------------------------------------------------------------
-
     def find(
         self, kid: str, reasons: list[tuple[str, str]] | None, *, unlisted: bool = False
     ) -> tuple[bytes, str] | None:
@@ -177,8 +175,6 @@ class SharedLayer:
     def paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.tiers)
 
-    # -- writes ------------------------------------------------------------------
-
     def stored(self, kid: str, digest: str, data: bytes, result: WriteResult, why: str | None) -> None:
         """A local write of ``kid`` happened: a new entry is uploaded."""
         if result and self.used is not None:
@@ -192,8 +188,6 @@ class SharedLayer:
             wb.submit(kid, digest, data, then=None if held is None else held.pass_on())
         else:
             wb.not_stored(kid, why or "dropped")  # only new local entries are sent: counted
-
-    # -- single flight -------------------------------------------------------------
 
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
         """The node's claim on ``kid``, then, where a writable store gives leases, the cluster's."""

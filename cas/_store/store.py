@@ -74,8 +74,6 @@ class CacheStore:
         """What the CUDA layer asks of this store beyond its public API: a new :class:`Inner` each time."""
         return Inner(self)
 
-    # -- lookups -----------------------------------------------------------------
-
     def get(self, key: object) -> bytes | None:
         """The bytes stored under ``key`` (here or in a shared store), verified; None on a miss."""
         # bytes keys (what Program.compile uses) hashed inline: this is the hot path.
@@ -157,8 +155,6 @@ class CacheStore:
         """
         return self._local.compile_seconds(kid)
 
-    # -- writes and removals ----------------------------------------------------------
-
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cuda_program_cas.WriteResult` says how (``DROPPED``: not stored).
 
@@ -194,8 +190,6 @@ class CacheStore:
     def clear(self) -> None:
         """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
         self._local.clear()
-
-    # -- inspection ----------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._local.snapshot(read_manifests=False).manifests)
