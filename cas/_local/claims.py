@@ -29,12 +29,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._disk.layout import CLAIM_SUFFIX
 from cuda_program_cas.index import is_key_id
 
-from .flocks import FIRST_TRY_S, LAST_TRY_S, try_lock
+from .flocks import FIRST_TRY_S, LAST_TRY_S, open_lock, try_lock
 from .flocks import Slow as _Slow
+from .flocks import close_lock as _close
 from .stats import Counters
 
 try:
@@ -62,8 +62,6 @@ _LONGEST_PAUSE_S = 1.0
 #: Opens of a name whose file was replaced under us before the claim is given up.
 _MAX_TRIES = 32
 
-#: Claim descriptors open in this process (a forked child closes its copies).
-_OPEN: set[int] = set()
 _SAID: set[tuple[str, int]] = set()
 
 
@@ -161,8 +159,7 @@ def _take(path: str, wait_s: float) -> tuple[Claim, int | None]:
 
 
 def _open(path: str) -> int:
-    fd = os.open(path, _FLAGS, 0o600)
-    _OPEN.add(fd)  # a child forked from now on closes its copy
+    fd = open_lock(path, _FLAGS)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
@@ -218,12 +215,6 @@ def _release(path: str, fd: int) -> None:
         _close(fd)
 
 
-def _close(fd: int) -> None:
-    _OPEN.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 def _no_claim(path: str, exc: OSError) -> None:
     """Say once per directory and reason, at DEBUG, why no claim was taken."""
     why = (os.path.dirname(path), exc.errno or 0)
@@ -235,12 +226,3 @@ def _no_claim(path: str, exc: OSError) -> None:
         why[0],
         exc,
     )
-
-
-@after_fork_call
-def _after_fork_in_child() -> None:
-    # A copy open here would keep the parent's claim held after it died; closing it releases nothing.
-    for fd in list(_OPEN):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _OPEN.clear()

@@ -23,7 +23,7 @@ try:
 except ImportError:  # Windows: callers take no flock there
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["FIRST_TRY_S", "LAST_TRY_S", "Slow", "try_lock"]
+__all__ = ["FIRST_TRY_S", "LAST_TRY_S", "OPEN_LOCKS", "Slow", "close_lock", "open_lock", "try_lock"]
 
 #: A first try may take this long even when its caller's bound is shorter: one over NFS not
 #: back after a second is taken for one that never will be.
@@ -31,6 +31,23 @@ FIRST_TRY_S = 1.0
 
 #: A later try (while waiting) may end this long past its caller's bound.
 LAST_TRY_S = 0.05
+
+
+#: Lock files open in this process (claims, ``counters.lock``): a forked child closes its copies,
+#: which would hold a parent's flock for the child's whole life (closing them releases nothing).
+OPEN_LOCKS: set[int] = set()
+
+
+def open_lock(path: str, flags: int) -> int:
+    fd = os.open(path, flags, 0o600)
+    OPEN_LOCKS.add(fd)
+    return fd
+
+
+def close_lock(fd: int) -> None:
+    OPEN_LOCKS.discard(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class _Stuck:
@@ -127,3 +144,7 @@ def _after_fork_in_child() -> None:
     # The parent's tries stay the parent's; a thread of the parent may have held the lock.
     _STUCK.lock = threading.Lock()
     _STUCK.devs.clear()
+    for fd in list(OPEN_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    OPEN_LOCKS.clear()

@@ -44,7 +44,7 @@ from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
-from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, try_lock
+from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, close_lock, open_lock, try_lock
 from .stats import COUNTER_NAMES
 
 try:
@@ -89,9 +89,6 @@ def _line_re() -> re.Pattern[bytes]:
     """A counters line's form, compiled when first read (a process that only hits and flushes appends)."""
     return re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
 
-
-#: Descriptors of ``counters.lock`` open in this process (closed in a forked child).
-_LOCK_FDS: set[int] = set()
 
 #: ``source(lock)``: an instance's counts now (``lock=False`` after a fork).
 Source = Callable[[bool], Mapping[str, int]]
@@ -210,8 +207,7 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
         finally:
             lock.release()
         return
-    fd = os.open(path, _LOCK_FLAGS, 0o600)
-    _LOCK_FDS.add(fd)  # a child forked meanwhile closes its copy
+    fd = open_lock(path, _LOCK_FLAGS)
     owned = True  # False once a try that did not return owns fd (flocks.try_lock closes it)
     try:
         deadline = time.monotonic() + wait_s
@@ -220,7 +216,7 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
         until = max(deadline, time.monotonic() + FIRST_TRY_S)
         while True:
             try:
-                if try_lock(fd, until, _close_lock_fd):
+                if try_lock(fd, until, close_lock):
                     break
             except Slow:
                 owned = False
@@ -239,13 +235,7 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         if owned:
-            _close_lock_fd(fd)
-
-
-def _close_lock_fd(fd: int) -> None:
-    _LOCK_FDS.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+            close_lock(fd)
 
 
 def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
@@ -380,9 +370,3 @@ atexit.register(_flush_pending)
 @after_fork_call
 def _after_fork_in_child() -> None:
     _PENDING.clear()  # the parent tries those
-    # A parent thread's descriptor of counters.lock would hold the flock for the child's
-    # whole life; closing the child's copy releases nothing the parent holds.
-    for fd in list(_LOCK_FDS):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _LOCK_FDS.clear()
