@@ -142,14 +142,6 @@ def compile_ms(seconds: float | None) -> int:
     return min(max(1, round(seconds * 1000)), _MS_MAX)
 
 
-def _merged(theirs: Mapping[int, int], ours: Mapping[int, int]) -> dict[int, int]:
-    out = dict(theirs)
-    for k, ms in ours.items():
-        if ms or k not in out:
-            out[k] = ms
-    return out
-
-
 def _holds(records: Mapping[int, int] | None, ours: Mapping[int, int]) -> bool:
     return records is not None and all(k in records and (not ms or records[k] == ms) for k, ms in ours.items())
 
@@ -179,7 +171,7 @@ def merge_into(engine: Engine, ours: Mapping[int, int], *, rebuild: bool = False
             theirs = {}
         if _holds(theirs, ours):
             return True
-        data = encode(_merged(theirs, ours))
+        data = encode({**theirs, **{k: ms for k, ms in ours.items() if ms or k not in theirs}})
         if len(data) > MAX_BYTES:
             # A list that cannot hold every key would make the rest false misses: none at all, readers ask.
             _log.debug("cuda-program-cas: %s: more keys than a key list holds; removed", engine.shown)

@@ -73,10 +73,6 @@ def _leases(tier: Tier) -> Leases:
     return got
 
 
-def _name(kid: str) -> str:
-    return kid  # the engine keeps leases apart from objects (Redis: cpcas:lease:<key id>)
-
-
 @contextmanager
 def lease(
     tier: Tier,
@@ -126,7 +122,7 @@ def lease(
     def release(mark: bool) -> None:
         stop.set()
         try:
-            _leases(tier).release(_name(kid), token, mark_s=ttl_s if mark else 0.0)
+            _leases(tier).release(kid, token, mark_s=ttl_s if mark else 0.0)
         except StoreFailure as exc:
             tier.failed(exc)  # it expires on its own
 
@@ -146,7 +142,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
     if tier.paused():
         return None
     try:
-        token = _leases(tier).lease(_name(kid), ttl_s, take=take)
+        token = _leases(tier).lease(kid, ttl_s, take=take)
     except StoreFailure as exc:
         tier.failed(exc)
         return None
@@ -159,7 +155,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
 def _renew(tier: Tier, kid: str, token: str, ttl_s: float, stop: threading.Event) -> None:
     while not stop.wait(ttl_s / 3):
         try:
-            if not _leases(tier).renew(_name(kid), token, ttl_s):
+            if not _leases(tier).renew(kid, token, ttl_s):
                 _log.debug("cuda-program-cas: lease on %s in %s was lost while compiling", kid, tier.root)
                 return
         except StoreFailure as exc:
