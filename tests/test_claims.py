@@ -251,10 +251,10 @@ def test_read_only_and_unclaimable_caches_compile(cache_dir: Path, reference: di
     obj = ro.compile(SOURCE, "c++", opts, "cubin", name_expressions=NAMES)
     assert bytes(obj.code).hex() == reference["code"] and ro.counters()["dropped_writes"] == 1
 
-    def no_locks(fd: int, how: int) -> bool:
+    def no_locks(*args: object) -> bool:
         raise OSError(errno.ENOLCK, "No locks available")  # an NFS mount without its lock daemon
 
-    monkeypatch.setattr(claims, "_lock", no_locks)
+    monkeypatch.setattr(claims, "try_lock", no_locks)
     cache = ContentAddressedProgramCache(cache_dir)
     obj = cache.compile(SOURCE, "c++", opts, "cubin", name_expressions=NAMES)
     assert bytes(obj.code).hex() == reference["code"]

@@ -130,7 +130,7 @@ def test_a_try_that_does_not_return_is_given_up_at_the_bound(cache_dir: Path, se
         assert (claim.held, claim.waited, claim.timed_out) == (False, False, False)
         assert least - 0.05 <= took < least + 1.0
         seam.unblock.set()  # the try returns now, with the lock: its thread lets go of it
-        assert until(lambda: not claims._OPEN), "the given-up try's file is still open"
+        assert until(lambda: not flocks.OPEN_LOCKS), "the given-up try's file is still open"
         with store.inner.claim(kid, wait_s=0) as again:
             assert again.held and not again.waited
 

@@ -1,30 +1,13 @@
 """The size cap of one cache instance: count writes, plan evictions, carry them out.
 
-The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``
-(writes in flight, crashed writers' leftovers, which go first). An instance counts its
-own writes between listings of the cache; when its count goes over the cap, one
-scan plans a reference-aware LRU eviction (:func:`plan_lru`, below) and the
-:class:`cuda_program_cas._disk.remove.Remover` carries it out:
+The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``. An
+instance counts its own writes between listings of the cache; over the cap, one scan plans a
+reference-aware LRU eviction (:func:`plan_lru`, which ``gc --max-size`` uses too), carried out
+at once as far as the cap, then (with :data:`MIN_ENTRIES_FOR_WATERMARK` entries or more) on
+to the low watermark :data:`EVICT_STEP` removals per later write, so one scan pays for many.
 
-- at once, as far as it takes to bring the cache under the cap: at rest, one
-  writer's cache is never over its cap;
-- then, with many entries, on down to the low watermark, :data:`EVICT_STEP`
-  removals per later write, so that one scan pays for many writes and no single
-  write pays for removing a fifth of a large cache. With few entries (under
-  :data:`MIN_ENTRIES_FOR_WATERMARK`) only what the write needs goes, in read order.
-
-The plan: least recently used manifests go first (recency is the manifest's
-mtime, which a hit refreshes, or this process's own later reads). A front-door
-record and its results go together (:mod:`cuda_program_cas.index`). A blob goes
-only when the last manifest naming it goes. Garbage manifests and removable
-orphans go before any live entry. ``gc --max-size`` plans with the same function.
-
-A removal that fails (a shard that went read-only, a file another user owns) does
-not turn the write that triggered it into a dropped one: the value is stored. It
-does not keep the cache over its cap either: the eviction is planned again from a
-new listing without that file (garbage or not), as far as it takes (up to :data:`MAX_FAILED_REMOVALS`
-files a pass), and is said once at WARNING. Whatever is still over the cap then is
-evicted by the next write or call, which lists the cache again.
+A removal that fails does not drop the write that triggered it: the eviction is planned
+again without that file (up to :data:`MAX_FAILED_REMOVALS` a pass), and said once.
 """
 
 from __future__ import annotations
@@ -48,18 +31,9 @@ from cuda_program_cas.index import lru_units, partners_of
 from .stats import Counters
 from .touch import apply_pending
 
-__all__ = [
-    "EVICT_STEP",
-    "LOW_WATERMARK",
-    "MAX_FAILED_REMOVALS",
-    "MIN_ENTRIES_FOR_WATERMARK",
-    "ORPHAN_GRACE_S",
-    "SizeCap",
-    "plan_lru",
-]
+__all__ = ["EVICT_STEP", "ORPHAN_GRACE_S", "SizeCap", "plan_lru"]
 
-#: Eviction brings the stored bytes down to this fraction of the cap, so one
-#: scan pays for many writes.
+#: Eviction brings the stored bytes down to this fraction of the cap.
 LOW_WATERMARK = 0.8
 #: Below this many live entries a scan is cheap: evict only down to the cap.
 MIN_ENTRIES_FOR_WATERMARK = 64
@@ -69,22 +43,18 @@ ORPHAN_GRACE_S = 600.0
 EVICT_STEP = 64
 #: A capped writer lists the cache again after writing this fraction of the cap.
 REMEASURE_FRACTION = 8
-#: Removals that may fail in one pass of an eviction before it stops until the next write:
-#: one stuck file costs a failed unlink per pass, a cache gone read-only no more than this.
+#: Removals that may fail in one pass of an eviction before it stops until the next write.
 MAX_FAILED_REMOVALS = 8
 
 
 class Note(Protocol):
-    """How the cap reports a problem (the store's one-WARNING-per-kind logger)."""
-
     def __call__(self, what: str, code: int, message: str) -> None: ...
 
 
 class SizeCap:
     """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked).
 
-    ``recency()`` returns key id -> this process's last read (ns) of keys read
-    more recently than their manifest's mtime says.
+    ``recency()``: key id -> this process's last read (ns), finer than a manifest's mtime.
     """
 
     def __init__(
@@ -106,14 +76,13 @@ class SizeCap:
         self._approx: int | None = None  # stored bytes as this instance believes them
         self._since_measure = 0  # bytes this instance wrote since it last listed the cache
         self._plan: RemovalPlan | None = None  # an eviction under way, carried out a step per write
-        self._retired: dict[str, FileId] = {}  # see cuda_program_cas._disk.remove.removable_orphans
+        self._retired: dict[str, FileId] = {}  # see removable_orphans
         self._mutex = threading.Lock()  # one evictor per instance
         self._count_lock = threading.Lock()
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
-        # A thread of the parent may have been counting or evicting: new locks, and the
-        # child measures the cache afresh. What was retired stays retired.
+        # A thread of the parent may have been counting or evicting: the child measures afresh.
         self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._plan = None
@@ -123,11 +92,7 @@ class SizeCap:
     def account(self, added: int, *, written: str | None = None) -> None:
         """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
 
-        Other processes write too, and this instance does not see their writes: it
-        lists the cache again (stats, no reads) after every eighth of the cap it
-        writes itself, so each other writer adds at most about an eighth of the cap
-        to what this one believes. While an eviction is under way, every write
-        carries out a step of it.
+        Other writers are not seen: the cache is listed again after every eighth of the cap written here.
         """
         max_bytes = self.max_bytes
         if max_bytes is None:
@@ -149,10 +114,8 @@ class SizeCap:
     def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
         """Bring the stored bytes under the cap if they are over it, then a step toward the low watermark.
 
-        ``budget=None``: all the way to the low watermark at once. Only one evictor
-        runs at a time (a non-blocking lock per instance, a ``filelock`` across
-        processes); a writer that finds one running goes on. Never raises
-        ``OSError``: an eviction that fails is said and tried again by the next call.
+        ``budget=None``: all the way at once. One evictor at a time (a writer that finds one goes
+        on). Never raises ``OSError``: a failed eviction is said and tried again by the next call.
         """
         max_bytes = self.max_bytes
         if max_bytes is None or not self._mutex.acquire(blocking=False):
@@ -167,7 +130,6 @@ class SizeCap:
             self._mutex.release()
 
     def _enforce(self, max_bytes: int, budget: int | None, protect: str | None) -> RemovalResult | None:
-        """:meth:`enforce`, under its mutex."""
         if self._plan is None and (self._approx is None or self._approx <= max_bytes):
             lay = self._lay
             stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
@@ -210,7 +172,7 @@ class SizeCap:
         return total
 
     def _plan_for(self, snap: Snapshot, max_bytes: int, protect: str | None, stuck: set[str]) -> RemovalPlan:
-        """The eviction of ``snap`` down to the cap (or the low watermark); ``stuck``: paths that cannot go."""
+        """The eviction of ``snap``; ``stuck``: paths that cannot go."""
         lay = self._lay
         held = {
             os.path.basename(os.path.dirname(p)) + os.path.basename(p): os.path.dirname(os.path.dirname(p))
@@ -244,7 +206,6 @@ class SizeCap:
         return result
 
     def reset(self) -> None:
-        """Forget counts and plans (after the cache was cleared)."""
         with self._mutex, self._count_lock:
             self._plan = None
             self._approx = None
@@ -256,7 +217,6 @@ class SizeCap:
             self._since_measure = 0
 
     def _failed(self, exc: OSError) -> None:
-        """An eviction that failed: said once; the next write lists the cache again and carries on."""
         self._plan = None
         with self._count_lock:
             self._approx = None
@@ -269,14 +229,11 @@ class SizeCap:
     def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> tuple[RemovalResult, OSError | None]:
         """Carry out the plan's next steps; with the removal that failed and stopped them, if one did."""
         t0 = time.perf_counter_ns()
-        # Every read this process made, in any instance, lands first: the remover keeps
-        # an entry whose manifest was touched since the plan's scan.
-        apply_pending()
+        apply_pending()  # the remover keeps an entry whose manifest was touched since the plan's scan
         result = RemovalResult()
         failure: OSError | None = None
         try:
             if must_free > 0:
-                # At once, as far as it takes to be under the cap.
                 result.add(self._remover.execute(plan, until_freed=must_free))
             if budget is None or budget > result.steps:
                 result.add(self._remover.execute(plan, budget=None if budget is None else budget - result.steps))
@@ -307,17 +264,12 @@ def plan_lru(
 ) -> RemovalPlan:
     """Plan removals until the stored bytes would be at most ``target_bytes``.
 
-    ``cap_bytes``: when removing garbage and removable orphans alone brings the
-    cache under this, no live entry is chosen (the low watermark below the cap
-    amortises scans; it is no reason to evict what is in use).
-
-    ``retired``: blobs an earlier pass left behind when it removed their last
-    manifest (see :func:`cuda_program_cas._disk.remove.removable_orphans`). ``protect``: key ids
-    never chosen as least recently used (the entry a write has just stored).
-    ``keep_manifests``, ``keep_blobs``: key ids and digests never removed, garbage
-    or not, whose bytes stay (files that could not be removed). ``recency``: key id -> the
-    time (ns) this process last read it, where that is later than the
-    manifest's mtime (a hit touches the manifest at most once a second).
+    Garbage and removable orphans go first; then least recently used live entries, a
+    front-door record with its results, a blob only with the last manifest naming it.
+    ``cap_bytes``: when garbage alone brings the cache under it, no live entry goes.
+    ``retired``: see :func:`cuda_program_cas._disk.remove.removable_orphans`. ``protect``: key
+    ids never chosen. ``keep_manifests``, ``keep_blobs``: never removed, their bytes stay.
+    ``recency``: key id -> this process's last read (ns), where later than the manifest's mtime.
     """
     plan = RemovalPlan(snap, keep_blobs=keep_blobs)
     total = snap.stored_bytes
@@ -330,7 +282,6 @@ def plan_lru(
         if classify(info, snap) is Condition.OK:
             live.append(info)
         else:
-            # Garbage costs bytes and serves nothing: it goes first, whatever the target.
             plan.manifests.append(info)
             total -= info.stat.st_size
     refs = snap.refs.copy()

@@ -1,24 +1,11 @@
 """One ``flock`` try that cannot hold its caller past a bound: the claims' and the lifetime counters'.
 
-``LOCK_NB`` makes the lock non-blocking, not the call. Over NFS each try is a round
-trip to the server's lock manager, and the NFS harness (docs/nfs.md) measured tries
-that do not come back: on NFSv3 with the client's ``rpc.statd`` stopped, the first
-try blocked 61 s; with the server's lock manager gone from its rpcbind, it never
-returned, and ``CacheStore.put`` (which flushes the lifetime counters under their
-lock) with it. So a try runs in a thread of its own, and one that has not returned
-by its bound raises :class:`Slow`: the caller goes on without the lock (no claim:
-compile; counts kept for the next flush). The thread owns the descriptor from then
-on: when the call returns it lets go of whatever it got and closes the file.
-
-While a try is still out on a file system, later tries on it raise :class:`Slow` at
-once, without a thread: a lock manager that is gone costs each process one thread
-and one descriptor, not one per miss or per flush.
-
-On a local file system (:data:`cuda_program_cas._disk.fskind.STAT_RELIABLE`: ext4,
-xfs, tmpfs...) the lock is this kernel's own and ``LOCK_NB`` returns at once: the
-try is made in the caller's thread. A thread costs 1-3 ms to start and join in a
-process that has ``cuda.core`` loaded, and a job's exit flushes its counters and
-ledger under two of these locks.
+``LOCK_NB`` makes the lock non-blocking, not the call: over NFS a try may block 61 s or never
+return (docs/nfs.md). So there a try runs in a thread of its own, and one not back by its
+bound raises :class:`Slow` (the caller goes on without the lock); the thread then owns the
+descriptor, lets go of what it got and closes it. While a try is out on a file system, later
+tries on it raise :class:`Slow` at once. On a local file system the try is made in the
+caller's thread (a thread costs 1-3 ms).
 """
 
 from __future__ import annotations
@@ -36,15 +23,31 @@ try:
 except ImportError:  # Windows: callers take no flock there
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["FIRST_TRY_S", "LAST_TRY_S", "Slow", "try_lock"]
+__all__ = ["FIRST_TRY_S", "LAST_TRY_S", "OPEN_LOCKS", "Slow", "close_lock", "open_lock", "try_lock"]
 
-#: A first try may take this long even when its caller's bound is shorter (``0``: no
-#: wait): a try over NFS takes milliseconds (at most 0.32 s in the harness, under
-#: emulation); one that is not back after a second is taken for one that never will be.
+#: A first try may take this long even when its caller's bound is shorter: one over NFS not
+#: back after a second is taken for one that never will be.
 FIRST_TRY_S = 1.0
 
 #: A later try (while waiting) may end this long past its caller's bound.
 LAST_TRY_S = 0.05
+
+
+#: Lock files open in this process (claims, ``counters.lock``): a forked child closes its copies,
+#: which would hold a parent's flock for the child's whole life (closing them releases nothing).
+OPEN_LOCKS: set[int] = set()
+
+
+def open_lock(path: str, flags: int) -> int:
+    fd = os.open(path, flags, 0o600)
+    OPEN_LOCKS.add(fd)
+    return fd
+
+
+def close_lock(fd: int) -> None:
+    OPEN_LOCKS.discard(fd)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 class _Stuck:
@@ -98,9 +101,7 @@ class _Try:
 def try_lock(fd: int, until: float, close: Callable[[int], None]) -> bool:
     """One ``LOCK_EX | LOCK_NB`` try on ``fd``: True when taken, False when another holds it.
 
-    Other failures raise OSError. A try not back by ``until`` (``time.monotonic()``)
-    raises :class:`Slow`; ``close(fd)`` is then called by its thread once it returns,
-    so the caller must not close ``fd`` itself.
+    A try not back by ``until`` raises :class:`Slow`; its thread then calls ``close(fd)``, not the caller.
     """
     dev = os.fstat(fd).st_dev
     with _STUCK.lock:
@@ -117,8 +118,7 @@ def try_lock(fd: int, until: float, close: Callable[[int], None]) -> bool:
     try:
         threading.Thread(target=attempt.run, args=(fd,), name="cuda-program-cas flock", daemon=True).start()
     except RuntimeError:
-        # No new thread (Python 3.12.1 refuses one at interpreter shutdown, where the counters'
-        # last flush runs; or the process's thread limit): the try is made here, unbounded.
+        # No new thread (refused at interpreter shutdown, or the thread limit): tried here, unbounded.
         attempt.run(fd)
     if not attempt.done.wait(max(0.0, until - time.monotonic())):
         with attempt.mutex:
@@ -141,7 +141,10 @@ def _local(fd: int) -> bool:
 
 @after_fork_call
 def _after_fork_in_child() -> None:
-    # The parent's tries and their threads stay the parent's: the child has no thread that
-    # would clear their file systems, and a thread of the parent may have held the lock.
+    # The parent's tries stay the parent's; a thread of the parent may have held the lock.
     _STUCK.lock = threading.Lock()
     _STUCK.devs.clear()
+    for fd in list(OPEN_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    OPEN_LOCKS.clear()

@@ -4,35 +4,16 @@ Each miss that stores a new entry appends one line to ``<root>/misses``::
 
     m1 <JSON object> <crc>
 
-``<crc>`` is the CRC-32 of the line up to its last space, in 8 lowercase hex
-digits; a line that is torn or fails its check is skipped. The object holds the
-entry's key id (``k``), when (``t``, seconds since the epoch), how long its compile
-took (``s``, seconds), which way it came (``via``: ``plain`` for
-``Program.compile(cache=)``, ``front`` for ``cache.compile``, ``nvvm`` for numba-cuda's
-NVVM compiles under the switch) and its inputs (``in``), each in a compact form:
+``<crc>`` is the CRC-32 of the line up to its last space (8 lowercase hex digits); a torn or
+failing line is skipped. The object holds the key id (``k``), when (``t``), the compile's
+seconds (``s``), ``via`` (``plain``, ``front`` or ``nvvm``), the inputs (``in``: ``code``
+digest, ``code_type``, ``target``, ``options``, ``names``, ``nvrtc``, and where they apply
+``extra``, ``cwd``, ``headers`` path -> digest prefix, ``nvvm``, ``libdevice``) and, for a
+front door miss, ``why`` (a :class:`cuda_program_cas._local.why.Why` as a dict).
 
-- ``code``: the first 32 hex digits of the code's blake3; ``code_type``, ``target``;
-- ``options``: the options as the compiler gets them (NVRTC's flags), in order;
-- ``names``: the name expressions; ``nvrtc``: the compiler's version;
-- ``extra``: a digest of ``Program.compile``'s ``extra_digest`` (plain keys);
-- ``cwd``: the working directory, when it is part of the key (front door);
-- ``headers``: each header read, path -> the first 12 hex digits of its digest (front door);
-- ``nvvm``: NVVM's version and IR version; ``libdevice``: the first 16 hex digits of the
-  digest of the module NVVM added lazily, libdevice (``nvvm``; its ``code`` digests the
-  IR modules, ``options`` are NVVM's: ``-arch=compute_80``, ``-opt=3``).
-
-A front door miss also holds why its lookup missed (``why``: the ``kind``, ``path``
-and ``text`` of a :class:`cuda_program_cas._local.why.Why`): what kind of check
-failed, the path it failed on (empty when no file's check failed) and the line the
-front door logs at DEBUG.
-
-A line is one ``write`` with ``O_APPEND`` (:func:`cuda_program_cas._disk.atomic.append_line`),
-without a lock: concurrent writers on a local file system do not interleave within a
-line. A line over :data:`MAX_LINE` bytes keeps a digest of the headers instead of
-their list. Once the file passes :data:`MAX_BYTES` it is renamed to ``misses.1``
-(replacing the one before), so the journal holds between one and two times that.
-A write that fails is dropped and counted (:data:`DROPPED`), never raised: the
-journal never costs a compile. Hits write nothing.
+A line is one ``O_APPEND`` write, without a lock; one over :data:`MAX_LINE` keeps a digest of
+its headers instead of their list. Past :data:`MAX_BYTES` the file becomes ``misses.1``. A
+write that fails is counted (:data:`DROPPED`), never raised.
 """
 
 from __future__ import annotations
@@ -64,8 +45,6 @@ _TAG = b"m1 "
 
 
 class _Dropped:
-    """Journal lines this process could not write."""
-
     count = 0
 
 
@@ -77,15 +56,11 @@ class MissRecord:
     """One line of the journal."""
 
     key_id: str
-    #: Seconds since the epoch.
     time: float
-    #: How long the compile took, in seconds.
     compile_seconds: float
-    #: ``plain`` (``Program.compile(cache=)``), ``front`` (``cache.compile``) or ``nvvm`` (numba-cuda's NVVM).
     via: str
-    #: The inputs, as the module docstring lists them.
     inputs: dict[str, Any]
-    #: Why its lookup missed (``kind``, ``path``, ``text``: see :class:`Why`), when the front door knew.
+    #: Why its lookup missed (``kind``, ``path``, ``text``), when the front door knew.
     why: dict[str, str] | None = None
 
 
@@ -97,10 +72,7 @@ def _encode(body: dict[str, Any]) -> bytes:
 def record_miss(
     lay: Layout, kid: str, seconds: float, via: str, inputs: Mapping[str, Any], *, why: str | None = None
 ) -> bool:
-    """Append a miss of key id ``kid``, and ``why`` it missed when known (a :class:`Why`, or a line).
-
-    False when it was dropped (counted in :data:`DROPPED`).
-    """
+    """Append a miss of key id ``kid``, and ``why`` it missed when known; False when dropped."""
     try:
         body: dict[str, Any] = {
             "k": kid,

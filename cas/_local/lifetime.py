@@ -7,47 +7,18 @@
        <eviction_failures> <crc>                                                                    (one line)
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c6`` line holds what one process counted since its previous line (non-negative
-decimal integers); the totals are the sums. ``<crc>`` is the CRC-32 of the line up
-to its last space, in 8 lowercase hex digits. A line that is torn (no newline),
-garbled or fails its check is ignored; one that checks out but has a tag this
-version does not know (a later version's) is left out of the sums and kept by
-compaction.
+A ``c6`` line holds what one process counted since its previous line; the totals are the
+sums. ``<crc>`` is the CRC-32 of the line up to its last space, in 8 lowercase hex digits. A
+torn, garbled or failing line is ignored; a valid one of an unknown tag is left out of the
+sums and kept by compaction.
 
-How counts get there: an instance counts in memory (:class:`cuda_program_cas._local.stats.Counters`,
-an increment and no I/O per operation) and its :class:`Recorder` appends the
-difference since its last line: on the first operation a second or more after
-the last flush (so at most once a second, and only when there is something new),
-at ``close()``, when the instance is garbage collected, and at interpreter exit
-(``weakref.finalize``, which holds no reference to the instance). A forked child
-starts from what its parent had counted, so nothing is counted twice. A process
-that ends without running ``atexit`` (SIGKILL, ``os._exit``, a ``multiprocessing``
-child) loses what it counted since its last flush, and nothing else.
-
-Why this design rather than one small file rewritten at each flush:
-
-- A flush is one ``write`` of about 60 bytes under a short blocking lock on
-  ``counters.lock``: many processes flushing at once are serialised, so none loses
-  a count, and no flush costs a temp file and a rename (no directory churn, on NFS
-  no extra round trips, at every process exit of a thousand-process job). The
-  lock is ``flock`` itself where there is one (what ``filelock`` takes on POSIX,
-  without its 20-70 ms import and 250 us per lock: a flush costs tens of
-  microseconds, at every exit too), else ``filelock``.
-- A process killed while flushing leaves at most a torn last line; the lock is an
-  OS lock, released by the kill. Readers ignore the torn line and the next writer
-  starts its own line on a new line. Damage (a flipped bit, a power loss: nothing
-  is fsync-ed) costs the lines it touches, not the totals.
-- Readers take no lock: a valid line is complete whenever it is seen.
-- ``stats --zero`` and compaction (every line folded into one once the file passes
-  :data:`COMPACT_BYTES`) rewrite the file through the one write protocol
-  (:func:`cuda_program_cas._disk.atomic.atomic_write`) under the same lock, so no append falls
-  between their read and their replace. The append is the one write that does not
-  go through it: a rename per flush is what this design avoids.
-
-Counts never corrupt the cache: the file sits beside it and nothing else reads it.
-Caches opened ``read_only=True`` and shared stores are never written: their counts
-stay in the instance (``counters()``). A hit from a shared store is counted in the
-local cache's file, as ``hits`` and ``shared_hits``.
+An instance counts in memory and its :class:`Recorder` appends the difference since its last
+line at most once a second, at ``close()``, at garbage collection and at exit; a forked child
+starts from what its parent counted. Why an append under ``counters.lock`` (``flock``, else
+``filelock``) rather than a file rewritten per flush: no temp file and rename at every exit
+of a thousand-process job; a killed writer leaves at most a torn line, and readers take no
+lock. ``stats --zero`` and compaction rewrite the file atomically under the same lock.
+Read-only caches and shared stores are never written.
 """
 
 from __future__ import annotations
@@ -73,7 +44,7 @@ from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
 from cuda_program_cas._disk.layout import Layout
 
-from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, try_lock
+from .flocks import FIRST_TRY_S, LAST_TRY_S, Slow, close_lock, open_lock, try_lock
 from .stats import COUNTER_NAMES
 
 try:
@@ -84,11 +55,8 @@ except ImportError:  # Windows: filelock
 __all__ = [
     "COMPACT_BYTES",
     "FLUSH_INTERVAL_S",
-    "NAMES",
     "Busy",
-    "Lifetime",
     "Recorder",
-    "counters_locked",
     "encode_line",
     "locked_append",
     "read_counters",
@@ -98,19 +66,16 @@ __all__ = [
 ]
 
 
-#: The counters of a ``c6`` line, in order: this instance's counters but the two of
-#: claims, which say what one process waited for. A new counter needs a new tag (lines
-#: of the tags before, which only pre-release versions wrote, are not read).
+#: The counters of a ``c6`` line, in order: all but the claims' (what one process waited for).
+#: A new counter needs a new tag.
 NAMES = tuple(n for n in COUNTER_NAMES if n not in ("claim_waits", "claim_hits"))
 _TAG = "c6"
-#: The tags of counter lines this version sums, and how many values each holds.
 _COUNTS = {_TAG.encode(): len(NAMES)}
 #: An instance flushes at most this often (on its next operation once it has passed).
 FLUSH_INTERVAL_S = 1.0
 #: A flush that leaves the file larger than this folds it into one line.
 COMPACT_BYTES = 4096
-#: How long the last flush (close, collection, exit) waits for the lock. One on the way
-#: (in a lookup or a write) does not wait: a busy lock only puts it off to the next.
+#: How long the last flush (close, collection, exit) waits for the lock; one on the way does not wait.
 _WAIT_LAST_S = 2.0
 _MAX_READ = 1 << 24
 
@@ -121,23 +86,18 @@ _LOCK_FLAGS = (
 
 @functools.cache
 def _line_re() -> re.Pattern[bytes]:
-    """A counters line's form, compiled when first read (0.15 ms: a process that only hits and flushes appends)."""
+    """A counters line's form, compiled when first read (a process that only hits and flushes appends)."""
     return re.compile(rb"([a-z][a-z0-9]{0,7})((?: [0-9]{1,20})*) ([0-9a-f]{8})")
 
-
-#: Descriptors of ``counters.lock`` open in this process (closed in a forked child).
-_LOCK_FDS: set[int] = set()
 
 #: ``source(lock)``: an instance's counts now (``lock=False`` after a fork).
 Source = Callable[[bool], Mapping[str, int]]
 
 
-# A NamedTuple, not a dataclass: every process with a cache imports this module, and a frozen
-# dataclass costs it about 0.3 ms to build (a NamedTuple 0.04 ms).
+# A NamedTuple: every process with a cache imports this module, and a frozen dataclass costs 0.3 ms.
 class Lifetime(NamedTuple):
     """The sums of a counters file."""
 
-    #: Name -> total, for every name in :data:`NAMES`.
     counters: dict[str, int]
     #: When ``stats --zero`` last ran (ns since the epoch), or None.
     zeroed_ns: int | None = None
@@ -161,8 +121,7 @@ _encode = encode_line
 
 
 def split_lines(data: bytes) -> Iterator[tuple[bytes, list[int]] | None]:
-    """``(tag, values)`` of each line of ``data`` :func:`encode_line` wrote; None for one torn, garbled or failing
-    its check (a last line without its newline is torn)."""
+    """``(tag, values)`` of each line of ``data``; None for one torn, garbled or failing its check."""
     lines = data.split(b"\n")
     torn = lines.pop()
     for raw in lines:
@@ -201,10 +160,7 @@ def _parse(data: bytes) -> tuple[Lifetime, list[bytes]]:
 
 
 def read_log(path: str) -> bytes:
-    """The bytes of a log file of this floor (counters, usage ledger, miss journal); empty when there is none.
-
-    At most 16 MiB are read: a larger file is read up to there (its later lines are lost to the sums).
-    """
+    """The bytes of a log file (counters, usage ledger, miss journal), at most 16 MiB; empty when there is none."""
     try:
         fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
@@ -223,7 +179,7 @@ def read_log(path: str) -> bytes:
 
 
 def read_counters(lay: Layout) -> Lifetime:
-    """The lifetime counters of the cache ``lay`` (all zero when it has none). Reads only, takes no lock."""
+    """The lifetime counters of the cache ``lay`` (all zero when it has none); takes no lock."""
     return _parse(read_log(lay.counters))[0]
 
 
@@ -233,10 +189,7 @@ class Busy(Exception):
 
 @contextlib.contextmanager
 def counters_locked(path: str, wait_s: float) -> Iterator[None]:
-    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`Busy` after ``wait_s``.
-
-    Never creates the cache directory (``filelock`` would, for a cache removed meanwhile).
-    """
+    """Hold ``counters.lock`` (an OS lock: a killed holder's is released); :class:`Busy` after ``wait_s``."""
     if fcntl is None:
         try:
             import filelock
@@ -254,8 +207,7 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
         finally:
             lock.release()
         return
-    fd = os.open(path, _LOCK_FLAGS, 0o600)
-    _LOCK_FDS.add(fd)  # a child forked meanwhile closes its copy
+    fd = open_lock(path, _LOCK_FLAGS)
     owned = True  # False once a try that did not return owns fd (flocks.try_lock closes it)
     try:
         deadline = time.monotonic() + wait_s
@@ -264,7 +216,7 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
         until = max(deadline, time.monotonic() + FIRST_TRY_S)
         while True:
             try:
-                if try_lock(fd, until, _close_lock_fd):
+                if try_lock(fd, until, close_lock):
                     break
             except Slow:
                 owned = False
@@ -283,21 +235,11 @@ def counters_locked(path: str, wait_s: float) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         if owned:
-            _close_lock_fd(fd)
-
-
-def _close_lock_fd(fd: int) -> None:
-    _LOCK_FDS.discard(fd)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+            close_lock(fd)
 
 
 def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
-    """Set the lifetime counters of ``lay`` to zero; returns what they were.
-
-    Counts that running processes have not flushed yet arrive after the zero.
-    Raises :class:`cuda_program_cas.CacheError` when another process holds the lock for ``wait_s``.
-    """
+    """Set the lifetime counters of ``lay`` to zero; returns what they were. ``CacheError`` if the lock stays held."""
     try:
         with counters_locked(lay.counters_lock, wait_s):
             before = _parse(read_log(lay.counters))[0]
@@ -310,9 +252,10 @@ def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
 
 
 def locked_append(lay: Layout, path: str, lines: bytes, wait_s: float, then: Callable[[int], None]) -> bool:
-    """Append ``lines`` to the log file ``path`` of ``lay`` under ``counters.lock``, then ``then(its size)``
-    under the lock still (a compaction, when due). False when the cache was removed; raises
-    :class:`Busy` when the lock stayed held for ``wait_s``, ``OSError`` for what the disk said."""
+    """Append ``lines`` to ``path`` under ``counters.lock``, then ``then(its size)`` still under it.
+
+    False when the cache was removed; :class:`Busy` when the lock stayed held for ``wait_s``.
+    """
     if not os.path.isdir(lay.index):
         return False
     with counters_locked(lay.counters_lock, wait_s):
@@ -328,11 +271,7 @@ def _compact(lay: Layout) -> None:
 
 
 class Recorder:
-    """Appends one instance's counts to its cache's counters file (see the module docstring).
-
-    ``source`` must not refer to the instance, so that the instance can be
-    collected (and flushed) while the recorder lives on in its finalizer.
-    """
+    """Appends one instance's counts to its counters file; ``source`` must not refer to the instance."""
 
     def __init__(self, lay: Layout, source: Source) -> None:
         self._lay = lay
@@ -355,9 +294,9 @@ class Recorder:
             _log.debug("cuda-program-cas: %s: lifetime counters not recorded: %r", self._lay.root, exc)
 
     def flush(self, *, last: bool = False) -> bool:
-        """Append what was counted since the last flush; False when it could not be (it is kept for the next).
+        """Append what was counted since the last flush; False when it could not be (kept for the next).
 
-        ``last``: wait up to a few seconds for the lock; otherwise do not wait at all.
+        ``last``: wait up to a few seconds for the lock; otherwise do not wait.
         """
         wait_s = _WAIT_LAST_S if last else 0.0
         acquired = self._mutex.acquire(timeout=wait_s) if last else self._mutex.acquire(blocking=False)
@@ -424,19 +363,10 @@ def _flush_pending() -> None:
             _log.debug("cuda-program-cas: %s: lifetime counters not recorded: %r", recorder._lay.root, exc)
 
 
-# Exit hooks run last registered first: this one runs after the finalizers' (which flush the
-# instances still alive) unless something created a finalizer before cas was imported.
+# Exit hooks run last registered first: this one runs after the finalizers' flushes.
 atexit.register(_flush_pending)
 
 
 @after_fork_call
 def _after_fork_in_child() -> None:
     _PENDING.clear()  # the parent tries those
-    # A thread of the parent was inside a flush: its descriptor of counters.lock came
-    # along, and while open it would hold the flock for the child's whole life (the
-    # parent's close releases only its own copy). Closing it here releases nothing
-    # the parent holds.
-    for fd in list(_LOCK_FDS):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _LOCK_FDS.clear()

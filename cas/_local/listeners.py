@@ -1,20 +1,14 @@
 """What a cache does, told to whoever listens: its counters, the usage ledger, the miss journal, the log.
 
-A store emits events; it does not call its counters, ledgers or logger itself. Five events:
+A store emits events; it does not call its counters, ledgers or logger itself:
 
-- ``hit(kid)``: a hit was counted (local or shared). Its listeners are the counters (one
-  atomic step) and, on a writable cache, the usage ledger's tally of hits per key. The one
-  hot path, ``CacheStore.get``'s local hit, does what these two do in place, with the
-  :class:`HitTally`'s dict: a call per listener cost about 770 instructions per hit.
-- ``counted(name)``: anything else counted (``misses``, ``shared_hits``, ``writes``, ...).
-- ``looked(kid, where, t0_ns, reasons)``: a lookup's record is due (``where``: ``local`` or
-  ``shared <root>`` for a hit, None for a miss, with ``reasons``).
-- ``wrote(kid, outcome, size, t0_ns, why)``: a write's record is due (stored, deduplicated, dropped).
+- ``hit(kid)``: a hit was counted (``CacheStore.get``'s local hit does what its listeners do in place);
+- ``counted(name)``: anything else counted (``misses``, ``writes``, ...);
+- ``looked(kid, where, t0_ns, reasons)``: a lookup's record is due (``where`` None: a miss);
+- ``wrote(kid, outcome, size, t0_ns, why)``: a write's record is due;
 - ``compiled(kid, seconds, via, inputs, why)``: an entry just stored took ``seconds`` to compile.
 
-A record is due when the ``cuda_program_cas`` logger is on at DEBUG: the store checks it once
-per call and takes the clock only then (:mod:`cuda_program_cas._base.events`, whose records
-are the log's listeners), so with logging off ``looked`` and ``wrote`` are never emitted.
+Records are due only when the ``cuda_program_cas`` logger is on at DEBUG.
 """
 
 from __future__ import annotations
@@ -71,13 +65,12 @@ class Listeners:
 
 def count_into(listeners: Listeners, counters: Counters) -> None:
     """Make ``counters`` hear what it counts: every hit, and every other count by name."""
-    # next(count, kid) is the count's next step (a count never runs out, so the default is never
-    # returned): a listener that takes the key id and runs in C, as the inline hit count did.
+    # next(count, kid): the count's next step, a listener that takes the key id and runs in C.
     listeners.listen(hit=functools.partial(next, counters.counter_of_hits()), counted=counters.add)
 
 
 def log_into(listeners: Listeners, root: str) -> None:
-    """Make the ``cuda_program_cas`` logger's records (:mod:`cuda_program_cas._base.events`) hear ``root``'s store."""
+    """Make the ``cuda_program_cas`` logger's records hear ``root``'s store."""
 
     def looked(kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]]) -> None:
         if where is None:
@@ -92,7 +85,7 @@ def log_into(listeners: Listeners, root: str) -> None:
 
 
 class HitTally:
-    """Hits per key id since the last flush: what the usage ledger adds to ``saved_us`` (it listens to ``hit``)."""
+    """Hits per key id since the last flush, for the usage ledger (it listens to ``hit``)."""
 
     __slots__ = ("__weakref__", "by_key", "heard")
 

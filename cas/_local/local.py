@@ -1,15 +1,10 @@
 """The local cache of one root: blobs, manifests, the cap and its counters; it knows nothing of shared stores.
 
-:class:`LocalStore` holds the reader (the hot path), the writer (the one write protocol),
-the remover and the size cap, and emits what it does to its listeners
-(:mod:`cuda_program_cas._local.listeners`): its counters, the usage ledger, the miss
-journal and the log hear it. When writable, it records its counts in the cache's lifetime
-counters (:mod:`cuda_program_cas._local.lifetime`).
-
-What is not bad input never raises: a write lands or is dropped and counted. A directory this
-process cannot write is opened read-only, one it cannot create is uncached (every lookup a
-miss), each with one WARNING per process; ``del`` and ``clear`` there raise
-:class:`cuda_program_cas.ReadOnlyCacheError`.
+:class:`LocalStore` holds the reader, the writer, the remover and the size cap, and tells its
+listeners (:mod:`.listeners`) what it does. What is not bad input never raises: a write lands
+or is dropped and counted. A directory this process cannot write is opened read-only, one it
+cannot create is unusable (every lookup a miss), each with one WARNING per process; ``del``
+and ``clear`` there raise :class:`cuda_program_cas.ReadOnlyCacheError`.
 """
 
 from __future__ import annotations
@@ -20,6 +15,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -42,7 +38,7 @@ from cuda_program_cas.index import LONGEST_MANIFEST, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
 from .listeners import HitTally, Listeners, count_into, log_into
-from .reader import Reader, Uncached
+from .reader import Reader
 from .stats import Counters, merged
 from .touch import apply_pending, ensure_thread
 
@@ -56,14 +52,11 @@ if TYPE_CHECKING:
     from .cap import SizeCap
     from .claims import Claim
 
-# What a hit needs is imported above; the writer, the remover, the cap, scans and claims are
-# imported when first used (issue 31: a job that only hits pays for none of them).
-
 __all__ = ["LocalStore"]
 
 _perf_ns = time.perf_counter_ns
 _monotonic = time.monotonic
-#: Errors of a cache that cannot be laid out for want of space: opened uncached, like an unwritable one.
+#: Errors of a cache that cannot be laid out for want of space: opened unusable, like an unwritable one.
 _FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
 #: What to do about a write dropped for these reasons (said once, with the first such drop).
 _DROP_HINTS = {
@@ -74,7 +67,6 @@ _DROP_HINTS = {
 
 
 def _warn_once(root: str, what: str) -> None:
-    """One WARNING per cache directory per process: it cannot be written."""
     warn_once(
         ("unwritable", root),
         "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)",
@@ -86,9 +78,9 @@ def _warn_once(root: str, what: str) -> None:
 class LocalStore:
     """One cache directory: lookups, writes, removals and the cap, counted through :class:`Listeners`.
 
-    ``max_size_bytes`` not given: the cap stored in the cache (``cuda-program-cas config``), if
-    any. One instance is safe to share between threads. Nothing it hands its parts refers back
-    to it: dropping the last reference frees it at once, and that flushes its lifetime counters.
+    ``max_size_bytes`` not given: the cap stored in the cache, if any. Safe to share between
+    threads. Nothing it hands its parts refers back to it: dropping the last reference frees it
+    at once, and that flushes its lifetime counters.
     """
 
     def __init__(self, root: str, *, max_size_bytes: int | None = NOT_GIVEN, read_only: bool = False) -> None:
@@ -99,7 +91,6 @@ class LocalStore:
         open_log_file()
         self.layout = lay = Layout(root)
         self.counters = counters = Counters()
-        #: Who hears what this store does: its counters and the log, and, when writable, the ledgers.
         self.heard = heard = Listeners()
         count_into(heard, counters)
         log_into(heard, root)
@@ -117,28 +108,23 @@ class LocalStore:
                 raise damaged_layout_error(root)
         else:
             usable = self._open_writable(lay)
-        #: The cap stored in the cache, read when first needed (a write, or max_size_bytes).
         self._max_from_cache = from_cache and usable
-        #: The writer and the remover, made when first needed (a hit needs neither); the cap likewise.
         self._parts = _Parts(lay, self.guard)
         self._cap_made: SizeCap | None = None
-        kind = Reader if usable else Uncached
         remover = None if self.read_only else self._parts.remover
-        self.reader = kind(lay, counters, self.guard, remover, note=self.note)
-        #: The hot path's lookup: ``(bytes, digest)`` of a verified local entry, or None.
-        self.lookup = self.reader.lookup
+        self.reader = reader = Reader(lay, counters, self.guard, remover, note=self.note)
+        #: The hot path: ``(bytes, digest)`` of a verified local entry, or None (always, when unusable).
+        self.lookup: Callable[[str], tuple[bytes, str] | None] = reader.lookup if usable else reader.unusable
         if self.reader.touches is not None:
             weakref.finalize(self, self.reader.touches.apply)  # reads made, recorded when this goes
         self.clear_lock = threading.Lock()
         after_fork(self)
-        # Lifetime counters and the ledgers: read-only caches (and shared stores) are never written.
         self._lifetime: Recorder | None = None
         #: When the counts are next recorded: a lookup or a write at or after it records them.
         self.flush_at = math.inf
-        #: The counters of the stores this one reads through, added to its own (set by the shared layer).
+        #: The counters of the stores this one reads through (set by the shared layer).
         self._theirs: list[tuple[Counters, ...]] = [()]
-        #: The usage ledger's hits per key id since the last flush (None on a read-only cache), for the one
-        #: caller that does what the hit listeners do in place (:meth:`CacheStore.get`'s local hit).
+        #: The usage ledger's hits per key id since the last flush (None when read-only), for CacheStore.get.
         self.tally: dict[str, int] | None = None
         if not self.read_only:
             self._listen_to_ledgers(lay, heard)
@@ -173,18 +159,14 @@ class LocalStore:
         self._lifetime.attach(self)
 
     def read_through(self, theirs: tuple[Counters, ...]) -> None:
-        """Count the errors (and the like) of the stores this one reads through as its own."""
+        """Count the errors of the stores this one reads through as its own."""
         self._theirs[0] = theirs
 
     def counts(self) -> dict[str, int]:
-        """This instance's counters, with those of the stores it reads through, without scanning the disk."""
         return merged(self.counters, self._theirs[0])
-
-    # -- the parts a hit does not need, made on first use --------------------------------
 
     @functools.cached_property
     def blobs(self) -> BlobStore:
-        """The blob store of this cache: blobs by digest, read verified (made on first use)."""
         from cuda_program_cas._disk.blobs import BlobStore
 
         return BlobStore(self.layout.blobs)
@@ -195,7 +177,7 @@ class LocalStore:
 
     @property
     def cap(self) -> SizeCap | None:
-        """The cap's accounting and eviction (uncapped stores keep one too, for explicit evictions: evict_to)."""
+        """The cap's accounting and eviction (uncapped stores keep one too, for evict_to)."""
         if self.read_only:
             return None
         made = self._cap_made
@@ -229,13 +211,7 @@ class LocalStore:
         self.clear_lock = threading.Lock()  # a thread of the parent may have been clearing
 
     def _open_writable(self, lay: Layout) -> bool:
-        """Lay the cache out if needed; one this process cannot write is opened read-only instead.
-
-        Returns False when there is no cache to read either (it could not be
-        created, or its ``layout.json`` is damaged and cannot be rewritten): the
-        store is then uncached, a read-only store whose every lookup misses. Either
-        way one WARNING per process names the directory and the reason.
-        """
+        """Lay the cache out if needed, else open it read-only; False when it cannot even be read (unusable)."""
         try:
             create_layout(self.root)
         except OSError as exc:
@@ -255,13 +231,8 @@ class LocalStore:
             _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
         return True
 
-    # -- what callers that count their own report ------------------------------------
-
     def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
-        """Count one hit that the caller assembled itself (``shared``: the store it came from, None for local).
-
-        ``waited``: found after waiting for another's claim (counted in ``claim_hits`` too).
-        """
+        """Count a hit the caller assembled (``shared``: its store, None for local; ``waited``: a claim hit too)."""
         heard = self.heard
         heard.hit_of(kid)
         if shared is not None:
@@ -274,11 +245,7 @@ class LocalStore:
             self.flush_on_the_way()
 
     def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
-        """Count one miss that the caller decided itself, and record it with ``reason``.
-
-        For the front door: new inputs, or a header changed since the entry was
-        stored. ``t0_ns`` is when its lookup began (``time.perf_counter_ns``).
-        """
+        """Count a miss the caller decided, recorded with ``reason`` (``t0_ns``: when its lookup began)."""
         self.heard.count("misses")
         if _log.isEnabledFor(_DEBUG):
             self.heard.look(kid, None, t0_ns or _perf_ns(), [("local", reason)])
@@ -286,42 +253,33 @@ class LocalStore:
             self.flush_on_the_way()
 
     def note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
-        """Tell that the entry ``kid`` just stored took ``seconds`` to compile, from ``inputs``.
+        """Tell the usage ledger and the miss journal that ``kid`` took ``seconds`` to compile from ``inputs``.
 
-        The usage ledger hears its compile time (:mod:`cuda_program_cas._local.usage`: what its
-        hits will save) and the miss journal its inputs, with ``why`` its lookup missed when
-        the caller knows (a :class:`cuda_program_cas._local.why.Why`;
-        :mod:`cuda_program_cas._local.journal`: what ``explain`` compares). Never raises;
-        nothing is written on a read-only cache (nothing listens there).
+        ``why``: the :class:`cuda_program_cas._local.why.Why` of its miss, when known. Never raises.
         """
         self.heard.compile(kid, seconds, via, inputs, why)
 
     def note_switched(self) -> None:
-        """Count one compile or link that the switch sent through this cache (before its lookup)."""
         self.heard.count("switched")
 
     def note_dropped(self, kid: str | None, reason: str) -> None:
-        """Count a write the caller decided not to make (the front door: inputs it cannot key soundly)."""
+        """Count a write the caller decided not to make (inputs it cannot key soundly)."""
         self.heard.count("dropped_writes")
         if _log.isEnabledFor(_DEBUG):
             self.heard.write(kid or "-" * 12, "dropped", 0, _perf_ns(), reason)
 
     def compile_seconds(self, kid: str) -> float | None:
-        """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown."""
-        from .usage import compile_us_of, key_number
+        from .usage import compile_seconds_of
 
-        us = compile_us_of(self.layout, [key_number(kid)])
-        return None if not us else next(iter(us.values())) / 1e6
+        return compile_seconds_of(self.layout, kid)
 
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
-        """Single flight for ``kid`` on this node, waiting at most ``bound`` s (see :mod:`.claims`)."""
+        """Single flight for ``kid`` on this node, waiting at most ``bound`` s."""
         from .claims import Claim, claim
 
         if self.read_only:
             return nullcontext(Claim())
         return claim(self.layout.tmp, kid, bound, self.counters)
-
-    # -- writes ------------------------------------------------------------------
 
     def refuse(self, what: str) -> ReadOnlyCacheError:
         how = self.why_read_only or "was opened read-only"
@@ -375,7 +333,7 @@ class LocalStore:
         return result
 
     def copy_in(self, kid: str, data: bytes | memoryview, digest: str | None = None) -> None:
-        """Keep a verified entry from elsewhere (a shared store) locally, so later reads stay local. Best effort."""
+        """Keep a verified entry from a shared store locally. Best effort."""
         if self.read_only:
             return
         try:
@@ -384,13 +342,8 @@ class LocalStore:
             self.heard.count("dropped_writes")
             self.note("copy from shared store failed", exc.errno or 0, str(exc))
 
-    # -- the size cap --------------------------------------------------------------
-
     def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if over it (see :meth:`cuda_program_cas._local.cap.SizeCap.enforce`).
-
-        ``budget`` not given: :data:`cuda_program_cas._local.cap.EVICT_STEP`.
-        """
+        """Bring the stored bytes under the cap if over it; ``budget`` not given: ``EVICT_STEP``."""
         from .cap import EVICT_STEP
 
         if self.cap is None or self.max_size_bytes is None:
@@ -398,18 +351,13 @@ class LocalStore:
         return self.cap.enforce(budget=EVICT_STEP if budget is NOT_GIVEN else budget)
 
     def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
-        """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock).
-
-        ``orphan_grace_s`` not given: :data:`cuda_program_cas._local.cap.ORPHAN_GRACE_S`.
-        """
+        """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
         from .cap import ORPHAN_GRACE_S
 
         if self.cap is None:
             raise self.refuse("evict")
         grace = ORPHAN_GRACE_S if orphan_grace_s is NOT_GIVEN else orphan_grace_s
         return self.cap.evict_to(snap, target_bytes, orphan_grace_s=grace)
-
-    # -- deletion ----------------------------------------------------------------
 
     def delete_id(self, kid: str) -> bool:
         """Remove the entry under key id ``kid``; False when there was no such entry."""
@@ -426,7 +374,6 @@ class LocalStore:
         return True
 
     def clear(self) -> None:
-        """Remove every entry and blob, keeping whatever a concurrent writer adds meanwhile."""
         from cuda_program_cas._disk.remove import RemovalPlan, removable_orphans
         from cuda_program_cas._disk.scan import take_snapshot
 
@@ -437,8 +384,7 @@ class LocalStore:
         remover = self._parts.remover()
         with self.clear_lock:
             retired: dict[str, FileId] = {}
-            # Two passes of one plan: the second takes the blobs the first retired
-            # (too young to remove with their last manifest) if still untouched.
+            # The second pass takes the blobs the first retired (too young then) if still untouched.
             for _ in range(2):
                 snap = take_snapshot(self.layout.index, self.layout.blobs, clock_dir=self.layout.tmp)
                 plan = RemovalPlan(
@@ -451,13 +397,11 @@ class LocalStore:
                     break
             remover.sweep_temp()
             self.reader.forget()
-            if self._cap_made is not None:  # a cap not made yet has nothing to forget
+            if self._cap_made is not None:
                 self._cap_made.reset()
 
-    # -- inspection ----------------------------------------------------------------
-
     def snapshot(self, *, read_manifests: bool = True) -> Snapshot:
-        """A scan of the local cache, as an eviction plans from (this process's queued touches land first)."""
+        """A scan of the local cache (this process's queued touches land first)."""
         from cuda_program_cas._disk.scan import take_snapshot
 
         if not read_manifests:
@@ -484,31 +428,24 @@ class LocalStore:
             **counts,
         )
 
-    # -- lifetime counters -----------------------------------------------------------
-
     def flush_on_the_way(self) -> None:
-        """Record the counts in the lifetime counters, at most once per interval (a lookup or write is due)."""
+        """Record the counts in the lifetime counters (a lookup or write found it due)."""
         self.flush_at = _monotonic() + FLUSH_INTERVAL_S
         touches = self.reader.touches
         if touches is not None:
             touches.apply()
-            ensure_thread()  # from now on a thread lands touches even while the process is idle
+            ensure_thread()  # lands touches even while the process is idle
         if self._lifetime is not None:
             self._lifetime.flush()
 
     def flush(self) -> bool:
-        """Apply the recency touches of this instance's hits and record its counts now; False if they could not be."""
         if self.reader.touches is not None:
             self.reader.touches.apply()
         return self._lifetime is None or self._lifetime.flush(last=True)
 
 
 class _Parts:
-    """The writer and the remover of a writable store, each made on first use (it refers to no store or reader).
-
-    Making the writer sweeps ``tmp/`` of stale temp files first: the leftovers of
-    crashed writers go at the next process that writes, not at every open.
-    """
+    """The writer and the remover of a writable store, each made on first use (the writer sweeps ``tmp/`` first)."""
 
     def __init__(self, lay: Layout, guard: ShardGuard) -> None:
         self._lay = lay
@@ -546,8 +483,6 @@ class _Parts:
 
 
 class _Problems:
-    """Logs the local cache's problems once per kind, at WARNING."""
-
     def __init__(self, root: str, heard: Listeners) -> None:
         self._root = root
         self._heard = heard

@@ -1,22 +1,14 @@
 """The read path: look a key up in one cache root and return verified bytes, or miss.
 
-This is the hot path, written for few system calls: open, read and close the
-manifest, then the blob; ``fstat`` only where it saves a hash (a blob of 16 KiB
-or more, or one met before). The recency touch is queued, not made
-(:mod:`cuda_program_cas._local.touch`). A repeated hit proves the manifest unchanged with one
-``lstat`` instead of reading it; the blob's bytes then come from memory (the
-32 MiB budget: verified bytes need no look at their file), or beyond the budget
-from the file after an ``fstat`` proves it the one verified, without hashing it
-again.
+The hot path, written for few system calls: open, read and close the manifest, then the
+blob; ``fstat`` only where it saves a hash. A repeated hit proves the manifest unchanged with
+one ``lstat``; the blob's bytes then come from memory, or from the file once an ``fstat``
+proves it the one verified. The recency touch is queued (:mod:`.touch`).
 
-Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or
-unreadable file is a miss, counted. A writable cache removes what it proves bad
-(through :class:`cuda_program_cas._disk.remove.Remover`); a read-only one or a shared store only
-reads. Clean-up that cannot be done (a read-only remount, a ``quarantine/`` that
-cannot take a blob) leaves the lookup a miss all the same, and is said once.
-One :class:`Reader` is safe to share between threads. Each miss leaves
-its reason for the thread that met it (:meth:`Reader.miss_reason`), set on the
-miss paths only.
+Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or unreadable
+file is a miss, counted, its reason left for the thread (:meth:`Reader.miss_reason`). A
+writable cache removes what it proves bad; a read-only one only reads. Safe to share
+between threads.
 """
 
 from __future__ import annotations
@@ -57,7 +49,7 @@ from .touch import TOUCH_INTERVAL_NS, Touches
 if TYPE_CHECKING:
     from cuda_program_cas._disk.remove import Remover
 
-__all__ = ["Reader", "Uncached"]
+__all__ = ["Reader"]
 
 
 #: Verified blob identities remembered per reader (each a few dozen bytes).
@@ -66,12 +58,9 @@ _VERIFIED_MAX = 8192
 _TOUCHED_MAX = 65536
 #: From this size on, an fstat to prove a blob unchanged is cheaper than hashing it.
 _IDENTITY_MIN_BYTES = 16384
-#: Below it too, for the first this many blobs a process reads: the boot record is asked (and told
-#: what was hashed), at about 1 us more than hashing 8 KB each, so that a job of a few small kernels
-#: never loads blake3's extension (about 0.5 ms on the 2-core VM) once its blobs are in the record.
+#: Below it too, for a process's first this many blobs: the boot record spares loading blake3.
 _SMALL_LOOKED_UP = 32
-#: Blobs up to this size are read before their ``fstat`` (one ``fstat``, after the read); a larger
-#: size a manifest claims is checked against the file first (then hashing dwarfs a second ``fstat``).
+#: A larger size a manifest claims is checked against the file before the read.
 _READ_BEFORE_FSTAT_MAX = 16 << 20
 #: Verified bytes of repeatedly read blobs kept in memory per reader, and the largest kept.
 _HOLD_MAX_BYTES = 32 << 20
@@ -84,11 +73,7 @@ ErrorHook = Callable[[OSError, str], None]
 
 
 class Reader:
-    """Lookups in one cache root. ``remover`` None: read-only (never writes, touches or removes).
-
-    ``remover`` gives the store's remover when called: it is made when something is first to be
-    removed, not for a hit.
-    """
+    """Lookups in one cache root. ``remover`` (made when first called) None: read-only, never writes."""
 
     def __init__(
         self,
@@ -108,14 +93,13 @@ class Reader:
         self._remover = remover
         self._note = note
         self._on_error = on_error
-        #: The recency touches this reader queues (None: read-only, it never touches).
         self.touches: Touches | None = None if remover is None else Touches()
         self._verified: dict[str, FileId] = {}
-        #: key id -> when this process last queued a touch of it (0 for a read-only reader): seen before.
+        #: key id -> when this process last queued a touch of it (0 when read-only): seen before.
         self._touched: dict[str, int] = {}
-        #: key id -> when this process last read it (writable caches: recency finer than a touch).
+        #: key id -> when this process last read it (recency finer than a touch).
         self.recent: dict[str, int] = {}
-        #: key id -> (identity of its manifest file, digest, size, manifest path): a repeated hit stats, not reads.
+        #: key id -> (identity of its manifest file, digest, size, manifest path).
         self._known: dict[str, tuple[FileId, str, int, str]] = {}
         #: digest -> (identity of its blob file, verified bytes), least recently used first.
         self._held: OrderedDict[str, tuple[FileId, bytes]] = OrderedDict()
@@ -125,9 +109,7 @@ class Reader:
         self._reads: dict[str, int] = {}
         self._holds_since_aging = 0
         self._why = threading.local()
-        #: Blobs verified in this boot by any process (a writable local cache only; see bootrecord).
         self._boot = BootRecord(lay.root, lay.blobs, lay.tmp, writable=True) if remover is not None else None
-        #: Blobs below _IDENTITY_MIN_BYTES looked up in the record by this process (see _SMALL_LOOKED_UP).
         self._small_looked = 0
         after_fork(self)
 
@@ -138,7 +120,6 @@ class Reader:
         self._held_bytes = sum(len(data) for _, data in self._held.values())
 
     def missed(self, reason: str) -> None:
-        """Record why this thread's lookup missed (see :mod:`cuda_program_cas._base.events` for the wording)."""
         self._why.reason = reason
 
     def miss_reason(self) -> str:
@@ -146,8 +127,11 @@ class Reader:
         reason: str = getattr(self._why, "reason", "unknown")
         return reason
 
+    def unusable(self, kid: str) -> None:
+        """The lookup of a cache that could not be created or laid out: a miss, and nothing is read on a guess."""
+        self._why.reason = "cache not usable (it could not be created or laid out)"
+
     def forget(self) -> None:
-        """Drop what this reader remembers of files (after many were removed)."""
         self._verified.clear()
         self._known.clear()
         with self._held_lock:
@@ -169,14 +153,7 @@ class Reader:
         return None if fields is None or fields[0] != kid else fields[1]
 
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
-        """The verified bytes of ``kid`` and their digest, or None on a miss.
-
-        A first hit makes six system calls: open, read and close the manifest and
-        the blob; for a blob of 16 KiB or more (and the first _SMALL_LOOKED_UP smaller ones) an
-        ``fstat`` after its read, and a ``pread`` of this boot's record where that can spare the
-        hash. A repeated hit of a key
-        whose files are unchanged makes two or three (:meth:`_lookup_known`).
-        """
+        """The verified bytes of ``kid`` and their digest, or None on a miss."""
         known = self._known.get(kid)
         if known is not None:
             found = self._lookup_known(kid, known)
@@ -215,7 +192,6 @@ class Reader:
             if found is None:
                 return None
             if repeat:
-                # Read before: remember the manifest, so the next hit stats instead of reading it.
                 try:
                     mst = os.fstat(mfd)
                 except OSError:  # ESTALE on NFS: serve the verified hit, just don't remember it
@@ -236,7 +212,7 @@ class Reader:
         return found
 
     def _used(self, touches: Touches, kid: str, ipath: str) -> None:
-        """Recency of a hit: this process's clock for the cap, and a queued touch at most once a second per key."""
+        """This process's clock for the cap, and a queued touch at most once a second per key."""
         now = _time_ns()
         self.recent[kid] = now
         if now - self._touched.get(kid, 0) >= TOUCH_INTERVAL_NS:
@@ -244,14 +220,7 @@ class Reader:
             touches.add(ipath)
 
     def _lookup_known(self, kid: str, known: tuple[FileId, str, int, str]) -> tuple[bytes, str] | None:
-        """A repeated hit: a stat proves the manifest unchanged since it was read.
-
-        The blob's bytes then come from memory (verified bytes are right whatever
-        became of their file), or from the file once an ``fstat`` proves it the one
-        verified (no hash).
-        Returns None (the caller then reads everything) when anything changed or
-        is not known.
-        """
+        """A repeated hit whose manifest a stat proves unchanged; None (read everything) when anything changed."""
         ipath = known[3]
         try:
             mst = os.lstat(ipath)
@@ -264,16 +233,13 @@ class Reader:
         reads[digest] = reads.get(digest, 0) + 1
         held = self._held.get(digest)
         if held is not None:
-            # Verified bytes stay right whatever happens to the blob's file since: the
-            # manifest's stat proved the key still names them, nothing more is needed.
-            # (Damage to the file is caught by whoever reads it next.)
+            # Verified bytes stay right whatever happens to the blob's file since.
             try:
                 self._held.move_to_end(digest)
             except KeyError:
                 pass  # another thread dropped it from memory meanwhile; these bytes are still proven
             data = held[1]
         else:
-            # Beyond the memory budget: read the file, if provably the one verified.
             verified = self._verified.get(digest)
             if verified is None:
                 return None
@@ -302,7 +268,7 @@ class Reader:
         return data, digest
 
     def _read_blob(self, kid: str, mfd: int, digest: str, size: int, repeat: bool) -> tuple[bytes, str] | None:
-        """Read and verify a blob. On a repeated hit (``repeat``), keep its bytes in memory."""
+        """Read and verify a blob; on a repeated hit, keep its bytes in memory."""
         if digest[:2] not in self._blobs_real and not self._guard.ok(self._lay.blobs, digest):
             self._why.reason = "blob shard is not a directory"
             return None
@@ -322,8 +288,7 @@ class Reader:
             bfd = fd
         try:
             if size > _READ_BEFORE_FSTAT_MAX:
-                # A size claimed is believed only once the file has it: a manifest claiming
-                # a petabyte must not be allocated (below this, an allocation not touched costs nothing).
+                # A manifest claiming a petabyte must not be allocated.
                 try:
                     st = os.fstat(bfd)
                 except OSError as exc:
@@ -352,7 +317,6 @@ class Reader:
                 self._small_looked += 1  # from threads at once, a count off by a few: no matter
                 hash_only = False
             if not hash_only:
-                # Hashing costs more than an fstat here (or would load the hasher): remember what was verified.
                 try:
                     st = os.fstat(bfd)
                 except OSError as exc:  # ESTALE from an NFS server: a miss, like a failed read
@@ -376,8 +340,7 @@ class Reader:
                     return None
                 if identity is not None:
                     now = _time_ns()
-                    # Young, the file may have changed between the read and the fstat: not remembered.
-                    if old_enough(identity, now):
+                    if old_enough(identity, now):  # young, it may have changed between the read and the fstat
                         if len(self._verified) >= _VERIFIED_MAX:
                             self._verified.clear()
                         self._verified[digest] = identity
@@ -393,11 +356,9 @@ class Reader:
     def _hold(self, digest: str, identity: FileId, data: bytes) -> None:
         """Keep a verified blob's bytes in memory, within the budget.
 
-        When memory is full, a newcomer takes the place of the least recently used
-        blobs only if it was read more often, by two reads or more (reads counted per process, halved
-        every hundred holds or so past what memory holds): keys read in turn, more than fit, then keep most
-        of them in memory instead of each pushing out the next one to be read (the
-        way plain LRU fails a loop), and a new hot blob still gets in.
+        When memory is full, a newcomer displaces the least recently used blobs only if read more
+        often by two reads or more: keys read in turn, more than fit, then mostly stay (plain LRU
+        fails a loop), and a new hot blob still gets in.
         """
         reads = self._reads
         with self._held_lock:
@@ -418,8 +379,7 @@ class Reader:
                 and self._held_bytes + len(data) > _HOLD_MAX_BYTES
                 and reads.get(digest, 0) <= reads.get(next(iter(held)), 0) + 1
             ):
-                # Memory is full of blobs read about as often. One read of margin: in a loop
-                # the blob next in line has one read fewer than the one just read.
+                # One read of margin: in a loop the blob next in line has one read fewer than the one just read.
                 return
             held[digest] = (identity, data)
             self._held_bytes += len(data)
@@ -440,14 +400,13 @@ class Reader:
         return None
 
     def _remove_manifest(self, kid: str, mfd: int) -> None:
-        """Remove a bad or dangling manifest if it is still the file we read (``mfd``)."""
+        """Remove a bad or dangling manifest if it is still the file read (``mfd``)."""
         if self._remover is None:
             return
         try:
             st = os.fstat(mfd)
             self._remover().manifest(kid, st)
         except OSError as exc:
-            # A read-only remount, permissions: the lookup is a miss all the same.
             self._counters.add("errors")
             self._note("cannot remove a bad manifest", exc.errno or 0, f"{self._lay.manifest_path(kid)}: {exc}")
 
@@ -466,13 +425,7 @@ class Reader:
     def _unframed(
         self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int
     ) -> tuple[bytes, str] | None:
-        """The raw bytes of a shared store's compressed blob, verified; else damage.
-
-        ``data``: what was read of it; ``held``: its file's size, less than ``size`` (what is read at most).
-
-        A store directory opened as a cache holds them (:mod:`cuda_program_cas._base.frame`); a local
-        cache never does, and pays nothing for this: only a blob shorter than its manifest comes here.
-        """
+        """The raw bytes of a store directory's compressed blob, verified, else damage (``held``: its file's size)."""
         from cuda_program_cas._base.engine import StoreFailure
         from cuda_program_cas._base.frame import is_framed, verified
 
@@ -490,8 +443,7 @@ class Reader:
         self._counters.add("corrupt")
         self._verified.pop(digest, None)
         if _hashes_to(bfd, digest):
-            # The blob is intact; only the manifest's size is wrong. Other keys may
-            # share this blob: drop the lying manifest, keep the blob.
+            # Intact, only the manifest's size is wrong; other keys may share the blob: keep it.
             self._why.reason = "damaged manifest (its size is not its blob's)"
             self._remove_manifest(kid, mfd)
             return
@@ -510,11 +462,7 @@ class Reader:
         self._remove_manifest(kid, mfd)
 
     def _set_aside_failed(self, digest: str, bfd: int, exc: OSError) -> None:
-        """A bad blob that ``quarantine/`` cannot take (no inode left, not a directory, another disk): remove it.
-
-        Only if it is still the file read. On a read-only file system it stays:
-        every lookup of it hashes it and misses, and that is said once.
-        """
+        """A bad blob that ``quarantine/`` cannot take: remove it if still the file read, else it stays (said once)."""
         assert self._remover is not None
         try:
             removed = self._remover().blob(digest, seen=file_id(os.fstat(bfd)))
@@ -533,23 +481,7 @@ class Reader:
         )
 
 
-class Uncached(Reader):
-    """The reader of a cache that could not be created or laid out: every lookup is a miss, nothing is read.
-
-    Nothing is read on a guess: a directory without a valid ``layout.json`` is not
-    known to be a cache.
-    """
-
-    def lookup(self, kid: str) -> tuple[bytes, str] | None:
-        self._why.reason = "cache not usable (it could not be created or laid out)"
-        return None
-
-    def current_digest(self, kid: str) -> str | None:
-        return None
-
-
 def _hashes_to(fd: int, digest: str) -> bool:
-    """True when the whole regular file open as ``fd`` has blake3 ``digest`` (a rare path)."""
     try:
         if not S_ISREG(os.fstat(fd).st_mode):
             return False

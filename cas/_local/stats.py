@@ -1,9 +1,4 @@
-"""This instance's operation counts (:class:`Counters`).
-
-What ``cache.stats()`` returns, ``CacheStats``, is :mod:`cuda_program_cas._local.cachestats`'s,
-imported by ``stats()``: a hit counts, it never makes a snapshot, and that dataclass costs a
-process about 1 ms to build (its 22 fields' generated methods).
-"""
+"""This instance's operation counts (:class:`Counters`); ``CacheStats`` is apart, imported by ``stats()``, not a hit."""
 
 from __future__ import annotations
 
@@ -14,10 +9,7 @@ from cuda_program_cas._base.fork import after_fork
 
 __all__ = ["COUNTER_NAMES", "Counters", "merged"]
 
-#: The counters: the one list. :class:`CacheStats`'s fields after its six of the disk are
-#: these in this order (:mod:`cuda_program_cas._local.cachestats` checks that when it is
-#: imported), and the lifetime counters' lines hold these but the claims'
-#: (:data:`cuda_program_cas._local.lifetime.NAMES`).
+#: The counters: the one list (``CacheStats``'s fields after its six of the disk, checked at its import).
 COUNTER_NAMES = (
     "hits",
     "misses",
@@ -39,27 +31,20 @@ COUNTER_NAMES = (
     "skipped_lookups",
     "eviction_failures",
 )
-_COUNTER_NAMES = COUNTER_NAMES
 
 
 class Counters:
-    """This instance's operation counts (thread-safe increments).
+    """This instance's operation counts (thread-safe); hits step an ``itertools.count`` (atomic, no lock)."""
 
-    Hits, the count every hit adds to, go through an ``itertools.count``: its
-    ``next`` is one atomic step, where a lock around ``+= 1`` cost half a
-    microsecond per hit. The other counts take a lock.
-    """
-
-    __slots__ = ("__weakref__", "_hits", "_lock", "hit", *(n for n in _COUNTER_NAMES if n != "hits"))
+    __slots__ = ("__weakref__", "_hits", "_lock", "hit", *(n for n in COUNTER_NAMES if n != "hits"))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         after_fork(self)
         self._hits = itertools.count()
-        for name in _COUNTER_NAMES:
+        for name in COUNTER_NAMES:
             if name != "hits":
                 setattr(self, name, 0)
-        #: ``add("hits")`` for the hot path: one atomic step, no lock.
         self.hit = self._hits.__next__
 
     @property
@@ -68,7 +53,6 @@ class Counters:
         return int(repr(self._hits)[6:-1])
 
     def counter_of_hits(self) -> itertools.count[int]:
-        """The count every hit steps (for a listener that steps it in C: :mod:`cuda_program_cas._local.listeners`)."""
         return self._hits
 
     def add(self, name: str, n: int = 1) -> None:
@@ -86,14 +70,13 @@ class Counters:
     def as_dict(self, *, lock: bool = True) -> dict[str, int]:
         """The counts by name; ``lock=False`` reads without the lock (after a fork, where it may be held)."""
         if not lock:
-            return {name: getattr(self, name) for name in _COUNTER_NAMES}
+            return {name: getattr(self, name) for name in COUNTER_NAMES}
         with self._lock:
-            return {name: getattr(self, name) for name in _COUNTER_NAMES}
+            return {name: getattr(self, name) for name in COUNTER_NAMES}
 
 
 def merged(local: Counters, theirs: tuple[Counters, ...], lock: bool = True) -> dict[str, int]:
-    """An instance's counts: its own, with the errors, corrupt and untrusted entries of the stores it reads
-    through, and the misses their key lists answered or that were skipped as slower than compiling."""
+    """An instance's counts: its own, with what the stores it reads through count for it (:data:`_THEIRS`)."""
     counts = local.as_dict(lock=lock)
     for their_counts in theirs:
         found = their_counts.as_dict(lock=lock)

@@ -1,27 +1,12 @@
 """Recency touches, taken off the hot path.
 
-Eviction orders entries by their manifest's mtime, so a hit must move it. Doing
-that inside the hit costs two system calls (an ``fstat`` to see whether the
-touch is due, then ``utime``): a quarter of a first hit. Instead a hit queues
-the manifest's path (:meth:`Touches.add`, no system call) and the touches are
-applied in one pass, by path and without following a symlink:
-
-- by one daemon thread per process, once a second (:data:`TOUCH_DELAY_S`),
-  started once the process has used a writable cache for a second (a job that
-  ends sooner never starts it: opening a cache stays cheap);
-- by ``CacheStore.flush()`` and ``close()``, when the store is garbage collected,
-  and at interpreter exit;
-- by :func:`apply_pending`, before this process plans an eviction or a
-  collection: every read this process made is on disk when it picks victims.
-
-So a read reaches the disk within about a second while the process lives, and
-at its end otherwise; only a process killed outright loses its last second of
-reads (those entries then look older than they are: evicted earlier, never
-wrong). Until then the process's own evictions see its reads through
-``Reader.recent``. A touch that meets a removed manifest does nothing; one that
-meets a rewritten manifest freshens the new entry, which is as recent anyway.
-A child process after ``fork`` starts with an empty queue (its parent applies
-what it had queued) and its own thread.
+Eviction orders entries by their manifest's mtime, so a hit must move it; doing that inside
+the hit would cost a quarter of a first hit. A hit queues the manifest's path
+(:meth:`Touches.add`, no system call) and the touches are applied, without following a
+symlink, by one daemon thread per process once a second (started a second into a writable
+cache's use), by ``flush()``, ``close()``, collection and exit, and by :func:`apply_pending`
+before an eviction is planned. A process killed outright loses its last second of reads:
+those entries look older than they are, never wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ from collections import deque
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._disk.files import trusted_mtime_ns
 
-__all__ = ["TOUCH_DELAY_S", "TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
+__all__ = ["TOUCH_INTERVAL_NS", "Touches", "apply_pending", "ensure_thread"]
 
 #: How often the thread applies the queues.
 TOUCH_DELAY_S = 1.0
@@ -61,10 +46,7 @@ class Touches:
     def apply(self) -> int:
         """Touch every queued path whose mtime is a second old or more; how many were touched.
 
-        A manifest touched less than a second ago (by another process reading the
-        same key, or just written) is left alone: an ``lstat`` costs no write, and
-        processes sharing hot keys then write each key's mtime about once a second
-        between them, not once each. Never raises for a file.
+        Processes sharing hot keys then write each key's mtime about once a second between them.
         """
         pop = self._due.popleft
         done = 0
@@ -90,8 +72,6 @@ class Touches:
 
 
 class _Flusher:
-    """The one thread per process that applies every cache's queued touches."""
-
     def __init__(self) -> None:
         self._queues: weakref.WeakSet[Touches] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -110,8 +90,7 @@ class _Flusher:
                 self._thread.start()
 
     def _run(self) -> None:
-        # A pass a second, whether or not anything is queued: waking this thread from
-        # a hit would cost the hit more than the touches it saves.
+        # A pass a second, queued or not: waking this thread from a hit would cost the hit more.
         while True:
             time.sleep(TOUCH_DELAY_S)
             self.apply_all()
@@ -134,7 +113,7 @@ _FLUSHER = _Flusher()
 
 
 def ensure_thread() -> None:
-    """Start this process's touch thread if it is not running (called a second into a cache's use)."""
+    """Start this process's touch thread if it is not running."""
     _FLUSHER.ensure_thread()
 
 

@@ -8,19 +8,10 @@ the first 16 hex digits of its key id, as a decimal integer::
     u1 <key> <hits> <saved microseconds> <crc> a process's hits of it since its last flush
     s1 <bytes> <crc>                           the file's size when it was last compacted
 
-It is the one place a compile time is kept: the manifest's line (which
-signing signs) is unchanged. A hit adds nothing to it; the store counts its
-hits per key in memory and, when it flushes its lifetime counters (at most once
-a second, and at exit), appends one ``u1`` line per key hit and adds the saved
-time to the ``saved_us`` counter. A key whose compile time the ledger does not
-hold (an entry stored before this version, copied from a shared store, or
-imported) saves nothing that can be counted.
-
-Appends and compaction take ``counters.lock``, as the counters do. Once the file
-passes twice its compacted size (and at least :data:`COMPACT_BYTES`), a flush
-folds it: one ``t1`` line per key (the latest) and one ``u1`` line per key (the
-sums), at most :data:`MAX_KEYS` keys, the most recently compiled kept. Older
-versions of the package never read or write it.
+A hit writes nothing: the store tallies hits per key in memory and its counters' flush
+appends one ``u1`` line per key hit, adding the saved time to ``saved_us``. Appends and
+compaction take ``counters.lock``. Past twice its compacted size (and :data:`COMPACT_BYTES`)
+a flush folds it to one ``t1`` and one ``u1`` line per key, the latest :data:`MAX_KEYS` kept.
 """
 
 from __future__ import annotations
@@ -40,14 +31,11 @@ from .stats import Counters
 
 __all__ = [
     "COMPACT_BYTES",
-    "MAX_KEYS",
-    "Usage",
     "compile_seconds_of",
     "compile_us_of",
     "key_number",
     "read_usage",
     "record_compile",
-    "record_hits",
     "settle_hits",
 ]
 
@@ -66,8 +54,6 @@ def key_number(kid: str) -> int:
 
 
 class Usage(NamedTuple):  # not a dataclass: built at the exit of a process with hits (0.3 ms against 0.04)
-    """What the ledger holds."""
-
     #: Key number -> compile time in microseconds (the latest recorded).
     compile_us: dict[int, int]
     #: Key number -> (hits, saved microseconds), summed.
@@ -96,7 +82,7 @@ def _parse(data: bytes) -> Usage:
 
 
 def read_usage(lay: Layout) -> Usage:
-    """The ledger of the cache ``lay`` (empty when it has none). Reads only, takes no lock."""
+    """The ledger of the cache ``lay`` (empty when it has none); takes no lock."""
     return _parse(read_log(lay.usage))
 
 
@@ -129,14 +115,12 @@ def compile_us_of(lay: Layout, numbers: list[int]) -> dict[int, int]:
 
 
 def compile_seconds_of(lay: Layout, kid: str) -> float | None:
-    """The recorded compile time of key id ``kid`` in seconds, or None (:meth:`CacheStore.compile_seconds`)."""
+    """The recorded compile time of key id ``kid`` in seconds, or None."""
     us = compile_us_of(lay, [key_number(kid)])
     return None if not us else next(iter(us.values())) / 1e6
 
 
 def _write(lay: Layout, lines: bytes) -> bool:
-    """Append ``lines`` under ``counters.lock``, compacting when due; False when it could not be done."""
-
     def compact_if_due(size: int) -> None:
         if size > COMPACT_BYTES:
             usage = read_usage(lay)
@@ -151,7 +135,7 @@ def _write(lay: Layout, lines: bytes) -> bool:
 
 
 def _compact(lay: Layout, usage: Usage) -> None:
-    """Fold the ledger (the caller holds the lock): the latest compile time and the sums of each key kept."""
+    """Fold the ledger (the caller holds the lock)."""
     keep = list(usage.compile_us)[-MAX_KEYS:]
     kept = set(keep)
     body = [encode_line("t1", [n, usage.compile_us[n]]) for n in keep]
@@ -167,8 +151,7 @@ def record_compile(lay: Layout, kid: str, seconds: float) -> bool:
 
 
 def record_hits(lay: Layout, hits: Mapping[str, int]) -> tuple[int, bool]:
-    """Record ``hits`` (key id -> hits) of entries whose compile time is known: the time they saved, in
-    microseconds, and whether it was recorded (False: nothing was; the caller keeps them for the next try)."""
+    """Record ``hits`` (key id -> hits) of entries whose compile time is known: microseconds saved, and if recorded."""
     numbers = {kid: key_number(kid) for kid in hits}
     times = compile_us_of(lay, list(numbers.values()))
     lines = []
@@ -184,11 +167,9 @@ def record_hits(lay: Layout, hits: Mapping[str, int]) -> tuple[int, bool]:
 
 
 def settle_hits(lay: Layout, hits: dict[str, int], counters: Counters) -> None:
-    """Turn a store's tally of hits per key id into saved time: recorded in the ledger, added to ``saved_us``.
+    """Turn a store's tally of hits per key id into saved time, in the ledger and ``saved_us``.
 
-    ``hits`` is the store's own dict (each hit adds to it, a dict increment: the
-    hot path does no I/O for this); it is emptied, and what cannot be recorded now
-    (a busy lock, a full disk) is put back for the next flush.
+    ``hits`` is emptied; what cannot be recorded now is put back for the next flush.
     """
     taken = dict(hits)
     hits.clear()  # the same dict: the store holds it

@@ -1,9 +1,7 @@
 """Why a front door lookup missed: a line, with its kind and the path whose check failed.
 
-The front door's lookup returns a :class:`Why` where it returned a line before (it
-is a ``str``: the miss's DEBUG record takes it as it is), and the miss journal
-(:mod:`cuda_program_cas._local.journal`) keeps its ``kind`` and ``path``, so that
-``explain`` can say what the front door found. Imported by a hit: no imports.
+A :class:`Why` is a ``str`` (the miss's DEBUG record takes it as it is); the miss journal keeps
+its ``kind`` and ``path`` for ``explain``. Imported by a hit: no imports.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ __all__ = [
     "Why",
 ]
 
-#: Kinds of :class:`Why`: no record of these inputs; a variant's header changed or went; a
-#: variant's guard directory changed; a variant held but its result is gone; a damaged record.
 NO_RECORD = "no record"
 HEADER_CHANGED = "header changed"
 HEADER_GONE = "header gone"
@@ -37,10 +33,7 @@ UNCACHEABLE = "uncacheable"
 class Why(str):
     """Why a lookup missed: the line it logs (the ``str``), with its ``kind`` and the ``path`` whose check failed.
 
-    A ``str``, so a caller that records a miss's reason as a line takes it unchanged;
-    :meth:`as_dict` is its journal form. ``path`` is the header that changed or went,
-    the directory whose listing changed, or a file that appeared and now shadows a
-    header; empty when no file's check failed.
+    ``path`` is empty when no file's check failed; :meth:`as_dict` is its journal form.
     """
 
     kind: str
@@ -72,6 +65,5 @@ class Why(str):
         return {"kind": self.kind, "path": self.path, "text": str(self)}
 
 
-#: Kinds that are no failed check of a variant's files: any other kind is one (a check
-#: added later, such as a file that appeared and now shadows a header, is one too).
+#: Kinds that are no failed check of a variant's files: any other kind is one.
 NOT_A_CHECK = frozenset({NO_RECORD, RESULT_GONE, DAMAGED, UNCACHEABLE})

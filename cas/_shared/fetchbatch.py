@@ -1,39 +1,20 @@
 """A warm set's entries fetched from one store in batches, each kept only where the key's own entry names its bytes.
 
-A set's line is a hint: it decides which keys a cold node fetches, never which
-bytes a key gets. Its lines are written by any node of the job, so what they say
-of digests, sizes, packs and offsets is checked against what the store itself
-says of each key, in the same requests:
+A set's line decides which keys a cold node fetches, never which bytes a key gets: what it
+says is checked against what the store says of each key, in the same requests.
 
-- **A packed entry** (the line names a pack, an offset and where the pack's index
-  entry for the key lies; HTTP, S3): one request per batch asks the blobs' ranges,
-  each line's index entry (96 bytes) and the pack's trailer (S3 has no multi-range
-  GET: there each range is one GET, all of a batch at once)
-  (:func:`cuda_program_cas._disk.packindex.entry_at`: the place must be one of the
-  index's entries, whole, of this key). An entry is kept when that index entry
-  names the line's digest, offset and stored length and the range decodes to bytes
-  that hash to the digest.
-- **A loose entry** (Redis, a directory, HTTP without packs, or a line naming no
-  index entry): the key's manifest and the blob come in one batch
-  (:meth:`~cuda_program_cas._base.engine.Engine.get_many`); the manifest is judged
-  as a lookup's (signed where keys are configured) and must name the digest and
-  size, the blob must hash to it.
+- **A packed entry** (HTTP, S3): one request per batch asks the blobs' ranges, each line's
+  pack index entry and the pack's trailer; kept when that index entry names the line's
+  digest, offset and stored length and the range decodes to bytes that hash to the digest.
+- **A loose entry**: the key's manifest and the blob in one ``get_many``; the manifest is
+  judged as a lookup's and must name the digest and size, the blob must hash to it.
 
-A blob may be stored compressed (:mod:`cuda_program_cas._base.frame`): it is
-decoded, bounded by the largest entry this node reads, before it is hashed; a
-loose line's size bounds the stored bytes asked, a packed line's stored length (and its size, the raw bytes).
+A blob may be stored compressed (:mod:`cuda_program_cas._base.frame`): decoded, bounded by the
+largest entry this node reads, before it is hashed.
 
-Anything else (a line naming another key's bytes, a stale line, a refused
-request) is not fetched: the key's lookup finds it the ordinary way.
-
-**The budget.** What a fetch holds at once is bounded whatever the lines claim:
-every claimed size is at most the largest entry this node reads
-(:meth:`Tier.fits`), lines that name the same bytes ask them once (one distinct
-range, one blob name), and the distinct ranges are fetched, hashed and kept in
-batches of at most :data:`BATCH_BYTES` of claimed bytes, or of one entry larger
-than that alone. A batch is taken in as one copy (its parts are views of it), so
-a fetch holds at most ``max(BATCH_BYTES, the largest entry it keeps)`` of entries
-plus a request's framing, then lets it go before the next batch.
+Anything else is not fetched: the key's lookup finds it the ordinary way. A fetch holds at
+most ``max(BATCH_BYTES, the largest entry it keeps)`` at once: claimed sizes are bounded by
+:meth:`Tier.fits`, the same bytes are asked once, and a batch goes before the next is asked.
 """
 
 from __future__ import annotations
@@ -51,7 +32,7 @@ if TYPE_CHECKING:
     from cuda_program_cas._base.signing import Trust
     from cuda_program_cas._remote.httppacks import Ranges
 
-__all__ = ["BATCH_BYTES", "Keep", "RangedPacks", "Source", "Wanted", "batched", "fetch"]
+__all__ = ["Keep", "RangedPacks", "Source", "Wanted", "fetch"]
 
 _T = TypeVar("_T")
 
@@ -116,7 +97,7 @@ class Source(Protocol):
 
 
 def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]]:
-    """``units`` in order, in runs whose ``cost`` sums to at most :data:`BATCH_BYTES` (or one unit alone)."""
+    """``units`` in runs whose ``cost`` sums to at most :data:`BATCH_BYTES` (or one unit alone)."""
     batch: list[_T] = []
     total = 0
     for unit in units:
@@ -131,7 +112,7 @@ def batched(units: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[list[_T]
 
 
 def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
-    """Fetch ``entries`` from ``tier`` (module docstring), calling ``keep`` for each one verified."""
+    """Fetch ``entries`` from ``tier``, calling ``keep`` for each one verified."""
     packs = tier.ranged_packs() if tier.trust is None else None
     ranged: _Ranged | None = None if packs is None else packs.fetch_ranges
     by_pack: dict[str, list[Wanted]] = {}

@@ -1,40 +1,20 @@
 """A store's key list: which keys it holds and what each took to compile, so that a miss costs no request.
 
-A loose lookup in a store over HTTP or Redis costs a round trip even when the
-store has nothing: a 404, a nil. The store's ``keys`` object says what it holds,
-compactly, and a node reads it once (then again, conditionally, every
-:data:`REFRESH_S`): a key whose record is not there is a miss with no request.
+A loose lookup over HTTP or Redis costs a round trip even when the store has nothing. The
+store's ``keys`` object says what it holds; a node reads it once, then conditionally every
+:data:`REFRESH_S`: a key with no record is a miss with no request.
 
-- **The object.** ``keys`` beside ``layout.json``: the header line :data:`HEADER`,
-  then one 12-byte record per key, sorted and unique: the key id's first 8 bytes
-  (the usage ledger's key number, :func:`cuda_program_cas._local.usage.key_number`),
-  big-endian, and the entry's compile time in milliseconds (u32; 0: unknown).
-  100,000 keys are 1.2 MB; at most :data:`MAX_BYTES`. A reader holds it as it
-  came (:class:`Listed`: the bytes, binary-searched), not as a table of its keys.
-- **A hint, never bytes.** A record only lets a lookup go on as before (a prefix
-  shared by two keys costs that lookup its request, nothing more); no record is
-  a miss. So the key list can only ever turn a hit into a miss (a compile), never
-  give bytes: what is found is verified as any lookup's. A key list that is not a
-  whole, sorted one (:func:`parse`) is ignored: lookups ask, as without one.
-- **Who writes it.** Publish and write-back, after the entries themselves (blob,
-  manifest, then the key list), by one bounded read-merge-write
-  (:func:`merge_into`): read it, add ours, write it, read it back; ours missing
-  from what is there (another writer's list renamed over ours) is merged again,
-  :data:`MERGE_TRIES` times at most. A key lost anyway is a false miss: one
-  compile, and that node's upload lists it again. A store with no key list is
-  given one by its first writer; a key list that cannot be read as one is left
-  alone (never replaced by a partial one), and one that would pass
-  :data:`MAX_BYTES` is removed (lookups then ask).
-- **What it cannot know.** Entries stored by a version that does not keep the key
-  list (or copied in by hand) are not in it: false misses until a node stores them
-  again or a publish into the store's directory lists its whole index.
-- **Staleness.** A reader's copy is up to :data:`REFRESH_S` old, and write-back
-  merges its keys after the job has been quiet :data:`cuda_program_cas._shared.warmset.QUIET_S`:
-  another node's new entry may be a miss for that long. The lease probe, every lookup
-  of a compile that waited for or took a lease, and the warm-set fetch do not consult
-  it, and a node lists what it wrote back itself at once.
-  A key the probe finds that the copy lacks shows the copy lags: until a copy lists
-  it, lookups ask as without one (the entries of that compile are found).
+- **The object.** :data:`HEADER`, then one 12-byte record per key, sorted and unique: the
+  key id's first 8 bytes big-endian and the compile time in ms (u32; 0: unknown); at most
+  :data:`MAX_BYTES`. A reader holds the bytes as they came (:class:`Listed`).
+- **A hint, never bytes.** It can only turn a hit into a miss, never give bytes; a list that
+  is not a whole, sorted one is ignored (lookups ask).
+- **Who writes it.** Publish and write-back, after the entries, by one bounded
+  read-merge-write (:func:`merge_into`), :data:`MERGE_TRIES` rounds at most. A damaged list
+  is left alone; one that would pass :data:`MAX_BYTES` is removed.
+- **Staleness.** A copy is up to :data:`REFRESH_S` old; a node lists its own uploads at once.
+  The lease probe, a compile's lookups under a lease and the warm-set fetch do not consult
+  it; a key the probe finds that the copy lacks makes lookups ask until a copy lists it.
 """
 
 from __future__ import annotations
@@ -55,13 +35,10 @@ from cuda_program_cas._local.usage import key_number as number
 from .upload import put_checked
 
 __all__ = [
-    "HEADER",
     "KEYS",
     "MAX_BYTES",
-    "MERGE_TRIES",
     "REFRESH_S",
     "KeyView",
-    "Listed",
     "compile_ms",
     "encode",
     "list_published",
@@ -80,8 +57,7 @@ _RECORD = struct.Struct(">QI")
 _KEY = struct.Struct(">Q")
 #: The largest key list written or read: about 1.4 million keys.
 MAX_BYTES = 16 << 20
-#: How long a reader trusts its copy before asking again (a 304, or one Redis round trip, when unchanged);
-#: ``$CUDA_PROGRAM_CAS_KEYS_REFRESH`` sets another.
+#: How long a reader trusts its copy before asking again (``$CUDA_PROGRAM_CAS_KEYS_REFRESH`` sets another).
 REFRESH_S = 30.0
 #: Read-merge-write rounds at most, when other writers' lists replace ours meanwhile.
 MERGE_TRIES = 4
@@ -95,12 +71,7 @@ def encode(records: Mapping[int, int]) -> bytes:
 
 
 class Listed(Mapping[int, int]):
-    """A key list's records as the list's own bytes: key number -> compile ms, found by binary search.
-
-    A reader holds the list it fetched as it came, 12 bytes a key: a dict of the
-    same 1.4 million keys took about 180 MiB of a node's memory. A lookup is about
-    21 steps of a binary search over the sorted records (a few microseconds).
-    """
+    """A key list's records as its own bytes, binary-searched: a dict of 1.4 million keys took 180 MiB."""
 
     __slots__ = ("_body", "_n")
 
@@ -109,7 +80,6 @@ class Listed(Mapping[int, int]):
         self._n = len(body) // _RECORD.size
 
     def _find(self, key: object) -> int:
-        """The record's offset in the body, or -1."""
         if not isinstance(key, int):
             return -1
         body, size, unpack = self._body, _RECORD.size, _KEY.unpack_from
@@ -142,13 +112,11 @@ class Listed(Mapping[int, int]):
         return (k for k, _ms in _RECORD.iter_unpack(self._body))
 
     def items_dict(self) -> dict[int, int]:
-        """Every record in a dict (a writer merging into the list)."""
         return dict(_RECORD.iter_unpack(self._body))
 
 
 def view(data: bytes | bytearray | None) -> Listed | None:
-    """The records of a key list's bytes, kept in them; None when they are not one (a wrong header, a torn or
-    unsorted body). Checked in constant memory: no record is unpacked into an object kept."""
+    """The records of a key list's bytes, kept in them (checked in constant memory); None when not one."""
     if data is None or len(data) > MAX_BYTES or not data.startswith(HEADER):
         return None
     body = memoryview(data)[len(HEADER) :]
@@ -162,7 +130,7 @@ def view(data: bytes | bytearray | None) -> Listed | None:
 
 
 def parse(data: bytes | None) -> dict[int, int] | None:
-    """The records of a key list's bytes as a dict (a writer's merge); None when they are not one (:func:`view`)."""
+    """The records of a key list's bytes as a dict; None when they are not one."""
     listed = view(data)
     return None if listed is None else listed.items_dict()
 
@@ -174,14 +142,6 @@ def compile_ms(seconds: float | None) -> int:
     return min(max(1, round(seconds * 1000)), _MS_MAX)
 
 
-def _merged(theirs: Mapping[int, int], ours: Mapping[int, int]) -> dict[int, int]:
-    out = dict(theirs)
-    for k, ms in ours.items():
-        if ms or k not in out:
-            out[k] = ms
-    return out
-
-
 def _holds(records: Mapping[int, int] | None, ours: Mapping[int, int]) -> bool:
     return records is not None and all(k in records and (not ms or records[k] == ms) for k, ms in ours.items())
 
@@ -189,12 +149,7 @@ def _holds(records: Mapping[int, int] | None, ours: Mapping[int, int]) -> bool:
 def merge_into(engine: Engine, ours: Mapping[int, int], *, rebuild: bool = False) -> bool:
     """Add ``ours`` (key number -> compile ms) to the store's key list; True when it holds them after.
 
-    One bounded read-merge-write (module docstring): read, merge, write through
-    :func:`.upload.put_checked` (read back whole; another writer's list holding
-    ours too is as good), and again when ours are missing from what is there.
-    ``rebuild``: ``ours`` is the store's whole index (publish into a directory):
-    a damaged key list is replaced, not left alone. A :class:`StoreFailure` that
-    is an outage reaches the caller; a key list left alone is False.
+    ``rebuild``: ``ours`` is the store's whole index, so a damaged list is replaced. An outage raises.
     """
     if not ours:
         return True
@@ -210,14 +165,13 @@ def merge_into(engine: Engine, ours: Mapping[int, int], *, rebuild: bool = False
                 return False
         theirs = parse(raw) if raw is not None and raw != b"" else {}
         if theirs is None:
-            if not rebuild:
-                # Never replaced by a partial list: readers ignore a damaged one and ask, as without one.
+            if not rebuild:  # never replaced by a partial list
                 _log.debug("cuda-program-cas: %s: its key list is damaged; left alone", engine.shown)
                 return False
             theirs = {}
         if _holds(theirs, ours):
             return True
-        data = encode(_merged(theirs, ours))
+        data = encode({**theirs, **{k: ms for k, ms in ours.items() if ms or k not in theirs}})
         if len(data) > MAX_BYTES:
             # A list that cannot hold every key would make the rest false misses: none at all, readers ask.
             _log.debug("cuda-program-cas: %s: more keys than a key list holds; removed", engine.shown)
@@ -243,15 +197,10 @@ Note = Callable[[str, str], None]
 
 
 class KeyView:
-    """One process's copy of a store's key list, read through ``engine`` (thread-safe).
+    """One process's copy of a store's key list (thread-safe), fetched at the first loose lookup.
 
-    Nothing is asked until :meth:`records` is first called (the first loose lookup:
-    a cold node served by its warm set makes no request for it). Then the copy is
-    asked again, conditionally where the engine can (``get_changed``: an
-    ``If-None-Match``, a Redis script comparing a hash), every :data:`REFRESH_S`
-    (``$CUDA_PROGRAM_CAS_KEYS_REFRESH``, read when the view is made),
-    by one thread while the others use the copy they have. ``timed(call)`` runs
-    each request (the store above measures its round trip by it).
+    Refreshed conditionally where the engine can, every :data:`REFRESH_S`, by one thread while the
+    others use the copy they have. ``timed(call)`` runs each request.
     """
 
     def __init__(self, engine: Engine, *, note: Note, timed: Callable[[Callable[[], object]], object]) -> None:
@@ -262,14 +211,12 @@ class KeyView:
         self._tag: str | None = None
         self._at = float("-inf")
         self._lock = threading.Lock()
-        #: The variable's interval, or None: :data:`REFRESH_S`.
         self._refresh_s: float | None = VAR_KEYS_REFRESH.value()
-        #: Keys this process wrote back itself: listed at once, whatever the store's copy says yet.
+        #: Keys this process wrote back itself: listed at once.
         self._ours: dict[int, int] = {}
-        #: Keys found in the store that the copy does not list (another node's upload, not merged yet): while
-        #: a copy lacks any of them it lags, and lookups ask as without one.
+        #: Keys found in the store that the copy does not list: while it lacks any, lookups ask.
         self._lagging: set[int] = set()
-        #: Requests made for the list, and 304s (or unchanged hashes) among them (tests read these).
+        #: Requests made for the list, and unchanged answers among them.
         self.fetches = 0
         self.unchanged = 0
         after_fork(self)
@@ -278,7 +225,6 @@ class KeyView:
         self._lock = threading.Lock()
 
     def add(self, records: Iterable[tuple[int, int]]) -> None:
-        """List keys this node just stored in the store (its own uploads)."""
         for k, ms in records:
             self._ours[k] = ms
 
@@ -301,10 +247,7 @@ class KeyView:
         return records, self._ours
 
     def records(self) -> tuple[Mapping[int, int], dict[int, int]] | None:
-        """``(the store's records, this node's own)``, fetched or refreshed as due; None: no usable key list (ask).
-
-        A :class:`StoreFailure` that is an outage reaches the caller (the store pauses).
-        """
+        """``(the store's records, this node's own)``, refreshed as due; None: no usable key list. An outage raises."""
         every = REFRESH_S if self._refresh_s is None else self._refresh_s
         if time.monotonic() - self._at >= every:
             first = self._at == float("-inf")
@@ -352,11 +295,9 @@ class KeyView:
 
 
 def list_published(engine: Engine, held: Mapping[str, Iterable[str]], *, index_dir: str | None = None) -> bool:
-    """After a publish: merge the keys it found in or sent to the store (``held``: source -> key ids) into its key list.
+    """After a publish: list the keys it found in or sent to the store (``held``: source -> key ids).
 
-    Each key's compile time is its source's usage ledger's. ``index_dir``: the
-    store is a directory whose ``index/`` is here, so every key it holds is listed
-    (a damaged key list is rebuilt): the way to give an older store a whole list.
+    ``index_dir``: the store's ``index/``, so every key it holds is listed (a damaged list rebuilt).
     True when the key list holds them after.
     """
     from cuda_program_cas._disk.files import scan_sharded

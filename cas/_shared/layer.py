@@ -1,11 +1,9 @@
 """The cluster layer over one local cache: shared stores, write-back, leases, warm sets.
 
-:class:`SharedLayer` wraps a :class:`~cuda_program_cas._local.local.LocalStore`: it asks
-the shared stores (:mod:`cuda_program_cas._shared.tier`) in order after a local miss and
-copies what they give into the local cache, uploads new local entries to the stores named
-writable (:mod:`cuda_program_cas._shared.writeback`), takes the cluster's lease around a
-compile (:mod:`cuda_program_cas._shared.lease`) and records and fetches the job's warm set
-(:mod:`cuda_program_cas._shared.warmset`). The local cache knows nothing of it.
+:class:`SharedLayer` wraps a local store, which knows nothing of it: after a local miss it
+asks the shared stores in order and copies what they give in; it uploads new local entries
+(:mod:`.writeback`), takes the cluster's lease around a compile (:mod:`.lease`) and records
+and fetches the job's warm set (:mod:`.warmset`).
 """
 
 from __future__ import annotations
@@ -44,23 +42,19 @@ class SharedLayer:
 
         self._local = local
         self._copy = bool(copy_hits) and not local.read_only
-        #: The keys shared entries must be signed by ($CUDA_PROGRAM_CAS_TRUSTED_KEYS), or None: any verified entry.
         self._trust = env_trust()
-        #: The shared stores, in the order looked up.
         self.tiers: tuple[Tier, ...] = tuple(self._open(p) for p in shared)
         local.read_through(tuple(s.counters for s in self.tiers))
-        #: Uploads of this instance's new entries to the stores named writable (none on a read-only cache).
         self.writeback: WriteBack | None = None
-        #: The writable store that gives leases (one compile per key per cluster), if any; and the leases held.
+        #: The writable store that gives leases, if any; and the leases held.
         self.lease_tier: Tier | None = None
         self._leases: dict[str, Lease] = {}
-        #: ``on`` in a thread inside a lease's block (waited for, taken, or found free): its lookups go past the
-        #: key lists, whose copies may predate another node's uploads (the front door's result, not only the key).
+        #: ``on`` in a thread inside a lease's block: its lookups go past the key lists, whose copies
+        #: may predate another node's uploads.
         self._past_list = threading.local()
         targets = [s for s in self.tiers if s.writable]
         if targets and not local.read_only:
             self._write_back_to(targets)
-        #: The job's warm set (:mod:`cuda_program_cas._shared.warmset`): what this process used, and its fetch.
         self.used: Used | None = None
         self.warm: WarmFetch | None = None
         if self.tiers and self._copy:
@@ -71,7 +65,7 @@ class SharedLayer:
                 self._start_warm_set(set_name(job))
 
     def _open(self, where: str | os.PathLike[str]) -> Tier:
-        """The reader of one shared store (:mod:`cuda_program_cas._shared.tiers`); pack indexes kept locally."""
+        """The reader of one shared store; its pack indexes kept locally."""
         from .tiers import open_tier
 
         local = self._local
@@ -95,7 +89,6 @@ class SharedLayer:
         )
 
     def _write_back_to(self, targets: list[Tier]) -> None:
-        """Upload new local entries to ``targets``, signed when a signing key is set; lease from the first that can."""
         from cuda_program_cas._base.signing import env_signer, untrusted_signer
         from cuda_program_cas._local.usage import compile_seconds_of
 
@@ -113,7 +106,6 @@ class SharedLayer:
         self.lease_tier = next((t for t in targets if t.engine.can.leases), None)
 
     def _start_warm_set(self, name: str) -> None:
-        """Record what this process uses (where it writes back); fetch what the job's set lists, in the background."""
         from .warmset import MAX_SET_BYTES, Used, WarmFetch, updated
 
         local = self._local
@@ -150,16 +142,12 @@ class SharedLayer:
             self.writeback.keep_set(make)
         # The fetch starts at the first local miss (warm.wait in find), not here.
 
-    # -- lookups -----------------------------------------------------------------
-
     def find(
         self, kid: str, reasons: list[tuple[str, str]] | None, *, unlisted: bool = False
     ) -> tuple[bytes, str] | None:
         """``(bytes, store root)`` from the first shared store holding ``kid`` (copied in), else None.
 
-        While the job's warm set is being fetched, an entry on the way is waited for
-        (copied in by the fetch: found locally then), not asked for again. ``reasons``:
-        each store's miss is added, when a record is due.
+        An entry the warm set's fetch has on the way is waited for, not asked again. ``reasons``: each store's miss.
         """
         warm, used = self.warm, self.used
         if warm is not None:
@@ -187,10 +175,8 @@ class SharedLayer:
     def paths(self) -> Sequence[str]:
         return tuple(s.root for s in self.tiers)
 
-    # -- writes ------------------------------------------------------------------
-
     def stored(self, kid: str, digest: str, data: bytes, result: WriteResult, why: str | None) -> None:
-        """A local write of ``kid`` happened: a new entry is uploaded (a lease held for it given back once it is)."""
+        """A local write of ``kid`` happened: a new entry is uploaded."""
         if result and self.used is not None:
             self.used.add(kid, digest, len(data))
         wb = self.writeback
@@ -203,8 +189,6 @@ class SharedLayer:
         else:
             wb.not_stored(kid, why or "dropped")  # only new local entries are sent: counted
 
-    # -- single flight -------------------------------------------------------------
-
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
         """The node's claim on ``kid``, then, where a writable store gives leases, the cluster's."""
         if self.lease_tier is None or self._local.read_only:
@@ -213,7 +197,6 @@ class SharedLayer:
 
     @contextmanager
     def _claim_in_cluster(self, kid: str, bound: float) -> Iterator[Claim]:
-        """The node's claim, then the cluster's lease on ``kid`` (:mod:`cuda_program_cas._shared.lease`)."""
         from cuda_program_cas._base.config import env_lease_ttl
         from cuda_program_cas._local.claims import Claim
 
@@ -237,10 +220,8 @@ class SharedLayer:
                 if got.held:
                     self._leases[kid] = got
                 if (got.held or not (can or got.waited)) and self.find(kid, None, unlisted=True) is not None:
-                    # Asked once more, past the key list: a node that let the lease go just now may have stored
-                    # it, its key list not yet merged. Found: copied in, the caller's next look is local.
-                    got.done(mark=False)  # there: given back plainly (others' lookups find it too)
-                # The caller's lookups too (the front door's result, not only this key): past the key list.
+                    # A node that let the lease go just now may have stored it, its key list not yet merged.
+                    got.done(mark=False)
                 past, self._past_list.on = getattr(self._past_list, "on", False), True
                 try:
                     yield Claim(held=mine.held or got.held, waited=got.waited, timed_out=got.waited and not got.held)
@@ -249,8 +230,7 @@ class SharedLayer:
                     self._leases.pop(kid, None)
 
     def close(self) -> None:
-        """Send queued uploads (for at most :data:`~cuda_program_cas._shared.writeback.EXIT_FLUSH_S`: what is left
-        then is dropped and counted), and say which stores held entries no trusted key signed."""
+        """Send queued uploads (``EXIT_FLUSH_S`` at most), and say which stores held entries no trusted key signed."""
         if self.writeback is not None:
             from .writeback import EXIT_FLUSH_S
 

@@ -1,37 +1,20 @@
 """Leases: one compile per key per cluster, where a writable store can give them (Redis, S3).
 
-Claims (:mod:`cuda_program_cas._local.claims`) make one process per node compile a
-key. On a cluster each node would still compile it once. So the process holding
-its node's claim then asks the writable store for the key's *lease*
-(``leases/<key id>``: Redis ``SET NX PX`` with a random token; S3 a conditional create):
+The process holding its node's claim (:mod:`cuda_program_cas._local.claims`) asks the
+writable store for the key's *lease* (Redis ``SET NX PX`` with a random token; S3 a
+conditional create):
 
-- **Taken**: this node compiles. A thread renews the lease every third of its
-  time to live while the compile runs; the lease is given back (only if the token
-  still holds it) once the result has been uploaded by write-back
-  (:mod:`cuda_program_cas._shared.writeback`). A holder with no result to give
-  (its compile failed, its result was not stored, its upload failed) gives the
-  lease up at once with a *mark* (:data:`~cuda_program_cas._base.engine.LEASE_MARK`,
-  living one time to live): every node waiting for it looks once more, then
-  compiles at once, rather than one after another.
-- **Not taken by a node that cannot publish** (write-back cannot send: no usable
-  signing key, the store paused, its last upload failed; ``take=False``): it
-  never holds a lease others would wait for in vain. It waits for another node's
-  lease as below, and compiles at once when none is held.
-- **Held by another node**: this one waits, looking the key up in the shared
-  stores (its manifest, then its blob: two small reads, past the key list) and
-  asking for the lease again, every 20 ms at first and every 0.5 s at most. The
-  result found is a hit (the caller counts it, and its claim hit). The lease freed
-  without a result (its holder was killed and its lease expired): this node takes
-  it and compiles. The mark: this node compiles. The wait is bounded as a claim's
-  (``$CUDA_PROGRAM_CAS_CLAIM_WAIT``, 5 minutes): past it, this node compiles.
-- **No answer** (the store is down, paused, or gives no leases): compile, as
-  without leases. Nothing here raises into the caller.
+- **Taken**: this node compiles; a thread renews the lease every third of its time to live,
+  and it is given back once write-back uploaded the result. A holder with no result gives it
+  up with a *mark* (``LEASE_MARK``): every waiter looks once more, then compiles at once.
+- **Held by another node**: wait, looking the key up in the shared stores and asking again
+  (20 ms at first, 0.5 s at most), bounded as a claim's wait. A result found is a hit; a
+  lease freed without a result is taken; the mark means compile.
+- **A node that cannot publish** (``take=False``) never holds a lease others would wait on.
+- **No answer**: compile, as without leases. Nothing here raises into the caller.
 
-A holder that is killed or stopped stops renewing: its lease ends within its time
-to live (:data:`cuda_program_cas._base.config.DEFAULT_LEASE_TTL_S`, or
-``$CUDA_PROGRAM_CAS_LEASE_TTL``), and a waiting node compiles then. A holder whose
-renewal fails (the lease expired while it was stopped, or another took it) keeps
-compiling; at worst two nodes compile the key, and both store the same bytes.
+A killed holder stops renewing: its lease ends within its time to live
+(``$CUDA_PROGRAM_CAS_LEASE_TTL``). At worst two nodes compile a key; both store the same bytes.
 """
 
 from __future__ import annotations
@@ -48,7 +31,7 @@ from cuda_program_cas._local.stats import Counters
 
 from .tier import Tier
 
-__all__ = ["HELD", "POLL_FIRST_S", "POLL_MAX_S", "Lease", "lease"]
+__all__ = ["Lease", "lease"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -76,10 +59,7 @@ class Lease:
             release(mark)
 
     def pass_on(self) -> Callable[[bool], None] | None:
-        """The release as a write-back callback, taken from this lease (its ``with`` block then releases nothing).
-
-        Called with ``sent`` False (the upload failed), it leaves the mark: waiters compile now.
-        """
+        """The release as a write-back callback, taken from this lease; ``sent`` False leaves the mark."""
         release, self._release = self._release, None
         if release is None:
             return None
@@ -87,15 +67,10 @@ class Lease:
 
 
 def _leases(tier: Tier) -> Leases:
-    """The leases of ``tier``'s engine (the store chose a tier whose record has them)."""
     got = leases(tier.engine)
     if got is None:
         raise StoreFailure(tier.root, "no leases", "this store's engine gives no leases", outage=False)
     return got
-
-
-def _name(kid: str) -> str:
-    return kid  # the engine keeps leases apart from objects (Redis: cpcas:lease:<key id>)
 
 
 @contextmanager
@@ -109,10 +84,7 @@ def lease(
     counters: Counters,
     take: bool = True,
 ) -> Iterator[Lease]:
-    """The lease on ``kid`` in ``tier`` for the ``with`` block (module docstring); ``probe()`` looks for a result.
-
-    ``take``: False for a node that cannot publish a result: it waits for another's lease, never holds one.
-    """
+    """The lease on ``kid`` in ``tier`` for the ``with`` block; ``probe()`` looks for a result."""
     got = _take(tier, kid, ttl_s, take)
     state = Lease()
     if got == HELD:  # another node holds it: wait for its result, or for the lease
@@ -150,7 +122,7 @@ def lease(
     def release(mark: bool) -> None:
         stop.set()
         try:
-            _leases(tier).release(_name(kid), token, mark_s=ttl_s if mark else 0.0)
+            _leases(tier).release(kid, token, mark_s=ttl_s if mark else 0.0)
         except StoreFailure as exc:
             tier.failed(exc)  # it expires on its own
 
@@ -162,7 +134,6 @@ def lease(
 
 
 def _token(got: str | None) -> bool:
-    """Whether :func:`_take`'s answer is a token (this node holds the lease)."""
     return bool(got) and got not in (HELD, LEASE_MARK)
 
 
@@ -171,7 +142,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
     if tier.paused():
         return None
     try:
-        token = _leases(tier).lease(_name(kid), ttl_s, take=take)
+        token = _leases(tier).lease(kid, ttl_s, take=take)
     except StoreFailure as exc:
         tier.failed(exc)
         return None
@@ -184,7 +155,7 @@ def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
 def _renew(tier: Tier, kid: str, token: str, ttl_s: float, stop: threading.Event) -> None:
     while not stop.wait(ttl_s / 3):
         try:
-            if not _leases(tier).renew(_name(kid), token, ttl_s):
+            if not _leases(tier).renew(kid, token, ttl_s):
                 _log.debug("cuda-program-cas: lease on %s in %s was lost while compiling", kid, tier.root)
                 return
         except StoreFailure as exc:

@@ -1,8 +1,6 @@
 """What this process says once about shared stores: the first warning about each, and the entries refused as untrusted.
 
-A store that is down, denied or unusable gets one WARNING per process (:func:`warn_once_for`);
-entries refused for want of a trusted signature are counted per store and said in one
-WARNING per store, at the store's close or at exit (:func:`say_untrusted`).
+Untrusted entries are counted per store and said in one WARNING per store, at its close or at exit.
 """
 
 from __future__ import annotations
@@ -17,11 +15,8 @@ __all__ = ["refused_untrusted", "say_untrusted", "warn_once_for"]
 
 _log = logging.getLogger("cuda_program_cas")
 
-#: Stores this process has warned about (by their shown address).
 _warned: set[str] = set()
 _warned_lock = ForkSafeLock()
-
-#: Entries refused as untrusted in this process, by store (said at exit: :func:`say_untrusted`).
 _untrusted: dict[str, int] = {}
 _at_exit = False  # the report at exit arranged
 os.register_at_fork(after_in_child=_untrusted.clear)  # a child says what it refused, not its parent's
@@ -40,11 +35,7 @@ def refused_untrusted(root: str) -> None:
 
 
 def say_untrusted(roots: Sequence[str] | None = None) -> None:
-    """One WARNING per store (of ``roots``; None: every one) whose entries this process refused as untrusted.
-
-    With their number: at a store's close (``CacheStore.close``), and at exit for those not
-    closed. A store refusing more later says it again.
-    """
+    """One WARNING per store (of ``roots``; None: every one) whose entries this process refused as untrusted."""
     with _warned_lock:
         counts = {r: _untrusted.pop(r) for r in (list(_untrusted) if roots is None else roots) if r in _untrusted}
     for root, n in counts.items():

@@ -9,12 +9,9 @@ a path, ``file://``            :class:`cuda_program_cas._disk.direngine.DirEngin
 ``s3://``                      :class:`cuda_program_cas._remote.s3.S3Engine`  ``packs/list``
 =============================  ============================================  =====================
 
-Each engine is imported when a store of its scheme is opened, so a plain cache
-never loads the HTTP, Redis or S3 side (botocore). ``ADDRESS|write`` names a store writable
-(:func:`cuda_program_cas._base.urls.parse_store_entry`). Publish opens the store
-it writes by the same table (:func:`open_engine`), and its packs by the engine's
-record (:func:`open_packs`: one publisher for every engine that reads ranges;
-none for Redis, where loose entries are all a store holds).
+Each engine is imported when a store of its scheme is opened. ``ADDRESS|write`` names a store
+writable. Publish opens its store by the same table (:func:`open_engine`) and its packs by the
+engine's record (:func:`open_packs`).
 """
 
 from __future__ import annotations
@@ -49,42 +46,25 @@ MemoPut = Callable[[str, bytes], None]
 class Options:
     """What the cache above gives each store it opens (every engine takes what applies to it)."""
 
-    #: The local cache's memo of pack indexes: ``memo_get(key id)`` -> bytes or None; ``memo_put(key id, bytes)``.
     memo_get: MemoGet | None = None
     memo_put: MemoPut | None = None
-    #: The keys entries must be signed by (:mod:`cuda_program_cas._base.signing`), or None.
     trust: Trust | None = None
-    #: The largest entry worth reading (what the local cap can hold), besides the ceiling; None: the ceiling.
+    #: The largest entry worth reading (what the local cap can hold); None: the ceiling.
     max_entry: int | None = None
-    #: A folder on the local cache's disk where a large body waits while it is verified (HTTP), or None.
+    #: A folder on the local cache's disk where a large body waits while it is verified, or None.
     staging: str | None = None
-    #: How a directory store's files are written (publish's modes and syncing); None: the writer's defaults.
+    #: How a directory store's files are written; None: as publish writes them.
     modes: DirModes | None = None
 
 
 class PackTarget(Protocol):
     """A store's packs as a publisher sees them (:class:`cuda_program_cas._disk.packpublish.StorePacks`)."""
 
-    def entries(self) -> dict[str, PackedEntry]:
-        """Every packed entry of the store, by key id."""
-        ...
-
-    def ok(self, packed: PackedEntry) -> bool:
-        """Whether the pack's copy of the entry's blob is good, as far as it is checked here."""
-        ...
-
-    def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """One new pack of ``inputs``, stored and listed: where it is (None: nothing to pack)."""
-        ...
-
-    def finish(self, wrote: bool) -> None:
-        """After the run's last write (``wrote``: a pack was written)."""
-        ...
-
-    def written(self) -> dict[str, PackedEntry]:
-        """The entries of the packs this run wrote, by key id (where warm sets' lines now point)."""
-        ...
-
+    def entries(self) -> dict[str, PackedEntry]: ...
+    def ok(self, packed: PackedEntry) -> bool: ...
+    def write(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None: ...
+    def finish(self, wrote: bool) -> None: ...
+    def written(self) -> dict[str, PackedEntry]: ...
     def close(self) -> None: ...
 
 
@@ -94,9 +74,7 @@ def _dir_engine(address: str, opts: Options) -> Engine:
     root = os.path.abspath(address)
     modes = opts.modes
     if modes is None:
-        # Write-back into a store that other users' nodes read: the files as publish writes them by
-        # default (0644 less the umask; group-shared where the store's top directory is setgid), not the
-        # private modes of a local cache.
+        # Write-back into a store other users' nodes read: publish's modes, not a local cache's private ones.
         try:
             setgid = bool(os.stat(root).st_mode & stat.S_ISGID)
         except OSError:
@@ -200,10 +178,7 @@ def _scheme(address: str) -> _Scheme:
 
 
 def open_tier(entry: str, **options: Any) -> Tier:
-    """The store an entry of a store list names (``ADDRESS`` or ``ADDRESS|write``); ``ValueError`` for a bad one.
-
-    ``options`` are the fields of :class:`Options`.
-    """
+    """The store ``ADDRESS`` or ``ADDRESS|write`` names (``options``: :class:`Options`); ValueError for a bad one."""
     address, writable = parse_store_entry(entry)
     opts = Options(**options)
     scheme = _scheme(address)
@@ -217,11 +192,7 @@ def open_engine(address: str, **options: Any) -> Engine:
 
 
 def open_packs(engine: Engine) -> PackTarget | None:
-    """The packs of the store behind ``engine`` for a publisher, or None where its record says it keeps none.
-
-    Packs need ranged reads; an engine whose objects may go on their own (Redis) keeps loose entries only: a key
-    is as cheap there as a pack's entry, and an evicted pack would take many entries with it.
-    """
+    """The packs of the store behind ``engine`` for a publisher, or None (no ranged reads, or it evicts)."""
     if engine.can.evicts or ranged(engine) is None:
         return None
     from cuda_program_cas._disk.packpublish import StorePacks

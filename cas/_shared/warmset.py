@@ -1,45 +1,18 @@
 """Warm sets: the entries a job used, kept in its shared stores, so that a cold node fetches them in a few requests.
 
-A cold node otherwise pays a round trip (or two) per kernel, one lookup after
-another: 200 kernels at a 20 ms round trip cost longer than compiling them. What a
-job looks up is nearly the same on every node and every run, so the cache records
-it and keeps it in the store beside the entries.
+A cold node otherwise pays a round trip per kernel (docs/cluster.md, "Cold nodes").
 
-- **The job.** ``$CUDA_PROGRAM_CAS_JOB`` names it (``train-llm``); by default it
-  is the main script's file name and a hash of its path (``train.py-1a2b3c4d``),
-  so two scripts of one name in different places are two jobs. An interactive
-  session (a REPL, ``python -c``, a notebook: no ``__main__`` file) and ``off``
-  have none: nothing is recorded or fetched.
-- **What is recorded.** Each entry the process used (a hit, local or shared, or
-  an entry it stored), once, in order of first use: key id, digest, size, and the
-  pack, offset and stored length (a pack holds a blob compressed) that hold it in a store where known,
-  with the place of the pack's index entry for the key; at most :data:`MAX_ENTRIES`.
-- **The set object.** ``sets/<sha256 of the job>`` in each store, text: a header
-  line and one line per entry (:func:`encode`, :func:`parse`). Written through
-  write-back (a store named writable; a local cache keeps no copy), after the job has been quiet a moment
-  (:data:`QUIET_S`) and when the process ends; only when the process used entries
-  the set lacks, so a cluster of warm runs writes nothing.
-- **Publish and repack.** ``publish`` copies a source store's sets after its
-  entries, merged the same way, and it and ``repack`` give every line the pack
-  and offset that hold its entry in the store now (:func:`updated`; docs/cluster.md).
-- **The merge.** Read, modify, write, bounded: the writer reads the set now in
-  the store, puts its own entries first (in its order of use), then the store's
-  others that it did not find gone, and keeps the first :data:`MAX_ENTRIES`. Two
-  nodes that write at the same moment lose one's additions; the next run that
-  uses them adds them again. A set is a hint, never trusted for bytes: a line
-  decides which keys are fetched, and a key gets only what its own entry in the
-  store names (:mod:`.fetchbatch`). A lost line costs a lookup, a stale or false
-  one nothing (its entry is not there, or names other bytes: not fetched), and
-  entries of an old compiler drift to the end and fall off.
-- **A cold node.** At its first local miss (shared stores and a job: a warm node,
-  whose lookups all hit locally, never reads the set), a thread reads the set,
-  keeps the entries not already local, in order, while they fit the local cap,
-  and fetches them through :meth:`Tier.fetch_entries` in batches under a memory
-  budget (Redis: one pipeline a batch; HTTP: one multi-range request per pack and
-  batch, else parallel GETs), every entry checked against its key's own entry and
-  its digest, and copied in by the writer before the next batch. A lookup that misses locally meanwhile
-  waits for the set to be read, then, if its entry is on the way, for that
-  fetch alone: it finds the entry local, or goes to the stores as usual.
+- **The job.** ``$CUDA_PROGRAM_CAS_JOB``, by default the main script's file name and a hash
+  of its path; an interactive session and ``off`` have none: nothing is recorded or fetched.
+- **The set.** ``sets/<sha256 of the job>`` in each store: each entry the process used, in
+  order of first use (key id, digest, size, and where known its pack place: pack, offset, stored length), at most
+  :data:`MAX_ENTRIES`. Sent through write-back once the job is quiet (:data:`QUIET_S`) and at
+  exit, only when it lacks an entry used. The merge puts the writer's entries first, then the
+  store's others not found gone; two writers at once lose one's additions until the next run.
+- **A hint, never trusted for bytes.** A line decides which keys are fetched; a key gets only
+  what its own entry in the store names (:mod:`.fetchbatch`).
+- **A cold node.** At its first local miss a thread reads the set and fetches the entries not
+  local, while they fit the cap, in batches; a lookup meanwhile waits for its own entry's fetch.
 """
 
 from __future__ import annotations
@@ -60,11 +33,8 @@ from cuda_program_cas.index import is_hex, is_local_id
 from .tier import Tier
 
 __all__ = [
-    "MAX_ENTRIES",
     "MAX_SET_BYTES",
     "QUIET_S",
-    "SETS",
-    "Place",
     "SetEntry",
     "Used",
     "WarmFetch",
@@ -108,21 +78,19 @@ def job_name() -> str | None:
     given = VAR_JOB.value()
     if given is not None:
         return None if given.lower() == "off" else given
-    # A script or ``python -m`` has a __main__ with a file; a REPL, ``-c`` and a notebook's kernel have none.
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     if not isinstance(script, str) or not script:
-        return None  # an interactive session: no job to name
+        return None  # a REPL, ``-c``, a notebook's kernel
     path = os.path.realpath(script)
     return f"{os.path.basename(path)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
 def set_name(job: str) -> str:
-    """The store object that holds ``job``'s set."""
     return f"{SETS}/" + hashlib.sha256(job.encode()).hexdigest()
 
 
 def stored_sets(root: str) -> list[str]:
-    """The sets a store directory holds (``sets/<64 hex>``), as object names (publish's sources, repack's store)."""
+    """The sets a store directory holds, as object names."""
     try:
         names = os.listdir(os.path.join(root, SETS))
     except OSError:
@@ -132,9 +100,7 @@ def stored_sets(root: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class SetEntry:
-    """One entry of a set: key id, digest, (raw) size, and where known the pack, offset and stored length (its
-    framed bytes: what a cold node asks) that hold its blob and where the pack's index entry for the key lies
-    (``at``: what a cold node checks the line against)."""
+    """One entry of a set; where known its blob's pack, offset and stored length, and (``at``) its index entry."""
 
     kid: str
     digest: str
@@ -183,11 +149,7 @@ def parse(data: bytes | None) -> list[SetEntry] | None:
 
 
 def merge(ours: Sequence[SetEntry], theirs: Sequence[SetEntry], gone: set[str]) -> list[SetEntry] | None:
-    """The set to write: ours first, then theirs not ours and not gone, at most :data:`MAX_ENTRIES`; None: nothing new.
-
-    Nothing is new when every one of ours is in theirs with the same digest, and
-    the same place where ours names one.
-    """
+    """The set to write: ours first, then theirs not ours and not gone; None: nothing new."""
     known = {e.kid: e for e in theirs}
     if all((k := known.get(e.kid)) is not None and k.digest == e.digest and (e.pack is None or k == e) for e in ours):
         return None
@@ -204,29 +166,23 @@ Where = Callable[[str, str], "Place | None"]
 
 
 def _at(e: SetEntry, place: Place | None) -> SetEntry:
-    """``e`` naming ``place`` (None, or an index place not known: no pack, fetched loose)."""
     if place is None or place[3] < 0:
         return SetEntry(e.kid, e.digest, e.size)
     return SetEntry(e.kid, e.digest, e.size, *place)
 
 
 def placed(entries: Sequence[SetEntry], where: Where) -> list[SetEntry]:
-    """``entries`` with the place ``where`` gives each now (a line naming a pack that no longer
-    holds it, or none, then names none: its entry is fetched loose)."""
+    """``entries`` with the place ``where`` gives each now (none: fetched loose)."""
     return [_at(e, where(e.kid, e.digest)) for e in entries]
 
 
 def updated(
     held: bytes | None, ours: Sequence[SetEntry], gone: set[str] | None = None, where: Where | None = None
 ) -> bytes | None:
-    """The bytes to store for a set the store holds as ``held`` (None: none there); None when ``held`` is right.
+    """The bytes to store for a set held as ``held`` (None: none there); None when ``held`` is right.
 
-    The one read-modify-write of a set in a store: write-back's, publish's and
-    repack's. ``ours`` are merged in (:func:`merge`: ours first, then the store's
-    others not in ``gone``), then, with ``where``, every line gets the pack and
-    offset that hold its entry now (a store that packed its entries since the
-    set was written). A damaged ``held`` is replaced by ours, or left as it is
-    when ours are none (a cold node ignores it).
+    The one read-modify-write of a set (write-back's, publish's, repack's): ``ours`` merged in, then
+    with ``where`` every line placed anew. A damaged ``held`` is replaced by ours, if any.
     """
     theirs = parse(held)
     base = theirs or []
@@ -240,10 +196,9 @@ def updated(
 
 
 class Used:
-    """The entries one process used, in order of first use, at most :data:`MAX_ENTRIES` (thread-safe).
+    """The entries one process used, in order of first use (thread-safe).
 
-    ``changed()`` runs (outside the lock) when an entry the set read at start
-    lacks is first used: write-back then sends the set once the job is quiet.
+    ``changed()`` runs (outside the lock) when an entry the set read at start lacks is first used.
     """
 
     def __init__(self) -> None:
@@ -285,12 +240,9 @@ class Used:
 
 
 class WarmFetch:
-    """One process's fetch of its job's set from ``tiers`` (module docstring), in a thread of its own.
+    """One process's fetch of its job's set from ``tiers``, in a thread of its own.
 
-    ``is_local(kid, digest)``: the entry is in the local cache already (not fetched).
-    ``keep(kid, bytes, digest)``: copy a verified entry in (the bytes may be a view
-    of a batch's answer). ``room``: bytes the fetched entries may take (the local cap), or None. ``used``: what
-    :meth:`Used.add` compares with (its ``known`` is filled from the set read).
+    ``keep(kid, bytes, digest)`` copies a verified entry in; ``room``: bytes the entries may take, or None.
     """
 
     def __init__(
@@ -315,7 +267,7 @@ class WarmFetch:
         self._lock = threading.Lock()
         self._pending: dict[str, threading.Event] = {}
         self._had: set[str] = set()  # fetched and kept: a lookup that missed just before is told to look again
-        #: The store the set came from, what it listed, and what was fetched (tests and benchmarks read these).
+        #: The store the set came from, what it listed, and what was fetched.
         self.source: Tier | None = None
         self.listed = 0
         self.fetched = 0
@@ -324,14 +276,12 @@ class WarmFetch:
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
-        # The thread did not come along: nothing is on the way in the child.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the thread did not come along: nothing is on the way
         self._pending = {}
         self._read.set()
 
     def start(self) -> None:
-        """Begin the fetch in its thread, once: at the process's first local miss, so that a warm node
-        (every lookup a local hit) never reads the set nor checks its entries."""
+        """Begin the fetch in its thread, once (at the first local miss: a warm node never reads the set)."""
         with self._lock:
             if self._thread is not None or self._read.is_set():
                 return
@@ -354,8 +304,7 @@ class WarmFetch:
         with self._lock:
             event = self._pending.get(kid)
             came = kid in self._had
-        if event is None:
-            # Not on the way: never listed, not had, or kept already (after this lookup's local miss).
+        if event is None:  # never listed, or kept already (after this lookup's local miss)
             return self.source.root if came and self.source is not None else None
         event.wait(WAIT_S)
         return self.source.root if self.source is not None else None

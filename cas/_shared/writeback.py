@@ -1,45 +1,18 @@
 """Write-back: a node's new entries copied to the stores named writable, in the background.
 
-After an entry lands in the local cache (a compile's binary, a front-door record,
-a link product), :meth:`WriteBack.submit` queues it for each writable store and
-returns at once: the caller's compile waits for a lock and a list append, never
-for a network. One worker thread per cache instance (started at the first
-upload) sends each entry as publish does, **blob first, read back, then the
-manifest that names it** (:func:`.upload.upload_entry`, the routine publish's
-puts are; where the engine's ``put_many`` is one transaction, as Redis's is, both
-go in it), so a reader of the store never finds a manifest whose blob is not
-there yet. The manifest is not read back: no report says it was stored, and one
-lost is a miss.
+:meth:`WriteBack.submit` queues a new local entry for each writable store and returns at
+once: a compile never waits for a network. One worker thread per instance sends each entry
+as publish does, blob first, read back, then the manifest (:func:`.upload.upload_entry`), so
+a reader never finds a manifest whose blob is not there yet. With
+``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest carries the site's signature; a key that
+cannot be used drops every upload rather than send what trusting nodes would ignore.
 
-What is not sent is dropped, never retried later and never an error of the caller:
-
-- the queue is full (:data:`MAX_QUEUED` entries or :data:`MAX_QUEUED_BYTES` bytes
-  waiting: a store slower than the node's compiles);
-- the store is paused after an outage (:mod:`cuda_program_cas._shared.tier`), or
-  the upload fails (down, full, denied, too slow for its deadline);
-- the process exits with uploads still queued after :data:`EXIT_FLUSH_S`;
-- the local cache could not store the entry (its disk full: :meth:`WriteBack.not_stored`).
-
-Each drop counts ``uploads_dropped`` (``stats``); the first in a process gets one
-WARNING naming the store and why, the rest DEBUG. Each upload counts ``uploads``.
-A forked child starts with an empty queue and no worker: what its parent queued
-is its parent's to send.
-
-With ``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest sent carries the site's
-signature (:mod:`cuda_program_cas._base.signing`); a key that cannot be used drops
-every upload (said once) rather than send entries that trusting nodes would ignore.
-
-**The key list.** Each store's key list (:mod:`cuda_program_cas._shared.keylist`)
-gets the keys uploaded to it, with their compile times from the local usage
-ledger, by the warm set's timer: once the job has been quiet
-:data:`~cuda_program_cas._shared.warmset.QUIET_S` (and at exit), one bounded
-read-merge-write per store for all the keys sent since, after their uploads.
-The node's own view of the store's list has them at once.
-
-Only new local entries are sent: a hit copied in from a shared store is not
-written back (it came from one), and entries under a node-local key id
-(:func:`cuda_program_cas.index.is_local_id`: keys that name files of this node)
-stay on the node. A read-only cache writes nothing locally and so sends nothing.
+What is not sent is dropped, counted in ``uploads_dropped`` (one WARNING per process), never
+retried and never the caller's error: a full queue (:data:`MAX_QUEUED`,
+:data:`MAX_QUEUED_BYTES`), a paused or failing store, uploads still queued at exit after
+:data:`EXIT_FLUSH_S`, an entry the local cache could not store. Once the job is quiet
+(``QUIET_S``) and at exit, the keys sent go into each store's key list and the warm set is
+sent. Hits copied from a shared store and node-local key ids are never sent.
 """
 
 from __future__ import annotations
@@ -69,7 +42,7 @@ from .warmset import parse as parse_set
 if TYPE_CHECKING:
     from .tier import Tier
 
-__all__ = ["EXIT_FLUSH_S", "MAX_QUEUED", "MAX_QUEUED_BYTES", "WriteBack"]
+__all__ = ["EXIT_FLUSH_S", "WriteBack"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -80,7 +53,7 @@ MAX_QUEUED_BYTES = 64 << 20
 #: How long an exiting process waits for its queue to drain.
 EXIT_FLUSH_S = 2.0
 
-#: A worker with nothing to send this long ends (an instance that is no longer used keeps no thread).
+#: A worker with nothing to send this long ends.
 _IDLE_S = 5.0
 
 #: ``then(sent)``: called by the worker after an entry's uploads (``sent``: it reached every store).
@@ -114,7 +87,6 @@ class WriteBack:
         self._busy = 0  # entries taken by the worker and not yet sent
         self._worker: threading.Thread | None = None
         self._closed = False
-        #: The job's warm set (:mod:`.warmset`): ``make(tier)`` -> (name, bytes) to send there, or None.
         self._set_maker: SetMaker | None = None
         self._set_due = False  # the set or the key lists are due: sent once the job is quiet
         self._set_wanted = False  # used entries the stores' set lacks
@@ -122,9 +94,9 @@ class WriteBack:
         self._flushing = 0  # flushes waiting: the quiet send does not wait for quiet
         #: Per store (by position): keys uploaded there and not yet merged into its key list.
         self._unlisted: list[list[str]] = [[] for _ in self.tiers]
-        #: Per store (by position): whether its last upload failed (a lease is not taken while it does).
+        #: Per store (by position): whether its last upload failed.
         self._failing = [False] * len(self.tiers)
-        #: Warm sets sent, and key-list merges that held every key sent (tests read them).
+        #: Warm sets sent, and key-list merges that held every key sent.
         self.sets_sent = 0
         self.keys_listed = 0
         after_fork(self)
@@ -140,11 +112,10 @@ class WriteBack:
         self._flushing = 0
 
     def keep_set(self, make: SetMaker) -> None:
-        """Send the job's warm set through ``make(tier)`` whenever :meth:`set_changed` says it grew."""
         self._set_maker = make
 
     def set_changed(self) -> None:
-        """The job used an entry its set lacks: send the set once no entry was added for :data:`.warmset.QUIET_S`."""
+        """The job used an entry its set lacks: send the set once the job is quiet."""
         if self._set_maker is None:
             return
         with self._cond:
@@ -154,7 +125,7 @@ class WriteBack:
             self._due()
 
     def _due(self) -> None:
-        """The quiet send (the set, the key lists) is due :data:`.warmset.QUIET_S` from now (under the lock)."""
+        """The quiet send (the set, the key lists) is due ``QUIET_S`` from now (under the lock)."""
         self._set_due = True
         self._set_at = time.monotonic()
         self._start_worker()
@@ -166,22 +137,18 @@ class WriteBack:
             self._worker.start()
 
     def not_stored(self, kid: str, why: str) -> None:
-        """A new entry the local cache could not store (a full disk): not sent either, a drop for each store."""
+        """A new entry the local cache could not store: a drop for each store."""
         if not is_local_id(kid):
             for tier in self.tiers:
                 self._dropped(tier.root, f"the local cache did not store it: {why}")
 
     def can_publish(self, tier: Tier) -> bool:
-        """Whether an entry submitted now could reach ``tier``: a usable signing key, the store not paused, its last
-        upload not failed (:mod:`.lease`: a node that cannot publish takes no lease that others would wait on)."""
+        """Whether an entry submitted now could reach ``tier`` (a node that cannot takes no lease)."""
         at = self.tiers.index(tier)
         return self._unusable is None and not tier.paused() and not self._failing[at]
 
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
-        """Queue one new local entry for upload; False (counted, said once) when it is dropped at once.
-
-        ``then(sent)`` runs after its uploads (or at once with False when dropped).
-        """
+        """Queue one new local entry for upload; False when dropped at once. ``then(sent)`` runs after."""
         if is_local_id(kid) or self._unusable is not None:
             if self._unusable is not None:
                 for tier in self.tiers:
@@ -283,7 +250,7 @@ class WriteBack:
         return True
 
     def _send_set(self) -> None:
-        """The key lists, then the warm set, to each store (after the entries queued before, which they name)."""
+        """The key lists, then the warm set, to each store (after the entries they name)."""
         with self._cond:
             unlisted, self._unlisted = self._unlisted, [[] for _ in self.tiers]
             wanted, self._set_wanted = self._set_wanted, False
@@ -307,7 +274,6 @@ class WriteBack:
             self.sets_sent += 1
 
     def _send_keys(self, tier: Tier, kids: list[str]) -> None:
-        """Merge ``kids`` (uploaded to ``tier``) into its key list, each with its compile time."""
         seconds = self._seconds
         ours = {number(kid): compile_ms(seconds(kid) if seconds is not None else None) for kid in kids}
         self._tried(tier, "the key list: ", lambda: self._merge_keys(tier, ours))
@@ -317,7 +283,7 @@ class WriteBack:
             self.keys_listed += 1
 
     def _tried(self, tier: Tier, what: str, call: Callable[[], object]) -> bool:
-        """``call()`` to ``tier``: True when it returned; False for a failure, a drop said with ``what``."""
+        """``call()`` to ``tier``: True when it returned, else a drop said with ``what``."""
         try:
             call()
         except StoreFailure as exc:
@@ -342,7 +308,6 @@ class WriteBack:
             _log.debug("cuda-program-cas: upload to %s dropped: %s", root, why)
 
     def pending(self) -> int:
-        """Entries queued or being sent now."""
         with self._cond:
             return len(self._queue) + self._busy
 
@@ -364,7 +329,7 @@ class WriteBack:
         return True
 
     def close(self, timeout_s: float = EXIT_FLUSH_S) -> None:
-        """Send what can be sent within ``timeout_s`` (the warm set too, at once); what is left is dropped (counted)."""
+        """Send what can be sent within ``timeout_s``; what is left is dropped (counted)."""
         self.flush(timeout_s)
         with self._cond:
             self._closed = True
@@ -383,7 +348,7 @@ _instances: weakref.WeakSet[WriteBack] = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
-    """An exiting process sends what it can: all instances share one :data:`EXIT_FLUSH_S`."""
+    """All instances share one :data:`EXIT_FLUSH_S` at exit."""
     deadline = time.monotonic() + EXIT_FLUSH_S
     for wb in list(_instances):
         wb.close(max(0.0, deadline - time.monotonic()))
