@@ -17,15 +17,7 @@ from .frontkey import Uncacheable
 from .search import BUILTIN_HEADERS
 from .tracedirs import new_trace_dir
 
-__all__ = [
-    "TRACES",
-    "end_nvrtc_tracing",
-    "nvrtc_major",
-    "trace_in_child",
-    "traced_names",
-    "tree_files",
-    "with_trace",
-]
+__all__ = ["TRACES", "end_nvrtc_tracing", "nvrtc_major", "trace_in_child", "traced_names", "tree_files", "with_trace"]
 
 _log = logging.getLogger("cuda_program_cas")
 
