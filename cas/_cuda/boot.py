@@ -1,20 +1,14 @@
 """The switch's start-up hook: waits for ``cuda.core`` (numba-cuda's NVVM, cuda.compute) to be imported, then routes.
 
-``cuda_program_cas-switch.pth`` (in site-packages) runs this file at interpreter
-start-up when ``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is
-loaded by path, not imported: importing the package would cost every process
-tens of milliseconds before it compiled anything. So it uses the standard library
-only, and imports nothing of it that ``site`` has not imported already.
+``cuda_program_cas-switch.pth`` runs this file at start-up when
+``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is loaded by path
+and uses only what ``site`` imported already: importing the package would cost
+every process tens of milliseconds.
 
-It puts a finder first on ``sys.meta_path`` that answers for the modules of
-:data:`_TARGETS` alone: it asks the other finders for the real module and wraps its
-loader, so that once ``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate``
-rebinds its ``Program`` and ``Linker``, before the code that imported it reads either
-name; once numba-cuda's (or numba-cuda-mlir's) NVVM module has run,
-``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit`` (and, once
-numba-cuda-mlir's ``mlir_optimization`` has, its ``_call_llvm70_capi``); once
-``cuda.compute.algorithms`` has, ``cuda_program_cas._cuda.switch.activate_compute`` routes
-its ``make_*`` factories. Nothing is imported early: a process that never compiles never pays for it.
+A finder first on ``sys.meta_path`` answers for the modules of :data:`_TARGETS`
+alone, wrapping the real loader so that once the module has run, its function
+(``switch.activate``, ``nvvm.activate``, ``switch.activate_compute``) rebinds
+what it routes before the importer reads it.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ if TYPE_CHECKING:  # typing is not imported at start-up: it costs milliseconds
 
 __all__ = ["defer", "remove"]
 
-#: The modules waited for, and the function of this package (``module:function``) that each one's
-#: import runs with the mode.
+#: The modules waited for, and the ``module:function`` each one's import runs with the mode.
 _TARGETS = {
     "cuda.core": "cuda_program_cas._cuda.switch:activate",
     "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm:activate",
@@ -115,8 +108,7 @@ def _done(name: str) -> None:
 
 
 def _activate(mode: str, name: str) -> None:
-    # By name, when it is needed: this file sits below the switch (which imports it), and at
-    # start-up it runs before the package may be imported at all.
+    # By name: at start-up this file runs before the package may be imported at all.
     import importlib
 
     module, _, function = _TARGETS[name].partition(":")

@@ -1,57 +1,30 @@
 """The front door: ``cache.compile(...)``, for the compiles ``Program.compile(cache=)`` refuses.
 
-``Program.compile(cache=...)`` refuses compiles that read headers through
-``include_path``/``pre_include`` (or a source name with a directory) unless the
-caller fingerprints them by hand, and refuses ``name_expressions`` outright. This
-module caches both, in the manner of ccache's direct mode.
+Compiles that read headers through ``include_path``/``pre_include`` (or a source
+name with a directory), and ``name_expressions``, cached in the manner of
+ccache's direct mode.
 
-The *record* of a compile is keyed by its inputs without header contents
-(``make_program_cache_key`` over the code, options, target and name expressions,
-with this module's tag as ``extra_digest``). When a relative name can decide
-which file NVRTC opens, or the binary's debug information names the directory,
-the working directory is part of that key too: two projects with the same
-relative paths never share a record. A record lists, for each of the last few
-compiles of those inputs (a *variant*):
+The *record* of a compile is keyed by its inputs without header contents (and
+the working directory where a relative name or debug information depends on
+it). It lists the last few *variants*: every file NVRTC read, resolved as the
+kernel resolved it, with its blake3 and stat tag; and *guard directories*, where
+an earlier search location would have had to hold a header, so that a new header
+found first is seen. A name that cannot be resolved to one regular file makes
+the compile uncacheable: its program is returned, a dropped write counted, one
+WARNING per header.
 
-- every file NVRTC read: the name its time trace gives, resolved against the
-  compile's working directory exactly as the kernel resolved it (symlinks and
-  ``..`` included), with its blake3 and a tag of its stat data;
-- *guard directories*: for each header, the directories an earlier search
-  location would have had to hold it in, so that a new header that would now be
-  found first is seen (a directory's mtime changes when an entry is added,
-  removed or renamed; its identity changes when a symlink to it moves).
+A lookup checks the variants, newest first, by stat data against the variant's
+proof, re-hashing only headers whose stat changed; from a variant's second look
+in a process, inotify watches answer instead (:mod:`cuda_program_cas._cuda.watch`).
+A record and its results share a key group, so eviction keeps or removes them
+together. One ``compile`` counts one hit or one miss.
 
-A name that cannot be resolved to one regular file makes the compile
-uncacheable: it returns its program, stores nothing, counts a dropped write and
-logs one WARNING per process naming the header. NVRTC's own builtin header is
-the one name it reads from memory.
-
-A lookup checks the variants, newest first: the stat data of every header and
-guard against the variant's one proof of them, and where that differs, each on
-its own: the guards must be unchanged, and each header is re-hashed only when its
-stat changed (a per-process stat cache spares even that). From a variant's second look in a process, inotify watches are
-armed before that check, and while they report nothing a look costs one read of
-their queue instead of a stat per header (:mod:`cuda_program_cas._cuda.watch`).
-The variant names its *result*: the raw binary (the same blob
-``Program.compile(cache=)`` stores for equal bytes), with the ``ObjectCode``
-name and the symbol mapping of the name expressions kept in the variant. A
-record and its results share a group of key ids (:mod:`cuda_program_cas.index`), so
-eviction and ``gc`` keep or remove them together. One ``compile`` counts one hit
-or one miss, whatever it looked up.
-
-A miss first takes the claim on the record key (``store.inner.claim``): of the
-processes of a node that miss the same inputs at once, one compiles and the others
-wait, then look the record up again and hit.
-
-A miss compiles uncached. With NVRTC 13 or later the compile runs with
-``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
-the same with and without it). Before 13, every file under the search
-directories is fingerprinted instead. A header or guard directory whose ctime is
-not a whole step of its file system's clock older than the compile's start, on that
-clock (:class:`cuda_program_cas._disk.fskind.FsClock`), may have changed while NVRTC
-read or searched it, or may change again within the same step and keep its stat data
-(a file system of one-second times): the result is returned but not stored. So a
-record holds only stat data that were old when it was made.
+A miss takes the node's claim on the record key, then compiles uncached: with
+NVRTC 13 or later under ``fdevice_time_trace`` (which lists every header read),
+before 13 by fingerprinting the search directories. A header or guard whose ctime
+is not a whole step of its file system's clock older than the compile's start
+(:class:`cuda_program_cas._disk.fskind.FsClock`) may have changed unseen: the
+result is returned, not stored.
 """
 
 from __future__ import annotations
@@ -184,10 +157,8 @@ class FrontDoor:
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
         extra = TAG + libdevice_fingerprint(options, code_type) + search.key_part() + name_part(options)
         memo = memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
-        # A C++ compile is keyed here, with NVRTC's version from its record (see
-        # nvrtcver): a hit need not load NVRTC. Others go to make_program_cache_key.
-        # make_program_cache_key validates the inputs as Program would (code and target
-        # types, name expressions: bytearray is refused), loading NVRTC to key them.
+        # A C++ compile is keyed here, with NVRTC's version from its record (nvrtcver): a hit
+        # need not load NVRTC. Others go to make_program_cache_key, which validates them.
         cuda_core_key = functools.partial(
             make_program_cache_key,
             code=code,
@@ -262,9 +233,8 @@ class FrontDoor:
     ) -> Any:
         """A miss: compile uncached, record the headers it read, store the result and the record.
 
-        ``nvrtc``: the version the key holds, when keyed here; a compile by another
-        NVRTC (its file replaced since the key was made) is returned, not stored.
-        ``why``: why the lookup missed (a :class:`Why`), for the miss journal.
+        ``nvrtc``: the version the key holds, when keyed here (a compile by another
+        NVRTC is returned, not stored); ``why``: the :class:`Why` of the miss.
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
         from .shadows import shadows_and_guards
@@ -413,12 +383,9 @@ class FrontDoor:
     def _check(self, variant: Variant, fresh: list[Any] | None = None) -> str | None:
         """None when the variant's headers, candidates and guards still hold, else what changed.
 
-        First the variant's whole stat data against its one proof (a stat per header,
-        candidate and guard, one hash); when that differs or is not kept, each file on
-        its own: a header whose stat changed is hashed again, and what changed is named.
-        Content decides: a header with new stat data and the same bytes holds. When such
-        stat data are old on their file system's clock, ``fresh`` gets what
-        :meth:`_refresh` needs to record them (the next look is a stat again).
+        The whole stat data against its one proof first; else each file: a header
+        whose stat changed is hashed again (content decides). Stat data that are
+        old on their file system's clock go to ``fresh`` for :meth:`_refresh`.
         """
         if variant.proof is not None and self._same_stat(variant):
             return None
@@ -476,11 +443,7 @@ class FrontDoor:
         return None
 
     def _refresh(self, record_kid: str, raw: bytes, variant: Variant, fresh: Any) -> None:
-        """Record a variant's new stat data, proven by content (see :meth:`_check`): the next look is a stat again.
-
-        Only stat data that were old when their bytes were hashed are written. Never fails
-        a hit: a record that cannot be written stays as it was.
-        """
+        """Record a variant's new stat data, proven by content (see :meth:`_check`); never fails a hit."""
         renewed, proof = fresh
         if self._store.read_only or proof is None:
             return
@@ -561,11 +524,7 @@ class FrontDoor:
 
 
 def _guards_older_than(guards: list[tuple[str, DirKey | None]], started: FsClock) -> None:
-    """Raise :class:`Uncacheable` for a guard directory whose entries changed too late to be proven by its stat.
-
-    An entry added after the compile looked there, or in the same step of the directory's
-    file system clock as one added later, leaves its stat tag as recorded.
-    """
+    """Raise :class:`Uncacheable` for a guard directory whose entries changed too late for its stat to prove them."""
     for path, key in guards:
         if key is not None and not started.old_at(key[0], key[3]):
             raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")

@@ -1,34 +1,18 @@
 """``cache.link(...)``: ``Linker(*object_codes, options=...).link(target_type)`` through the cache.
 
-A link is keyed by everything that can change its output:
+A link is keyed by each input in order (code type, name, bytes, and the path of
+a path-backed one), every ``LinkerOptions`` field tagged with its type (an
+``arch`` of None resolved to the device's), the backend (nvJitLink or cuLink)
+and its version, the target type and this module's tag. The value is the linked
+bytes, an ordinary entry; a miss holds the node's claim while it links. A hit
+returns an ``ObjectCode`` as the uncached link does, with no linker logs.
 
-- each input, in order: its code type, its name (the linker is given it), and
-  its bytes (a path-backed ``ObjectCode`` is read, and its path is keyed too:
-  the linker opens the file by that name);
-- every field of the ``LinkerOptions``, each value tagged with its type (the
-  linker treats a ``list`` and a ``tuple`` differently), an ``arch`` of None
-  resolved to the current device's, as the linker resolves it;
-- the backend cuda.core links with (nvJitLink or the driver's cuLink) and its
-  version, as cuda.core's own program cache keys them;
-- the target type, and this module's format tag.
-
-The value is the linked bytes, an ordinary entry of the store (one lookup: one
-hit or one miss); a miss takes the node's claim on the key first, so processes
-that miss the same link at once run the linker once; a hit returns an ``ObjectCode`` of the target's code type
-named by ``options.name``, as the uncached link does, without running the
-linker. A hit has no linker logs: there is no ``Linker`` to ask.
-
-What cannot be keyed soundly links uncached, counts a dropped write and logs
-one WARNING per reason per process: an option value that is not None, a bool,
-an int, a str or a list or tuple of str; an ``options`` that is not a plain
-``LinkerOptions`` (a dict, a subclass); an input file that cannot be read; an
-``arch`` of None where no device can be asked; a backend cuda.core cannot name.
-Inputs the uncached link would refuse (no inputs, not an ``ObjectCode``, a
-target other than ``cubin`` or ``ptx``) go to it, which raises.
-
-The uncached link is cuda.core's own class, looked up in ``cuda.core._linker``
-at each call, so a switch that rebinds ``cuda.core.Linker`` to route links
-through :func:`link` does not call itself.
+What cannot be keyed soundly (an option value other than None, bool, int, str or
+a list or tuple of str; an ``options`` that is not a plain ``LinkerOptions``; an
+unreadable input; no device for ``arch=None``; an unnamed backend) links
+uncached: a dropped write and one WARNING per reason. Inputs the linker refuses
+go to it, which raises. The uncached link is cuda.core's own class, looked up in
+``cuda.core._linker``, so the switch's rebinding never calls itself.
 """
 
 from __future__ import annotations
