@@ -302,9 +302,6 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
     record_miss(inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason))
 
 
-# -- the switch ------------------------------------------------------------------------
-
-
 def switched(original: Any, inner_for: Callable[[], Inner | None]) -> Any:
     """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: uncached)."""
 

@@ -204,34 +204,12 @@ class FrontDoor:
                     self._inner.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
                     return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
             self._inner.note_miss(record_kid, found, t0_ns=t0)
-            return self._compile(
-                code,
-                code_type,
-                options,
-                target_type,
-                expressions=name_expressions,
-                logs=logs,
-                search=search,
-                key=record_key,
-                nvrtc=nvrtc,
-                why=found,
-            )
+            inputs = (code, code_type, options, target_type, name_expressions, logs)
+            return self._compile(inputs, search, record_key, nvrtc, found)
 
-    def _compile(
-        self,
-        code: str | bytes,
-        code_type: str,
-        options: Any,
-        target_type: str,
-        *,
-        expressions: tuple[Any, ...],
-        logs: Any,
-        search: Search,
-        key: bytes,
-        nvrtc: str | None,
-        why: str,
-    ) -> Any:
-        """A miss: compile uncached, record the headers it read, store the result and the record.
+    def _compile(self, inputs: tuple[Any, ...], search: Search, record_key: bytes, nvrtc: str | None, why: str) -> Any:
+        """A miss: compile ``(code, code_type, options, target_type, name_expressions, logs)`` uncached, record the
+        headers it read, store the result and the record.
 
         ``nvrtc``: the version the key holds, when keyed here (a compile by another
         NVRTC is returned, not stored); ``why``: the :class:`Why` of the miss.
@@ -240,7 +218,7 @@ class FrontDoor:
         from .shadows import shadows_and_guards
         from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
 
-        name_expressions, record_key = expressions, key
+        code, code_type, options, target_type, name_expressions, logs = inputs
         record_kid = grouped_id(record_key, None)
         # Every clock the headers' file systems keep, as the compile starts (see FsClock).
         started = FsClock(self._inner.layout.tmp)
@@ -298,12 +276,8 @@ class FrontDoor:
             from .inputs import describe
 
             try:  # the journal never costs a compile its result
-                inputs = describe(
-                    code,
-                    code_type,
-                    options,
-                    target_type,
-                    name_expressions,
+                journaled = describe(
+                    *inputs[:5],
                     nvrtc=nvrtc or loaded_nvrtc_version(),
                     cwd=search.cwd,
                     headers={h.path: h.digest[:12] for h in headers},
@@ -311,7 +285,7 @@ class FrontDoor:
             except Exception as exc:
                 _log.debug("cuda-program-cas: front door: inputs not journaled: %r", exc)
             else:
-                self._inner.note_compiled(record_kid, compile_s, "front", inputs, why)
+                self._inner.note_compiled(record_kid, compile_s, "front", journaled, why)
         return result
 
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
@@ -320,8 +294,6 @@ class FrontDoor:
         if exc.name is not None and exc.name not in _warned:
             _warned.add(exc.name)
             _log.warning("cuda-program-cas: front door: %s; such compiles are not cached", exc.reason)
-
-    # -- lookups ---------------------------------------------------------------------
 
     def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, Variant, str | None] | str:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""
@@ -476,8 +448,6 @@ class FrontDoor:
             return False
         values.append(len(variant.absent))
         return proof_of(values) == variant.proof
-
-    # -- misses ----------------------------------------------------------------------
 
     def _read_headers(self, paths: list[str], started: FsClock) -> list[Header]:
         headers = []

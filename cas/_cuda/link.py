@@ -137,9 +137,6 @@ def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
     return None
 
 
-# -- the key ----------------------------------------------------------------------------
-
-
 def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_options: Any) -> tuple[bytes, dict[str, str]]:
     """The store key of a link, and the digest of each path-backed input (re-checked before storing)."""
     if type(options) is not linker_options:

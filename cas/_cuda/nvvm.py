@@ -262,9 +262,6 @@ def _version(unit: Any, original: type) -> list[Any]:
     return found
 
 
-# -- numba-cuda-mlir's LLVM 7 path ------------------------------------------------------------
-
-
 def _llvm70(original: Any) -> Any:
     """``original`` (numba-cuda-mlir's ``_call_llvm70_capi``), its PTX and LTO-IR through the cache."""
 

@@ -219,8 +219,6 @@ def result_key_of(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
     return h.digest()
 
 
-# -- stored forms -------------------------------------------------------------------------
-#
 # A record is compact JSON: {"v": 4, "variants": [...]}, newest first; another "v" is a miss.
 # Headers and candidates are grouped by directory, {dir: [[name, stat tag, digest], ...]}.
 # "proof" is proof_of the headers' stat data (as decoded), the guards', then the candidates' count.

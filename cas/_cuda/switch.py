@@ -261,9 +261,6 @@ def _subclass(name: str, original: type) -> type:
     return Linker
 
 
-# -- routing ---------------------------------------------------------------------------
-
-
 def _process_cache() -> Any:
     """This process's cache, opened on first use; None when it cannot be (one WARNING)."""
     cache = _S.cache
