@@ -127,11 +127,9 @@ def refuse_unkeyable(options: Any, code_type: str) -> None:
 def _libdevice_path() -> str | None:
     try:
         from cuda.core._program import _find_libdevice_path
-    except ImportError:
-        return None
-    try:
+
         path = _find_libdevice_path()
-    except Exception:
+    except Exception:  # ImportError too: a cuda.core without it
         return None
     return os.fspath(path) if path else None
 

@@ -9,6 +9,7 @@ one encoding of inputs, for this path and the front door's.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -38,14 +39,13 @@ def install() -> None:
         original = program_cache.make_program_cache_key
         original = getattr(original, "cpcas_original", original)
 
+        @functools.wraps(original)
         def make_program_cache_key(*args: Any, **kwargs: Any) -> bytes:
             key: bytes = original(*args, **kwargs)
             _last.made = (key, kwargs, _perf())
             return key
 
         make_program_cache_key.cpcas_original = original  # type: ignore[attr-defined]
-        make_program_cache_key.__doc__ = original.__doc__
-        make_program_cache_key.__wrapped__ = original  # type: ignore[attr-defined]
         for module in (program_cache, utils):
             if getattr(module, "make_program_cache_key", None) is original:
                 module.make_program_cache_key = make_program_cache_key

@@ -30,6 +30,8 @@ from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
+from .frontkey import Uncacheable
+
 __all__ = ["link", "link_uncached"]
 
 #: Mixed into every key: a new key format gets new keys.
@@ -38,10 +40,6 @@ _TAG = b"cuda-program-cas link 1\0"
 _PREFIX = b"cpcas-link/1\0"
 #: The targets the linker produces.
 _TARGETS = ("cubin", "ptx")
-
-
-class _Unkeyable(Exception):
-    """A link whose inputs cannot be keyed soundly: it runs uncached."""
 
 
 @functools.cache
@@ -73,7 +71,7 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
         return link_uncached(objects, options, target_type)[0]
     try:
         key, files = _key(objects, options, target_type, LinkerOptions)
-    except _Unkeyable as exc:
+    except Uncacheable as exc:
         result = link_uncached(objects, options, target_type)[0]
         _dropped(inner, str(exc))
         return result
@@ -140,7 +138,7 @@ def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
 def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_options: Any) -> tuple[bytes, dict[str, str]]:
     """The store key of a link, and the digest of each path-backed input (re-checked before storing)."""
     if type(options) is not linker_options:
-        raise _Unkeyable(f"options of type {type(options).__name__}, not LinkerOptions")
+        raise Uncacheable(f"options of type {type(options).__name__}, not LinkerOptions")
     backend, version = _backend()
     h = hashlib.sha256(_TAG)
     h.update(json.dumps([backend, version, target_type, _options_part(options)]).encode())
@@ -153,10 +151,10 @@ def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_option
             try:
                 data = _read(code)
             except OSError as exc:
-                raise _Unkeyable(f"input file {code} cannot be read ({exc.strerror or exc})") from None
+                raise Uncacheable(f"input file {code} cannot be read ({exc.strerror or exc})") from None
             source = code
         else:
-            raise _Unkeyable(f"an input whose code is a {type(code).__name__}")
+            raise Uncacheable(f"an input whose code is a {type(code).__name__}")
         digest = digest_of(data)
         if source:
             files[source] = digest
@@ -182,7 +180,7 @@ def _tagged(name: str, value: object) -> tuple[str, object]:
         return kind.__name__, value
     if (kind is list or kind is tuple) and all(type(v) is str for v in value):  # type: ignore[attr-defined]
         return kind.__name__, list(value)  # type: ignore[call-overload]
-    raise _Unkeyable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
+    raise Uncacheable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
 
 
 def _device_arch() -> str:
@@ -192,7 +190,7 @@ def _device_arch() -> str:
 
         major, minor = Device().compute_capability
     except Exception as exc:
-        raise _Unkeyable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
+        raise Uncacheable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
     return f"sm_{major}{minor}"
 
 
@@ -200,7 +198,7 @@ def _device_arch() -> str:
 def _backend() -> tuple[str, str]:
     """The backend cuda.core links with and its version: ``("nvJitLink", "(13, 5)")`` or ``("driver", "13020")``.
 
-    Cached: cuda.core decides once per process. Raises _Unkeyable when it cannot be told.
+    Cached: cuda.core decides once per process. Raises Uncacheable when it cannot be told.
     """
     try:
         which = _cuda_core()[2].Linker.which_backend()
@@ -217,8 +215,8 @@ def _backend() -> tuple[str, str]:
                 raise RuntimeError(f"cuDriverGetVersion: {err}")
             return "driver", str(int(version))
     except Exception as exc:
-        raise _Unkeyable(f"the linker's backend cannot be told ({type(exc).__name__}: {exc})") from None
-    raise _Unkeyable(f"the linker's backend {name!r} is not known")
+        raise Uncacheable(f"the linker's backend cannot be told ({type(exc).__name__}: {exc})") from None
+    raise Uncacheable(f"the linker's backend {name!r} is not known")
 
 
 def _read(path: str) -> bytes:

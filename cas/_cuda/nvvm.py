@@ -33,6 +33,7 @@ from cuda_program_cas._base.fork import ForkSafeLock
 from cuda_program_cas._disk.files import blake3_hasher
 from cuda_program_cas.index import key_id
 
+from .frontkey import Uncacheable
 from .switch import activate as switch_on
 from .switch import hook_failed, hook_inner, installed, swap, unswap
 
@@ -65,10 +66,6 @@ class _State:
 
 
 _S = _State()
-
-
-class _Unkeyable(Exception):
-    """A compile whose inputs cannot be keyed: it runs uncached."""
 
 
 def activate(mode: str) -> None:
@@ -177,7 +174,7 @@ def _through(
         key, inputs = keyed()
     except Exception as exc:
         result = call()
-        if not isinstance(exc, _Unkeyable):
+        if not isinstance(exc, Uncacheable):
             hook_failed(exc)
         inner.note_dropped(None, f"nvvm: {exc}")
         return result
@@ -229,7 +226,7 @@ def _key(unit: Any, original: type, calls: list[tuple[str, Any]]) -> tuple[bytes
     code, libdevice = blake3(), blake3()
     for what, buffer in calls:
         if not isinstance(buffer, (bytes, bytearray, memoryview)):
-            raise _Unkeyable(f"a module given as {type(buffer).__name__}, not bytes")
+            raise Uncacheable(f"a module given as {type(buffer).__name__}, not bytes")
         digest = blake3(buffer).hexdigest()
         key.update(b"\0" + json.dumps([what, len(buffer), digest]).encode())
         (libdevice if what == "lazy" else code).update(digest.encode())
@@ -257,7 +254,7 @@ def _version(unit: Any, original: type) -> list[Any]:
         try:
             found = [list(unit.driver.get_version()), list(unit.driver.get_ir_version())]
         except Exception as exc:
-            raise _Unkeyable(f"NVVM's version cannot be told ({type(exc).__name__}: {exc})") from None
+            raise Uncacheable(f"NVVM's version cannot be told ({type(exc).__name__}: {exc})") from None
         _S.versions[original] = found
     return found
 
@@ -313,7 +310,7 @@ def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes,
     opt_level = int(target_options.get("opt_level", 2))
     debug_level = 2 if target_options.get("debug", False) else 1 if target_options.get("lineinfo", False) else 0
     if not isinstance(chip, str) or not isinstance(text, bytes):
-        raise _Unkeyable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
+        raise Uncacheable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
     libdevice = _file_id(libs.get_libdevice())
     nvvm: list[Any] = [mo._get_libnvvm_path().decode(), list(driver.NVVM().get_version())]
     nvvm.append(list(mo._get_nvvm_ir_version()))
@@ -340,7 +337,7 @@ def _libllvm(mo: Any) -> str:
         bundled = os.path.join(os.path.dirname(mo.__file__), "lib", "libLLVM-7.so")
         found = os.path.realpath(bundled) if os.path.isfile(bundled) else ""
     if not found:  # a library found by its soname (conda's), or Windows': not told apart here
-        raise _Unkeyable("the LLVM 7 library cannot be told")
+        raise Uncacheable("the LLVM 7 library cannot be told")
     return found
 
 
