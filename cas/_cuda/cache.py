@@ -11,11 +11,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from cuda.core import LinkerOptions, ObjectCode, ProgramOptions
+from cuda.core import LinkerOptions, ObjectCode, Program, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
 from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared, env_switched_off
 from cuda_program_cas._store.store import CacheStore
+from cuda_program_cas.index import key_bytes, key_id
 
 from .inputs import install as install_key_seam
 from .inputs import taken_for
@@ -73,10 +74,8 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 
-    ``CUDA_PROGRAM_CAS=0`` when the cache is made turns it off
-    (:mod:`cuda_program_cas._cuda.off`): lookups miss, writes are dropped,
-    :meth:`compile` and :meth:`link` run uncached. ``key in cache`` raises
-    ``TypeError``: use ``cache.get(key)``.
+    ``CUDA_PROGRAM_CAS=0`` turns it off (:mod:`cuda_program_cas._cuda.off`).
+    ``key in cache`` raises ``TypeError``: use ``cache.get(key)``.
     """
 
     def __init__(
@@ -140,15 +139,11 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return default if data is None else data
 
     def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
-        from cuda_program_cas.index import key_bytes
-
         kb = key_bytes(key)  # a bad key is reported before a path-backed value is read
         data = as_bytes(value)
         made = taken_for(kb)  # a Program.compile(cache=) miss of this thread: its inputs and compile time
         result = self._store.put(kb, data)
         if made is not None and result and isinstance(self._store, CacheStore):
-            from cuda_program_cas.index import key_id
-
             inner_of(self).note_compiled(key_id(kb), made[0], "plain", made[1])
 
     def __delitem__(self, key: bytes | str) -> None:
@@ -189,8 +184,6 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``.
         """
         if isinstance(self._store, SwitchedOff):
-            from cuda.core import Program
-
             program = getattr(Program, "cpcas_original", Program)(code, code_type, options)
             result: ObjectCode = program.compile(target_type, tuple(name_expressions), logs)
             self._store.note_dropped()

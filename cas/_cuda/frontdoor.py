@@ -1,29 +1,23 @@
 """The front door: ``cache.compile(...)``, for the compiles ``Program.compile(cache=)`` refuses.
 
-Compiles that read headers through ``include_path``/``pre_include`` (or a source
-name with a directory), and ``name_expressions``, cached in the manner of
-ccache's direct mode.
+Compiles that read headers (``include_path``, ``pre_include``, a source name
+with a directory) or name expressions, cached as ccache's direct mode caches.
+The *record*, keyed by the inputs without header contents (and the working
+directory where names or debug information depend on it), lists the last few
+*variants*: every file NVRTC read with its blake3 and stat tag, the candidates
+that must stay absent (:mod:`.shadows`) and *guard directories*. A name that is
+not one regular file makes the compile uncacheable (returned, a dropped write,
+one WARNING per header).
 
-The *record* of a compile is keyed by its inputs without header contents (and
-the working directory where a relative name or debug information depends on
-it). It lists the last few *variants*: every file NVRTC read, resolved as the
-kernel resolved it, with its blake3 and stat tag; and *guard directories*, where
-an earlier search location would have had to hold a header, so that a new header
-found first is seen. A name that cannot be resolved to one regular file makes
-the compile uncacheable: its program is returned, a dropped write counted, one
-WARNING per header.
-
-A lookup checks the variants, newest first, by stat data against the variant's
+A lookup checks the variants, newest first, by stat data against each variant's
 proof, re-hashing only headers whose stat changed; from a variant's second look
-in a process, inotify watches answer instead (:mod:`cuda_program_cas._cuda.watch`).
-A record and its results share a key group, so eviction keeps or removes them
-together. One ``compile`` counts one hit or one miss.
+in a process, inotify watches answer instead (:mod:`.watch`). Record and results
+share a key group, so eviction keeps or removes them together.
 
-A miss takes the node's claim on the record key, then compiles uncached: with
-NVRTC 13 or later under ``fdevice_time_trace`` (which lists every header read),
-before 13 by fingerprinting the search directories. A header or guard whose ctime
-is not a whole step of its file system's clock older than the compile's start
-(:class:`cuda_program_cas._disk.fskind.FsClock`) may have changed unseen: the
+A miss holds the node's claim on the record key and compiles uncached, traced by
+``fdevice_time_trace`` (NVRTC 13 and later) or fingerprinting the search trees.
+A header or guard not a whole clock step older than the compile's start
+(:class:`cuda_program_cas._disk.fskind.FsClock`) may have changed unseen: its
 result is returned, not stored.
 """
 
