@@ -39,9 +39,6 @@ class _Loader:
         self._mode = mode
         self._name = name
 
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
         _done(self._name)
@@ -80,9 +77,6 @@ class _Finder:
                     spec.loader = _Loader(spec.loader, self.mode, fullname)
                 return spec
         return None
-
-    def invalidate_caches(self) -> None:
-        pass
 
 
 def defer(mode: str) -> None:

@@ -138,10 +138,7 @@ class _NoDevice(Exception):
 
 
 def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The store key of ``name(**kwargs)`` and its inputs as the miss journal keeps them.
-
-    Raises :class:`.opkey.Uncacheable` for what cannot be keyed soundly.
-    """
+    """The store key of ``name(**kwargs)`` and its journaled inputs; :class:`.opkey.Uncacheable` if unsound."""
     from .opkey import Uncacheable, arg_part
 
     if name not in FACTORIES:

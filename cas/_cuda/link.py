@@ -55,13 +55,9 @@ def _cuda_core() -> tuple[Any, Any, Any]:
 
 
 def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
-    """``Linker(*object_codes, options=options).link(target_type)``, from the store when it holds it.
+    """``Linker(*object_codes, options=options).link(target_type)``, from ``inner``'s store when it holds it.
 
-    ``inner``: the store's :class:`~cuda_program_cas._store.store.Inner`.
-
-    Raises what the uncached link raises (then nothing is stored). A store that
-    fails (a full disk, a read-only directory, an error reading it) never costs
-    the caller the link: it links uncached and returns the result.
+    Raises what the uncached link raises; a failing store never costs the caller the link.
     """
     ObjectCode, LinkerOptions, _ = _cuda_core()
     objects = tuple(object_codes)
@@ -196,10 +192,7 @@ def _device_arch() -> str:
 
 @functools.cache
 def _backend() -> tuple[str, str]:
-    """The backend cuda.core links with and its version: ``("nvJitLink", "(13, 5)")`` or ``("driver", "13020")``.
-
-    Cached: cuda.core decides once per process. Raises Uncacheable when it cannot be told.
-    """
+    """The backend cuda.core links with (once per process) and its version: ``("nvJitLink", "(13, 5)")``."""
     try:
         which = _cuda_core()[2].Linker.which_backend()
         name = str(getattr(which, "value", which))

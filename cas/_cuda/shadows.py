@@ -119,12 +119,8 @@ def shadows_of(
 ) -> Shadows:
     """The candidates of a compile whose main source is ``source`` and which read ``headers``: ``(path, digest)``.
 
-    Each header is read again and scanned only when ``digest`` of its bytes is the one
-    recorded (else :class:`Uncacheable`: it changed since, and the record would not hold).
-
-    ``dirs``: the search directories in NVRTC's order (absolute where it matters: see
-    :class:`cuda_program_cas._cuda.search.Search`); ``pre_includes``: the relative
-    ``pre_include`` names, searched as quoted names of the source.
+    A header whose bytes no longer have the recorded ``digest`` raises :class:`Uncacheable`.
+    ``dirs``: the search directories in NVRTC's order; ``pre_includes``: relative ones.
     """
     out = Shadows()
     read: set[tuple[int, int]] = set()

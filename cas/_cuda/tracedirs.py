@@ -39,9 +39,9 @@ def new_trace_dir() -> str:
 
 
 def sweep_stale(directory: str | None = None, *, older_than_s: float = STALE_S) -> int:
-    """Remove this user's ``cpcas-trace-*`` folders in ``directory`` (the temp dir) unchanged for ``older_than_s``.
+    """Remove this user's ``cpcas-trace-*`` folders in ``directory`` unchanged for ``older_than_s``; never raises.
 
-    Returns how many went. Never raises: a folder that cannot be read or removed stays.
+    Returns how many went.
     """
     directory = directory or tempfile.gettempdir()
     uid = os.getuid() if hasattr(os, "getuid") else None  # Windows: the temp directory is the user's own
