@@ -113,11 +113,6 @@ def _version_or_none(dist: str) -> str:
         return "-"
 
 
-def _serializes() -> bool:
-    """Whether this cuda.compute's backend serializes builds (v1 does; v2, HostJIT, does not yet)."""
-    return b"'backend', 'v1'" in _versions()
-
-
 def _targets(kwargs: dict[str, Any]) -> list[tuple[int, int]]:
     """The compute capabilities the build is for, as cuda.compute normalizes them (or the device's)."""
     from cuda.compute._cccl_interop import normalize_compute_capabilities
@@ -181,7 +176,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     if _depth():  # a factory called while this thread builds one: part of that build
         return original(**kwargs)
     try:
-        if not _serializes():
+        if b"'backend', 'v1'" not in _versions():  # v2 (HostJIT) does not serialize yet
             raise Uncacheable("this cuda.compute's backend (v2) cannot serialize builds")
         key, inputs = key_of(name, kwargs)
     except Uncacheable as exc:

@@ -251,7 +251,9 @@ class FrontDoor:
                 paths = sorted({*paths, *search.pre_includes})
                 headers = self._read_headers(paths, started)
                 absent, guards = shadows_and_guards(code, code_type, options, headers, search)
-                _guards_older_than(guards, started)
+                for path, key in guards:  # an entry changed too late for the directory's stat to prove it
+                    if key is not None and not started.old_at(key[0], key[3]):
+                        raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
                 if nvrtc is not None and loaded_nvrtc_version() != nvrtc:
                     raise Uncacheable(f"NVRTC {loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
             except Uncacheable as exc:
@@ -485,13 +487,6 @@ class FrontDoor:
                 self._inner.delete_id(grouped_id(record_key, bytes.fromhex(str(variant.get("result")))))
             except (ValueError, TypeError):
                 pass
-
-
-def _guards_older_than(guards: list[tuple[str, DirKey | None]], started: FsClock) -> None:
-    """Raise :class:`Uncacheable` for a guard directory whose entries changed too late for its stat to prove them."""
-    for path, key in guards:
-        if key is not None and not started.old_at(key[0], key[3]):
-            raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
 
 
 #: What a stat of an absent candidate fails with (shadows.ABSENT_ERRNOS, not imported by a hit).

@@ -63,8 +63,8 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
     objects = tuple(object_codes)
     if options is None:
         options = LinkerOptions()
-    if not _valid(objects, target_type, ObjectCode):
-        return link_uncached(objects, options, target_type)[0]
+    if not (objects and all(isinstance(o, ObjectCode) for o in objects) and target_type in _TARGETS):
+        return link_uncached(objects, options, target_type)[0]  # it raises for them
     try:
         key, files = _key(objects, options, target_type, LinkerOptions)
     except Uncacheable as exc:
@@ -93,11 +93,6 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
             warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
             inner.note_dropped(kid, f"write failed: {exc!r}")
         return result
-
-
-def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> bool:
-    """Whether the uncached link would get past its checks of the arguments (else it raises for them)."""
-    return bool(objects) and all(isinstance(o, object_code) for o in objects) and target_type in _TARGETS
 
 
 def link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> tuple[Any, str | None]:

@@ -94,22 +94,18 @@ class HeaderCache:
         known = self._known.get(path)
         if known is not None and known[0] == key:
             return known[1]
-        digest = _hash_file(path, key)
-        if digest is not None and old:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+                if file_id(os.fstat(fh.fileno())) != key:
+                    return None
+        except OSError:
+            return None
+        digest = content_digest(data)
+        if old:
             with self._lock:
                 self._known[path] = (key, digest)
         return digest
-
-
-def _hash_file(path: str, key: FileId) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-            if file_id(os.fstat(fh.fileno())) != key:
-                return None
-    except OSError:
-        return None
-    return content_digest(data)
 
 
 #: A directory's identity and entry times: device, inode, mtime and ctime in ns.

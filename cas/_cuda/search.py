@@ -99,12 +99,6 @@ class Search:
         return paths
 
 
-def _strip_sep(path: str) -> str:
-    """``path`` without trailing separators (NVRTC names ``hdr/`` as ``hdr``), the root kept."""
-    stripped = path.rstrip(os.sep)
-    return stripped or path
-
-
 #: The search of a compile that is not C++ (nothing is searched); Search objects are never changed.
 _NO_SEARCH = Search(None, (), ())
 
@@ -137,7 +131,8 @@ def _search_plan(
 def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | None) -> Search:
     """The search of :func:`_search_plan`, its directories made absolute against ``cwd`` where it matters."""
     base = cwd or ""
-    dirs = tuple(_strip_sep(os.path.join(base, d)) for d in searched)
+    joined = (os.path.join(base, d) for d in searched)
+    dirs = tuple(p.rstrip(os.sep) or p for p in joined)  # as NVRTC names ``hdr/``: ``hdr``; the root kept
     # An absolute pre_include is read as named; a relative one is found along the search path.
     return Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
 
