@@ -114,17 +114,11 @@ def remove() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_switch_hook", False)]
 
 
-def _from_environment() -> None:
-    """What the .pth runs: the hook, in the mode ``CUDA_PROGRAM_CAS`` names (checked by the switch)."""
-    import os
-
-    value = os.environ.get("CUDA_PROGRAM_CAS", "").strip()
-    if value not in ("", "0"):
-        defer(value)
-
-
-if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up
+if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up, in the mode the switch checks
     try:
-        _from_environment()
+        import os
+
+        if (value := os.environ.get("CUDA_PROGRAM_CAS", "").strip()) not in ("", "0"):
+            defer(value)
     except Exception as exc:  # never fail the interpreter's start
         print(f"cuda-program-cas: CUDA_PROGRAM_CAS is set but the switch could not start: {exc!r}", file=sys.stderr)

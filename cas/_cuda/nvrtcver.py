@@ -126,15 +126,12 @@ def _read(inner: Any, kid: str) -> str | None:
         found = inner.find(kid)
     except Exception:
         return None
-    if found is None or not _is_value(found[0]):
-        return None  # none, or not one of ours: asked again
+    if found is None:
+        return None
+    major, dot, minor = found[0].partition(b".")  # "major.minor", each of 1 to 4 digits, else asked again
+    if not dot or not all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor)):
+        return None
     return str(found[0].decode())
-
-
-def _is_value(raw: bytes) -> bool:
-    """Whether ``raw`` reads ``major.minor``, each of 1 to 4 digits (no regular expression: 0.15 ms to compile)."""
-    major, dot, minor = raw.partition(b".")
-    return bool(dot) and all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor))
 
 
 def _predict(*, loaded_ok: bool = False) -> tuple[str, FileId] | None:
