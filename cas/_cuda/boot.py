@@ -1,20 +1,14 @@
 """The switch's start-up hook: waits for ``cuda.core`` (numba-cuda's NVVM, cuda.compute) to be imported, then routes.
 
-``cuda_program_cas-switch.pth`` (in site-packages) runs this file at interpreter
-start-up when ``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is
-loaded by path, not imported: importing the package would cost every process
-tens of milliseconds before it compiled anything. So it uses the standard library
-only, and imports nothing of it that ``site`` has not imported already.
+``cuda_program_cas-switch.pth`` runs this file at start-up when
+``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is loaded by path
+and uses only what ``site`` imported already: importing the package would cost
+every process tens of milliseconds.
 
-It puts a finder first on ``sys.meta_path`` that answers for the modules of
-:data:`_TARGETS` alone: it asks the other finders for the real module and wraps its
-loader, so that once ``cuda.core`` has run, ``cuda_program_cas._cuda.switch.activate``
-rebinds its ``Program`` and ``Linker``, before the code that imported it reads either
-name; once numba-cuda's (or numba-cuda-mlir's) NVVM module has run,
-``cuda_program_cas._cuda.nvvm.activate`` rebinds its ``CompilationUnit`` (and, once
-numba-cuda-mlir's ``mlir_optimization`` has, its ``_call_llvm70_capi``); once
-``cuda.compute.algorithms`` has, ``cuda_program_cas._cuda.switch.activate_compute`` routes
-its ``make_*`` factories. Nothing is imported early: a process that never compiles never pays for it.
+A finder first on ``sys.meta_path`` answers for the modules of :data:`_TARGETS`
+alone, wrapping the real loader so that once the module has run, its function
+(``switch.activate``, ``nvvm.activate``, ``switch.activate_compute``) rebinds
+what it routes before the importer reads it.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ if TYPE_CHECKING:  # typing is not imported at start-up: it costs milliseconds
 
 __all__ = ["defer", "remove"]
 
-#: The modules waited for, and the function of this package (``module:function``) that each one's
-#: import runs with the mode.
+#: The modules waited for, and the ``module:function`` each one's import runs with the mode.
 _TARGETS = {
     "cuda.core": "cuda_program_cas._cuda.switch:activate",
     "numba.cuda.cudadrv.nvvm": "cuda_program_cas._cuda.nvvm:activate",
@@ -45,9 +38,6 @@ class _Loader:
         self._loader = loader
         self._mode = mode
         self._name = name
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
@@ -88,9 +78,6 @@ class _Finder:
                 return spec
         return None
 
-    def invalidate_caches(self) -> None:
-        pass
-
 
 def defer(mode: str) -> None:
     """Run the switch in ``mode`` when each module of :data:`_TARGETS` is imported (at once for those that are)."""
@@ -115,8 +102,7 @@ def _done(name: str) -> None:
 
 
 def _activate(mode: str, name: str) -> None:
-    # By name, when it is needed: this file sits below the switch (which imports it), and at
-    # start-up it runs before the package may be imported at all.
+    # By name: at start-up this file runs before the package may be imported at all.
     import importlib
 
     module, _, function = _TARGETS[name].partition(":")
@@ -128,17 +114,11 @@ def remove() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_switch_hook", False)]
 
 
-def _from_environment() -> None:
-    """What the .pth runs: the hook, in the mode ``CUDA_PROGRAM_CAS`` names (checked by the switch)."""
-    import os
-
-    value = os.environ.get("CUDA_PROGRAM_CAS", "").strip()
-    if value not in ("", "0"):
-        defer(value)
-
-
-if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up
+if __name__ == "cuda_program_cas-switch":  # run by the .pth, at start-up, in the mode the switch checks
     try:
-        _from_environment()
+        import os
+
+        if (value := os.environ.get("CUDA_PROGRAM_CAS", "").strip()) not in ("", "0"):
+            defer(value)
     except Exception as exc:  # never fail the interpreter's start
         print(f"cuda-program-cas: CUDA_PROGRAM_CAS is set but the switch could not start: {exc!r}", file=sys.stderr)

@@ -11,11 +11,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from cuda.core import LinkerOptions, ObjectCode, ProgramOptions
+from cuda.core import LinkerOptions, ObjectCode, Program, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
 from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared, env_switched_off
 from cuda_program_cas._store.store import CacheStore
+from cuda_program_cas.index import key_bytes, key_id
 
 from .inputs import install as install_key_seam
 from .inputs import taken_for
@@ -29,12 +30,7 @@ __all__ = ["ContentAddressedProgramCache", "inner_of"]
 
 
 def as_bytes(value: object) -> bytes:
-    """The bytes to store for a cache value.
-
-    ``bytes`` as is; ``bytearray`` and ``memoryview`` copied (so a caller that
-    mutates its buffer later cannot make the stored bytes differ from their
-    digest); an ``ObjectCode``'s code, a path-backed one read from its file now.
-    """
+    """The bytes to store: ``bytes`` as is, other buffers copied, an ``ObjectCode``'s code (read from its file)."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, (bytearray, memoryview)):
@@ -60,44 +56,26 @@ def as_bytes(value: object) -> bytes:
 class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
     """A persistent, deduplicating program cache for ``Program.compile(cache=...)``.
 
-    Each distinct binary is stored once under its blake3 digest; each key has a
-    small manifest naming it. Reads verify the bytes against the digest.
-
     Parameters
     ----------
     path:
         The cache directory, created if missing. Default: ``$CUDA_PROGRAM_CAS_DIR``
         if set, else ``<user cache dir>/cuda-python/program-cas``.
     max_size_bytes:
-        A cap on stored bytes (unique blobs plus manifests), enforced by
-        reference-aware LRU eviction down to 80 % of it. ``None``: no cap. When
-        not given, ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G`` style) if set, else
-        the cap stored in the cache (``cuda-program-cas config PATH max-size
-        10G``), else no cap. A bad value in the environment is one WARNING and
-        is ignored.
+        A cap on stored bytes (unique blobs plus manifests), LRU-evicted to 80 %.
+        ``None``: no cap. Not given: ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G``),
+        else the cap stored in the cache, else none.
     shared:
-        Paths of read-only shared stores, looked up in order after this cache.
-        When not given, ``$CUDA_PROGRAM_CAS_SHARED`` (separated by whitespace or ``;``).
+        Read-only shared stores, looked up in order after this cache. Not given:
+        ``$CUDA_PROGRAM_CAS_SHARED`` (separated by whitespace or ``;``).
     read_only:
-        Never write, create, touch or lock anything under ``path``. A write
-        (``cache[key] = value``, so ``Program.compile`` on a miss) is dropped and
-        counted in ``dropped_writes``; ``del`` and ``clear()`` raise
-        ``ReadOnlyCacheError``. A directory this process cannot write is opened
-        this way anyway (one WARNING per process); one that cannot be created runs
-        uncached.
+        Never write, create, touch or lock anything under ``path``: a write is
+        dropped and counted, ``del`` and ``clear()`` raise ``ReadOnlyCacheError``.
     copy_shared_hits:
         Copy a verified hit from a shared store into this cache (default True).
 
-    ``CUDA_PROGRAM_CAS=0`` in the environment when the cache is made turns it off,
-    as ``CCACHE_DISABLE`` turns ccache off (:mod:`cuda_program_cas._cuda.off`):
-    nothing under ``path`` or in a shared store is created, read, written or
-    locked. A lookup misses; a write, and the result of :meth:`compile` and
-    :meth:`link` (which then compile and link uncached), is dropped and counted in
-    ``dropped_writes``; ``del``, ``clear()`` and :attr:`store` raise
-    ``ReadOnlyCacheError``. :attr:`switched_off` says whether it is.
-
-    ``key in cache`` raises ``TypeError``: a check followed by a read races with
-    other processes; ``cache.get(key)`` answers both at once.
+    ``CUDA_PROGRAM_CAS=0`` turns it off (:mod:`cuda_program_cas._cuda.off`).
+    ``key in cache`` raises ``TypeError``: use ``cache.get(key)``.
     """
 
     def __init__(
@@ -161,15 +139,11 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return default if data is None else data
 
     def __setitem__(self, key: bytes | str, value: bytes | bytearray | memoryview | ObjectCode) -> None:
-        from cuda_program_cas.index import key_bytes
-
         kb = key_bytes(key)  # a bad key is reported before a path-backed value is read
         data = as_bytes(value)
         made = taken_for(kb)  # a Program.compile(cache=) miss of this thread: its inputs and compile time
         result = self._store.put(kb, data)
         if made is not None and result and isinstance(self._store, CacheStore):
-            from cuda_program_cas.index import key_id
-
             inner_of(self).note_compiled(key_id(kb), made[0], "plain", made[1])
 
     def __delitem__(self, key: bytes | str) -> None:
@@ -203,21 +177,13 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         """Compile through the cache, also what ``Program.compile(cache=)`` refuses.
 
         The arguments mean what they mean to ``Program(code, code_type,
-        options).compile(target_type, name_expressions, logs)``. Compiles that read
-        headers through ``include_path``, ``pre_include`` or a source ``name`` with
-        a directory are keyed by the contents of every header they read (re-checked
-        on each lookup, see :mod:`cuda_program_cas._cuda.frontdoor`); ``name_expressions`` are kept
-        with the entry, so a hit's ``symbol_mapping`` (and ``get_kernel``) work. A
-        hit returns an ``ObjectCode`` with the bytes, ``name`` and
-        ``symbol_mapping`` of the uncached compile, without running NVRTC; a miss
-        compiles and stores (on a read-only cache it compiles and stores nothing).
+        options).compile(target_type, name_expressions, logs)``. Header reads are
+        keyed by content (:mod:`cuda_program_cas._cuda.frontdoor`); a hit returns the
+        uncached compile's bytes, ``name`` and ``symbol_mapping`` without NVRTC.
         Options whose effect cannot be keyed (``pch``, ``use_pch``, ``pch_dir``,
-        ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``
-        naming the option, before anything runs.
+        ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``.
         """
         if isinstance(self._store, SwitchedOff):
-            from cuda.core import Program
-
             program = getattr(Program, "cpcas_original", Program)(code, code_type, options)
             result: ObjectCode = program.compile(target_type, tuple(name_expressions), logs)
             self._store.note_dropped()
@@ -234,17 +200,10 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     def link(self, object_codes: Iterable[ObjectCode], options: LinkerOptions | None, target_type: str) -> ObjectCode:
         """Link through the cache: ``Linker(*object_codes, options=options).link(target_type)``.
 
-        Keyed by each input's code type, name and bytes (a path-backed one is read)
-        in order, every ``LinkerOptions`` field, the linker's backend and its
-        version, and the target type. A hit returns an ``ObjectCode`` with the
-        bytes, code type and ``name`` of the uncached link without running the
-        linker; a miss links and stores. One call counts one hit or one miss. A
-        link that fails raises what the uncached link raises and stores nothing.
-        Options that cannot be keyed soundly (a value other than None, a bool, an
-        int, a str or a list or tuple of str), and inputs whose file cannot be
-        read, link uncached: the result is returned, a dropped write counted and
-        one WARNING logged. A cache that cannot be written or read returns the
-        uncached link's result.
+        A hit returns the uncached link's bytes, code type and ``name`` without
+        running the linker. A failed link raises as uncached and stores nothing;
+        options that cannot be keyed and unreadable inputs link uncached (a
+        dropped write, one WARNING).
         """
         from .link import link, link_uncached
 
@@ -258,14 +217,9 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     def build(self, make: Any, /, **kwargs: Any) -> Any:
         """``make(**kwargs)``, a cuda.compute ``make_*`` factory, through the cache (docs/compute.md).
 
-        Keyed by cuda-cccl's and its tools' versions, the factory, the target
-        architectures (``compute_capability=``, else the current device's), the
-        arguments' dtypes and iterator kinds, and a canonical encoding of each
-        Python op (:mod:`cuda_program_cas._cuda.opkey`). A hit loads the stored
-        algorithm without compiling; a miss builds, serializes and stores it.
-        What cannot be keyed soundly is built uncached (a dropped write, named by
-        ``explain``). Raises ``TypeError`` for a ``make`` that is not one of the
-        factories, and what the factory raises.
+        A hit loads the stored algorithm without compiling; a miss builds,
+        serializes and stores it; what cannot be keyed soundly is built uncached.
+        Raises ``TypeError`` for a ``make`` that is not one of the factories.
         """
         from .compute import build
 
@@ -278,9 +232,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         """:meth:`build` for each architecture of ``compute_capabilities`` (``[(8, 0), (9, 0)]``): no GPU needed.
 
         Device arrays may be ``cuda.compute.ProxyArray`` and initial values
-        ``ProxyValue``: an entry is keyed by dtypes, so a GPU of one of these
-        architectures that builds the same algorithm for itself loads it. Returns
-        the algorithm built (or loaded) for each architecture.
+        ``ProxyValue``. Returns the algorithm for each architecture.
         """
         from .compute import prebuild
 
@@ -318,11 +270,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
 
 
 def inner_of(cache: ContentAddressedProgramCache) -> Inner:
-    """The internal side of ``cache``'s store (:class:`~cuda_program_cas._store.store.Inner`), kept with the cache.
-
-    For the switch and the adapter itself, which ask on every compile. Raises as
-    ``cache.store`` does for a cache that is switched off.
-    """
+    """The internal side of ``cache``'s store, kept with the cache (raises as ``cache.store`` does when off)."""
     inner = cache._inner
     if inner is None:
         inner = cache._inner = cache.store.inner

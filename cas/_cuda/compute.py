@@ -1,40 +1,21 @@
 """cuda.compute's algorithm builds as entries of the store: ``cache.build(make_reduce_into, d_in=...)``.
 
-cuda.compute (cuda-cccl) builds each algorithm in every process: its
-``make_*`` factories compile the algorithm and its Python ops through
-``libcccl.c.parallel``, which calls NVRTC and nvJitLink itself, not through
-``cuda.core``. A built algorithm serializes (``cuda.compute.serialize``) and
-loads back without compiling (``cuda.compute.deserialize``), so a build is an
-ordinary entry of the store: its value is the serialized algorithm, its key what
-the build depends on (:func:`key_of`):
+cuda.compute's ``make_*`` factories compile through ``libcccl.c.parallel``, not
+``cuda.core``; a built algorithm serializes and loads back without compiling, so
+a build is an ordinary entry. Its key (:func:`key_of`): this format's tag, the
+versions of Python, cuda-cccl (and its backend), the CUDA bindings, NVRTC,
+nvJitLink, numba-cuda-mlir and NumPy; the factory and every argument
+(:func:`.opkey.arg_part`: dtypes, iterator kinds, each Python op's canonical
+encoding); and the target compute capabilities (``compute_capability=``
+normalized, or the device's), so :func:`prebuild` on any node fills a store for
+another node's GPUs.
 
-- this key format's tag, Python's version, cuda-cccl's version and backend, the
-  CUDA bindings', NVRTC's, nvJitLink's, numba-cuda-mlir's and NumPy's versions;
-- the factory's name and every argument by name (:func:`.opkey.arg_part`): arrays
-  and initial values by dtype, iterators by kind, ``OpKind`` by value, each
-  Python op by its canonical encoding (:mod:`cuda_program_cas._cuda.opkey`);
-- the target compute capabilities: ``compute_capability=`` normalized as
-  cuda.compute normalizes it (sorted, unique), or the current device's. A build
-  for the device's architecture and an ahead-of-time build for that one
-  architecture share an entry: so :func:`prebuild` on any node fills a store for
-  another node's GPUs.
-
-A lookup goes through the store's claim (``find_or_claim``): of the processes
-of a node (and of a cluster whose store gives leases) that miss a key at once,
-one builds, the others wait and load. A hit loads the stored algorithm; one that
-does not load (a damaged or foreign blob) is built again and stored over it. A
-build that cannot be keyed (:class:`.opkey.Uncacheable`), a backend that cannot
-serialize (the v2 HostJIT backend), an algorithm that fails to serialize: built
-as without the cache, a dropped write counted, and a line in the miss journal
-that ``explain`` names. A failure of the cache itself never costs the build.
-
-In a process, an algorithm is loaded once per thread and key (cuda.compute's own
-factories give each thread its objects: a loaded algorithm is not for
-concurrent use by several threads).
-
-The switch (``CUDA_PROGRAM_CAS=1``) routes every factory (:func:`switched`) when
-``cuda.compute.algorithms`` is imported (the start-up hook, :mod:`cuda_program_cas._cuda.boot`,
-waits for it, as for ``cuda.core``), so a process that never imports cuda.compute pays nothing.
+A miss holds the store's claim (``find_or_claim``) while it builds. A hit that
+does not load is built again and stored over. What cannot be keyed or serialized
+(the v2 backend) is built uncached: a dropped write, journaled for ``explain``.
+A failing cache never costs the build. A loaded algorithm is kept per thread and
+key (cuda.compute gives each thread its objects). The switch routes every factory
+(:func:`switched`) once ``cuda.compute.algorithms`` is imported.
 """
 
 from __future__ import annotations
@@ -52,9 +33,6 @@ from cuda_program_cas._base.config import warn_once
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
-
-# The rest of the package is imported when a build asks for it: a program that builds one
-# algorithm through ``cache.build`` pays for nothing more.
 
 __all__ = ["FACTORIES", "HOOKED", "build", "key_of", "prebuild", "switched", "uncacheable_count"]
 
@@ -135,11 +113,6 @@ def _version_or_none(dist: str) -> str:
         return "-"
 
 
-def _serializes() -> bool:
-    """Whether this cuda.compute's backend serializes builds (v1 does; v2, HostJIT, does not yet)."""
-    return b"'backend', 'v1'" in _versions()
-
-
 def _targets(kwargs: dict[str, Any]) -> list[tuple[int, int]]:
     """The compute capabilities the build is for, as cuda.compute normalizes them (or the device's)."""
     from cuda.compute._cccl_interop import normalize_compute_capabilities
@@ -160,10 +133,7 @@ class _NoDevice(Exception):
 
 
 def key_of(name: str, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The store key of ``name(**kwargs)`` and its inputs as the miss journal keeps them.
-
-    Raises :class:`.opkey.Uncacheable` for what cannot be keyed soundly.
-    """
+    """The store key of ``name(**kwargs)`` and its journaled inputs; :class:`.opkey.Uncacheable` if unsound."""
     from .opkey import Uncacheable, arg_part
 
     if name not in FACTORIES:
@@ -206,7 +176,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     if _depth():  # a factory called while this thread builds one: part of that build
         return original(**kwargs)
     try:
-        if not _serializes():
+        if b"'backend', 'v1'" not in _versions():  # v2 (HostJIT) does not serialize yet
             raise Uncacheable("this cuda.compute's backend (v2) cannot serialize builds")
         key, inputs = key_of(name, kwargs)
     except Uncacheable as exc:
@@ -324,15 +294,8 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
     record_miss(inner.layout, kid, 0.0, "compute", {"code_type": f"cuda.compute {name}"}, why=Why(UNCACHEABLE, reason))
 
 
-# -- the switch ------------------------------------------------------------------------
-
-
 def switched(original: Any, inner_for: Callable[[], Inner | None]) -> Any:
-    """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: as cuda.compute builds it).
-
-    The switch binds it wherever a module binds the factory, once ``cuda.compute.algorithms`` is imported
-    (:func:`cuda_program_cas._cuda.switch.activate_compute`): this module imports neither the switch nor the adapter.
-    """
+    """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: uncached)."""
 
     @functools.wraps(original)
     def make(*args: Any, **kwargs: Any) -> Any:

@@ -1,57 +1,24 @@
 """The front door: ``cache.compile(...)``, for the compiles ``Program.compile(cache=)`` refuses.
 
-``Program.compile(cache=...)`` refuses compiles that read headers through
-``include_path``/``pre_include`` (or a source name with a directory) unless the
-caller fingerprints them by hand, and refuses ``name_expressions`` outright. This
-module caches both, in the manner of ccache's direct mode.
+Compiles that read headers (``include_path``, ``pre_include``, a source name
+with a directory) or name expressions, cached as ccache's direct mode caches.
+The *record*, keyed by the inputs without header contents (and the working
+directory where names or debug information depend on it), lists the last few
+*variants*: every file NVRTC read with its blake3 and stat tag, the candidates
+that must stay absent (:mod:`.shadows`) and *guard directories*. A name that is
+not one regular file makes the compile uncacheable (returned, a dropped write,
+one WARNING per header).
 
-The *record* of a compile is keyed by its inputs without header contents
-(``make_program_cache_key`` over the code, options, target and name expressions,
-with this module's tag as ``extra_digest``). When a relative name can decide
-which file NVRTC opens, or the binary's debug information names the directory,
-the working directory is part of that key too: two projects with the same
-relative paths never share a record. A record lists, for each of the last few
-compiles of those inputs (a *variant*):
+A lookup checks the variants, newest first, by stat data against each variant's
+proof, re-hashing only headers whose stat changed; from a variant's second look
+in a process, inotify watches answer instead (:mod:`.watch`). Record and results
+share a key group, so eviction keeps or removes them together.
 
-- every file NVRTC read: the name its time trace gives, resolved against the
-  compile's working directory exactly as the kernel resolved it (symlinks and
-  ``..`` included), with its blake3 and a tag of its stat data;
-- *guard directories*: for each header, the directories an earlier search
-  location would have had to hold it in, so that a new header that would now be
-  found first is seen (a directory's mtime changes when an entry is added,
-  removed or renamed; its identity changes when a symlink to it moves).
-
-A name that cannot be resolved to one regular file makes the compile
-uncacheable: it returns its program, stores nothing, counts a dropped write and
-logs one WARNING per process naming the header. NVRTC's own builtin header is
-the one name it reads from memory.
-
-A lookup checks the variants, newest first: the stat data of every header and
-guard against the variant's one proof of them, and where that differs, each on
-its own: the guards must be unchanged, and each header is re-hashed only when its
-stat changed (a per-process stat cache spares even that). From a variant's second look in a process, inotify watches are
-armed before that check, and while they report nothing a look costs one read of
-their queue instead of a stat per header (:mod:`cuda_program_cas._cuda.watch`).
-The variant names its *result*: the raw binary (the same blob
-``Program.compile(cache=)`` stores for equal bytes), with the ``ObjectCode``
-name and the symbol mapping of the name expressions kept in the variant. A
-record and its results share a group of key ids (:mod:`cuda_program_cas.index`), so
-eviction and ``gc`` keep or remove them together. One ``compile`` counts one hit
-or one miss, whatever it looked up.
-
-A miss first takes the claim on the record key (``store.inner.claim``): of the
-processes of a node that miss the same inputs at once, one compiles and the others
-wait, then look the record up again and hit.
-
-A miss compiles uncached. With NVRTC 13 or later the compile runs with
-``fdevice_time_trace``, whose JSON lists every header NVRTC read (the binary is
-the same with and without it). Before 13, every file under the search
-directories is fingerprinted instead. A header or guard directory whose ctime is
-not a whole step of its file system's clock older than the compile's start, on that
-clock (:class:`cuda_program_cas._disk.fskind.FsClock`), may have changed while NVRTC
-read or searched it, or may change again within the same step and keep its stat data
-(a file system of one-second times): the result is returned but not stored. So a
-record holds only stat data that were old when it was made.
+A miss holds the node's claim on the record key and compiles uncached, traced by
+``fdevice_time_trace`` (NVRTC 13 and later) or fingerprinting the search trees.
+A header or guard not a whole clock step older than the compile's start
+(:class:`cuda_program_cas._disk.fskind.FsClock`) may have changed unseen: its
+result is returned, not stored.
 """
 
 from __future__ import annotations
@@ -184,10 +151,8 @@ class FrontDoor:
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
         extra = TAG + libdevice_fingerprint(options, code_type) + search.key_part() + name_part(options)
         memo = memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
-        # A C++ compile is keyed here, with NVRTC's version from its record (see
-        # nvrtcver): a hit need not load NVRTC. Others go to make_program_cache_key.
-        # make_program_cache_key validates the inputs as Program would (code and target
-        # types, name expressions: bytearray is refused), loading NVRTC to key them.
+        # A C++ compile is keyed here, with NVRTC's version from its record (nvrtcver): a hit
+        # need not load NVRTC. Others go to make_program_cache_key, which validates them.
         cuda_core_key = functools.partial(
             make_program_cache_key,
             code=code,
@@ -233,44 +198,21 @@ class FrontDoor:
                     self._inner.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
                     return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
             self._inner.note_miss(record_kid, found, t0_ns=t0)
-            return self._compile(
-                code,
-                code_type,
-                options,
-                target_type,
-                expressions=name_expressions,
-                logs=logs,
-                search=search,
-                key=record_key,
-                nvrtc=nvrtc,
-                why=found,
-            )
+            inputs = (code, code_type, options, target_type, name_expressions, logs)
+            return self._compile(inputs, search, record_key, nvrtc, found)
 
-    def _compile(
-        self,
-        code: str | bytes,
-        code_type: str,
-        options: Any,
-        target_type: str,
-        *,
-        expressions: tuple[Any, ...],
-        logs: Any,
-        search: Search,
-        key: bytes,
-        nvrtc: str | None,
-        why: str,
-    ) -> Any:
-        """A miss: compile uncached, record the headers it read, store the result and the record.
+    def _compile(self, inputs: tuple[Any, ...], search: Search, record_key: bytes, nvrtc: str | None, why: str) -> Any:
+        """A miss: compile ``(code, code_type, options, target_type, name_expressions, logs)`` uncached, record the
+        headers it read, store the result and the record.
 
-        ``nvrtc``: the version the key holds, when keyed here; a compile by another
-        NVRTC (its file replaced since the key was made) is returned, not stored.
-        ``why``: why the lookup missed (a :class:`Why`), for the miss journal.
+        ``nvrtc``: the version the key holds, when keyed here (a compile by another
+        NVRTC is returned, not stored); ``why``: the :class:`Why` of the miss.
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
         from .shadows import shadows_and_guards
         from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
 
-        name_expressions, record_key = expressions, key
+        code, code_type, options, target_type, name_expressions, logs = inputs
         record_kid = grouped_id(record_key, None)
         # Every clock the headers' file systems keep, as the compile starts (see FsClock).
         started = FsClock(self._inner.layout.tmp)
@@ -309,7 +251,9 @@ class FrontDoor:
                 paths = sorted({*paths, *search.pre_includes})
                 headers = self._read_headers(paths, started)
                 absent, guards = shadows_and_guards(code, code_type, options, headers, search)
-                _guards_older_than(guards, started)
+                for path, key in guards:  # an entry changed too late for the directory's stat to prove it
+                    if key is not None and not started.old_at(key[0], key[3]):
+                        raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
                 if nvrtc is not None and loaded_nvrtc_version() != nvrtc:
                     raise Uncacheable(f"NVRTC {loaded_nvrtc_version()} compiled it, not NVRTC {nvrtc} of its key")
             except Uncacheable as exc:
@@ -328,12 +272,8 @@ class FrontDoor:
             from .inputs import describe
 
             try:  # the journal never costs a compile its result
-                inputs = describe(
-                    code,
-                    code_type,
-                    options,
-                    target_type,
-                    name_expressions,
+                journaled = describe(
+                    *inputs[:5],
                     nvrtc=nvrtc or loaded_nvrtc_version(),
                     cwd=search.cwd,
                     headers={h.path: h.digest[:12] for h in headers},
@@ -341,7 +281,7 @@ class FrontDoor:
             except Exception as exc:
                 _log.debug("cuda-program-cas: front door: inputs not journaled: %r", exc)
             else:
-                self._inner.note_compiled(record_kid, compile_s, "front", inputs, why)
+                self._inner.note_compiled(record_kid, compile_s, "front", journaled, why)
         return result
 
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
@@ -350,8 +290,6 @@ class FrontDoor:
         if exc.name is not None and exc.name not in _warned:
             _warned.add(exc.name)
             _log.warning("cuda-program-cas: front door: %s; such compiles are not cached", exc.reason)
-
-    # -- lookups ---------------------------------------------------------------------
 
     def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, Variant, str | None] | str:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""
@@ -413,12 +351,9 @@ class FrontDoor:
     def _check(self, variant: Variant, fresh: list[Any] | None = None) -> str | None:
         """None when the variant's headers, candidates and guards still hold, else what changed.
 
-        First the variant's whole stat data against its one proof (a stat per header,
-        candidate and guard, one hash); when that differs or is not kept, each file on
-        its own: a header whose stat changed is hashed again, and what changed is named.
-        Content decides: a header with new stat data and the same bytes holds. When such
-        stat data are old on their file system's clock, ``fresh`` gets what
-        :meth:`_refresh` needs to record them (the next look is a stat again).
+        The whole stat data against its one proof first; else each file: a header
+        whose stat changed is hashed again (content decides). Stat data that are
+        old on their file system's clock go to ``fresh`` for :meth:`_refresh`.
         """
         if variant.proof is not None and self._same_stat(variant):
             return None
@@ -476,11 +411,7 @@ class FrontDoor:
         return None
 
     def _refresh(self, record_kid: str, raw: bytes, variant: Variant, fresh: Any) -> None:
-        """Record a variant's new stat data, proven by content (see :meth:`_check`): the next look is a stat again.
-
-        Only stat data that were old when their bytes were hashed are written. Never fails
-        a hit: a record that cannot be written stays as it was.
-        """
+        """Record a variant's new stat data, proven by content (see :meth:`_check`); never fails a hit."""
         renewed, proof = fresh
         if self._store.read_only or proof is None:
             return
@@ -513,8 +444,6 @@ class FrontDoor:
             return False
         values.append(len(variant.absent))
         return proof_of(values) == variant.proof
-
-    # -- misses ----------------------------------------------------------------------
 
     def _read_headers(self, paths: list[str], started: FsClock) -> list[Header]:
         headers = []
@@ -558,17 +487,6 @@ class FrontDoor:
                 self._inner.delete_id(grouped_id(record_key, bytes.fromhex(str(variant.get("result")))))
             except (ValueError, TypeError):
                 pass
-
-
-def _guards_older_than(guards: list[tuple[str, DirKey | None]], started: FsClock) -> None:
-    """Raise :class:`Uncacheable` for a guard directory whose entries changed too late to be proven by its stat.
-
-    An entry added after the compile looked there, or in the same step of the directory's
-    file system clock as one added later, leaves its stat tag as recorded.
-    """
-    for path, key in guards:
-        if key is not None and not started.old_at(key[0], key[3]):
-            raise Uncacheable(f"directory {path} changed while it was compiled (or too shortly before)")
 
 
 #: What a stat of an absent candidate fails with (shadows.ABSENT_ERRNOS, not imported by a hit).

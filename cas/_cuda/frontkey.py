@@ -64,15 +64,10 @@ def memo_key(
     names: tuple[object, ...],
     extra: bytes,
 ) -> tuple[object, ...] | None:
-    """What a C++ compile's record key is made of, here (see :func:`own_key`); None where cuda-core keys it.
+    """What a C++ compile's record key is made of here (see :func:`own_key`); None where cuda-core keys it.
 
-    The code, the target, the options' flags as NVRTC gets them
-    (``ProgramOptions.as_bytes("nvrtc", target)``, 3 us against make_program_cache_key's
-    25), the name expressions with their types and ``extra``: what
-    make_program_cache_key hashes for NVRTC, less its version probe, which
-    loads NVRTC. Code that is not ``str``, ``extra_sources``, inputs whose flags
-    cannot be had and name expressions of other types go to make_program_cache_key,
-    which refuses them as Program would.
+    What make_program_cache_key hashes for NVRTC, less its version probe (which
+    loads NVRTC): code, target, NVRTC's flags, typed name expressions, ``extra``.
     """
     if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
         return None
@@ -86,9 +81,7 @@ def memo_key(
 def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
     """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, each length-prefixed.
 
-    A key of its own (not make_program_cache_key's), so that NVRTC's version can
-    come from a record instead of from the library; its tag keeps it apart from
-    every key cuda-core makes.
+    Its own, so that NVRTC's version can come from a record; its tag keeps it apart from cuda-core's keys.
     """
     code, target, flags, names, extra = memo
     h = hashlib.sha256(_KEY)
@@ -134,11 +127,9 @@ def refuse_unkeyable(options: Any, code_type: str) -> None:
 def _libdevice_path() -> str | None:
     try:
         from cuda.core._program import _find_libdevice_path
-    except ImportError:
-        return None
-    try:
+
         path = _find_libdevice_path()
-    except Exception:
+    except Exception:  # ImportError too: a cuda.core without it
         return None
     return os.fspath(path) if path else None
 

@@ -1,20 +1,15 @@
 """What a compile that missed was made of, in the miss journal's form (:mod:`cuda_program_cas._local.journal`).
 
-``Program.compile(cache=)`` hands the cache a finished key: sha256 of inputs it
-never sees. To say which input made such a key new, :func:`install` wraps
-``cuda.core``'s ``make_program_cache_key`` (what ``Program.compile`` calls to
-key a compile, looked up in ``cuda.core.utils`` each time) with a function that
-returns the same key and keeps, per thread, the last key made with its inputs
-and the time. When the cache is then asked to store under that key
-(:func:`taken_for`), the compile in between was that key's miss: its inputs go
-to the journal, and the time since the key was made is its compile time. A hit
-costs the wrapper's call (about 0.3 us, against make_program_cache_key's 25).
-
-:func:`describe` is the one encoding of inputs, for this path and the front door's.
+``Program.compile(cache=)`` hands the cache a finished key. :func:`install`
+wraps ``cuda.core``'s ``make_program_cache_key`` to keep, per thread, the last
+key made with its inputs and the time; when the cache then stores under that key
+(:func:`taken_for`), the compile in between was its miss. :func:`describe` is the
+one encoding of inputs, for this path and the front door's.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -44,14 +39,13 @@ def install() -> None:
         original = program_cache.make_program_cache_key
         original = getattr(original, "cpcas_original", original)
 
+        @functools.wraps(original)
         def make_program_cache_key(*args: Any, **kwargs: Any) -> bytes:
             key: bytes = original(*args, **kwargs)
             _last.made = (key, kwargs, _perf())
             return key
 
         make_program_cache_key.cpcas_original = original  # type: ignore[attr-defined]
-        make_program_cache_key.__doc__ = original.__doc__
-        make_program_cache_key.__wrapped__ = original  # type: ignore[attr-defined]
         for module in (program_cache, utils):
             if getattr(module, "make_program_cache_key", None) is original:
                 module.make_program_cache_key = make_program_cache_key

@@ -1,34 +1,18 @@
 """``cache.link(...)``: ``Linker(*object_codes, options=...).link(target_type)`` through the cache.
 
-A link is keyed by everything that can change its output:
+A link is keyed by each input in order (code type, name, bytes, and the path of
+a path-backed one), every ``LinkerOptions`` field tagged with its type (an
+``arch`` of None resolved to the device's), the backend (nvJitLink or cuLink)
+and its version, the target type and this module's tag. The value is the linked
+bytes, an ordinary entry; a miss holds the node's claim while it links. A hit
+returns an ``ObjectCode`` as the uncached link does, with no linker logs.
 
-- each input, in order: its code type, its name (the linker is given it), and
-  its bytes (a path-backed ``ObjectCode`` is read, and its path is keyed too:
-  the linker opens the file by that name);
-- every field of the ``LinkerOptions``, each value tagged with its type (the
-  linker treats a ``list`` and a ``tuple`` differently), an ``arch`` of None
-  resolved to the current device's, as the linker resolves it;
-- the backend cuda.core links with (nvJitLink or the driver's cuLink) and its
-  version, as cuda.core's own program cache keys them;
-- the target type, and this module's format tag.
-
-The value is the linked bytes, an ordinary entry of the store (one lookup: one
-hit or one miss); a miss takes the node's claim on the key first, so processes
-that miss the same link at once run the linker once; a hit returns an ``ObjectCode`` of the target's code type
-named by ``options.name``, as the uncached link does, without running the
-linker. A hit has no linker logs: there is no ``Linker`` to ask.
-
-What cannot be keyed soundly links uncached, counts a dropped write and logs
-one WARNING per reason per process: an option value that is not None, a bool,
-an int, a str or a list or tuple of str; an ``options`` that is not a plain
-``LinkerOptions`` (a dict, a subclass); an input file that cannot be read; an
-``arch`` of None where no device can be asked; a backend cuda.core cannot name.
-Inputs the uncached link would refuse (no inputs, not an ``ObjectCode``, a
-target other than ``cubin`` or ``ptx``) go to it, which raises.
-
-The uncached link is cuda.core's own class, looked up in ``cuda.core._linker``
-at each call, so a switch that rebinds ``cuda.core.Linker`` to route links
-through :func:`link` does not call itself.
+What cannot be keyed soundly (an option value other than None, bool, int, str or
+a list or tuple of str; an ``options`` that is not a plain ``LinkerOptions``; an
+unreadable input; no device for ``arch=None``; an unnamed backend) links
+uncached: a dropped write and one WARNING per reason. Inputs the linker refuses
+go to it, which raises. The uncached link is cuda.core's own class, looked up in
+``cuda.core._linker``, so the switch's rebinding never calls itself.
 """
 
 from __future__ import annotations
@@ -46,6 +30,8 @@ from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
+from .frontkey import Uncacheable
+
 __all__ = ["link", "link_uncached"]
 
 #: Mixed into every key: a new key format gets new keys.
@@ -54,10 +40,6 @@ _TAG = b"cuda-program-cas link 1\0"
 _PREFIX = b"cpcas-link/1\0"
 #: The targets the linker produces.
 _TARGETS = ("cubin", "ptx")
-
-
-class _Unkeyable(Exception):
-    """A link whose inputs cannot be keyed soundly: it runs uncached."""
 
 
 @functools.cache
@@ -73,23 +55,19 @@ def _cuda_core() -> tuple[Any, Any, Any]:
 
 
 def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
-    """``Linker(*object_codes, options=options).link(target_type)``, from the store when it holds it.
+    """``Linker(*object_codes, options=options).link(target_type)``, from ``inner``'s store when it holds it.
 
-    ``inner``: the store's :class:`~cuda_program_cas._store.store.Inner`.
-
-    Raises what the uncached link raises (then nothing is stored). A store that
-    fails (a full disk, a read-only directory, an error reading it) never costs
-    the caller the link: it links uncached and returns the result.
+    Raises what the uncached link raises; a failing store never costs the caller the link.
     """
     ObjectCode, LinkerOptions, _ = _cuda_core()
     objects = tuple(object_codes)
     if options is None:
         options = LinkerOptions()
-    if not _valid(objects, target_type, ObjectCode):
-        return link_uncached(objects, options, target_type)[0]
+    if not (objects and all(isinstance(o, ObjectCode) for o in objects) and target_type in _TARGETS):
+        return link_uncached(objects, options, target_type)[0]  # it raises for them
     try:
         key, files = _key(objects, options, target_type, LinkerOptions)
-    except _Unkeyable as exc:
+    except Uncacheable as exc:
         result = link_uncached(objects, options, target_type)[0]
         _dropped(inner, str(exc))
         return result
@@ -115,11 +93,6 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
             warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
             inner.note_dropped(kid, f"write failed: {exc!r}")
         return result
-
-
-def _valid(objects: tuple[Any, ...], target_type: object, object_code: Any) -> bool:
-    """Whether the uncached link would get past its checks of the arguments (else it raises for them)."""
-    return bool(objects) and all(isinstance(o, object_code) for o in objects) and target_type in _TARGETS
 
 
 def link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> tuple[Any, str | None]:
@@ -153,13 +126,10 @@ def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
     return None
 
 
-# -- the key ----------------------------------------------------------------------------
-
-
 def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_options: Any) -> tuple[bytes, dict[str, str]]:
     """The store key of a link, and the digest of each path-backed input (re-checked before storing)."""
     if type(options) is not linker_options:
-        raise _Unkeyable(f"options of type {type(options).__name__}, not LinkerOptions")
+        raise Uncacheable(f"options of type {type(options).__name__}, not LinkerOptions")
     backend, version = _backend()
     h = hashlib.sha256(_TAG)
     h.update(json.dumps([backend, version, target_type, _options_part(options)]).encode())
@@ -172,10 +142,10 @@ def _key(objects: tuple[Any, ...], options: Any, target_type: str, linker_option
             try:
                 data = _read(code)
             except OSError as exc:
-                raise _Unkeyable(f"input file {code} cannot be read ({exc.strerror or exc})") from None
+                raise Uncacheable(f"input file {code} cannot be read ({exc.strerror or exc})") from None
             source = code
         else:
-            raise _Unkeyable(f"an input whose code is a {type(code).__name__}")
+            raise Uncacheable(f"an input whose code is a {type(code).__name__}")
         digest = digest_of(data)
         if source:
             files[source] = digest
@@ -201,7 +171,7 @@ def _tagged(name: str, value: object) -> tuple[str, object]:
         return kind.__name__, value
     if (kind is list or kind is tuple) and all(type(v) is str for v in value):  # type: ignore[attr-defined]
         return kind.__name__, list(value)  # type: ignore[call-overload]
-    raise _Unkeyable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
+    raise Uncacheable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
 
 
 def _device_arch() -> str:
@@ -211,16 +181,13 @@ def _device_arch() -> str:
 
         major, minor = Device().compute_capability
     except Exception as exc:
-        raise _Unkeyable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
+        raise Uncacheable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
     return f"sm_{major}{minor}"
 
 
 @functools.cache
 def _backend() -> tuple[str, str]:
-    """The backend cuda.core links with and its version: ``("nvJitLink", "(13, 5)")`` or ``("driver", "13020")``.
-
-    Cached: cuda.core decides once per process. Raises _Unkeyable when it cannot be told.
-    """
+    """The backend cuda.core links with (once per process) and its version: ``("nvJitLink", "(13, 5)")``."""
     try:
         which = _cuda_core()[2].Linker.which_backend()
         name = str(getattr(which, "value", which))
@@ -236,8 +203,8 @@ def _backend() -> tuple[str, str]:
                 raise RuntimeError(f"cuDriverGetVersion: {err}")
             return "driver", str(int(version))
     except Exception as exc:
-        raise _Unkeyable(f"the linker's backend cannot be told ({type(exc).__name__}: {exc})") from None
-    raise _Unkeyable(f"the linker's backend {name!r} is not known")
+        raise Uncacheable(f"the linker's backend cannot be told ({type(exc).__name__}: {exc})") from None
+    raise Uncacheable(f"the linker's backend {name!r} is not known")
 
 
 def _read(path: str) -> bytes:

@@ -1,39 +1,20 @@
 """NVRTC's version without loading NVRTC, from a record keyed by the library file that would load.
 
-The front door's keys hold NVRTC's version, and asking ``nvrtcVersion`` loads
-``libnvrtc`` first: 11 to 17 ms of a fresh process's first front-door hit (a
-141 MB library), spent only to learn two numbers. :func:`version` learns them
-instead from a record in the cache, keyed by the identity of the file that
-``cuda.bindings`` would load:
+Asking ``nvrtcVersion`` loads ``libnvrtc`` (11 to 17 ms of a fresh process's first
+front-door hit). :func:`version` reads the version instead from a node-local
+entry (:func:`cuda_program_cas.index.local_id`) keyed by:
 
-- The file is found as ``cuda.pathfinder`` finds it for ``cuda.bindings``
-  (``load_nvidia_dynamic_lib("nvrtc")``), without loading it: if a ``libnvrtc``
-  is loaded in the process already, that one is used (ask it); else the NVIDIA
-  wheels in site-packages, then ``$CONDA_PREFIX`` (pathfinder's steps, run as
-  its loader runs them). Past those it asks the dynamic loader (which reads
-  ``LD_LIBRARY_PATH``, ``ld.so.cache``...) and then ``CUDA_HOME``: that cannot be
-  known without loading, so NVRTC is loaded as before.
-- Its identity is ``stat`` of that path, followed (device, inode, size, mtime
-  and ctime, in ns), on a file system whose stat data are reliable
-  (:mod:`cuda_program_cas._disk.fskind`; NFS is not: its attributes are cached).
-  An upgrade in place changes the size or times (ctime cannot be set back
-  without root), another venv or a moved symlink names another inode.
-- The record's key also holds the boot id (inode numbers of another boot, or of
-  another machine sharing the cache directory, prove nothing here) and the
-  versions of cuda-bindings and cuda-pathfinder (the search this module mirrors
-  is theirs). It is a node-local entry (:func:`cuda_program_cas.index.local_id`,
-  never published) holding ``b"13.5"``, written through the cache's one write
-  protocol when a process had to load NVRTC to learn the version and
-  ``/proc/self/maps`` shows that the file it loaded is the one predicted,
-  and by a front-door miss (:func:`remember`) of a process that loaded NVRTC
-  before it asked (an uncached ``Program`` first): without that, the first
-  hit of the next process loaded NVRTC to learn what the miss already knew.
+- the file ``cuda.pathfinder`` would load for ``cuda.bindings``, found by its
+  early steps without loading (a libnvrtc loaded already, or one only the dynamic
+  loader or ``CUDA_HOME`` would find, cannot be predicted: NVRTC is loaded);
+- its identity (``stat`` followed: device, inode, size, mtime, ctime) on a file
+  system whose stat data are reliable (not NFS);
+- the boot id and the versions of cuda-bindings and cuda-pathfinder.
 
-In a process, the answer is kept with the file's identity, which every call
-checks again with one ``stat``; once NVRTC is loaded (by a compile, or to ask),
-the loaded library's answer is final. A miss compares the version its key was
-made with against the loaded library's after compiling, and does not store a
-result made by another (the front door does that).
+The entry is written when a process loaded NVRTC to learn the version, or by a
+front-door miss (:func:`remember`), only when ``/proc/self/maps`` shows the file
+loaded is the one predicted. In a process the answer is checked with one
+``stat`` per call; once NVRTC is loaded its answer is final.
 """
 
 from __future__ import annotations
@@ -93,10 +74,7 @@ def loaded_version() -> str:
 
 
 def version(inner: Any) -> str:
-    """NVRTC's ``"major.minor"`` for a key: from the store's record when the file is provably the same, else asked.
-
-    ``inner``: the store's :class:`~cuda_program_cas._store.store.Inner`.
-    """
+    """NVRTC's ``"major.minor"`` for a key: from ``inner``'s record when the file is provably the same, else asked."""
     if _S.loaded is not None:
         return _S.loaded
     known = _S.known
@@ -121,10 +99,8 @@ def version(inner: Any) -> str:
 def remember(inner: Any) -> None:
     """After a compile loaded NVRTC: record its version for ``inner``'s store, if the file loaded is the one predicted.
 
-    A miss of a process whose NVRTC was loaded before the front door asked (an uncached
-    ``Program`` first) took the loaded answer and wrote no record; this writes it, once
-    per store and process. Nothing is written unless ``/proc/self/maps`` shows that
-    the only libnvrtc mapped is the file a fresh process would load.
+    Once per store and process, and only when ``/proc/self/maps`` shows that the
+    only libnvrtc mapped is the file a fresh process would load.
     """
     loaded, store = _S.loaded, inner.store
     if loaded is None or store.read_only or store in _S.remembered:
@@ -150,22 +126,18 @@ def _read(inner: Any, kid: str) -> str | None:
         found = inner.find(kid)
     except Exception:
         return None
-    if found is None or not _is_value(found[0]):
-        return None  # none, or not one of ours: asked again
+    if found is None:
+        return None
+    major, dot, minor = found[0].partition(b".")  # "major.minor", each of 1 to 4 digits, else asked again
+    if not dot or not all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor)):
+        return None
     return str(found[0].decode())
-
-
-def _is_value(raw: bytes) -> bool:
-    """Whether ``raw`` reads ``major.minor``, each of 1 to 4 digits (no regular expression: 0.15 ms to compile)."""
-    major, dot, minor = raw.partition(b".")
-    return bool(dot) and all(0 < len(p) <= 4 and p.isdigit() for p in (major, minor))
 
 
 def _predict(*, loaded_ok: bool = False) -> tuple[str, FileId] | None:
     """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded.
 
-    ``loaded_ok``: a libnvrtc loaded in this process does not stop the search (the
-    caller compares what is mapped with the answer).
+    ``loaded_ok``: a libnvrtc loaded already does not stop the search (the caller checks the maps).
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -203,17 +175,13 @@ def _record_id(path: str, ident: FileId) -> str:
     import cuda.pathfinder
 
     parts = (
-        _boot_id(),
+        boot_id() or "?",
         path,
         ",".join(map(str, ident)),
         str(getattr(cuda.bindings, "__version__", "?")),
         str(getattr(cuda.pathfinder, "__version__", "?")),
     )
     return local_id(_RECORD + "\0".join(parts).encode("utf-8", "surrogateescape"))
-
-
-def _boot_id() -> str:
-    return boot_id() or "?"  # read once per process, for the blob record too
 
 
 def _maps_show(ident: FileId) -> bool:

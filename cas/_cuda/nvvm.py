@@ -1,38 +1,20 @@
 """The switch's hook on numba-cuda's NVVM compiles: a Python kernel's IR to PTX or LTO-IR through the cache.
 
-numba-cuda compiles a kernel's LLVM IR with NVVM through ``cuda.bindings.nvvm``,
-not ``cuda.core``, in ``numba.cuda.cudadrv.nvvm.CompilationUnit``; numba-cuda-mlir
-has the same class (over its own ctypes binding) in
-``numba_cuda_mlir.numba_cuda.cudadrv.nvvm``. Every NVVM compile of either goes
-``CompilationUnit(options)``, ``add_module`` (each IR module), ``verify``,
-``lazy_add_module`` (libdevice), ``compile``. When such a module is imported with
-the switch on (the start-up hook, :mod:`cuda_program_cas._cuda.boot`, or
-``install()``), :func:`activate` binds a subclass to ``CompilationUnit`` there and in
-every module that imported the name (as the switch rebinds ``Program``).
+numba-cuda (and numba-cuda-mlir) compile through ``CompilationUnit(options)``,
+``add_module``, ``verify``, ``lazy_add_module`` (libdevice), ``compile``. With
+the switch on, :func:`activate` binds a subclass to ``CompilationUnit`` wherever
+the name is bound; it records the calls, and ``compile`` looks the result up
+under a key of every module (kind, length, blake3), ``verify``, the options as
+NVVM gets them, NVVM's and its IR's version, and the wrapper's module.
 
-The subclass records the calls instead of making them, and ``compile`` looks the
-result up under a key of everything NVVM is given, in order:
+A hit returns the bytes of the uncached compile (tests/test_nvvm.py compares
+them) with an empty ``log``. A miss takes the node's claim on the key, makes the
+recorded calls and stores the result; one with a non-empty NVVM log is not
+stored (a dropped write). NVVM's errors are raised as uncached; a failing cache
+is the switch's one WARNING and the uncached compile.
 
-- each module: added or added lazily, its length and its blake3 (the lazy one is
-  libdevice: its content digest, read as numba read it);
-- that ``verify`` ran, and where;
-- the options as NVVM gets them (``-arch=compute_80``, ``-opt=3``, ``-gen-lto``...);
-- NVVM's version and IR version, as the wrapper reports them, and the wrapper's module;
-- this module's format tag.
-
-A hit returns the stored bytes, which are the bytes the uncached compile returns
-(tests/test_nvvm.py compares them) with no NVVM call; the unit's ``log`` is empty,
-as a compile that stored was. A miss takes the node's claim on the key (one compile
-per key per node at once), makes the recorded calls in order and stores the result
-as an ordinary entry of the store, with its compile time (what hits save) and its
-inputs in the miss journal (``via``: ``nvvm``; for ``explain``). A compile whose
-NVVM log is not empty is not stored (a hit would not repeat its warnings): a dropped
-write. An error of NVVM's is raised as the uncached compile raises it; anything
-failing inside the cache is the switch's one WARNING and the uncached compile.
-
-numba names a kernel's symbols with a counter of the functions it compiled in the
-process (``_ZN8__main__1kB2v1...``): the same job compiles the same IR in every fresh
-process and hits, but a process that compiles another function first gets new keys.
+numba names symbols with a per-process counter of compiled functions: a
+process that compiles another function first gets new keys.
 """
 
 from __future__ import annotations
@@ -51,6 +33,7 @@ from cuda_program_cas._base.fork import ForkSafeLock
 from cuda_program_cas._disk.files import blake3_hasher
 from cuda_program_cas.index import key_id
 
+from .frontkey import Uncacheable
 from .switch import activate as switch_on
 from .switch import hook_failed, hook_inner, installed, swap, unswap
 
@@ -83,10 +66,6 @@ class _State:
 
 
 _S = _State()
-
-
-class _Unkeyable(Exception):
-    """A compile whose inputs cannot be keyed: it runs uncached."""
 
 
 def activate(mode: str) -> None:
@@ -184,10 +163,9 @@ def _through(
     hit: Callable[[], None],
     unstorable: Callable[[], str | None],
 ) -> Any:
-    """One compile through the cache: ``call()``'s result, or the stored bytes under ``keyed()``'s key.
+    """``call()``'s result through the cache under ``keyed()``'s key; a failing cache is ``call()`` uncached.
 
-    ``hit()`` runs before a hit returns; ``unstorable()``, after a miss compiled, says why its
-    result is not stored (``None``: it is). Anything failing in the cache is ``call()`` uncached.
+    ``hit()`` runs before a hit returns; ``unstorable()`` says why a miss's result is not stored.
     """
     inner = hook_inner()
     if inner is None:  # the switch is off, or no cache could be opened (said once)
@@ -196,7 +174,7 @@ def _through(
         key, inputs = keyed()
     except Exception as exc:
         result = call()
-        if not isinstance(exc, _Unkeyable):
+        if not isinstance(exc, Uncacheable):
             hook_failed(exc)
         inner.note_dropped(None, f"nvvm: {exc}")
         return result
@@ -248,20 +226,25 @@ def _key(unit: Any, original: type, calls: list[tuple[str, Any]]) -> tuple[bytes
     code, libdevice = blake3(), blake3()
     for what, buffer in calls:
         if not isinstance(buffer, (bytes, bytearray, memoryview)):
-            raise _Unkeyable(f"a module given as {type(buffer).__name__}, not bytes")
+            raise Uncacheable(f"a module given as {type(buffer).__name__}, not bytes")
         digest = blake3(buffer).hexdigest()
         key.update(b"\0" + json.dumps([what, len(buffer), digest]).encode())
         (libdevice if what == "lazy" else code).update(digest.encode())
-    inputs = {
-        "code": code.hexdigest()[:32],
+    inputs = _inputs(code.hexdigest(), "-gen-lto" in options, options, version, libdevice.hexdigest())
+    return _PREFIX + key.digest(), inputs
+
+
+def _inputs(code: str, lto: bool, options: list[str], version: list[Any], libdevice: str) -> dict[str, Any]:
+    """An NVVM compile's inputs as the miss journal holds them."""
+    return {
+        "code": code[:32],
         "code_type": "nvvm",
-        "target": "ltoir" if "-gen-lto" in options else "ptx",
+        "target": "ltoir" if lto else "ptx",
         "options": options,
         "names": [],
         "nvvm": "{}.{} (IR {}.{})".format(*version[0][:2], *version[1][:2]),
-        "libdevice": libdevice.hexdigest()[:16],
+        "libdevice": libdevice[:16],
     }
-    return _PREFIX + key.digest(), inputs
 
 
 def _version(unit: Any, original: type) -> list[Any]:
@@ -271,12 +254,9 @@ def _version(unit: Any, original: type) -> list[Any]:
         try:
             found = [list(unit.driver.get_version()), list(unit.driver.get_ir_version())]
         except Exception as exc:
-            raise _Unkeyable(f"NVVM's version cannot be told ({type(exc).__name__}: {exc})") from None
+            raise Uncacheable(f"NVVM's version cannot be told ({type(exc).__name__}: {exc})") from None
         _S.versions[original] = found
     return found
-
-
-# -- numba-cuda-mlir's LLVM 7 path ------------------------------------------------------------
 
 
 def _llvm70(original: Any) -> Any:
@@ -309,13 +289,10 @@ def _dumps(target_options: Any) -> bool:
 
 
 def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes, dict[str, Any]]:
-    """The store key of one ``_call_llvm70_capi`` compile, and its inputs as the miss journal holds them.
+    """The store key of one ``_call_llvm70_capi`` compile, and its journaled inputs.
 
-    Everything the C library is handed, as the original reads it: the gpu.module (printed
-    generic, with its locations, after the ``llvm70.struct_pointees`` attribute the original
-    sets is set), the chip, the optimisation and debug levels, whether LTO-IR; and the
-    identities of what it loads: libLLVM 7, the bridge library, libNVVM (its path, version and
-    IR version), libdevice, numba-cuda-mlir's version.
+    Everything the C library is handed, as the original reads it (the gpu.module printed
+    generic with locations, chip, levels, LTO), and the identities of what it loads.
     """
     from importlib import import_module
     from importlib.metadata import version
@@ -333,7 +310,7 @@ def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes,
     opt_level = int(target_options.get("opt_level", 2))
     debug_level = 2 if target_options.get("debug", False) else 1 if target_options.get("lineinfo", False) else 0
     if not isinstance(chip, str) or not isinstance(text, bytes):
-        raise _Unkeyable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
+        raise Uncacheable(f"the LLVM 7 path's chip {chip!r} or module is not as expected")
     libdevice = _file_id(libs.get_libdevice())
     nvvm: list[Any] = [mo._get_libnvvm_path().decode(), list(driver.NVVM().get_version())]
     nvvm.append(list(mo._get_nvvm_ir_version()))
@@ -349,15 +326,7 @@ def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes,
     code = blake3_hasher()(text).hexdigest()
     key = hashlib.sha256(_TAG_LLVM70)
     key.update(json.dumps(identity).encode() + b"\0" + json.dumps([len(text), code]).encode())
-    inputs = {
-        "code": code[:32],
-        "code_type": "nvvm",
-        "target": "ltoir" if gen_lto else "ptx",
-        "options": ["llvm70", *options],
-        "names": [],
-        "nvvm": "{}.{} (IR {}.{})".format(*nvvm[1][:2], *nvvm[2][:2]),
-        "libdevice": libdevice[2][:16],
-    }
+    inputs = _inputs(code, gen_lto, ["llvm70", *options], nvvm[1:], libdevice[2])
     return _PREFIX + key.digest(), inputs
 
 
@@ -368,7 +337,7 @@ def _libllvm(mo: Any) -> str:
         bundled = os.path.join(os.path.dirname(mo.__file__), "lib", "libLLVM-7.so")
         found = os.path.realpath(bundled) if os.path.isfile(bundled) else ""
     if not found:  # a library found by its soname (conda's), or Windows': not told apart here
-        raise _Unkeyable("the LLVM 7 library cannot be told")
+        raise Uncacheable("the LLVM 7 library cannot be told")
     return found
 
 

@@ -1,28 +1,20 @@
 """A canonical encoding of what a cuda.compute build depends on: its arguments and each Python op.
 
-cuda.compute's own cache keys a build in one process by identities (``id()``
-of objects it does not know); a key of the store must hold across processes,
-nodes and Python runs, so this module encodes values as bytes that depend only
-on what the compiled code depends on:
+cuda.compute keys a build in one process by ``id()``; a store key must hold
+across processes and nodes, so values are encoded as bytes that depend only on
+what the compiled code depends on:
 
-- a Python function: its qualified name, its code object (bytecode, constants,
-  names, argument counts and flags, nested code objects; never line numbers),
-  its defaults, its closure's values, and each global its code names: a function
-  (encoded in turn, recursion through a back reference), a module this encoder
-  follows (the standard library, ``numpy``, ``numba`` and ``numba_cuda_mlir``,
-  by name and version), a builtin, or a value;
-- values: ``None``, ``bool``, ``int``, ``float`` (its bits), ``complex``,
-  ``str``, ``bytes``, tuples, lists, dicts, frozensets of these, enums (by
-  type and value), NumPy dtypes, scalars and host arrays (dtype, shape and
-  bytes: numba freezes a global array into the code), device arrays (dtype and
-  shape: cuda.compute passes their pointer as state at run time);
-- at the algorithm's level (:func:`arg_part`), arrays and initial values by
-  their dtype (their contents are run-time state, as cuda.compute keys them),
-  iterators by their kind, ``OpKind`` by its value, a Python op as above.
+- a Python function: qualified name, code object (never line numbers), defaults,
+  closure values, and each global its code names (functions in turn, with back
+  references; followed modules, the standard library, ``numpy``, ``numba`` and
+  ``numba_cuda_mlir``, by name and version; builtins; values);
+- values: ``None``, ``bool``, ``int``, ``float`` (its bits), ``complex``, ``str``,
+  ``bytes``, containers of these, enums, NumPy dtypes, scalars and host arrays
+  (with bytes), device arrays (dtype and shape);
+- arguments (:func:`arg_part`): arrays and initial values by dtype, iterators by
+  kind, ``OpKind`` by value, Python ops as above.
 
-Anything else (an object known only by its address, a module this encoder does
-not follow, a class, an empty closure cell) raises :class:`Uncacheable` naming
-it: the build then runs uncached. Never a guess.
+Anything else raises :class:`Uncacheable` naming it: the build runs uncached.
 """
 
 from __future__ import annotations

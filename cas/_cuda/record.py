@@ -48,15 +48,10 @@ def content_digest(data: bytes) -> str:
     return blake3_hasher()(data).hexdigest()[:_DIGEST_HEX]
 
 
-_digest = content_digest
-
-
 def stat_tag(values: tuple[int, ...]) -> str:
     """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
 
-    blake2b of 64 bits, not blake3: 0.6 us a tag against 2.3 (Python's object set-up
-    dominates at 40 bytes), and a fresh process's first hit of the CUB kernel makes 467.
-    A copy of a prepared hasher and a prepared packing: 0.35 us against 0.84.
+    blake2b of 64 bits from a prepared hasher: 0.35 us a tag against blake3's 2.3.
     """
     h = _TAG_HASH.copy()
     h.update(_PACK5(*values) if len(values) == 5 else struct.pack(f"<{len(values)}q", *values))
@@ -92,31 +87,25 @@ class HeaderCache:
     def digest(self, path: str, st: os.stat_result, *, old: bool) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
 
-        ``old``: whether ``st`` was already old on its file system's clock before the
-        read (:meth:`cuda_program_cas._disk.fskind.FsClock.old`). Only then is the digest
-        remembered for these stat data: a young file can change again within the same
-        step of that clock and keep them, so it is read again at each look until it is old.
+        Remembered only when ``old`` (:meth:`cuda_program_cas._disk.fskind.FsClock.old`):
+        a young file can change again within the same clock step and keep its stat data.
         """
         key = file_id(st)
         known = self._known.get(path)
         if known is not None and known[0] == key:
             return known[1]
-        digest = _hash_file(path, key)
-        if digest is not None and old:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+                if file_id(os.fstat(fh.fileno())) != key:
+                    return None
+        except OSError:
+            return None
+        digest = content_digest(data)
+        if old:
             with self._lock:
                 self._known[path] = (key, digest)
         return digest
-
-
-def _hash_file(path: str, key: FileId) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-            if file_id(os.fstat(fh.fileno())) != key:
-                return None
-    except OSError:
-        return None
-    return _digest(data)
 
 
 #: A directory's identity and entry times: device, inode, mtime and ctime in ns.
@@ -140,12 +129,10 @@ NO_DIR = (-1, -1, -1, -1)
 
 
 def proof_of(values: list[int]) -> str | None:
-    """One tag of a variant's whole stat data: its headers' :func:`file_id` fields, then its guards' keys.
+    """One blake2b-128 tag of a variant's whole stat data (headers' :func:`file_id` fields, then guards' keys).
 
-    A fresh process's first look compares this one tag instead of a tag per header
-    and guard (467 for the CUB kernel: 0.2 to 0.5 ms of hashing). blake2b of 128
-    bits: the stat fields of ~470 files in one value, where equal means the same.
-    None when a value does not fit 64 signed bits (the per-file tags decide then).
+    A first look compares it instead of a tag per file. None when a value does not
+    fit 64 signed bits (the per-file tags decide then).
     """
     try:
         packed = struct.pack(f"<{len(values)}q", *values)
@@ -154,8 +141,7 @@ def proof_of(values: list[int]) -> str | None:
     return hashlib.blake2b(packed, digest_size=16, person=b"cpcas-proof").hexdigest()
 
 
-# Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import,
-# a fifth of a fresh process's first hit.
+# Plain slotted classes, not dataclasses: the decorator costs about 1 ms a class at import.
 
 
 class Header:
@@ -191,11 +177,8 @@ class Variant:
 def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, DirKey | None]]:
     """The directories whose entries decide where each header is found, when its candidates cannot be known.
 
-    The fallback of :mod:`cuda_program_cas._cuda.shadows` for a name made by a macro:
-    for a header under search directory ``i`` (as spelled) at ``sub/name``, the
-    directories ``sub`` of every search directory up to ``i``; a header under
-    several (nested search directories) gets the guards of each. A header under
-    none is guarded by its own directory. Each with its :func:`directory_key`.
+    For a header under search directory ``i`` at ``sub/name``: ``sub`` of every
+    search directory up to ``i``, and always its own directory.
     """
     wanted: set[str] = set()
     for path in paths:
@@ -211,8 +194,7 @@ def dir_guards(wanted: set[str]) -> list[tuple[str, DirKey | None]]:
     """Each of ``wanted`` with its :func:`directory_key`, sorted; a missing one also by its deepest existing one."""
     guards: dict[str, DirKey | None] = {}
     for path in wanted:
-        # A directory that does not exist is guarded by its deepest existing ancestor:
-        # creating it changes that ancestor's entries.
+        # A missing directory is guarded by its deepest existing ancestor: creating it changes that.
         probe = path
         while True:
             key = directory_key(probe)
@@ -233,15 +215,9 @@ def result_key_of(record_key: bytes, headers: list[tuple[str, str]]) -> bytes:
     return h.digest()
 
 
-# -- stored forms -------------------------------------------------------------------------
-#
-# A record is compact JSON: {"v": 4, "variants": [...]}, newest variant first (4: the
-# candidates, "absent", grouped by directory as the headers; a record of 3 has none, and
-# reads as of another format: a miss). A
-# variant's headers are grouped by directory, {dir: [[name, stat tag, digest], ...]},
-# so a CUB kernel's ~410 headers take about 60 bytes each. Its "proof" is proof_of the
-# stat data of the headers in that order (as decoded), then of the guards in theirs,
-# then the number of candidates.
+# A record is compact JSON: {"v": 4, "variants": [...]}, newest first; another "v" is a miss.
+# Headers and candidates are grouped by directory, {dir: [[name, stat tag, digest], ...]}.
+# "proof" is proof_of the headers' stat data (as decoded), the guards', then the candidates' count.
 
 _VERSION = 4
 
@@ -307,13 +283,11 @@ def decode_record(raw: bytes) -> list[Variant]:
                 mapping[bytes.fromhex(text) if kind == "b" else str(text)] = bytes.fromhex(value)
             found: list[tuple[str, str, str]] = []
             for directory, entries in v["headers"].items():
-                # As os.path.join of what os.path.split gave at encoding, the directory's part made once.
                 if not isinstance(directory, str):
                     raise TypeError(directory)
                 prefix = directory if not directory or directory.endswith(os.sep) else directory + os.sep
-                # One comprehension, no per-entry checks (a fresh process's first CUB hit decodes
-                # ~410): ``prefix + base`` raises TypeError unless base is a str, so every path is
-                # one; a tag or digest of another type equals no computed one, so it reads as changed.
+                # No per-entry checks: ``prefix + base`` raises unless base is a str, and a tag or
+                # digest of another type equals no computed one.
                 found += [(prefix + base, tag, digest) for base, tag, digest in entries]
             headers = tuple(found)
             guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])

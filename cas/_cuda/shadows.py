@@ -1,35 +1,19 @@
 """The paths that could shadow a front-door compile's headers: each name NVRTC would have tried first.
 
-A compile's result depends on the headers it read and on every path NVRTC tried
-before each of them and found missing: a file created at such a path is found
-first. Those paths are known from the files themselves: every ``#include`` and
-``__has_include`` of the source and of each header read names a header, and the
-search for it (:mod:`cuda_program_cas._cuda.search`) tries, in order, the
-includer's own directory (quoted names only) and each search directory, up to the
-first regular file. Every path tried before that one is a *candidate*: the record
-keeps it, and a lookup checks that it is still absent (``stat`` fails with
-``ENOENT`` or ``ENOTDIR``). A file of any other name changes nothing.
+Every ``#include`` and ``__has_include`` of the source and of each header read
+names a header; its search (:mod:`cuda_program_cas._cuda.search`) tries the
+includer's directory (quoted names) and each search directory up to the first
+regular file. Every path tried before it is a *candidate*: the record keeps it,
+and a lookup checks that it is still absent (``ENOENT`` or ``ENOTDIR``). The scan
+over-approximates: skipped branches count, ``#include_next`` searches every
+directory, an angled name is also looked for in the source's directory.
 
-The scan over-approximates, never under: a directive in a branch the preprocessor
-skipped adds candidates too, a ``#include_next`` is taken as a search of every
-directory, and an angled name is also looked for in the source's directory.
-
-Where a candidate cannot be checked precisely, its directory is guarded instead,
-by its entries' times (:func:`cuda_program_cas._cuda.record.dir_guards`):
-
-- a candidate that exists but is no regular file (a directory of that name), or
-  cannot be stat'ed for another reason (``EACCES``), or that a search stopped at
-  although NVRTC did not read it (a ``#include`` in a skipped branch, or a
-  ``__has_include`` that found it);
-- a candidate on a file system whose negative lookups may be stale
-  (anything but the local ones of :data:`cuda_program_cas._disk.fskind.STAT_RELIABLE`:
-  NFS, FUSE...);
-- a name computed by a macro (``#include MACRO``, ``__has_include(x)`` in a macro
-  that is not a wrapper of literal names): the record cannot see which name it
-  was, so every header read is guarded by the directories where an earlier search
-  location would have held it, as before candidates were kept.
-
-Only at a miss: a hit imports none of this.
+Where a candidate cannot be checked precisely, its directory is guarded by its
+entries' times instead (:func:`cuda_program_cas._cuda.record.dir_guards`): a
+candidate that is not a regular file or cannot be stat'ed, one a search stopped
+at that NVRTC did not read, one on a file system whose negative lookups may be
+stale (not :data:`cuda_program_cas._disk.fskind.STAT_RELIABLE`), and every header
+when a name is computed by a macro. Only a miss imports this.
 """
 
 from __future__ import annotations
@@ -135,12 +119,8 @@ def shadows_of(
 ) -> Shadows:
     """The candidates of a compile whose main source is ``source`` and which read ``headers``: ``(path, digest)``.
 
-    Each header is read again and scanned only when ``digest`` of its bytes is the one
-    recorded (else :class:`Uncacheable`: it changed since, and the record would not hold).
-
-    ``dirs``: the search directories in NVRTC's order (absolute where it matters: see
-    :class:`cuda_program_cas._cuda.search.Search`); ``pre_includes``: the relative
-    ``pre_include`` names, searched as quoted names of the source.
+    A header whose bytes no longer have the recorded ``digest`` raises :class:`Uncacheable`.
+    ``dirs``: the search directories in NVRTC's order; ``pre_includes``: relative ones.
     """
     out = Shadows()
     read: set[tuple[int, int]] = set()

@@ -1,29 +1,19 @@
 """The switch: every ``cuda.core`` ``Program.compile`` (and ``Linker.link``) of a process through the cache.
 
-``Program.compile`` cannot be patched (``Program`` is an immutable extension
-type), but ``Program`` can be subclassed, and ``cuda.core.Program`` is a module
-attribute. :func:`install` rebinds it, and every module attribute already bound
-to the original class (a library's ``from cuda.core import Program`` made
-earlier), to :class:`Program`, a subclass whose ``compile`` routes:
+``Program`` is an immutable extension type, so :func:`install` rebinds
+``cuda.core.Program``, and every module attribute bound to it, to a subclass
+whose ``compile`` routes:
 
-- a ``cache=`` the caller passes: as given (the caller's cache wins);
-- code type ``ptx``, and options the cache refuses (they write files a hit would
-  not write, or cannot be keyed): the original, uncached compile;
-- compiles that read headers (``include_path``, ``pre_include``, a source name
-  with a directory, a quoted ``#include``), use ``name_expressions``, or link
-  libdevice: the front door, ``cache.compile(...)``;
-- every other: ``Program.compile(cache=)``, keyed as cuda.core keys it; a miss
-  takes the node's claim on the key for the whole compile, so processes that miss
-  the same key at once compile it once (the front door and links claim too).
+- a ``cache=`` the caller passes: as given;
+- code type ``ptx``, and options the cache refuses: the original, uncached compile;
+- compiles that read headers, use ``name_expressions``, or link libdevice: the
+  front door, ``cache.compile(...)``;
+- every other: ``Program.compile(cache=)``; a miss holds the node's claim on the
+  key for the whole compile, so processes that miss it at once compile it once.
 
-``Linker`` is rebound the same way; its ``link`` goes through ``cache.link``
-where the cache has one, else runs uncached.
-
-One cache per process, opened on the first compile (``CUDA_PROGRAM_CAS_DIR`` or
-the default directory); a forked child keeps it. The cache never costs a program
-its result: a failure inside it (disk, layout, a bug) is one WARNING per process
-and the uncached compile; a compile error is raised as the uncached compile
-raises it. Compiles the cache runs itself use the original class.
+``Linker`` is rebound the same way, through ``cache.link``. One cache per
+process, opened on the first compile. A failure inside the cache is one WARNING
+per process and the uncached compile; a compile error is raised as uncached.
 """
 
 from __future__ import annotations
@@ -47,7 +37,6 @@ __all__ = [
     "hook_inner",
     "install",
     "installed",
-    "rebind",
     "routed",
     "swap",
     "uninstall",
@@ -96,10 +85,9 @@ def _count_routed(inner: Any) -> Any:
 def install(*, read_only: bool = False) -> None:
     """Send every ``cuda.core`` ``Program.compile`` and ``Linker.link`` of this process through the cache.
 
-    What ``CUDA_PROGRAM_CAS=1`` (``read-only``: ``read_only=True``) does for every
-    process of an environment. The cache is ``$CUDA_PROGRAM_CAS_DIR`` or the default
-    directory, opened on the first compile. When ``cuda.core`` is not imported
-    yet, it is not imported now: the classes are rebound when it is.
+    What ``CUDA_PROGRAM_CAS=1`` (``read-only``: ``read_only=True``) does. The cache
+    is ``$CUDA_PROGRAM_CAS_DIR`` or the default, opened on the first compile;
+    ``cuda.core`` is not imported by this.
     """
     from .boot import defer
 
@@ -221,9 +209,8 @@ def _subclass(name: str, original: type) -> type:
 
             def __init__(self, code: Any, code_type: Any, options: Any = None) -> None:
                 self._cpcas_inputs: Any = (code, code_type, options)
-                # A C++ program from text with its options, while the switch is on: the cache may
-                # answer its compile without NVRTC, so NVRTC's program (and loading NVRTC, 8 ms
-                # of a fresh process) waits until something needs it (see _materialize).
+                # C++ from text: a hit needs no NVRTC program, so making it (and loading NVRTC,
+                # 8 ms of a fresh process) waits until something needs it (see _materialize).
                 self._cpcas_deferred = (
                     _S.mode is not None
                     and not _depth()
@@ -274,9 +261,6 @@ def _subclass(name: str, original: type) -> type:
     return Linker
 
 
-# -- routing ---------------------------------------------------------------------------
-
-
 def _process_cache() -> Any:
     """This process's cache, opened on first use; None when it cannot be (one WARNING)."""
     cache = _S.cache
@@ -297,7 +281,7 @@ def _process_cache() -> Any:
                 _S.cache = ContentAddressedProgramCache(read_only=read_only)
             except Exception as exc:
                 _S.cache_failed = True
-                _warn(exc)
+                hook_failed(exc)
                 return None
             _log.info(
                 "cuda-program-cas: switch on%s: cuda.core Program.compile and Linker.link of this process "
@@ -309,10 +293,9 @@ def _process_cache() -> Any:
 
 
 def hook_inner() -> Any:
-    """For the switch's other hooks (NVVM compiles, cuda.compute's builds): the process cache's ``Inner``, or None.
+    """The process cache's ``Inner`` for the other hooks (NVVM, cuda.compute), counted as routed; else None.
 
-    None while the switch is off or no cache can be opened. A compile given one is
-    counted as routed and switched. Never raises: a failure is one WARNING, and None.
+    Never raises: a failure is one WARNING, and None.
     """
     if _S.mode is None:
         return None
@@ -320,17 +303,13 @@ def hook_inner() -> Any:
         cache = _process_cache()
         inner = None if cache is None else _inner_of()(cache)
     except Exception as exc:
-        _warn(exc)
+        hook_failed(exc)
         return None
     return None if inner is None else _count_routed(inner)
 
 
 def hook_failed(exc: BaseException) -> None:
-    """A hook's cache failed with ``exc`` (its compile runs uncached): the switch's one WARNING per process."""
-    _warn(exc)
-
-
-def _warn(exc: BaseException) -> None:
+    """The cache failed with ``exc`` (the compile runs uncached): one WARNING per process."""
     warn_once(
         ("switch-failed",),
         "cuda-program-cas: the cache failed (%r); compiles run uncached instead (said once per process)",
@@ -392,9 +371,8 @@ class _Inside:
 
     def __exit__(self, *exc: object) -> None:
         _inside.depth -= 1
-        # Not kept past the compile: a thread-local freed at the interpreter's end would take the error's
-        # traceback (cuda.core's objects in its frames) with it after sys is gone: two empty "Error in
-        # sys.excepthook" blocks on stderr.
+        # Not kept: a thread-local freed at exit would take the traceback's cuda.core frames with it
+        # after sys is gone ("Error in sys.excepthook" on stderr).
         _inside.error = None
 
 
@@ -438,7 +416,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
             cache = _process_cache()
             front = _front_door_needed(code, kind, options, name_expressions)
     except Exception as exc:
-        _warn(exc)
+        hook_failed(exc)
         cache = None
     if cache is None:
         return original(program, target_type, name_expressions, logs)
@@ -474,14 +452,10 @@ def _cached(run: Callable[[], Any], uncached: Callable[[], Any]) -> Any:
 
 
 def _uncached(run: Callable[[], Any], failure: Exception) -> Any:
-    """The uncached compile or link after the cached one failed with ``failure``.
-
-    When it fails too, its own error is raised (the compiler's: the cache is not
-    to blame); when it succeeds, the cache was: one WARNING per process.
-    """
+    """The uncached compile or link after the cached one failed: its own error is the compiler's."""
     result = run()
     if not isinstance(failure, ValueError):
-        _warn(failure)
+        hook_failed(failure)
     return result
 
 
@@ -490,11 +464,7 @@ def _guarded_class() -> Any:
     from cuda.core.utils import ProgramCacheResource
 
     class Guarded(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
-        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss.
-
-        It stands in front of the process's cache (``cache``): what a compile asks besides
-        a lookup and a store goes to it as it is.
-        """
+        """A cache for one ``Program.compile(cache=)`` that never fails it: a failed read is a miss."""
 
         def __init__(self, cache: Any) -> None:
             self._cache = cache
@@ -514,7 +484,7 @@ def _guarded_class() -> Any:
                     hit = _inner_of()(self._cache).find_or_claim(key_id(key), self.claims)
                     found = None if hit is None else hit[0]
             except Exception as exc:
-                _warn(exc)
+                hook_failed(exc)
                 return default
             return default if found is None else found
 
@@ -528,7 +498,7 @@ def _guarded_class() -> Any:
             try:
                 self._cache[key] = value
             except Exception as exc:
-                _warn(exc)
+                hook_failed(exc)
 
         def __delitem__(self, key: bytes | str) -> None:
             del self._cache[key]
@@ -553,7 +523,7 @@ def _link(linker: Any, target_type: Any) -> Any:
     try:
         cache = _process_cache()
     except Exception as exc:
-        _warn(exc)
+        hook_failed(exc)
         return original(linker, target_type)
     if cache is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)

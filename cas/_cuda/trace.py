@@ -17,15 +17,7 @@ from .frontkey import Uncacheable
 from .search import BUILTIN_HEADERS
 from .tracedirs import new_trace_dir
 
-__all__ = [
-    "TRACES",
-    "end_nvrtc_tracing",
-    "nvrtc_major",
-    "trace_in_child",
-    "traced_names",
-    "tree_files",
-    "with_trace",
-]
+__all__ = ["TRACES", "end_nvrtc_tracing", "nvrtc_major", "trace_in_child", "traced_names", "tree_files", "with_trace"]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -46,13 +38,9 @@ def nvrtc_major() -> int:
 class _TraceHealth:
     """Whether NVRTC's time traces of this process can be trusted.
 
-    NVRTC 13.5 breaks them for good once a traced compile fails with an error
-    inside an included file: every later trace of the process lacks its first
-    events (its builtin header, then the source's first includes). So after a
-    traced compile fails, or a trace comes back without the builtin header, the
-    front door traces in a child process instead, where NVRTC starts clean. That
-    costs the child's start (about 0.7 s here) per miss, not per hit. A forked
-    child inherits NVRTC's state, so it inherits this flag too.
+    After a traced compile fails inside an included file, NVRTC 13.5's later
+    traces lack their first events; so after a failure, or a trace without the
+    builtin header, misses trace in a child process (about 0.7 s each).
     """
 
     sound = True
@@ -69,12 +57,8 @@ _TRACE_CHILD = (
 
 
 def end_nvrtc_tracing(program: Any, program_options: Any) -> None:
-    """Make NVRTC stop tracing after a traced compile failed.
-
-    NVRTC 13.5 then keeps tracing: its next compile in the process, traced or not,
-    writes ``.json`` into the working directory. One small traced compile that
-    succeeds (to a temp file, removed) ends that, so the user's directory stays clean.
-    """
+    """Make NVRTC stop tracing after a traced compile failed (13.5 would write ``.json`` into the working
+    directory at its next compile): one small traced compile that succeeds, to a temp file."""
     trace_dir = new_trace_dir()
     try:
         options = program_options(arch="sm_80", fdevice_time_trace=os.path.join(trace_dir, "trace"))
@@ -132,8 +116,7 @@ def traced_names(trace_path: str) -> list[str] | None:
             if not isinstance(detail, str) or not detail:
                 return None  # a header it read, named in a way we cannot follow
             names.add(detail)
-    # NVRTC reads its builtin header before anything else. A trace without it lost its
-    # beginning, and with it the first headers of the source (see _TraceHealth).
+    # NVRTC reads its builtin header first: a trace without it lost its beginning (see _TraceHealth).
     if not names & BUILTIN_HEADERS:
         return None
     return sorted(names)

@@ -1,12 +1,9 @@
 """The front door's trace folders: one ``cpcas-trace-*`` in the temp directory per traced miss.
 
-A miss removes its own folder when its compile ends (:mod:`cuda_program_cas._cuda.frontdoor`).
-A process killed with SIGKILL in the middle of a header compile cannot: its folder stays,
-empty or with a partial trace. So the first trace folder a process makes sweeps the
-stale ones first: directories named ``cpcas-trace-*`` directly in the temp directory,
-owned by this user, unchanged for over an hour. A traced compile that runs longer than
-that loses its trace to a sweep and is not cached (its trace cannot be read): never a
-wrong result.
+A miss removes its own folder; one killed mid-compile cannot. So a process's
+first trace folder sweeps this user's ``cpcas-trace-*`` folders unchanged for
+over an hour. A traced compile longer than that loses its trace and is not
+cached: never a wrong result.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ __all__ = ["PREFIX", "STALE_S", "new_trace_dir", "sweep_stale"]
 
 
 PREFIX = "cpcas-trace-"
-#: A folder unchanged for this long is stale. The trace is written as the compile ends,
-#: so a live folder is as old as its compile: seconds for CUB, minutes for the largest.
+#: A folder unchanged for this long is stale (a live one is as old as its compile).
 STALE_S = 3600.0
 
 
@@ -43,9 +39,9 @@ def new_trace_dir() -> str:
 
 
 def sweep_stale(directory: str | None = None, *, older_than_s: float = STALE_S) -> int:
-    """Remove this user's ``cpcas-trace-*`` folders in ``directory`` (the temp dir) unchanged for ``older_than_s``.
+    """Remove this user's ``cpcas-trace-*`` folders in ``directory`` unchanged for ``older_than_s``; never raises.
 
-    Returns how many went. Never raises: a folder that cannot be read or removed stays.
+    Returns how many went.
     """
     directory = directory or tempfile.gettempdir()
     uid = os.getuid() if hasattr(os, "getuid") else None  # Windows: the temp directory is the user's own

@@ -1,51 +1,26 @@
 """Change notification for the front door's headers: one inotify queue instead of a stat per header.
 
-A front-door lookup proves a variant's headers unchanged with a stat of each
-header and guard directory: 467 stats for the CUB block-reduce kernel, 2.7 to 4.4
-ms on a 2-core VM. With :func:`arm` the front door watches, with inotify, every
-inode those stats depend on; after one full stat check passes with the watches
-armed, the variant is *clean* until an event touches one of them, and a repeated
-lookup of a clean variant costs one ``epoll_wait`` with a zero timeout (about
-0.4 us) over the inotify descriptor and ``/proc/self/mountinfo``.
+A front-door lookup proves a variant unchanged with a stat of each header and
+guard directory (467 for the CUB block-reduce kernel). :func:`arm` watches every
+inode those stats depend on; once a full stat check passes with the watches
+armed, the variant is *clean* until an event touches one, and a lookup costs one
+``epoll_wait`` over the inotify descriptor and ``/proc/self/mountinfo``.
 
-What is watched, armed before the stat check so that no change falls between
-them: every directory a lookup of each header and guard passes through, in the
-kernel's order (the root first; a symlink is read and its target walked, so the
-directory holding the link and the target's directories are all watched), and
-each header file itself (an inode watch: a write through a hard link in another
-directory reaches it). A directory is watched before any name in it is looked
-up; so a change of an entry after its lookup raises an event.
+Watched, before the stat check: every directory a lookup of each header, guard
+and absent candidate passes through, in the kernel's order (symlinks followed),
+before any name in it is looked up, and each header file itself. Events count on
+a header file, on a directory itself, for an entry a lookup went through, and for
+any entry of a guard directory.
 
-Which events count: any event on a header file; in a directory, an event naming
-an entry a lookup went through (a candidate that must stay absent is such a lookup:
-its own name counts, and the name of its first missing directory); in a guard
-directory (the fallback where a candidate cannot be named), every creation, removal
-or rename of any entry; and every
-event on a directory itself (its mode, its removal, its unmount).
+Everything is dirty on a queue overflow, a change of the mount table (mounts
+raise no inotify event), and in a forked child (it arms its own queue). A variant
+keeps the stat check when a watch cannot be added (``ENOSPC``, ``EACCES``, past
+this process's share) or sits on a file system not known to raise every event
+(:mod:`cuda_program_cas._disk.fskind`: NFS, FUSE, overlayfs...).
 
-Everything is dirty, and the next lookups stat again, on a queue overflow
-(``IN_Q_OVERFLOW``), a change of the mount table (``/proc/self/mountinfo`` polls
-with ``POLLPRI``, as proc(5) documents: mounts raise no inotify event, and a bind
-mount over a search directory must be seen), and in a forked child (it shares
-its parent's queue: it never reads it, and arms its own). A variant is not
-watched at all, and keeps the stat check, when a watch cannot be added
-(``ENOSPC``, ``EACCES``; or past this process's share of the user's watches), or
-when anything it depends on is on a file system not known to raise events for
-every change (see :mod:`cuda_program_cas._disk.fskind`: NFS, FUSE, overlayfs...).
-
-Events do not depend on file times: a write in the same second as the last one, which
-leaves every stat field of a file on a one-second file system as it was, still raises
-one. The stat check that follows a dirty token reads such a header again: the front door
-remembers a digest for stat data only once they are old on their file system's clock
-(:class:`cuda_program_cas._disk.fskind.FsClock`).
-
-Not seen: writes through a shared ``mmap``, which raise no ``IN_MODIFY`` (on
-Linux 6.18 the writer's ``munmap`` raises ``IN_CLOSE_WRITE``: a clean variant can
-be stale from the first such write until that mapping is unmapped), and a
-process that changes its own root or mount namespace (``chroot``, ``setns``,
-``unshare``) after arming. docs/guarantees.md says so.
-
-Linux only; elsewhere :func:`arm` returns None and every lookup stats.
+Not seen (docs/guarantees.md): writes through a shared ``mmap`` until it is
+unmapped, and a process that changes its root or mount namespace after arming.
+Linux only; elsewhere :func:`arm` returns None.
 """
 
 from __future__ import annotations
@@ -82,20 +57,10 @@ IN_Q_OVERFLOW = 0x4000
 IN_IGNORED = 0x8000
 IN_ONLYDIR = 0x01000000
 IN_DONT_FOLLOW = 0x02000000
-#: What a watch asks for (IN_UNMOUNT, IN_Q_OVERFLOW and IN_IGNORED come unasked).
-_EVENTS = (
-    IN_MODIFY
-    | IN_ATTRIB
-    | IN_CLOSE_WRITE
-    | IN_MOVED_FROM
-    | IN_MOVED_TO
-    | IN_CREATE
-    | IN_DELETE
-    | IN_DELETE_SELF
-    | IN_MOVE_SELF
-)
 #: Events that add, remove or rename an entry of a directory.
 _ENTRY_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+#: What a watch asks for (IN_UNMOUNT, IN_Q_OVERFLOW and IN_IGNORED come unasked).
+_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | _ENTRY_EVENTS | IN_DELETE_SELF | IN_MOVE_SELF
 _EVENT = struct.Struct("iIII")
 #: As the kernel: at most 40 symlinks followed in one lookup.
 _MAX_LINKS = 40
@@ -375,15 +340,12 @@ def _budget() -> int:
 def arm(headers: Iterable[str], guards: Iterable[str], absent: Iterable[str] = ()) -> Token | None:
     """Watch what a variant's check depends on, before that check runs; None when it cannot be watched.
 
-    ``headers``: the files the check stats; ``guards``: the directories whose every
-    new, removed or renamed entry changes what it finds; ``absent``: the candidates that
-    must stay absent (only their own names count, in the directories a lookup of each reaches). The token is clean only
-    once the check that follows has passed; the caller keeps it then, and not otherwise.
+    ``headers``: files; ``guards``: directories whose every entry counts;
+    ``absent``: candidates that must stay absent. Keep the token only once the
+    check that follows has passed.
     """
     w = _start()
-    if w is None:
-        return None
-    if not w.alive:
+    if w is None or not w.alive:
         return None
     with w.lock:
         w.drain()
