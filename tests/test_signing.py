@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from test_cluster import SCALE
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of, verify
+from cuda_program_cas._base import frame
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._disk.layout import url_path
 from cuda_program_cas.index import Manifest, key_id
@@ -71,7 +72,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             data = f.read_bytes()
             assert data.count(b"\n") == 2 and b"\ned25519 " in data  # signed: the line, then the signature
             digest = data.split()[2].decode()
-            blob = (store / url_path("blobs", digest)).read_bytes()
+            blob = frame.decode((store / url_path("blobs", digest)).read_bytes(), 1 << 30)  # stored compressed
             name = next(n for n, code in truth.items() if code == blob)
             kids[name] = shard.name + f.name
     return {"store": store, "public": public, "attacker": attacker_private, "truth": truth, "kids": kids}

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import nfs_common  # first: it makes this checkout's cuda_program_cas the one imported
@@ -111,12 +112,12 @@ def worker(cfg: Result) -> Result:
 
     out: Result = {"wrong": [], "exceptions": [], "wait_s": cfg["wait_s"], "lock_calls": 0, "lock_max_s": 0.0,
                    "lock_errors": {}}  # fmt: skip
-    real_lock, real_wait = claims._lock, claims._wait
+    real_lock, real_wait = claims.try_lock, claims._wait
 
-    def timed_lock(fd: int, until: float) -> bool:
+    def timed_lock(fd: int, until: float, close: Callable[[int], None]) -> bool:
         t0 = time.monotonic()
         try:
-            return real_lock(fd, until)
+            return real_lock(fd, until, close)
         except OSError as exc:
             name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
             out["lock_errors"][name] = out["lock_errors"].get(name, 0) + 1
@@ -132,7 +133,7 @@ def worker(cfg: Result) -> Result:
         print("waiting", flush=True)
         return real_wait(fd, deadline)
 
-    claims._lock = timed_lock  # type: ignore[assignment]
+    claims.try_lock = timed_lock
     claims._wait = said_wait  # type: ignore[assignment]
     # What the claim said (at DEBUG: why no claim was taken), and where a process that hangs hangs.
     records: list[str] = []
