@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import struct
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -462,3 +463,22 @@ def test_a_store_directory_of_framed_blobs_opened_as_a_cache_reads_them_raw(tmp_
     assert verify(store).problems == []
     quarantine = store / "quarantine"
     assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage
+
+
+# -- a value that starts with the magic and does not compress: framed, larger than itself (issue 48) ------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.one_of(
+        st.integers(min_value=0, max_value=300_000), st.integers(min_value=-64, max_value=64).map(lambda d: 131072 + d)
+    ),
+    st.randoms(use_true_random=False),
+    st.sampled_from([1, 19]),
+)
+def test_room_bounds_what_encode_makes_of_incompressible_bytes(size: int, rnd: random.Random, level: int) -> None:
+    noise = rnd.randbytes(size)
+    for raw in (frame.MAGIC + noise, noise):  # framed, larger than itself, and raw: of many sizes
+        stored = frame.encode(raw, level=level)
+        assert len(stored) <= frame.room(len(raw)), (len(raw), len(stored))
+        assert frame.decode(stored, len(raw)) == raw
