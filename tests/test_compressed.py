@@ -482,3 +482,74 @@ def test_room_bounds_what_encode_makes_of_incompressible_bytes(size: int, rnd: r
         stored = frame.encode(raw, level=level)
         assert len(stored) <= frame.room(len(raw)), (len(raw), len(stored))
         assert frame.decode(stored, len(raw)) == raw
+
+
+def _magic_values(sizes: tuple[int, ...] = (100, (1 << 20) + 100)) -> dict[str, bytes]:
+    return {f"m{n}": frame.MAGIC + os.urandom(n) for n in sizes}
+
+
+@pytest.mark.parametrize("how", ["write-back", "publish loose", "publish packed"])
+def test_a_store_of_values_that_start_with_the_magic_is_whole_to_verify_gc_stats_and_a_reader(
+    tmp_path: Path, how: str
+) -> None:
+    from cuda_program_cas import collect, repack, stats, verify
+
+    entries = {**_magic_values(), **{f"k{i}": value(i) for i in range(2)}}
+    store = tmp_path / "shared"
+    if how == "write-back":
+        CacheStore(store).close()
+        writer = CacheStore(tmp_path / "writer", shared=[f"{store}|write"])
+        assert all(writer.put(k, v) for k, v in entries.items())
+        writer.close()
+    else:
+        assert not publish([_store_with(tmp_path, entries)], store, pack=how == "publish packed").errors
+    for k in [
+        k for k in entries if k.startswith("m")
+    ]:  # each one framed, larger than its raw bytes (else the loose ones are in a pack)
+        path = _blob(store, entries[k])
+        assert how == "publish packed" or len(entries[k]) < path.stat().st_size <= frame.room(len(entries[k]))
+    assert verify(store).problems == []
+    counted = stats(store)
+    assert counted.entries == len(entries) and counted.size_mismatch_manifests == 0
+    raw_bytes = counted.pack_raw_bytes if how == "publish packed" else counted.logical_bytes
+    assert raw_bytes == sum(map(len, entries.values()))  # the raw bytes each framed blob stands for
+    report = collect(store)
+    assert report.entries_removed == 0 and report.blobs_removed == 0 and report.problems == []
+    readers = [CacheStore(tmp_path / "node", shared=[str(store)])]
+    if how != "publish packed":  # the store opened as a cache reads its loose blobs (a cache's reader, no packs)
+        readers.append(CacheStore(store, read_only=True))
+    for opened in readers:
+        assert {k: opened.get(k) for k in entries} == entries and opened.counters()["corrupt"] == 0
+        opened.close()
+    quarantine = store / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage
+    assert repack(store).problems == []  # its loose blobs read (framed, larger than raw) into a pack
+    node = CacheStore(tmp_path / "after", shared=[str(store)])
+    assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
+    node.close()
+
+
+def test_a_raw_blob_larger_than_its_manifest_is_still_damage_though_within_a_frames_room(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    raw = value(1)
+    store = _framed_store(tmp_path, {"k": raw})
+    _blob(store, raw).write_bytes(raw + b"more")  # grown: raw, not framed
+    assert {p.kind for p in verify(store).problems} == {"size_mismatch", "corrupt_blob"}
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert node.get("k") is None and node.counters()["corrupt"] == 1
+    node.close()
+
+
+def test_publish_keeps_a_framed_blob_larger_than_its_raw_bytes_young_when_a_new_key_names_it(tmp_path: Path) -> None:
+    raw = frame.MAGIC + os.urandom(1000)
+    store = tmp_path / "shared"
+    assert not publish([_store_with(tmp_path / "a", {"a": raw})], store).errors
+    blob = _blob(store, raw)
+    assert blob.stat().st_size > len(raw)
+    os.utime(blob, (1_000_000_000, 1_000_000_000))  # old: a collector's grace would be long past
+    inode = blob.stat().st_ino
+    again = publish([_store_with(tmp_path / "b", {"b": raw})], store)
+    assert not again.errors and again.published == 1 and again.blobs_published == 0
+    # Freshened in place: neither left old for a collector nor taken for gone after the manifest and written again.
+    assert blob.stat().st_mtime > 1_000_000_000 and blob.stat().st_ino == inode

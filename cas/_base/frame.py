@@ -18,9 +18,11 @@ a cubin is ELF (``0x7f``), PTX and records are text, LTO-IR is LLVM bitcode
 ``cpcas``. A reader knows a framed object by its header, never by guessing: an
 object that does not start with ``MAGIC`` is raw and passed through, so a store
 may mix both, and the writer frames any blob that does start with it, compressed
-or not (framed larger than itself, such a blob is a reader's miss, counted in
-``corrupt``: every reader bounds a blob by the raw size its manifest names; nothing
-a compiler writes starts so). A blob that compression would not make smaller is stored raw.
+or not (nothing a compiler writes starts so; an arbitrary value put in a cache may).
+A blob that compression would not make smaller is otherwise stored raw. So a stored
+blob may be larger than its raw bytes, never more than :func:`room` of them: every
+reader bounds the stored bytes of a blob by the room of the raw size its manifest
+names, and the raw bytes by that size (a raw object larger than it is still damage).
 
 What :func:`decode` refuses (a :class:`~cuda_program_cas._base.engine.StoreFailure`
 of kind ``damaged``, not an outage: one bad object, a miss counted in ``corrupt``):
