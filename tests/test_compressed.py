@@ -553,3 +553,19 @@ def test_publish_keeps_a_framed_blob_larger_than_its_raw_bytes_young_when_a_new_
     assert not again.errors and again.published == 1 and again.blobs_published == 0
     # Freshened in place: neither left old for a collector nor taken for gone after the manifest and written again.
     assert blob.stat().st_mtime > 1_000_000_000 and blob.stat().st_ino == inode
+
+
+def test_a_framed_blob_exactly_as_large_as_its_raw_bytes_reads_from_a_store_opened_as_a_cache(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    noise = random.Random(48).randbytes(1000)
+    # Zeros after the noise: some number of them makes the frame exactly as long as the raw value.
+    raw = next(v for m in range(300) if len(frame.encode(v := frame.MAGIC + noise + bytes(m))) == len(v))
+    store = tmp_path / "shared"
+    assert not publish([_store_with(tmp_path, {"k": raw})], store).errors
+    stored = _blob(store, raw).read_bytes()
+    assert frame.is_framed(stored) and stored != raw and len(stored) == len(raw)
+    assert verify(store).problems == []
+    opened = CacheStore(store, read_only=True)  # the size matches, the digest does not: its header says framed
+    assert opened.get("k") == raw and opened.counters()["corrupt"] == 0
+    opened.close()
