@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import struct
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from conftest import SAXPY, compile_program
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from testkit.nginx import Nginx, nginx_or_skip
 from testkit.redis_server import RedisServer
@@ -462,3 +463,113 @@ def test_a_store_directory_of_framed_blobs_opened_as_a_cache_reads_them_raw(tmp_
     assert verify(store).problems == []
     quarantine = store / "quarantine"
     assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage
+
+
+# -- a value that starts with the magic and does not compress: framed, larger than itself (issue 48) ------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.one_of(
+        st.integers(min_value=0, max_value=300_000), st.integers(min_value=-64, max_value=64).map(lambda d: 131072 + d)
+    ),
+    st.integers(min_value=0, max_value=2**32),
+    st.sampled_from([1, 19]),
+)
+@example(0, 0, 19).via("empty")
+@example(131071, 0, 19).via("below zstd's block")
+@example(131072, 0, 19).via("zstd's block")
+@example((1 << 20) + 100, 0, 19).via("over 1 MiB")
+def test_room_bounds_what_encode_makes_of_incompressible_bytes(size: int, seed: int, level: int) -> None:
+    noise = random.Random(seed).randbytes(size)  # a seed, not the bytes, drawn: a few bytes of hypothesis's budget
+    for raw in (frame.MAGIC + noise, noise):  # framed, larger than itself, and raw: of many sizes
+        stored = frame.encode(raw, level=level)
+        assert len(stored) <= frame.room(len(raw)), (len(raw), len(stored))
+        assert frame.decode(stored, len(raw)) == raw
+
+
+def _magic_values(sizes: tuple[int, ...] = (100, (1 << 20) + 100)) -> dict[str, bytes]:
+    return {f"m{n}": frame.MAGIC + os.urandom(n) for n in sizes}
+
+
+@pytest.mark.parametrize("how", ["write-back", "publish loose", "publish packed"])
+def test_a_store_of_values_that_start_with_the_magic_is_whole_to_verify_gc_stats_and_a_reader(
+    tmp_path: Path, how: str
+) -> None:
+    from cuda_program_cas import collect, repack, stats, verify
+
+    entries = {**_magic_values(), **{f"k{i}": value(i) for i in range(2)}}
+    store = tmp_path / "shared"
+    if how == "write-back":
+        CacheStore(store).close()
+        writer = CacheStore(tmp_path / "writer", shared=[f"{store}|write"])
+        assert all(writer.put(k, v) for k, v in entries.items())
+        writer.close()
+    else:
+        assert not publish([_store_with(tmp_path, entries)], store, pack=how == "publish packed").errors
+    for k in [
+        k for k in entries if k.startswith("m")
+    ]:  # each one framed, larger than its raw bytes (else the loose ones are in a pack)
+        path = _blob(store, entries[k])
+        assert how == "publish packed" or len(entries[k]) < path.stat().st_size <= frame.room(len(entries[k]))
+    assert verify(store).problems == []
+    counted = stats(store)
+    assert counted.entries == len(entries) and counted.size_mismatch_manifests == 0
+    raw_bytes = counted.pack_raw_bytes if how == "publish packed" else counted.logical_bytes
+    assert raw_bytes == sum(map(len, entries.values()))  # the raw bytes each framed blob stands for
+    report = collect(store)
+    assert report.entries_removed == 0 and report.blobs_removed == 0 and report.problems == []
+    readers = [CacheStore(tmp_path / "node", shared=[str(store)])]
+    if how != "publish packed":  # the store opened as a cache reads its loose blobs (a cache's reader, no packs)
+        readers.append(CacheStore(store, read_only=True))
+    for opened in readers:
+        assert {k: opened.get(k) for k in entries} == entries and opened.counters()["corrupt"] == 0
+        opened.close()
+    quarantine = store / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.iterdir())  # nothing was taken for damage
+    assert repack(store).problems == []  # its loose blobs read (framed, larger than raw) into a pack
+    node = CacheStore(tmp_path / "after", shared=[str(store)])
+    assert {k: node.get(k) for k in entries} == entries and node.counters()["corrupt"] == 0
+    node.close()
+
+
+def test_a_raw_blob_larger_than_its_manifest_is_still_damage_though_within_a_frames_room(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    raw = value(1)
+    store = _framed_store(tmp_path, {"k": raw})
+    _blob(store, raw).write_bytes(raw + b"more")  # grown: raw, not framed
+    assert {p.kind for p in verify(store).problems} == {"size_mismatch", "corrupt_blob"}
+    node = CacheStore(tmp_path / "node", shared=[str(store)])
+    assert node.get("k") is None and node.counters()["corrupt"] == 1
+    node.close()
+
+
+def test_publish_keeps_a_framed_blob_larger_than_its_raw_bytes_young_when_a_new_key_names_it(tmp_path: Path) -> None:
+    raw = frame.MAGIC + os.urandom(1000)
+    store = tmp_path / "shared"
+    assert not publish([_store_with(tmp_path / "a", {"a": raw})], store).errors
+    blob = _blob(store, raw)
+    assert blob.stat().st_size > len(raw)
+    os.utime(blob, (1_000_000_000, 1_000_000_000))  # old: a collector's grace would be long past
+    inode = blob.stat().st_ino
+    again = publish([_store_with(tmp_path / "b", {"b": raw})], store)
+    assert not again.errors and again.published == 1 and again.blobs_published == 0
+    # Freshened in place: neither left old for a collector nor taken for gone after the manifest and written again.
+    assert blob.stat().st_mtime > 1_000_000_000 and blob.stat().st_ino == inode
+
+
+def test_a_framed_blob_exactly_as_large_as_its_raw_bytes_reads_from_a_store_opened_as_a_cache(tmp_path: Path) -> None:
+    from cuda_program_cas import verify
+
+    noise = random.Random(48).randbytes(1000)
+    # Zeros after the noise: some number of them makes the frame exactly as long as the raw value.
+    raw = next(v for m in range(300) if len(frame.encode(v := frame.MAGIC + noise + bytes(m))) == len(v))
+    store = tmp_path / "shared"
+    assert not publish([_store_with(tmp_path, {"k": raw})], store).errors
+    stored = _blob(store, raw).read_bytes()
+    assert frame.is_framed(stored) and stored != raw and len(stored) == len(raw)
+    assert verify(store).problems == []
+    opened = CacheStore(store, read_only=True)  # the size matches, the digest does not: its header says framed
+    assert opened.get("k") == raw and opened.counters()["corrupt"] == 0
+    opened.close()

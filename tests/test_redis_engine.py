@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from testkit.proxy import Proxy
 from testkit.redis_server import RedisServer, redis_or_skip
 
+from cuda_program_cas._base import frame
 from cuda_program_cas._base.engine import LEASE_MARK, StoreFailure
 from cuda_program_cas._remote.redis import ENV_REDIS_PASSWORD, KEY_PREFIX, RedisEngine
 
@@ -442,7 +443,7 @@ def test_a_value_over_max_value_is_refused_on_put_before_it_is_sent(
 
 def test_the_max_entry_size_setting_bounds_put(server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE", "2k")
-    assert RedisEngine(server.url).max_value == 2048
+    assert RedisEngine(server.url).max_value == frame.room(2048)  # a blob of 2 KiB may take that much framed
 
 
 def test_the_timeout_setting_is_each_calls_deadline(

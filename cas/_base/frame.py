@@ -18,9 +18,11 @@ a cubin is ELF (``0x7f``), PTX and records are text, LTO-IR is LLVM bitcode
 ``cpcas``. A reader knows a framed object by its header, never by guessing: an
 object that does not start with ``MAGIC`` is raw and passed through, so a store
 may mix both, and the writer frames any blob that does start with it, compressed
-or not (framed larger than itself, such a blob is a reader's miss, counted in
-``corrupt``: every reader bounds a blob by the raw size its manifest names; nothing
-a compiler writes starts so). A blob that compression would not make smaller is stored raw.
+or not (nothing a compiler writes starts so; an arbitrary value put in a cache may).
+A blob that compression would not make smaller is otherwise stored raw. So a stored
+blob may be larger than its raw bytes, never more than :func:`room` of them: every
+reader bounds the stored bytes of a blob by the room of the raw size its manifest
+names, and the raw bytes by that size (a raw object larger than it is still damage).
 
 What :func:`decode` refuses (a :class:`~cuda_program_cas._base.engine.StoreFailure`
 of kind ``damaged``, not an outage: one bad object, a miss counted in ``corrupt``):
@@ -48,6 +50,7 @@ __all__ = [
     "decode",
     "encode",
     "is_framed",
+    "room",
     "stated_size",
     "verified",
 ]
@@ -59,6 +62,8 @@ _HEADER = struct.Struct("<8sQ")
 _ZSTD_HEAD = 18
 #: The bytes before the zstd frame.
 HEADER_SIZE = _HEADER.size
+#: zstd's largest block (128 KiB), in its compress bound.
+_BLOCK = 128 << 10
 #: zstd's level. Over the demo's 19 blobs (247 KB, each compressed alone) on the 2-core VM: 19 gave 0.217x at
 #: 3.9 MB/s, 9 gave 0.241x at 61 MB/s, 3 gave 0.257x at 319 MB/s; each decompressed at about 1.1 GB/s. A writer
 #: compresses once, in the background, for every node that reads: the slow level pays (a 136 KB CUB kernel:
@@ -69,6 +74,17 @@ LEVEL = 19
 def is_framed(stored: bytes | memoryview) -> bool:
     """Whether ``stored`` starts as a framed object does (else it is raw)."""
     return bytes(stored[: len(MAGIC)]) == MAGIC
+
+
+def room(raw_limit: int) -> int:
+    """The most stored bytes an object of at most ``raw_limit`` raw bytes takes, framed or raw.
+
+    The header and zstd's own bound (``ZSTD_COMPRESSBOUND``): a blob that does not compress and starts with
+    :data:`MAGIC` is framed, larger than itself. A reader bounds the stored bytes by this, the raw bytes by
+    ``raw_limit``.
+    """
+    n = raw_limit
+    return HEADER_SIZE + n + (n >> 8) + ((_BLOCK - n) >> 11 if n < _BLOCK else 0)
 
 
 def encode(raw: bytes, *, level: int = LEVEL) -> bytes:

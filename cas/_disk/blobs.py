@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CorruptBlobError
-from cuda_program_cas._base.frame import decode, is_framed
+from cuda_program_cas._base.frame import decode, is_framed, room
 
 from .files import SizeMismatch, digest_of, read_regular, shard_path
 
@@ -60,9 +60,9 @@ class BlobStore:
         try:
             data, st = read_regular(path, size)
         except SizeMismatch as exc:
-            if not 0 < exc.actual < exc.expected:
+            if not 0 < exc.actual <= room(exc.expected):
                 raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}") from None
-            data, st = read_regular(path, exc.actual)  # smaller: a shared store's compressed blob, or cut short
+            data, st = read_regular(path, exc.actual)  # a shared store's framed blob, or cut short or grown
             if not is_framed(data):
                 raise CorruptBlobError(path, digest, f"{exc.actual} bytes instead of {exc.expected}", st) from None
         actual = digest_of(data)

@@ -38,7 +38,7 @@ def classify(info: ManifestInfo, snap: Snapshot, corrupt: Container[str] = ()) -
     st = snap.blobs.get(m.digest)
     if st is None:
         return Condition.DANGLING
-    if st.st_size != m.size and snap.framed.get(m.digest) != m.size:  # a compressed blob states the raw size
+    if st.st_size != m.size and snap.framed.get(m.digest) != m.size:  # a framed blob states the raw size
         return Condition.SIZE_MISMATCH
     if m.digest in corrupt:
         return Condition.CORRUPT_BLOB

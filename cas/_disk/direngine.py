@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
 from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, verified
+from cuda_program_cas._base.frame import Inflow, room, verified
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, blake3_hasher, read_rest
@@ -145,21 +145,22 @@ class DirEngine:
             if exc.errno in _ABSENT:
                 return None
             raise _failure(path, exc) from None
+        stored = limit if digest is None else room(limit)  # a blob's stored bytes: framed, it may outgrow its raw ones
         try:
             if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, path, digest, limit):
                 # Hashed in chunks first (decoded where framed): a file that lies about its bytes costs a chunk of
                 # memory, not its size.
                 raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
-            data = os.read(fd, limit + 1)
-            if len(data) <= limit:
+            data = os.read(fd, stored + 1)
+            if len(data) <= stored:
                 # A short read ends a regular file only at its end; read on until then (or past the limit).
-                data = read_rest(fd, data, limit + 1)
+                data = read_rest(fd, data, stored + 1)
         except OSError as exc:  # a directory (EISDIR), a FIFO (EAGAIN), EIO, ESTALE
             raise _failure(path, exc) from None
         finally:
             os.close(fd)
-        if len(data) > limit:
-            raise StoreFailure(path, "too large", f"more than {limit} bytes", outage=False)
+        if len(data) > stored:
+            raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
         return data if digest is None else bytes(verified(path, data, digest, limit))
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
@@ -270,16 +271,16 @@ class DirEngine:
 def _hashes_to(fd: int, path: str, digest: str, limit: int) -> bool:
     """Whether the file's raw bytes (decoded where it is framed), ``limit`` at most, hash to ``digest``.
 
-    Read in chunks of :data:`HASH_CHUNK`, no more than ``limit + 1`` stored bytes; the file is at its start again.
+    Read in chunks of :data:`HASH_CHUNK`, no more than ``room(limit) + 1`` stored bytes; the file is at its start again.
     """
     hasher = blake3_hasher()()
     flow = Inflow(path, limit, hasher.update)
-    got = 0
-    while got <= limit and (chunk := os.read(fd, min(HASH_CHUNK, limit + 1 - got))):
+    got, stored = 0, room(limit)
+    while got <= stored and (chunk := os.read(fd, min(HASH_CHUNK, stored + 1 - got))):
         got += len(chunk)
         flow.take(chunk)
     os.lseek(fd, 0, os.SEEK_SET)
-    if got > limit:
+    if got > stored:
         return False
     flow.finish()
     return hasher.hexdigest() == digest

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.frame import room
 
 from .pack import PACK_SUFFIX, TRANSIENT, PackError, PackReader
 
@@ -228,7 +229,7 @@ class PackSet:
                 if entry is None:
                     continue
                 limit = None if self._max_entry is None else self._max_entry()
-                if limit is not None and entry.size > limit:
+                if limit is not None and entry.size > room(limit):  # framed, it may take more than its raw bytes
                     raise PackError(f"{pack.path}: the entry of {kid} claims {entry.size:,} bytes, over {limit:,}")
                 return pack.read(entry, limit), entry.digest
             except FileNotFoundError:

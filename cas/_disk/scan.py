@@ -47,8 +47,8 @@ class Snapshot:
     #: The file system's clock when the scan began (else the process clock less a tick): a
     #: file whose mtime is below it was last written before the scan.
     cutoff_ns: int = 0
-    #: digest -> the raw size a compressed blob's frame states, for the blobs smaller than
-    #: a manifest naming them says.
+    #: digest -> the raw size a framed blob's header states, for the blobs of another size than
+    #: a manifest naming them says (smaller, or larger where the blob did not compress).
     framed: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,8 +125,8 @@ def take_snapshot(
     for info in snap.manifests:
         m = info.manifest
         held = snap.blobs.get(m.digest) if m is not None else None
-        if m is not None and held is not None and 0 < held.st_size < m.size and m.digest not in snap.framed:
-            stated = _stated_size(paths[m.digest])
+        if m is not None and held is not None and held.st_size != m.size and m.digest not in snap.framed:
+            stated = _stated_size(paths[m.digest], held.st_size, m.size)
             if stated is not None:
                 snap.framed[m.digest] = stated
     if temp_dir is not None:
@@ -134,9 +134,13 @@ def take_snapshot(
     return snap
 
 
-def _stated_size(path: str) -> int | None:
-    """The raw size the blob file at ``path`` states as a compressed one, or None."""
-    from cuda_program_cas._base.frame import HEADER_SIZE, stated_size
+def _stated_size(path: str, held: int, size: int) -> int | None:
+    """The raw size the blob file at ``path`` (``held`` bytes) states as a framed one, or None: not framed,
+    or larger than a framed blob of ``size`` raw bytes can be."""
+    from cuda_program_cas._base.frame import HEADER_SIZE, room, stated_size
+
+    if held > room(size):
+        return None
 
     try:
         fd = os.open(path, READ_FLAGS)

@@ -295,8 +295,8 @@ class Reader:
                     self._read_failed(exc, bpath)
                     return None
                 if st.st_size != size or not S_ISREG(st.st_mode):
-                    if 0 < st.st_size < size and S_ISREG(st.st_mode):  # a store's compressed blob?
-                        return self._unframed(kid, mfd, digest, size, bfd=bfd, data=b"", held=st.st_size)
+                    if st.st_size and S_ISREG(st.st_mode):  # a store's framed blob? (its header says)
+                        return self._unframed(kid, mfd, digest, size, bfd=bfd, data=b"")
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
             try:
@@ -307,8 +307,8 @@ class Reader:
                 self._read_failed(exc, bpath)
                 return None
             if len(data) != size:  # truncated or grown: not the blob the manifest names
-                if 0 < len(data) < size:  # or a store's compressed blob (a store directory opened as a cache)
-                    return self._unframed(kid, mfd, digest, size, bfd=bfd, data=data, held=len(data))
+                if data:  # or a store's framed blob (a store directory opened as a cache)
+                    return self._unframed(kid, mfd, digest, size, bfd=bfd, data=data)
                 self._corrupt_blob(kid, mfd, digest, bfd)
                 return None
             identity = None
@@ -335,9 +335,8 @@ class Reader:
                 self._verified.get(digest) != identity
                 and (self._boot is None or not self._boot.vouches(digest, identity))
             ):
-                if _hexdigest(data) != digest:
-                    self._corrupt_blob(kid, mfd, digest, bfd)
-                    return None
+                if _hexdigest(data) != digest:  # or a framed blob as large as its raw bytes
+                    return self._unframed(kid, mfd, digest, size, bfd=bfd, data=data)
                 if identity is not None:
                     now = _time_ns()
                     if old_enough(identity, now):  # young, it may have changed between the read and the fstat
@@ -423,15 +422,19 @@ class Reader:
             self._on_error(exc, path)
 
     def _unframed(
-        self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int
+        self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes
     ) -> tuple[bytes, str] | None:
-        """The raw bytes of a store directory's compressed blob, verified, else damage (``held``: its file's size)."""
+        """The raw bytes of a store directory's framed blob (``data``: its first bytes read), verified, else damage.
+
+        Framed, a blob of ``size`` raw bytes takes at most :func:`~cuda_program_cas._base.frame.room` of them,
+        more than ``size`` where it did not compress; a raw one of another size than ``size`` is damage.
+        """
         from cuda_program_cas._base.engine import StoreFailure
-        from cuda_program_cas._base.frame import is_framed, verified
+        from cuda_program_cas._base.frame import is_framed, room, verified
 
         try:
-            data = read_rest(bfd, data, held + 1)
-            if len(data) < size and is_framed(data):
+            data = read_rest(bfd, data, room(size) + 1)
+            if len(data) <= room(size) and is_framed(data):
                 return bytes(verified(digest, data, digest, size)), digest
         except (OSError, StoreFailure):
             pass

@@ -45,7 +45,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 from blake3 import blake3
 
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow
+from cuda_program_cas._base.frame import Inflow, room
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
@@ -130,7 +130,7 @@ class HttpEngine:
         try:
             with Intake(self.staging) as body:
                 flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
-                reply = self.fetch(name, limit=limit, sink=flow.take)
+                reply = self.fetch(name, limit=room(limit), sink=flow.take)  # framed, it may outgrow its raw bytes
                 if reply.status == 404:
                     return None
                 if reply.status == 200:

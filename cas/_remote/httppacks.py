@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol, cast
 
 from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, stated_size
+from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, room, stated_size
 from cuda_program_cas._base.urls import join
 from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError
 from cuda_program_cas._disk.packindex import PackIndex
@@ -133,13 +133,14 @@ class HttpPacks:
             self._refresh()
             for pack in self._where.get(bytes.fromhex(kid), ()):
                 entry = pack.find_key(bytes.fromhex(kid))
-                if entry is None or not report.fits(entry.size, kid):
-                    continue
+                if entry is None or (entry.size > room(report.ceiling()) and not report.fits(entry.size, kid)):
+                    continue  # framed, an entry may take more bytes than its raw ones, never more than their room
                 with Intake(self.engine.staging) as body:
                     where = f"pack {pack.name}: the blob of {kid}"
                     inflow = Inflow(where, report.ceiling(), cast("Callable[[bytes | memoryview], object]", body.take))
                     try:
-                        if not self._range(pack.name, entry.offset, entry.size, _Sized(kid, report, inflow).take):
+                        sized = _Sized(kid, entry.size, report, inflow)
+                        if not self._range(pack.name, entry.offset, entry.size, sized.take):
                             continue
                         inflow.finish()
                     except _NotFetched:
@@ -421,15 +422,16 @@ class _NotFetched(Exception):
 
 
 class _Sized:
-    """A packed blob's stored bytes on their way to ``inflow``, its frame's stated size judged by ``report.fits`` first.
+    """A packed blob's stored bytes on their way to ``inflow``, its raw size judged by ``report.fits`` first.
 
-    The index says how many bytes are stored, not how many they stand for: an entry over
-    this node's ceiling is known by its frame's header (its first bytes), and is a miss
-    (``too large``, said once), not damage: the request ends there.
+    The index says how many bytes are stored (``stored``), not how many they stand for: an entry over
+    this node's ceiling is known by its frame's header (its first bytes; a raw one's is its stored size),
+    and is a miss (``too large``, said once), not damage: the request ends there.
     """
 
-    def __init__(self, kid: str, report: Report, inflow: Inflow) -> None:
+    def __init__(self, kid: str, stored: int, report: Report, inflow: Inflow) -> None:
         self._kid = kid
+        self._stored = stored
         self._report = report
         self._inflow = inflow
         self._head: bytes | None = b""  # None once judged
@@ -439,7 +441,7 @@ class _Sized:
             self._head += chunk[: HEADER_SIZE - len(self._head)]
             if len(self._head) >= HEADER_SIZE:
                 stated = stated_size(self._head)
-                if stated is not None and not self._report.fits(stated, self._kid):
+                if not self._report.fits(self._stored if stated is None else stated, self._kid):
                     raise _NotFetched
                 self._head = None
         self._inflow.take(chunk)

@@ -43,9 +43,9 @@ Bounds. Every call has one deadline: :data:`DEFAULT_TIMEOUT_S` (or
 ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``), covering connect, TLS, AUTH, the request and
 the whole answer, plus the time of its bytes at :data:`SLOW_LINK_BYTES_PER_S`;
 a call receives at most what it asked for (its values' bounds, and a little per
-reply). :mod:`.resp` says how. A value over ``max_value``
-(``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``, at most Redis's 512 MiB) is refused on put
-before a byte is sent.
+reply). :mod:`.resp` says how. A value over ``max_value`` (what a blob of
+``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` raw bytes may take framed, at most Redis's 512 MiB)
+is refused on put before a byte is sent.
 
 Failures are :class:`StoreFailure` and nothing else; ``outage`` is True when no
 call to this store can succeed for now (the server down, unreachable, slow, not
@@ -69,7 +69,7 @@ from urllib.parse import unquote, urlsplit
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import verified
+from cuda_program_cas._base.frame import room, verified
 
 from .client import ENV_CA_BUNDLE, ca_bundle
 
@@ -189,7 +189,8 @@ class RedisEngine:
     a password in the URL, ``CUDA_PROGRAM_CAS_REDIS_PASSWORD`` is used. ``timeout``
     is each call's deadline (default: ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``, else
     :data:`DEFAULT_TIMEOUT_S`); ``max_value`` the largest value ``put`` sends
-    (default: ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``). ``prefix`` starts every key.
+    (default: the room of a blob of ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` raw bytes, framed). ``prefix`` starts
+    every key.
     A bad URL or argument is a ``ValueError``; nothing is connected before the first call.
     """
 
@@ -218,7 +219,7 @@ class RedisEngine:
         elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         if max_value is None:
-            max_value = env_max_entry_size()
+            max_value = room(env_max_entry_size())
         elif isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 0:
             raise ValueError(f"max_value must be a non-negative int, not {max_value!r}")
         if not isinstance(prefix, str):
@@ -246,7 +247,7 @@ class RedisEngine:
     # -- the interface ----------------------------------------------------------------------
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
-        data = self.get_many([name], limit=limit)[0]
+        data = self.get_many([name], limit=limit if digest is None else room(limit))[0]  # framed may outgrow raw
         return data if data is None or digest is None else bytes(verified(self._where(name), data, digest, limit))
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from cuda_program_cas._base.frame import room
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
 from cuda_program_cas._disk.packindex import entry_at
@@ -121,7 +122,8 @@ def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
         if not tier.fits(e.size, e.kid):
             continue
         placed = e.offset is not None and e.length is not None and e.at is not None
-        if ranged is not None and e.pack is not None and placed and e.length and tier.fits(e.length, e.kid):
+        # Stored framed, an entry's bytes may be more than its raw ones, never more than their room.
+        if ranged is not None and e.pack is not None and placed and e.length and e.length <= room(e.size):
             by_pack.setdefault(e.pack, []).append(e)
         else:
             loose.append(e)
@@ -172,7 +174,7 @@ def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
     for batch in batched(list(blobs.items()), lambda unit: unit[0][1] + len(unit[1]) * MAX_MANIFEST_BYTES):
         named = [e for _, es in batch for e in es]
         names = [url_path(INDEX, e.kid) for e in named] + [url_path(BLOBS, digest) for (digest, _), _ in batch]
-        limits = [MAX_MANIFEST_BYTES] * len(named) + [size for (_, size), _ in batch]
+        limits = [MAX_MANIFEST_BYTES] * len(named) + [room(size) for (_, size), _ in batch]  # a blob stored framed
         found = tier.engine.get_many(names, limit=limits)
         manifests = dict(zip((e.kid for e in named), found[: len(named)], strict=True))
         for ((digest, size), es), blob in zip(batch, found[len(named) :], strict=True):

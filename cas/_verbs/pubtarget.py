@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._base.frame import encode
+from cuda_program_cas._base.frame import encode, room
 from cuda_program_cas._base.signing import Signer
 from cuda_program_cas._base.urls import normalize_store_url
 from cuda_program_cas._disk.direngine import DirEngine
@@ -143,10 +143,10 @@ class Target:
         return known
 
     def blob_present(self, digest: str, size: int) -> bool:
-        """A cheap check (no read): an object of the right size (compressed: a smaller one)."""
+        """A cheap check (no read): an object of the right size (framed: any size it may take, :func:`.frame.room`)."""
         try:
             held = self.engine.size(url_path(BLOBS, digest))
-            return held is not None and (held == size or 0 < held < size)
+            return held is not None and (held == size or 0 < held <= room(size))
         except StoreFailure as exc:
             if exc.outage:
                 raise
@@ -173,8 +173,8 @@ class Target:
         """
         if self.dir is not None:
             name = url_path(BLOBS, digest)
-            held = self.dir.size(name)  # a compressed blob is smaller than the raw size (verified by blob_ok)
-            self.dir.freshen(name, size if held is None or held > size else held)
+            held = self.dir.size(name)  # a framed blob's size is not the raw size (verified by blob_ok)
+            self.dir.freshen(name, size if held is None or held > room(size) else held)
 
     def put_manifest(self, manifest: Manifest) -> None:
         """Store the manifest (signed with the run's key) and read every byte of it back."""
