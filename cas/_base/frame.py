@@ -24,14 +24,14 @@ blob may be larger than its raw bytes, never more than :func:`room` of them: eve
 reader bounds the stored bytes of a blob by the room of the raw size its manifest
 names, and the raw bytes by that size (a raw object larger than it is still damage).
 
-What :func:`decode` refuses (a :class:`~cuda_program_cas._base.engine.StoreFailure`
-of kind ``damaged``, not an outage: one bad object, a miss counted in ``corrupt``):
-a stated raw size over the reader's limit (before anything is decompressed; a
-raw object longer than the limit too), a
-zstd frame that states another size or none, a frame cut short, more data than
-one frame, a frame that decompresses to more or less than it states. zstd is
-given the stated size as the most it may write, so a bomb never takes more memory
-than the limit the reader allows an entry anyway.
+What :class:`Inflow` (and so :func:`decode`) refuses (a
+:class:`~cuda_program_cas._base.engine.StoreFailure` of kind ``damaged``, not an outage:
+one bad object, a miss counted in ``corrupt``): a stated raw size over the reader's
+limit (before anything is decompressed; a raw object longer than the limit too), a zstd
+frame that states another size or none, a frame cut short, data after the frame that is
+not an empty frame, a frame that decompresses to more or less than it states. zstd's
+output is cut off past the stated size, so a bomb never takes more memory than the
+limit the reader allows an entry anyway.
 """
 
 from __future__ import annotations
