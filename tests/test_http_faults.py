@@ -669,6 +669,30 @@ def test_a_body_longer_than_asked_is_cut_off_and_a_miss_not_a_pause(
         assert list((tmp_path / "node" / "tmp").iterdir()) == []
 
 
+def test_a_server_that_ignores_range_makes_packed_entries_misses_with_one_warning(
+    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 of the whole pack to each Range request: a hit's blob (its index held), then a new node's trailer."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    with Site(tmp_path, published.packed) as site:
+        with node(tmp_path, site.url) as cache:
+            assert cache.get("k0") == published.values["k0"]  # the pack's index is held
+            site.set("packs/", Fault.no_ranges())
+            assert cache.get("k1") is None
+            site.server.clear()
+            assert cache.get("k1") == published.values["k1"]  # asked again at once: no pause
+            counts = cache.counters()
+            assert (counts["corrupt"], counts["errors"]) == (0, 0)
+            (warning,) = warnings_about(caplog, site.url)
+            assert "the whole object to a Range request; packs need a server that honours Range" in warning
+        site.set("packs/", Fault.no_ranges())
+        with node(tmp_path, site.url, name="new") as cache:
+            assert cache.get("k2") is None  # its trailer was not had: no pack known
+            assert (cache.counters()["corrupt"], cache.counters()["errors"]) == (0, 0)
+            assert site.server.hits(f"/{site.name}/packs/list") >= 2
+        assert all("honours Range" in w for w in warnings_about(caplog, site.url))
+
+
 def _store_of_two_packs(tmp_path: Path) -> tuple[Path, dict[str, bytes], dict[str, bytes]]:
     """A store published twice with --pack: its newer pack's entries and its older one's."""
     store = tmp_path / "two-packs"

@@ -494,11 +494,11 @@ def _read(
     head = {k.lower(): v for k, v in resp.headers.items()}
     if method == "HEAD":
         return Reply(resp.status, b"", head)
-    absent = resp.status in (404, 410)
+    absent = resp.status in (404, 410, 416)  # no such object, or no such range of it
     if errors and not 200 <= resp.status < 300:
         limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
     elif absent:
-        # "No such object" whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
+        # "No such object" (or range) whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
         # connection, up to a bound of its own, and dropped.
         limit, sink = max(limit, _ABSENT_PAGE), _drop
     length = head.get("content-length")
