@@ -323,7 +323,7 @@ def test_a_range_streams_into_a_sink_and_a_failing_sink_ends_the_read(made: Made
     assert b"".join(chunks) == data[1000 : 1000 + (5 << 19)] and len(chunks) > 1  # as they came, not gathered first
     assert engine.get_range("packs/none.cpk", 0, 10, sink=chunks.append) is None
 
-    class Enough(Exception):
+    class Enough(OSError):  # as a staging file that cannot be written: not the store's failure
         pass
 
     def refuse(chunk: bytes) -> None:

@@ -921,6 +921,37 @@ def test_running_out_of_memory_for_a_large_hit_is_a_miss(tmp_path: Path, read_on
     assert done.stdout.strip().splitlines()[-1] == "True|could not take the answer in: MemoryError|True", done.stdout
 
 
+_DISK_FULL_NODE = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from cuda_program_cas import CacheStore
+
+    local, url, big, other = sys.argv[1:5]
+    store = CacheStore(local, shared=[url])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is EFBIG, an OSError
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    got = store.get(big)  # staged past 1 MiB in the local cache's tmp/, which cannot take 8
+    print(got is None, store.inner.shared[0].miss_reason(), store.get(other) is not None, sep="|")
+    """
+)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])
+def test_a_staging_file_that_cannot_be_written_is_a_miss_not_an_outage(tmp_path: Path, packed: bool) -> None:
+    """A hit's staging write fails mid-answer (a real EFBIG): this node's trouble, not the store's; no pause."""
+    src = tmp_path / "src"
+    with ContentAddressedProgramCache(src, shared=()) as cache:
+        cache["big"], cache["other"] = os.urandom(8 << 20), b"another small entry"
+    publish([src], tmp_path / "www" / "store", pack=packed)
+    with FaultServer(tmp_path / "www") as server:
+        done = run_python(
+            _DISK_FULL_NODE, str(tmp_path / "node"), server.url("store"), "big", "other",
+            env={client.ENV_HTTP_TIMEOUT: TIMEOUTS}, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True|could not take the answer in: OSError|True", done.stdout
+
+
 # -- TLS and tokens, against nginx -------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.frame import Inflow, verified
@@ -54,6 +54,7 @@ _ABSENT = frozenset((errno.ENOENT, errno.ENOTDIR))
 #: The top-level folders whose children are shards (``index/ab/...``).
 _SHARDED = ("index/", "blobs/")
 _CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -195,26 +196,29 @@ class DirEngine:
             raise _failure(path, exc) from None
         got: dict[int, bytes] = {}
         try:
-            size = os.fstat(fd).st_size
+            size = self._read(path, lambda: os.fstat(fd).st_size)
             for offset, length in spans(size):
                 if offset + length > size:
                     detail = f"asked {length} bytes from {offset}, the file has {size}"
                     raise StoreFailure(self.path(name), "short", detail, outage=False)
                 parts: list[bytes] = []
                 for at in range(offset, offset + length, _CHUNK):
-                    part = os.pread(fd, min(offset + length - at, _CHUNK), at)
-                    if len(part) < min(offset + length - at, _CHUNK):
+                    n = min(offset + length - at, _CHUNK)
+                    part = self._read(path, lambda: os.pread(fd, n, at))  # noqa: B023 - called at once
+                    if len(part) < n:
                         raise StoreFailure(self.path(name), "short", f"it ended while read at {at}", outage=False)
-                    if sink is None:
-                        parts.append(part)
-                    else:
-                        sink(part)
+                    (parts.append if sink is None else sink)(part)  # a sink's own failure reaches the caller
                 got[offset] = b"".join(parts)
-        except OSError as exc:
-            raise _failure(path, exc) from None
         finally:
             os.close(fd)
         return got, size
+
+    @staticmethod
+    def _read(path: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except OSError as exc:
+            raise _failure(path, exc) from None
 
     def names(self, folder: str) -> list[str]:
         path = self._vetted(folder.rstrip("/") + "/")
