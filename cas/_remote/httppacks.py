@@ -140,9 +140,8 @@ class HttpPacks:
                     inflow = Inflow(where, report.ceiling(), cast("Callable[[bytes | memoryview], object]", body.take))
                     try:
                         sink = _Sized(kid, report, inflow).take
-                        if not self._ask(
-                            pack.name, partial(self._read, offset=entry.offset, size=entry.size, sink=sink)
-                        ):
+                        read = partial(self.engine.get_range, offset=entry.offset, length=entry.size, sink=sink)
+                        if self._ask(pack.name, read) is None:
                             continue
                         inflow.finish()
                     except _NotFetched:
@@ -288,7 +287,8 @@ class HttpPacks:
                 self._no_room(name)
                 return None
             with Intake(None, hashed=False) as index:
-                if length and not self._ask(name, partial(self._read, offset=offset, size=length, sink=index.take)):
+                read = partial(self.engine.get_range, offset=offset, length=length, sink=index.take)
+                if self._ask(name, read) is None:
                     return None
                 pack = PackIndex(name, size, trailer, index.read())
         except PackError as exc:
@@ -298,10 +298,6 @@ class HttpPacks:
         if self._memo_put is not None:
             self._memo_put(memo, pack.to_bytes())
         return pack
-
-    def _read(self, name: str, offset: int, size: int, sink: Callable[[bytes], object]) -> bool | None:
-        """Bytes ``[offset, offset + size)`` of the object ``name`` into ``sink``: True; None when there is none."""
-        return None if self.engine.get_range(name, offset, size, sink=sink) is None else True
 
     def _either(self, name: str, call: Callable[[str], _T | None]) -> _T | None:
         """``call`` of pack ``name`` in ``packs/``, or in ``packs/retired/`` where a repack moved it; None: neither."""
