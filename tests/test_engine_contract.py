@@ -160,7 +160,7 @@ FACTORIES: dict[str, Callable[[Path], AbstractContextManager[Made]]] = {
 
 #: Each optional ability: its accessor, and the methods its interface adds to an engine.
 ABILITIES: dict[str, tuple[Callable[[Engine], object | None], tuple[str, ...]]] = {
-    "ranges": (ranged, ("get_range", "get_tail")),
+    "ranges": (ranged, ("get_range", "get_tail", "get_ranges")),
     "conditional_get": (conditional, ("get_changed",)),
     "conditional_create": (creates, ("create",)),
     "listing": (listing, ("names",)),
@@ -304,8 +304,56 @@ def test_ranged_reads_give_exactly_the_bytes_asked(made: Made) -> None:
     assert engine.get_tail("packs/some.cpk", 32) == (data[-32:], len(data))
     assert engine.get_range("packs/none.cpk", 0, 10) is None
     assert engine.get_tail("packs/none.cpk", 10) is None
-    with pytest.raises(StoreFailure):  # past its end: not a shorter answer
+    with pytest.raises(StoreFailure) as caught:  # past its end: not a shorter answer
         engine.get_range("packs/some.cpk", len(data) - 10, 20)
+    assert (caught.value.kind, caught.value.outage) == ("short", False)
+    with pytest.raises(StoreFailure) as caught:  # wholly past it
+        engine.get_range("packs/some.cpk", len(data) + 10, 20)
+    assert (caught.value.kind, caught.value.outage) == ("short", False)
+
+
+def test_a_range_streams_into_a_sink_and_a_failing_sink_ends_the_read(made: Made) -> None:
+    engine = ranged(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no ranges")
+    data = os.urandom(3 << 20)  # several chunks of any engine's reads (a directory's are of 1 MiB)
+    made.seed.put("packs/some.cpk", data)
+    chunks: list[bytes] = []
+    assert engine.get_range("packs/some.cpk", 1000, 5 << 19, sink=chunks.append) == b""
+    assert b"".join(chunks) == data[1000 : 1000 + (5 << 19)] and len(chunks) > 1  # as they came, not gathered first
+    assert engine.get_range("packs/none.cpk", 0, 10, sink=chunks.append) is None
+
+    class Enough(OSError):  # as a staging file that cannot be written: not the store's failure
+        pass
+
+    def refuse(chunk: bytes) -> None:
+        raise Enough
+
+    with pytest.raises(Enough):
+        engine.get_range("packs/some.cpk", 0, len(data), sink=refuse)
+    assert engine.get_range("packs/some.cpk", 5, 5) == data[5:10]  # and the engine reads on
+
+
+def test_several_ranges_and_the_tail_come_at_once(made: Made) -> None:
+    engine = ranged(made.engine)
+    if engine is None:
+        pytest.skip("its record declares no ranges")
+    data = os.urandom(100_000)
+    made.seed.put("packs/some.cpk", data)
+    spans = [(10, 100), (20_000, 5000), (60_000, 1)]
+    got = engine.get_ranges("packs/some.cpk", spans, 64)
+    assert got is not None
+    parts, size = got
+    assert size == len(data) and {k: bytes(v) for k, v in parts.items()} == {
+        **{offset: data[offset : offset + n] for offset, n in spans},
+        len(data) - 64: data[-64:],
+    }
+    one = engine.get_ranges("packs/some.cpk", [(7, 9)])
+    assert one is not None and (bytes(one[0][7]), one[1]) == (data[7:16], len(data))
+    assert engine.get_ranges("packs/none.cpk", spans, 64) is None
+    with pytest.raises(StoreFailure) as caught:
+        engine.get_ranges("packs/some.cpk", [(10, 100), (len(data) - 5, 10)])
+    assert not caught.value.outage
 
 
 def test_a_conditional_read_of_an_unchanged_object_holds_no_body(made: Made) -> None:

@@ -669,6 +669,30 @@ def test_a_body_longer_than_asked_is_cut_off_and_a_miss_not_a_pause(
         assert list((tmp_path / "node" / "tmp").iterdir()) == []
 
 
+def test_a_server_that_ignores_range_makes_packed_entries_misses_with_one_warning(
+    tmp_path: Path, published: Published, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 of the whole pack to each Range request: a hit's blob (its index held), then a new node's trailer."""
+    caplog.set_level(logging.DEBUG, logger="cuda_program_cas")
+    with Site(tmp_path, published.packed) as site:
+        with node(tmp_path, site.url) as cache:
+            assert cache.get("k0") == published.values["k0"]  # the pack's index is held
+            site.set("packs/", Fault.no_ranges())
+            assert cache.get("k1") is None
+            site.server.clear()
+            assert cache.get("k1") == published.values["k1"]  # asked again at once: no pause
+            counts = cache.counters()
+            assert (counts["corrupt"], counts["errors"]) == (0, 0)
+            (warning,) = warnings_about(caplog, site.url)
+            assert "the whole object to a Range request; packs need a server that honours Range" in warning
+        site.set("packs/", Fault.no_ranges())
+        with node(tmp_path, site.url, name="new") as cache:
+            assert cache.get("k2") is None  # its trailer was not had: no pack known
+            assert (cache.counters()["corrupt"], cache.counters()["errors"]) == (0, 0)
+            assert site.server.hits(f"/{site.name}/packs/list") >= 2
+        assert all("honours Range" in w for w in warnings_about(caplog, site.url))
+
+
 def _store_of_two_packs(tmp_path: Path) -> tuple[Path, dict[str, bytes], dict[str, bytes]]:
     """A store published twice with --pack: its newer pack's entries and its older one's."""
     store = tmp_path / "two-packs"
@@ -895,6 +919,37 @@ def test_running_out_of_memory_for_a_large_hit_is_a_miss(tmp_path: Path, read_on
         )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == "True|could not take the answer in: MemoryError|True", done.stdout
+
+
+_DISK_FULL_NODE = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from cuda_program_cas import CacheStore
+
+    local, url, big, other = sys.argv[1:5]
+    store = CacheStore(local, shared=[url])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is EFBIG, an OSError
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    got = store.get(big)  # staged past 1 MiB in the local cache's tmp/, which cannot take 8
+    print(got is None, store.inner.shared[0].miss_reason(), store.get(other) is not None, sep="|")
+    """
+)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])
+def test_a_staging_file_that_cannot_be_written_is_a_miss_not_an_outage(tmp_path: Path, packed: bool) -> None:
+    """A hit's staging write fails mid-answer (a real EFBIG): this node's trouble, not the store's; no pause."""
+    src = tmp_path / "src"
+    with ContentAddressedProgramCache(src, shared=()) as cache:
+        cache["big"], cache["other"] = os.urandom(8 << 20), b"another small entry"
+    publish([src], tmp_path / "www" / "store", pack=packed)
+    with FaultServer(tmp_path / "www") as server:
+        done = run_python(
+            _DISK_FULL_NODE, str(tmp_path / "node"), server.url("store"), "big", "other",
+            env={client.ENV_HTTP_TIMEOUT: TIMEOUTS}, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True|could not take the answer in: OSError|True", done.stdout
 
 
 # -- TLS and tokens, against nginx -------------------------------------------------------------------

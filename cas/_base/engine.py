@@ -44,8 +44,10 @@ implements the methods of exactly the abilities it declares.
 
 - :class:`Ranged` (``ranges``): part of an object, from an offset or its end
   (HTTP by ``Range``, a directory by ``pread``); a pack's entry without the pack.
-- ``multi_range``: several ranges of an object in one request (a multipart answer,
-  HTTP); the store's packs use it for a warm set's batch.
+  A range streams into a sink (a packed hit: the pack reader decodes and hashes it as it
+  arrives), and several come at once (:meth:`Ranged.get_ranges`: a warm set's batch).
+- ``multi_range``: those several ranges in one request (a multipart answer, HTTP);
+  without it, one request each, all at once (S3).
 - :class:`ConditionalGet` (``conditional_get``): None when the object is still the
   one ``tag`` names, else ``(bytes or None when there is none, its new tag)`` (HTTP
   by ``If-None-Match``, Redis by a script that compares a hash). Without it an object
@@ -60,7 +62,7 @@ implements the methods of exactly the abilities it declares.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol, TypeVar, cast
 
@@ -299,17 +301,33 @@ class Engine(Protocol):
 
 
 class Ranged(Protocol):
-    """Part of an object (``ranges``)."""
+    """Part of an object (``ranges``); a failed read of one is ``StoreFailure`` kind ``short`` (the object ends
+    before, or the answer is other bytes) or ``no range`` (a server that sends the whole object), not an outage."""
 
-    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+    def get_range(
+        self, name: str, offset: int, length: int, *, sink: Callable[[bytes], object] | None = None
+    ) -> bytes | None:
         """Exactly ``length`` bytes of ``name`` from ``offset``, or None when there is no such object.
 
-        Fewer (the object ends before) is a ``StoreFailure``, not a shorter answer.
+        With ``sink`` they go there as they arrive, none held, and ``b""`` is returned: a
+        failure of ``sink`` ends the read and reaches the caller. Fewer (the object ends
+        before) is a ``StoreFailure``, not a shorter answer.
         """
         ...
 
     def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
         """The last ``length`` bytes of ``name`` (all of it when shorter) and its whole size; None when none."""
+        ...
+
+    def get_ranges(
+        self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0
+    ) -> tuple[Mapping[int, memoryview], int] | None:
+        """The bytes of each ``(offset, size)`` span (sorted, apart, each of at least one byte) by its offset, the last
+        ``tail`` bytes at theirs, and the object's size; None when there is no such object.
+
+        One request where the record has ``multi_range``, else one each, all at once. The
+        bytes are views of one buffer per request, which holds what was asked, once.
+        """
         ...
 
 

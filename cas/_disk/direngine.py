@@ -31,9 +31,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.frame import Inflow, room, verified
@@ -54,6 +54,7 @@ _ABSENT = frozenset((errno.ENOENT, errno.ENOTDIR))
 #: The top-level folders whose children are shards (``index/ab/...``).
 _SHARDED = ("index/", "blobs/")
 _CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -166,21 +167,27 @@ class DirEngine:
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         return [self.get(name, limit=n) for name, n in zip(names, limits_of(names, limit), strict=True)]
 
-    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
-        got = self._pread(name, lambda size: offset, length)
-        if got is None:
-            return None
-        data, size = got
-        if len(data) != length:
-            detail = f"asked {length} bytes from {offset}, the file has {size}"
-            raise StoreFailure(self.path(name), "short", detail, outage=False)
-        return data
+    def get_range(
+        self, name: str, offset: int, length: int, *, sink: Callable[[bytes], object] | None = None
+    ) -> bytes | None:
+        got = self._pread(name, lambda size: [(offset, length)], sink)
+        return None if got is None else got[0][offset]
 
     def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
-        return self._pread(name, lambda size: max(0, size - length), length)
+        got = self._pread(name, lambda size: [(max(0, size - length), min(length, size))])
+        return None if got is None else (next(iter(got[0].values())), got[1])
 
-    def _pread(self, name: str, start: Callable[[int], int], length: int) -> tuple[bytes, int] | None:
-        """``length`` bytes (fewer at the end) of ``name`` from ``start(its size)``, and its size; None: no file."""
+    def get_ranges(
+        self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0
+    ) -> tuple[Mapping[int, memoryview], int] | None:
+        got = self._pread(name, lambda size: [*spans, *([(max(0, size - tail), min(tail, size))] if tail else [])])
+        return None if got is None else ({at: memoryview(data) for at, data in got[0].items()}, got[1])
+
+    def _pread(
+        self, name: str, spans: Callable[[int], list[tuple[int, int]]], sink: Callable[[bytes], object] | None = None
+    ) -> tuple[dict[int, bytes], int] | None:
+        """The bytes of each ``(offset, length)`` of ``spans(its size)`` in ``name`` by offset, and its size; None: no
+        file. With ``sink`` the bytes go there in chunks, none held. A span past the end is ``short``."""
         path = self._vetted(name)
         try:
             fd = os.open(path, READ_FLAGS)
@@ -188,23 +195,31 @@ class DirEngine:
             if exc.errno in _ABSENT:
                 return None
             raise _failure(path, exc) from None
+        got: dict[int, bytes] = {}
         try:
-            size = os.fstat(fd).st_size
-            at = start(size)
-            parts: list[bytes] = []
-            left = min(length, max(0, size - at))
-            while left > 0:
-                part = os.pread(fd, min(left, _CHUNK), at)
-                if not part:
-                    break
-                parts.append(part)
-                at += len(part)
-                left -= len(part)
-        except OSError as exc:
-            raise _failure(path, exc) from None
+            size = self._read(path, lambda: os.fstat(fd).st_size)
+            for offset, length in spans(size):
+                if offset + length > size:
+                    detail = f"asked {length} bytes from {offset}, the file has {size}"
+                    raise StoreFailure(self.path(name), "short", detail, outage=False)
+                parts: list[bytes] = []
+                for at in range(offset, offset + length, _CHUNK):
+                    n = min(offset + length - at, _CHUNK)
+                    part = self._read(path, lambda: os.pread(fd, n, at))  # noqa: B023 - called at once
+                    if len(part) < n:
+                        raise StoreFailure(self.path(name), "short", f"it ended while read at {at}", outage=False)
+                    (parts.append if sink is None else sink)(part)  # a sink's own failure reaches the caller
+                got[offset] = b"".join(parts)
         finally:
             os.close(fd)
-        return b"".join(parts), size
+        return got, size
+
+    @staticmethod
+    def _read(path: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except OSError as exc:
+            raise _failure(path, exc) from None
 
     def names(self, folder: str) -> list[str]:
         path = self._vetted(folder.rstrip("/") + "/")

@@ -59,7 +59,7 @@ def encode_listing(names: Iterable[str]) -> bytes:
     return _LISTING_HEAD + b"".join(n.encode() + b"\n" for n in ordered) + b"end %d\n" % len(ordered)
 
 
-def parse_listing(data: bytes) -> list[str] | None:
+def parse_listing(data: bytes | bytearray) -> list[str] | None:
     """The pack names of a ``packs/list``, newest first; None when ``data`` is not a whole listing."""
     if not data.startswith(_LISTING_HEAD) or not data.endswith(b"\n"):
         return None

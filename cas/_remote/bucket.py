@@ -184,14 +184,15 @@ def bucket_repack(address: str) -> BucketFound:
 
     def ranged(pack: str, offset: int, size: int, digest: str) -> bytes | None:
         """The entry's bytes as the pack holds them, decoded and verified: the new pack takes them as they are."""
-        reply = engine.fetch(f"packs/{pack}", limit=size, headers={"Range": f"bytes={offset}-{offset + size - 1}"})
         why = "not there"
-        if reply.status == 206 and len(reply.body) == size:
-            try:
-                raw = verified(f"packs/{pack}", reply.body, digest, env_max_entry_size())
-                return Stored(reply.body, len(raw))
-            except StoreFailure as exc:
-                why = exc.detail
+        try:
+            data = engine.get_range(f"packs/{pack}", offset, size)
+            if data is not None:
+                return Stored(data, len(verified(f"packs/{pack}", data, digest, env_max_entry_size())))
+        except StoreFailure as exc:
+            if exc.outage:
+                raise
+            why = exc.detail
         report.problems.append((f"packs/{pack}", f"the blob of {digest} at {offset}: {why}: left out"))
         return None
 

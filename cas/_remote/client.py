@@ -494,12 +494,11 @@ def _read(
     head = {k.lower(): v for k, v in resp.headers.items()}
     if method == "HEAD":
         return Reply(resp.status, b"", head)
-    absent = resp.status in (404, 410)
+    absent = resp.status in (404, 410, 416)  # no such object, or no such range of it
     if errors and not 200 <= resp.status < 300:
         limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
     elif absent:
-        # "No such object" whatever the caller's limit: its page (nginx's is 153 bytes) is read to reuse the
-        # connection, up to a bound of its own, and dropped.
+        # "No such object" (or range) whatever the limit: its page is read to reuse the connection, bounded, dropped.
         limit, sink = max(limit, _ABSENT_PAGE), _drop
     length = head.get("content-length")
     if length is not None and length.strip().isdigit() and int(length) > limit:
@@ -524,9 +523,17 @@ def _read(
             landing.take(chunk)
 
     got = 0
-    # read1: what one recv gives. read(n) waits for all n bytes, so a server trickling a byte
-    # within each read timeout would hold it far past the deadline (read1 is urllib3 >= 2.3).
-    read = getattr(resp, "read1", None) or resp.read
+    # read1: what one recv gives (urllib3 >= 2.3); read(n) waits for n bytes, past the deadline for a trickle.
+    read1 = getattr(resp, "read1", None) or resp.read
+
+    def read(n: int) -> bytes:  # a failure of the connection is an HttpFailure (a sink's own failure is not one)
+        try:
+            return bytes(read1(n))
+        except _Urllib3Error as exc:
+            raise _failure(url, without_frames(exc)) from None
+        except OSError as exc:
+            raise HttpFailure(url, "error", f"{type(exc).__name__}: {without_frames(exc)}") from None
+
     try:
         while True:
             chunk = read(min(_CHUNK, limit + 1 - got))
@@ -539,20 +546,13 @@ def _read(
                     return Reply(resp.status, b"", head)
                 raise HttpFailure(url, "too large", f"more than {limit} bytes", outage=False)
             keep(chunk)
-    except _Urllib3Error as exc:
-        resp.close()
-        raise _failure(url, without_frames(exc)) from None
-    except OSError as exc:
-        resp.close()
-        without_frames(exc)
-        raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
-    except BaseException:  # too large, the sink's own failure, MemoryError: the connection is mid-body
+    except BaseException:  # no answer, too large, the sink's own failure, MemoryError: the connection is mid-body
         resp.close()
         raise
     return Reply(resp.status, landing.value() if landing is not None else b"".join(chunks), head)
 
 
-#: The most of a 404's or 410's page read (to reuse the connection); a longer one closes it.
+#: The most of a 404's, 410's or 416's page read (to reuse the connection); a longer one closes it.
 _ABSENT_PAGE = 4096
 
 

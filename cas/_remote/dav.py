@@ -1,4 +1,4 @@
-"""The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and the reads of an engine beside GET (HEAD, Range).
+"""The store's remote side: WebDAV writes (PUT, MKCOL, DELETE) and HEAD (ranged reads are the engine's).
 
 Each call returns what the server said or raises :class:`.client.HttpFailure`, with the
 URL as :func:`.urls.shown` gives it. Atomicity is the server's job (nginx's dav module
@@ -15,7 +15,7 @@ from cuda_program_cas._base.urls import shown
 
 from .client import HttpFailure, Reply, request
 
-__all__ = ["delete", "fetch_range", "fetch_tail", "put", "size_of"]
+__all__ = ["delete", "put", "size_of"]
 
 _PUT_OK = frozenset((200, 201, 204))
 _ABSENT = frozenset((404, 410))
@@ -50,40 +50,6 @@ def size_of(url: str) -> int | None:
         raise _refused(url, reply, "HEAD")
     length = reply.headers.get("content-length", "")
     return int(length) if length.isdigit() else -1
-
-
-def _ranged(url: str, spec: str, length: int) -> Reply:
-    """A Range GET; a server that sends the whole file instead is named for what it did."""
-    try:
-        return request("GET", url, headers={"Range": f"bytes={spec}"}, limit=length)
-    except HttpFailure as exc:
-        if exc.kind == "too large":
-            raise HttpFailure(exc.url, "no range", "the server ignored a Range request (packs need Range)") from None
-        raise
-
-
-def fetch_tail(url: str, length: int) -> tuple[bytes, int] | None:
-    """The last ``length`` bytes of the file at ``url`` and its whole size; None when there is none."""
-    reply = _ranged(url, f"-{length}", length)
-    if reply.status in _ABSENT:
-        return None
-    if reply.status == 206:
-        total = reply.headers.get("content-range", "").rpartition("/")[2]
-        if total.isdigit():
-            return reply.body, int(total)
-    raise _refused(url, reply, "GET (Range)")
-
-
-def fetch_range(url: str, offset: int, length: int) -> bytes | None:
-    """``length`` bytes of the file at ``url`` from ``offset``; None when there is no file."""
-    if length == 0:
-        return b""
-    reply = _ranged(url, f"{offset}-{offset + length - 1}", length)
-    if reply.status in _ABSENT:
-        return None
-    if reply.status == 206 and len(reply.body) == length:
-        return reply.body
-    raise _refused(url, reply, "GET (Range)")
 
 
 def put(url: str, data: bytes | IO[bytes], *, root: str) -> int:

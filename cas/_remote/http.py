@@ -24,7 +24,9 @@ and its packs are :class:`.httppacks.HttpPacks`.
 - ``size``: HEAD. ``put``/``put_many``: WebDAV PUTs (:func:`.dav.put`: the server
   renames a PUT's body onto its target once whole, so a reader never sees a
   part), in order: a blob before the manifest that names it. ``remove``: DELETE.
-- ``get_range``/``get_tail``: one ``Range`` GET (:func:`.dav.fetch_range`).
+- ``get_range``/``get_tail``: one ``Range`` GET, a range streamed into a sink where one is given
+  (a packed hit); ``get_ranges``: several in one (a multipart answer). A ``200`` to a
+  ``Range`` request is ``no range``: a server that ignores it.
 - Its record (:class:`~cuda_program_cas._base.engine.Abilities`): ranges, several
   ranges in one request (its packs' multipart reads), conditional reads; remote, a
   server's answers. No conditional create and no leases: nginx's WebDAV ignores
@@ -37,10 +39,11 @@ and its packs are :class:`.httppacks.HttpPacks`.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar, cast
 
 from blake3 import blake3
 
@@ -58,6 +61,7 @@ __all__ = ["IN_MEMORY_BYTES", "HttpEngine", "Intake"]
 IN_MEMORY_BYTES = 1 << 20
 
 _T = TypeVar("_T")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
 class HttpEngine:
@@ -186,23 +190,114 @@ class HttpEngine:
             raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
         return True
 
-    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
-        from .dav import fetch_range
-
-        if length:  # nothing is asked for no bytes
-            self.requests += 1
-        return self._counted(lambda: fetch_range(join(self.root, name), offset, length))
+    def get_range(
+        self, name: str, offset: int, length: int, *, sink: Callable[[bytes], object] | None = None
+    ) -> bytes | None:
+        if length == 0:  # nothing is asked for no bytes
+            return b""
+        landing = Landing(length) if sink is None else None
+        got = self._range(name, f"{offset}-{offset + length - 1}", length, sink or cast("Landing", landing).take)
+        if got is None:
+            return None
+        if got[:2] != (offset, length):
+            detail = f"asked bytes {offset}+{length}, got {got[0]}+{got[1]} of {got[2]}"
+            raise StoreFailure(join(self.root, name), "short", detail, outage=False)
+        return b"" if landing is None else landing.value()
 
     def get_tail(self, name: str, length: int) -> tuple[bytes, int] | None:
-        from .dav import fetch_tail
+        landing = Landing(length)
+        got = self._range(name, f"-{length}", length, landing.take)
+        if got is None:
+            return None
+        data = landing.value()
+        if got[1] != min(length, got[2]) or got[0] + got[1] != got[2]:
+            detail = f"asked its last {length} bytes, got {got[0]}+{got[1]} of {got[2]}"
+            raise StoreFailure(join(self.root, name), "short", detail, outage=False)
+        return data, got[2]
 
-        self.requests += 1
+    def get_ranges(
+        self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0
+    ) -> tuple[Mapping[int, memoryview], int] | None:
+        """One ``Range`` request for all (:mod:`.multipart`): a ``206`` ``multipart/byteranges`` answer read strictly,
+        or for one span and no tail a ``206`` of exactly it; anything else is ``no range``. Without ``multi_range``
+        (S3) each range is its own GET, all at once over the pool (:func:`.client.request_many`)."""
+        from .multipart import PART_OVERHEAD, header, parse
+
+        if not self.can.multi_range:
+            return self._each_range(name, spans, tail)
+        limit = sum(size for _, size in spans) + tail + PART_OVERHEAD * (len(spans) + 2)
+        body = Landing(limit)
+        reply = self._ranged(name, header(spans, tail), limit, body.take)
+        if reply is None:
+            return None
+        data = body.value()
+        got: tuple[Mapping[int, memoryview], int] | None = None
+        span = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
+        if reply.status == 206 and len(spans) == 1 and not tail:
+            if span is not None and (int(span.group(1)), len(data)) == spans[0]:
+                got = {spans[0][0]: memoryview(data)}, int(span.group(3))
+        elif reply.status == 206:
+            got = parse(reply.headers.get("content-type", ""), data, spans, tail)
+        if got is None:
+            kind = reply.headers.get("content-type", "no type")
+            detail = f"status {reply.status} ({kind}) to a request for {len(spans)} ranges, not those ranges"
+            raise StoreFailure(join(self.root, name), "no range", detail, outage=False)
+        return got
+
+    def _each_range(
+        self, name: str, spans: Sequence[tuple[int, int]], tail: int
+    ) -> tuple[Mapping[int, memoryview], int] | None:
+        """:meth:`get_ranges` without ``multi_range``: each span, and the tail, one ranged GET, at once."""
+        wanted = [(f"{offset}-{offset + size - 1}", offset, size) for offset, size in spans]
+        wanted += [(f"-{tail}", -1, tail)] if tail else []
+        landings = [Landing(size) for _, _, size in wanted]
+        calls = [
+            functools.partial(self._range, name, spec, size, landing.take)
+            for (spec, _, size), landing in zip(wanted, landings, strict=True)
+        ]
+        parts: dict[int, memoryview] = {}
+        totals = set()
+        for (_, offset, size), landing, got in zip(wanted, landings, request_many(calls), strict=True):
+            if got is None:
+                return None
+            if got[1] != size or offset not in (-1, got[0]):
+                detail = f"asked bytes {offset}+{size}, got {got[0]}+{got[1]}"
+                raise StoreFailure(join(self.root, name), "short", detail, outage=False)
+            parts[got[0]] = memoryview(landing.value())
+            totals.add(got[2])
+        if len(totals) != 1:
+            raise StoreFailure(join(self.root, name), "short", f"ranges of sizes {sorted(totals)}", outage=False)
+        return parts, totals.pop()
+
+    def _range(self, name: str, spec: str, limit: int, sink: Callable[[bytes], object]) -> tuple[int, int, int] | None:
+        """``(first, bytes given to sink, size)`` of one ranged GET of ``name``; None: no object."""
+        got = 0
+
+        def take(chunk: bytes) -> None:
+            nonlocal got
+            got += len(chunk)
+            sink(chunk)
+
+        reply = self._ranged(name, f"bytes={spec}", limit, take)
+        if reply is None:
+            return None
+        if reply.status == 416 and spec.startswith("-") and spec != "-0":
+            return 0, 0, 0  # no byte to give from its end: an empty object
+        span = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
+        if reply.status == 206 and span is not None:
+            return int(span.group(1)), got, int(span.group(3))
+        kind = "short" if reply.status == 416 else "no range"  # 416: it begins past the object's end
+        raise StoreFailure(join(self.root, name), kind, f"status {reply.status} to a Range request", outage=False)
+
+    def _ranged(self, name: str, spec: str, limit: int, sink: Callable[[bytes], object]) -> Reply | None:
+        """GET ``Range: spec`` of ``name``; None for a 404. A server that sends more than asked ignored the Range."""
         try:
-            return self._counted(lambda: fetch_tail(join(self.root, name), length))
+            reply = self.fetch(name, limit=limit, headers={"Range": spec}, sink=sink)
         except HttpFailure as exc:
-            if exc.kind != "HTTP 416" or length < 1:
+            if exc.kind != "too large":
                 raise
-            return b"", 0  # no byte to give from its end: an empty file
+            raise StoreFailure(exc.where, "no range", "the whole object to a Range request", outage=False) from None
+        return None if reply.status in (404, 410) else reply
 
     def size(self, name: str) -> int | None:
         from .dav import size_of

@@ -3,10 +3,10 @@
 - Packs are listed by ``packs/list`` (publish and repack write it), fetched at the
   first lookup and again, conditionally (``If-None-Match``), every :data:`RELIST_S`,
   and at the first lookup after an outage.
-- Each pack's trailer and index are fetched once per node by two Range requests and
+- Each pack's trailer and index are fetched once per node by two ranged reads and
   kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
   are immutable by name, so later processes of the node need no request for them.
-  A packed hit then costs one Range request for the blob's stored bytes, decoded as
+  A packed hit then costs one ranged read of the blob's stored bytes, decoded as
   they arrive (:class:`~cuda_program_cas._base.frame.Inflow`: a framed entry is
   decompressed, bounded by the largest entry this node reads, a raw one passed
   through), its raw bytes hashed and staged (:class:`.http.Intake`) and returned
@@ -19,22 +19,23 @@ packs together hold at most :data:`MAX_INDEX_BYTES` (and never more than the
 largest entry this node reads), newer packs first; a pack's trailer is checked
 against that and against the size the server gives before its index is fetched.
 
-Every request is the engine's (:meth:`.http.HttpEngine.fetch`), so an outage is
-a :class:`~cuda_program_cas._base.engine.StoreFailure` that the store above
-pauses on. A bad answer about one pack is damage, counted and noted through
-:attr:`HttpPacks.report` (the store), and the pack is a miss.
+Every request is the engine's, through its interfaces only (``get_changed``,
+``get_tail``, ``get_range`` into a sink, ``get_ranges``): the engine owns HTTP, so an
+outage is a :class:`~cuda_program_cas._base.engine.StoreFailure` that the store above
+pauses on. A bad answer about one pack (``short``) is damage, counted and noted through
+:attr:`HttpPacks.report` (the store), a server that ignores ``Range`` (``no range``)
+one WARNING, and the pack is a miss.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, Protocol, cast
+from functools import partial
+from typing import NamedTuple, Protocol, TypeVar, cast
 
-from cuda_program_cas._base.engine import LOCAL, Landing, StoreFailure
+from cuda_program_cas._base.engine import LOCAL, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, room, stated_size
 from cuda_program_cas._base.urls import join
@@ -43,7 +44,6 @@ from cuda_program_cas._disk.packindex import PackIndex
 from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
-from .client import Reply
 from .http import HttpEngine, Intake
 
 __all__ = ["MAX_INDEX_BYTES", "RELIST_S", "HttpPacks", "Ranges", "Report"]
@@ -57,12 +57,12 @@ _MAX_LISTING = 4 << 20
 #: from key to pack): 80 MB at this bound. Newer packs come first; older ones past it
 #: are not read (one WARNING), nor is a trailer that claims more, before its index is fetched.
 MAX_INDEX_BYTES = 16 << 20
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _MEMO_PREFIX = "cuda-program-cas: the index of the pack at "
 
 #: ``memo_get(key id)`` -> bytes kept locally, or None; ``memo_put(key id, bytes)``: keep them.
 MemoGet = Callable[[str], "bytes | None"]
 MemoPut = Callable[[str, bytes], None]
+_T = TypeVar("_T")
 
 
 class Ranges(NamedTuple):
@@ -139,8 +139,9 @@ class HttpPacks:
                     where = f"pack {pack.name}: the blob of {kid}"
                     inflow = Inflow(where, report.ceiling(), cast("Callable[[bytes | memoryview], object]", body.take))
                     try:
-                        sized = _Sized(kid, entry.size, report, inflow)
-                        if not self._range(pack.name, entry.offset, entry.size, sized.take):
+                        sink = _Sized(kid, entry.size, report, inflow).take
+                        read = partial(self.engine.get_range, offset=entry.offset, length=entry.size, sink=sink)
+                        if self._ask(pack.name, read) is None:
                             continue
                         inflow.finish()
                     except _NotFetched:
@@ -168,99 +169,31 @@ class HttpPacks:
         return None
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
-        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, in one request; None
-        when not had so.
+        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, at once
+        (:meth:`~cuda_program_cas._base.engine.Ranged.get_ranges`, the spans coalesced); None when not had so.
 
-        Where the engine's record has no ``multi_range`` (S3), each range is its own GET,
-        all at once (:meth:`_each_range`). Else one ``Range`` request for all of them (:mod:`.multipart`): a ``206``
-        ``multipart/byteranges`` answer read strictly, or for one span and no tail a
-        ``206`` of exactly it. Anything else (the whole pack, one range for several, a
-        range not asked for, another boundary, a 404) is None, said once: the caller
-        reads those entries the ordinary way. The bytes are not verified here (the
-        caller hashes each entry). The answer is taken in once (:class:`Landing`) and
-        every span is a view of it: a request holds what it asked, once, whatever
-        number of spans name the same bytes; the caller bounds what it asks.
+        Anything but those bytes (the whole pack, one range for several, a range not asked
+        for, no such pack) is None, said once: the caller reads those entries the ordinary
+        way. The bytes are not verified here (the caller hashes each entry); every span
+        is a view of what the engine took in once, whatever number of spans name the same
+        bytes; the caller bounds what it asks.
         """
-        from .multipart import PART_OVERHEAD, coalesce, header, parse
+        from .multipart import coalesce
 
         distinct = sorted(set(spans))
         if not is_pack_name(name) or not distinct or any(size < 1 or offset < 0 for offset, size in distinct):
             return None
-        asked = coalesce(distinct)
-        if not self.engine.can.multi_range:
-            return self._each_range(name, distinct, asked, tail)
-        limit = sum(size for _, size in asked) + tail + PART_OVERHEAD * (len(asked) + 2)
-        body = Landing(limit)
+        why = "no such pack"
         try:
-            reply = self._pack_get(name, {"Range": header(asked, tail)}, limit, body.take)
+            got = self._either(name, lambda n: self.engine.get_ranges(n, coalesce(distinct), tail))
         except StoreFailure as exc:
             if exc.outage:
                 raise
-            self._told().say_once("multi-range", f"packs/{name}: several ranges in one request: {exc.kind}")
-            return None
-        data = body.value()
-        got: tuple[Mapping[int, memoryview], int] | None = None
-        if reply.status == 206 and len(asked) == 1 and not tail:
-            span = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
-            offset, size = asked[0]
-            if span is not None and int(span.group(1)) == offset and len(data) == size:
-                got = {offset: memoryview(data)}, int(span.group(3))
-        elif reply.status == 206:
-            got = parse(reply.headers.get("content-type", ""), data, asked, tail)
+            got, why = None, f"{exc.kind}: {exc.detail}"
         if got is None:
-            self._told().say_once(
-                "multi-range",
-                f"packs/{name}: status {reply.status} ({reply.headers.get('content-type', 'no type')}) to a request "
-                f"for {len(asked)} ranges, not those ranges; its entries are read one at a time",
-            )
+            self._told().say_once("multi-range", f"packs/{name}: {why}; its entries are read one at a time")
             return None
         return _spans(distinct, *got, tail)
-
-    def _each_range(
-        self, name: str, distinct: list[tuple[int, int]], asked: list[tuple[int, int]], tail: int
-    ) -> Ranges | None:
-        """:meth:`fetch_ranges` where the engine has no multi-range GET (S3): each range one GET, all at once.
-
-        The spans are coalesced as for one request; each, and the tail, is one ranged
-        GET over the pool (:func:`.client.request_many`): one round trip for up to
-        :data:`.client.PARALLEL` ranges. Any answer that is not exactly its range is None, said once.
-        """
-        from .client import request_many
-
-        wanted = [(f"bytes={offset}-{offset + size - 1}", offset, size) for offset, size in asked]
-        if tail:
-            wanted.append((f"bytes=-{tail}", -1, tail))
-        landings = [Landing(size) for _, _, size in wanted]
-        calls = [
-            functools.partial(self._one_range, name, spec, size, landing)
-            for (spec, _, size), landing in zip(wanted, landings, strict=True)
-        ]
-        try:
-            replies = request_many(calls)
-        except StoreFailure as exc:
-            if exc.outage:
-                raise
-            self._told().say_once("ranges", f"packs/{name}: a range: {exc.kind}: {exc.detail}")
-            return None
-        parts: dict[int, memoryview] = {}
-        total = -1
-        for (_, offset, size), landing, span in zip(wanted, landings, replies, strict=True):
-            data = landing.value()
-            if span is None or len(data) != size or (offset >= 0 and span[0] != offset) or total not in (-1, span[2]):
-                self._told().say_once("ranges", f"packs/{name}: a range answered other bytes than asked")
-                return None
-            total = span[2]
-            parts[span[0]] = memoryview(data)
-        return _spans(distinct, parts, total, tail)
-
-    def _one_range(self, name: str, spec: str, size: int, landing: Landing) -> tuple[int, int, int] | None:
-        """One ranged GET of pack ``name`` into ``landing``: its ``Content-Range``, or None for another answer."""
-        reply = self._pack_get(name, {"Range": spec}, size, landing.take)
-        m = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
-        if reply.status != 206 or m is None:
-            return None
-        first, last, total = (int(g) for g in m.groups())
-        return first, last, total
 
     # -- the listing ---------------------------------------------------------------------
 
@@ -273,20 +206,21 @@ class HttpPacks:
         with self._lock:
             if time.monotonic() - self._listed_at < RELIST_S:
                 return
-            headers = {"If-None-Match": self._etag} if self._etag else None
-            reply = self.engine.fetch(f"packs/{LISTING}", limit=_MAX_LISTING, headers=headers)
+            why = "not a listing"
+            try:
+                got = self.engine.get_changed(f"packs/{LISTING}", limit=_MAX_LISTING, tag=self._etag)
+            except StoreFailure as exc:
+                if exc.outage:
+                    raise
+                got, why = (b"", None), f"{exc.kind}: {exc.detail}"
             self._listed_at = time.monotonic()
-            if reply.status == 304:
-                return
-            if reply.status == 404:
-                names: list[str] | None = []
-            else:
-                names = parse_listing(reply.body) if reply.status == 200 else None
+            if got is None:
+                return  # unchanged
+            names = [] if got[0] is None else parse_listing(got[0])
             if names is None:
-                message = f"packs/{LISTING}: status {reply.status}, not a listing; the packs known stay"
-                self._told().damaged("damaged listing", message)
+                self._told().damaged("damaged listing", f"packs/{LISTING}: {why}; the packs known stay")
                 return
-            self._etag = reply.headers.get("etag")
+            self._etag = got[1]
             self._update(names)
 
     def _update(self, names: list[str]) -> None:
@@ -341,24 +275,22 @@ class HttpPacks:
                 return PackIndex.from_bytes(name, kept)
             except PackError:
                 pass  # verified by the local cache, yet not this pack's: fetched again
-        reply = self._pack_get(name, {"Range": f"bytes=-{TRAILER_SIZE}"}, TRAILER_SIZE)
-        if reply.status == 404:
-            return None  # gone (not retired): its entries are in the pack that replaced it
-        span = self._content_range(reply, f"packs/{name}")
-        if span is None:
-            return None
+        tail = self._ask(name, lambda n: self.engine.get_tail(n, TRAILER_SIZE), missing=False)
+        if tail is None:
+            return None  # gone (not retired: its entries are in the pack that replaced it), or not readable
+        trailer, size = tail
         try:
-            first, last, size = span
-            if (first, last, len(reply.body)) != (size - TRAILER_SIZE, size - 1, TRAILER_SIZE):
-                raise PackError(f"{name}: asked its last {TRAILER_SIZE} bytes, got {first}-{last}/{size}")
-            offset, length = PackIndex.span(size, reply.body, name, max_index=self._index_bound())
+            if len(trailer) != TRAILER_SIZE:
+                raise PackError(f"{name}: {size} bytes, shorter than its trailer")
+            offset, length = PackIndex.span(size, trailer, name, max_index=self._index_bound())
             if length > room:
                 self._no_room(name)
                 return None
             with Intake(None, hashed=False) as index:
-                if not self._range(name, offset, length, index.take):
+                read = partial(self.engine.get_range, offset=offset, length=length, sink=index.take)
+                if self._ask(name, read) is None:
                     return None
-                pack = PackIndex(name, size, reply.body, index.read())
+                pack = PackIndex(name, size, trailer, index.read())
         except PackError as exc:
             self._bad_packs.add(name)
             self._told().damaged("damaged pack", str(exc))
@@ -367,54 +299,35 @@ class HttpPacks:
             self._memo_put(memo, pack.to_bytes())
         return pack
 
-    def _pack_get(
-        self, name: str, headers: dict[str, str], limit: int, sink: Callable[[bytes], object] | None = None
-    ) -> Reply:
-        """GET (a range of) pack ``name``: in ``packs/``, or in ``packs/retired/`` where a repack moved it."""
-        reply = self.engine.fetch(f"packs/{name}", limit=limit, headers=headers, sink=sink)
-        if reply.status == 404:
+    def _either(self, name: str, call: Callable[[str], _T | None]) -> _T | None:
+        """``call`` of pack ``name`` in ``packs/``, or in ``packs/retired/`` where a repack moved it; None: neither."""
+        got = call(f"packs/{name}")
+        if got is None:
             self._listed_at = float("-inf")  # the listing is stale: asked again at the next lookup
-            reply = self.engine.fetch(f"packs/{RETIRED}/{name}", limit=limit, headers=headers, sink=sink)
-        return reply
+            got = call(f"packs/{RETIRED}/{name}")
+        return got
 
-    def _range(self, name: str, offset: int, size: int, sink: Callable[[bytes], object]) -> bool:
-        """Bytes ``[offset, offset + size)`` of pack ``name`` into ``sink``; False (noted) when they are others."""
-        if size == 0:
-            return True
-        relative = f"packs/{name}"
-        got = 0
-
-        def take(chunk: bytes) -> None:
-            nonlocal got
-            got += len(chunk)
-            sink(chunk)
-
-        reply = self._pack_get(name, {"Range": f"bytes={offset}-{offset + size - 1}"}, size, take)
-        if reply.status == 404:
-            self._told().missed("pack missing")
-            return False
-        span = self._content_range(reply, relative)
-        if span is None or span[0] != offset or got != size:
-            if span is not None:
-                message = f"{relative}: asked bytes {offset}+{size}, got {span[0]}+{got}"
-                self._told().damaged("damaged range", message)
-            return False
-        return True
-
-    def _content_range(self, reply: Reply, relative: str) -> tuple[int, int, int] | None:
-        """``(first, last, size)`` of a 206 reply; None (said once) for a server that ignores Range."""
-        m = _CONTENT_RANGE.fullmatch(reply.headers.get("content-range", "").strip())
-        if reply.status == 206 and m is not None:
-            first, last, size = (int(g) for g in m.groups())
-            return first, last, size
+    def _ask(self, name: str, call: Callable[[str], _T | None], *, missing: bool = True) -> _T | None:
+        """:meth:`_either`, None (noted: a miss, or damage) where the pack is not there (``missing``: a miss) or its
+        server does not give the bytes asked."""
         report = self._told()
-        report.missed("pack not readable")
-        report.say_once(
-            "range",
-            f"{relative}: status {reply.status} to a Range request; packs need a server that honours Range "
-            "(their entries are misses)",
-        )
-        return None
+        try:
+            got = self._either(name, call)
+        except StoreFailure as exc:
+            if exc.outage or exc.kind not in ("no range", "short"):
+                raise
+            if exc.kind == "short":
+                report.damaged("damaged range", f"packs/{name}: {exc.detail}")
+                return None
+            report.missed("pack not readable")
+            report.say_once(
+                "range",
+                f"packs/{name}: {exc.detail}; packs need a server that honours Range (their entries are misses)",
+            )
+            return None
+        if got is None and missing:
+            report.missed("pack missing")
+        return got
 
 
 class _NotFetched(Exception):

@@ -25,8 +25,8 @@ a bucket with a dot in its name (its certificate would not match).
 
 The engine is :class:`.http.HttpEngine` over those URLs, so reads, ``get_many``,
 ranged reads, conditional reads (``If-None-Match``: a 304 costs no body) and the
-packs a node reads (:class:`.httppacks.HttpPacks`: S3 has no multi-range GET, and
-its record says so, so several ranges of a pack are that many ranged GETs at once)
+ranges of a pack a node reads (``get_ranges``: S3 has no multi-range GET, and its
+record says so, so several ranges of a pack are that many ranged GETs at once)
 are the HTTP engine's. Publish and repack write packs through the one publisher
 (:class:`cuda_program_cas._disk.packpublish.StorePacks`): the engine lists, so
 ``packs/list`` is written from the listing of ``packs/``. Its record

@@ -37,6 +37,7 @@ Faults of a server that decides how long a client waits and how much it reads:
                                 moved by a byte, its ``Content-Range`` saying so), ``single``
                                 (a 206 of the first range alone), ``bytes`` (each part's first
                                 byte flipped)
+- ``Fault.no_ranges()``         the whole file, ``200``, to a Range request (a server that ignores Range)
 - ``FaultServer.trickle_handshake(ms)``: every new connection gets, instead of HTTP, the start
   of a TLS record of 16 KiB and then one byte of it every ``ms`` (a TLS handshake that never
   ends; the client's ClientHello is read and ignored)
@@ -158,6 +159,10 @@ class Fault:
         if how not in ("boundary", "unasked", "single", "bytes"):
             raise ValueError(f"lie_ranges: boundary, unasked, single or bytes, not {how!r}")
         return cls("lie_ranges", how=how, times=times)
+
+    @classmethod
+    def no_ranges(cls, times: int | None = None) -> Fault:
+        return cls("no_ranges", times=times)
 
     @classmethod
     def keep_nothing(cls, times: int | None = None) -> Fault:
@@ -368,7 +373,7 @@ class _Handler(socketserver.BaseRequestHandler):
         rng = headers.get("range")
         if kind == "lie_ranges" and rng and "," in rng:
             return self._lie_ranges(data, rng, fault.how, keep, method)
-        if rng:
+        if rng and kind != "no_ranges":
             span = _parse_range(rng, len(data))
             if span is None:
                 return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
