@@ -7,7 +7,8 @@ attributes, read for every chunk, so a test may change them at any time:
 
 - ``delay_up_ms``, ``delay_down_ms``: latency added client to server, and server to client.
 - ``rate_down``: bytes per second server to client (None: as fast as it comes); ``1`` with
-  a small value is a trickle, one byte at a time.
+  a small value is a trickle, one byte at a time. Each connection's own, unless ``rate_shared``:
+  then the connections share it, as requests in parallel share one node's link.
 - ``reset_after``: a connection is reset (RST to both sides) once this many bytes went
   server to client on it; None: never.
 - ``stall``: nothing is forwarded while True; the connections stay open.
@@ -70,12 +71,15 @@ class Proxy:
         delay_up_ms: float = 0.0,
         delay_down_ms: float = 0.0,
         rate_down: float | None = None,
+        rate_shared: bool = False,
         reset_after: int | None = None,
     ) -> None:
         self.target = target
         self.delay_up_ms = delay_up_ms
         self.delay_down_ms = delay_down_ms
         self.rate_down = rate_down
+        self.rate_shared = rate_shared
+        self._rate_free = 0.0  # with rate_shared: when the link is free for the next piece
         self.reset_after = reset_after
         self.stall = False
         self.connections = 0
@@ -190,6 +194,11 @@ class Proxy:
                 if piece == 0:
                     link.close(reset=True)
                     return
+                if not up and self.rate_down and self.rate_shared:
+                    with self._lock:  # this piece's turn on the shared link
+                        start = max(time.monotonic(), self._rate_free)
+                        self._rate_free = start + piece / self.rate_down
+                    time.sleep(max(0.0, start - time.monotonic()))
                 if not up:
                     # The client's turn begins before it can have these bytes: set after sendall, a reply
                     # read by the other thread first was not counted as a turn (a loaded machine did so).
@@ -205,7 +214,7 @@ class Proxy:
                         self.bytes_down += piece
                         link.down += piece
                 data = data[piece:]
-                rate = None if up else self.rate_down
+                rate = None if up or self.rate_shared else self.rate_down
                 if rate:
                     time.sleep(piece / rate)
 
