@@ -186,7 +186,7 @@ class Inflow:
         """A raw object's bytes, passed through within the limit."""
         self.raw_size += len(chunk)
         if self.raw_size > self.limit:
-            raise StoreFailure(self.where, "damaged", f"more than the {self.limit:,} bytes allowed", outage=False)
+            raise StoreFailure(self.where, "too large", f"more than the {self.limit:,} bytes allowed", outage=False)
         self._sink(chunk)
 
     def finish(self) -> int:

@@ -296,7 +296,7 @@ class Reader:
                     return None
                 if st.st_size != size or not S_ISREG(st.st_mode):
                     if st.st_size and S_ISREG(st.st_mode):  # a store's framed blob? (its header says)
-                        return self._unframed(kid, mfd, digest, size, bfd=bfd, data=b"")
+                        return self._unframed(kid, mfd, digest, size, bfd=bfd, data=b"", held=st.st_size)
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
             try:
@@ -422,18 +422,21 @@ class Reader:
             self._on_error(exc, path)
 
     def _unframed(
-        self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes
+        self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int | None = None
     ) -> tuple[bytes, str] | None:
         """The raw bytes of a store directory's framed blob (``data``: its first bytes read), verified, else damage.
 
         Framed, a blob of ``size`` raw bytes takes at most :func:`~cuda_program_cas._base.frame.room` of them,
         more than ``size`` where it did not compress; a raw one of another size than ``size`` is damage.
+        ``held``: the file's size where it is known, so that no more than it is asked of ``os.read`` (which
+        allocates what it is asked: a manifest claiming a petabyte).
         """
         from cuda_program_cas._base.engine import StoreFailure
         from cuda_program_cas._base.frame import is_framed, room, verified
 
+        bound = room(size) if held is None else min(room(size), held)
         try:
-            data = read_rest(bfd, data, room(size) + 1)
+            data = read_rest(bfd, data, bound + 1)
             if len(data) <= room(size) and is_framed(data):
                 return bytes(verified(digest, data, digest, size)), digest
         except (OSError, StoreFailure):
