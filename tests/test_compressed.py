@@ -110,6 +110,17 @@ def test_raw_objects_pass_through_and_incompressible_ones_stay_raw() -> None:
         assert frame.decode(raw, len(raw)) == raw
 
 
+def test_a_large_blob_is_probed_before_it_is_compressed_and_noise_stays_raw() -> None:
+    noise = os.urandom(frame.PROBE * 4)
+    assert frame.encode(noise) is noise  # its first PROBE bytes did not compress: the rest is not tried
+    magic = frame.MAGIC + noise
+    assert frame.is_framed(frame.encode(magic)) and frame.decode(frame.encode(magic), len(magic)) == magic
+    mixed = value(1) * (frame.PROBE // len(value(1)) + 1) + noise  # compressible first: compressed whole
+    assert len(frame.encode(mixed)) < len(mixed) and frame.decode(frame.encode(mixed), len(mixed)) == mixed
+    large = value(2) * (frame.LARGE // len(value(2)) + 2)  # over LARGE: a faster level, still a frame
+    assert len(frame.encode(large)) < len(large) // 10 and frame.decode(frame.encode(large), len(large)) == large
+
+
 def test_a_raw_blob_that_starts_like_a_frame_is_framed_so_it_reads_back_whole() -> None:
     raw = frame.MAGIC + os.urandom(100)
     stored = frame.encode(raw)
