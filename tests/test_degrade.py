@@ -200,6 +200,10 @@ _AS_NOBODY = textwrap.dedent(
         def emit(self, record):
             records.append((record.levelname, record.getMessage()))
     logging.getLogger("cuda_program_cas").addHandler(Keep())
+    # The library imports blake3 on first hash; the interpreter's packages may sit where uid
+    # 65534 cannot read them (CI's venvs are under a root-only mktemp -d), as in a service that
+    # drops privileges after its imports.
+    import blake3
     os.setgid(65534); os.setuid(65534)
     out = {}
     for name in sys.argv[1:]:
