@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NVRTC_RECORD, REPO, ChildLines, StartGate, is_root
+from conftest import NVRTC_RECORD, ChildLines, StartGate, is_root
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect, verify
 from cuda_program_cas._cuda.tracedirs import PREFIX, STALE_S, sweep_stale
@@ -394,20 +394,3 @@ def test_a_forked_child_does_not_hold_its_parents_claim(cache_dir: Path) -> None
         assert proc.stdin is not None
         proc.stdin.close()  # the child, reading end of file, exits
         parent.kill()
-
-
-def test_the_stampede_tool_counts_one_compile_per_kernel_with_claims(tmp_path: Path) -> None:
-    # tools/stampede.py, small: two processes at once on two kernels compile each once.
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "stampede.py"), "-p", "2", "-k", "2", "--cub", "0", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    runs = json.loads(proc.stdout)["runs"]
-    assert runs["one process alone"]["compiles"] == 2
-    assert runs["2 processes, claims"]["compiles"] == 2
-    assert runs["2 processes, claims"]["hits"] == 2
-    assert runs["2 processes, no waiting"]["compiles"] + runs["2 processes, no waiting"]["hits"] == 4

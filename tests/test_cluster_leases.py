@@ -6,8 +6,7 @@ Redis store named writable (``redis://...|write``). They start together (each sa
 real NVRTC through ``cache.compile`` (the front door: a CUB kernel reads headers). Exactly one NVRTC compile may run
 cluster-wide; every other node must get the same bytes from the store. A holder
 SIGKILLed mid-compile loses its lease within its time to live, and a waiting node
-compiles instead. Timings are printed, not asserted (tools/stampede.py --cluster
-measures them; docs/cluster.md has the figures).
+compiles instead. Timings are printed, not asserted (docs/cluster.md has the figures).
 """
 
 from __future__ import annotations

@@ -97,11 +97,10 @@ def test_a_wrong_byte_fails_the_worker(tmp_path: Path) -> None:
     assert out["wrong"] and "first difference at 10" in out["wrong"][0]
 
 
-# -- the evidence: a real run's result, the claims checked on it, and the cold-start model -----------
+# -- the evidence: a real run's result, the claims checked on it, and the cold-start inputs ----------
 
 #: The output of ``tools/nfs_harness.py --json`` from a real run (docs/nfs-harness.md has its figures).
 REAL_RUN = REPO / "tests" / "data" / "nfs-harness-run.json"
-COLDSTART = REPO / "tools" / "coldstart_model.py"
 
 
 def _scenarios_module(name: str = "scenarios") -> Any:
@@ -122,53 +121,6 @@ def test_the_real_run_passed_over_nfs() -> None:
     assert all(opts.startswith("nfs") for opts in result["mounts"].values())
     packed = _figures("loose against packed stores")
     assert all(row["nfs"] and row["packed_ops"] and row["loose_ops"] for row in packed["per_node"])
-
-
-def test_coldstart_model_reads_the_harness_output() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(COLDSTART), "--measured", str(REAL_RUN), "--json"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    model = json.loads(proc.stdout)
-    inputs = _figures("loose against packed stores")["model_inputs"]
-    assert model["measured"] == inputs
-    packed = model["rows"]["packed"]
-    assert packed["ops_per_node"] == pytest.approx(
-        inputs["packed"]["ops_fixed"] + 200 * inputs["packed"]["ops_per_hit"]
-    )
-    assert model["rows"]["loose"]["ops_total"] > 5 * packed["ops_total"]
-
-
-def test_coldstart_model_reads_a_kept_runs_result(tmp_path: Path) -> None:
-    """A kept run's ctl/result.json is the same object without the harness's own figures."""
-    result = json.loads(REAL_RUN.read_text())
-    del result["harness"]
-    kept = tmp_path / "result.json"
-    kept.write_text(json.dumps(result))
-    proc = subprocess.run(
-        [sys.executable, str(COLDSTART), "--measured", str(kept)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "fewer NFS operations than loose" in proc.stdout
-
-
-def test_coldstart_model_refuses_a_file_without_the_inputs(tmp_path: Path) -> None:
-    result = json.loads(REAL_RUN.read_text())
-    result["scenarios"] = [s for s in result["scenarios"] if s["name"] != "loose against packed stores"]
-    for name, content in (("other.json", json.dumps(result)), ("bare.json", '{"loose": {"ops_per_hit": 7}}')):
-        path = tmp_path / name
-        path.write_text(content)
-        proc = subprocess.run(
-            [sys.executable, str(COLDSTART), "--measured", str(path)],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        assert proc.returncode == 2
-        assert str(path) in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_model_inputs_add_up_to_the_worst_nodes_cold_job() -> None:

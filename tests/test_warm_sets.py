@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
-from coldstart_model import HTTP_WARM_REQUESTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from testkit.faults import Fault, FaultServer
@@ -253,9 +252,6 @@ def test_a_packed_store_gives_a_set_in_one_multi_range_request_every_entry_verif
         and log[2].body_bytes < (served.root / "packs" / pack).stat().st_size
     )
     assert node.inner.shared[0].engine.requests == 3
-    packed = HTTP_WARM_REQUESTS["packed"]  # the cold-start model's constants are these counts
-    made = node.inner.shared[0].engine.requests
-    assert made == packed["fixed"] + packed["per_pack"] * 1 + packed["per_hit"] * len(used)
 
 
 def test_a_lookup_that_missed_locally_just_before_its_entry_was_kept_finds_it_local_with_no_request(
@@ -327,8 +323,6 @@ def test_a_loose_store_gives_a_set_by_parallel_gets(served: Nginx, tmp_path: Pat
     assert node.inner.shared[0].engine.requests == 2 + 2 * len(
         keys
     )  # layout, set, a manifest and a blob each: no lookup after
-    loose = HTTP_WARM_REQUESTS["loose"]
-    assert node.inner.shared[0].engine.requests == loose["fixed"] + loose["per_hit"] * len(keys)
     log = served.requests(wait_for=node.inner.shared[0].engine.requests)
     assert 1 < len({e.connection for e in log}) <= client.PARALLEL
 

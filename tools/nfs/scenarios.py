@@ -865,7 +865,7 @@ def scenario_packed(env: Env) -> Result:
 
 
 def model_inputs(figures: Result) -> dict[str, dict[str, float]]:
-    """Per-node inputs of tools/coldstart_model.py, from the node whose cold job cost the most.
+    """Per-node inputs of the cold-start arithmetic in docs/nfs.md, from the node whose cold job cost the most.
 
     ``ops_per_hit``: the operations of the hits after the first, per hit. ``ops_fixed``: what
     the first hit cost beyond that (opening the store). ``ops_fixed + n * ops_per_hit`` is the job.
