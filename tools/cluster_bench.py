@@ -1,6 +1,6 @@
 """Cold nodes against shared stores with real round trips: loose, packed and Redis, with and without a warm set.
 
-    .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--repeat 1] [--nodes 64] [--json]
+    .venv/bin/python tools/cluster_bench.py [--kernels 200] [--rtt 0,2,20] [--json]
 
 ``--kernels`` SAXPY variants compiled by NVRTC are published loose and packed under a real
 nginx and written back to a real redis-server; a job (``CUDA_PROGRAM_CAS_JOB``) that used them
@@ -8,10 +8,8 @@ all leaves its warm set in each. Then, per store and round trip, a fresh node wi
 local cache looks up every kernel through ``Program.compile(cache=)``, with the job named and
 with warm sets off. Every connection goes through a delaying TCP forwarder
 (``testkit.proxy``, half the round trip each way). Per case: seconds per node and requests
-(nginx's log; for Redis the forwarder's round trips and ``INFO commandstats``). ``--nodes N``
-then starts N cold nodes at once against each store at 2 ms.
+(nginx's log; for Redis the forwarder's round trips and ``INFO commandstats``).
 
-``--misses``: 200 keys of which 20 are stored, with the store's key list and without.
 ``--s3``: a packed store in an S3 bucket (``weed server -s3``), round trips in sequence counted.
 ``--compression``: two mixes written back raw and compressed to Redis, WebDAV and S3, and published packed
 from the WebDAV store: each store's bytes, a cold node's warm set at 20 ms (and 10 Mbit/s), a hit's decode,
@@ -23,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -97,91 +94,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _miss_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One node: ``spec["keys"]`` looked up once each, timed from the cache's opening."""
-    from cuda_program_cas import CacheStore
-
-    t0 = time.perf_counter()
-    store = CacheStore(spec["local"], shared=[spec["shared"]])
-    found = sum(store.get(k) is not None for k in spec["keys"])
-    elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "found": found, "requests": getattr(store.inner.shared[0], "requests", 0)}
-
-
-def misses(rtts: list[float], parent: str | None, present: int = 20, absent: int = 180) -> dict[str, Any]:
-    """Lookups of ``present + absent`` keys by a fresh node, with and without the store's key list (``--misses``)."""
-    from cuda_program_cas import CacheStore, publish
-
-    keys = [f"m{i}" for i in range(present)] + [f"absent{i}" for i in range(absent)]
-    data = {k: (k.encode() * 1000)[:3400] for k in keys[:present]}  # about a small cubin each
-    with work_dir(parent, "cluster-bench-misses") as base:
-        src = CacheStore(os.path.join(base, "src"))
-        for k, v in data.items():
-            src.put(k, v)
-        served = os.path.join(base, "served")
-        publish([src.root], os.path.join(served, "loose"))
-        cases: dict[str, Any] = {}
-        with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:
-            writer = CacheStore(os.path.join(base, "writer"), shared=[f"{redis.url}|write"])
-            for k, v in data.items():
-                writer.put(k, v)
-            writer.close()  # the uploads, then the key list
-            listed = {
-                "HTTP loose": (os.path.join(served, "loose", "keys"), None),
-                "Redis": (None, "cpcas:keys"),
-            }
-            kept = {name: (Path(p).read_bytes() if p else redis.client().get(key)) for name, (p, key) in listed.items()}
-            port_of = {"HTTP loose": ngx.port, "Redis": int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])}
-            url_of = {"HTTP loose": ngx.read_url("loose"), "Redis": redis.url}
-            for rtt in rtts:
-                for store in ("HTTP loose", "Redis"):
-                    for with_list in (True, False):
-                        path, key = listed[store]
-                        if with_list:
-                            if path:
-                                with open(path, "wb") as f:
-                                    f.write(kept[store])
-                            else:
-                                redis.client().set(key, kept[store])
-                        elif path:
-                            os.remove(path)
-                        else:
-                            redis.client().delete(key)
-                        name = f"{store}, {rtt:g} ms, {'key list' if with_list else 'no key list'}"
-                        log(f"{name} ...")
-                        port = port_of[store]
-                        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
-                            ngx.reset_log()
-                            redis.reset_stats()
-                            local = os.path.join(base, f"node-{len(cases)}")
-                            spec = {"task": "misses", "local": local, "shared": _through(url_of[store], port, link)}
-                            out = run_worker(__file__, {**spec, "keys": keys}, settings={"CUDA_PROGRAM_CAS_JOB": "off"})
-                            trips = link.exchanges
-                        if out["found"] != present:
-                            raise RuntimeError(f"{name}: {out['found']} found, not {present}")
-                        if store == "Redis":
-                            counted = redis.commandstats()
-                            out["requests"] = trips
-                            out["commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
-                        else:
-                            out["requests"] = len(ngx.requests(wait_for=out["requests"]))
-                        cases[name] = out
-        return {"present": present, "absent": absent, "cases": cases}
-
-
-def miss_table(results: dict[str, Any]) -> str:
-    lines = [
-        f"a fresh node looks up {results['present'] + results['absent']} keys, {results['present']} of them stored",
-        "",
-        f"{'store, round trip, key list':34} {'s per node':>11} {'requests':>9}",
-    ]
-    for name, case in results["cases"].items():
-        extra = f"  ({case['commands']} commands)" if "commands" in case else ""
-        lines.append(f"{name:34} {case['elapsed_s']:>9.2f} s {case['requests']:>9}{extra}")
-    lines += ["", "requests: HTTP requests nginx logged; for Redis, round trips through the forwarder"]
-    return "\n".join(lines)
-
-
 def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
     """A cold node's lookups of every kernel from a packed store in an S3 bucket, with and without its warm set."""
     from cuda_program_cas import publish
@@ -245,10 +157,10 @@ def _through(url: str, server_port: int, link: Proxy) -> str:
     return url.replace(f":{server_port}/", f":{link.port}/")
 
 
-def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes: int = 0) -> dict[str, Any]:
+def run(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
     with work_dir(parent, "cluster-bench") as base:
         compile_s, served = build_stores(base, kernels)
-        results: dict[str, Any] = {"kernels": kernels, "repeat": repeat, "uncached_compile_s": compile_s, "cases": {}}
+        results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
         named = {"CUDA_PROGRAM_CAS_JOB": JOB}
         with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:
             # The job's first run, on a node of its own each: it finds (or, for Redis, compiles and uploads)
@@ -262,108 +174,46 @@ def run(kernels: int, rtts: list[float], parent: str | None, repeat: int, nodes:
                 ("HTTP packed", ngx.read_url("packed"), ngx.port),
                 ("Redis", redis.url, int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])),
             ]
-            runs: dict[str, list[dict[str, Any]]] = {}
             reference: list[str] | None = None
-            for r in range(repeat):
-                for rtt in rtts:
-                    for store, url, port in stores:
-                        for warm in (False, True):
-                            name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
-                            log(f"round {r + 1}/{repeat}: {name} ...")
-                            local = os.path.join(base, f"node-{sum(map(len, runs.values()))}")  # a fresh node each
-                            with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
-                                ngx.reset_log()
-                                redis.reset_stats()
-                                spec = {"local": local, "shared": _through(url, port, link), "kernels": kernels}
-                                out = run_worker(
-                                    __file__, spec, settings=named if warm else {"CUDA_PROGRAM_CAS_JOB": "off"}
-                                )
-                                out["round_trips"] = link.exchanges
-                                out["connections"] = link.connections
-                            if store == "Redis":
-                                counted = redis.commandstats()
-                                out["commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
-                                out["answered"] = out["round_trips"]
-                            else:
-                                out["answered"] = len(ngx.requests(wait_for=out["requests"]))
-                            if reference is None:
-                                reference = out["digests"]
-                            elif out["digests"] != reference:
-                                raise RuntimeError(f"{name}: other bytes than the first case")
-                            skipped = out["counters"]["skipped_lookups"]  # compiled: the lookup would be slower
-                            if out["counters"]["hits"] + skipped != kernels:
-                                raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
-                            runs.setdefault(name, []).append(out)
-            if nodes:
-                results["crowd"] = _crowd(base, stores, (ngx, redis), nodes=nodes, rtt=2.0, kernels=kernels)
-                for case in results["crowd"].values():
-                    if case["digests"] != reference:
-                        raise RuntimeError("a node of the crowd got other bytes than the single nodes")
-                    del case["digests"]
-            for name, outs in runs.items():
-                results["cases"][name] = {
-                    "seconds_per_node": statistics.median(o["elapsed_s"] for o in outs),
-                    "seconds_all": [o["elapsed_s"] for o in outs],
-                    "requests_per_node": outs[0]["answered"],
-                    "connections": outs[0]["connections"],
-                    "warm_fetched": outs[0]["warm_fetched"],
-                    "skipped_lookups": outs[0]["counters"]["skipped_lookups"],
-                    **({"redis_commands": outs[0]["commands"]} if "commands" in outs[0] else {}),
-                }
+            for rtt in rtts:
+                for store, url, port in stores:
+                    for warm in (False, True):
+                        name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
+                        log(f"{name} ...")
+                        local = os.path.join(base, f"node-{len(results['cases'])}")  # a fresh node each
+                        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+                            ngx.reset_log()
+                            redis.reset_stats()
+                            spec = {"local": local, "shared": _through(url, port, link), "kernels": kernels}
+                            out = run_worker(
+                                __file__, spec, settings=named if warm else {"CUDA_PROGRAM_CAS_JOB": "off"}
+                            )
+                        case = {"seconds_per_node": out["elapsed_s"], "connections": link.connections}
+                        if store == "Redis":
+                            counted = redis.commandstats()
+                            case["redis_commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
+                            case["requests_per_node"] = link.exchanges
+                        else:
+                            case["requests_per_node"] = len(ngx.requests(wait_for=out["requests"]))
+                        if reference is None:
+                            reference = out["digests"]
+                        elif out["digests"] != reference:
+                            raise RuntimeError(f"{name}: other bytes than the first case")
+                        skipped = out["counters"]["skipped_lookups"]  # compiled: the lookup would be slower
+                        if out["counters"]["hits"] + skipped != kernels:
+                            raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
+                        results["cases"][name] = {
+                            **case,
+                            "warm_fetched": out["warm_fetched"],
+                            "skipped_lookups": skipped,
+                        }
         return results
-
-
-def _crowd(
-    base: str,
-    stores: list[tuple[str, str, int]],
-    servers: tuple[Nginx, RedisServer],
-    *,
-    nodes: int,
-    rtt: float,
-    kernels: int,
-) -> dict[str, Any]:
-    """``nodes`` cold nodes of the job at once against each store (through one forwarder), their warm sets on."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    ngx, redis = servers
-    named = {"CUDA_PROGRAM_CAS_JOB": JOB}
-    crowd: dict[str, Any] = {}
-    for store, url, port in stores:
-        log(f"{nodes} cold nodes at once against the {store} store, {rtt:g} ms ...")
-        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
-            ngx.reset_log()
-            redis.reset_stats()
-            specs = [
-                {"local": os.path.join(base, f"crowd-{store.replace(' ', '-')}-{i}"), "kernels": kernels,
-                 "shared": _through(url, port, link)}
-                for i in range(nodes)
-            ]  # fmt: skip
-            with ThreadPoolExecutor(max_workers=nodes) as pool:
-                outs = list(pool.map(lambda spec: run_worker(__file__, spec, 900, settings=named), specs))
-            digests = {tuple(o["digests"]) for o in outs}
-            if len(digests) != 1:  # a miss compiles the same bytes: what must hold is every node's bytes right
-                raise RuntimeError(f"{store}: the crowd's nodes did not all get the same bytes for every kernel")
-            requests = sum(o["requests"] for o in outs) if store != "Redis" else link.exchanges
-            crowd[store] = {
-                "nodes": nodes,
-                "rtt_ms": rtt,
-                "requests_total": len(ngx.requests(wait_for=requests)) if store != "Redis" else requests,
-                "seconds_median": statistics.median(o["elapsed_s"] for o in outs),
-                "seconds_max": max(o["elapsed_s"] for o in outs),
-                "warm_fetched_min": min(o["warm_fetched"] for o in outs),
-                "hits": sum(o["counters"]["hits"] for o in outs),
-                "misses_compiled": sum(o["counters"]["misses"] for o in outs),
-                "errors": sum(o["counters"]["errors"] for o in outs),
-                "digests": list(next(iter(digests))),
-                **({"redis_commands": sum(redis.commandstats().values()) - 1} if store == "Redis" else {}),
-            }
-    return crowd
 
 
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s; "
-        f"each case the median of {results['repeat']} fresh nodes",
+        "a fresh node each case",
         "",
         f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} {'conns':>6} {'fetched':>8}",
     ]
@@ -374,14 +224,6 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
             f"{case['connections']:>6} {case['warm_fetched']:>8}{extra}"
-        )
-    for store, case in results.get("crowd", {}).items():
-        extra = f", {case['redis_commands']} commands" if "redis_commands" in case else ""
-        lines.append(
-            f"{case['nodes']} nodes at once, {store}, {case['rtt_ms']:g} ms, warm set: "
-            f"{case['requests_total']} requests in all{extra}; "
-            f"{case['seconds_median']:.2f} s per node (median), {case['seconds_max']:.2f} s the last; "
-            f"{case['hits']} hits, {case['misses_compiled']} misses compiled, {case['errors']} store errors"
         )
     lines.append("")
     lines.append("requests: HTTP requests nginx logged; for Redis, round trips through the forwarder")
@@ -611,14 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     spec = worker_spec(args_in)
     if spec is not None:
-        print(json.dumps(_miss_worker(spec) if spec.get("task") == "misses" else _worker(spec)))
+        print(json.dumps(_worker(spec)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", type=int, default=200, help="kernels per node (default 200)")
     parser.add_argument("--rtt", default="0,2,20", help="round trips in ms, comma-separated (default 0,2,20)")
-    parser.add_argument("--repeat", type=int, default=1, help="nodes per case; the median is shown (default 1)")
-    parser.add_argument("--nodes", type=int, default=0, help="then this many cold nodes at once per store (2 ms)")
-    parser.add_argument("--misses", action="store_true", help="lookups that mostly miss, with and without key lists")
     parser.add_argument("--s3", action="store_true", help="a packed store in an S3 bucket (weed), cold nodes")
     parser.add_argument("--compression", action="store_true", help="store bytes, warm sets, decode: raw, compressed")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -642,12 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"cluster_bench: --rtt takes numbers of ms, not {args.rtt!r}", file=sys.stderr)
         return 2
-    if args.compression or args.misses:
-        found = compression(args.dir) if args.compression else misses(rtts, args.dir)
-        shown = compression_table if args.compression else miss_table
-        print(json.dumps(found, indent=2) if args.json else shown(found))
+    if args.compression:
+        found = compression(args.dir)
+        print(json.dumps(found, indent=2) if args.json else compression_table(found))
         return 0
-    results = run(args.kernels, rtts, args.dir, args.repeat, max(0, args.nodes))
+    results = run(args.kernels, rtts, args.dir)
     print(json.dumps(results, indent=2) if args.json else table(results))
     return 0
 
