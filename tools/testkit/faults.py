@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -81,9 +81,22 @@ _FANOUT_SIZE = 256 * 4
 _ENTRY_SIZE = 96
 
 
+class _Kind:
+    """``Fault.<name>(times=None)``: a fault of the kind the attribute names, which takes nothing else."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.kind = name
+
+    def __get__(self, obj: object, owner: type[Fault]) -> Callable[..., Fault]:
+        def make(*, times: int | None = None) -> Fault:
+            return owner(self.kind, times=times)
+
+        return make
+
+
 @dataclass(frozen=True)
 class Fault:
-    """How to answer a request; build one with the class methods."""
+    """How to answer a request; build one with the class attributes the module's docstring lists."""
 
     kind: str = "ok"
     code: int = 200
@@ -94,21 +107,16 @@ class Fault:
     consistent: bool = True  # huge_trailer: the file's size fits the trailer's claim
     how: str = ""  # lie_ranges: which lie
 
-    @classmethod
-    def ok(cls) -> Fault:
-        return cls("ok")
-
-    @classmethod
-    def refuse(cls, times: int | None = None) -> Fault:
-        return cls("refuse", times=times)
-
-    @classmethod
-    def stall(cls, times: int | None = None) -> Fault:
-        return cls("stall", times=times)
-
-    @classmethod
-    def stall_body(cls, times: int | None = None) -> Fault:
-        return cls("stall_body", times=times)
+    ok = _Kind()
+    refuse = _Kind()
+    stall = _Kind()
+    stall_body = _Kind()
+    truncate = _Kind()
+    wrong_bytes = _Kind()
+    redirect_loop = _Kind()
+    no_ranges = _Kind()
+    keep_nothing = _Kind()
+    keep_half = _Kind()
 
     @classmethod
     def trickle(cls, ms: float = 50, times: int | None = None) -> Fault:
@@ -117,18 +125,6 @@ class Fault:
     @classmethod
     def status(cls, code: int, times: int | None = None) -> Fault:
         return cls("status", code=code, times=times)
-
-    @classmethod
-    def truncate(cls, times: int | None = None) -> Fault:
-        return cls("truncate", times=times)
-
-    @classmethod
-    def wrong_bytes(cls, times: int | None = None) -> Fault:
-        return cls("wrong_bytes", times=times)
-
-    @classmethod
-    def redirect_loop(cls, times: int | None = None) -> Fault:
-        return cls("redirect_loop", times=times)
 
     @classmethod
     def redirect_to(cls, url: str, times: int | None = None) -> Fault:
@@ -159,18 +155,6 @@ class Fault:
         if how not in ("boundary", "unasked", "single", "bytes"):
             raise ValueError(f"lie_ranges: boundary, unasked, single or bytes, not {how!r}")
         return cls("lie_ranges", how=how, times=times)
-
-    @classmethod
-    def no_ranges(cls, times: int | None = None) -> Fault:
-        return cls("no_ranges", times=times)
-
-    @classmethod
-    def keep_nothing(cls, times: int | None = None) -> Fault:
-        return cls("keep_nothing", times=times)
-
-    @classmethod
-    def keep_half(cls, times: int | None = None) -> Fault:
-        return cls("keep_half", times=times)
 
     @classmethod
     def huge_trailer(cls, count: int = 2**32 - 1, *, consistent: bool = True, times: int | None = None) -> Fault:
