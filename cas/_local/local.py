@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -487,13 +487,10 @@ class _Problems:
     def __init__(self, root: str, heard: Listeners) -> None:
         self._root = root
         self._heard = heard
-        self._warned: set[tuple[str, int]] = set()
+        self._warned: set[Hashable] = set()
 
     def note(self, what: str, code: int, message: str) -> None:
-        if (what, code) in self._warned:
-            return
-        self._warned.add((what, code))
-        _log.warning("cuda-program-cas: %s (%s): %s", self._root, what, message)
+        say_once((what, code), "cuda-program-cas: %s (%s): %s", self._root, what, message, seen=self._warned)
 
     def strange_shard(self, shard: str) -> None:
         self._heard.count("corrupt")
