@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room, verified
+from cuda_program_cas._base.frame import Inflow, room, stored_limit, verified
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, blake3_hasher, read_rest
@@ -146,7 +146,7 @@ class DirEngine:
             if exc.errno in _ABSENT:
                 return None
             raise _failure(path, exc) from None
-        stored = limit if digest is None else room(limit)  # a blob's stored bytes: framed, it may outgrow its raw ones
+        stored = stored_limit(limit, digest)
         try:
             if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, path, digest, limit):
                 # Hashed in chunks first (decoded where framed): a file that lies about its bytes costs a chunk of

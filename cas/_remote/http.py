@@ -48,7 +48,7 @@ from typing import IO, TYPE_CHECKING, TypeVar, cast
 from blake3 import blake3
 
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room
+from cuda_program_cas._base.frame import Inflow, stored_limit
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
 from cuda_program_cas._disk.atomic import Staging, staging
 
@@ -124,8 +124,9 @@ class HttpEngine:
             raise HttpFailure(url, "denied", f"status {reply.status} (is CUDA_PROGRAM_CAS_HTTP_TOKEN or .netrc right?)")
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
+        stored = stored_limit(limit, digest)
         if digest is None:
-            reply = self.fetch(name, limit=limit)
+            reply = self.fetch(name, limit=stored)
             if reply.status == 404:
                 return None
             if reply.status != 200:
@@ -134,7 +135,7 @@ class HttpEngine:
         try:
             with Intake(self.staging) as body:
                 flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
-                reply = self.fetch(name, limit=room(limit), sink=flow.take)  # framed, it may outgrow its raw bytes
+                reply = self.fetch(name, limit=stored, sink=flow.take)
                 if reply.status == 404:
                     return None
                 if reply.status == 200:
