@@ -269,7 +269,8 @@ def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verif
 ) -> None:
     from cuda_program_cas._base.engine import Engine
     from cuda_program_cas._disk.direngine import DirEngine
-    from cuda_program_cas._remote.http import IN_MEMORY_BYTES, HttpEngine
+    from cuda_program_cas._disk.intake import IN_MEMORY_BYTES
+    from cuda_program_cas._remote.http import HttpEngine
 
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -279,18 +280,18 @@ def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verif
         engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
     else:
         root = tmp_path / "store"
-        engine = DirEngine(str(root))
+        engine = DirEngine(str(root), staging=str(staging))
     raw = (os.urandom(1 << 16) * (BIG >> 16))[:BIG]  # 64 KiB of noise, repeated: zstd's window finds it
     name = url_path(BLOBS, digest_of(raw))
     (root / name).parent.mkdir(parents=True, exist_ok=True)
     (root / name).write_bytes(frame.encode(raw, level=3))
     got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
     assert got == raw
-    # The raw bytes once verified (read back from a staging file, or decoded into one buffer), and a chunk (HTTP:
-    # the 1 MiB held before a body is staged; a directory: the 1 MiB read at a time while it is hashed).
+    # The raw bytes once verified (read back from a staging file), and a chunk: the 1 MiB held before they are
+    # staged (and a directory's 1 MiB read at a time).
     assert peak < BIG + IN_MEMORY_BYTES + (1 << 20), peak
-    # A bomb stating the size the manifest names: decompression stops there, and the raw bytes are staged or
-    # hashed as they come out, never gathered in memory.
+    # A bomb stating the size the manifest names: decompression stops there, and the raw bytes are staged as
+    # they come out, never gathered in memory.
     (root / name).write_bytes(bomb_lying_frame(BIG))
     got, peak = _traced_peak(lambda: engine.get(name, limit=BIG, digest=digest_of(raw)))
     assert isinstance(got, StoreFailure) and got.kind == "damaged" and "does not decompress" in str(got), got

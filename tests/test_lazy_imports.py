@@ -157,12 +157,12 @@ def test_a_hit_of_a_blob_verified_this_boot_loads_no_hasher(filled: Path) -> Non
 _LATE_LOGGING = r"""
 import sys
 from cuda_program_cas import CacheStore
-from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.config import say_once
 store = CacheStore(sys.argv[1])
 assert store.get("k") == b"v"
 assert "logging" not in sys.modules
 if sys.argv[2] == "warn":
-    warn_once(("test", "early"), "cuda-program-cas: an early warning %d", 7)
+    say_once(("test", "early"), "cuda-program-cas: an early warning %d", 7)
     assert "logging" in sys.modules  # a WARNING imports it
     sys.exit(0)
 import logging
@@ -176,7 +176,7 @@ logger.setLevel(logging.DEBUG)
 if sys.argv[2] == "late":
     assert store.get("k") == b"v"
 else:  # "caller"
-    warn_once(("test", "late"), "cuda-program-cas: a late warning")
+    say_once(("test", "late"), "cuda-program-cas: a late warning")
 print(len(records), records[0].module, records[0].funcName)
 """
 
@@ -197,7 +197,7 @@ def test_logging_configured_after_the_first_hit_gets_the_next_hits_record(filled
 
 
 def test_a_record_through_the_stand_in_logger_names_the_packages_caller(filled: Path) -> None:
-    assert _late(filled, "caller").stdout.split()[-2:] == ["config", "warn_once"]
+    assert _late(filled, "caller").stdout.split()[-2:] == ["config", "say_once"]
 
 
 def test_botocore_is_imported_only_when_an_s3_store_is_opened(tmp_path: Path) -> None:

@@ -353,7 +353,7 @@ def test_stats_compares_with_the_stored_cap_and_says_where_it_came_from(
     assert code == 0 and json.loads(out)["max_size_bytes"] == CAP
 
 
-def test_a_fork_while_the_warn_once_lock_is_held_leaves_the_child_able_to_warn(tmp_path: Path) -> None:
+def test_a_fork_while_the_say_once_lock_is_held_leaves_the_child_able_to_warn(tmp_path: Path) -> None:
     """Another thread of the parent may hold it at the fork: the child gets a lock of its own."""
     import select
 

@@ -13,7 +13,7 @@ import contextlib
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +21,7 @@ from cuda_program_cas.index import Frozen
 
 from .fork import ForkSafeLock
 from .log import LOGGER as _log
+from .log import WARNING
 
 __all__ = [
     "DEFAULT_CLAIM_WAIT_S",
@@ -54,13 +55,14 @@ __all__ = [
     "env_shared",
     "env_switched_off",
     "env_value",
+    "first_time",
     "installed_version",
     "parse_duration",
     "parse_size",
     "parse_switch",
     "platform_cache_dir",
+    "say_once",
     "validate_max_size",
-    "warn_once",
 ]
 
 _T = TypeVar("_T")
@@ -96,35 +98,49 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p
 _AGE_RE = r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*"
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
-_seen: set[tuple[str, ...]] = set()
+#: What this process has said (:func:`say_once`), by key; a forked child keeps its parent's.
+_seen: set[Hashable] = set()
 _seen_lock = ForkSafeLock()
-#: Where :func:`collecting` gathers warnings on this thread (None: nowhere).
+#: Where :func:`collecting` gathers what is said on this thread (None: nowhere).
 _collect = threading.local()
 
 
-def warn_once(key: tuple[str, ...], message: str, *args: object) -> bool:
-    """Log ``message % args`` at WARNING the first time this process meets ``key``; True if it did.
+def say_once(
+    key: Hashable, message: str, *args: object, level: int = WARNING, seen: set[Hashable] | None = None
+) -> bool:
+    """Log ``message % args`` at ``level`` the first time ``seen`` meets ``key``; True if it did.
 
-    Inside :func:`collecting` on this thread, ``(key, text)`` is gathered instead, unlogged and
-    not marked as said.
+    The package's one way to say a thing once: ``seen`` is this process's when None (said once per
+    process), or the caller's own set (once per store, per counter file...). Inside :func:`collecting`
+    on this thread, ``(key, text)`` is gathered instead, unlogged and not marked as said.
     """
-    sink: list[tuple[tuple[str, ...], str]] | None = getattr(_collect, "sink", None)
+    sink: list[tuple[Hashable, str]] | None = getattr(_collect, "sink", None)
     if sink is not None:
         sink.append((key, message % args))
         return False
-    with _seen_lock:
-        if key in _seen:
-            return False
-        _seen.add(key)
-    _log.warning(message, *args)
+    if not first_time(key, seen):
+        return False
+    _log.log(level, message, *args)
     return True
 
 
+def first_time(key: Hashable, seen: set[Hashable] | None = None) -> bool:
+    """True the first time ``seen`` (this process's when None) meets ``key``, which it then holds: :func:`say_once`'s
+    test, for a caller that words a later time otherwise."""
+    with _seen_lock:
+        if seen is None:
+            seen = _seen
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+
 @contextlib.contextmanager
-def collecting() -> Iterator[list[tuple[tuple[str, ...], str]]]:
-    """Gather what :func:`warn_once` is asked to say on this thread meanwhile, unsaid."""
+def collecting() -> Iterator[list[tuple[Hashable, str]]]:
+    """Gather what :func:`say_once` is asked to say on this thread meanwhile, unsaid."""
     outer = getattr(_collect, "sink", None)
-    sink: list[tuple[tuple[str, ...], str]] = []
+    sink: list[tuple[Hashable, str]] = []
     _collect.sink = sink
     try:
         yield sink
@@ -147,7 +163,7 @@ def env_value(name: str, parse: Callable[[str], _T], *, secret: bool = False) ->
     """``$name`` read with ``parse``; None when unset, empty or refused (then one WARNING per process)."""
     value, why = _read_env(name, parse, secret)
     if why is not None:
-        warn_once(("env", name, os.environ.get(name, "")), "cuda-program-cas: %s", why)
+        say_once(("env", name, os.environ.get(name, "")), "cuda-program-cas: %s", why)
     return value
 
 
@@ -156,7 +172,7 @@ def _absolute(name: str) -> Callable[[str], str]:
         if os.path.isabs(text):
             return text
         absolute = os.path.abspath(text)
-        warn_once(
+        say_once(
             ("env-relative", name, text),
             "cuda-program-cas: %s=%r is a relative path; it is taken as %s (the working directory of the process "
             "that read it first): give an absolute path",
@@ -209,7 +225,7 @@ def _parse_shared(text: str) -> list[str]:
             address, writable = parse_store_entry(part)
             address = normalize_store_url(address) if is_store_url(address) else parse(address)
         except ValueError as exc:
-            warn_once(
+            say_once(
                 ("env-url", ENV_SHARED, shown(part)), "cuda-program-cas: %s: a store is left out: %s", ENV_SHARED, exc
             )
             continue

@@ -19,8 +19,8 @@ Rules every engine keeps:
 - ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, the
   object decoded when it is framed (:mod:`cuda_program_cas._base.frame`: a shared
   store holds blobs zstd-compressed, or raw, mixed), ``limit`` bounding the raw
-  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.room` of it: a blob
-  that does not compress may be framed larger), and only when they hash (blake3)
+  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.stored_limit`, the
+  ``room`` of it: a blob that does not compress may be framed larger), and only when they hash (blake3)
   to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``). The stored
   bytes go through one :class:`~cuda_program_cas._base.frame.Inflow` as they arrive, its raw output
   hashed and held on disk past a bound (HTTP) or hashed in chunks before the file

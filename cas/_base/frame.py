@@ -55,6 +55,7 @@ __all__ = [
     "is_framed",
     "room",
     "stated_size",
+    "stored_limit",
     "verified",
 ]
 
@@ -93,6 +94,12 @@ def room(raw_limit: int) -> int:
     """
     n = raw_limit
     return HEADER_SIZE + n + (n >> 8) + ((_BLOCK - n) >> 11 if n < _BLOCK else 0)
+
+
+def stored_limit(limit: int, digest: str | None) -> int:
+    """The most stored bytes an engine's ``get(name, limit=limit, digest=digest)`` takes in: ``limit`` for an object
+    as it is stored, :func:`room` of it for a blob (a digest given), which framed may outgrow its raw bytes."""
+    return limit if digest is None else room(limit)
 
 
 def encode(raw: bytes, *, level: int = LEVEL) -> bytes:

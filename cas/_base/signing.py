@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from cuda_program_cas.index import split_signed
 
-from .config import VAR_SIGNING_KEY, VAR_TRUSTED_KEYS, warn_once
+from .config import VAR_SIGNING_KEY, VAR_TRUSTED_KEYS, say_once
 
 __all__ = ["Signer", "Trust", "env_signer", "env_trust", "key_problems", "untrusted_signer"]
 
@@ -142,7 +142,7 @@ def env_trust() -> Trust | None:
         return None
     keys, problems = found
     for problem in problems:
-        warn_once(("trust", problem), "cuda-program-cas: %s", problem)
+        say_once(("trust", problem), "cuda-program-cas: %s", problem)
     return Trust(keys)
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.config import say_once
 
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
@@ -186,9 +186,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
     except _NoDevice:
         return original(**kwargs)  # it raises cuda.compute's own error: no device, pass compute_capability=
     except Exception as exc:  # the cache never costs a build
-        warn_once(
-            ("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc
-        )
+        say_once(("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc)
         return original(**kwargs)
     kid = key_id(key)
     memo = _memo()
@@ -199,7 +197,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
         try:
             found = inner.find_or_claim(kid, claims, reason=why)
         except Exception as exc:
-            warn_once(("compute lookup", type(exc).__name__), "cuda-program-cas: compute: lookup failed (%r)", exc)
+            say_once(("compute lookup", type(exc).__name__), "cuda-program-cas: compute: lookup failed (%r)", exc)
             found = None
         if found is not None:
             algorithm = _load(found[0], name)
@@ -222,7 +220,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
             if inner.put_id(kid, blob):
                 inner.note_compiled(kid, seconds, "compute", inputs, why)
         except Exception as exc:  # the caller has its algorithm; the cache only loses an entry
-            warn_once(("compute write", type(exc).__name__), "cuda-program-cas: compute: write failed (%r)", exc)
+            say_once(("compute write", type(exc).__name__), "cuda-program-cas: compute: write failed (%r)", exc)
             inner.note_dropped(kid, f"write failed: {exc!r}")
         return algorithm
 
@@ -270,7 +268,7 @@ def _load(data: bytes, name: str) -> Any:
 
         return deserialize(data[len(head) :])
     except Exception as exc:
-        warn_once(
+        say_once(
             ("compute load", type(exc).__name__), "cuda-program-cas: compute: a stored build did not load (%r)", exc
         )
         return None
@@ -282,9 +280,7 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
     from cuda_program_cas.index import key_id
 
     _uncacheable[0] += 1
-    warn_once(
-        ("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason
-    )
+    say_once(("compute uncached", reason), "cuda-program-cas: compute: %s %s; such builds are not cached", name, reason)
     inner.note_dropped(None, reason)
     if inner.store.read_only:
         return

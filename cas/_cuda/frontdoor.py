@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cuda_program_cas._base.config import say_once
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.files import FileId, file_id
 from cuda_program_cas._disk.fskind import FsClock
@@ -86,8 +87,6 @@ _MAX_VARIANTS = 4
 _MAX_DECODED = 256
 #: A variant that could not be watched (a full watch table, NFS...) is armed again after this long.
 _REARM_S = 10.0
-#: Header names already warned about as uncacheable in this process.
-_warned: set[str] = set()
 
 
 class _Proof:
@@ -287,9 +286,10 @@ class FrontDoor:
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
         """Count and report a compile whose result cannot be stored soundly (one WARNING per header)."""
         self._inner.note_dropped(record_kid, exc.reason)
-        if exc.name is not None and exc.name not in _warned:
-            _warned.add(exc.name)
-            _log.warning("cuda-program-cas: front door: %s; such compiles are not cached", exc.reason)
+        if exc.name is not None:
+            say_once(
+                ("uncacheable", exc.name), "cuda-program-cas: front door: %s; such compiles are not cached", exc.reason
+            )
 
     def _lookup(self, record_kid: str, record_key: bytes) -> tuple[bytes, Variant, str | None] | str:
         """``(bytes, variant, shared store or None)`` of a hit, else why it missed."""

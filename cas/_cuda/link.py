@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from cuda_program_cas._base.config import warn_once
+from cuda_program_cas._base.config import say_once
 from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
@@ -78,7 +78,7 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
         try:
             found = inner.find_or_claim(kid, claims, reason="new inputs")
         except Exception as exc:  # the cache must never cost the caller its link
-            warn_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
+            say_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
             found = None
         if found is not None:
             return _object_code(ObjectCode, found[0], target_type, options.name)
@@ -90,7 +90,7 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
         try:
             inner.put_id(kid, bytes(result.code))
         except Exception as exc:  # as above: the caller has its result, the cache only loses an entry
-            warn_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
+            say_once(("link write", type(exc).__name__), "cuda-program-cas: link: write failed (%r); not cached", exc)
             inner.note_dropped(kid, f"write failed: {exc!r}")
         return result
 
@@ -109,7 +109,7 @@ def link_uncached(objects: tuple[Any, ...], options: Any, target_type: str) -> t
 
 
 def _dropped(inner: Inner, reason: str) -> None:
-    warn_once(("link uncached", reason), "cuda-program-cas: link: %s; such links are not cached", reason)
+    say_once(("link uncached", reason), "cuda-program-cas: link: %s; such links are not cached", reason)
     inner.note_dropped(None, reason)
 
 

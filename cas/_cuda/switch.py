@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, warn_once
+from cuda_program_cas._base.config import ENV_SWITCH, env_switched_off, parse_switch, say_once
 from cuda_program_cas._base.fork import ForkSafeLock
 
 __all__ = [
@@ -112,7 +112,7 @@ def activate(value: str) -> None:
     try:
         mode = parse_switch(value) if value.strip() else "off"
     except ValueError as exc:  # as config's reader words it, and said once for both
-        warn_once(("env", ENV_SWITCH, value), "cuda-program-cas: %s=%r is ignored: %s", ENV_SWITCH, value, exc)
+        say_once(("env", ENV_SWITCH, value), "cuda-program-cas: %s=%r is ignored: %s", ENV_SWITCH, value, exc)
         return
     if mode == "off":
         uninstall()
@@ -310,7 +310,7 @@ def hook_inner() -> Any:
 
 def hook_failed(exc: BaseException) -> None:
     """The cache failed with ``exc`` (the compile runs uncached): one WARNING per process."""
-    warn_once(
+    say_once(
         ("switch-failed",),
         "cuda-program-cas: the cache failed (%r); compiles run uncached instead (said once per process)",
         exc,

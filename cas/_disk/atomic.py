@@ -4,7 +4,7 @@ Each file goes to a unique temp file in the cache's own ``tmp/``, gets its final
 is renamed into place with :func:`os.replace`; the temp file never survives an exception.
 :func:`append_line` adds a line to an append-only log of self-checking lines, whose readers
 skip a torn one. :func:`staging` is the temp file without the rename, for bytes not yet
-known to be good.
+known to be good (:class:`~cuda_program_cas._disk.intake.Intake` stages a large blob there while it is verified).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ server what it always did: an open, a read and a close of the manifest, then of
 the blob. Every file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (a planted symlink
 is not followed, a FIFO does not block), and a shard directory (``index/ab``)
 that is a symlink or a file is refused, as the local cache refuses it
-(:class:`cuda_program_cas._disk.files.ShardGuard`).
+(:class:`cuda_program_cas._disk.files.ShardGuard`). A blob over a MiB is read in chunks, each
+decoded once, its raw bytes hashed and held as HTTP's are (:class:`~cuda_program_cas._disk.intake.Intake`:
+past a MiB in the local cache's ``tmp/``), and returned only once they proved to be the blob.
 
 Errors: a missing file (ENOENT, ENOTDIR) is "no such object". EIO, ETIMEDOUT,
 ENOTCONN and EHOSTDOWN may mean the server is gone (a soft mount's EIO comes after
@@ -35,11 +37,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, TypeVar
 
-from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room, verified
+from cuda_program_cas._base.engine import LOCAL, Abilities, StoreFailure, limits_of
+from cuda_program_cas._base.frame import Inflow, room, stored_limit, verified
 
 from .atomic import current_umask
-from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, blake3_hasher, read_rest
+from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, read_rest
+from .intake import Intake
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -101,8 +104,12 @@ class DirEngine:
     #: What to ask of a directory that did not keep what it was given (for a message).
     lost_hint = "is another writer at work, or the file system not a real one?"
 
-    def __init__(self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None) -> None:
+    def __init__(
+        self, root: str, *, guard: ShardGuard | None = None, modes: DirModes | None = None, staging: str | None = None
+    ) -> None:
         self.root = root
+        #: Where a large blob's raw bytes wait while they are verified (the local cache's ``tmp/``; None: in memory).
+        self.staging = staging
         self.shown = root
         self.modes = modes
         self._guard = guard if guard is not None else ShardGuard()
@@ -146,12 +153,10 @@ class DirEngine:
             if exc.errno in _ABSENT:
                 return None
             raise _failure(path, exc) from None
-        stored = limit if digest is None else room(limit)  # a blob's stored bytes: framed, it may outgrow its raw ones
+        stored = stored_limit(limit, digest)
         try:
-            if digest is not None and limit > HASH_CHUNK and not _hashes_to(fd, path, digest, limit):
-                # Hashed in chunks first (decoded where framed): a file that lies about its bytes costs a chunk of
-                # memory, not its size.
-                raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
+            if digest is not None and limit > HASH_CHUNK:
+                return _read_verified(fd, path, digest, limit, self.staging)
             data = os.read(fd, stored + 1)
             if len(data) <= stored:
                 # A short read ends a regular file only at its end; read on until then (or past the limit).
@@ -283,22 +288,36 @@ class DirEngine:
         return
 
 
-def _hashes_to(fd: int, path: str, digest: str, limit: int) -> bool:
-    """Whether the file's raw bytes (decoded where it is framed), ``limit`` at most, hash to ``digest``.
+def _read_verified(fd: int, path: str, digest: str, limit: int, staging: str | None) -> bytes:
+    """The file's raw bytes (decoded where it is framed), ``limit`` at most, when they hash to ``digest``.
 
-    Read in chunks of :data:`HASH_CHUNK`, no more than ``room(limit) + 1`` stored bytes; the file is at its start again.
+    Read once, in chunks of :data:`HASH_CHUNK` and no more than ``room(limit) + 1`` stored bytes; each chunk is
+    decoded once, and what comes out is hashed and kept by one :class:`Intake` (past its bound, in a staging file
+    in ``staging``): the bytes returned are the bytes hashed, and a file that lies about its bytes costs a chunk of
+    memory, not its size. Running out of memory or of staging disk is this node's trouble (``LOCAL``).
     """
-    hasher = blake3_hasher()()
-    flow = Inflow(path, limit, hasher.update)
+
+    def read(n: int) -> bytes:
+        try:
+            return os.read(fd, n)
+        except OSError as exc:  # the store's, as get's other reads
+            raise _failure(path, exc) from None
+
     got, stored = 0, room(limit)
-    while got <= stored and (chunk := os.read(fd, min(HASH_CHUNK, stored + 1 - got))):
-        got += len(chunk)
-        flow.take(chunk)
-    os.lseek(fd, 0, os.SEEK_SET)
-    if got > stored:
-        return False
-    flow.finish()
-    return hasher.hexdigest() == digest
+    try:
+        with Intake(staging) as body:
+            flow = Inflow(path, limit, body.take)
+            while got <= stored and (chunk := read(min(HASH_CHUNK, stored + 1 - got))):
+                got += len(chunk)
+                flow.take(chunk)
+            if got > stored:
+                raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
+            flow.finish()
+            if body.hexdigest() != digest:
+                raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
+            return body.read()
+    except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
+        raise StoreFailure(path, LOCAL, type(exc).__name__, outage=False) from None
 
 
 def _failure(path: str, exc: OSError) -> StoreFailure:

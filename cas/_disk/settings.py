@@ -24,7 +24,7 @@ from cuda_program_cas._base.config import (
     VAR_MAX_SIZE,
     env_shared,
     platform_cache_dir,
-    warn_once,
+    say_once,
 )
 
 from .atomic import atomic_write
@@ -89,7 +89,7 @@ def stored_max_size(root: str) -> int | None:
     settings, why = load_settings(root)
     if why is not None:
         message = "cuda-program-cas: %s is ignored: %s (store the cap again with `cuda-program-cas config`)"
-        warn_once(("settings", settings_path(root)), message, settings_path(root), why)
+        say_once(("settings", settings_path(root)), message, settings_path(root), why)
     value = settings.get(MAX_SIZE)
     return value if isinstance(value, int) else None
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from cuda_program_cas._base.config import say_once
 from cuda_program_cas._disk.layout import CLAIM_SUFFIX
 from cuda_program_cas.index import is_key_id
 
@@ -61,8 +62,6 @@ _PAUSE_SHARE = 0.05
 _LONGEST_PAUSE_S = 1.0
 #: Opens of a name whose file was replaced under us before the claim is given up.
 _MAX_TRIES = 32
-
-_SAID: set[tuple[str, int]] = set()
 
 
 @dataclass(slots=True)
@@ -217,12 +216,11 @@ def _release(path: str, fd: int) -> None:
 
 def _no_claim(path: str, exc: OSError) -> None:
     """Say once per directory and reason, at DEBUG, why no claim was taken."""
-    why = (os.path.dirname(path), exc.errno or 0)
-    if why in _SAID:
-        return
-    _SAID.add(why)
-    _log.debug(
+    where = os.path.dirname(path)
+    say_once(
+        ("no claims", where, exc.errno or 0),
         "cuda-program-cas: no claims in %s (%s): compiles of this node that miss the same key each compile",
-        why[0],
+        where,
         exc,
+        level=logging.DEBUG,
     )

@@ -33,12 +33,14 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from stat import S_ISREG
 from typing import NamedTuple
 
+from cuda_program_cas._base.config import say_once
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork, after_fork_call
+from cuda_program_cas._base.log import DEBUG
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.atomic import append_line, atomic_write
 from cuda_program_cas._disk.files import READ_FLAGS, NotRegularFile
@@ -278,7 +280,7 @@ class Recorder:
         self._source = source
         self._flushed = dict.fromkeys(NAMES, 0)  # a new instance has counted nothing yet
         self._mutex = threading.Lock()
-        self._failed: set[int] = set()
+        self._failed: set[Hashable] = set()  # errnos said
         after_fork(self)
 
     def attach(self, owner: object) -> None:
@@ -334,14 +336,14 @@ class Recorder:
 
     def _failed_once(self, exc: OSError) -> None:
         code = exc.errno or 0
-        if code in self._failed:
-            return
-        self._failed.add(code)
-        _log.debug(
+        say_once(
+            code,
             "cuda-program-cas: %s: lifetime counters not recorded (%s: %s); kept for the next flush",
             self._lay.root,
             errno.errorcode.get(code, code),
             exc,
+            level=DEBUG,
+            seen=self._failed,
         )
 
     def _after_fork_in_child(self) -> None:

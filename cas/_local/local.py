@@ -15,11 +15,11 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
-from cuda_program_cas._base.config import NOT_GIVEN, validate_max_size, warn_once
+from cuda_program_cas._base.config import NOT_GIVEN, say_once, validate_max_size
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.events import open_log_file
 from cuda_program_cas._base.fork import after_fork
@@ -66,13 +66,8 @@ _DROP_HINTS = {
 }
 
 
-def _warn_once(root: str, what: str) -> None:
-    warn_once(
-        ("unwritable", root),
-        "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)",
-        root,
-        what,
-    )
+#: Said once per process and directory: what is wrong with it, what the cache does instead.
+_UNWRITABLE = "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)"
 
 
 class LocalStore:
@@ -222,13 +217,19 @@ class LocalStore:
             why = f"{exc.strerror or exc}: {exc.filename or self.root}"
             self.read_only = True
             self.why_read_only = f"could not be created ({why})"
-            _warn_once(self.root, f"cannot be created or laid out ({why}); running uncached: every lookup is a miss")
+            what = f"cannot be created or laid out ({why}); running uncached: every lookup is a miss"
+            say_once(("unwritable", self.root), _UNWRITABLE, self.root, what)
             return False
         why_not = unwritable_reason(lay)
         if why_not is not None:
             self.read_only = True
             self.why_read_only = f"cannot be written ({why_not})"
-            _warn_once(self.root, f"cannot be written ({why_not}); opened read-only: hits are served")
+            say_once(
+                ("unwritable", self.root),
+                _UNWRITABLE,
+                self.root,
+                f"cannot be written ({why_not}); opened read-only: hits are served",
+            )
         return True
 
     def note_hit(self, kid: str, shared: str | None, *, t0_ns: int = 0, waited: bool = False) -> None:
@@ -486,13 +487,10 @@ class _Problems:
     def __init__(self, root: str, heard: Listeners) -> None:
         self._root = root
         self._heard = heard
-        self._warned: set[tuple[str, int]] = set()
+        self._warned: set[Hashable] = set()
 
     def note(self, what: str, code: int, message: str) -> None:
-        if (what, code) in self._warned:
-            return
-        self._warned.add((what, code))
-        _log.warning("cuda-program-cas: %s (%s): %s", self._root, what, message)
+        say_once((what, code), "cuda-program-cas: %s (%s): %s", self._root, what, message, seen=self._warned)
 
     def strange_shard(self, shard: str) -> None:
         self._heard.count("corrupt")

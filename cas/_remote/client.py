@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
-from cuda_program_cas._base.config import env_max_entry_size, env_value, warn_once
+from cuda_program_cas._base.config import env_max_entry_size, env_value, say_once
 from cuda_program_cas._base.engine import Landing, StoreFailure
 from cuda_program_cas._base.errors import without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
@@ -327,7 +327,7 @@ def _netrc_token(host: str) -> str | None:
             why = f"it cannot be read ({type(exc).__name__})"
         else:
             return entry[2] if entry and entry[2] else None
-    warn_once(("netrc", path), "cuda-program-cas: the .netrc %s is ignored: %s", path, why)
+    say_once(("netrc", path), "cuda-program-cas: the .netrc %s is ignored: %s", path, why)
     return None
 
 

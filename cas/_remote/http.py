@@ -14,8 +14,8 @@ and its packs are :class:`.httppacks.HttpPacks`.
 - ``get`` with a ``digest`` (a blob): the body is decoded as it arrives (one
   :class:`~cuda_program_cas._base.frame.Inflow`: a framed blob decompressed,
   bounded by its stated size, a raw one passed through) and its raw bytes hashed;
-  past :data:`IN_MEMORY_BYTES` of them they go to a staging file in the local
-  cache's ``tmp/`` (:func:`cuda_program_cas._disk.atomic.staging`) rather than
+  past :data:`~cuda_program_cas._disk.intake.IN_MEMORY_BYTES` of them they go to a staging file in the local
+  cache's ``tmp/`` (:class:`cuda_program_cas._disk.intake.Intake`) rather than
   into memory, and only bytes that proved to be the blob are read back. Running
   out of memory or of staging disk meanwhile is this node's trouble: a StoreFailure of kind
   :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
@@ -41,24 +41,16 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
-from types import TracebackType
 from typing import IO, TYPE_CHECKING, TypeVar, cast
 
-from blake3 import blake3
-
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room
+from cuda_program_cas._base.frame import Inflow, stored_limit
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
-from cuda_program_cas._disk.atomic import Staging, staging
+from cuda_program_cas._disk.intake import Intake
 
 from .client import HttpFailure, Reply, request, request_many
 
-__all__ = ["IN_MEMORY_BYTES", "HttpEngine", "Intake"]
-
-#: A blob body up to this is gathered in memory; a larger one is staged in the local
-#: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
-IN_MEMORY_BYTES = 1 << 20
+__all__ = ["HttpEngine"]
 
 _T = TypeVar("_T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
@@ -124,8 +116,9 @@ class HttpEngine:
             raise HttpFailure(url, "denied", f"status {reply.status} (is CUDA_PROGRAM_CAS_HTTP_TOKEN or .netrc right?)")
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
+        stored = stored_limit(limit, digest)
         if digest is None:
-            reply = self.fetch(name, limit=limit)
+            reply = self.fetch(name, limit=stored)
             if reply.status == 404:
                 return None
             if reply.status != 200:
@@ -134,7 +127,7 @@ class HttpEngine:
         try:
             with Intake(self.staging) as body:
                 flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
-                reply = self.fetch(name, limit=room(limit), sink=flow.take)  # framed, it may outgrow its raw bytes
+                reply = self.fetch(name, limit=stored, sink=flow.take)
                 if reply.status == 404:
                     return None
                 if reply.status == 200:
@@ -333,63 +326,6 @@ class HttpEngine:
 
     def close(self) -> None:
         """Nothing: the connections are the process's pool's (:func:`.client.close_connections`), shared by stores."""
-
-
-class Intake:
-    """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
-
-    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
-    None to hold any body in memory (it was bounded before it was asked for).
-    A staging file that cannot be made leaves the body in memory; one that
-    cannot be written fails the read (``OSError``). The file goes when the
-    intake is closed.
-    """
-
-    def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
-        self.size = 0
-        self._dir = staging
-        self._hash = blake3() if hashed else None
-        self._parts: list[bytes] = []
-        self._stage: Staging | None = None
-        self._stack = ExitStack()
-
-    def __enter__(self) -> Intake:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._parts = []
-        self._stack.close()
-
-    def take(self, chunk: bytes | memoryview) -> None:
-        chunk = bytes(chunk)  # bytes as they come (no copy), a view of a buffer the sender reuses copied
-        self.size += len(chunk)
-        if self._hash is not None:
-            self._hash.update(chunk)
-        if self._stage is not None:
-            self._stage.write(chunk)
-            return
-        self._parts.append(chunk)
-        if self.size > IN_MEMORY_BYTES and self._dir is not None:
-            try:
-                self._stage = self._stack.enter_context(staging(self._dir))
-            except OSError:
-                self._dir = None  # a full or read-only disk: in memory, as bounded before the request
-                return
-            for part in self._parts:
-                self._stage.write(part)
-            self._parts = []
-
-    def hexdigest(self) -> str:
-        assert self._hash is not None
-        return self._hash.hexdigest()
-
-    def read(self) -> bytes:
-        """The whole body: from memory, or read back from the staging file."""
-        if self._stage is not None:
-            return self._stage.read()
-        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
 
 
 if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares

@@ -9,7 +9,7 @@
   A packed hit then costs one ranged read of the blob's stored bytes, decoded as
   they arrive (:class:`~cuda_program_cas._base.frame.Inflow`: a framed entry is
   decompressed, bounded by the largest entry this node reads, a raw one passed
-  through), its raw bytes hashed and staged (:class:`.http.Intake`) and returned
+  through), its raw bytes hashed and staged (:class:`cuda_program_cas._disk.intake.Intake`) and returned
   only when they are the entry's. A bad frame (a bomb, one cut short, a wrong stated
   size) is damage, one line, and a miss.
 - A pack a repack retired is read from ``packs/retired/`` until the next listing.
@@ -39,12 +39,13 @@ from cuda_program_cas._base.engine import LOCAL, StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, room, stated_size
 from cuda_program_cas._base.urls import join
+from cuda_program_cas._disk.intake import Intake
 from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError
 from cuda_program_cas._disk.packindex import PackIndex
 from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
-from .http import HttpEngine, Intake
+from .http import HttpEngine
 
 __all__ = ["MAX_INDEX_BYTES", "RELIST_S", "HttpPacks", "Ranges", "Report"]
 

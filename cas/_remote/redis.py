@@ -69,7 +69,7 @@ from urllib.parse import unquote, urlsplit
 from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT, env_max_entry_size, parse_duration
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import room, verified
+from cuda_program_cas._base.frame import room, stored_limit, verified
 
 from .client import ENV_CA_BUNDLE, ca_bundle
 
@@ -247,7 +247,7 @@ class RedisEngine:
     # -- the interface ----------------------------------------------------------------------
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
-        data = self.get_many([name], limit=limit if digest is None else room(limit))[0]  # framed may outgrow raw
+        data = self.get_many([name], limit=stored_limit(limit, digest))[0]
         return data if data is None or digest is None else bytes(verified(self._where(name), data, digest, limit))
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:

@@ -60,11 +60,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from time import perf_counter as _perf
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
-from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size
+from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, first_time, say_once
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.fork import after_fork
@@ -82,7 +82,7 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 
-from .said import refused_untrusted, warn_once_for
+from .said import refused_untrusted
 
 if TYPE_CHECKING:
     from .fetchbatch import Keep, RangedPacks, Wanted
@@ -177,7 +177,7 @@ class Tier:
         self._paused_until = 0.0
         self._failures = 0
         self._why_not = ""
-        self._noted: set[str] = set()
+        self._noted: set[Hashable] = set()
         self._why = threading.local()
         # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
         # store that worked and is gone later (unmounted) is not a WARNING. A remote one's each is a request:
@@ -278,12 +278,13 @@ class Tier:
         why = f"skipped: {requests} requests x {rtt * 1000:.0f} ms > {ms} ms compile"
         self.counters.add("skipped_lookups")
         self._why.reason = why
-        if warn_once_for(f"{self.root} skipped"):
-            _log.debug(
-                "cuda-program-cas: shared store %s: lookup %s: compiling is faster (said once per process)",
-                self.root,
-                why,
-            )
+        say_once(
+            ("shared store", self.root, "skipped"),
+            "cuda-program-cas: shared store %s: lookup %s: compiling is faster (said once per process)",
+            self.root,
+            why,
+            level=logging.DEBUG,
+        )
         return True
 
     def _asked(self, call: Callable[[], _T], failed: _T) -> _T:
@@ -487,13 +488,12 @@ class Tier:
                 self._why.reason = f"bad answer: {exc.kind}"
             else:
                 self._why.reason = f"cannot read ({exc.kind})" if exc.kind != "denied" else "access denied"
-            if exc.kind == "denied" and warn_once_for(self.root):
-                _log.warning(
-                    "cuda-program-cas: shared store %s cannot be read: %s; such lookups are misses (said once per "
-                    "process)",
-                    self.root,
-                    exc,
-                )
+            if exc.kind == "denied" and say_once(
+                ("shared store", self.root),
+                "cuda-program-cas: shared store %s cannot be read: %s; such lookups are misses (said once per process)",
+                self.root,
+                exc,
+            ):
                 return
             self._note(f"read error {exc.kind}", f"read error: {exc}")
             return
@@ -525,16 +525,15 @@ class Tier:
                 self._version = 0  # asked again when the pause ends
         self._why.reason = f"store not usable: {self._why_not}"
         first_look, self._looked = not self._looked, True
-        if (first_look or self._warn_later) and warn_once_for(self.root):
-            _log.warning(
-                "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
-                "(said once per process)",
-                self.root,
-                self._why_not,
-                pause,
-                ", then less often" if self._retry_max_s > RETRY_S else "",
-            )
-        else:
+        if not (first_look or self._warn_later) or not say_once(
+            ("shared store", self.root),
+            "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
+            "(said once per process)",
+            self.root,
+            self._why_not,
+            pause,
+            ", then less often" if self._retry_max_s > RETRY_S else "",
+        ):
             _log.debug("cuda-program-cas: shared store %s: %s; paused for %g s", self.root, self._why_not, pause)
 
     def _damaged(self, why: str, message: str) -> None:
@@ -543,15 +542,12 @@ class Tier:
         self._note(why, message)
 
     def _note(self, what: str, message: str) -> None:
-        if what in self._noted:
-            return
-        self._noted.add(what)
-        _log.debug("cuda-program-cas: shared store %s (%s): %s", self.root, what, message)
+        """DEBUG, once per instance and ``what``."""
+        text = "cuda-program-cas: shared store %s (%s): %s"
+        say_once(what, text, self.root, what, message, level=logging.DEBUG, seen=self._noted)
 
     def say_once(self, what: str, message: str) -> None:
         """A WARNING the first time this process meets ``what`` at this store; DEBUG once per instance after."""
-        if what in self._noted:
-            return
-        self._noted.add(what)
-        level = logging.WARNING if warn_once_for(f"{self.root} {what}") else logging.DEBUG
-        _log.log(level, "cuda-program-cas: shared store %s: %s", self.root, message)
+        if first_time(what, self._noted):
+            level = logging.WARNING if first_time(("shared store", self.root, what)) else logging.DEBUG
+            _log.log(level, "cuda-program-cas: shared store %s: %s", self.root, message)

@@ -80,7 +80,7 @@ def _dir_engine(address: str, opts: Options) -> Engine:
         except OSError:
             setgid = False
         modes = DirModes.for_process(setgid, fsync=False)
-    return DirEngine(root, modes=modes)
+    return DirEngine(root, modes=modes, staging=opts.staging)
 
 
 def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:

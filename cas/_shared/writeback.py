@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from cuda_program_cas._base.config import say_once
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.signing import Signer
@@ -34,7 +35,6 @@ from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import Manifest, is_local_id
 
 from .keylist import compile_ms, merge_into, number
-from .said import warn_once_for
 from .upload import put_checked, upload_entry
 from .warmset import QUIET_S
 from .warmset import parse as parse_set
@@ -297,14 +297,13 @@ class WriteBack:
 
     def _dropped(self, root: str, why: str) -> None:
         self._counters.add("uploads_dropped")
-        if warn_once_for(f"write-back {root}"):
-            _log.warning(
-                "cuda-program-cas: uploads to shared store %s are dropped: %s; entries stay in the local cache "
-                "(said once per process)",
-                root,
-                why,
-            )
-        else:
+        if not say_once(
+            ("write-back", root),
+            "cuda-program-cas: uploads to shared store %s are dropped: %s; entries stay in the local cache "
+            "(said once per process)",
+            root,
+            why,
+        ):
             _log.debug("cuda-program-cas: upload to %s dropped: %s", root, why)
 
     def pending(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Final
+from typing import ClassVar, Final, cast
 
 import cuda_program_cas._base.config as _registry
 from cuda_program_cas._base.config import collecting
@@ -87,9 +87,10 @@ def read_variables() -> list[Reading]:
         with collecting() as said:
             value, why = var.read()
         problems = [why] if why else []
-        said = [(key, text_.removeprefix("cuda-program-cas: ")) for key, text_ in said]
-        problems += [text_ for key, text_ in said if key[0] not in _NOTE_KINDS]
-        notes = [text_ for key, text_ in said if key[0] in _NOTE_KINDS]
+        # A reader's keys are tuples that start with their kind.
+        kinds = [(cast("tuple[str, ...]", key)[0], text_.removeprefix("cuda-program-cas: ")) for key, text_ in said]
+        problems += [text_ for kind, text_ in kinds if kind not in _NOTE_KINDS]
+        notes = [text_ for kind, text_ in kinds if kind in _NOTE_KINDS]
         if var.secret:
             shown = "set"
         elif why is not None:

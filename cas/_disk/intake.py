@@ -1,0 +1,77 @@
+"""A blob's bytes as an engine takes them in: counted, hashed, held in memory up to a bound, then staged.
+
+The HTTP (and S3) engines take a blob's raw bytes as its body arrives, the directory engine as it reads a
+large file in chunks; either returns them only once they hash to the blob's digest, and never holds more
+than :data:`IN_MEMORY_BYTES` of bytes not yet proven in memory where it has a staging folder.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from types import TracebackType
+
+from .atomic import Staging, staging
+from .files import blake3_hasher
+
+__all__ = ["IN_MEMORY_BYTES", "Intake"]
+
+#: A blob's raw bytes up to this are gathered in memory while they are verified; more are staged in the local
+#: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
+IN_MEMORY_BYTES = 1 << 20
+
+
+class Intake:
+    """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
+
+    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
+    None to hold any body in memory (it was bounded before it was asked for).
+    A staging file that cannot be made leaves the body in memory; one that
+    cannot be written fails the read (``OSError``). The file goes when the
+    intake is closed.
+    """
+
+    def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
+        self.size = 0
+        self._dir = staging
+        self._hash = blake3_hasher()() if hashed else None
+        self._parts: list[bytes] = []
+        self._stage: Staging | None = None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Intake:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._parts = []
+        self._stack.close()
+
+    def take(self, chunk: bytes | memoryview) -> None:
+        chunk = bytes(chunk)  # bytes as they come (no copy), a view of a buffer the sender reuses copied
+        self.size += len(chunk)
+        if self._hash is not None:
+            self._hash.update(chunk)
+        if self._stage is not None:
+            self._stage.write(chunk)
+            return
+        self._parts.append(chunk)
+        if self.size > IN_MEMORY_BYTES and self._dir is not None:
+            try:
+                self._stage = self._stack.enter_context(staging(self._dir))
+            except OSError:
+                self._dir = None  # a full or read-only disk: in memory, as bounded before the request
+                return
+            for part in self._parts:
+                self._stage.write(part)
+            self._parts = []
+
+    def hexdigest(self) -> str:
+        assert self._hash is not None
+        return self._hash.hexdigest()
+
+    def read(self) -> bytes:
+        """The whole body: from memory, or read back from the staging file."""
+        if self._stage is not None:
+            return self._stage.read()
+        return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
