@@ -83,7 +83,7 @@ WRITE_SIDE = (
     "cuda_program_cas._base.urls",
 )
 #: Nor what only a record someone sees, an error's frames or a snapshot need: ``logging`` (about 3 ms;
-#: ``cuda.core`` does not import it), ``traceback``, ``CacheStats`` (a dataclass of 22 fields).
+#: ``cuda.core`` does not import it), ``traceback``, ``CacheStats`` (a dataclass of 25 fields).
 UNSEEN = ("logging", "traceback", "cuda_program_cas._local.cachestats")
 
 
