@@ -100,6 +100,24 @@ def test_a_configured_endpoint_is_read_as_botocore_reads_it_without_making_a_cli
     assert engine.get("blobs/ab/x", limit=100) == b"signed with it"
 
 
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:9000", "http://exa mple"])
+def test_an_endpoint_a_client_refuses_makes_the_store_broken_as_before(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """A configured endpoint without a scheme, or with a host no URL has: botocore's client refuses it (``Invalid
+    endpoint``); read without a client it was taken as it is, and requests (signed) went to it over plain HTTP."""
+    import botocore.session
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    with pytest.raises(ValueError, match="Invalid endpoint") as refused:
+        botocore.session.Session().create_client("s3")
+    engine = S3Engine("s3://cas/p")
+    assert engine.aws is None and engine.broken is not None
+    assert str(refused.value) in str(engine.broken)
+    with pytest.raises(StoreFailure, match="aws configuration"):
+        engine.get("index/ab/cdef", limit=100)
+
+
 def test_without_an_endpoint_it_is_aws_own_for_the_region_addressed_by_virtual_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

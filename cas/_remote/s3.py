@@ -188,6 +188,7 @@ def _configured_endpoint(session: Any) -> str | None:
     none (AWS's own), or where this botocore reads it otherwise (its reader is not public): a client then says."""
     try:
         from botocore.configprovider import ConfiguredEndpointProvider
+        from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
         if session.get_config_variable("ignore_configured_endpoint_urls"):
             return None
@@ -195,9 +196,13 @@ def _configured_endpoint(session: Any) -> str | None:
             full_config=session.full_config, scoped_config=session.get_scoped_config(), client_name="s3"
         )
         found = chain.provide()
+        if not (
+            isinstance(found, str) and found and (is_valid_endpoint_url(found) or is_valid_ipv6_endpoint_url(found))
+        ):
+            return None  # none, or one a client refuses (no scheme, a bad host): the client made instead says why
     except Exception:  # a broken profile too: the client made instead raises what it is
         return None
-    return found if isinstance(found, str) and found else None
+    return found
 
 
 def _is_ip(host: str) -> bool:
