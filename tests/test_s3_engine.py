@@ -118,6 +118,23 @@ def test_an_endpoint_a_client_refuses_makes_the_store_broken_as_before(
         engine.get("index/ab/cdef", limit=100)
 
 
+@pytest.mark.parametrize("region", ["eu west", "-bad", "../x"])
+def test_a_region_a_client_refuses_makes_the_store_broken_with_a_configured_endpoint(
+    monkeypatch: pytest.MonkeyPatch, region: str
+) -> None:
+    """botocore's client refuses a region that is not a host label (``InvalidRegionError``) before it resolves an
+    endpoint; read without a client, it was taken as it is and signed into every request's scope."""
+    import botocore.exceptions
+    import botocore.session
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", region)
+    with pytest.raises(botocore.exceptions.InvalidRegionError) as refused:
+        botocore.session.Session().create_client("s3")
+    engine = S3Engine("s3://cas/p")
+    assert engine.aws is None and engine.broken is not None
+    assert str(refused.value) in str(engine.broken)
+
+
 def test_without_an_endpoint_it_is_aws_own_for_the_region_addressed_by_virtual_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

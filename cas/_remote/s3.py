@@ -114,8 +114,12 @@ class _Aws:
         self._session = botocore.session.Session()
         configured = _configured_endpoint(self._session)
         if configured is not None:
+            from botocore.utils import validate_region_name
+
+            region = self._session.get_config_variable("region")
+            validate_region_name(region)  # as a client does first: one it refuses (not a host label) breaks the store
             self.endpoint: str = configured.rstrip("/")
-            self.region: str = self._session.get_config_variable("region") or "us-east-1"
+            self.region: str = region or "us-east-1"
         else:
             from botocore.config import Config
 
