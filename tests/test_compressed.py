@@ -300,6 +300,42 @@ def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verif
     assert list(staging.iterdir()) == []  # its staging file went with the refusal
 
 
+@pytest.mark.mount
+@pytest.mark.parametrize("room", ["2m", "512k"])  # full as the body streams in, or as the first MiB is staged
+@pytest.mark.parametrize("kind", ["http", "directory"])
+def test_a_large_blob_is_taken_in_memory_when_the_local_disk_is_full(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, room: str, mounts: list[Path]
+) -> None:
+    """A full local disk (a small tmpfs holds the staging folder): the staging file is made, its writes fail
+    (ENOSPC); the body goes on in memory, as on a read-only disk, and the hit is served. A directory store's large
+    hits, read whole in memory before they were staged, were misses on a full disk."""
+    import subprocess
+
+    from cuda_program_cas._base.engine import Engine
+    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._remote.http import HttpEngine
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(staging)], check=True)
+    mounts.append(staging)
+    if kind == "http":
+        server: Nginx = request.getfixturevalue("nginx")
+        root = server.root / "cas"
+        engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
+    else:
+        root = tmp_path / "store"
+        engine = DirEngine(str(root), staging=str(staging))
+    raw = os.urandom(6 << 20)  # noise: stored as it is, more than the disk has room for
+    name = url_path(BLOBS, digest_of(raw))
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_bytes(frame.encode(raw))
+    assert engine.get(name, limit=8 << 20, digest=digest_of(raw)) == raw
+    assert list(staging.iterdir()) == []
+
+
 @pytest.mark.parametrize("bad", ["none", "truncated", "bomb: over the limit", "wrong stated size"])
 def test_a_packed_store_on_a_web_server_mixing_raw_and_framed_entries_reads_over_http(
     nginx: Nginx, tmp_path: Path, bad: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch

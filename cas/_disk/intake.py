@@ -7,6 +7,7 @@ than :data:`IN_MEMORY_BYTES` of bytes not yet proven in memory where it has a st
 
 from __future__ import annotations
 
+import errno
 from contextlib import ExitStack
 from types import TracebackType
 
@@ -18,6 +19,8 @@ __all__ = ["IN_MEMORY_BYTES", "Intake"]
 #: A blob's raw bytes up to this are gathered in memory while they are verified; more are staged in the local
 #: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
 IN_MEMORY_BYTES = 1 << 20
+#: A staging disk with no room left: the body goes on in memory, as where there is no staging folder.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class Intake:
@@ -25,9 +28,9 @@ class Intake:
 
     ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
     None to hold any body in memory (it was bounded before it was asked for).
-    A staging file that cannot be made leaves the body in memory; one that
-    cannot be written fails the read (``OSError``). The file goes when the
-    intake is closed.
+    A staging file that cannot be made, or that fills its disk, leaves the body in
+    memory; one that cannot be written otherwise fails the read (``OSError``). The
+    file goes when the intake is closed.
     """
 
     def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
@@ -53,8 +56,11 @@ class Intake:
         if self._hash is not None:
             self._hash.update(chunk)
         if self._stage is not None:
-            self._stage.write(chunk)
-            return
+            try:
+                self._stage.write(chunk)
+                return
+            except OSError as exc:
+                self._unstage(exc)
         self._parts.append(chunk)
         if self.size > IN_MEMORY_BYTES and self._dir is not None:
             try:
@@ -62,9 +68,24 @@ class Intake:
             except OSError:
                 self._dir = None  # a full or read-only disk: in memory, as bounded before the request
                 return
-            for part in self._parts:
-                self._stage.write(part)
+            for i, part in enumerate(self._parts):
+                try:
+                    self._stage.write(part)
+                except OSError as exc:
+                    self._parts = self._parts[i:]  # the ones before are read back
+                    self._unstage(exc)
+                    return
             self._parts = []
+
+    def _unstage(self, exc: OSError) -> None:
+        """The staging disk is full: what it took back in memory, and the rest kept there (as bounded before the
+        request, as without a staging folder); another error fails the read."""
+        if exc.errno not in _FULL:
+            raise exc
+        assert self._stage is not None
+        self._parts = [self._stage.read(), *self._parts]
+        self._stage, self._dir = None, None
+        self._stack.close()
 
     def hexdigest(self) -> str:
         assert self._hash is not None
