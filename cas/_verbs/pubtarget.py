@@ -241,8 +241,7 @@ def store_url(dest: str) -> str:
 
 
 def open_dir(engine: DirEngine, report: PublishReport) -> None:
-    """What only a store directory needs before its layout: refused if foreign, laid out, its ``tmp/`` swept (and
-    staging for the large copies it hashes).
+    """What only a store directory needs before its layout: refused if foreign, laid out, its ``tmp/`` swept.
 
     A directory that holds no store yet (or a damaged ``layout.json`` among our
     own names) is laid out with the run's modes (``created``); ``layout.json``
@@ -269,7 +268,6 @@ def open_dir(engine: DirEngine, report: PublishReport) -> None:
         Remover(lay).sweep_temp()
     else:
         create_layout(lay.root)
-    engine.staging = lay.tmp  # where a large copy is held while it is hashed (verify_existing), as a node's tmp/
 
 
 def fix_top_modes(engine: DirEngine) -> None:
