@@ -23,8 +23,8 @@ Rules every engine keeps:
   ``room`` of it: a blob that does not compress may be framed larger), and only when they hash (blake3)
   to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``). The stored
   bytes go through one :class:`~cuda_program_cas._base.frame.Inflow` as they arrive, its raw output
-  hashed and held on disk past a bound (HTTP) or hashed in chunks before the file
-  is read whole (a directory), never gathered unverified in memory first;
+  hashed and held (:class:`~cuda_program_cas._disk.intake.Intake`: on disk past a bound, HTTP's
+  body as a directory's file over a MiB), never gathered unverified in memory first;
   :func:`~cuda_program_cas._base.frame.verified` is the check for an engine that
   has the whole object in hand (Redis). Without a digest, ``get`` returns the
   stored bytes as they are.
