@@ -26,7 +26,7 @@ from testkit.redis_server import RedisServer
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of, publish
 from cuda_program_cas._base import frame
-from cuda_program_cas._base.engine import StoreFailure
+from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._disk.layout import BLOBS, url_path
 
 LIMIT = 10_000
@@ -263,24 +263,26 @@ def _traced_peak(call: Callable[[], object]) -> tuple[object, int]:
         tracemalloc.stop()
 
 
+def _engine_over(request: pytest.FixtureRequest, tmp_path: Path, kind: str, staging: Path) -> tuple[Engine, Path]:
+    """An engine of ``kind`` (``http`` on the nginx fixture, or ``directory``) staging in ``staging``, and its root."""
+    from cuda_program_cas._disk.direngine import DirEngine
+    from cuda_program_cas._remote.http import HttpEngine
+
+    if kind == "http":
+        server: Nginx = request.getfixturevalue("nginx")
+        return HttpEngine(server.read_url("cas"), staging=str(staging)), server.root / "cas"
+    return DirEngine(str(tmp_path / "store"), staging=str(staging)), tmp_path / "store"
+
+
 @pytest.mark.parametrize("kind", ["http", "directory"])
 def test_a_large_framed_blob_or_bomb_holds_no_more_than_a_chunk_beyond_the_verified_raw_bytes(
     request: pytest.FixtureRequest, tmp_path: Path, kind: str
 ) -> None:
-    from cuda_program_cas._base.engine import Engine
-    from cuda_program_cas._disk.direngine import DirEngine
     from cuda_program_cas._disk.intake import IN_MEMORY_BYTES
-    from cuda_program_cas._remote.http import HttpEngine
 
     staging = tmp_path / "staging"
     staging.mkdir()
-    if kind == "http":
-        server: Nginx = request.getfixturevalue("nginx")
-        root = server.root / "cas"
-        engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
-    else:
-        root = tmp_path / "store"
-        engine = DirEngine(str(root), staging=str(staging))
+    engine, root = _engine_over(request, tmp_path, kind, staging)
     raw = (os.urandom(1 << 16) * (BIG >> 16))[:BIG]  # 64 KiB of noise, repeated: zstd's window finds it
     name = url_path(BLOBS, digest_of(raw))
     (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -311,23 +313,13 @@ def test_a_large_blob_is_taken_in_memory_when_the_local_disk_is_full(
     hits, read whole in memory before they were staged, were misses on a full disk."""
     import subprocess
 
-    from cuda_program_cas._base.engine import Engine
-    from cuda_program_cas._disk.direngine import DirEngine
-    from cuda_program_cas._remote.http import HttpEngine
-
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     staging = tmp_path / "staging"
     staging.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(staging)], check=True)
     mounts.append(staging)
-    if kind == "http":
-        server: Nginx = request.getfixturevalue("nginx")
-        root = server.root / "cas"
-        engine: Engine = HttpEngine(server.read_url("cas"), staging=str(staging))
-    else:
-        root = tmp_path / "store"
-        engine = DirEngine(str(root), staging=str(staging))
+    engine, root = _engine_over(request, tmp_path, kind, staging)
     raw = os.urandom(6 << 20)  # noise: stored as it is, more than the disk has room for
     name = url_path(BLOBS, digest_of(raw))
     (root / name).parent.mkdir(parents=True, exist_ok=True)
