@@ -525,7 +525,7 @@ class Tier:
                 self._version = 0  # asked again when the pause ends
         self._why.reason = f"store not usable: {self._why_not}"
         first_look, self._looked = not self._looked, True
-        if not (first_look or self._warn_later) or not say_once(
+        warned = (first_look or self._warn_later) and say_once(
             ("shared store", self.root),
             "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
             "(said once per process)",
@@ -533,7 +533,8 @@ class Tier:
             self._why_not,
             pause,
             ", then less often" if self._retry_max_s > RETRY_S else "",
-        ):
+        )
+        if not warned:
             _log.debug("cuda-program-cas: shared store %s: %s; paused for %g s", self.root, self._why_not, pause)
 
     def _damaged(self, why: str, message: str) -> None:
