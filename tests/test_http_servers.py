@@ -472,8 +472,7 @@ def test_faults_endless_sends_zeros_for_as_long_as_it_is_read(faults: FaultServe
 
 
 def test_faults_huge_trailer_serves_a_pack_as_large_as_its_trailer_claims(tmp_path: Path) -> None:
-    from cuda_program_cas._disk.pack import TRAILER_SIZE, pack_chunks, parse_trailer
-    from cuda_program_cas._disk.packindex import PackIndex
+    from cuda_program_cas._disk.pack import TRAILER_SIZE, index_span, pack_chunks, parse_trailer
 
     pack = b"".join(pack_chunks([("11" * 32, "22" * 32, b"blob bytes", 7)]))
     (tmp_path / "p.cpk").write_bytes(pack)
@@ -490,7 +489,7 @@ def test_faults_huge_trailer_serves_a_pack_as_large_as_its_trailer_claims(tmp_pa
                 206,
                 f"bytes {claimed - TRAILER_SIZE}-{claimed - 1}/{claimed}",
             )
-            assert PackIndex.span(claimed, trailer, "p") == (index_offset, 1024 + 96 * (2**32 - 1))
+            assert index_span(claimed, trailer, "p") == (index_offset, 1024 + 96 * (2**32 - 1))
             assert _get(conn, "/p.cpk", {"Range": "bytes=0-17"}) == (206, pack[:18])  # the real bytes
             assert _get(conn, "/p.cpk", {"Range": f"bytes={len(pack)}-{len(pack) + 9}"}) == (206, bytes(10))
         finally:

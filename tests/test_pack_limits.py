@@ -21,6 +21,7 @@ from blake3 import blake3
 from conftest import ChildLines, run_python
 
 import cuda_program_cas._disk.pack
+import cuda_program_cas._disk.packfile
 import cuda_program_cas._disk.packset
 from cuda_program_cas import CacheStore, publish
 from cuda_program_cas._cli.main import main as cli
@@ -158,7 +159,7 @@ def test_1100_packs_under_a_soft_limit_of_1024_descriptors_every_entry_hits(tmp_
     assert proc.returncode == 0, proc.stderr
     hits, again, fds, fresh_ok = proc.stdout.split()
     assert (int(hits), int(again), fresh_ok) == (n, len(range(0, n, 7)), "True")
-    assert int(fds) <= cuda_program_cas._disk.pack.MAX_OPEN_PACKS + 16, (
+    assert int(fds) <= cuda_program_cas._disk.packfile.MAX_OPEN_PACKS + 16, (
         fds
     )  # the bound, plus stdio, the node's own files
 
@@ -179,11 +180,11 @@ def open_files_under(directory: Path) -> list[str]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
 def test_packs_retired_by_a_repack_still_read_until_relisted_then_are_closed(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    n = cuda_program_cas._disk.pack.MAX_OPEN_PACKS + 8
+    n = cuda_program_cas._disk.packfile.MAX_OPEN_PACKS + 8
     many_packs(store, n)
     packs = cuda_program_cas._disk.packset.PackSet(str(store))
     assert all(packs.lookup(key_id(f"p{i}")) is not None for i in range(n))
-    assert len(open_files_under(store)) <= cuda_program_cas._disk.pack.MAX_OPEN_PACKS
+    assert len(open_files_under(store)) <= cuda_program_cas._disk.packfile.MAX_OPEN_PACKS
     repack(store)  # every pack moves to packs/retired/, most of them closed here meanwhile
     assert len(cuda_program_cas._disk.packset.list_packs(str(store / "packs"))) == 1
     # Within the listing this process still trusts, every entry reads from the retired packs.
@@ -290,7 +291,7 @@ def test_a_child_forked_while_another_thread_holds_the_descriptor_pool_reads_pac
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with cuda_program_cas._disk.pack._POOL._lock:
+        with cuda_program_cas._disk.packfile._POOL._lock:
             held.set()
             release.wait(60)
 
@@ -352,7 +353,9 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
     store = tmp_path / "store"
     n = 60
     many_packs(store, n)
-    monkeypatch.setattr(cuda_program_cas._disk.pack, "MAX_OPEN_PACKS", 4)  # far fewer than the packs: descriptors churn
+    monkeypatch.setattr(
+        cuda_program_cas._disk.packfile, "MAX_OPEN_PACKS", 4
+    )  # far fewer than the packs: descriptors churn
     monkeypatch.setattr(cuda_program_cas._disk.packset, "RELIST_S", 0.0)  # every lookup lists packs/ again
     damaged: list[str] = []  # no pack is damaged: a report would mean a descriptor closed under a reader
     packs = cuda_program_cas._disk.packset.PackSet(str(store), on_damage=damaged.append)
@@ -385,7 +388,7 @@ def test_threads_reading_through_a_small_pool_while_packs_are_retired_get_only_r
         for thread in threads:
             thread.join(60)
     assert wrong == [] and damaged == []
-    assert cuda_program_cas._disk.pack.open_packs() <= 4
+    assert cuda_program_cas._disk.packfile.open_packs() <= 4
     assert all(packs.lookup(kid) == (data, blake3(data).hexdigest()) for kid, data in expected.items())
 
 

@@ -42,14 +42,12 @@ never rewritten.
 from __future__ import annotations
 
 import bisect
-import errno
 import logging
 import os
 import secrets
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -58,11 +56,12 @@ from blake3 import blake3
 from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CacheError
-from cuda_program_cas._base.fork import after_fork, after_fork_call
+from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, encode, stated_size, verified
 
 from .files import HASH_CHUNK, READ_FLAGS
 from .layout import Layout
+from .packfile import RETIRED, PackFile
 
 __all__ = [
     "ENTRY_SIZE",
@@ -71,21 +70,17 @@ __all__ = [
     "RETIRED",
     "STREAM_ABOVE",
     "TRAILER_SIZE",
-    "TRANSIENT",
     "PackEntry",
     "PackError",
     "PackInput",
     "PackReader",
+    "RangeSource",
     "Stored",
-    "entry_from",
-    "find_entry",
-    "index_length",
-    "open_packs",
+    "entry_at",
+    "index_span",
     "pack_chunks",
     "pack_name",
     "parse_trailer",
-    "read_fanout",
-    "split_entries",
     "write_pack",
 ]
 
@@ -140,8 +135,6 @@ def pack_name() -> str:
     return f"pack-{time.time_ns():016x}-{secrets.token_hex(4)}{PACK_SUFFIX}"
 
 
-#: Where a repack moves the packs it replaced, under ``packs/`` (they wait out the shared grace period).
-RETIRED = "retired"
 # -- writing --------------------------------------------------------------------------------
 
 
@@ -230,110 +223,36 @@ def write_pack(
 
 # -- reading --------------------------------------------------------------------------------
 
-#: At most this many pack files are open in one process, whatever the number of packs
-#: in its shared stores (1,100 packs open at once made every open past the soft limit
-#: of 1024 fail with EMFILE). Reopening an evicted pack costs one ``open``; see docs/nfs.md.
-MAX_OPEN_PACKS = 32
 #: A pack index up to this size is read whole at open (a lookup then needs no descriptor
 #: until it reads a blob): about 680 entries, what one publish of a CI run writes.
 SMALL_INDEX = 64 * 1024
-#: An entry larger than this is verified in chunks (:func:`.files.hashes_to`) before it is read whole.
+#: An entry larger than this is verified in chunks (:func:`.files.hashes_to`) before it is held whole.
 STREAM_ABOVE = HASH_CHUNK
-#: Errors that say the process is short of descriptors or memory, not that the pack is bad.
-TRANSIENT = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
+#: Failures of :mod:`.frame` (of a blob's bytes, not of the store): a damaged entry.
+_REFUSED = frozenset(("damaged", "too large"))
 
 
-class _DescriptorPool:
-    """The open descriptors of every pack of this process, least recently used first.
+class RangeSource:
+    """A pack's bytes through ``get_range(offset, length, sink=None)`` (an engine's :class:`~.engine.Ranged`).
 
-    A descriptor in use (pinned by :meth:`pin`) is never closed under its reader: a
-    thread reading through it would otherwise read a number the kernel gave to
-    another file. Past :data:`MAX_OPEN_PACKS`, unpinned ones close, oldest first.
+    A source (this, or a :class:`.packfile.PackFile`) gives ``read(offset, length)``: the bytes (fewer where
+    the pack ends), or None where it had none (and said why); ``stream(offset, length, sink)``: them into
+    ``sink`` in chunks, and how many; ``rereads``: whether a second read costs no more than the first (a file).
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lru: OrderedDict[PackReader, None] = OrderedDict()
+    rereads = False
 
-    def add(self, reader: PackReader) -> None:
-        """Take in a reader whose descriptor was just opened (unpinned)."""
-        with self._lock:
-            self._lru[reader] = None
-            self._shrink()
+    def __init__(self, get_range: Callable[..., bytes | None]) -> None:
+        self._get = get_range
 
-    def pin(self, reader: PackReader) -> int:
-        """The reader's descriptor, opened again if it was closed, kept open until :meth:`unpin`."""
-        with self._lock:
-            if reader._fd >= 0:
-                reader._pins += 1
-                self._lru.move_to_end(reader)
-                return reader._fd
-            if reader._closed:
-                raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
-        fd = reader._reopen()  # outside the lock: an open on a slow server holds up no other pack
-        with self._lock:
-            if reader._fd >= 0 or reader._closed:  # another thread opened (or closed) it meanwhile
-                os.close(fd)
-                if reader._closed:
-                    raise FileNotFoundError(errno.ENOENT, "the pack was closed", reader.path)
-            else:
-                reader._fd = fd
-                self._lru[reader] = None
-            reader._pins += 1
-            self._lru.move_to_end(reader)
-            self._shrink()
-            return reader._fd
+    def read(self, offset: int, length: int) -> bytes | None:
+        return self._get(offset, length)
 
-    def unpin(self, reader: PackReader) -> None:
-        with self._lock:
-            reader._pins -= 1
-            if reader._closed and reader._pins == 0:
-                self._drop(reader)
+    def stream(self, offset: int, length: int, sink: Callable[[bytes], object]) -> int | None:
+        return None if self._get(offset, length, sink=sink) is None else length
 
-    def close(self, reader: PackReader) -> None:
-        """Close the reader for good (now, or when its last user unpins it)."""
-        with self._lock:
-            reader._closed = True
-            if reader._pins == 0:
-                self._drop(reader)
-
-    def open_count(self) -> int:
-        with self._lock:
-            return len(self._lru)
-
-    def _shrink(self) -> None:
-        over = len(self._lru) - MAX_OPEN_PACKS
-        if over <= 0:
-            return
-        victims = []
-        for reader in self._lru:  # oldest first; usually the first one will do
-            if reader._pins == 0:
-                victims.append(reader)
-                if len(victims) == over:
-                    break
-        for reader in victims:
-            self._drop(reader)
-
-    def _drop(self, reader: PackReader) -> None:
-        if reader in self._lru:
-            del self._lru[reader]
-            fd, reader._fd = reader._fd, -1
-            os.close(fd)
-
-    def after_fork_in_child(self) -> None:
-        # Threads that pinned descriptors do not exist in the child; its lock may have been held.
-        self._lock = threading.Lock()
-        for reader in self._lru:
-            reader._pins = 0
-
-
-_POOL = _DescriptorPool()
-after_fork_call(_POOL.after_fork_in_child)
-
-
-def open_packs() -> int:
-    """How many pack files this process holds open now (at most :data:`MAX_OPEN_PACKS` plus those in use)."""
-    return _POOL.open_count()
+    def close(self) -> None:
+        return
 
 
 def split_entries(raw: bytes) -> tuple[list[bytes], list[bytes]]:
@@ -363,22 +282,18 @@ def index_length(count: int) -> int:
     return _FANOUT.size + count * _ENTRY.size
 
 
-def read_fanout(head: bytes, count: int, name: str) -> tuple[int, ...]:
-    fanout: tuple[int, ...] = _FANOUT.unpack(head[: _FANOUT.size])
-    if list(fanout) != sorted(fanout) or fanout[-1] != count:
-        raise PackError(f"{name}: garbled fan-out table")
-    return fanout
+def index_span(size: int, trailer: bytes, name: str, *, max_index: int | None = None) -> tuple[int, int]:
+    """Where the index of a pack of ``size`` bytes with this trailer lies: ``(offset, length)``.
 
-
-def find_entry(
-    keys: list[bytes], entries: list[bytes], lo: int, hi: int, key: bytes, *, limit: int, base: int
-) -> PackEntry | None:
-    """The entry of ``key`` among ``keys[lo:hi]`` (sorted), or None; ``limit``: where the blobs end;
-    ``base``: where ``entries[0]`` lies in the pack."""
-    i = bisect.bisect_left(keys, key, lo, hi)
-    if i == hi or keys[i] != key:
-        return None
-    return entry_from(entries[i], limit, base + i * _ENTRY.size)
+    ``size`` is what the store says the file's size is: the trailer must fit it
+    exactly. With ``max_index``, an index longer than that is a :class:`PackError`
+    too, before a byte of it is fetched (a trailer may claim 2**32 - 1 entries: a 412 GB index).
+    """
+    _checksum, index_offset, count = parse_trailer(trailer, size, name)
+    length = index_length(count)
+    if max_index is not None and length > max_index:
+        raise PackError(f"{name}: its trailer claims {count} entries, a {length}-byte index (at most {max_index})")
+    return index_offset, length
 
 
 def entry_from(raw: bytes, limit: int, at: int) -> PackEntry | None:
@@ -391,24 +306,40 @@ def entry_from(raw: bytes, limit: int, at: int) -> PackEntry | None:
     return PackEntry(kid.hex(), digest.hex(), offset, size, time_ns, at)
 
 
+def entry_at(raw: bytes, at: int, trailer: bytes, size: int, name: str) -> PackEntry | None:
+    """The index entry ``raw`` read at byte ``at`` of pack ``name`` (``size`` bytes, ending in ``trailer``).
+
+    None unless ``at`` is the place of an entry of that pack's index (the trailer
+    says where the index lies and how many it holds) and the entry is whole (its
+    check) and names bytes among the pack's blobs. A warm set's line says where
+    to look; what is found there is the pack's own word on the key.
+    """
+    try:
+        _checksum, index_offset, count = parse_trailer(trailer, size, name)
+    except PackError:
+        return None
+    first = index_offset + _FANOUT.size
+    if len(raw) != _ENTRY.size or not first <= at < first + count * _ENTRY.size or (at - first) % _ENTRY.size:
+        return None
+    return entry_from(raw, index_offset, at)
+
+
 #: Bytes of one index entry (what a warm set's line asks at its ``at``).
 ENTRY_SIZE = _ENTRY.size
 
 
 class PackReader:
-    """One pack. Lookups ``pread``; nothing here raises for a damaged file (``PackError`` at open).
+    """One pack: its index, and its blobs read verified, over a :class:`Source`. Nothing here raises for a damaged
+    entry but :meth:`read`'s ``PackError`` (``PackError`` at open for a damaged pack).
 
-    Its descriptor comes from a process-wide pool (:data:`MAX_OPEN_PACKS`); one that
-    was closed to stay under the bound is opened again when needed, and must be the
-    same file (device, inode, size), else the pack is gone (``FileNotFoundError``).
-    A pack retired by ``repack`` meanwhile is found in ``packs/retired/``.
+    ``PackReader(path)`` opens a pack file (header, trailer and index: three ``pread``);
+    :meth:`over` takes a pack whose trailer and whole index were fetched by ranges.
     """
 
+    #: When the pack was written (its file's mtime; 0 for one read by ranges).
+    mtime = 0.0
+
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = -1
-        self._pins = 0
-        self._closed = False
         fd = os.open(path, READ_FLAGS)
         try:
             st = os.fstat(fd)
@@ -417,84 +348,80 @@ class PackReader:
                 raise PackError(f"{path}: too short to be a pack ({size} bytes)")
             if os.pread(fd, len(_HEADER), 0) not in _HEADERS:
                 raise PackError(f"{path}: not a pack of version {' or '.join(map(str, _READ_VERSIONS))}")
-            checksum, index_offset, count = parse_trailer(os.pread(fd, _TRAILER.size, size - _TRAILER.size), size, path)
-            index_len = _FANOUT.size + count * _ENTRY.size
+            trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
+            index_offset, index_len = index_span(size, trailer, path)
             want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
             head = os.pread(fd, want, index_offset)
             if len(head) != want:
                 raise PackError(f"{path}: truncated while being read")
-            fanout = read_fanout(head, count, path)
         except BaseException:
             os.close(fd)
             raise
-        self.size = size
-        self._identity = (st.st_dev, st.st_ino, size)
-        #: When the pack was written (its file's mtime).
         self.mtime = st.st_mtime
-        self.count = count
-        self.checksum = checksum
-        self._index_offset = index_offset
+        self._setup(path, PackFile(path, fd, st), size, trailer, head)
+
+    @classmethod
+    def over(cls, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, index: bytes) -> PackReader:
+        """The pack ``path`` of ``size`` bytes read through ``source``, from its trailer and whole index, which
+        must match the trailer's checksum (:class:`PackError`)."""
+        reader = cls.__new__(cls)
+        reader._setup(path, source, size, trailer, index)
+        if reader._whole is None or blake3(index).digest() != reader.checksum:
+            raise PackError(f"{path}: its index does not match its trailer's checksum")
+        return reader
+
+    def _setup(self, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, head: bytes) -> None:
+        self.checksum, self._index_offset, self.count = parse_trailer(trailer, size, path)
+        fanout: tuple[int, ...] = _FANOUT.unpack(head[: _FANOUT.size]) if len(head) >= _FANOUT.size else ()
+        if list(fanout) != sorted(fanout) or not fanout or fanout[-1] != self.count:
+            raise PackError(f"{path}: garbled fan-out table")
+        self.path = path
+        self.name = os.path.basename(path)
+        self.size = size
+        self._source = source
         self._fanout = fanout
         #: A small pack's whole index, read at open: its sorted key ids and raw entries.
-        self._whole = split_entries(head[_FANOUT.size :]) if len(head) == index_len else None
+        self._whole = split_entries(head[_FANOUT.size :]) if len(head) == index_length(self.count) else None
         #: A large pack's slices read so far: first byte -> key ids and raw entries (a pack never changes).
         self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
         self._lock = threading.Lock()
-        self._fd = fd
-        _POOL.add(self)
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # see cuda_program_cas._base.fork; the descriptor pool resets its own
 
-    def _reopen(self) -> int:
-        """A descriptor of this very pack again: at its path, or in ``retired/`` if repack moved it."""
-        head, name = os.path.split(self.path)
-        for candidate in (self.path, os.path.join(head, RETIRED, name)):
-            try:
-                fd = os.open(candidate, READ_FLAGS)
-            except FileNotFoundError:
-                continue
-            try:
-                st = os.fstat(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            if (st.st_dev, st.st_ino, st.st_size) == self._identity:
-                return fd
-            os.close(fd)
-        raise FileNotFoundError(errno.ENOENT, "the pack is gone", self.path)
-
     def close(self) -> None:
-        _POOL.close(self)
+        self._source.close()
+
+    @property
+    def index_size(self) -> int:
+        """Bytes of the pack's index (its fan-out table and entries)."""
+        return index_length(self.count)
 
     def loaded_keys(self) -> list[bytes] | None:
-        """Every key id of a small pack (its index was read whole at open); None for a large one."""
+        """Every key id of a pack whose index is held whole (a small one, one read by ranges); None for a large one."""
         return None if self._whole is None else self._whole[0]
 
-    def _pread(self, size: int, offset: int) -> bytes:
-        fd = _POOL.pin(self)
-        try:
-            return os.pread(fd, size, offset)
-        finally:
-            _POOL.unpin(self)
+    def _bytes(self, size: int, offset: int) -> bytes:
+        got = self._source.read(offset, size)
+        if got is None or len(got) != size:
+            raise PackError(f"{self.path}: cut short, or gone, while its index was read")
+        return got
 
-    def _span(self, first: int) -> tuple[int, int]:
-        """The entries whose key id starts with byte ``first``: ``[lo, hi)``."""
-        return (self._fanout[first - 1] if first else 0), self._fanout[first]
-
-    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int]:
-        """Key ids and raw entries holding those that start with byte ``first``, and their ``[lo, hi)`` there."""
-        lo, hi = self._span(first)
+    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int, int]:
+        """Key ids and raw entries holding those that start with byte ``first``, their ``[lo, hi)`` there, and
+        where the first of those raw entries lies in the pack."""
+        lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
+        start = self._index_offset + _FANOUT.size
         if self._whole is not None:
-            return self._whole[0], self._whole[1], lo, hi
+            return self._whole[0], self._whole[1], lo, hi, start
         bucket = self._buckets.get(first)
         if bucket is None:
-            start = self._index_offset + _FANOUT.size + lo * _ENTRY.size
-            bucket = split_entries(self._pread((hi - lo) * _ENTRY.size, start) if hi > lo else b"")
+            at = start + lo * _ENTRY.size
+            bucket = split_entries(self._bytes((hi - lo) * _ENTRY.size, at) if hi > lo else b"")
             with self._lock:
                 self._buckets[first] = bucket
-        return bucket[0], bucket[1], 0, len(bucket[0])
+        return bucket[0], bucket[1], 0, len(bucket[0]), start + lo * _ENTRY.size
 
     def find(self, kid: str) -> PackEntry | None:
         """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
@@ -502,15 +429,39 @@ class PackReader:
 
     def find_key(self, key: bytes) -> PackEntry | None:
         """:meth:`find` for a key id given as its 32 raw bytes."""
-        keys, entries, lo, hi = self._bucket(key[0])
-        return find_entry(keys, entries, lo, hi, key, limit=self._index_offset, base=self._base(key[0]))
+        keys, entries, lo, hi, base = self._bucket(key[0])
+        i = bisect.bisect_left(keys, key, lo, hi)
+        if i == hi or keys[i] != key:
+            return None
+        return entry_from(entries[i], self._index_offset, base + i * _ENTRY.size)
 
-    def _base(self, first: int) -> int:
-        """Where the first raw entry :meth:`_bucket` gives for ``first`` lies in the pack."""
-        start = self._index_offset + _FANOUT.size
-        return start if self._whole is not None else start + self._span(first)[0] * _ENTRY.size
+    def entries(self) -> Iterator[PackEntry]:
+        """Every entry, in key order (damaged ones skipped)."""
+        for first in range(256):
+            _keys, raws, lo, hi, base = self._bucket(first)
+            for i in range(lo, hi):
+                entry = entry_from(raws[i], self._index_offset, base + i * _ENTRY.size)
+                if entry is not None:
+                    yield entry
 
-    def read(self, entry: PackEntry, limit: int | None = None) -> bytes:
+    def index_ok(self) -> bool:
+        """True when the whole index matches the trailer's checksum (reads the whole index)."""
+        raw = self._source.read(self._index_offset, index_length(self.count))
+        return raw is not None and blake3(raw).digest() == self.checksum
+
+    def raw_size(self, entry: PackEntry) -> int:
+        """The raw size ``entry``'s object states (its frame's header; a raw one's own size); unverified."""
+        size = stated_size(self._bytes(min(HEADER_SIZE, entry.size), entry.offset))
+        return entry.size if size is None else size
+
+    def read(
+        self,
+        entry: PackEntry,
+        limit: int | None = None,
+        *,
+        fits: Callable[[int], bool] | None = None,
+        staging: str | None = None,
+    ) -> bytes | None:
         """The verified raw bytes of ``entry``'s blob (stored framed or raw), at most ``limit`` of them.
 
         ``limit``: the largest entry the caller reads (default: the ceiling,
@@ -518,68 +469,118 @@ class PackReader:
         key and what is wrong for bytes cut short, a frame refused (a bomb, one cut
         short, a wrong stated size: :mod:`cuda_program_cas._base.frame`) or raw bytes
         that do not hash to the entry's digest: the rest of the pack still reads.
-        An entry over :data:`STREAM_ABOVE`, stored or stated raw, is decoded and hashed in
-        chunks first, and held whole only if it verifies (then decoded and hashed again:
-        the file may change between the reads), so a pack that lies about an entry costs
-        a node a chunk of memory, not the entry.
+        None where the source had no bytes (it said why), or ``fits`` refused the raw
+        size the object states (judged before more than its header is taken in).
+
+        An entry over :data:`STREAM_ABOVE`, stored or stated raw, is decoded and hashed as it
+        is read. From a file it is then read whole and verified again (the file may change
+        between the reads), so a pack that lies about an entry costs a node a chunk of memory,
+        not the entry; from ranges it is read once, its raw bytes held by an :class:`.Intake`
+        (past a MiB in ``staging``).
         """
-        return self._read(entry, limit, keep_stored=False)
+        return self._read(entry, limit, fits, staging, keep_stored=False)
 
     def read_stored(self, entry: PackEntry, limit: int | None = None) -> Stored:
         """:meth:`read`, verified the same way, but the bytes as the pack holds them (a repack copies them)."""
-        got = self._read(entry, limit, keep_stored=True)
-        assert isinstance(got, Stored)
+        got = self._read(entry, limit, None, None, keep_stored=True)
+        if not isinstance(got, Stored):
+            raise PackError(f"{self.path}: the blob of {entry.key_id}: not read")
         return got
 
-    def raw_size(self, entry: PackEntry) -> int:
-        """The raw size ``entry``'s object states (its frame's header; a raw one's own size); unverified."""
-        size = stated_size(self._pread(min(HEADER_SIZE, entry.size), entry.offset))
-        return entry.size if size is None else size
-
-    def _read(self, entry: PackEntry, limit: int | None, *, keep_stored: bool) -> bytes:
+    def _read(
+        self,
+        entry: PackEntry,
+        limit: int | None,
+        fits: Callable[[int], bool] | None,
+        staging: str | None,
+        *,
+        keep_stored: bool,
+    ) -> bytes | None:
         limit = env_max_entry_size() if limit is None else limit
         where = f"{self.path}: the blob of {entry.key_id}"
+        large = entry.size > STREAM_ABOVE
         try:
-            if entry.size > STREAM_ABOVE:
-                self._hash_chunks(where, entry, limit)
-            data = self._pread(entry.size, entry.offset)
+            if large and not self._source.rereads and not keep_stored:
+                return self._taken(where, entry, limit, fits, staging)
+            if large and not self._hashed(where, entry, limit):
+                return None
+            data = self._source.read(entry.offset, entry.size)
+            if data is None:
+                return None
             if len(data) != entry.size:
                 raise PackError(f"{where}: {len(data):,} of its {entry.size:,} bytes (the pack is cut short)")
-            if entry.size <= STREAM_ABOVE and (stated_size(data) or 0) > STREAM_ABOVE:
-                self._hash_chunks(where, entry, limit, data)  # small stored, large stated: hashed before held whole
+            stated = stated_size(data)
+            if fits is not None and not fits(entry.size if stated is None else stated):
+                return None
+            if not large and (stated or 0) > STREAM_ABOVE:
+                self._hashed(where, entry, limit, data)  # small stored, large stated: hashed before held whole
             raw = verified(where, data, entry.digest, limit)
         except StoreFailure as exc:
+            if exc.outage or exc.kind not in _REFUSED:
+                raise
             raise PackError(f"{where}: {exc.detail}") from None
         return Stored(data, len(raw)) if keep_stored else bytes(raw)  # (bytes of bytes is no copy)
 
-    def _hash_chunks(self, where: str, entry: PackEntry, limit: int, held: bytes | None = None) -> None:
-        """Decode ``entry``'s object (``held``, else read in chunks) hashing what comes out; PackError unless its
-        digest: the raw bytes pass a chunk at a time (zstd's, at most 128 KiB), never whole."""
+    def _hashed(self, where: str, entry: PackEntry, limit: int, held: bytes | None = None) -> bool:
+        """Decode ``entry``'s object (``held``, else read in chunks) hashing what comes out, never holding it: True
+        when it is the entry's, False when the source had none, else :class:`PackError`."""
         digest = blake3()
-        inflow = Inflow(where, limit, digest.update).take(held or b"")
-        at, end = entry.offset, entry.offset + entry.size
-        while held is None and at < end:
-            chunk = self._pread(min(HASH_CHUNK, end - at), at)
-            if not chunk:
-                raise PackError(f"{where}: {at - entry.offset:,} of its {entry.size:,} bytes (the pack is cut short)")
-            inflow.take(chunk)
-            at += len(chunk)
+        inflow = Inflow(where, limit, digest.update)
+        if held is not None:
+            inflow.take(held)
+        elif not self._streamed(where, entry, inflow.take):
+            return False
         inflow.finish()
         if digest.hexdigest() != entry.digest:
             raise PackError(f"{where}: its bytes do not hash to its digest {entry.digest}")
+        return True
 
-    def entries(self) -> Iterator[PackEntry]:
-        """Every entry, in key order (damaged ones skipped)."""
-        for first in range(256):
-            _keys, raws, lo, hi = self._bucket(first)
-            base = self._base(first)
-            for i in range(lo, hi):
-                raw = raws[i]
-                if _entry_check(raw[:_BODY]) == raw[_BODY:]:
-                    kid, digest, offset, size, time_ns, _check = _ENTRY.unpack(raw)
-                    yield PackEntry(kid.hex(), digest.hex(), offset, size, time_ns, base + i * _ENTRY.size)
+    def _taken(
+        self, where: str, entry: PackEntry, limit: int, fits: Callable[[int], bool] | None, staging: str | None
+    ) -> bytes | None:
+        """Read ``entry``'s object once, decoded as it comes, its raw bytes hashed and held (an :class:`.Intake`)."""
+        from .intake import Intake
 
-    def index_ok(self) -> bool:
-        """True when the whole index matches the trailer's checksum (reads the whole index)."""
-        raw = self._pread(_FANOUT.size + self.count * _ENTRY.size, self._index_offset)
-        return bool(blake3(raw).digest() == self.checksum)
+        with Intake(staging) as body:
+            inflow = Inflow(where, limit, body.take)
+            take = inflow.take if fits is None else _Judged(entry.size, fits, inflow.take).take
+            try:
+                if not self._streamed(where, entry, take):
+                    return None
+            except _NotFetched:
+                return None
+            inflow.finish()
+            if body.hexdigest() != entry.digest:
+                raise PackError(f"{where}: its bytes do not hash to its digest {entry.digest}")
+            return body.read()
+
+    def _streamed(self, where: str, entry: PackEntry, sink: Callable[[bytes], object]) -> bool:
+        n = self._source.stream(entry.offset, entry.size, sink)
+        if n is not None and n != entry.size:
+            raise PackError(f"{where}: {n:,} of its {entry.size:,} bytes (the pack is cut short)")
+        return n is not None
+
+
+class _NotFetched(Exception):
+    """A packed entry's frame states more raw bytes than ``fits`` allows: its read ends there."""
+
+
+class _Judged:
+    """A blob's stored bytes on their way to ``sink``, its raw size judged by ``fits`` first: the index says how
+    many bytes are stored, not how many they stand for; a frame's header (its first bytes) does."""
+
+    def __init__(self, stored: int, fits: Callable[[int], bool], sink: Callable[[bytes], object]) -> None:
+        self._stored = stored
+        self._fits = fits
+        self._sink = sink
+        self._head: bytes | None = b""  # None once judged
+
+    def take(self, chunk: bytes) -> None:
+        if self._head is not None:
+            self._head += chunk[: HEADER_SIZE - len(self._head)]
+            if len(self._head) >= HEADER_SIZE:
+                stated = stated_size(self._head)
+                if not self._fits(self._stored if stated is None else stated):
+                    raise _NotFetched
+                self._head = None
+        self._sink(chunk)

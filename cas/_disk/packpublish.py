@@ -33,6 +33,7 @@ declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publi
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import tempfile
@@ -44,8 +45,17 @@ from cuda_program_cas._base.engine import Engine, Ranged, StoreFailure, creates,
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.frame import verified
 
-from .pack import TRAILER_SIZE, PackEntry, PackError, PackInput, pack_chunks, pack_name
-from .packindex import PackIndex
+from .pack import (
+    TRAILER_SIZE,
+    PackEntry,
+    PackError,
+    PackInput,
+    PackReader,
+    RangeSource,
+    index_span,
+    pack_chunks,
+    pack_name,
+)
 from .packset import LISTING, MAX_LISTING_BYTES, encode_listing, is_pack_name, parse_listing
 from .packsummary import MAX_SUMMARY_BYTES, SUMMARY, PackedEntry, encode_summary, parse_summary
 
@@ -92,7 +102,7 @@ class StorePacks:
                 index = self._pack_index(name)
                 if index is None:
                     continue  # retired since the listing, or not a pack nodes can read: its entries are absent
-                entries = [e for e in map(index.find_key, index.key_ids()) if e is not None]  # None: damaged
+                entries = list(index.entries())  # damaged ones skipped
             by_pack[name] = entries
         self._by_pack = by_pack
         self._summary_current = read == 0 and not covered  # nothing left of packs gone since
@@ -137,7 +147,7 @@ class StorePacks:
                 if stats.get("entries") or empty:
                     raise StoreFailure(self._at(relative), "damaged", "the pack just written reads back as none")
                 return None
-            written = [e for e in map(index.find_key, index.key_ids()) if e is not None]
+            written = list(index.entries())
         else:
             with tempfile.TemporaryFile(prefix="cpcas-pack-") as f:  # its size and tail, for the read-back
                 for chunk in pack_chunks(inputs, stats):
@@ -268,7 +278,7 @@ class StorePacks:
 
     # -- one pack ---------------------------------------------------------------------------
 
-    def _pack_index(self, name: str, *, bound: bool = True) -> PackIndex | None:
+    def _pack_index(self, name: str, *, bound: bool = True) -> PackReader | None:
         """The index of the pack ``name``: its trailer, then its index, each one ranged read; None when it is gone.
 
         ``bound=False``: a pack this run wrote, whose index is not bounded by the ceiling for an entry.
@@ -281,9 +291,10 @@ class StorePacks:
         try:
             # The trailer's count and the size the store gives decide nothing: an index
             # longer than any entry may be is refused before it is read.
-            offset, length = PackIndex.span(size, trailer, name, max_index=env_max_entry_size() if bound else None)
+            offset, length = index_span(size, trailer, name, max_index=env_max_entry_size() if bound else None)
             raw = self._reads.get_range(relative, offset, length)
-            return None if raw is None else PackIndex(name, size, trailer, raw)
+            source = RangeSource(functools.partial(self._reads.get_range, relative))
+            return None if raw is None else PackReader.over(name, source, size, trailer, raw)
         except (PackError, StoreFailure) as exc:
             if isinstance(exc, StoreFailure) and exc.outage:
                 raise
@@ -331,9 +342,11 @@ class _Produced(io.RawIOBase):
 
 def _index_of(name: str, data: IO[bytes], size: int) -> list[PackEntry]:
     """The entries of the pack ``name``, whose ``size`` bytes ``data`` holds (built here: the index put)."""
-    data.seek(size - TRAILER_SIZE)
-    trailer = data.read(TRAILER_SIZE)
-    offset, length = PackIndex.span(size, trailer, name)
-    data.seek(offset)
-    index = PackIndex(name, size, trailer, data.read(length))
-    return [e for e in map(index.find_key, index.key_ids()) if e is not None]
+
+    def get_range(offset: int, length: int) -> bytes:
+        data.seek(offset)
+        return data.read(length)
+
+    trailer = get_range(size - TRAILER_SIZE, TRAILER_SIZE)
+    offset, length = index_span(size, trailer, name)
+    return list(PackReader.over(name, RangeSource(get_range), size, trailer, get_range(offset, length)).entries())

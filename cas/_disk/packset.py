@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.frame import room
 
-from .pack import PACK_SUFFIX, TRANSIENT, PackError, PackReader
+from .pack import PACK_SUFFIX, PackError, PackReader
+from .packfile import TRANSIENT
 
 __all__ = [
     "LISTING",
@@ -231,7 +232,10 @@ class PackSet:
                 limit = None if self._max_entry is None else self._max_entry()
                 if limit is not None and entry.size > room(limit):  # framed, it may take more than its raw bytes
                     raise PackError(f"{pack.path}: the entry of {kid} claims {entry.size:,} bytes, over {limit:,}")
-                return pack.read(entry, limit), entry.digest
+                data = pack.read(entry, limit)
+                if data is not None:  # (a file is never None: it raises)
+                    return data, entry.digest
+                continue
             except FileNotFoundError:
                 self._listed_at = float("-inf")
                 continue

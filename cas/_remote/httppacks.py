@@ -6,12 +6,11 @@
 - Each pack's trailer and index are fetched once per node by two ranged reads and
   kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
   are immutable by name, so later processes of the node need no request for them.
-  A packed hit then costs one ranged read of the blob's stored bytes, decoded as
-  they arrive (:class:`~cuda_program_cas._base.frame.Inflow`: a framed entry is
-  decompressed, bounded by the largest entry this node reads, a raw one passed
-  through), its raw bytes hashed and staged (:class:`cuda_program_cas._disk.intake.Intake`) and returned
-  only when they are the entry's. A bad frame (a bomb, one cut short, a wrong stated
-  size) is damage, one line, and a miss.
+  Each is then a :class:`~cuda_program_cas._disk.pack.PackReader` over ranged reads (the one
+  reader of the format, a directory's too): a packed hit costs one ranged read of the
+  blob's stored bytes, decoded, bounded, hashed and (past a MiB, staged) verified as they
+  arrive. A bad frame (a bomb, one cut short, a wrong stated size) is damage, one line,
+  and a miss; a frame stating more than this node reads is a miss, said once.
 - A pack a repack retired is read from ``packs/retired/`` until the next listing.
 
 What a server says never decides how much is read: the indexes of one store's
@@ -29,19 +28,19 @@ one WARNING, and the pack is a miss.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import NamedTuple, Protocol, TypeVar, cast
+from typing import NamedTuple, Protocol, TypeVar
 
 from cuda_program_cas._base.engine import LOCAL, StoreFailure
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, room, stated_size
+from cuda_program_cas._base.frame import room
 from cuda_program_cas._base.urls import join
 from cuda_program_cas._disk.intake import Intake
-from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError
-from cuda_program_cas._disk.packindex import PackIndex
+from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError, PackReader, RangeSource, index_span
 from cuda_program_cas._disk.packset import LISTING, is_pack_name, parse_listing
 from cuda_program_cas.index import local_id
 
@@ -114,10 +113,10 @@ class HttpPacks:
         self._listed_at = float("-inf")
         self._outages = 0
         self._etag: str | None = None
-        self._packs: dict[str, PackIndex] = {}
+        self._packs: dict[str, PackReader] = {}
         self._bad_packs: set[str] = set()
         #: Key id (raw) -> the packs holding it, newest first.
-        self._where: dict[bytes, list[PackIndex]] = {}
+        self._where: dict[bytes, list[PackReader]] = {}
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
@@ -130,32 +129,22 @@ class HttpPacks:
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """The verified bytes of ``kid`` in one of the packs and their digest, or None."""
         report = self._told()
+        key = bytes.fromhex(kid)
         try:
             self._refresh()
-            for pack in self._where.get(bytes.fromhex(kid), ()):
-                entry = pack.find_key(bytes.fromhex(kid))
+            for pack in self._where.get(key, ()):
+                entry = pack.find_key(key)
                 if entry is None or (entry.size > room(report.ceiling()) and not report.fits(entry.size, kid)):
                     continue  # framed, an entry may take more bytes than its raw ones, never more than their room
-                with Intake(self.engine.staging) as body:
-                    where = f"pack {pack.name}: the blob of {kid}"
-                    inflow = Inflow(where, report.ceiling(), cast("Callable[[bytes | memoryview], object]", body.take))
-                    try:
-                        sink = _Sized(kid, entry.size, report, inflow).take
-                        read = partial(self.engine.get_range, offset=entry.offset, length=entry.size, sink=sink)
-                        if self._ask(pack.name, read) is None:
-                            continue
-                        inflow.finish()
-                    except _NotFetched:
-                        continue  # its frame states more than this node reads: a miss, said once (report.fits)
-                    except StoreFailure as exc:
-                        if exc.kind != "damaged" or exc.outage:
-                            raise
-                        report.damaged("damaged pack blob", str(exc))
-                        continue
-                    if body.hexdigest() != entry.digest:
-                        report.damaged("damaged pack blob", f"{where} does not hash to its digest")
-                        continue
-                    return body.read(), entry.digest
+                try:
+                    # A frame stating more than this node reads is a miss, said once (report.fits), not damage.
+                    fits = partial(_fits, report, kid)
+                    data = pack.read(entry, report.ceiling(), fits=fits, staging=self.engine.staging)
+                except PackError as exc:
+                    report.damaged("damaged pack blob", str(exc))
+                    continue
+                if data is not None:
+                    return data, entry.digest
         except (MemoryError, OSError) as exc:  # this node's trouble (memory, the staging disk), not the server's
             raise StoreFailure(self.engine.shown, LOCAL, type(exc).__name__, outage=False) from None
         return None
@@ -237,9 +226,9 @@ class HttpPacks:
             if pack is not None:
                 packs[name] = pack
                 room -= pack.index_size
-        where: dict[bytes, list[PackIndex]] = {}
+        where: dict[bytes, list[PackReader]] = {}
         for pack in packs.values():
-            for key in pack.key_ids():
+            for key in pack.loaded_keys() or ():
                 where.setdefault(key, []).append(pack)
         self._packs, self._where = packs, where
 
@@ -261,7 +250,7 @@ class HttpPacks:
 
     # -- one pack ------------------------------------------------------------------------
 
-    def _index(self, name: str, room: int) -> PackIndex | None:
+    def _index(self, name: str, room: int) -> PackReader | None:
         """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had.
 
         A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or
@@ -271,9 +260,10 @@ class HttpPacks:
         """
         memo = local_id(_MEMO_PREFIX + join(self.engine.root, f"packs/{name}"))  # never published
         kept = self._memo_get(memo) if self._memo_get is not None else None
-        if kept is not None:
+        if kept is not None and len(kept) >= 8 + TRAILER_SIZE:
+            (size,) = struct.unpack_from("<Q", kept)
             try:
-                return PackIndex.from_bytes(name, kept)
+                return self._reader(name, size, kept[8 : 8 + TRAILER_SIZE], kept[8 + TRAILER_SIZE :])
             except PackError:
                 pass  # verified by the local cache, yet not this pack's: fetched again
         tail = self._ask(name, lambda n: self.engine.get_tail(n, TRAILER_SIZE), missing=False)
@@ -283,7 +273,7 @@ class HttpPacks:
         try:
             if len(trailer) != TRAILER_SIZE:
                 raise PackError(f"{name}: {size} bytes, shorter than its trailer")
-            offset, length = PackIndex.span(size, trailer, name, max_index=self._index_bound())
+            offset, length = index_span(size, trailer, name, max_index=self._index_bound())
             if length > room:
                 self._no_room(name)
                 return None
@@ -291,14 +281,23 @@ class HttpPacks:
                 read = partial(self.engine.get_range, offset=offset, length=length, sink=index.take)
                 if self._ask(name, read) is None:
                     return None
-                pack = PackIndex(name, size, trailer, index.read())
+                raw = index.read()
+            pack = self._reader(name, size, trailer, raw)
         except PackError as exc:
             self._bad_packs.add(name)
             self._told().damaged("damaged pack", str(exc))
             return None
         if self._memo_put is not None:
-            self._memo_put(memo, pack.to_bytes())
+            self._memo_put(memo, struct.pack("<Q", size) + trailer + raw)
         return pack
+
+    def _reader(self, name: str, size: int, trailer: bytes, index: bytes) -> PackReader:
+        """Pack ``name``, its blobs read by ranges through :meth:`_ask` (so ``packs/retired/`` too)."""
+
+        def get_range(offset: int, length: int, sink: Callable[[bytes], object] | None = None) -> bytes | None:
+            return self._ask(name, partial(self.engine.get_range, offset=offset, length=length, sink=sink))
+
+        return PackReader.over(name, RangeSource(get_range), size, trailer, index)
 
     def _either(self, name: str, call: Callable[[str], _T | None]) -> _T | None:
         """``call`` of pack ``name`` in ``packs/``, or in ``packs/retired/`` where a repack moved it; None: neither."""
@@ -331,34 +330,8 @@ class HttpPacks:
         return got
 
 
-class _NotFetched(Exception):
-    """A packed entry's frame states more raw bytes than this node reads: its request ends there."""
-
-
-class _Sized:
-    """A packed blob's stored bytes on their way to ``inflow``, its raw size judged by ``report.fits`` first.
-
-    The index says how many bytes are stored (``stored``), not how many they stand for: an entry over
-    this node's ceiling is known by its frame's header (its first bytes; a raw one's is its stored size),
-    and is a miss (``too large``, said once), not damage: the request ends there.
-    """
-
-    def __init__(self, kid: str, stored: int, report: Report, inflow: Inflow) -> None:
-        self._kid = kid
-        self._stored = stored
-        self._report = report
-        self._inflow = inflow
-        self._head: bytes | None = b""  # None once judged
-
-    def take(self, chunk: bytes) -> None:
-        if self._head is not None:
-            self._head += chunk[: HEADER_SIZE - len(self._head)]
-            if len(self._head) >= HEADER_SIZE:
-                stated = stated_size(self._head)
-                if not self._report.fits(self._stored if stated is None else stated, self._kid):
-                    raise _NotFetched
-                self._head = None
-        self._inflow.take(chunk)
+def _fits(report: Report, kid: str, size: int) -> bool:
+    return report.fits(size, kid)
 
 
 def _spans(distinct: list[tuple[int, int]], parts: Mapping[int, memoryview], total: int, tail: int) -> Ranges:

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cuda_program_cas._base.frame import room
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
-from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE
-from cuda_program_cas._disk.packindex import entry_at
+from cuda_program_cas._disk.pack import ENTRY_SIZE, TRAILER_SIZE, entry_at
 from cuda_program_cas.index import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
