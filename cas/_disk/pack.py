@@ -57,7 +57,7 @@ from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.errors import CacheError
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, encode, stated_size, verified
+from cuda_program_cas._base.frame import HEADER_SIZE, Inflow, encode, room, stated_size, verified
 
 from .files import HASH_CHUNK, READ_FLAGS
 from .layout import Layout
@@ -329,8 +329,8 @@ ENTRY_SIZE = _ENTRY.size
 
 
 class PackReader:
-    """One pack: its index, and its blobs read verified, over a :class:`Source`. Nothing here raises for a damaged
-    entry but :meth:`read`'s ``PackError`` (``PackError`` at open for a damaged pack).
+    """One pack: its index, and its blobs read verified, through a source (:class:`RangeSource`). Nothing here raises
+    for a damaged entry but :meth:`read`'s ``PackError`` (``PackError`` at open for a damaged pack).
 
     ``PackReader(path)`` opens a pack file (header, trailer and index: three ``pread``);
     :meth:`over` takes a pack whose trailer and whole index were fetched by ranges.
@@ -403,10 +403,7 @@ class PackReader:
         return None if self._whole is None else self._whole[0]
 
     def _bytes(self, size: int, offset: int) -> bytes:
-        got = self._source.read(offset, size)
-        if got is None or len(got) != size:
-            raise PackError(f"{self.path}: cut short, or gone, while its index was read")
-        return got
+        return self._source.read(offset, size) or b""  # cut short: the entries it lacks are misses
 
     def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int, int]:
         """Key ids and raw entries holding those that start with byte ``first``, their ``[lo, hi)`` there, and
@@ -461,6 +458,7 @@ class PackReader:
         *,
         fits: Callable[[int], bool] | None = None,
         staging: str | None = None,
+        keep_stored: bool = False,
     ) -> bytes | None:
         """The verified raw bytes of ``entry``'s blob (stored framed or raw), at most ``limit`` of them.
 
@@ -476,29 +474,17 @@ class PackReader:
         is read. From a file it is then read whole and verified again (the file may change
         between the reads), so a pack that lies about an entry costs a node a chunk of memory,
         not the entry; from ranges it is read once, its raw bytes held by an :class:`.Intake`
-        (past a MiB in ``staging``).
+        (past a MiB in ``staging``). ``keep_stored``: the bytes as the pack holds them
+        (:class:`Stored`, read as from a file: a repack copies them).
         """
-        return self._read(entry, limit, fits, staging, keep_stored=False)
-
-    def read_stored(self, entry: PackEntry, limit: int | None = None) -> Stored:
-        """:meth:`read`, verified the same way, but the bytes as the pack holds them (a repack copies them)."""
-        got = self._read(entry, limit, None, None, keep_stored=True)
-        if not isinstance(got, Stored):
-            raise PackError(f"{self.path}: the blob of {entry.key_id}: not read")
-        return got
-
-    def _read(
-        self,
-        entry: PackEntry,
-        limit: int | None,
-        fits: Callable[[int], bool] | None,
-        staging: str | None,
-        *,
-        keep_stored: bool,
-    ) -> bytes | None:
         limit = env_max_entry_size() if limit is None else limit
         where = f"{self.path}: the blob of {entry.key_id}"
         large = entry.size > STREAM_ABOVE
+        if entry.size > room(limit):  # framed, an entry may take more than its raw bytes, never more than their room
+            if fits is None:
+                raise PackError(f"{where}: it claims {entry.size:,} bytes, over {limit:,}")
+            if not fits(entry.size):
+                return None
         try:
             if large and not self._source.rereads and not keep_stored:
                 return self._taken(where, entry, limit, fits, staging)
@@ -520,6 +506,12 @@ class PackReader:
                 raise
             raise PackError(f"{where}: {exc.detail}") from None
         return Stored(data, len(raw)) if keep_stored else bytes(raw)  # (bytes of bytes is no copy)
+
+    def read_stored(self, entry: PackEntry, limit: int | None = None) -> Stored:
+        """:meth:`read` with ``keep_stored`` (of a pack file: never None)."""
+        got = self.read(entry, limit, keep_stored=True)
+        assert isinstance(got, Stored)
+        return got
 
     def _hashed(self, where: str, entry: PackEntry, limit: int, held: bytes | None = None) -> bool:
         """Decode ``entry``'s object (``held``, else read in chunks) hashing what comes out, never holding it: True

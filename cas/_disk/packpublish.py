@@ -1,34 +1,13 @@
 """The packs of a store as a publisher reads and adds them: one class over the engine interface, every engine.
 
-It needs an engine that reads ranges (:class:`~cuda_program_cas._base.engine.Ranged`:
-a directory by ``pread``, a web server by ``Range``); what else the engine's record
-declares decides the rest. Publish asks (see :mod:`cuda_program_cas._verbs.publish`):
-
-- :meth:`StorePacks.entries`: every packed entry, from each pack's trailer and index
-  (two ranged reads a pack; an index is bounded by the ceiling for any entry,
-  ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``, before a byte of it is read, whatever the
-  trailer and the store say). The packs are the engine's listing of ``packs/``
-  where it lists (a directory), else ``packs/list``. Where it lists, ``packs/summary``
-  (:mod:`.packsummary`) stands for the packs it covers, so a publisher reads one
-  object, not every pack.
-- :meth:`StorePacks.ok`: where the store is not remote (a directory), whether a
-  pack's copy of an entry's blob (framed or raw) decodes and hashes right (once per entry per run), so an entry
-  damaged in its pack is published again. A remote store's copies are not hashed
-  here (that would download every pack): ``verify`` where its files are hashes them.
-- :meth:`StorePacks.write`: one new pack (one blob in memory at a time, each framed:
-  :func:`.pack.pack_chunks`): where a put
-  is its own proof (a directory), streamed into the engine as it is produced (its
-  writer: the store's ``tmp/``, fsynced when the run is, renamed) and its index read
-  back; elsewhere built in a temp file, put, and read back by its size and its last
-  bytes (one ranged read: the trailer a node reads first). Then it is listed: where the engine lists, ``packs/list`` is
-  written from the listing at :meth:`StorePacks.finish`; elsewhere its name is added
-  to ``packs/list`` at once, which is read again until it shows the name (another
-  publisher may have written it at the same moment). A store that holds less than
-  it was sent stops the run with a ``not stored`` failure naming the object.
-- :meth:`StorePacks.written`: the entries of the packs this run wrote, from the pack
-  built here (warm sets' lines are rewritten to them).
-- :meth:`StorePacks.finish`: after the last write, where the engine lists,
-  ``packs/summary`` for later publishers and ``packs/list`` for readers over HTTP.
+It needs an engine that reads ranges (:class:`~cuda_program_cas._base.engine.Ranged`); what else the
+engine's record declares decides the rest. Where the engine lists (a directory), the packs are its
+listing of ``packs/``, ``packs/summary`` (:mod:`.packsummary`) stands for those it covers, and
+``packs/list`` is written at :meth:`StorePacks.finish`; elsewhere ``packs/list`` is the listing, and a
+new pack's name is added to it at once. Each index is read through :class:`.pack.PackReader` (two
+ranged reads), bounded by the ceiling for an entry (``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``) before a byte
+of it is read. A store that holds less than it was sent stops the run with a ``not stored`` failure
+naming the object.
 """
 
 from __future__ import annotations
@@ -132,8 +111,10 @@ class StorePacks:
         return known
 
     def write(self, inputs: Sequence[PackInput], stats: dict[str, int], *, empty: bool = False) -> str | None:
-        """Store one new pack of ``inputs`` and list it (module docstring); where it is (None: nothing to pack).
+        """Store one new pack of ``inputs`` (one blob in memory at a time) and list it; where it is (None: nothing).
 
+        Where a put is its own proof (a directory) it is streamed in as it is made and its index read back;
+        elsewhere built in a temp file, put, and read back by its size and last bytes (before it is listed).
         ``empty``: a pack of no entries is stored too (a repack that dropped every entry still replaces its packs).
         """
         name = pack_name()

@@ -37,7 +37,6 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from cuda_program_cas._base.engine import LOCAL, StoreFailure
 from cuda_program_cas._base.fork import after_fork
-from cuda_program_cas._base.frame import room
 from cuda_program_cas._base.urls import join
 from cuda_program_cas._disk.intake import Intake
 from cuda_program_cas._disk.pack import RETIRED, TRAILER_SIZE, PackError, PackReader, RangeSource, index_span
@@ -134,10 +133,10 @@ class HttpPacks:
             self._refresh()
             for pack in self._where.get(key, ()):
                 entry = pack.find_key(key)
-                if entry is None or (entry.size > room(report.ceiling()) and not report.fits(entry.size, kid)):
-                    continue  # framed, an entry may take more bytes than its raw ones, never more than their room
+                if entry is None:
+                    continue
                 try:
-                    # A frame stating more than this node reads is a miss, said once (report.fits), not damage.
+                    # An entry over what this node reads is a miss, said once (report.fits), not damage.
                     fits = partial(_fits, report, kid)
                     data = pack.read(entry, report.ceiling(), fits=fits, staging=self.engine.staging)
                 except PackError as exc:

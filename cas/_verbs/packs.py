@@ -157,37 +157,28 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
         report.retired = [retire(lay, reader.path) for reader in old]
         packs.entries()  # the packs listed now: the new one
         packs.finish(True)  # packs/summary for publishers, packs/list for HTTP readers
-        _left_loose(lay, report)
-        _place_sets(lay, report.pack, engine.writer(fsync=fsync))
+        held = {kid: packed.entry for kid, packed in packs.written().items()}  # read back by the write
+        _left_loose(lay, report, held)
+        _place_sets(lay, report.pack, held, engine.writer(fsync=fsync))
     report.elapsed_s = time.monotonic() - t0
     return report
 
 
-def _left_loose(lay: Layout, report: RepackReport) -> None:
-    """Count the loose entries a repack left, and say when ``gc`` removes those its pack holds."""
-    assert report.pack is not None
-    try:
-        reader = PackReader(report.pack)
-    except (OSError, PackError) as exc:
-        report.problem(f"{report.pack}: cannot be read back: {exc}")
-        return
-    try:
-        packed = {e.key_id: e.digest for e in reader.entries()}
-        written = reader.mtime
-    finally:
-        reader.close()
+def _left_loose(lay: Layout, report: RepackReport, held: dict[str, PackEntry]) -> None:
+    """Count the loose entries a repack left, and say when ``gc`` removes those its pack (``held``) holds."""
     loose = loose_entries(lay)
     report.loose_left = len(loose)
+    packed = {kid: e.digest for kid, e in held.items()}
     report.loose_packed = sum(1 for m in loose if m.manifest is not None and packed.get(m.key_id) == m.manifest.digest)
     if report.loose_packed or report.retired:
         # collect_packs: covered loose entries once the pack is older than the grace; retired packs
         # once they are (retire() set their mtime to now, just after the pack was written).
-        when = max(written, time.time()) + SHARED_MIN_GRACE_S
+        when = time.time() + SHARED_MIN_GRACE_S
         report.gc_removes_after = datetime.fromtimestamp(when, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
-    """Give each warm set's lines (``sets/*``) the pack and offset the new pack holds their entry at.
+def _place_sets(lay: Layout, pack: str, held: dict[str, PackEntry], writer: Writer) -> None:
+    """Give each warm set's lines (``sets/*``) the pack and offset the new pack (``held``) holds their entry at.
 
     A set written against loose entries, or against the packs this repack retired,
     would send a cold node to loose copies that ``gc`` removes and to retired packs
@@ -196,20 +187,11 @@ def _place_sets(lay: Layout, pack: str, writer: Writer) -> None:
     pack; a damaged set is left (nodes ignore it). Through the one read-modify-write
     of a set (:func:`cuda_program_cas._shared.warmset.updated`).
     """
-    from cuda_program_cas._disk.direngine import DirEngine
     from cuda_program_cas._shared.warmset import MAX_SET_BYTES, stored_sets, updated
 
     names = stored_sets(lay.root)
     if not names:
         return
-    try:
-        reader = PackReader(pack)
-    except (OSError, PackError):
-        return  # _left_loose said so
-    try:
-        held = {e.key_id: e for e in reader.entries()}
-    finally:
-        reader.close()
     name_of = os.path.basename(pack)
 
     def where(kid: str, digest: str) -> tuple[str, int, int, int] | None:
