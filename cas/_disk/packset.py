@@ -3,7 +3,7 @@
 A directory store's packs are the files ``packs/pack-*.cpk`` (:mod:`cuda_program_cas._disk.pack`
 is their format, their writer and their reader); a store read over HTTP cannot list a
 directory, so whoever adds, retires or moves aside a pack rewrites ``packs/list``
-(:func:`save_listing`). :class:`PackSet` is what one process has open of one store's packs.
+(:meth:`.packpublish.StorePacks.finish`). :class:`PackSet` is what one process has open of one store's packs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "is_pack_name",
     "list_packs",
     "parse_listing",
-    "save_listing",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
@@ -69,30 +68,6 @@ def parse_listing(data: bytes | bytearray) -> list[str] | None:
     if last != f"end {len(lines)}" or len(names) != len(lines):
         return None
     return sorted(set(names), reverse=True)
-
-
-def save_listing(root: str, write_file: Callable[[str, Iterable[bytes]], bool]) -> bool:
-    """Write ``packs/list`` from the directory's listing of ``root``'s ``packs/``; True when written.
-
-    Whoever adds, retires or moves aside a pack calls this after. Two such
-    writers at once could each list before the other's pack landed: the listing
-    is read again after it is written, and written again while it differs.
-    A listing that cannot be written is logged at DEBUG: directory readers do
-    not need it, and the next pack change writes it.
-    """
-    packs_dir = os.path.join(root, "packs")
-    path = os.path.join(packs_dir, LISTING)
-    for _ in range(5):
-        names = [os.path.basename(p) for p in list_packs(packs_dir)]
-        try:
-            if not write_file(path, [encode_listing(names)]):
-                return False
-        except OSError as exc:
-            _log.debug("cuda-program-cas: %s not written: %s", path, exc)
-            return False
-        if [os.path.basename(p) for p in list_packs(packs_dir)] == names:
-            return True
-    return True
 
 
 def list_packs(packs_dir: str) -> list[str]:

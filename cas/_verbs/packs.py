@@ -49,7 +49,7 @@ from cuda_program_cas._disk.files import trusted_mtime_ns
 from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._disk.pack import RETIRED, PackEntry, PackError, PackInput, PackReader
 from cuda_program_cas._disk.packpublish import StorePacks
-from cuda_program_cas._disk.packset import list_packs, save_listing
+from cuda_program_cas._disk.packset import list_packs
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import ManifestInfo, take_snapshot
 from cuda_program_cas._disk.writer import Writer
@@ -143,8 +143,7 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
             continue
         inputs.append((kid, digest, functools.partial(_from_loose, blobs, digest, size, report), mtime))
     stats: dict[str, int] = {}
-    # The one pack publisher, over the store's directory engine: its files 0644 exactly, the pack fsynced with fsync.
-    engine = DirEngine(lay.root, modes=dataclasses.replace(DirModes.for_process(False, fsync=fsync), file=0o644))
+    engine = _engine(lay, fsync)
     packs = StorePacks(engine)
     try:
         if inputs or old:
@@ -162,6 +161,11 @@ def repack_locked(lay: Layout, *, keep: Callable[[str, int], bool] | None = None
         _place_sets(lay, report.pack, held, engine.writer(fsync=fsync))
     report.elapsed_s = time.monotonic() - t0
     return report
+
+
+def _engine(lay: Layout, fsync: bool) -> DirEngine:
+    """The store's directory engine for the one pack publisher: its files 0644 exactly, a pack fsynced with fsync."""
+    return DirEngine(lay.root, modes=dataclasses.replace(DirModes.for_process(False, fsync=fsync), file=0o644))
 
 
 def _left_loose(lay: Layout, report: RepackReport, held: dict[str, PackEntry]) -> None:
@@ -375,7 +379,7 @@ def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool
                 detail += f"; cannot be moved aside: {exc.strerror}"
         problems.append(("bad_pack", path, detail, fixed))
     if any(fixed for *_, fixed in problems):
-        save_listing(lay.root, Writer(lay, file_mode=0o644, exact_mode=True).write_file)  # what HTTP readers list
+        StorePacks(_engine(lay, False)).finish(True)  # packs/list: what HTTP readers list
     return problems
 
 

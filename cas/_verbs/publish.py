@@ -255,7 +255,7 @@ def _publish_one(src: str, target: Target, report: PublishReport) -> None:
                     # A collector removed it after the blob phase: store it again.
                     blob = _read_source_blob(src, manifest.digest, manifest.size, [], report)
                     if blob is not None:
-                        target.restore_blob(manifest.digest, blob)
+                        target.put_blob(manifest.digest, blob)
             if item.action == "new":
                 report.published += 1
             else:
@@ -287,7 +287,8 @@ def _publish_pack(todo: list[_Item], target: Target, report: PublishReport) -> N
                 target.good[digest] = True
         stats = {"entries": sum(1 for i in inputs if i[1] in target.good), "blobs": len(target.good), "bytes": 0}
     else:
-        path = target.write_pack(inputs, stats)
+        assert target.packs is not None
+        path = target.packs.write(inputs, stats)
         if path is not None:
             report.packs.append(path)
             for item in todo:
@@ -311,7 +312,7 @@ def _action(target: Target, kid: str, manifest: Manifest) -> str:
     if packed is not None:
         # The digest is of the raw bytes, and so names their size too; the entry's size is of its stored (framed) bytes.
         same = packed.entry.digest == manifest.digest
-        if target.verify_existing and not target.packed_ok(packed):
+        if target.verify_existing and target.packs is not None and not target.packs.ok(packed):
             if same:
                 target.damaged.add(manifest.digest)
             return "replace"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
 
 from cuda_program_cas._base.engine import Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
@@ -30,7 +29,6 @@ from cuda_program_cas._disk.layout import (
     parse_layout,
     url_path,
 )
-from cuda_program_cas._disk.pack import PackInput
 from cuda_program_cas._disk.packsummary import PackedEntry
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._shared.tiers import PackTarget, open_packs
@@ -152,9 +150,6 @@ class Target:
                 raise
             return False
 
-    def packed_ok(self, packed: PackedEntry) -> bool:
-        return self.packs is None or self.packs.ok(packed)
-
     def put_blob(self, digest: str, blob: bytes) -> bool:
         """Store a verified blob and read it back, before a manifest names it; False when the write was dropped."""
         try:
@@ -191,14 +186,6 @@ class Target:
         if digest in self._uploaded and self.dir is None:
             return True  # no mtimes elsewhere: what this run stored is new; a directory's stat costs nothing
         return self.blob_present(digest, size)
-
-    def restore_blob(self, digest: str, blob: bytes) -> None:
-        self.put_blob(digest, blob)
-
-    def write_pack(self, inputs: Sequence[PackInput], stats: dict[str, int]) -> str | None:
-        """Write one new pack of ``inputs``, stored before anything lists it; where it is."""
-        assert self.packs is not None
-        return self.packs.write(inputs, stats)
 
     def finish(self, report: PublishReport) -> None:
         if self.packs is not None and not self.dry_run:
