@@ -22,6 +22,7 @@ from cuda_program_cas._disk.layout import Layout, create_layout
 from cuda_program_cas._disk.pack import STREAM_ABOVE, PackError, PackReader, Stored, pack_chunks, write_pack
 from cuda_program_cas._disk.packset import PackSet, list_packs
 from cuda_program_cas._disk.writer import Writer
+from cuda_program_cas._verbs.packs import verify_packs
 from cuda_program_cas.index import key_id
 
 ENTRIES = {f"k{i}": bytes([i % 7]) * (100 + 13 * (i % 7)) for i in range(300)}  # 7 distinct blobs
@@ -159,7 +160,9 @@ def test_entries_are_stored_framed_and_the_index_names_the_stored_bytes(tmp_path
     assert reader.read_stored(entry) == stored and reader.read_stored(entry).raw_size == len(blob)
 
 
-def test_a_pack_mixing_raw_and_framed_entries_and_a_version_1_pack_read_back(tmp_path: Path) -> None:
+def test_raw_and_framed_entries_read_back_and_a_version_1_pack_is_refused_naming_its_fix(
+    tmp_path: Path,
+) -> None:
     framed, raw = b"compresses " * 500, os.urandom(3000)  # random bytes stay raw: framing is no smaller
     kept = b"kept raw by a writer " * 50
     entries = [
@@ -173,15 +176,18 @@ def test_a_pack_mixing_raw_and_framed_entries_and_a_version_1_pack_read_back(tmp
     assert got == {"framed": framed, "raw": raw, "kept": kept}
     stored = {k: reader.read_stored(reader.find(key_id(k))) for k in got}  # type: ignore[arg-type]
     assert frame.is_framed(stored["framed"]) and stored["raw"] == raw and stored["kept"] == kept
-    # Version 1 (every blob raw): its header and trailer say 1; read as version 2 reads a raw entry.
+    # Version 1 (every blob raw, never released): its header and trailer say 1; refused, naming the fix.
     v1 = tmp_path / "v1" / "packs" / os.path.basename(pack)
-    v1.parent.mkdir(parents=True)
+    create_layout(str(tmp_path / "v1"))
+    v1.parent.mkdir(exist_ok=True)
     data = bytearray(b"".join(pack_chunks([(k, d, Stored(b, len(b)), t) for k, d, b, t in entries[1:]])))
     data[7] = 1
     data[-12:-8] = struct.pack("<I", 1)
     v1.write_bytes(bytes(data))
-    old = PackReader(str(v1))
-    assert old.read(old.find(key_id("kept"))) == kept and old.read(old.find(key_id("raw"))) == raw  # type: ignore[arg-type]
+    with pytest.raises(PackError, match=r"format 1, .*`cuda-program-cas verify --repair STORE`"):
+        PackReader(str(v1))
+    verify = verify_packs(Layout(str(tmp_path / "v1")), repair=True)  # what the message names moves it aside
+    assert [(kind, fixed) for kind, _path, _detail, fixed in verify] == [("bad_pack", True)] and not v1.exists()
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -28,8 +28,8 @@ File format, version 2 (integers little-endian)::
 
 An entry's object says whether it is framed (its header) and its raw size: a reader
 bounds that by its own limit before it decompresses (:class:`.frame.Inflow`), checks the
-digest after. Version 1 (every blob raw) reads as version 2 of raw entries; the bump makes
-a reader that knows no frames refuse the pack at open, not count each entry as damage.
+digest after. Version 1 (every blob raw; no released version wrote it) is refused at open,
+with the command that moves it aside.
 
 The trailer's checksum covers the index: ``verify`` and ``repack`` check it; a
 lookup does not read the whole index, and relies instead on each entry's own
@@ -87,10 +87,7 @@ __all__ = [
 _log = logging.getLogger("cuda_program_cas")
 
 VERSION = 2
-#: The versions read: 1 held every blob raw, which version 2 reads as it reads a raw entry.
-_READ_VERSIONS = (1, VERSION)
 _HEADER = b"cpcaspk" + bytes([VERSION])
-_HEADERS = tuple(b"cpcaspk" + bytes([v]) for v in _READ_VERSIONS)
 _TRAILER_MAGIC = b"cpcasidx"
 _TRAILER = struct.Struct("<32sQII8s")
 _ENTRY = struct.Struct("<32s32sQQQ8s")
@@ -270,7 +267,12 @@ def parse_trailer(raw: bytes, size: int, name: str) -> tuple[bytes, int, int]:
     if size < len(_HEADER) + _FANOUT.size + _TRAILER.size or len(raw) != _TRAILER.size:
         raise PackError(f"{name}: too short to be a pack ({size} bytes)")
     checksum, index_offset, count, version, magic = _TRAILER.unpack(raw)
-    if magic != _TRAILER_MAGIC or version not in _READ_VERSIONS:
+    if magic == _TRAILER_MAGIC and 0 < version < VERSION:
+        raise PackError(
+            f"{name}: a pack of format {version}, which no released version wrote, is not read: move it aside with "
+            "`cuda-program-cas verify --repair STORE` where the store's files are, then publish again"
+        )
+    if magic != _TRAILER_MAGIC or version != VERSION:
         raise PackError(f"{name}: bad trailer")
     if index_offset < len(_HEADER) or index_offset + _FANOUT.size + count * _ENTRY.size + _TRAILER.size != size:
         raise PackError(f"{name}: the trailer does not match the file's size")
@@ -346,10 +348,10 @@ class PackReader:
             size = st.st_size
             if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
                 raise PackError(f"{path}: too short to be a pack ({size} bytes)")
-            if os.pread(fd, len(_HEADER), 0) not in _HEADERS:
-                raise PackError(f"{path}: not a pack of version {' or '.join(map(str, _READ_VERSIONS))}")
             trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
-            index_offset, index_len = index_span(size, trailer, path)
+            index_offset, index_len = index_span(size, trailer, path)  # an older format is told here
+            if os.pread(fd, len(_HEADER), 0) != _HEADER:
+                raise PackError(f"{path}: not a pack of version {VERSION}")
             want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
             head = os.pread(fd, want, index_offset)
             if len(head) != want:
