@@ -35,7 +35,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import ClassVar
@@ -254,6 +254,20 @@ def _packs_dir(lay: Layout) -> str:
     return os.path.join(lay.root, "packs")
 
 
+def _each_pack(lay: Layout) -> Iterator[tuple[str, PackReader | OSError | PackError]]:
+    """Each pack of the store, newest first, with its reader (closed after its turn) or why it cannot be opened."""
+    for path in list_packs(_packs_dir(lay)):
+        try:
+            reader = PackReader(path)
+        except (OSError, PackError) as exc:
+            yield path, exc
+            continue
+        try:
+            yield path, reader
+        finally:
+            reader.close()
+
+
 def _retired(lay: Layout) -> list[tuple[str, os.stat_result]]:
     directory = os.path.join(_packs_dir(lay), RETIRED)
     try:
@@ -291,23 +305,16 @@ def collect_packs(
                     os.unlink(path)
                 except OSError as exc:
                     result.problems.append(f"retired pack {path} cannot be removed: {exc.strerror}")
-    readers = []
-    for path in list_packs(_packs_dir(lay)):
-        try:
-            readers.append(PackReader(path))
-        except (OSError, PackError) as exc:
-            result.problems.append(f"pack {path} cannot be read: {exc}")
-    try:
-        covered: dict[str, tuple[str, float]] = {}
-        entries = []
-        for reader in readers:
-            packed_at = trusted_mtime_ns(int(reader.mtime * 1e9), now_ns) / 1e9
-            for entry in reader.entries():
-                covered.setdefault(entry.key_id, (entry.digest, packed_at))
-                entries.append(entry)
-    finally:
-        for reader in readers:
-            reader.close()
+    covered: dict[str, tuple[str, float]] = {}
+    entries = []
+    for path, reader in _each_pack(lay):
+        if isinstance(reader, Exception):
+            result.problems.append(f"pack {path} cannot be read: {reader}")
+            continue
+        packed_at = trusted_mtime_ns(int(reader.mtime * 1e9), now_ns) / 1e9
+        for entry in reader.entries():
+            covered.setdefault(entry.key_id, (entry.digest, packed_at))
+            entries.append(entry)
     # Loose manifests a pack holds with the same digest, once the pack is older than the grace period.
     for info in loose_entries(lay):
         held = covered.get(info.key_id)
@@ -349,22 +356,14 @@ def collect_packs(
 def verify_packs(lay: Layout, *, repair: bool) -> list[tuple[str, str, str, bool]]:
     """Problems of the store's packs: ``(kind, path, detail, fixed)``; ``repair`` moves a bad pack aside."""
     problems = []
-    for path in list_packs(_packs_dir(lay)):
+    for path, reader in _each_pack(lay):
         detail = ""
-        try:
-            reader = PackReader(path)
-        except (OSError, PackError) as exc:
-            detail = str(exc)
-        else:
-            try:
-                if not reader.index_ok():
-                    detail = "its index does not match its checksum"
-                else:
-                    bad = [why for e in reader.entries() if (why := _damage(reader, e)) is not None]
-                    if bad:
-                        detail = f"{len(bad)} of {reader.count} blobs fail their hash (the first: {bad[0]})"
-            finally:
-                reader.close()
+        if isinstance(reader, Exception):
+            detail = str(reader)
+        elif not reader.index_ok():
+            detail = "its index does not match its checksum"
+        elif bad := [why for e in reader.entries() if (why := _damage(reader, e)) is not None]:
+            detail = f"{len(bad)} of {reader.count} blobs fail their hash (the first: {bad[0]})"
         if not detail:
             continue
         fixed = False
@@ -402,24 +401,19 @@ def pack_stats(lay: Layout, keys: dict[str, str] | None = None) -> dict[str, int
     so ``stats`` counts a key loose and packed once.
     """
     packs = entries = size = raw = 0
-    for path in list_packs(_packs_dir(lay)):  # newest first
-        try:
-            reader = PackReader(path)
-        except (OSError, PackError):
+    for _path, reader in _each_pack(lay):  # newest first
+        if isinstance(reader, Exception):
             continue
-        try:
-            packs += 1
-            entries += reader.count
-            size += reader.size
-            blobs: dict[int, int] = {}
-            for entry in reader.entries():
-                if entry.offset not in blobs:
-                    blobs[entry.offset] = reader.raw_size(entry)
-                if keys is not None:
-                    keys.setdefault(entry.key_id, entry.digest)
-            raw += sum(blobs.values())
-        finally:
-            reader.close()
+        packs += 1
+        entries += reader.count
+        size += reader.size
+        blobs: dict[int, int] = {}
+        for entry in reader.entries():
+            if entry.offset not in blobs:
+                blobs[entry.offset] = reader.raw_size(entry)
+            if keys is not None:
+                keys.setdefault(entry.key_id, entry.digest)
+        raw += sum(blobs.values())
     retired = len(_retired(lay))
     return {
         "packs": packs,
