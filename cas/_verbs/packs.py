@@ -11,19 +11,12 @@
   from the store until the next publish; a repack first keeps them).
 - ``stats``: packs, their entries and bytes (stored, and the raw bytes they stand for).
 
-Repacking (``repack``, and ``gc`` over packed entries) merges a store's loose
-entries and packs into one new pack. The new pack holds every entry the store
-serves (a key's newest pack entry wins over older packs, a pack entry over a
-loose one), each blob verified as it is read. It becomes visible complete (written in ``tmp/``, synced, renamed into
-``packs/``); then the packs it replaced are *retired*: moved into
-``packs/retired/`` (out of the listing new readers see; a node that has one open
-keeps reading it through its descriptor) with their mtime set to now. Nothing a
-node may still be reading is removed here: ``gc`` removes retired packs, and loose
-entries that a pack holds with the same digest, once the shared grace period has
-passed since the pack that covers them was written.
-
-``keep(key_id, time_ns)`` lets ``gc`` drop entries (``--max-age``/``--max-size``)
-by repacking without them.
+Repacking (``repack``, and ``gc`` over packed entries, which drops entries by ``keep``) merges a
+store's loose entries and packs into one new pack of every entry the store serves (a key's newest
+pack entry wins over older packs, a pack entry over a loose one), each blob verified as it is read.
+It becomes visible complete; then the packs it replaced are *retired* into ``packs/retired/`` (a node
+that has one open keeps reading it). Nothing a node may still be reading is removed here: ``gc``
+removes retired packs, and loose entries a pack holds with the same digest, after the grace period.
 
 Repacking needs the store's ``evict.lock``: :mod:`.repack` takes it, ``gc`` holds it.
 """
