@@ -20,7 +20,7 @@ most ``max(BATCH_BYTES, the largest entry it keeps)`` at once: claimed sizes are
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 from cuda_program_cas._base.frame import room
 from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
@@ -30,7 +30,7 @@ from cuda_program_cas.index import MAX_MANIFEST_BYTES
 if TYPE_CHECKING:
     from cuda_program_cas._base.engine import Engine
     from cuda_program_cas._base.signing import Trust
-    from cuda_program_cas._remote.httppacks import Ranges
+    from cuda_program_cas._remote.httppacks import HttpPacks, Ranges
 
 __all__ = ["Keep", "RangedPacks", "Source", "Wanted", "fetch"]
 
@@ -43,6 +43,8 @@ _PER_RANGE = 256
 
 #: ``keep(key id, bytes, digest)``: copy one verified entry in (the bytes may be a view of a batch's answer).
 Keep = Callable[[str, "bytes | memoryview", str], None]
+#: The packs of a remote store, read by ranges.
+RangedPacks: TypeAlias = "HttpPacks"
 #: ``ranged(pack, spans, tail)``: the spans and last bytes of a pack in one request (HTTP's packs).
 _Ranged = Callable[[str, Sequence[tuple[int, int]], int], "Ranges | None"]
 
@@ -65,20 +67,6 @@ class Wanted(Protocol):
     def length(self) -> int | None: ...
     @property
     def at(self) -> int | None: ...
-
-
-class RangedPacks(Protocol):
-    """The packs of a remote store read by ranges (:class:`cuda_program_cas._remote.httppacks.HttpPacks`)."""
-
-    def lookup(self, kid: str) -> tuple[bytes, str] | None: ...
-
-    def where(self, kid: str) -> tuple[str, int, int, int] | None:
-        """``(pack, offset, length, at)`` of ``kid`` in the indexes this process holds (no request); None if unknown."""
-        ...
-
-    def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
-        """Spans of pack ``name`` and its last ``tail`` bytes at once (one request, or parallel); None if not so."""
-        ...
 
 
 class Source(Protocol):
