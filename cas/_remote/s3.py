@@ -1,59 +1,31 @@
 """The S3 engine of a shared store: objects of a bucket under a prefix, signed by botocore, sent by the one HTTP client.
 
-``s3://BUCKET/PREFIX`` names the store; its objects are ``PREFIX/layout.json``,
-``PREFIX/index/...``, ``PREFIX/blobs/...``, ``PREFIX/packs/...``: the names a
-directory store's files have, so a bucket is read, copied and collected with the
-tools an operator knows (``aws s3 sync`` a store directory into it, or out).
+``s3://BUCKET/PREFIX`` names the store; its objects have a directory store's names
+(``PREFIX/layout.json``, ``PREFIX/index/...``), so ``aws s3 sync`` copies a store in or out.
 
-What botocore does, and only that (imported the first time an ``s3://`` store is
-opened, never by ``import cuda_program_cas``): it resolves what a user's AWS
-setup says, unchanged (no request is made by that): the endpoint
-(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's ``endpoint_url`` or
-its ``services`` section) read as its S3 client reads it, and only for AWS's own
-endpoint one S3 client made to say it (loading S3's model costs 0.1 to 0.2 s);
-the region; and, at the first request, the credentials by the standard chain
-(environment, profiles, SSO, container and instance roles; refreshed as they
-expire). It signs each request
-(SigV4, :class:`botocore.auth.S3SigV4Auth`). No credentials at all: requests go
-unsigned (a public bucket reads). Every request is then made by
-:func:`.client.request`: the deadlines, size bounds, parallel limit and failure
-handling of the HTTP engine, not botocore's (60 s timeouts and retries).
+botocore (imported when an ``s3://`` store is opened) only resolves the user's AWS setup,
+unchanged: the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's), read
+as its S3 client reads it; only for AWS's own endpoint is a client made to say it (its
+model loads in 0.1 to 0.2 s); the region; and at the first request the credentials by the
+standard chain, refreshed as they expire. It signs each request (SigV4). No credentials:
+requests go unsigned (a public bucket). :func:`.client.request` sends them, with its
+deadlines and bounds, not botocore's (60 s timeouts and retries). An endpoint that is not
+AWS's (SeaweedFS, MinIO, Ceph RGW, GCS), an IP address or ``localhost`` is addressed
+path-style (``ENDPOINT/BUCKET/...``), as is a bucket with a dot (its certificate would not
+match); AWS's own is virtual-host style.
 
-Addressing: an endpoint on an IP address, on ``localhost``, or any endpoint that
-is not AWS's (SeaweedFS, MinIO, Ceph RGW, GCS's interoperable endpoint) is
-addressed path-style (``ENDPOINT/BUCKET/PREFIX/...``); AWS's own virtual-host
-style (``https://BUCKET.s3.REGION.amazonaws.com/PREFIX/...``), or path-style for
-a bucket with a dot in its name (its certificate would not match).
+The engine is :class:`.http.HttpEngine` over those URLs (S3 has no multi-range GET: several
+ranges are that many GETs at once). What differs:
 
-The engine is :class:`.http.HttpEngine` over those URLs, so reads, ``get_many``,
-ranged reads, conditional reads (``If-None-Match``: a 304 costs no body) and the
-ranges of a pack a node reads (``get_ranges``: S3 has no multi-range GET, and its
-record says so, so several ranges of a pack are that many ranged GETs at once)
-are the HTTP engine's. Publish and repack write packs through the one publisher
-(:class:`cuda_program_cas._disk.packpublish.StorePacks`): the engine lists, so
-``packs/list`` is written from the listing of ``packs/``. Its record
-(:class:`~cuda_program_cas._base.engine.Abilities`): ranges, conditional reads,
-conditional creates, listing, leases; remote, a server's answers; a prefix without
-``layout.json`` is an empty store. What differs from HTTP:
-
-- The answers: S3's error code is named (``403 SignatureDoesNotMatch``, ``503
-  SlowDown``), with what to check; a missing bucket is an outage named as such,
-  not an empty store. A ``PUT`` is a plain S3 ``PUT`` (atomic: an object is
-  visible once whole).
-- ``create``: a ``PUT`` with ``If-None-Match: *`` (412, or 409 on AWS, when there is one).
-- ``names``: ListObjectsV2 of ``PREFIX/FOLDER/`` with the delimiter ``/`` (1,000 a page).
-- **Leases** (:meth:`S3Engine.lease`): ``PREFIX/leases/<key id>``, an object
-  created only if absent (``If-None-Match: *``; 412 when another holds it),
-  holding its holder's token and its expiry (JSON). An expired lease (its holder
-  died or stopped) is taken over by a replace conditional on the ETag read
-  (``If-Match``): of two nodes that try, one gets 412. Renewal is such a replace
-  by the holder; release a delete (``If-Match`` too, where the server honours
-  it) or a replace by the mark. Expiry is judged by the reading node's clock
-  against the holder's: nodes of a cluster keep time (NTP) within far less than
-  a lease's 30 s.
-
-A layout file is optional: a ``|write`` node fills an empty prefix with no
-publish first (``layout.json`` is written by publish).
+- S3's error code is named (``403 SignatureDoesNotMatch``, ``503 SlowDown``) with what to
+  check; a missing bucket is an outage, not an empty store. A plain ``PUT`` is atomic.
+- ``create``: ``PUT`` with ``If-None-Match: *`` (412, or 409 on AWS, when there is one).
+- ``names``: ListObjectsV2 with the delimiter ``/``; packs/list is written from it.
+- Leases: ``PREFIX/leases/<key id>``, created only if absent, holding the holder's token
+  and expiry (JSON). An expired one is taken over by a replace conditional on the ETag read
+  (``If-Match``: of two nodes, one gets 412); renewal is such a replace, release a delete or
+  a replace by the mark. Expiry compares clocks of nodes kept by NTP within far less than 30 s.
+- ``layout.json`` is optional: a ``|write`` node fills an empty prefix.
 """
 
 from __future__ import annotations
@@ -65,13 +37,12 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities
-from cuda_program_cas._base.urls import join, normalize_store_url
 
 from .client import HttpFailure, Reply, request, sign_below
 from .http import HttpEngine
@@ -102,7 +73,7 @@ def s3_error(reply: Reply) -> str:
 
 
 class _Aws:
-    """What botocore resolved for this process: the endpoint, the region, the credentials (module docstring)."""
+    """What botocore resolved for this process: the endpoint, the region, the credentials."""
 
     _lock = threading.Lock()
     #: What was resolved, by the ``AWS_*`` environment it was resolved in (a test, or a process that changes it).
@@ -123,8 +94,7 @@ class _Aws:
         else:
             from botocore.config import Config
 
-            # AWS's own endpoint for the region is botocore's rules': a client is made only to read what they
-            # resolve to (its S3 model and rule set loaded: 0.1 to 0.2 s); botocore never sends through it.
+            # AWS's own endpoint is botocore's rules': a client is made only to read it, never sent through.
             client = self._session.create_client("s3", config=Config(s3={"addressing_style": "path"}))
             self.endpoint = client.meta.endpoint_url.rstrip("/")
             self.region = client.meta.region_name or "us-east-1"
@@ -187,8 +157,7 @@ class _Aws:
 
 
 def _configured_endpoint(session: Any) -> str | None:
-    """The endpoint the configuration names for S3, as a botocore client reads it (``AWS_ENDPOINT_URL_S3``,
-    ``AWS_ENDPOINT_URL``, a profile's ``services`` section or ``endpoint_url``), without making one; None for
+    """The endpoint the configuration names for S3, read as a client reads it without making one; None for
     none (AWS's own), or where this botocore reads it otherwise (its reader is not public): a client then says."""
     try:
         from botocore.configprovider import ConfiguredEndpointProvider
@@ -236,19 +205,19 @@ class S3Engine(HttpEngine):
         layout_optional=True,
     )
     lost_hint = "is it a real S3 server?"
+    dav = False
     error_limit = _ERROR_BYTES  # an error's body names its code (NoSuchBucket, SlowDown...)
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
-        address = normalize_store_url(url)
-        if urlsplit(address).scheme != "s3":
+        super().__init__(url, staging=staging)
+        address = self.root  # ``s3://BUCKET/PREFIX``, credentials never in it: what is shown
+        if not address.startswith("s3://"):
             raise ValueError(f"not an S3 store address (s3://BUCKET/PREFIX): {address!r}")
         bucket, _, prefix = address[len("s3://") :].partition("/")
         if not re.fullmatch(r"[A-Za-z0-9._~/-]*", prefix):
             raise ValueError(f"an S3 store's prefix is letters, digits and . _ ~ - / only: {address!r}")
         self.bucket = bucket
         self.prefix = prefix
-        #: What made the AWS configuration unusable (a profile that is not there...): every call fails with it.
-        self.broken = None
         try:
             self.aws: _Aws | None = _Aws.get()
             self.bucket_url = self.aws.bucket_url(bucket)
@@ -257,16 +226,8 @@ class S3Engine(HttpEngine):
             self.broken = HttpFailure(address, "aws configuration", _without_secrets(exc))
             self.bucket_url = f"https://{bucket}.s3.invalid"  # never asked: each call raises ``broken`` first
         self.root = f"{self.bucket_url}/{prefix}" if prefix else self.bucket_url
-        #: The store's address as it may be logged: ``s3://BUCKET/PREFIX`` (credentials are never in it).
-        self.shown = address
-        self.staging = staging
-        self.requests = 0
-        self.outages = 0
         if self.aws is not None:
             sign_below(self.bucket_url, self.aws.sign)
-
-    def __repr__(self) -> str:
-        return f"S3Engine({self.shown!r})"
 
     # -- reads: the HTTP engine's (its fetch), with S3's answers named ------------------
 
@@ -287,55 +248,16 @@ class S3Engine(HttpEngine):
         if status == 301 or code == "PermanentRedirect":
             raise HttpFailure(url, "wrong region", f"{said}: set AWS_REGION (or the profile's region) to the bucket's")
 
-    def size(self, name: str) -> int | None:
-        reply = self._send("HEAD", name)
-        if reply.status == 404:
-            return None
-        self._refuse(name, reply, "HEAD")
-        length = reply.headers.get("content-length", "")
-        return int(length) if length.isdigit() else -1
-
-    # -- writes -------------------------------------------------------------------------
-
-    def put(self, name: str, data: bytes | IO[bytes]) -> str:
-        reply = self._send("PUT", name, data)
-        self._refuse(name, reply, "PUT")
-        return f"{reply.status} to PUT"
-
-    def remove(self, name: str) -> None:
-        reply = self._send("DELETE", name)
-        if reply.status != 404:
-            self._refuse(name, reply, "DELETE")
-
-    def _send(
-        self, method: str, name: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
-    ) -> Reply:
-        url = join(self.root, name)
-        self.requests += 1
-        try:
-            if self.broken is not None:
-                raise self.broken
-            reply = request(method, url, body=body, headers=headers, limit=_ERROR_BYTES)
-            if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
-                self._check(url, reply)
-        except HttpFailure as exc:
-            if exc.outage:
-                self.outages += 1
-            raise
+    def _vetted(self, url: str, reply: Reply) -> Reply:
+        if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
+            self._check(url, reply)
         return reply
 
-    def _refuse(self, name: str, reply: Reply, method: str) -> None:
-        """Nothing for a 2xx; else the failure of ``method`` on ``name`` (not an outage: this object's trouble)."""
-        if 200 <= reply.status < 300:
-            return
+    def _why(self, reply: Reply, method: str) -> str:
         code = s3_error(reply)
-        detail = f"{method} answered {reply.status}{' ' + code if code else ''}"
-        raise HttpFailure(join(self.root, name), f"HTTP {reply.status}", detail, outage=False)
+        return f" {code}" if code else ""
 
     # -- conditional creates and listings ------------------------------------------------
-
-    def create(self, name: str, data: bytes) -> bool:
-        return self._create(name, data)
 
     def names(self, folder: str) -> list[str]:
         below = f"{folder.strip('/')}/"
@@ -355,18 +277,15 @@ class S3Engine(HttpEngine):
                 url += "&delimiter=%2F"
             if token:
                 url += f"&continuation-token={quote(token, safe='')}"
-            self.requests += 1
-            try:
-                if self.broken is not None:
-                    raise self.broken
+
+            def page(url: str = url) -> Reply:
                 reply = request("GET", url, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
                 self._check(url, reply)
-                if reply.status != 200:
-                    raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
-            except HttpFailure as exc:
-                if exc.outage:
-                    self.outages += 1
-                raise
+                return reply
+
+            reply = self._counted(page)
+            if reply.status != 200:
+                raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
             try:
                 root = ElementTree.fromstring(reply.body)  # noqa: S314 - a bounded answer from the store's own server
             except ElementTree.ParseError as exc:
@@ -387,7 +306,7 @@ class S3Engine(HttpEngine):
         for _ in range(2):  # a lease released between the create refused and the read: once more
             if take:
                 token = secrets.token_hex(16)
-                if self._create(where, _lease_body(token, ttl_s)):
+                if self.create(where, _lease_body(token, ttl_s)):
                     return token
             held = self._read_lease(where)
             if held is None:
@@ -422,7 +341,7 @@ class S3Engine(HttpEngine):
         if reply.status not in (404, 412):
             self._refuse(where, reply, "DELETE")
 
-    def _create(self, where: str, body: bytes) -> bool:
+    def create(self, where: str, body: bytes) -> bool:
         """PUT ``where`` only if there is none: True when created; False when one is there (412, or 409 on AWS)."""
         reply = self._send("PUT", where, body, {"If-None-Match": "*"})
         if reply.status in (409, 412):
