@@ -28,6 +28,8 @@ from redis.utils import SENTINEL
 
 from cuda_program_cas._base.engine import Landing
 
+from .client import ca_bundle
+
 __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
 
 #: The longest reply line: Redis's are a few hundred bytes.
@@ -224,30 +226,23 @@ class _Tls(_Bounded, SSLConnection):
     pass
 
 
-def connect(
-    *,
-    host: str,
-    port: int,
-    db: int,
-    user: str | None,
-    password: str | None,
-    timeout: float,
-    tls: bool,
-    ca_bundle: str | None,
-) -> Any:
-    """A bounded connection to one server, connected at its first call; TLS verified (system CAs, ``ca_bundle``)."""
+def connect(a: Any, timeout: float) -> Any:
+    """A bounded connection to the address ``a`` (:class:`.redis._Address`), connected at its first call.
+
+    TLS is verified against the system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``.
+    """
     kwargs: dict[str, Any] = {
-        "host": host,
-        "port": port,
-        "db": db,
-        "username": user,
-        "password": password,
+        "host": a.host,
+        "port": a.port,
+        "db": a.db,
+        "username": a.user,
+        "password": a.password,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "parser_class": _Parser,
         "protocol": 2,
         "driver_info": None,  # no CLIENT SETINFO: two round trips per connection saved
     }
-    if not tls:
+    if not a.tls:
         return _Plain(**kwargs)  # type: ignore[no-untyped-call]
-    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_bundle, **kwargs)
+    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_bundle(), **kwargs)
