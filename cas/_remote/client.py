@@ -1,57 +1,24 @@
 """The one HTTP client of the cache: urllib3's pool, bounded in time, never raising anything but :class:`HttpFailure`.
 
-Why urllib3: it is the connection pool under ``requests`` and pip, kept by a team
-that ships security fixes quickly. It gives keep-alive pools that threads share,
-per-phase timeouts, Range bodies read in chunks, a cap on redirects, and TLS
-through the standard ``ssl`` module (so the system's CAs). ``requests`` adds
-sessions and cookies the cache does not need, and brings ``certifi``'s CAs instead
-of the system's; ``httpx`` is larger and slower to import. It is imported the
-first time a request is made (about 25 ms, once per process that uses a URL).
+Why urllib3: the pool under ``requests`` and pip, quick with security fixes; keep-alive
+pools that threads share, per-phase timeouts, bodies read in chunks, TLS through ``ssl``
+(the system's CAs; ``requests`` brings certifi's, ``httpx`` is larger and slower to
+import). Imported at the first request (about 25 ms).
 
-Every request is bounded, in time and in bytes:
+Every request is bounded. One deadline covers connect, TLS, status line, headers and
+body: the connect plus the read timeout, plus a second per 4 MiB the cache allows to
+arrive (up to the entry ceiling: 64 s more at its default) or sends; a size a server
+states earns no time. At the deadline its sockets are shut down (:mod:`.deadline`), so a
+trickling server is cut off. At most ``limit`` bytes of body are read: a larger
+``Content-Length`` is refused before the body, a longer body cut off.
 
-- One deadline covers it all: connect, TLS handshake, status line, headers and
-  body must be done within the connect timeout plus the read timeout, plus one
-  second per 4 MiB the cache itself allows to arrive (``limit``, counted up to
-  the entry ceiling :func:`~cuda_program_cas._base.config.env_max_entry_size`:
-  at most 64 s more at its default) and per 4 MiB sent. A size a server states
-  earns no time. At the deadline the request's sockets are shut down
-  (:mod:`.deadline` says why that way), so a server that trickles any part of
-  its answer is cut off. Each ``recv`` also has the read timeout, and a connect
-  the connect timeout (never more than the time left). Name resolution is the
-  system resolver's, with its own timeouts.
-- At most ``limit`` bytes of body are read: a ``Content-Length`` over it is
-  refused before a byte of the body is read, a body that goes on past it is cut
-  off there. With ``sink`` the body is handed over chunk by chunk (64 KiB at
-  most) instead of gathered, so a caller can hash and stage it without holding it.
-
-Nothing is retried here: a failure is an :class:`HttpFailure`, and the store
-that asked decides (a miss, and a pause before it asks that server again).
-Redirects are followed three times at most.
-
-Requests run in parallel, bounded: at most :data:`PARALLEL` at once in a process
-(threads that look up together, and :func:`request_many`'s batches), each on a
-connection the pool keeps for the next. A request waits for its turn within its
-own deadline, so a thread behind others that hang on a dead server gives up when
-its time is up, never one timeout later; and one whose turn comes because a
-request to the same server failed as an outage meanwhile fails at once the same
-way, so a dead server costs a burst of threads one batch of requests, not two.
-
-Settings, each read once per process from the environment (a bad value: one WARNING):
-
-``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``
-    ``CONNECT[,READ]`` in seconds (``2`` or ``2,10``); default ``3,10``.
-``CUDA_PROGRAM_CAS_HTTP_TOKEN``
-    A bearer token sent to every store URL's server. Without it, a ``.netrc``
-    entry for the host (``$NETRC`` or ``~/.netrc``; its ``password`` is the token).
-    A token is never logged; a redirect to another host does not carry it. A
-    ``.netrc`` that cannot be used (not a regular file, over 1 MiB, not parsable,
-    a ``~/.netrc`` that others may read) is one WARNING naming the file, never
-    its contents, and is ignored.
-``CUDA_PROGRAM_CAS_CA_BUNDLE``
-    A PEM file of CAs trusted besides the system's (a site's own CA). HTTPS is
-    always verified; ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace the system's CAs
-    as for any OpenSSL program.
+Nothing is retried: the store that asked decides. Redirects: three at most. At most
+:data:`PARALLEL` requests run at once in a process; one waits for its turn within its own
+deadline, and one whose turn came because a request to the same server failed as an
+outage meanwhile fails at once, so a dead server costs a burst of threads one batch of
+requests, not two. The settings (docs/http.md: ``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``,
+``CUDA_PROGRAM_CAS_HTTP_TOKEN`` or a ``.netrc`` entry, ``CUDA_PROGRAM_CAS_CA_BUNDLE``) are
+read once per process; a token is never logged, nor sent on a redirect to another host.
 """
 
 from __future__ import annotations
@@ -112,10 +79,7 @@ _log = logging.getLogger("cuda_program_cas")
 class HttpFailure(StoreFailure):
     """A request that got no usable answer: ``kind`` says what (``refused``, ``timeout``, ``tls``...).
 
-    ``outage`` is True when the server (or the way to it) may be down, so asking it
-    again at once would cost another timeout; False when only this answer was bad.
-    A :class:`~cuda_program_cas._base.engine.StoreFailure`, so the store above an
-    HTTP engine takes it as any engine's; ``url`` is its ``where``.
+    ``outage``: the server (or the way to it) may be down, so asking again at once would cost another timeout.
     """
 
     def __init__(self, url: str, kind: str, detail: str, *, outage: bool = True) -> None:
@@ -161,24 +125,19 @@ class _Pool:
 
     def __init__(self) -> None:
         self.lock = ForkSafeLock()
+        self.timeouts = DEFAULT_TIMEOUTS
+        self.reset()
+
+    def reset(self) -> None:
+        # A forked child must not share its parent's sockets: it opens its own (and its own threads).
         #: Pool managers for http and for https URLs (the latter alone loads the CAs: ~70 ms).
         self.managers: dict[bool, Any] = {}
-        self.timeouts = DEFAULT_TIMEOUTS
         self.tokens: dict[str, str | None] = {}
-
         #: Turns to make a request (:data:`PARALLEL`), and the threads that run :func:`request_many`'s.
         self.slots = threading.BoundedSemaphore(PARALLEL)
         self.workers: Any = None
         #: Server (host:port) -> when a request to it last failed as an outage, and how.
         self.down: dict[str, tuple[float, str]] = {}
-
-    def reset(self) -> None:
-        # A forked child must not share its parent's sockets: it opens its own (and its own threads).
-        self.managers = {}
-        self.tokens = {}
-        self.slots = threading.BoundedSemaphore(PARALLEL)
-        self.workers = None
-        self.down = {}
 
 
 _POOL = _Pool()
@@ -241,11 +200,10 @@ _WATCHED: dict[str, Any] = {}
 
 
 def _watched_pools() -> dict[str, Any]:
-    """urllib3's pools, with connections whose sockets join the request's deadline (:mod:`.deadline`).
+    """urllib3's pools, whose connections' sockets join the request's deadline (:mod:`.deadline`).
 
-    A new connection's socket joins once TCP is connected, before the TLS
-    handshake (which the deadline then covers); a reused one's as its request
-    is sent. The connect itself gets the time left, if less than the connect timeout.
+    A new socket joins once TCP is connected, before the TLS handshake; a reused one as its
+    request is sent. The connect gets the time left, if less than the connect timeout.
     """
     if _WATCHED:
         return _WATCHED
@@ -295,10 +253,8 @@ def _token(host: str) -> str | None:
 def _netrc_token(host: str) -> str | None:
     """The password of ``host``'s ``.netrc`` entry (``$NETRC``, else ``~/.netrc``); None, one WARNING where unusable.
 
-    The file is checked before it is parsed: a FIFO would hang the open, a huge
-    file is not a ``.netrc``. Python's parser refuses a ``~/.netrc`` that group or
-    others may read (as ftp does), which is said as such. Its messages may quote
-    the file, so only the file's name and the line are logged, never a token.
+    Checked before it is parsed: a FIFO would hang the open. The parser's messages may
+    quote the file, so only its name and the line are logged, never a token.
     """
     import netrc
 
@@ -350,15 +306,11 @@ def request(
 ) -> Reply:
     """``method`` on ``url``; the reply whatever its status, or :class:`HttpFailure`.
 
-    At most ``limit`` bytes of body are accepted: a longer one (said by its
-    ``Content-Length`` or found while reading) is a failure that is not an outage.
-    With ``sink``, a 2xx answer's body is given to ``sink`` chunk by chunk (of
-    64 KiB at most) as it arrives and the reply's ``body`` is empty; an exception
-    from ``sink`` ends the request and reaches the caller. ``body`` is bytes, or a
-    binary file read from its start and sent with its size as ``Content-Length``
-    (a large upload is never held in memory). The whole request has one deadline
-    (:func:`deadline_for`). ``error_limit``: a body of another status than 2xx is kept
-    (not given to ``sink``) up to this, whatever ``limit``: an S3 error's XML names it.
+    A body over ``limit`` bytes is a failure, not an outage. With ``sink``, a 2xx body is given
+    to it chunk by chunk (64 KiB at most) and the reply's ``body`` is empty; an exception from
+    ``sink`` reaches the caller. ``body`` is bytes, or a binary file sent from its start with
+    its ``Content-Length`` (never held in memory). ``error_limit``: a body of another status
+    than 2xx is kept up to this, whatever ``limit`` (an S3 error's XML names it).
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -438,12 +390,10 @@ _T = TypeVar("_T")
 
 
 def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-    """Each of ``calls`` (each makes one request or a few), run in parallel, their results in order.
+    """Each of ``calls`` (each makes a request or a few), :data:`PARALLEL` at once, their results in order.
 
-    At most :data:`PARALLEL` run at once (the process's threads for it, made at the first
-    call). The first :class:`HttpFailure` that is an outage cancels the calls not yet
-    started and is raised once the started ones are done (each within its own deadline);
-    any other exception is raised likewise, after them.
+    An outage cancels the calls not yet started; it (else the first exception) is raised once
+    the started ones are done, each within its own deadline.
     """
     if len(calls) <= 1:
         return [call() for call in calls]
@@ -464,9 +414,9 @@ def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
             results.append(future.result())
         except BaseException as exc:  # raised below, once every started call is done
             results.append(None)
-            if failure is None or (isinstance(exc, HttpFailure) and exc.outage and not _is_outage(failure)):
+            if failure is None or (_is_outage(exc) and not _is_outage(failure)):
                 failure = exc
-            if isinstance(exc, HttpFailure) and exc.outage:
+            if _is_outage(exc):
                 for rest in futures:
                     rest.cancel()  # a dead server: no more requests to it
     if failure is not None:
@@ -488,7 +438,7 @@ def _late(url: str, total: float) -> HttpFailure:
 def _read(
     resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None, *, errors: int
 ) -> Reply:
-    """The reply of ``resp`` with its body (or its body given to ``sink``); the response is closed on any failure."""
+    """The reply of ``resp`` with its body (or given to ``sink``); the response is closed on any failure."""
     from urllib3.exceptions import HTTPError as _Urllib3Error
 
     head = {k.lower(): v for k, v in resp.headers.items()}

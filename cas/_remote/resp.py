@@ -1,16 +1,10 @@
-"""redis-py's connection and RESP2 parser, bounded: what :mod:`.redis` talks to its server through.
+"""redis-py's connection and RESP2 parser, bounded: what :mod:`.redis` talks to its server through (imports ``redis``).
 
-Importing this module imports ``redis`` (:mod:`.redis` does at its first call). redis-py's
-reading of replies is replaced, since it reads whatever length a reply announces and gives
-each ``recv`` the whole timeout again:
-
-- A bulk reply longer than the call's ``limit`` is refused from its header (:class:`TooLarge`).
-- A call receives at most ``budget`` bytes, a line at most :data:`MAX_LINE`, an array at
-  most ``items`` and one deep (EXEC's).
-- One deadline covers the call, connect and TLS included: each ``recv`` and ``send`` gets
-  what is left, extended by each value's bytes at the call's ``rate``.
-
-``bound(...)`` sets a call's bounds before its commands are sent.
+redis-py reads whatever length a reply announces and gives each ``recv`` the whole timeout
+again, so its reading is replaced. ``bound(...)`` sets a call's bounds before it is sent: a
+bulk reply over ``limit`` is refused from its header (:class:`TooLarge`); at most ``budget``
+bytes, lines of :data:`MAX_LINE`, arrays of ``items`` one deep (EXEC's); one deadline for
+the call, connect and TLS included, extended by each value's bytes at ``rate``.
 """
 
 from __future__ import annotations
@@ -102,9 +96,8 @@ class _Buffer(SocketBuffer):
         return bytes(data[:-2])
 
     def read(self, length: int, timeout: Any = None) -> bytes:
-        # Straight into one buffer that becomes the value, checked to end with CRLF. Every view is
-        # released on the way out, a failure's too: one left in a traceback's frames crashed
-        # CPython 3.12.1's collector.
+        # Straight into the buffer that becomes the value. Every view is released, a failure's too:
+        # one left in a traceback's frames crashed CPython 3.12.1's collector.
         out = Landing(length + 2)
         with out.room() as room:
             got = self._buffer.readinto(room)

@@ -30,7 +30,6 @@ ranges are that many GETs at once). What differs:
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -98,9 +97,6 @@ class _Aws:
             client = self._session.create_client("s3", config=Config(s3={"addressing_style": "path"}))
             self.endpoint = client.meta.endpoint_url.rstrip("/")
             self.region = client.meta.region_name or "us-east-1"
-        self.custom = not urlsplit(self.endpoint).hostname or not str(urlsplit(self.endpoint).hostname).endswith(
-            ".amazonaws.com"
-        )
         self._credentials: Any = None
         self._looked = False
         self._creds_lock = threading.Lock()
@@ -119,25 +115,18 @@ class _Aws:
 
     def bucket_url(self, bucket: str) -> str:
         parts = urlsplit(self.endpoint)
-        host = parts.hostname or ""
-        if self.custom or _is_ip(host) or host == "localhost" or "." in bucket:
+        if not (parts.hostname or "").endswith(".amazonaws.com") or "." in bucket:  # not AWS's (an IP, localhost...)
             return f"{self.endpoint}/{bucket}"
         return f"{parts.scheme}://{bucket}.{parts.netloc}"
 
     def frozen(self, url: str) -> Any:
         """The credentials to sign with now (refreshed as they expire), or None for none at all (unsigned)."""
-        with self._creds_lock:
-            if not self._looked:
-                try:
-                    self._credentials = self._session.get_credentials()
-                except Exception as exc:
-                    raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
-                self._looked = True
-            credentials = self._credentials
-        if credentials is None:
-            return None
         try:
-            return credentials.get_frozen_credentials()
+            with self._creds_lock:
+                if not self._looked:
+                    self._credentials = self._session.get_credentials()
+                    self._looked = True
+            return None if self._credentials is None else self._credentials.get_frozen_credentials()
         except Exception as exc:
             raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
 
@@ -176,14 +165,6 @@ def _configured_endpoint(session: Any) -> str | None:
     except Exception:  # a broken profile too: the client made instead raises what it is
         return None
     return found
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _without_secrets(exc: BaseException) -> str:
