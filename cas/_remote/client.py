@@ -210,44 +210,37 @@ def _watched_pools() -> dict[str, Any]:
     from urllib3.connection import HTTPConnection, HTTPSConnection
     from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-    def _new_conn(base: Any) -> Any:
-        def new_conn(self: Any) -> Any:
+    class Watched:
+        timeout: Any
+        sock: Any
+
+        def _new_conn(self) -> Any:
             w = current()
             if w is not None and isinstance(self.timeout, (int, float)):
                 self.timeout = min(self.timeout, max(w.left(), 0.001))
-            sock = base._new_conn(self)
+            sock = super()._new_conn()  # type: ignore[misc]
             if w is not None:
                 w.add(sock)
             return sock
 
-        return new_conn
-
-    def _request(base: Any) -> Any:
-        def request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def request(self, *args: Any, **kwargs: Any) -> Any:
             w = current()
             if w is not None and self.sock is not None:
                 w.add(self.sock)
-            return base.request(self, *args, **kwargs)
+            return super().request(*args, **kwargs)  # type: ignore[misc]
 
-        return request
-
-    conns = {
-        base: type(f"Watched{base.__name__}", (base,), {"_new_conn": _new_conn(base), "request": _request(base)})
-        for base in (HTTPConnection, HTTPSConnection)
-    }
-    pools = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
-    for scheme, pool, conn in pools:
-        _WATCHED[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": conns[conn]})
+    kinds = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
+    for scheme, pool, conn in kinds:
+        watched = type(f"Watched{conn.__name__}", (Watched, conn), {})
+        _WATCHED[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": watched})
     return _WATCHED
 
 
 def _token(host: str) -> str | None:
     """The bearer token for ``host``: the environment's, else ``.netrc``'s password for it, else None."""
-    if host in _POOL.tokens:
-        return _POOL.tokens[host]
-    token = os.environ.get(ENV_HTTP_TOKEN) or _netrc_token(host)
-    _POOL.tokens[host] = token
-    return token
+    if host not in _POOL.tokens:
+        _POOL.tokens[host] = os.environ.get(ENV_HTTP_TOKEN) or _netrc_token(host)
+    return _POOL.tokens[host]
 
 
 def _netrc_token(host: str) -> str | None:
@@ -273,12 +266,9 @@ def _netrc_token(host: str) -> str | None:
         try:
             entry = netrc.netrc(given).authenticators(host)
         except netrc.NetrcParseError as exc:
-            permissive = "permissive" in exc.msg or "owner" in exc.msg
-            why = (
-                "group or others may read it, or another user owns it (chmod 600)"
-                if permissive
-                else f"it cannot be parsed (line {exc.lineno})"
-            )
+            why = f"it cannot be parsed (line {exc.lineno})"
+            if "permissive" in exc.msg or "owner" in exc.msg:
+                why = "group or others may read it, or another user owns it (chmod 600)"
         except (OSError, ValueError) as exc:  # unreadable, or not text (UnicodeDecodeError)
             why = f"it cannot be read ({type(exc).__name__})"
         else:
@@ -361,13 +351,9 @@ def request(
                 retries=retries,
                 preload_content=False,
             )
-        except _Urllib3Error as exc:
+        except (_Urllib3Error, OSError, ValueError) as exc:  # OSError, ValueError: unwrapped, a malformed URL
+            # without_frames: its traceback would keep the callers' frames (Program's) alive (errors.py).
             raise _late(url, total) if w.done() else _failure(url, without_frames(exc)) from None
-        except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
-            without_frames(exc)  # its traceback would keep the callers' frames (Program's) alive: see errors.py
-            if w.done():
-                raise _late(url, total) from None
-            raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
         try:
             reply = _read(resp, url, method, limit, sink, errors=error_limit)
         except HttpFailure as exc:
@@ -407,12 +393,9 @@ def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
     failure: BaseException | None = None
     results: list[Any] = []
     for future in futures:
-        if future.cancelled():
-            results.append(None)
-            continue
         try:
             results.append(future.result())
-        except BaseException as exc:  # raised below, once every started call is done
+        except BaseException as exc:  # raised below, once every started call is done (a cancelled one: the outage)
             results.append(None)
             if failure is None or (_is_outage(exc) and not _is_outage(failure)):
                 failure = exc
@@ -479,10 +462,8 @@ def _read(
     def read(n: int) -> bytes:  # a failure of the connection is an HttpFailure (a sink's own failure is not one)
         try:
             return bytes(read1(n))
-        except _Urllib3Error as exc:
+        except (_Urllib3Error, OSError) as exc:
             raise _failure(url, without_frames(exc)) from None
-        except OSError as exc:
-            raise HttpFailure(url, "error", f"{type(exc).__name__}: {without_frames(exc)}") from None
 
     try:
         while True:
