@@ -23,7 +23,6 @@ read once per process; a token is never logged, nor sent on a redirect to anothe
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import threading
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
-from cuda_program_cas._base.config import env_max_entry_size, env_value, say_once
+from cuda_program_cas._base.config import VAR_CA_BUNDLE, VAR_HTTP_TIMEOUT, VAR_HTTP_TOKEN, env_max_entry_size, say_once
 from cuda_program_cas._base.engine import Landing, StoreFailure
 from cuda_program_cas._base.errors import without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
@@ -48,7 +47,6 @@ __all__ = [
     "SLOW_LINK_S_PER_BYTE",
     "HttpFailure",
     "Reply",
-    "ca_bundle",
     "close_connections",
     "deadline_for",
     "request",
@@ -57,9 +55,9 @@ __all__ = [
     "timeouts",
 ]
 
-ENV_HTTP_TIMEOUT = "CUDA_PROGRAM_CAS_HTTP_TIMEOUT"
-ENV_HTTP_TOKEN = "CUDA_PROGRAM_CAS_HTTP_TOKEN"  # noqa: S105 - the variable's name, not a token
-ENV_CA_BUNDLE = "CUDA_PROGRAM_CAS_CA_BUNDLE"
+ENV_HTTP_TIMEOUT = VAR_HTTP_TIMEOUT.name
+ENV_HTTP_TOKEN = VAR_HTTP_TOKEN.name
+ENV_CA_BUNDLE = VAR_CA_BUNDLE.name
 #: Connect and read timeouts (s) when the environment says nothing. Three seconds
 #: covers a SYN retransmit on a lossy link; ten, a cold object store's first byte.
 DEFAULT_TIMEOUTS = (3.0, 10.0)
@@ -73,7 +71,6 @@ _MAX_REDIRECTS = 3
 _CHUNK = 1 << 16
 #: A ``.netrc`` larger than this is not one (a few lines per host).
 _MAX_NETRC = 1 << 20
-_log = logging.getLogger("cuda_program_cas")
 
 
 class HttpFailure(StoreFailure):
@@ -81,10 +78,6 @@ class HttpFailure(StoreFailure):
 
     ``outage``: the server (or the way to it) may be down, so asking again at once would cost another timeout.
     """
-
-    def __init__(self, url: str, kind: str, detail: str, *, outage: bool = True) -> None:
-        super().__init__(url, kind, detail, outage=outage)
-        self.url = url
 
 
 @dataclass(frozen=True)
@@ -113,11 +106,6 @@ def _parse_file(text: str) -> str:
     if not os.path.isfile(text):
         raise ValueError("no such file")
     return text
-
-
-def ca_bundle() -> str | None:
-    """``$CUDA_PROGRAM_CAS_CA_BUNDLE``: a PEM file of CAs trusted besides the system's (HTTPS and ``rediss://``)."""
-    return env_value(ENV_CA_BUNDLE, _parse_file)
 
 
 class _Pool:
@@ -166,8 +154,8 @@ def close_connections() -> None:
 
 def timeouts() -> tuple[float, float]:
     """The connect and read timeouts this process uses, in seconds."""
-    value = env_value(ENV_HTTP_TIMEOUT, _parse_timeouts)
-    return DEFAULT_TIMEOUTS if value is None else value
+    value: tuple[float, float] | None = VAR_HTTP_TIMEOUT.value()
+    return value or DEFAULT_TIMEOUTS
 
 
 def _manager(tls: bool) -> Any:
@@ -183,7 +171,7 @@ def _manager(tls: bool) -> Any:
                 import ssl
 
                 context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
-                bundle = ca_bundle()
+                bundle = VAR_CA_BUNDLE.value()
                 if bundle is not None:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context
@@ -239,7 +227,7 @@ def _watched_pools() -> dict[str, Any]:
 def _token(host: str) -> str | None:
     """The bearer token for ``host``: the environment's, else ``.netrc``'s password for it, else None."""
     if host not in _POOL.tokens:
-        _POOL.tokens[host] = os.environ.get(ENV_HTTP_TOKEN) or _netrc_token(host)
+        _POOL.tokens[host] = VAR_HTTP_TOKEN.value() or _netrc_token(host)
     return _POOL.tokens[host]
 
 

@@ -20,9 +20,8 @@ from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
 from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.utils import SENTINEL
 
+from cuda_program_cas._base.config import VAR_CA_BUNDLE
 from cuda_program_cas._base.engine import Landing
-
-from .client import ca_bundle
 
 __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
 
@@ -238,4 +237,4 @@ def connect(a: Any, timeout: float) -> Any:
     }
     if not a.tls:
         return _Plain(**kwargs)  # type: ignore[no-untyped-call]
-    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_bundle(), **kwargs)
+    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=VAR_CA_BUNDLE.value(), **kwargs)
