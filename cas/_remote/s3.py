@@ -247,8 +247,7 @@ class S3Engine(HttpEngine):
     def listed(self, below: str = "", *, delimiter: bool = False) -> Iterator[tuple[str, int, str]]:
         """``(name below the prefix, size, LastModified)`` of every object whose name starts with ``below``.
 
-        Page by page (ListObjectsV2, 1,000 objects a page); ``delimiter``: only those
-        directly below ``below`` (not in a folder of it). A failure is a StoreFailure.
+        ListObjectsV2, 1,000 a page; ``delimiter``: only those directly below ``below``.
         """
         prefix = f"{self.prefix}/" if self.prefix else ""
         token = ""
@@ -300,7 +299,7 @@ class S3Engine(HttpEngine):
             if not take:
                 return ""  # expired: free (a mark past its time too)
             token = secrets.token_hex(16)
-            return token if self._replace(where, _lease_body(token, ttl_s), etag) else None
+            return token if self._put_if(where, _lease_body(token, ttl_s), "If-Match", etag) else None
         return None
 
     def renew(self, name: str, token: str, ttl_s: float) -> bool:
@@ -308,7 +307,7 @@ class S3Engine(HttpEngine):
         held = self._read_lease(where)
         if held is None or held[0] != token:
             return False
-        return self._replace(where, _lease_body(token, ttl_s), held[2])
+        return self._put_if(where, _lease_body(token, ttl_s), "If-Match", held[2])
 
     def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
         where = f"{LEASES}/{name}"
@@ -316,33 +315,25 @@ class S3Engine(HttpEngine):
         if held is None or held[0] != token:
             return  # lost meanwhile: another's now, or gone
         if mark_s > 0:
-            self._replace(where, _lease_body(LEASE_MARK, mark_s), held[2])
+            self._put_if(where, _lease_body(LEASE_MARK, mark_s), "If-Match", held[2])
             return
         reply = self._send("DELETE", where, headers={"If-Match": held[2]})
         if reply.status not in (404, 412):
             self._refuse(where, reply, "DELETE")
 
     def create(self, where: str, body: bytes) -> bool:
-        """PUT ``where`` only if there is none: True when created; False when one is there (412, or 409 on AWS)."""
-        reply = self._send("PUT", where, body, {"If-None-Match": "*"})
-        if reply.status in (409, 412):
-            return False
-        self._refuse(where, reply, "PUT (If-None-Match: *)")
-        return True
+        return self._put_if(where, body, "If-None-Match", "*")
 
-    def _replace(self, where: str, body: bytes, etag: str) -> bool:
-        """PUT ``where`` only if it still has ``etag``: True when replaced; False when it changed (412, 409, 404)."""
-        reply = self._send("PUT", where, body, {"If-Match": etag})
+    def _put_if(self, where: str, body: bytes, header: str, value: str) -> bool:
+        """PUT ``where`` on the condition ``header: value``; False when it failed (412; 409 on AWS; 404: gone)."""
+        reply = self._send("PUT", where, body, {header: value})
         if reply.status in (404, 409, 412):
             return False
-        self._refuse(where, reply, "PUT (If-Match)")
+        self._refuse(where, reply, f"PUT ({header})")
         return True
 
     def _read_lease(self, where: str) -> tuple[str, float, str] | None:
-        """``(token or the mark, expiry, ETag)`` of the lease at ``where``; None when there is none.
-
-        A lease that cannot be read as one (garbled, no ETag) is expired: it is taken over.
-        """
+        """``(token or the mark, expiry, ETag)`` of the lease at ``where``; None: none. A garbled one is expired."""
         reply = self.fetch(where, limit=_LEASE_BYTES)
         if reply.status == 404:
             return None
