@@ -184,17 +184,12 @@ def _manager(tls: bool) -> Any:
         return _POOL.managers[tls]
 
 
-_WATCHED: dict[str, Any] = {}
-
-
 def _watched_pools() -> dict[str, Any]:
     """urllib3's pools, whose connections' sockets join the request's deadline (:mod:`.deadline`).
 
     A new socket joins once TCP is connected, before the TLS handshake; a reused one as its
     request is sent. The connect gets the time left, if less than the connect timeout.
     """
-    if _WATCHED:
-        return _WATCHED
     from urllib3.connection import HTTPConnection, HTTPSConnection
     from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
@@ -218,10 +213,8 @@ def _watched_pools() -> dict[str, Any]:
             return super().request(*args, **kwargs)  # type: ignore[misc]
 
     kinds = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
-    for scheme, pool, conn in kinds:
-        watched = type(f"Watched{conn.__name__}", (Watched, conn), {})
-        _WATCHED[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": watched})
-    return _WATCHED
+    return {scheme: type(pool.__name__, (pool,), {"ConnectionCls": type(conn.__name__, (Watched, conn), {})})
+            for scheme, pool, conn in kinds}  # fmt: skip
 
 
 def _token(host: str) -> str | None:

@@ -256,8 +256,14 @@ class RedisEngine:
             sent += len(data)
         if not commands:
             return
-        # One SET is atomic by itself; more go in one transaction, all or none.
-        replies = self._call(commands, sent=sent) if len(commands) == 1 else self._transaction(commands, sent=sent)
+        if len(commands) == 1:  # atomic by itself
+            self._checked(commands, items[0][0], sent=sent)
+            return
+        # More go in one MULTI/EXEC, all or none. A command refused while queued (OOM, NOPERM) makes EXEC
+        # answer EXECABORT: the first cause is raised.
+        replies = self._checked([("MULTI",), *commands, ("EXEC",)], None, sent=sent)[-1]
+        if not isinstance(replies, list) or len(replies) != len(commands):
+            raise StoreFailure(self.shown, "protocol", "EXEC did not answer one reply per command")
         for reply, (name, _) in zip(replies, items, strict=True):
             self._check(reply, name)
 
@@ -339,14 +345,6 @@ class RedisEngine:
 
     # -- round trips ------------------------------------------------------------------------
 
-    def _transaction(self, commands: list[tuple[Any, ...]], **bounds: int) -> list[Any]:
-        """``commands`` in one MULTI/EXEC, in one round trip: EXEC's replies, one per command."""
-        # A command refused while queued (OOM, NOPERM) makes EXEC answer EXECABORT: the first cause is raised.
-        result = self._checked([("MULTI",), *commands, ("EXEC",)], None, **bounds)[-1]
-        if not isinstance(result, list) or len(result) != len(commands):
-            raise StoreFailure(self.shown, "protocol", "EXEC did not answer one reply per command")
-        return result
-
     def _script(self, source: str, name: str, *args: object) -> Any:
         """The lease script ``source`` on ``name``'s lease: EVALSHA, then EVAL where the server lacks it."""
         from_sha = ("EVALSHA", _sha1(source.encode()), 1, self._lease_key(name), *args)
@@ -368,10 +366,8 @@ class RedisEngine:
     ) -> list[Any]:
         """Send ``commands`` at once and read one reply each (an error reply as its exception, in place).
 
-        ``bulk`` bounds each value received; all bytes received are bounded by ``values``
-        (the values' bounds), :data:`_PER_REPLY` per command and :data:`_SMALL_REPLY`; the deadline
-        is the timeout plus the time of ``sent`` bytes at the slow-link rate (and of each
-        value as the parser meets it).
+        ``bulk`` bounds each value; ``values`` (plus a little per reply) all bytes received. The
+        deadline is the timeout plus the slow-link time of ``sent`` bytes and of each value met.
         """
         wire = _wire()
         try:
@@ -389,13 +385,16 @@ class RedisEngine:
                     replies.append(conn.read_response(disable_decoding=True))
                 except wire.exceptions.ResponseError as exc:  # an error reply: the connection is still in step
                     replies.append(exc)
-        except Exception as exc:  # redis-py's errors, the socket's, the parser's, MemoryError: each a StoreFailure
+        except BaseException as exc:  # redis-py's errors, the socket's, the parser's, MemoryError: a StoreFailure
             conn.disconnect()
-            raise self._failure(exc) from None
-        except BaseException:
-            conn.disconnect()
+            if isinstance(exc, Exception):
+                raise self._failure(exc) from None
             raise
-        self._give(conn)
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return replies
+        conn.disconnect()
         return replies
 
     def _take(self, wire: Any) -> Any:
@@ -407,13 +406,6 @@ class RedisEngine:
             conn.disconnect()  # the server closed it (a restart, its idle timeout): connect again
         return conn
 
-    def _give(self, conn: Any) -> None:
-        with self._lock:
-            if len(self._idle) < _MAX_IDLE:
-                self._idle.append(conn)
-                return
-        conn.disconnect()
-
     # -- failures ---------------------------------------------------------------------------
 
     def _check(self, reply: Any, name: str | None) -> None:
@@ -424,7 +416,7 @@ class RedisEngine:
         """``exc`` as one :class:`StoreFailure` named by what happened; the password cut out of every text."""
         where = self.shown if name is None else self._where(name)
         text = self._scrub(str(exc) or type(exc).__name__)
-        kind, outage, hint = _classify(exc, text)
+        kind, outage, hint = _classify(exc, text.lower())
         return StoreFailure(where, kind, text + hint, outage=outage)
 
     def _scrub(self, text: str) -> str:
@@ -437,10 +429,9 @@ class RedisEngine:
         return text
 
 
-def _classify(exc: BaseException, text: str) -> tuple[str, bool, str]:
-    """``(kind, outage, hint)`` of a failure."""
+def _classify(exc: BaseException, lowered: str) -> tuple[str, bool, str]:
+    """``(kind, outage, hint)`` of a failure whose text is ``lowered``."""
     x = _wire().exceptions
-    lowered = text.lower()
     if isinstance(exc, _wire().TooLarge):
         return "too large", False, ""
     if isinstance(exc, x.AuthenticationError):
