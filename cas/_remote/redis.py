@@ -57,12 +57,9 @@ __all__ = [
     "RedisEngine",
 ]
 
-#: The password, when the URL has none (a URL in a job script or a log is easier to leak).
 ENV_REDIS_PASSWORD = VAR_REDIS_PASSWORD.name
-#: Each call's deadline in seconds (``2``, ``2s``, ``0.5``; no form in milliseconds).
 ENV_REDIS_TIMEOUT = VAR_REDIS_TIMEOUT.name
-#: Five seconds: Redis answers in a millisecond; five covers a SYN retransmit (1 s, then 3 s)
-#: and a server paused by a fork or another client's slow command.
+#: Redis answers in a millisecond; five seconds cover a SYN retransmit (1 s, then 3 s) and a server paused by a fork.
 DEFAULT_TIMEOUT_S = 5.0
 #: Redis refuses a string longer than 512 MiB (``proto-max-bulk-len``'s default).
 MAX_VALUE_BYTES = 512 << 20
@@ -75,14 +72,11 @@ _SMALL_REPLY = 1 << 20
 _PER_REPLY = 64
 _MAX_IDLE = 16
 
-# KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-# ARGV[2] the mark's TTL in ms, ARGV[3] the mark: what a holder that gave up leaves for its waiters.
-_MARK = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2]) end "
-    "return 0"
-)
+# KEYS[1] the lease, ARGV[1] the token, ARGV[2] a TTL in ms, ARGV[3] the mark a holder that gave up leaves.
+_IF_HELD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call({}) end return 0"
+_RENEW = _IF_HELD.format("'PEXPIRE', KEYS[1], ARGV[2]")
+_RELEASE = _IF_HELD.format("'DEL', KEYS[1]")
+_MARK = _IF_HELD.format("'SET', KEYS[1], ARGV[3], 'PX', ARGV[2]")
 # KEYS[1] the object, ARGV[1] the SHA-1 of the copy in hand ("" for none), ARGV[2] the limit. nil: no such key.
 _CHANGED = (
     "local v = redis.call('GETRANGE', KEYS[1], 0, ARGV[2]) "

@@ -67,22 +67,17 @@ class _Buffer(SocketBuffer):
     def _read_from_socket(
         self, length: int | None = None, timeout: Any = SENTINEL, raise_on_timeout: Any = True
     ) -> bool:
+        """One recv onto the buffer's end (``length`` is only base ``read``'s, replaced below)."""
         if timeout is not None and timeout is not SENTINEL:  # a poll (can_read): not the engine's
             return bool(super()._read_from_socket(length, timeout, raise_on_timeout))
         buf = self._buffer
         pos = buf.tell()
         buf.seek(0, os.SEEK_END)
         try:
-            marker = 0
-            while True:
-                data = self._recv()
-                assert isinstance(data, bytes)
-                buf.write(data)
-                marker += len(data)
-                if length is None or marker >= length:
-                    return True
+            buf.write(self._recv())  # type: ignore[arg-type]
         finally:
             buf.seek(pos)
+        return True
 
     def readline(self, timeout: Any = None) -> bytes:
         buf = self._buffer
@@ -175,10 +170,10 @@ class _Bounded:
         sock = self._sock
         return sock is not None and bool(select.select([sock], [], [], 0)[0])
 
-    def _left(self) -> float:
+    def _left(self, doing: str = "connecting") -> float:
         left = self._parser.deadline - time.monotonic()
-        if left <= 0:
-            raise exceptions.TimeoutError("the call ran past its deadline while connecting")
+        if left <= 0:  # the caller disconnects
+            raise exceptions.TimeoutError(f"the call ran past its deadline while {doing}")
         return left
 
     def _connect(self) -> Any:
@@ -202,11 +197,7 @@ class _Bounded:
         if not self._sock:
             self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
         for item in [command] if isinstance(command, (bytes, str)) else command:
-            left = self._parser.deadline - time.monotonic()
-            if left <= 0:
-                self.disconnect()  # type: ignore[attr-defined]
-                raise exceptions.TimeoutError("the call ran past its deadline while sending")
-            self._sock.settimeout(left)
+            self._sock.settimeout(self._left("sending"))
             super().send_packed_command([item], check_health=False)  # type: ignore[misc]
 
 
@@ -224,17 +215,10 @@ def connect(a: Any, timeout: float) -> Any:
     TLS is verified against the system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``.
     """
     kwargs: dict[str, Any] = {
-        "host": a.host,
-        "port": a.port,
-        "db": a.db,
-        "username": a.user,
-        "password": a.password,
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "parser_class": _Parser,
-        "protocol": 2,
+        "host": a.host, "port": a.port, "db": a.db, "username": a.user, "password": a.password,
+        "socket_timeout": timeout, "socket_connect_timeout": timeout, "parser_class": _Parser, "protocol": 2,
         "driver_info": None,  # no CLIENT SETINFO: two round trips per connection saved
-    }
+    }  # fmt: skip
     if not a.tls:
         return _Plain(**kwargs)  # type: ignore[no-untyped-call]
     return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=VAR_CA_BUNDLE.value(), **kwargs)
