@@ -58,18 +58,15 @@ __all__ = [
 ENV_HTTP_TIMEOUT = VAR_HTTP_TIMEOUT.name
 ENV_HTTP_TOKEN = VAR_HTTP_TOKEN.name
 ENV_CA_BUNDLE = VAR_CA_BUNDLE.name
-#: Connect and read timeouts (s) when the environment says nothing. Three seconds
-#: covers a SYN retransmit on a lossy link; ten, a cold object store's first byte.
+#: Connect and read timeouts (s): three cover a SYN retransmit; ten, a cold object store's first byte.
 DEFAULT_TIMEOUTS = (3.0, 10.0)
 #: Bytes the cache allows to arrive, or sends, earn this much time each (4 MiB/s).
 SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
-#: Requests under way at once in a process, and the connections the pool keeps per server.
-#: Sixteen covers a burst of first hits at a 20 ms round trip in about a round trip per 16,
-#: while one node never holds more than a few of a server's worker connections.
+#: Requests at once in a process, and connections kept per server: a burst of first hits at a 20 ms
+#: round trip costs about a round trip per 16, and a node holds few of a server's worker connections.
 PARALLEL = 16
 _MAX_REDIRECTS = 3
 _CHUNK = 1 << 16
-#: A ``.netrc`` larger than this is not one (a few lines per host).
 _MAX_NETRC = 1 << 20
 
 
@@ -90,13 +87,12 @@ class Reply:
 
 
 def _parse_timeouts(text: str) -> tuple[float, float]:
-    parts = [p.strip() for p in text.split(",")]
-    if not 1 <= len(parts) <= 2:
-        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10")
     try:
-        values = [float(p) for p in parts]
+        values = [float(p) for p in text.split(",")]  # float() takes the spaces around a number
     except ValueError:
-        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10") from None
+        values = []
+    if not 1 <= len(values) <= 2:
+        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10")
     if any(not 0 < v < float("inf") for v in values):  # NaN fails both
         raise ValueError("timeouts must be positive numbers of seconds")
     return (values[0], values[-1] if len(values) == 2 else DEFAULT_TIMEOUTS[1])
@@ -131,10 +127,9 @@ class _Pool:
 _POOL = _Pool()
 after_fork_call(_POOL.reset)
 
-#: ``signer(method, url, headers, body)`` -> the headers to send instead (an S3 request's signature); a file
-#: body it reads is left at its start.
+#: ``signer(method, url, headers, body)`` -> the headers to send instead (S3's signature); a file body stays at 0.
 Signer = Callable[[str, str, dict[str, str], "bytes | IO[bytes] | None"], dict[str, str]]
-#: Signers by the URL below which they sign (an S3 bucket's): :func:`sign_below`; read from a copy (threads add).
+#: Signers by the URL below which they sign (an S3 bucket's); read from a copy (threads add).
 _SIGNERS: dict[str, Signer] = {}
 
 
@@ -176,8 +171,7 @@ def _manager(tls: bool) -> Any:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context
             _POOL.timeouts = timeouts()
-            # block=False: a request never waits on urllib3 (whose wait has no deadline); the turns
-            # (PARALLEL) bound how many connections are open at once instead.
+            # block=False: never wait on urllib3 (its wait has no deadline); the turns bound the connections.
             manager = urllib3.PoolManager(num_pools=16, maxsize=PARALLEL, block=False, **tls_kw)
             manager.pool_classes_by_scheme = _watched_pools()
             _POOL.managers[tls] = manager
@@ -259,7 +253,7 @@ def _netrc_token(host: str) -> str | None:
 
 
 def deadline_for(limit: int, sent: int = 0) -> float:
-    """Seconds a request may take in all: the timeouts, and time for the bytes the cache allows (module docstring)."""
+    """Seconds a request may take in all: the timeouts, and time for the bytes the cache allows."""
     connect, read = _POOL.timeouts if _POOL.managers else timeouts()  # the pool's, read when it was made
     allowed = min(max(limit, 0), env_max_entry_size())
     return connect + read + (allowed + sent) * SLOW_LINK_S_PER_BYTE

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
 from cuda_program_cas._base.frame import Inflow, stored_limit
@@ -35,7 +35,6 @@ from .client import HttpFailure, Reply, request, request_many
 
 __all__ = ["HttpEngine"]
 
-_T = TypeVar("_T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 #: What to check when nginx refuses a HEAD or a write (each seen with nginx 1.22: tests/test_http_publish.py).
 _HINTS = {
@@ -307,16 +306,11 @@ class HttpEngine:
     def _send(
         self, method: str, name: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
     ) -> Reply:
-        url = join(self.root, name)
-        return self._counted(
-            lambda: self._vetted(
-                url, request(method, url, body=body, headers=headers, limit=1 << 16, error_limit=self.error_limit)
-            )
-        )
+        url, limits = join(self.root, name), {"limit": 1 << 16, "error_limit": self.error_limit}
+        return self._asked(method, url, self._vetted, body=body, headers=headers, **limits)
 
-    def _vetted(self, url: str, reply: Reply) -> Reply:
-        """``reply`` to a HEAD or a write; S3 raises its outages here."""
-        return reply
+    def _vetted(self, url: str, reply: Reply) -> None:
+        """Nothing: a HEAD's or a write's answer is the caller's to judge (S3 raises its outages here)."""
 
     def _refuse(self, name: str, reply: Reply, method: str) -> None:
         """Nothing for a 2xx; else the failure of ``method`` on ``name``, an outage for a 5xx."""
@@ -329,12 +323,15 @@ class HttpEngine:
         hint = _HINTS.get(reply.status) if method in ("PUT", "MKCOL") or reply.status not in (405, 500) else None
         return f" ({hint})" if hint else ""
 
-    def _counted(self, call: Callable[[], _T]) -> _T:
+    def _asked(self, method: str, url: str, vet: Callable[[str, Reply], None], **kwargs: Any) -> Reply:
+        """:func:`.client.request`, counted; ``vet`` raises the outages its answer says."""
         self.requests += 1
         try:
             if self.broken is not None:
                 raise self.broken
-            return call()
+            reply = request(method, url, **kwargs)
+            vet(url, reply)
+            return reply
         except HttpFailure as exc:
             if exc.outage:
                 self.outages += 1

@@ -43,7 +43,7 @@ from xml.etree import ElementTree
 
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities
 
-from .client import HttpFailure, Reply, request, sign_below
+from .client import HttpFailure, Reply, sign_below
 from .http import HttpEngine
 
 __all__ = ["LEASES", "S3Engine", "s3_error"]
@@ -229,10 +229,9 @@ class S3Engine(HttpEngine):
         if status == 301 or code == "PermanentRedirect":
             raise HttpFailure(url, "wrong region", f"{said}: set AWS_REGION (or the profile's region) to the bucket's")
 
-    def _vetted(self, url: str, reply: Reply) -> Reply:
+    def _vetted(self, url: str, reply: Reply) -> None:
         if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
             self._check(url, reply)
-        return reply
 
     def _why(self, reply: Reply, method: str) -> str:
         code = s3_error(reply)
@@ -257,13 +256,7 @@ class S3Engine(HttpEngine):
                 url += "&delimiter=%2F"
             if token:
                 url += f"&continuation-token={quote(token, safe='')}"
-
-            def page(url: str = url) -> Reply:
-                reply = request("GET", url, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
-                self._check(url, reply)
-                return reply
-
-            reply = self._counted(page)
+            reply = self._asked("GET", url, self._check, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
             if reply.status != 200:
                 raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
             try:
