@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.frame import room
-from cuda_program_cas._disk.layout import BLOBS, INDEX
+from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, parse_fields
 
 from .s3 import LEASES, S3Engine
@@ -89,10 +89,6 @@ def _survey(address: str) -> tuple[S3Engine, BucketFound, dict[str, BucketObject
     return engine, report, objects
 
 
-def _blob_name(digest: str) -> str:
-    return f"{BLOBS}/{digest[:2]}/{digest[2:]}"
-
-
 def _named(kid: str, data: bytes) -> tuple[str, int] | None:
     """The digest and size the manifest ``data`` of key id ``kid`` names; None when it is damaged."""
     fields = parse_fields(data) if is_key_id(kid) else None
@@ -124,7 +120,7 @@ def _check_manifests(
             bad.append(obj)
             continue
         digest, size = named_blob
-        blob = _blob_name(digest)
+        blob = url_path(BLOBS, digest)
         named.add(blob)
         held = objects.get(blob)
         if held is None:
@@ -215,7 +211,9 @@ def bucket_repack(address: str) -> BucketFound:
         digest, size = named_blob
         manifests.append(obj.name)
         # Each input's bytes are asked when the pack is written: one blob in memory at a time.
-        inputs.append((obj.key_id, digest, partial(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
+        inputs.append(
+            (obj.key_id, digest, partial(loose, url_path(BLOBS, digest), size, digest), int(obj.written * 1e9))
+        )
     for kid, pe in packed.items():
         e = pe.entry
         inputs.append((kid, e.digest, partial(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))

@@ -30,6 +30,7 @@ ranges are that many GETs at once). What differs:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -37,7 +38,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
@@ -74,10 +75,6 @@ def s3_error(reply: Reply) -> str:
 class _Aws:
     """What botocore resolved for this process: the endpoint, the region, the credentials."""
 
-    _lock = threading.Lock()
-    #: What was resolved, by the ``AWS_*`` environment it was resolved in (a test, or a process that changes it).
-    _made: ClassVar[dict[tuple[tuple[str, str], ...], _Aws]] = {}
-
     def __init__(self) -> None:
         import botocore.session
 
@@ -100,18 +97,6 @@ class _Aws:
         self._credentials: Any = None
         self._looked = False
         self._creds_lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> _Aws:
-        """What the configuration resolves to: made once per process and per ``AWS_*`` environment."""
-        key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-        with cls._lock:
-            made = cls._made.get(key)
-        if made is None:
-            made = _Aws()
-            with cls._lock:
-                made = cls._made.setdefault(key, made)
-        return made
 
     def bucket_url(self, bucket: str) -> str:
         parts = urlsplit(self.endpoint)
@@ -143,6 +128,12 @@ class _Aws:
         if body is not None and not isinstance(body, bytes):
             body.seek(0)  # hashed for the signature: it is sent from its start
         return dict(signed.headers.items())
+
+
+@functools.cache
+def _aws(environment: tuple[tuple[str, str], ...]) -> _Aws:
+    """What the configuration resolves to: made once per process and per ``AWS_*`` environment (a test changes it)."""
+    return _Aws()
 
 
 def _configured_endpoint(session: Any) -> str | None:
@@ -200,7 +191,7 @@ class S3Engine(HttpEngine):
         self.bucket = bucket
         self.prefix = prefix
         try:
-            self.aws: _Aws | None = _Aws.get()
+            self.aws: _Aws | None = _aws(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
             self.bucket_url = self.aws.bucket_url(bucket)
         except Exception as exc:  # a broken configuration is this store's outage, said at its first use
             self.aws = None
