@@ -283,11 +283,10 @@ def request(
     parts = urlsplit(url)
     manager = _manager(parts.scheme == "https")
     connect, read = _POOL.timeouts
-    host = parts.hostname or ""
     sent = dict(headers or {})
-    signers = [s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?"))]
-    signer = signers[0] if signers else None
-    token = None if signer is not None else _token(host)
+    below = (s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?")))
+    signer = next(below, None)
+    token = None if signer is not None else _token(parts.hostname or "")
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
     size = 0

@@ -92,31 +92,26 @@ class _Address:
         if not (isinstance(url, str) and url[:9].lower().startswith(("redis://", "rediss://"))):
             raise ValueError(f"not a Redis URL (redis:// or rediss://): {shown(str(url))[:200]!r}")
         parts = urlsplit(url)
-        self.tls = parts.scheme.lower() == "rediss"
-        netloc = parts.netloc
-        userinfo, _, hostport = netloc.rpartition("@")
+        userinfo, _, hostport = parts.netloc.rpartition("@")
         user, colon, password = userinfo.partition(":")
+        self.tls = parts.scheme.lower() == "rediss"
         self.user = unquote(user) or None
         self.password = unquote(password) if colon and password else None
-        host = parts.hostname
-        bracketed = hostport.startswith("[")
         where = f"{parts.scheme}://{f'{user}@' if user else ''}{hostport}{parts.path}"
-        if not host:
+        path = parts.path.strip("/")
+        if not parts.hostname:
             raise ValueError(f"a Redis URL needs a host: {where!r}")
         try:
-            port = parts.port
+            self.port = parts.port or 6379
         except ValueError:
             raise ValueError(f"a Redis URL's port is a number from 1 to 65535: {where!r}") from None
-        self.host = host
-        self.port = port or 6379
-        path = parts.path.strip("/")
         if path and not (path.isascii() and path.isdigit()):
             raise ValueError(f"a Redis URL's path is a database number (/0, /1...): {where!r}")
-        self.db = int(path or 0)
         if parts.query or parts.fragment:
             raise ValueError(f"a Redis URL takes no query or fragment: {where!r}")
-        shown_host = f"[{host}]" if bracketed else host
-        self.shown = f"{parts.scheme.lower()}://{f'{user}@' if user else ''}{shown_host}:{self.port}/{self.db}"
+        self.host, self.db = parts.hostname, int(path or 0)
+        host = f"[{self.host}]" if hostport.startswith("[") else self.host
+        self.shown = f"{parts.scheme.lower()}://{f'{user}@' if user else ''}{host}:{self.port}/{self.db}"
 
 
 def _positive_duration(text: str) -> float:
