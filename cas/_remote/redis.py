@@ -1,25 +1,10 @@
 """The Redis engine of a shared store: objects are string keys of one Redis database, read through ``redis``.
 
 redis-py is the client Redis's team keeps, pure Python, TLS through ``ssl`` (the system's
-CAs); imported at an engine's first call. Only its connection and packer are used,
-through :mod:`.resp`, which bounds every reply. An object ``name`` is the key
-``cpcas:<name>``, a lease ``cpcas:lease:<name>``; one database holds one store (``/1``).
-
-Each call is one round trip on one pooled connection:
-
-- ``get``/``get_many``: ``GETRANGE k 0 limit`` and ``EXISTS k`` per name, pipelined: the
-  server never sends more than ``limit + 1`` bytes of a value, and EXISTS tells an empty
-  value from none. No MULTI: Redis refuses to queue even reads while out of memory.
-- ``put``: ``SET`` (atomic). ``put_many``: ``MULTI``, the ``SET`` s in order, ``EXEC``: a
-  reader never sees a manifest before its blob, and an out-of-memory refusal writes none.
-- ``get_changed``: one ``EVAL`` that answers ``1`` instead of the value when its SHA-1 is the
-  tag given: an unchanged key list costs a few bytes. A server that refuses scripts (an ACL,
-  a managed service) is read by ``get`` from then on.
-- ``create``: ``SET k v NX``. ``size``: ``STRLEN`` (and ``EXISTS`` for 0). ``remove``: ``UNLINK``.
-- ``lease``: ``SET k token NX PX ttl`` and ``GET k`` in one round trip (the value tells a
-  holder from the mark one that gave up left); ``renew``/``release``: a Lua script that
-  compares the token, then acts, by ``EVALSHA`` (``EVAL`` when the server lacks it). A lease
-  dies with its TTL, however its holder died.
+CAs); imported at an engine's first call. Only its connection and packer are used, through
+:mod:`.resp`, which bounds every reply. An object ``name`` is the key ``cpcas:<name>``, a
+lease ``cpcas:lease:<name>``; one database holds one store (``/1``). Each call is one round
+trip on one pooled connection; docs/redis.md lists each method's commands and says why.
 
 Every call has one deadline (:data:`DEFAULT_TIMEOUT_S` or ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``)
 covering connect, TLS, AUTH and the whole answer, plus its bytes' time on a slow link, and

@@ -2,30 +2,21 @@
 
 ``s3://BUCKET/PREFIX`` names the store; its objects have a directory store's names
 (``PREFIX/layout.json``, ``PREFIX/index/...``), so ``aws s3 sync`` copies a store in or out.
+docs/s3.md says how a bucket is addressed, what each method asks and how leases work.
 
 botocore (imported when an ``s3://`` store is opened) only resolves the user's AWS setup,
-unchanged: the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's), read
-as its S3 client reads it; only for AWS's own endpoint is a client made to say it (its
-model loads in 0.1 to 0.2 s); the region; and at the first request the credentials by the
-standard chain, refreshed as they expire. It signs each request (SigV4). No credentials:
-requests go unsigned (a public bucket). :func:`.client.request` sends them, with its
-deadlines and bounds, not botocore's (60 s timeouts and retries). An endpoint that is not
-AWS's (SeaweedFS, MinIO, Ceph RGW, GCS), an IP address or ``localhost`` is addressed
-path-style (``ENDPOINT/BUCKET/...``), as is a bucket with a dot (its certificate would not
-match); AWS's own is virtual-host style.
+unchanged: the endpoint, read as its S3 client reads it (only for AWS's own is a client
+made to say it: its model loads in 0.1 to 0.2 s); the region; and at the first request the
+credentials by the standard chain, refreshed as they expire. It signs each request
+(SigV4; no credentials: unsigned). :func:`.client.request` sends them, with its deadlines
+and bounds, not botocore's (60 s timeouts and retries).
 
 The engine is :class:`.http.HttpEngine` over those URLs (S3 has no multi-range GET: several
-ranges are that many GETs at once). What differs:
-
-- S3's error code is named (``403 SignatureDoesNotMatch``, ``503 SlowDown``) with what to
-  check; a missing bucket is an outage, not an empty store. A plain ``PUT`` is atomic.
-- ``create``: ``PUT`` with ``If-None-Match: *`` (412, or 409 on AWS, when there is one).
-- ``names``: ListObjectsV2 with the delimiter ``/``; packs/list is written from it.
-- Leases: ``PREFIX/leases/<key id>``, created only if absent, holding the holder's token
-  and expiry (JSON). An expired one is taken over by a replace conditional on the ETag read
-  (``If-Match``: of two nodes, one gets 412); renewal is such a replace, release a delete or
-  a replace by the mark. Expiry compares clocks of nodes kept by NTP within far less than 30 s.
-- ``layout.json`` is optional: a ``|write`` node fills an empty prefix.
+ranges are that many GETs at once). What differs: S3's error code is named with what to
+check, and a missing bucket is an outage; ``create`` is a ``PUT`` with ``If-None-Match: *``;
+``names`` lists (ListObjectsV2); a lease is an object ``leases/<key id>`` created only if
+absent, holding its holder's token and expiry, taken over when expired by a replace
+conditional on its ETag; ``layout.json`` is optional (a ``|write`` node fills an empty prefix).
 """
 
 from __future__ import annotations
