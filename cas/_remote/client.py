@@ -402,19 +402,16 @@ def _read(
     if method == "HEAD":
         return Reply(resp.status, b"", head)
     absent = resp.status in (404, 410, 416)  # no such object, or no such range of it
-    if errors and not 200 <= resp.status < 300:
-        limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
-    elif absent:
-        # "No such object" (or range) whatever the limit: its page is read to reuse the connection, bounded, dropped.
-        limit, sink = max(limit, _ABSENT_PAGE), _drop
+    if not 200 <= resp.status < 300 and (errors or absent or sink):
+        # An error's body kept to be read (request's docstring); any other read to reuse the connection and
+        # dropped: "no such object" whatever the limit, up to a page.
+        limit, sink = (max(limit, errors), None) if errors else (max(limit, _ABSENT_PAGE) if absent else limit, _drop)
     length = head.get("content-length")
     if length is not None and length.strip().isdigit() and int(length) > limit:
         resp.close()  # not read: the connection cannot be reused
         if absent:
             return Reply(resp.status, b"", head)
         raise HttpFailure(url, "too large", f"{length.strip()} bytes, at most {limit} expected", outage=False)
-    if sink is not None and not 200 <= resp.status < 300:
-        sink = _drop  # another status's body is read (to reuse the connection) and dropped
     chunks: list[bytes] = []
     keep = chunks.append if sink is None else sink
     landing = None

@@ -140,13 +140,10 @@ def _configured_endpoint(session: Any) -> str | None:
             full_config=session.full_config, scoped_config=session.get_scoped_config(), client_name="s3"
         )
         found = chain.provide()
-        if not (
-            isinstance(found, str) and found and (is_valid_endpoint_url(found) or is_valid_ipv6_endpoint_url(found))
-        ):
-            return None  # none, or one a client refuses (no scheme, a bad host): the client made instead says why
+        valid = isinstance(found, str) and (is_valid_endpoint_url(found) or is_valid_ipv6_endpoint_url(found))
     except Exception:  # a broken profile too: the client made instead raises what it is
         return None
-    return found
+    return found if valid else None  # none, or one a client refuses (no scheme, a bad host): a client says why
 
 
 def _without_secrets(exc: BaseException) -> str:
