@@ -118,7 +118,7 @@ class PackEntry:
     size: int
     #: When the entry was published (ns since the epoch).
     time_ns: int
-    #: Where its index entry lies in the pack (a warm set's line names it, :func:`.packindex.entry_at` checks it);
+    #: Where its index entry lies in the pack (a warm set's line names it, :func:`entry_at` checks it);
     #: -1: unknown.
     at: int = -1
 

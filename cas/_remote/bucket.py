@@ -1,23 +1,20 @@
-"""A store in an S3 bucket, maintained where it is: its objects listed, counted, checked and collected.
-
-A bucket has no files to read and no lock file: these work on its listing (each object's
-size and when it was written) and its objects, through :class:`.s3.S3Engine`.
+"""A store in an S3 bucket, maintained where it is, from its listing (each object's size and time) and objects.
 
 - :func:`bucket_stats`: objects and bytes by kind, from the listing alone.
 - :func:`bucket_verify`: every manifest parsed, its blob present with its size (or fewer
-  bytes: compressed) and hashed, and the orphan blobs counted. It writes nothing.
-- :func:`bucket_gc`: removes, each written more than ``grace_s`` ago, orphan blobs (a young
-  one may be a write-back under way), manifests damaged or whose blob is gone, and expired
+  bytes: compressed) and hashed, the orphan blobs counted. It writes nothing.
+- :func:`bucket_gc`: removes, each written more than ``grace_s`` ago (a young one may be a
+  write-back under way), orphan blobs, manifests damaged or whose blob is gone, and expired
   leases. Packs are left alone.
-- :func:`bucket_repack`: every entry (packed and loose, each verified as read) into one
-  new pack through the one pack publisher; the packs it replaced are copied to
-  ``packs/retired/`` and removed, ``packs/list`` and ``packs/summary`` written from the
-  listing, and the loose manifests now packed removed. One repack at a time.
+- :func:`bucket_repack`: every entry (packed and loose, verified as read) into one new pack
+  through the one pack publisher; the packs it replaced copied to ``packs/retired/`` and
+  removed, ``packs/list`` and ``packs/summary`` written, the loose manifests removed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -25,7 +22,7 @@ from urllib.parse import quote
 
 from cuda_program_cas._base.engine import StoreFailure
 from cuda_program_cas._base.frame import room
-from cuda_program_cas._disk.layout import BLOBS, INDEX
+from cuda_program_cas._disk.layout import BLOBS, INDEX, url_path
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, is_digest, is_key_id, parse_fields
 
 from .s3 import LEASES, S3Engine
@@ -92,10 +89,6 @@ def _survey(address: str) -> tuple[S3Engine, BucketFound, dict[str, BucketObject
     return engine, report, objects
 
 
-def _blob_name(digest: str) -> str:
-    return f"{BLOBS}/{digest[:2]}/{digest[2:]}"
-
-
 def _named(kid: str, data: bytes) -> tuple[str, int] | None:
     """The digest and size the manifest ``data`` of key id ``kid`` names; None when it is damaged."""
     fields = parse_fields(data) if is_key_id(kid) else None
@@ -104,25 +97,30 @@ def _named(kid: str, data: bytes) -> tuple[str, int] | None:
     return fields[1], fields[2]
 
 
+def _manifests(
+    engine: S3Engine, objects: dict[str, BucketObject]
+) -> Iterator[tuple[BucketObject, tuple[str, int] | None]]:
+    """Each manifest not removed since the listing, with the digest and size it names (None: damaged)."""
+    for obj in objects.values():
+        if obj.kind == "manifests":
+            data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES) if obj.size <= MAX_MANIFEST_BYTES else b""
+            if data is not None:
+                yield obj, _named(obj.key_id, data)
+
+
 def _check_manifests(
     engine: S3Engine, objects: dict[str, BucketObject], report: BucketFound, *, hash_blobs: bool
 ) -> tuple[set[str], list[BucketObject]]:
     """The blobs the manifests name, and the manifests damaged or naming a blob gone (problems noted)."""
     named: set[str] = set()
     bad: list[BucketObject] = []
-    for obj in objects.values():
-        if obj.kind != "manifests":
-            continue
-        data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES) if obj.size <= MAX_MANIFEST_BYTES else b""
-        if data is None:
-            continue  # removed since the listing
-        named_blob = _named(obj.key_id, data)
+    for obj, named_blob in _manifests(engine, objects):
         if named_blob is None:
             report.problems.append((obj.name, "damaged manifest"))
             bad.append(obj)
             continue
         digest, size = named_blob
-        blob = _blob_name(digest)
+        blob = url_path(BLOBS, digest)
         named.add(blob)
         held = objects.get(blob)
         if held is None:
@@ -142,14 +140,14 @@ def _check_manifests(
 
 
 def bucket_verify(address: str) -> BucketFound:
-    """Every manifest and blob of the store at ``address`` checked (module docstring); nothing is written."""
+    """Every manifest and blob of the store at ``address`` checked; nothing is written."""
     engine, report, objects = _survey(address)
     _check_manifests(engine, objects, report, hash_blobs=True)
     return report
 
 
 def bucket_gc(address: str, *, grace_s: float, dry_run: bool = False) -> BucketFound:
-    """Remove the store's garbage written more than ``grace_s`` ago (module docstring); what was removed."""
+    """Remove the store's garbage written more than ``grace_s`` ago; what was removed."""
     engine, report, objects = _survey(address)
     named, bad = _check_manifests(engine, objects, report, hash_blobs=False)
     old = time.time() - grace_s
@@ -207,17 +205,15 @@ def bucket_repack(address: str) -> BucketFound:
 
     inputs: list[PackInput] = []
     manifests: list[str] = []
-    for obj in objects.values():
-        if obj.kind != "manifests" or not is_key_id(obj.key_id) or obj.size > MAX_MANIFEST_BYTES:
-            continue
-        data = engine.get(obj.name, limit=MAX_MANIFEST_BYTES)
-        named_blob = None if data is None else _named(obj.key_id, data)
+    for obj, named_blob in _manifests(engine, objects):
         if named_blob is None:
             continue  # damaged: gc's
         digest, size = named_blob
         manifests.append(obj.name)
         # Each input's bytes are asked when the pack is written: one blob in memory at a time.
-        inputs.append((obj.key_id, digest, partial(loose, _blob_name(digest), size, digest), int(obj.written * 1e9)))
+        inputs.append(
+            (obj.key_id, digest, partial(loose, url_path(BLOBS, digest), size, digest), int(obj.written * 1e9))
+        )
     for kid, pe in packed.items():
         e = pe.entry
         inputs.append((kid, e.digest, partial(ranged, pe.pack, e.offset, e.size, e.digest), e.time_ns))

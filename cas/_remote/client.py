@@ -1,62 +1,28 @@
 """The one HTTP client of the cache: urllib3's pool, bounded in time, never raising anything but :class:`HttpFailure`.
 
-Why urllib3: it is the connection pool under ``requests`` and pip, kept by a team
-that ships security fixes quickly. It gives keep-alive pools that threads share,
-per-phase timeouts, Range bodies read in chunks, a cap on redirects, and TLS
-through the standard ``ssl`` module (so the system's CAs). ``requests`` adds
-sessions and cookies the cache does not need, and brings ``certifi``'s CAs instead
-of the system's; ``httpx`` is larger and slower to import. It is imported the
-first time a request is made (about 25 ms, once per process that uses a URL).
+Why urllib3: the pool under ``requests`` and pip, quick with security fixes; keep-alive
+pools that threads share, per-phase timeouts, bodies read in chunks, TLS through ``ssl``
+(the system's CAs; ``requests`` brings certifi's, ``httpx`` is larger and slower to
+import). Imported at the first request (about 25 ms).
 
-Every request is bounded, in time and in bytes:
+Every request is bounded. One deadline covers connect, TLS, status line, headers and
+body: the connect plus the read timeout, plus a second per 4 MiB the cache allows to
+arrive (up to the entry ceiling: 64 s more at its default) or sends; a size a server
+states earns no time. At the deadline its sockets are shut down (:mod:`.deadline`), so a
+trickling server is cut off. At most ``limit`` bytes of body are read: a larger
+``Content-Length`` is refused before the body, a longer body cut off.
 
-- One deadline covers it all: connect, TLS handshake, status line, headers and
-  body must be done within the connect timeout plus the read timeout, plus one
-  second per 4 MiB the cache itself allows to arrive (``limit``, counted up to
-  the entry ceiling :func:`~cuda_program_cas._base.config.env_max_entry_size`:
-  at most 64 s more at its default) and per 4 MiB sent. A size a server states
-  earns no time. At the deadline the request's sockets are shut down
-  (:mod:`.deadline` says why that way), so a server that trickles any part of
-  its answer is cut off. Each ``recv`` also has the read timeout, and a connect
-  the connect timeout (never more than the time left). Name resolution is the
-  system resolver's, with its own timeouts.
-- At most ``limit`` bytes of body are read: a ``Content-Length`` over it is
-  refused before a byte of the body is read, a body that goes on past it is cut
-  off there. With ``sink`` the body is handed over chunk by chunk (64 KiB at
-  most) instead of gathered, so a caller can hash and stage it without holding it.
-
-Nothing is retried here: a failure is an :class:`HttpFailure`, and the store
-that asked decides (a miss, and a pause before it asks that server again).
-Redirects are followed three times at most.
-
-Requests run in parallel, bounded: at most :data:`PARALLEL` at once in a process
-(threads that look up together, and :func:`request_many`'s batches), each on a
-connection the pool keeps for the next. A request waits for its turn within its
-own deadline, so a thread behind others that hang on a dead server gives up when
-its time is up, never one timeout later; and one whose turn comes because a
-request to the same server failed as an outage meanwhile fails at once the same
-way, so a dead server costs a burst of threads one batch of requests, not two.
-
-Settings, each read once per process from the environment (a bad value: one WARNING):
-
-``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``
-    ``CONNECT[,READ]`` in seconds (``2`` or ``2,10``); default ``3,10``.
-``CUDA_PROGRAM_CAS_HTTP_TOKEN``
-    A bearer token sent to every store URL's server. Without it, a ``.netrc``
-    entry for the host (``$NETRC`` or ``~/.netrc``; its ``password`` is the token).
-    A token is never logged; a redirect to another host does not carry it. A
-    ``.netrc`` that cannot be used (not a regular file, over 1 MiB, not parsable,
-    a ``~/.netrc`` that others may read) is one WARNING naming the file, never
-    its contents, and is ignored.
-``CUDA_PROGRAM_CAS_CA_BUNDLE``
-    A PEM file of CAs trusted besides the system's (a site's own CA). HTTPS is
-    always verified; ``SSL_CERT_FILE``/``SSL_CERT_DIR`` replace the system's CAs
-    as for any OpenSSL program.
+Nothing is retried: the store that asked decides. Redirects: three at most. At most
+:data:`PARALLEL` requests run at once in a process; one waits for its turn within its own
+deadline, and one whose turn came because a request to the same server failed as an
+outage meanwhile fails at once, so a dead server costs a burst of threads one batch of
+requests, not two. The settings (docs/http.md: ``CUDA_PROGRAM_CAS_HTTP_TIMEOUT``,
+``CUDA_PROGRAM_CAS_HTTP_TOKEN`` or a ``.netrc`` entry, ``CUDA_PROGRAM_CAS_CA_BUNDLE``) are
+read once per process; a token is never logged, nor sent on a redirect to another host.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import threading
@@ -66,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit
 
-from cuda_program_cas._base.config import env_max_entry_size, env_value, say_once
+from cuda_program_cas._base.config import VAR_CA_BUNDLE, VAR_HTTP_TIMEOUT, VAR_HTTP_TOKEN, env_max_entry_size, say_once
 from cuda_program_cas._base.engine import Landing, StoreFailure
 from cuda_program_cas._base.errors import without_frames
 from cuda_program_cas._base.fork import ForkSafeLock, after_fork_call
@@ -81,7 +47,6 @@ __all__ = [
     "SLOW_LINK_S_PER_BYTE",
     "HttpFailure",
     "Reply",
-    "ca_bundle",
     "close_connections",
     "deadline_for",
     "request",
@@ -90,37 +55,26 @@ __all__ = [
     "timeouts",
 ]
 
-ENV_HTTP_TIMEOUT = "CUDA_PROGRAM_CAS_HTTP_TIMEOUT"
-ENV_HTTP_TOKEN = "CUDA_PROGRAM_CAS_HTTP_TOKEN"  # noqa: S105 - the variable's name, not a token
-ENV_CA_BUNDLE = "CUDA_PROGRAM_CAS_CA_BUNDLE"
-#: Connect and read timeouts (s) when the environment says nothing. Three seconds
-#: covers a SYN retransmit on a lossy link; ten, a cold object store's first byte.
+ENV_HTTP_TIMEOUT = VAR_HTTP_TIMEOUT.name
+ENV_HTTP_TOKEN = VAR_HTTP_TOKEN.name
+ENV_CA_BUNDLE = VAR_CA_BUNDLE.name
+#: Connect and read timeouts (s): three cover a SYN retransmit; ten, a cold object store's first byte.
 DEFAULT_TIMEOUTS = (3.0, 10.0)
 #: Bytes the cache allows to arrive, or sends, earn this much time each (4 MiB/s).
 SLOW_LINK_S_PER_BYTE = 1 / (4 << 20)
-#: Requests under way at once in a process, and the connections the pool keeps per server.
-#: Sixteen covers a burst of first hits at a 20 ms round trip in about a round trip per 16,
-#: while one node never holds more than a few of a server's worker connections.
+#: Requests at once in a process, and connections kept per server: a burst of first hits at a 20 ms
+#: round trip costs about a round trip per 16, and a node holds few of a server's worker connections.
 PARALLEL = 16
 _MAX_REDIRECTS = 3
 _CHUNK = 1 << 16
-#: A ``.netrc`` larger than this is not one (a few lines per host).
 _MAX_NETRC = 1 << 20
-_log = logging.getLogger("cuda_program_cas")
 
 
 class HttpFailure(StoreFailure):
     """A request that got no usable answer: ``kind`` says what (``refused``, ``timeout``, ``tls``...).
 
-    ``outage`` is True when the server (or the way to it) may be down, so asking it
-    again at once would cost another timeout; False when only this answer was bad.
-    A :class:`~cuda_program_cas._base.engine.StoreFailure`, so the store above an
-    HTTP engine takes it as any engine's; ``url`` is its ``where``.
+    ``outage``: the server (or the way to it) may be down, so asking again at once would cost another timeout.
     """
-
-    def __init__(self, url: str, kind: str, detail: str, *, outage: bool = True) -> None:
-        super().__init__(url, kind, detail, outage=outage)
-        self.url = url
 
 
 @dataclass(frozen=True)
@@ -133,13 +87,12 @@ class Reply:
 
 
 def _parse_timeouts(text: str) -> tuple[float, float]:
-    parts = [p.strip() for p in text.split(",")]
-    if not 1 <= len(parts) <= 2:
-        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10")
     try:
-        values = [float(p) for p in parts]
+        values = [float(p) for p in text.split(",")]  # float() takes the spaces around a number
     except ValueError:
-        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10") from None
+        values = []
+    if not 1 <= len(values) <= 2:
+        raise ValueError("expected CONNECT or CONNECT,READ in seconds, e.g. 3,10")
     if any(not 0 < v < float("inf") for v in values):  # NaN fails both
         raise ValueError("timeouts must be positive numbers of seconds")
     return (values[0], values[-1] if len(values) == 2 else DEFAULT_TIMEOUTS[1])
@@ -151,43 +104,32 @@ def _parse_file(text: str) -> str:
     return text
 
 
-def ca_bundle() -> str | None:
-    """``$CUDA_PROGRAM_CAS_CA_BUNDLE``: a PEM file of CAs trusted besides the system's (HTTPS and ``rediss://``)."""
-    return env_value(ENV_CA_BUNDLE, _parse_file)
-
-
 class _Pool:
     """This process's urllib3 pool manager and settings, made at the first request."""
 
     def __init__(self) -> None:
         self.lock = ForkSafeLock()
+        self.timeouts = DEFAULT_TIMEOUTS
+        self.reset()
+
+    def reset(self) -> None:
+        # A forked child must not share its parent's sockets: it opens its own (and its own threads).
         #: Pool managers for http and for https URLs (the latter alone loads the CAs: ~70 ms).
         self.managers: dict[bool, Any] = {}
-        self.timeouts = DEFAULT_TIMEOUTS
         self.tokens: dict[str, str | None] = {}
-
         #: Turns to make a request (:data:`PARALLEL`), and the threads that run :func:`request_many`'s.
         self.slots = threading.BoundedSemaphore(PARALLEL)
         self.workers: Any = None
         #: Server (host:port) -> when a request to it last failed as an outage, and how.
         self.down: dict[str, tuple[float, str]] = {}
 
-    def reset(self) -> None:
-        # A forked child must not share its parent's sockets: it opens its own (and its own threads).
-        self.managers = {}
-        self.tokens = {}
-        self.slots = threading.BoundedSemaphore(PARALLEL)
-        self.workers = None
-        self.down = {}
-
 
 _POOL = _Pool()
 after_fork_call(_POOL.reset)
 
-#: ``signer(method, url, headers, body)`` -> the headers to send instead (an S3 request's signature); a file
-#: body it reads is left at its start.
+#: ``signer(method, url, headers, body)`` -> the headers to send instead (S3's signature); a file body stays at 0.
 Signer = Callable[[str, str, dict[str, str], "bytes | IO[bytes] | None"], dict[str, str]]
-#: Signers by the URL below which they sign (an S3 bucket's): :func:`sign_below`; read from a copy (threads add).
+#: Signers by the URL below which they sign (an S3 bucket's); read from a copy (threads add).
 _SIGNERS: dict[str, Signer] = {}
 
 
@@ -207,8 +149,8 @@ def close_connections() -> None:
 
 def timeouts() -> tuple[float, float]:
     """The connect and read timeouts this process uses, in seconds."""
-    value = env_value(ENV_HTTP_TIMEOUT, _parse_timeouts)
-    return DEFAULT_TIMEOUTS if value is None else value
+    value: tuple[float, float] | None = VAR_HTTP_TIMEOUT.value()
+    return value or DEFAULT_TIMEOUTS
 
 
 def _manager(tls: bool) -> Any:
@@ -224,81 +166,63 @@ def _manager(tls: bool) -> Any:
                 import ssl
 
                 context = ssl.create_default_context()  # the system's CAs (or SSL_CERT_FILE's), verified
-                bundle = ca_bundle()
+                bundle = VAR_CA_BUNDLE.value()
                 if bundle is not None:
                     context.load_verify_locations(cafile=bundle)
                 tls_kw["ssl_context"] = context
             _POOL.timeouts = timeouts()
-            # block=False: a request never waits on urllib3 (whose wait has no deadline); the turns
-            # (PARALLEL) bound how many connections are open at once instead.
+            # block=False: never wait on urllib3 (its wait has no deadline); the turns bound the connections.
             manager = urllib3.PoolManager(num_pools=16, maxsize=PARALLEL, block=False, **tls_kw)
             manager.pool_classes_by_scheme = _watched_pools()
             _POOL.managers[tls] = manager
         return _POOL.managers[tls]
 
 
-_WATCHED: dict[str, Any] = {}
-
-
 def _watched_pools() -> dict[str, Any]:
-    """urllib3's pools, with connections whose sockets join the request's deadline (:mod:`.deadline`).
+    """urllib3's pools, whose connections' sockets join the request's deadline (:mod:`.deadline`).
 
-    A new connection's socket joins once TCP is connected, before the TLS
-    handshake (which the deadline then covers); a reused one's as its request
-    is sent. The connect itself gets the time left, if less than the connect timeout.
+    A new socket joins once TCP is connected, before the TLS handshake; a reused one as its
+    request is sent. The connect gets the time left, if less than the connect timeout.
     """
-    if _WATCHED:
-        return _WATCHED
     from urllib3.connection import HTTPConnection, HTTPSConnection
     from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-    def _new_conn(base: Any) -> Any:
-        def new_conn(self: Any) -> Any:
+    class Watched:
+        timeout: Any
+        sock: Any
+
+        def _new_conn(self) -> Any:
             w = current()
             if w is not None and isinstance(self.timeout, (int, float)):
                 self.timeout = min(self.timeout, max(w.left(), 0.001))
-            sock = base._new_conn(self)
+            sock = super()._new_conn()  # type: ignore[misc]
             if w is not None:
                 w.add(sock)
             return sock
 
-        return new_conn
-
-    def _request(base: Any) -> Any:
-        def request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def request(self, *args: Any, **kwargs: Any) -> Any:
             w = current()
             if w is not None and self.sock is not None:
                 w.add(self.sock)
-            return base.request(self, *args, **kwargs)
+            return super().request(*args, **kwargs)  # type: ignore[misc]
 
-        return request
-
-    conns = {
-        base: type(f"Watched{base.__name__}", (base,), {"_new_conn": _new_conn(base), "request": _request(base)})
-        for base in (HTTPConnection, HTTPSConnection)
-    }
-    pools = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
-    for scheme, pool, conn in pools:
-        _WATCHED[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": conns[conn]})
-    return _WATCHED
+    kinds = (("http", HTTPConnectionPool, HTTPConnection), ("https", HTTPSConnectionPool, HTTPSConnection))
+    return {scheme: type(pool.__name__, (pool,), {"ConnectionCls": type(conn.__name__, (Watched, conn), {})})
+            for scheme, pool, conn in kinds}  # fmt: skip
 
 
 def _token(host: str) -> str | None:
     """The bearer token for ``host``: the environment's, else ``.netrc``'s password for it, else None."""
-    if host in _POOL.tokens:
-        return _POOL.tokens[host]
-    token = os.environ.get(ENV_HTTP_TOKEN) or _netrc_token(host)
-    _POOL.tokens[host] = token
-    return token
+    if host not in _POOL.tokens:
+        _POOL.tokens[host] = VAR_HTTP_TOKEN.value() or _netrc_token(host)
+    return _POOL.tokens[host]
 
 
 def _netrc_token(host: str) -> str | None:
     """The password of ``host``'s ``.netrc`` entry (``$NETRC``, else ``~/.netrc``); None, one WARNING where unusable.
 
-    The file is checked before it is parsed: a FIFO would hang the open, a huge
-    file is not a ``.netrc``. Python's parser refuses a ``~/.netrc`` that group or
-    others may read (as ftp does), which is said as such. Its messages may quote
-    the file, so only the file's name and the line are logged, never a token.
+    Checked before it is parsed: a FIFO would hang the open. The parser's messages may
+    quote the file, so only its name and the line are logged, never a token.
     """
     import netrc
 
@@ -317,12 +241,9 @@ def _netrc_token(host: str) -> str | None:
         try:
             entry = netrc.netrc(given).authenticators(host)
         except netrc.NetrcParseError as exc:
-            permissive = "permissive" in exc.msg or "owner" in exc.msg
-            why = (
-                "group or others may read it, or another user owns it (chmod 600)"
-                if permissive
-                else f"it cannot be parsed (line {exc.lineno})"
-            )
+            why = f"it cannot be parsed (line {exc.lineno})"
+            if "permissive" in exc.msg or "owner" in exc.msg:
+                why = "group or others may read it, or another user owns it (chmod 600)"
         except (OSError, ValueError) as exc:  # unreadable, or not text (UnicodeDecodeError)
             why = f"it cannot be read ({type(exc).__name__})"
         else:
@@ -332,7 +253,7 @@ def _netrc_token(host: str) -> str | None:
 
 
 def deadline_for(limit: int, sent: int = 0) -> float:
-    """Seconds a request may take in all: the timeouts, and time for the bytes the cache allows (module docstring)."""
+    """Seconds a request may take in all: the timeouts, and time for the bytes the cache allows."""
     connect, read = _POOL.timeouts if _POOL.managers else timeouts()  # the pool's, read when it was made
     allowed = min(max(limit, 0), env_max_entry_size())
     return connect + read + (allowed + sent) * SLOW_LINK_S_PER_BYTE
@@ -350,15 +271,11 @@ def request(
 ) -> Reply:
     """``method`` on ``url``; the reply whatever its status, or :class:`HttpFailure`.
 
-    At most ``limit`` bytes of body are accepted: a longer one (said by its
-    ``Content-Length`` or found while reading) is a failure that is not an outage.
-    With ``sink``, a 2xx answer's body is given to ``sink`` chunk by chunk (of
-    64 KiB at most) as it arrives and the reply's ``body`` is empty; an exception
-    from ``sink`` ends the request and reaches the caller. ``body`` is bytes, or a
-    binary file read from its start and sent with its size as ``Content-Length``
-    (a large upload is never held in memory). The whole request has one deadline
-    (:func:`deadline_for`). ``error_limit``: a body of another status than 2xx is kept
-    (not given to ``sink``) up to this, whatever ``limit``: an S3 error's XML names it.
+    A body over ``limit`` bytes is a failure, not an outage. With ``sink``, a 2xx body is given
+    to it chunk by chunk (64 KiB at most) and the reply's ``body`` is empty; an exception from
+    ``sink`` reaches the caller. ``body`` is bytes, or a binary file sent from its start with
+    its ``Content-Length`` (never held in memory). ``error_limit``: a body of another status
+    than 2xx is kept up to this, whatever ``limit`` (an S3 error's XML names it).
     """
     import urllib3
     from urllib3.exceptions import HTTPError as _Urllib3Error
@@ -366,11 +283,10 @@ def request(
     parts = urlsplit(url)
     manager = _manager(parts.scheme == "https")
     connect, read = _POOL.timeouts
-    host = parts.hostname or ""
     sent = dict(headers or {})
-    signers = [s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?"))]
-    signer = signers[0] if signers else None
-    token = None if signer is not None else _token(host)
+    below = (s for root, s in list(_SIGNERS.items()) if url == root or url.startswith((root + "/", root + "?")))
+    signer = next(below, None)
+    token = None if signer is not None else _token(parts.hostname or "")
     if token is not None:
         sent["Authorization"] = f"Bearer {token}"
     size = 0
@@ -409,13 +325,9 @@ def request(
                 retries=retries,
                 preload_content=False,
             )
-        except _Urllib3Error as exc:
+        except (_Urllib3Error, OSError, ValueError) as exc:  # OSError, ValueError: unwrapped, a malformed URL
+            # without_frames: its traceback would keep the callers' frames (Program's) alive (errors.py).
             raise _late(url, total) if w.done() else _failure(url, without_frames(exc)) from None
-        except (OSError, ValueError) as exc:  # a socket error urllib3 did not wrap, a malformed URL
-            without_frames(exc)  # its traceback would keep the callers' frames (Program's) alive: see errors.py
-            if w.done():
-                raise _late(url, total) from None
-            raise HttpFailure(url, "error", f"{type(exc).__name__}: {exc}") from None
         try:
             reply = _read(resp, url, method, limit, sink, errors=error_limit)
         except HttpFailure as exc:
@@ -438,12 +350,10 @@ _T = TypeVar("_T")
 
 
 def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
-    """Each of ``calls`` (each makes one request or a few), run in parallel, their results in order.
+    """Each of ``calls`` (each makes a request or a few), :data:`PARALLEL` at once, their results in order.
 
-    At most :data:`PARALLEL` run at once (the process's threads for it, made at the first
-    call). The first :class:`HttpFailure` that is an outage cancels the calls not yet
-    started and is raised once the started ones are done (each within its own deadline);
-    any other exception is raised likewise, after them.
+    An outage cancels the calls not yet started; it (else the first exception) is raised once
+    the started ones are done, each within its own deadline.
     """
     if len(calls) <= 1:
         return [call() for call in calls]
@@ -457,16 +367,13 @@ def request_many(calls: Sequence[Callable[[], _T]]) -> list[_T]:
     failure: BaseException | None = None
     results: list[Any] = []
     for future in futures:
-        if future.cancelled():
-            results.append(None)
-            continue
         try:
             results.append(future.result())
-        except BaseException as exc:  # raised below, once every started call is done
+        except BaseException as exc:  # raised below, once every started call is done (a cancelled one: the outage)
             results.append(None)
-            if failure is None or (isinstance(exc, HttpFailure) and exc.outage and not _is_outage(failure)):
+            if failure is None or (_is_outage(exc) and not _is_outage(failure)):
                 failure = exc
-            if isinstance(exc, HttpFailure) and exc.outage:
+            if _is_outage(exc):
                 for rest in futures:
                     rest.cancel()  # a dead server: no more requests to it
     if failure is not None:
@@ -488,26 +395,23 @@ def _late(url: str, total: float) -> HttpFailure:
 def _read(
     resp: Any, url: str, method: str, limit: int, sink: Callable[[bytes], object] | None, *, errors: int
 ) -> Reply:
-    """The reply of ``resp`` with its body (or its body given to ``sink``); the response is closed on any failure."""
+    """The reply of ``resp`` with its body (or given to ``sink``); the response is closed on any failure."""
     from urllib3.exceptions import HTTPError as _Urllib3Error
 
     head = {k.lower(): v for k, v in resp.headers.items()}
     if method == "HEAD":
         return Reply(resp.status, b"", head)
     absent = resp.status in (404, 410, 416)  # no such object, or no such range of it
-    if errors and not 200 <= resp.status < 300:
-        limit, sink = max(limit, errors), None  # an error's body, kept to be read (request's docstring)
-    elif absent:
-        # "No such object" (or range) whatever the limit: its page is read to reuse the connection, bounded, dropped.
-        limit, sink = max(limit, _ABSENT_PAGE), _drop
+    if not 200 <= resp.status < 300 and (errors or absent or sink):
+        # An error's body kept to be read (request's docstring); any other read to reuse the connection and
+        # dropped: "no such object" whatever the limit, up to a page.
+        limit, sink = (max(limit, errors), None) if errors else (max(limit, _ABSENT_PAGE) if absent else limit, _drop)
     length = head.get("content-length")
     if length is not None and length.strip().isdigit() and int(length) > limit:
         resp.close()  # not read: the connection cannot be reused
         if absent:
             return Reply(resp.status, b"", head)
         raise HttpFailure(url, "too large", f"{length.strip()} bytes, at most {limit} expected", outage=False)
-    if sink is not None and not 200 <= resp.status < 300:
-        sink = _drop  # another status's body is read (to reuse the connection) and dropped
     chunks: list[bytes] = []
     keep = chunks.append if sink is None else sink
     landing = None
@@ -529,10 +433,8 @@ def _read(
     def read(n: int) -> bytes:  # a failure of the connection is an HttpFailure (a sink's own failure is not one)
         try:
             return bytes(read1(n))
-        except _Urllib3Error as exc:
+        except (_Urllib3Error, OSError) as exc:
             raise _failure(url, without_frames(exc)) from None
-        except OSError as exc:
-            raise HttpFailure(url, "error", f"{type(exc).__name__}: {without_frames(exc)}") from None
 
     try:
         while True:

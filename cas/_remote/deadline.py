@@ -1,11 +1,10 @@
 """One deadline per request: a watchdog thread shuts a request's sockets down when its time is up.
 
-A socket timeout bounds each ``recv``, not a request: a server trickling a byte every half
-second meets every one for days (urllib3's ``Timeout(total=)`` too). ``shutdown(SHUT_RDWR)``
-from another thread needs no hook into http.client or ssl: whatever blocks on the socket
-returns at once. One thread per process serves every request, sleeping until the earliest
-deadline. :meth:`Watch.done` runs under its lock, so a finished request is never shut down,
-and one that was knows it (``fired``) and closes its connection rather than pool it.
+A socket timeout bounds each ``recv``, not a request: a byte every half second meets every
+one for days (urllib3's ``Timeout(total=)`` too). ``shutdown(SHUT_RDWR)`` from another thread
+needs no hook into http.client or ssl: whatever blocks on the socket returns at once. One
+thread per process sleeps until the earliest deadline. :meth:`Watch.done` runs under its
+lock, so a finished request is never shut down, and one that was knows it (``fired``).
 """
 
 from __future__ import annotations

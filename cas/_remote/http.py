@@ -1,39 +1,22 @@
 """The HTTP engine of a shared store: its objects are files behind a web server, read by GET, written by WebDAV.
 
-The store is static files in the directory layout (``layout.json``, ``index/``,
-``blobs/``, ``packs/``), so any server that serves files can serve it: nginx,
-Apache, an object store behind HTTPS. It implements
-:class:`cuda_program_cas._base.engine.Engine`; the lookup over it (the layout,
-the loose entry, the pause after an outage) is :class:`cuda_program_cas._shared.tier.Tier`'s,
-and its packs are :class:`.httppacks.HttpPacks`.
+The store is static files in the directory layout, so any server of files serves it
+(nginx, Apache, an object store behind HTTPS). Every request goes through
+:func:`.client.request`, which bounds it in time and bytes. 200 is the object, 404 none;
+a 5xx, 401 or 403 is an outage (a wrong token is wrong for every object); any other
+status is ``damaged``.
 
-- ``get``: one GET through the one client (:func:`.client.request`), which bounds
-  it in time and in bytes. 200 is the object, 404 none. A 5xx is an outage; 401
-  and 403 are ``denied`` and an outage too (the token is wrong for every object,
-  not only this one). Any other status is a ``damaged`` answer.
-- ``get`` with a ``digest`` (a blob): the body is decoded as it arrives (one
-  :class:`~cuda_program_cas._base.frame.Inflow`: a framed blob decompressed,
-  bounded by its stated size, a raw one passed through) and its raw bytes hashed;
-  past :data:`~cuda_program_cas._disk.intake.IN_MEMORY_BYTES` of them they go to a staging file in the local
-  cache's ``tmp/`` (:class:`cuda_program_cas._disk.intake.Intake`) rather than
-  into memory, and only bytes that proved to be the blob are read back. Running
-  out of memory or of staging disk meanwhile is this node's trouble: a StoreFailure of kind
-  :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
-- ``get_changed``: a GET with ``If-None-Match`` (the ETag of the copy in hand;
-  nginx gives one to every static file): 304 is "unchanged".
-- ``size``: HEAD. ``put``/``put_many``: WebDAV PUTs (:func:`.dav.put`: the server
-  renames a PUT's body onto its target once whole, so a reader never sees a
-  part), in order: a blob before the manifest that names it. ``remove``: DELETE.
-- ``get_range``/``get_tail``: one ``Range`` GET, a range streamed into a sink where one is given
-  (a packed hit); ``get_ranges``: several in one (a multipart answer). A ``200`` to a
-  ``Range`` request is ``no range``: a server that ignores it.
-- Its record (:class:`~cuda_program_cas._base.engine.Abilities`): ranges, several
-  ranges in one request (its packs' multipart reads), conditional reads; remote, a
-  server's answers. No conditional create and no leases: nginx's WebDAV ignores
-  conditional PUTs, so per-node claims remain. No listing (no index of a folder).
-
-:attr:`HttpEngine.requests` counts the requests made (the tests read it); :attr:`HttpEngine.outages` the outages met
-(the packs list again after one).
+- ``get`` of a blob decodes the body as it arrives (:class:`~cuda_program_cas._base.frame.Inflow`)
+  and hashes its raw bytes into an :class:`~cuda_program_cas._disk.intake.Intake`, which
+  stages a large one in the local cache's ``tmp/``. Running out of memory or staging disk
+  is this node's trouble: kind :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
+- ``get_changed``: ``If-None-Match`` with the ETag in hand (nginx gives every file one); 304 is unchanged.
+- ``size``: HEAD. ``put``: a WebDAV PUT (nginx renames a whole body onto its target, so a
+  reader never sees a part); a 409 makes the missing folders by MKCOL. ``put_many`` puts in
+  order, a blob before its manifest. ``remove``: DELETE.
+- Ranged reads: one ``Range`` GET, or several ranges in one (:mod:`.multipart`). A ``200``
+  to a ``Range`` request is ``no range``: the server ignores it.
+- No conditional create and no leases (nginx's WebDAV ignores conditional PUTs), no listing.
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
 from cuda_program_cas._base.frame import Inflow, stored_limit
@@ -52,37 +35,47 @@ from .client import HttpFailure, Reply, request, request_many
 
 __all__ = ["HttpEngine"]
 
-_T = TypeVar("_T")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+#: What to check when nginx refuses a HEAD or a write (each seen with nginx 1.22: tests/test_http_publish.py).
+_HINTS = {
+    401: "the server wants a token: set CUDA_PROGRAM_CAS_HTTP_TOKEN or a ~/.netrc entry for the host, with write "
+    "access for a publish",
+    405: "the server does not accept WebDAV writes there: nginx needs dav_methods PUT MKCOL",
+    413: "the body is too large for the server: nginx needs client_max_body_size 0",
+    500: "the server could not store it; with nginx, likely causes: the folder is not writable by nginx's worker "
+    "user, create_full_put_path is off and a folder is missing, or the disk (or client_body_temp_path's) is "
+    "full; nginx's error log says which",
+}
+_HINTS[403] = _HINTS[401]
 
 
 class HttpEngine:
-    """The objects of the store at ``url`` (``http(s)://host[:port]/path``); see the module docstring.
+    """The objects of the store at ``url`` (``http(s)://host[:port]/path``); a bad URL is a ``ValueError``.
 
-    ``staging``: the local cache's ``tmp/``, where a large body waits while it is
-    verified (None: in memory). A bad URL is a ``ValueError``; nothing is asked
-    before the first call.
+    ``staging``: the local cache's ``tmp/``, where a large body waits while it is verified (None: in memory).
     """
 
     can = Abilities(ranges=True, multi_range=True, conditional_get=True, remote=True, server=True)
     lost_hint = "is it a real WebDAV store?"
     #: How much of an error answer's body :meth:`fetch` keeps (S3 reads its error code there).
     error_limit = 0
-    #: Why every request fails before it is sent (S3: an AWS configuration that cannot be used), or None.
-    broken: HttpFailure | None = None
+    #: A PUT answered 409 (a folder missing) makes the folders by MKCOL.
+    dav = True
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
         self.root = normalize_store_url(url)
         #: The store's address as it may be logged (a store URL has no credentials in it).
         self.shown = shown(self.root)
         self.staging = staging
+        #: Why every request fails before it is sent (S3: an AWS configuration that cannot be used), or None.
+        self.broken: HttpFailure | None = None
         #: Requests this engine made (for the tests and the benchmarks).
         self.requests = 0
         #: Outages met: a 5xx, denied, or no answer at all.
         self.outages = 0
 
     def __repr__(self) -> str:
-        return f"HttpEngine({self.shown!r})"
+        return f"{type(self).__name__}({self.shown!r})"
 
     # -- reads -------------------------------------------------------------------------
 
@@ -119,11 +112,7 @@ class HttpEngine:
         stored = stored_limit(limit, digest)
         if digest is None:
             reply = self.fetch(name, limit=stored)
-            if reply.status == 404:
-                return None
-            if reply.status != 200:
-                raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
-            return reply.body
+            return reply.body if self._found(name, reply) else None
         try:
             with Intake(self.staging) as body:
                 flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
@@ -142,29 +131,18 @@ class HttpEngine:
     def get_changed(
         self, name: str, *, limit: int, tag: str | None
     ) -> tuple[bytes | bytearray | None, str | None] | None:
-        """None when ``name`` still has the ETag ``tag`` (a 304); else its bytes (None: a 404) and ETag.
-
-        The body is gathered in one growing buffer, not in chunks joined at the end:
-        a key list of 16 MiB is held once while it arrives, not twice.
-        """
-        into = bytearray()
+        """None when ``name`` still has the ETag ``tag`` (a 304); else its bytes (None: a 404) and ETag."""
+        into = bytearray()  # one growing buffer: a key list of 16 MiB held once while it arrives, not twice
         reply = self.fetch(name, limit=limit, headers={"If-None-Match": tag} if tag else None, sink=into.extend)
         if reply.status == 304 and tag:
             return None
-        if reply.status == 404:
-            return None, None
-        if reply.status != 200:
-            raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
-        return into, reply.headers.get("etag")
+        return (into, reply.headers.get("etag")) if self._found(name, reply) else (None, None)
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
         """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16.
 
-        Each answer lands in a buffer of its limit made, and handed over as ``bytes``,
-        here in the caller's thread: done by the pool's threads, the memory of one batch
-        after another stayed with each thread's allocator arena (a warm set's loose fetch
-        of 40 entries of 4 MiB peaked at 39 MB over its baseline, batches of 8 MiB); done
-        here, the next batch reuses what the last one freed (under 16 MiB).
+        The buffers are made here, in the caller's thread: made by the pool's threads they stayed
+        in each thread's allocator arena (40 entries of 4 MiB peaked 39 MB over the baseline; here, under 16).
         """
         limits = limits_of(names, limit)
         landings = [Landing(n) for n in limits]
@@ -175,13 +153,13 @@ class HttpEngine:
         return [at.value() if ok else None for ok, at in zip(found, landings, strict=True)]
 
     def _landed(self, name: str, limit: int, landing: Landing) -> bool:
-        """GET ``name`` into ``landing``: False for a 404."""
-        reply = self.fetch(name, limit=limit, sink=landing.take)
-        if reply.status == 404:
-            return False
-        if reply.status != 200:
+        return self._found(name, self.fetch(name, limit=limit, sink=landing.take))
+
+    def _found(self, name: str, reply: Reply) -> bool:
+        """True for a 200, False for a 404; any other status is a ``damaged`` answer."""
+        if reply.status not in (200, 404):
             raise StoreFailure(join(self.root, name), "damaged", f"status {reply.status}", outage=False)
-        return True
+        return reply.status == 200
 
     def get_range(
         self, name: str, offset: int, length: int, *, sink: Callable[[bytes], object] | None = None
@@ -292,40 +270,75 @@ class HttpEngine:
             raise StoreFailure(exc.where, "no range", "the whole object to a Range request", outage=False) from None
         return None if reply.status in (404, 410) else reply
 
+    # -- HEAD and WebDAV writes: nginx's dav module renames a whole PUT body onto its target ---
+
     def size(self, name: str) -> int | None:
-        from .dav import size_of
-
-        self.requests += 1
-        return self._counted(lambda: size_of(join(self.root, name)))
-
-    # -- writes (a store named writable, and publish) ------------------------------------
+        """``name``'s ``Content-Length`` by HEAD (-1 when unsaid); None when there is none."""
+        reply = self._send("HEAD", name)
+        if reply.status in (404, 410):
+            return None
+        self._refuse(name, reply, "HEAD")
+        length = reply.headers.get("content-length", "")
+        return int(length) if length.isdigit() else -1
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:
-        from .dav import put
-
-        self.requests += 1
-        return f"{self._counted(lambda: put(join(self.root, name), data, root=self.root))} to PUT"
+        reply = self._send("PUT", name, data)
+        if reply.status == 409 and self.dav:  # a folder is missing: MKCOL each, top down (405: it exists)
+            level = ""
+            for part in ["", *name.split("/")[:-1]]:
+                level += f"{part}/" if part else ""
+                made = self._send("MKCOL", level)
+                if made.status != 405:
+                    self._refuse(level, made, "MKCOL")
+            reply = self._send("PUT", name, data)
+        self._refuse(name, reply, "PUT")
+        return f"{reply.status} to PUT"
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         for name, data in items:  # one at a time, in order: a manifest never lands before its blob
             self.put(name, data)
 
     def remove(self, name: str) -> None:
-        from .dav import delete
+        reply = self._send("DELETE", name)
+        if reply.status not in (404, 410):
+            self._refuse(name, reply, "DELETE")
 
+    def _send(
+        self, method: str, name: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
+    ) -> Reply:
+        url, limits = join(self.root, name), {"limit": 1 << 16, "error_limit": self.error_limit}
+        return self._asked(method, url, self._vetted, body=body, headers=headers, **limits)
+
+    def _vetted(self, url: str, reply: Reply) -> None:
+        """Nothing: a HEAD's or a write's answer is the caller's to judge (S3 raises its outages here)."""
+
+    def _refuse(self, name: str, reply: Reply, method: str) -> None:
+        """Nothing for a 2xx; else the failure of ``method`` on ``name``, an outage for a 5xx."""
+        if not 200 <= reply.status < 300:
+            detail = f"{method} answered {reply.status}{self._why(reply, method)}"
+            where = shown(join(self.root, name))
+            raise HttpFailure(where, f"HTTP {reply.status}", detail, outage=reply.status >= 500)
+
+    def _why(self, reply: Reply, method: str) -> str:
+        hint = _HINTS.get(reply.status) if method in ("PUT", "MKCOL") or reply.status not in (405, 500) else None
+        return f" ({hint})" if hint else ""
+
+    def _asked(self, method: str, url: str, vet: Callable[[str, Reply], None], **kwargs: Any) -> Reply:
+        """:func:`.client.request`, counted; ``vet`` raises the outages its answer says."""
         self.requests += 1
-        self._counted(lambda: delete(join(self.root, name)))
-
-    def _counted(self, call: Callable[[], _T]) -> _T:
         try:
-            return call()
+            if self.broken is not None:
+                raise self.broken
+            reply = request(method, url, **kwargs)
+            vet(url, reply)
+            return reply
         except HttpFailure as exc:
             if exc.outage:
                 self.outages += 1
             raise
 
     def close(self) -> None:
-        """Nothing: the connections are the process's pool's (:func:`.client.close_connections`), shared by stores."""
+        """Nothing: the connections are the process's pool's, shared by stores."""
 
 
 if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares

@@ -1,64 +1,24 @@
 """The Redis engine of a shared store: objects are string keys of one Redis database, read through ``redis``.
 
-Why ``redis`` (redis-py): it is the client Redis's own team keeps, pure Python, with
-TLS through the standard ``ssl`` module (so the system's CAs). It is imported the
-first time an engine talks to its server, never by ``import cuda_program_cas``.
-Only its connection and its packer are used, through :mod:`.resp`, which bounds
-every reply; its client class (retries, response callbacks) is not.
+redis-py is the client Redis's team keeps, pure Python, TLS through ``ssl`` (the system's
+CAs); imported at an engine's first call. Only its connection and packer are used, through
+:mod:`.resp`, which bounds every reply. An object ``name`` is the key ``cpcas:<name>``, a
+lease ``cpcas:lease:<name>``; one database holds one store (``/1``). Each call is one round
+trip on one pooled connection; docs/redis.md lists each method's commands and says why.
 
-Keys: an object ``name`` (``index/ab/cdef...``) is the string key ``cpcas:<name>``
-(:data:`KEY_PREFIX`); a lease ``name`` is ``cpcas:lease:<name>``. One database
-holds one store: give each store a database number of its own (``/1``).
-
-Each call is one round trip on one pooled connection:
-
-- ``get``/``get_many``: ``GETRANGE k 0 limit`` and ``EXISTS k`` per name, all
-  pipelined. The server never sends more than ``limit + 1`` bytes of a value
-  (GETRANGE bounds it), and the parser refuses any bulk reply longer than that
-  before reading it (a server that is not Redis, or lies). 200 names cost one
-  round trip. A value is GETRANGE's answer; EXISTS is looked at only when that is
-  empty, to tell an empty value from none (a key made between the two reads as
-  empty: the store above verifies what it reads). No MULTI: Redis refuses to
-  queue any command, reads too, while it is out of memory, and reads must go on.
-- ``put``: ``SET`` (atomic: a reader sees the old value or the new one).
-  ``put_many``: ``MULTI``, the ``SET`` s in order, ``EXEC``: Redis runs one
-  connection's commands in order and a transaction whole, so a reader never sees
-  a manifest before its blob; an out-of-memory refusal of any of them writes none.
-- ``get_changed``: one ``EVAL`` of a script that reads the value as ``get`` does
-  and answers ``1`` instead of it when its SHA-1 is the tag given (the tag is the
-  SHA-1 of the copy in hand, computed here): an unchanged key list costs one round
-  trip and a few bytes. A server that refuses scripts (an ACL, a managed service
-  without ``EVAL``) is read by ``get`` from then on.
-- ``create``: ``SET k v NX`` (a second create of one name writes nothing).
-- ``size``: ``STRLEN``, and ``EXISTS`` for a length of 0. ``remove``: ``UNLINK``.
-- ``lease``: ``SET k token NX PX ttl`` and ``GET k`` in one round trip (the
-  value tells a holder's token from the mark a holder that gave up left;
-  ``take=False``: the ``GET`` alone); ``renew``/``release``: a Lua script that
-  compares the token and then acts (``PEXPIRE``/``DEL``, or ``SET`` of the mark
-  with its own TTL), sent by ``EVALSHA`` with ``EVAL`` when the server does not
-  have it yet: only the holder renews or releases. A lease dies with its TTL,
-  however its holder died.
-
-Bounds. Every call has one deadline: :data:`DEFAULT_TIMEOUT_S` (or
-``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``), covering connect, TLS, AUTH, the request and
-the whole answer, plus the time of its bytes at :data:`SLOW_LINK_BYTES_PER_S`;
-a call receives at most what it asked for (its values' bounds, and a little per
-reply). :mod:`.resp` says how. A value over ``max_value`` (what a blob of
-``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` raw bytes may take framed, at most Redis's 512 MiB)
-is refused on put before a byte is sent.
-
-Failures are :class:`StoreFailure` and nothing else; ``outage`` is True when no
-call to this store can succeed for now (the server down, unreachable, slow, not
-Redis, TLS refused, the password refused: the store above pauses it) and False
-when only this request was refused (a value too large, out of memory on a write,
-a read-only replica, a command the ACL denies). The password is never in
-``shown``, a message or a repr. A forked child opens its own connections.
+Every call has one deadline (:data:`DEFAULT_TIMEOUT_S` or ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``)
+covering connect, TLS, AUTH and the whole answer, plus its bytes' time on a slow link, and
+receives at most what it asked for. A value over ``max_value`` (at most Redis's 512 MiB) is
+refused before a byte is sent. Failures are :class:`StoreFailure` only: an outage when no
+call can succeed for now (down, slow, not Redis, TLS or password refused), not when only
+this request was (too large, out of memory, a read-only replica, an ACL). The password is
+never in ``shown``, a message or a repr. A forked child opens its own connections.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import importlib
 import os
 import secrets
 import threading
@@ -70,51 +30,38 @@ from cuda_program_cas._base.config import VAR_REDIS_PASSWORD, VAR_REDIS_TIMEOUT,
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities, StoreFailure, limits_of
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.frame import room, stored_limit, verified
+from cuda_program_cas._base.urls import shown
 
-from .client import ENV_CA_BUNDLE, ca_bundle
+from .client import ENV_CA_BUNDLE, SLOW_LINK_S_PER_BYTE
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_REDIS_PASSWORD",
     "ENV_REDIS_TIMEOUT",
     "KEY_PREFIX",
-    "LEASE_PREFIX",
-    "MAX_VALUE_BYTES",
-    "SLOW_LINK_BYTES_PER_S",
     "RedisEngine",
-    "is_redis_url",
 ]
 
-#: The password, when the URL has none (a URL in a job script or a log is easier to leak).
 ENV_REDIS_PASSWORD = VAR_REDIS_PASSWORD.name
-#: Each call's deadline in seconds (``2``, ``2s``, ``0.5``; no form in milliseconds).
 ENV_REDIS_TIMEOUT = VAR_REDIS_TIMEOUT.name
-#: Five seconds: Redis answers in a millisecond; five covers a SYN retransmit (1 s, then 3 s)
-#: and a server paused by a fork or another client's slow command.
+#: Redis answers in a millisecond; five seconds cover a SYN retransmit (1 s, then 3 s) and a server paused by a fork.
 DEFAULT_TIMEOUT_S = 5.0
-#: A call gets this long per byte besides its timeout (4 MiB/s, as the HTTP client allows).
-SLOW_LINK_BYTES_PER_S = 4 << 20
 #: Redis refuses a string longer than 512 MiB (``proto-max-bulk-len``'s default).
 MAX_VALUE_BYTES = 512 << 20
 KEY_PREFIX = "cpcas:"
 LEASE_PREFIX = "lease:"
 
-_SCHEMES = ("redis", "rediss")
-_DEFAULT_PORT = 6379
 #: The largest value a call that asks for none may receive (a script's answer, an error line).
 _SMALL_REPLY = 1 << 20
 #: What each command's reply may take besides its value: a header, +QUEUED, +OK, an integer.
 _PER_REPLY = 64
 _MAX_IDLE = 16
 
-# KEYS[1] the lease, ARGV[1] the token, ARGV[2] the new TTL in ms. Compare, then act.
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-# ARGV[2] the mark's TTL in ms, ARGV[3] the mark: what a holder that gave up leaves for its waiters.
-_MARK = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2]) end "
-    "return 0"
-)
+# KEYS[1] the lease, ARGV[1] the token, ARGV[2] a TTL in ms, ARGV[3] the mark a holder that gave up leaves.
+_IF_HELD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call({}) end return 0"
+_RENEW = _IF_HELD.format("'PEXPIRE', KEYS[1], ARGV[2]")
+_RELEASE = _IF_HELD.format("'DEL', KEYS[1]")
+_MARK = _IF_HELD.format("'SET', KEYS[1], ARGV[3], 'PX', ARGV[2]")
 # KEYS[1] the object, ARGV[1] the SHA-1 of the copy in hand ("" for none), ARGV[2] the limit. nil: no such key.
 _CHANGED = (
     "local v = redis.call('GETRANGE', KEYS[1], 0, ARGV[2]) "
@@ -123,55 +70,33 @@ _CHANGED = (
 )
 
 
-def is_redis_url(text: object) -> bool:
-    """True when ``text`` names a Redis store (a ``str`` starting with ``redis://`` or ``rediss://``)."""
-    return isinstance(text, str) and text[:9].lower().startswith(("redis://", "rediss://"))
-
-
 class _Address:
     """A Redis URL's parts; ``shown`` is the URL without its password."""
 
     def __init__(self, url: str) -> None:
-        if not is_redis_url(url):
-            raise ValueError(f"not a Redis URL (redis:// or rediss://): {_without_password(url)!r}")
+        if not (isinstance(url, str) and url[:9].lower().startswith(("redis://", "rediss://"))):
+            raise ValueError(f"not a Redis URL (redis:// or rediss://): {shown(str(url))[:200]!r}")
         parts = urlsplit(url)
-        self.tls = parts.scheme.lower() == "rediss"
-        netloc = parts.netloc
-        userinfo, _, hostport = netloc.rpartition("@")
+        userinfo, _, hostport = parts.netloc.rpartition("@")
         user, colon, password = userinfo.partition(":")
+        self.tls = parts.scheme.lower() == "rediss"
         self.user = unquote(user) or None
         self.password = unquote(password) if colon and password else None
-        host = parts.hostname
-        bracketed = hostport.startswith("[")
         where = f"{parts.scheme}://{f'{user}@' if user else ''}{hostport}{parts.path}"
-        if not host:
+        path = parts.path.strip("/")
+        if not parts.hostname:
             raise ValueError(f"a Redis URL needs a host: {where!r}")
         try:
-            port = parts.port
+            self.port = parts.port or 6379
         except ValueError:
             raise ValueError(f"a Redis URL's port is a number from 1 to 65535: {where!r}") from None
-        self.host = host
-        self.port = port or _DEFAULT_PORT
-        path = parts.path.strip("/")
         if path and not (path.isascii() and path.isdigit()):
             raise ValueError(f"a Redis URL's path is a database number (/0, /1...): {where!r}")
-        self.db = int(path or 0)
         if parts.query or parts.fragment:
             raise ValueError(f"a Redis URL takes no query or fragment: {where!r}")
-        shown_host = f"[{host}]" if bracketed else host
-        self.shown = f"{parts.scheme.lower()}://{f'{user}@' if user else ''}{shown_host}:{self.port}/{self.db}"
-
-
-def _without_password(url: str) -> str:
-    """``url`` with whatever stands between ``:`` and ``@`` of its authority cut out, for a message."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url[:200]
-    authority, slash, path = rest.partition("/")
-    userinfo, at, hostport = authority.rpartition("@")
-    if at:
-        authority = f"{userinfo.partition(':')[0]}@{hostport}"
-    return f"{scheme}://{authority}{slash}{path}"[:200]
+        self.host, self.db = parts.hostname, int(path or 0)
+        host = f"[{self.host}]" if hostport.startswith("[") else self.host
+        self.shown = f"{parts.scheme.lower()}://{f'{user}@' if user else ''}{host}:{self.port}/{self.db}"
 
 
 def _positive_duration(text: str) -> float:
@@ -182,16 +107,11 @@ def _positive_duration(text: str) -> float:
 
 
 class RedisEngine:
-    """One Redis database as a store's :class:`~cuda_program_cas._base.engine.Engine` (see the module docstring).
+    """One Redis database as a store's engine; a bad URL or argument is a ``ValueError``, nothing connects yet.
 
-    ``url`` is ``redis://[[user]:password@]host[:port][/db]`` or ``rediss://`` (TLS,
-    verified against the system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``). Without
-    a password in the URL, ``CUDA_PROGRAM_CAS_REDIS_PASSWORD`` is used. ``timeout``
-    is each call's deadline (default: ``CUDA_PROGRAM_CAS_REDIS_TIMEOUT``, else
-    :data:`DEFAULT_TIMEOUT_S`); ``max_value`` the largest value ``put`` sends
-    (default: the room of a blob of ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE`` raw bytes, framed). ``prefix`` starts
-    every key.
-    A bad URL or argument is a ``ValueError``; nothing is connected before the first call.
+    ``url``: ``redis://[[user]:password@]host[:port][/db]``, or ``rediss://`` (TLS, verified against the
+    system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``); without a password, ``CUDA_PROGRAM_CAS_REDIS_PASSWORD``'s.
+    ``max_value``: the largest value ``put`` sends (default: a framed blob of the entry ceiling).
     """
 
     #: Not proven: Redis evicts on its own (under allkeys-random or -lfu a key just set may be the next to go).
@@ -289,11 +209,11 @@ class RedisEngine:
             elif reply is None or isinstance(reply, bytes):
                 if reply is not None and len(reply) > limit:
                     raise StoreFailure(self._where(name), "too large", f"more than {limit} bytes", outage=False)
-                return reply, None if reply is None else _sha1_of(reply)
+                return reply, None if reply is None else _sha1(reply)
             else:
                 raise StoreFailure(self._where(name), "protocol", "the script did not answer a string or 1")
         data = self.get(name, limit=limit)
-        return data, None if data is None else _sha1_of(data)
+        return data, None if data is None else _sha1(data)
 
     def put(self, name: str, data: bytes | IO[bytes]) -> str:
         self.put_many([(name, self._body(name, data))])
@@ -310,35 +230,35 @@ class RedisEngine:
             sent += len(data)
         if not commands:
             return
-        # One SET is atomic by itself; more go in one transaction, all or none.
-        replies = self._call(commands, sent=sent) if len(commands) == 1 else self._transaction(commands, sent=sent)
+        if len(commands) == 1:  # atomic by itself
+            self._checked(commands, items[0][0], sent=sent)
+            return
+        # More go in one MULTI/EXEC, all or none. A command refused while queued (OOM, NOPERM) makes EXEC
+        # answer EXECABORT: the first cause is raised.
+        replies = self._checked([("MULTI",), *commands, ("EXEC",)], None, sent=sent)[-1]
+        if not isinstance(replies, list) or len(replies) != len(commands):
+            raise StoreFailure(self.shown, "protocol", "EXEC did not answer one reply per command")
         for reply, (name, _) in zip(replies, items, strict=True):
             self._check(reply, name)
 
     def create(self, name: str, data: bytes) -> bool:
         self._fits(name, len(data))
-        (reply,) = self._call([("SET", self._key(name), data, "NX")], sent=len(data))
-        self._check(reply, name)
+        (reply,) = self._checked([("SET", self._key(name), data, "NX")], name, sent=len(data))
         return reply is not None
 
     def remove(self, name: str) -> None:
-        (reply,) = self._call([("UNLINK", self._key(name))])
-        self._check(reply, name)
+        self._checked([("UNLINK", self._key(name))], name)
 
     def size(self, name: str) -> int | None:
         key = self._key(name)
-        length, exists = self._call([("STRLEN", key), ("EXISTS", key)])
-        self._check(length, name)
-        self._check(exists, name)
+        length, exists = self._checked([("STRLEN", key), ("EXISTS", key)], name)
         return int(length) if length or exists else None
 
     def lease(self, name: str, ttl_s: float, *, take: bool = True) -> str | None:
         key, token = self._lease_key(name), secrets.token_hex(16)
         ms = _ms(ttl_s)
         # The holder's value read in the same round trip: a mark left by a holder that gave up says compile now.
-        replies = self._call([("SET", key, token, "NX", "PX", ms), ("GET", key)] if take else [("GET", key)])
-        for reply in replies:
-            self._check(reply, name)
+        replies = self._checked([("SET", key, token, "NX", "PX", ms), ("GET", key)] if take else [("GET", key)], name)
         if take and replies[0] is not None:
             return token
         held = replies[-1]
@@ -399,43 +319,36 @@ class RedisEngine:
 
     # -- round trips ------------------------------------------------------------------------
 
-    def _transaction(self, commands: list[tuple[Any, ...]], **bounds: int) -> list[Any]:
-        """``commands`` in one MULTI/EXEC, in one round trip: EXEC's replies, one per command."""
-        replies = self._call([("MULTI",), *commands, ("EXEC",)], **bounds)
-        # A command refused while queued (OOM, NOPERM) makes EXEC answer EXECABORT: name the first cause.
-        for reply in replies[:-1]:
-            self._check(reply, None)
-        result = replies[-1]
-        self._check(result, None)
-        if not isinstance(result, list) or len(result) != len(commands):
-            raise StoreFailure(self.shown, "protocol", "EXEC did not answer one reply per command")
-        return result
-
     def _script(self, source: str, name: str, *args: object) -> Any:
         """The lease script ``source`` on ``name``'s lease: EVALSHA, then EVAL where the server lacks it."""
-        from_sha = ("EVALSHA", _sha1(source), 1, self._lease_key(name), *args)
+        from_sha = ("EVALSHA", _sha1(source.encode()), 1, self._lease_key(name), *args)
         (reply,) = self._call([from_sha])
         if isinstance(reply, _wire().exceptions.NoScriptError):
             (reply,) = self._call([("EVAL", source, 1, self._lease_key(name), *args)])
         self._check(reply, name)
         return reply
 
+    def _checked(self, commands: list[tuple[Any, ...]], name: str | None, **bounds: int) -> list[Any]:
+        """:meth:`_call`, an error reply to any command raised as the failure on ``name``."""
+        replies = self._call(commands, **bounds)
+        for reply in replies:
+            self._check(reply, name)
+        return replies
+
     def _call(
         self, commands: list[tuple[Any, ...]], *, bulk: int = _SMALL_REPLY, values: int = 0, sent: int = 0
     ) -> list[Any]:
         """Send ``commands`` at once and read one reply each (an error reply as its exception, in place).
 
-        ``bulk`` bounds each value received; all bytes received are bounded by ``values``
-        (the values' bounds), :data:`_PER_REPLY` per command and :data:`_SMALL_REPLY`; the deadline
-        is the timeout plus the time of ``sent`` bytes at the slow-link rate (and of each
-        value as the parser meets it).
+        ``bulk`` bounds each value; ``values`` (plus a little per reply) all bytes received. The
+        deadline is the timeout plus the slow-link time of ``sent`` bytes and of each value met.
         """
         wire = _wire()
         try:
             conn = self._take(wire)
-            seconds = self.timeout + sent / SLOW_LINK_BYTES_PER_S
+            seconds = self.timeout + sent * SLOW_LINK_S_PER_BYTE
             budget = values + len(commands) * _PER_REPLY + _SMALL_REPLY
-            conn.bound(limit=bulk, budget=budget, items=len(commands), seconds=seconds, rate=SLOW_LINK_BYTES_PER_S)
+            conn.bound(limit=bulk, budget=budget, items=len(commands), seconds=seconds, rate=1 / SLOW_LINK_S_PER_BYTE)
         except Exception as exc:
             raise self._failure(exc) from None
         try:
@@ -446,34 +359,26 @@ class RedisEngine:
                     replies.append(conn.read_response(disable_decoding=True))
                 except wire.exceptions.ResponseError as exc:  # an error reply: the connection is still in step
                     replies.append(exc)
-        except Exception as exc:  # redis-py's errors, the socket's, the parser's, MemoryError: each a StoreFailure
+        except BaseException as exc:  # redis-py's errors, the socket's, the parser's, MemoryError: a StoreFailure
             conn.disconnect()
-            raise self._failure(exc) from None
-        except BaseException:
-            conn.disconnect()
+            if isinstance(exc, Exception):
+                raise self._failure(exc) from None
             raise
-        self._give(conn)
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return replies
+        conn.disconnect()
         return replies
 
     def _take(self, wire: Any) -> Any:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
-            a = self._address
-            return wire.connect(
-                host=a.host, port=a.port, db=a.db, user=a.user, password=a.password, timeout=self.timeout,
-                tls=a.tls, ca_bundle=ca_bundle() if a.tls else None,
-            )  # fmt: skip
+            return wire.connect(self._address, self.timeout)
         if conn.stale():
             conn.disconnect()  # the server closed it (a restart, its idle timeout): connect again
         return conn
-
-    def _give(self, conn: Any) -> None:
-        with self._lock:
-            if len(self._idle) < _MAX_IDLE:
-                self._idle.append(conn)
-                return
-        conn.disconnect()
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -485,7 +390,7 @@ class RedisEngine:
         """``exc`` as one :class:`StoreFailure` named by what happened; the password cut out of every text."""
         where = self.shown if name is None else self._where(name)
         text = self._scrub(str(exc) or type(exc).__name__)
-        kind, outage, hint = _classify(exc, text)
+        kind, outage, hint = _classify(exc, text.lower())
         return StoreFailure(where, kind, text + hint, outage=outage)
 
     def _scrub(self, text: str) -> str:
@@ -498,10 +403,9 @@ class RedisEngine:
         return text
 
 
-def _classify(exc: BaseException, text: str) -> tuple[str, bool, str]:
-    """``(kind, outage, hint)`` of a failure."""
+def _classify(exc: BaseException, lowered: str) -> tuple[str, bool, str]:
+    """``(kind, outage, hint)`` of a failure whose text is ``lowered``."""
     x = _wire().exceptions
-    lowered = text.lower()
     if isinstance(exc, _wire().TooLarge):
         return "too large", False, ""
     if isinstance(exc, x.AuthenticationError):
@@ -543,23 +447,13 @@ def _ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-@functools.cache
-def _sha1(source: str) -> str:
-    return hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
-
-
-def _sha1_of(data: bytes) -> str:
+def _sha1(data: bytes) -> str:
     return hashlib.sha1(data, usedforsecurity=False).hexdigest()
 
 
-@functools.cache
 def _wire() -> Any:
-    """:mod:`.resp`'s bounded connection and redis-py's exceptions (imports redis: the first call of any engine)."""
-    from types import SimpleNamespace
-
-    from .resp import TooLarge, connect, exceptions
-
-    return SimpleNamespace(TooLarge=TooLarge, connect=connect, exceptions=exceptions)
+    """:mod:`.resp`, which imports redis (at any engine's first call)."""
+    return importlib.import_module(".resp", __package__)
 
 
 if TYPE_CHECKING:  # mypy checks that the class keeps the interfaces its record declares

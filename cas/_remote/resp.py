@@ -1,16 +1,10 @@
-"""redis-py's connection and RESP2 parser, bounded: what :mod:`.redis` talks to its server through.
+"""redis-py's connection and RESP2 parser, bounded: what :mod:`.redis` talks to its server through (imports ``redis``).
 
-Importing this module imports ``redis`` (:mod:`.redis` does at its first call). redis-py's
-reading of replies is replaced, since it reads whatever length a reply announces and gives
-each ``recv`` the whole timeout again:
-
-- A bulk reply longer than the call's ``limit`` is refused from its header (:class:`TooLarge`).
-- A call receives at most ``budget`` bytes, a line at most :data:`MAX_LINE`, an array at
-  most ``items`` and one deep (EXEC's).
-- One deadline covers the call, connect and TLS included: each ``recv`` and ``send`` gets
-  what is left, extended by each value's bytes at the call's ``rate``.
-
-``bound(...)`` sets a call's bounds before its commands are sent.
+redis-py reads whatever length a reply announces and gives each ``recv`` the whole timeout
+again, so its reading is replaced. ``bound(...)`` sets a call's bounds before it is sent: a
+bulk reply over ``limit`` is refused from its header (:class:`TooLarge`); at most ``budget``
+bytes, lines of :data:`MAX_LINE`, arrays of ``items`` one deep (EXEC's); one deadline for
+the call, connect and TLS included, extended by each value's bytes at ``rate``.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR, SocketBuffer
 from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.utils import SENTINEL
 
+from cuda_program_cas._base.config import VAR_CA_BUNDLE
 from cuda_program_cas._base.engine import Landing
 
 __all__ = ["MAX_LINE", "TooLarge", "connect", "exceptions"]
@@ -72,22 +67,17 @@ class _Buffer(SocketBuffer):
     def _read_from_socket(
         self, length: int | None = None, timeout: Any = SENTINEL, raise_on_timeout: Any = True
     ) -> bool:
+        """One recv onto the buffer's end (``length`` is only base ``read``'s, replaced below)."""
         if timeout is not None and timeout is not SENTINEL:  # a poll (can_read): not the engine's
             return bool(super()._read_from_socket(length, timeout, raise_on_timeout))
         buf = self._buffer
         pos = buf.tell()
         buf.seek(0, os.SEEK_END)
         try:
-            marker = 0
-            while True:
-                data = self._recv()
-                assert isinstance(data, bytes)
-                buf.write(data)
-                marker += len(data)
-                if length is None or marker >= length:
-                    return True
+            buf.write(self._recv())  # type: ignore[arg-type]
         finally:
             buf.seek(pos)
+        return True
 
     def readline(self, timeout: Any = None) -> bytes:
         buf = self._buffer
@@ -100,9 +90,8 @@ class _Buffer(SocketBuffer):
         return bytes(data[:-2])
 
     def read(self, length: int, timeout: Any = None) -> bytes:
-        # Straight into one buffer that becomes the value, checked to end with CRLF. Every view is
-        # released on the way out, a failure's too: one left in a traceback's frames crashed
-        # CPython 3.12.1's collector.
+        # Straight into the buffer that becomes the value. Every view is released, a failure's too:
+        # one left in a traceback's frames crashed CPython 3.12.1's collector.
         out = Landing(length + 2)
         with out.room() as room:
             got = self._buffer.readinto(room)
@@ -181,10 +170,10 @@ class _Bounded:
         sock = self._sock
         return sock is not None and bool(select.select([sock], [], [], 0)[0])
 
-    def _left(self) -> float:
+    def _left(self, doing: str = "connecting") -> float:
         left = self._parser.deadline - time.monotonic()
-        if left <= 0:
-            raise exceptions.TimeoutError("the call ran past its deadline while connecting")
+        if left <= 0:  # the caller disconnects
+            raise exceptions.TimeoutError(f"the call ran past its deadline while {doing}")
         return left
 
     def _connect(self) -> Any:
@@ -208,11 +197,7 @@ class _Bounded:
         if not self._sock:
             self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
         for item in [command] if isinstance(command, (bytes, str)) else command:
-            left = self._parser.deadline - time.monotonic()
-            if left <= 0:
-                self.disconnect()  # type: ignore[attr-defined]
-                raise exceptions.TimeoutError("the call ran past its deadline while sending")
-            self._sock.settimeout(left)
+            self._sock.settimeout(self._left("sending"))
             super().send_packed_command([item], check_health=False)  # type: ignore[misc]
 
 
@@ -224,30 +209,16 @@ class _Tls(_Bounded, SSLConnection):
     pass
 
 
-def connect(
-    *,
-    host: str,
-    port: int,
-    db: int,
-    user: str | None,
-    password: str | None,
-    timeout: float,
-    tls: bool,
-    ca_bundle: str | None,
-) -> Any:
-    """A bounded connection to one server, connected at its first call; TLS verified (system CAs, ``ca_bundle``)."""
+def connect(a: Any, timeout: float) -> Any:
+    """A bounded connection to the address ``a`` (:class:`.redis._Address`), connected at its first call.
+
+    TLS is verified against the system's CAs and ``CUDA_PROGRAM_CAS_CA_BUNDLE``.
+    """
     kwargs: dict[str, Any] = {
-        "host": host,
-        "port": port,
-        "db": db,
-        "username": user,
-        "password": password,
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "parser_class": _Parser,
-        "protocol": 2,
+        "host": a.host, "port": a.port, "db": a.db, "username": a.user, "password": a.password,
+        "socket_timeout": timeout, "socket_connect_timeout": timeout, "parser_class": _Parser, "protocol": 2,
         "driver_info": None,  # no CLIENT SETINFO: two round trips per connection saved
-    }
-    if not tls:
+    }  # fmt: skip
+    if not a.tls:
         return _Plain(**kwargs)  # type: ignore[no-untyped-call]
-    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=ca_bundle, **kwargs)
+    return _Tls(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=VAR_CA_BUNDLE.value(), **kwargs)

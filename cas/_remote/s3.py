@@ -1,79 +1,41 @@
 """The S3 engine of a shared store: objects of a bucket under a prefix, signed by botocore, sent by the one HTTP client.
 
-``s3://BUCKET/PREFIX`` names the store; its objects are ``PREFIX/layout.json``,
-``PREFIX/index/...``, ``PREFIX/blobs/...``, ``PREFIX/packs/...``: the names a
-directory store's files have, so a bucket is read, copied and collected with the
-tools an operator knows (``aws s3 sync`` a store directory into it, or out).
+``s3://BUCKET/PREFIX`` names the store; its objects have a directory store's names
+(``PREFIX/layout.json``, ``PREFIX/index/...``), so ``aws s3 sync`` copies a store in or out.
+docs/s3.md says how a bucket is addressed, what each method asks and how leases work.
 
-What botocore does, and only that (imported the first time an ``s3://`` store is
-opened, never by ``import cuda_program_cas``): it resolves what a user's AWS
-setup says, unchanged (no request is made by that): the endpoint
-(``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's ``endpoint_url`` or
-its ``services`` section) read as its S3 client reads it, and only for AWS's own
-endpoint one S3 client made to say it (loading S3's model costs 0.1 to 0.2 s);
-the region; and, at the first request, the credentials by the standard chain
-(environment, profiles, SSO, container and instance roles; refreshed as they
-expire). It signs each request
-(SigV4, :class:`botocore.auth.S3SigV4Auth`). No credentials at all: requests go
-unsigned (a public bucket reads). Every request is then made by
-:func:`.client.request`: the deadlines, size bounds, parallel limit and failure
-handling of the HTTP engine, not botocore's (60 s timeouts and retries).
+botocore (imported when an ``s3://`` store is opened) only resolves the user's AWS setup,
+unchanged: the endpoint, read as its S3 client reads it (only for AWS's own is a client
+made to say it: its model loads in 0.1 to 0.2 s); the region; and at the first request the
+credentials by the standard chain, refreshed as they expire. It signs each request
+(SigV4; no credentials: unsigned). :func:`.client.request` sends them, with its deadlines
+and bounds, not botocore's (60 s timeouts and retries).
 
-Addressing: an endpoint on an IP address, on ``localhost``, or any endpoint that
-is not AWS's (SeaweedFS, MinIO, Ceph RGW, GCS's interoperable endpoint) is
-addressed path-style (``ENDPOINT/BUCKET/PREFIX/...``); AWS's own virtual-host
-style (``https://BUCKET.s3.REGION.amazonaws.com/PREFIX/...``), or path-style for
-a bucket with a dot in its name (its certificate would not match).
-
-The engine is :class:`.http.HttpEngine` over those URLs, so reads, ``get_many``,
-ranged reads, conditional reads (``If-None-Match``: a 304 costs no body) and the
-ranges of a pack a node reads (``get_ranges``: S3 has no multi-range GET, and its
-record says so, so several ranges of a pack are that many ranged GETs at once)
-are the HTTP engine's. Publish and repack write packs through the one publisher
-(:class:`cuda_program_cas._disk.packpublish.StorePacks`): the engine lists, so
-``packs/list`` is written from the listing of ``packs/``. Its record
-(:class:`~cuda_program_cas._base.engine.Abilities`): ranges, conditional reads,
-conditional creates, listing, leases; remote, a server's answers; a prefix without
-``layout.json`` is an empty store. What differs from HTTP:
-
-- The answers: S3's error code is named (``403 SignatureDoesNotMatch``, ``503
-  SlowDown``), with what to check; a missing bucket is an outage named as such,
-  not an empty store. A ``PUT`` is a plain S3 ``PUT`` (atomic: an object is
-  visible once whole).
-- ``create``: a ``PUT`` with ``If-None-Match: *`` (412, or 409 on AWS, when there is one).
-- ``names``: ListObjectsV2 of ``PREFIX/FOLDER/`` with the delimiter ``/`` (1,000 a page).
-- **Leases** (:meth:`S3Engine.lease`): ``PREFIX/leases/<key id>``, an object
-  created only if absent (``If-None-Match: *``; 412 when another holds it),
-  holding its holder's token and its expiry (JSON). An expired lease (its holder
-  died or stopped) is taken over by a replace conditional on the ETag read
-  (``If-Match``): of two nodes that try, one gets 412. Renewal is such a replace
-  by the holder; release a delete (``If-Match`` too, where the server honours
-  it) or a replace by the mark. Expiry is judged by the reading node's clock
-  against the holder's: nodes of a cluster keep time (NTP) within far less than
-  a lease's 30 s.
-
-A layout file is optional: a ``|write`` node fills an empty prefix with no
-publish first (``layout.json`` is written by publish).
+The engine is :class:`.http.HttpEngine` over those URLs (S3 has no multi-range GET: several
+ranges are that many GETs at once). What differs: S3's error code is named with what to
+check, and a missing bucket is an outage; ``create`` is a ``PUT`` with ``If-None-Match: *``;
+``names`` lists (ListObjectsV2); a lease is an object ``leases/<key id>`` created only if
+absent, holding its holder's token and expiry, taken over when expired by a replace
+conditional on its ETag; ``layout.json`` is optional (a ``|write`` node fills an empty prefix).
 """
 
 from __future__ import annotations
 
-import ipaddress
+import functools
 import json
 import os
 import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import IO, TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
 from cuda_program_cas._base.engine import LEASE_MARK, Abilities
-from cuda_program_cas._base.urls import join, normalize_store_url
 
-from .client import HttpFailure, Reply, request, sign_below
+from .client import HttpFailure, Reply, sign_below
 from .http import HttpEngine
 
 __all__ = ["LEASES", "S3Engine", "s3_error"]
@@ -102,11 +64,7 @@ def s3_error(reply: Reply) -> str:
 
 
 class _Aws:
-    """What botocore resolved for this process: the endpoint, the region, the credentials (module docstring)."""
-
-    _lock = threading.Lock()
-    #: What was resolved, by the ``AWS_*`` environment it was resolved in (a test, or a process that changes it).
-    _made: ClassVar[dict[tuple[tuple[str, str], ...], _Aws]] = {}
+    """What botocore resolved for this process: the endpoint, the region, the credentials."""
 
     def __init__(self) -> None:
         import botocore.session
@@ -123,51 +81,28 @@ class _Aws:
         else:
             from botocore.config import Config
 
-            # AWS's own endpoint for the region is botocore's rules': a client is made only to read what they
-            # resolve to (its S3 model and rule set loaded: 0.1 to 0.2 s); botocore never sends through it.
+            # AWS's own endpoint is botocore's rules': a client is made only to read it, never sent through.
             client = self._session.create_client("s3", config=Config(s3={"addressing_style": "path"}))
             self.endpoint = client.meta.endpoint_url.rstrip("/")
             self.region = client.meta.region_name or "us-east-1"
-        self.custom = not urlsplit(self.endpoint).hostname or not str(urlsplit(self.endpoint).hostname).endswith(
-            ".amazonaws.com"
-        )
         self._credentials: Any = None
         self._looked = False
         self._creds_lock = threading.Lock()
 
-    @classmethod
-    def get(cls) -> _Aws:
-        """What the configuration resolves to: made once per process and per ``AWS_*`` environment."""
-        key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-        with cls._lock:
-            made = cls._made.get(key)
-        if made is None:
-            made = _Aws()
-            with cls._lock:
-                made = cls._made.setdefault(key, made)
-        return made
-
     def bucket_url(self, bucket: str) -> str:
         parts = urlsplit(self.endpoint)
-        host = parts.hostname or ""
-        if self.custom or _is_ip(host) or host == "localhost" or "." in bucket:
+        if not (parts.hostname or "").endswith(".amazonaws.com") or "." in bucket:  # not AWS's (an IP, localhost...)
             return f"{self.endpoint}/{bucket}"
         return f"{parts.scheme}://{bucket}.{parts.netloc}"
 
     def frozen(self, url: str) -> Any:
         """The credentials to sign with now (refreshed as they expire), or None for none at all (unsigned)."""
-        with self._creds_lock:
-            if not self._looked:
-                try:
-                    self._credentials = self._session.get_credentials()
-                except Exception as exc:
-                    raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
-                self._looked = True
-            credentials = self._credentials
-        if credentials is None:
-            return None
         try:
-            return credentials.get_frozen_credentials()
+            with self._creds_lock:
+                if not self._looked:
+                    self._credentials = self._session.get_credentials()
+                    self._looked = True
+            return None if self._credentials is None else self._credentials.get_frozen_credentials()
         except Exception as exc:
             raise HttpFailure(url, "credentials", _without_secrets(exc)) from None
 
@@ -186,9 +121,14 @@ class _Aws:
         return dict(signed.headers.items())
 
 
+@functools.cache
+def _aws(environment: tuple[tuple[str, str], ...]) -> _Aws:
+    """What the configuration resolves to: made once per process and per ``AWS_*`` environment (a test changes it)."""
+    return _Aws()
+
+
 def _configured_endpoint(session: Any) -> str | None:
-    """The endpoint the configuration names for S3, as a botocore client reads it (``AWS_ENDPOINT_URL_S3``,
-    ``AWS_ENDPOINT_URL``, a profile's ``services`` section or ``endpoint_url``), without making one; None for
+    """The endpoint the configuration names for S3, read as a client reads it without making one; None for
     none (AWS's own), or where this botocore reads it otherwise (its reader is not public): a client then says."""
     try:
         from botocore.configprovider import ConfiguredEndpointProvider
@@ -200,21 +140,10 @@ def _configured_endpoint(session: Any) -> str | None:
             full_config=session.full_config, scoped_config=session.get_scoped_config(), client_name="s3"
         )
         found = chain.provide()
-        if not (
-            isinstance(found, str) and found and (is_valid_endpoint_url(found) or is_valid_ipv6_endpoint_url(found))
-        ):
-            return None  # none, or one a client refuses (no scheme, a bad host): the client made instead says why
+        valid = isinstance(found, str) and (is_valid_endpoint_url(found) or is_valid_ipv6_endpoint_url(found))
     except Exception:  # a broken profile too: the client made instead raises what it is
         return None
-    return found
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return found if valid else None  # none, or one a client refuses (no scheme, a bad host): a client says why
 
 
 def _without_secrets(exc: BaseException) -> str:
@@ -236,37 +165,29 @@ class S3Engine(HttpEngine):
         layout_optional=True,
     )
     lost_hint = "is it a real S3 server?"
+    dav = False
     error_limit = _ERROR_BYTES  # an error's body names its code (NoSuchBucket, SlowDown...)
 
     def __init__(self, url: str, *, staging: str | None = None) -> None:
-        address = normalize_store_url(url)
-        if urlsplit(address).scheme != "s3":
+        super().__init__(url, staging=staging)
+        address = self.root  # ``s3://BUCKET/PREFIX``, credentials never in it: what is shown
+        if not address.startswith("s3://"):
             raise ValueError(f"not an S3 store address (s3://BUCKET/PREFIX): {address!r}")
         bucket, _, prefix = address[len("s3://") :].partition("/")
         if not re.fullmatch(r"[A-Za-z0-9._~/-]*", prefix):
             raise ValueError(f"an S3 store's prefix is letters, digits and . _ ~ - / only: {address!r}")
         self.bucket = bucket
         self.prefix = prefix
-        #: What made the AWS configuration unusable (a profile that is not there...): every call fails with it.
-        self.broken = None
         try:
-            self.aws: _Aws | None = _Aws.get()
+            self.aws: _Aws | None = _aws(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
             self.bucket_url = self.aws.bucket_url(bucket)
         except Exception as exc:  # a broken configuration is this store's outage, said at its first use
             self.aws = None
             self.broken = HttpFailure(address, "aws configuration", _without_secrets(exc))
             self.bucket_url = f"https://{bucket}.s3.invalid"  # never asked: each call raises ``broken`` first
         self.root = f"{self.bucket_url}/{prefix}" if prefix else self.bucket_url
-        #: The store's address as it may be logged: ``s3://BUCKET/PREFIX`` (credentials are never in it).
-        self.shown = address
-        self.staging = staging
-        self.requests = 0
-        self.outages = 0
         if self.aws is not None:
             sign_below(self.bucket_url, self.aws.sign)
-
-    def __repr__(self) -> str:
-        return f"S3Engine({self.shown!r})"
 
     # -- reads: the HTTP engine's (its fetch), with S3's answers named ------------------
 
@@ -287,55 +208,15 @@ class S3Engine(HttpEngine):
         if status == 301 or code == "PermanentRedirect":
             raise HttpFailure(url, "wrong region", f"{said}: set AWS_REGION (or the profile's region) to the bucket's")
 
-    def size(self, name: str) -> int | None:
-        reply = self._send("HEAD", name)
-        if reply.status == 404:
-            return None
-        self._refuse(name, reply, "HEAD")
-        length = reply.headers.get("content-length", "")
-        return int(length) if length.isdigit() else -1
+    def _vetted(self, url: str, reply: Reply) -> None:
+        if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
+            self._check(url, reply)
 
-    # -- writes -------------------------------------------------------------------------
-
-    def put(self, name: str, data: bytes | IO[bytes]) -> str:
-        reply = self._send("PUT", name, data)
-        self._refuse(name, reply, "PUT")
-        return f"{reply.status} to PUT"
-
-    def remove(self, name: str) -> None:
-        reply = self._send("DELETE", name)
-        if reply.status != 404:
-            self._refuse(name, reply, "DELETE")
-
-    def _send(
-        self, method: str, name: str, body: bytes | IO[bytes] | None = None, headers: Mapping[str, str] | None = None
-    ) -> Reply:
-        url = join(self.root, name)
-        self.requests += 1
-        try:
-            if self.broken is not None:
-                raise self.broken
-            reply = request(method, url, body=body, headers=headers, limit=_ERROR_BYTES)
-            if reply.status >= 500 or reply.status in (401, 403) or s3_error(reply) == "NoSuchBucket":
-                self._check(url, reply)
-        except HttpFailure as exc:
-            if exc.outage:
-                self.outages += 1
-            raise
-        return reply
-
-    def _refuse(self, name: str, reply: Reply, method: str) -> None:
-        """Nothing for a 2xx; else the failure of ``method`` on ``name`` (not an outage: this object's trouble)."""
-        if 200 <= reply.status < 300:
-            return
+    def _why(self, reply: Reply, method: str) -> str:
         code = s3_error(reply)
-        detail = f"{method} answered {reply.status}{' ' + code if code else ''}"
-        raise HttpFailure(join(self.root, name), f"HTTP {reply.status}", detail, outage=False)
+        return f" {code}" if code else ""
 
     # -- conditional creates and listings ------------------------------------------------
-
-    def create(self, name: str, data: bytes) -> bool:
-        return self._create(name, data)
 
     def names(self, folder: str) -> list[str]:
         below = f"{folder.strip('/')}/"
@@ -344,8 +225,7 @@ class S3Engine(HttpEngine):
     def listed(self, below: str = "", *, delimiter: bool = False) -> Iterator[tuple[str, int, str]]:
         """``(name below the prefix, size, LastModified)`` of every object whose name starts with ``below``.
 
-        Page by page (ListObjectsV2, 1,000 objects a page); ``delimiter``: only those
-        directly below ``below`` (not in a folder of it). A failure is a StoreFailure.
+        ListObjectsV2, 1,000 a page; ``delimiter``: only those directly below ``below``.
         """
         prefix = f"{self.prefix}/" if self.prefix else ""
         token = ""
@@ -355,18 +235,9 @@ class S3Engine(HttpEngine):
                 url += "&delimiter=%2F"
             if token:
                 url += f"&continuation-token={quote(token, safe='')}"
-            self.requests += 1
-            try:
-                if self.broken is not None:
-                    raise self.broken
-                reply = request("GET", url, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
-                self._check(url, reply)
-                if reply.status != 200:
-                    raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
-            except HttpFailure as exc:
-                if exc.outage:
-                    self.outages += 1
-                raise
+            reply = self._asked("GET", url, self._check, limit=_PAGE_BYTES, error_limit=_ERROR_BYTES)
+            if reply.status != 200:
+                raise HttpFailure(url, f"HTTP {reply.status}", "the bucket's listing was refused", outage=False)
             try:
                 root = ElementTree.fromstring(reply.body)  # noqa: S314 - a bounded answer from the store's own server
             except ElementTree.ParseError as exc:
@@ -387,7 +258,7 @@ class S3Engine(HttpEngine):
         for _ in range(2):  # a lease released between the create refused and the read: once more
             if take:
                 token = secrets.token_hex(16)
-                if self._create(where, _lease_body(token, ttl_s)):
+                if self.create(where, _lease_body(token, ttl_s)):
                     return token
             held = self._read_lease(where)
             if held is None:
@@ -400,7 +271,7 @@ class S3Engine(HttpEngine):
             if not take:
                 return ""  # expired: free (a mark past its time too)
             token = secrets.token_hex(16)
-            return token if self._replace(where, _lease_body(token, ttl_s), etag) else None
+            return token if self._put_if(where, _lease_body(token, ttl_s), "If-Match", etag) else None
         return None
 
     def renew(self, name: str, token: str, ttl_s: float) -> bool:
@@ -408,7 +279,7 @@ class S3Engine(HttpEngine):
         held = self._read_lease(where)
         if held is None or held[0] != token:
             return False
-        return self._replace(where, _lease_body(token, ttl_s), held[2])
+        return self._put_if(where, _lease_body(token, ttl_s), "If-Match", held[2])
 
     def release(self, name: str, token: str, *, mark_s: float = 0.0) -> None:
         where = f"{LEASES}/{name}"
@@ -416,33 +287,25 @@ class S3Engine(HttpEngine):
         if held is None or held[0] != token:
             return  # lost meanwhile: another's now, or gone
         if mark_s > 0:
-            self._replace(where, _lease_body(LEASE_MARK, mark_s), held[2])
+            self._put_if(where, _lease_body(LEASE_MARK, mark_s), "If-Match", held[2])
             return
         reply = self._send("DELETE", where, headers={"If-Match": held[2]})
         if reply.status not in (404, 412):
             self._refuse(where, reply, "DELETE")
 
-    def _create(self, where: str, body: bytes) -> bool:
-        """PUT ``where`` only if there is none: True when created; False when one is there (412, or 409 on AWS)."""
-        reply = self._send("PUT", where, body, {"If-None-Match": "*"})
-        if reply.status in (409, 412):
-            return False
-        self._refuse(where, reply, "PUT (If-None-Match: *)")
-        return True
+    def create(self, where: str, body: bytes) -> bool:
+        return self._put_if(where, body, "If-None-Match", "*")
 
-    def _replace(self, where: str, body: bytes, etag: str) -> bool:
-        """PUT ``where`` only if it still has ``etag``: True when replaced; False when it changed (412, 409, 404)."""
-        reply = self._send("PUT", where, body, {"If-Match": etag})
+    def _put_if(self, where: str, body: bytes, header: str, value: str) -> bool:
+        """PUT ``where`` on the condition ``header: value``; False when it failed (412; 409 on AWS; 404: gone)."""
+        reply = self._send("PUT", where, body, {header: value})
         if reply.status in (404, 409, 412):
             return False
-        self._refuse(where, reply, "PUT (If-Match)")
+        self._refuse(where, reply, f"PUT ({header})")
         return True
 
     def _read_lease(self, where: str) -> tuple[str, float, str] | None:
-        """``(token or the mark, expiry, ETag)`` of the lease at ``where``; None when there is none.
-
-        A lease that cannot be read as one (garbled, no ETag) is expired: it is taken over.
-        """
+        """``(token or the mark, expiry, ETag)`` of the lease at ``where``; None: none. A garbled one is expired."""
         reply = self.fetch(where, limit=_LEASE_BYTES)
         if reply.status == 404:
             return None
