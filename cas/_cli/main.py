@@ -1,9 +1,9 @@
 """The ``cuda-program-cas`` console script (also ``python -m cuda_program_cas``): one subcommand per verb.
 
-Each subcommand's module ``cuda_program_cas._cli.<name>`` has ``register(subparsers)``,
-which adds a parser whose ``func`` calls the verb of the same name
-(:mod:`cuda_program_cas._verbs`), prints its report and returns the exit status:
-the commands parse and print, the verbs do the work.
+Each subcommand's module ``cuda_program_cas._cli.<name>`` has ``HELP``, ``DESCRIPTION``,
+``arguments(parser)`` and ``run(args) -> int``, which calls the verb of the same name
+(:mod:`cuda_program_cas._verbs`) and prints its report: the commands parse and print, the
+verbs do the work. ``BUCKET`` names the argument that may be an ``s3://`` store.
 
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage.
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CommandFailed",
     "UsageError",
-    "add_json_arg",
     "add_path_arg",
     "age_arg",
     "emit",
@@ -42,7 +41,6 @@ __all__ = [
     "fmt_bytes",
     "grace_arg",
     "main",
-    "not_created_line",
     "plural",
     "print_json",
     "print_problems",
@@ -114,10 +112,6 @@ def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: s
     )
 
 
-def add_json_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
 # -- output ---------------------------------------------------------------------------
 
 
@@ -147,23 +141,28 @@ def fmt_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def not_created_line(root: str, nothing: str) -> str:
-    """What ``gc``, ``verify`` and ``clear`` print where no cache has been created yet (exit 0, as ``stats``)."""
-    return f"no cache at {root} yet (nothing has been stored): {nothing}"
-
-
 def print_json(obj: dict[str, object]) -> None:
     """One JSON object on stdout; one that is not a report's gets an empty ``problems`` and ``problem_count``."""
     print(json.dumps({"problems": [], "problem_count": 0, **obj}, indent=2, sort_keys=True))
 
 
-def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None) -> int:
+def emit(
+    args: argparse.Namespace,
+    report: Report,
+    text: Callable[[], None],
+    *,
+    status: int | None = None,
+    empty: str = "",
+) -> int:
     """The one way a command prints its verb's report: one JSON object (``as_dict``) with ``--json``, else
-    ``text()``, after clearing the progress line. Returns the exit status: ``status`` where given, else 1
-    when the report found problems."""
+    ``text()``, after clearing the progress line; where no cache has been created yet (``exists`` false),
+    a line ending with ``empty``. Returns ``status`` where given, else 1 when the report found problems."""
     args.progress.done()
     if args.json:
         print_json(report.as_dict())
+    elif empty and not getattr(report, "exists", True):
+        root = getattr(report, "root", None) or getattr(report, "path", "")
+        print(f"no cache at {root} yet (nothing has been stored): {empty}")
     else:
         text()
     if status is not None:
@@ -233,8 +232,64 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("-V", "--version", action="version", version=f"{PROG} {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
-        importlib.import_module(f"cuda_program_cas._cli.{name}").register(sub)
+        module = importlib.import_module(f"cuda_program_cas._cli.{name}")
+        usage = getattr(module, "USAGE", None)
+        p = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.DESCRIPTION, usage=usage)
+        module.arguments(p)
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+        p.set_defaults(module=module)
     return parser, dict(sub.choices)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's ``run``, or ``_bucket`` for an ``s3://`` store where the command takes one."""
+    where = getattr(args.module, "BUCKET", None)
+    address = getattr(args, where) if where else None
+    if isinstance(address, str) and address[:5].lower() == "s3://":
+        return _bucket(args.command, address, args)
+    return int(args.module.run(args))
+
+
+#: Options of the directory commands that a bucket cannot honour, by their argparse names.
+_DIRECTORY_ONLY = ("zero", "max_size", "max_age", "verify", "shared", "repair")
+_ONE = {"manifests": "manifest", "blobs": "blob", "packs": "pack", "leases": "lease", "other": "other object"}
+
+
+def _bucket(verb: str, address: str, args: argparse.Namespace) -> int:
+    """``verb`` (stats, verify, gc, repack) on a bucket's store: 0 done, 1 problems or no answer."""
+    from cuda_program_cas._base.engine import StoreFailure
+    from cuda_program_cas._verbs.bucket import bucket_verb
+    from cuda_program_cas._verbs.common import SHARED_MIN_GRACE_S
+
+    given = [name for name in _DIRECTORY_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:
+        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{options}: not for a bucket (a directory store's); see docs/s3.md")
+    try:
+        if verb == "gc" and args.grace < SHARED_MIN_GRACE_S:
+            raise UsageError("a bucket is a shared store: --grace must be at least 1h (write-back under way)")
+        gc = {"grace_s": args.grace, "dry_run": args.dry_run} if verb == "gc" else {}
+        report = bucket_verb(verb, address, **gc)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except StoreFailure as exc:
+        print(f"{PROG} {verb}: {exc}", file=sys.stderr)
+        return 1
+
+    def text() -> None:
+        counts = [(kind, n) for kind, n in report.objects.items() if n]
+        kinds = ", ".join(f"{plural(n, _ONE[kind], kind)} ({fmt_bytes(report.bytes[kind])})" for kind, n in counts)
+        print(f"{report.store}: {kinds or 'no objects'}")
+        print_problems(report, lambda item: f"{item['object']}: {item['problem']}")
+        if verb in ("verify", "gc"):
+            print(f"{plural(report.problem_count, 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
+        if verb == "repack":
+            print(f"one new pack; retired or removed {plural(len(report.removed), 'object')}")
+        if verb == "gc":
+            did = "would remove" if args.dry_run else "removed"
+            print(f"{did} {plural(len(report.removed), 'object')} ({fmt_bytes(report.bytes_removed)})")
+
+    return emit(args, report, text, status=None if verb == "verify" else 0)
 
 
 _NEGATIVE = re.compile(r"-\.?\d")
@@ -275,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     open_log_file()
     progress = args.progress = Progress(not getattr(args, "json", False) and sys.stderr.isatty())
     try:
-        return int(args.func(args))
+        return _run(args)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -3,32 +3,30 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cuda_program_cas._base.signing import env_signer
 from cuda_program_cas._verbs.publish import PublishReport, check_sources, publish
 
-from .main import UsageError, add_json_arg, emit, fmt_bytes, plural
+from .main import UsageError, emit, fmt_bytes, plural
 
-__all__ = ["register", "run"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "publish",
-        help="merge local caches into a shared store (created if missing)",
-        description=(
-            "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
-            "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
-            "atomically: safe while nodes read STORE and while another publish runs; running it again "
-            "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
-            "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
-            "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
-            "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
-            "`publish --init STORE` with no SRC creates an empty store of any kind, ready for write-back. "
-            "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
-        ),
-    )
+HELP = "merge local caches into a shared store (created if missing)"
+DESCRIPTION = (
+    "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
+    "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
+    "atomically: safe while nodes read STORE and while another publish runs; running it again "
+    "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
+    "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
+    "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
+    "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
+    "`publish --init STORE` with no SRC creates an empty store of any kind, ready for write-back. "
+    "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
+)
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="*", metavar="SRC", help="a node's local cache directory (only read)")
     parser.add_argument(
         "dest",
@@ -58,8 +56,6 @@ def register(subparsers: Any) -> None:
         help="trust the store's copies of entries it already holds (no hashing; faster for large sources, "
         "but a copy damaged in place then stays until verify --repair)",
     )
-    add_json_arg(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         pack=args.pack,
         verify_existing=args.verify_existing,
-        progress=getattr(args, "progress", None),
+        progress=args.progress,
         init=args.init,
     )
     return emit(args, report, lambda: _text(report))

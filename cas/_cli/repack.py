@@ -4,33 +4,28 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from cuda_program_cas._base.errors import CollectorBusyError
 from cuda_program_cas._verbs.repack import RepackReport, check_shared_store, repack
 
-from .bucket import is_bucket
-from .bucket import run as bucket_run
-from .main import add_json_arg, emit, fmt_bytes, plural, print_json, print_problems
+from .main import emit, fmt_bytes, plural, print_json, print_problems
 
-__all__ = ["register"]
+__all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "repack",
-        help="merge a shared store's loose entries and packs into one pack",
-        description=(
-            "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
-            "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
-            "may be reading is removed; gc removes what was replaced once the shared grace period has passed. "
-            "A node's local cache (a store publish did not mark as shared) is refused. One repack at a time: "
-            "while another repack or a gc runs on STORE, it says so, changes nothing and exits 0."
-        ),
-    )
+HELP = "merge a shared store's loose entries and packs into one pack"
+DESCRIPTION = (
+    "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "
+    "retire the packs it replaced into packs/retired/. Safe while nodes read STORE: nothing they "
+    "may be reading is removed; gc removes what was replaced once the shared grace period has passed. "
+    "A node's local cache (a store publish did not mark as shared) is refused. One repack at a time: "
+    "while another repack or a gc runs on STORE, it says so, changes nothing and exits 0."
+)
+BUCKET = "store"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE", help="the shared store")
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def _left(report: RepackReport) -> str:
@@ -52,9 +47,6 @@ def _left(report: RepackReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_bucket(args.store):
-        args.path = args.store
-        return bucket_run("repack", args)
     check_shared_store(args.store)  # a store URL, a node's local cache: bad usage
     root = os.path.abspath(args.store)
     try:

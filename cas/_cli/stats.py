@@ -15,11 +15,9 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.stats import StatsReport, stats, zero_counters
 
-from .bucket import is_bucket
-from .bucket import run as bucket_run
-from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, print_problems, size_arg
+from .main import add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, print_problems, size_arg
 
-__all__ = ["register"]
+__all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 
 #: Problems printed one per line; the rest are counted.
 _SHOWN = 20
@@ -32,13 +30,15 @@ _CAP_FROM = {
 }
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "stats",
-        help="entries, blobs, dedup ratio, use of the cap, files count, lifetime counters",
-        description="Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
-        "process since they were zeroed). Reads only: works on a read-only cache.",
-    )
+HELP = "entries, blobs, dedup ratio, use of the cap, files count, lifetime counters"
+DESCRIPTION = (
+    "Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
+    "process since they were zeroed). Reads only: works on a read-only cache."
+)
+BUCKET = "path"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument(
         "--max-size",
@@ -47,8 +47,6 @@ def register(subparsers: Any) -> None:
         help=f"the cap to compare with (default: ${ENV_MAX_SIZE}, else the cap stored in the cache)",
     )
     p.add_argument("--zero", action="store_true", help="set the lifetime counters to zero (nothing else changes)")
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def _zero(path: str | None, as_json: bool) -> int:
@@ -120,8 +118,6 @@ def _entries(info: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_bucket(args.path):
-        return bucket_run("stats", args)
     if args.zero:
         return _zero(args.path, args.json)
     report = stats(args.path, max_size=args.max_size)
