@@ -1,25 +1,19 @@
 """Why a compile missed: for each recent miss, the one input that differed from its own earlier variant.
 
-:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`)
-and nothing else; it takes no lock. An input is the code, its code type, the
-target, the compiler's version, the name expressions, the working directory,
-each option (by its name: ``-arch``, ``--define-macro=NAME``...) and each header
-(by its file name: a header found in another directory is one change, moved).
-Each miss is compared with one earlier record of the same way in (``plain``,
-``front``, ``nvvm``, ``compute``):
+:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`) and nothing
+else. An input is the code, its code type, the target, the compiler's version, the name
+expressions, the working directory, each option (by its name: ``-arch``,
+``--define-macro=NAME``...) and each header (by its file name: found in another directory,
+it moved). Each miss is compared with one earlier record of the same way in (``plain``,
+``front``, ``nvvm``, ``compute``): for a front door miss whose record held but a variant's
+check failed, the latest earlier record of the same key; else its own nearest earlier
+variant (same code, code type and name expressions; fewest differences, the latest winning
+a tie), and only when that code was never compiled before, the nearest of all.
 
-- a front door miss whose record held but a variant's check failed: the latest
-  earlier record of the same key;
-- else its own nearest earlier variant (same code, code type and name
-  expressions; fewest differences, the latest winning a tie), and only when that
-  code was never compiled before, the nearest of all.
-
-The verdict: ``changed`` (one input differed: ``option -arch: sm_80 -> sm_90``),
-``several``, ``same`` (the same inputs compiled before, so their entry was
-removed since), or ``new`` (nothing earlier like it, or the nearest of all
-differs in more than two places). Where the front door's check failed and the
-inputs are the same, what the check found is the change. A working directory
-that only one of the two keys holds is no difference of its own.
+The verdict: ``changed`` (one input differed: ``option -arch: sm_80 -> sm_90``), ``several``,
+``same`` (the same inputs compiled before: their entry was removed since), or ``new``
+(nothing earlier like it, or the nearest of all differs in more than two places). Where the
+front door's check failed and the inputs are the same, what the check found is the change.
 """
 
 from __future__ import annotations
@@ -63,8 +57,6 @@ _OWN = ("code", "code_type", "names")
 
 @dataclass(frozen=True, slots=True)
 class MissExplanation:
-    """Why one miss missed."""
-
     #: The id of the entry the miss stored (``key_id(key)``; a ``cache.compile`` entry's record id).
     key_id: str
     #: ISO 8601, UTC.
@@ -90,7 +82,7 @@ class MissExplanation:
 
 @dataclass(slots=True)
 class ExplainReport(Report):
-    """The explained misses of one cache, oldest first; :meth:`as_dict` is what ``explain --json`` prints."""
+    """The explained misses of one cache, oldest first."""
 
     max_listed: ClassVar[int | None] = None
 
@@ -278,9 +270,7 @@ def _verdict(
 def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> ExplainReport:
     """Why the last ``last`` misses of the cache at ``path`` (None: the default directory) missed; reads only.
 
-    A path where no cache has been created yet is an empty report (``exists``
-    false). Raises :class:`cuda_program_cas.LayoutError` for a file or another
-    program's directory, ``ValueError`` for a ``last`` below 1.
+    Raises :class:`cuda_program_cas.LayoutError` for a file or a foreign directory.
     """
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last must be a positive int, got {last!r}")

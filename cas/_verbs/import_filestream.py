@@ -1,12 +1,10 @@
 """Import a ``FileStreamProgramCache`` directory, keeping its keys.
 
-FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``,
-named by sha256 of the key bytes, as ``index/`` names manifests here: so
-``Program.compile(cache=ours)`` hits for every kernel FileStream had cached.
-Each entry is committed by the one write protocol, as ``put`` commits it, so an
-import can be killed and run again. An entry this cache already holds with
-other content is kept (this cache wins). The source is only read. Each
-manifest takes the entry's last use (FileStream's atime) as its own.
+FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``, named by
+sha256 of the key bytes, as ``index/`` names manifests here: so ``Program.compile(cache=ours)``
+hits for every kernel FileStream had cached. Each entry is committed as ``put`` commits it,
+so an import can be killed and run again. An entry this cache holds with other content is
+kept. The source is only read.
 """
 
 from __future__ import annotations
@@ -72,10 +70,9 @@ def import_filestream(
     *,
     progress: ProgressFn | None = None,
 ) -> ImportReport:
-    """Import the FileStream cache at ``source`` into the cache at ``dest`` (created if missing).
+    """Import the FileStream cache at ``source`` into the cache at ``dest`` (None: the default; created if missing).
 
-    ``dest`` defaults to :func:`cuda_program_cas.default_cache_dir`. Raises :class:`cuda_program_cas.LayoutError`
-    when ``source`` is not a FileStream cache or ``dest`` not a usable cache.
+    Raises :class:`cuda_program_cas.LayoutError` when ``source`` is not a FileStream cache or ``dest`` not a cache.
     """
     t0 = time.monotonic()
     src = os.path.abspath(os.fspath(source))

@@ -1,11 +1,8 @@
 """What a cache holds, how well it deduplicates, how full it is, and its lifetime counters.
 
-:func:`stats` reads only (a read-only cache or mount works; no lock, nothing
-touched). Files it cannot read are its ``problems``, and the figures then count
-only the rest. A path where no cache has been created yet is an empty cache
-(``exists`` false); a file or a foreign directory raises
-:class:`cuda_program_cas.LayoutError`. :func:`zero_counters` writes, under
-``counters.lock``.
+:func:`stats` reads only (no lock, nothing touched). Files it cannot read are its
+``problems``, and the figures then count only the rest. A path where no cache has been
+created yet is an empty cache (``exists`` false).
 """
 
 from __future__ import annotations
@@ -32,16 +29,12 @@ __all__ = ["StatsReport", "stats", "zero_counters"]
 
 @dataclass(slots=True)
 class StatsReport(Report):
-    """The statistics of one cache directory; :meth:`as_dict` is what ``stats --json`` prints.
-
-    Bytes are as the size cap counts them (``stored_bytes``: unique blobs plus
-    manifests) unless named otherwise; times are ISO 8601 in UTC.
-    """
+    """The statistics of one cache directory. Bytes are as the size cap counts them (``stored_bytes``:
+    unique blobs plus manifests) unless named otherwise; times are ISO 8601 in UTC."""
 
     max_listed: ClassVar[int | None] = None
 
     path: str
-    #: False where no cache has been created yet: then every figure is zero.
     exists: bool = True
     #: Keys the store holds, loose or packed, each once (a key both loose and packed counts once).
     entries: int = 0
@@ -100,16 +93,13 @@ class StatsReport(Report):
 def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = None) -> StatsReport:
     """The statistics of the cache at ``path`` (None: the default directory); reads only.
 
-    ``max_size``: the cap to compare the stored bytes with; None takes the cap a
-    cache opened there gets (``$CUDA_PROGRAM_CAS_MAX_SIZE``, else the one stored
-    in the cache). Raises :class:`cuda_program_cas.LayoutError` for a path that
-    is a file or another program's directory.
+    ``max_size``: the cap to compare the stored bytes with; None takes the cap a cache opened
+    there gets. Raises :class:`cuda_program_cas.LayoutError` for a file or a foreign directory.
     """
     root = cache_root(path)
     cap: int | None = max_size
     source = "argument"
-    if max_size is None:
-        # The environment, else the cache's own setting: as a cache opened there would.
+    if max_size is None:  # the environment, else the cache's own setting
         setting = next(s for s in effective_settings(root) if s.name == MAX_SIZE)
         cap = setting.value if isinstance(setting.value, int) else None
         source = setting.source
@@ -117,11 +107,7 @@ def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = 
 
 
 def zero_counters(path: str | os.PathLike[str] | None = None) -> tuple[str, dict[str, int]]:
-    """Set the lifetime counters of the cache at ``path`` to zero: its root, and the counters as they were.
-
-    Raises :class:`cuda_program_cas.LayoutError` where there is no cache, and
-    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written.
-    """
+    """Set the lifetime counters of the cache at ``path`` to zero: its root, and the counters as they were."""
     lay = open_cache(cache_root(path), write=True, purpose="zero the counters").lay
     return lay.root, _zero_counters(lay).counters
 

@@ -1,13 +1,11 @@
 """Check every manifest and blob of a cache; with ``repair``, fix what can be fixed.
 
-Problems found: a damaged ``layout.json``; manifests invalid, dangling or of the
-wrong size (judged by :func:`cuda_program_cas._disk.classify.classify`, as
-``gc`` and ``stats`` judge them); blobs that fail their hash; stale temp files;
-unreadable files; stray files where only cache files belong. Repair moves bad
-blobs to ``quarantine/``, removes bad manifests (only if still the file that
-was checked) and stale temp files, and rewrites a damaged ``layout.json``
-(keeping a shared mark as far as the damaged file still shows it). Stray and
-unreadable files are never touched. Without ``repair`` nothing is written.
+Problems found: a damaged ``layout.json``; manifests invalid, dangling or of the wrong size
+(judged by :func:`cuda_program_cas._disk.classify.classify`, as ``gc`` and ``stats`` judge
+them); blobs that fail their hash; stale temp files; unreadable files; stray files. Repair
+moves bad blobs to ``quarantine/``, removes bad manifests (only if still the file that was
+checked) and stale temp files, and rewrites a damaged ``layout.json``. Stray and unreadable
+files are never touched. Without ``repair`` nothing is written.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ _SHARED_RE = re.compile(rb'"shared"\s*:\s*(true|false)')
 def said_shared(path: str) -> bool | None:
     """What a damaged ``layout.json`` still says of the shared mark: True, False, or None (nothing).
 
-    Its first 4 KiB are read without following a symlink or blocking on a FIFO;
-    a file cut short after the mark still says it.
+    Its first 4 KiB, read without following a symlink or blocking on a FIFO.
     """
     try:
         fd = os.open(path, READ_FLAGS)
@@ -88,8 +85,6 @@ def strays(directory: str) -> list[str]:
 
 @dataclass(slots=True)
 class Problem:
-    """One thing wrong in the cache."""
-
     kind: str
     path: str
     detail: str = ""
@@ -98,20 +93,19 @@ class Problem:
 
 @dataclass(slots=True)
 class VerifyReport(Report):
-    """What a check found (``problems``: every one, a :class:`Problem` each) and, with ``repair``, fixed."""
+    """What a check found (a :class:`Problem` each) and, with ``repair``, fixed."""
 
     max_listed: ClassVar[int | None] = None
 
     root: str
     repair: bool
-    #: False where no cache has been created yet: nothing to check, nothing created.
     exists: bool = True
     entries: int = 0
     blobs: int = 0
     blobs_checked: int = 0
     bytes_checked: int = 0
     orphan_blobs: int = 0
-    #: The packs whose every blob was hashed too (a packed store), their entries and bytes.
+    #: The packs whose every blob was hashed too, their entries and bytes.
     packs: int = 0
     packed_entries: int = 0
     pack_bytes: int = 0
@@ -137,9 +131,8 @@ def verify(
 ) -> VerifyReport:
     """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file.
 
-    ``shared``: whether a damaged ``layout.json`` is rewritten with the shared mark
-    (``gc`` then keeps a shared store's long grace period). None: as the damaged
-    file still says; where it says nothing, unmarked, and the problem says so.
+    ``shared``: whether a damaged ``layout.json`` is rewritten with the shared mark (None: as
+    the damaged file still says; where it says nothing, unmarked, and the problem says so).
     """
     t0 = time.monotonic()
     if not_created(root):  # an empty cache, as stats reports it
