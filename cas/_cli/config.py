@@ -83,7 +83,7 @@ def _text(report: ConfigReport) -> None:
         for v in report.variables:
             refused = "" if v.accepted else "; refused" if not v.used else "; partly refused"
             verdict = "" if v.source == "default" else f" ({v.source}{refused})"
-            print(f"  {v.name:<{width}}  {v.shown}{verdict}")
+            print(f"  {v.name:<{width}}  {v.value}{verdict}")
             for note in v.notes:
                 print(f"  {'':<{width}}  note: {note}")
     print_problems(report)

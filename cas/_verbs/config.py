@@ -9,7 +9,7 @@ or part of one that the package ignores is a problem.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar, cast
 
 import cuda_program_cas._base.config as _registry
@@ -47,7 +47,7 @@ class Reading:
     #: ``environment`` when set and not empty, else ``default``.
     source: str
     #: The value as the package uses it, in words: ``set`` for a secret, the default's words when unset.
-    shown: str
+    value: str
     #: False when the value, or a part of it, is refused.
     accepted: bool
     #: False when the whole value is refused (the package reads as if it were unset).
@@ -58,15 +58,7 @@ class Reading:
     notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "value": self.shown,
-            "source": self.source,
-            "accepted": self.accepted,
-            "used": self.used,
-            "meaning": self.meaning,
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-        }
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "name"}
 
 
 #: Warnings a reader gives about a value it still uses: notes, not refusals.

@@ -174,26 +174,24 @@ def _header_differences(old: object, new: object) -> list[tuple[str, str]]:
     return found
 
 
-def _check_failed(record: MissRecord) -> dict[str, str] | None:
-    """The journal's ``why`` of a front door miss whose record held but a variant failed its check, else None."""
-    why = record.why
-    if why is None or why.get("kind") in NOT_A_CHECK:
-        return None
-    return why
+#: What a failed check found, where the recompile read the same inputs: ``(input kind, what changed)``.
+_CHECK_CHANGES = {
+    DIRECTORY_CHANGED: (
+        "directory",
+        "directory {}: an entry was added, removed or renamed (the headers read are the same)",
+    ),
+    HEADER_CHANGED: ("header", "header {}: changed since it was compiled (re-hashed: its content differed)"),
+    HEADER_GONE: ("header", "header {}: gone since it was compiled"),
+    SHADOWED: ("header", "{}: appeared where NVRTC looks before a header it read (it may now be found first)"),
+}
 
 
 def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
-    """``(input kind, what changed)`` for a failed check whose recompile read the same inputs."""
-    kind, path, text = why.get("kind", ""), why.get("path", ""), why.get("text", "")
-    if kind == DIRECTORY_CHANGED:
-        return "directory", f"directory {path}: an entry was added, removed or renamed (the headers read are the same)"
-    if kind == HEADER_CHANGED:
-        return "header", f"header {path}: changed since it was compiled (re-hashed: its content differed)"
-    if kind == HEADER_GONE:
-        return "header", f"header {path}: gone since it was compiled"
-    if kind == SHADOWED:
-        return "header", f"{path}: appeared where NVRTC looks before a header it read (it may now be found first)"
-    return "header" if path else "record", text or "a variant's check failed"
+    path = why.get("path", "")
+    if why.get("kind") in _CHECK_CHANGES:
+        kind, text = _CHECK_CHANGES[why["kind"]]
+        return kind, text.format(path)
+    return "header" if path else "record", why.get("text", "") or "a variant's check failed"
 
 
 def _nearest(
@@ -242,7 +240,8 @@ def _verdict(
     """``explain_one``'s verdict, summary, differences and nearest earlier key id."""
     if why.get("kind") == UNCACHEABLE:  # not a miss: a build that cannot be keyed soundly ran uncached
         return "uncacheable", f"not cached: {why.get('text', '')}", [], None
-    check = _check_failed(record)
+    # A front door miss whose record held but a variant failed its check.
+    check = None if record.why is None or record.why.get("kind") in NOT_A_CHECK else record.why
     best = _nearest(record, earlier, check)
     diffs = [] if best is None else best[0]
     nearest = None if best is None else best[1].key_id
