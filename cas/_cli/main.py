@@ -53,14 +53,11 @@ _COMMAND_MODULES = ("gc", "stats", "explain", "verify", "import_filestream", "pu
 
 
 class CommandFailed(Exception):
-    """A command that could not do its work, said in the command line's own words: one line, exit 1."""
+    """A command that could not do its work, said in the command line's own words: exit 1."""
 
 
 class UsageError(Exception):
-    """Bad usage a command finds after parsing (a source that is not a cache...): one line, exit 2."""
-
-
-# -- argument types -----------------------------------------------------------------
+    """Bad usage a command finds after parsing (a source that is not a cache...): exit 2."""
 
 
 def size_arg(text: str) -> int:
@@ -103,16 +100,8 @@ def seconds_arg(text: str) -> float:
 
 
 def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: str = "PATH") -> None:
-    parser.add_argument(
-        name,
-        nargs="?",
-        default=None,
-        metavar=metavar,
-        help="cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)",
-    )
-
-
-# -- output ---------------------------------------------------------------------------
+    what = "cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)"
+    parser.add_argument(name, nargs="?", default=None, metavar=metavar, help=what)
 
 
 def fmt_bytes(n: float) -> str:
@@ -142,7 +131,7 @@ def fmt_age(seconds: float) -> str:
 
 
 def print_json(obj: dict[str, object]) -> None:
-    """One JSON object on stdout; one that is not a report's gets an empty ``problems`` and ``problem_count``."""
+    """One JSON object on stdout, with ``problems`` and ``problem_count`` (empty where not given)."""
     print(json.dumps({"problems": [], "problem_count": 0, **obj}, indent=2, sort_keys=True))
 
 
@@ -171,7 +160,7 @@ def emit(
 
 
 def print_problems(report: Report, show: Callable[[Any], str] = str, most: int | None = None) -> None:
-    """A report's problems (``most`` of them), one ``problem:`` line each, and how many more were counted."""
+    """A report's problems (``most`` of them), one ``problem:`` line each, and how many more there were."""
     listed = report.problems[:most]
     for item in listed:
         print(f"problem: {show(item)}")
@@ -207,9 +196,6 @@ class Progress:
             self._stream.write("\r\x1b[K")
             self._stream.flush()
             self._shown = False
-
-
-# -- the script -----------------------------------------------------------------------
 
 
 class _Parser(argparse.ArgumentParser):
@@ -299,15 +285,11 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     """``--max-size -5M`` as ``--max-size=-5M``: argparse takes ``-5M`` for an option and
     says "expected one argument"; joined, the option's own check says what is wrong."""
     out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
-            out.append(f"{arg}={argv[i + 1]}")
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg):
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
     return out
 
 

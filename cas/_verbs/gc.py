@@ -93,25 +93,9 @@ class GcReport(Report):
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
     packs: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def entries_after(self) -> int:
-        return self.entries_before - self.entries_removed
-
-    @property
-    def blobs_after(self) -> int:
-        return self.blobs_before - self.blobs_removed
-
-    @property
-    def bytes_after(self) -> int:
-        return max(0, self.bytes_before - self.bytes_freed)
-
-    def as_dict(self) -> dict[str, object]:
-        out = Report.as_dict(self)
-        out["entries_after"] = self.entries_after
-        out["blobs_after"] = self.blobs_after
-        out["bytes_after"] = self.bytes_after
-        return out
+    entries_after: int = 0
+    blobs_after: int = 0
+    bytes_after: int = 0
 
 
 def collected_as_shared(root: str | os.PathLike[str], shared: bool | None = None) -> bool:
@@ -212,14 +196,11 @@ def collect(
                 progress("removing", 0, 0)
             _execute(plan, report, remover, cache.blobs)
     report.elapsed_s = time.monotonic() - t0
-    collected(
-        report.root,
-        dry_run=report.dry_run,
-        entries=report.entries_removed,
-        blobs=report.blobs_removed,
-        freed=report.bytes_freed,
-        elapsed_s=report.elapsed_s,
-    )
+    report.entries_after = report.entries_before - report.entries_removed
+    report.blobs_after = report.blobs_before - report.blobs_removed
+    report.bytes_after = max(0, report.bytes_before - report.bytes_freed)
+    entries, blobs, freed = report.entries_removed, report.blobs_removed, report.bytes_freed
+    collected(report.root, dry_run=dry_run, entries=entries, blobs=blobs, freed=freed, elapsed_s=report.elapsed_s)
     return report
 
 
