@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
@@ -10,14 +11,12 @@ from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport,
 from .main import (
     UsageError,
     add_path_arg,
-    age_arg,
+    duration_arg,
     emit,
     fmt_age,
     fmt_bytes,
-    grace_arg,
     plural,
     print_problems,
-    seconds_arg,
     size_arg,
 )
 
@@ -40,7 +39,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument(
         "--grace",
-        type=grace_arg,
+        type=partial(duration_arg, zero_ok=True),  # 0s: every orphan now
         default=3600.0,
         metavar="AGE",
         help="keep orphan blobs younger than AGE, e.g. 30m or 1d (default: 1h; a shared store needs at least 1h)",
@@ -53,7 +52,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-age",
-        type=age_arg,
+        type=partial(duration_arg, zero_ok=False),
         metavar="AGE",
         help="drop entries unused for longer than AGE, e.g. 12h, 7d or 2w (default: no limit)",
     )
@@ -61,7 +60,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     p.add_argument(
         "--wait",
-        type=seconds_arg,
+        type=partial(duration_arg, zero_ok=True, require_unit=False, what="a wait"),  # 30 or 2m
         default=0.0,
         metavar="SECONDS",
         help="wait this long for a busy lock, e.g. 30 or 2m (default: 0, do not wait)",

@@ -35,16 +35,14 @@ __all__ = [
     "CommandFailed",
     "UsageError",
     "add_path_arg",
-    "age_arg",
+    "duration_arg",
     "emit",
     "fmt_age",
     "fmt_bytes",
-    "grace_arg",
     "main",
     "plural",
     "print_json",
     "print_problems",
-    "seconds_arg",
     "size_arg",
 ]
 
@@ -72,7 +70,8 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _duration(text: str, *, zero_ok: bool, require_unit: bool = True, what: str = "an age") -> float:
+def duration_arg(text: str, *, zero_ok: bool, require_unit: bool = True, what: str = "an age") -> float:
+    """``--max-age``, ``--grace`` and ``--wait`` values: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``."""
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"{what} must not be negative, got {text!r}")
     try:
@@ -82,21 +81,6 @@ def _duration(text: str, *, zero_ok: bool, require_unit: bool = True, what: str 
     if seconds <= 0 and not zero_ok:
         raise argparse.ArgumentTypeError(f"{what} must be more than zero, got {text!r}")
     return seconds
-
-
-def age_arg(text: str) -> float:
-    """``--max-age`` values: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``; a unit is required, zero refused."""
-    return _duration(text, zero_ok=False)
-
-
-def grace_arg(text: str) -> float:
-    """``--grace`` values: an age with its unit; ``0s`` (collect every orphan now) is allowed."""
-    return _duration(text, zero_ok=True)
-
-
-def seconds_arg(text: str) -> float:
-    """``--wait`` values: seconds (``30``) or an age with its unit (``2m``); zero or more."""
-    return _duration(text, zero_ok=True, require_unit=False, what="a wait")
 
 
 def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: str = "PATH") -> None:
@@ -310,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     # As a cache opened by the library does: CUDA_PROGRAM_CAS_LOG gets this command's records.
     open_log_file()
-    progress = args.progress = Progress(not getattr(args, "json", False) and sys.stderr.isatty())
+    progress = args.progress = Progress(not args.json and sys.stderr.isatty())
     try:
         return _run(args)
     except BrokenPipeError:
@@ -335,7 +319,7 @@ def _fail(args: argparse.Namespace, exc: BaseException | str, status: int) -> in
     if isinstance(exc, OSError) and exc.filename and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
     print(f"{PROG} {args.command}: error: {text}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if args.json:
         _print_error_json(args.command, text, status)
     return status
 

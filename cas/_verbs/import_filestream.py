@@ -32,11 +32,11 @@ class ImportReport(Report):
     dest: str
     entries: int = 0
     imported: int = 0
-    #: Entries already here with the same content (an earlier or concurrent import).
+    #: Entries already here with the same content.
     already_present: int = 0
-    #: Entries already here with other content: kept, not overwritten.
+    #: Entries already here with other content: kept.
     kept_existing: int = 0
-    #: Imported entries whose binary was already stored (under another key or digest).
+    #: Imported entries whose binary was already stored.
     deduplicated: int = 0
     bytes_imported: int = 0
     blob_bytes_added: int = 0
@@ -46,7 +46,7 @@ class ImportReport(Report):
 
 
 def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:
-    """``(key id, path)`` of every entry file; misnamed files are reported and skipped."""
+    """``(key id, path)`` of every entry file; misnamed files are problems."""
     found = []
     with os.scandir(entries_dir) as top:
         shards = sorted(e.name for e in top if e.is_dir(follow_symlinks=False) and is_hex(e.name, 2))
@@ -108,7 +108,7 @@ def import_filestream(
 
 
 def _current(lay: Layout, kid: str) -> str | None:
-    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there."""
+    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there, else None."""
     try:
         data, _ = read_regular(lay.manifest_path(kid))
     except OSError:

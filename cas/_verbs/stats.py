@@ -38,19 +38,18 @@ class StatsReport(Report):
     exists: bool = True
     #: Keys the store holds, loose or packed, each once (a key both loose and packed counts once).
     entries: int = 0
-    #: Of ``entries``, those a manifest in ``index/`` holds (the figures below in bytes are theirs).
+    #: Of ``entries``, those a manifest in ``index/`` holds (the byte figures are theirs).
     loose_entries: int = 0
     #: Loose manifests that a live pack holds too, with the same blob: what a repack left for ``gc``.
     loose_also_packed: int = 0
     blobs: int = 0
-    #: Sum of the sizes of the loose entries, as if each key had its own copy (up to ``manifest_bytes``: loose).
+    #: Sum of the sizes of the loose entries, as if each key had its own copy.
     logical_bytes: int = 0
     stored_bytes: int = 0
     blob_bytes: int = 0
     manifest_bytes: int = 0
     #: ``logical_bytes / blob_bytes``, rounded to three places (1.0 for an empty cache).
     dedup_ratio: float = 1.0
-    #: The cap compared with, or None.
     max_size_bytes: int | None = None
     #: Where the cap came from: ``argument``, ``environment``, ``cache`` or ``default`` (None without a cap).
     max_size_source: str | None = None
@@ -62,7 +61,7 @@ class StatsReport(Report):
     directories: int = 0
     inodes: int = 0
     disk_bytes: int = 0
-    #: Front-door header records (``cache.compile``) and the bytes of their blobs.
+    #: Front-door header records (``cache.compile``) and their blobs' bytes.
     front_door_records: int = 0
     front_door_record_bytes: int = 0
     orphan_blobs: int = 0
@@ -80,11 +79,11 @@ class StatsReport(Report):
     #: The raw bytes the packs' distinct blobs stand for (their blobs are stored compressed).
     pack_raw_bytes: int = 0
     retired_packs: int = 0
-    #: The lifetime counters of every process (name -> total), or None when they cannot be read.
+    #: The lifetime counters of every process, or None when they cannot be read.
     counters: dict[str, int] | None = None
     hit_rate: float | None = None
     counters_zeroed_at: str | None = None
-    #: Compile time the hits of every process saved since the counters were zeroed (``saved_us``), in seconds.
+    #: Compile time the hits of every process saved since the counters were zeroed.
     time_saved_s: float | None = None
     #: The (at most 5) entries whose hits saved the most: ``key`` (16 hex), ``hits``, ``saved_s``, ``compile_s``.
     busiest: list[dict[str, object]] = field(default_factory=list)
