@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar
@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.urls import is_store_url, shown
-from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
+from cuda_program_cas._disk.blobs import BlobCheck, BlobState, BlobStore
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import Snapshot
@@ -111,17 +111,19 @@ def iso_utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def check_blobs(
-    snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None
-) -> Iterator[tuple[str, BlobCheck]]:
-    """Hash every blob of ``snap`` (in digest order): ``(digest, what the hash found)``, with progress."""
+def check_blobs(snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None) -> dict[str, BlobCheck]:
+    """What hashing each blob of ``snap`` found, by digest in digest order; a blob gone meanwhile is left out."""
+    found = {}
     total = len(snap.blobs)
     for n, digest in enumerate(sorted(snap.blobs)):
         if progress and n % 64 == 0:
             progress("verifying blobs", n, total)
-        yield digest, blobs.check(digest)
+        check = blobs.check(digest)
+        if check.state is not BlobState.MISSING:
+            found[digest] = check
     if progress:
         progress("verifying blobs", total, total)
+    return found
 
 
 #: At most this many problems are listed one by one (all are counted).

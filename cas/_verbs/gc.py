@@ -224,7 +224,7 @@ def _make_plan(
     if snap.unreadable:
         removal.blobs_removable = False
     if verify:
-        for digest, check in check_blobs(snap, blobs, progress):
+        for digest, check in check_blobs(snap, blobs, progress).items():
             if check.state is BlobState.CORRUPT:
                 assert check.stat is not None
                 plan.corrupt[digest] = check.stat

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cuda_program_cas._disk.blobs import BlobState, BlobStore
+from cuda_program_cas._disk.blobs import BlobState
 from cuda_program_cas._disk.classify import classify, describe
 from cuda_program_cas._disk.files import READ_FLAGS
 from cuda_program_cas._disk.layout import LAYOUT_FILE, LayoutState, create_layout, mark_shared_store, stale_temp_files
-from cuda_program_cas._disk.scan import Snapshot, take_snapshot
+from cuda_program_cas._disk.scan import take_snapshot
 from cuda_program_cas.index import is_hex
 
 from .common import ProgressFn, Report, check_blobs, not_created, open_cache
@@ -167,7 +167,14 @@ def verify(
         for path in strays(directory):
             report.problem(Problem("stray_file", path, "not a cache file; left alone"))
 
-    bad_blobs = _check_blobs(snap, blobs, report, progress)
+    checks = check_blobs(snap, blobs, progress)
+    bad_blobs = {digest: check for digest, check in checks.items() if check.state is BlobState.CORRUPT}
+    for digest, check in checks.items():
+        if check.state is BlobState.UNREADABLE:
+            report.problem(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
+        elif check.stat is not None:
+            report.blobs_checked += 1
+            report.bytes_checked += check.stat.st_size
     for info in snap.manifests:
         condition = classify(info, snap, bad_blobs)
         if not condition.bad:
@@ -177,10 +184,10 @@ def verify(
         if remover is not None:
             problem.fixed = remover.manifest(info.key_id, info.stat) or not os.path.lexists(path)
         report.problem(problem)
-    for digest, (st, detail) in bad_blobs.items():
-        problem = Problem("corrupt_blob", blobs.path_for(digest), detail)
-        if remover is not None:
-            where = remover.quarantine(digest, st)
+    for digest, check in bad_blobs.items():
+        problem = Problem("corrupt_blob", blobs.path_for(digest), check.detail)
+        if remover is not None and check.stat is not None:
+            where = remover.quarantine(digest, check.stat)
             problem.fixed = where is not None or not os.path.lexists(blobs.path_for(digest))
             if where:
                 problem.detail += f"; moved to {where}"
@@ -202,22 +209,3 @@ def verify(
     report.orphan_blobs = len(snap.orphans())
     report.elapsed_s = time.monotonic() - t0
     return report
-
-
-def _check_blobs(
-    snap: Snapshot, blobs: BlobStore, report: VerifyReport, progress: ProgressFn | None
-) -> dict[str, tuple[os.stat_result, str]]:
-    """Hash every blob; returns the bad ones (digest -> (stat, detail)) and records read errors."""
-    bad: dict[str, tuple[os.stat_result, str]] = {}
-    for digest, check in check_blobs(snap, blobs, progress):
-        if check.state is BlobState.MISSING:
-            continue
-        if check.state is BlobState.UNREADABLE:
-            report.problem(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
-            continue
-        assert check.stat is not None
-        report.blobs_checked += 1
-        report.bytes_checked += check.stat.st_size
-        if check.state is BlobState.CORRUPT:
-            bad[digest] = (check.stat, check.detail)
-    return bad
