@@ -8,17 +8,7 @@ from functools import partial
 from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
 
-from .main import (
-    UsageError,
-    add_path_arg,
-    duration_arg,
-    emit,
-    fmt_age,
-    fmt_bytes,
-    plural,
-    print_problems,
-    size_arg,
-)
+from .main import UsageError, add_path_arg, duration_arg, emit, fmt_age, fmt_bytes, plural, print_problems, size_arg
 
 __all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 

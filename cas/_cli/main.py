@@ -120,12 +120,7 @@ def print_json(obj: dict[str, object]) -> None:
 
 
 def emit(
-    args: argparse.Namespace,
-    report: Report,
-    text: Callable[[], None],
-    *,
-    status: int | None = None,
-    empty: str = "",
+    args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None, empty: str = ""
 ) -> int:
     """The one way a command prints its verb's report: one JSON object (``as_dict``) with ``--json``, else
     ``text()``, after clearing the progress line; where no cache has been created yet (``exists`` false),
