@@ -65,8 +65,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-#: ``1`` routes every compile of a process through the cache, ``read-only`` too but writes
-#: nothing, ``0`` turns the cache off everywhere, also for ``cache=`` (as ``CCACHE_DISABLE``).
 ENV_SWITCH = "CUDA_PROGRAM_CAS"
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
@@ -114,12 +112,10 @@ def say_once(
 def first_time(key: Hashable, seen: set[Hashable] | None = None) -> bool:
     """True the first time ``seen`` (this process's when None) meets ``key``: :func:`say_once`'s test."""
     with _seen_lock:
-        if seen is None:
-            seen = _seen
-        if key in seen:
-            return False
+        seen = _seen if seen is None else seen
+        fresh = key not in seen
         seen.add(key)
-        return True
+        return fresh
 
 
 @contextlib.contextmanager
