@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _text(report: ClearReport) -> None:
-    what = f"{plural(report.entries_before, 'entry', 'entries')} and {plural(report.blobs_before, 'blob')}"
+    what = f"{plural(report.entries_before, 'entry')} and {plural(report.blobs_before, 'blob')}"
     if report.dry_run:
         print(
             f"would remove {what}, freeing {fmt_bytes(report.bytes_before)} of {report.root} (dry run: nothing changed)"
@@ -40,8 +40,7 @@ def _text(report: ClearReport) -> None:
     kept = ""
     if report.entries_after or report.blobs_after:
         kept = (
-            f"; kept {plural(report.entries_after, 'entry', 'entries')} and {plural(report.blobs_after, 'blob')} "
-            "written meanwhile"
+            f"; kept {plural(report.entries_after, 'entry')} and {plural(report.blobs_after, 'blob')} written meanwhile"
         )
     print(
         f"cleared {report.root}: removed {what}, freed {fmt_bytes(report.bytes_freed)} of "

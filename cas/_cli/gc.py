@@ -111,7 +111,7 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
 
 
 def summary_line(report: GcReport) -> str:
-    parts = [plural(report.entries_removed, "entry", "entries"), plural(report.blobs_removed, "blob")]
+    parts = [plural(report.entries_removed, "entry"), plural(report.blobs_removed, "blob")]
     if report.temp_files_removed:
         parts.append(plural(report.temp_files_removed, "stale temp file"))
     what = ", ".join(parts[:-1]) + " and " + parts[-1]
@@ -123,7 +123,7 @@ def summary_line(report: GcReport) -> str:
 
 def print_report(report: GcReport, args: argparse.Namespace) -> None:
     print(
-        f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry', 'entries')}, "
+        f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry')}, "
         f"{plural(report.blobs_before, 'blob')}, {fmt_bytes(report.bytes_before)} stored"
     )
     labels = _labels(args)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 def _text(report: ImportReport) -> None:
     print_problems(report)
     print(
-        f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
+        f"imported {plural(report.imported, 'entry')} ({fmt_bytes(report.bytes_imported)}) "
         f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
         f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
         f"{report.kept_existing:,} kept as they were"

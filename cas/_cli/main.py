@@ -100,10 +100,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
-    """``1 entry``, ``1,204 entries``."""
+    """``1 entry``, ``1,204 entries``, ``2 blobs``; ``many`` where neither rule holds."""
     if n == 1:
         return f"1 {word}"
-    return f"{n:,} {many or word + 's'}"
+    return f"{n:,} {many or (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
 
 
 def fmt_age(seconds: float) -> str:

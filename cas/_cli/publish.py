@@ -93,7 +93,7 @@ def _text(report: PublishReport) -> None:
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (
-        f"{verb} {plural(new, 'entry', 'entries')} and {plural(report.blobs_published, 'blob')} "
+        f"{verb} {plural(new, 'entry')} and {plural(report.blobs_published, 'blob')} "
         f"({fmt_bytes(report.bytes_published)}) from {plural(len(report.sources), 'cache')} into {report.dest}"
     )
     extras = []
@@ -101,7 +101,7 @@ def _text(report: PublishReport) -> None:
         extras.append("store " + ("would be created" if report.dry_run else "created"))
     extras.append(f"{report.unchanged:,} already there")
     if report.replaced:
-        extras.append(f"{plural(report.replaced, 'broken entry', 'broken entries')} replaced")
+        extras.append(f"{plural(report.replaced, 'broken entry')} replaced")
     if report.blobs_repaired:
         extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
     if report.conflicts:

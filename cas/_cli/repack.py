@@ -31,12 +31,12 @@ def arguments(p: argparse.ArgumentParser) -> None:
 def _left(report: RepackReport) -> str:
     """What the repack left for gc, and when gc removes it: nodes may be reading it now."""
     others = report.loose_left - report.loose_packed
-    kept = f"; {plural(others, 'loose entry', 'loose entries')} not in the pack stay{'s' if others == 1 else ''}"
+    kept = f"; {plural(others, 'loose entry')} not in the pack stay{'s' if others == 1 else ''}"
     if not report.loose_packed and not report.retired:
-        return f"left {plural(report.loose_left, 'loose entry', 'loose entries')}" + (kept if others else "")
+        return f"left {plural(report.loose_left, 'loose entry')}" + (kept if others else "")
     what = []
     if report.loose_packed:
-        what.append(f"{plural(report.loose_packed, 'loose entry', 'loose entries')} now also in the pack")
+        what.append(f"{plural(report.loose_packed, 'loose entry')} now also in the pack")
     if report.retired:
         what.append(f"{plural(len(report.retired), 'retired pack')}")
     when = (report.gc_removes_after or "").replace("T", " ").replace("+00:00", " UTC")
@@ -66,7 +66,7 @@ def _text(report: RepackReport) -> None:
     if report.pack:
         print(_left(report))
     print(
-        f"packed {plural(report.entries, 'entry', 'entries')} in {plural(report.blobs, 'blob')} "
+        f"packed {plural(report.entries, 'entry')} in {plural(report.blobs, 'blob')} "
         f"({fmt_bytes(report.bytes)}) into {report.pack or 'no pack (the store is empty)'}; "
         f"retired {plural(len(report.retired), 'pack')}"
     )

@@ -182,7 +182,7 @@ def _text(report: StatsReport) -> None:
     if info["packs"] or info["retired_packs"]:
         rows.append((
             "packs",
-            f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry', 'entries')} "
+            f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry')} "
             f"({fmt_bytes(info['pack_bytes'])}, their blobs {fmt_bytes(info['pack_raw_bytes'])} raw), "
             f"{info['retired_packs']:,} retired (gc removes them after --grace)",
         ))  # fmt: skip
@@ -203,7 +203,7 @@ def _text(report: StatsReport) -> None:
         where = f"{plural(info['blobs'], 'loose blob')} and {plural(info['packs'], 'pack')}"
     stored = info["stored_bytes"] + info["pack_bytes"]
     print(
-        f"{plural(info['entries'], 'entry', 'entries')}{packed} in {where}, "
+        f"{plural(info['entries'], 'entry')}{packed} in {where}, "
         f"{fmt_bytes(stored)} stored, dedup {info['dedup_ratio']:.2f}x"
         + (f", {info['cap_used_percent']}% of the cap" if cap else "")
         + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")

@@ -80,12 +80,12 @@ def _text(report: VerifyReport, repair: bool) -> None:
     for p in report.problems:
         state = " [fixed]" if p.fixed else ""
         print(f"{p.kind}: {p.path}{': ' + p.detail if p.detail else ''}{state}")
-    entries = plural(report.entries, "entry", "entries")
+    entries = plural(report.entries, "entry")
     packed = ""
     if report.packs:
-        entries = plural(report.entries, "loose entry", "loose entries")
+        entries = plural(report.entries, "loose entry")
         packed = (
-            f", and {plural(report.packs, 'pack')} holding {plural(report.packed_entries, 'entry', 'entries')} "
+            f", and {plural(report.packs, 'pack')} holding {plural(report.packed_entries, 'entry')} "
             f"({fmt_bytes(report.pack_bytes)})"
         )
     print(
