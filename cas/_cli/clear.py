@@ -10,7 +10,6 @@ from .main import add_path_arg, emit, fmt_bytes, plural
 
 __all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
 
-
 HELP = "empty a local cache (every entry and blob), safe while others use it"
 DESCRIPTION = (
     "Remove every entry and blob of the local cache at PATH, as ccache -C does. Safe while other "

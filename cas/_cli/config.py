@@ -13,8 +13,6 @@ __all__ = ["DESCRIPTION", "HELP", "USAGE", "arguments", "run"]
 
 USAGE = "cuda-program-cas config [-h] [--json] [PATH] [max-size [SIZE | none]]"
 _LABELS = {"directory": "directory", MAX_SIZE: "max-size", "shared": "shared", "log_file": "log file"}
-
-
 HELP = "show every setting and where it comes from; store the cap in the cache (max-size 10G)"
 DESCRIPTION = (
     "Without a setting, print every effective setting of the cache at PATH (directory, cap, shared "

@@ -14,7 +14,6 @@ from .main import CommandFailed, add_path_arg, emit, fmt_bytes, plural, print_pr
 
 __all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
 
-
 HELP = "import a FileStreamProgramCache directory, keeping its keys"
 DESCRIPTION = (
     "Import the entries of a cuda.core FileStreamProgramCache directory (SRC/entries/...) into the "

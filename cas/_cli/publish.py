@@ -11,7 +11,6 @@ from .main import UsageError, emit, fmt_bytes, plural
 
 __all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
 
-
 HELP = "merge local caches into a shared store (created if missing)"
 DESCRIPTION = (
     "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "

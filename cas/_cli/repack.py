@@ -12,7 +12,6 @@ from .main import emit, fmt_bytes, plural, print_json, print_problems
 
 __all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 
-
 HELP = "merge a shared store's loose entries and packs into one pack"
 DESCRIPTION = (
     "Write every entry the shared store STORE serves (loose and packed) into one new pack, then "

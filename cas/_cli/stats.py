@@ -29,7 +29,6 @@ _CAP_FROM = {
     "default": "default",
 }
 
-
 HELP = "entries, blobs, dedup ratio, use of the cap, files count, lifetime counters"
 DESCRIPTION = (
     "Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
