@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
+from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._local.journal import MissRecord, read_journal
 from cuda_program_cas._local.why import (
     DIRECTORY_CHANGED,
@@ -33,7 +33,7 @@ from cuda_program_cas._local.why import (
     UNCACHEABLE,
 )
 
-from .common import Report, cache_root, iso_utc, open_cache
+from .common import Report, cache_root, iso_utc, not_created, open_cache
 
 __all__ = ["ExplainReport", "MissExplanation", "explain"]
 
@@ -274,7 +274,7 @@ def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> Ex
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last must be a positive int, got {last!r}")
     root = os.path.abspath(cache_root(path))
-    if check_layout(root) is LayoutState.MISSING:
+    if not_created(root):
         return ExplainReport(root, exists=False)
     lay: Layout = open_cache(root, write=False, allow_damaged=True).lay
     report = ExplainReport(lay.root)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cuda_program_cas._disk.classify import Condition, classify
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, stale_temp_files
+from cuda_program_cas._disk.layout import Layout, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 from cuda_program_cas._disk.settings import MAX_SIZE, effective_settings
 from cuda_program_cas._local.lifetime import read_counters
@@ -21,7 +21,7 @@ from cuda_program_cas._local.lifetime import zero_counters as _zero_counters
 from cuda_program_cas._local.usage import read_usage
 from cuda_program_cas.index import is_record
 
-from .common import Report, cache_root, iso_utc, open_cache
+from .common import Report, cache_root, iso_utc, not_created, open_cache
 from .packs import pack_stats
 
 __all__ = ["StatsReport", "stats", "zero_counters"]
@@ -154,7 +154,7 @@ def _unreadable(index_dir: str, blobs_dir: str, snap: Snapshot) -> list[str]:
 
 def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     path = os.path.abspath(root)
-    exists = check_layout(path) is not LayoutState.MISSING
+    exists = not not_created(path)
     lay = open_cache(path, write=False, allow_damaged=True).lay if exists else Layout(path)
     snap = take_snapshot(lay.index, lay.blobs)
     report = StatsReport(lay.root, exists)
