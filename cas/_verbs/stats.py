@@ -114,23 +114,15 @@ def zero_counters(path: str | os.PathLike[str] | None = None) -> tuple[str, dict
 def _walk(root: str) -> tuple[int, int, int]:
     """Files, directories and bytes on disk (allocated blocks) under ``root``, itself included."""
     files, dirs, disk = 0, 1, 0
-    stack = [root]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    disk += getattr(st, "st_blocks", 0) * 512 or st.st_size
-                    if stat.S_ISDIR(st.st_mode):
-                        dirs += 1
-                        stack.append(entry.path)
-                    else:
-                        files += 1
-        except OSError:
-            continue
+    for top, subdirs, names in os.walk(root):  # into no symlink; a folder it cannot list is skipped
+        for name in subdirs + names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            disk += getattr(st, "st_blocks", 0) * 512 or st.st_size
+            dirs += stat.S_ISDIR(st.st_mode)
+            files += not stat.S_ISDIR(st.st_mode)
     return files, dirs, disk
 
 
