@@ -48,16 +48,6 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", action="store_true", help="set the lifetime counters to zero (nothing else changes)")
 
 
-def _zero(path: str | None, as_json: bool) -> int:
-    root, before = zero_counters(path)
-    if as_json:
-        print_json({"path": root, "zeroed": True, "counters_before": before})
-        return 0
-    was = ", ".join(f"{n:,} {name.replace('_', ' ')}" for name, n in before.items())
-    print(f"zeroed the lifetime counters of {root} (they were: {was})")
-    return 0
-
-
 def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> list[tuple[str, str]]:
     c = info["counters"]
     if c is None:
@@ -118,7 +108,13 @@ def _entries(info: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.zero:
-        return _zero(args.path, args.json)
+        root, before = zero_counters(args.path)
+        if args.json:
+            print_json({"path": root, "zeroed": True, "counters_before": before})
+        else:
+            was = ", ".join(f"{n:,} {name.replace('_', ' ')}" for name, n in before.items())
+            print(f"zeroed the lifetime counters of {root} (they were: {was})")
+        return 0
     report = stats(args.path, max_size=args.max_size)
     return emit(args, report, lambda: _text(report))
 
