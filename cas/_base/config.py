@@ -24,8 +24,6 @@ from .log import LOGGER as _log
 from .log import WARNING
 
 __all__ = [
-    "DEFAULT_CLAIM_WAIT_S",
-    "DEFAULT_LEASE_TTL_S",
     "DEFAULT_MAX_ENTRY_BYTES",
     "ENV_DIR",
     "ENV_LOG",
@@ -70,22 +68,11 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-#: ``1`` routes every compile of a process through the cache, ``read-only`` too but writes
-#: nothing, ``0`` turns the cache off everywhere, also for ``cache=`` (as ``CCACHE_DISABLE``).
 ENV_SWITCH = "CUDA_PROGRAM_CAS"
 ENV_DIR = "CUDA_PROGRAM_CAS_DIR"
 ENV_SHARED = "CUDA_PROGRAM_CAS_SHARED"
 ENV_MAX_SIZE = "CUDA_PROGRAM_CAS_MAX_SIZE"
 ENV_LOG = "CUDA_PROGRAM_CAS_LOG"
-#: How long a compile waits for another process of the node compiling the same key.
-ENV_CLAIM_WAIT = "CUDA_PROGRAM_CAS_CLAIM_WAIT"
-#: A CUB kernel compiles in seconds, the largest in a minute or two: a waiter rarely gives up
-#: on a live compile, and a hung claimant holds the others back no longer than this.
-DEFAULT_CLAIM_WAIT_S = 300.0
-#: How long a node's lease on a key lives without renewal: a holder killed frees it within this.
-ENV_LEASE_TTL = "CUDA_PROGRAM_CAS_LEASE_TTL"
-#: A holder renews every third of it, so a live one loses it only when the store is mute 20 s.
-DEFAULT_LEASE_TTL_S = 30.0
 #: The largest entry the cache reads from a store it does not own, or stores: checked before
 #: a byte is read, so that no manifest, ``Content-Length`` or pack trailer decides it.
 ENV_MAX_ENTRY_SIZE = "CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE"
@@ -111,11 +98,9 @@ _collect = threading.local()
 def say_once(
     key: Hashable, message: str, *args: object, level: int = WARNING, seen: set[Hashable] | None = None
 ) -> bool:
-    """Log ``message % args`` at ``level`` the first time ``seen`` meets ``key``; True if it did.
+    """Log ``message % args`` at ``level`` the first time ``seen`` (this process's when None) meets ``key``.
 
-    The package's one way to say a thing once: ``seen`` is this process's when None (said once per
-    process), or the caller's own set (once per store, per counter file...). Inside :func:`collecting`
-    on this thread, ``(key, text)`` is gathered instead, unlogged and not marked as said.
+    True if it did. Inside :func:`collecting` on this thread, ``(key, text)`` is gathered instead.
     """
     sink: list[tuple[Hashable, str]] | None = getattr(_collect, "sink", None)
     if sink is not None:
@@ -128,15 +113,12 @@ def say_once(
 
 
 def first_time(key: Hashable, seen: set[Hashable] | None = None) -> bool:
-    """True the first time ``seen`` (this process's when None) meets ``key``, which it then holds: :func:`say_once`'s
-    test, for a caller that words a later time otherwise."""
+    """True the first time ``seen`` (this process's when None) meets ``key``: :func:`say_once`'s test."""
     with _seen_lock:
-        if seen is None:
-            seen = _seen
-        if key in seen:
-            return False
+        seen = _seen if seen is None else seen
+        fresh = key not in seen
         seen.add(key)
-        return True
+        return fresh
 
 
 @contextlib.contextmanager
@@ -205,16 +187,12 @@ def env_switched_off() -> bool:
 
 
 def env_max_size() -> int | None:
-    """``$CUDA_PROGRAM_CAS_MAX_SIZE`` in bytes; None when unset, empty or not a size (then one WARNING)."""
+    """``$CUDA_PROGRAM_CAS_MAX_SIZE`` in bytes, or None."""
     return VAR_MAX_SIZE.value()
 
 
 def env_shared() -> list[str] | None:
-    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order (see :mod:`cuda_program_cas._base.urls`).
-
-    Each is a directory (made absolute) or a checked store URL, with ``|write`` kept; one
-    that cannot be used is one WARNING and left out.
-    """
+    """The stores of ``$CUDA_PROGRAM_CAS_SHARED``, in order, each checked; one that cannot be used is left out."""
     return VAR_SHARED.value()
 
 
@@ -243,15 +221,22 @@ def env_max_entry_size() -> int:
 
 
 def env_claim_wait() -> float:
-    """``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` in seconds, else :data:`DEFAULT_CLAIM_WAIT_S`."""
+    """How long a compile waits for another process of the node compiling the same key.
+
+    5 minutes by default: a CUB kernel compiles in seconds, the largest in a minute or two, so a
+    waiter rarely gives up on a live compile, and a hung claimant holds the others back no longer.
+    """
     value = VAR_CLAIM_WAIT.value()
-    return DEFAULT_CLAIM_WAIT_S if value is None else value
+    return 300.0 if value is None else value
 
 
 def env_lease_ttl() -> float:
-    """``$CUDA_PROGRAM_CAS_LEASE_TTL`` in seconds (at least 0.3), else :data:`DEFAULT_LEASE_TTL_S`."""
+    """How long a node's lease lives unrenewed (at least 0.3 s); 30 s by default.
+
+    A holder renews every third of it, so a live one loses it only when the store is mute 20 s.
+    """
     value = VAR_LEASE_TTL.value()
-    return DEFAULT_LEASE_TTL_S if value is None else max(0.3, value)
+    return 30.0 if value is None else max(0.3, value)
 
 
 def default_cache_dir() -> Path:
@@ -321,11 +306,7 @@ def installed_version() -> str:
 
 
 class Variable(Frozen, Generic[_T]):
-    """One environment variable the package reads: its name, its parser, and what it means.
-
-    Immutable, compared and hashed by its fields; not a dataclass, which costs every process
-    about 0.4 ms to build the registry.
-    """
+    """One environment variable the package reads (not a dataclass: 0.4 ms a process to build the registry)."""
 
     __slots__ = ("default", "meaning", "name", "parse", "secret")
 
@@ -345,10 +326,7 @@ class Variable(Frozen, Generic[_T]):
         return (self.name, self.parse, self.meaning, self.default, self.secret)
 
     def __repr__(self) -> str:
-        return (
-            f"Variable(name={self.name!r}, parse={self.parse!r}, meaning={self.meaning!r}, "
-            f"default={self.default!r}, secret={self.secret!r})"
-        )
+        return f"Variable{self._fields()!r}"
 
     def read(self) -> tuple[_T | None, str | None]:
         """The value, and why it is ignored (None when it is not); says nothing."""
@@ -391,7 +369,7 @@ VAR_MAX_ENTRY_SIZE: Variable[int] = Variable(
     ENV_MAX_ENTRY_SIZE, parse_size, "the largest entry read from a store the cache does not own, or stored", "256 MiB"
 )
 VAR_CLAIM_WAIT: Variable[float] = Variable(
-    ENV_CLAIM_WAIT,
+    "CUDA_PROGRAM_CAS_CLAIM_WAIT",
     parse_duration,
     "how long a miss waits for another process of the node compiling the same key (90s, 10m; 0: never)",
     "5 minutes",
@@ -419,7 +397,7 @@ VAR_CA_BUNDLE: Variable[Any] = Variable(
     "the system's CAs",
 )
 VAR_LEASE_TTL: Variable[float] = Variable(
-    ENV_LEASE_TTL,
+    "CUDA_PROGRAM_CAS_LEASE_TTL",
     parse_duration,
     "how long a node's lease on a key in a Redis store lives unrenewed (a killed holder frees it within this)",
     "30 s",

@@ -29,10 +29,8 @@ class LayoutError(CacheError, ValueError):
 
 
 class ReadOnlyCacheError(CacheError, PermissionError):
-    """A removal (``del``, ``clear``, an eviction, a maintenance verb) was asked of a cache that cannot be written.
-
-    A write there is not an error: it is dropped and counted in ``dropped_writes``.
-    """
+    """A removal (``del``, ``clear``, a maintenance verb) was asked of a cache that cannot be written (a write is
+    dropped and counted instead)."""
 
 
 class CollectorBusyError(CacheError):
@@ -40,11 +38,8 @@ class CollectorBusyError(CacheError):
 
 
 class CorruptBlobError(CacheError):
-    """A blob's bytes do not hash to the digest that names it (or it has the wrong size).
-
-    ``actual`` is the digest the bytes hash to, or a note of the size found when the
-    file was not read; ``stat`` is the file's, for moving it aside only if unchanged.
-    """
+    """A blob's bytes do not hash to the digest that names it (``actual``: their digest, or the size found);
+    ``stat`` is the file's, for moving it aside only if unchanged."""
 
     def __init__(self, path: str, expected: str, actual: str, stat: os.stat_result | None = None) -> None:
         super().__init__(path, expected, actual, stat)
@@ -58,13 +53,12 @@ class CorruptBlobError(CacheError):
 
 
 def without_frames(exc: _E) -> _E:
-    """``exc``, the finished frames of its traceback (and of its causes and contexts) cleared of their locals.
+    """``exc``, the finished frames of its traceback (and its causes' and contexts') cleared of their locals.
 
-    For an error caught and turned into a miss. urllib3's ``urlopen`` keeps the error in a
-    local of a frame of its own traceback: a cycle that keeps the caller's ``Program`` alive
-    until the garbage collector clears it before ``cuda.core``'s ``__dealloc__`` reads it
-    (``Exception ignored in: ...Program.__dealloc__`` at exit). Cleared, the frames go with
-    the error.
+    For an error turned into a miss. urllib3's ``urlopen`` keeps the error in a local of a frame
+    of its own traceback: a cycle that keeps the caller's ``Program`` alive until the garbage
+    collector clears it before ``cuda.core``'s ``__dealloc__`` reads it (``Exception ignored in``
+    at exit).
     """
     import traceback
 

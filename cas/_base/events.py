@@ -1,15 +1,12 @@
 """The ``cuda_program_cas`` logger's records of what a cache does, and ``CUDA_PROGRAM_CAS_LOG``.
 
 One DEBUG record per lookup (hit or miss, where, the key id's first 12 characters, how long,
-and for a miss why), per write, per eviction step and per collection. Callers check
-``LOGGER.isEnabledFor(DEBUG)`` once and take the clock only when it is on. Each record also
-carries its fields as attributes (``cas_event``, ``cas_key``, ``cas_store``, ``cas_us``,
-``cas_reason``, ...) for handlers.
+and for a miss why), per write, per eviction step and per collection, its fields also as
+attributes (``cas_event``, ``cas_key``, ``cas_us``...) for handlers. Callers check
+``LOGGER.isEnabledFor(DEBUG)`` once and take the clock only when it is on.
 
-``CUDA_PROGRAM_CAS_LOG=PATH`` (as ccache's ``log_file``): a handler appending every record,
-DEBUG and up, to PATH, added once per process when the first cache is opened. A PATH that
-cannot be used, and a write that fails, are one WARNING each and no log
-(:mod:`cuda_program_cas._base.logfile`).
+``CUDA_PROGRAM_CAS_LOG=PATH`` (as ccache's ``log_file``): a handler appending every record to
+PATH, added once per process when the first cache is opened (:mod:`cuda_program_cas._base.logfile`).
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ def wrote(root: str, kid: str, outcome: str, size: int, t0_ns: int, *, reason: s
 
 
 def evicted(root: str, entries: int, blobs: int, freed: int, t0_ns: int) -> None:
-    """An eviction step of the size cap."""
     us = _us(t0_ns)
     extra = {"cas_event": "evict", "cas_entries": entries, "cas_blobs": blobs, "cas_bytes": freed, "cas_us": us}
     message = "cuda-program-cas: %s: evicted %d entries and %d blobs, freed %d bytes in %d us"

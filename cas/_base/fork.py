@@ -2,11 +2,9 @@
 
 A lock that another thread held at ``os.fork`` stays held in the child forever, and
 per-process state (temp-file names, queued touches, lock files held open) would be shared
-with the parent. So every owner of either registers its reset here: a module with
-:func:`after_fork_call`, an instance with :func:`after_fork` (held weakly). In the child the
-module functions run in order, then each live instance's ``_after_fork_in_child``. A reset
-replaces its locks (never releases the old: what they guarded may be half-updated); one
-that raises is logged at DEBUG and the others still run.
+with the parent. In the child the module functions registered run in order, then each live
+instance's ``_after_fork_in_child``. A reset replaces its locks (never releases the old: what
+they guarded may be half-updated); one that raises is logged at DEBUG, the others still run.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def after_fork(owner: ForkAware) -> None:
 
 
 class ForkSafeLock:
-    """A lock that a forked child gets anew, for a module's state (``with lock:``); a method call per use."""
+    """A lock that a forked child gets anew, for a module's state (``with lock:``)."""
 
     __slots__ = ("__weakref__", "_lock")
 

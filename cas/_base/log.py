@@ -1,10 +1,9 @@
 """The ``cuda_program_cas`` logger, with :mod:`logging` imported only when a record could go somewhere.
 
 Importing :mod:`logging` costs about 3 ms, and ``cuda.core`` does not. :data:`LOGGER` stands
-for ``logging.getLogger("cuda_program_cas")`` and gives the same answers: while nobody has
-imported :mod:`logging`, logging is in its defaults, so a record below WARNING is dropped
-as it would drop it; a WARNING or above imports it. Once it is imported, the first call
-binds the real logger's methods onto :data:`LOGGER`. Any other attribute is the real one's.
+for ``logging.getLogger("cuda_program_cas")``: while nobody has imported :mod:`logging`, it is
+in its defaults, so a record below WARNING is dropped as it would be; a WARNING imports it.
+Once imported, the first call binds the real logger's methods onto :data:`LOGGER`.
 """
 
 from __future__ import annotations

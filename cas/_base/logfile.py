@@ -1,17 +1,16 @@
 """``CUDA_PROGRAM_CAS_LOG``'s file: opened so that it never hangs a job, never floods it, never follows a plant.
 
 The path is often in a shared folder such as ``/tmp``. It is opened ``O_NONBLOCK`` (a FIFO
-would block forever), ``O_NOFOLLOW``, ``O_APPEND | O_CREAT``, mode 0o600, and refused
-unless it is a regular file. On POSIX it is refused too when the way to it passes, inside
-a folder every user can write, through an entry neither this user's nor root's (a planted
-symlink or folder could redirect the log; a planted file would receive it), or through
-such a folder that is not sticky. Symlinks on the way are followed as the kernel follows
-them, each checked the same way; only an entry's owner can replace it in a sticky folder,
-so what is checked cannot change before the open. Group-writable folders are trusted.
+would block forever), ``O_NOFOLLOW``, ``O_APPEND | O_CREAT``, mode 0o600, and refused unless
+it is a regular file. On POSIX it is refused too when the way to it passes, inside a folder
+every user can write, through an entry neither this user's nor root's (a planted symlink or
+folder could redirect the log; a planted file would receive it), or through such a folder
+that is not sticky. Symlinks on the way are followed as the kernel follows them, each
+checked the same way; only an entry's owner can replace it in a sticky folder, so what is
+checked cannot change before the open. Group-writable folders are trusted.
 
 Each refusal is one WARNING and no log. Each record is one ``os.write`` (``O_APPEND``: lines
-of processes do not interleave). The first write that fails closes the file and takes the
-handler off the logger, with one WARNING.
+of processes do not interleave). The first write that fails drops the handler, one WARNING.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ _MAX_LINKS = 40
 
 
 class LogFile(logging.Handler):
-    """Appends each record, formatted, to an open file; the first failed write drops it (one WARNING)."""
+    """Appends each record, formatted, to an open file."""
 
     def __init__(self, fd: int, path: str, name: str, logger: logging.Logger) -> None:
         super().__init__()

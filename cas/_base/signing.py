@@ -11,9 +11,8 @@ manifest's second line::
 
 ``signer`` is the first 8 bytes of the blake3 of the raw public key. A manifest copied to
 another key's path names the other key and is refused; a replayed signature can only give
-a key what the site once signed for it. Keys are ``openssl genpkey -algorithm ed25519``'s
-PEM files, or a public key inline as ``ed25519:<64 hex>``; ``cryptography`` is imported only
-when a key is configured.
+a key what the site once signed for it. Keys are PEM files (``openssl genpkey -algorithm
+ed25519``), or a public key inline as ``ed25519:<64 hex>``.
 """
 
 from __future__ import annotations
@@ -134,8 +133,7 @@ class Trust:
 def env_trust() -> Trust | None:
     """The keys of ``$CUDA_PROGRAM_CAS_TRUSTED_KEYS``; None when unset (every verified entry is used).
 
-    A key that cannot be read is left out with one WARNING; if none can, nothing from a
-    shared store is trusted.
+    A key that cannot be read is left out (one WARNING); if none can, no shared entry is trusted.
     """
     found = _trusted_keys()
     if found is None:

@@ -3,37 +3,30 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.config import MAX_SIZE, SETTING_NAMES, ConfigReport, Setting, config, settings_path
 
-from .main import UsageError, add_json_arg, emit, fmt_bytes, print_problems, size_arg
+from .main import UsageError, emit, fmt_bytes, print_problems, size_arg
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "HELP", "USAGE", "arguments", "run"]
 
-_USAGE = "cuda-program-cas config [-h] [--json] [PATH] [max-size [SIZE | none]]"
+USAGE = "cuda-program-cas config [-h] [--json] [PATH] [max-size [SIZE | none]]"
 _LABELS = {"directory": "directory", MAX_SIZE: "max-size", "shared": "shared", "log_file": "log file"}
+HELP = "show every setting and where it comes from; store the cap in the cache (max-size 10G)"
+DESCRIPTION = (
+    "Without a setting, print every effective setting of the cache at PATH (directory, cap, shared "
+    "stores, log file) and where each comes from: argument, environment, cache or default; then every "
+    "environment variable the package reads, its value (a token only as 'set'), its source and whether "
+    "it was accepted (a refused value is a problem: exit 1). "
+    "`max-size 10G` stores the cap in the cache (settings.json), as ccache -M does: every process "
+    "that opens the cache honours it unless max_size_bytes= or $CUDA_PROGRAM_CAS_MAX_SIZE says "
+    "otherwise. `max-size none` removes it. The cache is created if missing."
+)
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "config",
-        help="show every setting and where it comes from; store the cap in the cache (max-size 10G)",
-        usage=_USAGE,
-        description=(
-            "Without a setting, print every effective setting of the cache at PATH (directory, cap, shared "
-            "stores, log file) and where each comes from: argument, environment, cache or default; then every "
-            "environment variable the package reads, its value (a token only as 'set'), its source and whether "
-            "it was accepted (a refused value is a problem: exit 1). "
-            "`max-size 10G` stores the cap in the cache (settings.json), as ccache -M does: every process "
-            "that opens the cache honours it unless max_size_bytes= or $CUDA_PROGRAM_CAS_MAX_SIZE says "
-            "otherwise. `max-size none` removes it. The cache is created if missing."
-        ),
-    )
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("words", nargs="*", metavar="ARG", help=argparse.SUPPRESS)
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def _split(words: list[str]) -> tuple[str | None, list[str]]:
@@ -71,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         after = f" (after the path {path!r})" if path else ""
         raise UsageError(f"unknown setting {rest[0]!r}{after}: a cache stores {', '.join(SETTING_NAMES)}")
     if len(rest) > 2:
-        raise UsageError(f"too many arguments: {' '.join(rest[2:])!r} (usage: {_USAGE})")
+        raise UsageError(f"too many arguments: {' '.join(rest[2:])!r} (usage: {USAGE})")
     if len(rest) == 2:
         stored = config(path, max_size=_value(rest[1]))
         return emit(args, stored, lambda: _stored_text(stored), status=0)
@@ -88,7 +81,7 @@ def _text(report: ConfigReport) -> None:
         for v in report.variables:
             refused = "" if v.accepted else "; refused" if not v.used else "; partly refused"
             verdict = "" if v.source == "default" else f" ({v.source}{refused})"
-            print(f"  {v.name:<{width}}  {v.shown}{verdict}")
+            print(f"  {v.name:<{width}}  {v.value}{verdict}")
             for note in v.notes:
                 print(f"  {'':<{width}}  note: {note}")
     print_problems(report)

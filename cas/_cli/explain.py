@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cuda_program_cas._verbs.explain import ExplainReport, explain
 
-from .main import add_json_arg, add_path_arg, emit, not_created_line, plural
+from .main import add_path_arg, emit, plural
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
 
 
 def _positive(text: str) -> int:
@@ -22,29 +21,25 @@ def _positive(text: str) -> int:
     return value
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "explain",
-        help="why recent compiles missed: the input that differed from its own earlier variant",
-        description="For each recent miss of the cache, the one input that differed from its own earlier "
-        "variant (the same code compiled before): an option, a header (its path and how it changed), a "
-        "directory whose listing changed, the compiler's version, the working directory, the code. Reads only.",
-    )
+HELP = "why recent compiles missed: the input that differed from its own earlier variant"
+DESCRIPTION = (
+    "For each recent miss of the cache, the one input that differed from its own earlier "
+    "variant (the same code compiled before): an option, a header (its path and how it changed), a "
+    "directory whose listing changed, the compiler's version, the working directory, the code. Reads only."
+)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument("--last", type=_positive, default=10, metavar="N", help="explain the last N misses (default 10)")
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     report = explain(args.path, last=args.last)
-    return emit(args, report, lambda: _text(report), status=0)
+    return emit(args, report, lambda: _text(report), status=0, empty="no misses recorded")
 
 
 def _text(report: ExplainReport) -> None:
-    if not report.exists:
-        print(not_created_line(report.path, "no misses recorded"))
-        return
     for miss in report.misses:
         print(
             f"{miss.time.replace('T', ' ').replace('+00:00', ' UTC')}  {miss.key_id[:16]}  {miss.via:5}  "

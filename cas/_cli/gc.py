@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from functools import partial
 
 from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.gc import CATEGORIES, SHARED_MIN_GRACE_S, GcReport, collect, collected_as_shared
 
-from .bucket import is_bucket
-from .bucket import run as bucket_run
-from .main import (
-    UsageError,
-    add_json_arg,
-    add_path_arg,
-    age_arg,
-    emit,
-    fmt_age,
-    fmt_bytes,
-    grace_arg,
-    not_created_line,
-    plural,
-    print_problems,
-    seconds_arg,
-    size_arg,
-)
+from .main import UsageError, add_path_arg, duration_arg, emit, fmt_age, fmt_bytes, plural, print_problems, size_arg
 
-__all__ = ["register"]
+__all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
+
+HELP = "remove garbage; evict by size or age"
+BUCKET = "path"
 
 DESCRIPTION = """\
 Plan, then remove: stale temp files (older than 1h), invalid and dangling
@@ -38,14 +25,11 @@ evict.lock, shared with size-cap eviction: when it is busy, gc changes nothing
 and exits 1, unless --wait gives it time)."""
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "gc", help="remove garbage; evict by size or age", description=DESCRIPTION
-    )
+def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument(
         "--grace",
-        type=grace_arg,
+        type=partial(duration_arg, zero_ok=True),  # 0s: every orphan now
         default=3600.0,
         metavar="AGE",
         help="keep orphan blobs younger than AGE, e.g. 30m or 1d (default: 1h; a shared store needs at least 1h)",
@@ -58,7 +42,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--max-age",
-        type=age_arg,
+        type=partial(duration_arg, zero_ok=False),
         metavar="AGE",
         help="drop entries unused for longer than AGE, e.g. 12h, 7d or 2w (default: no limit)",
     )
@@ -66,7 +50,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     p.add_argument(
         "--wait",
-        type=seconds_arg,
+        type=partial(duration_arg, zero_ok=True, require_unit=False, what="a wait"),  # 30 or 2m
         default=0.0,
         metavar="SECONDS",
         help="wait this long for a busy lock, e.g. 30 or 2m (default: 0, do not wait)",
@@ -78,8 +62,6 @@ def register(subparsers: Any) -> None:
         help="collect as a shared store (default: if publish marked it so): grace >= 1h, blobs of removed "
         "entries wait a grace period",
     )
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
@@ -97,8 +79,6 @@ def _check_grace(root: str, shared: bool | None, grace_s: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_bucket(args.path):
-        return bucket_run("gc", args)
     _check_grace(cache_root(args.path), args.shared, args.grace)
     report = collect(
         cache_root(args.path),
@@ -111,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         wait_s=args.wait,
         shared=args.shared,
     )
-    return emit(args, report, lambda: print_report(report, args))
+    return emit(args, report, lambda: print_report(report, args), empty="nothing to collect")
 
 
 def _labels(args: argparse.Namespace) -> dict[str, str]:
@@ -131,7 +111,7 @@ def _labels(args: argparse.Namespace) -> dict[str, str]:
 
 
 def summary_line(report: GcReport) -> str:
-    parts = [plural(report.entries_removed, "entry", "entries"), plural(report.blobs_removed, "blob")]
+    parts = [plural(report.entries_removed, "entry"), plural(report.blobs_removed, "blob")]
     if report.temp_files_removed:
         parts.append(plural(report.temp_files_removed, "stale temp file"))
     what = ", ".join(parts[:-1]) + " and " + parts[-1]
@@ -142,11 +122,8 @@ def summary_line(report: GcReport) -> str:
 
 
 def print_report(report: GcReport, args: argparse.Namespace) -> None:
-    if not report.exists:
-        print(not_created_line(report.root, "nothing to collect"))
-        return
     print(
-        f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry', 'entries')}, "
+        f"{'plan for ' if report.dry_run else ''}{report.root}: {plural(report.entries_before, 'entry')}, "
         f"{plural(report.blobs_before, 'blob')}, {fmt_bytes(report.bytes_before)} stored"
     )
     labels = _labels(args)

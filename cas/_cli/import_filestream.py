@@ -5,32 +5,27 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-from typing import Any
 
 from cuda_program_cas._base.errors import ReadOnlyCacheError
 from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.import_filestream import ImportReport, import_filestream
 
-from .main import CommandFailed, add_json_arg, add_path_arg, emit, fmt_bytes, plural, print_problems
+from .main import CommandFailed, add_path_arg, emit, fmt_bytes, plural, print_problems
 
-__all__ = ["register"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
+
+HELP = "import a FileStreamProgramCache directory, keeping its keys"
+DESCRIPTION = (
+    "Import the entries of a cuda.core FileStreamProgramCache directory (SRC/entries/...) into the "
+    "cache at DEST (created if missing), keeping their keys: Program.compile(cache=...) then hits "
+    "for every kernel FileStream had cached. Idempotent and deduplicating; safe to interrupt and "
+    "run again. SRC is only read."
+)
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "import-filestream",
-        help="import a FileStreamProgramCache directory, keeping its keys",
-        description=(
-            "Import the entries of a cuda.core FileStreamProgramCache directory (SRC/entries/...) into the "
-            "cache at DEST (created if missing), keeping their keys: Program.compile(cache=...) then hits "
-            "for every kernel FileStream had cached. Idempotent and deduplicating; safe to interrupt and "
-            "run again. SRC is only read."
-        ),
-    )
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="SRC", help="the FileStreamProgramCache directory")
     add_path_arg(p, "dest", metavar="DEST")
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 def _text(report: ImportReport) -> None:
     print_problems(report)
     print(
-        f"imported {plural(report.imported, 'entry', 'entries')} ({fmt_bytes(report.bytes_imported)}) "
+        f"imported {plural(report.imported, 'entry')} ({fmt_bytes(report.bytes_imported)}) "
         f"of {report.entries:,} into {report.dest}: {fmt_bytes(report.blob_bytes_added)} of new blobs, "
         f"{report.deduplicated:,} deduplicated, {report.already_present:,} already present, "
         f"{report.kept_existing:,} kept as they were"

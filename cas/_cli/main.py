@@ -1,9 +1,9 @@
 """The ``cuda-program-cas`` console script (also ``python -m cuda_program_cas``): one subcommand per verb.
 
-Each subcommand's module ``cuda_program_cas._cli.<name>`` has ``register(subparsers)``,
-which adds a parser whose ``func`` calls the verb of the same name
-(:mod:`cuda_program_cas._verbs`), prints its report and returns the exit status:
-the commands parse and print, the verbs do the work.
+Each subcommand's module ``cuda_program_cas._cli.<name>`` has ``HELP``, ``DESCRIPTION``,
+``arguments(parser)`` and ``run(args) -> int``, which calls the verb of the same name
+(:mod:`cuda_program_cas._verbs`) and prints its report: the commands parse and print, the
+verbs do the work. ``BUCKET`` names the argument that may be an ``s3://`` store.
 
 Exit status: 0 done, 1 problems found that were not fixed (or the command could
 not do its work: permission denied, read-only cache, lock busy), 2 bad usage.
@@ -34,19 +34,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CommandFailed",
     "UsageError",
-    "add_json_arg",
     "add_path_arg",
-    "age_arg",
+    "duration_arg",
     "emit",
     "fmt_age",
     "fmt_bytes",
-    "grace_arg",
     "main",
-    "not_created_line",
     "plural",
     "print_json",
     "print_problems",
-    "seconds_arg",
     "size_arg",
 ]
 
@@ -55,14 +51,11 @@ _COMMAND_MODULES = ("gc", "stats", "explain", "verify", "import_filestream", "pu
 
 
 class CommandFailed(Exception):
-    """A command that could not do its work, said in the command line's own words: one line, exit 1."""
+    """A command that could not do its work, said in the command line's own words: exit 1."""
 
 
 class UsageError(Exception):
-    """Bad usage a command finds after parsing (a source that is not a cache...): one line, exit 2."""
-
-
-# -- argument types -----------------------------------------------------------------
+    """Bad usage a command finds after parsing (a source that is not a cache...): exit 2."""
 
 
 def size_arg(text: str) -> int:
@@ -77,7 +70,8 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _duration(text: str, *, zero_ok: bool, require_unit: bool = True, what: str = "an age") -> float:
+def duration_arg(text: str, *, zero_ok: bool, require_unit: bool = True, what: str = "an age") -> float:
+    """``--max-age``, ``--grace`` and ``--wait`` values: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``."""
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"{what} must not be negative, got {text!r}")
     try:
@@ -89,36 +83,9 @@ def _duration(text: str, *, zero_ok: bool, require_unit: bool = True, what: str 
     return seconds
 
 
-def age_arg(text: str) -> float:
-    """``--max-age`` values: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``; a unit is required, zero refused."""
-    return _duration(text, zero_ok=False)
-
-
-def grace_arg(text: str) -> float:
-    """``--grace`` values: an age with its unit; ``0s`` (collect every orphan now) is allowed."""
-    return _duration(text, zero_ok=True)
-
-
-def seconds_arg(text: str) -> float:
-    """``--wait`` values: seconds (``30``) or an age with its unit (``2m``); zero or more."""
-    return _duration(text, zero_ok=True, require_unit=False, what="a wait")
-
-
 def add_path_arg(parser: argparse.ArgumentParser, name: str = "path", metavar: str = "PATH") -> None:
-    parser.add_argument(
-        name,
-        nargs="?",
-        default=None,
-        metavar=metavar,
-        help="cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)",
-    )
-
-
-def add_json_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-# -- output ---------------------------------------------------------------------------
+    what = "cache directory (default: $CUDA_PROGRAM_CAS_DIR or the per-user cache directory)"
+    parser.add_argument(name, nargs="?", default=None, metavar=metavar, help=what)
 
 
 def fmt_bytes(n: float) -> str:
@@ -133,10 +100,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
-    """``1 entry``, ``1,204 entries``."""
+    """``1 entry``, ``1,204 entries``, ``2 blobs``; ``many`` where neither rule holds."""
     if n == 1:
         return f"1 {word}"
-    return f"{n:,} {many or word + 's'}"
+    return f"{n:,} {many or (word[:-1] + 'ies' if word.endswith('y') else word + 's')}"
 
 
 def fmt_age(seconds: float) -> str:
@@ -147,23 +114,23 @@ def fmt_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def not_created_line(root: str, nothing: str) -> str:
-    """What ``gc``, ``verify`` and ``clear`` print where no cache has been created yet (exit 0, as ``stats``)."""
-    return f"no cache at {root} yet (nothing has been stored): {nothing}"
-
-
 def print_json(obj: dict[str, object]) -> None:
-    """One JSON object on stdout; one that is not a report's gets an empty ``problems`` and ``problem_count``."""
+    """One JSON object on stdout, with ``problems`` and ``problem_count`` (empty where not given)."""
     print(json.dumps({"problems": [], "problem_count": 0, **obj}, indent=2, sort_keys=True))
 
 
-def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None) -> int:
+def emit(
+    args: argparse.Namespace, report: Report, text: Callable[[], None], *, status: int | None = None, empty: str = ""
+) -> int:
     """The one way a command prints its verb's report: one JSON object (``as_dict``) with ``--json``, else
-    ``text()``, after clearing the progress line. Returns the exit status: ``status`` where given, else 1
-    when the report found problems."""
+    ``text()``, after clearing the progress line; where no cache has been created yet (``exists`` false),
+    a line ending with ``empty``. Returns ``status`` where given, else 1 when the report found problems."""
     args.progress.done()
     if args.json:
         print_json(report.as_dict())
+    elif empty and not getattr(report, "exists", True):
+        root = getattr(report, "root", None) or getattr(report, "path", "")
+        print(f"no cache at {root} yet (nothing has been stored): {empty}")
     else:
         text()
     if status is not None:
@@ -172,7 +139,7 @@ def emit(args: argparse.Namespace, report: Report, text: Callable[[], None], *, 
 
 
 def print_problems(report: Report, show: Callable[[Any], str] = str, most: int | None = None) -> None:
-    """A report's problems (``most`` of them), one ``problem:`` line each, and how many more were counted."""
+    """A report's problems (``most`` of them), one ``problem:`` line each, and how many more there were."""
     listed = report.problems[:most]
     for item in listed:
         print(f"problem: {show(item)}")
@@ -210,9 +177,6 @@ class Progress:
             self._shown = False
 
 
-# -- the script -----------------------------------------------------------------------
-
-
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` that remembers its last usage error, so ``--json`` can report it too."""
 
@@ -233,8 +197,64 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument("-V", "--version", action="version", version=f"{PROG} {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
-        importlib.import_module(f"cuda_program_cas._cli.{name}").register(sub)
+        module = importlib.import_module(f"cuda_program_cas._cli.{name}")
+        usage = getattr(module, "USAGE", None)
+        p = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.DESCRIPTION, usage=usage)
+        module.arguments(p)
+        p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+        p.set_defaults(module=module)
     return parser, dict(sub.choices)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's ``run``, or ``_bucket`` for an ``s3://`` store where the command takes one."""
+    where = getattr(args.module, "BUCKET", None)
+    address = getattr(args, where) if where else None
+    if isinstance(address, str) and address[:5].lower() == "s3://":
+        return _bucket(args.command, address, args)
+    return int(args.module.run(args))
+
+
+#: Options of the directory commands that a bucket cannot honour, by their argparse names.
+_DIRECTORY_ONLY = ("zero", "max_size", "max_age", "verify", "shared", "repair")
+_ONE = {"manifests": "manifest", "blobs": "blob", "packs": "pack", "leases": "lease", "other": "other object"}
+
+
+def _bucket(verb: str, address: str, args: argparse.Namespace) -> int:
+    """``verb`` (stats, verify, gc, repack) on a bucket's store: 0 done, 1 problems or no answer."""
+    from cuda_program_cas._base.engine import StoreFailure
+    from cuda_program_cas._verbs.bucket import bucket_verb
+    from cuda_program_cas._verbs.common import SHARED_MIN_GRACE_S
+
+    given = [name for name in _DIRECTORY_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:
+        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{options}: not for a bucket (a directory store's); see docs/s3.md")
+    try:
+        if verb == "gc" and args.grace < SHARED_MIN_GRACE_S:
+            raise UsageError("a bucket is a shared store: --grace must be at least 1h (write-back under way)")
+        gc = {"grace_s": args.grace, "dry_run": args.dry_run} if verb == "gc" else {}
+        report = bucket_verb(verb, address, **gc)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except StoreFailure as exc:
+        print(f"{PROG} {verb}: {exc}", file=sys.stderr)
+        return 1
+
+    def text() -> None:
+        counts = [(kind, n) for kind, n in report.objects.items() if n]
+        kinds = ", ".join(f"{plural(n, _ONE[kind], kind)} ({fmt_bytes(report.bytes[kind])})" for kind, n in counts)
+        print(f"{report.store}: {kinds or 'no objects'}")
+        print_problems(report, lambda item: f"{item['object']}: {item['problem']}")
+        if verb in ("verify", "gc"):
+            print(f"{plural(report.problem_count, 'problem')}; {plural(report.orphan_blobs, 'orphan blob')}")
+        if verb == "repack":
+            print(f"one new pack; retired or removed {plural(len(report.removed), 'object')}")
+        if verb == "gc":
+            did = "would remove" if args.dry_run else "removed"
+            print(f"{did} {plural(len(report.removed), 'object')} ({fmt_bytes(report.bytes_removed)})")
+
+    return emit(args, report, text, status=None if verb == "verify" else 0)
 
 
 _NEGATIVE = re.compile(r"-\.?\d")
@@ -244,15 +264,11 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     """``--max-size -5M`` as ``--max-size=-5M``: argparse takes ``-5M`` for an option and
     says "expected one argument"; joined, the option's own check says what is wrong."""
     out: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
-            out.append(f"{arg}={argv[i + 1]}")
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg):
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
     return out
 
 
@@ -273,9 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     # As a cache opened by the library does: CUDA_PROGRAM_CAS_LOG gets this command's records.
     open_log_file()
-    progress = args.progress = Progress(not getattr(args, "json", False) and sys.stderr.isatty())
+    progress = args.progress = Progress(not args.json and sys.stderr.isatty())
     try:
-        return int(args.func(args))
+        return _run(args)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -298,7 +314,7 @@ def _fail(args: argparse.Namespace, exc: BaseException | str, status: int) -> in
     if isinstance(exc, OSError) and exc.filename and exc.strerror:
         text = f"{exc.filename}: {exc.strerror}"
     print(f"{PROG} {args.command}: error: {text}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if args.json:
         _print_error_json(args.command, text, status)
     return status
 

@@ -3,32 +3,29 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cuda_program_cas._base.signing import env_signer
 from cuda_program_cas._verbs.publish import PublishReport, check_sources, publish
 
-from .main import UsageError, add_json_arg, emit, fmt_bytes, plural
+from .main import UsageError, emit, fmt_bytes, plural
 
-__all__ = ["register", "run"]
+__all__ = ["DESCRIPTION", "HELP", "arguments", "run"]
+
+HELP = "merge local caches into a shared store (created if missing)"
+DESCRIPTION = (
+    "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
+    "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
+    "atomically: safe while nodes read STORE and while another publish runs; running it again "
+    "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
+    "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
+    "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
+    "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
+    "`publish --init STORE` with no SRC creates an empty store of any kind, ready for write-back. "
+    "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
+)
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "publish",
-        help="merge local caches into a shared store (created if missing)",
-        description=(
-            "Merge the cache directories SRC... into the shared store STORE, which nodes open read-only "
-            "(shared=[STORE]). Blobs are verified, then written before the manifests naming them, each "
-            "atomically: safe while nodes read STORE and while another publish runs; running it again "
-            "publishes only what is new. A key STORE already maps to other valid bytes keeps them. "
-            "STORE may be an http(s):// URL of a WebDAV location (PUT, MKCOL; token from "
-            "CUDA_PROGRAM_CAS_HTTP_TOKEN or ~/.netrc): the same order, each upload atomic on the server. "
-            "STORE may be a redis(s):// URL: the same order, loose entries only (no --pack). "
-            "`publish --init STORE` with no SRC creates an empty store of any kind, ready for write-back. "
-            "Exit status 2 when a SRC is missing, not a cache, or STORE itself."
-        ),
-    )
+def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="*", metavar="SRC", help="a node's local cache directory (only read)")
     parser.add_argument(
         "dest",
@@ -58,8 +55,6 @@ def register(subparsers: Any) -> None:
         help="trust the store's copies of entries it already holds (no hashing; faster for large sources, "
         "but a copy damaged in place then stays until verify --repair)",
     )
-    add_json_arg(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         pack=args.pack,
         verify_existing=args.verify_existing,
-        progress=getattr(args, "progress", None),
+        progress=args.progress,
         init=args.init,
     )
     return emit(args, report, lambda: _text(report))
@@ -97,7 +92,7 @@ def _text(report: PublishReport) -> None:
     verb = "would publish" if report.dry_run else "published"
     new = report.published + report.replaced
     line = (
-        f"{verb} {plural(new, 'entry', 'entries')} and {plural(report.blobs_published, 'blob')} "
+        f"{verb} {plural(new, 'entry')} and {plural(report.blobs_published, 'blob')} "
         f"({fmt_bytes(report.bytes_published)}) from {plural(len(report.sources), 'cache')} into {report.dest}"
     )
     extras = []
@@ -105,7 +100,7 @@ def _text(report: PublishReport) -> None:
         extras.append("store " + ("would be created" if report.dry_run else "created"))
     extras.append(f"{report.unchanged:,} already there")
     if report.replaced:
-        extras.append(f"{plural(report.replaced, 'broken entry', 'broken entries')} replaced")
+        extras.append(f"{plural(report.replaced, 'broken entry')} replaced")
     if report.blobs_repaired:
         extras.append(f"{plural(report.blobs_repaired, 'damaged blob')} repaired")
     if report.conflicts:

@@ -15,11 +15,9 @@ from typing import Any
 from cuda_program_cas._base.config import ENV_MAX_SIZE
 from cuda_program_cas._verbs.stats import StatsReport, stats, zero_counters
 
-from .bucket import is_bucket
-from .bucket import run as bucket_run
-from .main import add_json_arg, add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, print_problems, size_arg
+from .main import add_path_arg, emit, fmt_age, fmt_bytes, plural, print_json, print_problems, size_arg
 
-__all__ = ["register"]
+__all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 
 #: Problems printed one per line; the rest are counted.
 _SHOWN = 20
@@ -31,14 +29,15 @@ _CAP_FROM = {
     "default": "default",
 }
 
+HELP = "entries, blobs, dedup ratio, use of the cap, files count, lifetime counters"
+DESCRIPTION = (
+    "Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
+    "process since they were zeroed). Reads only: works on a read-only cache."
+)
+BUCKET = "path"
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "stats",
-        help="entries, blobs, dedup ratio, use of the cap, files count, lifetime counters",
-        description="Show what the cache holds and its lifetime counters (hits, misses, writes... of every "
-        "process since they were zeroed). Reads only: works on a read-only cache.",
-    )
+
+def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument(
         "--max-size",
@@ -47,18 +46,6 @@ def register(subparsers: Any) -> None:
         help=f"the cap to compare with (default: ${ENV_MAX_SIZE}, else the cap stored in the cache)",
     )
     p.add_argument("--zero", action="store_true", help="set the lifetime counters to zero (nothing else changes)")
-    add_json_arg(p)
-    p.set_defaults(func=run)
-
-
-def _zero(path: str | None, as_json: bool) -> int:
-    root, before = zero_counters(path)
-    if as_json:
-        print_json({"path": root, "zeroed": True, "counters_before": before})
-        return 0
-    was = ", ".join(f"{n:,} {name.replace('_', ' ')}" for name, n in before.items())
-    print(f"zeroed the lifetime counters of {root} (they were: {was})")
-    return 0
 
 
 def _counter_rows(info: dict[str, Any], when: Callable[[str | None], str]) -> list[tuple[str, str]]:
@@ -120,10 +107,14 @@ def _entries(info: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_bucket(args.path):
-        return bucket_run("stats", args)
     if args.zero:
-        return _zero(args.path, args.json)
+        root, before = zero_counters(args.path)
+        if args.json:
+            print_json({"path": root, "zeroed": True, "counters_before": before})
+        else:
+            was = ", ".join(f"{n:,} {name.replace('_', ' ')}" for name, n in before.items())
+            print(f"zeroed the lifetime counters of {root} (they were: {was})")
+        return 0
     report = stats(args.path, max_size=args.max_size)
     return emit(args, report, lambda: _text(report))
 
@@ -186,7 +177,7 @@ def _text(report: StatsReport) -> None:
     if info["packs"] or info["retired_packs"]:
         rows.append((
             "packs",
-            f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry', 'entries')} "
+            f"{plural(info['packs'], 'pack')} holding {plural(info['packed_entries'], 'entry')} "
             f"({fmt_bytes(info['pack_bytes'])}, their blobs {fmt_bytes(info['pack_raw_bytes'])} raw), "
             f"{info['retired_packs']:,} retired (gc removes them after --grace)",
         ))  # fmt: skip
@@ -207,7 +198,7 @@ def _text(report: StatsReport) -> None:
         where = f"{plural(info['blobs'], 'loose blob')} and {plural(info['packs'], 'pack')}"
     stored = info["stored_bytes"] + info["pack_bytes"]
     print(
-        f"{plural(info['entries'], 'entry', 'entries')}{packed} in {where}, "
+        f"{plural(info['entries'], 'entry')}{packed} in {where}, "
         f"{fmt_bytes(stored)} stored, dedup {info['dedup_ratio']:.2f}x"
         + (f", {info['cap_used_percent']}% of the cap" if cap else "")
         + ("" if info["hit_rate"] is None else f", hit rate {100 * info['hit_rate']:.1f}%")

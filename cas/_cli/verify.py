@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from cuda_program_cas._verbs.common import cache_root
 from cuda_program_cas._verbs.verify import VerifyReport, verify
 
-from .bucket import is_bucket
-from .bucket import run as bucket_run
-from .main import UsageError, add_json_arg, add_path_arg, emit, fmt_bytes, not_created_line, plural
+from .main import UsageError, add_path_arg, emit, fmt_bytes, plural
 
-__all__ = ["register"]
+__all__ = ["BUCKET", "DESCRIPTION", "HELP", "arguments", "run"]
 
 
-def register(subparsers: Any) -> None:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "verify",
-        help="check every manifest and blob; --repair fixes what it can",
-        description=(
-            "Read every manifest and hash every blob; report each problem. Without --repair nothing is "
-            "written (a read-only cache can be verified). --repair moves bad blobs to quarantine/, removes "
-            "bad manifests and stale temp files, and rewrites a damaged layout.json (with the shared mark of a "
-            "published store, as far as the damaged file still shows it; --shared or --no-shared says it)."
-        ),
-    )
+HELP = "check every manifest and blob; --repair fixes what it can"
+DESCRIPTION = (
+    "Read every manifest and hash every blob; report each problem. Without --repair nothing is "
+    "written (a read-only cache can be verified). --repair moves bad blobs to quarantine/, removes "
+    "bad manifests and stale temp files, and rewrites a damaged layout.json (with the shared mark of a "
+    "published store, as far as the damaged file still shows it; --shared or --no-shared says it)."
+)
+BUCKET = "path"
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
     add_path_arg(p)
     p.add_argument("--repair", action="store_true", help="fix what can be fixed")
     p.add_argument(
@@ -35,8 +32,6 @@ def register(subparsers: Any) -> None:
         help="with --repair: rewrite a damaged layout.json marked as a shared store, or not (default: as the "
         "damaged file still says; unmarked where it says nothing)",
     )
-    add_json_arg(p)
-    p.set_defaults(func=run)
 
 
 #: Problems --repair leaves alone: it cannot make a file readable, and never touches a file that is not the cache's.
@@ -74,30 +69,26 @@ def _tail(report: VerifyReport, repair: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_bucket(args.path):
-        return bucket_run("verify", args)
     if args.shared is not None and not args.repair:
         raise UsageError("--shared and --no-shared say how --repair rewrites a damaged layout.json: give --repair")
     report = verify(cache_root(args.path), repair=args.repair, progress=args.progress, shared=args.shared)
-    return emit(args, report, lambda: _text(report, args.repair), status=1 if report.unfixed else 0)
+    status = 1 if report.unfixed else 0
+    return emit(args, report, lambda: _text(report, args.repair), status=status, empty="nothing to check")
 
 
 def _text(report: VerifyReport, repair: bool) -> None:
-    if not report.exists:
-        print(not_created_line(report.root, "nothing to check"))
-    else:
-        for p in report.problems:
-            state = " [fixed]" if p.fixed else ""
-            print(f"{p.kind}: {p.path}{': ' + p.detail if p.detail else ''}{state}")
-        entries = plural(report.entries, "entry", "entries")
-        packed = ""
-        if report.packs:
-            entries = plural(report.entries, "loose entry", "loose entries")
-            packed = (
-                f", and {plural(report.packs, 'pack')} holding {plural(report.packed_entries, 'entry', 'entries')} "
-                f"({fmt_bytes(report.pack_bytes)})"
-            )
-        print(
-            f"checked {entries} and {plural(report.blobs_checked, 'blob')} ({fmt_bytes(report.bytes_checked)})"
-            f"{packed} in {report.elapsed_s:.1f} s: {_tail(report, repair)}"
+    for p in report.problems:
+        state = " [fixed]" if p.fixed else ""
+        print(f"{p.kind}: {p.path}{': ' + p.detail if p.detail else ''}{state}")
+    entries = plural(report.entries, "entry")
+    packed = ""
+    if report.packs:
+        entries = plural(report.entries, "loose entry")
+        packed = (
+            f", and {plural(report.packs, 'pack')} holding {plural(report.packed_entries, 'entry')} "
+            f"({fmt_bytes(report.pack_bytes)})"
         )
+    print(
+        f"checked {entries} and {plural(report.blobs_checked, 'blob')} ({fmt_bytes(report.bytes_checked)})"
+        f"{packed} in {report.elapsed_s:.1f} s: {_tail(report, repair)}"
+    )

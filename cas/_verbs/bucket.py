@@ -1,7 +1,6 @@
-"""``stats``, ``verify``, ``gc`` and ``repack`` of a store in an S3 bucket, for the console script.
+"""``stats``, ``verify``, ``gc`` and ``repack`` of a store in an S3 bucket, in the one report shape of every verb.
 
-A bucket's are read from its listing by :mod:`cuda_program_cas._remote.bucket`, imported
-(with botocore) only when one is named, and given the one report shape of every verb.
+:mod:`cuda_program_cas._remote.bucket` reads them from its listing, imported (with botocore) only when one is named.
 """
 
 from __future__ import annotations
@@ -15,12 +14,8 @@ __all__ = ["BucketReport", "bucket_verb"]
 
 @dataclasses.dataclass(kw_only=True)
 class BucketReport(Report):
-    """What a bucket's ``stats``, ``verify``, ``gc`` or ``repack`` found and did.
-
-    ``objects``/``bytes``: by kind (manifests, blobs, packs, leases, other). Each problem
-    is ``{"object": name below the prefix, "problem": what is wrong}``. ``removed``: the
-    objects removed (``gc``, ``repack``), or that would be (``gc --dry-run``).
-    """
+    """``objects``/``bytes`` by kind (manifests, blobs, packs, leases, other); each problem is
+    ``{"object": name below the prefix, "problem": what}``; ``removed`` (or would be: ``gc --dry-run``)."""
 
     store: str
     objects: dict[str, int] = dataclasses.field(default_factory=dict)

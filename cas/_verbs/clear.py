@@ -1,11 +1,9 @@
 """Empty a node's local cache (``ccache -C``), safe while others use it.
 
-It is :meth:`cuda_program_cas.CacheStore.clear`: every manifest, then every blob
-no manifest names, each removal re-checked; what a concurrent writer adds
-meanwhile stays, and a reader meanwhile gets misses, never wrong bytes. The
-counters, settings and ``quarantine/`` are kept. A shared store is refused (its
-owner collects it with ``gc``). A cache or store of an older layout is emptied
-whole, shared or not, settings kept, and a current ``layout.json`` written.
+It is :meth:`cuda_program_cas.CacheStore.clear`: every manifest, then every blob no manifest
+names, each removal re-checked; what a writer adds meanwhile stays. The counters, settings
+and ``quarantine/`` are kept. A shared store is refused. A cache or store of an older layout
+is emptied whole, shared or not, settings kept, and a current ``layout.json`` written.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ class ClearReport(Report):
 
     root: str
     dry_run: bool
-    #: False where no cache has been created yet: nothing to remove, nothing created.
     exists: bool = True
     entries_before: int = 0
     blobs_before: int = 0
@@ -54,9 +51,7 @@ class ClearReport(Report):
 def clear(path: str | os.PathLike[str] | None = None, *, dry_run: bool = False) -> ClearReport:
     """Remove every entry and blob of the local cache at ``path`` (None: the default directory).
 
-    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a cache,
-    or is a shared store; :class:`cuda_program_cas.ReadOnlyCacheError` when it
-    cannot be written (not for ``dry_run``).
+    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a cache, or is a shared store.
     """
     t0 = time.monotonic()
     root = cache_root(path)
@@ -99,7 +94,6 @@ _KEPT = frozenset({"CACHEDIR.TAG", "layout.json", "settings.json", "tmp", "quara
 
 
 def _clear_older(lay: Layout) -> None:
-    """Empty a cache or store of an older layout: nothing of it is read, everything of it but settings goes."""
     with os.scandir(lay.root) as it:
         names = sorted(e.name for e in it if e.name not in _KEPT)
     for name in names:

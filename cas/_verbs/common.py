@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, ClassVar
@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from cuda_program_cas._base.config import default_cache_dir
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
 from cuda_program_cas._base.urls import is_store_url, shown
-from cuda_program_cas._disk.blobs import BlobCheck, BlobStore
+from cuda_program_cas._disk.blobs import BlobCheck, BlobState, BlobStore
 from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, damaged_layout_error, unwritable_reason
 from cuda_program_cas._disk.remove import Remover
 from cuda_program_cas._disk.scan import Snapshot
@@ -34,15 +34,15 @@ __all__ = [
 #: ``progress(phase, done, total)``: called now and then during long runs.
 ProgressFn = Callable[[str, int, int], None]
 
-#: The shortest grace period a shared store is collected with: a publish keeps its blobs as orphans
-#: until its manifests land, and an NFS client may serve a removed manifest from its attribute cache
-#: for ``actimeo`` seconds (60 s by default) and then open the blob it names. An hour covers both.
+#: The shortest grace period a shared store is collected with: a publish keeps its blobs as orphans until
+#: its manifests land, and an NFS client may serve a removed manifest from its attribute cache for
+#: ``actimeo`` seconds (60 s by default), then open its blob. An hour covers both.
 SHARED_MIN_GRACE_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
 class MaintainedCache:
-    """An existing cache opened for maintenance: its layout, its blobs, and (when writable) its remover."""
+    """An existing cache opened for maintenance; ``remover`` only when writable."""
 
     lay: Layout
     blobs: BlobStore
@@ -72,11 +72,8 @@ def refuse_url(path: object) -> None:
 
 
 def not_created(root: str | os.PathLike[str]) -> bool:
-    """Whether no cache has been created at ``root`` yet: nothing there, or an empty directory.
-
-    The verbs report such a path as an empty cache (a nightly ``gc`` on a fresh
-    node is not bad usage); a file or a foreign directory raises :class:`LayoutError`.
-    """
+    """Whether no cache has been created at ``root`` yet (nothing, or an empty directory): the verbs report it
+    as an empty cache (a nightly ``gc`` on a fresh node is not bad usage)."""
     refuse_url(root)
     return check_layout(os.path.abspath(os.fspath(root))) is LayoutState.MISSING
 
@@ -86,10 +83,8 @@ def open_cache(
 ) -> MaintainedCache:
     """Open an existing cache for maintenance; never creates anything.
 
-    Raises :class:`LayoutError` for a path that is missing, a file, foreign, newer
-    or (unless ``allow_damaged``) has a damaged ``layout.json``;
-    :class:`ReadOnlyCacheError` when ``write`` is asked of a cache that cannot be
-    written (read-only mount, permissions).
+    Raises :class:`LayoutError` for a path that is missing, a file, foreign, newer or (unless
+    ``allow_damaged``) damaged; :class:`ReadOnlyCacheError` when ``write`` cannot be honoured.
     """
     refuse_url(root)
     path = os.path.abspath(os.fspath(root))
@@ -107,28 +102,28 @@ def open_cache(
 
 
 def check_writable(lay: Layout, purpose: str) -> None:
-    """Raise :class:`ReadOnlyCacheError` when the cache's directories cannot be written."""
     why = unwritable_reason(lay)
     if why is not None:
         raise ReadOnlyCacheError(f"cannot {purpose}: cache {lay.root!r} is read-only ({why})")
 
 
 def iso_utc(seconds: float) -> str:
-    """``2026-12-07T15:38:28+00:00``: how reports give a time."""
     return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def check_blobs(
-    snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None
-) -> Iterator[tuple[str, BlobCheck]]:
-    """Hash every blob of ``snap`` (in digest order): ``(digest, what the hash found)``, with progress."""
+def check_blobs(snap: Snapshot, blobs: BlobStore, progress: ProgressFn | None = None) -> dict[str, BlobCheck]:
+    """What hashing each blob of ``snap`` found, by digest in digest order; a blob gone meanwhile is left out."""
+    found = {}
     total = len(snap.blobs)
     for n, digest in enumerate(sorted(snap.blobs)):
         if progress and n % 64 == 0:
             progress("verifying blobs", n, total)
-        yield digest, blobs.check(digest)
+        check = blobs.check(digest)
+        if check.state is not BlobState.MISSING:
+            found[digest] = check
     if progress:
         progress("verifying blobs", total, total)
+    return found
 
 
 #: At most this many problems are listed one by one (all are counted).
@@ -137,27 +132,21 @@ MAX_LISTED = 100
 
 @dataclasses.dataclass(kw_only=True)
 class Report:
-    """The one shape of every verb's report: a dataclass with ``problems`` (a list) and ``problem_count``.
-
-    ``problems`` lists what the run found wrong, one item each (a line of text,
-    or for ``verify`` a :class:`~cuda_program_cas.Problem`); ``problem_count``
-    counts them all, also those past :attr:`max_listed`. :meth:`as_dict` is what
-    ``--json`` prints.
-    """
+    """The one shape of every verb's report: ``problems`` (one item each, a line or a
+    :class:`~cuda_program_cas.Problem`) and ``problem_count`` (also those past :attr:`max_listed`);
+    :meth:`as_dict` is what ``--json`` prints."""
 
     problems: list[Any] = dataclasses.field(default_factory=list)
     problem_count: int = 0
-    #: How many problems :meth:`problem` lists one by one (None: every one).
     max_listed: ClassVar[int | None] = MAX_LISTED
 
     def problem(self, item: Any) -> None:
-        """Count a problem; list it while fewer than :attr:`max_listed` are listed."""
         self.problem_count += 1
         if self.max_listed is None or len(self.problems) < self.max_listed:
             self.problems.append(item)
 
     def as_dict(self) -> dict[str, object]:
-        """Every field, nested dataclasses as dicts, for ``--json`` (an elapsed time rounded to milliseconds)."""
+        """Every field, nested dataclasses as dicts (an elapsed time rounded to milliseconds)."""
         assert dataclasses.is_dataclass(self)
         out = dataclasses.asdict(self)
         if isinstance(out.get("elapsed_s"), float):

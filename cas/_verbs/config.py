@@ -1,21 +1,19 @@
 """The settings a cache gets, and the cap it stores (``ccache -M``).
 
-:func:`config` says every effective setting of a cache and where it came from
-(argument, environment, cache or default), and every environment variable the
-package reads (:data:`cuda_program_cas._base.config.VARIABLES`): its value (a
-secret only as ``set``), its source, and whether it was accepted. Each value or
-part of one that the package ignores is a problem.
+:func:`config` says every effective setting of a cache and where it came from, and every
+environment variable the package reads (:data:`cuda_program_cas._base.config.VARIABLES`):
+its value (a secret only as ``set``), its source, and whether it was accepted. Each value
+or part of one that the package ignores is a problem.
 """
 
 from __future__ import annotations
 
-import enum
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar, Final, cast
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, cast
 
 import cuda_program_cas._base.config as _registry
-from cuda_program_cas._base.config import collecting
+from cuda_program_cas._base.config import NOT_GIVEN, collecting
 from cuda_program_cas._disk.layout import Layout, create_layout
 from cuda_program_cas._disk.settings import (
     MAX_SIZE,
@@ -31,7 +29,6 @@ from .common import Report, cache_root, check_writable
 __all__ = [
     "MAX_SIZE",
     "SETTING_NAMES",
-    "UNCHANGED",
     "ConfigReport",
     "Reading",
     "Setting",
@@ -43,14 +40,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """What one variable of :data:`VARIABLES` reads in this environment (``config`` lists them)."""
+    """What one variable of :data:`VARIABLES` reads in this environment."""
 
     name: str
     meaning: str
     #: ``environment`` when set and not empty, else ``default``.
     source: str
     #: The value as the package uses it, in words: ``set`` for a secret, the default's words when unset.
-    shown: str
+    value: str
     #: False when the value, or a part of it, is refused.
     accepted: bool
     #: False when the whole value is refused (the package reads as if it were unset).
@@ -61,15 +58,7 @@ class Reading:
     notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "value": self.shown,
-            "source": self.source,
-            "accepted": self.accepted,
-            "used": self.used,
-            "meaning": self.meaning,
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-        }
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "name"}
 
 
 #: Warnings a reader gives about a value it still uses: notes, not refusals.
@@ -105,14 +94,6 @@ def read_variables() -> list[Reading]:
     return out
 
 
-class _Unchanged(enum.Enum):
-    UNCHANGED = "unchanged"
-
-
-#: ``config(path, max_size=UNCHANGED)`` (the default): store nothing, only say the settings.
-UNCHANGED: Final = _Unchanged.UNCHANGED
-
-
 @dataclass(slots=True)
 class ConfigReport(Report):
     """The effective settings of a cache; ``problems``: values the library ignores, and why."""
@@ -140,21 +121,19 @@ def config(
     path: str | os.PathLike[str] | None = None,
     *,
     name: str | None = None,
-    max_size: int | _Unchanged | None = UNCHANGED,
+    max_size: int | None = NOT_GIVEN,
 ) -> ConfigReport:
     """The settings a cache opened at ``path`` (None: the default directory) gets with no arguments.
 
     ``name``: only that setting (``"max_size_bytes"``, ``"directory"``, ``"shared"``, ``"log_file"``), and
     no variables. ``max_size``: first store that cap in the cache's ``settings.json`` (None removes
     it), creating the cache if missing: every process that opens it honours it unless
-    ``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise. Raises
-    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written, and
-    :class:`cuda_program_cas.LayoutError` when ``path`` is a file or not a cache.
+    ``max_size_bytes=`` or ``$CUDA_PROGRAM_CAS_MAX_SIZE`` says otherwise.
     """
     given = os.path.abspath(path) if path else None
     root = cache_root(path)
     stored: dict[str, int | None] | None = None
-    if not isinstance(max_size, _Unchanged):
+    if max_size is not NOT_GIVEN:
         create_layout(root)  # a cache set up before its first job: as a first open would
         check_writable(Layout(root), "store a setting")
         store_setting(root, MAX_SIZE, max_size)

@@ -1,25 +1,19 @@
 """Why a compile missed: for each recent miss, the one input that differed from its own earlier variant.
 
-:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`)
-and nothing else; it takes no lock. An input is the code, its code type, the
-target, the compiler's version, the name expressions, the working directory,
-each option (by its name: ``-arch``, ``--define-macro=NAME``...) and each header
-(by its file name: a header found in another directory is one change, moved).
-Each miss is compared with one earlier record of the same way in (``plain``,
-``front``, ``nvvm``, ``compute``):
+:func:`explain` reads the miss journal (:mod:`cuda_program_cas._local.journal`) and nothing
+else. An input is the code, its code type, the target, the compiler's version, the name
+expressions, the working directory, each option (by its name: ``-arch``,
+``--define-macro=NAME``...) and each header (by its file name: found in another directory,
+it moved). Each miss is compared with one earlier record of the same way in (``plain``,
+``front``, ``nvvm``, ``compute``): for a front door miss whose record held but a variant's
+check failed, the latest earlier record of the same key; else its own nearest earlier
+variant (same code, code type and name expressions; fewest differences, the latest winning
+a tie), and only when that code was never compiled before, the nearest of all.
 
-- a front door miss whose record held but a variant's check failed: the latest
-  earlier record of the same key;
-- else its own nearest earlier variant (same code, code type and name
-  expressions; fewest differences, the latest winning a tie), and only when that
-  code was never compiled before, the nearest of all.
-
-The verdict: ``changed`` (one input differed: ``option -arch: sm_80 -> sm_90``),
-``several``, ``same`` (the same inputs compiled before, so their entry was
-removed since), or ``new`` (nothing earlier like it, or the nearest of all
-differs in more than two places). Where the front door's check failed and the
-inputs are the same, what the check found is the change. A working directory
-that only one of the two keys holds is no difference of its own.
+The verdict: ``changed`` (one input differed: ``option -arch: sm_80 -> sm_90``), ``several``,
+``same`` (the same inputs compiled before: their entry was removed since), or ``new``
+(nothing earlier like it, or the nearest of all differs in more than two places). Where the
+front door's check failed and the inputs are the same, what the check found is the change.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout
+from cuda_program_cas._disk.layout import Layout
 from cuda_program_cas._local.journal import MissRecord, read_journal
 from cuda_program_cas._local.why import (
     DIRECTORY_CHANGED,
@@ -39,7 +33,7 @@ from cuda_program_cas._local.why import (
     UNCACHEABLE,
 )
 
-from .common import Report, cache_root, iso_utc, open_cache
+from .common import Report, cache_root, iso_utc, not_created, open_cache
 
 __all__ = ["ExplainReport", "MissExplanation", "explain"]
 
@@ -63,8 +57,6 @@ _OWN = ("code", "code_type", "names")
 
 @dataclass(frozen=True, slots=True)
 class MissExplanation:
-    """Why one miss missed."""
-
     #: The id of the entry the miss stored (``key_id(key)``; a ``cache.compile`` entry's record id).
     key_id: str
     #: ISO 8601, UTC.
@@ -90,7 +82,7 @@ class MissExplanation:
 
 @dataclass(slots=True)
 class ExplainReport(Report):
-    """The explained misses of one cache, oldest first; :meth:`as_dict` is what ``explain --json`` prints."""
+    """The explained misses of one cache, oldest first."""
 
     max_listed: ClassVar[int | None] = None
 
@@ -182,26 +174,24 @@ def _header_differences(old: object, new: object) -> list[tuple[str, str]]:
     return found
 
 
-def _check_failed(record: MissRecord) -> dict[str, str] | None:
-    """The journal's ``why`` of a front door miss whose record held but a variant failed its check, else None."""
-    why = record.why
-    if why is None or why.get("kind") in NOT_A_CHECK:
-        return None
-    return why
+#: What a failed check found, where the recompile read the same inputs: ``(input kind, what changed)``.
+_CHECK_CHANGES = {
+    DIRECTORY_CHANGED: (
+        "directory",
+        "directory {}: an entry was added, removed or renamed (the headers read are the same)",
+    ),
+    HEADER_CHANGED: ("header", "header {}: changed since it was compiled (re-hashed: its content differed)"),
+    HEADER_GONE: ("header", "header {}: gone since it was compiled"),
+    SHADOWED: ("header", "{}: appeared where NVRTC looks before a header it read (it may now be found first)"),
+}
 
 
 def _failed_check_change(why: dict[str, str]) -> tuple[str, str]:
-    """``(input kind, what changed)`` for a failed check whose recompile read the same inputs."""
-    kind, path, text = why.get("kind", ""), why.get("path", ""), why.get("text", "")
-    if kind == DIRECTORY_CHANGED:
-        return "directory", f"directory {path}: an entry was added, removed or renamed (the headers read are the same)"
-    if kind == HEADER_CHANGED:
-        return "header", f"header {path}: changed since it was compiled (re-hashed: its content differed)"
-    if kind == HEADER_GONE:
-        return "header", f"header {path}: gone since it was compiled"
-    if kind == SHADOWED:
-        return "header", f"{path}: appeared where NVRTC looks before a header it read (it may now be found first)"
-    return "header" if path else "record", text or "a variant's check failed"
+    path = why.get("path", "")
+    if why.get("kind") in _CHECK_CHANGES:
+        kind, text = _CHECK_CHANGES[why["kind"]]
+        return kind, text.format(path)
+    return "header" if path else "record", why.get("text", "") or "a variant's check failed"
 
 
 def _nearest(
@@ -250,7 +240,8 @@ def _verdict(
     """``explain_one``'s verdict, summary, differences and nearest earlier key id."""
     if why.get("kind") == UNCACHEABLE:  # not a miss: a build that cannot be keyed soundly ran uncached
         return "uncacheable", f"not cached: {why.get('text', '')}", [], None
-    check = _check_failed(record)
+    # A front door miss whose record held but a variant failed its check.
+    check = None if record.why is None or record.why.get("kind") in NOT_A_CHECK else record.why
     best = _nearest(record, earlier, check)
     diffs = [] if best is None else best[0]
     nearest = None if best is None else best[1].key_id
@@ -278,14 +269,12 @@ def _verdict(
 def explain(path: str | os.PathLike[str] | None = None, *, last: int = 10) -> ExplainReport:
     """Why the last ``last`` misses of the cache at ``path`` (None: the default directory) missed; reads only.
 
-    A path where no cache has been created yet is an empty report (``exists``
-    false). Raises :class:`cuda_program_cas.LayoutError` for a file or another
-    program's directory, ``ValueError`` for a ``last`` below 1.
+    Raises :class:`cuda_program_cas.LayoutError` for a file or a foreign directory.
     """
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last must be a positive int, got {last!r}")
     root = os.path.abspath(cache_root(path))
-    if check_layout(root) is LayoutState.MISSING:
+    if not_created(root):
         return ExplainReport(root, exists=False)
     lay: Layout = open_cache(root, write=False, allow_damaged=True).lay
     report = ExplainReport(lay.root)

@@ -1,20 +1,16 @@
 """The garbage collector: scan, plan, then execute (or only report the plan).
 
-What goes, in the order it is carried out: stale temp files (older than an
-hour); invalid, dangling and size-mismatched manifests (with ``verify``, also
-those of blobs that fail their hash) and their group partners (a front-door
-record goes with its results, see :mod:`cuda_program_cas.index`); with
-``max_age_s`` entries unused for longer; with ``max_size`` least recently used
-entries until the stored bytes fit; blobs whose last manifest went, unless
-written or freshened after the scan began; orphan blobs older than ``grace_s``;
-with ``verify``, corrupt blobs, moved to ``quarantine/``.
+What goes, in order: stale temp files (older than an hour); invalid, dangling and
+size-mismatched manifests (with ``verify``, also those of blobs that fail their hash) and
+their group partners (a front-door record goes with its results); with ``max_age_s``
+entries unused for longer; with ``max_size`` least recently used entries until the stored
+bytes fit; blobs whose last manifest went, unless written or freshened after the scan
+began; orphan blobs older than ``grace_s``; with ``verify``, corrupt blobs, moved to
+``quarantine/``.
 
-Manifests go before blobs, and every removal re-checks that the file is still
-the one the scan saw, so entries written, replaced or used meanwhile are kept.
-One collector at a time: the cache's ``evict.lock`` (shared with size-cap
-eviction) is taken without blocking; a busy lock raises
-:class:`CollectorBusyError`. Removal is :class:`cuda_program_cas._disk.remove.Remover`'s;
-manifests are judged by :func:`cuda_program_cas._disk.classify.classify`.
+Manifests go before blobs, and every removal re-checks that the file is still the one the
+scan saw, so entries written, replaced or used meanwhile are kept. One collector at a
+time: the cache's ``evict.lock`` (shared with size-cap eviction) is taken without blocking.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from cuda_program_cas._base.errors import CollectorBusyError
 from cuda_program_cas._base.events import collected
 from cuda_program_cas._disk.blobs import BlobState, BlobStore
 from cuda_program_cas._disk.classify import Condition, classify
-from cuda_program_cas._disk.layout import Layout, is_shared_store, stale_temp_files
+from cuda_program_cas._disk.layout import is_shared_store, stale_temp_files
 from cuda_program_cas._disk.remove import RemovalPlan, Remover, removable_orphans
 from cuda_program_cas._disk.scan import ManifestInfo, Snapshot, take_snapshot
 from cuda_program_cas._local.cap import plan_lru
@@ -70,16 +66,14 @@ _CATEGORY_OF = {
 class GcReport(Report):
     """What a collection found and did (``dry_run``: what it would do).
 
-    ``*_before`` describe the cache as the scan saw it; ``*_after`` subtract what
-    this run removed (concurrent writers may have added more meanwhile). Bytes
-    are stored bytes as the size cap counts them: unique blobs plus manifests.
+    ``*_before``: the cache as the scan saw it; ``*_after`` subtract what this run removed.
+    Bytes are stored bytes as the size cap counts them: unique blobs plus manifests.
     """
 
     root: str
     dry_run: bool
-    #: Collected as a shared store (see :func:`collect`).
     shared: bool = False
-    #: False where no cache has been created yet: nothing was collected, nothing created.
+    #: False where no cache has been created yet.
     exists: bool = True
     started_ns: int = 0
     elapsed_s: float = 0.0
@@ -99,33 +93,13 @@ class GcReport(Report):
     plan: dict[str, dict[str, int]] = field(default_factory=dict)
     #: The store's packs: retired packs and covered loose entries removed, packed entries dropped.
     packs: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def entries_after(self) -> int:
-        return self.entries_before - self.entries_removed
-
-    @property
-    def blobs_after(self) -> int:
-        return self.blobs_before - self.blobs_removed
-
-    @property
-    def bytes_after(self) -> int:
-        return max(0, self.bytes_before - self.bytes_freed)
-
-    def as_dict(self) -> dict[str, object]:
-        out = Report.as_dict(self)
-        out["entries_after"] = self.entries_after
-        out["blobs_after"] = self.blobs_after
-        out["bytes_after"] = self.bytes_after
-        return out
+    entries_after: int = 0
+    blobs_after: int = 0
+    bytes_after: int = 0
 
 
 def collected_as_shared(root: str | os.PathLike[str], shared: bool | None = None) -> bool:
-    """Whether :func:`collect` collects the cache at ``root`` as a shared store, given its ``shared`` argument.
-
-    None: as its ``layout.json`` says (publish marks the stores it writes).
-    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a cache.
-    """
+    """Whether :func:`collect` collects ``root`` as a shared store (``shared`` None: as its ``layout.json`` says)."""
     if not_created(root):
         return bool(shared)
     cache = open_cache(root, write=False, allow_damaged=True)
@@ -157,15 +131,10 @@ def collect(
 ) -> GcReport:
     """Collect garbage in the cache at ``root`` and report what went.
 
-    ``shared``: collect it as a shared store (default: as its ``layout.json``
-    says). Then the grace period must be at least :data:`SHARED_MIN_GRACE_S`, and
-    a blob whose last manifest goes is freshened instead, to wait out a grace
-    period as an orphan: a node that read the manifest just before still finds it.
-
-    ``wait_s``: how long to wait for the lock when another collector or evictor
-    holds it (0: not at all; :class:`CollectorBusyError` is raised).
-    Raises :class:`cuda_program_cas.LayoutError` for a path that is not a usable cache and
-    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written (not for ``dry_run``).
+    ``shared`` (default: as its ``layout.json`` says): the grace period must be at least
+    :data:`SHARED_MIN_GRACE_S`, and a blob whose last manifest goes is freshened instead, to
+    wait out a grace period as an orphan: a node that read the manifest just before still
+    finds it. ``wait_s``: how long to wait for a busy lock, else :class:`CollectorBusyError`.
     """
     if grace_s < 0 or (max_age_s is not None and max_age_s < 0):
         raise ValueError(f"grace_s and max_age_s must not be negative, got {grace_s!r}, {max_age_s!r}")
@@ -186,7 +155,6 @@ def collect(
             f"{SHARED_MIN_GRACE_S:.0f} s (nodes may be reading what goes), got {grace_s:g} s"
         )
     report = GcReport(lay.root, dry_run, shared=shared)
-    opts = _Options(grace_s, max_size, max_age_s, verify, dry_run, progress, shared)
     # A dry run writes nothing, not even the lock file.
     with contextlib.nullcontext(True) if dry_run else lay.collector_lock(wait_s) as held:
         if not held:
@@ -194,83 +162,69 @@ def collect(
                 f"cache {lay.root!r} is busy: another gc or a size-cap eviction holds {lay.lock}; nothing was changed"
                 + ("" if wait_s else " (wait for it with --wait SECONDS)")
             )
-        _run(report, cache, opts)
+        if progress:
+            progress("scanning", 0, 0)
+        # Packs first: loose entries a pack has held for a grace period go, their blobs freshened
+        # so that they wait out a grace period of their own as orphans.
+        remover = None if dry_run else cache.remover
+        packed = collect_packs(lay, remover, grace_s=grace_s, max_age_s=max_age_s, max_size=max_size)
+        report.packs = {k: v for k, v in dataclasses.asdict(packed).items() if k != "problems"}
+        for text in packed.problems:
+            report.problem(text)
+        if not dry_run:
+            apply_pending()  # what this process read counts (a dry run writes nothing, touches neither)
+        snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if dry_run else lay.tmp)
+        report.started_ns = snap.started_ns
+        report.entries_before = len(snap.manifests)
+        report.blobs_before = len(snap.blobs)
+        report.bytes_before = snap.stored_bytes
+        plan = _make_plan(
+            snap, report, cache, progress, grace_s=grace_s, max_size=max_size, max_age_s=max_age_s, verify=verify
+        )
+        _fill_plan_summary(plan, report)
+        if remover is None:
+            freed, _ = plan.removal.expected()
+            report.entries_removed = len(plan.removal.manifests)
+            report.blobs_deferred = len(plan.unreferenced) if shared else 0
+            orphans = len(plan.removal.orphans) + len(plan.corrupt)
+            report.blobs_removed = len(plan.unreferenced) - report.blobs_deferred + orphans
+            report.bytes_freed = freed + sum(st.st_size for st in plan.corrupt.values())
+            report.temp_files_removed = len(plan.temp_files)
+            report.temp_bytes_freed = report.plan["temp_files"]["bytes"]
+        else:
+            if progress:
+                progress("removing", 0, 0)
+            _execute(plan, report, remover, cache.blobs)
     report.elapsed_s = time.monotonic() - t0
-    collected(
-        report.root,
-        dry_run=report.dry_run,
-        entries=report.entries_removed,
-        blobs=report.blobs_removed,
-        freed=report.bytes_freed,
-        elapsed_s=report.elapsed_s,
-    )
+    report.entries_after = report.entries_before - report.entries_removed
+    report.blobs_after = report.blobs_before - report.blobs_removed
+    report.bytes_after = max(0, report.bytes_before - report.bytes_freed)
+    entries, blobs, freed = report.entries_removed, report.blobs_removed, report.bytes_freed
+    collected(report.root, dry_run=dry_run, entries=entries, blobs=blobs, freed=freed, elapsed_s=report.elapsed_s)
     return report
 
 
-@dataclass(frozen=True, slots=True)
-class _Options:
-    grace_s: float
-    max_size: int | None
-    max_age_s: float | None
-    verify: bool
-    dry_run: bool
-    progress: ProgressFn | None
-    shared: bool = False
-
-
-def _run(report: GcReport, cache: MaintainedCache, opts: _Options) -> None:
-    progress = opts.progress
-    if progress:
-        progress("scanning", 0, 0)
-    lay = cache.lay
-    # Packs first: loose entries a pack has held for a grace period go, their blobs freshened
-    # so that they wait out a grace period of their own as orphans.
-    packed = collect_packs(
-        lay,
-        None if opts.dry_run else cache.remover,
-        grace_s=opts.grace_s,
-        max_age_s=opts.max_age_s,
-        max_size=opts.max_size,
-    )
-    report.packs = {k: v for k, v in dataclasses.asdict(packed).items() if k != "problems"}
-    for text in packed.problems:
-        report.problem(text)
-    if not opts.dry_run:
-        apply_pending()  # what this process read counts (a dry run writes nothing, touches neither)
-    snap = take_snapshot(lay.index, lay.blobs, clock_dir=None if opts.dry_run else lay.tmp)
-    report.started_ns = snap.started_ns
-    report.entries_before = len(snap.manifests)
-    report.blobs_before = len(snap.blobs)
-    report.bytes_before = snap.stored_bytes
-    plan = _make_plan(snap, report, lay, cache.blobs, opts)
-    _fill_plan_summary(plan, report)
-    if opts.dry_run:
-        removal = plan.removal
-        freed, _ = removal.expected()
-        report.entries_removed = len(removal.manifests)
-        report.blobs_deferred = len(plan.unreferenced) if opts.shared else 0
-        report.blobs_removed = len(plan.unreferenced) - report.blobs_deferred + len(removal.orphans) + len(plan.corrupt)
-        report.bytes_freed = freed + sum(st.st_size for st in plan.corrupt.values())
-        report.temp_files_removed = len(plan.temp_files)
-        report.temp_bytes_freed = report.plan["temp_files"]["bytes"]
-        return
-    if progress:
-        progress("removing", 0, 0)
-    assert cache.remover is not None
-    _execute(plan, report, cache.remover, cache.blobs)
-
-
-def _make_plan(snap: Snapshot, report: GcReport, lay: Layout, blobs: BlobStore, opts: _Options) -> _Plan:
-    grace_s, max_size, max_age_s, progress = opts.grace_s, opts.max_size, opts.max_age_s, opts.progress
-    removal = RemovalPlan(snap, shared=opts.shared)
+def _make_plan(
+    snap: Snapshot,
+    report: GcReport,
+    cache: MaintainedCache,
+    progress: ProgressFn | None,
+    *,
+    grace_s: float,
+    max_size: int | None,
+    max_age_s: float | None,
+    verify: bool,
+) -> _Plan:
+    lay, blobs = cache.lay, cache.blobs
+    removal = RemovalPlan(snap, shared=report.shared)
     plan = _Plan(removal)
     plan.temp_files = stale_temp_files(lay.tmp)
     for path in snap.unreadable:
         report.problem(f"manifest {path} cannot be read; its blob is unknown, so no blob was removed")
     if snap.unreadable:
         removal.blobs_removable = False
-    if opts.verify:
-        for digest, check in check_blobs(snap, blobs, progress):
+    if verify:
+        for digest, check in check_blobs(snap, blobs, progress).items():
             if check.state is BlobState.CORRUPT:
                 assert check.stat is not None
                 plan.corrupt[digest] = check.stat

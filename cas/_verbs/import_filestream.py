@@ -1,12 +1,10 @@
 """Import a ``FileStreamProgramCache`` directory, keeping its keys.
 
-FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``,
-named by sha256 of the key bytes, as ``index/`` names manifests here: so
-``Program.compile(cache=ours)`` hits for every kernel FileStream had cached.
-Each entry is committed by the one write protocol, as ``put`` commits it, so an
-import can be killed and run again. An entry this cache already holds with
-other content is kept (this cache wins). The source is only read. Each
-manifest takes the entry's last use (FileStream's atime) as its own.
+FileStream stores each entry as the raw binary at ``entries/<2 hex>/<62 hex>``, named by
+sha256 of the key bytes, as ``index/`` names manifests here: so ``Program.compile(cache=ours)``
+hits for every kernel FileStream had cached. Each entry is committed as ``put`` commits it,
+so an import can be killed and run again. An entry this cache holds with other content is
+kept. The source is only read.
 """
 
 from __future__ import annotations
@@ -34,11 +32,11 @@ class ImportReport(Report):
     dest: str
     entries: int = 0
     imported: int = 0
-    #: Entries already here with the same content (an earlier or concurrent import).
+    #: Entries already here with the same content.
     already_present: int = 0
-    #: Entries already here with other content: kept, not overwritten.
+    #: Entries already here with other content: kept.
     kept_existing: int = 0
-    #: Imported entries whose binary was already stored (under another key or digest).
+    #: Imported entries whose binary was already stored.
     deduplicated: int = 0
     bytes_imported: int = 0
     blob_bytes_added: int = 0
@@ -48,7 +46,7 @@ class ImportReport(Report):
 
 
 def _entries(entries_dir: str, report: ImportReport) -> list[tuple[str, str]]:
-    """``(key id, path)`` of every entry file; misnamed files are reported and skipped."""
+    """``(key id, path)`` of every entry file; misnamed files are problems."""
     found = []
     with os.scandir(entries_dir) as top:
         shards = sorted(e.name for e in top if e.is_dir(follow_symlinks=False) and is_hex(e.name, 2))
@@ -72,10 +70,9 @@ def import_filestream(
     *,
     progress: ProgressFn | None = None,
 ) -> ImportReport:
-    """Import the FileStream cache at ``source`` into the cache at ``dest`` (created if missing).
+    """Import the FileStream cache at ``source`` into the cache at ``dest`` (None: the default; created if missing).
 
-    ``dest`` defaults to :func:`cuda_program_cas.default_cache_dir`. Raises :class:`cuda_program_cas.LayoutError`
-    when ``source`` is not a FileStream cache or ``dest`` not a usable cache.
+    Raises :class:`cuda_program_cas.LayoutError` when ``source`` is not a FileStream cache or ``dest`` not a cache.
     """
     t0 = time.monotonic()
     src = os.path.abspath(os.fspath(source))
@@ -111,7 +108,7 @@ def import_filestream(
 
 
 def _current(lay: Layout, kid: str) -> str | None:
-    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there."""
+    """The digest this cache maps ``kid`` to, when its manifest is valid and its blob there, else None."""
     try:
         data, _ = read_regular(lay.manifest_path(kid))
     except OSError:

@@ -1,11 +1,8 @@
 """What a cache holds, how well it deduplicates, how full it is, and its lifetime counters.
 
-:func:`stats` reads only (a read-only cache or mount works; no lock, nothing
-touched). Files it cannot read are its ``problems``, and the figures then count
-only the rest. A path where no cache has been created yet is an empty cache
-(``exists`` false); a file or a foreign directory raises
-:class:`cuda_program_cas.LayoutError`. :func:`zero_counters` writes, under
-``counters.lock``.
+:func:`stats` reads only (no lock, nothing touched). Files it cannot read are its
+``problems``, and the figures then count only the rest. A path where no cache has been
+created yet is an empty cache (``exists`` false).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cuda_program_cas._disk.classify import Condition, classify
-from cuda_program_cas._disk.layout import Layout, LayoutState, check_layout, stale_temp_files
+from cuda_program_cas._disk.layout import Layout, stale_temp_files
 from cuda_program_cas._disk.scan import Snapshot, take_snapshot
 from cuda_program_cas._disk.settings import MAX_SIZE, effective_settings
 from cuda_program_cas._local.lifetime import read_counters
@@ -24,7 +21,7 @@ from cuda_program_cas._local.lifetime import zero_counters as _zero_counters
 from cuda_program_cas._local.usage import read_usage
 from cuda_program_cas.index import is_record
 
-from .common import Report, cache_root, iso_utc, open_cache
+from .common import Report, cache_root, iso_utc, not_created, open_cache
 from .packs import pack_stats
 
 __all__ = ["StatsReport", "stats", "zero_counters"]
@@ -32,32 +29,27 @@ __all__ = ["StatsReport", "stats", "zero_counters"]
 
 @dataclass(slots=True)
 class StatsReport(Report):
-    """The statistics of one cache directory; :meth:`as_dict` is what ``stats --json`` prints.
-
-    Bytes are as the size cap counts them (``stored_bytes``: unique blobs plus
-    manifests) unless named otherwise; times are ISO 8601 in UTC.
-    """
+    """The statistics of one cache directory. Bytes are as the size cap counts them (``stored_bytes``:
+    unique blobs plus manifests) unless named otherwise; times are ISO 8601 in UTC."""
 
     max_listed: ClassVar[int | None] = None
 
     path: str
-    #: False where no cache has been created yet: then every figure is zero.
     exists: bool = True
     #: Keys the store holds, loose or packed, each once (a key both loose and packed counts once).
     entries: int = 0
-    #: Of ``entries``, those a manifest in ``index/`` holds (the figures below in bytes are theirs).
+    #: Of ``entries``, those a manifest in ``index/`` holds (the byte figures are theirs).
     loose_entries: int = 0
     #: Loose manifests that a live pack holds too, with the same blob: what a repack left for ``gc``.
     loose_also_packed: int = 0
     blobs: int = 0
-    #: Sum of the sizes of the loose entries, as if each key had its own copy (up to ``manifest_bytes``: loose).
+    #: Sum of the sizes of the loose entries, as if each key had its own copy.
     logical_bytes: int = 0
     stored_bytes: int = 0
     blob_bytes: int = 0
     manifest_bytes: int = 0
     #: ``logical_bytes / blob_bytes``, rounded to three places (1.0 for an empty cache).
     dedup_ratio: float = 1.0
-    #: The cap compared with, or None.
     max_size_bytes: int | None = None
     #: Where the cap came from: ``argument``, ``environment``, ``cache`` or ``default`` (None without a cap).
     max_size_source: str | None = None
@@ -69,7 +61,7 @@ class StatsReport(Report):
     directories: int = 0
     inodes: int = 0
     disk_bytes: int = 0
-    #: Front-door header records (``cache.compile``) and the bytes of their blobs.
+    #: Front-door header records (``cache.compile``) and their blobs' bytes.
     front_door_records: int = 0
     front_door_record_bytes: int = 0
     orphan_blobs: int = 0
@@ -87,11 +79,11 @@ class StatsReport(Report):
     #: The raw bytes the packs' distinct blobs stand for (their blobs are stored compressed).
     pack_raw_bytes: int = 0
     retired_packs: int = 0
-    #: The lifetime counters of every process (name -> total), or None when they cannot be read.
+    #: The lifetime counters of every process, or None when they cannot be read.
     counters: dict[str, int] | None = None
     hit_rate: float | None = None
     counters_zeroed_at: str | None = None
-    #: Compile time the hits of every process saved since the counters were zeroed (``saved_us``), in seconds.
+    #: Compile time the hits of every process saved since the counters were zeroed.
     time_saved_s: float | None = None
     #: The (at most 5) entries whose hits saved the most: ``key`` (16 hex), ``hits``, ``saved_s``, ``compile_s``.
     busiest: list[dict[str, object]] = field(default_factory=list)
@@ -100,16 +92,13 @@ class StatsReport(Report):
 def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = None) -> StatsReport:
     """The statistics of the cache at ``path`` (None: the default directory); reads only.
 
-    ``max_size``: the cap to compare the stored bytes with; None takes the cap a
-    cache opened there gets (``$CUDA_PROGRAM_CAS_MAX_SIZE``, else the one stored
-    in the cache). Raises :class:`cuda_program_cas.LayoutError` for a path that
-    is a file or another program's directory.
+    ``max_size``: the cap to compare the stored bytes with; None takes the cap a cache opened
+    there gets. Raises :class:`cuda_program_cas.LayoutError` for a file or a foreign directory.
     """
     root = cache_root(path)
     cap: int | None = max_size
     source = "argument"
-    if max_size is None:
-        # The environment, else the cache's own setting: as a cache opened there would.
+    if max_size is None:  # the environment, else the cache's own setting
         setting = next(s for s in effective_settings(root) if s.name == MAX_SIZE)
         cap = setting.value if isinstance(setting.value, int) else None
         source = setting.source
@@ -117,11 +106,7 @@ def stats(path: str | os.PathLike[str] | None = None, *, max_size: int | None = 
 
 
 def zero_counters(path: str | os.PathLike[str] | None = None) -> tuple[str, dict[str, int]]:
-    """Set the lifetime counters of the cache at ``path`` to zero: its root, and the counters as they were.
-
-    Raises :class:`cuda_program_cas.LayoutError` where there is no cache, and
-    :class:`cuda_program_cas.ReadOnlyCacheError` when it cannot be written.
-    """
+    """Set the lifetime counters of the cache at ``path`` to zero: its root, and the counters as they were."""
     lay = open_cache(cache_root(path), write=True, purpose="zero the counters").lay
     return lay.root, _zero_counters(lay).counters
 
@@ -129,23 +114,15 @@ def zero_counters(path: str | os.PathLike[str] | None = None) -> tuple[str, dict
 def _walk(root: str) -> tuple[int, int, int]:
     """Files, directories and bytes on disk (allocated blocks) under ``root``, itself included."""
     files, dirs, disk = 0, 1, 0
-    stack = [root]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    disk += getattr(st, "st_blocks", 0) * 512 or st.st_size
-                    if stat.S_ISDIR(st.st_mode):
-                        dirs += 1
-                        stack.append(entry.path)
-                    else:
-                        files += 1
-        except OSError:
-            continue
+    for top, subdirs, names in os.walk(root):  # into no symlink; a folder it cannot list is skipped
+        for name in subdirs + names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            disk += getattr(st, "st_blocks", 0) * 512 or st.st_size
+            dirs += stat.S_ISDIR(st.st_mode)
+            files += not stat.S_ISDIR(st.st_mode)
     return files, dirs, disk
 
 
@@ -169,7 +146,7 @@ def _unreadable(index_dir: str, blobs_dir: str, snap: Snapshot) -> list[str]:
 
 def _gather(root: str, cap: int | None, cap_source: str | None) -> StatsReport:
     path = os.path.abspath(root)
-    exists = check_layout(path) is not LayoutState.MISSING
+    exists = not not_created(path)
     lay = open_cache(path, write=False, allow_damaged=True).lay if exists else Layout(path)
     snap = take_snapshot(lay.index, lay.blobs)
     report = StatsReport(lay.root, exists)

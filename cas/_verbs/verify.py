@@ -1,13 +1,11 @@
 """Check every manifest and blob of a cache; with ``repair``, fix what can be fixed.
 
-Problems found: a damaged ``layout.json``; manifests invalid, dangling or of the
-wrong size (judged by :func:`cuda_program_cas._disk.classify.classify`, as
-``gc`` and ``stats`` judge them); blobs that fail their hash; stale temp files;
-unreadable files; stray files where only cache files belong. Repair moves bad
-blobs to ``quarantine/``, removes bad manifests (only if still the file that
-was checked) and stale temp files, and rewrites a damaged ``layout.json``
-(keeping a shared mark as far as the damaged file still shows it). Stray and
-unreadable files are never touched. Without ``repair`` nothing is written.
+Problems found: a damaged ``layout.json``; manifests invalid, dangling or of the wrong size
+(judged by :func:`cuda_program_cas._disk.classify.classify`, as ``gc`` and ``stats`` judge
+them); blobs that fail their hash; stale temp files; unreadable files; stray files. Repair
+moves bad blobs to ``quarantine/``, removes bad manifests (only if still the file that was
+checked) and stale temp files, and rewrites a damaged ``layout.json``. Stray and unreadable
+files are never touched. Without ``repair`` nothing is written.
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cuda_program_cas._disk.blobs import BlobState, BlobStore
+from cuda_program_cas._disk.blobs import BlobState
 from cuda_program_cas._disk.classify import classify, describe
 from cuda_program_cas._disk.files import READ_FLAGS
 from cuda_program_cas._disk.layout import LAYOUT_FILE, LayoutState, create_layout, mark_shared_store, stale_temp_files
-from cuda_program_cas._disk.scan import Snapshot, take_snapshot
+from cuda_program_cas._disk.scan import take_snapshot
 from cuda_program_cas.index import is_hex
 
 from .common import ProgressFn, Report, check_blobs, not_created, open_cache
@@ -39,8 +37,7 @@ _SHARED_RE = re.compile(rb'"shared"\s*:\s*(true|false)')
 def said_shared(path: str) -> bool | None:
     """What a damaged ``layout.json`` still says of the shared mark: True, False, or None (nothing).
 
-    Its first 4 KiB are read without following a symlink or blocking on a FIFO;
-    a file cut short after the mark still says it.
+    Its first 4 KiB, read without following a symlink or blocking on a FIFO.
     """
     try:
         fd = os.open(path, READ_FLAGS)
@@ -88,8 +85,6 @@ def strays(directory: str) -> list[str]:
 
 @dataclass(slots=True)
 class Problem:
-    """One thing wrong in the cache."""
-
     kind: str
     path: str
     detail: str = ""
@@ -98,20 +93,19 @@ class Problem:
 
 @dataclass(slots=True)
 class VerifyReport(Report):
-    """What a check found (``problems``: every one, a :class:`Problem` each) and, with ``repair``, fixed."""
+    """What a check found (a :class:`Problem` each) and, with ``repair``, fixed."""
 
     max_listed: ClassVar[int | None] = None
 
     root: str
     repair: bool
-    #: False where no cache has been created yet: nothing to check, nothing created.
     exists: bool = True
     entries: int = 0
     blobs: int = 0
     blobs_checked: int = 0
     bytes_checked: int = 0
     orphan_blobs: int = 0
-    #: The packs whose every blob was hashed too (a packed store), their entries and bytes.
+    #: The packs whose every blob was hashed too, their entries and bytes.
     packs: int = 0
     packed_entries: int = 0
     pack_bytes: int = 0
@@ -137,9 +131,8 @@ def verify(
 ) -> VerifyReport:
     """Check the cache at ``root``; with ``repair``, fix what can be fixed. Never raises for a bad file.
 
-    ``shared``: whether a damaged ``layout.json`` is rewritten with the shared mark
-    (``gc`` then keeps a shared store's long grace period). None: as the damaged
-    file still says; where it says nothing, unmarked, and the problem says so.
+    ``shared``: whether a damaged ``layout.json`` is rewritten with the shared mark (None: as
+    the damaged file still says; where it says nothing, unmarked, and the problem says so).
     """
     t0 = time.monotonic()
     if not_created(root):  # an empty cache, as stats reports it
@@ -174,7 +167,14 @@ def verify(
         for path in strays(directory):
             report.problem(Problem("stray_file", path, "not a cache file; left alone"))
 
-    bad_blobs = _check_blobs(snap, blobs, report, progress)
+    checks = check_blobs(snap, blobs, progress)
+    bad_blobs = {digest: check for digest, check in checks.items() if check.state is BlobState.CORRUPT}
+    for digest, check in checks.items():
+        if check.state is BlobState.UNREADABLE:
+            report.problem(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
+        elif check.stat is not None:
+            report.blobs_checked += 1
+            report.bytes_checked += check.stat.st_size
     for info in snap.manifests:
         condition = classify(info, snap, bad_blobs)
         if not condition.bad:
@@ -184,10 +184,10 @@ def verify(
         if remover is not None:
             problem.fixed = remover.manifest(info.key_id, info.stat) or not os.path.lexists(path)
         report.problem(problem)
-    for digest, (st, detail) in bad_blobs.items():
-        problem = Problem("corrupt_blob", blobs.path_for(digest), detail)
-        if remover is not None:
-            where = remover.quarantine(digest, st)
+    for digest, check in bad_blobs.items():
+        problem = Problem("corrupt_blob", blobs.path_for(digest), check.detail)
+        if remover is not None and check.stat is not None:
+            where = remover.quarantine(digest, check.stat)
             problem.fixed = where is not None or not os.path.lexists(blobs.path_for(digest))
             if where:
                 problem.detail += f"; moved to {where}"
@@ -209,22 +209,3 @@ def verify(
     report.orphan_blobs = len(snap.orphans())
     report.elapsed_s = time.monotonic() - t0
     return report
-
-
-def _check_blobs(
-    snap: Snapshot, blobs: BlobStore, report: VerifyReport, progress: ProgressFn | None
-) -> dict[str, tuple[os.stat_result, str]]:
-    """Hash every blob; returns the bad ones (digest -> (stat, detail)) and records read errors."""
-    bad: dict[str, tuple[os.stat_result, str]] = {}
-    for digest, check in check_blobs(snap, blobs, progress):
-        if check.state is BlobState.MISSING:
-            continue
-        if check.state is BlobState.UNREADABLE:
-            report.problem(Problem("unreadable_blob", blobs.path_for(digest), check.detail))
-            continue
-        assert check.stat is not None
-        report.blobs_checked += 1
-        report.bytes_checked += check.stat.st_size
-        if check.state is BlobState.CORRUPT:
-            bad[digest] = (check.stat, check.detail)
-    return bad
