@@ -235,6 +235,6 @@ class SharedLayer:
             from .writeback import EXIT_FLUSH_S
 
             self.writeback.flush(EXIT_FLUSH_S)
-        from .said import say_untrusted
+        from .tier import say_untrusted
 
         say_untrusted(self.paths())

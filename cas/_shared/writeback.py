@@ -1,18 +1,13 @@
 """Write-back: a node's new entries copied to the stores named writable, in the background.
 
-:meth:`WriteBack.submit` queues a new local entry for each writable store and returns at
-once: a compile never waits for a network. One worker thread per instance sends each entry
-as publish does, blob first, read back, then the manifest (:func:`.upload.upload_entry`), so
-a reader never finds a manifest whose blob is not there yet. With
-``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest carries the site's signature; a key that
-cannot be used drops every upload rather than send what trusting nodes would ignore.
-
-What is not sent is dropped, counted in ``uploads_dropped`` (one WARNING per process), never
-retried and never the caller's error: a full queue (:data:`MAX_QUEUED`,
-:data:`MAX_QUEUED_BYTES`), a paused or failing store, uploads still queued at exit after
-:data:`EXIT_FLUSH_S`, an entry the local cache could not store. Once the job is quiet
-(``QUIET_S``) and at exit, the keys sent go into each store's key list and the warm set is
-sent. Hits copied from a shared store and node-local key ids are never sent.
+:meth:`WriteBack.submit` queues an entry and returns at once: a compile never waits for a
+network. One worker thread per instance sends it as publish does (:func:`.upload.upload_entry`),
+so a reader never finds a manifest before its blob; signed with ``$CUDA_PROGRAM_CAS_SIGNING_KEY``
+where set (a key that cannot be used drops every upload rather than send what trusting nodes
+would ignore). What is not sent (a full queue, a paused or failing store, still queued
+:data:`EXIT_FLUSH_S` into exit, not stored locally) is counted in ``uploads_dropped``, said once,
+never retried. Once the job is quiet (``QUIET_S``) and at exit, the keys sent go into each
+store's key list and the warm set is sent. Hits copied in and node-local key ids are never sent.
 """
 
 from __future__ import annotations
@@ -139,8 +134,7 @@ class WriteBack:
     def not_stored(self, kid: str, why: str) -> None:
         """A new entry the local cache could not store: a drop for each store."""
         if not is_local_id(kid):
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the local cache did not store it: {why}")
+            self._refused(f"the local cache did not store it: {why}")
 
     def can_publish(self, tier: Tier) -> bool:
         """Whether an entry submitted now could reach ``tier`` (a node that cannot takes no lease)."""
@@ -150,37 +144,31 @@ class WriteBack:
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
         """Queue one new local entry for upload; False when dropped at once. ``then(sent)`` runs after."""
         if is_local_id(kid) or self._unusable is not None:
-            if self._unusable is not None:
-                for tier in self.tiers:
-                    self._dropped(tier.root, self._unusable)
-            if then is not None:
-                then(False)
-            return False
-        live = [t for t in self.tiers if not t.paused()]
-        if len(live) < len(self.tiers):
-            for tier in self.tiers:
-                if tier.paused():
-                    self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
-            if not live:
-                if then is not None:
-                    then(False)
-                return False
+            return self._refused(self._unusable, then)
+        paused = [t for t in self.tiers if t.paused()]
+        for tier in paused:
+            self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
+        if len(paused) == len(self.tiers):
+            return self._refused(None, then)
         with self._cond:
-            if self._closed or len(self._queue) >= MAX_QUEUED or self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
-                full = True
-            else:
-                full = False
+            full = self._closed or len(self._queue) >= MAX_QUEUED or self._queued_bytes + len(data) > MAX_QUEUED_BYTES
+            if not full:
                 self._queue.append((kid, digest, data, then))
                 self._queued_bytes += len(data)
                 self._start_worker()
                 self._cond.notify()
         if full:
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the upload queue is full ({MAX_QUEUED} entries or {MAX_QUEUED_BYTES} bytes)")
-            if then is not None:
-                then(False)
-            return False
+            return self._refused(f"the upload queue is full ({MAX_QUEUED} entries or {MAX_QUEUED_BYTES} bytes)", then)
         return True
+
+    def _refused(self, why: str | None, then: Then | None = None) -> bool:
+        """An entry not queued: a drop for each store, said with ``why`` (None: not counted); ``then(False)``."""
+        if why is not None:
+            for tier in self.tiers:
+                self._dropped(tier.root, why)
+        if then is not None:
+            then(False)
+        return False
 
     def _run(self) -> None:
         while True:
@@ -286,13 +274,12 @@ class WriteBack:
         """``call()`` to ``tier``: True when it returned, else a drop said with ``what``."""
         try:
             call()
+            return True
         except StoreFailure as exc:
             tier.failed(exc)
             self._dropped(tier.root, f"{what}{exc}")
         except Exception as exc:
             self._dropped(tier.root, f"{what}{type(exc).__name__}: {exc}")
-        else:
-            return True
         return False
 
     def _dropped(self, root: str, why: str) -> None:
@@ -336,10 +323,7 @@ class WriteBack:
             self._queue.clear()
             self._queued_bytes = 0
         for _kid, _digest, _data, then in left:
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the process exited with uploads queued after {timeout_s:g} s")
-            if then is not None:
-                then(False)
+            self._refused(f"the process exited with uploads queued after {timeout_s:g} s", then)
 
 
 _instances: weakref.WeakSet[WriteBack] = weakref.WeakSet()
