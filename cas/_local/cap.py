@@ -1,13 +1,11 @@
 """The size cap of one cache instance: count writes, plan evictions, carry them out.
 
-The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``. An
-instance counts its own writes between listings of the cache; over the cap, one scan plans a
-reference-aware LRU eviction (:func:`plan_lru`, which ``gc --max-size`` uses too), carried out
-at once as far as the cap, then (with :data:`MIN_ENTRIES_FOR_WATERMARK` entries or more) on
-to the low watermark :data:`EVICT_STEP` removals per later write, so one scan pays for many.
-
-A removal that fails does not drop the write that triggered it: the eviction is planned
-again without that file (up to :data:`MAX_FAILED_REMOVALS` a pass), and said once.
+The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``. An instance
+counts its own writes between listings; over the cap, one scan plans a reference-aware LRU
+eviction (:func:`plan_lru`, ``gc --max-size``'s too), carried out at once down to the cap, then
+(from :data:`MIN_ENTRIES_FOR_WATERMARK` entries) on to the low watermark, :data:`EVICT_STEP`
+removals per later write: one scan pays for many. A removal that fails does not drop the write:
+the eviction is planned again without that file (:data:`MAX_FAILED_REMOVALS` a pass), said once.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
-from typing import Protocol
 
 from cuda_program_cas._base.events import LOGGER, evicted
 from cuda_program_cas._base.fork import after_fork
@@ -47,10 +44,6 @@ REMEASURE_FRACTION = 8
 MAX_FAILED_REMOVALS = 8
 
 
-class Note(Protocol):
-    def __call__(self, what: str, code: int, message: str) -> None: ...
-
-
 class SizeCap:
     """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked).
 
@@ -65,7 +58,7 @@ class SizeCap:
         counters: Counters,
         *,
         recency: Callable[[], Mapping[str, int]] | None = None,
-        note: Note | None = None,
+        note: Callable[[str, int, str], None] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self._note = note
@@ -90,9 +83,9 @@ class SizeCap:
         self._since_measure = 0
 
     def account(self, added: int, *, written: str | None = None) -> None:
-        """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
+        """Count a write of ``added`` bytes (key id ``written``); evict when over the cap.
 
-        Other writers are not seen: the cache is listed again after every eighth of the cap written here.
+        Other writers are not seen: the cache is listed again after each eighth of the cap written here.
         """
         max_bytes = self.max_bytes
         if max_bytes is None:
@@ -112,10 +105,9 @@ class SizeCap:
         self.enforce(protect=written)
 
     def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if they are over it, then a step toward the low watermark.
+        """Bring the stored bytes under the cap, then a step toward the low watermark (``budget=None``: all of it).
 
-        ``budget=None``: all the way at once. One evictor at a time (a writer that finds one goes
-        on). Never raises ``OSError``: a failed eviction is said and tried again by the next call.
+        One evictor at a time (a writer that finds one goes on). A failure is said, retried by the next call.
         """
         max_bytes = self.max_bytes
         if max_bytes is None or not self._mutex.acquire(blocking=False):
@@ -264,12 +256,10 @@ def plan_lru(
 ) -> RemovalPlan:
     """Plan removals until the stored bytes would be at most ``target_bytes``.
 
-    Garbage and removable orphans go first; then least recently used live entries, a
-    front-door record with its results, a blob only with the last manifest naming it.
-    ``cap_bytes``: when garbage alone brings the cache under it, no live entry goes.
-    ``retired``: see :func:`cuda_program_cas._disk.remove.removable_orphans`. ``protect``: key
-    ids never chosen. ``keep_manifests``, ``keep_blobs``: never removed, their bytes stay.
-    ``recency``: key id -> this process's last read (ns), where later than the manifest's mtime.
+    Garbage and removable orphans first; then the least recently used live entries (a front-door
+    record with its results; a blob with the last manifest naming it). ``cap_bytes``: when garbage
+    alone gets under it, no live entry goes. ``protect``: key ids never chosen. ``keep_*``: never
+    removed. ``recency``: key id -> this process's last read (ns), where later than the mtime.
     """
     plan = RemovalPlan(snap, keep_blobs=keep_blobs)
     total = snap.stored_bytes

@@ -1,14 +1,9 @@
 """What a cache does, told to whoever listens: its counters, the usage ledger, the miss journal, the log.
 
-A store emits events; it does not call its counters, ledgers or logger itself:
-
-- ``hit(kid)``: a hit was counted (``CacheStore.get``'s local hit does what its listeners do in place);
-- ``counted(name)``: anything else counted (``misses``, ``writes``, ...);
-- ``looked(kid, where, t0_ns, reasons)``: a lookup's record is due (``where`` None: a miss);
-- ``wrote(kid, outcome, size, t0_ns, why)``: a write's record is due;
-- ``compiled(kid, seconds, via, inputs, why)``: an entry just stored took ``seconds`` to compile.
-
-Records are due only when the ``cuda_program_cas`` logger is on at DEBUG.
+Events: ``hit(kid)`` (``CacheStore.get``'s local hit does its listeners' work in place),
+``counted(name)``, ``looked(kid, where, t0_ns, reasons)`` (``where`` None: a miss),
+``wrote(kid, outcome, size, t0_ns, why)`` and ``compiled(kid, seconds, via, inputs, why)``.
+Records (``looked``, ``wrote``) are due only when the logger is on at DEBUG.
 """
 
 from __future__ import annotations

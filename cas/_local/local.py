@@ -1,10 +1,8 @@
 """The local cache of one root: blobs, manifests, the cap and its counters; it knows nothing of shared stores.
 
 :class:`LocalStore` holds the reader, the writer, the remover and the size cap, and tells its
-listeners (:mod:`.listeners`) what it does. What is not bad input never raises: a write lands
-or is dropped and counted. A directory this process cannot write is opened read-only, one it
-cannot create is unusable (every lookup a miss), each with one WARNING per process; ``del``
-and ``clear`` there raise :class:`cuda_program_cas.ReadOnlyCacheError`.
+listeners (:mod:`.listeners`) what it does. A directory this process cannot write is opened
+read-only, one it cannot create is unusable (every lookup a miss), each said once per process.
 """
 
 from __future__ import annotations
@@ -71,11 +69,10 @@ _UNWRITABLE = "cuda-program-cas: cache directory %s %s; writes are dropped (said
 
 
 class LocalStore:
-    """One cache directory: lookups, writes, removals and the cap, counted through :class:`Listeners`.
+    """One cache directory; ``max_size_bytes`` not given: the cap stored in the cache, if any. Thread-safe.
 
-    ``max_size_bytes`` not given: the cap stored in the cache, if any. Safe to share between
-    threads. Nothing it hands its parts refers back to it: dropping the last reference frees it
-    at once, and that flushes its lifetime counters.
+    Nothing it hands its parts refers back to it: dropping the last reference frees it at once,
+    and that flushes its lifetime counters.
     """
 
     def __init__(self, root: str, *, max_size_bytes: int | None = NOT_GIVEN, read_only: bool = False) -> None:
@@ -89,9 +86,17 @@ class LocalStore:
         self.heard = heard = Listeners()
         count_into(heard, counters)
         log_into(heard, root)
-        problems = _Problems(root, heard)
-        self.note = problems.note
-        self.guard = ShardGuard(problems.strange_shard)
+        warned: set[Hashable] = set()
+
+        def note(what: str, code: int, message: str) -> None:
+            say_once((what, code), "cuda-program-cas: %s (%s): %s", root, what, message, seen=warned)
+
+        def strange_shard(shard: str) -> None:
+            heard.count("corrupt")
+            note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+
+        self.note = note
+        self.guard = ShardGuard(strange_shard)
         #: Why a writable open became read-only ("" when it did not).
         self.why_read_only = ""
         usable = True
@@ -245,19 +250,16 @@ class LocalStore:
         if _monotonic() >= self.flush_at:
             self.flush_on_the_way()
 
-    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
-        """Count a miss the caller decided, recorded with ``reason`` (``t0_ns``: when its lookup began)."""
+    def note_miss(self, kid: str, reason: str | list[tuple[str, str]], *, t0_ns: int = 0) -> None:
+        """Count a miss, recorded with ``reason`` (local's, or each store's) (``t0_ns``: when its lookup began)."""
         self.heard.count("misses")
         if _log.isEnabledFor(_DEBUG):
-            self.heard.look(kid, None, t0_ns or _perf_ns(), [("local", reason)])
+            self.heard.look(kid, None, t0_ns or _perf_ns(), [("local", reason)] if isinstance(reason, str) else reason)
         if _monotonic() >= self.flush_at:
             self.flush_on_the_way()
 
     def note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
-        """Tell the usage ledger and the miss journal that ``kid`` took ``seconds`` to compile from ``inputs``.
-
-        ``why``: the :class:`cuda_program_cas._local.why.Why` of its miss, when known. Never raises.
-        """
+        """Tell the ledger and the journal ``kid`` took ``seconds`` from ``inputs`` (``why``: its miss's ``Why``)."""
         self.heard.compile(kid, seconds, via, inputs, why)
 
     def note_switched(self) -> None:
@@ -481,17 +483,3 @@ class _Parts:
                     self._writer = Writer(self._lay, guard=self._guard)
                 made = self._writer
         return made
-
-
-class _Problems:
-    def __init__(self, root: str, heard: Listeners) -> None:
-        self._root = root
-        self._heard = heard
-        self._warned: set[Hashable] = set()
-
-    def note(self, what: str, code: int, message: str) -> None:
-        say_once((what, code), "cuda-program-cas: %s (%s): %s", self._root, what, message, seen=self._warned)
-
-    def strange_shard(self, shard: str) -> None:
-        self._heard.count("corrupt")
-        self.note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")

@@ -1,17 +1,15 @@
 """The usage ledger: how long each entry took to compile, and how much time its hits saved.
 
-``<root>/usage`` holds self-checking lines in the counters file's form
-(:func:`cuda_program_cas._local.lifetime.encode_line`), each naming an entry by
-the first 16 hex digits of its key id, as a decimal integer::
+``<root>/usage`` holds lines in the counters file's form (:func:`.lifetime.encode_line`), each
+naming an entry by the first 16 hex digits of its key id as a decimal integer::
 
     t1 <key> <compile microseconds> <crc>     written by the miss that stored the entry
     u1 <key> <hits> <saved microseconds> <crc> a process's hits of it since its last flush
     s1 <bytes> <crc>                           the file's size when it was last compacted
 
-A hit writes nothing: the store tallies hits per key in memory and its counters' flush
-appends one ``u1`` line per key hit, adding the saved time to ``saved_us``. Appends and
-compaction take ``counters.lock``. Past twice its compacted size (and :data:`COMPACT_BYTES`)
-a flush folds it to one ``t1`` and one ``u1`` line per key, the latest :data:`MAX_KEYS` kept.
+A hit writes nothing: the counters' flush appends one ``u1`` line per key hit, under
+``counters.lock``. Past twice its compacted size (and :data:`COMPACT_BYTES`) it is folded to one
+``t1`` and one ``u1`` line per key, the latest :data:`MAX_KEYS` kept.
 """
 
 from __future__ import annotations
