@@ -13,11 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cuda_program_cas._base.events import lookup_hit, lookup_missed, wrote
-from cuda_program_cas._base.fork import after_fork
 
 from .stats import Counters
 
-__all__ = ["HitTally", "Listeners", "count_into", "log_into"]
+__all__ = ["Listeners", "count_into", "log_into"]
 
 
 class Listeners:
@@ -77,22 +76,3 @@ def log_into(listeners: Listeners, root: str) -> None:
         wrote(root, kid, outcome, size, t0_ns, reason=why)
 
     listeners.listen(looked=looked, wrote=wrote_one)
-
-
-class HitTally:
-    """Hits per key id since the last flush, for the usage ledger (it listens to ``hit``)."""
-
-    __slots__ = ("__weakref__", "by_key", "heard")
-
-    def __init__(self) -> None:
-        self.by_key: dict[str, int] = {}
-        tally, get = self.by_key, self.by_key.get
-
-        def heard(kid: str) -> None:  # a closure, not a method: a hit pays for no attribute lookup
-            tally[kid] = get(kid, 0) + 1
-
-        self.heard = heard
-        after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self.by_key.clear()  # the parent's hits, which the parent records

@@ -35,7 +35,7 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas.index import LONGEST_MANIFEST, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
-from .listeners import HitTally, Listeners, count_into, log_into
+from .listeners import Listeners, count_into, log_into
 from .reader import Reader
 from .stats import Counters, merged
 from .touch import apply_pending, ensure_thread
@@ -132,8 +132,13 @@ class LocalStore:
 
     def _listen_to_ledgers(self, lay: Layout, heard: Listeners) -> None:
         """The usage ledger and the miss journal hear hits and compiles; the lifetime counters record counts."""
-        tally, counters, theirs = HitTally(), self.counters, self._theirs
-        self.tally = tally.by_key
+        counters, theirs = self.counters, self._theirs
+        tally: dict[str, int] = {}
+        self.tally = tally
+        get = tally.get
+
+        def hit(kid: str) -> None:  # a closure, not a method: a hit pays for no attribute lookup
+            tally[kid] = get(kid, 0) + 1
 
         def ledger(kid: str, seconds: float, via: str, inputs: dict[str, object], why: object) -> None:
             from .usage import record_compile
@@ -145,14 +150,14 @@ class LocalStore:
 
             record_miss(lay, kid, seconds, via, inputs, why=why)  # type: ignore[arg-type]
 
-        heard.listen(hit=tally.heard, compiled=ledger)
+        heard.listen(hit=hit, compiled=ledger)
         heard.listen(compiled=journal)
 
         def source(lock: bool) -> dict[str, int]:
-            if lock and tally.by_key:  # not in a forked child's first look, which only notes where it starts
+            if lock and tally:  # not in a forked child's first look, which only notes where it starts
                 from .usage import settle_hits  # imported by the first flush with hits, not by a lookup
 
-                settle_hits(lay, tally.by_key, counters)
+                settle_hits(lay, tally, counters)
             return merged(counters, theirs[0], lock)
 
         self._lifetime = Recorder(lay, source)
@@ -209,6 +214,8 @@ class LocalStore:
 
     def _after_fork_in_child(self) -> None:
         self.clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+        if self.tally is not None:
+            self.tally.clear()  # the parent's hits, which the parent records
 
     def _open_writable(self, lay: Layout) -> bool:
         """Lay the cache out if needed, else open it read-only; False when it cannot even be read (unusable)."""

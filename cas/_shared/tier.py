@@ -60,8 +60,6 @@ if TYPE_CHECKING:
     from .keylist import KeyView
 
 __all__ = [
-    "LOOSE_REQUESTS",
-    "PACKED_REQUESTS",
     "RETRY_MAX_S",
     "RETRY_S",
     "RTT_SAMPLES",

@@ -57,6 +57,8 @@ Then = Callable[[bool], None]
 SetMaker = Callable[["Tier"], "tuple[str, bytes] | None"]
 #: ``seconds(kid)``: the compile time the local usage ledger holds for an entry, or None.
 Seconds = Callable[[str], "float | None"]
+#: What the worker's next job is when it is the quiet send (the key lists, the warm set).
+_SET: tuple[str, str, bytes, Then | None] = ("", "", b"", None)
 
 
 class WriteBack:
@@ -91,9 +93,8 @@ class WriteBack:
         self._unlisted: list[list[str]] = [[] for _ in self.tiers]
         #: Per store (by position): whether its last upload failed.
         self._failing = [False] * len(self.tiers)
-        #: Warm sets sent, and key-list merges that held every key sent.
+        #: Warm sets sent.
         self.sets_sent = 0
-        self.keys_listed = 0
         after_fork(self)
         _instances.add(self)
 
@@ -173,57 +174,58 @@ class WriteBack:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and self._set_due:
-                    quiet = self._set_at + QUIET_S - time.monotonic()
-                    if quiet > 0 and not self._flushing:
-                        self._cond.wait(quiet)
-                        continue
-                    self._set_due = False
-                    self._busy += 1
-                    send_set = True
-                else:
-                    send_set = False
-            if send_set:
-                try:
-                    self._send_set()
-                finally:
-                    with self._cond:
-                        self._busy -= 1
-                        self._cond.notify_all()
-                continue
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(_IDLE_S)
-                    if not self._queue:
-                        if self._set_due:
-                            continue
-                        self._worker = None  # idle: the next upload starts another
-                        return
-                kid, digest, data, then = self._queue.popleft()
-                self._queued_bytes -= len(data)
+                job = self._next()
+                if job is None:
+                    self._worker = None  # idle: the next upload starts another
+                    return
                 self._busy += 1
-            sent = True
             try:
-                for at, tier in enumerate(self.tiers):
-                    self._failing[at] = failed = not self._send(tier, kid, digest, data)
-                    if not failed:
-                        tier_keys = tier.keys
-                        if tier_keys is not None:
-                            tier_keys.add([(number(kid), 0)])  # this node finds it there at once
-                        with self._cond:
-                            self._unlisted[at].append(kid)
-                            self._due()
-                    else:
-                        sent = False
+                if job is _SET:
+                    self._send_set()
+                else:
+                    self._send_entry(*job)
             finally:
-                if then is not None:
-                    try:
-                        then(sent)
-                    except Exception:
-                        _log.debug("cuda-program-cas: write-back callback failed", exc_info=True)
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
+
+    def _next(self) -> tuple[str, str, bytes, Then | None] | None:
+        """Under the lock: the next entry, or :data:`_SET` (the quiet send is due and the queue empty); None: idle."""
+        while True:
+            if self._queue:
+                job = self._queue.popleft()
+                self._queued_bytes -= len(job[2])
+                return job
+            if self._set_due:
+                quiet = self._set_at + QUIET_S - time.monotonic()
+                if quiet <= 0 or self._flushing:
+                    self._set_due = False
+                    return _SET
+                self._cond.wait(quiet)
+                continue
+            self._cond.wait(_IDLE_S)
+            if not self._queue and not self._set_due:
+                return None
+
+    def _send_entry(self, kid: str, digest: str, data: bytes, then: Then | None) -> None:
+        sent = True
+        try:
+            for at, tier in enumerate(self.tiers):
+                self._failing[at] = failed = not self._send(tier, kid, digest, data)
+                if not failed:
+                    if tier.keys is not None:
+                        tier.keys.add([(number(kid), 0)])  # this node finds it there at once
+                    with self._cond:
+                        self._unlisted[at].append(kid)
+                        self._due()
+                else:
+                    sent = False
+        finally:
+            if then is not None:
+                try:
+                    then(sent)
+                except Exception:
+                    _log.debug("cuda-program-cas: write-back callback failed", exc_info=True)
 
     def _send(self, tier: Tier, kid: str, digest: str, data: bytes) -> bool:
         if tier.paused():
@@ -264,11 +266,7 @@ class WriteBack:
     def _send_keys(self, tier: Tier, kids: list[str]) -> None:
         seconds = self._seconds
         ours = {number(kid): compile_ms(seconds(kid) if seconds is not None else None) for kid in kids}
-        self._tried(tier, "the key list: ", lambda: self._merge_keys(tier, ours))
-
-    def _merge_keys(self, tier: Tier, ours: dict[int, int]) -> None:
-        if merge_into(tier.engine, ours):
-            self.keys_listed += 1
+        self._tried(tier, "the key list: ", lambda: merge_into(tier.engine, ours))
 
     def _tried(self, tier: Tier, what: str, call: Callable[[], object]) -> bool:
         """``call()`` to ``tier``: True when it returned, else a drop said with ``what``."""
