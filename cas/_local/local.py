@@ -1,8 +1,9 @@
 """The local cache of one root: blobs, manifests, the cap and its counters; it knows nothing of shared stores.
 
 :class:`LocalStore` holds the reader, the writer, the remover and the size cap, and tells its
-listeners (:mod:`.listeners`) what it does. A directory this process cannot write is opened
-read-only, one it cannot create is unusable (every lookup a miss), each said once per process.
+listeners (:class:`Listeners`: counters, the usage ledger, the miss journal, the log's records)
+what it does. A directory this process cannot write is opened read-only, one it cannot create
+is unusable (every lookup a miss), each said once per process.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import NOT_GIVEN, say_once, validate_max_size
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
-from cuda_program_cas._base.events import open_log_file
+from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.log import DEBUG as _DEBUG
 from cuda_program_cas._base.log import LOGGER as _log
@@ -35,7 +36,6 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas.index import LONGEST_MANIFEST, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
-from .listeners import Listeners, count_into, log_into
 from .reader import Reader
 from .stats import Counters, merged
 from .touch import apply_pending, ensure_thread
@@ -68,6 +68,49 @@ _DROP_HINTS = {
 _UNWRITABLE = "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)"
 
 
+class Listeners:
+    """Who hears each event of one store (a tuple per event, in the order added).
+
+    ``hit(kid)`` (``CacheStore.get``'s local hit does its listeners' work in place), ``counted(name)``,
+    ``looked(kid, where, t0_ns, reasons)`` (``where`` None: a miss), ``wrote(kid, outcome, size, t0_ns,
+    why)``, ``compiled(kid, seconds, via, inputs, why)``; records only when the logger is on at DEBUG.
+    """
+
+    __slots__ = ("compiled", "counted", "hit", "looked", "wrote")
+
+    def __init__(self) -> None:
+        self.hit: tuple[Callable[[str], object], ...] = ()
+        self.counted: tuple[Callable[[str], object], ...] = ()
+        self.looked: tuple[Callable[[str, str | None, int, Sequence[tuple[str, str]]], object], ...] = ()
+        self.wrote: tuple[Callable[[str, str, int, int, str | None], object], ...] = ()
+        self.compiled: tuple[Callable[[str, float, str, dict[str, object], Any], object], ...] = ()
+
+    def listen(self, **heard: Callable[..., object]) -> None:
+        """Add one listener per named event: ``listen(hit=f, counted=g)``."""
+        for event, listener in heard.items():
+            setattr(self, event, (*getattr(self, event), listener))
+
+    def count(self, name: str) -> None:
+        for heard in self.counted:
+            heard(name)
+
+    def hit_of(self, kid: str) -> None:
+        for heard in self.hit:
+            heard(kid)
+
+    def look(self, kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]] = ()) -> None:
+        for heard in self.looked:
+            heard(kid, where, t0_ns, reasons)
+
+    def write(self, kid: str, outcome: str, size: int, t0_ns: int, why: str | None = None) -> None:
+        for heard in self.wrote:
+            heard(kid, outcome, size, t0_ns, why)
+
+    def compile(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
+        for heard in self.compiled:
+            heard(kid, seconds, via, inputs, why)
+
+
 class LocalStore:
     """One cache directory; ``max_size_bytes`` not given: the cap stored in the cache, if any. Thread-safe.
 
@@ -84,8 +127,19 @@ class LocalStore:
         self.layout = lay = Layout(root)
         self.counters = counters = Counters()
         self.heard = heard = Listeners()
-        count_into(heard, counters)
-        log_into(heard, root)
+        # next(count, kid): the count's next step, a listener that takes the key id and runs in C.
+        heard.listen(hit=functools.partial(next, counters.counter_of_hits()), counted=counters.add)
+
+        def looked(kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]]) -> None:
+            if where is None:
+                lookup_missed(root, kid, t0_ns, reasons)
+            else:
+                lookup_hit(root, kid, where, t0_ns)
+
+        def wrote_one(kid: str, outcome: str, size: int, t0_ns: int, why: str | None) -> None:
+            wrote(root, kid, outcome, size, t0_ns, reason=why)
+
+        heard.listen(looked=looked, wrote=wrote_one)
         warned: set[Hashable] = set()
 
         def note(what: str, code: int, message: str) -> None:
