@@ -135,7 +135,7 @@ class Tier:
         self._max_entry = max_entry
         self._layout_optional = can.layout_optional
         self._missing = missing
-        self._recheck = not can.remote
+        self._remote = can.remote
         self._version = 0  # 0: not opened yet
         self._fail_lock = ForkSafeLock()
         self._paused_until = 0.0
@@ -146,10 +146,8 @@ class Tier:
         # A directory's check is a few system calls: made at once, retried every RETRY_S; one that worked and
         # is gone later (unmounted) is no WARNING. A remote one's is a request: made at the first lookup.
         self._retry_max_s = RETRY_MAX_S if can.remote else RETRY_S
-        self._warn_later = can.remote
         self._looked = False
         self._server = can.server
-        self._layout_once = can.server
         self._rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.keys: KeyView | None = None
         if can.remote:  # a request is costly there; a directory's stat is cheaper than a list
@@ -418,7 +416,7 @@ class Tier:
                 return
             self._note(f"read error {exc.kind}", f"read error: {exc}")
             return
-        if self._recheck:
+        if not self._remote:
             # One file failing is not yet an outage of a directory: its layout is read once more.
             self.counters.add("errors")
             self._why.reason = f"cannot read ({exc.kind})"
@@ -442,11 +440,11 @@ class Tier:
             pause = min(self._retry_max_s, RETRY_S * 2 ** (self._failures - 1))
             self._paused_until = time.monotonic() + pause
             self._why_not = f"{exc.kind}: {exc.detail}" if exc.kind != "unusable" else exc.detail
-            if not self._layout_once or exc.kind == "unusable":
+            if not self._server or exc.kind == "unusable":  # a server's layout.json is read once per process
                 self._version = 0  # asked again when the pause ends
         self._why.reason = f"store not usable: {self._why_not}"
         first_look, self._looked = not self._looked, True
-        warned = (first_look or self._warn_later) and say_once(
+        warned = (first_look or self._remote) and say_once(
             ("shared store", self.root),
             "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
             "(said once per process)",
