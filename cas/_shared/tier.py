@@ -133,7 +133,6 @@ class Tier:
         self.counters = Counters()
         self.trust = trust
         self._max_entry = max_entry
-        self._layout_optional = can.layout_optional
         self._missing = missing
         self._remote = can.remote
         self._version = 0  # 0: not opened yet
@@ -154,7 +153,7 @@ class Tier:
             from .keylist import KeyView
 
             self.keys = KeyView(engine, note=self._note, timed=self._timed)
-        if not can.remote:
+        else:
             try:
                 self._open()
             except StoreFailure as exc:
@@ -370,7 +369,7 @@ class Tier:
             # Hundreds of MB of "layout", or a status that is not an answer: not a store.
             return self._unusable(f"not a store: its layout.json: {exc.kind}: {exc.detail}")
         if raw is None:
-            if self._layout_optional:
+            if self.engine.can.layout_optional:
                 self._version = LAYOUT_VERSION
                 return True
             return self._unusable(self._missing() if self._missing is not None else "not a store: no layout.json")
