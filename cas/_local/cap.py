@@ -57,8 +57,8 @@ class SizeCap:
         remover: Remover,
         counters: Counters,
         *,
-        recency: Callable[[], Mapping[str, int]] | None = None,
-        note: Callable[[str, int, str], None] | None = None,
+        recency: Callable[[], Mapping[str, int]],
+        note: Callable[[str, int, str], None],
     ) -> None:
         self.max_bytes = max_bytes
         self._note = note
@@ -79,8 +79,7 @@ class SizeCap:
         self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._plan = None
-        self._approx = None
-        self._since_measure = 0
+        self._measure(None)
 
     def account(self, added: int, *, written: str | None = None) -> None:
         """Count a write of ``added`` bytes (key id ``written``); evict when over the cap.
@@ -183,7 +182,7 @@ class SizeCap:
             protect=(protect,) if protect else (),
             keep_manifests=kept_kids,
             keep_blobs=kept_blobs,
-            recency=self._recency() if self._recency is not None else None,
+            recency=self._recency(),
         )
         self._retired = {}
         return plan
@@ -198,25 +197,22 @@ class SizeCap:
         return result
 
     def reset(self) -> None:
-        with self._mutex, self._count_lock:
+        with self._mutex:
             self._plan = None
-            self._approx = None
-            self._since_measure = 0
+            self._measure(None)
 
-    def _measure(self, stored_bytes: int) -> None:
+    def _measure(self, stored_bytes: int | None) -> None:
+        """The stored bytes as listed now (None: list them again at the next write)."""
         with self._count_lock:
             self._approx = stored_bytes
             self._since_measure = 0
 
     def _failed(self, exc: OSError) -> None:
         self._plan = None
-        with self._count_lock:
-            self._approx = None
-            self._since_measure = 0
-        if self._note is not None:
-            self._note(
-                "eviction failed", exc.errno or 0, f"{exc}; the entries around it are evicted instead, at each write"
-            )
+        self._measure(None)
+        self._note(
+            "eviction failed", exc.errno or 0, f"{exc}; the entries around it are evicted instead, at each write"
+        )
 
     def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> tuple[RemovalResult, OSError | None]:
         """Carry out the plan's next steps; with the removal that failed and stopped them, if one did."""
