@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cuda_program_cas._base.config import VAR_JOB
-from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.fork import ForkSafeLock, after_fork
 from cuda_program_cas._disk.packset import is_pack_name
 from cuda_program_cas.index import is_hex, is_local_id
 
@@ -193,13 +193,9 @@ class Used:
 
     def __init__(self) -> None:
         self._order: dict[str, tuple[str, int]] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self.known: dict[str, SetEntry] = {}  # the set as read at start (the fetch fills it)
         self.changed: Callable[[], None] | None = None
-        after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
 
     def add(self, kid: str, digest: str, size: int) -> None:
         """Record one use (a dict lookup when ``kid`` was used before: this is on the hot path)."""
