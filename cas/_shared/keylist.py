@@ -256,25 +256,18 @@ class KeyView:
         except StoreFailure as exc:
             if exc.outage:
                 raise
-            self._at = time.monotonic()
             self._ignored(f"{exc.kind}: {exc.detail}")
-            self._records, self._tag = None, None
-            return
+            got = (None, None)
         self._at = time.monotonic()
         if got is None:
             self.unchanged += 1
             return
         assert isinstance(got, tuple)
         data, tag = got
-        if data is None:
-            self._records, self._tag = None, None  # none: ask, as always
-            return
-        records = view(data)
-        if records is None:
+        records = None if data is None else view(data)  # none: ask, as always
+        if data is not None and records is None:
             self._ignored(f"{len(data)} bytes that are not a key list")
-            self._records, self._tag = None, None
-            return
-        self._records, self._tag = records, tag
+        self._records, self._tag = records, None if records is None else tag
 
     def _ignored(self, why: str) -> None:
         self._note("bad key list", f"{KEYS}: {why}; ignored, lookups ask as without one")
