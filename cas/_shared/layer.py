@@ -206,18 +206,15 @@ class SharedLayer:
             if mine.waited:
                 yield mine  # another process of this node compiled it: the caller looks again
                 return
-
-            def probe() -> tuple[bytes, str] | None:
-                # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
-                return self.find(kid, None, unlisted=True)
-
+            # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
+            probe = functools.partial(self.find, kid, None, unlisted=True)
             wb = self.writeback
             can = wb is not None and wb.can_publish(tier)  # a node that cannot publish holds no lease
             counters = self._local.counters
             with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=counters, take=can) as got:
                 if got.held:
                     self._leases[kid] = got
-                if (got.held or not (can or got.waited)) and self.find(kid, None, unlisted=True) is not None:
+                if (got.held or not (can or got.waited)) and probe() is not None:
                     # A node that let the lease go just now may have stored it, its key list not yet merged.
                     got.done(mark=False)
                 past, self._past_list.on = getattr(self._past_list, "on", False), True

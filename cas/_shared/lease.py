@@ -86,7 +86,6 @@ def lease(
         state.waited = True
         deadline = time.monotonic() + wait_s
         pause = POLL_FIRST_S
-        wake = threading.Event()
         while True:
             state.found = probe()
             if state.found is not None:
@@ -94,17 +93,16 @@ def lease(
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            wake.wait(min(pause, left))
+            time.sleep(min(pause, left))
             pause = min(POLL_MAX_S, pause * 1.5)
             got = _take(tier, kid, ttl_s, take)
             if got == LEASE_MARK:
                 state.found = probe()  # its holder gave up: a last look (its upload may have reached this store)
             if got != HELD:
                 break  # taken (freed without a result), free, marked, or no answer: compile
-    if not _token(got):
+    if not got or got in (HELD, LEASE_MARK):  # not a token: not taken
         yield state
         return
-    assert got is not None
     token = got
     state.held = True
     stop = threading.Event()
@@ -125,10 +123,6 @@ def lease(
         yield state
     finally:
         state.done()
-
-
-def _token(got: str | None) -> bool:
-    return bool(got) and got not in (HELD, LEASE_MARK)
 
 
 def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:
