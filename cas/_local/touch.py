@@ -108,16 +108,10 @@ class _Flusher:
 
 
 _FLUSHER = _Flusher()
-
-
-def ensure_thread() -> None:
-    """Start this process's touch thread if it is not running."""
-    _FLUSHER.ensure_thread()
-
-
-def apply_pending() -> None:
-    """Apply every touch this process has queued, for every cache (before planning an eviction)."""
-    _FLUSHER.apply_all()
+#: Start this process's touch thread if it is not running.
+ensure_thread = _FLUSHER.ensure_thread
+#: Apply every touch this process has queued, for every cache (before planning an eviction).
+apply_pending = _FLUSHER.apply_all
 
 
 atexit.register(_FLUSHER.apply_all)
