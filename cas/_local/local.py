@@ -332,11 +332,6 @@ class LocalStore:
         if _log.isEnabledFor(_DEBUG):
             self.heard.write(kid or "-" * 12, "dropped", 0, _perf_ns(), reason)
 
-    def compile_seconds(self, kid: str) -> float | None:
-        from .usage import compile_seconds_of
-
-        return compile_seconds_of(self.layout, kid)
-
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
         """Single flight for ``kid`` on this node, waiting at most ``bound`` s."""
         from .claims import Claim, claim

@@ -141,7 +141,9 @@ class CacheStore:
 
     def compile_seconds(self, kid: str) -> float | None:
         """How long the entry under key id ``kid`` took to compile here, as recorded when stored; None if unknown."""
-        return self._local.compile_seconds(kid)
+        from cuda_program_cas._local.usage import compile_seconds_of
+
+        return compile_seconds_of(self._local.layout, kid)
 
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cuda_program_cas.WriteResult` says how (``DROPPED``: not stored).
