@@ -103,8 +103,8 @@ class SizeCap:
                     return
         self.enforce(protect=written)
 
-    def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
-        """Bring the stored bytes under the cap, then a step toward the low watermark (``budget=None``: all of it).
+    def enforce(self, *, protect: str | None = None) -> RemovalResult | None:
+        """Bring the stored bytes under the cap, then a step of :data:`EVICT_STEP` toward the low watermark.
 
         One evictor at a time (a writer that finds one goes on). A failure is said, retried by the next call.
         """
@@ -112,7 +112,7 @@ class SizeCap:
         if max_bytes is None or not self._mutex.acquire(blocking=False):
             return None
         try:
-            return self._enforce(max_bytes, budget, protect)
+            return self._enforce(max_bytes, protect)
         except OSError as exc:  # listing the cache, its lock file: the next write tries again
             self._counters.add("eviction_failures")
             self._failed(exc)
@@ -120,7 +120,7 @@ class SizeCap:
         finally:
             self._mutex.release()
 
-    def _enforce(self, max_bytes: int, budget: int | None, protect: str | None) -> RemovalResult | None:
+    def _enforce(self, max_bytes: int, protect: str | None) -> RemovalResult | None:
         if self._plan is None and (self._approx is None or self._approx <= max_bytes):
             lay = self._lay
             stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
@@ -145,7 +145,7 @@ class SizeCap:
                         break
                     self._plan = self._plan_for(snap, max_bytes, protect, stuck)
                     must_free = snap.stored_bytes - max_bytes
-                result, failed = self._carry_out(self._plan, budget, must_free)
+                result, failed = self._carry_out(self._plan, EVICT_STEP, must_free)
                 total.add(result)
                 if failed is None:
                     break
@@ -187,13 +187,13 @@ class SizeCap:
         self._retired = {}
         return plan
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
+    def evict_to(self, snap: Snapshot, target_bytes: int) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
-        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
+        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9), retired=self._retired)
         self._retired = {}
         result, failure = self._carry_out(plan, None, 0)
         if failure is not None:
-            raise failure  # gc --max-size reports it
+            raise failure  # the caller reports it
         return result
 
     def reset(self) -> None:

@@ -401,22 +401,17 @@ class LocalStore:
             self.heard.count("dropped_writes")
             self.note("copy from shared store failed", exc.errno or 0, str(exc))
 
-    def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if over it; ``budget`` not given: ``EVICT_STEP``."""
-        from .cap import EVICT_STEP
-
+    def enforce_cap(self) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if over it, then a step toward the low watermark."""
         if self.cap is None or self.max_size_bytes is None:
             return None
-        return self.cap.enforce(budget=EVICT_STEP if budget is NOT_GIVEN else budget)
+        return self.cap.enforce()
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
+    def evict_to(self, snap: Snapshot, target_bytes: int) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
-        from .cap import ORPHAN_GRACE_S
-
         if self.cap is None:
             raise self.refuse("evict")
-        grace = ORPHAN_GRACE_S if orphan_grace_s is NOT_GIVEN else orphan_grace_s
-        return self.cap.evict_to(snap, target_bytes, orphan_grace_s=grace)
+        return self.cap.evict_to(snap, target_bytes)
 
     def delete_id(self, kid: str) -> bool:
         """Remove the entry under key id ``kid``; False when there was no such entry."""
