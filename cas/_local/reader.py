@@ -65,10 +65,6 @@ _HOLD_MAX_BLOB = 4 << 20
 _time_ns = time.time_ns
 
 
-#: ``on_error(exc, path)``: a read failed with an I/O error (not a bad file).
-ErrorHook = Callable[[OSError, str], None]
-
-
 class Reader:
     """Lookups in one cache root. ``remover`` (made when first called) None: read-only, never writes."""
 
@@ -80,7 +76,6 @@ class Reader:
         remover: Callable[[], Remover] | None,
         *,
         note: Callable[[str, int, str], None],
-        on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
         self._counters = counters
@@ -89,7 +84,6 @@ class Reader:
         self._blobs_real = guard.real_names(lay.blobs)
         self._remover = remover
         self._note = note
-        self._on_error = on_error
         self.touches: Touches | None = None if remover is None else Touches()
         self._verified: dict[str, FileId] = {}
         #: key id -> when this process last queued a touch of it (0 when read-only): seen before.
@@ -409,8 +403,6 @@ class Reader:
         self._why.reason = f"cannot read ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
         self._counters.add("errors")
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
-        if self._on_error is not None:
-            self._on_error(exc, path)
 
     def _unframed(
         self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int | None = None
