@@ -42,7 +42,7 @@ def _isolated_default_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
 def _untrusted_said_in_their_test() -> Iterator[None]:
     """What a test's unclosed stores refused as untrusted is said in that test's own output, not at the end."""
     yield
-    said = sys.modules.get("cuda_program_cas._shared.said")
+    said = sys.modules.get("cuda_program_cas._shared.tier")
     if said is not None:
         said.say_untrusted()
 

@@ -1,13 +1,11 @@
 """The size cap of one cache instance: count writes, plan evictions, carry them out.
 
-The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``. An
-instance counts its own writes between listings of the cache; over the cap, one scan plans a
-reference-aware LRU eviction (:func:`plan_lru`, which ``gc --max-size`` uses too), carried out
-at once as far as the cap, then (with :data:`MIN_ENTRIES_FOR_WATERMARK` entries or more) on
-to the low watermark :data:`EVICT_STEP` removals per later write, so one scan pays for many.
-
-A removal that fails does not drop the write that triggered it: the eviction is planned
-again without that file (up to :data:`MAX_FAILED_REMOVALS` a pass), and said once.
+The cap counts stored bytes (unique blobs plus manifests) and the files in ``tmp/``. An instance
+counts its own writes between listings; over the cap, one scan plans a reference-aware LRU
+eviction (:func:`plan_lru`, ``gc --max-size``'s too), carried out at once down to the cap, then
+(from :data:`MIN_ENTRIES_FOR_WATERMARK` entries) on to the low watermark, :data:`EVICT_STEP`
+removals per later write: one scan pays for many. A removal that fails does not drop the write:
+the eviction is planned again without that file (:data:`MAX_FAILED_REMOVALS` a pass), said once.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
-from typing import Protocol
 
 from cuda_program_cas._base.events import LOGGER, evicted
 from cuda_program_cas._base.fork import after_fork
@@ -47,10 +44,6 @@ REMEASURE_FRACTION = 8
 MAX_FAILED_REMOVALS = 8
 
 
-class Note(Protocol):
-    def __call__(self, what: str, code: int, message: str) -> None: ...
-
-
 class SizeCap:
     """Keeps one store instance's cache under ``max_bytes`` (None: evicts only when asked).
 
@@ -64,8 +57,8 @@ class SizeCap:
         remover: Remover,
         counters: Counters,
         *,
-        recency: Callable[[], Mapping[str, int]] | None = None,
-        note: Note | None = None,
+        recency: Callable[[], Mapping[str, int]],
+        note: Callable[[str, int, str], None],
     ) -> None:
         self.max_bytes = max_bytes
         self._note = note
@@ -86,13 +79,12 @@ class SizeCap:
         self._mutex = threading.Lock()
         self._count_lock = threading.Lock()
         self._plan = None
-        self._approx = None
-        self._since_measure = 0
+        self._measure(None)
 
     def account(self, added: int, *, written: str | None = None) -> None:
-        """Count a write of ``added`` stored bytes (key id ``written``); evict when over the cap.
+        """Count a write of ``added`` bytes (key id ``written``); evict when over the cap.
 
-        Other writers are not seen: the cache is listed again after every eighth of the cap written here.
+        Other writers are not seen: the cache is listed again after each eighth of the cap written here.
         """
         max_bytes = self.max_bytes
         if max_bytes is None:
@@ -111,17 +103,16 @@ class SizeCap:
                     return
         self.enforce(protect=written)
 
-    def enforce(self, *, budget: int | None = EVICT_STEP, protect: str | None = None) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if they are over it, then a step toward the low watermark.
+    def enforce(self, *, protect: str | None = None) -> RemovalResult | None:
+        """Bring the stored bytes under the cap, then a step of :data:`EVICT_STEP` toward the low watermark.
 
-        ``budget=None``: all the way at once. One evictor at a time (a writer that finds one goes
-        on). Never raises ``OSError``: a failed eviction is said and tried again by the next call.
+        One evictor at a time (a writer that finds one goes on). A failure is said, retried by the next call.
         """
         max_bytes = self.max_bytes
         if max_bytes is None or not self._mutex.acquire(blocking=False):
             return None
         try:
-            return self._enforce(max_bytes, budget, protect)
+            return self._enforce(max_bytes, protect)
         except OSError as exc:  # listing the cache, its lock file: the next write tries again
             self._counters.add("eviction_failures")
             self._failed(exc)
@@ -129,7 +120,7 @@ class SizeCap:
         finally:
             self._mutex.release()
 
-    def _enforce(self, max_bytes: int, budget: int | None, protect: str | None) -> RemovalResult | None:
+    def _enforce(self, max_bytes: int, protect: str | None) -> RemovalResult | None:
         if self._plan is None and (self._approx is None or self._approx <= max_bytes):
             lay = self._lay
             stored = take_snapshot(lay.index, lay.blobs, read_manifests=False, temp_dir=lay.tmp).stored_bytes
@@ -154,7 +145,7 @@ class SizeCap:
                         break
                     self._plan = self._plan_for(snap, max_bytes, protect, stuck)
                     must_free = snap.stored_bytes - max_bytes
-                result, failed = self._carry_out(self._plan, budget, must_free)
+                result, failed = self._carry_out(self._plan, EVICT_STEP, must_free)
                 total.add(result)
                 if failed is None:
                     break
@@ -191,40 +182,37 @@ class SizeCap:
             protect=(protect,) if protect else (),
             keep_manifests=kept_kids,
             keep_blobs=kept_blobs,
-            recency=self._recency() if self._recency is not None else None,
+            recency=self._recency(),
         )
         self._retired = {}
         return plan
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = ORPHAN_GRACE_S) -> RemovalResult:
+    def evict_to(self, snap: Snapshot, target_bytes: int) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot, all at once (the caller holds the lock)."""
-        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(orphan_grace_s * 1e9), retired=self._retired)
+        plan = plan_lru(snap, target_bytes, orphan_grace_ns=int(ORPHAN_GRACE_S * 1e9), retired=self._retired)
         self._retired = {}
         result, failure = self._carry_out(plan, None, 0)
         if failure is not None:
-            raise failure  # gc --max-size reports it
+            raise failure  # the caller reports it
         return result
 
     def reset(self) -> None:
-        with self._mutex, self._count_lock:
+        with self._mutex:
             self._plan = None
-            self._approx = None
-            self._since_measure = 0
+            self._measure(None)
 
-    def _measure(self, stored_bytes: int) -> None:
+    def _measure(self, stored_bytes: int | None) -> None:
+        """The stored bytes as listed now (None: list them again at the next write)."""
         with self._count_lock:
             self._approx = stored_bytes
             self._since_measure = 0
 
     def _failed(self, exc: OSError) -> None:
         self._plan = None
-        with self._count_lock:
-            self._approx = None
-            self._since_measure = 0
-        if self._note is not None:
-            self._note(
-                "eviction failed", exc.errno or 0, f"{exc}; the entries around it are evicted instead, at each write"
-            )
+        self._measure(None)
+        self._note(
+            "eviction failed", exc.errno or 0, f"{exc}; the entries around it are evicted instead, at each write"
+        )
 
     def _carry_out(self, plan: RemovalPlan, budget: int | None, must_free: int) -> tuple[RemovalResult, OSError | None]:
         """Carry out the plan's next steps; with the removal that failed and stopped them, if one did."""
@@ -264,12 +252,10 @@ def plan_lru(
 ) -> RemovalPlan:
     """Plan removals until the stored bytes would be at most ``target_bytes``.
 
-    Garbage and removable orphans go first; then least recently used live entries, a
-    front-door record with its results, a blob only with the last manifest naming it.
-    ``cap_bytes``: when garbage alone brings the cache under it, no live entry goes.
-    ``retired``: see :func:`cuda_program_cas._disk.remove.removable_orphans`. ``protect``: key
-    ids never chosen. ``keep_manifests``, ``keep_blobs``: never removed, their bytes stay.
-    ``recency``: key id -> this process's last read (ns), where later than the manifest's mtime.
+    Garbage and removable orphans first; then the least recently used live entries (a front-door
+    record with its results; a blob with the last manifest naming it). ``cap_bytes``: when garbage
+    alone gets under it, no live entry goes. ``protect``: key ids never chosen. ``keep_*``: never
+    removed. ``recency``: key id -> this process's last read (ns), where later than the mtime.
     """
     plan = RemovalPlan(snap, keep_blobs=keep_blobs)
     total = snap.stored_bytes

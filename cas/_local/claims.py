@@ -1,21 +1,14 @@
 """Claims: one process of a node compiles a key, the others wait for its result.
 
-A caller that missed takes the key's *claim* before it compiles: the first holds it, the
-others wait until it lets go, look the key up again and use the hit. A claim can only save
-work, never change a result:
+A caller that missed takes the key's claim, an ``flock`` on ``tmp/<key id>.claim`` (released by
+the kernel however its holder dies; not ``fcntl`` record locks, which threads would share). The
+others wait, bounded by ``$CUDA_PROGRAM_CAS_CLAIM_WAIT``, each try bounded too (NFS: docs/nfs.md),
+then look the key up again. Anything that keeps a claim from being taken (read-only cache, no
+locks, Windows) means no claim: the caller compiles. A claim can only save work.
 
-- it is an ``flock`` on ``tmp/<key id>.claim``, released by the kernel however its holder
-  dies (``flock``, not ``fcntl`` record locks: those belong to the process, so threads would
-  share them);
-- a wait is bounded (``$CUDA_PROGRAM_CAS_CLAIM_WAIT``), and so is each try, even where a
-  "non-blocking" ``flock`` does not return (NFS: docs/nfs.md);
-- anything that keeps a claim from being taken (read-only cache, no locks, Windows) means no
-  claim: the caller compiles.
-
-The holder removes its file while still holding the lock: a waiter that gets the lock and
-finds its file gone from its name takes the claim afresh and looks the key up; one that finds
-it in place took over from a dead claimant. Files left behind are swept from ``tmp/`` like
-temp files. A forked child closes the claim descriptors it inherits.
+The holder removes its file while still holding the lock: a waiter that gets the lock and finds
+its file gone from its name takes the claim afresh; one that finds it in place took over from a
+dead claimant. Files left behind are swept from ``tmp/`` like temp files.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """One ``flock`` try that cannot hold its caller past a bound: the claims' and the lifetime counters'.
 
 ``LOCK_NB`` makes the lock non-blocking, not the call: over NFS a try may block 61 s or never
-return (docs/nfs.md). So there a try runs in a thread of its own, and one not back by its
-bound raises :class:`Slow` (the caller goes on without the lock); the thread then owns the
-descriptor, lets go of what it got and closes it. While a try is out on a file system, later
-tries on it raise :class:`Slow` at once. On a local file system the try is made in the
-caller's thread (a thread costs 1-3 ms).
+return (docs/nfs.md). There a try runs in a thread, and one not back by its bound raises
+:class:`Slow`; the thread then owns the descriptor and closes it. While a try is out on a file
+system, later ones there raise :class:`Slow` at once. On a local file system the try is made in
+the caller's thread (a thread costs 1-3 ms).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The miss journal: what each recent compile that missed was made of, for ``explain``.
 
-Each miss that stores a new entry appends one line to ``<root>/misses``::
-
-    m1 <JSON object> <crc>
-
-``<crc>`` is the CRC-32 of the line up to its last space (8 lowercase hex digits); a torn or
-failing line is skipped. The object holds the key id (``k``), when (``t``), the compile's
-seconds (``s``), ``via`` (``plain``, ``front`` or ``nvvm``), the inputs (``in``: ``code``
-digest, ``code_type``, ``target``, ``options``, ``names``, ``nvrtc``, and where they apply
-``extra``, ``cwd``, ``headers`` path -> digest prefix, ``nvvm``, ``libdevice``) and, for a
-front door miss, ``why`` (a :class:`cuda_program_cas._local.why.Why` as a dict).
-
-A line is one ``O_APPEND`` write, without a lock; one over :data:`MAX_LINE` keeps a digest of
-its headers instead of their list. Past :data:`MAX_BYTES` the file becomes ``misses.1``. A
-write that fails is counted (:data:`DROPPED`), never raised.
+Each miss that stores a new entry appends ``m1 <JSON object> <crc>`` to ``<root>/misses`` (the
+CRC as the counters'; a torn or failing line is skipped). The object holds the key id (``k``),
+when (``t``), the compile's seconds (``s``), ``via`` (``plain``, ``front`` or ``nvvm``), the inputs
+(``in``) and, for a front door miss, ``why`` (a :class:`.why.Why` as a dict). A line is one
+``O_APPEND`` write, without a lock; one over :data:`MAX_LINE` keeps a digest of its headers, not
+their list. Past :data:`MAX_BYTES` the file becomes ``misses.1``. A failed write is counted, never raised.
 """
 
 from __future__ import annotations

@@ -2,23 +2,18 @@
 
 ``<root>/counters`` is an append-only file of short self-checking text lines::
 
-    c6 <hits> <misses> <writes> <dedup_writes> <evictions> <corrupt> <shared_hits> <dropped_writes> <errors>
-       <switched> <uploads> <uploads_dropped> <untrusted> <saved_us> <listed_misses> <skipped_lookups>
-       <eviction_failures> <crc>                                                                    (one line)
+    c6 <each counter of NAMES, in order> <crc>
     z1 <when the counters were zeroed, ns since the epoch> <crc>
 
-A ``c6`` line holds what one process counted since its previous line; the totals are the
-sums. ``<crc>`` is the CRC-32 of the line up to its last space, in 8 lowercase hex digits. A
-torn, garbled or failing line is ignored; a valid one of an unknown tag is left out of the
-sums and kept by compaction.
+A ``c6`` line holds what one process counted since its previous line; the totals are the sums.
+``<crc>``: the CRC-32 of the line up to its last space, 8 lowercase hex digits. A torn, garbled
+or failing line is ignored; a valid one of an unknown tag is kept by compaction, not summed.
 
-An instance counts in memory and its :class:`Recorder` appends the difference since its last
-line at most once a second, at ``close()``, at garbage collection and at exit; a forked child
-starts from what its parent counted. Why an append under ``counters.lock`` (``flock``, else
-``filelock``) rather than a file rewritten per flush: no temp file and rename at every exit
-of a thousand-process job; a killed writer leaves at most a torn line, and readers take no
-lock. ``stats --zero`` and compaction rewrite the file atomically under the same lock.
-Read-only caches and shared stores are never written.
+A :class:`Recorder` appends an instance's counts at most once a second, at ``close()``, at
+garbage collection and at exit; a forked child starts from what its parent counted. An append
+under ``counters.lock`` (``flock``, else ``filelock``), not a rewrite: no temp file and rename at
+every exit of a thousand-process job, and a killed writer leaves at most a torn line. Readers
+take no lock. ``stats --zero`` and compaction rewrite the file atomically under the lock.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ __all__ = [
 ]
 
 
-#: The counters of a ``c6`` line, in order: all but the claims' (what one process waited for).
-#: A new counter needs a new tag.
+#: The counters of a ``c6`` line, in order: all but the claims'. A new counter needs a new tag.
 NAMES = tuple(n for n in COUNTER_NAMES if n not in ("claim_waits", "claim_hits"))
 _TAG = "c6"
 _COUNTS = {_TAG.encode(): len(NAMES)}
@@ -117,9 +111,6 @@ def encode_line(tag: str, values: Sequence[int]) -> bytes:
     """One self-checking line: ``tag``, the non-negative integers ``values``, their CRC-32."""
     body = " ".join([tag, *map(str, values)]).encode()
     return b"%s %08x\n" % (body, zlib.crc32(body))
-
-
-_encode = encode_line
 
 
 def split_lines(data: bytes) -> Iterator[tuple[bytes, list[int]] | None]:
@@ -245,7 +236,7 @@ def zero_counters(lay: Layout, *, wait_s: float = 10.0) -> Lifetime:
     try:
         with counters_locked(lay.counters_lock, wait_s):
             before = _parse(read_log(lay.counters))[0]
-            atomic_write(lay.counters, _encode("z1", [time.time_ns()]), lay.tmp)
+            atomic_write(lay.counters, encode_line("z1", [time.time_ns()]), lay.tmp)
     except Busy:
         raise CacheError(
             f"cannot zero the counters of {lay.root!r}: {lay.counters_lock} is held by another process"
@@ -268,8 +259,8 @@ def locked_append(lay: Layout, path: str, lines: bytes, wait_s: float, then: Cal
 def _compact(lay: Layout) -> None:
     """Fold every line into one (the caller holds the lock)."""
     life, unknown = _parse(read_log(lay.counters))
-    head = b"" if life.zeroed_ns is None else _encode("z1", [life.zeroed_ns])
-    atomic_write(lay.counters, head + _encode(_TAG, [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
+    head = b"" if life.zeroed_ns is None else encode_line("z1", [life.zeroed_ns])
+    atomic_write(lay.counters, head + encode_line(_TAG, [life.counters[n] for n in NAMES]) + b"".join(unknown), lay.tmp)
 
 
 class Recorder:
@@ -309,7 +300,7 @@ class Recorder:
             delta = [now[n] - self._flushed[n] for n in NAMES]
             if not any(delta):
                 return True
-            if not self._record(_encode(_TAG, delta), wait_s):
+            if not self._record(encode_line(_TAG, delta), wait_s):
                 return False
             self._flushed = dict(now)
             return True

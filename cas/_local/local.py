@@ -1,10 +1,9 @@
 """The local cache of one root: blobs, manifests, the cap and its counters; it knows nothing of shared stores.
 
 :class:`LocalStore` holds the reader, the writer, the remover and the size cap, and tells its
-listeners (:mod:`.listeners`) what it does. What is not bad input never raises: a write lands
-or is dropped and counted. A directory this process cannot write is opened read-only, one it
-cannot create is unusable (every lookup a miss), each with one WARNING per process; ``del``
-and ``clear`` there raise :class:`cuda_program_cas.ReadOnlyCacheError`.
+listeners (:class:`Listeners`: counters, the usage ledger, the miss journal, the log's records)
+what it does. A directory this process cannot write is opened read-only, one it cannot create
+is unusable (every lookup a miss), each said once per process.
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cuda_program_cas._base.config import NOT_GIVEN, say_once, validate_max_size
 from cuda_program_cas._base.errors import LayoutError, ReadOnlyCacheError
-from cuda_program_cas._base.events import open_log_file
+from cuda_program_cas._base.events import lookup_hit, lookup_missed, open_log_file, wrote
 from cuda_program_cas._base.fork import after_fork
 from cuda_program_cas._base.log import DEBUG as _DEBUG
 from cuda_program_cas._base.log import LOGGER as _log
@@ -37,7 +36,6 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas.index import LONGEST_MANIFEST, manifest_length
 
 from .lifetime import FLUSH_INTERVAL_S, Recorder
-from .listeners import HitTally, Listeners, count_into, log_into
 from .reader import Reader
 from .stats import Counters, merged
 from .touch import apply_pending, ensure_thread
@@ -70,12 +68,54 @@ _DROP_HINTS = {
 _UNWRITABLE = "cuda-program-cas: cache directory %s %s; writes are dropped (said once per process)"
 
 
-class LocalStore:
-    """One cache directory: lookups, writes, removals and the cap, counted through :class:`Listeners`.
+class Listeners:
+    """Who hears each event of one store (a tuple per event, in the order added).
 
-    ``max_size_bytes`` not given: the cap stored in the cache, if any. Safe to share between
-    threads. Nothing it hands its parts refers back to it: dropping the last reference frees it
-    at once, and that flushes its lifetime counters.
+    ``hit(kid)`` (``CacheStore.get``'s local hit does its listeners' work in place), ``counted(name)``,
+    ``looked(kid, where, t0_ns, reasons)`` (``where`` None: a miss), ``wrote(kid, outcome, size, t0_ns,
+    why)``, ``compiled(kid, seconds, via, inputs, why)``; records only when the logger is on at DEBUG.
+    """
+
+    __slots__ = ("compiled", "counted", "hit", "looked", "wrote")
+
+    def __init__(self) -> None:
+        self.hit: tuple[Callable[[str], object], ...] = ()
+        self.counted: tuple[Callable[[str], object], ...] = ()
+        self.looked: tuple[Callable[[str, str | None, int, Sequence[tuple[str, str]]], object], ...] = ()
+        self.wrote: tuple[Callable[[str, str, int, int, str | None], object], ...] = ()
+        self.compiled: tuple[Callable[[str, float, str, dict[str, object], Any], object], ...] = ()
+
+    def listen(self, **heard: Callable[..., object]) -> None:
+        """Add one listener per named event: ``listen(hit=f, counted=g)``."""
+        for event, listener in heard.items():
+            setattr(self, event, (*getattr(self, event), listener))
+
+    def count(self, name: str) -> None:
+        for heard in self.counted:
+            heard(name)
+
+    def hit_of(self, kid: str) -> None:
+        for heard in self.hit:
+            heard(kid)
+
+    def look(self, kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]] = ()) -> None:
+        for heard in self.looked:
+            heard(kid, where, t0_ns, reasons)
+
+    def write(self, kid: str, outcome: str, size: int, t0_ns: int, why: str | None = None) -> None:
+        for heard in self.wrote:
+            heard(kid, outcome, size, t0_ns, why)
+
+    def compile(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
+        for heard in self.compiled:
+            heard(kid, seconds, via, inputs, why)
+
+
+class LocalStore:
+    """One cache directory; ``max_size_bytes`` not given: the cap stored in the cache, if any. Thread-safe.
+
+    Nothing it hands its parts refers back to it: dropping the last reference frees it at once,
+    and that flushes its lifetime counters.
     """
 
     def __init__(self, root: str, *, max_size_bytes: int | None = NOT_GIVEN, read_only: bool = False) -> None:
@@ -87,11 +127,30 @@ class LocalStore:
         self.layout = lay = Layout(root)
         self.counters = counters = Counters()
         self.heard = heard = Listeners()
-        count_into(heard, counters)
-        log_into(heard, root)
-        problems = _Problems(root, heard)
-        self.note = problems.note
-        self.guard = ShardGuard(problems.strange_shard)
+        # next(count, kid): the count's next step, a listener that takes the key id and runs in C.
+        heard.listen(hit=functools.partial(next, counters.counter_of_hits()), counted=counters.add)
+
+        def looked(kid: str, where: str | None, t0_ns: int, reasons: Sequence[tuple[str, str]]) -> None:
+            if where is None:
+                lookup_missed(root, kid, t0_ns, reasons)
+            else:
+                lookup_hit(root, kid, where, t0_ns)
+
+        def wrote_one(kid: str, outcome: str, size: int, t0_ns: int, why: str | None) -> None:
+            wrote(root, kid, outcome, size, t0_ns, reason=why)
+
+        heard.listen(looked=looked, wrote=wrote_one)
+        warned: set[Hashable] = set()
+
+        def note(what: str, code: int, message: str) -> None:
+            say_once((what, code), "cuda-program-cas: %s (%s): %s", root, what, message, seen=warned)
+
+        def strange_shard(shard: str) -> None:
+            heard.count("corrupt")
+            note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")
+
+        self.note = note
+        self.guard = ShardGuard(strange_shard)
         #: Why a writable open became read-only ("" when it did not).
         self.why_read_only = ""
         usable = True
@@ -127,8 +186,13 @@ class LocalStore:
 
     def _listen_to_ledgers(self, lay: Layout, heard: Listeners) -> None:
         """The usage ledger and the miss journal hear hits and compiles; the lifetime counters record counts."""
-        tally, counters, theirs = HitTally(), self.counters, self._theirs
-        self.tally = tally.by_key
+        counters, theirs = self.counters, self._theirs
+        tally: dict[str, int] = {}
+        self.tally = tally
+        get = tally.get
+
+        def hit(kid: str) -> None:  # a closure, not a method: a hit pays for no attribute lookup
+            tally[kid] = get(kid, 0) + 1
 
         def ledger(kid: str, seconds: float, via: str, inputs: dict[str, object], why: object) -> None:
             from .usage import record_compile
@@ -140,14 +204,14 @@ class LocalStore:
 
             record_miss(lay, kid, seconds, via, inputs, why=why)  # type: ignore[arg-type]
 
-        heard.listen(hit=tally.heard, compiled=ledger)
+        heard.listen(hit=hit, compiled=ledger)
         heard.listen(compiled=journal)
 
         def source(lock: bool) -> dict[str, int]:
-            if lock and tally.by_key:  # not in a forked child's first look, which only notes where it starts
+            if lock and tally:  # not in a forked child's first look, which only notes where it starts
                 from .usage import settle_hits  # imported by the first flush with hits, not by a lookup
 
-                settle_hits(lay, tally.by_key, counters)
+                settle_hits(lay, tally, counters)
             return merged(counters, theirs[0], lock)
 
         self._lifetime = Recorder(lay, source)
@@ -204,6 +268,8 @@ class LocalStore:
 
     def _after_fork_in_child(self) -> None:
         self.clear_lock = threading.Lock()  # a thread of the parent may have been clearing
+        if self.tally is not None:
+            self.tally.clear()  # the parent's hits, which the parent records
 
     def _open_writable(self, lay: Layout) -> bool:
         """Lay the cache out if needed, else open it read-only; False when it cannot even be read (unusable)."""
@@ -245,19 +311,16 @@ class LocalStore:
         if _monotonic() >= self.flush_at:
             self.flush_on_the_way()
 
-    def note_miss(self, kid: str, reason: str, *, t0_ns: int = 0) -> None:
-        """Count a miss the caller decided, recorded with ``reason`` (``t0_ns``: when its lookup began)."""
+    def note_miss(self, kid: str, reason: str | list[tuple[str, str]], *, t0_ns: int = 0) -> None:
+        """Count a miss, recorded with ``reason`` (local's, or each store's) (``t0_ns``: when its lookup began)."""
         self.heard.count("misses")
         if _log.isEnabledFor(_DEBUG):
-            self.heard.look(kid, None, t0_ns or _perf_ns(), [("local", reason)])
+            self.heard.look(kid, None, t0_ns or _perf_ns(), [("local", reason)] if isinstance(reason, str) else reason)
         if _monotonic() >= self.flush_at:
             self.flush_on_the_way()
 
     def note_compiled(self, kid: str, seconds: float, via: str, inputs: dict[str, object], why: object = None) -> None:
-        """Tell the usage ledger and the miss journal that ``kid`` took ``seconds`` to compile from ``inputs``.
-
-        ``why``: the :class:`cuda_program_cas._local.why.Why` of its miss, when known. Never raises.
-        """
+        """Tell the ledger and the journal ``kid`` took ``seconds`` from ``inputs`` (``why``: its miss's ``Why``)."""
         self.heard.compile(kid, seconds, via, inputs, why)
 
     def note_switched(self) -> None:
@@ -268,11 +331,6 @@ class LocalStore:
         self.heard.count("dropped_writes")
         if _log.isEnabledFor(_DEBUG):
             self.heard.write(kid or "-" * 12, "dropped", 0, _perf_ns(), reason)
-
-    def compile_seconds(self, kid: str) -> float | None:
-        from .usage import compile_seconds_of
-
-        return compile_seconds_of(self.layout, kid)
 
     def claim(self, kid: str, bound: float) -> AbstractContextManager[Claim]:
         """Single flight for ``kid`` on this node, waiting at most ``bound`` s."""
@@ -343,22 +401,17 @@ class LocalStore:
             self.heard.count("dropped_writes")
             self.note("copy from shared store failed", exc.errno or 0, str(exc))
 
-    def enforce_cap(self, *, budget: int | None = NOT_GIVEN) -> RemovalResult | None:
-        """Bring the stored bytes under the cap if over it; ``budget`` not given: ``EVICT_STEP``."""
-        from .cap import EVICT_STEP
-
+    def enforce_cap(self) -> RemovalResult | None:
+        """Bring the stored bytes under the cap if over it, then a step toward the low watermark."""
         if self.cap is None or self.max_size_bytes is None:
             return None
-        return self.cap.enforce(budget=EVICT_STEP if budget is NOT_GIVEN else budget)
+        return self.cap.enforce()
 
-    def evict_to(self, snap: Snapshot, target_bytes: int, *, orphan_grace_s: float = NOT_GIVEN) -> RemovalResult:
+    def evict_to(self, snap: Snapshot, target_bytes: int) -> RemovalResult:
         """Reference-aware LRU down to ``target_bytes`` from a snapshot (the caller holds the lock)."""
-        from .cap import ORPHAN_GRACE_S
-
         if self.cap is None:
             raise self.refuse("evict")
-        grace = ORPHAN_GRACE_S if orphan_grace_s is NOT_GIVEN else orphan_grace_s
-        return self.cap.evict_to(snap, target_bytes, orphan_grace_s=grace)
+        return self.cap.evict_to(snap, target_bytes)
 
     def delete_id(self, kid: str) -> bool:
         """Remove the entry under key id ``kid``; False when there was no such entry."""
@@ -481,17 +534,3 @@ class _Parts:
                     self._writer = Writer(self._lay, guard=self._guard)
                 made = self._writer
         return made
-
-
-class _Problems:
-    def __init__(self, root: str, heard: Listeners) -> None:
-        self._root = root
-        self._heard = heard
-        self._warned: set[Hashable] = set()
-
-    def note(self, what: str, code: int, message: str) -> None:
-        say_once((what, code), "cuda-program-cas: %s (%s): %s", self._root, what, message, seen=self._warned)
-
-    def strange_shard(self, shard: str) -> None:
-        self._heard.count("corrupt")
-        self.note("shard is not a directory", 0, f"{shard} is a symlink or a file; its keys are misses")

@@ -1,14 +1,11 @@
 """The read path: look a key up in one cache root and return verified bytes, or miss.
 
-The hot path, written for few system calls: open, read and close the manifest, then the
-blob; ``fstat`` only where it saves a hash. A repeated hit proves the manifest unchanged with
-one ``lstat``; the blob's bytes then come from memory, or from the file once an ``fstat``
-proves it the one verified. The recency touch is queued (:mod:`.touch`).
-
-Nothing on disk makes a lookup raise: a missing, damaged, misplaced, locked or unreadable
-file is a miss, counted, its reason left for the thread (:meth:`Reader.miss_reason`). A
-writable cache removes what it proves bad; a read-only one only reads. Safe to share
-between threads.
+The hot path, written for few system calls: open, read and close the manifest, then the blob;
+``fstat`` only where it saves a hash. A repeated hit proves the manifest unchanged with one
+``lstat``; the blob's bytes then come from memory, or from the file once an ``fstat`` proves it
+the one verified. The recency touch is queued (:mod:`.touch`). Nothing on disk makes a lookup
+raise: a bad or unreadable file is a miss, counted, its reason kept per thread. A writable cache
+removes what it proves bad; a read-only one only reads. Thread-safe.
 """
 
 from __future__ import annotations
@@ -68,10 +65,6 @@ _HOLD_MAX_BLOB = 4 << 20
 _time_ns = time.time_ns
 
 
-#: ``on_error(exc, path)``: a read failed with an I/O error (not a bad file).
-ErrorHook = Callable[[OSError, str], None]
-
-
 class Reader:
     """Lookups in one cache root. ``remover`` (made when first called) None: read-only, never writes."""
 
@@ -83,7 +76,6 @@ class Reader:
         remover: Callable[[], Remover] | None,
         *,
         note: Callable[[str, int, str], None],
-        on_error: ErrorHook | None = None,
     ) -> None:
         self._lay = lay
         self._counters = counters
@@ -92,7 +84,6 @@ class Reader:
         self._blobs_real = guard.real_names(lay.blobs)
         self._remover = remover
         self._note = note
-        self._on_error = on_error
         self.touches: Touches | None = None if remover is None else Touches()
         self._verified: dict[str, FileId] = {}
         #: key id -> when this process last queued a touch of it (0 when read-only): seen before.
@@ -119,16 +110,13 @@ class Reader:
         self._held_lock = threading.Lock()
         self._held_bytes = sum(len(data) for _, data in self._held.values())
 
-    def missed(self, reason: str) -> None:
-        self._why.reason = reason
-
     def miss_reason(self) -> str:
         """Why this thread's last lookup here missed."""
         reason: str = getattr(self._why, "reason", "unknown")
         return reason
 
     def unusable(self, kid: str) -> None:
-        """The lookup of a cache that could not be created or laid out: a miss, and nothing is read on a guess."""
+        """The lookup of a cache that could not be created or laid out: a miss, nothing read."""
         self._why.reason = "cache not usable (it could not be created or laid out)"
 
     def forget(self) -> None:
@@ -277,8 +265,7 @@ class Reader:
             bfd = os.open(bpath, READ_FLAGS)
         except FileNotFoundError:
             self._why.reason = "blob missing"
-            # Dangling: the blob was collected. Remove the manifest only if it is
-            # still the one we read; a writer may have just re-pointed it.
+            # Dangling: the blob was collected. The manifest goes only if still the one read (a writer may re-point it).
             self._remove_manifest(kid, mfd)
             return None
         except OSError as exc:
@@ -326,11 +313,10 @@ class Reader:
                     self._corrupt_blob(kid, mfd, digest, bfd)
                     return None
                 identity = file_id(st)
-            # The fstat comes after the read: a file that still has the identity of one verified
-            # (in this process, or in this boot's record) was not changed since it was hashed, so
-            # neither before nor during this read (a change sets the ctime, and ctime cannot be set
-            # back without root). Only files already old when hashed are remembered (MIN_AGE_NS):
-            # then a change, even within one tick of the file system's clock, sets a later ctime.
+            # The fstat comes after the read: a file still of a verified identity (this process's, or
+            # this boot's record) was not changed since hashed, nor during this read (a change sets the
+            # ctime; only root sets it back). Only files already old when hashed are remembered
+            # (MIN_AGE_NS): a change even within one tick of the file system's clock sets a later ctime.
             if identity is None or (
                 self._verified.get(digest) != identity
                 and (self._boot is None or not self._boot.vouches(digest, identity))
@@ -355,9 +341,8 @@ class Reader:
     def _hold(self, digest: str, identity: FileId, data: bytes) -> None:
         """Keep a verified blob's bytes in memory, within the budget.
 
-        When memory is full, a newcomer displaces the least recently used blobs only if read more
-        often by two reads or more: keys read in turn, more than fit, then mostly stay (plain LRU
-        fails a loop), and a new hot blob still gets in.
+        When full, a newcomer displaces the least recently used only if read two or more times more
+        often: keys read in a loop, more than fit, then mostly stay (plain LRU fails a loop).
         """
         reads = self._reads
         with self._held_lock:
@@ -418,18 +403,14 @@ class Reader:
         self._why.reason = f"cannot read ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
         self._counters.add("errors")
         self._note("read error", exc.errno or 0, f"{path}: {exc}")
-        if self._on_error is not None:
-            self._on_error(exc, path)
 
     def _unframed(
         self, kid: str, mfd: int, digest: str, size: int, *, bfd: int, data: bytes, held: int | None = None
     ) -> tuple[bytes, str] | None:
         """The raw bytes of a store directory's framed blob (``data``: its first bytes read), verified, else damage.
 
-        Framed, a blob of ``size`` raw bytes takes at most :func:`~cuda_program_cas._base.frame.room` of them,
-        more than ``size`` where it did not compress; a raw one of another size than ``size`` is damage.
-        ``held``: the file's size where it is known, so that no more than it is asked of ``os.read`` (which
-        allocates what it is asked: a manifest claiming a petabyte).
+        Framed, ``size`` raw bytes take at most ``room(size)``. ``held``: the file's size where known, so
+        that ``os.read`` (which allocates what it is asked) is asked no more (a manifest claiming a petabyte).
         """
         from cuda_program_cas._base.engine import StoreFailure
         from cuda_program_cas._base.frame import is_framed, room, verified

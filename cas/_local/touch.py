@@ -1,12 +1,10 @@
 """Recency touches, taken off the hot path.
 
-Eviction orders entries by their manifest's mtime, so a hit must move it; doing that inside
-the hit would cost a quarter of a first hit. A hit queues the manifest's path
-(:meth:`Touches.add`, no system call) and the touches are applied, without following a
-symlink, by one daemon thread per process once a second (started a second into a writable
-cache's use), by ``flush()``, ``close()``, collection and exit, and by :func:`apply_pending`
-before an eviction is planned. A process killed outright loses its last second of reads:
-those entries look older than they are, never wrong.
+Eviction orders entries by their manifest's mtime; touching it inside a hit would cost a quarter
+of a first hit. A hit queues the path (no system call); one daemon thread per process applies
+the queues once a second, as do ``flush()``, ``close()``, collection, exit and
+:func:`apply_pending` before an eviction is planned. A process killed outright loses its last
+second of reads: those entries look older than they are, never wrong.
 """
 
 from __future__ import annotations
@@ -110,16 +108,10 @@ class _Flusher:
 
 
 _FLUSHER = _Flusher()
-
-
-def ensure_thread() -> None:
-    """Start this process's touch thread if it is not running."""
-    _FLUSHER.ensure_thread()
-
-
-def apply_pending() -> None:
-    """Apply every touch this process has queued, for every cache (before planning an eviction)."""
-    _FLUSHER.apply_all()
+#: Start this process's touch thread if it is not running.
+ensure_thread = _FLUSHER.ensure_thread
+#: Apply every touch this process has queued, for every cache (before planning an eviction).
+apply_pending = _FLUSHER.apply_all
 
 
 atexit.register(_FLUSHER.apply_all)

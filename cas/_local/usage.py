@@ -1,27 +1,23 @@
 """The usage ledger: how long each entry took to compile, and how much time its hits saved.
 
-``<root>/usage`` holds self-checking lines in the counters file's form
-(:func:`cuda_program_cas._local.lifetime.encode_line`), each naming an entry by
-the first 16 hex digits of its key id, as a decimal integer::
+``<root>/usage`` holds lines in the counters file's form (:func:`.lifetime.encode_line`), each
+naming an entry by the first 16 hex digits of its key id as a decimal integer::
 
     t1 <key> <compile microseconds> <crc>     written by the miss that stored the entry
     u1 <key> <hits> <saved microseconds> <crc> a process's hits of it since its last flush
     s1 <bytes> <crc>                           the file's size when it was last compacted
 
-A hit writes nothing: the store tallies hits per key in memory and its counters' flush
-appends one ``u1`` line per key hit, adding the saved time to ``saved_us``. Appends and
-compaction take ``counters.lock``. Past twice its compacted size (and :data:`COMPACT_BYTES`)
-a flush folds it to one ``t1`` and one ``u1`` line per key, the latest :data:`MAX_KEYS` kept.
+A hit writes nothing: the counters' flush appends one ``u1`` line per key hit, under
+``counters.lock``. Past twice its compacted size (and :data:`COMPACT_BYTES`) it is folded to one
+``t1`` and one ``u1`` line per key, the latest :data:`MAX_KEYS` kept.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from cuda_program_cas._base.fork import after_fork_call
 from cuda_program_cas._base.log import LOGGER as _log
 from cuda_program_cas._disk.atomic import atomic_write
 from cuda_program_cas._disk.layout import Layout
@@ -86,32 +82,23 @@ def read_usage(lay: Layout) -> Usage:
     return _parse(read_log(lay.usage))
 
 
-class _Known:
-    """The ledger's compile times as this process last read them, with the file's identity then."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.stamp: tuple[int, int, int] | None = None
-        self.times: dict[int, int] = {}
-
-
-_KNOWN: dict[str, _Known] = {}
-after_fork_call(_KNOWN.clear)  # a thread of the parent may have held one's lock: read again
+#: The ledger's compile times as this process last read them, by path, with the file's identity then.
+#: No lock: a thread that stores an older read leaves a stamp the next call finds stale.
+_KNOWN: dict[str, tuple[tuple[int, int, int], dict[int, int]]] = {}
 
 
 def compile_us_of(lay: Layout, numbers: list[int]) -> dict[int, int]:
     """The recorded compile times of the keys ``numbers`` (those known); the file is read again only when changed."""
-    known = _KNOWN.setdefault(lay.usage, _Known())
-    with known.lock:
-        try:
-            st = os.stat(lay.usage)
-        except OSError:
-            return {}
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if stamp != known.stamp:
-            known.times = _parse(read_log(lay.usage)).compile_us
-            known.stamp = stamp
-        return {n: known.times[n] for n in numbers if n in known.times}
+    try:
+        st = os.stat(lay.usage)
+    except OSError:
+        return {}
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _KNOWN.get(lay.usage)
+    if known is None or known[0] != stamp:
+        known = _KNOWN[lay.usage] = (stamp, _parse(read_log(lay.usage)).compile_us)
+    times = known[1]
+    return {n: times[n] for n in numbers if n in times}
 
 
 def compile_seconds_of(lay: Layout, kid: str) -> float | None:

@@ -1,20 +1,13 @@
 """A store's key list: which keys it holds and what each took to compile, so that a miss costs no request.
 
-A loose lookup over HTTP or Redis costs a round trip even when the store has nothing. The
-store's ``keys`` object says what it holds; a node reads it once, then conditionally every
-:data:`REFRESH_S`: a key with no record is a miss with no request.
-
-- **The object.** :data:`HEADER`, then one 12-byte record per key, sorted and unique: the
-  key id's first 8 bytes big-endian and the compile time in ms (u32; 0: unknown); at most
-  :data:`MAX_BYTES`. A reader holds the bytes as they came (:class:`Listed`).
-- **A hint, never bytes.** It can only turn a hit into a miss, never give bytes; a list that
-  is not a whole, sorted one is ignored (lookups ask).
-- **Who writes it.** Publish and write-back, after the entries, by one bounded
-  read-merge-write (:func:`merge_into`), :data:`MERGE_TRIES` rounds at most. A damaged list
-  is left alone; one that would pass :data:`MAX_BYTES` is removed.
-- **Staleness.** A copy is up to :data:`REFRESH_S` old; a node lists its own uploads at once.
-  The lease probe, a compile's lookups under a lease and the warm-set fetch do not consult
-  it; a key the probe finds that the copy lacks makes lookups ask until a copy lists it.
+The object ``keys``: :data:`HEADER`, then one 12-byte record per key, sorted and unique (the key
+id's first 8 bytes big-endian, the compile time in ms as u32, 0 unknown), :data:`MAX_BYTES` at
+most. A node reads it at its first loose lookup, then conditionally every :data:`REFRESH_S`. It
+only turns a hit into a miss; one that is not a whole sorted list is ignored. Publish and
+write-back add to it after the entries, by one read-merge-write of :data:`MERGE_TRIES` rounds at
+most (:func:`merge_into`). A node lists its own uploads at once; the lease probe, lookups under a
+lease and the warm set's fetch do not consult it, and a key the probe finds that the copy lacks
+makes lookups ask until a copy lists it.
 """
 
 from __future__ import annotations
@@ -97,13 +90,6 @@ class Listed(Mapping[int, int]):
         if at < 0:
             raise KeyError(key)
         return int(_RECORD.unpack_from(self._body, at)[1])
-
-    def get(self, key: int, default: int | None = None) -> int | None:  # type: ignore[override]
-        at = self._find(key)
-        return default if at < 0 else int(_RECORD.unpack_from(self._body, at)[1])
-
-    def __contains__(self, key: object) -> bool:
-        return self._find(key) >= 0
 
     def __len__(self) -> int:
         return self._n
@@ -270,25 +256,18 @@ class KeyView:
         except StoreFailure as exc:
             if exc.outage:
                 raise
-            self._at = time.monotonic()
             self._ignored(f"{exc.kind}: {exc.detail}")
-            self._records, self._tag = None, None
-            return
+            got = (None, None)
         self._at = time.monotonic()
         if got is None:
             self.unchanged += 1
             return
         assert isinstance(got, tuple)
         data, tag = got
-        if data is None:
-            self._records, self._tag = None, None  # none: ask, as always
-            return
-        records = view(data)
-        if records is None:
+        records = None if data is None else view(data)  # none: ask, as always
+        if data is not None and records is None:
             self._ignored(f"{len(data)} bytes that are not a key list")
-            self._records, self._tag = None, None
-            return
-        self._records, self._tag = records, tag
+        self._records, self._tag = records, None if records is None else tag
 
     def _ignored(self, why: str) -> None:
         self._note("bad key list", f"{KEYS}: {why}; ignored, lookups ask as without one")

@@ -43,6 +43,14 @@ class SharedLayer:
         self._local = local
         self._copy = bool(copy_hits) and not local.read_only
         self._trust = env_trust()
+        me = weakref.ref(local)  # weak: the store's parts never keep it alive
+
+        def keep(kid: str, data: bytes | memoryview, digest: str | None = None) -> None:
+            store = me()
+            if store is not None:
+                store.copy_in(kid, data, digest)
+
+        self._keep = keep
         self.tiers: tuple[Tier, ...] = tuple(self._open(p) for p in shared)
         local.read_through(tuple(s.counters for s in self.tiers))
         self.writeback: WriteBack | None = None
@@ -69,23 +77,18 @@ class SharedLayer:
         from .tiers import open_tier
 
         local = self._local
-        lookup, me = local.lookup, weakref.ref(local)  # weak: the store's parts never keep it alive
+        lookup = local.lookup
 
         def memo_get(kid: str) -> bytes | None:
             found = lookup(kid)
             return None if found is None else found[0]
-
-        def memo_put(kid: str, data: bytes) -> None:
-            store = me()
-            if store is not None:
-                store.copy_in(kid, data)
 
         # A hit must fit the cap to be copied in; a large body waits in this cache's tmp/ while it is verified.
         cap = local.max_size_bytes
         room = None if cap is None else cap - LONGEST_MANIFEST
         tmp = None if local.read_only else local.layout.tmp
         return open_tier(
-            os.fspath(where), memo_get=memo_get, memo_put=memo_put, trust=self._trust, max_entry=room, staging=tmp
+            os.fspath(where), memo_get=memo_get, memo_put=self._keep, trust=self._trust, max_entry=room, staging=tmp
         )
 
     def _write_back_to(self, targets: list[Tier]) -> None:
@@ -109,22 +112,17 @@ class SharedLayer:
         from .warmset import MAX_SET_BYTES, Used, WarmFetch, updated
 
         local = self._local
-        current, me = local.reader.current_digest, weakref.ref(local)  # weak: the parts never keep it alive
+        current = local.reader.current_digest
         used = self.used = Used() if self.writeback is not None else None
 
         def is_local(kid: str, digest: str) -> bool:
             return current(kid) == digest
 
-        def keep(kid: str, data: bytes | memoryview, digest: str) -> None:
-            store = me()
-            if store is not None:
-                store.copy_in(kid, data, digest)
-
         warm = self.warm = WarmFetch(
             self.tiers,
             name,
             is_local=is_local,
-            keep=keep,
+            keep=self._keep,
             room=local.max_size_bytes,
             used=used,
             per_entry=LONGEST_MANIFEST,
@@ -208,18 +206,15 @@ class SharedLayer:
             if mine.waited:
                 yield mine  # another process of this node compiled it: the caller looks again
                 return
-
-            def probe() -> tuple[bytes, str] | None:
-                # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
-                return self.find(kid, None, unlisted=True)
-
+            # Copied in: the caller's next look is local. Unlisted: the other node's key list may lag its upload.
+            probe = functools.partial(self.find, kid, None, unlisted=True)
             wb = self.writeback
             can = wb is not None and wb.can_publish(tier)  # a node that cannot publish holds no lease
             counters = self._local.counters
             with lease(tier, kid, ttl_s=env_lease_ttl(), wait_s=bound, probe=probe, counters=counters, take=can) as got:
                 if got.held:
                     self._leases[kid] = got
-                if (got.held or not (can or got.waited)) and self.find(kid, None, unlisted=True) is not None:
+                if (got.held or not (can or got.waited)) and probe() is not None:
                     # A node that let the lease go just now may have stored it, its key list not yet merged.
                     got.done(mark=False)
                 past, self._past_list.on = getattr(self._past_list, "on", False), True
@@ -235,6 +230,6 @@ class SharedLayer:
             from .writeback import EXIT_FLUSH_S
 
             self.writeback.flush(EXIT_FLUSH_S)
-        from .said import say_untrusted
+        from .tier import say_untrusted
 
         say_untrusted(self.paths())

@@ -1,20 +1,14 @@
-"""Leases: one compile per key per cluster, where a writable store can give them (Redis, S3).
+"""Leases: one compile per key per cluster, where a writable store gives them (Redis ``SET NX PX``, S3 a
+conditional create).
 
-The process holding its node's claim (:mod:`cuda_program_cas._local.claims`) asks the
-writable store for the key's *lease* (Redis ``SET NX PX`` with a random token; S3 a
-conditional create):
-
-- **Taken**: this node compiles; a thread renews the lease every third of its time to live,
-  and it is given back once write-back uploaded the result. A holder with no result gives it
-  up with a *mark* (``LEASE_MARK``): every waiter looks once more, then compiles at once.
-- **Held by another node**: wait, looking the key up in the shared stores and asking again
-  (20 ms at first, 0.5 s at most), bounded as a claim's wait. A result found is a hit; a
-  lease freed without a result is taken; the mark means compile.
-- **A node that cannot publish** (``take=False``) never holds a lease others would wait on.
-- **No answer**: compile, as without leases. Nothing here raises into the caller.
-
-A killed holder stops renewing: its lease ends within its time to live
-(``$CUDA_PROGRAM_CAS_LEASE_TTL``). At worst two nodes compile a key; both store the same bytes.
+The process holding its node's claim (:mod:`cuda_program_cas._local.claims`) asks for the key's
+lease. Taken: this node compiles; a thread renews it every third of its time to live, and it is
+given back once write-back uploaded the result, or, with no result, with a mark
+(``LEASE_MARK``): waiters look once more, then compile. Held by another: wait, looking the key
+up in the shared stores and asking again (20 ms at first, 0.5 s at most), bounded as a claim's
+wait. A node that cannot publish (``take=False``) never holds one others would wait on. No
+answer: compile. A killed holder's lease ends within ``$CUDA_PROGRAM_CAS_LEASE_TTL``; at worst
+two nodes compile a key, and store the same bytes. Nothing here raises into the caller.
 """
 
 from __future__ import annotations
@@ -92,7 +86,6 @@ def lease(
         state.waited = True
         deadline = time.monotonic() + wait_s
         pause = POLL_FIRST_S
-        wake = threading.Event()
         while True:
             state.found = probe()
             if state.found is not None:
@@ -100,17 +93,16 @@ def lease(
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            wake.wait(min(pause, left))
+            time.sleep(min(pause, left))
             pause = min(POLL_MAX_S, pause * 1.5)
             got = _take(tier, kid, ttl_s, take)
             if got == LEASE_MARK:
                 state.found = probe()  # its holder gave up: a last look (its upload may have reached this store)
             if got != HELD:
                 break  # taken (freed without a result), free, marked, or no answer: compile
-    if not _token(got):
+    if not got or got in (HELD, LEASE_MARK):  # not a token: not taken
         yield state
         return
-    assert got is not None
     token = got
     state.held = True
     stop = threading.Event()
@@ -131,10 +123,6 @@ def lease(
         yield state
     finally:
         state.done()
-
-
-def _token(got: str | None) -> bool:
-    return bool(got) and got not in (HELD, LEASE_MARK)
 
 
 def _take(tier: Tier, kid: str, ttl_s: float, take: bool) -> str | None:

@@ -1,62 +1,35 @@
-"""A shared store: lookups over its engine, verified, and a failure a miss, never an exception.
+"""A shared store: lookups over its engine, verified; a failure is a miss, never an exception.
 
-One class for every engine (:mod:`cuda_program_cas._base.engine`): a directory, a
-web server, a Redis server. What it does, written once here:
+One class for every engine (a directory, a web server, Redis, S3):
 
-- **The layout.** ``layout.json`` is read at the first lookup and checked as the
-  local cache's is (an older or newer layout or other hashes: not usable, said in
-  one WARNING that names the command to clear it). An engine whose objects can be evicted
-  on their own (Redis) needs no ``layout.json``: an empty one is a current store.
-- **A lookup.** The store's packs first (an engine may have none), then the loose
-  manifest, checked against the key, then its blob, read with the manifest's size
-  as the limit (never more than the cache's ceiling for an entry,
-  :func:`cuda_program_cas._base.config.env_max_entry_size`) and verified by its
-  blake3 digest. A missing object is a plain miss; a damaged one (garbled,
-  misplaced, wrong bytes) a miss counted in ``corrupt``.
-- **Failures.** An outage (the engine says ``outage``) pauses the store:
-  :data:`RETRY_S` after the first failure, doubling with each failure in a row up to
-  :data:`RETRY_MAX_S` (threads that meet one outage together are one failure); any
-  answer resets it (``layout.json``, the packs, a manifest), so a store that
-  answers manifests and fails each blob is paused for :data:`RETRY_S` each time.
-  While paused, lookups miss at once, so a dead server costs a process about one
-  timeout, not one per lookup. On a directory one bad file is not
-  yet an outage: the layout is checked once, and only if that fails too is the store
-  paused. A store that cannot be used (missing, not a store, a newer or damaged
-  layout) is paused the same way, and asked again when the pause ends.
-- **A server's answers** (the record's ``server``: HTTP). A body longer than asked, or a
-  status that is not an answer, is a bad answer counted in ``errors`` (a file too
-  large on a disk is damage, in ``corrupt``); an entry whose manifest names more
-  than this node reads is a miss said once as a WARNING, with no request for its
-  blob. ``layout.json`` is read once per process (each read is a
-  request), not again after an outage.
-- **This node's trouble.** No memory (or no staging disk) for an answer is a miss
-  counted in ``errors``, said once, and no pause.
-- **The key list** (a ``remote`` engine: HTTP and Redis, where a request is
-  costly; a directory's stat is cheaper than a list). The store's ``keys``
-  (:mod:`cuda_program_cas._shared.keylist`) is read at the first loose lookup, not
-  at open, and again, conditionally, every
-  :data:`~cuda_program_cas._shared.keylist.REFRESH_S`: a key it does not list is a
-  miss with no request (``listed_misses``). It only ever turns a hit into a miss;
-  a store without one is asked as always. ``lookup(kid, unlisted=True)`` (the
-  lease probe: another node's upload may not be listed yet) asks regardless.
-- **Never slower than compiling.** The tier times its small reads (``layout.json``,
-  manifests, the key list) and keeps the least of the last :data:`RTT_SAMPLES` as
-  the round trip. A lookup whose requests (a packed entry whose index is in hand:
-  1; a loose one: 2, its manifest then its blob) at that round trip cost more than
-  the entry's compile time, as its key list records it, is skipped: a miss with no
-  request (``skipped_lookups``), said at DEBUG once per process per store with the
-  figures. No key list or no recorded time: never skipped.
-- **Saying so.** The first time this process finds a store unusable, down or
-  denied gets one WARNING naming it and why (:mod:`cuda_program_cas._shared.said`);
-  everything after, and every bad answer about one object, is DEBUG, once per kind.
-
-Nothing here writes to a store (that is write-back's and publish's) or raises into
-the caller.
+- **The layout.** ``layout.json`` is read at the first lookup and checked as the local
+  cache's is. An engine that evicts on its own (Redis) needs none: empty is current.
+- **A lookup.** The packs first, then the loose manifest, checked against the key, then its
+  blob, read with the manifest's size as the limit (at most :func:`ceiling`) and verified. A
+  missing object is a plain miss; a damaged one a miss counted in ``corrupt``.
+- **Failures.** An outage pauses the store: :data:`RETRY_S`, doubling per failure in a row up
+  to :data:`RETRY_MAX_S` (threads meeting one outage together are one failure); any answer
+  resets it. While paused, lookups miss at once: a dead server costs about one timeout. On a
+  directory one bad file is not yet an outage: the layout is checked once more first. An
+  unusable store (missing, not a store, a newer layout) is paused the same way.
+- **A server's answers** (HTTP). A body longer than asked, or a status that is no answer, is
+  counted in ``errors``; an entry larger than this node reads is a miss said once, with no
+  request for its blob. ``layout.json`` is read once per process.
+- **This node's trouble.** No memory or no staging disk for an answer: ``errors``, no pause.
+- **The key list** (remote engines, where a request is costly; :mod:`.keylist`). A key it
+  does not list is a miss with no request (``listed_misses``). ``unlisted=True`` (the lease
+  probe: another node's upload may not be listed yet) asks regardless.
+- **Never slower than compiling.** The least of the last :data:`RTT_SAMPLES` small reads is
+  the round trip. A lookup whose requests (packed 1, loose 2) cost more than the entry's
+  compile time, as its key list records it, is a miss with no request (``skipped_lookups``).
+- **Saying so.** The first time a store is found unusable, down or denied: one WARNING;
+  after that, and every bad answer about one object, DEBUG once per kind.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -67,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 from cuda_program_cas._base.config import ENV_MAX_ENTRY_SIZE, env_max_entry_size, first_time, say_once
 from cuda_program_cas._base.engine import LOCAL, Engine, StoreFailure
 from cuda_program_cas._base.errors import LayoutError
-from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.fork import ForkSafeLock
 from cuda_program_cas._base.frame import verified
 from cuda_program_cas._base.signing import Trust
 from cuda_program_cas._disk.layout import (
@@ -82,25 +55,29 @@ from cuda_program_cas._disk.layout import (
 from cuda_program_cas._local.stats import Counters
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, parse_fields
 
-from .said import refused_untrusted
-
 if TYPE_CHECKING:
     from .fetchbatch import Keep, RangedPacks, Wanted
     from .keylist import KeyView
 
 __all__ = [
-    "LOOSE_REQUESTS",
-    "PACKED_REQUESTS",
     "RETRY_MAX_S",
     "RETRY_S",
     "RTT_SAMPLES",
     "PackSource",
     "Tier",
     "ceiling",
+    "refused_untrusted",
+    "say_untrusted",
 ]
 
 _log = logging.getLogger("cuda_program_cas")
 _T = TypeVar("_T")
+
+# Entries refused as untrusted, per store: one WARNING per store at its close (say_untrusted) or at exit.
+_untrusted_lock = ForkSafeLock()
+_untrusted: dict[str, int] = {}
+_at_exit = False  # the report at exit arranged
+os.register_at_fork(after_in_child=_untrusted.clear)  # a child says what it refused, not its parent's
 
 #: The first pause after a store failed; it doubles with each failure in a row.
 RETRY_S = 5.0
@@ -130,25 +107,12 @@ class PackSource(Protocol):
 
 
 class Tier:
-    """Lookups in one shared store over ``engine``, read-only (module docstring).
+    """Lookups in one shared store over ``engine``, read-only (module docstring); ``engine.can`` says how.
 
-    How the store is treated follows its engine's record (``engine.can``,
-    :class:`cuda_program_cas._base.engine.Abilities`): ``layout_optional``, a store with no
-    ``layout.json`` is an empty current one; not ``remote`` (a directory), the
-    layout read at once, a fixed pause of :data:`RETRY_S`, a store that worked and
-    fails later not a WARNING, no key list, one failing file not yet an outage;
-    ``server``, a server's answers (module docstring).
-
-    ``packs``: the store's packs, asked before its loose entries (None: it has none).
-    ``missing()``: why a store without ``layout.json`` is not one (for the WARNING).
-    ``trust``: the keys an entry must be signed
-    by (:mod:`cuda_program_cas._base.signing`); an entry not signed by one is a
-    miss counted in ``untrusted``, and the store's packs are not read.
-    ``max_entry``: a lower bound than the ceiling on what is read (what the local
-    cap can hold: a larger hit could not be kept).
-
-    ``damaged``, ``missed``, ``say_once``, ``fits`` and ``ceiling`` are for the
-    store's packs too (:class:`cuda_program_cas._remote.httppacks.Report`).
+    ``packs``: asked before loose entries (None: none). ``missing()``: why a store without
+    ``layout.json`` is not one. ``trust``: the keys an entry must be signed by (else a miss
+    counted in ``untrusted``; packs, unsigned, are not read). ``max_entry``: what the local cap
+    can hold. ``damaged``, ``missed``, ``say_once``, ``fits`` and ``ceiling`` serve the packs too.
     """
 
     def __init__(
@@ -167,51 +131,37 @@ class Tier:
         self.writable = writable
         self.packs = packs
         self.counters = Counters()
-        self._trust = trust
+        self.trust = trust
         self._max_entry = max_entry
-        self._layout_optional = can.layout_optional
         self._missing = missing
-        self._recheck = not can.remote
+        self._remote = can.remote
         self._version = 0  # 0: not opened yet
-        self._fail_lock = threading.Lock()
+        self._fail_lock = ForkSafeLock()
         self._paused_until = 0.0
         self._failures = 0
         self._why_not = ""
         self._noted: set[Hashable] = set()
         self._why = threading.local()
-        # A directory's check costs a few system calls: made at once, and again every RETRY_S while it fails; a
-        # store that worked and is gone later (unmounted) is not a WARNING. A remote one's each is a request:
-        # made at the first lookup, paused from RETRY_S doubling to RETRY_MAX_S, said whenever it first fails.
+        # A directory's check is a few system calls: made at once, retried every RETRY_S; one that worked and
+        # is gone later (unmounted) is no WARNING. A remote one's is a request: made at the first lookup.
         self._retry_max_s = RETRY_MAX_S if can.remote else RETRY_S
-        self._warn_later = can.remote
         self._looked = False
         self._server = can.server
-        self._layout_once = can.server
         self._rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.keys: KeyView | None = None
         if can.remote:  # a request is costly there; a directory's stat is cheaper than a list
             from .keylist import KeyView
 
             self.keys = KeyView(engine, note=self._note, timed=self._timed)
-        after_fork(self)
-        if not can.remote:
+        else:
             try:
                 self._open()
             except StoreFailure as exc:
-                self._failed(exc)
-
-    def _after_fork_in_child(self) -> None:
-        self._fail_lock = threading.Lock()
-
-    # -- lookups -------------------------------------------------------------------------
+                self.failed(exc)
 
     def lookup(self, kid: str, *, unlisted: bool = False) -> tuple[bytes, str] | None:
-        """The verified bytes of ``kid`` here and their digest, or None.
-
-        ``unlisted``: ask even where the key list lacks ``kid`` or the lookup would be
-        slower than its compile (the lease probe, waiting for another node's upload).
-        """
-        if self._paused_until and time.monotonic() < self._paused_until:
+        """The verified bytes of ``kid`` here and their digest, or None; ``unlisted``: past the key list and the RTT."""
+        if self.paused():
             self._why.reason = f"store not usable: {self._why_not}"
             return None
         return self._asked(lambda: self._find(kid, unlisted), None)
@@ -219,7 +169,7 @@ class Tier:
     def _find(self, kid: str, unlisted: bool = False) -> tuple[bytes, str] | None:
         # Packs carry no signatures yet: a node that trusts keys reads loose, signed entries only.
         found = None
-        if self.packs is not None and self._trust is None:
+        if self.packs is not None and self.trust is None:
             ranged = self.ranged_packs()
             packed = not unlisted and ranged is not None and ranged.where(kid) is not None
             if packed and self._too_slow(PACKED_REQUESTS, self._listed_ms(kid, fetch=False)):
@@ -242,8 +192,6 @@ class Tier:
 
             self.keys.found(number(kid))  # another node's upload not listed yet: the copy lags behind
         return found
-
-    # -- the key list and the round trip --------------------------------------------------
 
     def _listed_ms(self, kid: str, *, fetch: bool) -> int | None:
         """``kid``'s compile ms in the key list (0: unknown), -1 when not listed; None: no key list (or not fetched)."""
@@ -294,10 +242,10 @@ class Tier:
                 return failed
             result = call()
         except StoreFailure as exc:
-            self._failed(exc)
+            self.failed(exc)
             return failed
         except MemoryError:
-            self._failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
+            self.failed(StoreFailure(self.root, LOCAL, "MemoryError", outage=False))
             return failed
         self._failures = 0  # an answer: the next outage pauses for RETRY_S again
         self._looked = True
@@ -310,10 +258,6 @@ class Tier:
     def why_not(self) -> str:
         """Why the store was last paused ("" if never)."""
         return self._why_not
-
-    def failed(self, exc: StoreFailure) -> None:
-        """Count and handle a failure met by a user of :attr:`engine` (write-back, leases): as a lookup's."""
-        self._failed(exc)
 
     def miss_reason(self) -> str:
         """Why this thread's last lookup here missed."""
@@ -335,7 +279,7 @@ class Tier:
         if size <= most:
             return True
         if not self._server:
-            self._damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {most} allowed")
+            self.damaged("entry too large", f"the manifest of {kid} names {size} bytes, more than {most} allowed")
             return False
         self._why.reason = f"too large: {size} bytes, more than {most}"
         self.say_once(
@@ -349,17 +293,13 @@ class Tier:
         """Say why this thread's lookup missed."""
         self._why.reason = reason
 
-    def damaged(self, why: str, message: str) -> None:
-        """A bad answer about one object: a miss counted in ``corrupt``, noted once (DEBUG) per ``why``."""
-        self._damaged(why, message)
-
     def _loose(self, kid: str) -> tuple[bytes, str] | None:
         data = self._timed(lambda: self.engine.get(url_path(INDEX, kid), limit=MAX_MANIFEST_BYTES))
         self._failures = 0  # an answer, whatever the blob's: a store that keeps answering is paused for RETRY_S
         if data is None:
             self._why.reason = "no entry"
             return None
-        named = self._manifest(kid, data)
+        named = self.judge(kid, data)
         if named is None:
             return None
         digest, size = named
@@ -368,26 +308,21 @@ class Tier:
         except StoreFailure as exc:
             if exc.kind != "damaged":
                 raise
-            self._damaged("damaged blob", f"blob {digest}: {exc}")
+            self.damaged("damaged blob", f"blob {digest}: {exc}")
             return None
         if blob is None:
             self._why.reason = "blob missing"
             return None
         return blob, digest
 
-    def _manifest(self, kid: str, data: bytes) -> tuple[str, int] | None:
-        """``(digest, size)`` that the manifest ``data`` of ``kid`` names, when it is one this node may use.
-
-        A garbled or another key's manifest is damage; one not signed by a trusted key
-        (where keys are configured) is untrusted; an entry larger than this node reads
-        is a miss: each counted and said as a lookup's.
-        """
+    def judge(self, kid: str, data: bytes) -> tuple[str, int] | None:
+        """``(digest, size)`` the manifest ``data`` of ``kid`` names, if this node may use it (else counted, said)."""
         fields = parse_fields(data)
         if fields is None or fields[0] != kid:
             why = "damaged manifest" if fields is None else "misplaced manifest (another key's)"
-            self._damaged(why, f"the manifest of {kid}: {len(data)} bytes that are not its manifest")
+            self.damaged(why, f"the manifest of {kid}: {len(data)} bytes that are not its manifest")
             return None
-        if self._trust is not None and not self._trust.verify(data):
+        if self.trust is not None and not self.trust.verify(data):
             self.counters.add("untrusted")
             refused_untrusted(self.root)
             self._why.reason = "untrusted (not signed by a trusted key)"
@@ -398,8 +333,6 @@ class Tier:
             return None
         return digest, size
 
-    # -- many entries at once (a warm set) -------------------------------------------------
-
     def get_object(self, name: str, limit: int) -> bytes | None:
         """Object ``name`` (a warm set), or None: none there, the store paused or failing (handled as a lookup's)."""
         if self.paused():
@@ -407,12 +340,9 @@ class Tier:
         return self._asked(lambda: self.engine.get(name, limit=limit), None)
 
     def fetch_entries(self, entries: Sequence[Wanted], keep: Keep) -> None:
-        """Fetch ``entries`` (a warm set's lines) in batches, each verified against its key's own entry here
-        (:mod:`.fetchbatch`), calling ``keep(key id, bytes, digest)`` for each before the next batch is asked.
+        """Fetch a warm set's ``entries`` in batches (:mod:`.fetchbatch`), ``keep(kid, bytes, digest)`` each verified.
 
-        What cannot be had so is left out (a stale or false line, a server that
-        refuses several ranges): the caller's lookups find it the ordinary way. An
-        outage pauses the store, as a lookup's.
+        What cannot be had so is left out: lookups find it the ordinary way.
         """
         from .fetchbatch import fetch
 
@@ -420,25 +350,14 @@ class Tier:
             return
         self._asked(lambda: fetch(self, entries, keep), None)
 
-    @property
-    def trust(self) -> Trust | None:
-        """The keys an entry must be signed by here (None: any)."""
-        return self._trust
-
-    def judge(self, kid: str, data: bytes) -> tuple[str, int] | None:
-        """``(digest, size)`` the manifest ``data`` of ``kid`` names when this node may use it (as a lookup's)."""
-        return self._manifest(kid, data)
-
     def raw_of(self, e: Wanted, data: bytes | memoryview) -> bytes | memoryview | None:
         """The raw bytes of ``data`` (what a warm set's line ``e`` asked, stored compressed or raw) when they hash
         to its digest; else None, damage counted (a bomb, a cut frame, wrong bytes)."""
         try:
             return verified(self.root, data, e.digest, self.ceiling())
         except StoreFailure as exc:
-            self._damaged("damaged blob", f"the blob of {e.kid} (a warm set's): {exc}")
+            self.damaged("damaged blob", f"the blob of {e.kid} (a warm set's): {exc}")
             return None
-
-    # -- the layout ----------------------------------------------------------------------
 
     def _open(self) -> bool:
         """Read and check ``layout.json``; False (the store paused) when it is not usable."""
@@ -450,7 +369,7 @@ class Tier:
             # Hundreds of MB of "layout", or a status that is not an answer: not a store.
             return self._unusable(f"not a store: its layout.json: {exc.kind}: {exc.detail}")
         if raw is None:
-            if self._layout_optional:
+            if self.engine.can.layout_optional:
                 self._version = LAYOUT_VERSION
                 return True
             return self._unusable(self._missing() if self._missing is not None else "not a store: no layout.json")
@@ -470,9 +389,8 @@ class Tier:
         self._pause(StoreFailure(self.root, "unusable", why))
         return False
 
-    # -- failures ------------------------------------------------------------------------
-
-    def _failed(self, exc: StoreFailure) -> None:
+    def failed(self, exc: StoreFailure) -> None:
+        """Count and handle a failure (a lookup's, or write-back's and leases' over :attr:`engine`)."""
         if not exc.outage:
             if exc.kind == LOCAL:
                 self.counters.add("errors")
@@ -481,7 +399,7 @@ class Tier:
                 return
             damage = ("damaged", "not a regular file", "not a directory") + (() if self._server else ("too large",))
             if exc.kind in damage:
-                self._damaged(exc.kind, str(exc))
+                self.damaged(exc.kind, str(exc))
                 return
             self.counters.add("errors")
             if self._server:
@@ -497,7 +415,7 @@ class Tier:
                 return
             self._note(f"read error {exc.kind}", f"read error: {exc}")
             return
-        if self._recheck:
+        if not self._remote:
             # One file failing is not yet an outage of a directory: its layout is read once more.
             self.counters.add("errors")
             self._why.reason = f"cannot read ({exc.kind})"
@@ -521,11 +439,11 @@ class Tier:
             pause = min(self._retry_max_s, RETRY_S * 2 ** (self._failures - 1))
             self._paused_until = time.monotonic() + pause
             self._why_not = f"{exc.kind}: {exc.detail}" if exc.kind != "unusable" else exc.detail
-            if not self._layout_once or exc.kind == "unusable":
+            if not self._server or exc.kind == "unusable":  # a server's layout.json is read once per process
                 self._version = 0  # asked again when the pause ends
         self._why.reason = f"store not usable: {self._why_not}"
         first_look, self._looked = not self._looked, True
-        warned = (first_look or self._warn_later) and say_once(
+        warned = (first_look or self._remote) and say_once(
             ("shared store", self.root),
             "cuda-program-cas: shared store %s is unusable: %s; its lookups are misses, asked again in %g s%s "
             "(said once per process)",
@@ -537,7 +455,8 @@ class Tier:
         if not warned:
             _log.debug("cuda-program-cas: shared store %s: %s; paused for %g s", self.root, self._why_not, pause)
 
-    def _damaged(self, why: str, message: str) -> None:
+    def damaged(self, why: str, message: str) -> None:
+        """A bad answer about one object: a miss counted in ``corrupt``, noted once (DEBUG) per ``why``."""
         self.counters.add("corrupt")
         self._why.reason = why
         self._note(why, message)
@@ -552,3 +471,30 @@ class Tier:
         if first_time(what, self._noted):
             level = logging.WARNING if first_time(("shared store", self.root, what)) else logging.DEBUG
             _log.log(level, "cuda-program-cas: shared store %s: %s", self.root, message)
+
+
+def refused_untrusted(root: str) -> None:
+    """Count one entry of ``root`` refused as untrusted; the first of the process arranges the report at exit."""
+    global _at_exit
+    with _untrusted_lock:
+        first, _at_exit = not _at_exit, True
+        _untrusted[root] = _untrusted.get(root, 0) + 1
+    if first:
+        import atexit
+
+        atexit.register(say_untrusted)
+
+
+def say_untrusted(roots: Sequence[str] | None = None) -> None:
+    """One WARNING per store (of ``roots``; None: every one) whose entries this process refused as untrusted."""
+    with _untrusted_lock:
+        counts = {r: _untrusted.pop(r) for r in (list(_untrusted) if roots is None else roots) if r in _untrusted}
+    for root, n in counts.items():
+        _log.warning(
+            "cuda-program-cas: shared store %s: %d %s refused in this process: not signed by a key in "
+            "$CUDA_PROGRAM_CAS_TRUSTED_KEYS (each a miss, counted in untrusted); a node writing there without the "
+            "site's signing key overwrites signed entries",
+            root,
+            n,
+            "entry" if n == 1 else "entries",
+        )

@@ -100,8 +100,7 @@ def _directory(engine: Engine, writable: bool, opts: Options) -> Tier:
         return "not a cache (no layout.json)" if os.path.isdir(root) else "missing"
 
     def damaged(_path: str, why: str) -> None:
-        tier.counters.add("corrupt")
-        tier._note("damaged pack", f"{why}; it is a miss")
+        tier.damaged("damaged pack", f"{why}; it is a miss")
 
     tier = Tier(
         engine,
@@ -153,16 +152,12 @@ def _s3_engine(address: str, opts: Options) -> Engine:
     return S3Engine(address, staging=opts.staging)
 
 
-@dataclass(frozen=True)
-class _Scheme:
-    engine: Callable[[str, Options], Engine]
-    tier: Callable[[Any, bool, Options], Tier]
-
-
-_DIRECTORY = _Scheme(_dir_engine, _directory)
-_HTTP = _Scheme(_http_engine, _http)
-_REDIS = _Scheme(_redis_engine, _redis)
-_S3 = _Scheme(_s3_engine, _http)  # the HTTP engine's requests, signed; its packs read as HTTP's
+#: A scheme's engine, and its tier over that engine.
+_Scheme = tuple[Callable[[str, Options], Engine], Callable[[Any, bool, Options], Tier]]
+_DIRECTORY: _Scheme = (_dir_engine, _directory)
+_HTTP: _Scheme = (_http_engine, _http)
+_REDIS: _Scheme = (_redis_engine, _redis)
+_S3: _Scheme = (_s3_engine, _http)  # the HTTP engine's requests, signed; its packs read as HTTP's
 _ENGINES: dict[str, _Scheme] = {
     "file": _DIRECTORY, "http": _HTTP, "https": _HTTP, "redis": _REDIS, "rediss": _REDIS, "s3": _S3,
 }  # fmt: skip
@@ -181,14 +176,14 @@ def open_tier(entry: str, **options: Any) -> Tier:
     """The store ``ADDRESS`` or ``ADDRESS|write`` names (``options``: :class:`Options`); ValueError for a bad one."""
     address, writable = parse_store_entry(entry)
     opts = Options(**options)
-    scheme = _scheme(address)
-    return scheme.tier(scheme.engine(address, opts), writable, opts)
+    engine, tier = _scheme(address)
+    return tier(engine(address, opts), writable, opts)
 
 
 def open_engine(address: str, **options: Any) -> Engine:
     """The engine of the store at ``address`` (a path, ``file://``, or a store URL); ``ValueError`` for a bad one."""
     address = parse_store_entry(address).address if scheme_of(address) == "file" else address
-    return _scheme(address).engine(address, Options(**options))
+    return _scheme(address)[0](address, Options(**options))
 
 
 def open_packs(engine: Engine) -> PackTarget | None:

@@ -1,25 +1,12 @@
-"""Uploads into a store over its engine, written once: each object read back before anything names it.
+"""Uploads into a store over its engine, written once (publish and write-back): each object read back
+before anything names it.
 
-Publish and write-back both send through here, to any engine
-(:mod:`cuda_program_cas._base.engine`: a directory, WebDAV, Redis):
-
-- :func:`put_checked` stores one object and reads it back at once (not on a
-  directory, where the write protocol itself wrote and renamed the file: a read
-  could only meet a collector that took it since, which publish's re-check after
-  each manifest handles). An engine's
-  answer (``201 to PUT``, ``OK to SET``) is a claim, not a proof: a server may
-  answer 201 and keep nothing or a part (a stub, a proxy that drops bodies, a full
-  disk behind a cache). A blob is read back by its size (HEAD, ``STRLEN``, a
-  stat: downloading it again would double the bytes); a small file (a manifest,
-  ``layout.json``) by every byte. A store that holds something else raises a
-  :class:`~cuda_program_cas._base.engine.StoreFailure` of kind ``not stored``
-  naming the object, and nothing is sent that would name it.
-- :func:`upload_entry` sends one entry: its blob, read back, then the manifest
-  that names it. Where the engine's ``put_many`` is one transaction (Redis), blob
-  and manifest go in it, blob first: a reader sees both or neither, and one round
-  trip carries the entry. Publish sends the same two puts, in phases (every blob
-  of a run, one ``syncfs`` on a directory, then every manifest), with the
-  manifest read back too, since its report says what the store holds.
+An engine's answer (201 to PUT, OK to SET) is a claim, not a proof: a server may keep nothing
+or a part (a stub, a proxy that drops bodies, a full disk). So :func:`put_checked` reads back a
+blob by its size (HEAD, ``STRLEN``: a download would double the bytes) and a small file by every
+byte; a directory's write protocol is its own proof. What the store does not hold raises a
+``StoreFailure`` of kind ``not stored``. :func:`upload_entry` sends a blob, read back, then the
+manifest naming it; where ``put_many`` is one transaction (Redis), both in it, blob first.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
-"""Warm sets: the entries a job used, kept in its shared stores, so that a cold node fetches them in a few requests.
+"""Warm sets: the entries a job used, kept in its shared stores, so that a cold node fetches them in a few
+requests rather than a round trip per kernel (docs/cluster.md, "Cold nodes").
 
-A cold node otherwise pays a round trip per kernel (docs/cluster.md, "Cold nodes").
-
-- **The job.** ``$CUDA_PROGRAM_CAS_JOB``, by default the main script's file name and a hash
-  of its path; an interactive session and ``off`` have none: nothing is recorded or fetched.
-- **The set.** ``sets/<sha256 of the job>`` in each store: each entry the process used, in
-  order of first use (key id, digest, size, and where known its pack place: pack, offset, stored length), at most
-  :data:`MAX_ENTRIES`. Sent through write-back once the job is quiet (:data:`QUIET_S`) and at
-  exit, only when it lacks an entry used. The merge puts the writer's entries first, then the
-  store's others not found gone; two writers at once lose one's additions until the next run.
-- **A hint, never trusted for bytes.** A line decides which keys are fetched; a key gets only
-  what its own entry in the store names (:mod:`.fetchbatch`).
-- **A cold node.** At its first local miss a thread reads the set and fetches the entries not
-  local, while they fit the cap, in batches; a lookup meanwhile waits for its own entry's fetch.
+The job is ``$CUDA_PROGRAM_CAS_JOB``, else the main script's name and a hash of its path (an
+interactive session and ``off``: none). Its set, ``sets/<sha256 of the job>`` in each store, lists
+each entry used, in order of first use, with its pack place where known (:data:`MAX_ENTRIES` at
+most); write-back sends it once the job is quiet (:data:`QUIET_S`) and at exit, when it lacks an
+entry used. The merge puts the writer's entries first; two writers at once lose one's additions
+until the next run. A line is a hint: a key gets only what its own entry names (:mod:`.fetchbatch`).
+At the first local miss a thread fetches the entries not local, while they fit the cap; a lookup
+meanwhile waits for its own entry's fetch.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cuda_program_cas._base.config import VAR_JOB
-from cuda_program_cas._base.fork import after_fork
+from cuda_program_cas._base.fork import ForkSafeLock, after_fork
 from cuda_program_cas._disk.packset import is_pack_name
 from cuda_program_cas.index import is_hex, is_local_id
 
@@ -44,7 +40,6 @@ __all__ = [
     "merge",
     "parse",
     "parse_job",
-    "placed",
     "set_name",
     "stored_sets",
     "updated",
@@ -171,11 +166,6 @@ def _at(e: SetEntry, place: Place | None) -> SetEntry:
     return SetEntry(e.kid, e.digest, e.size, *place)
 
 
-def placed(entries: Sequence[SetEntry], where: Where) -> list[SetEntry]:
-    """``entries`` with the place ``where`` gives each now (none: fetched loose)."""
-    return [_at(e, where(e.kid, e.digest)) for e in entries]
-
-
 def updated(
     held: bytes | None, ours: Sequence[SetEntry], gone: set[str] | None = None, where: Where | None = None
 ) -> bytes | None:
@@ -189,7 +179,7 @@ def updated(
     merged = merge(ours, base, gone or set())
     out = base if merged is None else merged
     if where is not None:
-        out = placed(out, where)
+        out = [_at(e, where(e.kid, e.digest)) for e in out]  # each placed anew
     if not out or out == theirs:
         return None
     return encode(out)
@@ -203,13 +193,9 @@ class Used:
 
     def __init__(self) -> None:
         self._order: dict[str, tuple[str, int]] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self.known: dict[str, SetEntry] = {}  # the set as read at start (the fetch fills it)
         self.changed: Callable[[], None] | None = None
-        after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
 
     def add(self, kid: str, digest: str, size: int) -> None:
         """Record one use (a dict lookup when ``kid`` was used before: this is on the hot path)."""

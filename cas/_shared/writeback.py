@@ -1,18 +1,13 @@
 """Write-back: a node's new entries copied to the stores named writable, in the background.
 
-:meth:`WriteBack.submit` queues a new local entry for each writable store and returns at
-once: a compile never waits for a network. One worker thread per instance sends each entry
-as publish does, blob first, read back, then the manifest (:func:`.upload.upload_entry`), so
-a reader never finds a manifest whose blob is not there yet. With
-``$CUDA_PROGRAM_CAS_SIGNING_KEY`` set, each manifest carries the site's signature; a key that
-cannot be used drops every upload rather than send what trusting nodes would ignore.
-
-What is not sent is dropped, counted in ``uploads_dropped`` (one WARNING per process), never
-retried and never the caller's error: a full queue (:data:`MAX_QUEUED`,
-:data:`MAX_QUEUED_BYTES`), a paused or failing store, uploads still queued at exit after
-:data:`EXIT_FLUSH_S`, an entry the local cache could not store. Once the job is quiet
-(``QUIET_S``) and at exit, the keys sent go into each store's key list and the warm set is
-sent. Hits copied from a shared store and node-local key ids are never sent.
+:meth:`WriteBack.submit` queues an entry and returns at once: a compile never waits for a
+network. One worker thread per instance sends it as publish does (:func:`.upload.upload_entry`),
+so a reader never finds a manifest before its blob; signed with ``$CUDA_PROGRAM_CAS_SIGNING_KEY``
+where set (a key that cannot be used drops every upload rather than send what trusting nodes
+would ignore). What is not sent (a full queue, a paused or failing store, still queued
+:data:`EXIT_FLUSH_S` into exit, not stored locally) is counted in ``uploads_dropped``, said once,
+never retried. Once the job is quiet (``QUIET_S``) and at exit, the keys sent go into each
+store's key list and the warm set is sent. Hits copied in and node-local key ids are never sent.
 """
 
 from __future__ import annotations
@@ -62,6 +57,8 @@ Then = Callable[[bool], None]
 SetMaker = Callable[["Tier"], "tuple[str, bytes] | None"]
 #: ``seconds(kid)``: the compile time the local usage ledger holds for an entry, or None.
 Seconds = Callable[[str], "float | None"]
+#: What the worker's next job is when it is the quiet send (the key lists, the warm set).
+_SET: tuple[str, str, bytes, Then | None] = ("", "", b"", None)
 
 
 class WriteBack:
@@ -96,9 +93,8 @@ class WriteBack:
         self._unlisted: list[list[str]] = [[] for _ in self.tiers]
         #: Per store (by position): whether its last upload failed.
         self._failing = [False] * len(self.tiers)
-        #: Warm sets sent, and key-list merges that held every key sent.
+        #: Warm sets sent.
         self.sets_sent = 0
-        self.keys_listed = 0
         after_fork(self)
         _instances.add(self)
 
@@ -139,8 +135,7 @@ class WriteBack:
     def not_stored(self, kid: str, why: str) -> None:
         """A new entry the local cache could not store: a drop for each store."""
         if not is_local_id(kid):
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the local cache did not store it: {why}")
+            self._refused(f"the local cache did not store it: {why}")
 
     def can_publish(self, tier: Tier) -> bool:
         """Whether an entry submitted now could reach ``tier`` (a node that cannot takes no lease)."""
@@ -150,92 +145,87 @@ class WriteBack:
     def submit(self, kid: str, digest: str, data: bytes, then: Then | None = None) -> bool:
         """Queue one new local entry for upload; False when dropped at once. ``then(sent)`` runs after."""
         if is_local_id(kid) or self._unusable is not None:
-            if self._unusable is not None:
-                for tier in self.tiers:
-                    self._dropped(tier.root, self._unusable)
-            if then is not None:
-                then(False)
-            return False
-        live = [t for t in self.tiers if not t.paused()]
-        if len(live) < len(self.tiers):
-            for tier in self.tiers:
-                if tier.paused():
-                    self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
-            if not live:
-                if then is not None:
-                    then(False)
-                return False
+            return self._refused(self._unusable, then)
+        paused = [t for t in self.tiers if t.paused()]
+        for tier in paused:
+            self._dropped(tier.root, f"the store is paused ({tier.why_not()})")
+        if len(paused) == len(self.tiers):
+            return self._refused(None, then)
         with self._cond:
-            if self._closed or len(self._queue) >= MAX_QUEUED or self._queued_bytes + len(data) > MAX_QUEUED_BYTES:
-                full = True
-            else:
-                full = False
+            full = self._closed or len(self._queue) >= MAX_QUEUED or self._queued_bytes + len(data) > MAX_QUEUED_BYTES
+            if not full:
                 self._queue.append((kid, digest, data, then))
                 self._queued_bytes += len(data)
                 self._start_worker()
                 self._cond.notify()
         if full:
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the upload queue is full ({MAX_QUEUED} entries or {MAX_QUEUED_BYTES} bytes)")
-            if then is not None:
-                then(False)
-            return False
+            return self._refused(f"the upload queue is full ({MAX_QUEUED} entries or {MAX_QUEUED_BYTES} bytes)", then)
         return True
+
+    def _refused(self, why: str | None, then: Then | None = None) -> bool:
+        """An entry not queued: a drop for each store, said with ``why`` (None: not counted); ``then(False)``."""
+        if why is not None:
+            for tier in self.tiers:
+                self._dropped(tier.root, why)
+        if then is not None:
+            then(False)
+        return False
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and self._set_due:
-                    quiet = self._set_at + QUIET_S - time.monotonic()
-                    if quiet > 0 and not self._flushing:
-                        self._cond.wait(quiet)
-                        continue
-                    self._set_due = False
-                    self._busy += 1
-                    send_set = True
-                else:
-                    send_set = False
-            if send_set:
-                try:
-                    self._send_set()
-                finally:
-                    with self._cond:
-                        self._busy -= 1
-                        self._cond.notify_all()
-                continue
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(_IDLE_S)
-                    if not self._queue:
-                        if self._set_due:
-                            continue
-                        self._worker = None  # idle: the next upload starts another
-                        return
-                kid, digest, data, then = self._queue.popleft()
-                self._queued_bytes -= len(data)
+                job = self._next()
+                if job is None:
+                    self._worker = None  # idle: the next upload starts another
+                    return
                 self._busy += 1
-            sent = True
             try:
-                for at, tier in enumerate(self.tiers):
-                    self._failing[at] = failed = not self._send(tier, kid, digest, data)
-                    if not failed:
-                        tier_keys = tier.keys
-                        if tier_keys is not None:
-                            tier_keys.add([(number(kid), 0)])  # this node finds it there at once
-                        with self._cond:
-                            self._unlisted[at].append(kid)
-                            self._due()
-                    else:
-                        sent = False
+                if job is _SET:
+                    self._send_set()
+                else:
+                    self._send_entry(*job)
             finally:
-                if then is not None:
-                    try:
-                        then(sent)
-                    except Exception:
-                        _log.debug("cuda-program-cas: write-back callback failed", exc_info=True)
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
+
+    def _next(self) -> tuple[str, str, bytes, Then | None] | None:
+        """Under the lock: the next entry, or :data:`_SET` (the quiet send is due and the queue empty); None: idle."""
+        while True:
+            if self._queue:
+                job = self._queue.popleft()
+                self._queued_bytes -= len(job[2])
+                return job
+            if self._set_due:
+                quiet = self._set_at + QUIET_S - time.monotonic()
+                if quiet <= 0 or self._flushing:
+                    self._set_due = False
+                    return _SET
+                self._cond.wait(quiet)
+                continue
+            self._cond.wait(_IDLE_S)
+            if not self._queue and not self._set_due:
+                return None
+
+    def _send_entry(self, kid: str, digest: str, data: bytes, then: Then | None) -> None:
+        sent = True
+        try:
+            for at, tier in enumerate(self.tiers):
+                self._failing[at] = failed = not self._send(tier, kid, digest, data)
+                if not failed:
+                    if tier.keys is not None:
+                        tier.keys.add([(number(kid), 0)])  # this node finds it there at once
+                    with self._cond:
+                        self._unlisted[at].append(kid)
+                        self._due()
+                else:
+                    sent = False
+        finally:
+            if then is not None:
+                try:
+                    then(sent)
+                except Exception:
+                    _log.debug("cuda-program-cas: write-back callback failed", exc_info=True)
 
     def _send(self, tier: Tier, kid: str, digest: str, data: bytes) -> bool:
         if tier.paused():
@@ -276,23 +266,18 @@ class WriteBack:
     def _send_keys(self, tier: Tier, kids: list[str]) -> None:
         seconds = self._seconds
         ours = {number(kid): compile_ms(seconds(kid) if seconds is not None else None) for kid in kids}
-        self._tried(tier, "the key list: ", lambda: self._merge_keys(tier, ours))
-
-    def _merge_keys(self, tier: Tier, ours: dict[int, int]) -> None:
-        if merge_into(tier.engine, ours):
-            self.keys_listed += 1
+        self._tried(tier, "the key list: ", lambda: merge_into(tier.engine, ours))
 
     def _tried(self, tier: Tier, what: str, call: Callable[[], object]) -> bool:
         """``call()`` to ``tier``: True when it returned, else a drop said with ``what``."""
         try:
             call()
+            return True
         except StoreFailure as exc:
             tier.failed(exc)
             self._dropped(tier.root, f"{what}{exc}")
         except Exception as exc:
             self._dropped(tier.root, f"{what}{type(exc).__name__}: {exc}")
-        else:
-            return True
         return False
 
     def _dropped(self, root: str, why: str) -> None:
@@ -336,10 +321,7 @@ class WriteBack:
             self._queue.clear()
             self._queued_bytes = 0
         for _kid, _digest, _data, then in left:
-            for tier in self.tiers:
-                self._dropped(tier.root, f"the process exited with uploads queued after {timeout_s:g} s")
-            if then is not None:
-                then(False)
+            self._refused(f"the process exited with uploads queued after {timeout_s:g} s", then)
 
 
 _instances: weakref.WeakSet[WriteBack] = weakref.WeakSet()

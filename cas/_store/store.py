@@ -1,10 +1,8 @@
 """The cache itself, bytes in and bytes out, with no CUDA dependency.
 
-:class:`CacheStore` composes the local cache of one root (:mod:`cuda_program_cas._local.local`)
-and, when shared stores are named, the shared layer over it (:mod:`cuda_program_cas._shared.layer`):
-a lookup asks the local cache, then each shared store in order; a write lands locally, then goes
-to the stores named writable. What is not bad input never raises: a lookup hits or misses, a
-write lands or is dropped and counted.
+:class:`CacheStore` composes the local cache (:mod:`cuda_program_cas._local.local`) and, when
+shared stores are named, the shared layer (:mod:`cuda_program_cas._shared.layer`): a lookup asks
+local, then each shared store in order; a write lands locally, then goes to the writable stores.
 """
 
 from __future__ import annotations
@@ -38,10 +36,10 @@ _monotonic = time.monotonic
 
 
 class CacheStore:
-    """A content-addressed cache directory, optionally layered over shared stores.
+    """A content-addressed cache directory, optionally layered over shared stores; safe to share between threads.
 
     Parameters are those of :class:`cuda_program_cas.ContentAddressedProgramCache`, but it stores
-    ``bytes`` only and reads no environment variables. Safe to share between threads.
+    ``bytes`` only and reads no environment variables. What is not bad input never raises.
     """
 
     def __init__(
@@ -101,11 +99,7 @@ class CacheStore:
         if found is not None:
             local.note_hit(kid, found[1], t0_ns=t0)
             return found[0]
-        local.heard.count("misses")
-        if reasons is not None:
-            local.heard.look(kid, None, t0, reasons)
-        if _monotonic() >= local.flush_at:
-            local.flush_on_the_way()
+        local.note_miss(kid, reasons or [], t0_ns=t0)
         return None
 
     def _find(self, kid: str) -> tuple[bytes, str | None] | None:
@@ -118,10 +112,7 @@ class CacheStore:
         return None if self._shared is None else self._shared.find(kid, None)
 
     def _claim(self, kid: str, *, wait_s: float | None = None) -> AbstractContextManager[Claim]:
-        """Single flight for ``kid``, the node's claim then the cluster's lease (:mod:`.claims`, :mod:`.lease`).
-
-        ``wait_s`` None: ``$CUDA_PROGRAM_CAS_CLAIM_WAIT`` or 5 minutes.
-        """
+        """Single flight for ``kid``: the node's claim, then the cluster's lease (``wait_s`` None: the env's bound)."""
         from cuda_program_cas._base.config import env_claim_wait
 
         bound = env_claim_wait() if wait_s is None else wait_s
@@ -149,11 +140,10 @@ class CacheStore:
         return found
 
     def compile_seconds(self, kid: str) -> float | None:
-        """How long the entry under key id ``kid`` took to compile, as recorded when it was stored; None if unknown.
+        """How long the entry under key id ``kid`` took to compile here, as recorded when stored; None if unknown."""
+        from cuda_program_cas._local.usage import compile_seconds_of
 
-        Known for entries this cache compiled and stored itself, not for ones copied or imported.
-        """
-        return self._local.compile_seconds(kid)
+        return compile_seconds_of(self._local.layout, kid)
 
     def put(self, key: object, data: bytes) -> WriteResult:
         """Store ``data`` under ``key``; :class:`cuda_program_cas.WriteResult` says how (``DROPPED``: not stored).
@@ -207,10 +197,9 @@ class CacheStore:
         return self._local.stats(self.counters())
 
     def flush(self) -> bool:
-        """Apply the recency touches of this instance's hits and record its counts in the lifetime counters now.
+        """Apply this instance's recency touches and record its counts now; False when they wait for the next flush.
 
-        False when the counts could not be recorded (they wait for the next flush). Both happen
-        anyway within about a second, at ``close()``, at garbage collection and at exit.
+        Both happen anyway within about a second, at ``close()``, at garbage collection and at exit.
         """
         return self._local.flush()
 
@@ -227,8 +216,8 @@ class CacheStore:
 class Inner:
     """What the CUDA layer asks of a :class:`CacheStore` beyond its public API: ``store.inner`` makes one.
 
-    Its methods are the store's own or its local cache's, bound when it is made (nothing in between).
-    The store keeps no reference to it, so dropping the store's last reference still frees it at once.
+    Its methods are the store's or its local cache's, bound (nothing in between); the store keeps no
+    reference to it, so dropping the store's last reference still frees it at once.
     """
 
     __slots__ = (
@@ -271,13 +260,9 @@ class Inner:
         self.enforce_cap = local.enforce_cap
         self.evict_to = local.evict_to
         self.snapshot = local.snapshot
-        self.shared_paths = _no_paths if shared is None else shared.paths
+        self.shared_paths = tuple if shared is None else shared.paths
 
     @property
     def blobs(self) -> BlobStore:
         """The blob store of the local cache (made on first use)."""
         return self.store._local.blobs
-
-
-def _no_paths() -> tuple[str, ...]:
-    return ()
