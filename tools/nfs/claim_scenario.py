@@ -1,29 +1,12 @@
 #!/usr/bin/env python3
 """Claims on a cache that sits on NFS: processes of one mount, and of several mounts of one export.
 
-A cache directory on NFS (a home directory, ``CUDA_PROGRAM_CAS_DIR`` on a shared scratch)
-may be opened by several nodes at once; its claims (``cuda_program_cas._local.claims``,
-an ``flock`` on ``tmp/<key id>.claim``) then go through the NFS client's lock emulation:
-byte-range locks that the server arbitrates (NLM for NFSv3, the protocol's own for
-NFSv4), or node-local ones with ``nolock`` or ``local_lock=``. Run by
-``tools/nfs/scenarios.py`` (the scenario "claims on an NFS-mounted cache"); each case
-mounts the export afresh (``nosharecache``: one client cache per mount, like nodes):
-
-- one mount: 4 processes miss one key at once (v4.2, v3 with NLM locks);
-- two mounts: a holder on one, waiters on both (v4.2; v3; a waiter on a mount
-  with ``lookupcache=positive``);
-- a holder SIGKILLed mid-compile: how soon a waiter on its mount, and on another, takes over;
-- a dead node: the holder's mount is made by another NFS client (its own network
-  namespace and host name, over a veth pair) whose link is then cut, so that only the
-  server's lease can free the lock; one waiter with a long bound, one with a short one;
-- node-local locks (v3 ``nolock``, v4.2 ``local_lock=flock``): claims of one mount only;
-- no lock daemon (v3 with ``rpc.statd`` stopped): ``flock`` fails with ``ENOLCK``.
-
-Every process must end with the key's right bytes, whatever its claim did: a claim can
-only save work. The figures (compiles, takeover times, the longest single ``flock``
-call, lock operations a waiter sends per second) go to the scenario's result; what the
-docs promise is checked by :func:`check_claims` (``CLAIM:`` lines). On plain
-directories (no ``--nfs-export``) the cases that need mounts are reported as skipped.
+Claims (an ``flock`` on ``tmp/<key id>.claim``) on NFS go through the client's lock emulation:
+locks the server arbitrates (NLM for NFSv3, the protocol's own for NFSv4), or node-local ones
+with ``nolock`` or ``local_lock=``. ``tools/nfs/scenarios.py`` runs the cases (docs/nfs-harness.md
+lists them), each on fresh mounts of the export (``nosharecache``). Every process must end with
+the key's right bytes whatever its claim did; :func:`check_claims` checks what the docs promise.
+On plain directories (no ``--nfs-export``) the cases that need mounts are reported as skipped.
 """
 
 from __future__ import annotations

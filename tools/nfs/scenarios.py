@@ -6,34 +6,12 @@
     # over NFS, as tools/nfs/guest.sh runs it: each --node with its mount options
     scenarios.py ... --node /mnt/node1 --node-options ro,vers=4.2 --nfs-export 127.0.0.1:/srv/export
 
-``tools/nfs_harness.py`` runs this inside its VM over real NFS mounts of one
-export (``nosharecache``: one client cache per mount, like separate nodes); it
-also runs on plain directories (every path the same directory), which checks the
-logic but not NFS. The store is ``<publisher>/store``; nodes read it as
-``<node>/store``, each node in its own process. Scenarios:
-
-- publish: nodes read every key in a loop while the publisher publishes batches;
-- collect: nodes read while the collector removes half the store, then all of it,
-  and the publisher publishes it again (new files at the same paths);
-- compile: the publisher compiles real kernels with NVRTC and publishes them; each
-  node's ``Program.compile`` must hit the shared store without compiling;
-- visibility: entries published on the writable mount are visible on the others
-  at once (close-to-open), and how long a node that had missed a key keeps
-  missing it (negative lookup caching);
-- packed: the same entries published loose and with ``publish --pack``: the NFS
-  operations (``/proc/self/mountstats``) of a cold job's first hits on each
-  node, each job on a fresh mount of ``--nfs-export``, the files and inodes of
-  each store, and how soon a new generation is visible on every node (one mount
-  uses ``lookupcache=positive``);
-- claims: processes of one mount and of several mounts of ``--nfs-export`` miss one
-  key of a cache on NFS at once; a holder killed, a dead node, node-local locks, no
-  lock daemon (``tools/nfs/claim_scenario.py``).
-
-A read must return the right bytes or miss: a wrong byte, an exception, or a
-worker that fails fails the run (exit status 1). So does a figure that breaks
-what docs/nfs.md and docs/nfs-harness.md claim (a failure line that starts with
-``CLAIM:``; :data:`PACKED_CLAIMS`, :func:`check_collect`, :func:`check_visibility`).
-Figures go to ``--json`` and, formatted by :func:`format_summary`, to stdout.
+``tools/nfs_harness.py`` runs this in its VM over NFS mounts of one export (``nosharecache``:
+one client cache per mount, like nodes); on plain directories it checks the logic but not NFS.
+The store is ``<publisher>/store``, each node reads ``<node>/store`` in a process of its own.
+docs/nfs-harness.md describes the six scenarios (:data:`SCENARIOS`). A wrong byte, an exception,
+a failed worker or a figure that breaks what the docs claim (a ``CLAIM:`` line) fails the run
+(exit status 1). Figures go to ``--json`` and, summed up, to stdout.
 """
 
 from __future__ import annotations
@@ -318,6 +296,22 @@ def collect_worker(proc: subprocess.Popen[str], timeout: float, failures: list[s
     if done.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
         failures.append(f"{who}: exit status {done.returncode}: {done.stderr.strip()[-800:]}")
     return out
+
+
+def ask(proc: subprocess.Popen[str], gen: str, i: int) -> str:
+    """A ``serve`` worker's answer for key ``i`` of ``gen``: hit, miss, bad, or "" where it died."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"get {gen} {i}\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def stop_servers(env: Env, servers: list[subprocess.Popen[str]], failures: list[str]) -> None:
+    for k, proc in enumerate(servers):
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it
+        collect_worker(proc, 60, failures, env.who(k))
 
 
 # -- the scenarios (run by the publisher process) ---------------------------------------------
@@ -665,12 +659,8 @@ def scenario_visibility(env: Env) -> Result:
     failures: list[str] = []
     servers = [spawn("serve", env.node_cfg(k), stdin=subprocess.PIPE) for k in range(len(env.nodes))]
 
-    def ask(k: int, gen: str, i: int) -> str:
-        proc = servers[k]
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(f"get {gen} {i}\n")
-        proc.stdin.flush()
-        answer = proc.stdout.readline().strip()
+    def ask_node(k: int, gen: str, i: int) -> str:
+        answer = ask(servers[k], gen, i)
         if answer not in ("hit", "miss"):
             failures.append(f"{env.who(k)}: {gen}/{i}: {answer or 'worker died'}")
         return answer
@@ -682,7 +672,7 @@ def scenario_visibility(env: Env) -> Result:
         make_source(src, "fresh", [i])
         publish([src], env.publisher)
         for k in range(len(servers)):
-            if ask(k, "fresh", i) != "hit":
+            if ask_node(k, "fresh", i) != "hit":
                 fresh_missing[k] += 1
     for k, count in enumerate(fresh_missing):
         if count:
@@ -690,7 +680,7 @@ def scenario_visibility(env: Env) -> Result:
     # Negative lookups first: each node misses the keys, then they are published.
     for i in range(m):
         for k in range(len(servers)):
-            ask(k, "missed", i)
+            ask_node(k, "missed", i)
     src = env.tmp("vis-src", "missed")
     make_source(src, "missed", range(m))
     publish([src], env.publisher)
@@ -701,7 +691,7 @@ def scenario_visibility(env: Env) -> Result:
     first = True
     while pending and time.monotonic() - t_pub < env.neg_wait_s:
         for k, i in sorted(pending):
-            if ask(k, "missed", i) == "hit":
+            if ask_node(k, "missed", i) == "hit":
                 seen_after[(k, i)] = time.monotonic() - t_pub
                 immediate[k] += first
         pending -= set(seen_after)
@@ -719,11 +709,7 @@ def scenario_visibility(env: Env) -> Result:
             "negative_lookups_cached": env.caches_negative_lookups(k),
         })  # fmt: skip
     failures += check_visibility(nodes, m)
-    for k, proc in enumerate(servers):
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.stdin = None  # communicate() must not flush it
-        collect_worker(proc, 60, failures, env.who(k))
+    stop_servers(env, servers, failures)
     return {"failures": failures, "figures": {"entries": m, "wait_limit_s": env.neg_wait_s, "nodes": nodes}}
 
 
@@ -819,18 +805,10 @@ def scenario_packed(env: Env) -> Result:
     for kind, root in roots.items():
         servers = [spawn("serve", {**env.node_cfg(k), "store": os.path.join(m, os.path.basename(root))},
                          stdin=subprocess.PIPE) for k, m in enumerate(env.mounts)]  # fmt: skip
-
-        def ask(k: int, i: int, servers: list[subprocess.Popen[str]] = servers) -> str:
-            proc = servers[k]
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(f"get newgen {i}\n")
-            proc.stdin.flush()
-            return proc.stdout.readline().strip()
-
         m = 8
         for k in range(len(servers)):
             for i in range(m):
-                if ask(k, i) == "bad":
+                if ask(servers[k], "newgen", i) == "bad":
                     failures.append(f"{env.who(k)} {kind}: bad answer before publishing")
         nsrc = env.tmp(f"newgen-{kind}")
         make_source(nsrc, "newgen", range(m))
@@ -840,7 +818,7 @@ def scenario_packed(env: Env) -> Result:
         lag: dict[int, float] = {}
         while pending and time.monotonic() - t_pub < env.neg_wait_s:
             for k, i in sorted(pending):
-                answer = ask(k, i)
+                answer = ask(servers[k], "newgen", i)
                 if answer == "hit":
                     pending.discard((k, i))
                     lag[k] = time.monotonic() - t_pub
@@ -849,11 +827,8 @@ def scenario_packed(env: Env) -> Result:
                     pending.discard((k, i))
             if pending:
                 time.sleep(0.25)
-        for k, proc in enumerate(servers):
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.stdin = None
-            collect_worker(proc, 60, failures, env.who(k))
+        stop_servers(env, servers, failures)
+        for k in range(len(servers)):
             figures["visibility"].append({
                 "store": kind, "node": env.who(k), "all_visible_after_s": round(lag.get(k, -1), 2),
                 "still_missing": sum(1 for kk, _ in pending if kk == k),

@@ -353,19 +353,14 @@ class _Handler(socketserver.BaseRequestHandler):
         if kind == "huge_trailer":
             return self._huge_trailer(file.read_bytes(), fault, headers, keep, method)
         data = file.read_bytes()
-        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
         rng = headers.get("range")
         if kind == "lie_ranges" and rng and "," in rng:
             return self._lie_ranges(data, rng, fault.how, keep, method)
-        if rng and kind != "no_ranges":
-            span = _parse_range(rng, len(data))
-            if span is None:
-                return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
-            start, end = span
-            data = data[start : end + 1]
-            code, reason = 206, "Partial Content"
-            extra["Content-Range"] = f"bytes {start}-{end}/{len(file.read_bytes())}"
-        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data)), **extra}
+        answer = _ranged(rng if kind != "no_ranges" else None, len(data))
+        if answer is None:
+            return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
+        code, reason, (start, end), hdrs = answer
+        data = data[start : end + 1]
         if not keep:
             hdrs["Connection"] = "close"
         if kind == "many_headers":
@@ -401,17 +396,10 @@ class _Handler(socketserver.BaseRequestHandler):
         count = fault.number or 0
         trailer = _TRAILER.pack(checksum, index_offset, count, version, magic)
         size = index_offset + _FANOUT_SIZE + count * _ENTRY_SIZE + _TRAILER.size if fault.consistent else len(real)
-        first, last = 0, size - 1
-        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
-        rng = headers.get("range")
-        if rng:
-            span = _parse_range(rng, size)
-            if span is None:
-                return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
-            first, last = span
-            code, reason = 206, "Partial Content"
-            extra["Content-Range"] = f"bytes {first}-{last}/{size}"
-        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(last - first + 1), **extra}
+        answer = _ranged(headers.get("range"), size)
+        if answer is None:
+            return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
+        code, reason, (first, last), hdrs = answer
         self._send(self._head(code, reason, hdrs))
         if method == "HEAD":
             return keep
@@ -497,6 +485,19 @@ def _virtual_pack(head: bytes, trailer: bytes, size: int, first: int, last: int)
             piece = bytes(min(end, tail) - pos)
         yield piece
         pos += len(piece)
+
+
+def _ranged(value: str | None, size: int) -> tuple[int, str, tuple[int, int], dict[str, str]] | None:
+    """Status, reason, span (inclusive) and headers of a file of ``size`` asked for ``value``; None: 416."""
+    hdrs = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+    if not value:
+        return 200, "OK", (0, size - 1), {**hdrs, "Content-Length": str(size)}
+    span = _parse_range(value, size)
+    if span is None:
+        return None
+    first, last = span
+    hdrs.update({"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{size}"})
+    return 206, "Partial Content", span, hdrs
 
 
 def _parse_range(value: str, size: int) -> tuple[int, int] | None:
