@@ -1,56 +1,34 @@
 """A loopback HTTP/1.1 server of the tests' own whose misbehaviour each test chooses.
 
-It serves the files of a folder for GET and HEAD, with single Range requests (206, 416) and
-keep-alive, one thread a connection. ``set(prefix, fault)`` makes requests whose path starts
-with ``prefix`` misbehave (the longest matching prefix wins; ``set_default`` covers the rest):
+It serves a folder's files for GET and HEAD, single Range requests (206, 416) and keep-alive, one
+thread a connection. ``set(prefix, fault)`` makes requests whose path starts with ``prefix``
+misbehave (the longest prefix wins; ``set_default`` covers the rest). The faults, ``Fault.<name>``:
 
-- ``Fault.ok()``            serve the file (404 where there is none)
-- ``Fault.refuse()``        close the connection at once with a reset, no answer; a port where
-                            nothing listens at all is :func:`refused_url`
-- ``Fault.stall()``         read the request, answer nothing until ``stop()``
-- ``Fault.stall_body()``    send the headers, then nothing until ``stop()``
-- ``Fault.trickle(ms)``     send the body one byte every ``ms`` milliseconds
-- ``Fault.status(code)``    answer ``code`` (500, 503, 404, 403...) with a short body
-- ``Fault.truncate()``      Content-Length of the whole body, send half of it, close
-- ``Fault.wrong_bytes()``   the right length, the first byte of the body flipped
-- ``Fault.redirect_loop()`` 302 to the same URL
-- ``Fault.redirect_to(url)``302 to ``url``
+- ``ok()``: serve the file (404 where none); ``refuse()``: reset the connection, no answer (a port
+  where nothing listens is :func:`refused_url`); ``stall()``: answer nothing until ``stop()``;
+  ``stall_body()``: the headers, then nothing; ``trickle(ms)``: one body byte every ``ms``;
+  ``status(code)``: answer ``code`` with a short body; ``truncate()``: half the body, then close;
+  ``wrong_bytes()``: the body's first byte flipped; ``redirect_loop()``, ``redirect_to(url)``: 302;
+  ``no_ranges()``: a Range request answered 200 with the whole file.
+- How long a client waits and how much it reads: ``trickle_status(ms)`` (``HTTP/1.1 2``, then a
+  byte every ``ms``: a reason phrase that never ends; http.client reads 64 KiB a line);
+  ``trickle_headers(ms)`` (a header line every ``ms``, never the blank line; http.client takes
+  100); ``many_headers(n)``; ``lie_length(by)`` (a ``Content-Length`` ``by`` bytes off, then
+  close); ``endless(length)`` (zeros forever, under ``Content-Length: length`` or none).
+- ``huge_trailer(count)``: a pack (``.cpk``) whose trailer claims ``count`` entries, the file as
+  large as that says (``consistent``: zeros where the real one ends) or its real size.
+- ``lie_ranges(how)``: a multi-range request answered falsely: ``boundary`` (another boundary than
+  the header's), ``unasked`` (the second part moved by a byte, its ``Content-Range`` saying so),
+  ``single`` (a 206 of the first range alone), ``bytes`` (each part's first byte flipped).
+- ``FaultServer.trickle_handshake(ms)``: each new connection gets the start of a 16 KiB TLS record,
+  then a byte of it every ``ms`` (a handshake that never ends).
 
-Faults of a server that decides how long a client waits and how much it reads:
-
-- ``Fault.trickle_status(ms)``  send ``HTTP/1.1 2``, then one byte every ``ms``: ``00 OK`` and
-                                a reason phrase that never ends (http.client reads 64 KiB a line)
-- ``Fault.trickle_headers(ms)`` the status line, then one short header line every ``ms``, never
-                                the blank line that ends them (http.client takes 100)
-- ``Fault.many_headers(n)``     the answer with ``n`` header lines more, all at once
-- ``Fault.lie_length(by)``      the whole file, under a ``Content-Length`` ``by`` bytes off (more
-                                or fewer than it sends), then close
-- ``Fault.endless(length)``     headers (``Content-Length: length``, or none and ``Connection:
-                                close``), then zeros as fast as the client takes them, forever
-- ``Fault.huge_trailer(count)`` a pack file (``.cpk``) whose trailer is rewritten to claim
-                                ``count`` entries; the file served is as large as that trailer
-                                says (``consistent``, the default: zeros where the real file
-                                ends), or its real size; Range requests and 206 as for any file
-- ``Fault.lie_ranges(how)``     a request for several ranges answered falsely (one range is
-                                answered truly): ``boundary`` (parts framed by another boundary
-                                than the header names), ``unasked`` (the second part a range
-                                moved by a byte, its ``Content-Range`` saying so), ``single``
-                                (a 206 of the first range alone), ``bytes`` (each part's first
-                                byte flipped)
-- ``Fault.no_ranges()``         the whole file, ``200``, to a Range request (a server that ignores Range)
-- ``FaultServer.trickle_handshake(ms)``: every new connection gets, instead of HTTP, the start
-  of a TLS record of 16 KiB and then one byte of it every ``ms`` (a TLS handshake that never
-  ends; the client's ClientHello is read and ignored)
-
-``FaultServer(root, writable=True)`` also takes PUT (its parents made, the body renamed into
-place, as nginx's WebDAV with ``create_full_put_path on``) and MKCOL (one level; 405 where it
-exists); elsewhere they get 405. Faults of a server that keeps less than it was sent, answering
-201 all the same: ``Fault.keep_nothing()`` and ``Fault.keep_half()`` (the body's first half).
-
-``times=n`` on any fault applies it to the next n matching requests only, then ``ok``.
-Every request is recorded (``log``, ``hits(path)``, per-connection counts); ``wait_for`` blocks
-until requests arrived, so a test synchronises with the server without sleeping. ``stop()``
-releases the stalls and closes every connection, so no test hangs on it.
+``FaultServer(root, writable=True)`` also takes PUT (parents made, the body renamed into place, as
+nginx's WebDAV does) and MKCOL (one level; 405 where it exists); ``keep_nothing()`` and
+``keep_half()`` answer 201 but keep nothing or the body's first half. ``times=n`` applies a fault
+to the next n matching requests only. Every request is recorded (``log``, ``hits(path)``);
+``wait_for`` blocks until requests arrived, so a test need not sleep. ``stop()`` releases the
+stalls and closes every connection.
 """
 
 from __future__ import annotations
