@@ -141,11 +141,8 @@ class RedisServer(ServerProcess):
         return self._client
 
     def commandstats(self) -> dict[str, int]:
-        """Calls per command since the start or the last ``reset_stats()`` (``INFO commandstats``): ``{"get": 3}``.
-
-        Commands a script or a transaction runs are counted as themselves, and ``exec``
-        once per transaction; a subcommand is ``client|setinfo``.
-        """
+        """Calls per command since the start or ``reset_stats()``: ``{"get": 3}``. A script's or a transaction's
+        commands count as themselves, ``exec`` once per transaction; a subcommand is ``client|setinfo``."""
         info = self.client().info("commandstats")
         return {name.removeprefix("cmdstat_"): int(fields["calls"]) for name, fields in info.items()}
 
