@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
@@ -395,6 +395,28 @@ class Env:
             time.sleep(0.05)
         return procs, stop
 
+    def stop_sweepers(
+        self, procs: list[subprocess.Popen[str]], stop: str, failures: list[str], what: str
+    ) -> Iterator[tuple[int, Result, Result]]:
+        """Stop the sweepers; each node's answer, as ``(k, answer, row)``: the row its figures both scenarios show."""
+        with open(stop, "w"):
+            pass
+        for k, proc in enumerate(procs):
+            out = collect_worker(proc, 600, failures, self.who(k))
+            if not out:
+                continue
+            if out["visible_at_end"] != self.n:
+                failures.append(
+                    f"{self.who(k)}: {self.n - out['visible_at_end']} {what} keys still missing after "
+                    f"{self.neg_wait_s:.0f} s"
+                )
+            yield k, out, {
+                "node": self.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
+                "store_errors": out["store_errors"], "visible_right_after": out.get("visible_after_stop"),
+                "all_visible_after_s": out.get("all_visible_after_stop_s"),
+                "negative_lookups_cached": self.caches_negative_lookups(k),
+            }  # fmt: skip
+
 
 def scenario_publish(env: Env) -> Result:
     """Nodes read every key in a loop (missing at first) while the publisher publishes batches."""
@@ -426,23 +448,13 @@ def scenario_publish(env: Env) -> Result:
     publish_s = time.monotonic() - t0
     if published != env.n:
         failures.append(f"published {published} keys, expected {env.n}")
-    with open(stop, "w"):
-        pass
     figures: Result = {"keys": env.n, "batches": env.batches, "publish_s": round(publish_s, 2)}
     nodes = []
-    for k, proc in enumerate(procs):
-        out = collect_worker(proc, 600, failures, env.who(k))
-        if not out:
-            continue
+    for k, out, row in env.stop_sweepers(procs, stop, failures, "published"):
         lags = []
         for key, seen in out["first_seen"].items():
             b = min(int(key) // per, env.batches - 1)
             lags.append(max(0.0, seen - published_at[b]))
-        if out["visible_at_end"] != env.n:
-            failures.append(
-                f"{env.who(k)}: {env.n - out['visible_at_end']} published keys still missing after "
-                f"{env.neg_wait_s:.0f} s"
-            )
         if out["lost_after_seen"]:
             failures.append(f"{env.who(k)}: {out['lost_after_seen']} keys missed after they had been read")
         if out["store_errors"]:
@@ -454,15 +466,10 @@ def scenario_publish(env: Env) -> Result:
                 f"CLAIM: {env.who(k)}: {out.get('visible_after_stop')} of {env.n} keys visible right after "
                 "the last batch, with no negative lookup cached"
             )
-        nodes.append({
-            "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
-            "sweeps": out["sweeps"], "store_errors": out["store_errors"],
-            "visible_right_after": out.get("visible_after_stop"),
-            "all_visible_after_s": out.get("all_visible_after_stop_s"),
-            "max_lag_s": round(max(lags), 2) if lags else None,
-            "lag_over_1s": sum(lag > 1 for lag in lags),
-            "negative_lookups_cached": env.caches_negative_lookups(k),
-        })  # fmt: skip
+        max_lag = round(max(lags), 2) if lags else None
+        nodes.append(
+            {**row, "sweeps": out["sweeps"], "max_lag_s": max_lag, "lag_over_1s": sum(lag > 1 for lag in lags)}
+        )
     figures["nodes"] = nodes
     return {"failures": failures, "figures": figures}
 
@@ -505,27 +512,9 @@ def scenario_collect(env: Env) -> Result:
     report = publish([src], env.publisher)
     steps.append({"step": "publish again", "s": round(time.monotonic() - t0, 2), "published": report.published})
     time.sleep(1.0)
-    with open(stop, "w"):
-        pass
     nodes = []
-    for k, proc in enumerate(procs):
-        out = collect_worker(proc, 600, failures, env.who(k))
-        if not out:
-            continue
-        if out["visible_at_end"] != env.n:
-            failures.append(
-                f"{env.who(k)}: {env.n - out['visible_at_end']} republished keys still missing after "
-                f"{env.neg_wait_s:.0f} s"
-            )
-        node = {
-            "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
-            "store_errors": out["store_errors"], "visible_right_after": out.get("visible_after_stop"),
-            "all_visible_after_s": out.get("all_visible_after_stop_s"),
-            "negative_lookups_cached": env.caches_negative_lookups(k),
-            "miss_reasons": out["miss_reasons"],
-        }  # fmt: skip
-        node.update(errors_in_window(out["error_events"], removing))
-        nodes.append(node)
+    for _k, out, row in env.stop_sweepers(procs, stop, failures, "republished"):
+        nodes.append({**row, "miss_reasons": out["miss_reasons"], **errors_in_window(out["error_events"], removing)})
     failures += check_collect(nodes, env.n)
     figures = {"keys": env.n, "steps": steps, "held_open_reads": stale, "nodes": nodes}
     return {"failures": failures, "figures": figures}
