@@ -340,13 +340,8 @@ def compression(parent: str | None) -> dict[str, Any]:
                         blob_bytes, manifest_bytes = _store_bytes(store, redis, weed, dav)
                         case: dict[str, Any] = {"blob_bytes": blob_bytes, "manifest_bytes": manifest_bytes}
                         for rtt, rate in LINKS:
-                            with Proxy(
-                                ("127.0.0.1", port),
-                                delay_up_ms=rtt / 2,
-                                delay_down_ms=rtt / 2,
-                                rate_down=rate,
-                                rate_shared=True,
-                            ) as link:
+                            delays = {"delay_up_ms": rtt / 2, "delay_down_ms": rtt / 2}
+                            with Proxy(("127.0.0.1", port), **delays, rate_down=rate, rate_shared=True) as link:
                                 local = os.path.join(base, f"node-{sub}-{store}-{rtt:g}-{rate}")
                                 os.environ["AWS_ENDPOINT_URL_S3"] = f"http://127.0.0.1:{link.port}"
                                 t0 = time.perf_counter()
