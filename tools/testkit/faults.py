@@ -33,6 +33,7 @@ stalls and closes every connection.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import os
 import socket
@@ -426,13 +427,11 @@ class _Handler(socketserver.BaseRequestHandler):
         return self._simple(201, b"created\n", {}, keep, method)
 
     def _simple(self, code: int, body: bytes, extra: dict[str, str], keep: bool, method: str) -> bool:
-        reasons = {201: "Created", 206: "Partial Content", 302: "Found", 401: "Unauthorized", 403: "Forbidden",
-                   404: "Not Found", 405: "Method Not Allowed", 416: "Range Not Satisfiable",
-                   500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+        reason = http.client.responses.get(code, "Status")
         hdrs = {"Content-Length": str(len(body)), **extra}
         if not keep:
             hdrs["Connection"] = "close"
-        self._send(self._head(code, reasons.get(code, "Status"), hdrs) + (b"" if method == "HEAD" else body))
+        self._send(self._head(code, reason, hdrs) + (b"" if method == "HEAD" else body))
         return keep
 
     def _target(self, path: str) -> Path | None:

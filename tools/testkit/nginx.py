@@ -65,12 +65,7 @@ class LogEntry:
 
 def find_nginx() -> str | None:
     """The nginx binary: on PATH, else /usr/sbin/nginx (Debian's, off a non-root PATH); None if neither."""
-    found = shutil.which("nginx")
-    if found:
-        return found
-    if os.access("/usr/sbin/nginx", os.X_OK):
-        return "/usr/sbin/nginx"
-    return None
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
 
 
 #: The certificates ``Nginx(certificate=...)`` can serve: their names and validity (None: from a

@@ -34,10 +34,9 @@ class RedisServerError(RuntimeError):
 
 def find_redis_server() -> str | None:
     """The redis-server binary: on PATH, else /usr/bin/redis-server; None if neither."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+    return shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+    )
 
 
 class RedisServer(ServerProcess):
