@@ -189,7 +189,6 @@ def worker_serve(cfg: Result) -> Result:
 def worker_compile(cfg: Result) -> Result:
     """Compile every kernel through a cache layered over the shared store; count real NVRTC runs."""
     import cuda.core._program as program_mod
-    from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache
 
@@ -202,28 +201,29 @@ def worker_compile(cfg: Result) -> Result:
 
     program_mod._program_compile_uncached = counted
     shutil.rmtree(cfg["local"], ignore_errors=True)
-    out: Result = {"digests": [], "times_ms": [], "second_times_ms": []}
-    from cuda_program_cas import digest_of
-
+    out: Result = {}
     with ContentAddressedProgramCache(cfg["local"], shared=[cfg["store"]]) as cache:
-        for rounds in ("times_ms", "second_times_ms"):
-            for name, target, arch in COMPILES:
-                t0 = time.perf_counter()
-                obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
-                out[rounds].append(round((time.perf_counter() - t0) * 1e3, 1))
-                if rounds == "times_ms":
-                    out["digests"].append(digest_of(bytes(obj.code)))
+        out["times_ms"], out["digests"] = compile_all(cache)
+        out["second_times_ms"], _ = compile_all(cache)
         stats = cache.stats()
     out.update(nvrtc_compiles=calls["n"], hits=stats.hits, shared_hits=stats.shared_hits, misses=stats.misses)
     return out
 
 
-def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: Any) -> Any:
-    name, target, arch = kernel
-    opts: Result = {"arch": arch}
-    if target == "ltoir":
-        opts.update(relocatable_device_code=True, link_time_optimization=True)
-    return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
+def compile_all(cache: Any) -> tuple[list[float], list[str]]:
+    """Each of :data:`COMPILES` through ``cache``: milliseconds each took, and the digests of the binaries."""
+    from cuda.core import Program, ProgramOptions
+
+    from cuda_program_cas import digest_of
+
+    times, digests = [], []
+    for name, target, arch in COMPILES:
+        lto = {"relocatable_device_code": True, "link_time_optimization": True} if target == "ltoir" else {}
+        t0 = time.perf_counter()
+        obj = Program(KERNELS[name], "c++", options=ProgramOptions(arch=arch, **lto)).compile(target, cache=cache)
+        times.append(round((time.perf_counter() - t0) * 1e3, 1))
+        digests.append(digest_of(bytes(obj.code)))
+    return times, digests
 
 
 def worker_firsthits(cfg: Result) -> Result:
@@ -604,19 +604,12 @@ def read_held(held: list[tuple[str, int, str]]) -> Result:
 
 def scenario_compile(env: Env) -> Result:
     """The publisher compiles with NVRTC and publishes; each node's Program.compile must hit."""
-    from cuda.core import Program, ProgramOptions
-
-    from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
+    from cuda_program_cas import ContentAddressedProgramCache, publish
 
     failures: list[str] = []
     src = env.tmp("compile-src")
-    times, digests = [], []
     with ContentAddressedProgramCache(src) as cache:
-        for name, target, arch in COMPILES:
-            t0 = time.perf_counter()
-            obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
-            times.append(round((time.perf_counter() - t0) * 1e3, 1))
-            digests.append(digest_of(bytes(obj.code)))
+        times, digests = compile_all(cache)
     report = publish([src], env.publisher)
     procs = [spawn("compile", env.node_cfg(k)) for k in range(len(env.nodes))]
     nodes = []
