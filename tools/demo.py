@@ -99,10 +99,7 @@ CUB_HEADER_TEXT = "// The demo's own header: a kernel reads it through include_p
 
 
 def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
-    """Compile every (kernel, variant) through the cache; time each and say hit or miss.
-
-    Returns the rows and the cache's counters at the end.
-    """
+    """Compile every (kernel, variant) through the cache, timed, hit or miss: the rows, and the counters at the end."""
     from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache, digest_of
@@ -116,17 +113,9 @@ def compile_all(path: str) -> tuple[list[dict[str, object]], dict[str, object]]:
                 start = time.perf_counter()
                 obj = Program(source, "c++", options=options).compile("cubin", cache=cache)
                 elapsed = time.perf_counter() - start
-                hit = cache.counters()["hits"] > hits_before
-                rows.append(
-                    {
-                        "kernel": kname,
-                        "variant": vname,
-                        "hit": hit,
-                        "seconds": elapsed,
-                        "digest": digest_of(bytes(obj.code)),
-                        "size": len(bytes(obj.code)),
-                    }
-                )
+                hit, code = cache.counters()["hits"] > hits_before, bytes(obj.code)
+                row = {"kernel": kname, "variant": vname, "hit": hit, "seconds": elapsed}
+                rows.append({**row, "digest": digest_of(code), "size": len(code)})
         counters = cache.counters()
     return rows, counters
 

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from testkit.common import SAXPY, cccl_include, work_dir
+from testkit.common import SAXPY, cccl_include, cpu_model, work_dir
 from testkit.workers import answer, collect, spawn_worker, worker_spec
 
 HEAVY = r"""
@@ -231,12 +231,6 @@ def facts(dev: Any) -> dict[str, Any]:
 
     _, major, minor = nvrtc.nvrtcVersion()
     drv = driver.cuDriverGetVersion()[1]
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
         "gpu": dev.name,
         "compute_capability": "".join(str(i) for i in dev.compute_capability),
@@ -246,7 +240,7 @@ def facts(dev: Any) -> dict[str, Any]:
         "cuda_core": cuda.core.__version__,
         "cuda_bindings": cuda.bindings.__version__,
         "python": platform.python_version(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "cccl_include": cccl_include(),
         "bundled_headers": has_bundled_headers(),

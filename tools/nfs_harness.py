@@ -6,26 +6,11 @@
     python tools/nfs_harness.py --json     # one JSON object on stdout (the results), progress on stderr
     python tools/nfs_harness.py -- --only packed   # arguments after -- go to tools/nfs/scenarios.py
 
-A Debian kernel (``linux-image-amd64``) boots under ``qemu-system-x86_64``
-(KVM, or software emulation where ``/dev/kvm`` is PVM) with no network device
-at all. Its root is built from this host's
-own ``/usr`` and ``/etc``, the Python installation and this repository, shared
-read-only over virtio-9p, with the NFS server's userland (``nfs-kernel-server``
-and whatever it needs that this host lacks) layered on top with overlayfs. In the
-guest, the kernel NFS server exports a tmpfs over the guest's loopback, and
-``tools/nfs/guest.sh`` mounts it several times with ``nosharecache`` (separate
-client caches, like separate nodes) and runs ``tools/nfs/scenarios.py`` over
-those mounts. Results come back through a writable 9p share of a per-run
-directory; the console is streamed to ``console.log`` there.
-
-What is built is cached under ``.nfs-harness/`` (git-ignored): the kernel, a
-small initramfs (busybox and the modules needed), the extracted packages.
-
-Exit status: 0 when every scenario passed, or when the harness skipped
-(``skipped: ...`` on stdout: no ``/dev/kvm`` or no qemu); 1 when a scenario
-failed (a wrong byte, an unexpected exception, a figure that breaks what the
-docs claim: ``CLAIM:``) or the VM did not finish; 2 on bad usage or when the
-assets could not be built. ``NFS_HARNESS_KVM`` and ``NFS_HARNESS_QEMU``
+docs/nfs-harness.md says how: a Debian kernel under ``qemu-system-x86_64``, its root this host's
+own shared over virtio-9p, the NFS server's packages layered on with overlayfs, the assets cached
+under ``.nfs-harness/``. Exit status: 0 when every scenario passed or the harness skipped
+(``skipped: ...``: no ``/dev/kvm`` or no qemu); 1 when a scenario failed or the VM did not finish;
+2 on bad usage or assets that could not be built. ``NFS_HARNESS_KVM`` and ``NFS_HARNESS_QEMU``
 override the device and the qemu binary.
 """
 

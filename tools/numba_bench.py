@@ -24,7 +24,7 @@ from typing import Any
 
 from testkit import REPO
 from testkit.common import work_dir
-from testkit.workers import run_worker, worker_spec
+from testkit.workers import answer, run_worker, worker_spec
 
 PHASES = ("uncached", "cold", "warm")
 
@@ -147,7 +147,7 @@ def worker(spec: dict[str, Any]) -> None:
     out = {"ok": all(ok.values()), "kernels": ok, "job_s": job_s, "import_s": import_s}
     out.update(nvvm_s=spent["s"], nvvm_compiles=spent["n"])
     out.update(hits=counters.get("hits", 0), misses=counters.get("misses", 0))
-    print(json.dumps(out))
+    answer(out)
 
 
 def run(phase: str, cache: str, ptx: bool) -> dict[str, Any]:
@@ -183,22 +183,11 @@ def main(argv: list[str]) -> int:
         med.update(ok=all(r["ok"] for r in got), hits=got[-1]["hits"], misses=got[-1]["misses"])
         summary[phase] = med
     un, warm = summary["uncached"], summary["warm"]
-    print(
-        json.dumps(
-            {
-                "repo": REPO,
-                "mode": "ptx" if args.ptx else "gpu",
-                "runs": args.runs,
-                "phases": summary,
-                "nvvm_share_of_uncached_job": un["nvvm_s"] / un["job_s"],
-                "nvvm_share_of_uncached_compiles": un["nvvm_s"] / (un["job_s"] - un["import_s"]),
-                "warm_saved_job_s": un["job_s"] - warm["job_s"],
-                "warm_saved_process_s": un["process_s"] - warm["process_s"],
-                "all": rows,
-            },
-            indent=1,
-        )
-    )
+    out = {"repo": REPO, "mode": "ptx" if args.ptx else "gpu", "runs": args.runs, "phases": summary}
+    out["nvvm_share_of_uncached_job"] = un["nvvm_s"] / un["job_s"]
+    out["nvvm_share_of_uncached_compiles"] = un["nvvm_s"] / (un["job_s"] - un["import_s"])
+    out.update(warm_saved_job_s=un["job_s"] - warm["job_s"], warm_saved_process_s=un["process_s"] - warm["process_s"])
+    print(json.dumps({**out, "all": rows}, indent=1))
     return 0 if all(s["ok"] for s in summary.values()) else 1
 
 

@@ -1,22 +1,11 @@
-"""Torture runs: concurrency, crashes, corruption, full disks and hostile paths.
-
-Every key maps to content fixed by the key alone (blake3 of the key's seed,
-expanded to a size fixed by the seed), so every hit anywhere is checked byte
-for byte. A run ends with a summary of figures and exits non-zero on any wrong
-byte returned, any unexpected exception, or a cache left unclean.
+"""Torture runs: concurrency, crashes, corruption, full disks and hostile paths (docs/torture.md).
 
     python tools/torture.py --processes 4 --seconds 150
     python tools/torture.py --scenarios crash,corrupt --kills 200 --json
 
-Scenarios: ``mixed`` (P processes of get/set/delete/clear/eviction/collection
-under a small cap), ``crash`` (writers killed with SIGKILL at random moments),
-``corrupt`` (bit flips, truncation, bad manifests, unreadable files),
-``fulldisk`` (the cache on a 1 MiB tmpfs; needs root), ``paths`` (bad inputs,
-symlinked shard directories, hostile manifests; nothing outside the root is
-read or written) and ``shared`` (publish and collect a shared store while
-nodes read it; needs ``cuda_program_cas._verbs.publish``).
-
-The scenarios and the checker are ``testkit.torture``; this file is their command line.
+Scenarios: ``mixed``, ``crash``, ``corrupt``, ``fulldisk`` (needs root), ``paths`` and
+``shared``; they and the checker are ``testkit.torture``, this file is their command line. A
+run exits 1 on any wrong byte, unexpected exception or cache left unclean.
 """
 
 from __future__ import annotations
@@ -67,28 +56,22 @@ def run(args: argparse.Namespace, workdir: str) -> list[Report]:
     reports = []
     for name in args.scenarios:
         t0 = time.monotonic()
+        seed, cap = args.seed, args.cap
         if name == "mixed":
-            rep = run_mixed(workdir, processes=args.processes, seconds=args.seconds, cap=args.cap, seed=args.seed)
+            rep = run_mixed(workdir, processes=args.processes, seconds=args.seconds, cap=cap, seed=seed)
         elif name == "crash":
-            rep = run_crashes(
-                workdir,
-                rounds=args.kills // max(1, args.crash_processes),
-                processes=args.crash_processes,
-                cap=args.cap,
-                seed=args.seed,
-            )
+            rounds = args.kills // max(1, args.crash_processes)
+            rep = run_crashes(workdir, rounds=rounds, processes=args.crash_processes, cap=cap, seed=seed)
         elif name == "corrupt":
-            rep = merge_reports(
-                "corrupt", run_corruption(workdir, rounds=args.corrupt_rounds, seed=args.seed), run_unreadable(workdir)
-            )
+            rep = run_corruption(workdir, rounds=args.corrupt_rounds, seed=seed)
+            rep = merge_reports("corrupt", rep, run_unreadable(workdir))
         elif name == "fulldisk":
-            rep = run_full_disk(workdir, seed=args.seed, compile_program=_compiler())
+            rep = run_full_disk(workdir, seed=seed, compile_program=_compiler())
         elif name == "paths":
             rep = run_paths(workdir)
         else:
-            rep = run_shared(
-                workdir, nodes=max(1, args.processes - 2), seconds=args.shared_seconds, cap=args.cap, seed=args.seed
-            )
+            nodes = max(1, args.processes - 2)
+            rep = run_shared(workdir, nodes=nodes, seconds=args.shared_seconds, cap=cap, seed=seed)
         if not rep.seconds:
             rep.seconds = round(time.monotonic() - t0, 1)
         reports.append(rep)
@@ -157,16 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     total = totals(reports)
     ok = all(r.ok for r in reports)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "ok": ok,
-                    "seconds": round(time.monotonic() - started, 1),
-                    "totals": total,
-                    "scenarios": [r.as_dict() for r in reports],
-                }
-            )
-        )
+        scenarios = [r.as_dict() for r in reports]
+        seconds = round(time.monotonic() - started, 1)
+        print(json.dumps({"ok": ok, "seconds": seconds, "totals": total, "scenarios": scenarios}))
     else:
         print(
             f"{'PASS' if ok else 'FAIL'}: {total['operations']:,} operations, {total['kills']:,} kills, "

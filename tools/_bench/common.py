@@ -183,11 +183,10 @@ class Result:
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, row: Row) -> None:
-        self.rows.append(row.finish())
+    def add(self, metric: str, unit: str, ours: float, filestream: float | None, **more: Any) -> None:
+        """A row of both caches' figures (:class:`Row`'s fields)."""
+        self.rows.append(Row(metric, unit, ours, filestream, **more).finish())
 
     def medians(self, metric: str, unit: str, samples: dict[str, list[float]], ratio: float | None = None) -> None:
         """The row ``metric, median`` of both caches' samples; ours / filestream held to at most ``ratio``."""
-        self.add(
-            Row(f"{metric}, median", unit, median(samples["ours"]), median(samples["filestream"]), target_ratio=ratio)
-        )
+        self.add(f"{metric}, median", unit, median(samples["ours"]), median(samples["filestream"]), target_ratio=ratio)

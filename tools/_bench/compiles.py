@@ -13,7 +13,7 @@ from unittest import mock
 from testkit.common import CUB_SOURCE, SAXPY, cccl_include
 from testkit.workers import child_env
 
-from .common import KINDS, Config, Result, Row, Timer, interleaved, median, open_cache, p99, perf_ns
+from .common import KINDS, Config, Result, Timer, interleaved, median, open_cache, p99, perf_ns
 
 # -- workload 2: Program.compile(cache=...) hit ---------------------------------------
 
@@ -38,7 +38,7 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
         blocks, lambda kind: Program(SAXPY, "c++", options=opts).compile("cubin", cache=caches[kind]), check
     )
     res.medians("Program.compile hit", "us", samples, 0.5)
-    res.add(Row("Program.compile hit, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
+    res.add("Program.compile hit, p99", "us", p99(samples["ours"]), p99(samples["filestream"]))
     # The front door on the same kernel: cache.compile() against FileStream's Program.compile hit.
     front = caches["ours"]
     front.compile(SAXPY, "c++", opts, "cubin")  # its record and meta entries (the binary is stored already)
@@ -55,12 +55,10 @@ def w_compile_hit(cfg: Config, base: str) -> Result:
     # The switch (CUDA_PROGRAM_CAS=1 / install()): the same hit with no cache= at all, routed to our cache.
     switched = _switched_hits(caches, opts, blocks, ref)
     res.add(
-        Row(
-            "Program.compile hit through the switch (no cache=), median",
-            "us",
-            median(switched["ours"]),
-            median(switched["filestream"]),
-        )
+        "Program.compile hit through the switch (no cache=), median",
+        "us",
+        median(switched["ours"]),
+        median(switched["filestream"]),
     )
     res.notes.append(
         f"the switch costs {median(switched['ours']) - median(samples['ours']):+.1f} us per compile over passing "
@@ -200,29 +198,25 @@ def w_frontdoor(cfg: Config, base: str) -> Result:
     second = median([h["second"] / 1e6 for h in hits])
     sw_first = median([h["first"] / 1e6 for h in runs[True]])
     sw_second = median([h["second"] / 1e6 for h in runs[True]])
-    res.add(Row("front-door miss (with header tracing) / uncached compile", "ms", median(misses), compile_ms))
+    res.add("front-door miss (with header tracing) / uncached compile", "ms", median(misses), compile_ms)
     res.add(
-        Row(
-            "front-door hit, first call in a fresh process / uncached compile",
-            "ms",
-            first,
-            compile_ms,
-            target="hit ≤ 5 ms",
-            verdict=first <= 5.0,
-        )
+        "front-door hit, first call in a fresh process / uncached compile",
+        "ms",
+        first,
+        compile_ms,
+        target="hit ≤ 5 ms",
+        verdict=first <= 5.0,
     )
     res.add(
-        Row(
-            "front-door hit, repeated in that process / uncached compile",
-            "ms",
-            second,
-            compile_ms,
-            target="hit ≤ 0.1 ms",
-            verdict=second <= 0.1,
-        )
+        "front-door hit, repeated in that process / uncached compile",
+        "ms",
+        second,
+        compile_ms,
+        target="hit ≤ 0.1 ms",
+        verdict=second <= 0.1,
     )
-    res.add(Row("the same through the switch (no cache=), first call in a process", "ms", sw_first, compile_ms))
-    res.add(Row("the same through the switch, repeated in that process", "ms", sw_second, compile_ms))
+    res.add("the same through the switch (no cache=), first call in a process", "ms", sw_first, compile_ms)
+    res.add("the same through the switch, repeated in that process", "ms", sw_second, compile_ms)
     res.notes.append(
         f"{what}; the filestream column is the uncached compile (Program.compile(cache=) refuses include_path "
         f"without a hand-made extra_digest); tracing adds {median(misses) - compile_ms:+.0f} ms to a miss "

@@ -9,7 +9,7 @@ from typing import Any
 
 from testkit.common import SAXPY
 
-from .common import KINDS, Config, Result, Row, open_cache
+from .common import KINDS, Config, Result, open_cache
 
 # -- workload 5: disk footprint on a real dedup workload -------------------------------
 
@@ -111,37 +111,31 @@ def w_footprint(cfg: Config, base: str) -> Result:
     st = caches["ours"].stats()
     snap = caches["ours"].store.inner.snapshot()
     manifest_bytes = snap.manifest_bytes
-    res.add(Row("entries", "count", st.entries, fs_count))
-    res.add(Row("unique blobs (distinct binaries stored)", "count", st.blobs, len(fs_digests)))
+    res.add("entries", "count", st.entries, fs_count)
+    res.add("unique blobs (distinct binaries stored)", "count", st.blobs, len(fs_digests))
     bound = usage["filestream"]["apparent_bytes"] * st.blobs / st.entries + manifest_bytes
     ours_app = usage["ours"]["apparent_bytes"]
     res.add(
-        Row(
-            "apparent bytes (regular files)",
-            "bytes",
-            ours_app,
-            usage["filestream"]["apparent_bytes"],
-            target=f"≤ {bound:,.0f} (FS x blobs/entries + manifests)",
-            verdict=ours_app <= bound,
-        )
+        "apparent bytes (regular files)",
+        "bytes",
+        ours_app,
+        usage["filestream"]["apparent_bytes"],
+        target=f"≤ {bound:,.0f} (FS x blobs/entries + manifests)",
+        verdict=ours_app <= bound,
     )
     res.add(
-        Row(
-            "allocated bytes (st_blocks, files + dirs)",
-            "bytes",
-            usage["ours"]["allocated_bytes"],
-            usage["filestream"]["allocated_bytes"],
-            target="ratio < 1",
-            verdict=usage["ours"]["allocated_bytes"] < usage["filestream"]["allocated_bytes"],
-        )
+        "allocated bytes (st_blocks, files + dirs)",
+        "bytes",
+        usage["ours"]["allocated_bytes"],
+        usage["filestream"]["allocated_bytes"],
+        target="ratio < 1",
+        verdict=usage["ours"]["allocated_bytes"] < usage["filestream"]["allocated_bytes"],
     )
     res.add(
-        Row(
-            "allocated bytes (st_blocks, files only)",
-            "bytes",
-            usage["ours"]["allocated_file_bytes"],
-            usage["filestream"]["allocated_file_bytes"],
-        )
+        "allocated bytes (st_blocks, files only)",
+        "bytes",
+        usage["ours"]["allocated_file_bytes"],
+        usage["filestream"]["allocated_file_bytes"],
     )
     res.details = {
         "compiles": compiles,

@@ -15,7 +15,6 @@ from .common import (
     SCRIPT,
     Config,
     Result,
-    Row,
     Timer,
     fmt_size,
     interleaved,
@@ -58,13 +57,11 @@ def w_hit_first(cfg: Config, base: str) -> Result:
         for size in cfg.hit_sizes:
             for stat, of, target in (("median", median, targets.get(size)), ("p99", p99, None)):
                 res.add(
-                    Row(
-                        f"first hit {fmt_size(size)}{label}, {stat}",
-                        "us",
-                        of(samples["ours"][size]),
-                        of(samples["filestream"][size]),
-                        target_ratio=target,
-                    )
+                    f"first hit {fmt_size(size)}{label}, {stat}",
+                    "us",
+                    of(samples["ours"][size]),
+                    of(samples["filestream"][size]),
+                    target_ratio=target,
                 )
     res.notes.append(
         f"{cfg.first_rounds} fresh processes per cache, each timing one get() of {cfg.first_keys} keys per size that "
@@ -137,19 +134,17 @@ def w_hit_repeat(cfg: Config, base: str) -> Result:
         samples = _repeated_passes(caches, keys, cfg.repeat_passes, first_bytes=None)
         t = targets.get(size)
         res.medians(f"repeated hit {fmt_size(size)}", "us", samples, t)
-        res.add(Row(f"repeated hit {fmt_size(size)}, p99", "us", p99(samples["ours"]), p99(samples["filestream"])))
+        res.add(f"repeated hit {fmt_size(size)}, p99", "us", p99(samples["ours"]), p99(samples["filestream"]))
     res.notes.append(f"{cfg.repeat_keys} keys per size, {cfg.repeat_passes} timed passes after one warm-up pass")
     _repeat_beyond_budget(cfg, base, res)
     cost = res.details["counters_cost"] = _counters_cost(cfg, base)
     res.add(
-        Row(
-            "lifetime counters and records per hit, logging off (ours only)",
-            "us",
-            cost["per_hit_us"],
-            None,
-            target="< 1 us",
-            verdict=cost["per_hit_us"] < 1.0,
-        )
+        "lifetime counters and records per hit, logging off (ours only)",
+        "us",
+        cost["per_hit_us"],
+        None,
+        target="< 1 us",
+        verdict=cost["per_hit_us"] < 1.0,
     )
     res.notes.append(
         f"lifetime counters and per-lookup records, logging off: {cost['per_hit_us']:.3f} us per hit = checks "

@@ -16,7 +16,6 @@ from .common import (
     KINDS,
     Config,
     Result,
-    Row,
     fmt_size,
     interleaved,
     key_for,
@@ -113,17 +112,15 @@ def w_processes(cfg: Config, base: str) -> Result:
                 "elapsed_s": elapsed,
                 "exit_codes": [p.exitcode for p in procs],
             }
-        res.add(Row(f"{nproc} processes, 90% reads, throughput", "ops/s", tput["ours"], tput["filestream"],
-                    target_op=">=", target_ratio=1.0))  # fmt: skip
+        res.add(f"{nproc} processes, 90% reads, throughput", "ops/s", tput["ours"], tput["filestream"],
+                target_op=">=", target_ratio=1.0)  # fmt: skip
         res.add(
-            Row(
-                f"{nproc} processes, errors",
-                "count",
-                errs["ours"],
-                errs["filestream"],
-                target="0 for ours",
-                verdict=errs["ours"] == 0,
-            )
+            f"{nproc} processes, errors",
+            "count",
+            errs["ours"],
+            errs["filestream"],
+            target="0 for ours",
+            verdict=errs["ours"] == 0,
         )
     res.notes.append(
         f"each process opens the cache and runs {cfg.mp_duration_s:g} s: 90 % get() of {cfg.mp_keys} stored "
@@ -183,11 +180,11 @@ def w_cold_start(cfg: Config, base: str) -> Result:
         vals = [sum(p) if i is None else p[i] for p in parts[kind]]
         return median([v / 1e6 for v in vals])
 
-    res.add(Row("import + open + first hit (in process), median", "ms", med("ours", None), med("filestream", None)))
-    res.add(Row("  of which import", "ms", med("ours", 0), med("filestream", 0)))
-    res.add(Row("  of which open", "ms", med("ours", 1), med("filestream", 1)))
-    res.add(Row("  of which first hit", "ms", med("ours", 2), med("filestream", 2)))
-    res.add(Row("whole process (spawn to exit), median", "ms", median(walls["ours"]), median(walls["filestream"])))
+    res.add("import + open + first hit (in process), median", "ms", med("ours", None), med("filestream", None))
+    res.add("  of which import", "ms", med("ours", 0), med("filestream", 0))
+    res.add("  of which open", "ms", med("ours", 1), med("filestream", 1))
+    res.add("  of which first hit", "ms", med("ours", 2), med("filestream", 2))
+    res.add("whole process (spawn to exit), median", "ms", median(walls["ours"]), median(walls["filestream"]))
     res.notes.append(
         f"{cfg.cold_runs} fresh `python -c` processes per cache after one warm-up each; both imports load cuda.core"
     )
@@ -264,22 +261,18 @@ def w_small_job(cfg: Config, base: str) -> Result:
         for how, label in (("ours", "Program.compile(cache=)"), ("front", "cache.compile")):
             for against, name, target in (("filestream", "FileStream", 1.0), ("uncached", "uncached compile", 0.7)):
                 res.add(
-                    Row(
-                        f"small-kernel job, hit, {clock}: ours ({label}) / {name}",
-                        "ms",
-                        median(values[how]),
-                        median(values[against]),
-                        target_ratio=target,
-                    )
+                    f"small-kernel job, hit, {clock}: ours ({label}) / {name}",
+                    "ms",
+                    median(values[how]),
+                    median(values[against]),
+                    target_ratio=target,
                 )
         # The floor under every cached job: the same process with no compile and no cache.
         res.add(
-            Row(
-                f"  floor: a job that only imports cuda.core, {clock} / uncached compile",
-                "ms",
-                median(values["bare"]),
-                median(values["uncached"]),
-            )
+            f"  floor: a job that only imports cuda.core, {clock} / uncached compile",
+            "ms",
+            median(values["bare"]),
+            median(values["uncached"]),
         )
     res.notes.append(
         f"{runs} rounds of 5 fresh processes (no cache, FileStream hit, ours through Program.compile(cache=), ours "

@@ -6,7 +6,7 @@ import os
 import platform
 from typing import Any
 
-from testkit.common import git_state
+from testkit.common import cpu_model, git_state
 
 
 def _mount_of(path: str) -> dict[str, str]:
@@ -27,15 +27,6 @@ def _mount_of(path: str) -> dict[str, str]:
 def machine_info(bench_dir: str) -> dict[str, Any]:
     import importlib.metadata as md
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     versions = {}
     for dist in ("cuda-core", "cuda-bindings", "blake3", "filelock", "cuda-program-cas"):
         try:
@@ -48,7 +39,7 @@ def machine_info(bench_dir: str) -> dict[str, Any]:
     except (ValueError, OSError, AttributeError):
         mem = None
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1) if mem else None,
         "os": f"{platform.system()} {platform.release()}",
@@ -90,17 +81,8 @@ def render(report: dict[str, Any]) -> str:
         for r in w["rows"]:
             met = "" if r["met"] is None else ("met" if r["met"] else "NOT MET")
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-            table.append(
-                (
-                    "  " + r["metric"],
-                    r["unit"],
-                    _fmt_num(r["ours"], r["unit"]),
-                    _fmt_num(r["filestream"], r["unit"]),
-                    ratio,
-                    r["target"] or "",
-                    met,
-                )
-            )
+            figures = (_fmt_num(r["ours"], r["unit"]), _fmt_num(r["filestream"], r["unit"]), ratio)
+            table.append(("  " + r["metric"], r["unit"], *figures, r["target"] or "", met))
     widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
     right = {2, 3, 4}
 

@@ -12,7 +12,6 @@ from .common import (
     KINDS,
     Config,
     Result,
-    Row,
     Timer,
     fmt_size,
     interleaved,
@@ -130,22 +129,18 @@ def w_cap_writes(cfg: Config, base: str) -> Result:
             shutil.rmtree(path, ignore_errors=True)
         d_ours, d_fs = res.details[f"ours_{n}"], res.details[f"filestream_{n}"]
         res.add(
-            Row(
-                f"write at cap, {n:,} entries, mean",
-                "ms",
-                per_write["ours"],
-                per_write["filestream"],
-                target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
-            )
+            f"write at cap, {n:,} entries, mean",
+            "ms",
+            per_write["ours"],
+            per_write["filestream"],
+            target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
         )
         res.add(
-            Row(
-                f"write at cap, {n:,} entries, amortized",
-                "ms",
-                amortized["ours"],
-                amortized["filestream"],
-                target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
-            )
+            f"write at cap, {n:,} entries, amortized",
+            "ms",
+            amortized["ours"],
+            amortized["filestream"],
+            target_ratio=0.02 if n == max(cfg.cap_sizes) else None,
         )
         res.notes.append(
             f"{n:,} entries of {fmt_size(size)}: ours timed {d_ours['writes_timed']} writes (evicted "

@@ -1,33 +1,17 @@
 #!/usr/bin/env python3
 """Claims on a cache that sits on NFS: processes of one mount, and of several mounts of one export.
 
-A cache directory on NFS (a home directory, ``CUDA_PROGRAM_CAS_DIR`` on a shared scratch)
-may be opened by several nodes at once; its claims (``cuda_program_cas._local.claims``,
-an ``flock`` on ``tmp/<key id>.claim``) then go through the NFS client's lock emulation:
-byte-range locks that the server arbitrates (NLM for NFSv3, the protocol's own for
-NFSv4), or node-local ones with ``nolock`` or ``local_lock=``. Run by
-``tools/nfs/scenarios.py`` (the scenario "claims on an NFS-mounted cache"); each case
-mounts the export afresh (``nosharecache``: one client cache per mount, like nodes):
-
-- one mount: 4 processes miss one key at once (v4.2, v3 with NLM locks);
-- two mounts: a holder on one, waiters on both (v4.2; v3; a waiter on a mount
-  with ``lookupcache=positive``);
-- a holder SIGKILLed mid-compile: how soon a waiter on its mount, and on another, takes over;
-- a dead node: the holder's mount is made by another NFS client (its own network
-  namespace and host name, over a veth pair) whose link is then cut, so that only the
-  server's lease can free the lock; one waiter with a long bound, one with a short one;
-- node-local locks (v3 ``nolock``, v4.2 ``local_lock=flock``): claims of one mount only;
-- no lock daemon (v3 with ``rpc.statd`` stopped): ``flock`` fails with ``ENOLCK``.
-
-Every process must end with the key's right bytes, whatever its claim did: a claim can
-only save work. The figures (compiles, takeover times, the longest single ``flock``
-call, lock operations a waiter sends per second) go to the scenario's result; what the
-docs promise is checked by :func:`check_claims` (``CLAIM:`` lines). On plain
-directories (no ``--nfs-export``) the cases that need mounts are reported as skipped.
+Claims (an ``flock`` on ``tmp/<key id>.claim``) on NFS go through the client's lock emulation:
+locks the server arbitrates (NLM for NFSv3, the protocol's own for NFSv4), or node-local ones
+with ``nolock`` or ``local_lock=``. ``tools/nfs/scenarios.py`` runs the cases (docs/nfs-harness.md
+lists them), each on fresh mounts of the export (``nosharecache``). Every process must end with
+the key's right bytes whatever its claim did; :func:`check_claims` checks what the docs promise.
+On plain directories (no ``--nfs-export``) the cases that need mounts are reported as skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import faulthandler
 import hashlib
@@ -41,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import nfs_common  # first: it makes this checkout's cuda_program_cas the one imported
@@ -277,15 +261,20 @@ class Proc:
             self.proc.kill()
 
 
-def start(specs: list[tuple[str, str, str, float]], key: str, hang_s: float = 600.0) -> list[Proc]:
-    """Start a worker for each ``(who, root, mount, wait_s)`` and wait until each is ready.
+@contextlib.contextmanager
+def started(specs: list[tuple[str, str, str, float]], key: str, hang_s: float = 600.0) -> Iterator[list[Proc]]:
+    """A worker for each ``(who, root, mount, wait_s)``, each ready; all killed at the end.
 
     A worker still running after ``hang_s`` prints every thread's stack on stderr and exits.
     """
     procs = [Proc(who, root, mount, key, wait_s, hang_s=hang_s) for who, root, mount, wait_s in specs]
-    for p in procs:
-        p.wait_for("ready")
-    return procs
+    try:
+        for p in procs:
+            p.wait_for("ready")
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def let_compile(procs: list[Proc], timeout: float = 300.0) -> None:
@@ -438,17 +427,13 @@ def case_one_mount(mounts: Mounts, name: str, opts: str, failures: list[str]) ->
     mount = mounts.mount(name, opts)
     root = mounts.root(mount, f"one-{name}")
     _new_cache(mounts, f"one-{name}")
-    procs = start([(f"p{i}", root, mount, 120.0) for i in range(4)], "one")
-    try:
+    with started([(f"p{i}", root, mount, 120.0) for i in range(4)], "one") as procs:
         for p in procs:
             p.say("start")
         for p in procs:  # each holds the claim or waits for it (or, with no claim, compiles)
             p.wait_for("waiting", "compiling")
         let_compile(procs)
         row = outcome(procs, failures, f"one mount {name}")
-    finally:
-        for p in procs:
-            p.kill()
     return {"case": "one mount, 4 processes at once", "mount": name, "options": mounts.options.get(name), **row}
 
 
@@ -457,9 +442,9 @@ def case_two_mounts(mounts: Mounts, a: str, b: str, failures: list[str], label: 
     ma, mb = mounts.made_or(a), mounts.made_or(b)
     root_a, root_b = mounts.root(ma, f"two-{a}-{b}"), mounts.root(mb, f"two-{a}-{b}")
     _new_cache(mounts, f"two-{a}-{b}")
-    procs = start([("holder", root_a, ma, 120.0), (f"{a} waiter", root_a, ma, 120.0),
-                   (f"{b} waiter 1", root_b, mb, 120.0), (f"{b} waiter 2", root_b, mb, 120.0)], "two")  # fmt: skip
-    try:
+    specs = [("holder", root_a, ma, 120.0), (f"{a} waiter", root_a, ma, 120.0),
+             (f"{b} waiter 1", root_b, mb, 120.0), (f"{b} waiter 2", root_b, mb, 120.0)]  # fmt: skip
+    with started(specs, "two") as procs:
         procs[0].say("start")
         procs[0].wait_for("compiling")
         for p in procs[1:]:
@@ -468,9 +453,6 @@ def case_two_mounts(mounts: Mounts, a: str, b: str, failures: list[str], label: 
         waited = [p.who for p in procs[1:] if "waiting" in p.said]
         let_compile(procs)
         row = outcome(procs, failures, label)
-    finally:
-        for p in procs:
-            p.kill()
     return {"case": label, "mounts": [a, b], "waited_for_the_holder": waited, **row}
 
 
@@ -483,8 +465,7 @@ def case_killed(mounts: Mounts, a: str, b: str, failures: list[str]) -> Result:
         case = f"killed-{a}-{side}-{len(rows)}"
         root_h, root_w = mounts.root(ma, case), mounts.root(mw, case)
         _new_cache(mounts, case)
-        holder, waiter = start([("holder", root_h, ma, 0.0), ("waiter", root_w, mw, 120.0)], "killed")
-        try:
+        with started([("holder", root_h, ma, 0.0), ("waiter", root_w, mw, 120.0)], "killed") as (holder, waiter):
             holder.say("start")
             holder.wait_for("compiling")
             waiter.say("start")
@@ -498,9 +479,6 @@ def case_killed(mounts: Mounts, a: str, b: str, failures: list[str]) -> Result:
             let_compile([waiter])
             holder.proc.wait(timeout=60)
             row = outcome([waiter], failures, f"killed holder on {a}, waiter on the {where} {side}")
-        finally:
-            holder.kill()
-            waiter.kill()
         rows.extend(row["processes"])
     return {"case": "holder SIGKILLed mid-compile", "holder_mount": a, "takeover_s": takeovers, "processes": rows,
             "compiles": sum(bool(r.get("compiled")) for r in rows)}  # fmt: skip
@@ -516,11 +494,11 @@ def case_dead_node(mounts: Mounts, a: str, b: str, failures: list[str]) -> Resul
     ma, mb = mounts.made_or(a), mounts.made_or(b)
     root_d, root_a, root_b = (mounts.root(m, "dead") for m in (md, ma, mb))
     _new_cache(mounts, "dead")
-    procs = start([("holder (dead node)", root_d, md, 0.0), ("waiter, bound 120 s", root_a, ma, 120.0),
-                   ("waiter, bound 4 s", root_b, mb, 4.0)], "dead")  # fmt: skip
-    holder, slow, quick = procs
+    specs = [("holder (dead node)", root_d, md, 0.0), ("waiter, bound 120 s", root_a, ma, 120.0),
+             ("waiter, bound 4 s", root_b, mb, 4.0)]  # fmt: skip
     figures: Result = {"lease_s": lease_s()}
-    try:
+    with started(specs, "dead") as (holder, slow, quick), contextlib.ExitStack() as undo:
+        undo.callback(subprocess.run, ["ip", "link", "set", VETH_HOST, "up"], capture_output=True, timeout=60)
         holder.say("start")
         holder.wait_for("compiling")
         for p in (slow, quick):
@@ -543,10 +521,6 @@ def case_dead_node(mounts: Mounts, a: str, b: str, failures: list[str]) -> Resul
             figures["holder_exit"] = holder.proc.returncode
         except subprocess.TimeoutExpired:
             figures["holder_exit"] = "still exiting after 60 s"
-    finally:
-        subprocess.run(["ip", "link", "set", VETH_HOST, "up"], capture_output=True, timeout=60, check=False)
-        for p in procs:
-            p.kill()
     return {"case": "dead node (its link cut)", "holder_mount": mounts.options.get("dead-node"), **figures, **row}
 
 
@@ -567,17 +541,15 @@ def case_no_lock_daemon(mounts: Mounts, failures: list[str], which: str) -> Resu
         mount = mounts.mount(name, "rw,vers=3", server=HOST_ADDR)
     root = mounts.root(mount, name)
     _new_cache(mounts, name)
-    procs = start([(f"p{i}", root, mount, 5.0) for i in range(3)], name, hang_s=HANG_S)
     try:
-        for p in procs:
-            p.say("start")
-        for p in procs:
-            p.wait_for("waiting", "compiling")
-        let_compile(procs)
-        row = outcome(procs, failures, f"no lock daemon ({which})")
+        with started([(f"p{i}", root, mount, 5.0) for i in range(3)], name, hang_s=HANG_S) as procs:
+            for p in procs:
+                p.say("start")
+            for p in procs:
+                p.wait_for("waiting", "compiling")
+            let_compile(procs)
+            row = outcome(procs, failures, f"no lock daemon ({which})")
     finally:
-        for p in procs:
-            p.kill()
         figures["statd_running_at_end"] = len(_statd_pids())
         if which == "statd":
             figures["statd_after"] = statd(True)

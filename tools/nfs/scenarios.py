@@ -6,34 +6,12 @@
     # over NFS, as tools/nfs/guest.sh runs it: each --node with its mount options
     scenarios.py ... --node /mnt/node1 --node-options ro,vers=4.2 --nfs-export 127.0.0.1:/srv/export
 
-``tools/nfs_harness.py`` runs this inside its VM over real NFS mounts of one
-export (``nosharecache``: one client cache per mount, like separate nodes); it
-also runs on plain directories (every path the same directory), which checks the
-logic but not NFS. The store is ``<publisher>/store``; nodes read it as
-``<node>/store``, each node in its own process. Scenarios:
-
-- publish: nodes read every key in a loop while the publisher publishes batches;
-- collect: nodes read while the collector removes half the store, then all of it,
-  and the publisher publishes it again (new files at the same paths);
-- compile: the publisher compiles real kernels with NVRTC and publishes them; each
-  node's ``Program.compile`` must hit the shared store without compiling;
-- visibility: entries published on the writable mount are visible on the others
-  at once (close-to-open), and how long a node that had missed a key keeps
-  missing it (negative lookup caching);
-- packed: the same entries published loose and with ``publish --pack``: the NFS
-  operations (``/proc/self/mountstats``) of a cold job's first hits on each
-  node, each job on a fresh mount of ``--nfs-export``, the files and inodes of
-  each store, and how soon a new generation is visible on every node (one mount
-  uses ``lookupcache=positive``);
-- claims: processes of one mount and of several mounts of ``--nfs-export`` miss one
-  key of a cache on NFS at once; a holder killed, a dead node, node-local locks, no
-  lock daemon (``tools/nfs/claim_scenario.py``).
-
-A read must return the right bytes or miss: a wrong byte, an exception, or a
-worker that fails fails the run (exit status 1). So does a figure that breaks
-what docs/nfs.md and docs/nfs-harness.md claim (a failure line that starts with
-``CLAIM:``; :data:`PACKED_CLAIMS`, :func:`check_collect`, :func:`check_visibility`).
-Figures go to ``--json`` and, formatted by :func:`format_summary`, to stdout.
+``tools/nfs_harness.py`` runs this in its VM over NFS mounts of one export (``nosharecache``:
+one client cache per mount, like nodes); on plain directories it checks the logic but not NFS.
+The store is ``<publisher>/store``, each node reads ``<node>/store`` in a process of its own.
+docs/nfs-harness.md describes the six scenarios (:data:`SCENARIOS`). A wrong byte, an exception,
+a failed worker or a figure that breaks what the docs claim (a ``CLAIM:`` line) fails the run
+(exit status 1). Figures go to ``--json`` and, summed up, to stdout.
 """
 
 from __future__ import annotations
@@ -49,7 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nfs_common import format_summary, mount_options, mountstats, ops_between  # first: this checkout's cuda_program_cas
@@ -211,7 +189,6 @@ def worker_serve(cfg: Result) -> Result:
 def worker_compile(cfg: Result) -> Result:
     """Compile every kernel through a cache layered over the shared store; count real NVRTC runs."""
     import cuda.core._program as program_mod
-    from cuda.core import Program, ProgramOptions
 
     from cuda_program_cas import ContentAddressedProgramCache
 
@@ -224,28 +201,29 @@ def worker_compile(cfg: Result) -> Result:
 
     program_mod._program_compile_uncached = counted
     shutil.rmtree(cfg["local"], ignore_errors=True)
-    out: Result = {"digests": [], "times_ms": [], "second_times_ms": []}
-    from cuda_program_cas import digest_of
-
+    out: Result = {}
     with ContentAddressedProgramCache(cfg["local"], shared=[cfg["store"]]) as cache:
-        for rounds in ("times_ms", "second_times_ms"):
-            for name, target, arch in COMPILES:
-                t0 = time.perf_counter()
-                obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
-                out[rounds].append(round((time.perf_counter() - t0) * 1e3, 1))
-                if rounds == "times_ms":
-                    out["digests"].append(digest_of(bytes(obj.code)))
+        out["times_ms"], out["digests"] = compile_all(cache)
+        out["second_times_ms"], _ = compile_all(cache)
         stats = cache.stats()
     out.update(nvrtc_compiles=calls["n"], hits=stats.hits, shared_hits=stats.shared_hits, misses=stats.misses)
     return out
 
 
-def _compile(program: Any, options: Any, kernel: tuple[str, str, str], cache: Any) -> Any:
-    name, target, arch = kernel
-    opts: Result = {"arch": arch}
-    if target == "ltoir":
-        opts.update(relocatable_device_code=True, link_time_optimization=True)
-    return program(KERNELS[name], "c++", options=options(**opts)).compile(target, cache=cache)
+def compile_all(cache: Any) -> tuple[list[float], list[str]]:
+    """Each of :data:`COMPILES` through ``cache``: milliseconds each took, and the digests of the binaries."""
+    from cuda.core import Program, ProgramOptions
+
+    from cuda_program_cas import digest_of
+
+    times, digests = [], []
+    for name, target, arch in COMPILES:
+        lto = {"relocatable_device_code": True, "link_time_optimization": True} if target == "ltoir" else {}
+        t0 = time.perf_counter()
+        obj = Program(KERNELS[name], "c++", options=ProgramOptions(arch=arch, **lto)).compile(target, cache=cache)
+        times.append(round((time.perf_counter() - t0) * 1e3, 1))
+        digests.append(digest_of(bytes(obj.code)))
+    return times, digests
 
 
 def worker_firsthits(cfg: Result) -> Result:
@@ -318,6 +296,22 @@ def collect_worker(proc: subprocess.Popen[str], timeout: float, failures: list[s
     if done.returncode != 0 and not out.get("wrong") and not out.get("exceptions"):
         failures.append(f"{who}: exit status {done.returncode}: {done.stderr.strip()[-800:]}")
     return out
+
+
+def ask(proc: subprocess.Popen[str], gen: str, i: int) -> str:
+    """A ``serve`` worker's answer for key ``i`` of ``gen``: hit, miss, bad, or "" where it died."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"get {gen} {i}\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def stop_servers(env: Env, servers: list[subprocess.Popen[str]], failures: list[str]) -> None:
+    for k, proc in enumerate(servers):
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.stdin = None  # communicate() must not flush it
+        collect_worker(proc, 60, failures, env.who(k))
 
 
 # -- the scenarios (run by the publisher process) ---------------------------------------------
@@ -401,6 +395,28 @@ class Env:
             time.sleep(0.05)
         return procs, stop
 
+    def stop_sweepers(
+        self, procs: list[subprocess.Popen[str]], stop: str, failures: list[str], what: str
+    ) -> Iterator[tuple[int, Result, Result]]:
+        """Stop the sweepers; each node's answer, as ``(k, answer, row)``: the row its figures both scenarios show."""
+        with open(stop, "w"):
+            pass
+        for k, proc in enumerate(procs):
+            out = collect_worker(proc, 600, failures, self.who(k))
+            if not out:
+                continue
+            if out["visible_at_end"] != self.n:
+                failures.append(
+                    f"{self.who(k)}: {self.n - out['visible_at_end']} {what} keys still missing after "
+                    f"{self.neg_wait_s:.0f} s"
+                )
+            yield k, out, {
+                "node": self.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
+                "store_errors": out["store_errors"], "visible_right_after": out.get("visible_after_stop"),
+                "all_visible_after_s": out.get("all_visible_after_stop_s"),
+                "negative_lookups_cached": self.caches_negative_lookups(k),
+            }  # fmt: skip
+
 
 def scenario_publish(env: Env) -> Result:
     """Nodes read every key in a loop (missing at first) while the publisher publishes batches."""
@@ -432,23 +448,13 @@ def scenario_publish(env: Env) -> Result:
     publish_s = time.monotonic() - t0
     if published != env.n:
         failures.append(f"published {published} keys, expected {env.n}")
-    with open(stop, "w"):
-        pass
     figures: Result = {"keys": env.n, "batches": env.batches, "publish_s": round(publish_s, 2)}
     nodes = []
-    for k, proc in enumerate(procs):
-        out = collect_worker(proc, 600, failures, env.who(k))
-        if not out:
-            continue
+    for k, out, row in env.stop_sweepers(procs, stop, failures, "published"):
         lags = []
         for key, seen in out["first_seen"].items():
             b = min(int(key) // per, env.batches - 1)
             lags.append(max(0.0, seen - published_at[b]))
-        if out["visible_at_end"] != env.n:
-            failures.append(
-                f"{env.who(k)}: {env.n - out['visible_at_end']} published keys still missing after "
-                f"{env.neg_wait_s:.0f} s"
-            )
         if out["lost_after_seen"]:
             failures.append(f"{env.who(k)}: {out['lost_after_seen']} keys missed after they had been read")
         if out["store_errors"]:
@@ -460,15 +466,10 @@ def scenario_publish(env: Env) -> Result:
                 f"CLAIM: {env.who(k)}: {out.get('visible_after_stop')} of {env.n} keys visible right after "
                 "the last batch, with no negative lookup cached"
             )
-        nodes.append({
-            "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
-            "sweeps": out["sweeps"], "store_errors": out["store_errors"],
-            "visible_right_after": out.get("visible_after_stop"),
-            "all_visible_after_s": out.get("all_visible_after_stop_s"),
-            "max_lag_s": round(max(lags), 2) if lags else None,
-            "lag_over_1s": sum(lag > 1 for lag in lags),
-            "negative_lookups_cached": env.caches_negative_lookups(k),
-        })  # fmt: skip
+        max_lag = round(max(lags), 2) if lags else None
+        nodes.append(
+            {**row, "sweeps": out["sweeps"], "max_lag_s": max_lag, "lag_over_1s": sum(lag > 1 for lag in lags)}
+        )
     figures["nodes"] = nodes
     return {"failures": failures, "figures": figures}
 
@@ -511,27 +512,9 @@ def scenario_collect(env: Env) -> Result:
     report = publish([src], env.publisher)
     steps.append({"step": "publish again", "s": round(time.monotonic() - t0, 2), "published": report.published})
     time.sleep(1.0)
-    with open(stop, "w"):
-        pass
     nodes = []
-    for k, proc in enumerate(procs):
-        out = collect_worker(proc, 600, failures, env.who(k))
-        if not out:
-            continue
-        if out["visible_at_end"] != env.n:
-            failures.append(
-                f"{env.who(k)}: {env.n - out['visible_at_end']} republished keys still missing after "
-                f"{env.neg_wait_s:.0f} s"
-            )
-        node = {
-            "node": env.who(k), "reads": out["reads"], "hits": out["hits"], "misses": out["misses"],
-            "store_errors": out["store_errors"], "visible_right_after": out.get("visible_after_stop"),
-            "all_visible_after_s": out.get("all_visible_after_stop_s"),
-            "negative_lookups_cached": env.caches_negative_lookups(k),
-            "miss_reasons": out["miss_reasons"],
-        }  # fmt: skip
-        node.update(errors_in_window(out["error_events"], removing))
-        nodes.append(node)
+    for _k, out, row in env.stop_sweepers(procs, stop, failures, "republished"):
+        nodes.append({**row, "miss_reasons": out["miss_reasons"], **errors_in_window(out["error_events"], removing)})
     failures += check_collect(nodes, env.n)
     figures = {"keys": env.n, "steps": steps, "held_open_reads": stale, "nodes": nodes}
     return {"failures": failures, "figures": figures}
@@ -621,19 +604,12 @@ def read_held(held: list[tuple[str, int, str]]) -> Result:
 
 def scenario_compile(env: Env) -> Result:
     """The publisher compiles with NVRTC and publishes; each node's Program.compile must hit."""
-    from cuda.core import Program, ProgramOptions
-
-    from cuda_program_cas import ContentAddressedProgramCache, digest_of, publish
+    from cuda_program_cas import ContentAddressedProgramCache, publish
 
     failures: list[str] = []
     src = env.tmp("compile-src")
-    times, digests = [], []
     with ContentAddressedProgramCache(src) as cache:
-        for name, target, arch in COMPILES:
-            t0 = time.perf_counter()
-            obj = _compile(Program, ProgramOptions, (name, target, arch), cache)
-            times.append(round((time.perf_counter() - t0) * 1e3, 1))
-            digests.append(digest_of(bytes(obj.code)))
+        times, digests = compile_all(cache)
     report = publish([src], env.publisher)
     procs = [spawn("compile", env.node_cfg(k)) for k in range(len(env.nodes))]
     nodes = []
@@ -665,12 +641,8 @@ def scenario_visibility(env: Env) -> Result:
     failures: list[str] = []
     servers = [spawn("serve", env.node_cfg(k), stdin=subprocess.PIPE) for k in range(len(env.nodes))]
 
-    def ask(k: int, gen: str, i: int) -> str:
-        proc = servers[k]
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(f"get {gen} {i}\n")
-        proc.stdin.flush()
-        answer = proc.stdout.readline().strip()
+    def ask_node(k: int, gen: str, i: int) -> str:
+        answer = ask(servers[k], gen, i)
         if answer not in ("hit", "miss"):
             failures.append(f"{env.who(k)}: {gen}/{i}: {answer or 'worker died'}")
         return answer
@@ -682,7 +654,7 @@ def scenario_visibility(env: Env) -> Result:
         make_source(src, "fresh", [i])
         publish([src], env.publisher)
         for k in range(len(servers)):
-            if ask(k, "fresh", i) != "hit":
+            if ask_node(k, "fresh", i) != "hit":
                 fresh_missing[k] += 1
     for k, count in enumerate(fresh_missing):
         if count:
@@ -690,7 +662,7 @@ def scenario_visibility(env: Env) -> Result:
     # Negative lookups first: each node misses the keys, then they are published.
     for i in range(m):
         for k in range(len(servers)):
-            ask(k, "missed", i)
+            ask_node(k, "missed", i)
     src = env.tmp("vis-src", "missed")
     make_source(src, "missed", range(m))
     publish([src], env.publisher)
@@ -701,7 +673,7 @@ def scenario_visibility(env: Env) -> Result:
     first = True
     while pending and time.monotonic() - t_pub < env.neg_wait_s:
         for k, i in sorted(pending):
-            if ask(k, "missed", i) == "hit":
+            if ask_node(k, "missed", i) == "hit":
                 seen_after[(k, i)] = time.monotonic() - t_pub
                 immediate[k] += first
         pending -= set(seen_after)
@@ -719,11 +691,7 @@ def scenario_visibility(env: Env) -> Result:
             "negative_lookups_cached": env.caches_negative_lookups(k),
         })  # fmt: skip
     failures += check_visibility(nodes, m)
-    for k, proc in enumerate(servers):
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.stdin = None  # communicate() must not flush it
-        collect_worker(proc, 60, failures, env.who(k))
+    stop_servers(env, servers, failures)
     return {"failures": failures, "figures": {"entries": m, "wait_limit_s": env.neg_wait_s, "nodes": nodes}}
 
 
@@ -819,18 +787,10 @@ def scenario_packed(env: Env) -> Result:
     for kind, root in roots.items():
         servers = [spawn("serve", {**env.node_cfg(k), "store": os.path.join(m, os.path.basename(root))},
                          stdin=subprocess.PIPE) for k, m in enumerate(env.mounts)]  # fmt: skip
-
-        def ask(k: int, i: int, servers: list[subprocess.Popen[str]] = servers) -> str:
-            proc = servers[k]
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(f"get newgen {i}\n")
-            proc.stdin.flush()
-            return proc.stdout.readline().strip()
-
         m = 8
         for k in range(len(servers)):
             for i in range(m):
-                if ask(k, i) == "bad":
+                if ask(servers[k], "newgen", i) == "bad":
                     failures.append(f"{env.who(k)} {kind}: bad answer before publishing")
         nsrc = env.tmp(f"newgen-{kind}")
         make_source(nsrc, "newgen", range(m))
@@ -840,7 +800,7 @@ def scenario_packed(env: Env) -> Result:
         lag: dict[int, float] = {}
         while pending and time.monotonic() - t_pub < env.neg_wait_s:
             for k, i in sorted(pending):
-                answer = ask(k, i)
+                answer = ask(servers[k], "newgen", i)
                 if answer == "hit":
                     pending.discard((k, i))
                     lag[k] = time.monotonic() - t_pub
@@ -849,11 +809,8 @@ def scenario_packed(env: Env) -> Result:
                     pending.discard((k, i))
             if pending:
                 time.sleep(0.25)
-        for k, proc in enumerate(servers):
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.stdin = None
-            collect_worker(proc, 60, failures, env.who(k))
+        stop_servers(env, servers, failures)
+        for k in range(len(servers)):
             figures["visibility"].append({
                 "store": kind, "node": env.who(k), "all_visible_after_s": round(lag.get(k, -1), 2),
                 "still_missing": sum(1 for kk, _ in pending if kk == k),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,15 @@ def work_dir(parent: str | None, name: str) -> Iterator[str]:
         yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 # -- the checkout ----------------------------------------------------------------------------

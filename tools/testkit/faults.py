@@ -1,60 +1,39 @@
 """A loopback HTTP/1.1 server of the tests' own whose misbehaviour each test chooses.
 
-It serves the files of a folder for GET and HEAD, with single Range requests (206, 416) and
-keep-alive, one thread a connection. ``set(prefix, fault)`` makes requests whose path starts
-with ``prefix`` misbehave (the longest matching prefix wins; ``set_default`` covers the rest):
+It serves a folder's files for GET and HEAD, single Range requests (206, 416) and keep-alive, one
+thread a connection. ``set(prefix, fault)`` makes requests whose path starts with ``prefix``
+misbehave (the longest prefix wins; ``set_default`` covers the rest). The faults, ``Fault.<name>``:
 
-- ``Fault.ok()``            serve the file (404 where there is none)
-- ``Fault.refuse()``        close the connection at once with a reset, no answer; a port where
-                            nothing listens at all is :func:`refused_url`
-- ``Fault.stall()``         read the request, answer nothing until ``stop()``
-- ``Fault.stall_body()``    send the headers, then nothing until ``stop()``
-- ``Fault.trickle(ms)``     send the body one byte every ``ms`` milliseconds
-- ``Fault.status(code)``    answer ``code`` (500, 503, 404, 403...) with a short body
-- ``Fault.truncate()``      Content-Length of the whole body, send half of it, close
-- ``Fault.wrong_bytes()``   the right length, the first byte of the body flipped
-- ``Fault.redirect_loop()`` 302 to the same URL
-- ``Fault.redirect_to(url)``302 to ``url``
+- ``ok()``: serve the file (404 where none); ``refuse()``: reset the connection, no answer (a port
+  where nothing listens is :func:`refused_url`); ``stall()``: answer nothing until ``stop()``;
+  ``stall_body()``: the headers, then nothing; ``trickle(ms)``: one body byte every ``ms``;
+  ``status(code)``: answer ``code`` with a short body; ``truncate()``: half the body, then close;
+  ``wrong_bytes()``: the body's first byte flipped; ``redirect_loop()``, ``redirect_to(url)``: 302;
+  ``no_ranges()``: a Range request answered 200 with the whole file.
+- How long a client waits and how much it reads: ``trickle_status(ms)`` (``HTTP/1.1 2``, then a
+  byte every ``ms``: a reason phrase that never ends; http.client reads 64 KiB a line);
+  ``trickle_headers(ms)`` (a header line every ``ms``, never the blank line; http.client takes
+  100); ``many_headers(n)``; ``lie_length(by)`` (a ``Content-Length`` ``by`` bytes off, then
+  close); ``endless(length)`` (zeros forever, under ``Content-Length: length`` or none).
+- ``huge_trailer(count)``: a pack (``.cpk``) whose trailer claims ``count`` entries, the file as
+  large as that says (``consistent``: zeros where the real one ends) or its real size.
+- ``lie_ranges(how)``: a multi-range request answered falsely: ``boundary`` (another boundary than
+  the header's), ``unasked`` (the second part moved by a byte, its ``Content-Range`` saying so),
+  ``single`` (a 206 of the first range alone), ``bytes`` (each part's first byte flipped).
+- ``FaultServer.trickle_handshake(ms)``: each new connection gets the start of a 16 KiB TLS record,
+  then a byte of it every ``ms`` (a handshake that never ends).
 
-Faults of a server that decides how long a client waits and how much it reads:
-
-- ``Fault.trickle_status(ms)``  send ``HTTP/1.1 2``, then one byte every ``ms``: ``00 OK`` and
-                                a reason phrase that never ends (http.client reads 64 KiB a line)
-- ``Fault.trickle_headers(ms)`` the status line, then one short header line every ``ms``, never
-                                the blank line that ends them (http.client takes 100)
-- ``Fault.many_headers(n)``     the answer with ``n`` header lines more, all at once
-- ``Fault.lie_length(by)``      the whole file, under a ``Content-Length`` ``by`` bytes off (more
-                                or fewer than it sends), then close
-- ``Fault.endless(length)``     headers (``Content-Length: length``, or none and ``Connection:
-                                close``), then zeros as fast as the client takes them, forever
-- ``Fault.huge_trailer(count)`` a pack file (``.cpk``) whose trailer is rewritten to claim
-                                ``count`` entries; the file served is as large as that trailer
-                                says (``consistent``, the default: zeros where the real file
-                                ends), or its real size; Range requests and 206 as for any file
-- ``Fault.lie_ranges(how)``     a request for several ranges answered falsely (one range is
-                                answered truly): ``boundary`` (parts framed by another boundary
-                                than the header names), ``unasked`` (the second part a range
-                                moved by a byte, its ``Content-Range`` saying so), ``single``
-                                (a 206 of the first range alone), ``bytes`` (each part's first
-                                byte flipped)
-- ``Fault.no_ranges()``         the whole file, ``200``, to a Range request (a server that ignores Range)
-- ``FaultServer.trickle_handshake(ms)``: every new connection gets, instead of HTTP, the start
-  of a TLS record of 16 KiB and then one byte of it every ``ms`` (a TLS handshake that never
-  ends; the client's ClientHello is read and ignored)
-
-``FaultServer(root, writable=True)`` also takes PUT (its parents made, the body renamed into
-place, as nginx's WebDAV with ``create_full_put_path on``) and MKCOL (one level; 405 where it
-exists); elsewhere they get 405. Faults of a server that keeps less than it was sent, answering
-201 all the same: ``Fault.keep_nothing()`` and ``Fault.keep_half()`` (the body's first half).
-
-``times=n`` on any fault applies it to the next n matching requests only, then ``ok``.
-Every request is recorded (``log``, ``hits(path)``, per-connection counts); ``wait_for`` blocks
-until requests arrived, so a test synchronises with the server without sleeping. ``stop()``
-releases the stalls and closes every connection, so no test hangs on it.
+``FaultServer(root, writable=True)`` also takes PUT (parents made, the body renamed into place, as
+nginx's WebDAV does) and MKCOL (one level; 405 where it exists); ``keep_nothing()`` and
+``keep_half()`` answer 201 but keep nothing or the body's first half. ``times=n`` applies a fault
+to the next n matching requests only. Every request is recorded (``log``, ``hits(path)``);
+``wait_for`` blocks until requests arrived, so a test need not sleep. ``stop()`` releases the
+stalls and closes every connection.
 """
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import os
 import socket
@@ -353,19 +332,14 @@ class _Handler(socketserver.BaseRequestHandler):
         if kind == "huge_trailer":
             return self._huge_trailer(file.read_bytes(), fault, headers, keep, method)
         data = file.read_bytes()
-        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
         rng = headers.get("range")
         if kind == "lie_ranges" and rng and "," in rng:
             return self._lie_ranges(data, rng, fault.how, keep, method)
-        if rng and kind != "no_ranges":
-            span = _parse_range(rng, len(data))
-            if span is None:
-                return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
-            start, end = span
-            data = data[start : end + 1]
-            code, reason = 206, "Partial Content"
-            extra["Content-Range"] = f"bytes {start}-{end}/{len(file.read_bytes())}"
-        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(len(data)), **extra}
+        answer = _ranged(rng if kind != "no_ranges" else None, len(data))
+        if answer is None:
+            return self._simple(416, b"", {"Content-Range": f"bytes */{len(data)}"}, keep, method)
+        code, reason, (start, end), hdrs = answer
+        data = data[start : end + 1]
         if not keep:
             hdrs["Connection"] = "close"
         if kind == "many_headers":
@@ -401,17 +375,10 @@ class _Handler(socketserver.BaseRequestHandler):
         count = fault.number or 0
         trailer = _TRAILER.pack(checksum, index_offset, count, version, magic)
         size = index_offset + _FANOUT_SIZE + count * _ENTRY_SIZE + _TRAILER.size if fault.consistent else len(real)
-        first, last = 0, size - 1
-        code, reason, extra = 200, "OK", {"Accept-Ranges": "bytes"}
-        rng = headers.get("range")
-        if rng:
-            span = _parse_range(rng, size)
-            if span is None:
-                return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
-            first, last = span
-            code, reason = 206, "Partial Content"
-            extra["Content-Range"] = f"bytes {first}-{last}/{size}"
-        hdrs = {"Content-Type": "application/octet-stream", "Content-Length": str(last - first + 1), **extra}
+        answer = _ranged(headers.get("range"), size)
+        if answer is None:
+            return self._simple(416, b"", {"Content-Range": f"bytes */{size}"}, keep, method)
+        code, reason, (first, last), hdrs = answer
         self._send(self._head(code, reason, hdrs))
         if method == "HEAD":
             return keep
@@ -460,13 +427,11 @@ class _Handler(socketserver.BaseRequestHandler):
         return self._simple(201, b"created\n", {}, keep, method)
 
     def _simple(self, code: int, body: bytes, extra: dict[str, str], keep: bool, method: str) -> bool:
-        reasons = {201: "Created", 206: "Partial Content", 302: "Found", 401: "Unauthorized", 403: "Forbidden",
-                   404: "Not Found", 405: "Method Not Allowed", 416: "Range Not Satisfiable",
-                   500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+        reason = http.client.responses.get(code, "Status")
         hdrs = {"Content-Length": str(len(body)), **extra}
         if not keep:
             hdrs["Connection"] = "close"
-        self._send(self._head(code, reasons.get(code, "Status"), hdrs) + (b"" if method == "HEAD" else body))
+        self._send(self._head(code, reason, hdrs) + (b"" if method == "HEAD" else body))
         return keep
 
     def _target(self, path: str) -> Path | None:
@@ -497,6 +462,19 @@ def _virtual_pack(head: bytes, trailer: bytes, size: int, first: int, last: int)
             piece = bytes(min(end, tail) - pos)
         yield piece
         pos += len(piece)
+
+
+def _ranged(value: str | None, size: int) -> tuple[int, str, tuple[int, int], dict[str, str]] | None:
+    """Status, reason, span (inclusive) and headers of a file of ``size`` asked for ``value``; None: 416."""
+    hdrs = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+    if not value:
+        return 200, "OK", (0, size - 1), {**hdrs, "Content-Length": str(size)}
+    span = _parse_range(value, size)
+    if span is None:
+        return None
+    first, last = span
+    hdrs.update({"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{size}"})
+    return 206, "Partial Content", span, hdrs
 
 
 def _parse_range(value: str, size: int) -> tuple[int, int] | None:

@@ -1,27 +1,17 @@
 """A real nginx on loopback, for the HTTP store's tests and benchmarks: static reads and WebDAV writes of one directory.
 
-``Nginx(prefix, root)`` writes its own ``nginx.conf`` under ``prefix`` and runs nginx in the
-foreground as a child process (``daemon off``) on 127.0.0.1 and a free port. Two locations serve
-the same directory ``root``:
+``Nginx(prefix, root)`` runs nginx in the foreground (``daemon off``) on 127.0.0.1 and a free
+port, its config, logs and temp folders under ``prefix``. ``/store/`` reads ``root`` as static
+files (Range answered by nginx, ``etag on``, keep-alive); ``/dav/`` writes it by WebDAV
+(``create_full_put_path on``). A PUT's body lands in ``client_body_temp_path``, on ``root``'s
+filesystem, and is renamed onto the target once complete: a reader never sees a partial file,
+and a client that disconnects mid-body leaves nothing. MKCOL makes one level (409 where the
+parent is missing).
 
-- ``/store/`` reads: static files, so nginx answers Range requests (206) itself; ``etag on``,
-  keep-alive on. ``read_url("packs/list")`` is ``<base_url>/store/packs/list``.
-- ``/dav/`` writes: WebDAV ``PUT DELETE MKCOL COPY MOVE`` with ``create_full_put_path on``.
-  nginx receives a PUT's body into ``client_body_temp_path`` (a folder on the same filesystem
-  as ``root``) and renames it onto the target once the body is complete, so a reader never sees
-  a partial file and a client that disconnects mid-body leaves nothing at the target path.
-  A PUT creates missing parent folders; MKCOL makes one level (409 where the parent is missing).
-
-``token="s3cret"`` makes both locations answer 401 to a request without
-``Authorization: Bearer s3cret``. ``tls=True`` serves HTTPS with a certificate signed by a CA of
-its own (both made by the ``openssl`` command); ``cert`` is the CA's certificate, for a client's
-CA bundle. ``certificate`` says which certificate: ``"good"`` (for 127.0.0.1 and localhost, valid
-from a day ago for two days), ``"expired"`` (the same names, valid only on 1 January 2020) or
-``"wrong-host"`` (valid, for ``wrong.example`` only). Every request is logged as one JSON object a
-line; ``requests()`` parses them.
-
-:func:`nginx_or_skip` skips a test, with the reason, where nginx is
-not installed or does not start.
+``token`` answers 401 to a request without ``Authorization: Bearer <token>``. ``tls=True``
+serves HTTPS with a certificate of a CA of its own (``cert``, for a client's bundle);
+``certificate`` picks one of :data:`CERTIFICATES`. ``requests()`` parses the access log, one
+JSON object a line.
 """
 
 from __future__ import annotations
@@ -75,12 +65,7 @@ class LogEntry:
 
 def find_nginx() -> str | None:
     """The nginx binary: on PATH, else /usr/sbin/nginx (Debian's, off a non-root PATH); None if neither."""
-    found = shutil.which("nginx")
-    if found:
-        return found
-    if os.access("/usr/sbin/nginx", os.X_OK):
-        return "/usr/sbin/nginx"
-    return None
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
 
 
 #: The certificates ``Nginx(certificate=...)`` can serve: their names and validity (None: from a
@@ -147,11 +132,7 @@ def _make_cert(directory: Path, certificate: str = "good") -> tuple[Path, Path, 
 
 
 class Nginx(ServerProcess):
-    """nginx serving ``root`` for reads under ``/store/`` and WebDAV writes under ``/dav/``.
-
-    ``prefix`` holds the config, logs, pid file, temp folders and certificate; it is created.
-    ``root`` defaults to ``prefix/root``. Start with ``start()`` or ``with Nginx(...) as n:``.
-    """
+    """nginx serving ``root`` (default ``prefix/root``) under ``/store/`` and ``/dav/``."""
 
     def __init__(
         self,
@@ -336,45 +317,38 @@ http {{
     def reset_log(self) -> None:
         """Forget the entries so far: ``requests()`` returns only later ones.
 
-        nginx logs a request just after its answer, so the last request of a client that has
-        just returned may not be in the log yet, and would count as a later one. So a marker
-        request of our own goes first, and the log starts after its line: nginx runs one worker
-        here, which logs each request before it serves the next. Where the marker cannot be
-        sent (nginx stopped), the log starts at its end now.
+        nginx logs a request just after its answer, so a client's last request may not be in
+        the log yet. So a marker request goes first and the log starts after its line: the one
+        worker logs each request before it serves the next. With nginx stopped, the log starts
+        at its end now.
         """
         offset = self.access_log.stat().st_size
-        marker = f"/cpcas-log-marker-{time.monotonic_ns()}".encode()
+        marker = f"/cpcas-log-marker-{time.monotonic_ns()}"
+        conn = (
+            http.client.HTTPSConnection("127.0.0.1", self.port, timeout=5, context=ssl._create_unverified_context())
+            if self.tls
+            else http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        )
         try:
-            self._send_marker(marker.decode())
+            conn.request("GET", marker)
+            conn.getresponse().read()
         except (OSError, http.client.HTTPException):
             self._log_offset = offset
             return
+        finally:
+            conn.close()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             with open(self.access_log, "rb") as f:
                 f.seek(offset)
                 data = f.read()
-            at = data.find(marker)
+            at = data.find(marker.encode())
             end = data.find(b"\n", at) if at >= 0 else -1
             if end >= 0:
                 self._log_offset = offset + end + 1
                 return
             time.sleep(0.005)
         self._log_offset = self.access_log.stat().st_size
-
-    def _send_marker(self, path: str) -> None:
-        conn: http.client.HTTPConnection
-        if self.tls:
-            conn = http.client.HTTPSConnection(
-                "127.0.0.1", self.port, timeout=5, context=ssl._create_unverified_context()
-            )
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", path)
-            conn.getresponse().read()
-        finally:
-            conn.close()
 
 
 def nginx_or_skip(
@@ -385,10 +359,7 @@ def nginx_or_skip(
     tls: bool = False,
     certificate: str = "good",
 ) -> Nginx:
-    """A started :class:`Nginx`, or ``pytest.skip`` with the reason (not installed, or its error log tail).
-
-    The caller stops it (``with nginx_or_skip(tmp_path / "ngx") as n:``, or a fixture's finaliser).
-    """
+    """A started :class:`Nginx` (stopped by the caller), or ``pytest.skip`` with the reason."""
     missing = "nginx is not installed (not on PATH, no /usr/sbin/nginx): apt-get install nginx-light"
     return start_or_skip(
         Nginx(prefix, root, token=token, tls=tls, certificate=certificate), None if find_nginx() else missing

@@ -34,10 +34,9 @@ class RedisServerError(RuntimeError):
 
 def find_redis_server() -> str | None:
     """The redis-server binary: on PATH, else /usr/bin/redis-server; None if neither."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    return "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+    return shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+    )
 
 
 class RedisServer(ServerProcess):
@@ -141,11 +140,8 @@ class RedisServer(ServerProcess):
         return self._client
 
     def commandstats(self) -> dict[str, int]:
-        """Calls per command since the start or the last ``reset_stats()`` (``INFO commandstats``): ``{"get": 3}``.
-
-        Commands a script or a transaction runs are counted as themselves, and ``exec``
-        once per transaction; a subcommand is ``client|setinfo``.
-        """
+        """Calls per command since the start or ``reset_stats()``: ``{"get": 3}``. A script's or a transaction's
+        commands count as themselves, ``exec`` once per transaction; a subcommand is ``client|setinfo``."""
         info = self.client().info("commandstats")
         return {name.removeprefix("cmdstat_"): int(fields["calls"]) for name, fields in info.items()}
 

@@ -39,6 +39,7 @@ class ServerProcess:
 
     port: int = 0
     start_timeout: float = 10.0
+    poll_s: float = 0.01
     #: The server's log, whose tail a failed start reports.
     log: Path
     _proc: subprocess.Popen[bytes] | None = None
@@ -82,7 +83,7 @@ class ServerProcess:
                     return True
                 except OSError:
                     pass
-            time.sleep(0.01)
+            time.sleep(self.poll_s)
         return False
 
     def _terminate(self, sig: int = signal.SIGTERM) -> None:

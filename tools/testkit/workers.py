@@ -37,11 +37,8 @@ WORKER = "_worker"
 
 
 def child_env(*, keep_settings: bool = False) -> dict[str, str]:
-    """This environment for a child interpreter: the checkout and ``tools/`` first on ``PYTHONPATH``.
-
-    Without ``keep_settings`` the cache's ``CUDA_PROGRAM_CAS_*`` variables are dropped, so an
-    operator's settings do not change what a benchmark measures.
-    """
+    """This environment, the checkout and ``tools/`` first on ``PYTHONPATH``; without ``keep_settings`` the
+    cache's ``CUDA_PROGRAM_CAS_*`` variables dropped, so an operator's do not change what a benchmark measures."""
     out = {k: v for k, v in os.environ.items() if keep_settings or not k.startswith("CUDA_PROGRAM_CAS_")}
     out["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, TOOLS, out.get("PYTHONPATH")) if p)
     return out
@@ -78,10 +75,7 @@ def spawn_worker(
     settings: dict[str, str] | None = None,
     **popen: Any,
 ) -> subprocess.Popen[Any]:
-    """Start ``script`` as a worker for ``spec``; ``popen`` goes to :class:`subprocess.Popen` (pipes and the like).
-
-    ``settings``: ``CUDA_PROGRAM_CAS_*`` variables the worker gets besides those kept.
-    """
+    """Start ``script`` as a worker for ``spec``, with ``settings`` besides the variables kept; ``popen`` to Popen."""
     env = child_env(keep_settings=keep_settings)
     env.update(settings or {})
     return subprocess.Popen([sys.executable, os.path.abspath(script), WORKER, json.dumps(spec)], env=env, **popen)
@@ -129,12 +123,7 @@ def run_worker(
     settings: dict[str, str] | None = None,
     keep_settings: bool = False,
 ) -> dict[str, Any]:
-    """Run ``script`` as a worker for ``spec`` and wait; its answer.
-
-    ``settings``: ``CUDA_PROGRAM_CAS_*`` variables the worker gets (the operator's are dropped
-    unless ``keep_settings``). Raises :class:`RuntimeError` with the end of the worker's
-    stderr when it fails.
-    """
+    """Run ``script`` as a worker for ``spec`` and wait; its answer, or RuntimeError with the end of its stderr."""
     popen: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     proc = spawn_worker(script, spec, keep_settings=keep_settings, settings=settings, **popen)
     done = collect(proc, timeout)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from blake3 import blake3
 
@@ -70,19 +71,15 @@ def _apply_fault(kind: str, store: CacheStore, i: int, rng: random.Random) -> No
     elif kind == "m_truncate":
         os.truncate(mpath, rng.randrange(1, os.path.getsize(mpath)))
     elif kind == "m_garbage":
-        with open(mpath, "wb") as fh:
-            fh.write(os.urandom(rng.randrange(1, 120)))
+        Path(mpath).write_bytes(os.urandom(rng.randrange(1, 120)))
     elif kind == "m_wrong_size":
-        with open(mpath, "wb") as fh:
-            fh.write(b"cpcas1 %s %d\n" % (digest.encode(), size + rng.choice((-1, 1, 1000))))
+        Path(mpath).write_bytes(b"cpcas1 %s %d\n" % (digest.encode(), size + rng.choice((-1, 1, 1000))))
     elif kind == "m_missing_digest":
-        with open(mpath, "wb") as fh:
-            fh.write(b"cpcas1 %s %d\n" % (os.urandom(32).hex().encode(), size))
+        Path(mpath).write_bytes(b"cpcas1 %s %d\n" % (os.urandom(32).hex().encode(), size))
     elif kind == "m_other_size":
         # A valid digest whose blob has another size: the bytes would be someone else's.
         other = blake3(content_of_seed((seed_of(i) + 1) % N_SEEDS)).hexdigest()
-        with open(mpath, "wb") as fh:
-            fh.write(b"cpcas1 %s %d\n" % (other.encode(), size))
+        Path(mpath).write_bytes(b"cpcas1 %s %d\n" % (other.encode(), size))
     else:  # pragma: no cover
         raise ValueError(kind)
 
@@ -236,14 +233,9 @@ def run_unreadable(workdir: str) -> Report:
     try:
         if os.geteuid() == 0:
             os.chown(base, 65534, 65534)
-        proc = subprocess.run(
-            [sys.executable, "-c", _UNREADABLE_CHILD, os.path.join(base, "c")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=child_env(keep_settings=True),
-            check=False,
-        )
+        cmd = [sys.executable, "-c", _UNREADABLE_CHILD, os.path.join(base, "c")]
+        env = child_env(keep_settings=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
         rep.seconds = time.monotonic() - started
         if proc.returncode != 0:
             rep.fail(f"unreadable child exited {proc.returncode}: {proc.stderr.strip()[-800:]}")

@@ -17,38 +17,22 @@ from .common import N_KEYS, N_SEEDS, Report, check_hit, content, expected_digest
 # -- 4. full disk ----------------------------------------------------------------------
 
 
-def mount_tmpfs(path: str, size: str = "1m") -> str | None:
-    """Mount a small tmpfs at ``path``; None when that works, else why not."""
-    os.makedirs(path, exist_ok=True)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        return f"mount -t tmpfs failed: {proc.stderr.strip() or proc.returncode}"
-    return None
-
-
-def unmount(path: str) -> None:
-    subprocess.run(["umount", path], capture_output=True, check=False)
-
-
 def run_full_disk(workdir: str, *, seed: int = 4, compile_program: Callable[..., Any] | None = None) -> Report:
     """The cache on a 1 MiB tmpfs: drops are clean and counted, reads and compiles go on, it recovers."""
     quiet()
     rep = Report("fulldisk", processes=1)
     mnt = os.path.join(workdir, "tmpfs")
-    why = mount_tmpfs(mnt)
-    if why is not None:
-        rep.skipped = why
+    os.makedirs(mnt, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", mnt]
+    proc = subprocess.run(mount, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        rep.skipped = f"mount -t tmpfs failed: {proc.stderr.strip() or proc.returncode}"
         return rep
     started = time.monotonic()
     try:
         _full_disk(os.path.join(mnt, "c"), rep, random.Random(seed), compile_program)
     finally:
-        unmount(mnt)
+        subprocess.run(["umount", mnt], capture_output=True, check=False)
     rep.seconds = round(time.monotonic() - started, 1)
     return rep
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import time
 
 from cuda_program_cas import CacheStore, publish
 
 from .checker import inspect_cache, verify_and_repair
 from .common import DEFAULT_CAP, N_KEYS, Report, check_hit, content, expected_digests, key_name, unexpected
-from .workers import merge, spawn, worker_report
+from .workers import gather, spawn
 
 # -- 1. mixed load -----------------------------------------------------------------
 
@@ -24,15 +23,8 @@ def run_mixed(
     rep = Report("mixed", processes=processes, seconds=seconds)
     root = os.path.join(workdir, "mixed")
     CacheStore(root, max_size_bytes=cap)
-    procs = []
-    for p in range(processes):
-        out = os.path.join(workdir, f"mixed-{p}.json")
-        config = {"mode": "mixed", "root": root, "cap": cap, "seconds": seconds, "seed": seed * 1000 + p, "out": out}
-        procs.append((spawn(config), out))
-    for proc, out in procs:
-        part = worker_report(rep, proc, out, seconds + 120)
-        if part is not None:
-            merge(rep, part)
+    config = {"mode": "mixed", "root": root, "cap": cap, "seconds": seconds}
+    gather(rep, [spawn({**config, "seed": seed * 1000 + p}) for p in range(processes)], seconds + 120)
     counts = inspect_cache(root, expected_digests())
     rep.notes.append(f"final check: {counts}")
     if counts["dangling"]:
@@ -60,20 +52,11 @@ def run_crashes(workdir: str, *, rounds: int = 10, processes: int = 2, cap: int 
     dangling = 0
     over_by_orphans = 0
     for rnd in range(rounds):
-        procs = []
-        for p in range(processes):
-            config = {
-                "mode": "crash",
-                "root": root,
-                "cap": cap,
-                "seconds": 3600,
-                "seed": seed * 100000 + rnd * 100 + p,
-                "out": os.devnull,
-            }
-            procs.append(spawn(config, stdout=subprocess.PIPE))
+        config = {"mode": "crash", "root": root, "cap": cap, "seconds": 3600}
+        procs = [spawn({**config, "seed": seed * 100000 + rnd * 100 + p}, stderr=None) for p in range(processes)]
         for proc in procs:
             assert proc.stdout is not None
-            if proc.stdout.readline() != b"ready\n":
+            if proc.stdout.readline() != "ready\n":
                 rep.fail(f"round {rnd}: a worker died before starting (exit {proc.wait()})")
         # Kill each at its own random moment, so deaths land anywhere in a write.
         kill_at = sorted((rng.uniform(0.02, 0.6), n) for n in range(len(procs)))
@@ -161,15 +144,7 @@ def run_shared(workdir: str, *, nodes: int = 2, seconds: float = 10.0, cap: int 
     ]
     configs.append({**common, "mode": "publisher", "sources": locals_, "seed": seed * 1000 + 98})
     configs.append({**common, "mode": "collector", "shared_cap": cap * 2, "seed": seed * 1000 + 99})
-    procs = []
-    for n, config in enumerate(configs):
-        config["out"] = os.path.join(workdir, f"shared-{n}.json")
-        procs.append((spawn(config), config["out"]))
-    for proc, out in procs:
-        part = worker_report(rep, proc, out, seconds + 120)
-        if part is not None:
-            merge(rep, part)
-            rep.notes.extend(part["notes"])
+    gather(rep, [spawn(config) for config in configs], seconds + 120)
     expected = expected_digests()
     for root in (shared, *locals_):
         verify_and_repair(root, expected, rep, f"shared end {os.path.basename(root)}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import subprocess
@@ -13,7 +12,7 @@ from typing import Any
 
 from cuda_program_cas import CacheStore, publish
 from testkit import TOOLS
-from testkit.workers import spawn_worker
+from testkit.workers import answer, collect, spawn_worker
 
 from .common import Report, as_key, check_hit, collect_once, content, pick, quiet, unexpected
 
@@ -24,14 +23,22 @@ TOOL = os.path.join(TOOLS, "torture.py")
 
 
 def worker(config: dict[str, Any]) -> int:
-    """One process of the mixed or crash load; writes its report to ``config['out']``."""
+    """One process of a load; its report is its answer (``testkit.workers``)."""
     quiet()
     rng = random.Random(config["seed"])
-    root = config["root"]
-    cap = config["cap"]
     rep = Report(config["mode"], processes=1)
     if config["mode"] in ("node", "publisher", "collector"):
-        return _shared_worker(config, rep, rng)
+        _shared_load(config, rep, rng)
+    else:
+        _load(config, rep, rng)
+    rep.seconds = config["seconds"]
+    answer(rep.as_dict())
+    return 0 if rep.ok else 1
+
+
+def _load(config: dict[str, Any], rep: Report, rng: random.Random) -> None:
+    """The mixed load, or a writer of the crash load (killed: it never answers)."""
+    root, cap = config["root"], config["cap"]
     store = CacheStore(root, max_size_bytes=cap)
     deadline = time.monotonic() + config["seconds"]
     crash = config["mode"] == "crash"
@@ -74,17 +81,12 @@ def worker(config: dict[str, Any]) -> int:
                 store.clear()
         except Exception as exc:
             unexpected(rep, f"worker {os.getpid()}", exc)
-    rep.seconds = config["seconds"]
-    with open(config["out"], "w") as fh:
-        json.dump(rep.as_dict(), fh)
-    return 0 if rep.ok else 1
 
 
-def _shared_worker(config: dict[str, Any], rep: Report, rng: random.Random) -> int:
+def _shared_load(config: dict[str, Any], rep: Report, rng: random.Random) -> None:
     """A node reading through a shared store, the publisher, or the shared store's collector."""
     mode = config["mode"]
     deadline = time.monotonic() + config["seconds"]
-    shared_hits = 0
     if mode == "node":
         store = CacheStore(config["root"], max_size_bytes=config["cap"], shared=[config["shared"]])
     while time.monotonic() < deadline:
@@ -112,54 +114,31 @@ def _shared_worker(config: dict[str, Any], rep: Report, rng: random.Random) -> i
         except Exception as exc:
             unexpected(rep, f"{mode} {os.getpid()}", exc)
     if mode == "node":
-        shared_hits = store.stats().shared_hits
-        rep.notes.append(f"node {config['node']}: {shared_hits} shared hits")
-    rep.seconds = config["seconds"]
-    with open(config["out"], "w") as fh:
-        json.dump(rep.as_dict(), fh)
-    return 0 if rep.ok else 1
+        rep.notes.append(f"node {config['node']}: {store.stats().shared_hits} shared hits")
 
 
-def spawn(config: dict[str, Any], **kwargs: Any) -> subprocess.Popen[bytes]:
+def spawn(config: dict[str, Any], **kwargs: Any) -> subprocess.Popen[str]:
     """Start one worker: tools/torture.py re-run in its ``_worker`` mode, which calls :func:`worker`.
 
     The operator's ``CUDA_PROGRAM_CAS_*`` settings stay (``CUDA_PROGRAM_CAS_LOG`` for a run under the microscope).
     """
-    return spawn_worker(TOOL, config, keep_settings=True, **kwargs)
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return spawn_worker(TOOL, config, keep_settings=True, **{**pipes, **kwargs})
 
 
-def worker_report(rep: Report, proc: subprocess.Popen[bytes], out: str, timeout: float) -> dict[str, Any] | None:
-    """Wait for a worker and read the report it wrote; a hang, a missing report or a
-    non-zero exit is a failure of the run."""
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        rep.fail(f"worker {proc.pid} hung past {timeout:.0f} s")
-        return None
-    try:
-        with open(out) as fh:
-            part: dict[str, Any] = json.load(fh)
-    except FileNotFoundError:
-        rep.fail(f"worker {proc.pid} exited {rc} without a report")
-        return None
-    if rc != 0 and rep.ok:
-        rep.fail(f"worker {proc.pid} exited {rc}")
-    return part
-
-
-def merge(rep: Report, part: dict[str, Any]) -> None:
-    for name in (
-        "operations",
-        "hits",
-        "misses",
-        "writes",
-        "dropped_writes",
-        "collections",
-        "wrong_bytes",
-        "exceptions",
-    ):
-        setattr(rep, name, getattr(rep, name) + part[name])
-    for message in part["failures"]:
-        rep.fail(message)
+def gather(rep: Report, procs: list[subprocess.Popen[str]], timeout: float) -> None:
+    """Add each worker's report to ``rep``; a hang, a missing report or a non-zero exit fails the run."""
+    for proc in procs:
+        done = collect(proc, timeout)
+        part = done.answer
+        if done.timed_out or part is None:
+            rep.fail(f"worker {proc.pid}: {done.failure}")
+            continue
+        if done.returncode != 0 and rep.ok:
+            rep.fail(f"worker {proc.pid} exited {done.returncode}")
+        for name in ("operations", "hits", "misses", "writes", "dropped_writes", "collections", "wrong_bytes"):
+            setattr(rep, name, getattr(rep, name) + part[name])
+        rep.exceptions += part["exceptions"]
+        for message in part["failures"]:
+            rep.fail(message)
+        rep.notes.extend(part["notes"])
