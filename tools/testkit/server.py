@@ -66,7 +66,8 @@ class ServerProcess:
                 return ""
             last = self.log_tail()
             self._terminate(signal.SIGKILL)
-            if port or ("Address already in use" not in last and f"({errno.EADDRINUSE}:" not in last):
+            # nginx and redis say "Address already in use", Go's weed "address already in use".
+            if port or ("address already in use" not in last.lower() and f"({errno.EADDRINUSE}:" not in last):
                 break
         return last
 
