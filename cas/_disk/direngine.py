@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, TypeVar
 
-from cuda_program_cas._base.engine import LOCAL, Abilities, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room, stored_limit, verified
+from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
+from cuda_program_cas._base.frame import stored_limit, verified
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, read_rest
-from .intake import Intake
+from .intake import Take, verified_intake
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -156,7 +156,7 @@ class DirEngine:
         stored = stored_limit(limit, digest)
         try:
             if digest is not None and limit > HASH_CHUNK:
-                return _read_verified(fd, path, digest, limit, self.staging)
+                return verified_intake(path, digest, limit, self.staging, lambda take: _chunks(fd, path, stored, take))
             data = os.read(fd, stored + 1)
             if len(data) <= stored:
                 # A short read ends a regular file only at its end; read on until then (or past the limit).
@@ -288,36 +288,18 @@ class DirEngine:
         return
 
 
-def _read_verified(fd: int, path: str, digest: str, limit: int, staging: str | None) -> bytes:
-    """The file's raw bytes (decoded where it is framed), ``limit`` at most, when they hash to ``digest``.
-
-    Read once, in chunks of :data:`HASH_CHUNK` and no more than ``room(limit) + 1`` stored bytes; each chunk is
-    decoded once, and what comes out is hashed and kept by one :class:`Intake` (past its bound, in a staging file
-    in ``staging``): the bytes returned are the bytes hashed, and a file that lies about its bytes costs a chunk of
-    memory, not its size. Running out of memory or of staging disk is this node's trouble (``LOCAL``).
-    """
-
-    def read(n: int) -> bytes:
-        try:
-            return os.read(fd, n)
-        except OSError as exc:  # the store's, as get's other reads
-            raise _failure(path, exc) from None
-
-    got, stored = 0, room(limit)
-    try:
-        with Intake(staging) as body:
-            flow = Inflow(path, limit, body.take)
-            while got <= stored and (chunk := read(min(HASH_CHUNK, stored + 1 - got))):
-                got += len(chunk)
-                flow.take(chunk)
-            if got > stored:
-                raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
-            flow.finish()
-            if body.hexdigest() != digest:
-                raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
-            return body.read()
-    except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
-        raise StoreFailure(path, LOCAL, type(exc).__name__, outage=False) from None
+def _chunks(fd: int, path: str, stored: int, take: Take) -> bool:
+    """The file's bytes into ``take`` in chunks of :data:`HASH_CHUNK`: a file that lies about its bytes costs a chunk
+    of memory, not its size; more than ``stored`` of them are ``too large``."""
+    got = 0
+    n = HASH_CHUNK
+    while got <= stored and (chunk := DirEngine._read(path, lambda: os.read(fd, n))):  # noqa: B023 - called at once
+        got += len(chunk)
+        n = min(HASH_CHUNK, stored + 1 - got)
+        take(chunk)
+    if got > stored:
+        raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
+    return True
 
 
 def _failure(path: str, exc: OSError) -> StoreFailure:

@@ -533,20 +533,15 @@ class PackReader:
         self, where: str, entry: PackEntry, limit: int, fits: Callable[[int], bool] | None, staging: str | None
     ) -> bytes | None:
         """Read ``entry``'s object once, decoded as it comes, its raw bytes hashed and held (an :class:`.Intake`)."""
-        from .intake import Intake
+        from .intake import verified_intake
 
-        with Intake(staging) as body:
-            inflow = Inflow(where, limit, body.take)
-            take = inflow.take if fits is None else _Judged(entry.size, fits, inflow.take).take
+        def feed(take: Callable[[bytes], object]) -> bool:
             try:
-                if not self._streamed(where, entry, take):
-                    return None
+                return self._streamed(where, entry, take if fits is None else _Judged(entry.size, fits, take).take)
             except _NotFetched:
-                return None
-            inflow.finish()
-            if body.hexdigest() != entry.digest:
-                raise PackError(f"{where}: its bytes do not hash to its digest {entry.digest}")
-            return body.read()
+                return False
+
+        return verified_intake(where, entry.digest, limit, staging, feed)
 
     def _streamed(self, where: str, entry: PackEntry, sink: Callable[[bytes], object]) -> bool:
         n = self._source.stream(entry.offset, entry.size, sink)
