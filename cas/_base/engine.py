@@ -16,18 +16,14 @@ Rules every engine keeps:
 - ``limit`` is the cache's own bound: an object larger than it is refused
   (``StoreFailure`` with ``outage=False``, kind ``too large``) before more than
   ``limit + 1`` bytes of it are read, whatever the server claims.
-- ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, the
-  object decoded when it is framed (:mod:`cuda_program_cas._base.frame`: a shared
-  store holds blobs zstd-compressed, or raw, mixed), ``limit`` bounding the raw
-  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.stored_limit`, the
-  ``room`` of it: a blob that does not compress may be framed larger), and only when they hash (blake3)
-  to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``). The stored
-  bytes go through one :class:`~cuda_program_cas._base.frame.Inflow` as they arrive, its raw output
-  hashed and held (:class:`~cuda_program_cas._disk.intake.Intake`: on disk past a bound, HTTP's
-  body as a directory's file over a MiB), never gathered unverified in memory first;
-  :func:`~cuda_program_cas._base.frame.verified` is the check for an engine that
-  has the whole object in hand (Redis). Without a digest, ``get`` returns the
-  stored bytes as they are.
+- ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, decoded
+  where framed (:mod:`cuda_program_cas._base.frame`), ``limit`` bounding the raw
+  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.stored_limit`), only
+  when they hash to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``).
+  A streamed answer goes through :func:`~cuda_program_cas._disk.intake.verified_intake`
+  (on disk past a MiB), never gathered unverified in memory first; an object in hand
+  (Redis) through :func:`~cuda_program_cas._base.frame.verified`. Without a digest,
+  ``get`` returns the stored bytes as they are.
 - Every call has one overall deadline (the engine's timeout), covering connect
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
@@ -122,14 +118,9 @@ class StoreFailure(CacheError):
 
 
 class _Kept(io.BytesIO):
-    """A ``BytesIO`` whose finalizer does not close it.
-
-    A landing given up part-filled (a failed answer) can be garbage in a cycle with a
-    view of it (a frame of the failure's traceback holds :meth:`Landing.room`'s slice).
-    The collector runs ``IOBase``'s finalizer, ``close()``, before it clears the view,
-    and ``close()`` refuses a buffer with views: Python 3.13 reports that as an
-    unraisable ``BufferError``. The memory goes with the last view either way.
-    """
+    """A ``BytesIO`` whose finalizer does not close it: a landing given up part-filled can be garbage in a cycle
+    with a view of it (a traceback's frame), and ``close()`` with a view left is an unraisable ``BufferError``
+    (Python 3.13). The memory goes with the last view either way."""
 
     def close(self) -> None:
         pass
@@ -138,10 +129,8 @@ class _Kept(io.BytesIO):
 class Landing:
     """Bytes of an answer of at most ``size`` bytes, taken into place as they arrive: one copy, never two.
 
-    Gathering chunks and joining them holds an answer twice at the end (a 32 MiB
-    blob: 64 MiB); a ``bytearray`` turned into ``bytes`` does too. This writes
-    into the buffer of a ``BytesIO`` made ``size`` long at once, and
-    :meth:`value` hands that buffer over as ``bytes`` (CPython's ``getvalue``
+    Chunks joined, or a ``bytearray`` made ``bytes``, hold an answer twice (a 32 MiB blob: 64 MiB). This writes
+    into a ``BytesIO`` made ``size`` long at once, whose buffer :meth:`value` hands over (CPython's ``getvalue``
     shares it when no view is left). ``size`` is bounded by the caller.
     """
 
@@ -218,12 +207,8 @@ def limits_of(names: Sequence[str], limit: int | Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Abilities:
-    """What one engine can do, and how the store above treats it: its ``can`` (module docstring).
-
-    The first six are optional abilities, each with its interface and accessor; the
-    rest say how the engine's answers and writes behave. Every field is False unless
-    an engine declares it.
-    """
+    """What one engine can do (the first six, each with its interface and accessor), and how its answers and
+    writes behave: its ``can`` (module docstring). Every field is False unless an engine declares it."""
 
     #: :class:`Ranged`: part of an object, from an offset or from its end.
     ranges: bool = False
@@ -381,25 +366,20 @@ class Leases(Protocol):
 
 
 def ranged(engine: Engine) -> Ranged | None:
-    """``engine`` as :class:`Ranged` where ``engine.can.ranges``; else None."""
     return cast("Ranged", engine) if engine.can.ranges else None
 
 
 def conditional(engine: Engine) -> ConditionalGet | None:
-    """``engine`` as :class:`ConditionalGet` where ``engine.can.conditional_get``; else None."""
     return cast("ConditionalGet", engine) if engine.can.conditional_get else None
 
 
 def creates(engine: Engine) -> Creates | None:
-    """``engine`` as :class:`Creates` where ``engine.can.conditional_create``; else None."""
     return cast("Creates", engine) if engine.can.conditional_create else None
 
 
 def listing(engine: Engine) -> Listing | None:
-    """``engine`` as :class:`Listing` where ``engine.can.listing``; else None."""
     return cast("Listing", engine) if engine.can.listing else None
 
 
 def leases(engine: Engine) -> Leases | None:
-    """``engine`` as :class:`Leases` where ``engine.can.leases``; else None."""
     return cast("Leases", engine) if engine.can.leases else None

@@ -18,7 +18,7 @@ from cuda_program_cas._base.frame import Inflow
 from .atomic import Staging, staging
 from .files import blake3_hasher
 
-__all__ = ["IN_MEMORY_BYTES", "Intake", "verified_intake"]
+__all__ = ["IN_MEMORY_BYTES", "Intake", "Take", "verified_intake"]
 
 #: Where a stored object's chunks go, as they come.
 Take = Callable[[bytes | memoryview], object]
