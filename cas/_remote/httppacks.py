@@ -6,11 +6,9 @@
 - Each pack's trailer and index are fetched once per node by two ranged reads and
   kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
   are immutable by name, so later processes of the node need no request for them.
-  Each is then a :class:`~cuda_program_cas._disk.pack.PackReader` over ranged reads (the one
-  reader of the format, a directory's too): a packed hit costs one ranged read of the
-  blob's stored bytes, decoded, bounded, hashed and (past a MiB, staged) verified as they
-  arrive. A bad frame (a bomb, one cut short, a wrong stated size) is damage, one line,
-  and a miss; a frame stating more than this node reads is a miss, said once.
+  Each is then a :class:`~cuda_program_cas._disk.pack.PackReader` over ranged reads: a packed
+  hit costs one ranged read of the blob's stored bytes, verified as they arrive. A bad frame
+  is damage, one line, and a miss; a frame stating more than this node reads is a miss, said once.
 - A pack a repack retired is read from ``packs/retired/`` until the next listing.
 
 What a server says never decides how much is read: the indexes of one store's
@@ -137,7 +135,7 @@ class HttpPacks:
                     continue
                 try:
                     # An entry over what this node reads is a miss, said once (report.fits), not damage.
-                    fits = partial(_fits, report, kid)
+                    fits = partial(report.fits, kid=kid)
                     data = pack.read(entry, report.ceiling(), fits=fits, staging=self.engine.staging)
                 except PackError as exc:
                     report.damaged("damaged pack blob", str(exc))
@@ -327,10 +325,6 @@ class HttpPacks:
         if got is None and missing:
             report.missed("pack missing")
         return got
-
-
-def _fits(report: Report, kid: str, size: int) -> bool:
-    return report.fits(size, kid)
 
 
 def _spans(distinct: list[tuple[int, int]], parts: Mapping[int, memoryview], total: int, tail: int) -> Ranges:
