@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import functools
 import json
 import os
-import re
 import stat
 import time
 from collections.abc import Iterator
@@ -43,7 +41,6 @@ __all__ = [
     "check_layout_data",
     "create_layout",
     "damaged_layout_error",
-    "file_kind",
     "is_shared_store",
     "layout_bytes",
     "layout_version",
@@ -114,35 +111,6 @@ FILES: tuple[tuple[str, str], ...] = (
     ("sets/<64 hex>", "the entries one job used, in order of first use; named by sha256 of the job's name"),
 )
 _OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES)
-
-
-def _pattern_re(pattern: str) -> re.Pattern[str]:
-    parts = re.split(r"(<\d+ hex>|<digits>|\*)", pattern)
-    out = []
-    for part in parts:
-        if part == "<digits>":
-            out.append("[0-9]+")
-        elif part == "*":
-            out.append("[^/]*")
-        elif (m := re.fullmatch(r"<(\d+) hex>", part)) is not None:
-            out.append(f"[0-9a-f]{{{m.group(1)}}}")
-        else:
-            out.append(re.escape(part))
-    return re.compile("".join(out))
-
-
-@functools.cache
-def _file_res() -> tuple[tuple[re.Pattern[str], str], ...]:
-    # Compiled at the first question, not at import: about 0.9 ms that a hit never pays.
-    return tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
-
-
-def file_kind(relpath: str) -> str | None:
-    """The pattern of :data:`FILES` that ``relpath`` (``/`` separated, a directory ending in ``/``) matches, or None."""
-    for regex, pattern in _file_res():
-        if regex.fullmatch(relpath):
-            return pattern
-    return None
 
 
 CACHEDIR_TAG = (

@@ -177,15 +177,6 @@ class Writer:
                 pass
         return True
 
-    def recheck(self, digest: str, data: bytes | memoryview) -> None:
-        """After a manifest commit: store the blob again if a collector took it in between."""
-        try:
-            if stat.S_ISREG(os.lstat(self.lay.blob_path(digest)).st_mode):
-                return
-        except FileNotFoundError:
-            pass
-        self.write_blob(digest, data)
-
     def commit(self, kid: str, data: bytes | memoryview, digest: str, *, used_ns: int | None = None) -> WriteResult:
         """Store one entry: blob, then manifest, then re-check the blob.
 
@@ -202,5 +193,10 @@ class Writer:
             raise
         if not committed:
             return WriteResult.DROPPED
-        self.recheck(digest, data)
+        try:  # a collector may have taken the blob between its write and the manifest's: stored again
+            kept = stat.S_ISREG(os.lstat(self.lay.blob_path(digest)).st_mode)
+        except FileNotFoundError:
+            kept = False
+        if not kept:
+            self.write_blob(digest, data)
         return WriteResult.DEDUPLICATED if blob is BlobWrite.EXISTED else WriteResult.STORED
