@@ -60,9 +60,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol, TypeVar, cast
-
-from blake3 import blake3
+from typing import IO, Protocol, cast
 
 from .errors import CacheError
 
@@ -78,7 +76,6 @@ __all__ = [
     "Listing",
     "Ranged",
     "StoreFailure",
-    "check_digest",
     "conditional",
     "creates",
     "leases",
@@ -87,8 +84,6 @@ __all__ = [
     "not_stored",
     "ranged",
 ]
-
-_Bytes = TypeVar("_Bytes", bound="bytes | memoryview")
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -167,13 +162,6 @@ class Landing:
             self._view = None
             self._io.truncate(self.size)
         return self._io.getvalue()
-
-
-def check_digest(where: str, data: _Bytes, digest: str | None) -> _Bytes:
-    """``data``, when ``digest`` is None or ``data`` hashes to it; else ``StoreFailure`` kind ``damaged``."""
-    if digest is not None and blake3(data).hexdigest() != digest:
-        raise StoreFailure(where, "damaged", f"{len(data)} bytes that do not hash to {digest}", outage=False)
-    return data
 
 
 def not_stored(where: str, answer: str, size: int, held: int | None, *, hint: str, other: bool = False) -> StoreFailure:
