@@ -38,21 +38,13 @@ typed interface reached through one accessor that the record decides
 :func:`leases`: the interface, or None where the record denies it); an engine
 implements the methods of exactly the abilities it declares.
 
-- :class:`Ranged` (``ranges``): part of an object, from an offset or its end
-  (HTTP by ``Range``, a directory by ``pread``); a pack's entry without the pack.
-  A range streams into a sink (a packed hit: the pack reader decodes and hashes it as it
-  arrives), and several come at once (:meth:`Ranged.get_ranges`: a warm set's batch).
-- ``multi_range``: those several ranges in one request (a multipart answer, HTTP);
-  without it, one request each, all at once (S3).
-- :class:`ConditionalGet` (``conditional_get``): None when the object is still the
-  one ``tag`` names, else ``(bytes or None when there is none, its new tag)`` (HTTP
-  by ``If-None-Match``, Redis by a script that compares a hash). Without it an object
-  is read whole each time.
-- :class:`Creates` (``conditional_create``): put only where there is no such object
-  (Redis ``SET NX``); a second create of one name fails.
-- :class:`Listing` (``listing``): the names of a folder's objects (a directory).
-- :class:`Leases` (``leases``): a lease with a TTL, given back however its holder died
-  (Redis); without it, per-node claims.
+- :class:`Ranged` (``ranges``): part of an object (HTTP by ``Range``, a directory by ``pread``),
+  streamed into a sink, or several at once; ``multi_range``: those in one request (HTTP's
+  multipart answer), else one each, all at once (S3).
+- :class:`ConditionalGet` (``conditional_get``): an object read only when its tag changed
+  (HTTP's ``If-None-Match``, a Redis script comparing a hash).
+- :class:`Creates` (``conditional_create``: Redis ``SET NX``), :class:`Listing` (``listing``: a
+  directory), :class:`Leases` (``leases``: Redis; without them, per-node claims).
 """
 
 from __future__ import annotations

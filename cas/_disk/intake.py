@@ -1,9 +1,5 @@
-"""A blob's bytes as an engine takes them in: counted, hashed, held in memory up to a bound, then staged.
-
-The HTTP (and S3) engines take a blob's raw bytes as its body arrives, the directory engine as it reads a
-large file in chunks; either returns them only once they hash to the blob's digest, and never holds more
-than :data:`IN_MEMORY_BYTES` of bytes not yet proven in memory where it has a staging folder.
-"""
+"""A blob's bytes as an engine takes them in (:func:`verified_intake`): decoded, hashed, held in memory up to
+:data:`IN_MEMORY_BYTES`, then staged, and returned only once they hash to the blob's digest."""
 
 from __future__ import annotations
 
@@ -33,11 +29,9 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 class Intake:
     """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
 
-    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
-    None to hold any body in memory (it was bounded before it was asked for).
-    A staging file that cannot be made, or that fills its disk, leaves the body in
-    memory; one that cannot be written otherwise fails the read (``OSError``). The
-    file goes when the intake is closed.
+    ``staging``: the staging file's folder (the local cache's ``tmp/``; None: in memory, bounded before it was
+    asked for). A staging file that cannot be made, or fills its disk, leaves the body in memory; another write
+    error fails the read (``OSError``). The file goes when the intake is closed.
     """
 
     def __init__(self, staging: str | None, *, hashed: bool = True) -> None:

@@ -1,13 +1,10 @@
 """Packs: immutable files that hold many entries of a shared store, opened once per process.
 
-A loose shared store costs every node two opens per first hit and the store an
-inode per blob and per manifest. A pack holds one publish generation: every blob
-once, then a sorted index from key id to blob, then a trailer. Nodes open each
-pack once, read the 1 KiB fan-out table once, and answer a lookup with one
-``pread`` of the index slice for the key's first byte and one ``pread`` of the
-blob, which is verified by its blake3 digest before its bytes are returned, as
-a loose blob is. Nothing is memory-mapped: a pack truncated or replaced under a
-reader makes short reads (misses), never a SIGBUS.
+A loose shared store costs every node two opens per first hit and the store an inode per
+blob and per manifest. A pack holds one publish generation. Nodes open each pack once, read
+its 1 KiB fan-out table once, and answer a lookup with one ``pread`` of the index slice for
+the key's first byte and one of the blob, verified by its digest. Nothing is memory-mapped:
+a pack truncated or replaced under a reader makes short reads (misses), never a SIGBUS.
 
 File format, version 2 (integers little-endian)::
 
@@ -31,12 +28,10 @@ bounds that by its own limit before it decompresses (:class:`.frame.Inflow`), ch
 digest after. Version 1 (every blob raw; no released version wrote it) is refused at open,
 with the command that moves it aside.
 
-The trailer's checksum covers the index: ``verify`` and ``repack`` check it; a
-lookup does not read the whole index, and relies instead on each entry's own
-check (a damaged entry is a miss, the rest of its pack still reads) and on the
-blob's digest. A pack becomes visible only complete: it is written to the
-store's ``tmp/``, synced, and renamed into ``packs/`` under a new name; it is
-never rewritten.
+The trailer's checksum covers the index (``verify`` and ``repack`` check it); a lookup relies
+on each entry's own check (a damaged entry is a miss, the rest of its pack still reads) and
+the blob's digest. A pack is written to the store's ``tmp/``, synced, and renamed into
+``packs/`` under a new name; it is never rewritten.
 """
 
 from __future__ import annotations
@@ -156,11 +151,9 @@ PackInput = tuple[str, str, "bytes | Callable[[], bytes | None]", int]
 def pack_chunks(entries: Iterable[PackInput], stats: dict[str, int] | None = None) -> Iterator[bytes]:
     """The bytes of a pack holding ``entries``, produced as they are read.
 
-    Each distinct blob is stored as :func:`cuda_program_cas._base.frame.encode` makes it
-    (compressed once, here, by the writer), a :class:`Stored` one as it is. A key id met
-    twice keeps its first entry; a digest met twice is stored once (and, given as a
-    callable, read once; a callable that gives None leaves its entry out). ``stats``,
-    when given, receives ``entries``, ``blobs``, ``bytes`` (stored) and ``raw_bytes``.
+    Each distinct blob is stored as :func:`~cuda_program_cas._base.frame.encode` makes it, a :class:`Stored` one
+    as it is. A key id met twice keeps its first entry; a digest met twice is stored (and read) once. ``stats``
+    receives ``entries``, ``blobs``, ``bytes`` (stored) and ``raw_bytes``.
     """
     yield _HEADER
     offset = len(_HEADER)

@@ -215,14 +215,9 @@ class StorePacks:
         return names
 
     def _list_pack(self, name: str) -> None:
-        """Add ``name`` to ``packs/list``, after the pack itself is stored.
-
-        Read, add, write, read again: another publisher's write of the listing at the
-        same moment may have dropped this name, so it is added again until a read
-        shows it (a few tries). Where there was none and the engine creates
-        conditionally, the first listing is created, not put: of two publishers, the
-        second reads the first's.
-        """
+        """Add ``name`` to ``packs/list``, after the pack itself is stored: read, add, write, read again, a few
+        times (another publisher's write at the same moment may drop it). Where there was none and the engine
+        creates conditionally, the first listing is created, not put: the second publisher reads the first's."""
         sent: tuple[bytes, str] | None = None
         maker = creates(self.engine)
         for _ in range(_LISTING_TRIES):

@@ -72,13 +72,9 @@ class BlobWrite(enum.Enum):
 
 
 class Writer:
-    """Writes the blobs and manifests of one cache root.
-
-    ``file_mode``/``dir_mode``: modes of new files (less the umask, or exactly with
-    ``exact_mode``) and directories (None: the umask's; ``setgid``: they inherit the root's
-    group). ``fsync``: each file (else :meth:`sync` makes a batch durable). ``guard``:
-    refuse writes through a shard that is a symlink or not a directory.
-    """
+    """Writes the blobs and manifests of one cache root: ``file_mode`` less the umask (exactly: ``exact_mode``);
+    ``dir_mode`` (None: the umask's; ``setgid``: the root's group); ``fsync`` each file (else :meth:`sync` a
+    batch); ``guard``: no writes through a shard that is a symlink or not a directory."""
 
     def __init__(
         self,

@@ -6,10 +6,8 @@ The store is static files in the directory layout, so any server of files serves
 a 5xx, 401 or 403 is an outage (a wrong token is wrong for every object); any other
 status is ``damaged``.
 
-- ``get`` of a blob decodes the body as it arrives (:class:`~cuda_program_cas._base.frame.Inflow`)
-  and hashes its raw bytes into an :class:`~cuda_program_cas._disk.intake.Intake`, which
-  stages a large one in the local cache's ``tmp/``. Running out of memory or staging disk
-  is this node's trouble: kind :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
+- ``get`` of a blob takes the body in as it arrives (:func:`~cuda_program_cas._disk.intake.verified_intake`:
+  a large one staged in the local cache's ``tmp/``).
 - ``get_changed``: ``If-None-Match`` with the ETag in hand (nginx gives every file one); 304 is unchanged.
 - ``size``: HEAD. ``put``: a WebDAV PUT (nginx renames a whole body onto its target, so a
   reader never sees a part); a 409 makes the missing folders by MKCOL. ``put_many`` puts in
@@ -116,11 +114,9 @@ class HttpEngine:
         return (into, reply.headers.get("etag")) if self._found(name, reply) else (None, None)
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
-        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16.
-
-        The buffers are made here, in the caller's thread: made by the pool's threads they stayed
-        in each thread's allocator arena (40 entries of 4 MiB peaked 39 MB over the baseline; here, under 16).
-        """
+        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16. The buffers
+        are made in the caller's thread: made by the pool's, they stayed in each thread's allocator arena (40
+        entries of 4 MiB peaked 39 MB over the baseline; here, under 16)."""
         limits = limits_of(names, limit)
         landings = [Landing(n) for n in limits]
         calls = [partial(self._landed, name, n, at.take) for name, n, at in zip(names, limits, landings, strict=True)]

@@ -156,14 +156,9 @@ class HttpPacks:
         return None
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
-        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, at once
-        (:meth:`~cuda_program_cas._base.engine.Ranged.get_ranges`, the spans coalesced); None when not had so.
-
-        Anything but those bytes (the whole pack, one range for several, a range not asked
-        for, no such pack) is None, said once: the caller reads those entries the ordinary
-        way. The bytes are not verified here (the caller hashes each entry); every span
-        is a view of what the engine took in once, whatever number of spans name the same
-        bytes; the caller bounds what it asks.
+        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, at once (coalesced), as
+        views of what the engine took in once; None, said once, for anything else (the caller reads those entries
+        the ordinary way). Not verified here (the caller hashes each entry), nor bounded (the caller bounds it).
         """
         from .multipart import coalesce
 
@@ -250,10 +245,9 @@ class HttpPacks:
     def _index(self, name: str, room: int) -> PackReader | None:
         """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had.
 
-        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or
-        that does not fit the size the server gives, makes the pack a damaged one before
-        its index is asked for. A good one that needs more than ``room`` (what this
-        store's newer packs left of the bound) is not fetched either.
+        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or does not fit the size the
+        server gives, is damage before the index is asked for; a good one over ``room`` (what newer packs left of
+        the bound) is not fetched either.
         """
         memo = local_id(_MEMO_PREFIX + join(self.engine.root, f"packs/{name}"))  # never published
         kept = self._memo_get(memo) if self._memo_get is not None else None
