@@ -445,10 +445,8 @@ class PackReader(PackBlobs):
         try:
             st = os.fstat(fd)
             size = st.st_size
-            if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
-                raise PackError(f"{path}: too short to be a pack ({size} bytes)")
-            trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
-            index_offset, index_len = index_span(size, trailer, path)  # an older format is told here
+            trailer = os.pread(fd, _TRAILER.size, max(0, size - _TRAILER.size))
+            index_offset, index_len = index_span(size, trailer, path)  # too short, or an older format: told here
             if os.pread(fd, len(_HEADER), 0) != _HEADER:
                 raise PackError(f"{path}: not a pack of version {VERSION}")
             want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
