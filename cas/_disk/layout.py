@@ -22,7 +22,7 @@ from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.log import LOGGER as _log
 
 from .atomic import atomic_write, make_tmp_dir
-from .files import READ_FLAGS, shard_path, trusted_mtime_ns
+from .files import NotRegularFile, read_small, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
@@ -199,25 +199,19 @@ def _read_layout(path: str) -> dict[str, object] | None:
     directory (a writable open could not replace it), ``OSError`` when it cannot be read.
     """
     try:
-        fd = os.open(path, READ_FLAGS)
+        return parse_layout(read_small(path, 4096))
+    except NotRegularFile:
+        if not os.path.isdir(path):
+            return None
+        root = os.path.dirname(path)
+        raise LayoutError(
+            f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
+            "(`rmdir` it if empty) and open the cache again"
+        ) from None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
             return None
         raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            root = os.path.dirname(path)
-            raise LayoutError(
-                f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
-                "(`rmdir` it if empty) and open the cache again"
-            )
-        if not stat.S_ISREG(mode):
-            return None
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    return parse_layout(raw)
 
 
 def parse_layout(raw: bytes) -> dict[str, object] | None:
