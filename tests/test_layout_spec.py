@@ -22,9 +22,36 @@ from cuda.core import LinkerOptions, Program, ProgramOptions
 import cuda_program_cas
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, digest_of
 from cuda_program_cas._disk.atomic import atomic_write
-from cuda_program_cas._disk.layout import FILES, Layout, file_kind
+from cuda_program_cas._disk.layout import FILES, Layout
 from cuda_program_cas._local import journal
 from cuda_program_cas.index import key_id
+
+
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    parts = re.split(r"(<\d+ hex>|<digits>|\*)", pattern)
+    out = []
+    for part in parts:
+        if part == "<digits>":
+            out.append("[0-9]+")
+        elif part == "*":
+            out.append("[^/]*")
+        elif (m := re.fullmatch(r"<(\d+) hex>", part)) is not None:
+            out.append(f"[0-9a-f]{{{m.group(1)}}}")
+        else:
+            out.append(re.escape(part))
+    return re.compile("".join(out))
+
+
+_FILE_RES = tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
+
+
+def file_kind(relpath: str) -> str | None:
+    """The pattern of :data:`FILES` that ``relpath`` (``/`` separated, a directory ending in ``/``) matches, or None."""
+    for regex, pattern in _FILE_RES:
+        if regex.fullmatch(relpath):
+            return pattern
+    return None
+
 
 #: Patterns of FILES that no step here makes, each with why (none today).
 NOT_MADE_HERE: dict[str, str] = {}

@@ -16,18 +16,14 @@ Rules every engine keeps:
 - ``limit`` is the cache's own bound: an object larger than it is refused
   (``StoreFailure`` with ``outage=False``, kind ``too large``) before more than
   ``limit + 1`` bytes of it are read, whatever the server claims.
-- ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, the
-  object decoded when it is framed (:mod:`cuda_program_cas._base.frame`: a shared
-  store holds blobs zstd-compressed, or raw, mixed), ``limit`` bounding the raw
-  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.stored_limit`, the
-  ``room`` of it: a blob that does not compress may be framed larger), and only when they hash (blake3)
-  to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``). The stored
-  bytes go through one :class:`~cuda_program_cas._base.frame.Inflow` as they arrive, its raw output
-  hashed and held (:class:`~cuda_program_cas._disk.intake.Intake`: on disk past a bound, HTTP's
-  body as a directory's file over a MiB), never gathered unverified in memory first;
-  :func:`~cuda_program_cas._base.frame.verified` is the check for an engine that
-  has the whole object in hand (Redis). Without a digest, ``get`` returns the
-  stored bytes as they are.
+- ``digest`` (a blob's): with one, ``get`` returns the blob's raw bytes, decoded
+  where framed (:mod:`cuda_program_cas._base.frame`), ``limit`` bounding the raw
+  bytes (the stored ones by :func:`~cuda_program_cas._base.frame.stored_limit`), only
+  when they hash to it; else ``StoreFailure`` kind ``damaged`` (``outage=False``).
+  A streamed answer goes through :func:`~cuda_program_cas._disk.intake.verified_intake`
+  (on disk past a MiB), never gathered unverified in memory first; an object in hand
+  (Redis) through :func:`~cuda_program_cas._base.frame.verified`. Without a digest,
+  ``get`` returns the stored bytes as they are.
 - Every call has one overall deadline (the engine's timeout), covering connect
   and the whole answer.
 - ``put`` is atomic: a reader sees the old object, none, or the whole new one.
@@ -42,21 +38,13 @@ typed interface reached through one accessor that the record decides
 :func:`leases`: the interface, or None where the record denies it); an engine
 implements the methods of exactly the abilities it declares.
 
-- :class:`Ranged` (``ranges``): part of an object, from an offset or its end
-  (HTTP by ``Range``, a directory by ``pread``); a pack's entry without the pack.
-  A range streams into a sink (a packed hit: the pack reader decodes and hashes it as it
-  arrives), and several come at once (:meth:`Ranged.get_ranges`: a warm set's batch).
-- ``multi_range``: those several ranges in one request (a multipart answer, HTTP);
-  without it, one request each, all at once (S3).
-- :class:`ConditionalGet` (``conditional_get``): None when the object is still the
-  one ``tag`` names, else ``(bytes or None when there is none, its new tag)`` (HTTP
-  by ``If-None-Match``, Redis by a script that compares a hash). Without it an object
-  is read whole each time.
-- :class:`Creates` (``conditional_create``): put only where there is no such object
-  (Redis ``SET NX``); a second create of one name fails.
-- :class:`Listing` (``listing``): the names of a folder's objects (a directory).
-- :class:`Leases` (``leases``): a lease with a TTL, given back however its holder died
-  (Redis); without it, per-node claims.
+- :class:`Ranged` (``ranges``): part of an object (HTTP by ``Range``, a directory by ``pread``),
+  streamed into a sink, or several at once; ``multi_range``: those in one request (HTTP's
+  multipart answer), else one each, all at once (S3).
+- :class:`ConditionalGet` (``conditional_get``): an object read only when its tag changed
+  (HTTP's ``If-None-Match``, a Redis script comparing a hash).
+- :class:`Creates` (``conditional_create``: Redis ``SET NX``), :class:`Listing` (``listing``: a
+  directory), :class:`Leases` (``leases``: Redis; without them, per-node claims).
 """
 
 from __future__ import annotations
@@ -64,9 +52,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol, TypeVar, cast
-
-from blake3 import blake3
+from typing import IO, Protocol, cast
 
 from .errors import CacheError
 
@@ -82,7 +68,6 @@ __all__ = [
     "Listing",
     "Ranged",
     "StoreFailure",
-    "check_digest",
     "conditional",
     "creates",
     "leases",
@@ -91,8 +76,6 @@ __all__ = [
     "not_stored",
     "ranged",
 ]
-
-_Bytes = TypeVar("_Bytes", bound="bytes | memoryview")
 
 #: The kind of a StoreFailure that is this node's trouble, not the store's: no memory, or no
 #: staging disk, for an answer. Not an outage: the store is not paused.
@@ -122,14 +105,9 @@ class StoreFailure(CacheError):
 
 
 class _Kept(io.BytesIO):
-    """A ``BytesIO`` whose finalizer does not close it.
-
-    A landing given up part-filled (a failed answer) can be garbage in a cycle with a
-    view of it (a frame of the failure's traceback holds :meth:`Landing.room`'s slice).
-    The collector runs ``IOBase``'s finalizer, ``close()``, before it clears the view,
-    and ``close()`` refuses a buffer with views: Python 3.13 reports that as an
-    unraisable ``BufferError``. The memory goes with the last view either way.
-    """
+    """A ``BytesIO`` whose finalizer does not close it: a landing given up part-filled can be garbage in a cycle
+    with a view of it (a traceback's frame), and ``close()`` with a view left is an unraisable ``BufferError``
+    (Python 3.13). The memory goes with the last view either way."""
 
     def close(self) -> None:
         pass
@@ -138,10 +116,8 @@ class _Kept(io.BytesIO):
 class Landing:
     """Bytes of an answer of at most ``size`` bytes, taken into place as they arrive: one copy, never two.
 
-    Gathering chunks and joining them holds an answer twice at the end (a 32 MiB
-    blob: 64 MiB); a ``bytearray`` turned into ``bytes`` does too. This writes
-    into the buffer of a ``BytesIO`` made ``size`` long at once, and
-    :meth:`value` hands that buffer over as ``bytes`` (CPython's ``getvalue``
+    Chunks joined, or a ``bytearray`` made ``bytes``, hold an answer twice (a 32 MiB blob: 64 MiB). This writes
+    into a ``BytesIO`` made ``size`` long at once, whose buffer :meth:`value` hands over (CPython's ``getvalue``
     shares it when no view is left). ``size`` is bounded by the caller.
     """
 
@@ -180,13 +156,6 @@ class Landing:
         return self._io.getvalue()
 
 
-def check_digest(where: str, data: _Bytes, digest: str | None) -> _Bytes:
-    """``data``, when ``digest`` is None or ``data`` hashes to it; else ``StoreFailure`` kind ``damaged``."""
-    if digest is not None and blake3(data).hexdigest() != digest:
-        raise StoreFailure(where, "damaged", f"{len(data)} bytes that do not hash to {digest}", outage=False)
-    return data
-
-
 def not_stored(where: str, answer: str, size: int, held: int | None, *, hint: str, other: bool = False) -> StoreFailure:
     """The failure of a put of ``size`` bytes answered ``answer``, where the store holds ``held`` bytes.
 
@@ -218,12 +187,8 @@ def limits_of(names: Sequence[str], limit: int | Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Abilities:
-    """What one engine can do, and how the store above treats it: its ``can`` (module docstring).
-
-    The first six are optional abilities, each with its interface and accessor; the
-    rest say how the engine's answers and writes behave. Every field is False unless
-    an engine declares it.
-    """
+    """What one engine can do (the first six, each with its interface and accessor), and how its answers and
+    writes behave: its ``can`` (module docstring). Every field is False unless an engine declares it."""
 
     #: :class:`Ranged`: part of an object, from an offset or from its end.
     ranges: bool = False
@@ -381,25 +346,20 @@ class Leases(Protocol):
 
 
 def ranged(engine: Engine) -> Ranged | None:
-    """``engine`` as :class:`Ranged` where ``engine.can.ranges``; else None."""
     return cast("Ranged", engine) if engine.can.ranges else None
 
 
 def conditional(engine: Engine) -> ConditionalGet | None:
-    """``engine`` as :class:`ConditionalGet` where ``engine.can.conditional_get``; else None."""
     return cast("ConditionalGet", engine) if engine.can.conditional_get else None
 
 
 def creates(engine: Engine) -> Creates | None:
-    """``engine`` as :class:`Creates` where ``engine.can.conditional_create``; else None."""
     return cast("Creates", engine) if engine.can.conditional_create else None
 
 
 def listing(engine: Engine) -> Listing | None:
-    """``engine`` as :class:`Listing` where ``engine.can.listing``; else None."""
     return cast("Listing", engine) if engine.can.listing else None
 
 
 def leases(engine: Engine) -> Leases | None:
-    """``engine`` as :class:`Leases` where ``engine.can.leases``; else None."""
     return cast("Leases", engine) if engine.can.leases else None

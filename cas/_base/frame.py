@@ -1,12 +1,9 @@
 """A blob as a shared store holds it: zstd-compressed in a self-describing frame, or raw.
 
-Every shared store (a directory, WebDAV, S3, Redis) moves and keeps compressed bytes
-(a cubin compresses 7 to 10 times); a node's local cache keeps the raw binary, which
-``cuobjdump`` reads. The writer (publish, write-back) compresses once
-(:func:`encode`); each reader decodes before it verifies, through one
-:class:`Inflow` as the bytes arrive (an engine's ``get`` with a digest) or
-:func:`decode` of an object in hand: a blob's name stays the blake3 digest of its
-raw bytes.
+Every shared store moves and keeps compressed bytes (a cubin compresses 7 to 10 times);
+a node's local cache keeps the raw binary, which ``cuobjdump`` reads. The writer
+(publish, write-back) compresses once (:func:`encode`); each reader decodes before it
+verifies, through one :class:`Inflow`: a blob's name stays the blake3 digest of its raw bytes.
 
 A framed object is::
 
@@ -24,14 +21,12 @@ blob may be larger than its raw bytes, never more than :func:`room` of them: eve
 reader bounds the stored bytes of a blob by the room of the raw size its manifest
 names, and the raw bytes by that size (a raw object larger than it is still damage).
 
-What :class:`Inflow` (and so :func:`decode`) refuses (a
-:class:`~cuda_program_cas._base.engine.StoreFailure` of kind ``damaged``, not an outage:
-one bad object, a miss counted in ``corrupt``): a stated raw size over the reader's
-limit (before anything is decompressed; a raw object longer than the limit too), a zstd
-frame that states another size or none, a frame cut short, data after the frame that is
-not an empty frame, a frame that decompresses to more or less than it states. zstd's
-output is cut off past the stated size, so a bomb never takes more memory than the
-limit the reader allows an entry anyway.
+What :class:`Inflow` refuses (a :class:`~cuda_program_cas._base.engine.StoreFailure` of kind
+``damaged``, not an outage: a miss counted in ``corrupt``): a stated raw size over the reader's
+limit (before anything is decompressed; a raw object longer than the limit too), a zstd frame
+that states another size or none, a frame cut short, data after the frame that is not an empty
+frame, a frame that decompresses to more or less than it states. zstd's output is cut off past
+the stated size (at most 128 KiB, its buffer, past it), so a bomb costs a chunk, not its size.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ import struct
 from collections.abc import Callable
 from typing import IO, Any, cast
 
-from .engine import Landing, StoreFailure, check_digest
+from .engine import Landing, StoreFailure
 
 __all__ = [
     "HEADER_SIZE",
@@ -105,10 +100,9 @@ def stored_limit(limit: int, digest: str | None) -> int:
 def encode(raw: bytes, *, level: int = LEVEL) -> bytes:
     """``raw`` as a shared store is to hold it: framed and compressed, or ``raw`` itself when that is not larger.
 
-    What costs the writer most is spared where it buys little: a blob whose first :data:`PROBE` bytes do not
-    compress by a sixteenth at zstd's fastest level is kept raw without compressing the rest (level 19 takes
-    about 250 ms a MiB of noise), and a blob over :data:`LARGE` bytes is compressed at :data:`LARGE_LEVEL`
-    at most (a CUDA binary is rarely so large; 19 would take seconds of the write-back thread).
+    A blob whose first :data:`PROBE` bytes do not compress by a sixteenth at zstd's fastest level is kept raw
+    uncompressed (level 19 takes about 250 ms a MiB of noise); one over :data:`LARGE` bytes is compressed at
+    :data:`LARGE_LEVEL` at most (19 would take seconds of the write-back thread).
     """
     import zstandard  # only where a shared store's blob is written or read
 
@@ -168,14 +162,8 @@ class _Bounded:
 class Inflow:
     """One stored object as it arrives (:meth:`take`), its raw bytes passed to ``sink`` as they come out.
 
-    The one decoder of stored objects: a raw object's chunks pass through, a framed one's
-    are decompressed, and :meth:`finish` says whether the object was whole. What comes out
-    is bounded as it comes: never more than ``limit`` raw bytes, and of a framed object never
-    more than its header states (zstd's writer hands out at most 128 KiB, its buffer, before it is
-    stopped), so a bomb costs a chunk, not its size. The sink hashes or keeps the raw bytes
-    (an engine's staging); the raw digest is the caller's check. Data after the frame that
-    decodes to nothing (an empty zstd frame) is not refused: it adds no byte to what the
-    digest decides. A :class:`StoreFailure` of kind ``damaged`` for what the module refuses.
+    The one decoder: a raw object's chunks pass through, a framed one's are decompressed, within ``limit``
+    and what the header states; :meth:`finish` says whether it was whole. The raw digest is the caller's check.
     """
 
     def __init__(self, where: str, limit: int, sink: Callable[[bytes | memoryview], object]) -> None:
@@ -288,4 +276,9 @@ def verified(where: str, stored: bytes | memoryview, digest: str, limit: int) ->
     Of kind ``damaged``: a frame :func:`decode` refuses, or raw bytes that are not the blob's. An engine's
     ``get`` with a digest, for an object it has whole (Redis, a directory's file once hashed).
     """
-    return check_digest(where, decode(stored, limit, where), digest)
+    from blake3 import blake3
+
+    raw = decode(stored, limit, where)
+    if blake3(raw).hexdigest() != digest:
+        raise StoreFailure(where, "damaged", f"{len(raw)} bytes that do not hash to {digest}", outage=False)
+    return raw

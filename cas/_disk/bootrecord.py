@@ -94,11 +94,8 @@ class BootRecord:
             return None
         body = _BODY.pack(bytes.fromhex(digest), *identity)
         # One read: the table is laid out so that a digest's probe slots are adjacent.
-        return (
-            state[0],
-            body,
-            os.pread(state[0], _PROBES * _SLOT_BYTES, _HEADER_BYTES + _first_slot(body) * _SLOT_BYTES),
-        )
+        window = os.pread(state[0], _PROBES * _SLOT_BYTES, _HEADER_BYTES + _first_slot(body) * _SLOT_BYTES)
+        return state[0], body, window
 
     def vouches(self, digest: str, identity: FileId) -> bool:
         """True when this boot's record says blob ``digest`` was verified as the file ``identity`` describes."""

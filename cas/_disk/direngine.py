@@ -6,9 +6,8 @@ server what it always did: an open, a read and a close of the manifest, then of
 the blob. Every file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (a planted symlink
 is not followed, a FIFO does not block), and a shard directory (``index/ab``)
 that is a symlink or a file is refused, as the local cache refuses it
-(:class:`cuda_program_cas._disk.files.ShardGuard`). A blob over a MiB is read in chunks, each
-decoded once, its raw bytes hashed and held as HTTP's are (:class:`~cuda_program_cas._disk.intake.Intake`:
-past a MiB in the local cache's ``tmp/``), and returned only once they proved to be the blob.
+(:class:`cuda_program_cas._disk.files.ShardGuard`). A blob over a MiB is read in chunks
+through :func:`~cuda_program_cas._disk.intake.verified_intake`, as HTTP's body is.
 
 Errors: a missing file (ENOENT, ENOTDIR) is "no such object". EIO, ETIMEDOUT,
 ENOTCONN and EHOSTDOWN may mean the server is gone (a soft mount's EIO comes after
@@ -37,12 +36,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, TypeVar
 
-from cuda_program_cas._base.engine import LOCAL, Abilities, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, room, stored_limit, verified
+from cuda_program_cas._base.engine import Abilities, StoreFailure, limits_of
+from cuda_program_cas._base.frame import stored_limit, verified
 
 from .atomic import current_umask
 from .files import HASH_CHUNK, READ_FLAGS, ShardGuard, read_rest
-from .intake import Intake
+from .intake import Take, verified_intake
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -62,13 +61,9 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class DirModes:
-    """How a store directory's files are written: modes, group sharing, durability (publish's options).
-
-    ``file``/``dir``: the modes of new files and directories (exactly);
-    ``tmp_dir``: the store's ``tmp/`` (its files stay private); ``group_shared``:
-    new directories setgid; ``fsync``: each pack fsynced, and :meth:`DirEngine.sync`
-    one ``syncfs`` per phase.
-    """
+    """How a store directory's files are written (publish's options): ``file``/``dir``: the exact modes of new files
+    and directories; ``tmp_dir``: the store's ``tmp/`` (its files stay private); ``group_shared``: new directories
+    setgid; ``fsync``: each pack fsynced, and :meth:`DirEngine.sync` one ``syncfs`` per phase."""
 
     file: int
     dir: int
@@ -147,16 +142,13 @@ class DirEngine:
 
     def get(self, name: str, *, limit: int, digest: str | None = None) -> bytes | None:
         path = self._vetted(name)
-        try:
-            fd = os.open(path, READ_FLAGS)
-        except OSError as exc:
-            if exc.errno in _ABSENT:
-                return None
-            raise _failure(path, exc) from None
+        fd = _found(path, lambda: os.open(path, READ_FLAGS))
+        if fd is None:
+            return None
         stored = stored_limit(limit, digest)
         try:
             if digest is not None and limit > HASH_CHUNK:
-                return _read_verified(fd, path, digest, limit, self.staging)
+                return verified_intake(path, digest, limit, self.staging, lambda take: _chunks(fd, path, stored, take))
             data = os.read(fd, stored + 1)
             if len(data) <= stored:
                 # A short read ends a regular file only at its end; read on until then (or past the limit).
@@ -194,12 +186,9 @@ class DirEngine:
         """The bytes of each ``(offset, length)`` of ``spans(its size)`` in ``name`` by offset, and its size; None: no
         file. With ``sink`` the bytes go there in chunks, none held. A span past the end is ``short``."""
         path = self._vetted(name)
-        try:
-            fd = os.open(path, READ_FLAGS)
-        except OSError as exc:
-            if exc.errno in _ABSENT:
-                return None
-            raise _failure(path, exc) from None
+        fd = _found(path, lambda: os.open(path, READ_FLAGS))
+        if fd is None:
+            return None
         got: dict[int, bytes] = {}
         try:
             size = self._read(path, lambda: os.fstat(fd).st_size)
@@ -228,23 +217,17 @@ class DirEngine:
 
     def names(self, folder: str) -> list[str]:
         path = self._vetted(folder.rstrip("/") + "/")
-        try:
+
+        def names() -> list[str]:
             with os.scandir(path) as it:
                 return sorted(e.name for e in it if e.is_file(follow_symlinks=False) and not e.name.startswith("."))
-        except OSError as exc:
-            if exc.errno in _ABSENT:
-                return []
-            raise _failure(path, exc) from None
+
+        return _found(path, names) or []
 
     def size(self, name: str) -> int | None:
         path = self._vetted(name)
-        try:
-            st = os.lstat(path)
-        except OSError as exc:
-            if exc.errno in _ABSENT:
-                return None
-            raise _failure(path, exc) from None
-        return st.st_size if stat.S_ISREG(st.st_mode) else None
+        st = _found(path, lambda: os.lstat(path))
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
     # -- writes (a store named writable) ---------------------------------------------------
 
@@ -288,36 +271,28 @@ class DirEngine:
         return
 
 
-def _read_verified(fd: int, path: str, digest: str, limit: int, staging: str | None) -> bytes:
-    """The file's raw bytes (decoded where it is framed), ``limit`` at most, when they hash to ``digest``.
+def _chunks(fd: int, path: str, stored: int, take: Take) -> bool:
+    """The file's bytes into ``take`` in chunks of :data:`HASH_CHUNK`: a file that lies about its bytes costs a chunk
+    of memory, not its size; more than ``stored`` of them are ``too large``."""
+    got = 0
+    n = HASH_CHUNK
+    while got <= stored and (chunk := DirEngine._read(path, lambda: os.read(fd, n))):  # noqa: B023 - called at once
+        got += len(chunk)
+        n = min(HASH_CHUNK, stored + 1 - got)
+        take(chunk)
+    if got > stored:
+        raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
+    return True
 
-    Read once, in chunks of :data:`HASH_CHUNK` and no more than ``room(limit) + 1`` stored bytes; each chunk is
-    decoded once, and what comes out is hashed and kept by one :class:`Intake` (past its bound, in a staging file
-    in ``staging``): the bytes returned are the bytes hashed, and a file that lies about its bytes costs a chunk of
-    memory, not its size. Running out of memory or of staging disk is this node's trouble (``LOCAL``).
-    """
 
-    def read(n: int) -> bytes:
-        try:
-            return os.read(fd, n)
-        except OSError as exc:  # the store's, as get's other reads
-            raise _failure(path, exc) from None
-
-    got, stored = 0, room(limit)
+def _found(path: str, call: Callable[[], _T]) -> _T | None:
+    """``call()``; None where ``path`` is not there, a :class:`StoreFailure` for another ``OSError``."""
     try:
-        with Intake(staging) as body:
-            flow = Inflow(path, limit, body.take)
-            while got <= stored and (chunk := read(min(HASH_CHUNK, stored + 1 - got))):
-                got += len(chunk)
-                flow.take(chunk)
-            if got > stored:
-                raise StoreFailure(path, "too large", f"more than {stored} bytes", outage=False)
-            flow.finish()
-            if body.hexdigest() != digest:
-                raise StoreFailure(path, "damaged", f"its bytes do not hash to {digest}", outage=False)
-            return body.read()
-    except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
-        raise StoreFailure(path, LOCAL, type(exc).__name__, outage=False) from None
+        return call()
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return None
+        raise _failure(path, exc) from None
 
 
 def _failure(path: str, exc: OSError) -> StoreFailure:

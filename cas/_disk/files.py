@@ -39,6 +39,7 @@ __all__ = [
     "is_sharing_violation",
     "read_regular",
     "read_rest",
+    "read_small",
     "same_file",
     "scan_sharded",
     "shard_path",
@@ -150,6 +151,20 @@ def read_regular(path: str, expected_size: int | None = None) -> tuple[bytes, os
         if len(data) < size:
             data = read_rest(fd, data, limit)
         return data, st
+    finally:
+        os.close(fd)
+
+
+def read_small(path: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the regular file ``path``, in one read (a small file: ``layout.json``, settings).
+
+    ``OSError`` as ``open`` raises it (``ELOOP`` for a symlink); :class:`NotRegularFile` for anything else.
+    """
+    fd = os.open(path, READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(path)
+        return os.read(fd, limit)
     finally:
         os.close(fd)
 

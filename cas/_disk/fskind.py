@@ -15,6 +15,7 @@ ext3, ext4 with 128-byte inodes, FAT or a coarse NFS export).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -47,15 +48,11 @@ CTIME_RELIABLE = WATCHABLE
 
 # struct statfs starts with f_type (a long); 120 bytes on x86-64 and aarch64.
 _STATFS_SIZE = 256
-#: libc's statfs, bound on first use (ctypes costs about 2 ms to import): [] not yet, [None] none here.
-_statfs: list[Any] = []
 
 
 def fs_type(path: str) -> int | None:
     """The ``f_type`` of the file system holding ``path`` (followed); None when it cannot be had."""
-    if not _statfs:
-        _statfs.append(_bind_statfs())
-    statfs = _statfs[0]
+    statfs = _bind_statfs()
     if statfs is None:
         return None
     import ctypes
@@ -66,7 +63,9 @@ def fs_type(path: str) -> int | None:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
+@functools.cache
 def _bind_statfs() -> Any:
+    """libc's statfs, bound on first use (ctypes costs about 2 ms to import); None here."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes

@@ -1,20 +1,23 @@
-"""A blob's bytes as an engine takes them in: counted, hashed, held in memory up to a bound, then staged.
-
-The HTTP (and S3) engines take a blob's raw bytes as its body arrives, the directory engine as it reads a
-large file in chunks; either returns them only once they hash to the blob's digest, and never holds more
-than :data:`IN_MEMORY_BYTES` of bytes not yet proven in memory where it has a staging folder.
-"""
+"""A blob's bytes as an engine takes them in (:func:`verified_intake`): decoded, hashed, held in memory up to
+:data:`IN_MEMORY_BYTES`, then staged, and returned only once they hash to the blob's digest."""
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from contextlib import ExitStack
 from types import TracebackType
+
+from cuda_program_cas._base.engine import LOCAL, StoreFailure
+from cuda_program_cas._base.frame import Inflow
 
 from .atomic import Staging, staging
 from .files import blake3_hasher
 
-__all__ = ["IN_MEMORY_BYTES", "Intake"]
+__all__ = ["IN_MEMORY_BYTES", "Intake", "Take", "verified_intake"]
+
+#: Where a stored object's chunks go, as they come.
+Take = Callable[[bytes | memoryview], object]
 
 #: A blob's raw bytes up to this are gathered in memory while they are verified; more are staged in the local
 #: cache's ``tmp/`` (when there is one that can be written) and read back once verified.
@@ -26,11 +29,9 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 class Intake:
     """A body as it arrives (:meth:`take`): counted, hashed, held in memory up to :data:`IN_MEMORY_BYTES`, then staged.
 
-    ``staging``: the folder of the staging file (the local cache's ``tmp/``), or
-    None to hold any body in memory (it was bounded before it was asked for).
-    A staging file that cannot be made, or that fills its disk, leaves the body in
-    memory; one that cannot be written otherwise fails the read (``OSError``). The
-    file goes when the intake is closed.
+    ``staging``: the staging file's folder (the local cache's ``tmp/``; None: in memory, bounded before it was
+    asked for). A staging file that cannot be made, or fills its disk, leaves the body in memory; another write
+    error fails the read (``OSError``). The file goes when the intake is closed.
     """
 
     def __init__(self, staging: str | None, *, hashed: bool = True) -> None:
@@ -96,3 +97,27 @@ class Intake:
         if self._stage is not None:
             return self._stage.read()
         return self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+
+
+def verified_intake(
+    where: str, digest: str, limit: int, staging: str | None, feed: Callable[[Take], bool]
+) -> bytes | None:
+    """The raw bytes of the stored object ``feed(take)`` passes in chunks (False: there was none, so None), decoded
+    once as they come (:class:`~cuda_program_cas._base.frame.Inflow`, at most ``limit``) and held by one
+    :class:`Intake`, returned only when they hash to ``digest``: the bytes returned are the bytes hashed.
+
+    What the frame refuses and the wrong bytes are ``damaged``; running out of memory or of staging disk is
+    this node's trouble (:data:`~cuda_program_cas._base.engine.LOCAL`, never an outage).
+    """
+    try:
+        with Intake(staging) as body:
+            flow = Inflow(where, limit, body.take)
+            if not feed(flow.take):
+                return None
+            flow.finish()  # a frame cut short: refused
+            if body.hexdigest() != digest:
+                detail = f"{body.size:,} raw bytes that do not hash to {digest}"
+                raise StoreFailure(where, "damaged", detail, outage=False)
+            return body.read()
+    except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
+        raise StoreFailure(where, LOCAL, type(exc).__name__, outage=False) from None

@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
-import functools
 import json
 import os
-import re
 import stat
 import time
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from cuda_program_cas._base.errors import LayoutError
 from cuda_program_cas._base.log import LOGGER as _log
 
 from .atomic import atomic_write, make_tmp_dir
-from .files import READ_FLAGS, shard_path, trusted_mtime_ns
+from .files import NotRegularFile, read_small, shard_path, trusted_mtime_ns
 
 __all__ = [
     "BLOBS",
@@ -43,7 +41,6 @@ __all__ = [
     "check_layout_data",
     "create_layout",
     "damaged_layout_error",
-    "file_kind",
     "is_shared_store",
     "layout_bytes",
     "layout_version",
@@ -114,35 +111,6 @@ FILES: tuple[tuple[str, str], ...] = (
     ("sets/<64 hex>", "the entries one job used, in order of first use; named by sha256 of the job's name"),
 )
 _OWN_NAMES = frozenset(pattern.split("/", 1)[0] for pattern, _ in FILES)
-
-
-def _pattern_re(pattern: str) -> re.Pattern[str]:
-    parts = re.split(r"(<\d+ hex>|<digits>|\*)", pattern)
-    out = []
-    for part in parts:
-        if part == "<digits>":
-            out.append("[0-9]+")
-        elif part == "*":
-            out.append("[^/]*")
-        elif (m := re.fullmatch(r"<(\d+) hex>", part)) is not None:
-            out.append(f"[0-9a-f]{{{m.group(1)}}}")
-        else:
-            out.append(re.escape(part))
-    return re.compile("".join(out))
-
-
-@functools.cache
-def _file_res() -> tuple[tuple[re.Pattern[str], str], ...]:
-    # Compiled at the first question, not at import: about 0.9 ms that a hit never pays.
-    return tuple((_pattern_re(pattern), pattern) for pattern, _ in FILES)
-
-
-def file_kind(relpath: str) -> str | None:
-    """The pattern of :data:`FILES` that ``relpath`` (``/`` separated, a directory ending in ``/``) matches, or None."""
-    for regex, pattern in _file_res():
-        if regex.fullmatch(relpath):
-            return pattern
-    return None
 
 
 CACHEDIR_TAG = (
@@ -231,25 +199,19 @@ def _read_layout(path: str) -> dict[str, object] | None:
     directory (a writable open could not replace it), ``OSError`` when it cannot be read.
     """
     try:
-        fd = os.open(path, READ_FLAGS)
+        return parse_layout(read_small(path, 4096))
+    except NotRegularFile:
+        if not os.path.isdir(path):
+            return None
+        root = os.path.dirname(path)
+        raise LayoutError(
+            f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
+            "(`rmdir` it if empty) and open the cache again"
+        ) from None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):  # a symlink, refused by O_NOFOLLOW
             return None
         raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            root = os.path.dirname(path)
-            raise LayoutError(
-                f"cache at {root!r} has a directory where its {LAYOUT_FILE} belongs; remove it "
-                "(`rmdir` it if empty) and open the cache again"
-            )
-        if not stat.S_ISREG(mode):
-            return None
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    return parse_layout(raw)
 
 
 def parse_layout(raw: bytes) -> dict[str, object] | None:

@@ -1,13 +1,10 @@
 """Packs: immutable files that hold many entries of a shared store, opened once per process.
 
-A loose shared store costs every node two opens per first hit and the store an
-inode per blob and per manifest. A pack holds one publish generation: every blob
-once, then a sorted index from key id to blob, then a trailer. Nodes open each
-pack once, read the 1 KiB fan-out table once, and answer a lookup with one
-``pread`` of the index slice for the key's first byte and one ``pread`` of the
-blob, which is verified by its blake3 digest before its bytes are returned, as
-a loose blob is. Nothing is memory-mapped: a pack truncated or replaced under a
-reader makes short reads (misses), never a SIGBUS.
+A loose shared store costs every node two opens per first hit and the store an inode per
+blob and per manifest. A pack holds one publish generation. Nodes open each pack once, read
+its 1 KiB fan-out table once, and answer a lookup with one ``pread`` of the index slice for
+the key's first byte and one of the blob, verified by its digest. Nothing is memory-mapped:
+a pack truncated or replaced under a reader makes short reads (misses), never a SIGBUS.
 
 File format, version 2 (integers little-endian)::
 
@@ -31,12 +28,10 @@ bounds that by its own limit before it decompresses (:class:`.frame.Inflow`), ch
 digest after. Version 1 (every blob raw; no released version wrote it) is refused at open,
 with the command that moves it aside.
 
-The trailer's checksum covers the index: ``verify`` and ``repack`` check it; a
-lookup does not read the whole index, and relies instead on each entry's own
-check (a damaged entry is a miss, the rest of its pack still reads) and on the
-blob's digest. A pack becomes visible only complete: it is written to the
-store's ``tmp/``, synced, and renamed into ``packs/`` under a new name; it is
-never rewritten.
+The trailer's checksum covers the index (``verify`` and ``repack`` check it); a lookup relies
+on each entry's own check (a damaged entry is a miss, the rest of its pack still reads) and
+the blob's digest. A pack is written to the store's ``tmp/``, synced, and renamed into
+``packs/`` under a new name; it is never rewritten.
 """
 
 from __future__ import annotations
@@ -70,6 +65,7 @@ __all__ = [
     "RETIRED",
     "STREAM_ABOVE",
     "TRAILER_SIZE",
+    "PackBlobs",
     "PackEntry",
     "PackError",
     "PackInput",
@@ -155,11 +151,9 @@ PackInput = tuple[str, str, "bytes | Callable[[], bytes | None]", int]
 def pack_chunks(entries: Iterable[PackInput], stats: dict[str, int] | None = None) -> Iterator[bytes]:
     """The bytes of a pack holding ``entries``, produced as they are read.
 
-    Each distinct blob is stored as :func:`cuda_program_cas._base.frame.encode` makes it
-    (compressed once, here, by the writer), a :class:`Stored` one as it is. A key id met
-    twice keeps its first entry; a digest met twice is stored once (and, given as a
-    callable, read once; a callable that gives None leaves its entry out). ``stats``,
-    when given, receives ``entries``, ``blobs``, ``bytes`` (stored) and ``raw_bytes``.
+    Each distinct blob is stored as :func:`~cuda_program_cas._base.frame.encode` makes it, a :class:`Stored` one
+    as it is. A key id met twice keeps its first entry; a digest met twice is stored (and read) once. ``stats``
+    receives ``entries``, ``blobs``, ``bytes`` (stored) and ``raw_bytes``.
     """
     yield _HEADER
     offset = len(_HEADER)
@@ -205,11 +199,8 @@ def pack_chunks(entries: Iterable[PackInput], stats: dict[str, int] | None = Non
 def write_pack(
     lay: Layout, entries: Iterable[PackInput], write_file: object, stats: dict[str, int] | None = None
 ) -> str:
-    """Write a pack of ``entries`` into ``lay``'s ``packs/`` through ``write_file(target, chunks)``.
-
-    ``write_file`` is the store writer's :meth:`cuda_program_cas._disk.writer.Writer.write_file`
-    (temp file in ``tmp/``, final mode, fsync, rename). Returns the pack's path.
-    """
+    """Write a pack of ``entries`` into ``lay``'s ``packs/`` through ``write_file(target, chunks)`` (the store
+    writer's :meth:`~cuda_program_cas._disk.writer.Writer.write_file`); the pack's path."""
     packs_dir = os.path.join(lay.root, "packs")
     target = os.path.join(packs_dir, pack_name())
     assert callable(write_file)
@@ -330,123 +321,19 @@ def entry_at(raw: bytes, at: int, trailer: bytes, size: int, name: str) -> PackE
 ENTRY_SIZE = _ENTRY.size
 
 
-class PackReader:
-    """One pack: its index, and its blobs read verified, through a source (:class:`RangeSource`). Nothing here raises
-    for a damaged entry but :meth:`read`'s ``PackError`` (``PackError`` at open for a damaged pack).
+class PackBlobs:
+    """The blobs of the pack ``path`` read verified through ``source``, their entries known (:class:`PackReader` has
+    its index; a publisher checking a packed blob has the entry from a summary)."""
 
-    ``PackReader(path)`` opens a pack file (header, trailer and index: three ``pread``);
-    :meth:`over` takes a pack whose trailer and whole index were fetched by ranges.
-    """
-
-    #: When the pack was written (its file's mtime; 0 for one read by ranges).
-    mtime = 0.0
-
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, READ_FLAGS)
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if size < len(_HEADER) + _FANOUT.size + _TRAILER.size:
-                raise PackError(f"{path}: too short to be a pack ({size} bytes)")
-            trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
-            index_offset, index_len = index_span(size, trailer, path)  # an older format is told here
-            if os.pread(fd, len(_HEADER), 0) != _HEADER:
-                raise PackError(f"{path}: not a pack of version {VERSION}")
-            want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
-            head = os.pread(fd, want, index_offset)
-            if len(head) != want:
-                raise PackError(f"{path}: truncated while being read")
-        except BaseException:
-            os.close(fd)
-            raise
-        self.mtime = st.st_mtime
-        self._setup(path, PackFile(path, fd, st), size, trailer, head)
-
-    @classmethod
-    def over(cls, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, index: bytes) -> PackReader:
-        """The pack ``path`` of ``size`` bytes read through ``source``, from its trailer and whole index, which
-        must match the trailer's checksum (:class:`PackError`)."""
-        reader = cls.__new__(cls)
-        reader._setup(path, source, size, trailer, index)
-        if reader._whole is None or blake3(index).digest() != reader.checksum:
-            raise PackError(f"{path}: its index does not match its trailer's checksum")
-        return reader
-
-    def _setup(self, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, head: bytes) -> None:
-        self.checksum, self._index_offset, self.count = parse_trailer(trailer, size, path)
-        fanout: tuple[int, ...] = _FANOUT.unpack(head[: _FANOUT.size]) if len(head) >= _FANOUT.size else ()
-        if list(fanout) != sorted(fanout) or not fanout or fanout[-1] != self.count:
-            raise PackError(f"{path}: garbled fan-out table")
+    def __init__(self, path: str, source: PackFile | RangeSource) -> None:
         self.path = path
-        self.name = os.path.basename(path)
-        self.size = size
         self._source = source
-        self._fanout = fanout
-        #: A small pack's whole index, read at open: its sorted key ids and raw entries.
-        self._whole = split_entries(head[_FANOUT.size :]) if len(head) == index_length(self.count) else None
-        #: A large pack's slices read so far: first byte -> key ids and raw entries (a pack never changes).
-        self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
-        self._lock = threading.Lock()
-        after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # see cuda_program_cas._base.fork; the descriptor pool resets its own
 
     def close(self) -> None:
         self._source.close()
 
-    @property
-    def index_size(self) -> int:
-        """Bytes of the pack's index (its fan-out table and entries)."""
-        return index_length(self.count)
-
-    def loaded_keys(self) -> list[bytes] | None:
-        """Every key id of a pack whose index is held whole (a small one, one read by ranges); None for a large one."""
-        return None if self._whole is None else self._whole[0]
-
     def _bytes(self, size: int, offset: int) -> bytes:
         return self._source.read(offset, size) or b""  # cut short: the entries it lacks are misses
-
-    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int, int]:
-        """Key ids and raw entries holding those that start with byte ``first``, their ``[lo, hi)`` there, and
-        where the first of those raw entries lies in the pack."""
-        lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
-        start = self._index_offset + _FANOUT.size
-        if self._whole is not None:
-            return self._whole[0], self._whole[1], lo, hi, start
-        bucket = self._buckets.get(first)
-        if bucket is None:
-            at = start + lo * _ENTRY.size
-            bucket = split_entries(self._bytes((hi - lo) * _ENTRY.size, at) if hi > lo else b"")
-            with self._lock:
-                self._buckets[first] = bucket
-        return bucket[0], bucket[1], 0, len(bucket[0]), start + lo * _ENTRY.size
-
-    def find(self, kid: str) -> PackEntry | None:
-        """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
-        return self.find_key(bytes.fromhex(kid))
-
-    def find_key(self, key: bytes) -> PackEntry | None:
-        """:meth:`find` for a key id given as its 32 raw bytes."""
-        keys, entries, lo, hi, base = self._bucket(key[0])
-        i = bisect.bisect_left(keys, key, lo, hi)
-        if i == hi or keys[i] != key:
-            return None
-        return entry_from(entries[i], self._index_offset, base + i * _ENTRY.size)
-
-    def entries(self) -> Iterator[PackEntry]:
-        """Every entry, in key order (damaged ones skipped)."""
-        for first in range(256):
-            _keys, raws, lo, hi, base = self._bucket(first)
-            for i in range(lo, hi):
-                entry = entry_from(raws[i], self._index_offset, base + i * _ENTRY.size)
-                if entry is not None:
-                    yield entry
-
-    def index_ok(self) -> bool:
-        """True when the whole index matches the trailer's checksum (reads the whole index)."""
-        raw = self._source.read(self._index_offset, index_length(self.count))
-        return raw is not None and blake3(raw).digest() == self.checksum
 
     def raw_size(self, entry: PackEntry) -> int:
         """The raw size ``entry``'s object states (its frame's header; a raw one's own size); unverified."""
@@ -462,22 +349,16 @@ class PackReader:
         staging: str | None = None,
         keep_stored: bool = False,
     ) -> bytes | None:
-        """The verified raw bytes of ``entry``'s blob (stored framed or raw), at most ``limit`` of them.
+        """The verified raw bytes of ``entry``'s blob, at most ``limit`` (default ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``).
 
-        ``limit``: the largest entry the caller reads (default: the ceiling,
-        ``CUDA_PROGRAM_CAS_MAX_ENTRY_SIZE``). A :class:`PackError` naming the pack, the
-        key and what is wrong for bytes cut short, a frame refused (a bomb, one cut
-        short, a wrong stated size: :mod:`cuda_program_cas._base.frame`) or raw bytes
-        that do not hash to the entry's digest: the rest of the pack still reads.
-        None where the source had no bytes (it said why), or ``fits`` refused the raw
-        size the object states (judged before more than its header is taken in).
+        A :class:`PackError` naming the pack and key for bytes cut short, a frame refused or the wrong bytes: the
+        rest of the pack still reads. None where the source had no bytes (it said why), or ``fits`` refused the
+        raw size the object states (judged from its header).
 
-        An entry over :data:`STREAM_ABOVE`, stored or stated raw, is decoded and hashed as it
-        is read. From a file it is then read whole and verified again (the file may change
-        between the reads), so a pack that lies about an entry costs a node a chunk of memory,
-        not the entry; from ranges it is read once, its raw bytes held by an :class:`.Intake`
-        (past a MiB in ``staging``). ``keep_stored``: the bytes as the pack holds them
-        (:class:`Stored`, read as from a file: a repack copies them).
+        An entry over :data:`STREAM_ABOVE`, stored or stated raw, is decoded and hashed as it is read. From a file
+        it is then read whole and verified again (the file may change between the reads), so a lying pack costs
+        a chunk of memory, not the entry; from ranges it is read once (:func:`.intake.verified_intake`, past a
+        MiB in ``staging``). ``keep_stored``: the bytes as the pack holds them (:class:`Stored`: a repack's copy).
         """
         limit = env_max_entry_size() if limit is None else limit
         where = f"{self.path}: the blob of {entry.key_id}"
@@ -533,26 +414,129 @@ class PackReader:
         self, where: str, entry: PackEntry, limit: int, fits: Callable[[int], bool] | None, staging: str | None
     ) -> bytes | None:
         """Read ``entry``'s object once, decoded as it comes, its raw bytes hashed and held (an :class:`.Intake`)."""
-        from .intake import Intake
+        from .intake import verified_intake
 
-        with Intake(staging) as body:
-            inflow = Inflow(where, limit, body.take)
-            take = inflow.take if fits is None else _Judged(entry.size, fits, inflow.take).take
+        def feed(take: Callable[[bytes], object]) -> bool:
             try:
-                if not self._streamed(where, entry, take):
-                    return None
+                return self._streamed(where, entry, take if fits is None else _Judged(entry.size, fits, take).take)
             except _NotFetched:
-                return None
-            inflow.finish()
-            if body.hexdigest() != entry.digest:
-                raise PackError(f"{where}: its bytes do not hash to its digest {entry.digest}")
-            return body.read()
+                return False
+
+        return verified_intake(where, entry.digest, limit, staging, feed)
 
     def _streamed(self, where: str, entry: PackEntry, sink: Callable[[bytes], object]) -> bool:
         n = self._source.stream(entry.offset, entry.size, sink)
         if n is not None and n != entry.size:
             raise PackError(f"{where}: {n:,} of its {entry.size:,} bytes (the pack is cut short)")
         return n is not None
+
+
+class PackReader(PackBlobs):
+    """One pack: its index, and its blobs read verified, through a source (:class:`RangeSource`); ``PackError`` at
+    open for a damaged pack, and from :meth:`read` for a damaged entry. ``PackReader(path)`` opens a pack file
+    (header, trailer and index: three ``pread``); :meth:`over` takes a trailer and whole index fetched by ranges.
+    """
+
+    #: When the pack was written (its file's mtime; 0 for one read by ranges).
+    mtime = 0.0
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, READ_FLAGS)
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            trailer = os.pread(fd, _TRAILER.size, max(0, size - _TRAILER.size))
+            index_offset, index_len = index_span(size, trailer, path)  # too short, or an older format: told here
+            if os.pread(fd, len(_HEADER), 0) != _HEADER:
+                raise PackError(f"{path}: not a pack of version {VERSION}")
+            want = index_len if index_len <= SMALL_INDEX else _FANOUT.size
+            head = os.pread(fd, want, index_offset)
+            if len(head) != want:
+                raise PackError(f"{path}: truncated while being read")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.mtime = st.st_mtime
+        self._setup(path, PackFile(path, fd, st), size, trailer, head)
+
+    @classmethod
+    def over(cls, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, index: bytes) -> PackReader:
+        """The pack ``path`` of ``size`` bytes read through ``source``, from its trailer and whole index, which
+        must match the trailer's checksum (:class:`PackError`)."""
+        reader = cls.__new__(cls)
+        reader._setup(path, source, size, trailer, index)
+        if reader._whole is None or blake3(index).digest() != reader.checksum:
+            raise PackError(f"{path}: its index does not match its trailer's checksum")
+        return reader
+
+    def _setup(self, path: str, source: PackFile | RangeSource, size: int, trailer: bytes, head: bytes) -> None:
+        self.checksum, self._index_offset, self.count = parse_trailer(trailer, size, path)
+        fanout: tuple[int, ...] = _FANOUT.unpack(head[: _FANOUT.size]) if len(head) >= _FANOUT.size else ()
+        if list(fanout) != sorted(fanout) or not fanout or fanout[-1] != self.count:
+            raise PackError(f"{path}: garbled fan-out table")
+        super().__init__(path, source)
+        self.name = os.path.basename(path)
+        self.size = size
+        self._fanout = fanout
+        #: A small pack's whole index, read at open: its sorted key ids and raw entries.
+        self._whole = split_entries(head[_FANOUT.size :]) if len(head) == index_length(self.count) else None
+        #: A large pack's slices read so far: first byte -> key ids and raw entries (a pack never changes).
+        self._buckets: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        self._lock = threading.Lock()
+        after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # see cuda_program_cas._base.fork; the descriptor pool resets its own
+
+    @property
+    def index_size(self) -> int:
+        """Bytes of the pack's index (its fan-out table and entries)."""
+        return index_length(self.count)
+
+    def loaded_keys(self) -> list[bytes] | None:
+        """Every key id of a pack whose index is held whole (a small one, one read by ranges); None for a large one."""
+        return None if self._whole is None else self._whole[0]
+
+    def _bucket(self, first: int) -> tuple[list[bytes], list[bytes], int, int, int]:
+        """Key ids and raw entries holding those that start with byte ``first``, their ``[lo, hi)`` there, and
+        where the first of those raw entries lies in the pack."""
+        lo, hi = (self._fanout[first - 1] if first else 0), self._fanout[first]
+        start = self._index_offset + _FANOUT.size
+        if self._whole is not None:
+            return self._whole[0], self._whole[1], lo, hi, start
+        bucket = self._buckets.get(first)
+        if bucket is None:
+            at = start + lo * _ENTRY.size
+            bucket = split_entries(self._bytes((hi - lo) * _ENTRY.size, at) if hi > lo else b"")
+            with self._lock:
+                self._buckets[first] = bucket
+        return bucket[0], bucket[1], 0, len(bucket[0]), start + lo * _ENTRY.size
+
+    def find(self, kid: str) -> PackEntry | None:
+        """The entry of ``kid``, or None when the pack has none (or its entry is damaged)."""
+        return self.find_key(bytes.fromhex(kid))
+
+    def find_key(self, key: bytes) -> PackEntry | None:
+        """:meth:`find` for a key id given as its 32 raw bytes."""
+        keys, entries, lo, hi, base = self._bucket(key[0])
+        i = bisect.bisect_left(keys, key, lo, hi)
+        if i == hi or keys[i] != key:
+            return None
+        return entry_from(entries[i], self._index_offset, base + i * _ENTRY.size)
+
+    def entries(self) -> Iterator[PackEntry]:
+        """Every entry, in key order (damaged ones skipped)."""
+        for first in range(256):
+            _keys, raws, lo, hi, base = self._bucket(first)
+            for i in range(lo, hi):
+                entry = entry_from(raws[i], self._index_offset, base + i * _ENTRY.size)
+                if entry is not None:
+                    yield entry
+
+    def index_ok(self) -> bool:
+        """True when the whole index matches the trailer's checksum (reads the whole index)."""
+        raw = self._source.read(self._index_offset, index_length(self.count))
+        return raw is not None and blake3(raw).digest() == self.checksum
 
 
 class _NotFetched(Exception):

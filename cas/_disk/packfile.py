@@ -81,10 +81,6 @@ class _DescriptorPool:
             if file.pins == 0:
                 self._drop(file)
 
-    def open_count(self) -> int:
-        with self._lock:
-            return len(self._lru)
-
     def _shrink(self) -> None:
         over = len(self._lru) - MAX_OPEN_PACKS
         if over <= 0:
@@ -112,7 +108,7 @@ after_fork_call(_POOL.after_fork_in_child)
 
 def open_packs() -> int:
     """How many pack files this process holds open now (at most :data:`MAX_OPEN_PACKS` plus those in use)."""
-    return _POOL.open_count()
+    return len(_POOL._lru)  # one read of a dict's size: no lock needed
 
 
 class PackFile:

@@ -22,10 +22,10 @@ from typing import IO, Any, cast
 from cuda_program_cas._base.config import env_max_entry_size
 from cuda_program_cas._base.engine import Engine, Ranged, StoreFailure, creates, listing, not_stored, ranged
 from cuda_program_cas._base.errors import CacheError
-from cuda_program_cas._base.frame import verified
 
 from .pack import (
     TRAILER_SIZE,
+    PackBlobs,
     PackEntry,
     PackError,
     PackInput,
@@ -98,14 +98,10 @@ class StorePacks:
         where = (packed.pack, packed.entry.offset)
         known = self._ok.get(where)
         if known is None:
-            e = packed.entry
-            relative = f"packs/{packed.pack}"
             try:
-                data = self._reads.get_range(relative, e.offset, e.size)
-                known = data is not None
-                if data is not None:
-                    verified(self._at(relative), data, e.digest, env_max_entry_size())
-            except StoreFailure:
+                relative = f"packs/{packed.pack}"
+                known = PackBlobs(self._at(relative), self._source(relative)).read(packed.entry) is not None
+            except (PackError, StoreFailure):
                 known = False  # cut short, or a frame refused (a bomb, a wrong size), or the wrong bytes
             self._ok[where] = known
         return known
@@ -219,14 +215,9 @@ class StorePacks:
         return names
 
     def _list_pack(self, name: str) -> None:
-        """Add ``name`` to ``packs/list``, after the pack itself is stored.
-
-        Read, add, write, read again: another publisher's write of the listing at the
-        same moment may have dropped this name, so it is added again until a read
-        shows it (a few tries). Where there was none and the engine creates
-        conditionally, the first listing is created, not put: of two publishers, the
-        second reads the first's.
-        """
+        """Add ``name`` to ``packs/list``, after the pack itself is stored: read, add, write, read again, a few
+        times (another publisher's write at the same moment may drop it). Where there was none and the engine
+        creates conditionally, the first listing is created, not put: the second publisher reads the first's."""
         sent: tuple[bytes, str] | None = None
         maker = creates(self.engine)
         for _ in range(_LISTING_TRIES):
@@ -259,6 +250,9 @@ class StorePacks:
 
     # -- one pack ---------------------------------------------------------------------------
 
+    def _source(self, relative: str) -> RangeSource:
+        return RangeSource(functools.partial(self._reads.get_range, relative))
+
     def _pack_index(self, name: str, *, bound: bool = True) -> PackReader | None:
         """The index of the pack ``name``: its trailer, then its index, each one ranged read; None when it is gone.
 
@@ -274,8 +268,7 @@ class StorePacks:
             # longer than any entry may be is refused before it is read.
             offset, length = index_span(size, trailer, name, max_index=env_max_entry_size() if bound else None)
             raw = self._reads.get_range(relative, offset, length)
-            source = RangeSource(functools.partial(self._reads.get_range, relative))
-            return None if raw is None else PackReader.over(name, source, size, trailer, raw)
+            return None if raw is None else PackReader.over(name, self._source(relative), size, trailer, raw)
         except (PackError, StoreFailure) as exc:
             if isinstance(exc, StoreFailure) and exc.outage:
                 raise

@@ -82,11 +82,9 @@ def list_packs(packs_dir: str) -> list[str]:
 class PackSet:
     """The packs of one store as one process sees them: the directory re-listed every few s.
 
-    A lookup asks only the packs that may hold its key: every key of a small pack
-    (index read whole at open) is in one map from key to the packs holding it, and
-    the few large packs (a repack's) are searched each. So a hit costs the same
-    with 1 or 1,100 packs. Packs that leave the listing (retired by a repack, moved
-    aside by ``verify``) are closed; their entries are in the pack that replaced them.
+    Every key of a small pack (index read whole at open) is in one map to the packs holding it; the few large
+    packs (a repack's) are searched each: a hit costs the same with 1 or 1,100 packs. Packs that leave the
+    listing are closed; their entries are in the pack that replaced them.
     """
 
     def __init__(
@@ -191,10 +189,8 @@ class PackSet:
     def lookup(self, kid: str) -> tuple[bytes, str] | None:
         """``(bytes, digest)`` from the newest pack that has a good copy; None when none has.
 
-        A pack whose copy is damaged or unreadable (a bad frame, bytes that do not hash
-        to the digest) is reported to ``on_damage(path, why)``, ``why`` one line naming
-        the pack, the key and what is wrong, and the next pack is asked; a pack that is
-        gone (removed, not retired) makes the next lookup list the directory again.
+        A damaged or unreadable copy is reported to ``on_damage(path, why)`` (one line) and the next pack asked;
+        a pack gone (removed, not retired) makes the next lookup list the directory again.
         """
         self._refresh()
         key = bytes.fromhex(kid)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cuda_program_cas.index import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
-from .files import READ_FLAGS, fs_now, read_regular, scan_sharded, trusted_mtime_ns
+from .files import fs_now, read_regular, read_small, scan_sharded, trusted_mtime_ns
 from .fskind import CLOCK_LAG_NS
 from .layout import temp_files
 
@@ -141,14 +141,7 @@ def _stated_size(path: str, held: int, size: int) -> int | None:
 
     if held > room(size):
         return None
-
     try:
-        fd = os.open(path, READ_FLAGS)
+        return stated_size(read_small(path, HEADER_SIZE))
     except OSError:
         return None
-    try:
-        return stated_size(os.read(fd, HEADER_SIZE))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

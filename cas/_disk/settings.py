@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 from dataclasses import dataclass
 
 from cuda_program_cas._base.config import (
@@ -28,7 +27,7 @@ from cuda_program_cas._base.config import (
 )
 
 from .atomic import atomic_write
-from .files import READ_FLAGS
+from .files import NotRegularFile, read_small
 from .layout import SETTINGS_FILE, Layout, LayoutState, check_layout
 
 __all__ = [
@@ -54,19 +53,13 @@ def settings_path(root: str) -> str:
 def load_settings(root: str) -> tuple[dict[str, object], str | None]:
     """The usable settings stored in the cache at ``root``, and why the file is ignored (None: it is not)."""
     try:
-        fd = os.open(settings_path(root), READ_FLAGS)
+        raw = read_small(settings_path(root), _MAX_BYTES + 1)
+    except NotRegularFile:
+        return {}, "not a regular file"
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}, None
-        return {}, f"cannot be opened ({exc.strerror or exc})"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return {}, "not a regular file"
-        raw = os.read(fd, _MAX_BYTES + 1)
-    except OSError as exc:
-        return {}, f"cannot be read ({exc.strerror or exc})"
-    finally:
-        os.close(fd)
+        return {}, f"cannot be opened or read ({exc.strerror or exc})"
     if len(raw) > _MAX_BYTES:
         return {}, f"larger than {_MAX_BYTES:,} bytes"
     try:

@@ -72,13 +72,9 @@ class BlobWrite(enum.Enum):
 
 
 class Writer:
-    """Writes the blobs and manifests of one cache root.
-
-    ``file_mode``/``dir_mode``: modes of new files (less the umask, or exactly with
-    ``exact_mode``) and directories (None: the umask's; ``setgid``: they inherit the root's
-    group). ``fsync``: each file (else :meth:`sync` makes a batch durable). ``guard``:
-    refuse writes through a shard that is a symlink or not a directory.
-    """
+    """Writes the blobs and manifests of one cache root: ``file_mode`` less the umask (exactly: ``exact_mode``);
+    ``dir_mode`` (None: the umask's; ``setgid``: the root's group); ``fsync`` each file (else :meth:`sync` a
+    batch); ``guard``: no writes through a shard that is a symlink or not a directory."""
 
     def __init__(
         self,
@@ -177,15 +173,6 @@ class Writer:
                 pass
         return True
 
-    def recheck(self, digest: str, data: bytes | memoryview) -> None:
-        """After a manifest commit: store the blob again if a collector took it in between."""
-        try:
-            if stat.S_ISREG(os.lstat(self.lay.blob_path(digest)).st_mode):
-                return
-        except FileNotFoundError:
-            pass
-        self.write_blob(digest, data)
-
     def commit(self, kid: str, data: bytes | memoryview, digest: str, *, used_ns: int | None = None) -> WriteResult:
         """Store one entry: blob, then manifest, then re-check the blob.
 
@@ -202,5 +189,10 @@ class Writer:
             raise
         if not committed:
             return WriteResult.DROPPED
-        self.recheck(digest, data)
+        try:  # a collector may have taken the blob between its write and the manifest's: stored again
+            kept = stat.S_ISREG(os.lstat(self.lay.blob_path(digest)).st_mode)
+        except FileNotFoundError:
+            kept = False
+        if not kept:
+            self.write_blob(digest, data)
         return WriteResult.DEDUPLICATED if blob is BlobWrite.EXISTED else WriteResult.STORED

@@ -6,10 +6,8 @@ The store is static files in the directory layout, so any server of files serves
 a 5xx, 401 or 403 is an outage (a wrong token is wrong for every object); any other
 status is ``damaged``.
 
-- ``get`` of a blob decodes the body as it arrives (:class:`~cuda_program_cas._base.frame.Inflow`)
-  and hashes its raw bytes into an :class:`~cuda_program_cas._disk.intake.Intake`, which
-  stages a large one in the local cache's ``tmp/``. Running out of memory or staging disk
-  is this node's trouble: kind :data:`~cuda_program_cas._base.engine.LOCAL`, never an outage.
+- ``get`` of a blob takes the body in as it arrives (:func:`~cuda_program_cas._disk.intake.verified_intake`:
+  a large one staged in the local cache's ``tmp/``).
 - ``get_changed``: ``If-None-Match`` with the ETag in hand (nginx gives every file one); 304 is unchanged.
 - ``size``: HEAD. ``put``: a WebDAV PUT (nginx renames a whole body onto its target, so a
   reader never sees a part); a 409 makes the missing folders by MKCOL. ``put_many`` puts in
@@ -21,15 +19,15 @@ status is ``damaged``.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from cuda_program_cas._base.engine import LOCAL, Abilities, Landing, StoreFailure, limits_of
-from cuda_program_cas._base.frame import Inflow, stored_limit
+from cuda_program_cas._base.engine import Abilities, Landing, StoreFailure, limits_of
+from cuda_program_cas._base.frame import stored_limit
 from cuda_program_cas._base.urls import join, normalize_store_url, shown
-from cuda_program_cas._disk.intake import Intake
+from cuda_program_cas._disk.intake import verified_intake
 
 from .client import HttpFailure, Reply, request, request_many
 
@@ -88,18 +86,8 @@ class HttpEngine:
         sink: Callable[[bytes], object] | None = None,
     ) -> Reply:
         """GET object ``name`` (or a range of it); any status but those :meth:`_check` takes for outages."""
-        url = join(self.root, name)
-        self.requests += 1
-        try:
-            if self.broken is not None:
-                raise self.broken
-            reply = request("GET", url, headers=headers, limit=limit, sink=sink, error_limit=self.error_limit)
-            self._check(url, reply)
-        except HttpFailure as exc:
-            if exc.outage:
-                self.outages += 1
-            raise
-        return reply
+        kwargs = {"headers": headers, "limit": limit, "sink": sink, "error_limit": self.error_limit}
+        return self._asked("GET", join(self.root, name), self._check, **kwargs)
 
     def _check(self, url: str, reply: Reply) -> None:
         """An outage for an answer that holds for every object: a 5xx, or denied."""
@@ -113,20 +101,7 @@ class HttpEngine:
         if digest is None:
             reply = self.fetch(name, limit=stored)
             return reply.body if self._found(name, reply) else None
-        try:
-            with Intake(self.staging) as body:
-                flow = Inflow(join(self.root, name), limit, body.take)  # the raw bytes, decoded where framed
-                reply = self.fetch(name, limit=stored, sink=flow.take)
-                if reply.status == 404:
-                    return None
-                if reply.status == 200:
-                    flow.finish()  # a frame cut short: refused
-                if reply.status != 200 or body.hexdigest() != digest:
-                    detail = f"status {reply.status}, {body.size} raw bytes that do not hash to {digest}"
-                    raise StoreFailure(join(self.root, name), "damaged", detail, outage=False)
-                return body.read()
-        except (MemoryError, OSError) as exc:  # out of memory for a large hit, or its staging file unwritable
-            raise StoreFailure(join(self.root, name), LOCAL, type(exc).__name__, outage=False) from None
+        return verified_intake(join(self.root, name), digest, limit, self.staging, partial(self._landed, name, stored))
 
     def get_changed(
         self, name: str, *, limit: int, tag: str | None
@@ -139,21 +114,17 @@ class HttpEngine:
         return (into, reply.headers.get("etag")) if self._found(name, reply) else (None, None)
 
     def get_many(self, names: Sequence[str], *, limit: int | Sequence[int]) -> list[bytes | None]:
-        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16.
-
-        The buffers are made here, in the caller's thread: made by the pool's threads they stayed
-        in each thread's allocator arena (40 entries of 4 MiB peaked 39 MB over the baseline; here, under 16).
-        """
+        """Each GET in parallel over the pool (:func:`.client.request_many`): about one round trip per 16. The buffers
+        are made in the caller's thread: made by the pool's, they stayed in each thread's allocator arena (40
+        entries of 4 MiB peaked 39 MB over the baseline; here, under 16)."""
         limits = limits_of(names, limit)
         landings = [Landing(n) for n in limits]
-        calls = [
-            functools.partial(self._landed, name, n, at) for name, n, at in zip(names, limits, landings, strict=True)
-        ]
+        calls = [partial(self._landed, name, n, at.take) for name, n, at in zip(names, limits, landings, strict=True)]
         found = request_many(calls)
         return [at.value() if ok else None for ok, at in zip(found, landings, strict=True)]
 
-    def _landed(self, name: str, limit: int, landing: Landing) -> bool:
-        return self._found(name, self.fetch(name, limit=limit, sink=landing.take))
+    def _landed(self, name: str, limit: int, sink: Callable[[bytes], object]) -> bool:
+        return self._found(name, self.fetch(name, limit=limit, sink=sink))
 
     def _found(self, name: str, reply: Reply) -> bool:
         """True for a 200, False for a 404; any other status is a ``damaged`` answer."""
@@ -223,7 +194,7 @@ class HttpEngine:
         wanted += [(f"-{tail}", -1, tail)] if tail else []
         landings = [Landing(size) for _, _, size in wanted]
         calls = [
-            functools.partial(self._range, name, spec, size, landing.take)
+            partial(self._range, name, spec, size, landing.take)
             for (spec, _, size), landing in zip(wanted, landings, strict=True)
         ]
         parts: dict[int, memoryview] = {}

@@ -6,11 +6,9 @@
 - Each pack's trailer and index are fetched once per node by two ranged reads and
   kept in the local cache as an ordinary entry (``memo_get``/``memo_put``): packs
   are immutable by name, so later processes of the node need no request for them.
-  Each is then a :class:`~cuda_program_cas._disk.pack.PackReader` over ranged reads (the one
-  reader of the format, a directory's too): a packed hit costs one ranged read of the
-  blob's stored bytes, decoded, bounded, hashed and (past a MiB, staged) verified as they
-  arrive. A bad frame (a bomb, one cut short, a wrong stated size) is damage, one line,
-  and a miss; a frame stating more than this node reads is a miss, said once.
+  Each is then a :class:`~cuda_program_cas._disk.pack.PackReader` over ranged reads: a packed
+  hit costs one ranged read of the blob's stored bytes, verified as they arrive. A bad frame
+  is damage, one line, and a miss; a frame stating more than this node reads is a miss, said once.
 - A pack a repack retired is read from ``packs/retired/`` until the next listing.
 
 What a server says never decides how much is read: the indexes of one store's
@@ -137,7 +135,7 @@ class HttpPacks:
                     continue
                 try:
                     # An entry over what this node reads is a miss, said once (report.fits), not damage.
-                    fits = partial(_fits, report, kid)
+                    fits = partial(report.fits, kid=kid)
                     data = pack.read(entry, report.ceiling(), fits=fits, staging=self.engine.staging)
                 except PackError as exc:
                     report.damaged("damaged pack blob", str(exc))
@@ -158,14 +156,9 @@ class HttpPacks:
         return None
 
     def fetch_ranges(self, name: str, spans: Sequence[tuple[int, int]], tail: int = 0) -> Ranges | None:
-        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, at once
-        (:meth:`~cuda_program_cas._base.engine.Ranged.get_ranges`, the spans coalesced); None when not had so.
-
-        Anything but those bytes (the whole pack, one range for several, a range not asked
-        for, no such pack) is None, said once: the caller reads those entries the ordinary
-        way. The bytes are not verified here (the caller hashes each entry); every span
-        is a view of what the engine took in once, whatever number of spans name the same
-        bytes; the caller bounds what it asks.
+        """Each distinct ``(offset, size)`` span of pack ``name`` and its last ``tail`` bytes, at once (coalesced), as
+        views of what the engine took in once; None, said once, for anything else (the caller reads those entries
+        the ordinary way). Not verified here (the caller hashes each entry), nor bounded (the caller bounds it).
         """
         from .multipart import coalesce
 
@@ -252,10 +245,9 @@ class HttpPacks:
     def _index(self, name: str, room: int) -> PackReader | None:
         """The index of pack ``name``: kept locally, else fetched (and then kept); None when it cannot be had.
 
-        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or
-        that does not fit the size the server gives, makes the pack a damaged one before
-        its index is asked for. A good one that needs more than ``room`` (what this
-        store's newer packs left of the bound) is not fetched either.
+        A trailer that claims more than :meth:`_index_bound` (2**32 entries: 412 GB), or does not fit the size the
+        server gives, is damage before the index is asked for; a good one over ``room`` (what newer packs left of
+        the bound) is not fetched either.
         """
         memo = local_id(_MEMO_PREFIX + join(self.engine.root, f"packs/{name}"))  # never published
         kept = self._memo_get(memo) if self._memo_get is not None else None
@@ -327,10 +319,6 @@ class HttpPacks:
         if got is None and missing:
             report.missed("pack missing")
         return got
-
-
-def _fits(report: Report, kid: str, size: int) -> bool:
-    return report.fits(size, kid)
 
 
 def _spans(distinct: list[tuple[int, int]], parts: Mapping[int, memoryview], total: int, tail: int) -> Ranges:

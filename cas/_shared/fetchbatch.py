@@ -9,8 +9,7 @@ says is checked against what the store says of each key, in the same requests.
 - **A loose entry**: the key's manifest and the blob in one ``get_many``; the manifest is
   judged as a lookup's and must name the digest and size, the blob must hash to it.
 
-A blob may be stored compressed (:mod:`cuda_program_cas._base.frame`): decoded, bounded by the
-largest entry this node reads, before it is hashed.
+A blob stored compressed is decoded, bounded by the largest entry this node reads, before it is hashed.
 
 Anything else is not fetched: the key's lookup finds it the ordinary way. A fetch holds at
 most ``max(BATCH_BYTES, the largest entry it keeps)`` at once: claimed sizes are bounded by
@@ -115,12 +114,12 @@ def fetch(tier: Source, entries: Sequence[Wanted], keep: Keep) -> None:
         else:
             loose.append(e)
     for pack, lines in by_pack.items():
+        assert ranged is not None
         _packed(tier, ranged, pack, lines, keep)
     _loose(tier, loose, keep)
 
 
-def _packed(tier: Source, ranged: _Ranged | None, pack: str, lines: list[Wanted], keep: Keep) -> None:
-    assert ranged is not None
+def _packed(tier: Source, ranged: _Ranged, pack: str, lines: list[Wanted], keep: Keep) -> None:
     spans: dict[tuple[int, int], list[Wanted]] = {}
     for e in lines:
         assert e.offset is not None and e.length is not None
@@ -146,12 +145,8 @@ def _index_names(got: Ranges, trailer: bytes, pack: str, e: Wanted) -> bool:
     assert e.at is not None
     raw = got.spans.get((e.at, ENTRY_SIZE))
     entry = None if raw is None else entry_at(bytes(raw), e.at, trailer, got.size, pack)
-    return entry is not None and (entry.key_id, entry.digest, entry.offset, entry.size) == (
-        e.kid,
-        e.digest,
-        e.offset,
-        e.length,
-    )
+    line = (e.kid, e.digest, e.offset, e.length)
+    return entry is not None and (entry.key_id, entry.digest, entry.offset, entry.size) == line
 
 
 def _loose(tier: Source, lines: list[Wanted], keep: Keep) -> None:
