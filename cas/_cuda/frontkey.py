@@ -1,7 +1,7 @@
-"""What the front door keys a compile by, and what it refuses to key (:mod:`cuda_program_cas._cuda.frontdoor`).
+"""What the front door keys a compile by, and what it refuses to key.
 
-A C++ compile's record key is made here (its memo, then its own sha256, with NVRTC's
-version from the version record); other compiles go to ``make_program_cache_key``.
+A C++ compile's record key is made here, with NVRTC's version from its record
+(:mod:`.nvrtcver`); other compiles go to ``make_program_cache_key``.
 """
 
 from __future__ import annotations
@@ -64,11 +64,8 @@ def memo_key(
     names: tuple[object, ...],
     extra: bytes,
 ) -> tuple[object, ...] | None:
-    """What a C++ compile's record key is made of here (see :func:`own_key`); None where cuda-core keys it.
-
-    What make_program_cache_key hashes for NVRTC, less its version probe (which
-    loads NVRTC): code, target, NVRTC's flags, typed name expressions, ``extra``.
-    """
+    """What a C++ compile's record key is made of here: what make_program_cache_key hashes, less its
+    NVRTC version probe (which loads NVRTC); None where cuda-core keys it."""
     if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
         return None
     if type(code) is not str or getattr(options, "extra_sources", None) is not None:
@@ -79,10 +76,7 @@ def memo_key(
 
 
 def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
-    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, each length-prefixed.
-
-    Its own, so that NVRTC's version can come from a record; its tag keeps it apart from cuda-core's keys.
-    """
+    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, length-prefixed."""
     code, target, flags, names, extra = memo
     h = hashlib.sha256(_KEY)
 
@@ -103,8 +97,7 @@ def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
 
 
 def name_part(options: Any) -> bytes:
-    """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
-    ``ObjectCode.name`` must be the one this compile would give."""
+    """The source's name, which cuda-core's key leaves out, but a hit's ``ObjectCode.name`` gives."""
     return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
 
 
