@@ -270,12 +270,16 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     def prebuild(self, make: Any, /, *, compute_capabilities: Any, **kwargs: Any) -> dict[tuple[int, int], Any]:
         """:meth:`build` for each architecture of ``compute_capabilities`` (``[(8, 0), (9, 0)]``): no GPU needed.
 
-        Device arrays may be ``cuda.compute.ProxyArray`` and initial values
-        ``ProxyValue``. Returns the algorithm for each architecture.
+        Device arrays may be ``cuda.compute.ProxyArray`` and initial values ``ProxyValue``.
         """
-        from .compute import prebuild
+        from cuda.compute._cccl_interop import normalize_compute_capabilities
 
-        return prebuild(lambda each: self.build(make, **each), compute_capabilities, kwargs)
+        if "compute_capability" in kwargs:
+            raise TypeError("prebuild takes compute_capabilities=, not compute_capability=")
+        ccs = normalize_compute_capabilities(compute_capabilities)
+        if not ccs:
+            raise ValueError(f"compute_capabilities names no architecture: {compute_capabilities!r}")
+        return {(int(a), int(b)): self.build(make, **{**kwargs, "compute_capability": (a, b)}) for a, b in ccs}
 
     def stats(self) -> CacheStats:
         """Entries, blobs, logical and stored bytes (a scan of the disk), and this instance's counters."""

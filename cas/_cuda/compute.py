@@ -3,7 +3,7 @@
 A built algorithm serializes and loads back without compiling. Its key
 (:func:`key_of`): the tools' versions, the factory, every argument
 (:func:`.opkey.arg_part`) and the target compute capabilities, so
-:func:`prebuild` on any node fills a store for another node's GPUs. A hit that
+``cache.prebuild`` on any node fills a store for another node's GPUs. A hit that
 does not load is built again; what cannot be keyed or serialized is built
 uncached (a dropped write). A loaded algorithm is kept per thread and key
 (cuda.compute gives each thread its objects).
@@ -25,7 +25,7 @@ from cuda_program_cas._base.config import say_once
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
 
-__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "prebuild", "switched", "uncacheable_count"]
+__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "switched", "uncacheable_count"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas compute 1\0"
@@ -207,18 +207,6 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
             say_once(("compute write", type(exc).__name__), "cuda-program-cas: compute: write failed (%r)", exc)
             inner.note_dropped(kid, f"write failed: {exc!r}")
         return algorithm
-
-
-def prebuild(one: Any, compute_capabilities: Any, kwargs: dict[str, Any]) -> dict[tuple[int, int], Any]:
-    """``one(kwargs)`` once per architecture of ``compute_capabilities``."""
-    from cuda.compute._cccl_interop import normalize_compute_capabilities
-
-    if "compute_capability" in kwargs:
-        raise TypeError("prebuild takes compute_capabilities=, not compute_capability=")
-    ccs = normalize_compute_capabilities(compute_capabilities)
-    if not ccs:
-        raise ValueError(f"compute_capabilities names no architecture: {compute_capabilities!r}")
-    return {(int(a), int(b)): one({**kwargs, "compute_capability": (a, b)}) for a, b in ccs}
 
 
 def _build_uncached(original: Any, kwargs: dict[str, Any]) -> Any:

@@ -35,6 +35,7 @@ from .frontkey import (
     memo_key,
     name_part,
     nvrtc_flags,
+    object_code,
     own_key,
     refuse_unkeyable,
 )
@@ -176,7 +177,7 @@ class FrontDoor:
     def _hit(self, found: Any, kid: str, target: str, t0: int, waited: bool = False) -> Any:
         data, variant, shared = found
         self._inner.note_hit(kid, shared, t0_ns=t0, waited=waited)
-        return _object_code(_cuda_core()[0], data, target, variant.name, variant.mapping)
+        return object_code(_cuda_core()[0], data, target, variant.name, variant.mapping)
 
     def _compile(self, inputs: tuple[Any, ...], search: Search, record_key: bytes, nvrtc: str | None, why: str) -> Any:
         """A miss: compile uncached, record the headers it read, store the result and the record.
@@ -472,8 +473,3 @@ def _present(path: str) -> bool:
     except ValueError:
         return True
     return True
-
-
-def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:
-    make = {"cubin": object_code.from_cubin, "ptx": object_code.from_ptx, "ltoir": object_code.from_ltoir}[target_type]
-    return make(data, name=name, symbol_mapping=mapping or None)

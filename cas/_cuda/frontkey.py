@@ -17,6 +17,7 @@ __all__ = [
     "memo_key",
     "name_part",
     "nvrtc_flags",
+    "object_code",
     "own_key",
     "refuse_unkeyable",
 ]
@@ -137,3 +138,13 @@ def libdevice_fingerprint(options: Any, code_type: str) -> bytes:
 
     with open(path, "rb") as fh:
         return b"\0libdevice:" + blake3_hasher()(fh.read()).hexdigest().encode()
+
+
+def object_code(object_code_type: Any, data: bytes, target_type: str, name: str, mapping: Any = None) -> Any:
+    """A hit as the uncached compile or link returns it (``object_code_type``: ``cuda.core.ObjectCode``)."""
+    make = {
+        "cubin": object_code_type.from_cubin,
+        "ptx": object_code_type.from_ptx,
+        "ltoir": object_code_type.from_ltoir,
+    }
+    return make[target_type](data, name=name, symbol_mapping=mapping or None)

@@ -23,7 +23,7 @@ from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
-from .frontkey import Uncacheable
+from .frontkey import Uncacheable, object_code
 
 __all__ = ["link", "link_uncached"]
 
@@ -67,7 +67,7 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
             say_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
             found = None
         if found is not None:
-            return _object_code(ObjectCode, found[0], target_type, options.name)
+            return object_code(ObjectCode, found[0], target_type, options.name)
         result, backend = link_uncached(objects, options, target_type)
         why = _why_not_stored(files, backend)
         if why is not None:
@@ -187,8 +187,3 @@ def _backend() -> tuple[str, str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _object_code(object_code: Any, data: bytes, target_type: str, name: str) -> Any:
-    make = object_code.from_cubin if target_type == "cubin" else object_code.from_ptx
-    return make(data, name=name)

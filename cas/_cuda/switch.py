@@ -47,9 +47,7 @@ class _State:
     switched: dict[str, Any] = {}  # noqa: RUF012
     cache: Any = None
     cache_failed = False
-    #: Compiles and links sent through the cache, counted under ``lock``.
-    routed = 0
-    lock = ForkSafeLock()
+    routed = 0  # compiles and links sent through the cache, counted under _lock
 
 
 _S = _State()
@@ -67,7 +65,7 @@ def routed() -> int:
 
 
 def _count_routed(inner: Any) -> Any:
-    with _S.lock:
+    with _lock:
         _S.routed += 1
     inner.note_switched()
     return inner
