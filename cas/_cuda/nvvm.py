@@ -43,11 +43,14 @@ _TAG_LLVM70 = b"cuda-program-cas llvm70 1\0"
 _lock = ForkSafeLock()
 
 
+#: Per module hooked: the name rebound (numba-cuda-mlir's LLVM 7 path serves chips below sm_100).
+_HOOKS = {**dict.fromkeys(MODULES, "CompilationUnit"), LLVM70: "_call_llvm70_capi"}
+
+
 class _State:
-    original: dict[str, type] = {}  # noqa: RUF012  # one instance, a namespace
-    switched: dict[str, type] = {}  # noqa: RUF012
+    original: dict[str, Any] = {}  # noqa: RUF012  # one instance, a namespace
+    switched: dict[str, Any] = {}  # noqa: RUF012
     versions: dict[type, list[Any]] = {}  # noqa: RUF012  # per original class
-    llvm70: tuple[Any, Any] | None = None  # the original _call_llvm70_capi and its wrapper
     files: dict[tuple[str, int, int], list[Any]] = {}  # noqa: RUF012  # (path, size, mtime_ns): [path, size, blake3]
 
 
@@ -62,43 +65,27 @@ def activate(mode: str) -> None:
 
 
 def hook() -> None:
-    """Bind the caching subclass wherever ``CompilationUnit`` of a loaded module of :data:`MODULES` is."""
+    """Bind the caching forms wherever the names of :data:`_HOOKS` of loaded modules are bound."""
     with _lock:
-        for name in MODULES:
-            module = sys.modules.get(name)
-            current = getattr(module, "CompilationUnit", None)
-            if not isinstance(current, type):
-                continue
-            swap(_S.original, _S.switched, name, current, _subclass)
-        # numba-cuda-mlir's LLVM 7 path (chips below sm_100): its callers look the name up at call time.
-        module = sys.modules.get(LLVM70)
-        current = getattr(module, "_call_llvm70_capi", None)
-        if callable(current):
-            original_call = getattr(current, "cpcas_original", current)
-            if _S.llvm70 is None or _S.llvm70[0] is not original_call:
-                _S.llvm70 = (original_call, _llvm70(original_call))
-            module._call_llvm70_capi = _S.llvm70[1]  # type: ignore[union-attr]
+        for name, attr in _HOOKS.items():
+            current = getattr(sys.modules.get(name), attr, None)
+            if isinstance(current, type) if name in MODULES else callable(current):
+                swap(_S.original, _S.switched, name, current, _subclass if name in MODULES else _llvm70)
 
 
 def unhook() -> None:
     """The original ``CompilationUnit`` and ``_call_llvm70_capi`` everywhere again."""
     with _lock:
         unswap(_S.original, _S.switched)
-        module = sys.modules.get(LLVM70)
-        if _S.llvm70 is not None and getattr(module, "_call_llvm70_capi", None) is _S.llvm70[1]:
-            module._call_llvm70_capi = _S.llvm70[0]  # type: ignore[union-attr]
 
 
 def hooked() -> list[str]:
     """The modules of :data:`MODULES` (and :data:`LLVM70`) whose compiles go through the cache now."""
-    found = [
+    return [
         name
-        for name in MODULES
-        if name in _S.switched and getattr(sys.modules.get(name), "CompilationUnit", None) is _S.switched[name]
+        for name, attr in _HOOKS.items()
+        if name in _S.switched and getattr(sys.modules.get(name), attr, None) is _S.switched[name]
     ]
-    if _S.llvm70 is not None and getattr(sys.modules.get(LLVM70), "_call_llvm70_capi", None) is _S.llvm70[1]:
-        found.append(LLVM70)
-    return found
 
 
 def _subclass(original: type) -> type:
