@@ -35,7 +35,13 @@ class _Loader:
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        _done(self._name)
+        for finder in sys.meta_path:  # no longer waited for; the hook goes once nothing is
+            pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
+            if pending is not None:
+                pending.discard(self._name)
+                if not pending:
+                    remove()
+                break
         try:
             _activate(self._mode, self._name)
         except Exception as exc:  # the switch never costs a job its cuda.core
@@ -80,16 +86,6 @@ def defer(mode: str) -> None:
     for name in _TARGETS:
         if name not in pending:
             _activate(mode, name)
-
-
-def _done(name: str) -> None:
-    for finder in sys.meta_path:
-        pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
-        if pending is not None:
-            pending.discard(name)
-            if not pending:
-                remove()
-            return
 
 
 def _activate(mode: str, name: str) -> None:

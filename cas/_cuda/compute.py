@@ -173,7 +173,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
         say_once(("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc)
         return original(**kwargs)
     kid = key_id(key)
-    memo = _memo()
+    memo: dict[str, Any] = _local.__dict__.setdefault("memo", {})
     if kid in memo:
         return memo[kid]
     with contextlib.ExitStack() as claims:
@@ -221,13 +221,6 @@ def _build_uncached(original: Any, kwargs: dict[str, Any]) -> Any:
 def _depth() -> int:
     depth: int = getattr(_local, "depth", 0)
     return depth
-
-
-def _memo() -> dict[str, Any]:
-    memo: dict[str, Any] | None = getattr(_local, "memo", None)
-    if memo is None:
-        memo = _local.memo = {}
-    return memo
 
 
 def _load(data: bytes, name: str) -> Any:
