@@ -102,14 +102,10 @@ def name_part(options: Any) -> bytes:
     return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
 
 
-def _option_set(options: Any, name: str) -> bool:
-    value = getattr(options, name, None)
-    return bool(value) if name == "pch" else value is not None
-
-
 def refuse_unkeyable(options: Any, code_type: str) -> None:
     for name, why in _REFUSED.items():
-        if _option_set(options, name):
+        value = getattr(options, name, None)
+        if bool(value) if name == "pch" else value is not None:
             raise ValueError(f"cache.compile() does not support ProgramOptions.{name}: {why}")
     if code_type == "nvvm" and getattr(options, "use_libdevice", None) and _libdevice_path() is None:
         raise ValueError(

@@ -67,10 +67,7 @@ class Token:
     __slots__ = ("_seq", "_verified", "_watcher", "_wds")
 
     def __init__(self, watcher: _Watcher, seq: int, wds: frozenset[int]) -> None:
-        self._watcher = watcher
-        self._seq = seq
-        self._wds = wds
-        self._verified = seq
+        self._watcher, self._seq, self._wds, self._verified = watcher, seq, wds, seq
 
     def clean(self) -> bool:
         """True while nothing this token watches changed since it was armed (reads the queue first)."""
@@ -95,17 +92,11 @@ class Token:
 
 class _Watcher:
     def __init__(self, fd: int, mounts: int, poller: select.epoll, budget: int, add_watch: Any) -> None:
-        self.add_watch = add_watch
+        self.fd, self.mounts, self.poller, self.budget, self.add_watch = fd, mounts, poller, budget, add_watch
         self.lock = threading.Lock()
         self.alive = True
-        self.fd = fd
-        self.mounts = mounts
-        self.poller = poller
-        self.budget = budget
         #: One counter orders arms and changes: a token armed at n is dirty once a change > n touched it.
-        self.seq = 0
-        self.last_change = 0
-        self.all_changed = 0
+        self.seq = self.last_change = self.all_changed = 0
         self.changed: dict[int, int] = {}
         #: Per watch: the entry names whose events count, and whether every entry's creation or removal does.
         self.names: dict[int, set[str]] = {}
