@@ -63,20 +63,21 @@ def uncacheable_count() -> int:
 @functools.cache
 def _versions() -> bytes:
     """What every key holds of the build's tools (raises Uncacheable when one cannot be told)."""
+    from .nvrtcver import loaded_version
     from .opkey import Uncacheable
 
     try:
         from importlib.metadata import PackageNotFoundError, version
 
-        from cuda.bindings import nvjitlink, nvrtc
+        from cuda.bindings import nvjitlink
 
         try:
             from cuda.compute._build_info import USING_V2
         except ImportError:
             USING_V2 = False
-        err, major, minor = nvrtc.nvrtcVersion()
-        if int(err) != 0:
-            raise RuntimeError(f"nvrtcVersion: {err}")
+        nvrtc = loaded_version()
+        if not nvrtc[:1].isdigit():
+            raise RuntimeError(f"nvrtcVersion: {nvrtc}")
         try:
             mlir = version("numba-cuda-mlir")
         except PackageNotFoundError:
@@ -87,7 +88,7 @@ def _versions() -> bytes:
             "cuda-cccl": version("cuda-cccl"),
             "backend": "v2" if USING_V2 else "v1",
             "cuda-bindings": version("cuda-bindings"),
-            "nvrtc": f"{major}.{minor}",
+            "nvrtc": nvrtc,
             "nvjitlink": ".".join(map(str, nvjitlink.version())),
             "numba-cuda-mlir": mlir,
             "numpy": version("numpy"),

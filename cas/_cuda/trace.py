@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .frontkey import Uncacheable
+from .nvrtcver import loaded_version
 from .search import BUILTIN_HEADERS
 
 __all__ = [
@@ -41,13 +42,8 @@ _MAX_TREE_FILES = 50_000
 
 
 def nvrtc_major() -> int:
-    try:
-        from cuda.bindings import nvrtc
-
-        _err, major, _minor = nvrtc.nvrtcVersion()
-        return int(major)
-    except Exception:
-        return 0
+    major = loaded_version().partition(".")[0]
+    return int(major) if major.isdigit() else 0
 
 
 class _TraceHealth:
