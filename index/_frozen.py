@@ -1,7 +1,4 @@
-"""Immutable values written out by hand: what a frozen dataclass gives, without its cost at import (0.3 to 0.9 ms
-a class, on the hit path). A subclass lists its fields in ``__slots__``, sets them once with :meth:`Frozen._set`,
-and says in :meth:`Frozen._fields` what it is compared and hashed by.
-"""
+"""Immutable values by hand: a frozen dataclass without its cost at import (0.3 to 0.9 ms a class, on the hit path)."""
 
 from __future__ import annotations
 
@@ -9,7 +6,7 @@ __all__ = ["Frozen"]
 
 
 class Frozen:
-    """A value that cannot be assigned to or deleted from, compared and hashed by its fields."""
+    """Fields in ``__slots__``, set once by :meth:`_set`; compared and hashed by :meth:`_fields`."""
 
     __slots__ = ()
 

@@ -1,13 +1,9 @@
 """Entries that live and die together: a front-door record and the results it names.
 
-A result without its record can never be reached, and a record without its
-results only misses; so every planner that removes live entries treats a group
-as one unit, whose last use is its most recent member's.
-
-Membership is read from the key id alone: a grouped key id is ``group (24 hex)
-+ member (32 hex) + tag (8 hex)``. A sha256 key id ends in the tag once in
-2**32 keys, and shares a group's first 24 digits with a chance of 2**-96; even
-then grouping only makes entries leave together, never serves a wrong byte.
+Every planner that removes live entries treats a group as one unit, whose last
+use is its most recent member's. A grouped key id is ``group (24 hex) + member
+(32 hex) + tag (8 hex)``; a sha256 key id ends in the tag once in 2**32 keys,
+and even then grouping only makes entries leave together.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ RECORD_MEMBER = "0" * 32
 
 
 class _Entry(Protocol):
-    """A manifest or a packed entry: anything named by a key id."""
-
     @property
     def key_id(self) -> str: ...
 

@@ -48,7 +48,6 @@ def is_hex(value: object, length: int) -> bool:
 
 
 def is_key_id(value: object) -> bool:
-    """True for a key id: exactly 64 lowercase hex characters."""
     return is_hex(value, 64)
 
 
@@ -63,5 +62,4 @@ def local_id(key: object) -> str:
 
 
 def is_local_id(kid: str) -> bool:
-    """Whether key id ``kid`` names a node-local entry."""
     return kid.endswith(LOCAL_TAG)

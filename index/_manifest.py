@@ -2,15 +2,11 @@
 
     cpcas2 <key id: 64 hex> <digest: 64 hex> <size: decimal bytes>\n
 
-The manifest names its own key, so one copied or renamed onto another key's
-path is misplaced (a miss), and every reader believes a manifest only on the
-path of the key it names. The tag carries the format version. Anything that is
-not exactly this line is rejected. A shared store's manifest may carry a second
-line, a site's signature of the first (:mod:`cuda_program_cas._base.signing`)::
+It names its own key: one copied onto another key's path is a miss. Anything
+else is rejected, but for a second line, a site's signature of the first, whose
+form alone is checked here (:mod:`cuda_program_cas._base.signing`)::
 
     ed25519 <signer: 16 hex> <signature: 128 hex>\n
-
-Its form is checked here; whether it holds is the business of a node that trusts keys.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ def manifest_length(size: int) -> int:
 
 
 @functools.cache
-def _signature_re() -> re.Pattern[bytes]:
-    """Compiled when first used (0.1 to 0.2 ms): a hit of an unsigned manifest needs none."""
+def _signature_re() -> re.Pattern[bytes]:  # 0.1 to 0.2 ms: a hit of an unsigned manifest needs none
     return re.compile(rb"ed25519 ([0-9a-f]{16}) ([0-9a-f]{128})\n")
 
 
@@ -66,7 +61,6 @@ def split_signed(data: bytes) -> tuple[bytes, str, str] | None:
 
 
 def is_digest(value: object) -> bool:
-    """True for a blob digest: exactly 64 lowercase hex characters."""
     return is_hex(value, 64)
 
 

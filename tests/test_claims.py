@@ -22,7 +22,7 @@ import pytest
 from conftest import NVRTC_RECORD, ChildLines, StartGate, is_root
 
 from cuda_program_cas import CacheStore, ContentAddressedProgramCache, collect, verify
-from cuda_program_cas._cuda.tracedirs import PREFIX, STALE_S, sweep_stale
+from cuda_program_cas._cuda.trace import PREFIX, STALE_S, sweep_stale
 from cuda_program_cas._local import claims
 from cuda_program_cas.index import key_id
 

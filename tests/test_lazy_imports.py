@@ -48,7 +48,6 @@ print(json.dumps({"hits": hits, "modules": ours + seen}))
 #: folders (a miss's).
 NEVER = (
     "cuda_program_cas._cuda.trace",
-    "cuda_program_cas._cuda.tracedirs",
     "cuda_program_cas._verbs",
     "cuda_program_cas._remote",
     "cuda_program_cas._store.http",
@@ -60,8 +59,7 @@ NEVER = (
     "zstandard",  # only what a shared store holds is compressed
 )
 FRONT_DOOR = tuple(
-    f"cuda_program_cas._cuda.{m}"
-    for m in ("frontdoor", "frontkey", "record", "search", "trace", "nvrtcver", "tracedirs")
+    f"cuda_program_cas._cuda.{m}" for m in ("frontdoor", "frontkey", "record", "search", "trace", "nvrtcver")
 )
 #: What a hit of the local cache does not need either (issue 31, item 4): the writer, the remover,
 #: eviction and its scans, claims and leases, packs, gc's classification, the shared stores and uploads,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from conftest import is_root
 
-from cuda_program_cas._cuda.tracedirs import PREFIX, STALE_S, sweep_stale
+from cuda_program_cas._cuda.trace import PREFIX, STALE_S, sweep_stale
 
 #: A miss through the front door: a kernel that reads a header, compiled with NVRTC.
 _MISS = textwrap.dedent(

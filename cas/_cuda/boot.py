@@ -1,14 +1,10 @@
 """The switch's start-up hook: waits for ``cuda.core`` (numba-cuda's NVVM, cuda.compute) to be imported, then routes.
 
-``cuda_program_cas-switch.pth`` runs this file at start-up when
-``CUDA_PROGRAM_CAS`` is set to something other than ``0``. It is loaded by path
-and uses only what ``site`` imported already: importing the package would cost
-every process tens of milliseconds.
-
-A finder first on ``sys.meta_path`` answers for the modules of :data:`_TARGETS`
-alone, wrapping the real loader so that once the module has run, its function
-(``switch.activate``, ``nvvm.activate``, ``switch.activate_compute``) rebinds
-what it routes before the importer reads it.
+``cuda_program_cas-switch.pth`` runs this file by path at start-up, with only
+what ``site`` imported (importing the package would cost every process tens of
+milliseconds). A finder first on ``sys.meta_path`` wraps the loader of each
+module of :data:`_TARGETS`, so that its function rebinds what it routes before
+the importer reads it.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ _TARGETS = {
 
 
 class _Loader:
-    """The real loader of ``cuda.core``, followed by the switch."""
-
     def __init__(self, loader: Any, mode: str, name: str) -> None:
         self._loader = loader
         self._mode = mode
@@ -41,7 +35,13 @@ class _Loader:
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        _done(self._name)
+        for finder in sys.meta_path:  # no longer waited for; the hook goes once nothing is
+            pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
+            if pending is not None:
+                pending.discard(self._name)
+                if not pending:
+                    remove()
+                break
         try:
             _activate(self._mode, self._name)
         except Exception as exc:  # the switch never costs a job its cuda.core
@@ -56,8 +56,6 @@ class _Loader:
 
 
 class _Finder:
-    """Answers for the modules of :data:`_TARGETS` not imported yet: the real spec, with its loader wrapped."""
-
     cpcas_switch_hook = True
 
     def __init__(self, mode: str, pending: set[str]) -> None:
@@ -90,17 +88,6 @@ def defer(mode: str) -> None:
             _activate(mode, name)
 
 
-def _done(name: str) -> None:
-    """``name`` has been imported: no longer waited for; the hook goes once nothing is."""
-    for finder in sys.meta_path:
-        pending = getattr(finder, "pending", None) if getattr(finder, "cpcas_switch_hook", False) else None
-        if pending is not None:
-            pending.discard(name)
-            if not pending:
-                remove()
-            return
-
-
 def _activate(mode: str, name: str) -> None:
     # By name: at start-up this file runs before the package may be imported at all.
     import importlib
@@ -110,7 +97,7 @@ def _activate(mode: str, name: str) -> None:
 
 
 def remove() -> None:
-    """Take the hook off ``sys.meta_path`` (every copy of it, from this file or the .pth's)."""
+    """Take every copy of the hook (this file's or the .pth's) off ``sys.meta_path``."""
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "cpcas_switch_hook", False)]
 
 

@@ -14,23 +14,32 @@ from typing import TYPE_CHECKING, Any
 from cuda.core import LinkerOptions, ObjectCode, Program, ProgramOptions
 from cuda.core.utils import ProgramCacheResource
 
-from cuda_program_cas._base.config import NOT_GIVEN, default_cache_dir, env_max_size, env_shared, env_switched_off
+from cuda_program_cas._base.config import (
+    ENV_SWITCH,
+    NOT_GIVEN,
+    default_cache_dir,
+    env_max_size,
+    env_shared,
+    env_switched_off,
+    validate_max_size,
+)
+from cuda_program_cas._base.errors import ReadOnlyCacheError
+from cuda_program_cas._local.stats import Counters
 from cuda_program_cas._store.store import CacheStore
 from cuda_program_cas.index import key_bytes, key_id
 
 from .inputs import install as install_key_seam
 from .inputs import taken_for
-from .off import SwitchedOff
 
 if TYPE_CHECKING:
+    from cuda_program_cas._disk.writer import WriteResult
     from cuda_program_cas._local.cachestats import CacheStats
     from cuda_program_cas._store.store import Inner
 
-__all__ = ["ContentAddressedProgramCache", "inner_of"]
+__all__ = ["ContentAddressedProgramCache", "SwitchedOff", "inner_of"]
 
 
 def as_bytes(value: object) -> bytes:
-    """The bytes to store: ``bytes`` as is, other buffers copied, an ``ObjectCode``'s code (read from its file)."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, (bytearray, memoryview)):
@@ -53,29 +62,73 @@ def as_bytes(value: object) -> bytes:
     )
 
 
+class SwitchedOff:
+    """The store of a cache that ``CUDA_PROGRAM_CAS=0`` turned off, as ``CCACHE_DISABLE`` turns ccache off.
+
+    It touches nothing on disk. A lookup misses uncounted; a write is dropped and
+    counted; ``del`` and ``clear()`` raise ``ReadOnlyCacheError``.
+    """
+
+    read_only = True
+    max_size_bytes: int | None = None
+
+    def __init__(self, path: str | os.PathLike[str], max_size_bytes: object) -> None:
+        root = os.fspath(path)
+        if not isinstance(root, str) or root == "":
+            raise ValueError(f"cache path must be a non-empty path, got {path!r}")
+        if max_size_bytes is not NOT_GIVEN:
+            validate_max_size(max_size_bytes)  # bad input is bad input, on or off
+        self.root = os.path.abspath(root)
+        self._counters = Counters()
+
+    def get(self, key: object) -> bytes | None:
+        key_id(key)  # a key that is neither str nor bytes is still refused
+        return None
+
+    def put(self, key: object, data: bytes) -> WriteResult:
+        from cuda_program_cas._disk.writer import WriteResult
+
+        key_id(key)
+        if not isinstance(data, bytes):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        self.note_dropped()
+        return WriteResult.DROPPED
+
+    def note_dropped(self) -> None:
+        self._counters.add("dropped_writes")
+
+    def refuse(self, what: str) -> ReadOnlyCacheError:
+        return ReadOnlyCacheError(f"cannot {what}: cache {self.root!r} is switched off ({ENV_SWITCH}=0)")
+
+    def delete(self, key: object) -> None:
+        key_id(key)
+        raise self.refuse("delete")
+
+    def clear(self) -> None:
+        raise self.refuse("clear")
+
+    def __len__(self) -> int:
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        return self._counters.as_dict()
+
+    def stats(self) -> CacheStats:
+        from cuda_program_cas._local.cachestats import CacheStats
+
+        return CacheStats(0, 0, 0, 0, 0, None, **self.counters())
+
+    def close(self) -> None:
+        pass
+
+
 class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc]  # cuda.core ships no stubs
-    """A persistent, deduplicating program cache for ``Program.compile(cache=...)``.
+    """A persistent, deduplicating program cache for ``Program.compile(cache=...)`` (docs/python-api.md).
 
-    Parameters
-    ----------
-    path:
-        The cache directory, created if missing. Default: ``$CUDA_PROGRAM_CAS_DIR``
-        if set, else ``<user cache dir>/cuda-python/program-cas``.
-    max_size_bytes:
-        A cap on stored bytes (unique blobs plus manifests), LRU-evicted to 80 %.
-        ``None``: no cap. Not given: ``$CUDA_PROGRAM_CAS_MAX_SIZE`` (``10G``),
-        else the cap stored in the cache, else none.
-    shared:
-        Read-only shared stores, looked up in order after this cache. Not given:
-        ``$CUDA_PROGRAM_CAS_SHARED`` (separated by whitespace or ``;``).
-    read_only:
-        Never write, create, touch or lock anything under ``path``: a write is
-        dropped and counted, ``del`` and ``clear()`` raise ``ReadOnlyCacheError``.
-    copy_shared_hits:
-        Copy a verified hit from a shared store into this cache (default True).
-
-    ``CUDA_PROGRAM_CAS=0`` turns it off (:mod:`cuda_program_cas._cuda.off`).
-    ``key in cache`` raises ``TypeError``: use ``cache.get(key)``.
+    ``path``: the cache directory (``$CUDA_PROGRAM_CAS_DIR``, else the user's cache
+    directory); ``max_size_bytes`` and ``shared`` not given: from the environment;
+    ``read_only``: never write anything under ``path``; ``copy_shared_hits``: copy
+    a verified shared hit here. ``CUDA_PROGRAM_CAS=0`` turns it off (:class:`SwitchedOff`).
     """
 
     def __init__(
@@ -174,12 +227,9 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         name_expressions: Sequence[str | bytes] = (),
         logs: Any = None,
     ) -> ObjectCode:
-        """Compile through the cache, also what ``Program.compile(cache=)`` refuses.
+        """``Program(code, code_type, options).compile(target_type, name_expressions, logs)`` through the cache,
+        also what ``Program.compile(cache=)`` refuses (docs/frontdoor.md).
 
-        The arguments mean what they mean to ``Program(code, code_type,
-        options).compile(target_type, name_expressions, logs)``. Header reads are
-        keyed by content (:mod:`cuda_program_cas._cuda.frontdoor`); a hit returns the
-        uncached compile's bytes, ``name`` and ``symbol_mapping`` without NVRTC.
         Options whose effect cannot be keyed (``pch``, ``use_pch``, ``pch_dir``,
         ``create_pch``, ``time``, ``fdevice_time_trace``) raise ``ValueError``.
         """
@@ -198,13 +248,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return obj
 
     def link(self, object_codes: Iterable[ObjectCode], options: LinkerOptions | None, target_type: str) -> ObjectCode:
-        """Link through the cache: ``Linker(*object_codes, options=options).link(target_type)``.
-
-        A hit returns the uncached link's bytes, code type and ``name`` without
-        running the linker. A failed link raises as uncached and stores nothing;
-        options that cannot be keyed and unreadable inputs link uncached (a
-        dropped write, one WARNING).
-        """
+        """``Linker(*object_codes, options=options).link(target_type)`` through the cache."""
         from .link import link, link_uncached
 
         if isinstance(self._store, SwitchedOff):
@@ -215,12 +259,7 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
         return obj
 
     def build(self, make: Any, /, **kwargs: Any) -> Any:
-        """``make(**kwargs)``, a cuda.compute ``make_*`` factory, through the cache (docs/compute.md).
-
-        A hit loads the stored algorithm without compiling; a miss builds,
-        serializes and stores it; what cannot be keyed soundly is built uncached.
-        Raises ``TypeError`` for a ``make`` that is not one of the factories.
-        """
+        """``make(**kwargs)``, a cuda.compute ``make_*`` factory, through the cache (docs/compute.md)."""
         from .compute import build
 
         if isinstance(self._store, SwitchedOff):
@@ -231,12 +270,16 @@ class ContentAddressedProgramCache(ProgramCacheResource):  # type: ignore[misc] 
     def prebuild(self, make: Any, /, *, compute_capabilities: Any, **kwargs: Any) -> dict[tuple[int, int], Any]:
         """:meth:`build` for each architecture of ``compute_capabilities`` (``[(8, 0), (9, 0)]``): no GPU needed.
 
-        Device arrays may be ``cuda.compute.ProxyArray`` and initial values
-        ``ProxyValue``. Returns the algorithm for each architecture.
+        Device arrays may be ``cuda.compute.ProxyArray`` and initial values ``ProxyValue``.
         """
-        from .compute import prebuild
+        from cuda.compute._cccl_interop import normalize_compute_capabilities
 
-        return prebuild(lambda each: self.build(make, **each), compute_capabilities, kwargs)
+        if "compute_capability" in kwargs:
+            raise TypeError("prebuild takes compute_capabilities=, not compute_capability=")
+        ccs = normalize_compute_capabilities(compute_capabilities)
+        if not ccs:
+            raise ValueError(f"compute_capabilities names no architecture: {compute_capabilities!r}")
+        return {(int(a), int(b)): self.build(make, **{**kwargs, "compute_capability": (a, b)}) for a, b in ccs}
 
     def stats(self) -> CacheStats:
         """Entries, blobs, logical and stored bytes (a scan of the disk), and this instance's counters."""

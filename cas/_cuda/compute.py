@@ -1,21 +1,12 @@
 """cuda.compute's algorithm builds as entries of the store: ``cache.build(make_reduce_into, d_in=...)``.
 
-cuda.compute's ``make_*`` factories compile through ``libcccl.c.parallel``, not
-``cuda.core``; a built algorithm serializes and loads back without compiling, so
-a build is an ordinary entry. Its key (:func:`key_of`): this format's tag, the
-versions of Python, cuda-cccl (and its backend), the CUDA bindings, NVRTC,
-nvJitLink, numba-cuda-mlir and NumPy; the factory and every argument
-(:func:`.opkey.arg_part`: dtypes, iterator kinds, each Python op's canonical
-encoding); and the target compute capabilities (``compute_capability=``
-normalized, or the device's), so :func:`prebuild` on any node fills a store for
-another node's GPUs.
-
-A miss holds the store's claim (``find_or_claim``) while it builds. A hit that
-does not load is built again and stored over. What cannot be keyed or serialized
-(the v2 backend) is built uncached: a dropped write, journaled for ``explain``.
-A failing cache never costs the build. A loaded algorithm is kept per thread and
-key (cuda.compute gives each thread its objects). The switch routes every factory
-(:func:`switched`) once ``cuda.compute.algorithms`` is imported.
+A built algorithm serializes and loads back without compiling. Its key
+(:func:`key_of`): the tools' versions, the factory, every argument
+(:func:`.opkey.arg_part`) and the target compute capabilities, so
+``cache.prebuild`` on any node fills a store for another node's GPUs. A hit that
+does not load is built again; what cannot be keyed or serialized is built
+uncached (a dropped write). A loaded algorithm is kept per thread and key
+(cuda.compute gives each thread its objects).
 """
 
 from __future__ import annotations
@@ -34,13 +25,13 @@ from cuda_program_cas._base.config import say_once
 if TYPE_CHECKING:
     from cuda_program_cas._store.store import Inner
 
-__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "prebuild", "switched", "uncacheable_count"]
+__all__ = ["FACTORIES", "HOOKED", "build", "key_of", "switched", "uncacheable_count"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas compute 1\0"
 #: Before every stored value: what the entry is, and of which factory (checked before it is loaded).
 _MAGIC = b"cpcas-compute/1\0"
-#: The factories cuda.compute 1.2 has; each is routed where the module defining it has it.
+#: The factories cuda.compute 1.2 has.
 FACTORIES = (
     "make_binary_transform",
     "make_exclusive_scan",
@@ -58,11 +49,9 @@ FACTORIES = (
     "make_unique_by_key",
     "make_upper_bound",
 )
-#: The module whose import routes the factories (see :func:`switched`).
 HOOKED = "cuda.compute.algorithms"
 
 _local = threading.local()
-#: Builds of this process that could not be keyed (or stored): see :func:`uncacheable_count`.
 _uncacheable = [0]
 
 
@@ -74,43 +63,39 @@ def uncacheable_count() -> int:
 @functools.cache
 def _versions() -> bytes:
     """What every key holds of the build's tools (raises Uncacheable when one cannot be told)."""
+    from .nvrtcver import loaded_version
     from .opkey import Uncacheable
 
     try:
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        from cuda.bindings import nvjitlink, nvrtc
+        from cuda.bindings import nvjitlink
 
         try:
             from cuda.compute._build_info import USING_V2
         except ImportError:
             USING_V2 = False
-        err, major, minor = nvrtc.nvrtcVersion()
-        if int(err) != 0:
-            raise RuntimeError(f"nvrtcVersion: {err}")
+        nvrtc = loaded_version()
+        if not nvrtc[:1].isdigit():
+            raise RuntimeError(f"nvrtcVersion: {nvrtc}")
+        try:
+            mlir = version("numba-cuda-mlir")
+        except PackageNotFoundError:
+            mlir = "-"
         parts = {
             "python": sys.version,
             "cache_tag": sys.implementation.cache_tag,
             "cuda-cccl": version("cuda-cccl"),
             "backend": "v2" if USING_V2 else "v1",
             "cuda-bindings": version("cuda-bindings"),
-            "nvrtc": f"{major}.{minor}",
+            "nvrtc": nvrtc,
             "nvjitlink": ".".join(map(str, nvjitlink.version())),
-            "numba-cuda-mlir": _version_or_none("numba-cuda-mlir"),
+            "numba-cuda-mlir": mlir,
             "numpy": version("numpy"),
         }
     except Exception as exc:
         raise Uncacheable(f"the versions of cuda.compute's tools cannot be told ({exc!r})") from None
     return repr(sorted(parts.items())).encode()
-
-
-def _version_or_none(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "-"
 
 
 def _targets(kwargs: dict[str, Any]) -> list[tuple[int, int]]:
@@ -189,7 +174,7 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
         say_once(("compute key", type(exc).__name__), "cuda-program-cas: compute: key failed (%r); built uncached", exc)
         return original(**kwargs)
     kid = key_id(key)
-    memo = _memo()
+    memo: dict[str, Any] = _local.__dict__.setdefault("memo", {})
     if kid in memo:
         return memo[kid]
     with contextlib.ExitStack() as claims:
@@ -225,20 +210,8 @@ def build(inner: Inner, make: Any, kwargs: dict[str, Any]) -> Any:
         return algorithm
 
 
-def prebuild(one: Any, compute_capabilities: Any, kwargs: dict[str, Any]) -> dict[tuple[int, int], Any]:
-    """``one(kwargs)`` (a build) once per architecture of ``compute_capabilities``: each keyed as a GPU of it looks."""
-    from cuda.compute._cccl_interop import normalize_compute_capabilities
-
-    if "compute_capability" in kwargs:
-        raise TypeError("prebuild takes compute_capabilities=, not compute_capability=")
-    ccs = normalize_compute_capabilities(compute_capabilities)
-    if not ccs:
-        raise ValueError(f"compute_capabilities names no architecture: {compute_capabilities!r}")
-    return {(int(a), int(b)): one({**kwargs, "compute_capability": (a, b)}) for a, b in ccs}
-
-
 def _build_uncached(original: Any, kwargs: dict[str, Any]) -> Any:
-    """The factory as cuda.compute runs it; the factories it calls inside are part of it (not looked up)."""
+    """The factory as cuda.compute runs it; the factories it calls inside are not looked up."""
     _local.depth = _depth() + 1
     try:
         return original(**kwargs)
@@ -249,13 +222,6 @@ def _build_uncached(original: Any, kwargs: dict[str, Any]) -> Any:
 def _depth() -> int:
     depth: int = getattr(_local, "depth", 0)
     return depth
-
-
-def _memo() -> dict[str, Any]:
-    memo: dict[str, Any] | None = getattr(_local, "memo", None)
-    if memo is None:
-        memo = _local.memo = {}
-    return memo
 
 
 def _load(data: bytes, name: str) -> Any:
@@ -275,7 +241,7 @@ def _load(data: bytes, name: str) -> Any:
 
 
 def _dropped(inner: Inner, name: str, reason: str) -> None:
-    """An uncacheable build: counted (a dropped write), said once per reason, and journaled for ``explain``."""
+    """An uncacheable build: a dropped write, said once per reason, journaled for ``explain``."""
     from cuda_program_cas._local.why import UNCACHEABLE, Why
     from cuda_program_cas.index import key_id
 
@@ -291,7 +257,7 @@ def _dropped(inner: Inner, name: str, reason: str) -> None:
 
 
 def switched(original: Any, inner_for: Callable[[], Inner | None]) -> Any:
-    """``original``, a factory, routed by the switch: built through ``inner_for()`` (None: uncached)."""
+    """``original``, a factory, built through ``inner_for()`` (None: uncached)."""
 
     @functools.wraps(original)
     def make(*args: Any, **kwargs: Any) -> Any:

@@ -1,24 +1,12 @@
-"""The front door: ``cache.compile(...)``, for the compiles ``Program.compile(cache=)`` refuses.
+"""The front door: ``cache.compile(...)``, for compiles that read headers or name expressions.
 
-Compiles that read headers (``include_path``, ``pre_include``, a source name
-with a directory) or name expressions, cached as ccache's direct mode caches.
-The *record*, keyed by the inputs without header contents (and the working
-directory where names or debug information depend on it), lists the last few
-*variants*: every file NVRTC read with its blake3 and stat tag, the candidates
-that must stay absent (:mod:`.shadows`) and *guard directories*. A name that is
-not one regular file makes the compile uncacheable (returned, a dropped write,
-one WARNING per header).
-
-A lookup checks the variants, newest first, by stat data against each variant's
-proof, re-hashing only headers whose stat changed; from a variant's second look
-in a process, inotify watches answer instead (:mod:`.watch`). Record and results
-share a key group, so eviction keeps or removes them together.
-
-A miss holds the node's claim on the record key and compiles uncached, traced by
-``fdevice_time_trace`` (NVRTC 13 and later) or fingerprinting the search trees.
-A header or guard not a whole clock step older than the compile's start
-(:class:`cuda_program_cas._disk.fskind.FsClock`) may have changed unseen: its
-result is returned, not stored.
+A *record*, keyed by the inputs without header contents, lists the last few
+*variants*: each file NVRTC read (blake3, stat tag), the candidates that must
+stay absent (:mod:`.shadows`) and guard directories. A lookup checks variants
+newest first by stat data, re-hashing only headers whose stat changed; from a
+variant's second look, inotify answers (:mod:`.watch`). A header or guard not a
+whole clock step older than the compile's start may have changed unseen: its
+result is returned, not stored. Record and results share a key group.
 """
 
 from __future__ import annotations
@@ -47,6 +35,7 @@ from .frontkey import (
     memo_key,
     name_part,
     nvrtc_flags,
+    object_code,
     own_key,
     refuse_unkeyable,
 )
@@ -116,12 +105,10 @@ class FrontDoor:
         self._store = store
         self._inner = store.inner  # kept: a hit makes three calls through it
         self._headers = HeaderCache()
-        #: What make_program_cache_key returned for inputs met before (see memo_key).
-        self._record_keys: dict[tuple[object, ...], bytes] = {}
-        #: Per record key id met: its bytes, its decoded variants and what this process proved of each.
+        self._record_keys: dict[tuple[object, ...], bytes] = {}  # by memo_key and NVRTC's version
+        #: Per record key id: its bytes, its decoded variants and what this process proved of each.
         self._decoded: dict[str, tuple[bytes, list[Variant], list[_Proof]]] = {}
-        #: Lookups the watch answered without a stat (see cuda_program_cas._cuda.watch).
-        self.watched_hits = 0
+        self.watched_hits = 0  # lookups the watch answered without a stat
 
     def compile(
         self,
@@ -133,7 +120,7 @@ class FrontDoor:
         name_expressions: Sequence[str | bytes] = (),
         logs: Any = None,
     ) -> Any:
-        ObjectCode, Program, ProgramOptions, make_program_cache_key = _cuda_core()
+        _ObjectCode, Program, ProgramOptions, make_program_cache_key = _cuda_core()
         if options is None:
             options = ProgramOptions()
         if not isinstance(options, ProgramOptions):
@@ -144,14 +131,12 @@ class FrontDoor:
         try:
             flags = nvrtc_flags(options, target_type)
             search = Search.of(code, code_type, options, flags)
-        except Uncacheable as exc:
-            # No working directory to resolve names against (it was removed): compile as Program would.
+        except Uncacheable as exc:  # no working directory to resolve names against
             self._uncacheable(exc, None)
             return Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
         extra = TAG + libdevice_fingerprint(options, code_type) + search.key_part() + name_part(options)
         memo = memo_key(code, code_type, options, target_type, flags, names=name_expressions, extra=extra)
-        # A C++ compile is keyed here, with NVRTC's version from its record (nvrtcver): a hit
-        # need not load NVRTC. Others go to make_program_cache_key, which validates them.
+        # A C++ compile is keyed here, NVRTC's version from its record: a hit need not load NVRTC.
         cuda_core_key = functools.partial(
             make_program_cache_key,
             code=code,
@@ -162,68 +147,63 @@ class FrontDoor:
             extra_digest=extra,
         )
         nvrtc = nvrtc_version(self._inner) if memo is not None else None
-        record_key = self._record_keys.get((memo, nvrtc)) if memo is not None else None
-        if record_key is None:
-            if memo is not None:
-                record_key = own_key(memo, nvrtc)
-                if len(self._record_keys) >= _MAX_MEMO:
-                    self._record_keys.clear()
-                self._record_keys[(memo, nvrtc)] = record_key
-            else:
-                record_key = cuda_core_key()
+        if memo is None:
+            record_key = cuda_core_key()
+        elif (record_key := self._record_keys.get((memo, nvrtc))) is None:
+            if len(self._record_keys) >= _MAX_MEMO:
+                self._record_keys.clear()
+            record_key = self._record_keys[(memo, nvrtc)] = own_key(memo, nvrtc)
         record_kid = grouped_id(record_key, None)
         found = self._lookup(record_kid, record_key)
         if isinstance(found, tuple):
-            data, variant, shared = found
-            self._inner.note_hit(record_kid, shared, t0_ns=t0)
-            return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
+            return self._hit(found, record_kid, target_type, t0)
         if memo is not None:
-            # Keyed here: a miss has make_program_cache_key check the inputs (it loads NVRTC,
-            # which the compile does anyway), so a bad input gets the error it always got.
-            cuda_core_key()
+            cuda_core_key()  # a miss loads NVRTC anyway: a bad input gets the error it always got
         if self._store.read_only:
-            # A read-only cache is never written: compile, return, count the write it drops.
             self._inner.note_miss(record_kid, found, t0_ns=t0)
             result = Program(code, code_type, options=options).compile(target_type, name_expressions, logs)
             self._inner.note_dropped(record_kid, "read-only cache")
             return result
         # One process of the node compiles these inputs; the others wait for its record.
         with self._inner.claim(record_kid) as claim:
-            if claim.held or claim.waited:
-                # Stored meanwhile, by the claimant waited for or one that let go just before.
+            if claim.held or claim.waited:  # stored meanwhile, by the claimant waited for or one just before
                 found = self._lookup(record_kid, record_key)
                 if isinstance(found, tuple):
-                    data, variant, shared = found
-                    self._inner.note_hit(record_kid, shared, t0_ns=t0, waited=claim.waited)
-                    return _object_code(ObjectCode, data, target_type, variant.name, variant.mapping)
+                    return self._hit(found, record_kid, target_type, t0, waited=claim.waited)
             self._inner.note_miss(record_kid, found, t0_ns=t0)
             inputs = (code, code_type, options, target_type, name_expressions, logs)
             return self._compile(inputs, search, record_key, nvrtc, found)
 
-    def _compile(self, inputs: tuple[Any, ...], search: Search, record_key: bytes, nvrtc: str | None, why: str) -> Any:
-        """A miss: compile ``(code, code_type, options, target_type, name_expressions, logs)`` uncached, record the
-        headers it read, store the result and the record.
+    def _hit(self, found: Any, kid: str, target: str, t0: int, waited: bool = False) -> Any:
+        data, variant, shared = found
+        self._inner.note_hit(kid, shared, t0_ns=t0, waited=waited)
+        return object_code(_cuda_core()[0], data, target, variant.name, variant.mapping)
 
-        ``nvrtc``: the version the key holds, when keyed here (a compile by another
-        NVRTC is returned, not stored); ``why``: the :class:`Why` of the miss.
+    def _compile(self, inputs: tuple[Any, ...], search: Search, record_key: bytes, nvrtc: str | None, why: str) -> Any:
+        """A miss: compile uncached, record the headers it read, store the result and the record.
+
+        ``nvrtc``: the version the key holds when keyed here (another NVRTC's result is not stored).
         """
         _ObjectCode, Program, ProgramOptions, _key = _cuda_core()
         from .shadows import shadows_and_guards
-        from .trace import TRACES, end_nvrtc_tracing, nvrtc_major, trace_in_child, traced_names, tree_files, with_trace
+        from .trace import (
+            TRACES,
+            end_nvrtc_tracing,
+            new_trace_dir,
+            nvrtc_major,
+            trace_in_child,
+            traced_names,
+            tree_files,
+            with_trace,
+        )
 
         code, code_type, options, target_type, name_expressions, logs = inputs
         record_kid = grouped_id(record_key, None)
-        # Every clock the headers' file systems keep, as the compile starts (see FsClock).
         started = FsClock(self._inner.layout.tmp)
         traced = code_type == "c++" and nvrtc_major() >= 13
-        trace_dir = None
-        if traced:
-            from .tracedirs import new_trace_dir  # a miss's module, as trace: a hit imports neither
-
-            trace_dir = new_trace_dir()
+        trace_dir = new_trace_dir() if traced else None
         trace = os.path.join(trace_dir, "trace") if trace_dir is not None else ""
-        # Traced here unless an earlier traced compile of this process failed (see TRACES).
-        here = traced and TRACES.sound
+        here = traced and TRACES.sound  # else an earlier traced compile failed: trace in a child
         compile_options = with_trace(options, trace) if here else options
         try:
             try:
@@ -284,7 +264,6 @@ class FrontDoor:
         return result
 
     def _uncacheable(self, exc: Uncacheable, record_kid: str | None) -> None:
-        """Count and report a compile whose result cannot be stored soundly (one WARNING per header)."""
         self._inner.note_dropped(record_kid, exc.reason)
         if exc.name is not None:
             say_once(
@@ -297,9 +276,8 @@ class FrontDoor:
         if found is None:
             return Why(NO_RECORD, "new inputs: no record of them")
         raw, shared = found
-        # Decode a record once, and keep what this process proved of its variants (see _Proof)
-        # while its bytes stay the same: compared, not only by identity, since the record read
-        # back from disk after this process stored it is another object (2 us for 42 KB).
+        # Decoded once, with what this process proved, while its bytes stay the same (compared:
+        # a record read back after this process stored it is another object; 2 us for 42 KB).
         decoded = self._decoded.get(record_kid)
         if decoded is None or (decoded[0] is not raw and decoded[0] != raw):
             if len(self._decoded) >= _MAX_DECODED:
@@ -321,7 +299,7 @@ class FrontDoor:
         return why or Why(DAMAGED, "the record is damaged or of another format")
 
     def _proven(self, variant: Variant, proof: _Proof, fresh: list[Any]) -> str | None:
-        """:meth:`_check`, or nothing at all while the watch proves the variant unchanged since it last held."""
+        """:meth:`_check`, or nothing while the watch proves the variant unchanged since it held."""
         token = proof.token
         if token is not None:
             if token.clean():
@@ -329,8 +307,7 @@ class FrontDoor:
                 return None
             proof.token = None
         if not proof.seen:
-            # The first look in this process: the stat check alone. A job looks each kernel up
-            # once, so arming (about as costly again) waits for the second look.
+            # A job looks each kernel up once: arming (about as costly again) waits for a second look.
             changed = self._check(variant, fresh)
             proof.seen = changed is None
             return changed
@@ -349,20 +326,19 @@ class FrontDoor:
         return changed
 
     def _check(self, variant: Variant, fresh: list[Any] | None = None) -> str | None:
-        """None when the variant's headers, candidates and guards still hold, else what changed.
+        """None when the variant still holds, else what changed.
 
-        The whole stat data against its one proof first; else each file: a header
-        whose stat changed is hashed again (content decides). Stat data that are
-        old on their file system's clock go to ``fresh`` for :meth:`_refresh`.
+        The whole stat data against its proof first; else each file, a header whose
+        stat changed hashed again. Old new stat data go to ``fresh`` for :meth:`_refresh`.
         """
         if variant.proof is not None and self._same_stat(variant):
             return None
         headers = self._headers
         known = headers.known
-        learnt: dict[str, tuple[FileId, str]] = {}  # entered at the end, in one go (a lock a header cost 0.3 ms)
-        clock: FsClock | None = None  # read once, before the first header hashed
+        learnt: dict[str, tuple[FileId, str]] = {}  # entered in one go (a lock a header cost 0.3 ms)
+        clock: FsClock | None = None
         keys: list[FileId] = []
-        renewed: dict[str, FileId] = {}  # headers whose stat changed, bytes the same, stat data old
+        renewed: dict[str, FileId] = {}  # stat changed, bytes the same, stat data old
         young = False
         try:
             for path, tag, digest in variant.headers:
@@ -383,14 +359,13 @@ class FrontDoor:
                 else:
                     if clock is None:
                         clock = FsClock(self._inner.layout.tmp)
-                    # Hashed; remembered for these stat data only if they are old (see HeaderCache.digest).
                     old = clock.old(st)
                     if headers.digest(path, st, old=old) != digest:
                         return Why.header_changed(path)
                     if old:
                         renewed[path] = key
                     else:
-                        young = True  # its stat data cannot be recorded: no new proof
+                        young = True  # no new proof
         finally:
             headers.learn(learnt)
         for path in variant.absent:
@@ -411,7 +386,7 @@ class FrontDoor:
         return None
 
     def _refresh(self, record_kid: str, raw: bytes, variant: Variant, fresh: Any) -> None:
-        """Record a variant's new stat data, proven by content (see :meth:`_check`); never fails a hit."""
+        """Record a variant's new stat data, proven by content; never fails a hit."""
         renewed, proof = fresh
         if self._store.read_only or proof is None:
             return
@@ -422,8 +397,7 @@ class FrontDoor:
 
     @staticmethod
     def _same_stat(variant: Variant) -> bool:
-        """Whether every header and guard of ``variant`` stats as recorded (its proof: see :func:`.record.proof_of`),
-        and every candidate is absent."""
+        """Whether every header and guard stats as its proof records, and every candidate is absent."""
         values: list[int] = []
         extend = values.extend
         stat_ = os.stat
@@ -454,9 +428,7 @@ class FrontDoor:
                 raise Uncacheable(f"header {path!r} NVRTC read cannot be found again ({exc.strerror})", path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise Uncacheable(f"header {path!r} NVRTC read is not a regular file", path)
-            if not started.old(st):
-                # Its last change may have come after the compile read it, or in the same step of
-                # its file system's clock as a change to come: its stat data would not prove it.
+            if not started.old(st):  # changed after it was read, or may change again within its clock step
                 raise Uncacheable(f"header {path} changed while it was compiled (or too shortly before)")
             digest = self._headers.digest(path, st, old=True)
             if digest is None:
@@ -481,20 +453,19 @@ class FrontDoor:
         new = encode_variant(result_key.hex(), headers, guards, name, mapping, absent=absent)
         kept = [new, *(v for v in old if v.get("result") != new["result"])]
         self._inner.put_id(record_kid, encode_record(kept[:_MAX_VARIANTS]))
-        # A variant pushed out leaves a result no record reaches: it goes now.
-        for variant in kept[_MAX_VARIANTS:]:
+        for variant in kept[_MAX_VARIANTS:]:  # a result no record reaches now
             try:
                 self._inner.delete_id(grouped_id(record_key, bytes.fromhex(str(variant.get("result")))))
             except (ValueError, TypeError):
                 pass
 
 
-#: What a stat of an absent candidate fails with (shadows.ABSENT_ERRNOS, not imported by a hit).
+#: shadows.ABSENT_ERRNOS, which a hit does not import.
 _ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 
 def _present(path: str) -> bool:
-    """Whether a candidate is there now, or cannot be shown absent (any other error)."""
+    """Whether a candidate is there, or cannot be shown absent."""
     try:
         os.stat(path)
     except OSError as exc:
@@ -502,8 +473,3 @@ def _present(path: str) -> bool:
     except ValueError:
         return True
     return True
-
-
-def _object_code(object_code: Any, data: bytes, target_type: str, name: str, mapping: dict[Any, bytes]) -> Any:
-    make = {"cubin": object_code.from_cubin, "ptx": object_code.from_ptx, "ltoir": object_code.from_ltoir}[target_type]
-    return make(data, name=name, symbol_mapping=mapping or None)

@@ -1,7 +1,7 @@
-"""What the front door keys a compile by, and what it refuses to key (:mod:`cuda_program_cas._cuda.frontdoor`).
+"""What the front door keys a compile by, and what it refuses to key.
 
-A C++ compile's record key is made here (its memo, then its own sha256, with NVRTC's
-version from the version record); other compiles go to ``make_program_cache_key``.
+A C++ compile's record key is made here, with NVRTC's version from its record
+(:mod:`.nvrtcver`); other compiles go to ``make_program_cache_key``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ __all__ = [
     "memo_key",
     "name_part",
     "nvrtc_flags",
+    "object_code",
     "own_key",
     "refuse_unkeyable",
 ]
@@ -64,11 +65,8 @@ def memo_key(
     names: tuple[object, ...],
     extra: bytes,
 ) -> tuple[object, ...] | None:
-    """What a C++ compile's record key is made of here (see :func:`own_key`); None where cuda-core keys it.
-
-    What make_program_cache_key hashes for NVRTC, less its version probe (which
-    loads NVRTC): code, target, NVRTC's flags, typed name expressions, ``extra``.
-    """
+    """What a C++ compile's record key is made of here: what make_program_cache_key hashes, less its
+    NVRTC version probe (which loads NVRTC); None where cuda-core keys it."""
     if not isinstance(code_type, str) or code_type.lower() != "c++" or not isinstance(target_type, str):
         return None
     if type(code) is not str or getattr(options, "extra_sources", None) is not None:
@@ -79,10 +77,7 @@ def memo_key(
 
 
 def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
-    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, each length-prefixed.
-
-    Its own, so that NVRTC's version can come from a record; its tag keeps it apart from cuda-core's keys.
-    """
+    """The record key of a C++ compile: sha256 of NVRTC's version and :func:`memo_key`'s parts, length-prefixed."""
     code, target, flags, names, extra = memo
     h = hashlib.sha256(_KEY)
 
@@ -103,19 +98,14 @@ def own_key(memo: tuple[Any, ...], nvrtc: str | None) -> bytes:
 
 
 def name_part(options: Any) -> bytes:
-    """The source's name: cuda-core's key leaves it out (the binary does not depend on it), but a hit's
-    ``ObjectCode.name`` must be the one this compile would give."""
+    """The source's name, which cuda-core's key leaves out, but a hit's ``ObjectCode.name`` gives."""
     return b"\0name:" + repr(getattr(options, "name", None)).encode("utf-8", "surrogateescape")
-
-
-def _option_set(options: Any, name: str) -> bool:
-    value = getattr(options, name, None)
-    return bool(value) if name == "pch" else value is not None
 
 
 def refuse_unkeyable(options: Any, code_type: str) -> None:
     for name, why in _REFUSED.items():
-        if _option_set(options, name):
+        value = getattr(options, name, None)
+        if bool(value) if name == "pch" else value is not None:
             raise ValueError(f"cache.compile() does not support ProgramOptions.{name}: {why}")
     if code_type == "nvvm" and getattr(options, "use_libdevice", None) and _libdevice_path() is None:
         raise ValueError(
@@ -144,3 +134,13 @@ def libdevice_fingerprint(options: Any, code_type: str) -> bytes:
 
     with open(path, "rb") as fh:
         return b"\0libdevice:" + blake3_hasher()(fh.read()).hexdigest().encode()
+
+
+def object_code(object_code_type: Any, data: bytes, target_type: str, name: str, mapping: Any = None) -> Any:
+    """A hit as the uncached compile or link returns it (``object_code_type``: ``cuda.core.ObjectCode``)."""
+    make = {
+        "cubin": object_code_type.from_cubin,
+        "ptx": object_code_type.from_ptx,
+        "ltoir": object_code_type.from_ltoir,
+    }
+    return make[target_type](data, name=name, symbol_mapping=mapping or None)

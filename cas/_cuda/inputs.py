@@ -1,10 +1,8 @@
 """What a compile that missed was made of, in the miss journal's form (:mod:`cuda_program_cas._local.journal`).
 
-``Program.compile(cache=)`` hands the cache a finished key. :func:`install`
-wraps ``cuda.core``'s ``make_program_cache_key`` to keep, per thread, the last
+:func:`install` wraps ``make_program_cache_key`` to keep, per thread, the last
 key made with its inputs and the time; when the cache then stores under that key
-(:func:`taken_for`), the compile in between was its miss. :func:`describe` is the
-one encoding of inputs, for this path and the front door's.
+(:func:`taken_for`), the compile in between was its miss.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def taken_for(key: object) -> tuple[float, dict[str, Any]] | None:
 
 
 def _plain_nvrtc() -> str:
-    """The NVRTC version a plain key holds: cuda-core's own probe, else the loaded library's."""
+    """The NVRTC version a plain key holds: cuda-core's probe, else the loaded library's."""
     try:
         from cuda.core.utils._program_cache._keys import _nvrtc_version
 
@@ -105,7 +103,6 @@ def describe(
     cwd: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The journal's inputs of one compile (see :mod:`cuda_program_cas._local.journal`)."""
     kind = _text(code_type).lower()
     target = _text(target_type).lower()
     blake3 = blake3_hasher()
@@ -129,16 +126,16 @@ def describe(
 
 
 def _options(options: Any, kind: str, target: str) -> list[str]:
-    """The options as the compiler gets them (NVRTC's flags); for other code types, each field set."""
+    """The options as NVRTC gets them; for other code types (or options NVRTC refuses), each field set."""
     if options is None:
         return []
-    import contextlib
     import dataclasses
 
-    if kind == "c++":
-        with contextlib.suppress(Exception):  # options NVRTC refuses: described field by field below
-            return [_text(f) for f in options.as_bytes("nvrtc", target)]
+    from .frontkey import nvrtc_flags
 
+    flags = nvrtc_flags(options, target) if kind == "c++" else None
+    if flags is not None:
+        return [_text(f) for f in flags]
     if dataclasses.is_dataclass(options):
         return [
             f"{f.name}={getattr(options, f.name)!r}"

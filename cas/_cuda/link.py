@@ -1,18 +1,11 @@
 """``cache.link(...)``: ``Linker(*object_codes, options=...).link(target_type)`` through the cache.
 
-A link is keyed by each input in order (code type, name, bytes, and the path of
-a path-backed one), every ``LinkerOptions`` field tagged with its type (an
-``arch`` of None resolved to the device's), the backend (nvJitLink or cuLink)
-and its version, the target type and this module's tag. The value is the linked
-bytes, an ordinary entry; a miss holds the node's claim while it links. A hit
-returns an ``ObjectCode`` as the uncached link does, with no linker logs.
-
-What cannot be keyed soundly (an option value other than None, bool, int, str or
-a list or tuple of str; an ``options`` that is not a plain ``LinkerOptions``; an
-unreadable input; no device for ``arch=None``; an unnamed backend) links
-uncached: a dropped write and one WARNING per reason. Inputs the linker refuses
-go to it, which raises. The uncached link is cuda.core's own class, looked up in
-``cuda.core._linker``, so the switch's rebinding never calls itself.
+A link is keyed by each input in order (code type, name, bytes, the path of a
+path-backed one), every ``LinkerOptions`` field tagged with its type (``arch``
+None resolved to the device's), the backend and its version, and the target.
+What cannot be keyed soundly links uncached: a dropped write, one WARNING per
+reason. The uncached link is ``cuda.core._linker``'s class, so the switch's
+rebinding never calls itself.
 """
 
 from __future__ import annotations
@@ -30,15 +23,13 @@ from cuda_program_cas._disk.files import digest_of
 from cuda_program_cas._store.store import Inner
 from cuda_program_cas.index import key_id
 
-from .frontkey import Uncacheable
+from .frontkey import Uncacheable, object_code
 
 __all__ = ["link", "link_uncached"]
 
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas link 1\0"
-#: The key's prefix in the store (the rest is a sha256): no other key of the store starts so.
 _PREFIX = b"cpcas-link/1\0"
-#: The targets the linker produces.
 _TARGETS = ("cubin", "ptx")
 
 
@@ -55,10 +46,7 @@ def _cuda_core() -> tuple[Any, Any, Any]:
 
 
 def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: str) -> Any:
-    """``Linker(*object_codes, options=options).link(target_type)``, from ``inner``'s store when it holds it.
-
-    Raises what the uncached link raises; a failing store never costs the caller the link.
-    """
+    """``Linker(*object_codes, options=options).link(target_type)``, from ``inner``'s store when it holds it."""
     ObjectCode, LinkerOptions, _ = _cuda_core()
     objects = tuple(object_codes)
     if options is None:
@@ -72,16 +60,14 @@ def link(inner: Inner, object_codes: Iterable[Any], options: Any, target_type: s
         _dropped(inner, str(exc))
         return result
     kid = key_id(key)
-    with contextlib.ExitStack() as claims:
-        # On a miss the node's claim on the key is held until this link is stored (or failed), so
-        # processes that miss the same link at once run the linker once.
+    with contextlib.ExitStack() as claims:  # a miss holds the node's claim until it stored or failed
         try:
             found = inner.find_or_claim(kid, claims, reason="new inputs")
         except Exception as exc:  # the cache must never cost the caller its link
             say_once(("link lookup", type(exc).__name__), "cuda-program-cas: link: lookup failed (%r); linking", exc)
             found = None
         if found is not None:
-            return _object_code(ObjectCode, found[0], target_type, options.name)
+            return object_code(ObjectCode, found[0], target_type, options.name)
         result, backend = link_uncached(objects, options, target_type)
         why = _why_not_stored(files, backend)
         if why is not None:
@@ -114,7 +100,6 @@ def _dropped(inner: Inner, reason: str) -> None:
 
 
 def _why_not_stored(files: dict[str, str], backend: str | None) -> str | None:
-    """Why a successful miss must not be stored: an input file changed, or another backend linked."""
     for path, digest in files.items():
         try:
             if digest_of(_read(path)) != digest:
@@ -159,30 +144,22 @@ def _options_part(options: Any) -> list[list[Any]]:
     for field in sorted(dataclasses.fields(options), key=lambda f: f.name):
         value = getattr(options, field.name)
         if field.name == "arch" and value is None:
-            value = _device_arch()
-        part.append([field.name, *_tagged(field.name, value)])
+            try:
+                from cuda.core import Device
+
+                major, minor = Device().compute_capability
+            except Exception as exc:
+                raise Uncacheable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
+            value = f"sm_{major}{minor}"
+        kind = type(value)
+        if (kind is list or kind is tuple) and all(type(v) is str for v in value):
+            value = list(value)
+        elif not (value is None or kind is bool or kind is int or kind is str):
+            raise Uncacheable(
+                f"LinkerOptions.{field.name} of type {kind.__name__} (only None, bool, int, str and lists of str)"
+            )
+        part.append([field.name, kind.__name__, value])
     return part
-
-
-def _tagged(name: str, value: object) -> tuple[str, object]:
-    """A value as ``(type tag, JSON value)``; the types the linker formats are the only ones keyed."""
-    kind = type(value)
-    if value is None or kind is bool or kind is int or kind is str:
-        return kind.__name__, value
-    if (kind is list or kind is tuple) and all(type(v) is str for v in value):  # type: ignore[attr-defined]
-        return kind.__name__, list(value)  # type: ignore[call-overload]
-    raise Uncacheable(f"LinkerOptions.{name} of type {kind.__name__} (only None, bool, int, str and lists of str)")
-
-
-def _device_arch() -> str:
-    """``sm_XY`` of the current device, as the linker resolves an ``arch`` of None."""
-    try:
-        from cuda.core import Device
-
-        major, minor = Device().compute_capability
-    except Exception as exc:
-        raise Uncacheable(f"arch=None and the current device cannot be asked ({type(exc).__name__})") from None
-    return f"sm_{major}{minor}"
 
 
 @functools.cache
@@ -210,8 +187,3 @@ def _backend() -> tuple[str, str]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _object_code(object_code: Any, data: bytes, target_type: str, name: str) -> Any:
-    make = object_code.from_cubin if target_type == "cubin" else object_code.from_ptx
-    return make(data, name=name)

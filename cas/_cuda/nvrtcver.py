@@ -1,20 +1,11 @@
 """NVRTC's version without loading NVRTC, from a record keyed by the library file that would load.
 
-Asking ``nvrtcVersion`` loads ``libnvrtc`` (11 to 17 ms of a fresh process's first
-front-door hit). :func:`version` reads the version instead from a node-local
-entry (:func:`cuda_program_cas.index.local_id`) keyed by:
-
-- the file ``cuda.pathfinder`` would load for ``cuda.bindings``, found by its
-  early steps without loading (a libnvrtc loaded already, or one only the dynamic
-  loader or ``CUDA_HOME`` would find, cannot be predicted: NVRTC is loaded);
-- its identity (``stat`` followed: device, inode, size, mtime, ctime) on a file
-  system whose stat data are reliable (not NFS);
-- the boot id and the versions of cuda-bindings and cuda-pathfinder.
-
-The entry is written when a process loaded NVRTC to learn the version, or by a
-front-door miss (:func:`remember`), only when ``/proc/self/maps`` shows the file
-loaded is the one predicted. In a process the answer is checked with one
-``stat`` per call; once NVRTC is loaded its answer is final.
+Asking ``nvrtcVersion`` loads ``libnvrtc`` (11 to 17 ms of a fresh process's
+first front-door hit). :func:`version` reads a node-local entry instead, keyed
+by the file ``cuda.pathfinder`` would load (found without loading), its identity
+on a file system with reliable stat data, the boot id and the versions of
+cuda-bindings and cuda-pathfinder. It is written only when ``/proc/self/maps``
+shows the file loaded is the one predicted.
 """
 
 from __future__ import annotations
@@ -38,18 +29,13 @@ _RECORD = b"cpcas-nvrtc-version/1\0"
 
 
 class _State:
-    """What this process knows of its NVRTC (a forked child knows the same: it has the same libraries)."""
-
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        #: NVRTC's version once it is loaded in this process: it cannot change then.
-        self.loaded: str | None = None
-        #: The file that would load, its identity and its version, as learnt from a record.
-        self.known: tuple[str, FileId, str] | None = None
-        #: Stores that :func:`remember` has seen to in this process.
-        self.remembered: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.loaded: str | None = None  # once loaded, NVRTC's version cannot change
+        self.known: tuple[str, FileId, str] | None = None  # the file, its identity and version, from a record
+        self.remembered: weakref.WeakSet[Any] = weakref.WeakSet()  # stores remember() has seen to
         self.lock = threading.Lock()
 
 
@@ -97,11 +83,7 @@ def version(inner: Any) -> str:
 
 
 def remember(inner: Any) -> None:
-    """After a compile loaded NVRTC: record its version for ``inner``'s store, if the file loaded is the one predicted.
-
-    Once per store and process, and only when ``/proc/self/maps`` shows that the
-    only libnvrtc mapped is the file a fresh process would load.
-    """
+    """After a compile loaded NVRTC: record its version for ``inner``'s store (once per store and process)."""
     loaded, store = _S.loaded, inner.store
     if loaded is None or store.read_only or store in _S.remembered:
         return
@@ -135,10 +117,7 @@ def _read(inner: Any, kid: str) -> str | None:
 
 
 def _predict(*, loaded_ok: bool = False) -> tuple[str, FileId] | None:
-    """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded.
-
-    ``loaded_ok``: a libnvrtc loaded already does not stop the search (the caller checks the maps).
-    """
+    """The libnvrtc ``cuda.bindings`` would load and its identity; None when that cannot be known unloaded."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -1,20 +1,12 @@
 """The switch's hook on numba-cuda's NVVM compiles: a Python kernel's IR to PTX or LTO-IR through the cache.
 
-numba-cuda (and numba-cuda-mlir) compile through ``CompilationUnit(options)``,
-``add_module``, ``verify``, ``lazy_add_module`` (libdevice), ``compile``. With
-the switch on, :func:`activate` binds a subclass to ``CompilationUnit`` wherever
-the name is bound; it records the calls, and ``compile`` looks the result up
-under a key of every module (kind, length, blake3), ``verify``, the options as
-NVVM gets them, NVVM's and its IR's version, and the wrapper's module.
-
-A hit returns the bytes of the uncached compile (tests/test_nvvm.py compares
-them) with an empty ``log``. A miss takes the node's claim on the key, makes the
-recorded calls and stores the result; one with a non-empty NVVM log is not
-stored (a dropped write). NVVM's errors are raised as uncached; a failing cache
-is the switch's one WARNING and the uncached compile.
-
-numba names symbols with a per-process counter of compiled functions: a
-process that compiles another function first gets new keys.
+:func:`activate` binds a subclass to ``CompilationUnit`` wherever the name is
+bound; it records ``add_module``, ``lazy_add_module`` and ``verify``, and
+``compile`` looks the result up under a key of every module (kind, length,
+blake3), the options as NVVM gets them, NVVM's and its IR's version and the
+wrapper's module. A hit has an empty ``log``; a miss with a non-empty log is not
+stored. numba names symbols with a per-process counter: a process that compiles
+another function first gets new keys.
 """
 
 from __future__ import annotations
@@ -39,13 +31,11 @@ from .switch import hook_failed, hook_inner, installed, swap, unswap
 
 __all__ = ["LLVM70", "MODULES", "activate", "hook", "hooked", "unhook"]
 
-#: The modules whose ``CompilationUnit`` is rebound.
 MODULES = ("numba.cuda.cudadrv.nvvm", "numba_cuda_mlir.numba_cuda.cudadrv.nvvm")
 #: numba-cuda-mlir's module whose ``_call_llvm70_capi`` (its NVVM compiles below sm_100) is wrapped.
 LLVM70 = "numba_cuda_mlir.mlir_optimization"
 #: Mixed into every key: a new key format gets new keys.
 _TAG = b"cuda-program-cas nvvm 1\0"
-#: The key's prefix in the store (the rest is a sha256): no other key of the store starts so.
 _PREFIX = b"cpcas-nvvm/1\0"
 #: Mixed into the keys of numba-cuda-mlir's LLVM 7 path.
 _TAG_LLVM70 = b"cuda-program-cas llvm70 1\0"
@@ -53,66 +43,49 @@ _TAG_LLVM70 = b"cuda-program-cas llvm70 1\0"
 _lock = ForkSafeLock()
 
 
+#: Per module hooked: the name rebound (numba-cuda-mlir's LLVM 7 path serves chips below sm_100).
+_HOOKS = {**dict.fromkeys(MODULES, "CompilationUnit"), LLVM70: "_call_llvm70_capi"}
+
+
 class _State:
-    #: Per module of :data:`MODULES`: its original class and this module's subclass of it.
-    original: dict[str, type] = {}  # noqa: RUF012  # one instance, a namespace
-    switched: dict[str, type] = {}  # noqa: RUF012
-    #: Per original class: NVVM's version as the key holds it.
-    versions: dict[type, list[Any]] = {}  # noqa: RUF012
-    #: numba-cuda-mlir's original ``_call_llvm70_capi`` and this module's wrapper of it, once hooked.
-    llvm70: tuple[Any, Any] | None = None
-    #: Per file the LLVM 7 path reads: ``(path, size, mtime_ns)`` and its ``[path, size, blake3]``.
-    files: dict[tuple[str, int, int], list[Any]] = {}  # noqa: RUF012
+    original: dict[str, Any] = {}  # noqa: RUF012  # one instance, a namespace
+    switched: dict[str, Any] = {}  # noqa: RUF012
+    versions: dict[type, list[Any]] = {}  # noqa: RUF012  # per original class
+    files: dict[tuple[str, int, int], list[Any]] = {}  # noqa: RUF012  # (path, size, mtime_ns): [path, size, blake3]
 
 
 _S = _State()
 
 
 def activate(mode: str) -> None:
-    """The switch in ``mode`` (a ``CUDA_PROGRAM_CAS`` value), and the hook in every loaded module of :data:`MODULES`."""
+    """The switch in ``mode`` (a ``CUDA_PROGRAM_CAS`` value), and :func:`hook`."""
     switch_on(mode)
     if installed() is not None:
         hook()
 
 
 def hook() -> None:
-    """Bind the caching subclass to ``CompilationUnit`` in each loaded module of :data:`MODULES`, and where imported."""
+    """Bind the caching forms wherever the names of :data:`_HOOKS` of loaded modules are bound."""
     with _lock:
-        for name in MODULES:
-            module = sys.modules.get(name)
-            current = getattr(module, "CompilationUnit", None)
-            if not isinstance(current, type):
-                continue
-            swap(_S.original, _S.switched, name, current, _subclass)
-        # numba-cuda-mlir's LLVM 7 path (chips below sm_100): its callers look the name up at call time.
-        module = sys.modules.get(LLVM70)
-        current = getattr(module, "_call_llvm70_capi", None)
-        if callable(current):
-            original_call = getattr(current, "cpcas_original", current)
-            if _S.llvm70 is None or _S.llvm70[0] is not original_call:
-                _S.llvm70 = (original_call, _llvm70(original_call))
-            module._call_llvm70_capi = _S.llvm70[1]  # type: ignore[union-attr]
+        for name, attr in _HOOKS.items():
+            current = getattr(sys.modules.get(name), attr, None)
+            if isinstance(current, type) if name in MODULES else callable(current):
+                swap(_S.original, _S.switched, name, current, _subclass if name in MODULES else _llvm70)
 
 
 def unhook() -> None:
-    """The original ``CompilationUnit`` and ``_call_llvm70_capi`` everywhere again (what ``uninstall()`` does)."""
+    """The original ``CompilationUnit`` and ``_call_llvm70_capi`` everywhere again."""
     with _lock:
         unswap(_S.original, _S.switched)
-        module = sys.modules.get(LLVM70)
-        if _S.llvm70 is not None and getattr(module, "_call_llvm70_capi", None) is _S.llvm70[1]:
-            module._call_llvm70_capi = _S.llvm70[0]  # type: ignore[union-attr]
 
 
 def hooked() -> list[str]:
     """The modules of :data:`MODULES` (and :data:`LLVM70`) whose compiles go through the cache now."""
-    found = [
+    return [
         name
-        for name in MODULES
-        if name in _S.switched and getattr(sys.modules.get(name), "CompilationUnit", None) is _S.switched[name]
+        for name, attr in _HOOKS.items()
+        if name in _S.switched and getattr(sys.modules.get(name), attr, None) is _S.switched[name]
     ]
-    if _S.llvm70 is not None and getattr(sys.modules.get(LLVM70), "_call_llvm70_capi", None) is _S.llvm70[1]:
-        found.append(LLVM70)
-    return found
 
 
 def _subclass(original: type) -> type:
@@ -123,8 +96,7 @@ def _subclass(original: type) -> type:
 
         def __init__(self, options: Any) -> None:
             super().__init__(options)
-            #: The calls recorded, in order: ``("add" | "lazy" | "verify", buffer)``.
-            self._cpcas_calls: list[tuple[str, Any]] = []
+            self._cpcas_calls: list[tuple[str, Any]] = []  # ("add" | "lazy" | "verify", buffer)
 
         def add_module(self, buffer: Any) -> None:
             self._cpcas_calls.append(("add", buffer))
@@ -145,14 +117,10 @@ def _subclass(original: type) -> type:
 
 def _compile(unit: Any, original: Any) -> Any:
     calls, unit._cpcas_calls = unit._cpcas_calls, []
-
-    def hit() -> None:
-        unit.log = ""  # as a compile that stored had it
-
     return _through(
         lambda: _key(unit, original, calls),
         lambda: _uncached(unit, original, calls),
-        hit,
+        lambda: setattr(unit, "log", ""),  # as a compile that stored had it
         lambda: "nvvm: NVVM logged warnings, which a hit would not repeat" if getattr(unit, "log", "") else None,
     )
 
@@ -163,10 +131,8 @@ def _through(
     hit: Callable[[], None],
     unstorable: Callable[[], str | None],
 ) -> Any:
-    """``call()``'s result through the cache under ``keyed()``'s key; a failing cache is ``call()`` uncached.
-
-    ``hit()`` runs before a hit returns; ``unstorable()`` says why a miss's result is not stored.
-    """
+    """``call()``'s result under ``keyed()``'s key; ``hit()`` runs before a hit returns, ``unstorable()``
+    says why a miss's result is not stored."""
     inner = hook_inner()
     if inner is None:  # the switch is off, or no cache could be opened (said once)
         return call()
@@ -179,8 +145,7 @@ def _through(
         inner.note_dropped(None, f"nvvm: {exc}")
         return result
     kid = key_id(key)
-    with contextlib.ExitStack() as claims:
-        # On a miss the node's claim on the key is held until the result is stored (or NVVM failed).
+    with contextlib.ExitStack() as claims:  # a miss holds the node's claim until it stored or failed
         try:
             found = inner.find_or_claim(kid, claims, reason="new inputs")
         except Exception as exc:
@@ -205,7 +170,6 @@ def _through(
 
 
 def _uncached(unit: Any, original: Any, calls: list[tuple[str, Any]]) -> Any:
-    """The recorded calls made on NVVM, in order, then its compile: what numba's own class does."""
     for what, buffer in calls:
         if what == "add":
             original.add_module(unit, buffer)
@@ -235,7 +199,6 @@ def _key(unit: Any, original: type, calls: list[tuple[str, Any]]) -> tuple[bytes
 
 
 def _inputs(code: str, lto: bool, options: list[str], version: list[Any], libdevice: str) -> dict[str, Any]:
-    """An NVVM compile's inputs as the miss journal holds them."""
     return {
         "code": code[:32],
         "code_type": "nvvm",
@@ -281,7 +244,7 @@ def _llvm70(original: Any) -> Any:
 
 
 def _dumps(target_options: Any) -> bool:
-    """Whether the compile prints what it works on (which a hit would not): then it runs uncached."""
+    """Whether the compile prints what it works on (which a hit would not)."""
     from importlib import import_module
 
     config: Any = import_module("numba_cuda_mlir.numba_cuda").config
@@ -289,11 +252,8 @@ def _dumps(target_options: Any) -> bool:
 
 
 def _llvm70_key(module: Any, target_options: Any, gen_lto: bool) -> tuple[bytes, dict[str, Any]]:
-    """The store key of one ``_call_llvm70_capi`` compile, and its journaled inputs.
-
-    Everything the C library is handed, as the original reads it (the gpu.module printed
-    generic with locations, chip, levels, LTO), and the identities of what it loads.
-    """
+    """The store key of one ``_call_llvm70_capi`` compile: what the C library is handed, as the original
+    reads it, and the identities of what it loads; and its journaled inputs."""
     from importlib import import_module
     from importlib.metadata import version
 

@@ -1,20 +1,11 @@
 """A canonical encoding of what a cuda.compute build depends on: its arguments and each Python op.
 
-cuda.compute keys a build in one process by ``id()``; a store key must hold
-across processes and nodes, so values are encoded as bytes that depend only on
-what the compiled code depends on:
-
-- a Python function: qualified name, code object (never line numbers), defaults,
-  closure values, and each global its code names (functions in turn, with back
-  references; followed modules, the standard library, ``numpy``, ``numba`` and
-  ``numba_cuda_mlir``, by name and version; builtins; values);
-- values: ``None``, ``bool``, ``int``, ``float`` (its bits), ``complex``, ``str``,
-  ``bytes``, containers of these, enums, NumPy dtypes, scalars and host arrays
-  (with bytes), device arrays (dtype and shape);
-- arguments (:func:`arg_part`): arrays and initial values by dtype, iterators by
-  kind, ``OpKind`` by value, Python ops as above.
-
-Anything else raises :class:`Uncacheable` naming it: the build runs uncached.
+A store key must hold across processes and nodes, so values are bytes that
+depend only on what the compiled code depends on: a function by its qualified
+name, code object (never line numbers), defaults, closure and the globals it
+names (followed modules by name and version); plain values, enums, NumPy
+values; arguments (:func:`arg_part`) by dtype, iterator kind or op. Anything
+else raises :class:`Uncacheable` naming it: the build runs uncached.
 """
 
 from __future__ import annotations
@@ -51,7 +42,7 @@ def _module_version(name: str) -> str:
 
 
 class _Encoder:
-    """Tagged, length-prefixed bytes; functions met again are back references (recursion, shared helpers)."""
+    """Tagged, length-prefixed bytes; functions met again are back references."""
 
     def __init__(self) -> None:
         self.out: list[bytes] = []
@@ -200,7 +191,7 @@ class _Encoder:
 
 
 def _names(code: types.CodeType) -> set[str]:
-    """The names a code object and the code objects nested in it load (globals and attributes)."""
+    """The names a code object and those nested in it load."""
     names = set(code.co_names)
     for const in code.co_consts:
         if type(const) is types.CodeType:
@@ -209,7 +200,6 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def _is_ufunc(value: Any) -> bool:
-    """A NumPy ufunc (``numpy.sqrt``): neither a function nor a builtin."""
     np = sys.modules.get("numpy")
     return np is not None and type(value) is np.ufunc
 
@@ -224,7 +214,7 @@ def _followed_builtin(value: Any) -> bool:
 
 
 def _py_func(value: Any) -> types.FunctionType | None:
-    """The Python function of a numba dispatcher (what it compiles), else None."""
+    """The Python function of a numba dispatcher, else None."""
     if (type(value).__module__ or "").partition(".")[0] not in ("numba", "numba_cuda_mlir", "numba_cuda"):
         return None
     py_func = getattr(value, "py_func", None)
@@ -233,8 +223,7 @@ def _py_func(value: Any) -> types.FunctionType | None:
 
 def device_dtype(value: Any) -> tuple[Any, tuple[int, ...]] | None:
     """``(dtype, shape)`` of a device array (``__cuda_array_interface__``), else None."""
-    try:
-        # Asked of the type first: a class without it is no device array, and no property of it runs.
+    try:  # asked of the type first: no property of a class without it runs
         iface = hasattr(type(value), "__cuda_array_interface__") and value.__cuda_array_interface__
     except Exception:
         return None
@@ -273,41 +262,32 @@ def arg_part(name: str, value: Any) -> bytes:
     return b"".join(enc.out)
 
 
-def _arg(enc: _Encoder, value: Any, where: str) -> None:  # one return per kind
+def _arg(enc: _Encoder, value: Any, where: str) -> None:
     kind = type(value)
     mod = getattr(kind, "__module__", "") or ""
-    if kind is types.FunctionType:
-        enc.put(b"o", encode_op(value))
-        return
-    if _py_func(value) is not None:
-        enc.put(b"o", encode_op(_py_func(value)))  # type: ignore[arg-type]
-        return
-    if isinstance(value, enum.Enum) or value is None or kind in (bool, int, str):
+    np = sys.modules.get("numpy")
+    if kind is types.FunctionType or _py_func(value) is not None:
+        enc.put(b"o", encode_op(value if kind is types.FunctionType else _py_func(value)))  # type: ignore[arg-type]
+    elif isinstance(value, enum.Enum) or value is None or kind in (bool, int, str):
         enc.value(value, where)
-        return
-    device = device_dtype(value)
-    if device is not None:
+    elif (device := device_dtype(value)) is not None:
         enc.text(b"p", "device array")  # a pointer iterator over its dtype; shape and address are state
         enc.dtype(device[0])
-        return
-    if mod.startswith("cuda.compute"):
+    elif mod.startswith("cuda.compute"):
         _compute_object(enc, value, where)
-        return
-    np = sys.modules.get("numpy")
-    if np is not None and (kind is np.ndarray or isinstance(value, np.generic)):
+    elif np is not None and (kind is np.ndarray or isinstance(value, np.generic)):
         enc.text(b"p", "host value")  # an initial value: its dtype is compiled, its contents are state
         enc.dtype(value.dtype)
-        return
-    if kind in (tuple, list) and all(type(v) is int for v in value):
+    elif kind in (tuple, list) and all(type(v) is int for v in value):
         enc.value(value, where)
-        return
-    raise Uncacheable(f"{where}: a {mod}.{kind.__qualname__}, which this cache cannot encode")
+    else:
+        raise Uncacheable(f"{where}: a {mod}.{kind.__qualname__}, which this cache cannot encode")
 
 
 def _compute_object(enc: _Encoder, value: Any, where: str) -> None:
     """cuda.compute's own objects: proxies, structs, iterators, well-known and stateless ops."""
     name = type(value).__name__
-    if name in ("ProxyArray",):
+    if name == "ProxyArray":
         enc.text(b"p", "device array")
         enc.dtype(value.dtype)
     elif name == "ProxyValue" or any(c.__name__ == "_Struct" for c in type(value).__mro__):

@@ -1,7 +1,4 @@
-"""A front-door record: its headers' fingerprints, its guard directories, its result's key, its stored form.
-
-What a record holds is said in :mod:`cuda_program_cas._cuda.frontdoor`'s docstring.
-"""
+"""A front-door record (see :mod:`.frontdoor`): headers' fingerprints, guards, its result's key, its stored form."""
 
 from __future__ import annotations
 
@@ -49,10 +46,7 @@ def content_digest(data: bytes) -> str:
 
 
 def stat_tag(values: tuple[int, ...]) -> str:
-    """A short, stable tag of stat fields: equal tags mean (almost surely) the same fields.
-
-    blake2b of 64 bits from a prepared hasher: 0.35 us a tag against blake3's 2.3.
-    """
+    """A 64-bit tag of stat fields: blake2b from a prepared hasher, 0.35 us a tag against blake3's 2.3."""
     h = _TAG_HASH.copy()
     h.update(_PACK5(*values) if len(values) == 5 else struct.pack(f"<{len(values)}q", *values))
     return h.hexdigest()
@@ -66,32 +60,27 @@ class HeaderCache:
     """Headers' identities and digests, per process: a hit re-hashes nothing it already hashed."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[FileId, str]] = {}
+        #: By path: the file's identity and its digest (read without the lock).
+        self.known: dict[str, tuple[FileId, str]] = {}
         self._lock = threading.Lock()
         after_fork(self)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # another thread of the parent may have held it
 
-    @property
-    def known(self) -> dict[str, tuple[FileId, str]]:
-        """What this process learnt, by path: the file's identity and its digest (read without the lock)."""
-        return self._known
-
     def learn(self, learnt: dict[str, tuple[FileId, str]]) -> None:
         """Enter identities and digests proved elsewhere (a record's stat tags that still hold)."""
         if learnt:
             with self._lock:
-                self._known.update(learnt)
+                self.known.update(learnt)
 
     def digest(self, path: str, st: os.stat_result, *, old: bool) -> str | None:
         """blake3 of the file at ``path`` whose stat is ``st``; None when it changed while read.
 
-        Remembered only when ``old`` (:meth:`cuda_program_cas._disk.fskind.FsClock.old`):
-        a young file can change again within the same clock step and keep its stat data.
+        Remembered only when ``old``: a young file can change again within its clock step.
         """
         key = file_id(st)
-        known = self._known.get(path)
+        known = self.known.get(path)
         if known is not None and known[0] == key:
             return known[1]
         try:
@@ -104,7 +93,7 @@ class HeaderCache:
         digest = content_digest(data)
         if old:
             with self._lock:
-                self._known[path] = (key, digest)
+                self.known[path] = (key, digest)
         return digest
 
 
@@ -123,17 +112,12 @@ def directory_key(path: str) -> DirKey | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
-#: What a missing guard directory (or one that is no directory) adds to a proof: no
-#: stat gives a negative device or inode.
+#: A missing guard directory in a proof: no stat gives a negative device or inode.
 NO_DIR = (-1, -1, -1, -1)
 
 
 def proof_of(values: list[int]) -> str | None:
-    """One blake2b-128 tag of a variant's whole stat data (headers' :func:`file_id` fields, then guards' keys).
-
-    A first look compares it instead of a tag per file. None when a value does not
-    fit 64 signed bits (the per-file tags decide then).
-    """
+    """One blake2b-128 tag of a variant's whole stat data; None when a value does not fit 64 signed bits."""
     try:
         packed = struct.pack(f"<{len(values)}q", *values)
     except struct.error:
@@ -152,7 +136,7 @@ class Header:
 
 
 class Variant:
-    """One compile of a record's inputs, decoded for checking."""
+    """One compile of a record's inputs, decoded; ``absent``: the candidates (.shadows); ``proof``: proof_of."""
 
     __slots__ = ("absent", "guards", "headers", "mapping", "name", "proof", "result")
 
@@ -168,18 +152,12 @@ class Variant:
         proof: str | None = None,
     ) -> None:
         self.result, self.name, self.mapping, self.headers, self.guards = result, name, mapping, headers, guards
-        #: The candidates: paths NVRTC tried before a header it read, which must stay absent (see .shadows).
-        self.absent = absent
-        #: :func:`proof_of` the stat data recorded (None when they do not fit 64-bit values).
-        self.proof = proof
+        self.absent, self.proof = absent, proof
 
 
 def guard_dirs(paths: list[str], dirs: Sequence[str]) -> list[tuple[str, DirKey | None]]:
-    """The directories whose entries decide where each header is found, when its candidates cannot be known.
-
-    For a header under search directory ``i`` at ``sub/name``: ``sub`` of every
-    search directory up to ``i``, and always its own directory.
-    """
+    """The directories whose entries decide where each header is found: for one under search directory ``i``
+    at ``sub/name``, ``sub`` of every search directory up to ``i``, and always its own directory."""
     wanted: set[str] = set()
     for path in paths:
         wanted.add(os.path.dirname(path))
@@ -194,8 +172,7 @@ def dir_guards(wanted: set[str]) -> list[tuple[str, DirKey | None]]:
     """Each of ``wanted`` with its :func:`directory_key`, sorted; a missing one also by its deepest existing one."""
     guards: dict[str, DirKey | None] = {}
     for path in wanted:
-        # A missing directory is guarded by its deepest existing ancestor: creating it changes that.
-        probe = path
+        probe = path  # a missing one: creating it changes its deepest existing ancestor
         while True:
             key = directory_key(probe)
             if key is not None or os.path.dirname(probe) == probe:
@@ -281,29 +258,28 @@ def decode_record(raw: bytes) -> list[Variant]:
             mapping: dict[Any, bytes] = {}
             for kind, text, value in v["symbols"]:
                 mapping[bytes.fromhex(text) if kind == "b" else str(text)] = bytes.fromhex(value)
-            found: list[tuple[str, str, str]] = []
-            for directory, entries in v["headers"].items():
-                if not isinstance(directory, str):
-                    raise TypeError(directory)
-                prefix = directory if not directory or directory.endswith(os.sep) else directory + os.sep
-                # No per-entry checks: ``prefix + base`` raises unless base is a str, and a tag or
-                # digest of another type equals no computed one.
-                found += [(prefix + base, tag, digest) for base, tag, digest in entries]
-            headers = tuple(found)
+            # No per-entry checks: ``prefix + base`` raises unless base is a str, and a tag or
+            # digest of another type equals no computed one.
+            headers = tuple(
+                (_prefix(d) + base, tag, digest) for d, entries in v["headers"].items() for base, tag, digest in entries
+            )
             guards = tuple((str(path), None if tag is None else str(tag)) for path, tag in v["guards"])
-            absent: list[str] = []
-            for directory, names in v["absent"].items():
-                prefix = directory if not directory or directory.endswith(os.sep) else directory + os.sep
-                absent += [prefix + base for base in names]
+            absent = tuple(_prefix(d) + base for d, names in v["absent"].items() for base in names)
             bytes.fromhex(v["result"])
             proof = v.get("proof")
             proof = proof if isinstance(proof, str) else None
             variants.append(
-                Variant(str(v["result"]), str(v["name"]), mapping, headers, guards, absent=tuple(absent), proof=proof)
+                Variant(str(v["result"]), str(v["name"]), mapping, headers, guards, absent=absent, proof=proof)
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return variants
+
+
+def _prefix(directory: object) -> str:
+    if not isinstance(directory, str):
+        raise TypeError(directory)
+    return directory if not directory or directory.endswith(os.sep) else directory + os.sep
 
 
 def renewed_record(raw: bytes, variant: Variant, renewed: dict[str, FileId], proof: str) -> bytes:

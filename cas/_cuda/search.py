@@ -1,8 +1,4 @@
-"""Where NVRTC looks for a front-door compile's headers, and the working directory they depend on.
-
-The plan of a compile's options is kept per options; :class:`Search` places it
-against the working directory when a relative name can decide which file is opened.
-"""
+"""Where NVRTC looks for a front-door compile's headers, and the working directory they depend on."""
 
 from __future__ import annotations
 
@@ -27,10 +23,9 @@ def _names_dir(flag: bytes) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def may_include_quoted(code: str | bytes) -> bool:
-    """Whether the main source may name a header in quotes (or by a macro): then its directory is searched.
+    """Whether some ``include``, past blanks, is followed by anything but ``<`` or a line's end.
 
-    True when some ``include``, past blanks, is followed by anything but ``<`` or a
-    line's end. Byte scans: compiling a regular expression costs a first hit 0.2 ms.
+    Byte scans: compiling a regular expression costs a first hit 0.2 ms.
     """
     data = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else code
     end = len(data)
@@ -46,11 +41,7 @@ def may_include_quoted(code: str | bytes) -> bool:
 
 
 class Search:
-    """Where NVRTC looks for this compile's files, in its order, and the working directory they depend on.
-
-    ``cwd`` (then part of the record key) is set when a relative name decides which
-    file is opened, or the binary names the directory (debug information, line tables).
-    """
+    """Where NVRTC looks, in its order; ``cwd`` (keyed) when a relative name or the binary depends on it."""
 
     __slots__ = ("cwd", "dirs", "pre_includes")
 
@@ -112,8 +103,7 @@ def _search_plan(
     flags = flags or ()
     flag = b"--use-bundled-headers="
     bundled = [f[len(flag) :].decode("utf-8", "surrogateescape") for f in flags if f.startswith(flag)]
-    # Quoted names from the source are looked for next to it; a relative pre_include
-    # is looked for in the working directory, then along the search path.
+    # A relative pre_include is looked for in the working directory, then along the search path.
     searched: list[str] = []
     if quoted:
         searched.append(source_dir)
@@ -129,11 +119,9 @@ def _search_plan(
 
 @functools.lru_cache(maxsize=256)
 def _placed_search(searched: tuple[str, ...], pre: tuple[str, ...], cwd: str | None) -> Search:
-    """The search of :func:`_search_plan`, its directories made absolute against ``cwd`` where it matters."""
     base = cwd or ""
     joined = (os.path.join(base, d) for d in searched)
     dirs = tuple(p.rstrip(os.sep) or p for p in joined)  # as NVRTC names ``hdr/``: ``hdr``; the root kept
-    # An absolute pre_include is read as named; a relative one is found along the search path.
     return Search(cwd, tuple(dict.fromkeys(dirs)), tuple(p for p in pre if os.path.isabs(p)))
 
 

@@ -1,19 +1,12 @@
 """The paths that could shadow a front-door compile's headers: each name NVRTC would have tried first.
 
-Every ``#include`` and ``__has_include`` of the source and of each header read
-names a header; its search (:mod:`cuda_program_cas._cuda.search`) tries the
-includer's directory (quoted names) and each search directory up to the first
-regular file. Every path tried before it is a *candidate*: the record keeps it,
-and a lookup checks that it is still absent (``ENOENT`` or ``ENOTDIR``). The scan
-over-approximates: skipped branches count, ``#include_next`` searches every
-directory, an angled name is also looked for in the source's directory.
-
-Where a candidate cannot be checked precisely, its directory is guarded by its
-entries' times instead (:func:`cuda_program_cas._cuda.record.dir_guards`): a
-candidate that is not a regular file or cannot be stat'ed, one a search stopped
-at that NVRTC did not read, one on a file system whose negative lookups may be
-stale (not :data:`cuda_program_cas._disk.fskind.STAT_RELIABLE`), and every header
-when a name is computed by a macro. Only a miss imports this.
+Every ``#include`` and ``__has_include`` of the source and each header read names
+a header; each path its search tries before the file found is a *candidate*
+that must stay absent. The scan over-approximates (skipped branches count).
+Where a candidate cannot be checked precisely (not a regular file, a search
+stopped at a file NVRTC did not read, a file system whose negative lookups may
+be stale, a name made by a macro), its directory is guarded by its entries'
+times instead. Only a miss imports this.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from cuda_program_cas._base.log import LOGGER as _log
@@ -32,7 +25,7 @@ from .frontkey import Uncacheable
 from .record import DirKey, Header, content_digest, dir_guards, guard_dirs
 from .search import Search, as_list
 
-__all__ = ["ABSENT_ERRNOS", "Computed", "Shadows", "directives", "shadows_and_guards", "shadows_of"]
+__all__ = ["ABSENT_ERRNOS", "Computed", "directives", "shadows_and_guards"]
 
 #: What a lookup of an absent candidate may fail with: nothing there, or a file where a directory would be.
 ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
@@ -46,7 +39,7 @@ _LITERAL = re.compile(rb'[ \t]*(?:<([^>\n]*)>|"([^"\n]*)")')
 
 
 class Computed(Exception):
-    """A file names a header through a macro: the record cannot see which."""
+    """A file names a header through a macro."""
 
 
 def _wrappers(data: bytes) -> set[bytes]:
@@ -61,8 +54,7 @@ def _wrappers(data: bytes) -> set[bytes]:
 def directives(data: bytes, wrappers: Iterable[bytes] = ()) -> list[tuple[str, str]]:
     """Every header ``data`` names: ``(kind, spelling)``; raises :class:`Computed` for a name made by a macro.
 
-    ``wrappers``: macros (of any file) that hand a literal name to ``__has_include``;
-    their uses count as ``__has_include`` of that name.
+    ``wrappers``: macros whose uses count as ``__has_include`` of the name they are given.
     """
     data = data.replace(b"\\\r\n", b"").replace(b"\\\n", b"")  # continued lines, as the preprocessor joins them
     found: list[tuple[str, str]] = []
@@ -97,70 +89,58 @@ def _add(found: list[tuple[str, str]], nxt: bool, literal: re.Match[bytes]) -> N
     found.append((kind, os.fsdecode(raw.strip())))
 
 
-class Shadows:
-    """A compile's candidates (absent paths) and the directories guarded where a candidate cannot be."""
+def shadows_and_guards(
+    code: str | bytes, code_type: str, options: Any, headers: list[Header], search: Search
+) -> tuple[list[str], list[tuple[str, DirKey | None]]]:
+    """The candidates that must stay absent, and the directories guarded where one cannot be checked.
 
-    __slots__ = ("absent", "computed", "dirs")
-
-    def __init__(self) -> None:
-        self.absent: set[str] = set()
-        self.dirs: set[str] = set()
-        #: The first name made by a macro, when there was one.
-        self.computed: str | None = None
-
-
-def shadows_of(
-    source: bytes,
-    headers: Sequence[tuple[str, str]],
-    dirs: Sequence[str],
-    pre_includes: Sequence[str] = (),
-    *,
-    digest: Callable[[bytes], str],
-) -> Shadows:
-    """The candidates of a compile whose main source is ``source`` and which read ``headers``: ``(path, digest)``.
-
-    A header whose bytes no longer have the recorded ``digest`` raises :class:`Uncacheable`.
-    ``dirs``: the search directories in NVRTC's order; ``pre_includes``: relative ones.
+    Each header is read again: one whose bytes changed since it was hashed raises :class:`Uncacheable`.
     """
-    out = Shadows()
+    if code_type != "c++":
+        return [], []
+    absent: set[str] = set()
+    dirs: set[str] = set()
+    computed: str | None = None  # the first name made by a macro
     read: set[tuple[int, int]] = set()
-    read_paths = {path for path, _digest in headers}
+    read_paths = {h.path for h in headers}
+    source = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)
     texts: list[tuple[str | None, bytes]] = [(None, source)]
-    for path, recorded in headers:
+    for h in headers:
         try:
-            with open(path, "rb") as fh:
+            with open(h.path, "rb") as fh:
                 data = fh.read()
                 st = os.fstat(fh.fileno())
         except OSError:
-            raise Uncacheable(f"header {path} NVRTC read cannot be read again", path) from None
-        if digest(data) != recorded:
-            raise Uncacheable(f"header {path} changed while it was read")
+            raise Uncacheable(f"header {h.path} NVRTC read cannot be read again", h.path) from None
+        if content_digest(data) != h.digest:
+            raise Uncacheable(f"header {h.path} changed while it was read")
         read.add((st.st_dev, st.st_ino))
-        texts.append((os.path.dirname(path), data))
+        texts.append((os.path.dirname(h.path), data))
     wrappers: set[bytes] = set()
     for _d, data in texts:
         if b"__has_include" in data:
             wrappers |= _wrappers(data.replace(b"\\\r\n", b"").replace(b"\\\n", b""))
-    lookups: set[tuple[str | None, str, str]] = {(None, QUOTED, p) for p in pre_includes if not os.path.isabs(p)}
+    pre = as_list(getattr(options, "pre_include", None))
+    lookups: set[tuple[str | None, str, str]] = {(None, QUOTED, p) for p in pre if not os.path.isabs(p)}
     for includer, data in texts:
         try:
             lookups.update((includer, kind, name) for kind, name in directives(data, wrappers))
         except Computed as exc:
-            out.computed = out.computed or str(exc)
+            computed = computed or str(exc)
     local: dict[str, bool] = {}
     for includer, kind, name in lookups:
         if os.path.isabs(name):
             continue
         order = [includer] if includer is not None and kind == QUOTED else []
-        order.extend(dirs)
+        order.extend(search.dirs)
         for d in order:
             path = os.path.join(d, name)
             state, identity = _state(path)
             if state == "absent":
                 if _trusted(path, local):
-                    out.absent.add(path)
+                    absent.add(path)
                 else:
-                    out.dirs.add(os.path.dirname(path))
+                    dirs.add(os.path.dirname(path))
                 continue
             # A header read, by the path NVRTC named (another name of the same file, such as a
             # hard link made during the compile, is not proof that NVRTC found it there).
@@ -169,10 +149,13 @@ def shadows_of(
                     continue  # #include_next: later directories may have been searched too
                 break
             # No regular file, or one NVRTC did not read there: its directory's entries decide.
-            out.dirs.add(os.path.dirname(path))
+            dirs.add(os.path.dirname(path))
             if state == "file" and kind != NEXT:
                 break
-    return out
+    if computed is not None:
+        _log.debug("cuda-program-cas: front door: %s: directories guarded instead of names", computed)
+        dirs.update(g for g, _key in guard_dirs([h.path for h in headers], search.dirs))
+    return sorted(absent), dir_guards(dirs)
 
 
 def _state(path: str) -> tuple[str, tuple[int, int] | None]:
@@ -187,7 +170,7 @@ def _state(path: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def _trusted(path: str, local: dict[str, bool]) -> bool:
-    """Whether an absence at ``path`` is seen at once here: its deepest existing directory is on a local file system."""
+    """Whether an absence at ``path`` is seen at once: its deepest existing directory's file system is local."""
     probe = os.path.dirname(path)
     while True:
         known = local.get(probe)
@@ -203,19 +186,3 @@ def _trusted(path: str, local: dict[str, bool]) -> bool:
             continue
         trusted = local[probe] = fs_type(probe) in STAT_RELIABLE
         return trusted
-
-
-def shadows_and_guards(
-    code: str | bytes, code_type: str, options: Any, headers: list[Header], search: Search
-) -> tuple[list[str], list[tuple[str, DirKey | None]]]:
-    """The candidates that must stay absent, and the directories guarded where one cannot be checked (see .shadows)."""
-    if code_type != "c++":
-        return [], []
-    source = code.encode("utf-8", "surrogateescape") if isinstance(code, str) else bytes(code)
-    pre = [p for p in as_list(getattr(options, "pre_include", None)) if not os.path.isabs(p)]
-    found = shadows_of(source, [(h.path, h.digest) for h in headers], search.dirs, pre, digest=content_digest)
-    wanted = set(found.dirs)
-    if found.computed is not None:
-        _log.debug("cuda-program-cas: front door: %s: directories guarded instead of names", found.computed)
-        wanted.update(g for g, _key in guard_dirs([h.path for h in headers], search.dirs))
-    return sorted(found.absent), dir_guards(wanted)

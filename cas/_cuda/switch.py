@@ -1,19 +1,11 @@
-"""The switch: every ``cuda.core`` ``Program.compile`` (and ``Linker.link``) of a process through the cache.
+"""The switch: every ``cuda.core`` ``Program.compile`` and ``Linker.link`` of a process through the cache.
 
-``Program`` is an immutable extension type, so :func:`install` rebinds
-``cuda.core.Program``, and every module attribute bound to it, to a subclass
-whose ``compile`` routes:
-
-- a ``cache=`` the caller passes: as given;
-- code type ``ptx``, and options the cache refuses: the original, uncached compile;
-- compiles that read headers, use ``name_expressions``, or link libdevice: the
-  front door, ``cache.compile(...)``;
-- every other: ``Program.compile(cache=)``; a miss holds the node's claim on the
-  key for the whole compile, so processes that miss it at once compile it once.
-
-``Linker`` is rebound the same way, through ``cache.link``. One cache per
-process, opened on the first compile. A failure inside the cache is one WARNING
-per process and the uncached compile; a compile error is raised as uncached.
+:func:`install` rebinds ``cuda.core.Program`` (an immutable extension type) and
+``Linker``, and every module attribute bound to them, to subclasses. A compile
+with ``cache=`` goes as given; PTX and refused options go uncached; headers,
+``name_expressions`` or libdevice go to the front door; every other goes to
+``Program.compile(cache=)``, its miss holding the node's claim on the key. One
+cache per process; a failing cache is one WARNING and the uncached compile.
 """
 
 from __future__ import annotations
@@ -55,9 +47,7 @@ class _State:
     switched: dict[str, Any] = {}  # noqa: RUF012
     cache: Any = None
     cache_failed = False
-    #: Compiles and links sent through the cache, counted under ``lock``.
-    routed = 0
-    lock = ForkSafeLock()
+    routed = 0  # compiles and links sent through the cache, counted under _lock
 
 
 _S = _State()
@@ -75,19 +65,16 @@ def routed() -> int:
 
 
 def _count_routed(inner: Any) -> Any:
-    """``inner`` (the process cache's), its compile or link counted as routed and switched."""
-    with _S.lock:
+    with _lock:
         _S.routed += 1
     inner.note_switched()
     return inner
 
 
 def install(*, read_only: bool = False) -> None:
-    """Send every ``cuda.core`` ``Program.compile`` and ``Linker.link`` of this process through the cache.
+    """Send every ``cuda.core`` compile and link of this process through the cache (``CUDA_PROGRAM_CAS=1``).
 
-    What ``CUDA_PROGRAM_CAS=1`` (``read-only``: ``read_only=True``) does. The cache
-    is ``$CUDA_PROGRAM_CAS_DIR`` or the default, opened on the first compile;
-    ``cuda.core`` is not imported by this.
+    The cache, ``$CUDA_PROGRAM_CAS_DIR`` or the default, opens on the first compile.
     """
     from .boot import defer
 
@@ -150,8 +137,7 @@ def activate_compute(mode: str) -> None:
 def swap(
     originals: dict[str, Any], switched: dict[str, Any], name: str, current: Any, make: Callable[[Any], Any]
 ) -> None:
-    """Route ``name``: every module attribute bound to its original (``current``, or the one it routes) bound to
-    its routed form, made once by ``make(original)``; ``originals`` and ``switched`` keep both by name."""
+    """Bind ``name``'s routed form, made once by ``make(original)``, wherever its original is bound."""
     original = getattr(current, "cpcas_original", current)
     if name not in switched:
         originals[name] = original
@@ -189,8 +175,6 @@ def rebind(old: object, new: object) -> None:
 
 
 def _made_first(base: Any, prop: str) -> property:
-    """A property of ``base`` read after NVRTC's program is made (see ``_materialize``)."""
-
     def read(self: Any) -> Any:
         _materialize(self)
         return getattr(base, prop).__get__(self, base)
@@ -209,8 +193,7 @@ def _subclass(name: str, original: type) -> type:
 
             def __init__(self, code: Any, code_type: Any, options: Any = None) -> None:
                 self._cpcas_inputs: Any = (code, code_type, options)
-                # C++ from text: a hit needs no NVRTC program, so making it (and loading NVRTC,
-                # 8 ms of a fresh process) waits until something needs it (see _materialize).
+                # A C++ hit needs no NVRTC program: making it (and loading NVRTC, 8 ms) waits.
                 self._cpcas_deferred = (
                     _S.mode is not None
                     and not _depth()
@@ -232,8 +215,7 @@ def _subclass(name: str, original: type) -> type:
                 self._cpcas_inputs = None  # a compile after close goes to the original, which refuses it
                 base.close(self)
 
-        # The properties that need NVRTC's program make it first; only those this cuda-core has
-        # (1.1 has no ``is_closed`` or ``pch_status``), so the subclass never adds an attribute.
+        # Only those this cuda-core has (1.1 has no is_closed or pch_status).
         for prop in ("backend", "handle", "pch_status"):
             if hasattr(base, prop):
                 setattr(Program, prop, _made_first(base, prop))
@@ -264,10 +246,8 @@ def _subclass(name: str, original: type) -> type:
 def _process_cache() -> Any:
     """This process's cache, opened on first use; None when it cannot be (one WARNING)."""
     cache = _S.cache
-    if cache is not None or _S.cache_failed:
+    if cache is not None or _S.cache_failed or env_switched_off():  # CUDA_PROGRAM_CAS=0 wins over install()
         return cache
-    if env_switched_off():  # CUDA_PROGRAM_CAS=0 wins over install(): off everywhere, no cache opened
-        return None
     with _lock:
         if _S.cache is None and not _S.cache_failed:
             read_only = _S.mode == "read-only"
@@ -293,10 +273,7 @@ def _process_cache() -> Any:
 
 
 def hook_inner() -> Any:
-    """The process cache's ``Inner`` for the other hooks (NVVM, cuda.compute), counted as routed; else None.
-
-    Never raises: a failure is one WARNING, and None.
-    """
+    """The process cache's ``Inner`` for NVVM and cuda.compute, counted as routed; else None. Never raises."""
     if _S.mode is None:
         return None
     try:
@@ -309,7 +286,6 @@ def hook_inner() -> Any:
 
 
 def hook_failed(exc: BaseException) -> None:
-    """The cache failed with ``exc`` (the compile runs uncached): one WARNING per process."""
     say_once(
         ("switch-failed",),
         "cuda-program-cas: the cache failed (%r); compiles run uncached instead (said once per process)",
@@ -318,7 +294,6 @@ def hook_failed(exc: BaseException) -> None:
 
 
 def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions: Sequence[Any]) -> bool:
-    """Whether the compile reads headers or names expressions: only the front door caches it soundly."""
     if name_expressions:
         return True
     if code_type == "nvvm":
@@ -333,7 +308,6 @@ def _front_door_needed(code: Any, code_type: str, options: Any, name_expressions
 
 @functools.cache
 def _inner_of() -> Any:
-    """The adapter's ``inner_of``, imported once (a compile through the switch asks it)."""
     from .cache import inner_of
 
     return inner_of
@@ -341,7 +315,7 @@ def _inner_of() -> Any:
 
 @functools.cache
 def _front_door_checks() -> tuple[Any, Any]:
-    """The front door's ``refuse_unkeyable`` and ``may_include_quoted``, imported once (a hit costs tens of us)."""
+    """``refuse_unkeyable`` and ``may_include_quoted``, imported once (an import a hit costs tens of us)."""
     from .frontkey import refuse_unkeyable
     from .search import may_include_quoted
 
@@ -349,7 +323,6 @@ def _front_door_checks() -> tuple[Any, Any]:
 
 
 def _keyable(options: Any, kind: str) -> bool:
-    """False for options whose effect the cache cannot key, or that write files a hit would not write."""
     try:
         _front_door_checks()[0](options, kind)
     except ValueError:
@@ -371,16 +344,13 @@ class _Inside:
 
     def __exit__(self, *exc: object) -> None:
         _inside.depth -= 1
-        # Not kept: a thread-local freed at exit would take the traceback's cuda.core frames with it
-        # after sys is gone ("Error in sys.excepthook" on stderr).
-        _inside.error = None
+        _inside.error = None  # kept, its frames would be freed after sys ("Error in sys.excepthook")
 
 
 _materialize_lock = ForkSafeLock()
 
 
 def _materialize(program: Any) -> None:
-    """Make NVRTC's program of a ``Program`` whose making the switch deferred (its inputs as given)."""
     if getattr(program, "_cpcas_deferred", False):
         with _materialize_lock:
             if program._cpcas_deferred:
@@ -409,10 +379,9 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
         return original(program, target_type, name_expressions, logs)
     code, code_type, options = inputs
     cache = None
-    try:  # the route; every compile runs outside this try, so that its errors are never taken for the cache's
+    try:  # the route; no compile runs in this try: its errors are never taken for the cache's
         kind = str(getattr(code_type, "value", code_type)).lower()  # a str, or cuda.core's SourceCodeType
-        # PTX to cubin runs the driver's linker, which the cache does not key.
-        if kind != "ptx" and _keyable(options, kind):
+        if kind != "ptx" and _keyable(options, kind):  # PTX to cubin runs the driver's linker: not keyed
             cache = _process_cache()
             front = _front_door_needed(code, kind, options, name_expressions)
     except Exception as exc:
@@ -440,7 +409,7 @@ def _compile(program: Any, target_type: Any, name_expressions: Sequence[Any], lo
 
 
 def _cached(run: Callable[[], Any], uncached: Callable[[], Any]) -> Any:
-    """``run()``, the cache's compile or link; when the cache fails (not the compiler inside it), ``uncached()``."""
+    """``run()``, the cache's compile or link; when the cache (not the compiler) fails, ``uncached()``."""
     with _Inside():
         try:
             return run()
@@ -452,8 +421,7 @@ def _cached(run: Callable[[], Any], uncached: Callable[[], Any]) -> Any:
 
 
 def _uncached(run: Callable[[], Any], failure: Exception) -> Any:
-    """The uncached compile or link after the cached one failed: its own error is the compiler's."""
-    result = run()
+    result = run()  # its error is the compiler's
     if not isinstance(failure, ValueError):
         hook_failed(failure)
     return result
@@ -468,10 +436,8 @@ def _guarded_class() -> Any:
 
         def __init__(self, cache: Any) -> None:
             self._cache = cache
-            #: Whether cuda.core made the key and looked it up (what fails after that is the compile).
-            self.keyed = False
-            #: Where a miss's claim is kept until the compile around this lookup ends (None: no claim).
-            self.claims: contextlib.ExitStack | None = None
+            self.keyed = False  # cuda.core made the key and looked it up: what fails after is the compile
+            self.claims: contextlib.ExitStack | None = None  # where a miss's claim is kept
 
         def get(self, key: bytes | str, default: Any = None) -> Any:
             self.keyed = True
@@ -524,7 +490,7 @@ def _link(linker: Any, target_type: Any) -> Any:
         cache = _process_cache()
     except Exception as exc:
         hook_failed(exc)
-        return original(linker, target_type)
+        cache = None
     if cache is None:  # no cache could be opened (said once), or CUDA_PROGRAM_CAS=0
         return original(linker, target_type)
     objects, options = inputs

@@ -1,7 +1,8 @@
 """Which headers a front-door miss read: NVRTC's time trace (13 and later), else the include trees.
 
-A trace is made in this process while NVRTC's traces can be trusted here, else in a
-child process (:class:`_TraceHealth`).
+A traced miss writes into its own ``cpcas-trace-*`` folder and removes it; one
+killed mid-compile cannot, so a process's first folder sweeps this user's folders
+unchanged for over an hour (a compile longer than that is not cached).
 """
 
 from __future__ import annotations
@@ -10,14 +11,29 @@ import json
 import logging
 import os
 import shutil
+import stat
+import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from .frontkey import Uncacheable
+from .nvrtcver import loaded_version
 from .search import BUILTIN_HEADERS
-from .tracedirs import new_trace_dir
 
-__all__ = ["TRACES", "end_nvrtc_tracing", "nvrtc_major", "trace_in_child", "traced_names", "tree_files", "with_trace"]
+__all__ = [
+    "PREFIX",
+    "STALE_S",
+    "TRACES",
+    "end_nvrtc_tracing",
+    "new_trace_dir",
+    "nvrtc_major",
+    "sweep_stale",
+    "trace_in_child",
+    "traced_names",
+    "tree_files",
+    "with_trace",
+]
 
 _log = logging.getLogger("cuda_program_cas")
 
@@ -26,24 +42,19 @@ _MAX_TREE_FILES = 50_000
 
 
 def nvrtc_major() -> int:
-    try:
-        from cuda.bindings import nvrtc
-
-        _err, major, _minor = nvrtc.nvrtcVersion()
-        return int(major)
-    except Exception:
-        return 0
+    major = loaded_version().partition(".")[0]
+    return int(major) if major.isdigit() else 0
 
 
 class _TraceHealth:
     """Whether NVRTC's time traces of this process can be trusted.
 
-    After a traced compile fails inside an included file, NVRTC 13.5's later
-    traces lack their first events; so after a failure, or a trace without the
-    builtin header, misses trace in a child process (about 0.7 s each).
+    After a traced compile fails inside an included file, NVRTC 13.5's later traces
+    lack their first events: misses then trace in a child process (about 0.7 s each).
     """
 
     sound = True
+    swept = False  # the stale trace folders, once per process (a forked child's are its parent's)
 
 
 TRACES = _TraceHealth()
@@ -57,8 +68,7 @@ _TRACE_CHILD = (
 
 
 def end_nvrtc_tracing(program: Any, program_options: Any) -> None:
-    """Make NVRTC stop tracing after a traced compile failed (13.5 would write ``.json`` into the working
-    directory at its next compile): one small traced compile that succeeds, to a temp file."""
+    """After a traced compile failed, one that succeeds: else 13.5 writes ``.json`` into the working directory."""
     trace_dir = new_trace_dir()
     try:
         options = program_options(arch="sm_80", fdevice_time_trace=os.path.join(trace_dir, "trace"))
@@ -72,7 +82,6 @@ def end_nvrtc_tracing(program: Any, program_options: Any) -> None:
 def trace_in_child(
     code: object, code_type: str, options: Any, target_type: str, names: tuple[Any, ...], *, trace: str
 ) -> list[str] | None:
-    """The names of the files a compile reads, from a trace made in a child process (None if it failed)."""
     import pickle
     import subprocess
     import sys
@@ -93,14 +102,13 @@ def trace_in_child(
 
 
 def with_trace(options: Any, trace: str) -> Any:
-    """``options`` with NVRTC's time trace written to ``trace`` (a ProgramOptions is a dataclass)."""
     import dataclasses
 
     return dataclasses.replace(options, fdevice_time_trace=trace)
 
 
 def traced_names(trace_path: str) -> list[str] | None:
-    """The names of the files NVRTC's time trace says it processed, as it spelled them; None if unreadable."""
+    """The names of the files NVRTC's time trace says it processed; None if unreadable."""
     try:
         with open(trace_path, "rb") as fh:
             data = json.load(fh)
@@ -123,7 +131,6 @@ def traced_names(trace_path: str) -> list[str] | None:
 
 
 def tree_files(dirs: Sequence[str]) -> list[str]:
-    """Every regular file under ``dirs`` (NVRTC before 13 cannot say what it read)."""
     found: list[str] = []
     for top in dirs:
         for dirpath, _subdirs, files in os.walk(top):
@@ -131,3 +138,44 @@ def tree_files(dirs: Sequence[str]) -> list[str]:
             if len(found) > _MAX_TREE_FILES:
                 raise Uncacheable(f"over {_MAX_TREE_FILES} files under the include directories to fingerprint")
     return found
+
+
+PREFIX = "cpcas-trace-"
+#: A folder unchanged for this long is stale (a live one is as old as its compile).
+STALE_S = 3600.0
+
+
+def new_trace_dir() -> str:
+    """A new trace folder; the process's first sweeps the stale ones before."""
+    if not TRACES.swept:
+        TRACES.swept = True
+        removed = sweep_stale()
+        if removed:
+            _log.debug("cuda-program-cas: front door: removed %d stale %s* folders", removed, PREFIX)
+    return tempfile.mkdtemp(prefix=PREFIX)
+
+
+def sweep_stale(directory: str | None = None, *, older_than_s: float = STALE_S) -> int:
+    """Remove this user's trace folders in ``directory`` unchanged for ``older_than_s``: how many went."""
+    directory = directory or tempfile.gettempdir()
+    uid = os.getuid() if hasattr(os, "getuid") else None  # Windows: the temp directory is the user's own
+    cutoff = time.time() - older_than_s
+    removed = 0
+    try:
+        with os.scandir(directory) as it:
+            stale = []
+            for entry in it:
+                if not entry.name.startswith(PREFIX):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and st.st_mtime < cutoff:
+                    stale.append(entry.path)
+    except OSError:
+        return 0
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.lexists(path)
+    return removed

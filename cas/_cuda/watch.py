@@ -1,26 +1,14 @@
 """Change notification for the front door's headers: one inotify queue instead of a stat per header.
 
-A front-door lookup proves a variant unchanged with a stat of each header and
-guard directory (467 for the CUB block-reduce kernel). :func:`arm` watches every
-inode those stats depend on; once a full stat check passes with the watches
-armed, the variant is *clean* until an event touches one, and a lookup costs one
-``epoll_wait`` over the inotify descriptor and ``/proc/self/mountinfo``.
-
-Watched, before the stat check: every directory a lookup of each header, guard
-and absent candidate passes through, in the kernel's order (symlinks followed),
-before any name in it is looked up, and each header file itself. Events count on
-a header file, on a directory itself, for an entry a lookup went through, and for
-any entry of a guard directory.
-
-Everything is dirty on a queue overflow, a change of the mount table (mounts
-raise no inotify event), and in a forked child (it arms its own queue). A variant
-keeps the stat check when a watch cannot be added (``ENOSPC``, ``EACCES``, past
-this process's share) or sits on a file system not known to raise every event
-(:mod:`cuda_program_cas._disk.fskind`: NFS, FUSE, overlayfs...).
-
-Not seen (docs/guarantees.md): writes through a shared ``mmap`` until it is
-unmapped, and a process that changes its root or mount namespace after arming.
-Linux only; elsewhere :func:`arm` returns None.
+:func:`arm` watches every inode a variant's stat check depends on (467 for the
+CUB block-reduce kernel): each directory a lookup of each header, guard and
+candidate passes through, in the kernel's order, before a name in it is looked
+up, and each header. Once a check passes with the watches armed, the variant is
+clean until an event touches one: a lookup costs one ``epoll_wait``. Everything
+is dirty on a queue overflow, a change of the mount table, and in a forked
+child. A watch that cannot be added, or a file system not known to raise every
+event, keeps the stat check. Not seen (docs/guarantees.md): writes through a
+shared ``mmap`` until unmapped. Linux only.
 """
 
 from __future__ import annotations
@@ -64,14 +52,13 @@ _EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | _ENTRY_EVENTS | IN_DELETE_SEL
 _EVENT = struct.Struct("iIII")
 #: As the kernel: at most 40 symlinks followed in one lookup.
 _MAX_LINKS = 40
-#: This process's share of the user's watches (fs.inotify.max_user_watches; 8,192 on
-#: older kernels): a sixteenth, so that the 8 ranks of a job leave half of them to
-#: editors and build tools. A CUB kernel takes about 470.
+#: A sixteenth of the user's watches (8,192 on older kernels): 8 ranks of a job leave
+#: half to editors and build tools. A CUB kernel takes about 470.
 _SHARE = 16
 
 
 class _Unwatchable(Exception):
-    """A variant that cannot be watched soundly: it keeps the stat check."""
+    pass
 
 
 class Token:
@@ -80,10 +67,7 @@ class Token:
     __slots__ = ("_seq", "_verified", "_watcher", "_wds")
 
     def __init__(self, watcher: _Watcher, seq: int, wds: frozenset[int]) -> None:
-        self._watcher = watcher
-        self._seq = seq
-        self._wds = wds
-        self._verified = seq
+        self._watcher, self._seq, self._wds, self._verified = watcher, seq, wds, seq
 
     def clean(self) -> bool:
         """True while nothing this token watches changed since it was armed (reads the queue first)."""
@@ -107,20 +91,12 @@ class Token:
 
 
 class _Watcher:
-    """One inotify queue per process, and what its watches are for."""
-
     def __init__(self, fd: int, mounts: int, poller: select.epoll, budget: int, add_watch: Any) -> None:
-        self.add_watch = add_watch
+        self.fd, self.mounts, self.poller, self.budget, self.add_watch = fd, mounts, poller, budget, add_watch
         self.lock = threading.Lock()
         self.alive = True
-        self.fd = fd
-        self.mounts = mounts
-        self.poller = poller
-        self.budget = budget
         #: One counter orders arms and changes: a token armed at n is dirty once a change > n touched it.
-        self.seq = 0
-        self.last_change = 0
-        self.all_changed = 0
+        self.seq = self.last_change = self.all_changed = 0
         self.changed: dict[int, int] = {}
         #: Per watch: the entry names whose events count, and whether every entry's creation or removal does.
         self.names: dict[int, set[str]] = {}
@@ -133,13 +109,11 @@ class _Watcher:
         return self.seq
 
     def drain(self) -> None:
-        """Read what the kernel queued (nothing at all costs one epoll_wait)."""
         ready = self.poller.poll(0)
         if not ready:
             return
         for fd, _mask in ready:
-            if fd == self.mounts:
-                # The mount table changed: a mount or unmount may hide or show any directory.
+            if fd == self.mounts:  # a mount or unmount may hide or show any directory
                 self._everything_changed()
             else:
                 self._read_events()
@@ -170,8 +144,7 @@ class _Watcher:
         if mask & IN_Q_OVERFLOW:
             self._everything_changed()  # events were lost: any of them may have mattered
             return
-        if mask & IN_IGNORED:
-            # The watch is gone (its inode was removed, or its file system unmounted).
+        if mask & IN_IGNORED:  # the watch is gone (inode removed, file system unmounted)
             self.names.pop(wd, None)
             self.every_entry.discard(wd)
         elif raw_name:
@@ -191,8 +164,6 @@ class _Watcher:
 
 
 class _Arming:
-    """One walk over a variant's paths: watches each directory before a name in it is looked up."""
-
     def __init__(self, watcher: _Watcher) -> None:
         self._w = watcher
         self.wds: set[int] = set()
@@ -210,7 +181,7 @@ class _Arming:
             self._w.every_entry.add(self._dirs[reached])
 
     def _resolve(self, cur: str, parts: list[str], depth: int) -> str | None:
-        """The physical path ``parts`` lead to from directory ``cur``; None where the kernel's walk fails."""
+        """The physical path ``parts`` lead to from ``cur``; None where the kernel's walk fails."""
         for name in parts:
             if name in ("", "."):
                 continue
@@ -276,8 +247,6 @@ class _Arming:
 
 
 class _Process:
-    """This process's watcher, made at first use (a forked child makes its own)."""
-
     def __init__(self) -> None:
         self.reset()
 
@@ -299,7 +268,6 @@ if sys.platform.startswith("linux"):
 
 
 def _start() -> _Watcher | None:
-    """This process's watcher; None where there is none (tried once per process)."""
     with _P.lock:
         if _P.tried or _libc is None:
             return _P.watcher
@@ -338,11 +306,9 @@ def _budget() -> int:
 
 
 def arm(headers: Iterable[str], guards: Iterable[str], absent: Iterable[str] = ()) -> Token | None:
-    """Watch what a variant's check depends on, before that check runs; None when it cannot be watched.
+    """Watch what a variant's check depends on, before that check runs; None when it cannot be.
 
-    ``headers``: files; ``guards``: directories whose every entry counts;
-    ``absent``: candidates that must stay absent. Keep the token only once the
-    check that follows has passed.
+    ``guards``: directories whose every entry counts. Keep the token only once the check has passed.
     """
     w = _start()
     if w is None or not w.alive:
@@ -365,9 +331,9 @@ def arm(headers: Iterable[str], guards: Iterable[str], absent: Iterable[str] = (
 
 
 def _forget_in_child() -> None:
-    """A forked child shares its parent's queue: it must never read it. It arms its own."""
+    """A forked child must never read its parent's queue: it arms its own."""
     if _P.watcher is not None:
-        _P.watcher.close()  # only the child's copies of the descriptors: the parent keeps its queue
+        _P.watcher.close()  # the child's copies of the descriptors
     _P.reset()
 
 
