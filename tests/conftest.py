@@ -5,6 +5,7 @@ Helpers of one test file stay in that file; only what several files need lives h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -220,6 +221,21 @@ def redis(tmp_path: Path):
 
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` bind-mounted on itself read-only for the duration (root only; skips where impossible)."""
+    if not is_root():
+        pytest.skip("bind mounts need root")
+    if subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True).returncode:
+        pytest.skip("mount --bind is not available here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
 
 
 def write_orphan(root: os.PathLike[str] | str, data: bytes) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from conftest import read_only
 
 import cuda_program_cas._disk.remove
 import cuda_program_cas._local.cap
@@ -663,23 +664,6 @@ def test_at_rest_one_writer_is_always_within_the_cap(cache_dir: Path) -> None:
         got = store.get(key)
         assert got is None or got == data
     assert store.get(key) == live[key]  # the last write is there
-
-
-@contextlib.contextmanager
-def read_only(directory: Path) -> Iterator[None]:
-    """``directory`` bind-mounted on itself read-only for the duration (root only; skips where impossible)."""
-    from conftest import is_root
-
-    if not is_root():
-        pytest.skip("bind mounts need root")
-    if subprocess.run(["mount", "--bind", str(directory), str(directory)], capture_output=True).returncode:
-        pytest.skip("mount --bind is not available here")
-    try:
-        if subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True).returncode:
-            pytest.skip("cannot remount read-only here")
-        yield
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
 
 
 @pytest.mark.mount

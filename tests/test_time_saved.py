@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import read_only
 
 from cuda_program_cas import CacheStore, stats
 from cuda_program_cas.index import key_id
@@ -120,3 +121,24 @@ def test_a_read_only_cache_records_no_compile_time_and_no_saved_time(tmp_path: P
     reader.inner.note_compiled(key_id(b"k"), 1.0, "plain", {})
     assert reader.compile_seconds(key_id(b"k")) is None
     assert not (tmp_path / "c" / "usage").exists() and not (tmp_path / "c" / "misses").exists()
+
+
+@pytest.mark.mount
+def test_hits_appended_before_a_failed_fold_are_not_appended_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ledger's fold runs after the append, under the same lock. If it fails, the hits are in
+    # the ledger already: putting them back for the next flush would count them twice.
+    from cuda_program_cas._local import usage
+
+    store = CacheStore(tmp_path / "c")
+    store.put(b"k", b"a binary")
+    store.inner.note_compiled(key_id(b"k"), 0.25, "plain", {"code": "c"})
+    lay = store.inner.layout
+    monkeypatch.setattr(usage, "COMPACT_BYTES", 1)  # every append is followed by a fold
+    assert store.get(b"k") is not None
+    with read_only(Path(lay.tmp)):  # the fold's atomic write stages there: EROFS; the append is beside it
+        store.flush()
+        store.flush()
+    store.close()
+    assert usage.read_usage(lay).saved[usage.key_number(key_id(b"k"))] == (1, 250_000)

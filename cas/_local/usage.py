@@ -110,9 +110,12 @@ def compile_seconds_of(lay: Layout, kid: str) -> float | None:
 def _write(lay: Layout, lines: bytes) -> bool:
     def compact_if_due(size: int) -> None:
         if size > COMPACT_BYTES:
-            usage = read_usage(lay)
-            if size > 2 * usage.compacted_bytes:
-                _compact(lay, usage)
+            try:
+                usage = read_usage(lay)
+                if size > 2 * usage.compacted_bytes:
+                    _compact(lay, usage)
+            except OSError as exc:  # the lines are appended: a failure here must not put them back
+                _log.debug("cuda-program-cas: %s: usage ledger not folded: %r", lay.root, exc)
 
     try:
         return locked_append(lay, lay.usage, lines, _WAIT_S, compact_if_due)
