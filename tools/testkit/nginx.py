@@ -277,9 +277,7 @@ http {{
                     start_new_session=True,  # its own process group: stop() can kill master and workers together
                 )  # fmt: skip
 
-        last = self._launch(spawn)
-        if last:
-            raise NginxError(f"nginx did not start; error log tail:\n{last}")
+        self._launch(spawn, lambda tail: NginxError(f"nginx did not start; error log tail:\n{tail}"))
         return self
 
     def _started(self) -> bool:

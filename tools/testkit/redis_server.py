@@ -119,9 +119,7 @@ class RedisServer(ServerProcess):
                 stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 
-        last = self._launch(spawn, port)
-        if last:
-            raise RedisServerError(f"redis-server did not start; log tail:\n{last}")
+        self._launch(spawn, lambda tail: RedisServerError(f"redis-server did not start; log tail:\n{tail}"), port)
         return self
 
     def _started(self) -> bool:

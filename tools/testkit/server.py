@@ -53,23 +53,25 @@ class ServerProcess:
         """True once the child says it is ready (its pid file, its log)."""
         raise NotImplementedError
 
-    def _launch(self, spawn: Callable[[], subprocess.Popen[bytes]], port: int | None = None) -> str:
+    def _launch(
+        self, spawn: Callable[[], subprocess.Popen[bytes]], failure: Callable[[str], Exception], port: int | None = None
+    ) -> None:
         """``spawn()`` on ``port`` (default: a free one, up to 5 while another process takes it first).
 
-        Returns "" once the child is ready, else the tail of its log (the child reaped).
+        Returns once the child is ready; else raises ``failure(the tail of its log)`` (the child reaped).
         """
         last = ""
         for _ in range(5):
             self.port = port or free_port()
             self._proc = spawn()
             if self._wait_ready():
-                return ""
+                return
             last = self.log_tail()
             self._terminate(signal.SIGKILL)
             # nginx and redis say "Address already in use", Go's weed "address already in use".
             if port or ("address already in use" not in last.lower() and f"({errno.EADDRINUSE}:" not in last):
                 break
-        return last
+        raise failure(last)
 
     def _wait_ready(self) -> bool:
         """True once the child is ready and its port accepts; False if it exited or the start timeout passed."""

@@ -100,9 +100,10 @@ class WeedServer(ServerProcess):
                     cwd=self.prefix, start_new_session=True,
                 )  # fmt: skip
 
-        last = self._launch(spawn, port)
-        if last:
-            raise WeedServerError(f"weed did not start within {self.start_timeout:.0f} s; log tail:\n{last}")
+        within = f"{self.start_timeout:.0f} s"
+        self._launch(
+            spawn, lambda tail: WeedServerError(f"weed did not start within {within}; log tail:\n{tail}"), port
+        )
         return self
 
     def _started(self) -> bool:
